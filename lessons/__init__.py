@@ -1,0 +1,1 @@
+"""Step-through lessons over the public API (placeholder until the lessons issue)."""

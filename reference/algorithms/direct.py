@@ -1,0 +1,37 @@
+"""Direct ("two-shot") all-reduce: every rank reduces its own chunk from all peers at once.
+
+Round 0 is a reduce-scatter in one step: every rank r sends chunk d straight to
+its owner d, for every d != r. Round 1 is the all-gather: every owner sends its
+finished chunk to every other rank.
+
+    p = 3, round 0 (reduce)            round 1 (copy)
+    r1 --a1--> r0 <--a2-- r2           r0 --a--> r1, r2
+    r0 --b0--> r1 <--b2-- r2           r1 --b--> r0, r2
+    r0 --c0--> r2 <--c1-- r1           r2 --c--> r0, r1
+
+Same bytes as the ring (2(p-1)/p n per rank) in 2 rounds instead of 2(p-1), but
+each rank talks to p-1 peers per round. On a single-port network that costs
+(p-1) alphas per round; on shared memory, where every rank can read every peer's
+buffer, it is what intra-node engines do, so the local backend uses it as its
+native all-reduce.
+"""
+
+from __future__ import annotations
+
+from reference.schedule import Schedule, Transfer, concat
+
+__all__ = ["reduce_scatter", "allgather", "allreduce"]
+
+
+def reduce_scatter(p: int) -> Schedule:
+    sends = tuple(Transfer(r, d, d, "reduce") for d in range(p) for r in range(p) if r != d)
+    return Schedule("direct_reduce_scatter", p, p, (sends,) if sends else ())
+
+
+def allgather(p: int) -> Schedule:
+    sends = tuple(Transfer(d, r, d, "copy") for d in range(p) for r in range(p) if r != d)
+    return Schedule("direct_allgather", p, p, (sends,) if sends else ())
+
+
+def allreduce(p: int) -> Schedule:
+    return concat("direct", reduce_scatter(p), allgather(p))

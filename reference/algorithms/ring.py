@@ -1,0 +1,47 @@
+"""Ring all-reduce: reduce-scatter then all-gather around a ring (Patarasuk & Yuan 2009).
+
+The buffer is cut into p chunks. Every rank only ever talks to its right neighbour,
+sending one chunk per round, so every link is busy in every round and each rank
+moves 2(p-1)/p of the buffer in total: bandwidth-optimal for any p.
+
+Reduce-scatter, round k = 0..p-2: rank r sends chunk (r - k - 1) mod p to r + 1,
+which adds it to its own copy. After p-1 rounds rank r holds chunk r summed over
+all ranks (the convention of ``reduce_scatter_tensor``: rank r owns chunk r).
+
+    p = 3, chunks a b c; "a0" is rank 0's contribution to chunk a
+
+    round 0                        round 1
+    r0 [a0 b0 c0] --c0--> r1       r0 [a0 b0 c02] --b0+b2--> r1  ->  r1 owns b012
+    r1 [a1 b1 c1] --a1--> r2       r1 [a01 b1 c1] --c0+c1--> r2  ->  r2 owns c012
+    r2 [a2 b2 c2] --b2--> r0       r2 [a2 b12 c2] --a0+a1--> r0  ->  r0 owns a012
+
+All-gather, round k = 0..p-2: rank r sends chunk (r - k) mod p to r + 1, which
+copies it. Round 0 forwards the chunk each rank owns; later rounds pass on what
+arrived in the previous round, so after p-1 rounds everyone has every chunk.
+"""
+
+from __future__ import annotations
+
+from reference.schedule import Schedule, Transfer, concat
+
+__all__ = ["reduce_scatter", "allgather", "allreduce"]
+
+
+def reduce_scatter(p: int) -> Schedule:
+    rounds = tuple(
+        tuple(Transfer(r, (r + 1) % p, (r - k - 1) % p, "reduce") for r in range(p))
+        for k in range(p - 1)
+    )
+    return Schedule("ring_reduce_scatter", p, p, rounds)
+
+
+def allgather(p: int) -> Schedule:
+    rounds = tuple(
+        tuple(Transfer(r, (r + 1) % p, (r - k) % p, "copy") for r in range(p))
+        for k in range(p - 1)
+    )
+    return Schedule("ring_allgather", p, p, rounds)
+
+
+def allreduce(p: int) -> Schedule:
+    return concat("ring", reduce_scatter(p), allgather(p))

@@ -1,0 +1,121 @@
+"""Run any schedule over any Communicator, in place.
+
+    from reference.collectives import allreduce
+    allreduce(comm, grads, algorithm="ring", op="mean")   # every rank, same buffer shape
+
+The executor knows nothing about rings or trees: it looks up the schedule, cuts the
+flat buffer into the schedule's chunks, and for each round hands this rank's sends
+and receives to ``comm.exchange``. Empty chunks (n < p) are still exchanged as
+zero-length messages, so a rank whose buffer length differs from its peers' gets a
+``BufferMismatch`` instead of a hang.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import numpy as np
+
+from reference.algorithms import allreduce_schedule, direct, naive, ring, tree
+from reference.communicator import Communicator, RecvSpec, SendSpec
+from reference.errors import ConfigError
+from reference.schedule import Schedule, Transfer, chunk_bounds
+
+__all__ = ["allreduce", "reduce_scatter", "allgather", "broadcast", "reduce", "run_schedule"]
+
+_DTYPES = (np.float32, np.float64, np.int32, np.int64)
+_ROOTED = {"tree": (tree.reduce, tree.broadcast), "naive": (naive.reduce, naive.broadcast)}
+_SCATTER = {"ring": (ring.reduce_scatter, ring.allgather),
+            "direct": (direct.reduce_scatter, direct.allgather)}
+
+Plan = list[tuple[list[Transfer], list[Transfer]]]
+
+
+def run_schedule(comm: Communicator, buf: np.ndarray, schedule: Schedule, plan: Plan | None = None) -> None:
+    """Execute ``schedule`` on this rank's ``buf`` (1-D, contiguous), round by round."""
+    plan = plan if plan is not None else schedule.transfers_of(comm.rank)
+    bounds = chunk_bounds(buf.size, schedule.num_chunks)
+    for k, (sends, recvs) in enumerate(plan):
+        if sends or recvs:
+            comm.exchange(
+                [SendSpec(buf[slice(*bounds[t.chunk])], t.dst, t.chunk) for t in sends],
+                [RecvSpec(buf[slice(*bounds[t.chunk])], t.src, t.chunk, t.op == "reduce") for t in recvs],
+                round=k, algorithm=schedule.name,
+            )
+
+
+@lru_cache(maxsize=1024)
+def _plan(kind: str, algorithm: str, p: int, rank: int, root: int = 0) -> tuple[Schedule, Plan]:
+    if kind == "allreduce":
+        s = allreduce_schedule(algorithm, p)
+    elif kind in ("reduce_scatter", "allgather"):
+        s = _pick(_SCATTER, algorithm)[kind == "allgather"](p)
+    else:
+        s = _pick(_ROOTED, algorithm)[kind == "broadcast"](p, root)
+    return s, s.transfers_of(rank)
+
+
+def _pick(table: dict, algorithm: str):
+    if algorithm not in table:
+        raise ConfigError(f"algorithm {algorithm!r} not available here: choose one of {', '.join(table)}")
+    return table[algorithm]
+
+
+def _flat(buf: np.ndarray) -> np.ndarray:
+    if not isinstance(buf, np.ndarray):
+        raise ConfigError(f"collectives take numpy arrays, got {type(buf).__name__}")
+    if buf.dtype.type not in _DTYPES:
+        raise ConfigError(f"dtype {buf.dtype} not supported: use float32, float64, int32 or int64")
+    if not buf.flags.c_contiguous:
+        raise ConfigError("collectives work in place on contiguous arrays: pass np.ascontiguousarray(buf)")
+    return buf.reshape(-1)
+
+
+def _run(comm: Communicator, kind: str, buf: np.ndarray, algorithm: str, root: int = 0) -> np.ndarray:
+    flat = _flat(buf)
+    if not 0 <= root < comm.world_size:
+        raise ConfigError(f"root {root} is not a rank of a world of size {comm.world_size}")
+    schedule, plan = _plan(kind, algorithm, comm.world_size, comm.rank, root)
+    with comm.tracer.span(kind, bytes=flat.nbytes, algorithm=algorithm):
+        run_schedule(comm, flat, schedule, plan)
+    return flat
+
+
+def allreduce(comm: Communicator, buf: np.ndarray, algorithm: str = "ring", op: str = "sum") -> np.ndarray:
+    """Sum (or average, ``op="mean"``) ``buf`` across all ranks, in place; returns ``buf``."""
+    if op not in ("sum", "mean"):
+        raise ConfigError(f"op must be 'sum' or 'mean', got {op!r}")
+    if op == "mean" and not np.issubdtype(buf.dtype, np.floating):
+        raise ConfigError(f"op='mean' needs a floating-point buffer, got {buf.dtype}: use op='sum'")
+    if algorithm == "native":
+        flat = _flat(buf)
+        with comm.tracer.span("allreduce", bytes=flat.nbytes, algorithm="native"):
+            comm.native_allreduce(flat, "sum")
+    else:
+        flat = _run(comm, "allreduce", buf, algorithm)
+    if op == "mean" and comm.world_size > 1:
+        np.divide(flat, comm.world_size, out=flat)
+    return buf
+
+
+def reduce_scatter(comm: Communicator, buf: np.ndarray, algorithm: str = "ring") -> np.ndarray:
+    """Afterwards this rank's chunk (``chunk_bounds(n, p)[rank]``) holds the sum; returns a view of it."""
+    flat = _run(comm, "reduce_scatter", buf, algorithm)
+    return flat[slice(*chunk_bounds(flat.size, comm.world_size)[comm.rank])]
+
+
+def allgather(comm: Communicator, buf: np.ndarray, algorithm: str = "ring") -> np.ndarray:
+    """Every rank contributes its own chunk of ``buf``; afterwards all hold all chunks."""
+    _run(comm, "allgather", buf, algorithm)
+    return buf
+
+
+def broadcast(comm: Communicator, buf: np.ndarray, root: int = 0, algorithm: str = "tree") -> np.ndarray:
+    _run(comm, "broadcast", buf, algorithm, root)
+    return buf
+
+
+def reduce(comm: Communicator, buf: np.ndarray, root: int = 0, algorithm: str = "tree") -> np.ndarray:
+    """Afterwards ``root`` holds the sum; other ranks' buffers hold partial sums (scratch)."""
+    _run(comm, "reduce", buf, algorithm, root)
+    return buf

@@ -1,0 +1,124 @@
+"""The Communicator: the minimal transport the reference code is written against.
+
+Every backend (shared memory, MPI, torch.distributed) implements these few
+methods; the collectives, the trainers and the parameter server use nothing else.
+Data always moves through buffers (numpy arrays, or tensors viewed as arrays),
+never through pickle. Every blocking call honours ``timeout`` and raises
+``CommTimeout`` naming the peer instead of hanging.
+
+The one composite call is ``exchange``: a round of a schedule posts all its sends
+and receives together and then waits for all of them. Posting them together is
+what keeps a ring from deadlocking (everyone sends before anyone waits), and it
+is the shape NCCL needs (batched point-to-point). The default here is built on
+``isend``/``irecv``; a shared-memory backend overrides it to reduce straight out
+of the peer's memory.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import NamedTuple, Protocol
+
+import numpy as np
+
+from reference.errors import DplabError
+from reference.trace import Tracer
+
+__all__ = [
+    "ANY_SOURCE", "Communicator", "Request", "SendSpec", "RecvSpec", "CommError", "CommTimeout",
+    "BufferMismatch",
+]
+
+ANY_SOURCE = -1
+
+
+class CommError(DplabError):
+    """A transport failed; the message names the ranks involved."""
+
+
+class CommTimeout(CommError, TimeoutError):
+    """A blocking call waited longer than the communicator's timeout."""
+
+
+class BufferMismatch(CommError):
+    """Two ranks disagree on a message's length or dtype (every rank must pass the same buffer shape)."""
+
+
+class Request(Protocol):
+    def wait(self) -> int | None: ...
+
+
+class SendSpec(NamedTuple):
+    buf: np.ndarray
+    peer: int
+    chunk: int = -1
+
+
+class RecvSpec(NamedTuple):
+    buf: np.ndarray
+    peer: int
+    chunk: int = -1
+    reduce: bool = False  # add into buf instead of overwriting it
+
+
+class Communicator(ABC):
+    rank: int
+    world_size: int
+    timeout: float
+    tracer: Tracer
+
+    @abstractmethod
+    def isend(self, buf: np.ndarray, dst: int, tag: int = 0) -> Request: ...
+
+    @abstractmethod
+    def irecv(self, buf: np.ndarray, src: int = ANY_SOURCE, tag: int = 0) -> Request:
+        """The request's ``wait()`` returns the source rank (useful with ANY_SOURCE)."""
+
+    @abstractmethod
+    def native_allreduce(self, buf: np.ndarray, op: str = "sum") -> None:
+        """The engine's own all-reduce, in place: the yardstick for ours."""
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+    def send(self, buf: np.ndarray, dst: int, tag: int = 0) -> None:
+        self.isend(buf, dst, tag).wait()
+
+    def recv(self, buf: np.ndarray, src: int = ANY_SOURCE, tag: int = 0) -> int:
+        source = self.irecv(buf, src, tag).wait()
+        return src if source is None else source
+
+    def empty(self, shape: int | tuple[int, ...], dtype: np.dtype | str) -> np.ndarray:
+        """A buffer the transport can move fastest (shared memory registers it; others use numpy)."""
+        return np.empty(shape, dtype=dtype)
+
+    def barrier(self) -> None:
+        """Dissemination barrier: in round k, rank r signals r + 2^k and waits for r - 2^k."""
+        token = np.zeros(0, dtype=np.uint8)
+        step = 1
+        while step < self.world_size:
+            req = self.isend(token, (self.rank + step) % self.world_size, tag=-2)
+            self.recv(token, (self.rank - step) % self.world_size, tag=-2)
+            req.wait()
+            step *= 2
+
+    def exchange(self, sends: list[SendSpec], recvs: list[RecvSpec], round: int = -1,
+                 algorithm: str = "") -> None:
+        """One round: post every receive and send, then complete them; reduces apply in list order."""
+        scratch = [np.empty_like(r.buf) if r.reduce else r.buf for r in recvs]
+        rreqs = [self.irecv(s, r.peer) for s, r in zip(scratch, recvs)]
+        sreqs = [self.isend(s.buf, s.peer) for s in sends]
+        for req, spec, tmp in zip(rreqs, recvs, scratch):
+            t0 = self.tracer.now()
+            req.wait()
+            if spec.reduce:
+                np.add(spec.buf, tmp, out=spec.buf)
+            self.tracer.record("reduce" if spec.reduce else "copy", t0, self.tracer.now(),
+                               peer=spec.peer, bytes=spec.buf.nbytes, chunk=spec.chunk,
+                               round=round, algorithm=algorithm)
+        for req, spec in zip(sreqs, sends):
+            t0 = self.tracer.now()
+            req.wait()
+            self.tracer.record("send", t0, self.tracer.now(), peer=spec.peer,
+                               bytes=spec.buf.nbytes, chunk=spec.chunk, round=round,
+                               algorithm=algorithm)

@@ -1,0 +1,1 @@
+"""Streamlit app and plotly figures (placeholder until the visualizer issue)."""
