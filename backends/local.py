@@ -25,8 +25,15 @@ from multiprocessing.context import BaseContext
 import numpy as np
 
 from backends.shm import Segment
-from reference.communicator import (ANY_SOURCE, BufferMismatch, CommError, CommTimeout,
-                                    Communicator, RecvSpec, SendSpec)
+from reference.communicator import (
+    ANY_SOURCE,
+    BufferMismatch,
+    CommError,
+    CommTimeout,
+    Communicator,
+    RecvSpec,
+    SendSpec,
+)
 from reference.trace import Tracer
 
 __all__ = ["Wiring", "LocalComm"]
@@ -144,8 +151,9 @@ class LocalComm(Communicator):
     def _post(self, buf: np.ndarray, dst: int, tag: int) -> int:
         self._check_peer(dst)
         if not buf.flags.c_contiguous or buf.dtype not in _CODE:
-            raise CommError(f"rank {self.rank}: send needs a contiguous array of "
-                            f"{', '.join(map(str, _CODE))}, got {buf.dtype} (contiguous={buf.flags.c_contiguous})")
+            raise CommError(f"rank {self.rank}: send needs a contiguous array of one of "
+                            f"{', '.join(map(str, _CODE))}; got {buf.dtype}, "
+                            f"contiguous={buf.flags.c_contiguous}")
         seq = self._send_seq[dst]
         if seq - self._acked[dst] >= SLOTS:
             self._wait_ack(dst, seq - SLOTS)

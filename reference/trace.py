@@ -12,6 +12,7 @@ once at start-up, which estimates each rank's offset from rank 0 by ping-pong.
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -49,6 +50,8 @@ class Tracer:
 
     def record(self, kind: str, t_start_ns: int, t_end_ns: int, **fields: Any) -> None:
         if self.enabled:
+            if "thread" not in fields and threading.current_thread() is not threading.main_thread():
+                fields["thread"] = "comm"
             self.events.append(Event(self.rank, kind, t_start_ns, t_end_ns, **fields))
 
     @contextmanager

@@ -1,0 +1,96 @@
+"""Synchronous data parallelism: every rank takes the same step, as if it were one device.
+
+    from backends.launch import launch
+    from reference.sync import SyncConfig, train_sync
+    from reference.train import TrainConfig, train_single
+    results = launch(train_sync, 4, args=(TrainConfig(), SyncConfig("ring")))
+    # results[r].params equals train_single(TrainConfig()).params on every rank r
+
+The recipe, one step at a time:
+
+1. At start-up rank 0's parameters are broadcast, so every replica starts equal.
+2. The global batch of step t is cut into contiguous shards, one per rank (the first
+   B mod p ranks get one sample more). Each rank's loss is scaled by 1/B, the
+   *global* batch size, so the shard gradients simply sum to the full-batch
+   gradient: uneven shards are weighted by their size for free.
+3. A rank's shard is cut again into ``accum_steps`` micro-batches. Gradients
+   accumulate over them; only the last micro-batch's backward pass launches the
+   all-reduce (the others run under ``no_sync``).
+4. During that backward pass, buckets of gradients are all-reduced by a
+   communication thread as soon as they are complete (``reference.buckets``).
+5. ``wait()`` for the last bucket, then every rank applies the same optimizer step
+   to the same summed gradient, so the replicas stay bitwise identical.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import numpy as np
+
+from reference.buckets import Reducer
+from reference.collectives import allreduce, broadcast
+from reference.communicator import Communicator
+from reference.data import batch_indices, shard
+from reference.errors import ConfigError
+from reference.optim import make_optimizer
+from reference.schedule import chunk_bounds
+from reference.train import TrainConfig, TrainResult, setup
+
+__all__ = ["SyncConfig", "train_sync"]
+
+
+@dataclass(frozen=True)
+class SyncConfig:
+    algorithm: str = "ring"  # naive | ring | tree | direct | native
+    bucket_cap_mb: float = 25.0  # as in torch DDP
+    accum_steps: int = 1  # micro-batches per step; all but the last run under no_sync
+
+    def validate(self) -> None:
+        if self.accum_steps < 1:
+            raise ConfigError(f"accum_steps must be >= 1, got {self.accum_steps}")
+        if self.bucket_cap_mb <= 0:
+            raise ConfigError(f"bucket_cap_mb must be > 0, got {self.bucket_cap_mb}")
+
+
+def train_sync(comm: Communicator, cfg: TrainConfig, sync: SyncConfig = SyncConfig()) -> TrainResult:
+    """Run on every rank; returns this rank's final parameters and the global loss per step."""
+    sync.validate()
+    model, data, params = setup(cfg)
+    if comm.rank != 0:  # anything but rank 0's weights: the broadcast must fix it
+        params = model.init_params(cfg.seed + 1 + comm.rank, dtype=params.dtype)
+    broadcast(comm, params, root=0)
+    opt = make_optimizer(cfg.optimizer, model.num_params, params.dtype)
+    grad = comm.empty(model.num_params, params.dtype)  # buckets are slices of it: no packing
+    reducer = Reducer(comm, grad, model.param_slices, sync.bucket_cap_mb, sync.algorithm)
+    loss_buf = np.zeros(1, dtype=np.float64)
+    losses, tracer = [], comm.tracer
+    try:
+        for step in range(cfg.steps):
+            batch = batch_indices(cfg.num_samples, cfg.global_batch, step, cfg.seed)
+            mine = shard(batch, comm.rank, comm.world_size)
+            grad[:] = 0
+            reducer.reset()
+            loss_buf[0] = 0.0
+            micro = chunk_bounds(len(mine), sync.accum_steps)
+            for j, (a, b) in enumerate(micro):
+                last = j == len(micro) - 1
+                x, y = data.x[mine[a:b]], data.y[mine[a:b]]
+                with nullcontext() if last else reducer.no_sync():
+                    with tracer.span("forward", extra={"step": step, "micro": j}):
+                        acts = model.forward(params, x)
+                        loss_buf[0] += model.loss(acts, y, 1 / cfg.global_batch)
+                    with tracer.span("backward", extra={"step": step, "micro": j}):
+                        for layer in model.backward(params, acts, y, grad, 1 / cfg.global_batch):
+                            reducer.mark_param_as_ready(2 * layer + 1)
+                            reducer.mark_param_as_ready(2 * layer)
+            with tracer.span("wait", extra={"step": step}):
+                reducer.wait()
+            with tracer.span("optimizer", extra={"step": step}):
+                opt.step(params, grad)
+            allreduce(comm, loss_buf, sync.algorithm)  # the global batch's loss, for the log
+            losses.append(float(loss_buf[0]))
+    finally:
+        reducer.close()
+    return TrainResult(params, losses)
