@@ -17,6 +17,7 @@ tags are checked, not used to pick a message.
 
 from __future__ import annotations
 
+import os
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -99,6 +100,9 @@ class LocalComm(Communicator):
         self._staged_seqs: deque[tuple[int, int]] = deque()  # (dst, seq) of staged sends not yet acked
         self._pending: dict[int, deque[_RecvRequest]] = {s: deque() for s in range(-1, p)}
         self._any_next = 0
+        # spinning only pays when every rank has a core to itself
+        self._spin = int(os.environ.get("DPLAB_SPIN", "200")) if p <= (os.cpu_count() or 1) else 0
+        self.bytes_staged = 0  # copies made because a send buffer was not in shared memory
 
     # -- memory -------------------------------------------------------------------------------
     def empty(self, shape: int | tuple[int, ...], dtype: np.dtype | str) -> np.ndarray:
@@ -129,6 +133,7 @@ class LocalComm(Communicator):
             self._staging, self._stage_top = (seg_id, self._segments[seg_id].bytes.size), 0
         off = self._stage_top
         self._segments[seg_id].view(off, buf.nbytes, np.uint8)[:] = buf.reshape(-1).view(np.uint8)
+        self.bytes_staged += buf.nbytes
         self._stage_top = off + -(-buf.nbytes // _ALIGN) * _ALIGN
         return seg_id, off, True
 
@@ -168,7 +173,7 @@ class LocalComm(Communicator):
 
     def _wait_ack(self, dst: int, seq: int) -> None:
         while self._acked[dst] <= seq:
-            self._acquire(self.w.done[self.rank][dst], f"rank {dst} to take message #{seq}")
+            self._acquire(self.w.done[self.rank][dst], "to take its message", dst)
             self._acked[dst] += 1
         while self._staged_seqs and self._acked[self._staged_seqs[0][0]] > self._staged_seqs[0][1]:
             self._staged_seqs.popleft()
@@ -184,7 +189,7 @@ class LocalComm(Communicator):
         if src == ANY_SOURCE:
             src = self._wait_any()
         else:
-            self._acquire(self.w.ready[src][me], f"a message from rank {src}")
+            self._acquire(self.w.ready[src][me], "for its message", src)
         seq = self._recv_seq[src]
         seg_id, off, nbytes, code, mtag = (int(v) for v in self._ctl[src, me, seq % SLOTS])
         self._recv_seq[src] = seq + 1
@@ -223,10 +228,14 @@ class LocalComm(Communicator):
                 raise CommTimeout(f"rank {me} waited {self.timeout:.0f}s for a message from any "
                                   "rank: is a peer dead or stuck? (set DPLAB_TIMEOUT to wait longer)")
 
-    def _acquire(self, sem, what: str) -> None:
+    def _acquire(self, sem, what: str, peer: int) -> None:
+        """Spin briefly (a futex wake-up costs tens of microseconds), then sleep until the timeout."""
+        for _ in range(self._spin):
+            if sem.acquire(False):
+                return
         if not sem.acquire(timeout=self.timeout):
-            raise CommTimeout(f"rank {self.rank} waited {self.timeout:.0f}s for {what}: is that rank "
-                              "dead or stuck? (set DPLAB_TIMEOUT to wait longer)")
+            raise CommTimeout(f"rank {self.rank} waited {self.timeout:.0f}s for rank {peer} {what}: "
+                              "is that rank dead or stuck? (set DPLAB_TIMEOUT to wait longer)")
 
     def _check_peer(self, peer: int, any_ok: bool = False) -> None:
         if any_ok and peer == ANY_SOURCE:
@@ -240,6 +249,13 @@ class LocalComm(Communicator):
                  algorithm: str = "") -> None:
         """Post every send, then reduce or copy each receive straight out of the peer's memory."""
         tr = self.tracer
+        if not tr.enabled:  # the hot path: no clocks, no events
+            seqs = [self._post(s.buf, s.peer, 0) for s in sends]
+            for r in recvs:
+                self._recv_into(r.buf, r.peer, 0, r.reduce)
+            for s, seq in zip(sends, seqs):
+                self._wait_ack(s.peer, seq)
+            return
         posted = [(s, self._post(s.buf, s.peer, 0), tr.now()) for s in sends]
         for r in recvs:
             t0 = tr.now()

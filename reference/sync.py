@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from reference.algorithms import ALGORITHMS
 from reference.buckets import Reducer
 from reference.collectives import allreduce, broadcast
 from reference.communicator import Communicator
@@ -48,6 +49,8 @@ class SyncConfig:
     accum_steps: int = 1  # micro-batches per step; all but the last run under no_sync
 
     def validate(self) -> None:
+        if self.algorithm not in ALGORITHMS:
+            raise ConfigError(f"unknown algorithm {self.algorithm!r}: choose one of {', '.join(ALGORITHMS)}")
         if self.accum_steps < 1:
             raise ConfigError(f"accum_steps must be >= 1, got {self.accum_steps}")
         if self.bucket_cap_mb <= 0:

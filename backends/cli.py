@@ -1,0 +1,182 @@
+"""The ``dplab`` command line: train, compare, bench.
+
+    dplab train --world-size 4 --algorithm ring --steps 50 --trace run.json
+    dplab compare                                   # naive/ring/tree/native x 1..4 ranks
+    dplab bench --world-sizes 2 --sizes 4K,16M,64M
+
+Every command prints a table; ``--json PATH`` writes the same rows as JSON.
+Bad arguments get a one-line error and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from backends import bench
+from backends.launch import BackendUnavailable, RankError, World, check_backend
+from backends.runs import MODES, RunSpec, run_train
+from backends.table import Progress, format_table
+from reference.errors import ConfigError
+from reference.model import MLPConfig
+from reference.optim import OptimConfig
+from reference.trace import merge, save_json, to_chrome
+from reference.train import TrainConfig, train_single
+
+__all__ = ["main"]
+
+TRAIN_COLUMNS = ["backend", "mode", "algorithm", "world_size", "steps", "final_loss",
+                 "max_abs_diff_vs_single", "ranks_identical", "wall_s"]
+BENCH_COLUMNS = ["backend", "algorithm", "world_size", "bytes", "time_us", "algbw_gbps",
+                 "busbw_gbps", "vs_memcpy", "staged_bytes"]
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit 2
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _csv(kind: type = str):
+    def parse(text: str) -> list:
+        try:
+            return [kind(v) for v in text.split(",") if v.strip()]
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"bad list {text!r}: {e}") from None
+    return parse
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model and data")
+    g.add_argument("--dataset", choices=["regression", "classification"], default="regression")
+    g.add_argument("--hidden", type=_csv(int), default=[32, 32], help="hidden widths, e.g. 32,32")
+    g.add_argument("--in-dim", type=int, default=16)
+    g.add_argument("--out-dim", type=int, default=4)
+    g.add_argument("--activation", choices=["tanh", "relu"], default="tanh")
+    g.add_argument("--num-samples", type=int, default=1024)
+    g.add_argument("--global-batch", type=int, default=64)
+    g.add_argument("--steps", type=int, default=50)
+    g.add_argument("--optimizer", choices=["sgd", "momentum", "adam"], default="adam")
+    g.add_argument("--lr", type=float, default=0.01)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--dtype", choices=["float64", "float32"], default="float64")
+    g.add_argument("--bucket-cap-mb", type=float, default=25.0)
+    g.add_argument("--accum-steps", type=int, default=1, help="micro-batches per step")
+    p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+
+
+def _train_config(a: argparse.Namespace) -> TrainConfig:
+    loss = "mse" if a.dataset == "regression" else "xent"
+    model = MLPConfig(a.in_dim, tuple(a.hidden), a.out_dim, a.activation, loss)
+    return TrainConfig(model, a.dataset, a.num_samples, a.global_batch, a.steps,
+                       OptimConfig(a.optimizer, a.lr), a.seed, a.dtype)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="dplab", description="Data-Parallel Lab: data parallelism written by hand.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    t = sub.add_parser("train", help="train on N ranks and compare with one device")
+    t.add_argument("--backend", default="local", help="local | mpi | torch")
+    t.add_argument("--world-size", type=int, default=4)
+    t.add_argument("--algorithm", default="ring", help="naive | ring | tree | direct | native")
+    t.add_argument("--mode", choices=MODES, default="sync")
+    t.add_argument("--staleness", type=int, default=None, help="async only: clocks ahead of the slowest")
+    t.add_argument("--trace", metavar="PATH", help="write the merged trace (and PATH.chrome.json)")
+    _add_model_args(t)
+
+    c = sub.add_parser("compare", help="the same run over backends x algorithms x world sizes")
+    c.add_argument("--backends", type=_csv(), default=["local"])
+    c.add_argument("--algorithms", type=_csv(), default=["naive", "ring", "tree", "native"])
+    c.add_argument("--world-sizes", type=_csv(int), default=[1, 2, 3, 4])
+    c.add_argument("--modes", type=_csv(), default=["sync"])
+    _add_model_args(c)
+
+    b = sub.add_parser("bench", help="nccl-tests-style all-reduce bandwidth, memcpy as the ceiling")
+    b.add_argument("--backend", default="local")
+    b.add_argument("--algorithms", type=_csv(), default=["ring", "tree", "naive", "native"])
+    b.add_argument("--world-sizes", type=_csv(int), default=[2])
+    b.add_argument("--sizes", type=_csv(bench.parse_size), default=[4096, 1 << 20, 16 << 20, 64 << 20],
+                   help="bytes per buffer, e.g. 4K,1M,16M,64M")
+    b.add_argument("--dtype", choices=["float32", "float64"], default="float32")
+    b.add_argument("--warmup", type=int, default=3)
+    b.add_argument("--target-seconds", type=float, default=0.3, help="timed work per cell")
+    b.add_argument("--max-iters", type=int, default=2000)
+    b.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    return parser
+
+
+def cmd_train(a: argparse.Namespace) -> list[dict[str, Any]]:
+    spec = RunSpec(a.backend, a.world_size, a.algorithm, a.mode, a.staleness, _train_config(a),
+                   a.bucket_cap_mb, a.accum_steps)
+    row, events = run_train(spec, trace=bool(a.trace))
+    if a.trace:
+        merged = merge(events)
+        save_json(a.trace, merged, meta={"row": row})
+        chrome = Path(a.trace).with_suffix(".chrome.json")
+        chrome.write_text(json.dumps(to_chrome(merged)))
+        print(f"trace: {a.trace} ({len(merged)} events); Perfetto/chrome://tracing: {chrome}")
+    return [row]
+
+
+def cmd_compare(a: argparse.Namespace) -> list[dict[str, Any]]:
+    base = RunSpec(train=_train_config(a), bucket_cap_mb=a.bucket_cap_mb, accum_steps=a.accum_steps)
+    cells = [(b, m, p, alg) for b in a.backends for m in a.modes for p in a.world_sizes
+             for alg in a.algorithms]
+    for b, m, p, alg in cells:  # reject bad input before any work starts
+        replace(base, backend=b, mode=m, world_size=p, algorithm=alg).validate()
+    single = train_single(base.train).params
+    rows, progress = [], Progress(len(cells))
+    for b in a.backends:
+        for p in a.world_sizes:
+            with World(p, b) as world:
+                for m in a.modes:
+                    for alg in a.algorithms:
+                        spec = replace(base, backend=b, mode=m, world_size=p, algorithm=alg)
+                        rows.append(run_train(spec, world, single=single)[0])
+                        progress.step(f"{b} {m} {alg} p={p}")
+    progress.close()
+    return rows
+
+
+def cmd_bench(a: argparse.Namespace) -> list[dict[str, Any]]:
+    check_backend(a.backend)
+    rows, progress = [], Progress(len(a.world_sizes))
+    for p in a.world_sizes:
+        with World(p, a.backend) as world:
+            per_rank = world.run(bench.bench_rank, a.algorithms, a.sizes, a.dtype, a.warmup,
+                                 a.target_seconds, a.max_iters)
+        rows += bench.summarize(a.backend, p, per_rank)
+        progress.step(f"world size {p}")
+    progress.close()
+    memcpy = {r["bytes"]: r for r in rows if r["algorithm"] == "memcpy"}  # one ceiling row per size
+    rows = [r for r in rows if r["algorithm"] != "memcpy"] + list(memcpy.values())
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    command = {"train": cmd_train, "compare": cmd_compare, "bench": cmd_bench}[args.command]
+    try:
+        rows = command(args)
+    except (ConfigError, BackendUnavailable) as e:
+        print(f"dplab {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except RankError as e:
+        print(f"dplab {args.command}: {e}", file=sys.stderr)
+        return 1
+    print(format_table(rows, BENCH_COLUMNS if args.command == "bench" else TRAIN_COLUMNS))
+    if args.json:
+        meta = {"command": args.command, "argv": sys.argv[1:] if argv is None else argv,
+                "python": platform.python_version(), "machine": platform.machine()}
+        Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        print(f"rows written to {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
