@@ -36,8 +36,8 @@ __all__ = ["assign_buckets", "Reducer"]
 def assign_buckets(slices: Sequence[slice], itemsize: int, bucket_cap_mb: float) -> list[list[int]]:
     """Parameter indices per bucket, walking parameters in reverse (the order backward makes them).
 
-    A bucket closes once it holds at least ``bucket_cap_mb`` MiB; a parameter is never
-    split, so one larger than the cap gets a bucket of its own.
+    A bucket closes once it holds at least ``bucket_cap_mb`` MiB (the rule of torch DDP); a
+    parameter is never split, so one larger than the cap closes the bucket it lands in.
     """
     if bucket_cap_mb <= 0:
         raise ConfigError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
@@ -76,6 +76,7 @@ class Reducer:
     def reset(self) -> None:
         """Start a new step: nothing ready, nothing launched."""
         self._missing = [len(ps) for ps in self.buckets]
+        self._ready: set[int] = set()
         self._next_launch = 0
         self._done = threading.Semaphore(0)
         self._launched = 0
@@ -93,10 +94,11 @@ class Reducer:
     def mark_param_as_ready(self, i: int) -> None:
         if not self._sync:
             return
+        if i in self._ready:
+            raise ConfigError(f"parameter {i} was marked ready twice in one step: call reset() per step")
+        self._ready.add(i)
         b = self.bucket_of[i]
         self._missing[b] -= 1
-        if self._missing[b] < 0:
-            raise ConfigError(f"parameter {i} was marked ready twice in one step: call reset() per step")
         while self._next_launch < len(self.buckets) and self._missing[self._next_launch] == 0:
             self._queue.put(self._next_launch)
             self._next_launch += 1

@@ -1,0 +1,51 @@
+"""Shared fixtures: persistent worlds of the local backend, and the hypothesis profile.
+
+Property tests run hundreds of examples over the shared-memory backend. Forking a
+fresh world per example would spend the whole budget on process start-up, so the
+session keeps one persistent ``World`` per world size, created on first use and
+closed (ranks stopped, /dev/shm unlinked) when the session ends.
+
+Functions sent to a persistent world with ``world.run(fn, *args)`` are pickled, so
+they must live at module level; ``launch(fn, p)`` forks and takes any callable.
+
+``DPLAB_EXAMPLES`` sets the base number of hypothesis examples (default 50); tests
+that need more for a meaningful property scale it up.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+from backends.launch import World
+
+settings.register_profile(
+    "ci",
+    deadline=None,
+    derandomize=False,
+    max_examples=int(os.environ.get("DPLAB_EXAMPLES", "50")),
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.load_profile("ci")
+
+
+@pytest.fixture(scope="session")
+def worlds() -> Iterator[Callable[[int], World]]:
+    """``get_world(p)``: the session's persistent world of ``p`` ranks (created lazily)."""
+    cache: dict[int, World] = {}
+
+    def get_world(p: int) -> World:
+        if p not in cache:
+            # A shorter timeout than the library default: a hang fails fast, not in a minute.
+            cache[p] = World(p, timeout=float(os.environ.get("DPLAB_TIMEOUT", "30")))
+        return cache[p]
+
+    try:
+        yield get_world
+    finally:
+        for world in cache.values():
+            world.close()
