@@ -68,9 +68,12 @@ class World:
     def __init__(self, world_size: int, backend: str = "local", timeout: float | None = None,
                  job: tuple[Callable, tuple] | None = None) -> None:
         check_backend(backend)
-        if not isinstance(world_size, int) or world_size < 1:
+        if type(world_size) is not int or world_size < 1:
             raise ConfigError(f"world_size must be a positive integer, got {world_size!r}")
-        self.world_size, self.timeout = world_size, timeout or default_timeout()
+        if timeout is not None and timeout <= 0:
+            raise ConfigError(f"timeout must be > 0 seconds, got {timeout}")
+        self.world_size = world_size
+        self.timeout = timeout if timeout is not None else default_timeout()
         self._procs: list[Any] = []
         self._start(job)
 
@@ -187,7 +190,11 @@ def _serve(wiring: Wiring, rank: int, conn: Any, job: tuple[Callable, tuple] | N
                 reply = ("ok", fn(comm, *args))
             except BaseException:
                 reply = ("error", traceback.format_exc())
-            conn.send(reply)
+            try:
+                conn.send(reply)
+            except Exception:  # e.g. a result that cannot be pickled: say so instead of dying
+                conn.send(("error", f"{traceback.format_exc()}\nrank results go back to the "
+                                    "launcher by pickle: return numpy arrays, numbers or dicts"))
     finally:
         comm.close()
 

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import os
 import time
-from collections import deque
+import weakref
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from multiprocessing.context import BaseContext
 
@@ -40,6 +41,7 @@ from reference.trace import Tracer
 __all__ = ["Wiring", "LocalComm"]
 
 SLOTS = 64
+PEER_CACHE = 32  # peer segments a rank keeps mapped (least recently used go first)
 ANY_TAG = -1
 _DTYPES = [np.dtype(t) for t in ("uint8", "float32", "float64", "int32", "int64", "float16")]
 _CODE = {dt: i for i, dt in enumerate(_DTYPES)}
@@ -91,15 +93,16 @@ class LocalComm(Communicator):
         p = self.world_size
         self._ctl_seg = Segment(f"{wiring.session}_ctl")
         self._ctl = self._ctl_seg.view(0, p * p * SLOTS * 5 * 8, np.int64).reshape(p, p, SLOTS, 5)
-        self._segments: list[Segment] = []  # mine, by id
-        self._ranges: list[tuple[int, int]] = []  # (address, size) of each of mine
-        self._peers: dict[tuple[int, int], Segment] = {}  # (rank, id) -> attached segment
+        self._segments: dict[int, Segment] = {}  # mine, by id (ids are never reused)
+        self._ranges: dict[int, tuple[int, int]] = {}  # id -> (address, size) of each of mine
+        self._peers: OrderedDict[tuple[int, int], Segment] = OrderedDict()  # (rank, id), LRU
         self._send_seq, self._acked, self._recv_seq = [0] * p, [0] * p, [0] * p
         self._staging: tuple[int, int] = (-1, 0)  # (segment id, capacity)
         self._stage_top = 0  # bump pointer into the staging segment
         self._staged_seqs: deque[tuple[int, int]] = deque()  # (dst, seq) of staged sends not yet acked
         self._pending: dict[int, deque[_RecvRequest]] = {s: deque() for s in range(-1, p)}
         self._any_next = 0
+        self._next_id = 0
         # spinning only pays when every rank has a core to itself
         self._spin = int(os.environ.get("DPLAB_SPIN", "200")) if p <= (os.cpu_count() or 1) else 0
         self.bytes_staged = 0  # copies made because a send buffer was not in shared memory
@@ -109,20 +112,31 @@ class LocalComm(Communicator):
         dtype = np.dtype(dtype)
         n = int(np.prod(shape)) * dtype.itemsize
         seg_id = self._new_segment(n)
-        return self._segments[seg_id].view(0, n, dtype).reshape(shape)
+        array = self._segments[seg_id].view(0, n, dtype).reshape(shape)
+        weakref.finalize(array, self._free, seg_id)  # its memory goes when the array goes
+        return array
 
     def _new_segment(self, nbytes: int) -> int:
-        seg = Segment(f"{self.w.session}_r{self.rank}_{len(self._segments)}", nbytes, create=True)
-        self._segments.append(seg)
-        self._ranges.append((seg.bytes.ctypes.data, seg.bytes.size))
-        return len(self._segments) - 1
+        seg_id, self._next_id = self._next_id, self._next_id + 1
+        seg = Segment(f"{self.w.session}_r{self.rank}_{seg_id}", nbytes, create=True)
+        self._segments[seg_id] = seg
+        self._ranges[seg_id] = (seg.bytes.ctypes.data, seg.bytes.size)
+        return seg_id
+
+    def _free(self, seg_id: int) -> None:
+        """Forget and unlink a segment; peers that mapped it keep their mapping until evicted."""
+        self._ranges.pop(seg_id, None)
+        seg = self._segments.pop(seg_id, None)
+        if seg is not None:
+            seg.close()
+            seg.unlink()
 
     def _locate(self, buf: np.ndarray) -> tuple[int, int, bool]:
         """(segment id, offset, staged): where a peer can read ``buf`` from."""
         if buf.nbytes == 0:
             return -1, 0, False
         addr = buf.ctypes.data
-        for seg_id, (base, size) in enumerate(self._ranges):
+        for seg_id, (base, size) in self._ranges.items():
             if base <= addr and addr + buf.nbytes <= base + size:
                 return seg_id, addr - base, False
         seg_id, cap = self._staging
@@ -141,6 +155,10 @@ class LocalComm(Communicator):
         seg = self._peers.get((src, seg_id))
         if seg is None:
             seg = self._peers[(src, seg_id)] = Segment(f"{self.w.session}_r{src}_{seg_id}")
+            if len(self._peers) > PEER_CACHE:
+                self._peers.popitem(last=False)[1].close()
+        else:
+            self._peers.move_to_end((src, seg_id))
         return seg.view(off, nbytes, dtype)
 
     # -- point to point -----------------------------------------------------------------------
@@ -149,6 +167,7 @@ class LocalComm(Communicator):
 
     def irecv(self, buf: np.ndarray, src: int = ANY_SOURCE, tag: int = 0) -> _RecvRequest:
         self._check_peer(src, any_ok=True)
+
         req = _RecvRequest(self, buf, src, tag)
         self._pending[src].append(req)
         return req
@@ -204,12 +223,11 @@ class LocalComm(Communicator):
                 raise CommError(f"rank {me} expected tag {tag} from rank {src}, got tag {mtag}: "
                                 "messages between two ranks are matched in order")
             if nbytes:
-                peer = self._peer_view(src, seg_id, off, nbytes, dtype)
-                flat = buf.reshape(-1)
-                if reduce:
-                    np.add(flat, peer, out=flat)
+                peer = self._peer_view(src, seg_id, off, nbytes, dtype).reshape(buf.shape)
+                if reduce:  # buf may be any view, strided or not: numpy writes through it
+                    np.add(buf, peer, out=buf)
                 else:
-                    np.copyto(flat, peer)
+                    np.copyto(buf, peer)
         finally:
             self.w.done[src][me].release()
         return src
@@ -274,6 +292,6 @@ class LocalComm(Communicator):
         allreduce(self, buf, algorithm="direct", op=op)
 
     def close(self) -> None:
-        for seg in [*self._peers.values(), *self._segments, self._ctl_seg]:
+        for seg in [*self._peers.values(), *self._segments.values(), self._ctl_seg]:
             seg.close()
         self._peers.clear()

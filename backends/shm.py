@@ -29,11 +29,19 @@ class Segment:
 
     def __init__(self, name: str, size: int = 0, create: bool = False) -> None:
         self._shm = _untracked(name, create, max(size, 1))
+        os.close(self._shm._fd)  # the mapping keeps the memory; the descriptor is not needed
+        self._shm._fd = -1  # type: ignore[attr-defined]
         self.name = name
         self.bytes = np.ndarray((self._shm.size,), dtype=np.uint8, buffer=self._shm.buf)
 
     def view(self, offset: int, nbytes: int, dtype: np.dtype) -> np.ndarray:
         return self.bytes[offset:offset + nbytes].view(dtype)
+
+    def unlink(self) -> None:
+        try:
+            (SHM_DIR / self.name).unlink()
+        except FileNotFoundError:
+            pass
 
     def close(self) -> None:
         self.bytes = None  # type: ignore[assignment]

@@ -85,6 +85,7 @@ def allreduce(comm: Communicator, buf: np.ndarray, algorithm: str = "ring", op: 
     """Sum (or average, ``op="mean"``) ``buf`` across all ranks, in place; returns ``buf``."""
     if op not in ("sum", "mean"):
         raise ConfigError(f"op must be 'sum' or 'mean', got {op!r}")
+    _flat(buf)
     if op == "mean" and not np.issubdtype(buf.dtype, np.floating):
         raise ConfigError(f"op='mean' needs a floating-point buffer, got {buf.dtype}: use op='sum'")
     if algorithm == "native":

@@ -22,12 +22,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from reference.errors import DplabError
+
 __all__ = ["Op", "Transfer", "Schedule", "chunk_bounds", "concat", "ScheduleError"]
 
 Op = Literal["reduce", "copy"]
 
 
-class ScheduleError(ValueError):
+class ScheduleError(DplabError, ValueError):
     """A schedule that cannot be executed as written."""
 
 

@@ -37,7 +37,7 @@ class Event:
     round: int = -1
     algorithm: str = ""
     thread: str = "main"  # "comm" for the gradient-reduction thread
-    extra: dict[str, Any] = field(default_factory=dict)  # kind-specific: bucket, step, staleness
+    extra: dict[str, Any] = field(default_factory=dict, hash=False)  # kind-specific: bucket, step, staleness
 
 
 class Tracer:
