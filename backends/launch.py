@@ -3,7 +3,7 @@
     from backends.launch import launch
     def hello(comm):                       # runs on every rank
         return comm.rank
-    launch(hello, world_size=4)            # -> [0, 1, 2, 3]
+    launch(hello, world_size=4)            # -> [0, 1, 2, 3]; backend="mpi" or "torch" too
 
 ``launch`` returns the per-rank results, or raises one ``RankError`` naming the
 first rank that failed, with its traceback. The other ranks are then killed and
@@ -11,29 +11,38 @@ every shared-memory segment of the world is unlinked, also when a rank was kille
 by a signal. A persistent ``World`` keeps its ranks alive between calls, so tests
 can run hundreds of examples without paying process start-up each time:
 
-    with World(4) as world:
+    with World(4, backend="local") as world:
         world.run(fn, *args)               # fn must be a module-level function (it is pickled)
 
-Ranks are forked (about 1 ms each); they ignore Ctrl-C, which the launcher handles.
+How ranks start: local and torch ranks are forked (milliseconds; torch ranks then
+rendezvous on loopback); MPI ranks are started by the ``mpiexec`` of the installed
+MPI (the ``mpich`` wheel) and connect back to the launcher over loopback. Under an
+engine's own launcher (``mpiexec -n 4 dplab train --backend mpi``, ``torchrun``)
+``launch`` runs ``fn`` on the launcher's ranks instead and returns everyone's results.
 """
 
 from __future__ import annotations
 
-import ctypes
 import multiprocessing as mp
 import os
 import secrets
+import shutil
 import signal
-import traceback
+import subprocess
+import sys
+import threading
 from collections.abc import Callable
-from multiprocessing.connection import wait
+from functools import partial
+from multiprocessing.connection import Listener, wait
+from pathlib import Path
 from typing import Any
 
-from backends.local import LocalComm, Wiring
+from backends.serve import die_with_parent, serve
 from backends.shm import PREFIX, sweep_stale, unlink_prefix
 from reference.errors import ConfigError, DplabError
 
-__all__ = ["launch", "World", "RankError", "BackendUnavailable", "BACKENDS", "default_timeout"]
+__all__ = ["launch", "World", "RankError", "BackendUnavailable", "BACKENDS", "check_backend",
+           "default_timeout", "under_launcher"]
 
 BACKENDS = ("local", "mpi", "torch")
 
@@ -47,7 +56,7 @@ class RankError(DplabError):
 
 
 class BackendUnavailable(DplabError):
-    """The backend asked for is not installed or not built yet."""
+    """The backend asked for is not installed on this machine."""
 
 
 def default_timeout() -> float:
@@ -55,15 +64,33 @@ def default_timeout() -> float:
 
 
 def check_backend(backend: str) -> None:
+    """ConfigError for an unknown backend, BackendUnavailable (saying what to install) for a missing one."""
     if backend not in BACKENDS:
         raise ConfigError(f"unknown backend {backend!r}: choose one of {', '.join(BACKENDS)}")
-    if backend != "local":
-        raise BackendUnavailable(
-            f"backend {backend!r} is not available yet in this version of dplab: use --backend local")
+    if backend == "mpi":
+        from backends.mpi import available
+    elif backend == "torch":
+        from backends.torchdist import available
+    else:
+        return
+    reason = available()
+    if reason:
+        raise BackendUnavailable(f"backend {backend!r} is not available: {reason}")
+
+
+def under_launcher(backend: str) -> bool:
+    """True when this process is one rank of an ``mpiexec`` (mpi) or ``torchrun`` (torch) job."""
+    env = os.environ
+    if backend == "mpi":
+        return "DPLAB_AUTHKEY" not in env and any(
+            k in env for k in ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK"))
+    if backend == "torch":
+        return all(k in env for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+    return False
 
 
 class World:
-    """``world_size`` forked ranks of the local backend, kept alive between ``run`` calls."""
+    """``world_size`` ranks of one backend, kept alive between ``run`` calls."""
 
     def __init__(self, world_size: int, backend: str = "local", timeout: float | None = None,
                  job: tuple[Callable, tuple] | None = None) -> None:
@@ -72,30 +99,74 @@ class World:
             raise ConfigError(f"world_size must be a positive integer, got {world_size!r}")
         if timeout is not None and timeout <= 0:
             raise ConfigError(f"timeout must be > 0 seconds, got {timeout}")
-        self.world_size = world_size
+        if under_launcher(backend):
+            raise ConfigError(f"this process is already one rank of a {backend} launcher job: "
+                              "call launch(), which runs on the launcher's ranks")
+        self.world_size, self.backend = world_size, backend
         self.timeout = timeout if timeout is not None else default_timeout()
         self._procs: list[Any] = []
+        self._conns: list[Any] = []
+        self._mpiexec: subprocess.Popen | None = None
         self._start(job)
 
+    # -- starting -----------------------------------------------------------------------------
     def _start(self, job: tuple[Callable, tuple] | None) -> None:
         sweep_stale()
-        ctx = mp.get_context("fork")
         self.session = f"{PREFIX}{os.getpid()}_{secrets.token_hex(4)}"
-        wiring = Wiring.create(ctx, self.session, self.world_size, self.timeout)
-        self._conns, self._procs = [], []
+        if self.backend == "mpi":
+            self._start_mpiexec(job)
+        else:
+            self._start_forked(job)
+
+    def _start_forked(self, job: tuple[Callable, tuple] | None) -> None:
+        ctx = mp.get_context("fork")
+        if self.backend == "local":
+            from backends.local import LocalComm, Wiring
+
+            connect = partial(LocalComm, Wiring.create(ctx, self.session, self.world_size, self.timeout))
+        else:
+            from backends.torchdist import prepare
+
+            connect = prepare(self.world_size, self.timeout)
         for rank in range(self.world_size):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_serve, args=(wiring, rank, child, job), daemon=True,
-                               name=f"dplab-rank-{rank}")
+            proc = ctx.Process(target=_forked_rank, args=(partial(connect, rank), child, job),
+                               daemon=True, name=f"dplab-{self.backend}-rank-{rank}")
             proc.start()
             child.close()
             self._conns.append(parent)
             self._procs.append(proc)
-        self._pending_job = job is not None
 
+    def _start_mpiexec(self, job: tuple[Callable, tuple] | None) -> None:
+        key = secrets.token_bytes(16)
+        listener = Listener(("127.0.0.1", 0), authkey=key)
+        env = dict(os.environ, DPLAB_AUTHKEY=key.hex(), DPLAB_TIMEOUT=str(self.timeout),
+                   DPLAB_SYS_PATH=os.pathsep.join(p for p in sys.path if p))
+        host, port = listener.address
+        cmd = [_mpiexec(), "-n", str(self.world_size), sys.executable, "-m", "backends.serve",
+               f"{host}:{port}"]
+        self._mpiexec = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL,
+                                         start_new_session=True)
+        conns: list[Any] = []
+        accepter = threading.Thread(target=lambda: [conns.append(listener.accept())
+                                                    for _ in range(self.world_size)], daemon=True)
+        accepter.start()
+        accepter.join(self.timeout)
+        listener.close()
+        if len(conns) < self.world_size:
+            self.abort()
+            raise RankError(len(conns), f"only {len(conns)} of {self.world_size} MPI ranks connected "
+                                        f"within {self.timeout:.0f}s (mpiexec: {' '.join(cmd)})")
+        by_rank = {c.recv(): c for c in conns}
+        self._conns = [by_rank[r] for r in range(self.world_size)]
+        if job is not None:
+            for conn in self._conns:
+                conn.send(job)
+
+    # -- running ------------------------------------------------------------------------------
     def run(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
         """Run ``fn(comm, *args)`` on every rank; per-rank results in rank order."""
-        if not self._procs:
+        if not self._conns:
             self._start(None)
         for conn in self._conns:
             conn.send((fn, args))
@@ -113,7 +184,7 @@ class World:
                 if ready is self._conns[rank]:
                     try:
                         status, value = ready.recv()
-                    except EOFError:
+                    except (EOFError, OSError):
                         status, value = "error", self._death_note(rank)
                 elif self._conns[rank].poll():
                     continue  # its result is waiting in the pipe; read it on the next pass
@@ -126,6 +197,8 @@ class World:
         return [results[r] for r in range(self.world_size)]
 
     def _death_note(self, rank: int) -> str:
+        if self._mpiexec is not None:
+            return "the MPI rank's connection closed: the process died (no Python traceback)"
         proc = self._procs[rank]
         proc.join(1)
         code = proc.exitcode
@@ -133,6 +206,7 @@ class World:
             return f"process died from signal {signal.Signals(-code).name} (no Python traceback)"
         return f"process exited with code {code} before returning a result"
 
+    # -- stopping -----------------------------------------------------------------------------
     def abort(self) -> None:
         """Kill every rank now and unlink the world's shared memory."""
         for proc in self._procs:
@@ -140,17 +214,26 @@ class World:
                 proc.kill()
         for proc in self._procs:
             proc.join(5)
-        self._procs, self._conns = [], []
+        if self._mpiexec is not None:
+            _kill_group(self._mpiexec)
+        for conn in self._conns:
+            conn.close()
+        self._procs, self._conns, self._mpiexec = [], [], None
         unlink_prefix(self.session)
 
     def close(self) -> None:
         for conn in self._conns:
             try:
                 conn.send(None)
-            except (BrokenPipeError, OSError):
+            except OSError:
                 pass
         for proc in self._procs:
             proc.join(5)
+        if self._mpiexec is not None:
+            try:
+                self._mpiexec.wait(10)
+            except subprocess.TimeoutExpired:
+                pass
         self.abort()
 
     def __enter__(self) -> World:
@@ -160,9 +243,20 @@ class World:
         self.close()
 
 
-def launch(fn: Callable[..., Any], world_size: int, backend: str = "local", args: tuple = (),
-           timeout: float | None = None) -> list[Any]:
-    """Run ``fn(comm, *args)`` on ``world_size`` fresh ranks; ``fn`` may be any callable."""
+def launch(fn: Callable[..., Any], world_size: int | None = None, backend: str = "local",
+           args: tuple = (), timeout: float | None = None) -> list[Any]:
+    """Run ``fn(comm, *args)`` on every rank; returns the per-rank results in rank order.
+
+    Fresh ranks are started unless this process already is a rank of an engine
+    launcher's job, in which case ``fn`` runs here and results are gathered from all.
+    Local and torch ranks are forked, so ``fn`` may be any callable; MPI ranks are new
+    interpreters, so there ``fn`` must be a module-level function.
+    """
+    check_backend(backend)
+    if under_launcher(backend):
+        return _launch_here(fn, world_size, backend, tuple(args), timeout or default_timeout())
+    if world_size is None:
+        raise ConfigError("world_size is required outside mpiexec/torchrun")
     world = World(world_size, backend, timeout, job=(fn, tuple(args)))
     try:
         return world._collect()
@@ -170,37 +264,45 @@ def launch(fn: Callable[..., Any], world_size: int, backend: str = "local", args
         world.close()
 
 
-def _serve(wiring: Wiring, rank: int, conn: Any, job: tuple[Callable, tuple] | None) -> None:
-    """A rank's life: build the communicator, run jobs until told to stop."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _die_with_parent()
-    comm = LocalComm(wiring, rank)
+def _launch_here(fn: Callable, world_size: int | None, backend: str, args: tuple,
+                 timeout: float) -> list[Any]:
+    if backend == "mpi":
+        from backends.mpi import MpiComm as Comm
+    else:
+        from backends.torchdist import TorchComm as Comm
+    comm = Comm.from_launcher(timeout)
     try:
-        while True:
-            if job is None:
-                try:
-                    job = conn.recv()
-                except EOFError:
-                    return
-                if job is None:
-                    return
-            fn, args = job
-            job = None
-            try:
-                reply = ("ok", fn(comm, *args))
-            except BaseException:
-                reply = ("error", traceback.format_exc())
-            try:
-                conn.send(reply)
-            except Exception:  # e.g. a result that cannot be pickled: say so instead of dying
-                conn.send(("error", f"{traceback.format_exc()}\nrank results go back to the "
-                                    "launcher by pickle: return numpy arrays, numbers or dicts"))
+        if world_size is not None and world_size != comm.world_size:
+            raise ConfigError(f"the launcher started {comm.world_size} ranks but world_size is "
+                              f"{world_size}: drop --world-size or make them agree")
+        return comm.allgather_object(fn(comm, *args))
     finally:
         comm.close()
 
 
-def _die_with_parent() -> None:
-    try:  # Linux: SIGKILL this rank if the launcher dies, so no orphan ever waits on a semaphore
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
-    except (OSError, AttributeError):
-        pass
+def _forked_rank(connect: Callable[[], Any], conn: Any, job: tuple[Callable, tuple] | None) -> None:
+    die_with_parent()
+    serve(connect, conn, job)
+
+
+def _mpiexec() -> str:
+    beside = Path(sys.executable).parent / "mpiexec"  # the mpich wheel installs it in the venv
+    found = str(beside) if beside.exists() else shutil.which("mpiexec")
+    if not found:
+        raise BackendUnavailable("no mpiexec found: pip install 'dplab[mpi]' (mpi4py + the mpich wheel)")
+    return found
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """mpiexec runs in its own session: stop it and every rank it started."""
+    for sig, grace in ((signal.SIGTERM, 3), (signal.SIGKILL, 5)):
+        if proc.poll() is not None:
+            break
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            pass

@@ -13,6 +13,7 @@ zero-length messages, so a rank whose buffer length differs from its peers' gets
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import Any
 
 import numpy as np
 
@@ -31,10 +32,10 @@ _SCATTER = {"ring": (ring.reduce_scatter, ring.allgather),
 Plan = list[tuple[list[Transfer], list[Transfer]]]
 
 
-def run_schedule(comm: Communicator, buf: np.ndarray, schedule: Schedule, plan: Plan | None = None) -> None:
-    """Execute ``schedule`` on this rank's ``buf`` (1-D, contiguous), round by round."""
+def run_schedule(comm: Communicator, buf: Any, schedule: Schedule, plan: Plan | None = None) -> None:
+    """Execute ``schedule`` on this rank's ``buf`` (1-D, contiguous array or tensor), round by round."""
     plan = plan if plan is not None else schedule.transfers_of(comm.rank)
-    bounds = chunk_bounds(buf.size, schedule.num_chunks)
+    bounds = chunk_bounds(len(buf), schedule.num_chunks)
     for k, (sends, recvs) in enumerate(plan):
         if sends or recvs:
             comm.exchange(
@@ -61,14 +62,26 @@ def _pick(table: dict, algorithm: str):
     return table[algorithm]
 
 
-def _flat(buf: np.ndarray) -> np.ndarray:
-    if not isinstance(buf, np.ndarray):
-        raise ConfigError(f"collectives take numpy arrays, got {type(buf).__name__}")
-    if buf.dtype.type not in _DTYPES:
-        raise ConfigError(f"dtype {buf.dtype} not supported: use float32, float64, int32 or int64")
-    if not buf.flags.c_contiguous:
-        raise ConfigError("collectives work in place on contiguous arrays: pass np.ascontiguousarray(buf)")
-    return buf.reshape(-1)
+def _flat(buf: Any) -> Any:
+    """A 1-D view of ``buf``: a numpy array, or a torch tensor (duck-typed: reference imports no torch)."""
+    if isinstance(buf, np.ndarray):
+        if buf.dtype.type not in _DTYPES:
+            raise ConfigError(f"dtype {buf.dtype} not supported: use float32, float64, int32 or int64")
+        if not buf.flags.c_contiguous:
+            raise ConfigError("collectives work in place on contiguous arrays: use np.ascontiguousarray")
+        return buf.reshape(-1)
+    if type(buf).__module__.startswith("torch"):
+        if str(buf.dtype).removeprefix("torch.") not in ("float32", "float64", "int32", "int64"):
+            raise ConfigError(f"dtype {buf.dtype} not supported: use float32, float64, int32 or int64")
+        if not buf.is_contiguous():
+            raise ConfigError("collectives work in place on contiguous tensors: pass t.contiguous()")
+        return buf.view(-1)
+    raise ConfigError(f"collectives take numpy arrays (or torch tensors), got {type(buf).__name__}")
+
+
+def _is_float(buf: Any) -> bool:
+    return buf.dtype.is_floating_point if hasattr(buf.dtype, "is_floating_point") else bool(
+        np.issubdtype(buf.dtype, np.floating))
 
 
 def _run(comm: Communicator, kind: str, buf: np.ndarray, algorithm: str, root: int = 0) -> np.ndarray:
@@ -86,7 +99,7 @@ def allreduce(comm: Communicator, buf: np.ndarray, algorithm: str = "ring", op: 
     if op not in ("sum", "mean"):
         raise ConfigError(f"op must be 'sum' or 'mean', got {op!r}")
     _flat(buf)
-    if op == "mean" and not np.issubdtype(buf.dtype, np.floating):
+    if op == "mean" and not _is_float(buf):
         raise ConfigError(f"op='mean' needs a floating-point buffer, got {buf.dtype}: use op='sum'")
     if algorithm == "native":
         flat = _flat(buf)
@@ -95,14 +108,14 @@ def allreduce(comm: Communicator, buf: np.ndarray, algorithm: str = "ring", op: 
     else:
         flat = _run(comm, "allreduce", buf, algorithm)
     if op == "mean" and comm.world_size > 1:
-        np.divide(flat, comm.world_size, out=flat)
+        flat /= comm.world_size
     return buf
 
 
 def reduce_scatter(comm: Communicator, buf: np.ndarray, algorithm: str = "ring") -> np.ndarray:
     """Afterwards this rank's chunk (``chunk_bounds(n, p)[rank]``) holds the sum; returns a view of it."""
     flat = _run(comm, "reduce_scatter", buf, algorithm)
-    return flat[slice(*chunk_bounds(flat.size, comm.world_size)[comm.rank])]
+    return flat[slice(*chunk_bounds(len(flat), comm.world_size)[comm.rank])]
 
 
 def allgather(comm: Communicator, buf: np.ndarray, algorithm: str = "ring") -> np.ndarray:
