@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from backends import bench
-from backends.launch import BackendUnavailable, RankError, World, check_backend
+from backends.launch import BackendUnavailable, RankError, World, check_backend, launcher_env, under_launcher
 from backends.runs import MODES, RunSpec, run_train
 from backends.table import Progress, format_table
 from reference.errors import ConfigError
@@ -82,7 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("train", help="train on N ranks and compare with one device")
     t.add_argument("--backend", default="local", help="local | mpi | torch")
-    t.add_argument("--world-size", type=int, default=4)
+    t.add_argument("--world-size", type=int, default=None,
+                   help="ranks to start (default 4; under mpiexec/torchrun: the launcher's)")
     t.add_argument("--algorithm", default="ring", help="naive | ring | tree | direct | native")
     t.add_argument("--mode", choices=MODES, default="sync")
     t.add_argument("--staleness", type=int, default=None, help="async only: clocks ahead of the slowest")
@@ -97,7 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(c)
 
     b = sub.add_parser("bench", help="nccl-tests-style all-reduce bandwidth, memcpy as the ceiling")
-    b.add_argument("--backend", default="local")
+    b.add_argument("--backends", "--backend", type=_csv(), default=["local"],
+                   help="local,mpi,torch: several in one run put their rows side by side")
     b.add_argument("--algorithms", type=_csv(), default=["ring", "tree", "naive", "native"])
     b.add_argument("--world-sizes", type=_csv(int), default=[2])
     b.add_argument("--sizes", type=_csv(bench.parse_size), default=[4096, 1 << 20, 16 << 20, 64 << 20],
@@ -111,10 +113,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_train(a: argparse.Namespace) -> list[dict[str, Any]]:
-    spec = RunSpec(a.backend, a.world_size, a.algorithm, a.mode, a.staleness, _train_config(a),
+    world_size = a.world_size
+    if world_size is None:
+        world_size = launcher_env(a.backend)[1] if under_launcher(a.backend) else 4
+    spec = RunSpec(a.backend, world_size, a.algorithm, a.mode, a.staleness, _train_config(a),
                    a.bucket_cap_mb, a.accum_steps)
     row, events = run_train(spec, trace=bool(a.trace))
-    if a.trace:
+    if a.trace and _is_printer(a):
         merged = merge(events)
         save_json(a.trace, merged, meta={"row": row})
         chrome = Path(a.trace).with_suffix(".chrome.json")
@@ -144,18 +149,26 @@ def cmd_compare(a: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def cmd_bench(a: argparse.Namespace) -> list[dict[str, Any]]:
-    check_backend(a.backend)
-    rows, progress = [], Progress(len(a.world_sizes))
-    for p in a.world_sizes:
-        with World(p, a.backend) as world:
-            per_rank = world.run(bench.bench_rank, a.algorithms, a.sizes, a.dtype, a.warmup,
-                                 a.target_seconds, a.max_iters)
-        rows += bench.summarize(a.backend, p, per_rank)
-        progress.step(f"world size {p}")
+    for backend in a.backends:
+        check_backend(backend)
+    rows, progress = [], Progress(len(a.world_sizes) * len(a.backends))
+    for backend in a.backends:
+        for p in a.world_sizes:
+            with World(p, backend) as world:
+                per_rank = world.run(bench.bench_rank, a.algorithms, a.sizes, a.dtype, a.warmup,
+                                     a.target_seconds, a.max_iters)
+            rows += bench.summarize(backend, p, per_rank)
+            progress.step(f"{backend} world size {p}")
     progress.close()
     memcpy = {r["bytes"]: r for r in rows if r["algorithm"] == "memcpy"}  # one ceiling row per size
     rows = [r for r in rows if r["algorithm"] != "memcpy"] + list(memcpy.values())
     return rows
+
+
+def _is_printer(a: argparse.Namespace) -> bool:
+    """Under mpiexec/torchrun every rank runs this command; only rank 0 reports."""
+    backend = getattr(a, "backend", "local")
+    return not under_launcher(backend) or launcher_env(backend)[0] == 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -169,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     except RankError as e:
         print(f"dplab {args.command}: {e}", file=sys.stderr)
         return 1
+    if not _is_printer(args):
+        return 0
     print(format_table(rows, BENCH_COLUMNS if args.command == "bench" else TRAIN_COLUMNS))
     if args.json:
         meta = {"command": args.command, "argv": sys.argv[1:] if argv is None else argv,

@@ -42,7 +42,7 @@ from backends.shm import PREFIX, sweep_stale, unlink_prefix
 from reference.errors import ConfigError, DplabError
 
 __all__ = ["launch", "World", "RankError", "BackendUnavailable", "BACKENDS", "check_backend",
-           "default_timeout", "under_launcher"]
+           "default_timeout", "under_launcher", "launcher_env"]
 
 BACKENDS = ("local", "mpi", "torch")
 
@@ -87,6 +87,17 @@ def under_launcher(backend: str) -> bool:
     if backend == "torch":
         return all(k in env for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
     return False
+
+
+def launcher_env(backend: str) -> tuple[int, int]:
+    """(rank, world_size) that mpiexec or torchrun gave this process."""
+    env = os.environ
+    keys = {"mpi": [("PMI_RANK", "PMI_SIZE"), ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE")],
+            "torch": [("RANK", "WORLD_SIZE")]}.get(backend, [])
+    for rank, size in keys:
+        if rank in env and size in env:
+            return int(env[rank]), int(env[size])
+    raise ConfigError(f"not running under a {backend} launcher")
 
 
 class World:

@@ -12,12 +12,12 @@ whole point: it should be at the level of float rounding (1e-16 in float64).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from backends.launch import World, check_backend
+from backends.launch import World, check_backend, launch
 from reference.errors import ConfigError
 from reference.sync import SyncConfig, train_sync
 from reference.trace import Event
@@ -71,13 +71,10 @@ def run_train(spec: RunSpec, world: World | None = None, trace: bool = False,
         single = train_single(spec.train).params
     if world is not None and world.world_size != spec.world_size:
         raise ConfigError(f"world has {world.world_size} ranks but the spec asks for {spec.world_size}")
-    own = world is None
-    world = world or World(spec.world_size, spec.backend)
-    try:
+    if world is not None:
         results = world.run(train_rank, spec, trace)
-    finally:
-        if own:
-            world.close()
+    else:  # fresh ranks, or the ranks of mpiexec/torchrun when we run under one
+        results = launch(train_rank, spec.world_size, spec.backend, args=(spec, trace))
     params = results[0][0]
     row = {
         "backend": spec.backend, "mode": spec.mode, "algorithm": spec.algorithm,
@@ -89,7 +86,3 @@ def run_train(spec: RunSpec, world: World | None = None, trace: bool = False,
         "wall_s": max(r[2] for r in results),
     }
     return row, [r[3] for r in results]
-
-
-def with_world_size(spec: RunSpec, p: int, algorithm: str, backend: str) -> RunSpec:
-    return replace(spec, world_size=p, algorithm=algorithm, backend=backend)
