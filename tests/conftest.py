@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 import pytest
 from hypothesis import HealthCheck, settings
 
-from backends.launch import World
+from backends.launch import BACKENDS, BackendUnavailable, World, check_backend
 
 settings.register_profile(
     "ci",
@@ -33,16 +33,31 @@ settings.register_profile(
 settings.load_profile("ci")
 
 
-@pytest.fixture(scope="session")
-def worlds() -> Iterator[Callable[[int], World]]:
-    """``get_world(p)``: the session's persistent world of ``p`` ranks (created lazily)."""
-    cache: dict[int, World] = {}
+def _backend_params() -> list:
+    return [pytest.param(name, marks=[] if name == "local" else [getattr(pytest.mark, name)], id=name)
+            for name in BACKENDS]
 
-    def get_world(p: int) -> World:
-        if p not in cache:
+
+@pytest.fixture(scope="session", params=_backend_params())
+def backend(request: pytest.FixtureRequest) -> str:
+    """Each installed backend in turn (the conformance suite); a missing one skips with its reason."""
+    try:
+        check_backend(request.param)
+    except BackendUnavailable as e:
+        pytest.skip(str(e))
+    return request.param
+
+
+@pytest.fixture(scope="session")
+def worlds() -> Iterator[Callable[..., World]]:
+    """``get_world(p, backend="local")``: the session's persistent world of ``p`` ranks (created lazily)."""
+    cache: dict[tuple[int, str], World] = {}
+
+    def get_world(p: int, backend: str = "local") -> World:
+        if (p, backend) not in cache:
             # A shorter timeout than the library default: a hang fails fast, not in a minute.
-            cache[p] = World(p, timeout=float(os.environ.get("DPLAB_TIMEOUT", "30")))
-        return cache[p]
+            cache[(p, backend)] = World(p, backend, timeout=float(os.environ.get("DPLAB_TIMEOUT", "30")))
+        return cache[(p, backend)]
 
     try:
         yield get_world

@@ -1,4 +1,4 @@
-"""The executor over the local (shared-memory) backend, on the session's persistent worlds.
+"""The executor on every installed backend (the conformance suite), on persistent worlds.
 
 Every rank builds its own data from ``(seed, rank)``, so the test process knows the exact
 answer without shipping the inputs. Integer-valued floats make sums exact in every dtype;
@@ -126,11 +126,11 @@ def world_and_length(draw, max_p: int = 8):
 @settings(max_examples=8 * BASE)
 @given(pn=world_and_length(), algorithm=st.sampled_from(ALGORITHMS), dtype=st.sampled_from(DTYPES),
        op=st.sampled_from(("sum", "mean")), how=st.sampled_from(ALLOCS), seed=st.integers(0, 2**31))
-def test_allreduce_is_the_exact_sum_on_every_rank(worlds, pn, algorithm, dtype, op, how, seed):
+def test_allreduce_is_the_exact_sum_on_every_rank(worlds, backend, pn, algorithm, dtype, op, how, seed):
     p, n = pn
     if op == "mean" and dtype.startswith("int"):
         op = "sum"  # ints cannot be averaged in place (checked below)
-    results = worlds(p).run(job_allreduce, algorithm, dtype, n, op, how, seed)
+    results = worlds(p, backend).run(job_allreduce, algorithm, dtype, n, op, how, seed)
     expected = exact_sum(p, seed, n, dtype)
     if op == "mean":
         np.divide(expected, p, out=expected)  # one correctly rounded division of the exact sum
@@ -143,10 +143,10 @@ def test_allreduce_is_the_exact_sum_on_every_rank(worlds, pn, algorithm, dtype, 
 @given(pn=world_and_length(), algorithm=st.sampled_from(ALGORITHMS),
        dtype=st.sampled_from(("float32", "float64")), how=st.sampled_from(ALLOCS),
        seed=st.integers(0, 2**31))
-def test_allreduce_of_arbitrary_floats_agrees_bitwise_across_ranks(worlds, pn, algorithm, dtype,
+def test_allreduce_of_arbitrary_floats_agrees_bitwise_across_ranks(worlds, backend, pn, algorithm, dtype,
                                                                    how, seed):
     p, n = pn
-    results = worlds(p).run(job_allreduce, algorithm, dtype, n, "mean", how, seed, "normal")
+    results = worlds(p, backend).run(job_allreduce, algorithm, dtype, n, "mean", how, seed, "normal")
     outs = [out for _, _, out in results]
     exact = sum(rank_data(seed, r, n, dtype, "normal").astype(np.float64) for r in range(p)) / p
     tol = 1e-5 if dtype == "float32" else 1e-12
@@ -169,11 +169,11 @@ def test_multidimensional_contiguous_arrays_reduce_in_place(worlds, shape, how, 
 
 
 @pytest.mark.parametrize("p", [1, 2, 5, 8])
-def test_large_buffer_every_algorithm(worlds, p):
+def test_large_buffer_every_algorithm(worlds, backend, p):
     n = 100_003
     for algorithm in ALGORITHMS:
         for how in ALLOCS:
-            results = worlds(p).run(job_allreduce, algorithm, "int64", n, "sum", how, p)
+            results = worlds(p, backend).run(job_allreduce, algorithm, "int64", n, "sum", how, p)
             assert_identical_everywhere([o for _, _, o in results], exact_sum(p, p, n, "int64"),
                                         f"{algorithm} {how}")
 
@@ -193,9 +193,9 @@ def test_repeated_allreduces_on_one_world_stay_correct(worlds):
 @settings(max_examples=2 * BASE)
 @given(pn=world_and_length(), algorithm=st.sampled_from(("ring", "direct")),
        dtype=st.sampled_from(DTYPES), how=st.sampled_from(ALLOCS), seed=st.integers(0, 2**31))
-def test_reduce_scatter_returns_the_ranks_reduced_chunk(worlds, pn, algorithm, dtype, how, seed):
+def test_reduce_scatter_returns_the_ranks_reduced_chunk(worlds, backend, pn, algorithm, dtype, how, seed):
     p, n = pn
-    results = worlds(p).run(job_reduce_scatter, algorithm, dtype, n, how, seed)
+    results = worlds(p, backend).run(job_reduce_scatter, algorithm, dtype, n, how, seed)
     total = exact_sum(p, seed, n, dtype)
     for rank, ((a, b), (is_view, mine)) in enumerate(zip(chunk_bounds(n, p), results)):
         assert is_view, "reduce_scatter returns a view of the rank's chunk of buf"
@@ -206,9 +206,9 @@ def test_reduce_scatter_returns_the_ranks_reduced_chunk(worlds, pn, algorithm, d
 @settings(max_examples=2 * BASE)
 @given(pn=world_and_length(), algorithm=st.sampled_from(("ring", "direct")),
        dtype=st.sampled_from(DTYPES), how=st.sampled_from(ALLOCS), seed=st.integers(0, 2**31))
-def test_allgather_gives_everyone_every_chunk(worlds, pn, algorithm, dtype, how, seed):
+def test_allgather_gives_everyone_every_chunk(worlds, backend, pn, algorithm, dtype, how, seed):
     p, n = pn
-    results = worlds(p).run(job_allgather, algorithm, dtype, n, how, seed)
+    results = worlds(p, backend).run(job_allgather, algorithm, dtype, n, how, seed)
     expected = np.empty(n, dtype)
     for r, (a, b) in enumerate(chunk_bounds(n, p)):
         expected[a:b] = rank_data(seed, r, n, dtype)[a:b]
@@ -218,16 +218,16 @@ def test_allgather_gives_everyone_every_chunk(worlds, pn, algorithm, dtype, how,
 
 @pytest.mark.parametrize("algorithm", ["tree", "naive"])
 @pytest.mark.parametrize("p", [1, 2, 3, 5, 6, 8])
-def test_broadcast_and_reduce_from_every_root(worlds, algorithm, p):
+def test_broadcast_and_reduce_from_every_root(worlds, backend, algorithm, p):
     for root in range(p):
         for n, dtype, how in ((0, "int32", "shm"), (1, "float32", "numpy"), (101, "int64", "shm"),
                               (1000 + root, "float64", "numpy")):
             seed = 7 * root + n
-            results = worlds(p).run(job_rooted, "broadcast", algorithm, root, dtype, n, how, seed)
+            results = worlds(p, backend).run(job_rooted, "broadcast", algorithm, root, dtype, n, how, seed)
             assert all(same for same, _ in results)
             assert_identical_everywhere([o for _, o in results], rank_data(seed, root, n, dtype),
                                         f"broadcast root {root} n={n}")
-            results = worlds(p).run(job_rooted, "reduce", algorithm, root, dtype, n, how, seed)
+            results = worlds(p, backend).run(job_rooted, "reduce", algorithm, root, dtype, n, how, seed)
             assert results[root][0]
             np.testing.assert_array_equal(results[root][1], exact_sum(p, seed, n, dtype),
                                           err_msg=f"reduce root {root} n={n}")
@@ -249,8 +249,8 @@ def test_broadcast_and_reduce_from_every_root(worlds, algorithm, p):
     ("broadcast-root", "root"),
     ("reduce-root", "root"),
 ])
-def test_misuse_raises_config_error_on_every_rank(worlds, call, match):
-    for name, is_config_error, message in worlds(2).run(job_error, call):
+def test_misuse_raises_config_error_on_every_rank(worlds, backend, call, match):
+    for name, is_config_error, message in worlds(2, backend).run(job_error, call):
         assert is_config_error, f"{call}: got {name}: {message}"
         assert match in message
 

@@ -109,16 +109,16 @@ def check_equals_single(results, cfg: TrainConfig, tol: float) -> None:
 
 @settings(max_examples=3 * EXAMPLES, deadline=None)
 @given(p=st.integers(1, 8), cfg=train_configs(), sync=sync_configs)
-def test_train_sync_equals_train_single_float64(worlds, p, cfg, sync):
-    results = worlds(p).run(_train, cfg, sync)
+def test_train_sync_equals_train_single_float64(worlds, backend, p, cfg, sync):
+    results = worlds(p, backend).run(_train, cfg, sync)
     assert len(results) == p
     check_equals_single(results, cfg, 1e-10)
 
 
 @settings(max_examples=EXAMPLES, deadline=None)
 @given(p=st.integers(1, 8), cfg=train_configs("float32"), sync=sync_configs)
-def test_train_sync_equals_train_single_float32(worlds, p, cfg, sync):
-    results = worlds(p).run(_train, cfg, sync)
+def test_train_sync_equals_train_single_float32(worlds, backend, p, cfg, sync):
+    results = worlds(p, backend).run(_train, cfg, sync)
     check_equals_single(results, cfg, 1e-5)
 
 
@@ -133,10 +133,10 @@ BASE = TrainConfig(model=MLPConfig(in_dim=5, hidden=(7, 6), out_dim=3), num_samp
     (3, 100, 2),  # batch larger than the data set: indices repeat across epochs
 ])
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
-def test_empty_shards_and_micro_batches_still_match(worlds, p, global_batch, accum_steps, algorithm):
+def test_empty_shards_and_micro_batches_still_match(worlds, backend, p, global_batch, accum_steps, algorithm):
     cfg = dataclasses.replace(BASE, global_batch=global_batch)
     sync = SyncConfig(algorithm, bucket_cap_mb=1e-6, accum_steps=accum_steps)
-    check_equals_single(worlds(p).run(_train, cfg, sync), cfg, 1e-10)
+    check_equals_single(worlds(p, backend).run(_train, cfg, sync), cfg, 1e-10)
 
 
 def test_training_actually_moves_the_parameters(worlds):
@@ -151,13 +151,13 @@ def test_training_actually_moves_the_parameters(worlds):
 # -- the broadcast ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("p", [2, 3, 5])
-def test_steps_zero_returns_rank0_initial_params_on_every_rank(worlds, p):
+def test_steps_zero_returns_rank0_initial_params_on_every_rank(worlds, backend, p):
     cfg = dataclasses.replace(BASE, steps=0)
     model, _, initial = setup(cfg)
     # Without the broadcast the other ranks would start elsewhere: the test can tell.
     for rank in range(1, p):
         assert not np.array_equal(model.init_params(cfg.seed + 1 + rank), initial)
-    results = worlds(p).run(_train, cfg, SyncConfig("tree"))
+    results = worlds(p, backend).run(_train, cfg, SyncConfig("tree"))
     for rank, r in enumerate(results):
         assert r.losses == []
         assert r.params.dtype == initial.dtype
