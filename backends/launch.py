@@ -26,17 +26,14 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import secrets
-import shutil
 import signal
 import subprocess
-import sys
-import threading
 from collections.abc import Callable
 from functools import partial
-from multiprocessing.connection import Listener, wait
-from pathlib import Path
+from multiprocessing.connection import wait
 from typing import Any
 
+from backends.mpiexec import kill_group, start_mpiexec
 from backends.serve import die_with_parent, serve
 from backends.shm import PREFIX, sweep_stale, unlink_prefix
 from reference.errors import ConfigError, DplabError
@@ -149,27 +146,7 @@ class World:
             self._procs.append(proc)
 
     def _start_mpiexec(self, job: tuple[Callable, tuple] | None) -> None:
-        key = secrets.token_bytes(16)
-        listener = Listener(("127.0.0.1", 0), authkey=key)
-        env = dict(os.environ, DPLAB_AUTHKEY=key.hex(), DPLAB_TIMEOUT=str(self.timeout),
-                   DPLAB_SYS_PATH=os.pathsep.join(p for p in sys.path if p))
-        host, port = listener.address
-        cmd = [_mpiexec(), "-n", str(self.world_size), sys.executable, "-m", "backends.serve",
-               f"{host}:{port}"]
-        self._mpiexec = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL,
-                                         start_new_session=True)
-        conns: list[Any] = []
-        accepter = threading.Thread(target=lambda: [conns.append(listener.accept())
-                                                    for _ in range(self.world_size)], daemon=True)
-        accepter.start()
-        accepter.join(self.timeout)
-        listener.close()
-        if len(conns) < self.world_size:
-            self.abort()
-            raise RankError(len(conns), f"only {len(conns)} of {self.world_size} MPI ranks connected "
-                                        f"within {self.timeout:.0f}s (mpiexec: {' '.join(cmd)})")
-        by_rank = {c.recv(): c for c in conns}
-        self._conns = [by_rank[r] for r in range(self.world_size)]
+        self._mpiexec, self._conns = start_mpiexec(self.world_size, self.timeout)
         if job is not None:
             for conn in self._conns:
                 conn.send(job)
@@ -226,7 +203,7 @@ class World:
         for proc in self._procs:
             proc.join(5)
         if self._mpiexec is not None:
-            _kill_group(self._mpiexec)
+            kill_group(self._mpiexec)
         for conn in self._conns:
             conn.close()
         self._procs, self._conns, self._mpiexec = [], [], None
@@ -294,26 +271,3 @@ def _launch_here(fn: Callable, world_size: int | None, backend: str, args: tuple
 def _forked_rank(connect: Callable[[], Any], conn: Any, job: tuple[Callable, tuple] | None) -> None:
     die_with_parent()
     serve(connect, conn, job)
-
-
-def _mpiexec() -> str:
-    beside = Path(sys.executable).parent / "mpiexec"  # the mpich wheel installs it in the venv
-    found = str(beside) if beside.exists() else shutil.which("mpiexec")
-    if not found:
-        raise BackendUnavailable("no mpiexec found: pip install 'dplab[mpi]' (mpi4py + the mpich wheel)")
-    return found
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    """mpiexec runs in its own session: stop it and every rank it started."""
-    for sig, grace in ((signal.SIGTERM, 3), (signal.SIGKILL, 5)):
-        if proc.poll() is not None:
-            break
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            break
-        try:
-            proc.wait(grace)
-        except subprocess.TimeoutExpired:
-            pass
