@@ -467,11 +467,13 @@ def test_bad_world_size_is_a_config_error(bad):
         launch(lambda comm: None, bad)
 
 
-@pytest.mark.parametrize("backend", ["mpi", "torch"])
-def test_engine_backends_are_unavailable_for_now(backend):
-    with pytest.raises(BackendUnavailable, match=backend):
+@pytest.mark.parametrize("backend, module", [("mpi", "backends.mpi"), ("torch", "backends.torchdist")])
+def test_a_missing_engine_is_unavailable_with_its_reason(backend, module, monkeypatch):
+    """When mpi4py/torch is not installed, launching says so and what to install."""
+    monkeypatch.setattr(f"{module}.available", lambda: "not installed here: pip install 'dplab[x]'")
+    with pytest.raises(BackendUnavailable, match="pip install"):
         launch(lambda comm: None, 2, backend=backend)
-    with pytest.raises(BackendUnavailable):
+    with pytest.raises(BackendUnavailable, match=backend):
         World(2, backend=backend)
     assert issubclass(BackendUnavailable, DplabError)
 
