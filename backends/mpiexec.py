@@ -35,7 +35,7 @@ def start_mpiexec(world_size: int, timeout: float) -> tuple[subprocess.Popen, li
     if mpiexec is None:
         raise DplabError("no mpiexec found: pip install 'dplab[mpi]' (mpi4py + the mpich wheel)")
     key = secrets.token_bytes(16)
-    listener = Listener(("127.0.0.1", 0), authkey=key)
+    listener = Listener(("127.0.0.1", 0), backlog=world_size, authkey=key)  # all ranks dial at once
     host, port = listener.address
     env = dict(os.environ, DPLAB_AUTHKEY=key.hex(), DPLAB_TIMEOUT=str(timeout),
                DPLAB_SYS_PATH=os.pathsep.join(p for p in sys.path if p))

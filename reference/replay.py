@@ -1,0 +1,70 @@
+"""Replay a parameter server's log on one device: the proof that the log tells the whole story.
+
+An asynchronous run is not reproducible by re-running it (the interleaving of workers
+depends on timing), but it is reproducible from its log. Every gradient is a pure
+function of (parameter version, worker, clock): the version fixes the parameters, the
+worker and clock fix the micro-batch. So, on one device:
+
+    versions = [initial params]
+    for each update in log order (one log entry, or a clock's entries when aggregating):
+        recompute each entry's gradient at versions[entry.version], on its micro-batch
+        apply them (summed in log order) with ONE optimizer, started fresh
+        versions.append(copy of params)          # the version this update produced
+
+The same functions as the server and the workers (``worker_batch``, ``compute_gradient``,
+``combine``, the optimizer's ``step``) on the same inputs give the same bits:
+
+    >>> from reference.replay import replay
+    >>> np.array_equal(replay(cfg, acfg, result.log), result.params)   # doctest: +SKIP
+    True
+"""
+
+from __future__ import annotations
+
+from itertools import groupby
+
+import numpy as np
+
+from reference.async_ps import AsyncConfig, LogEntry, combine, compute_gradient, worker_batch
+from reference.errors import ConfigError
+from reference.optim import make_optimizer
+from reference.train import TrainConfig, setup
+
+__all__ = ["replay"]
+
+
+def replay(cfg: TrainConfig, acfg: AsyncConfig, log: list[LogEntry],
+           workers: int | None = None) -> np.ndarray:
+    """The server's final parameters, recomputed from its log; ``workers`` defaults to the largest in it."""
+    acfg.validate()
+    model, data, params = setup(cfg)
+    workers = workers if workers is not None else max((e.worker for e in log), default=1)
+    opt = make_optimizer(cfg.optimizer, model.num_params, params.dtype)
+    versions = [params.copy()]  # versions[v]: the parameters after v updates
+    for produced, group in groupby(log, key=lambda e: e.produced):
+        entries = list(group)
+        check_update(entries, produced, len(versions), workers, acfg.aggregate)
+        grads = []
+        for e in entries:
+            grad = np.empty_like(params)
+            idx = worker_batch(cfg, e.worker, workers, e.clock)
+            compute_gradient(model, data, cfg, versions[e.version], idx, grad)
+            grads.append(grad)
+        opt.step(params, combine(grads))
+        versions.append(params.copy())
+    return params
+
+
+def check_update(entries: list[LogEntry], produced: int, expected: int, workers: int,
+                 aggregate: bool) -> None:
+    """A log that cannot come from the server is a ConfigError, not a silently different answer."""
+    if produced != expected:
+        raise ConfigError(f"log entry produces version {produced} but {expected} comes next: pass the "
+                          "server's log unchanged, in order")
+    if len(entries) != (workers if aggregate else 1):
+        raise ConfigError(f"version {produced} was produced by {len(entries)} gradients: aggregate="
+                          f"{aggregate} needs {workers if aggregate else 1} (pass the run's AsyncConfig)")
+    for e in entries:
+        if not 0 <= e.version < produced or not 1 <= e.worker <= workers:
+            raise ConfigError(f"log entry {e} computed on a version it could not have seen, or by a "
+                              f"worker outside 1..{workers}")
