@@ -32,6 +32,7 @@ __all__ = ["main"]
 
 TRAIN_COLUMNS = ["backend", "mode", "algorithm", "world_size", "steps", "final_loss",
                  "max_abs_diff_vs_single", "ranks_identical", "wall_s"]
+ASYNC_COLUMNS = [*TRAIN_COLUMNS, "max_staleness", "replay_exact"]
 BENCH_COLUMNS = ["backend", "algorithm", "world_size", "bytes", "time_us", "algbw_gbps",
                  "busbw_gbps", "vs_memcpy", "staged_bytes"]
 
@@ -48,6 +49,15 @@ def _csv(kind: type = str):
         except ValueError as e:
             raise argparse.ArgumentTypeError(f"bad list {text!r}: {e}") from None
     return parse
+
+
+def _staleness(text: str) -> int | None:
+    if text.lower() in ("inf", "none", "unbounded"):
+        return None
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"staleness must be >= 0 or 'inf', got {value}")
+    return value
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -86,7 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ranks to start (default 4; under mpiexec/torchrun: the launcher's)")
     t.add_argument("--algorithm", default="ring", help="naive | ring | tree | direct | native")
     t.add_argument("--mode", choices=MODES, default="sync")
-    t.add_argument("--staleness", type=int, default=None, help="async only: clocks ahead of the slowest")
+    t.add_argument("--staleness", type=_staleness, default=None,
+                   help="async: clocks a worker may run ahead of the slowest (0 = lock-step; "
+                        "default inf = fully asynchronous)")
     t.add_argument("--trace", metavar="PATH", help="write the merged trace (and PATH.chrome.json)")
     _add_model_args(t)
 
@@ -184,7 +196,12 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if not _is_printer(args):
         return 0
-    print(format_table(rows, BENCH_COLUMNS if args.command == "bench" else TRAIN_COLUMNS))
+    columns = TRAIN_COLUMNS
+    if args.command == "bench":
+        columns = BENCH_COLUMNS
+    elif any(r.get("mode") == "async" for r in rows):
+        columns = ASYNC_COLUMNS
+    print(format_table(rows, columns))
     if args.json:
         meta = {"command": args.command, "argv": sys.argv[1:] if argv is None else argv,
                 "python": platform.python_version(), "machine": platform.machine()}

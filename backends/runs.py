@@ -18,7 +18,9 @@ from typing import Any
 import numpy as np
 
 from backends.launch import World, check_backend, launch
+from reference.async_ps import AsyncConfig, train_async
 from reference.errors import ConfigError
+from reference.replay import replay
 from reference.sync import SyncConfig, train_sync
 from reference.trace import Event
 from reference.train import TrainConfig, evaluate, train_single
@@ -45,22 +47,38 @@ class RunSpec:
         check_backend(self.backend)
         if self.mode not in MODES:
             raise ConfigError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
-        if self.mode == "async":
-            raise ConfigError("mode 'async' (parameter server) is not available yet in this version "
-                              "of dplab: use --mode sync")
         self.train.validate()
-        SyncConfig(self.algorithm, self.bucket_cap_mb, self.accum_steps).validate()
+        if self.mode == "async":
+            self.async_config().validate(self.world_size)
+        else:
+            SyncConfig(self.algorithm, self.bucket_cap_mb, self.accum_steps).validate()
+
+    def async_config(self) -> AsyncConfig:
+        return AsyncConfig(staleness=self.staleness)
 
 
-def train_rank(comm: Any, spec: RunSpec, trace: bool) -> tuple[np.ndarray, list[float], float, list[Event]]:
-    """What every rank runs: synchronous training, timed, with its trace events."""
+def train_rank(comm: Any, spec: RunSpec, trace: bool) -> tuple[np.ndarray, Any, float, list[Event]]:
+    """What every rank runs: sync or async training, timed, with its trace events.
+
+    The second item is the per-step losses (sync) or the server's log (async).
+    """
     comm.tracer.enabled = trace
     comm.barrier()
     t0 = time.perf_counter()
-    result = train_sync(comm, spec.train, SyncConfig(spec.algorithm, spec.bucket_cap_mb, spec.accum_steps))
+    if spec.mode == "async":
+        result = train_async(comm, spec.train, spec.async_config())
+        extra = result.log
+    else:
+        result = train_sync(comm, spec.train, SyncConfig(spec.algorithm, spec.bucket_cap_mb,
+                                                         spec.accum_steps))
+        extra = result.losses
     wall = time.perf_counter() - t0
     comm.tracer.enabled = False
-    return result.params, result.losses, wall, comm.tracer.take()
+    return result.params, extra, wall, comm.tracer.take()
+
+
+def _bound(staleness: int | None) -> str:
+    return "inf" if staleness is None else str(staleness)
 
 
 def run_train(spec: RunSpec, world: World | None = None, trace: bool = False,
@@ -75,14 +93,20 @@ def run_train(spec: RunSpec, world: World | None = None, trace: bool = False,
         results = world.run(train_rank, spec, trace)
     else:  # fresh ranks, or the ranks of mpiexec/torchrun when we run under one
         results = launch(train_rank, spec.world_size, spec.backend, args=(spec, trace))
-    params = results[0][0]
+    params = results[0][0]  # rank 0: a replica (sync) or the server (async)
+    replicas = results if spec.mode == "sync" else results[:1]
     row = {
-        "backend": spec.backend, "mode": spec.mode, "algorithm": spec.algorithm,
+        "backend": spec.backend, "mode": spec.mode,
+        "algorithm": spec.algorithm if spec.mode == "sync" else f"ps s={_bound(spec.staleness)}",
         "world_size": spec.world_size, "steps": spec.train.steps,
         "global_batch": spec.train.global_batch,
         "final_loss": float(evaluate(spec.train, params)),
-        "max_abs_diff_vs_single": float(max(np.max(np.abs(r[0] - single), initial=0.0) for r in results)),
-        "ranks_identical": all(np.array_equal(r[0], params) for r in results),
+        "max_abs_diff_vs_single": float(max(np.max(np.abs(r[0] - single), initial=0.0) for r in replicas)),
+        "ranks_identical": all(np.array_equal(r[0], params) for r in replicas),
         "wall_s": max(r[2] for r in results),
     }
+    if spec.mode == "async":  # the proof of an async run: its log replays to the same bits
+        log = results[0][1]
+        row["replay_exact"] = bool(np.array_equal(replay(spec.train, spec.async_config(), log), params))
+        row["max_staleness"] = max((e.staleness for e in log), default=0)
     return row, [r[3] for r in results]

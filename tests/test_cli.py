@@ -63,7 +63,8 @@ def test_bench_rows_have_busbw_and_memcpy_ceiling(tmp_path, capsys):
     (["train", "--world-size", "0"], "world_size must be a positive integer"),
     (["train", "--algorithm", "bogus"], "unknown algorithm 'bogus'"),
     (["train", "--backend", "nccl"], "unknown backend 'nccl'"),
-    (["train", "--mode", "async"], "not available yet"),
+    (["train", "--mode", "async", "--world-size", "1"], "world_size >= 2"),
+    (["train", "--mode", "async", "--staleness", "-1"], "staleness must be >= 0"),
     (["train", "--global-batch", "0"], "global_batch must be >= 1"),
     (["train", "--hidden", "x"], "bad list"),
     (["train", "--steps", "ten"], "invalid int value"),
@@ -84,3 +85,18 @@ def test_bad_config_is_rejected_before_any_rank_starts(capsys):
                "--bucket-cap-mb", "-1"])
     assert rc == 2  # caught up front by validation, before any rank starts
     assert "bucket_cap_mb must be > 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("staleness", ["0", "2", "inf"])
+def test_async_train_row_replays_exactly(tmp_path, capsys, staleness):
+    out = tmp_path / "async.json"
+    rc = main(["train", "--mode", "async", "--world-size", "4", "--staleness", staleness,
+               "--steps", "6", "--json", str(out)])
+    assert rc == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["mode"] == "async" and row["algorithm"] == f"ps s={staleness}"
+    assert row["replay_exact"] is True
+    bound = 10**9 if staleness == "inf" else int(staleness)
+    assert 0 <= row["max_staleness"]
+    assert row["final_loss"] > 0 and row["max_abs_diff_vs_single"] > 0  # async is not sync
+    assert bound >= 0
