@@ -28,6 +28,8 @@ import os
 import secrets
 import signal
 import subprocess
+import sys
+import traceback
 from collections.abc import Callable
 from functools import partial
 from multiprocessing.connection import wait
@@ -263,7 +265,13 @@ def _launch_here(fn: Callable, world_size: int | None, backend: str, args: tuple
         if world_size is not None and world_size != comm.world_size:
             raise ConfigError(f"the launcher started {comm.world_size} ranks but world_size is "
                               f"{world_size}: drop --world-size or make them agree")
-        return comm.allgather_object(fn(comm, *args))
+        result = fn(comm, *args)
+    except BaseException:
+        print(f"rank {comm.rank} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        getattr(comm, "abort", comm.close)()  # MPI_Abort / close: the peers fail fast, no hang
+        raise
+    try:
+        return comm.allgather_object(result)
     finally:
         comm.close()
 
