@@ -37,6 +37,10 @@ def serve(connect: Callable[[], Any], conn: Any, job: Job | None = None) -> None
                     job = conn.recv()
                 except (EOFError, OSError):
                     return
+                except Exception:  # e.g. fn defined in the launcher's __main__: not importable here
+                    conn.send(("error", f"{traceback.format_exc()}\nthis rank could not unpickle the "
+                                        "job: define fn at module level of an importable module"))
+                    continue
                 if job is None:
                     return
             fn, args = job
