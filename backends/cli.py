@@ -2,6 +2,7 @@
 
     dplab train --world-size 4 --algorithm ring --steps 50 --trace run.json
     dplab compare                                   # naive/ring/tree/native x 1..4 ranks
+    dplab compare --modes sync,async --straggler 1:4  # 3 s each: sync, backup workers, async
     dplab bench --world-sizes 2 --sizes 4K,16M,64M
 
 Every command prints a table; ``--json PATH`` writes the same rows as JSON.
@@ -12,27 +13,34 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from backends import bench
+from backends.compare import EQUIVALENCE_DEFAULTS, RACE_DEFAULTS, compare_specs, run_specs
 from backends.launch import BackendUnavailable, RankError, World, check_backend, launcher_env, under_launcher
 from backends.runs import MODES, RunSpec, run_train
 from backends.table import Progress, format_table
 from reference.errors import ConfigError
 from reference.model import MLPConfig
 from reference.optim import OptimConfig
+from reference.straggler import Stragglers, check_stragglers, parse_stragglers
 from reference.trace import merge, save_json, to_chrome
-from reference.train import TrainConfig, train_single
+from reference.train import TrainConfig
 
 __all__ = ["main"]
 
 TRAIN_COLUMNS = ["backend", "mode", "algorithm", "world_size", "steps", "final_loss",
                  "max_abs_diff_vs_single", "ranks_identical", "wall_s"]
 ASYNC_COLUMNS = [*TRAIN_COLUMNS, "max_staleness", "replay_exact"]
+RACE_COLUMNS = ["backend", "mode", "algorithm", "world_size", "straggler", "updates", "samples_per_s",
+                "final_loss", "wall_s", "max_abs_diff_vs_single", "max_staleness", "dropped",
+                "replay_exact"]
+UNLIMITED_STEPS = 10**9  # --steps under a time budget, unless given: the clock decides
+AUTO = object()  # --time-budget not given: compare picks by --modes
 BENCH_COLUMNS = ["backend", "algorithm", "world_size", "bytes", "time_us", "algbw_gbps",
                  "busbw_gbps", "vs_memcpy", "staged_bytes"]
 
@@ -60,6 +68,32 @@ def _staleness(text: str) -> int | None:
     return value
 
 
+def _budget(text: str) -> float | None:
+    if text.lower() in ("none", "off"):
+        return None
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"time budget must be seconds >= 0 or 'none', got {text}")
+    return value
+
+
+def _straggler(text: str) -> Stragglers:
+    try:
+        stragglers = parse_stragglers(text)
+        check_stragglers(stragglers)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return stragglers
+
+
+def _add_time_args(p: argparse.ArgumentParser, budget_help: str) -> None:
+    g = p.add_argument_group("stragglers and time")
+    g.add_argument("--straggler", type=_straggler, action="append", default=[], metavar="RANK:FACTOR",
+                   help="slow RANK's compute FACTOR times (repeat, or 1:4,2:2); in async/backup "
+                        "rank 0 is the server and cannot be slowed")
+    g.add_argument("--time-budget", type=_budget, default=AUTO, metavar="SECONDS", help=budget_help)
+
+
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model and data")
     g.add_argument("--dataset", choices=["regression", "classification"], default="regression")
@@ -69,21 +103,33 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--activation", choices=["tanh", "relu"], default="tanh")
     g.add_argument("--num-samples", type=int, default=1024)
     g.add_argument("--global-batch", type=int, default=64)
-    g.add_argument("--steps", type=int, default=50)
+    g.add_argument("--steps", type=int, default=None,
+                   help="steps (clocks per worker in async); default 50, or no limit under a time budget")
     g.add_argument("--optimizer", choices=["sgd", "momentum", "adam"], default="adam")
     g.add_argument("--lr", type=float, default=0.01)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--dtype", choices=["float64", "float32"], default="float64")
     g.add_argument("--bucket-cap-mb", type=float, default=25.0)
     g.add_argument("--accum-steps", type=int, default=1, help="micro-batches per step")
+    _add_common_args(p)
+
+
+def _add_common_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", choices=["cpu", "cuda"], default=None,
+                   help="torch backend: gloo on CPU (default) or NCCL with one GPU per rank")
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
 
 
-def _train_config(a: argparse.Namespace) -> TrainConfig:
+def _train_config(a: argparse.Namespace, budget: float | None) -> TrainConfig:
     loss = "mse" if a.dataset == "regression" else "xent"
     model = MLPConfig(a.in_dim, tuple(a.hidden), a.out_dim, a.activation, loss)
-    return TrainConfig(model, a.dataset, a.num_samples, a.global_batch, a.steps,
+    steps = a.steps if a.steps is not None else 50 if budget is None else UNLIMITED_STEPS
+    return TrainConfig(model, a.dataset, a.num_samples, a.global_batch, steps,
                        OptimConfig(a.optimizer, a.lr), a.seed, a.dtype)
+
+
+def _stragglers(a: argparse.Namespace) -> Stragglers:
+    return tuple(pair for given in a.straggler for pair in given)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -95,18 +141,31 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--world-size", type=int, default=None,
                    help="ranks to start (default 4; under mpiexec/torchrun: the launcher's)")
     t.add_argument("--algorithm", default="ring", help="naive | ring | tree | direct | native")
-    t.add_argument("--mode", choices=MODES, default="sync")
+    t.add_argument("--mode", choices=MODES, default="sync",
+                   help="sync: all-reduce; async: parameter server; backup: synchronous through the "
+                        "parameter server, each step from the first W - b gradients")
     t.add_argument("--staleness", type=_staleness, default=None,
                    help="async: clocks a worker may run ahead of the slowest (0 = lock-step; "
                         "default inf = fully asynchronous)")
+    t.add_argument("--backup-workers", type=int, default=1, help="backup: gradients dropped per step")
     t.add_argument("--trace", metavar="PATH", help="write the merged trace (and PATH.chrome.json)")
+    _add_time_args(t, "stop after this much wall time (default: none, train --steps)")
     _add_model_args(t)
 
     c = sub.add_parser("compare", help="the same run over backends x algorithms x world sizes")
     c.add_argument("--backends", type=_csv(), default=["local"])
-    c.add_argument("--algorithms", type=_csv(), default=["naive", "ring", "tree", "native"])
-    c.add_argument("--world-sizes", type=_csv(int), default=[1, 2, 3, 4])
-    c.add_argument("--modes", type=_csv(), default=["sync"])
+    c.add_argument("--algorithms", type=_csv(), default=None,
+                   help="default naive,ring,tree,native (ring in a race)")
+    c.add_argument("--world-sizes", type=_csv(int), default=None, help="default 1,2,3,4 (4 in a race)")
+    c.add_argument("--modes", type=_csv(), default=["sync"],
+                   help="sync,async,backup; with async (or a --time-budget) the cells race for the "
+                        "same wall time, and sync brings the backup-worker rows along")
+    c.add_argument("--staleness-grid", type=_csv(_staleness), default=RACE_DEFAULTS["staleness_grid"],
+                   help="race: the async staleness bounds (default 0,2,inf)")
+    c.add_argument("--backup-workers", type=_csv(int), default=RACE_DEFAULTS["backup_workers"],
+                   help="race: b for each backup-worker row (default 1)")
+    _add_time_args(c, f"a race: every cell trains this long (default {RACE_DEFAULTS['time_budget_s']:g} s "
+                      "once async is in --modes, else none: a fixed --steps)")
     _add_model_args(c)
 
     b = sub.add_parser("bench", help="nccl-tests-style all-reduce bandwidth, memcpy as the ceiling")
@@ -120,7 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--warmup", type=int, default=3)
     b.add_argument("--target-seconds", type=float, default=0.3, help="timed work per cell")
     b.add_argument("--max-iters", type=int, default=2000)
-    b.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    _add_common_args(b)
     return parser
 
 
@@ -128,8 +187,9 @@ def cmd_train(a: argparse.Namespace) -> list[dict[str, Any]]:
     world_size = a.world_size
     if world_size is None:
         world_size = launcher_env(a.backend)[1] if under_launcher(a.backend) else 4
-    spec = RunSpec(a.backend, world_size, a.algorithm, a.mode, a.staleness, _train_config(a),
-                   a.bucket_cap_mb, a.accum_steps)
+    budget = None if a.time_budget is AUTO else a.time_budget
+    spec = RunSpec(a.backend, world_size, a.algorithm, a.mode, a.staleness, _train_config(a, budget),
+                   a.bucket_cap_mb, a.accum_steps, _stragglers(a), budget, a.backup_workers)
     row, events = run_train(spec, trace=bool(a.trace))
     if a.trace and _is_printer(a):
         merged = merge(events)
@@ -141,23 +201,19 @@ def cmd_train(a: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def cmd_compare(a: argparse.Namespace) -> list[dict[str, Any]]:
-    base = RunSpec(train=_train_config(a), bucket_cap_mb=a.bucket_cap_mb, accum_steps=a.accum_steps)
-    cells = [(b, m, p, alg) for b in a.backends for m in a.modes for p in a.world_sizes
-             for alg in a.algorithms]
-    for b, m, p, alg in cells:  # reject bad input before any work starts
-        replace(base, backend=b, mode=m, world_size=p, algorithm=alg).validate()
-    single = train_single(base.train).params
-    rows, progress = [], Progress(len(cells))
-    for b in a.backends:
-        for p in a.world_sizes:
-            with World(p, b) as world:
-                for m in a.modes:
-                    for alg in a.algorithms:
-                        spec = replace(base, backend=b, mode=m, world_size=p, algorithm=alg)
-                        rows.append(run_train(spec, world, single=single)[0])
-                        progress.step(f"{b} {m} {alg} p={p}")
-    progress.close()
-    return rows
+    """The equivalence table (fixed steps), or, under a time budget, the race of sync and async."""
+    for mode in a.modes:
+        if mode not in MODES:
+            raise ConfigError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+    budget = a.time_budget
+    if budget is AUTO:
+        budget = RACE_DEFAULTS["time_budget_s"] if "async" in a.modes else None
+    defaults = RACE_DEFAULTS if budget is not None else EQUIVALENCE_DEFAULTS
+    base = RunSpec(train=_train_config(a, budget), bucket_cap_mb=a.bucket_cap_mb,
+                   accum_steps=a.accum_steps, straggler=_stragglers(a), time_budget_s=budget)
+    return run_specs(compare_specs(base, a.backends, a.world_sizes or defaults["world_sizes"], a.modes,
+                                   a.algorithms or defaults["algorithms"], a.staleness_grid,
+                                   a.backup_workers))
 
 
 def cmd_bench(a: argparse.Namespace) -> list[dict[str, Any]]:
@@ -177,6 +233,20 @@ def cmd_bench(a: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
+def _columns(command: str, rows: list[dict[str, Any]]) -> list[str]:
+    """The table shows what the rows are about: a race, stragglers, a parameter server."""
+    if command == "bench":
+        return BENCH_COLUMNS
+    if any(r.get("time_budget_s") is not None for r in rows):
+        return RACE_COLUMNS
+    columns = list(ASYNC_COLUMNS if any(r["mode"] != "sync" for r in rows) else TRAIN_COLUMNS)
+    if any(r["mode"] == "backup" for r in rows):
+        columns.insert(-1, "dropped")
+    if any(r.get("straggler", "none") != "none" for r in rows):
+        columns.insert(columns.index("world_size") + 1, "straggler")
+    return columns
+
+
 def _is_printer(a: argparse.Namespace) -> bool:
     """Under mpiexec/torchrun every rank runs this command; only rank 0 reports."""
     backend = getattr(a, "backend", "local")
@@ -186,6 +256,8 @@ def _is_printer(a: argparse.Namespace) -> bool:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     command = {"train": cmd_train, "compare": cmd_compare, "bench": cmd_bench}[args.command]
+    if args.device:  # read by the torch backend in every rank it starts
+        os.environ["DPLAB_DEVICE"] = args.device
     try:
         rows = command(args)
     except (ConfigError, BackendUnavailable) as e:
@@ -196,12 +268,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if not _is_printer(args):
         return 0
-    columns = TRAIN_COLUMNS
-    if args.command == "bench":
-        columns = BENCH_COLUMNS
-    elif any(r.get("mode") == "async" for r in rows):
-        columns = ASYNC_COLUMNS
-    print(format_table(rows, columns))
+    print(format_table(rows, _columns(args.command, rows)))
     if args.json:
         meta = {"command": args.command, "argv": sys.argv[1:] if argv is None else argv,
                 "python": platform.python_version(), "machine": platform.machine()}

@@ -35,6 +35,36 @@ s = 0 is lock-step (bulk synchronous), s = None never waits (fully asynchronous)
 With ``aggregate=True`` (only with s = 0) the server sums the W gradients of a clock,
 in worker order, and applies ONE update: exactly synchronous data parallelism.
 
+Backup workers (Chen et al., 2016, "Revisiting Distributed Synchronous SGD"): with
+``aggregate=True, backup_workers=b`` the update of clock c is made from the FIRST W - b
+gradients of clock c to arrive (summed in worker order); the b late ones are dropped
+when they come (``AsyncResult.dropped``). Everyone's next pull is answered as soon as
+clock c is applied, with the parameters of the current clock, so a worker whose
+gradient was dropped skips straight to the step in progress: nobody waits for the
+slowest, which is the point. b = 0 is plain aggregation, i.e. synchronous training.
+W = 3 workers, b = 1, worker 1 three times slower:
+
+    worker 2     [c0]^ [c1]^ [c2]^ [c3]^
+    worker 3     [c0] ^[c1] ^[c2] ^[c3] ^      ^ : the second gradient of a clock
+    worker 1     [     c0     ]x[     c3     ]x   arrives and the update is applied;
+    version      0     1     2     3     4        x : worker 1's gradient, too late, is
+                                                      dropped; it pulls the clock in progress
+Scaling: the surviving gradients are summed and multiplied by global_batch / (samples
+they cover), W / (W - b) for even shards: every step is a mean gradient, the step size
+of synchronous training. The BIAS: the gradients dropped are systematically those of
+the slowest workers, i.e. of their shards (worker w always trains on shard w - 1 of
+each batch). With a persistent straggler its shard is never seen: the expected update
+is the mean gradient over the fast workers' part of the data, not the full-batch
+gradient, and data that only the straggler holds is under-represented. The log names
+the workers of every update, so the replay reproduces this exactly.
+
+Stragglers and budgets (``reference.straggler``): ``straggler=((w, f),)`` stretches worker
+w's compute f times; rank 0 is the server and computes nothing, so naming it is a
+ConfigError. With ``time_budget_s`` the server answers every pull after the budget with
+STOP (with aggregation, after the clock in progress, whose update needs its pushes);
+pushes already on their way are still applied and logged, and each worker leaves its
+loop on STOP, so no rank waits forever. ``clocks`` remains the upper bound.
+
 Data and learning rate: worker w at clock c trains on ``shard(batch c, w - 1, W)``, the
 shard sync DP gives rank w - 1 at step c, with loss scale 1 / global_batch. Its gradient
 is thus 1/W of a full-batch mean gradient (for even shards), and applying each push
@@ -43,7 +73,9 @@ the W pushes together move the parameters about as far as one synchronous step.
 
 The server logs every applied gradient (worker, clock, version computed on, version it
 produced, the slowest worker's finished clocks when that pull was answered);
-``reference.replay`` recomputes the run from that log alone, bit for bit.
+``reference.replay`` recomputes the run from that log alone, bit for bit. The server's
+loop is ``reference.ps_server``; the config, messages and shared arithmetic are in
+``reference.ps_protocol``.
 
 Protocol: every message between two ranks is received in the order it was sent (the
 shared-memory backend matches strictly in order; MPI and torch match by tag, but no
@@ -54,76 +86,35 @@ server receives from ANY_SOURCE, the next message of every worker is a header.
 
 from __future__ import annotations
 
-import math
-import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from reference.communicator import ANY_SOURCE, CommError, Communicator
-from reference.data import Dataset, batch_indices, shard
-from reference.errors import ConfigError
-from reference.model import MLP
-from reference.optim import make_optimizer
+from reference.communicator import Communicator
+from reference.ps_protocol import (
+    PULL,
+    PUSH,
+    STOP,
+    TAG_GRAD,
+    TAG_HEADER,
+    TAG_PARAMS,
+    TAG_REPLY,
+    AsyncConfig,
+    LogEntry,
+    combine,
+    compute_gradient,
+    delay_of,
+    gate_open,
+    update_gradient,
+    worker_batch,
+)
+from reference.ps_server import serve
+from reference.straggler import Slowdown
 from reference.trace import Event
 from reference.train import TrainConfig, setup
 
 __all__ = ["AsyncConfig", "LogEntry", "AsyncResult", "train_async", "gate_open", "worker_batch",
-           "compute_gradient", "combine"]
-
-PULL, PUSH = 1, 2  # header kinds: int64 [kind, clock, version]
-TAG_HEADER, TAG_GRAD, TAG_REPLY, TAG_PARAMS = 11, 12, 13, 14
-
-
-@dataclass(frozen=True)
-class AsyncConfig:
-    staleness: int | None = 0  # clocks a worker may run ahead of the slowest; None: unbounded
-    clocks: int | None = None  # clocks per worker; None: TrainConfig.steps
-    aggregate: bool = False  # one summed update per clock (needs staleness=0): sync DP
-    delays: tuple[float, ...] | None = None  # seconds worker w sleeps before each compute: delays[w-1]
-    max_delay_s: float = 0.0  # plus a random sleep in [0, max_delay_s), seeded by delay_seed
-    delay_seed: int = 0
-
-    def __post_init__(self) -> None:
-        if self.delays is not None:
-            object.__setattr__(self, "delays", tuple(float(d) for d in self.delays))
-
-    def validate(self, world_size: int | None = None) -> None:
-        s = self.staleness
-        if s is not None and (isinstance(s, bool) or not isinstance(s, int) or s < 0):
-            raise ConfigError(f"staleness must be an integer >= 0, or None for fully asynchronous, got {s!r}")
-        if self.clocks is not None and self.clocks < 0:
-            raise ConfigError(f"clocks must be >= 0 (or None to use TrainConfig.steps), got {self.clocks}")
-        if self.aggregate and s != 0:
-            raise ConfigError(f"aggregate=True sums each clock's gradients, which needs lock-step "
-                              f"workers: set staleness=0 (got {s!r}) or aggregate=False")
-        if self.delays is not None and not all(math.isfinite(d) and d >= 0 for d in self.delays):
-            raise ConfigError(f"delays must be finite seconds >= 0, got {self.delays}")
-        if not (math.isfinite(self.max_delay_s) and self.max_delay_s >= 0) or self.delay_seed < 0:
-            raise ConfigError(f"need max_delay_s >= 0 and delay_seed >= 0, got {self.max_delay_s}, "
-                              f"{self.delay_seed}")
-        if world_size is not None and world_size < 2:
-            raise ConfigError(f"the parameter server needs world_size >= 2 (rank 0 serves, ranks "
-                              f"1.. work), got {world_size}: launch at least 2 ranks")
-        if world_size is not None and self.delays is not None and len(self.delays) != world_size - 1:
-            raise ConfigError(f"delays needs one entry per worker ({world_size - 1} for world_size "
-                              f"{world_size}), got {len(self.delays)}")
-
-
-@dataclass(frozen=True)
-class LogEntry:
-    """One applied gradient, in the order the server applied it."""
-
-    worker: int  # 1..W
-    clock: int
-    version: int  # parameter version the gradient was computed on
-    produced: int  # version after applying it (shared by a clock's gradients when aggregating)
-    slowest_done: int  # min over workers of clocks done when this worker's pull was answered
-
-    @property
-    def staleness(self) -> int:
-        """Updates applied between the pull and this gradient's own update."""
-        return self.produced - 1 - self.version
+           "compute_gradient", "combine", "update_gradient", "delay_of"]
 
 
 @dataclass
@@ -131,144 +122,53 @@ class AsyncResult:
     params: np.ndarray  # server: final parameters; worker: the last parameters it pulled
     log: list[LogEntry] = field(default_factory=list)  # server only
     events: list[Event] = field(default_factory=list)  # this rank's trace events, if tracing
+    dropped: list[tuple[int, int]] = field(default_factory=list)  # server, backup workers: (worker, clock)
 
 
-# -- pieces shared with reference.replay: same functions, same arithmetic, same bits ---------
-
-def gate_open(done: list[int], clock: int, staleness: int | None) -> bool:
-    """SSP: a worker may start ``clock`` once the slowest has finished ``clock - staleness`` clocks."""
-    return staleness is None or min(done) >= clock - staleness
+_DEFAULT = AsyncConfig()  # lock-step, no budget, no stragglers
 
 
-def worker_batch(cfg: TrainConfig, worker: int, workers: int, clock: int) -> np.ndarray:
-    """Worker w's samples at clock c: sync DP's shard of rank w - 1 at step c."""
-    return shard(batch_indices(cfg.num_samples, cfg.global_batch, clock, cfg.seed), worker - 1, workers)
-
-
-def compute_gradient(model: MLP, data: Dataset, cfg: TrainConfig, params: np.ndarray,
-                     idx: np.ndarray, grad: np.ndarray) -> float:
-    """Overwrite ``grad`` with the shard's gradient (loss scale 1 / global_batch); returns the loss."""
-    grad[:] = 0
-    loss, _ = model.loss_and_grad(params, data.x[idx], data.y[idx], 1 / cfg.global_batch, grad)
-    return loss
-
-
-def combine(grads: list[np.ndarray]) -> np.ndarray:
-    """One gradient as it is; several summed left to right (the server's order, the replay's)."""
-    total = grads[0].copy()
-    for g in grads[1:]:
-        total += g
-    return total
-
-
-def delay_of(acfg: AsyncConfig, worker: int, clock: int) -> float:
-    """Seconds worker ``worker`` sleeps before computing ``clock`` (tests use it to vary interleavings)."""
-    fixed = acfg.delays[worker - 1] if acfg.delays else 0.0
-    if acfg.max_delay_s <= 0:
-        return fixed
-    return fixed + float(np.random.default_rng([acfg.delay_seed, worker, clock]).uniform(0, acfg.max_delay_s))
-
-
-# -- the two roles -----------------------------------------------------------------------------
-
-def train_async(comm: Communicator, cfg: TrainConfig, acfg: AsyncConfig = AsyncConfig()) -> AsyncResult:
+def train_async(comm: Communicator, cfg: TrainConfig, acfg: AsyncConfig = _DEFAULT) -> AsyncResult:
     """Run on every rank: rank 0 serves the parameters, the others compute gradients."""
     acfg.validate(comm.world_size)
     cfg.validate()
     clocks = cfg.steps if acfg.clocks is None else acfg.clocks
     first = len(comm.tracer.events)
     if comm.rank == 0:
-        params, log = serve(comm, cfg, acfg, clocks)
+        params, log, dropped = serve(comm, cfg, acfg, clocks)
     else:
-        params, log = work(comm, cfg, acfg, clocks), []
+        params, log, dropped = work(comm, cfg, acfg, clocks), [], []
     events = list(comm.tracer.events[first:]) if comm.tracer.enabled else []
-    return AsyncResult(params, log, events)
+    return AsyncResult(params, log, events, dropped)
 
 
 def work(comm: Communicator, cfg: TrainConfig, acfg: AsyncConfig, clocks: int) -> np.ndarray:
-    """A worker's loop: pull, compute, push, once per clock."""
+    """A worker's loop: pull, compute, push, until its last clock or until the server says STOP."""
     model, data, initial = setup(cfg)
     me, workers, tr = comm.rank, comm.world_size - 1, comm.tracer
+    slow = Slowdown.for_rank(acfg.straggler, me, tr)
     params = initial  # replaced by every pull
     grad = comm.empty(model.num_params, initial.dtype)  # in shared memory: pushed without a copy
-    header, reply = np.zeros(3, dtype=np.int64), np.zeros(1, dtype=np.int64)  # reply: [version]
-    for clock in range(clocks):
+    header, reply = np.zeros(3, dtype=np.int64), np.zeros(2, dtype=np.int64)  # reply: [version, clock]
+    clock = 0  # the next clock to ask for; the server may hand out a later one (backup workers)
+    while clock < clocks:
         t0 = tr.now()
         header[:] = (PULL, clock, -1)
         comm.send(header, 0, TAG_HEADER)
-        comm.recv(reply, 0, TAG_REPLY)  # the server holds this back while the SSP gate is shut
-        version, info = int(reply[0]), {"clock": clock, "version": int(reply[0])}
+        comm.recv(reply, 0, TAG_REPLY)  # the server holds this back while the gate is shut
+        version, clock = int(reply[0]), int(reply[1])
+        info = {"clock": clock, "version": version}
         t1 = tr.now()
         tr.record("wait", t0, t1, peer=0, extra=info)
+        if version == STOP:
+            break
         comm.recv(params, 0, TAG_PARAMS)
         tr.record("pull", t1, tr.now(), peer=0, bytes=params.nbytes, extra=info)
-        with tr.span("compute", extra=info):
-            time.sleep(delay_of(acfg, me, clock))
+        with tr.span("compute", extra=info), slow.compute(delay_of(acfg, me, clock)):
             compute_gradient(model, data, cfg, params, worker_batch(cfg, me, workers, clock), grad)
         with tr.span("push", peer=0, bytes=grad.nbytes, extra=info):
             header[:] = (PUSH, clock, version)
             comm.send(header, 0, TAG_HEADER)
             comm.send(grad, 0, TAG_GRAD)
+        clock += 1
     return params.copy()
-
-
-def serve(comm: Communicator, cfg: TrainConfig, acfg: AsyncConfig,
-          clocks: int) -> tuple[np.ndarray, list[LogEntry]]:
-    """The server's loop: take pulls and pushes from any worker, in whatever order they come."""
-    model, _, initial = setup(cfg)
-    workers, tr = comm.world_size - 1, comm.tracer
-    params = comm.empty(model.num_params, initial.dtype)
-    params[:] = initial
-    opt = make_optimizer(cfg.optimizer, model.num_params, params.dtype)
-    grad = np.empty_like(initial)
-    header, reply = np.zeros(3, dtype=np.int64), np.zeros(1, dtype=np.int64)
-    done = [0] * workers  # clocks finished (pushed, and applied) per worker
-    version = 0  # updates applied so far
-    waiting: list[tuple[int, int]] = []  # pulls (worker, clock) held at the gate, in arrival order
-    answered: dict[tuple[int, int], tuple[int, int]] = {}  # (worker, clock) -> (version, slowest)
-    held: dict[int, dict[int, np.ndarray]] = {}  # aggregate: clock -> worker -> gradient
-    log: list[LogEntry] = []
-
-    def answer(worker: int, clock: int) -> None:
-        t0 = tr.now()
-        answered[(worker, clock)] = (version, min(done))
-        reply[0] = version
-        comm.send(reply, worker, TAG_REPLY)
-        comm.send(params, worker, TAG_PARAMS)
-        tr.record("reply", t0, tr.now(), peer=worker, bytes=params.nbytes,
-                  extra={"clock": clock, "version": version})
-
-    def apply(pushes: list[tuple[int, int]], grads: list[np.ndarray]) -> None:
-        nonlocal version
-        t0 = tr.now()
-        opt.step(params, combine(grads))
-        version += 1
-        t1 = tr.now()
-        for worker, clock in pushes:
-            v, slowest = answered.pop((worker, clock))
-            log.append(LogEntry(worker, clock, v, version, slowest))
-            tr.record("apply", t0, t1, peer=worker, extra={
-                "staleness": version - 1 - v, "worker": worker, "clock": clock, "version": version})
-
-    for _ in range(2 * workers * clocks):  # every worker sends one pull and one push per clock
-        worker = comm.recv(header, ANY_SOURCE, TAG_HEADER)
-        kind, clock, v = (int(x) for x in header)
-        if kind == PULL:
-            waiting.append((worker, clock))
-        else:
-            comm.recv(grad, worker, TAG_GRAD)
-            if kind != PUSH or answered.get((worker, clock), (-1,))[0] != v:
-                raise CommError(f"rank 0 got header {header.tolist()} from rank {worker} that matches "
-                                "no answered pull: the workers speak another protocol")
-            if not acfg.aggregate:
-                apply([(worker, clock)], [grad])
-            else:
-                held.setdefault(clock, {})[worker] = grad.copy()
-                if len(held[clock]) == workers:
-                    ready = sorted(held.pop(clock).items())  # worker order: a fixed sum
-                    apply([(w, clock) for w, _ in ready], [g for _, g in ready])
-            done[worker - 1] += 1
-        for w, c in [pull for pull in waiting if gate_open(done, pull[1], acfg.staleness)]:
-            waiting.remove((w, c))
-            answer(w, c)
-    return np.array(params), log

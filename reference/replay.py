@@ -8,8 +8,13 @@ worker and clock fix the micro-batch. So, on one device:
     versions = [initial params]
     for each update in log order (one log entry, or a clock's entries when aggregating):
         recompute each entry's gradient at versions[entry.version], on its micro-batch
-        apply them (summed in log order) with ONE optimizer, started fresh
+        apply them (summed in log order, rescaled as the server did when it had
+        backup workers) with ONE optimizer, started fresh
         versions.append(copy of params)          # the version this update produced
+
+With backup workers an update is made of W - b entries; the dropped gradients changed
+nothing, so the log of applied ones is all the replay needs. Under a time budget the
+log simply ends where the server stopped.
 
 The same functions as the server and the workers (``worker_batch``, ``compute_gradient``,
 ``combine``, the optimizer's ``step``) on the same inputs give the same bits:
@@ -25,7 +30,7 @@ from itertools import groupby
 
 import numpy as np
 
-from reference.async_ps import AsyncConfig, LogEntry, combine, compute_gradient, worker_batch
+from reference.async_ps import AsyncConfig, LogEntry, compute_gradient, update_gradient, worker_batch
 from reference.errors import ConfigError
 from reference.optim import make_optimizer
 from reference.train import TrainConfig, setup
@@ -37,33 +42,44 @@ def replay(cfg: TrainConfig, acfg: AsyncConfig, log: list[LogEntry],
            workers: int | None = None) -> np.ndarray:
     """The server's final parameters, recomputed from its log; ``workers`` defaults to the largest in it."""
     acfg.validate()
+    if workers is None and acfg.backup_workers:
+        raise ConfigError("with backup workers a worker may be missing from the log: pass workers=")
     model, data, params = setup(cfg)
     workers = workers if workers is not None else max((e.worker for e in log), default=1)
     opt = make_optimizer(cfg.optimizer, model.num_params, params.dtype)
-    versions = [params.copy()]  # versions[v]: the parameters after v updates
+    last_use = {e.version: e.produced for e in log}  # the update after which version v is not needed
+    versions = {0: params.copy()}  # versions[v]: the parameters after v updates, while still needed
+    expected = 1
     for produced, group in groupby(log, key=lambda e: e.produced):
         entries = list(group)
-        check_update(entries, produced, len(versions), workers, acfg.aggregate)
+        check_update(entries, produced, expected, workers, acfg)
         grads = []
         for e in entries:
             grad = np.empty_like(params)
             idx = worker_batch(cfg, e.worker, workers, e.clock)
             compute_gradient(model, data, cfg, versions[e.version], idx, grad)
             grads.append(grad)
-        opt.step(params, combine(grads))
-        versions.append(params.copy())
+        pushes = [(e.worker, e.clock) for e in entries]
+        opt.step(params, update_gradient(cfg, acfg, workers, pushes, grads))
+        for v in [v for v in versions if last_use.get(v, 0) <= produced]:
+            del versions[v]  # long runs (a time budget) keep only the versions still to be read
+        if produced in last_use:
+            versions[produced] = params.copy()
+        expected += 1
     return params
 
 
 def check_update(entries: list[LogEntry], produced: int, expected: int, workers: int,
-                 aggregate: bool) -> None:
+                 acfg: AsyncConfig) -> None:
     """A log that cannot come from the server is a ConfigError, not a silently different answer."""
     if produced != expected:
         raise ConfigError(f"log entry produces version {produced} but {expected} comes next: pass the "
                           "server's log unchanged, in order")
-    if len(entries) != (workers if aggregate else 1):
+    needed = workers - acfg.backup_workers if acfg.aggregate else 1
+    if len(entries) != needed:
         raise ConfigError(f"version {produced} was produced by {len(entries)} gradients: aggregate="
-                          f"{aggregate} needs {workers if aggregate else 1} (pass the run's AsyncConfig)")
+                          f"{acfg.aggregate}, backup_workers={acfg.backup_workers} needs {needed} "
+                          "(pass the run's AsyncConfig and workers)")
     for e in entries:
         if not 0 <= e.version < produced or not 1 <= e.worker <= workers:
             raise ConfigError(f"log entry {e} computed on a version it could not have seen, or by a "

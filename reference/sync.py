@@ -20,6 +20,16 @@ The recipe, one step at a time:
    communication thread as soon as they are complete (``reference.buckets``).
 5. ``wait()`` for the last bucket, then every rank applies the same optimizer step
    to the same summed gradient, so the replicas stay bitwise identical.
+
+Stragglers and budgets (``reference.straggler``): a straggler rank's forward and
+backward pieces are stretched by its factor (``delays`` adds a fixed sleep before each
+micro-batch instead, for deterministic tests), and since every step needs every rank's
+gradient, the whole world runs at the straggler's pace: that is the price of
+synchronous training, and the parameters are still exactly single-device ones. Under
+a ``time_budget_s`` rank 0 votes to stop once the budget is spent; its vote rides on
+the loss all-reduce each step already does (a second number, 1 from rank 0 when time
+is up, 0 from everyone else), so all ranks stop after the same step at no extra cost.
+At least one step is always taken; ``TrainConfig.steps`` remains the upper bound.
 """
 
 from __future__ import annotations
@@ -37,6 +47,7 @@ from reference.data import batch_indices, shard
 from reference.errors import ConfigError
 from reference.optim import make_optimizer
 from reference.schedule import chunk_bounds
+from reference.straggler import Budget, Slowdown, Stragglers, check_budget, check_delays, check_stragglers
 from reference.train import TrainConfig, TrainResult, setup
 
 __all__ = ["SyncConfig", "train_sync"]
@@ -47,19 +58,30 @@ class SyncConfig:
     algorithm: str = "ring"  # naive | ring | tree | direct | native
     bucket_cap_mb: float = 25.0  # as in torch DDP
     accum_steps: int = 1  # micro-batches per step; all but the last run under no_sync
+    straggler: Stragglers = ()  # ((rank, factor), ...): those ranks compute factor times slower
+    time_budget_s: float | None = None  # stop after the step during which this much time ran out
+    delays: tuple[float, ...] | None = None  # seconds rank r sleeps before each micro-batch: delays[r]
 
-    def validate(self) -> None:
+    def __post_init__(self) -> None:
+        if self.delays is not None:
+            object.__setattr__(self, "delays", tuple(float(d) for d in self.delays))
+
+    def validate(self, world_size: int | None = None) -> None:
         if self.algorithm not in ALGORITHMS:
             raise ConfigError(f"unknown algorithm {self.algorithm!r}: choose one of {', '.join(ALGORITHMS)}")
         if self.accum_steps < 1:
             raise ConfigError(f"accum_steps must be >= 1, got {self.accum_steps}")
         if self.bucket_cap_mb <= 0:
             raise ConfigError(f"bucket_cap_mb must be > 0, got {self.bucket_cap_mb}")
+        check_stragglers(self.straggler, world_size)
+        check_delays(self.delays, world_size, "rank")
+        check_budget(self.time_budget_s)
 
 
 def train_sync(comm: Communicator, cfg: TrainConfig, sync: SyncConfig = SyncConfig()) -> TrainResult:
     """Run on every rank; returns this rank's final parameters and the global loss per step."""
-    sync.validate()
+    sync.validate(comm.world_size)
+    budget = Budget(sync.time_budget_s)  # rank 0's clock starts now: set-up counts too
     model, data, params = setup(cfg)
     if comm.rank != 0:  # anything but rank 0's weights: the broadcast must fix it
         params = model.init_params(cfg.seed + 1 + comm.rank, dtype=params.dtype)
@@ -67,8 +89,10 @@ def train_sync(comm: Communicator, cfg: TrainConfig, sync: SyncConfig = SyncConf
     opt = make_optimizer(cfg.optimizer, model.num_params, params.dtype)
     grad = comm.empty(model.num_params, params.dtype)  # buckets are slices of it: no packing
     reducer = Reducer(comm, grad, model.param_slices, sync.bucket_cap_mb, sync.algorithm)
-    loss_buf = np.zeros(1, dtype=np.float64)
+    loss_buf = np.zeros(2, dtype=np.float64)  # [this step's loss, rank 0's vote to stop]
     losses, tracer = [], comm.tracer
+    slow = Slowdown.for_rank(sync.straggler, comm.rank, tracer)
+    delay = sync.delays[comm.rank] if sync.delays else 0.0
     try:
         for step in range(cfg.steps):
             batch = batch_indices(cfg.num_samples, cfg.global_batch, step, cfg.seed)
@@ -81,19 +105,23 @@ def train_sync(comm: Communicator, cfg: TrainConfig, sync: SyncConfig = SyncConf
                 last = j == len(micro) - 1
                 x, y = data.x[mine[a:b]], data.y[mine[a:b]]
                 with nullcontext() if last else reducer.no_sync():
-                    with tracer.span("forward", extra={"step": step, "micro": j}):
+                    with tracer.span("forward", extra={"step": step, "micro": j}), slow.compute(delay):
                         acts = model.forward(params, x)
                         loss_buf[0] += model.loss(acts, y, 1 / cfg.global_batch)
                     with tracer.span("backward", extra={"step": step, "micro": j}):
-                        for layer in model.backward(params, acts, y, grad, 1 / cfg.global_batch):
+                        layers = model.backward(params, acts, y, grad, 1 / cfg.global_batch)
+                        for layer in slow.pieces(layers):
                             reducer.mark_param_as_ready(2 * layer + 1)
                             reducer.mark_param_as_ready(2 * layer)
             with tracer.span("wait", extra={"step": step}):
                 reducer.wait()
             with tracer.span("optimizer", extra={"step": step}):
                 opt.step(params, grad)
-            allreduce(comm, loss_buf, sync.algorithm)  # the global batch's loss, for the log
+            loss_buf[1] = 1.0 if comm.rank == 0 and budget.spent() else 0.0
+            allreduce(comm, loss_buf, sync.algorithm)  # the global batch's loss, and the vote
             losses.append(float(loss_buf[0]))
+            if loss_buf[1] > 0:
+                break
     finally:
         reducer.close()
     return TrainResult(params, losses)
