@@ -16,12 +16,13 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from multiprocessing.connection import Connection, Listener
 from pathlib import Path
 
 from reference.errors import DplabError
 
-__all__ = ["find_mpiexec", "start_mpiexec", "kill_group"]
+__all__ = ["find_mpiexec", "start_mpiexec", "kill_group", "sweep_mpich_shm"]
 
 
 def find_mpiexec() -> str | None:
@@ -31,6 +32,7 @@ def find_mpiexec() -> str | None:
 
 def start_mpiexec(world_size: int, timeout: float) -> tuple[subprocess.Popen, list[Connection]]:
     """Start the ranks; returns mpiexec's process and one connection per rank, in rank order."""
+    sweep_mpich_shm()
     mpiexec = find_mpiexec()
     if mpiexec is None:
         raise DplabError("no mpiexec found: pip install 'dplab[mpi]' (mpi4py + the mpich wheel)")
@@ -72,3 +74,33 @@ def kill_group(proc: subprocess.Popen) -> None:
             proc.wait(grace)
         except subprocess.TimeoutExpired:
             pass
+
+
+def sweep_mpich_shm(min_age_s: float = 1.0) -> int:
+    """Unlink MPICH's shared-memory segments that no live process maps any more.
+
+    MPICH unlinks them in MPI_Finalize; ranks that were killed never get there, so each
+    aborted world would leave megabytes in /dev/shm. A segment still mapped by some
+    process belongs to a running job and is kept; so is a fresh one (a job starting up).
+    """
+    shm = Path("/dev/shm")
+    candidates = {}
+    for path in shm.glob("mpich_shm_*"):
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            continue
+        if st.st_uid == os.getuid() and time.time() - st.st_mtime >= min_age_s:
+            candidates[str(path)] = path
+    if not candidates:
+        return 0
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            text = maps.read_text()
+        except OSError:  # the process ended, or is not ours to read
+            continue
+        for name in [n for n in candidates if n in text]:
+            del candidates[name]
+    for path in candidates.values():
+        path.unlink(missing_ok=True)
+    return len(candidates)

@@ -456,3 +456,23 @@ def test_a_failing_rank_under_mpiexec_aborts_the_job_instead_of_hanging():
     run = _mpiexec("3", sys.executable, "-c", FAILING)
     assert time.monotonic() - t0 < 15, "the other ranks waited for their timeout"
     assert run.returncode != 0 and "planned failure on rank 1" in run.stderr
+
+
+def _unmapped_mpich_segments() -> set[str]:
+    """MPICH segments in /dev/shm that no live process maps: what killed ranks leave behind."""
+    names = {str(p) for p in Path("/dev/shm").glob("mpich_shm_*")}
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            text = maps.read_text()
+        except OSError:
+            continue
+        names = {n for n in names if n not in text}
+    return names
+
+
+def test_an_aborted_world_leaves_no_mpich_segments_in_dev_shm(tmp_path):
+    """Killed ranks never reach MPI_Finalize, where MPICH unlinks its shared memory."""
+    for _ in range(2):
+        with pytest.raises(RankError):
+            launch(train_sync, 4, backend="mpi", args=(TrainConfig(steps=1, global_batch=0),))
+        assert _unmapped_mpich_segments() == set()
