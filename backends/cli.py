@@ -4,6 +4,7 @@
     dplab compare                                   # naive/ring/tree/native x 1..4 ranks
     dplab compare --modes sync,async --straggler 1:4  # 3 s each: sync, backup workers, async
     dplab bench --world-sizes 2 --sizes 4K,16M,64M
+    dplab train --checkpoint-every 10 --checkpoint-dir ck   # then, after a crash: add --resume ck
 
 Every command prints a table; ``--json PATH`` writes the same rows as JSON.
 Bad arguments get a one-line error and exit code 2.
@@ -24,9 +25,11 @@ from backends.compare import EQUIVALENCE_DEFAULTS, RACE_DEFAULTS, compare_specs,
 from backends.launch import BackendUnavailable, RankError, World, check_backend, launcher_env, under_launcher
 from backends.runs import MODES, RunSpec, run_train
 from backends.table import Progress, format_table
+from reference.checkpoint import CheckpointError
 from reference.errors import ConfigError
 from reference.model import MLPConfig
 from reference.optim import OptimConfig
+from reference.resume import CheckpointConfig
 from reference.straggler import Stragglers, check_stragglers, parse_stragglers
 from reference.trace import merge, save_json, to_chrome
 from reference.train import TrainConfig
@@ -150,6 +153,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--backup-workers", type=int, default=1, help="backup: gradients dropped per step")
     t.add_argument("--trace", metavar="PATH", help="write the merged trace (and PATH.chrome.json)")
     _add_time_args(t, "stop after this much wall time (default: none, train --steps)")
+    g = t.add_argument_group("checkpoints")
+    g.add_argument("--checkpoint-every", type=int, default=0, metavar="K",
+                   help="write a checkpoint every K steps (async: K server updates)")
+    g.add_argument("--checkpoint-dir", metavar="DIR", help="where checkpoints go")
+    g.add_argument("--resume", metavar="DIR", help="go on from DIR's latest checkpoint (or a file)")
+    g.add_argument("--save-params", metavar="PATH", help="write the final parameters (.npy)")
     _add_model_args(t)
 
     c = sub.add_parser("compare", help="the same run over backends x algorithms x world sizes")
@@ -189,8 +198,9 @@ def cmd_train(a: argparse.Namespace) -> list[dict[str, Any]]:
         world_size = launcher_env(a.backend)[1] if under_launcher(a.backend) else 4
     budget = None if a.time_budget is AUTO else a.time_budget
     spec = RunSpec(a.backend, world_size, a.algorithm, a.mode, a.staleness, _train_config(a, budget),
-                   a.bucket_cap_mb, a.accum_steps, _stragglers(a), budget, a.backup_workers)
-    row, events = run_train(spec, trace=bool(a.trace))
+                   a.bucket_cap_mb, a.accum_steps, _stragglers(a), budget, a.backup_workers,
+                   _checkpoint(a))
+    row, events = run_train(spec, trace=bool(a.trace), save_params=a.save_params if _is_printer(a) else None)
     if a.trace and _is_printer(a):
         merged = merge(events)
         save_json(a.trace, merged, meta={"row": row})
@@ -198,6 +208,12 @@ def cmd_train(a: argparse.Namespace) -> list[dict[str, Any]]:
         chrome.write_text(json.dumps(to_chrome(merged)))
         print(f"trace: {a.trace} ({len(merged)} events); Perfetto/chrome://tracing: {chrome}")
     return [row]
+
+
+def _checkpoint(a: argparse.Namespace) -> CheckpointConfig | None:
+    if not (a.checkpoint_every or a.checkpoint_dir or a.resume):
+        return None
+    return CheckpointConfig(a.checkpoint_every, a.checkpoint_dir, a.resume)
 
 
 def cmd_compare(a: argparse.Namespace) -> list[dict[str, Any]]:
@@ -260,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["DPLAB_DEVICE"] = args.device
     try:
         rows = command(args)
-    except (ConfigError, BackendUnavailable) as e:
+    except (ConfigError, BackendUnavailable, CheckpointError) as e:
         print(f"dplab {args.command}: error: {e}", file=sys.stderr)
         return 2
     except RankError as e:

@@ -31,16 +31,17 @@ import subprocess
 import sys
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 from multiprocessing.connection import wait
 from typing import Any
 
-from backends.mpiexec import kill_group, start_mpiexec
+from backends.mpiexec import kill_group, start_mpiexec, sweep_mpich_shm
 from backends.serve import die_with_parent, serve
 from backends.shm import PREFIX, sweep_stale, unlink_prefix
 from reference.errors import ConfigError, DplabError
 
-__all__ = ["launch", "World", "RankError", "BackendUnavailable", "BACKENDS", "check_backend",
+__all__ = ["launch", "World", "RankError", "RankLost", "BackendUnavailable", "BACKENDS", "check_backend",
            "default_timeout", "under_launcher", "launcher_env"]
 
 BACKENDS = ("local", "mpi", "torch")
@@ -52,6 +53,14 @@ class RankError(DplabError):
     def __init__(self, rank: int, detail: str) -> None:
         self.rank, self.detail = rank, detail
         super().__init__(f"rank {rank} failed:\n{detail}")
+
+
+@dataclass(frozen=True)
+class RankLost:
+    """The result of a tolerated rank that died (``launch(..., tolerate={ranks})``): how it died."""
+
+    rank: int
+    detail: str
 
 
 class BackendUnavailable(DplabError):
@@ -103,7 +112,8 @@ class World:
     """``world_size`` ranks of one backend, kept alive between ``run`` calls."""
 
     def __init__(self, world_size: int, backend: str = "local", timeout: float | None = None,
-                 job: tuple[Callable, tuple] | None = None) -> None:
+                 job: tuple[Callable, tuple] | None = None, tolerate: frozenset[int] = frozenset()) -> None:
+        """``tolerate``: ranks whose death (not an exception) gives a ``RankLost``, not a failure."""
         check_backend(backend)
         if type(world_size) is not int or world_size < 1:
             raise ConfigError(f"world_size must be a positive integer, got {world_size!r}")
@@ -112,7 +122,7 @@ class World:
         if under_launcher(backend):
             raise ConfigError(f"this process is already one rank of a {backend} launcher job: "
                               "call launch(), which runs on the launcher's ranks")
-        self.world_size, self.backend = world_size, backend
+        self.world_size, self.backend, self.tolerate = world_size, backend, frozenset(tolerate)
         self.timeout = timeout if timeout is not None else default_timeout()
         self._procs: list[Any] = []
         self._conns: list[Any] = []
@@ -168,22 +178,25 @@ class World:
             p.sentinel: r for r, p in enumerate(self._procs)}
         while len(results) < self.world_size:
             for ready in wait(list(waiting)):
-                rank = waiting[ready]
-                if rank in results:
+                rank = waiting.get(ready)
+                if rank is None or rank in results:
                     continue
                 if ready is self._conns[rank]:
                     try:
                         status, value = ready.recv()
                     except (EOFError, OSError):
-                        status, value = "error", self._death_note(rank)
+                        status, value = "died", self._death_note(rank)
                 elif self._conns[rank].poll():
                     continue  # its result is waiting in the pipe; read it on the next pass
                 else:
-                    status, value = "error", self._death_note(rank)
-                if status == "error":
+                    status, value = "died", self._death_note(rank)
+                if status == "died" and rank in self.tolerate:
+                    status, value = "ok", RankLost(rank, value)
+                if status != "ok":
                     self.abort()
                     raise RankError(rank, value)
                 results[rank] = value
+                waiting = {k: r for k, r in waiting.items() if r != rank}  # a dead rank stays ready
         return [results[r] for r in range(self.world_size)]
 
     def _death_note(self, rank: int) -> str:
@@ -206,6 +219,7 @@ class World:
             proc.join(5)
         if self._mpiexec is not None:
             kill_group(self._mpiexec)
+            sweep_mpich_shm(min_age_s=0.0)  # what the killed ranks could not clean up
         for conn in self._conns:
             conn.close()
         self._procs, self._conns, self._mpiexec = [], [], None
@@ -234,20 +248,24 @@ class World:
 
 
 def launch(fn: Callable[..., Any], world_size: int | None = None, backend: str = "local",
-           args: tuple = (), timeout: float | None = None) -> list[Any]:
+           args: tuple = (), timeout: float | None = None,
+           tolerate: frozenset[int] = frozenset()) -> list[Any]:
     """Run ``fn(comm, *args)`` on every rank; returns the per-rank results in rank order.
 
     Fresh ranks are started unless this process already is a rank of an engine
     launcher's job, in which case ``fn`` runs here and results are gathered from all.
     Local and torch ranks are forked, so ``fn`` may be any callable; MPI ranks are new
-    interpreters, so there ``fn`` must be a module-level function.
+    interpreters, so there ``fn`` must be a module-level function. A rank of ``tolerate``
+    that dies (SIGKILL, exit) gives a ``RankLost`` result instead of failing the world; what
+    the others make of it is ``fn``'s business (the parameter server: ``reference.ps_server``).
+    Under mpiexec a dead rank still ends the job: that is MPI's failure model.
     """
     check_backend(backend)
     if under_launcher(backend):
         return _launch_here(fn, world_size, backend, tuple(args), timeout or default_timeout())
     if world_size is None:
         raise ConfigError("world_size is required outside mpiexec/torchrun")
-    world = World(world_size, backend, timeout, job=(fn, tuple(args)))
+    world = World(world_size, backend, timeout, job=(fn, tuple(args)), tolerate=tolerate)
     try:
         return world._collect()
     finally:

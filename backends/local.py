@@ -21,11 +21,12 @@ import os
 import time
 import weakref
 from collections import OrderedDict, deque
-from dataclasses import dataclass
-from multiprocessing.context import BaseContext
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import numpy as np
 
+from backends.local_wiring import SLOTS, Wiring, process_alive
 from backends.shm import Segment
 from reference.communicator import (
     ANY_SOURCE,
@@ -40,31 +41,11 @@ from reference.trace import Tracer
 
 __all__ = ["Wiring", "LocalComm"]
 
-SLOTS = 64
 PEER_CACHE = 32  # peer segments a rank keeps mapped (least recently used go first)
 ANY_TAG = -1
 _DTYPES = [np.dtype(t) for t in ("uint8", "float32", "float64", "int32", "int64", "float16")]
 _CODE = {dt: i for i, dt in enumerate(_DTYPES)}
 _ALIGN = 64
-
-
-@dataclass
-class Wiring:
-    """What the launcher creates before forking the ranks: everything they share."""
-
-    session: str
-    world_size: int
-    timeout: float
-    ready: list  # ready[src][dst]: a descriptor from src waits in dst's mailbox
-    done: list  # done[src][dst]: dst has finished reading a message of src
-    arrival: list  # arrival[dst]: some message waits for dst
-
-    @classmethod
-    def create(cls, ctx: BaseContext, session: str, p: int, timeout: float) -> Wiring:
-        ctl = Segment(f"{session}_ctl", p * p * SLOTS * 5 * 8, create=True)
-        ctl.close()
-        sems = [[ctx.Semaphore(0) for _ in range(p)] for _ in range(2 * p)]
-        return cls(session, p, timeout, sems[:p], sems[p:], [ctx.Semaphore(0) for _ in range(p)])
 
 
 class _SendRequest:
@@ -106,6 +87,23 @@ class LocalComm(Communicator):
         # spinning only pays when every rank has a core to itself
         self._spin = int(os.environ.get("DPLAB_SPIN", "200")) if p <= (os.cpu_count() or 1) else 0
         self.bytes_staged = 0  # copies made because a send buffer was not in shared memory
+        if wiring.pids is not None:
+            wiring.pids[rank] = os.getpid()  # for peer_alive: dead or merely slow?
+
+    # -- liveness -----------------------------------------------------------------------------
+    def peer_alive(self, rank: int) -> bool:
+        """False once ``rank``'s process has died (a SIGKILL included); unknown counts as alive."""
+        pid = int(self.w.pids[rank]) if self.w.pids is not None else 0
+        return pid == 0 or process_alive(pid)
+
+    @contextmanager
+    def patience(self, seconds: float) -> Iterator[None]:
+        """Blocking calls inside give up after ``seconds``; a timed-out call consumed nothing."""
+        saved, self.timeout = self.timeout, min(seconds, self.timeout)
+        try:
+            yield
+        finally:
+            self.timeout = saved
 
     # -- memory -------------------------------------------------------------------------------
     def empty(self, shape: int | tuple[int, ...], dtype: np.dtype | str) -> np.ndarray:

@@ -26,10 +26,11 @@ from typing import Any
 
 import numpy as np
 
-from backends.launch import World, check_backend, launch
+from backends.launch import RankLost, World, check_backend, launch
 from reference.async_ps import AsyncConfig, train_async, worker_batch
 from reference.errors import ConfigError
 from reference.replay import replay
+from reference.resume import CheckpointConfig, load_resume, run_meta
 from reference.straggler import Stragglers
 from reference.sync import SyncConfig, train_sync
 from reference.trace import Event
@@ -55,6 +56,7 @@ class RunSpec:
     straggler: Stragglers = ()  # ((rank, factor), ...)
     time_budget_s: float | None = None  # train until this much wall time is spent
     backup_workers: int = 1  # mode "backup" only: gradients dropped per step
+    checkpoint: CheckpointConfig | None = None  # checkpoint every K steps / resume (reference.resume)
 
     def validate(self) -> None:
         check_backend(self.backend)
@@ -68,14 +70,23 @@ class RunSpec:
 
     def sync_config(self) -> SyncConfig:
         return SyncConfig(self.algorithm, self.bucket_cap_mb, self.accum_steps, self.straggler,
-                          self.time_budget_s)
+                          self.time_budget_s, checkpoint=self.checkpoint)
 
     def async_config(self) -> AsyncConfig:
         if self.mode == "backup":
             return AsyncConfig(staleness=0, aggregate=True, backup_workers=self.backup_workers,
-                               straggler=self.straggler, time_budget_s=self.time_budget_s)
+                               straggler=self.straggler, time_budget_s=self.time_budget_s,
+                               checkpoint=self.checkpoint)
         return AsyncConfig(staleness=self.staleness, straggler=self.straggler,
-                           time_budget_s=self.time_budget_s)
+                           time_budget_s=self.time_budget_s, checkpoint=self.checkpoint)
+
+    def check_resume(self) -> None:
+        """Refuse a corrupt or foreign checkpoint here, in the launcher, before any rank starts."""
+        if self.checkpoint is not None and self.checkpoint.resume is not None:
+            sync = self.mode == "sync"
+            rules = self.sync_config() if sync else self.async_config()
+            meta = run_meta("sync" if sync else "async", self.train, rules, self.world_size)
+            load_resume(self.checkpoint, meta)
 
     def label(self) -> str:
         """The row's ``algorithm``: the all-reduce, or the parameter server's rule."""
@@ -93,7 +104,7 @@ def straggler_label(stragglers: Stragglers) -> str:
 def train_rank(comm: Any, spec: RunSpec, trace: bool) -> tuple[np.ndarray, Any, float, list[Event]]:
     """What every rank runs: sync or parameter-server training, timed, with its trace events.
 
-    The second item is the per-step losses (sync) or the server's (log, dropped) (otherwise).
+    The second item is the per-step losses (sync) or the server's (log, dropped, lost) (otherwise).
     """
     comm.tracer.enabled = trace
     comm.barrier()
@@ -103,23 +114,32 @@ def train_rank(comm: Any, spec: RunSpec, trace: bool) -> tuple[np.ndarray, Any, 
         extra = result.losses
     else:
         result = train_async(comm, spec.train, spec.async_config())
-        extra = (result.log, result.dropped)
+        extra = (result.log, result.dropped, result.lost)
     wall = time.perf_counter() - t0
     comm.tracer.enabled = False
     return result.params, extra, wall, comm.tracer.take()
 
 
 def run_train(spec: RunSpec, world: World | None = None, trace: bool = False,
-              single: np.ndarray | None = None) -> tuple[dict[str, Any], list[list[Event]]]:
-    """Train on ``spec.world_size`` ranks; returns the result row and every rank's trace events."""
+              single: np.ndarray | None = None,
+              save_params: str | None = None) -> tuple[dict[str, Any], list[list[Event]]]:
+    """Train on ``spec.world_size`` ranks; returns the result row and every rank's trace events.
+
+    ``save_params``: also write rank 0's final parameters there (``np.save``), bit for bit.
+    """
     spec.validate()
+    spec.check_resume()
     if world is not None and world.world_size != spec.world_size:
         raise ConfigError(f"world has {world.world_size} ranks but the spec asks for {spec.world_size}")
     if world is not None:
         results = world.run(train_rank, spec, trace)
     else:  # fresh ranks, or the ranks of mpiexec/torchrun when we run under one
-        results = launch(train_rank, spec.world_size, spec.backend, args=(spec, trace))
+        workers = frozenset(range(1, spec.world_size)) if spec.mode == "async" else frozenset()
+        results = launch(train_rank, spec.world_size, spec.backend, args=(spec, trace), tolerate=workers)
+    results = [r for r in results if not isinstance(r, RankLost)]  # async: the server went on
     params = results[0][0]  # rank 0: a replica (sync) or the server (parameter server)
+    if save_params:
+        np.save(save_params, params)
     wall = max(r[2] for r in results)
     row = {
         "backend": spec.backend, "mode": spec.mode, "algorithm": spec.label(),
@@ -134,7 +154,7 @@ def run_train(spec: RunSpec, world: World | None = None, trace: bool = False,
         row |= server_facts(spec, results, single)
     row["wall_s"] = wall
     row["samples_per_s"] = row["samples"] / wall if wall > 0 else 0.0
-    return row, [r[3] for r in results]
+    return row, [r[3] for r in results]  # (lost workers have no trace: they died)
 
 
 def sync_facts(spec: RunSpec, results: list, single: np.ndarray | None) -> dict[str, Any]:
@@ -152,7 +172,7 @@ def sync_facts(spec: RunSpec, results: list, single: np.ndarray | None) -> dict[
 
 def server_facts(spec: RunSpec, results: list, single: np.ndarray | None) -> dict[str, Any]:
     """The proof of a parameter-server run: its log replays to the same bits; who contributed what."""
-    params, (log, dropped) = results[0][0], results[0][1]
+    params, (log, dropped, lost) = results[0][0], results[0][1]
     workers, cfg, acfg = spec.world_size - 1, spec.train, spec.async_config()
     facts: dict[str, Any] = {
         "updates": max((e.produced for e in log), default=0),
@@ -162,8 +182,9 @@ def server_facts(spec: RunSpec, results: list, single: np.ndarray | None) -> dic
         "dropped": len(dropped),
         "applied_by_worker": {str(w): n for w, n in sorted(Counter(e.worker for e in log).items())},
         "ranks_identical": True,  # one server holds the parameters
+        "lost_workers": {str(w): clocks for w, clocks in lost},  # dead worker -> clocks it finished
     }
-    if spec.time_budget_s is None:  # same clocks as the single-device steps: the gap async costs
+    if spec.time_budget_s is None and not lost:  # same clocks as the single-device steps: the gap async costs
         if single is None:
             single = train_single(cfg).params
         facts["max_abs_diff_vs_single"] = float(np.max(np.abs(params - single), initial=0.0))

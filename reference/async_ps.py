@@ -86,6 +86,8 @@ server receives from ANY_SOURCE, the next message of every worker is a header.
 
 from __future__ import annotations
 
+import os
+import signal
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -123,6 +125,7 @@ class AsyncResult:
     log: list[LogEntry] = field(default_factory=list)  # server only
     events: list[Event] = field(default_factory=list)  # this rank's trace events, if tracing
     dropped: list[tuple[int, int]] = field(default_factory=list)  # server, backup workers: (worker, clock)
+    lost: list[tuple[int, int]] = field(default_factory=list)  # server: dead (worker, clocks it finished)
 
 
 _DEFAULT = AsyncConfig()  # lock-step, no budget, no stragglers
@@ -135,11 +138,11 @@ def train_async(comm: Communicator, cfg: TrainConfig, acfg: AsyncConfig = _DEFAU
     clocks = cfg.steps if acfg.clocks is None else acfg.clocks
     first = len(comm.tracer.events)
     if comm.rank == 0:
-        params, log, dropped = serve(comm, cfg, acfg, clocks)
+        params, log, dropped, lost = serve(comm, cfg, acfg, clocks)
     else:
-        params, log, dropped = work(comm, cfg, acfg, clocks), [], []
+        params, log, dropped, lost = work(comm, cfg, acfg, clocks), [], [], []
     events = list(comm.tracer.events[first:]) if comm.tracer.enabled else []
-    return AsyncResult(params, log, events, dropped)
+    return AsyncResult(params, log, events, dropped, lost)
 
 
 def work(comm: Communicator, cfg: TrainConfig, acfg: AsyncConfig, clocks: int) -> np.ndarray:
@@ -164,6 +167,8 @@ def work(comm: Communicator, cfg: TrainConfig, acfg: AsyncConfig, clocks: int) -
             break
         comm.recv(params, 0, TAG_PARAMS)
         tr.record("pull", t1, tr.now(), peer=0, bytes=params.nbytes, extra=info)
+        if acfg.kill_at == (me, clock):  # a fault test: die as a crash dies, with no goodbye
+            os.kill(os.getpid(), signal.SIGKILL)
         with tr.span("compute", extra=info), slow.compute(delay_of(acfg, me, clock)):
             compute_gradient(model, data, cfg, params, worker_batch(cfg, me, workers, clock), grad)
         with tr.span("push", peer=0, bytes=grad.nbytes, extra=info):

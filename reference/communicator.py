@@ -17,6 +17,8 @@ of the peer's memory.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import NamedTuple, Protocol
 
 import numpy as np
@@ -80,6 +82,22 @@ class Communicator(ABC):
 
     @abstractmethod
     def close(self) -> None: ...
+
+    def peer_alive(self, rank: int) -> bool:
+        """Has ``rank`` not died? Optional: the shared-memory backend can tell (the peer's pid).
+
+        The default cannot tell and says True. MPI aborts the whole job when a rank dies,
+        so there is nobody left to ask; gloo/NCCL report a broken connection as an error
+        of the call that used it.
+        """
+        return True
+
+    @contextmanager
+    def patience(self, seconds: float) -> Iterator[None]:
+        """Blocking calls inside give up after ``seconds`` (``CommTimeout``) instead of ``timeout``,
+        so the caller can check ``peer_alive`` and try again. Only where a timed-out call leaves
+        no half-matched message behind (shared memory); the default changes nothing."""
+        yield
 
     def send(self, buf: np.ndarray, dst: int, tag: int = 0) -> None:
         self.isend(buf, dst, tag).wait()

@@ -20,6 +20,7 @@ import numpy as np
 from reference.data import Dataset, batch_indices, shard
 from reference.errors import ConfigError
 from reference.model import MLP
+from reference.resume import CheckpointConfig
 from reference.straggler import Stragglers, check_budget, check_delays, check_stragglers
 from reference.train import TrainConfig
 
@@ -43,6 +44,8 @@ class AsyncConfig:
     straggler: Stragglers = ()  # ((worker rank, factor), ...): compute factor times slower
     time_budget_s: float | None = None  # the server stops the workers once this much time is spent
     backup_workers: int = 0  # aggregate: a clock's update takes the first W - b gradients, drops the rest
+    checkpoint: CheckpointConfig | None = None  # the server checkpoints and resumes (reference.resume)
+    kill_at: tuple[int, int] | None = None  # tests only: (worker, clock): it SIGKILLs itself there
 
     def __post_init__(self) -> None:
         if self.delays is not None:
@@ -64,6 +67,8 @@ class AsyncConfig:
                               f"{self.delay_seed}")
         check_stragglers(self.straggler, world_size, first=1)
         check_budget(self.time_budget_s)
+        if self.checkpoint is not None:
+            self.checkpoint.validate()
         if world_size is not None and world_size < 2:
             raise ConfigError(f"the parameter server needs world_size >= 2 (rank 0 serves, ranks "
                               f"1.. work), got {world_size}: launch at least 2 ranks")
@@ -97,8 +102,10 @@ class LogEntry:
 
 
 def gate_open(done: list[int], clock: int, staleness: int | None) -> bool:
-    """SSP: a worker may start ``clock`` once the slowest has finished ``clock - staleness`` clocks."""
-    return staleness is None or min(done) >= clock - staleness
+    """SSP: a worker may start ``clock`` once the slowest has finished ``clock - staleness`` clocks.
+
+    ``done``: the LIVE workers' finished clocks; a lost worker no longer holds anyone back."""
+    return staleness is None or not done or min(done) >= clock - staleness
 
 
 def worker_batch(cfg: TrainConfig, worker: int, workers: int, clock: int) -> np.ndarray:

@@ -13,13 +13,31 @@ pulls may now go. Three rules decide a held pull:
 
 A worker leaves after pushing its last clock or on receiving STOP; the loop ends when
 every worker has left, so no worker is ever left waiting for an answer.
+
+A worker that DIES (SIGKILL, a crash) is lost, not waited for: the server listens in
+slices of ``POLL_S`` (``comm.patience``) and, whenever a slice passes in silence, asks
+the transport which workers are still alive (``comm.peer_alive``). A dead one is removed
+from the SSP gate (the slowest LIVE worker decides), its held pull and any push it never
+finished are forgotten, and ``lost`` records it with the clocks it had finished (also a
+"lost" trace event and a warning). Everything it pushed before dying stays applied and
+logged, so the replay property holds unchanged. Limits: the shared-memory backend can
+tell dead from slow; MPI aborts the whole job when a rank dies, and torch (gloo/NCCL)
+turns a dead peer into an error of the call, so there a lost worker ends the run with a
+clear error naming the rank. With ``aggregate=True`` every clock needs every worker's
+gradient, so a lost worker is an error there too.
 """
 
 from __future__ import annotations
 
+import logging
+import time
+from collections.abc import Callable
+from functools import partial
+from typing import TypeVar
+
 import numpy as np
 
-from reference.communicator import ANY_SOURCE, CommError, Communicator
+from reference.communicator import ANY_SOURCE, CommError, CommTimeout, Communicator
 from reference.optim import make_optimizer
 from reference.ps_protocol import (
     PULL,
@@ -34,10 +52,15 @@ from reference.ps_protocol import (
     gate_open,
     update_gradient,
 )
+from reference.resume import load_resume, run_meta, save_state
 from reference.straggler import Budget
 from reference.train import TrainConfig, setup
 
-__all__ = ["Server", "serve"]
+__all__ = ["Server", "serve", "POLL_S"]
+
+POLL_S = 0.05  # seconds of silence after which the server checks that its workers are alive
+T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 class Server:
@@ -63,20 +86,81 @@ class Server:
         self.held: dict[int, dict[int, np.ndarray]] = {}  # aggregate: clock -> worker -> gradient
         self.log: list[LogEntry] = []
         self.dropped: list[tuple[int, int]] = []  # backup workers: (worker, clock) arrived too late
+        self.lost: dict[int, int] = {}  # dead workers -> the clocks they had finished
+        self.meta = run_meta("async", cfg, acfg, comm.world_size)
+        self.restore()
 
-    def run(self) -> tuple[np.ndarray, list[LogEntry], list[tuple[int, int]]]:
+    # -- checkpoints ---------------------------------------------------------------------------
+    def restore(self) -> None:
+        """Resume from a checkpoint: workers then get their next unfinished clock (``decide``)."""
+        state = load_resume(self.acfg.checkpoint, self.meta)
+        if state is None:
+            return
+        self.params[:] = state.params
+        self.opt.load_state_dict(state.optimizer_state)
+        pos = state.data_position
+        self.version, self.done = int(pos["version"]), [int(c) for c in pos["done"]]
+        self.log = [LogEntry(*(int(v) for v in e)) for e in pos["log"]]
+        self.dropped = [(int(w), int(c)) for w, c in pos["dropped"]]
+
+    def save(self) -> None:
+        """Everything the server knows, after an update; pulls and pushes in flight are redone."""
+        ckpt = self.acfg.checkpoint
+        if ckpt is None or not ckpt.due(self.version):
+            return
+        position = {"version": self.version, "done": self.done, "dropped": self.dropped,
+                    "log": [[e.worker, e.clock, e.version, e.produced, e.slowest_done] for e in self.log]}
+        save_state(ckpt, self.version, self.params, self.opt.state_dict(), position, self.meta)
+
+    def run(self) -> tuple[np.ndarray, list[LogEntry], list[tuple[int, int]], list[tuple[int, int]]]:
         header = np.zeros(3, dtype=np.int64)
         while self.active:
-            worker = self.comm.recv(header, ANY_SOURCE, TAG_HEADER)
+            worker = self.patiently(lambda: self.comm.recv(header, ANY_SOURCE, TAG_HEADER))
             kind, clock, version = (int(x) for x in header)
-            if kind == PULL:
-                self.waiting.append((worker, clock))
-            else:
-                self.comm.recv(self.grad, worker, TAG_GRAD)  # always right after its header
-                self.take_push(worker, kind, clock, version)
+            if worker is None:  # silence: some worker was found dead, its gate reopened
+                pass
+            elif kind == PULL:  # a resumed run's worker asks for 0: it gets its next unfinished clock
+                self.waiting.append((worker, max(clock, self.done[worker - 1])))
+            elif self.patiently(partial(self.comm.recv, self.grad, worker, TAG_GRAD), worker) is not None:
+                self.take_push(worker, kind, clock, version)  # the gradient follows its header
             self.check_budget()
             self.release()
-        return np.array(self.params), self.log, self.dropped
+        return np.array(self.params), self.log, self.dropped, sorted(self.lost.items())
+
+    # -- lost workers --------------------------------------------------------------------------
+    def patiently(self, call: Callable[[], T], peer: int | None = None) -> T | None:
+        """``call()``, listening in slices of POLL_S; None if ``peer`` (or, for None, any worker)
+        died meanwhile. Silence with every worker alive is only an error after ``timeout``."""
+        deadline = time.monotonic() + self.comm.timeout
+        while True:
+            try:
+                with self.comm.patience(POLL_S):
+                    return call()
+            except CommTimeout:
+                if time.monotonic() >= deadline:
+                    raise
+            dead = [w for w in sorted(self.active) if not self.comm.peer_alive(w)]
+            for w in dead:
+                self.lose(w)
+            if dead and (peer is None or peer in dead):
+                return None
+
+    def lose(self, worker: int) -> None:
+        """Forget a dead worker: the gate waits for the living only; the log keeps what it pushed."""
+        reached = self.done[worker - 1]
+        if self.acfg.aggregate:
+            raise CommError(f"worker rank {worker} died after finishing {reached} clocks: aggregation "
+                            "needs every worker each clock; use SSP (aggregate=False) to survive it")
+        self.lost[worker] = reached
+        self.active.discard(worker)
+        self.waiting = [(w, c) for w, c in self.waiting if w != worker]
+        now = self.tr.now()
+        self.tr.record("lost", now, now, peer=worker, extra={"worker": worker, "clock": reached})
+        log.warning("parameter server: worker rank %d died after finishing %d clocks; going on with "
+                    "the %d others", worker, reached, self.workers - len(self.lost))
+
+    def live_done(self) -> list[int]:
+        return [d for w, d in enumerate(self.done, 1) if w not in self.lost]
 
     # -- pulls ---------------------------------------------------------------------------------
     def check_budget(self) -> None:
@@ -88,9 +172,9 @@ class Server:
     def decide(self, clock: int) -> int | None:
         """The clock to hand a pull for ``clock``, STOP, or None to hold it at the gate."""
         if not self.acfg.aggregate:
-            if self.stopping:
+            if self.stopping or clock >= self.clocks:
                 return STOP
-            return clock if gate_open(self.done, clock, self.acfg.staleness) else None
+            return clock if gate_open(self.live_done(), clock, self.acfg.staleness) else None
         if self.version < clock:  # the update of clock - 1 is not applied yet
             return None
         return self.version if self.version <= self.last_clock else STOP
@@ -110,10 +194,12 @@ class Server:
             self.active.discard(worker)
             self.tr.record("stop", t0, self.tr.now(), peer=worker, extra={"version": self.version})
             return
-        self.answered[(worker, clock)] = (self.version, min(self.done))
+        self.answered[(worker, clock)] = (self.version, min(self.live_done(), default=clock))
         self.reply[:] = (self.version, clock)
-        self.comm.send(self.reply, worker, TAG_REPLY)
-        self.comm.send(self.params, worker, TAG_PARAMS)
+        for buf, tag in ((self.reply, TAG_REPLY), (self.params, TAG_PARAMS)):
+            if self.patiently(self.comm.isend(buf, worker, tag).wait, worker) is None \
+                    and worker in self.lost:
+                return
         self.tr.record("reply", t0, self.tr.now(), peer=worker, bytes=self.params.nbytes,
                        extra={"clock": clock, "version": self.version})
 
@@ -147,6 +233,7 @@ class Server:
             self.tr.record("apply", t0, t1, peer=worker, extra={
                 "staleness": self.version - 1 - v, "worker": worker, "clock": clock,
                 "version": self.version})
+        self.save()
 
     def drop(self, worker: int, clock: int) -> None:
         t0 = self.tr.now()
@@ -157,6 +244,7 @@ class Server:
 
 
 def serve(comm: Communicator, cfg: TrainConfig, acfg: AsyncConfig,
-          clocks: int) -> tuple[np.ndarray, list[LogEntry], list[tuple[int, int]]]:
-    """The server's loop: final parameters, the log of applied gradients, the dropped ones."""
+          clocks: int) -> tuple[np.ndarray, list[LogEntry], list[tuple[int, int]], list[tuple[int, int]]]:
+    """The server's loop: final parameters, the log of applied gradients, the dropped ones, and
+    the lost workers with the clocks they had finished."""
     return Server(comm, cfg, acfg, clocks).run()

@@ -45,7 +45,8 @@ from reference.collectives import allreduce, broadcast
 from reference.communicator import Communicator
 from reference.data import batch_indices, shard
 from reference.errors import ConfigError
-from reference.optim import make_optimizer
+from reference.optim import Optimizer, make_optimizer
+from reference.resume import CheckpointConfig, load_resume, run_meta, save_state
 from reference.schedule import chunk_bounds
 from reference.straggler import Budget, Slowdown, Stragglers, check_budget, check_delays, check_stragglers
 from reference.train import TrainConfig, TrainResult, setup
@@ -61,6 +62,7 @@ class SyncConfig:
     straggler: Stragglers = ()  # ((rank, factor), ...): those ranks compute factor times slower
     time_budget_s: float | None = None  # stop after the step during which this much time ran out
     delays: tuple[float, ...] | None = None  # seconds rank r sleeps before each micro-batch: delays[r]
+    checkpoint: CheckpointConfig | None = None  # rank 0 checkpoints; every rank resumes (reference.resume)
 
     def __post_init__(self) -> None:
         if self.delays is not None:
@@ -76,6 +78,8 @@ class SyncConfig:
         check_stragglers(self.straggler, world_size)
         check_delays(self.delays, world_size, "rank")
         check_budget(self.time_budget_s)
+        if self.checkpoint is not None:
+            self.checkpoint.validate()
 
 
 def train_sync(comm: Communicator, cfg: TrainConfig, sync: SyncConfig = SyncConfig()) -> TrainResult:
@@ -87,14 +91,16 @@ def train_sync(comm: Communicator, cfg: TrainConfig, sync: SyncConfig = SyncConf
         params = model.init_params(cfg.seed + 1 + comm.rank, dtype=params.dtype)
     broadcast(comm, params, root=0)
     opt = make_optimizer(cfg.optimizer, model.num_params, params.dtype)
+    meta = run_meta("sync", cfg, sync, comm.world_size)
+    losses, start = resume(sync.checkpoint, meta, params, opt)
     grad = comm.empty(model.num_params, params.dtype)  # buckets are slices of it: no packing
     reducer = Reducer(comm, grad, model.param_slices, sync.bucket_cap_mb, sync.algorithm)
     loss_buf = np.zeros(2, dtype=np.float64)  # [this step's loss, rank 0's vote to stop]
-    losses, tracer = [], comm.tracer
+    tracer = comm.tracer
     slow = Slowdown.for_rank(sync.straggler, comm.rank, tracer)
     delay = sync.delays[comm.rank] if sync.delays else 0.0
     try:
-        for step in range(cfg.steps):
+        for step in range(start, cfg.steps):
             batch = batch_indices(cfg.num_samples, cfg.global_batch, step, cfg.seed)
             mine = shard(batch, comm.rank, comm.world_size)
             grad[:] = 0
@@ -120,8 +126,23 @@ def train_sync(comm: Communicator, cfg: TrainConfig, sync: SyncConfig = SyncConf
             loss_buf[1] = 1.0 if comm.rank == 0 and budget.spent() else 0.0
             allreduce(comm, loss_buf, sync.algorithm)  # the global batch's loss, and the vote
             losses.append(float(loss_buf[0]))
+            if comm.rank == 0 and sync.checkpoint is not None and sync.checkpoint.due(step + 1):
+                save_state(sync.checkpoint, step + 1, params, opt.state_dict(),
+                           {"step": step + 1, "losses": losses}, meta)
             if loss_buf[1] > 0:
                 break
     finally:
         reducer.close()
     return TrainResult(params, losses)
+
+
+def resume(ckpt: CheckpointConfig | None, meta: dict, params: np.ndarray,
+           opt: Optimizer) -> tuple[list[float], int]:
+    """Load the checkpoint into ``params`` and ``opt`` (every rank reads the same file, so the
+    replicas start equal); returns the losses so far and the first step to take."""
+    state = load_resume(ckpt, meta)
+    if state is None:
+        return [], 0
+    params[:] = state.params
+    opt.load_state_dict(state.optimizer_state)
+    return [float(v) for v in state.data_position["losses"]], int(state.data_position["step"])

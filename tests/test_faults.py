@@ -1,0 +1,125 @@
+"""Faults: real processes killed with SIGKILL in the middle of training.
+
+Asynchronous training survives a dead worker: the server notices (``peer_alive``),
+records the loss with the clocks the worker had finished, opens the SSP gate to the
+living, and its log still replays bit for bit. Synchronous training cannot go on
+without a rank: it stops within seconds with an error naming the rank. Either way
+nothing is left in /dev/shm.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from backends import shm
+from backends.launch import RankError, RankLost, launch
+from backends.local_wiring import process_alive
+from reference.async_ps import AsyncConfig, train_async
+from reference.replay import replay
+from reference.sync import SyncConfig, train_sync
+from reference.train import TrainConfig
+
+WORKERS = frozenset({1, 2, 3})
+
+
+@pytest.mark.parametrize("staleness", [0, 2, None])
+def test_async_goes_on_without_a_killed_worker(staleness: int | None) -> None:
+    cfg = TrainConfig(steps=10)
+    acfg = AsyncConfig(staleness=staleness, kill_at=(2, 4), max_delay_s=0.003, delay_seed=7)
+    before = set(shm.leftovers())
+    t0 = time.monotonic()
+    results = launch(train_async, 4, args=(cfg, acfg), tolerate=WORKERS)
+    assert time.monotonic() - t0 < 10
+    server = results[0]
+    assert isinstance(results[2], RankLost) and "SIGKILL" in results[2].detail
+    assert server.lost == [(2, 4)]  # worker rank 2, after finishing clocks 0..3
+    applied = sorted((e.worker, e.clock) for e in server.log)
+    assert applied == sorted([(w, c) for w in (1, 3) for c in range(10)] + [(2, c) for c in range(4)])
+    assert np.array_equal(replay(cfg, acfg, server.log, 3), server.params)
+    if staleness is not None:  # the gate held, over the workers alive at each pull
+        assert all(e.clock - e.slowest_done <= staleness for e in server.log)
+    assert set(shm.leftovers()) <= before
+
+
+def test_async_worker_killed_by_another_process() -> None:
+    """The killer is outside the world: SIGKILL by pid, read from the shared wiring's pids."""
+    cfg = TrainConfig(steps=200)
+    acfg = AsyncConfig(staleness=1, delays=(0.01, 0.0))  # worker 1: >= 2 s for its 200 clocks
+    before = set(shm.leftovers())
+    results = launch(_killed_from_outside, 3, args=(cfg, acfg), tolerate=frozenset({1, 2}))
+    server = results[0]
+    assert isinstance(results[1], RankLost)
+    [(worker, reached)] = server.lost
+    assert worker == 1 and 1 <= reached < 200
+    assert np.array_equal(replay(cfg, acfg, server.log, 2), server.params)
+    assert set(shm.leftovers()) <= before
+
+
+def _killed_from_outside(comm, cfg: TrainConfig, acfg: AsyncConfig):
+    """Rank 2 (a worker) starts a killer thread that SIGKILLs rank 1 once it has run a while."""
+    if comm.rank == 2:
+        def kill() -> None:
+            time.sleep(0.3)  # by now every rank has written its pid into the wiring
+            pid = int(comm.w.pids[1])
+            if pid and process_alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+        threading.Thread(target=kill, daemon=True).start()
+    return train_async(comm, cfg, acfg)
+
+
+def _traced(comm, cfg: TrainConfig, acfg: AsyncConfig):
+    comm.tracer.enabled = True
+    try:
+        return train_async(comm, cfg, acfg)
+    finally:
+        comm.tracer.enabled = False
+
+
+def test_async_loss_is_a_trace_event_naming_worker_and_clock() -> None:
+    acfg = AsyncConfig(staleness=1, kill_at=(1, 3))
+    results = launch(_traced, 3, args=(TrainConfig(steps=8), acfg), tolerate=frozenset({1, 2}))
+    lost = [e for e in results[0].events if e.kind == "lost"]
+    assert [(e.peer, e.extra) for e in lost] == [(1, {"worker": 1, "clock": 3})]
+
+
+def test_async_aggregate_loss_is_a_clear_error() -> None:
+    acfg = AsyncConfig(staleness=0, aggregate=True, kill_at=(1, 2))
+    with pytest.raises(RankError, match="worker rank 1 died after finishing 2 clocks") as info:
+        launch(train_async, 3, args=(TrainConfig(steps=6), acfg), tolerate=frozenset({1, 2}))
+    assert info.value.rank == 0
+
+
+def _sync_rank_killed(comm, cfg: TrainConfig):
+    if comm.rank == 1:  # a real SIGKILL in the middle of training, not an exception
+        threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGKILL)).start()
+    return train_sync(comm, cfg, SyncConfig(straggler=((1, 20.0),)))
+
+
+def test_sync_stops_within_seconds_naming_the_killed_rank() -> None:
+    before = set(shm.leftovers())
+    t0 = time.monotonic()
+    with pytest.raises(RankError) as info:
+        launch(_sync_rank_killed, 3, args=(TrainConfig(steps=100_000),))
+    assert time.monotonic() - t0 < 10
+    assert info.value.rank == 1 and "SIGKILL" in str(info.value) and "rank 1" in str(info.value)
+    assert set(shm.leftovers()) <= before
+
+
+def test_peer_alive_tells_dead_from_zombie() -> None:
+    pid = os.fork()
+    if pid == 0:  # the child dies at once; unreaped, it is a zombie that os.kill(pid, 0) still finds
+        os._exit(0)
+    time.sleep(0.1)
+    try:
+        os.kill(pid, 0)  # the zombie still "exists" ...
+        assert not process_alive(pid)  # ... but is not alive
+        assert process_alive(os.getpid())
+    finally:
+        os.waitpid(pid, 0)
