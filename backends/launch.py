@@ -28,14 +28,14 @@ import os
 import secrets
 import signal
 import subprocess
-import sys
-import traceback
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from multiprocessing.connection import wait
 from typing import Any
 
+from backends.engine import launcher_env, run_here, under_launcher
 from backends.mpiexec import kill_group, start_mpiexec, sweep_mpich_shm
 from backends.serve import die_with_parent, serve
 from backends.shm import PREFIX, sweep_stale, unlink_prefix
@@ -84,28 +84,6 @@ def check_backend(backend: str) -> None:
     reason = available()
     if reason:
         raise BackendUnavailable(f"backend {backend!r} is not available: {reason}")
-
-
-def under_launcher(backend: str) -> bool:
-    """True when this process is one rank of an ``mpiexec`` (mpi) or ``torchrun`` (torch) job."""
-    env = os.environ
-    if backend == "mpi":
-        return "DPLAB_AUTHKEY" not in env and any(
-            k in env for k in ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK"))
-    if backend == "torch":
-        return all(k in env for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
-    return False
-
-
-def launcher_env(backend: str) -> tuple[int, int]:
-    """(rank, world_size) that mpiexec or torchrun gave this process."""
-    env = os.environ
-    keys = {"mpi": [("PMI_RANK", "PMI_SIZE"), ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE")],
-            "torch": [("RANK", "WORLD_SIZE")]}.get(backend, [])
-    for rank, size in keys:
-        if rank in env and size in env:
-            return int(env[rank]), int(env[size])
-    raise ConfigError(f"not running under a {backend} launcher")
 
 
 class World:
@@ -173,13 +151,25 @@ class World:
         return self._collect()
 
     def _collect(self) -> list[Any]:
+        """Every rank's result, or one RankError naming the rank that caused the failure.
+
+        When one rank fails the others often fail right after it (a lost peer, or mpiexec
+        terminating the job), so failures are gathered for a moment and the cause is
+        reported: a rank that died first, then one that raised, then one that was stopped.
+        """
         results: dict[int, Any] = {}
+        failed: dict[int, tuple[str, str]] = {}
         waiting = {c: r for r, c in enumerate(self._conns)} | {
             p.sentinel: r for r, p in enumerate(self._procs)}
-        while len(results) < self.world_size:
-            for ready in wait(list(waiting)):
+        deadline = None
+        while len(results) + len(failed) < self.world_size:
+            left = None if deadline is None else max(deadline - time.monotonic(), 0)
+            ready_list = wait(list(waiting), timeout=left)
+            if deadline is not None and (not ready_list or time.monotonic() >= deadline):
+                break
+            for ready in ready_list:
                 rank = waiting.get(ready)
-                if rank is None or rank in results:
+                if rank is None or rank in results or rank in failed:
                     continue
                 if ready is self._conns[rank]:
                     try:
@@ -192,11 +182,19 @@ class World:
                     status, value = "died", self._death_note(rank)
                 if status == "died" and rank in self.tolerate:
                     status, value = "ok", RankLost(rank, value)
-                if status != "ok":
-                    self.abort()
-                    raise RankError(rank, value)
-                results[rank] = value
+                if status == "ok":
+                    results[rank] = value
+                else:
+                    failed[rank] = (status, value)
+                    grace = 3.0 if status == "stopped" else 0.5
+                    deadline = min(deadline or float("inf"), time.monotonic() + grace)
                 waiting = {k: r for k, r in waiting.items() if r != rank}  # a dead rank stays ready
+        if failed:
+            self.abort()
+            order = list(failed)  # arrival order breaks ties: the first to die is the cause
+            rank = min(order, key=lambda r: (["died", "error", "stopped"].index(failed[r][0]),
+                                             order.index(r)))
+            raise RankError(rank, failed[rank][1])
         return [results[r] for r in range(self.world_size)]
 
     def _death_note(self, rank: int) -> str:
@@ -262,7 +260,7 @@ def launch(fn: Callable[..., Any], world_size: int | None = None, backend: str =
     """
     check_backend(backend)
     if under_launcher(backend):
-        return _launch_here(fn, world_size, backend, tuple(args), timeout or default_timeout())
+        return run_here(fn, world_size, backend, tuple(args), timeout or default_timeout())
     if world_size is None:
         raise ConfigError("world_size is required outside mpiexec/torchrun")
     world = World(world_size, backend, timeout, job=(fn, tuple(args)), tolerate=tolerate)
@@ -270,28 +268,6 @@ def launch(fn: Callable[..., Any], world_size: int | None = None, backend: str =
         return world._collect()
     finally:
         world.close()
-
-
-def _launch_here(fn: Callable, world_size: int | None, backend: str, args: tuple,
-                 timeout: float) -> list[Any]:
-    if backend == "mpi":
-        from backends.mpi import MpiComm as Comm
-    else:
-        from backends.torchdist import TorchComm as Comm
-    comm = Comm.from_launcher(timeout)
-    try:
-        if world_size is not None and world_size != comm.world_size:
-            raise ConfigError(f"the launcher started {comm.world_size} ranks but world_size is "
-                              f"{world_size}: drop --world-size or make them agree")
-        result = fn(comm, *args)
-    except BaseException:
-        print(f"rank {comm.rank} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
-        getattr(comm, "abort", comm.close)()  # MPI_Abort / close: the peers fail fast, no hang
-        raise
-    try:
-        return comm.allgather_object(result)
-    finally:
-        comm.close()
 
 
 def _forked_rank(connect: Callable[[], Any], conn: Any, job: tuple[Callable, tuple] | None) -> None:

@@ -79,6 +79,17 @@ def main(argv: list[str]) -> None:
     comm = MpiComm(timeout=timeout)
     conn = Client((host, int(port)), authkey=bytes.fromhex(os.environ["DPLAB_AUTHKEY"]))
     conn.send(comm.rank)
+
+    def stopped_by_mpiexec(signum: int, frame: Any) -> None:
+        # mpiexec terminates every rank when one dies: say so, so the launcher can tell the
+        # rank that died (its connection just closes) from the ranks that were stopped.
+        try:
+            conn.send(("stopped", f"rank {comm.rank} was stopped by mpiexec (SIGTERM) because "
+                                  "another rank of the job ended"))
+        finally:
+            os._exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stopped_by_mpiexec)
     serve(lambda: comm, conn)
 
 

@@ -476,3 +476,23 @@ def test_an_aborted_world_leaves_no_mpich_segments_in_dev_shm(tmp_path):
         with pytest.raises(RankError):
             launch(train_sync, 4, backend="mpi", args=(TrainConfig(steps=1, global_batch=0),))
         assert _unmapped_mpich_segments() == set()
+
+
+def job_train_until_rank_dies(comm, victim):
+    """Everyone trains; ``victim`` SIGKILLs itself a moment in, mid-collective for the others."""
+    if comm.rank == victim:
+        import threading
+
+        threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGKILL)).start()
+    return train_sync(comm, TrainConfig(steps=10**6), SyncConfig("ring")).params
+
+
+@pytest.mark.parametrize("victim", [2, 3])
+def test_a_rank_killed_mid_training_is_the_one_named(victim):
+    """mpiexec then terminates every other rank; the error must still name the one that died."""
+    t0 = time.monotonic()
+    with pytest.raises(RankError) as err:
+        launch(job_train_until_rank_dies, 4, backend="mpi", args=(victim,))
+    assert time.monotonic() - t0 < 15
+    assert err.value.rank == victim, str(err.value)
+    assert _unmapped_mpich_segments() == set()
