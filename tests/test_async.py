@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from strategies import train_configs
 
 from backends.launch import RankError
 from reference.async_ps import AsyncConfig, LogEntry, train_async
@@ -64,23 +65,6 @@ def _rank1_fails_first(comm, cfg, acfg):
 # -- strategies ------------------------------------------------------------------------------
 
 @st.composite
-def train_configs(draw, dtype: str = "float64") -> TrainConfig:
-    dataset = draw(st.sampled_from(["regression", "classification"]))
-    model = MLPConfig(
-        in_dim=draw(st.integers(1, 6)),
-        hidden=tuple(draw(st.lists(st.integers(1, 10), max_size=2))),
-        out_dim=draw(st.integers(2 if dataset == "classification" else 1, 4)),
-        activation=draw(st.sampled_from(["tanh", "relu"])),
-        loss="xent" if dataset == "classification" else "mse",
-    )
-    name = draw(st.sampled_from(["sgd", "momentum", "adam"]))
-    return TrainConfig(model=model, dataset=dataset, num_samples=draw(st.integers(1, 40)),
-                       global_batch=draw(st.integers(1, 24)), steps=draw(st.integers(0, 5)),
-                       optimizer=OptimConfig(name=name, lr=0.01 if name == "adam" else 0.05),
-                       seed=draw(st.integers(0, 2**16)), dtype=dtype)
-
-
-@st.composite
 def async_configs(draw, workers: int) -> AsyncConfig:
     staleness = draw(st.sampled_from([0, 1, 2, 3, None]))
     slow = draw(st.lists(st.sampled_from([0.0, 0.0, 0.002]), min_size=workers, max_size=workers))
@@ -93,7 +77,7 @@ def async_configs(draw, workers: int) -> AsyncConfig:
 def runs(draw):
     """(world_size, TrainConfig, AsyncConfig): 1..5 workers beside the server."""
     p = draw(st.integers(2, 6))
-    cfg = draw(train_configs(draw(st.sampled_from(["float64", "float64", "float32"]))))
+    cfg = draw(train_configs(draw(st.sampled_from(["float64", "float64", "float32"])), steps=(0, 5)))
     return p, cfg, draw(async_configs(p - 1))
 
 
@@ -174,7 +158,7 @@ def test_without_a_bound_the_fast_workers_do_not_wait(worlds):
 # -- lock-step aggregation is synchronous data parallelism -------------------------------------
 
 @settings(max_examples=EXAMPLES, deadline=None)
-@given(workers=st.integers(1, 5), cfg=train_configs(), max_delay_s=st.sampled_from([0.0, 0.002]))
+@given(workers=st.integers(1, 5), cfg=train_configs(steps=(0, 5)), max_delay_s=st.sampled_from([0.0, 0.002]))
 def test_lockstep_aggregation_equals_train_sync_and_train_single(worlds, workers, cfg, max_delay_s):
     acfg = AsyncConfig(staleness=0, aggregate=True, max_delay_s=max_delay_s)
     server = worlds(workers + 1).run(_train_async, cfg, acfg)[0]

@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from strategies import train_configs
 
 from backends.launch import RankError
 from reference.errors import ConfigError
 from reference.model import MLP, MLPConfig
-from reference.optim import OptimConfig
 from reference.sync import SyncConfig, train_sync
 from reference.train import TrainConfig, setup, train_single
 
@@ -56,30 +56,6 @@ def _train_traced(comm, cfg, sync):
 
 
 # -- strategies ------------------------------------------------------------------------------
-
-@st.composite
-def train_configs(draw, dtype: str = "float64") -> TrainConfig:
-    dataset = draw(st.sampled_from(["regression", "classification"]))
-    model = MLPConfig(
-        in_dim=draw(st.integers(1, 6)),
-        hidden=tuple(draw(st.lists(st.integers(1, 12), max_size=3))),
-        out_dim=draw(st.integers(2 if dataset == "classification" else 1, 5)),
-        activation=draw(st.sampled_from(["tanh", "relu"])),
-        loss="xent" if dataset == "classification" else "mse",
-    )
-    name = draw(st.sampled_from(["sgd", "momentum", "adam"]))
-    optimizer = OptimConfig(name=name, lr=0.01 if name == "adam" else 0.05)
-    return TrainConfig(
-        model=model,
-        dataset=dataset,
-        num_samples=draw(st.integers(1, 40)),
-        global_batch=draw(st.integers(1, 24)),  # often < world_size or not divisible by it
-        steps=draw(st.integers(1, 4)),
-        optimizer=optimizer,
-        seed=draw(st.integers(0, 2**16)),
-        dtype=dtype,
-    )
-
 
 sync_configs = st.builds(
     SyncConfig,
