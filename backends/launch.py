@@ -121,7 +121,10 @@ class World:
         if self.backend == "local":
             from backends.local import LocalComm, Wiring
 
-            connect = partial(LocalComm, Wiring.create(ctx, self.session, self.world_size, self.timeout))
+            # Kept for the world's lifetime: its pid array lives in multiprocessing's shared heap,
+            # and a block freed here would be handed to the next world while ours still use it.
+            self._wiring = Wiring.create(ctx, self.session, self.world_size, self.timeout)
+            connect = partial(LocalComm, self._wiring)
         else:
             from backends.torchdist import prepare
 

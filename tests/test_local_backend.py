@@ -613,3 +613,19 @@ def test_align_clock_on_one_machine_finds_offsets_below_a_millisecond(worlds, p)
     for offset, applied in results[1:]:
         assert offset == applied
         assert abs(offset) < 1_000_000, f"offset {offset} ns on one machine"
+
+
+def job_pid_table(comm):
+    comm.barrier()
+    return [int(comm.w.pids[r]) for r in range(comm.world_size)]
+
+
+def test_other_worlds_coming_and_going_leave_a_worlds_pid_table_alone():
+    """peer_alive reads the pid table: another world must never be handed its memory."""
+    with World(3) as world:
+        before = world.run(job_pid_table)[0]
+        assert 0 not in before
+        for _ in range(3):
+            with World(3) as other:
+                other.run(job_pid_table)
+        assert world.run(job_pid_table)[0] == before
