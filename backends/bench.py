@@ -2,9 +2,14 @@
 
     dplab bench --world-sizes 2 --sizes 4K,16M,64M
 
-For every (algorithm, size) all ranks run ``warmup`` all-reduces, then ``iters``
-timed ones back to back; each iteration's time is the slowest rank's, and the row
-reports the median (robust on a shared machine). As in nccl-tests:
+As in nccl-tests, each rank times a loop of ``n`` back-to-back all-reduces and divides
+by ``n``; a cell's time is the mean over ranks (nccl-tests' default ``-a 1``). The loop
+runs ``reps`` times with the algorithms interleaved (ring, native, ring, native, ...),
+so a busy moment of a shared machine hits every algorithm alike, and the row reports
+the median repetition. ``native`` is the engine's all-reduce as its users call it
+(``MPI_Allreduce``, ``dist.all_reduce``), without the shape check that dplab's ``native``
+algorithm runs first in training; our algorithms' rows include whatever check they need.
+``n`` is sized from one timed call so that a cell's loops take about ``target_s``. As in nccl-tests:
 
     algbw = bytes / time            busbw = algbw * 2 (p - 1) / p
 
@@ -42,45 +47,52 @@ def busbw_factor(p: int) -> float:
     return 2 * (p - 1) / p if p > 1 else 1.0
 
 
-def _time_iters(fn: Any, iters: int) -> np.ndarray:
-    times = np.empty(iters, dtype=np.float64)
-    for i in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        times[i] = time.perf_counter() - t0
-    return times
-
-
 def bench_rank(comm: Any, algorithms: list[str], sizes: list[int], dtype: str, warmup: int,
-               target_s: float, max_iters: int) -> dict[str, list[dict[str, Any]]]:
-    """Runs on every rank; returns this rank's per-iteration times for every (algorithm, size)."""
+               target_s: float, max_iters: int, reps: int = 5) -> dict[str, list[dict[str, Any]]]:
+    """Runs on every rank; returns this rank's loop times (per call, one per rep) for every cell."""
     dt = np.dtype(dtype)
     out: dict[str, list[dict[str, Any]]] = {"allreduce": [], "memcpy": []}
     for nbytes in sizes:
         buf = comm.empty(nbytes // dt.itemsize, dt)
-        for algorithm in algorithms:
-            buf[:] = 0  # zeros stay zeros: no overflow however many iterations
-
-            def step(buf: np.ndarray = buf, algorithm: str = algorithm) -> None:
-                allreduce(comm, buf, algorithm)
-
-            for _ in range(warmup):
-                step()
-            iters = np.array([_time_iters(step, 1)[0]], dtype=np.float64)
-            broadcast(comm, iters)  # rank 0's estimate sizes the run: all ranks must agree
-            n = int(np.clip(target_s / max(iters[0], 1e-7), 3, max_iters))
-            staged0 = getattr(comm, "bytes_staged", 0)
-            comm.barrier()
-            times = _time_iters(step, n)
-            out["allreduce"].append({"algorithm": algorithm, "bytes": buf.nbytes, "times": times,
-                        "staged_bytes": (getattr(comm, "bytes_staged", 0) - staged0) / n})
+        buf[:] = 0  # zeros stay zeros: no overflow however many iterations
+        steps = {a: (lambda a=a, buf=buf: allreduce(comm, buf, a)) for a in algorithms}
+        if "native" in steps:  # the engine's all-reduce as its users call it: no dplab shape check
+            steps["native"] = lambda buf=buf: comm.native_allreduce(buf, check=False)
+        iters = {a: _loop_size(comm, steps[a], warmup, target_s / reps, max_iters) for a in algorithms}
+        times = {a: np.empty(reps) for a in algorithms}
+        staged = dict.fromkeys(algorithms, 0)
+        for rep in range(reps):
+            for a in algorithms:
+                comm.barrier()
+                before = getattr(comm, "bytes_staged", 0)
+                times[a][rep] = _time_loop(steps[a], iters[a])
+                staged[a] += getattr(comm, "bytes_staged", 0) - before
+        for a in algorithms:
+            out["allreduce"].append({"algorithm": a, "bytes": buf.nbytes, "times": times[a],
+                                     "staged_bytes": staged[a] / (reps * iters[a])})
         if comm.rank == 0:
-            out["memcpy"].append(memcpy_times(buf.nbytes, warmup, target_s, max_iters))
+            out["memcpy"].append(memcpy_times(buf.nbytes, warmup, target_s, max_iters, reps))
         comm.barrier()
     return out
 
 
-def memcpy_times(nbytes: int, warmup: int, target_s: float, max_iters: int) -> dict[str, Any]:
+def _loop_size(comm: Any, step: Any, warmup: int, target_s: float, max_iters: int) -> int:
+    """Iterations per timed loop: rank 0's estimate from one call, so that all ranks agree."""
+    for _ in range(warmup):
+        step()
+    estimate = np.array([_time_loop(step, 1)], dtype=np.float64)
+    broadcast(comm, estimate)
+    return int(np.clip(target_s / max(estimate[0], 1e-7), 3, max_iters))
+
+
+def _time_loop(step: Any, n: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(n):
+        step()
+    return (time.perf_counter() - t0) / n
+
+
+def memcpy_times(nbytes: int, warmup: int, target_s: float, max_iters: int, reps: int = 5) -> dict[str, Any]:
     """One core copying ``nbytes`` with ``np.copyto``: the bandwidth ceiling of shared memory."""
     src = np.ones(nbytes, dtype=np.uint8)
     dst = np.empty_like(src)
@@ -90,19 +102,20 @@ def memcpy_times(nbytes: int, warmup: int, target_s: float, max_iters: int) -> d
 
     for _ in range(warmup + 1):
         step()
-    n = int(np.clip(target_s / max(_time_iters(step, 1)[0], 1e-7), 3, max_iters))
-    return {"algorithm": "memcpy", "bytes": nbytes, "times": _time_iters(step, n), "staged_bytes": 0}
+    n = int(np.clip(target_s / reps / max(_time_loop(step, 1), 1e-7), 3, max_iters))
+    times = np.array([_time_loop(step, n) for _ in range(reps)])
+    return {"algorithm": "memcpy", "bytes": nbytes, "times": times, "staged_bytes": 0}
 
 
 def summarize(backend: str, world_size: int, per_rank: list[dict[str, list[dict[str, Any]]]]
               ) -> list[dict[str, Any]]:
-    """Rows from every rank's timings: per iteration the slowest rank, then the median."""
+    """Rows from every rank's timings: per repetition the mean over ranks, then the median."""
     rows = []
     cells = [[r["allreduce"][i] for r in per_rank] for i in range(len(per_rank[0]["allreduce"]))]
     for mine in cells + [[m] for m in per_rank[0]["memcpy"]]:
         first = mine[0]
         copy = first["algorithm"] == "memcpy"
-        t = float(np.median(np.max(np.stack([m["times"] for m in mine]), axis=0)))
+        t = float(np.median(np.mean(np.stack([m["times"] for m in mine]), axis=0)))
         algbw = first["bytes"] / t / 1e9
         p = 1 if copy else world_size
         rows.append({

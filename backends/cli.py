@@ -187,6 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--dtype", choices=["float32", "float64"], default="float32")
     b.add_argument("--warmup", type=int, default=3)
     b.add_argument("--target-seconds", type=float, default=0.3, help="timed work per cell")
+    b.add_argument("--reps", type=int, default=5,
+                   help="timed loops per cell, algorithms interleaved; rows report the median")
     b.add_argument("--max-iters", type=int, default=2000)
     _add_common_args(b)
     return parser
@@ -233,6 +235,9 @@ def cmd_compare(a: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def cmd_bench(a: argparse.Namespace) -> list[dict[str, Any]]:
+    if a.reps < 1 or a.target_seconds <= 0 or a.warmup < 0:
+        raise ConfigError(f"need --reps >= 1, --target-seconds > 0 and --warmup >= 0; got {a.reps}, "
+                          f"{a.target_seconds} and {a.warmup}")
     for backend in a.backends:
         check_backend(backend)
     rows, progress = [], Progress(len(a.world_sizes) * len(a.backends))
@@ -240,7 +245,7 @@ def cmd_bench(a: argparse.Namespace) -> list[dict[str, Any]]:
         for p in a.world_sizes:
             with World(p, backend) as world:
                 per_rank = world.run(bench.bench_rank, a.algorithms, a.sizes, a.dtype, a.warmup,
-                                     a.target_seconds, a.max_iters)
+                                     a.target_seconds, a.max_iters, a.reps)
             rows += bench.summarize(backend, p, per_rank)
             progress.step(f"{backend} world size {p}")
     progress.close()

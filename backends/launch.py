@@ -78,7 +78,7 @@ def check_backend(backend: str) -> None:
     if backend == "mpi":
         from backends.mpi import available
     elif backend == "torch":
-        from backends.torchdist import available
+        from backends.torch_world import available
     else:
         return
     reason = available()
@@ -126,7 +126,7 @@ class World:
             self._wiring = Wiring.create(ctx, self.session, self.world_size, self.timeout)
             connect = partial(LocalComm, self._wiring)
         else:
-            from backends.torchdist import prepare
+            from backends.torch_world import prepare
 
             connect = prepare(self.world_size, self.timeout)
         for rank in range(self.world_size):

@@ -262,7 +262,7 @@ class LocalComm(Communicator):
 
     # -- rounds and collectives ---------------------------------------------------------------
     def exchange(self, sends: list[SendSpec], recvs: list[RecvSpec], round: int = -1,
-                 algorithm: str = "") -> None:
+                 algorithm: str = "", ahead: list[RecvSpec] = ()) -> None:
         """Post every send, then reduce or copy each receive straight out of the peer's memory."""
         tr = self.tracer
         if not tr.enabled:  # the hot path: no clocks, no events
@@ -283,7 +283,7 @@ class LocalComm(Communicator):
             tr.record("send", t0, tr.now(), peer=s.peer, bytes=s.buf.nbytes, chunk=s.chunk,
                       round=round, algorithm=algorithm)
 
-    def native_allreduce(self, buf: np.ndarray, op: str = "sum") -> None:
+    def native_allreduce(self, buf: np.ndarray, op: str = "sum", check: bool = True) -> None:
         """No engine here: the native all-reduce is the direct (two-shot) shared-memory algorithm."""
         from reference.collectives import allreduce
 

@@ -5,9 +5,10 @@
 
 The executor knows nothing about rings or trees: it looks up the schedule, cuts the
 flat buffer into the schedule's chunks, and for each round hands this rank's sends
-and receives to ``comm.exchange``. Empty chunks (n < p) are still exchanged as
-zero-length messages, so a rank whose buffer length differs from its peers' gets a
-``BufferMismatch`` instead of a hang.
+and receives to ``comm.exchange``. A rank whose buffer differs from its peers' gets a
+``BufferMismatch``, not a hang: every message is checked against the buffer it lands in
+(empty chunks, n < p, still travel as zero-length messages), or, where the transport
+cannot do that cheaply (gloo), ``comm.check_buffer`` compares the whole buffer once.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from reference.communicator import Communicator, RecvSpec, SendSpec
 from reference.errors import ConfigError
 from reference.schedule import Schedule, Transfer, chunk_bounds
 
-__all__ = ["allreduce", "reduce_scatter", "allgather", "broadcast", "reduce", "run_schedule"]
+__all__ = ["allreduce", "reduce_scatter", "allgather", "broadcast", "reduce", "run_schedule",
+           "early_receives"]
 
 _DTYPES = (np.float32, np.float64, np.int32, np.int64)
 _ROOTED = {"tree": (tree.reduce, tree.broadcast), "naive": (naive.reduce, naive.broadcast)}
@@ -32,28 +34,49 @@ _SCATTER = {"ring": (ring.reduce_scatter, ring.allgather),
 Plan = list[tuple[list[Transfer], list[Transfer]]]
 
 
-def run_schedule(comm: Communicator, buf: Any, schedule: Schedule, plan: Plan | None = None) -> None:
-    """Execute ``schedule`` on this rank's ``buf`` (1-D, contiguous array or tensor), round by round."""
+def run_schedule(comm: Communicator, buf: Any, schedule: Schedule, plan: Plan | None = None,
+                 early: list[list[int]] | None = None) -> None:
+    """Execute ``schedule`` on this rank's ``buf`` (1-D, contiguous array or tensor), round by round.
+
+    Each round also hands over the next round's receives that may be posted early (``ahead``).
+    A rendezvous transport (gloo) moves a message only once its receive is posted: posted a
+    round early, the neighbour's send goes at once instead of waiting for a round trip."""
     plan = plan if plan is not None else schedule.transfers_of(comm.rank)
+    early = early if early is not None else early_receives(plan)
     bounds = chunk_bounds(len(buf), schedule.num_chunks)
-    for k, (sends, recvs) in enumerate(plan):
-        if sends or recvs:
-            comm.exchange(
-                [SendSpec(buf[slice(*bounds[t.chunk])], t.dst, t.chunk) for t in sends],
-                [RecvSpec(buf[slice(*bounds[t.chunk])], t.src, t.chunk, t.op == "reduce") for t in recvs],
-                round=k, algorithm=schedule.name,
-            )
+    sends = [[SendSpec(buf[slice(*bounds[t.chunk])], t.dst, t.chunk) for t in ts] for ts, _ in plan]
+    recvs = [[RecvSpec(buf[slice(*bounds[t.chunk])], t.src, t.chunk, t.op == "reduce") for t in ts]
+             for _, ts in plan]
+    for k in range(len(plan)):
+        if sends[k] or recvs[k]:
+            ahead = [recvs[k + 1][i] for i in early[k]]
+            comm.exchange(sends[k], recvs[k], round=k, algorithm=schedule.name, ahead=ahead)
+
+
+def early_receives(plan: Plan) -> list[list[int]]:
+    """For each round k, which of round k+1's receives round k cannot disturb, so that they may
+    be posted during round k: those that land in scratch (reduce) and those into a chunk round
+    k neither sends nor receives. A peer's receives go ahead all or none, so that messages
+    between two ranks are still posted in the order they are sent."""
+    early = []
+    for (sends, recvs), (_, later) in zip(plan, plan[1:]):
+        busy = {t.chunk for t in sends} | {t.chunk for t in recvs}
+        held = {t.src for t in later if t.op != "reduce" and t.chunk in busy}
+        early.append([i for i, t in enumerate(later) if t.src not in held])
+    return early + [[]] if plan else []  # the last round has no next one
 
 
 @lru_cache(maxsize=1024)
-def _plan(kind: str, algorithm: str, p: int, rank: int, root: int = 0) -> tuple[Schedule, Plan]:
+def _plan(kind: str, algorithm: str, p: int, rank: int, root: int = 0
+          ) -> tuple[Schedule, Plan, list[list[int]]]:
     if kind == "allreduce":
         s = allreduce_schedule(algorithm, p)
     elif kind in ("reduce_scatter", "allgather"):
         s = _pick(_SCATTER, algorithm)[kind == "allgather"](p)
     else:
         s = _pick(_ROOTED, algorithm)[kind == "broadcast"](p, root)
-    return s, s.transfers_of(rank)
+    plan = s.transfers_of(rank)
+    return s, plan, early_receives(plan)
 
 
 def _pick(table: dict, algorithm: str):
@@ -88,9 +111,10 @@ def _run(comm: Communicator, kind: str, buf: np.ndarray, algorithm: str, root: i
     flat = _flat(buf)
     if not 0 <= root < comm.world_size:
         raise ConfigError(f"root {root} is not a rank of a world of size {comm.world_size}")
-    schedule, plan = _plan(kind, algorithm, comm.world_size, comm.rank, root)
+    schedule, plan, early = _plan(kind, algorithm, comm.world_size, comm.rank, root)
     with comm.tracer.span(kind, bytes=flat.nbytes, algorithm=algorithm):
-        run_schedule(comm, flat, schedule, plan)
+        comm.check_buffer(flat)
+        run_schedule(comm, flat, schedule, plan, early)
     return flat
 
 

@@ -77,8 +77,10 @@ class Communicator(ABC):
         """The request's ``wait()`` returns the source rank (useful with ANY_SOURCE)."""
 
     @abstractmethod
-    def native_allreduce(self, buf: np.ndarray, op: str = "sum") -> None:
-        """The engine's own all-reduce, in place: the yardstick for ours."""
+    def native_allreduce(self, buf: np.ndarray, op: str = "sum", check: bool = True) -> None:
+        """The engine's own all-reduce, in place: the yardstick for ours. ``check=False`` skips
+        the shape check that an engine which cannot catch mismatched buffers needs first (the
+        benchmark times the engine as its users call it)."""
 
     @abstractmethod
     def close(self) -> None: ...
@@ -98,6 +100,17 @@ class Communicator(ABC):
         so the caller can check ``peer_alive`` and try again. Only where a timed-out call leaves
         no half-matched message behind (shared memory); the default changes nothing."""
         yield
+
+    def check_buffer(self, buf: np.ndarray) -> None:
+        """Called by every hand-written collective with the whole (flat) buffer, before round 0.
+
+        Backends whose every message carries its length and dtype (shared memory, MPI) catch a
+        rank with another buffer at its first message, for free: the default does nothing.
+        gloo cannot tell a receiver that a message has the wrong length without killing the
+        process, so the torch backend compares (length, dtype) across ranks here, once per
+        collective, as ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` does for torch's own collectives.
+        """
+        return None
 
     def send(self, buf: np.ndarray, dst: int, tag: int = 0) -> None:
         self.isend(buf, dst, tag).wait()
@@ -121,8 +134,11 @@ class Communicator(ABC):
             step *= 2
 
     def exchange(self, sends: list[SendSpec], recvs: list[RecvSpec], round: int = -1,
-                 algorithm: str = "") -> None:
-        """One round: post every receive and send, then complete them; reduces apply in list order."""
+                 algorithm: str = "", ahead: list[RecvSpec] = ()) -> None:
+        """One round: post every receive and send, then complete them; reduces apply in list order.
+
+        ``ahead``: receives of round ``round + 1`` (the same specs will come again then) that
+        nothing in this round touches, so a backend may post them now. The default ignores them."""
         scratch = [np.empty_like(r.buf) if r.reduce else r.buf for r in recvs]
         rreqs = [self.irecv(s, r.peer) for s, r in zip(scratch, recvs)]
         sreqs = [self.isend(s.buf, s.peer) for s in sends]

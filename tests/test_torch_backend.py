@@ -25,9 +25,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from backends.launch import RankError, World, launch
-from backends.torchdist import available
+from backends.torch_world import available
 from reference import collectives
-from reference.communicator import ANY_SOURCE, CommError
+from reference.communicator import ANY_SOURCE, CommError, RecvSpec, SendSpec
 from reference.errors import ConfigError
 from reference.model import MLPConfig
 from reference.schedule import chunk_bounds
@@ -276,7 +276,7 @@ def test_mismatched_buffers_raise_buffer_mismatch_not_a_hang(algorithm, mismatch
     t0 = time.monotonic()
     with pytest.raises(RankError) as err:
         launch(fn, 3, backend="torch", timeout=10.0)
-    assert time.monotonic() - t0 < 8  # found by the headers, not by the timeout
+    assert time.monotonic() - t0 < 8  # found by check_buffer, not by the timeout
     assert "BufferMismatch" in str(err.value) and "same length and dtype" in str(err.value)
     assert not set(mp.active_children()) - before  # every rank of the world was reaped
 
@@ -313,6 +313,58 @@ def test_a_rank_killed_by_sigkill_fails_launch_fast():
     # The launcher sees the death, or a peer's lost connection first: either names rank 1.
     assert (err.value.rank == 1 and "SIGKILL" in str(err.value)) or "lost rank 1" in str(err.value)
     assert not set(mp.active_children()) - before  # every rank of the world was reaped
+
+
+def test_a_direct_exchange_of_mismatched_shapes_times_out_instead_of_killing_gloo():
+    """Collectives check shapes once (check_buffer); a bare exchange has no header, but its
+    messages travel under their shape's tag: a longer one never meets the receive, so no abort."""
+    before = set(mp.active_children())
+
+    def fn(comm):
+        if comm.rank == 0:
+            comm.exchange([], [RecvSpec(np.zeros(4), 1)])
+        else:
+            comm.exchange([SendSpec(np.zeros(5), 0)], [])
+
+    t0 = time.monotonic()
+    with pytest.raises(RankError) as err:
+        launch(fn, 2, backend="torch", timeout=2.0)
+    assert 1.9 < time.monotonic() - t0 < 10
+    assert "CommTimeout" in str(err.value) and "round -1" in str(err.value)
+    assert not set(mp.active_children()) - before
+
+
+def job_in_pieces(comm, n, dtype):
+    import backends.torchdist as td
+
+    td.PIECE_BYTES, before = 24, td.PIECE_BYTES  # 3 float64 or 6 float32 per piece: many pieces
+    try:
+        out = {}
+        for algorithm in ("ring", "tree", "direct", "naive"):
+            buf = contribution(comm.rank, n, dtype)
+            out[algorithm] = collectives.allreduce(comm, buf, algorithm=algorithm).tolist()
+        return out
+    finally:
+        td.PIECE_BYTES = before
+
+
+@pytest.mark.parametrize("n, dtype", [(101, "float64"), (1000, "float32"), (7, "int64")])
+def test_messages_cut_into_pieces_still_sum_exactly(world, n, dtype):
+    for got in world(3).run(job_in_pieces, n, dtype):
+        for algorithm, values in got.items():
+            np.testing.assert_array_equal(values, expected(3, n, dtype), err_msg=algorithm)
+
+
+def job_no_receive_left_posted(comm):
+    for algorithm in ("ring", "tree", "direct", "naive"):
+        collectives.allreduce(comm, np.ones(1000), algorithm=algorithm)
+    collectives.reduce_scatter(comm, np.ones(1000))
+    collectives.allgather(comm, np.ones(1000))
+    return dict(comm._early)
+
+
+def test_receives_posted_a_round_early_are_all_taken_by_their_round(world):
+    assert world(4).run(job_no_receive_left_posted) == [{}] * 4
 
 
 def test_recv_from_a_silent_peer_times_out_with_a_clear_message():
