@@ -70,6 +70,7 @@ def test_bench_rows_have_busbw_and_memcpy_ceiling(tmp_path, capsys):
     (["train", "--steps", "ten"], "invalid int value"),
     (["compare", "--world-sizes", "1,0"], "world_size must be a positive integer"),
     (["bench", "--sizes", "4Q"], "invalid"),
+    (["bench", "--reps", "0"], "--reps >= 1"),
     (["frobnicate"], "invalid choice"),
 ])
 def test_bad_arguments_one_line_exit_2(argv, message):
