@@ -13,8 +13,10 @@ Point-to-point messages, their headers and errors: ``torch_p2p.py``. This file r
 of a schedule. gloo cannot check a message's length without killing the process on a longer
 one, so a collective's first message on each link carries the whole buffer's (length, dtype)
 and the receiver compares it with its own (``check_buffer``); later messages on the link are
-bare data. Each round's receives are posted a round early where the schedule allows
-(``ahead``): gloo sends only to a posted receive, so the neighbour's send then goes at once.
+bare data. A bare ``exchange`` before any collective carries no header: its messages travel
+under their shape's tag, so mismatched shapes time out (``CommTimeout``) instead of killing
+gloo. Each round's receives are posted a round early where the schedule allows (``ahead``):
+gloo sends only to a posted receive, so the neighbour's send then goes at once.
 """
 
 from __future__ import annotations
@@ -116,7 +118,7 @@ class TorchComm(TorchPeer):
         with self._explain(peers, what):
             if self.nccl:
                 self._run_batch(ins, out, sends, what)
-                works = []
+                works = [[] for _ in sends]  # done with the batch
             else:
                 for inc in fresh:
                     self._post(inc)
