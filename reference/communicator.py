@@ -107,8 +107,8 @@ class Communicator(ABC):
         Backends whose every message carries its length and dtype (shared memory, MPI) catch a
         rank with another buffer at its first message, for free: the default does nothing.
         gloo cannot tell a receiver that a message has the wrong length without killing the
-        process, so the torch backend compares (length, dtype) across ranks here, once per
-        collective, as ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` does for torch's own collectives.
+        process, so the torch backend records (length, dtype) here and sends it along with the
+        collective's first message on each link, where the receiver compares it with its own.
         """
         return None
 
