@@ -54,6 +54,16 @@ class TorchPeer(Communicator):
                                 world_size=world_size, init_method=None if store else init_method,
                                 timeout=startup_timeout(timeout),
                                 device_id=self.device if self.nccl else None)
+        self._group = dist.group.WORLD  # its ranks are the global ranks
+
+    # dist.isend/irecv check their arguments and translate ranks on every call, which doubles
+    # what posting a message costs (gloo, 2 ranks: 290 us against 150 us for a send and a
+    # receive); the process group's own send/recv, which they end in, skip that.
+    def _isend(self, t: Any, dst: int, tag: int) -> Any:
+        return self._group.send([t], dst, tag)
+
+    def _irecv(self, t: Any, src: int, tag: int) -> Any:
+        return self._group.recv_anysource([t], tag) if src == ANY_SOURCE else self._group.recv([t], src, tag)
 
     @classmethod
     def from_launcher(cls, timeout: float) -> TorchPeer:
@@ -72,26 +82,26 @@ class TorchPeer(Communicator):
         return (t, None) if t.device == self.device else (t.to(self.device), t)  # the NCCL copy
 
     def isend(self, buf: Any, dst: int, tag: int = 0) -> Request:
-        torch, dist = _torch()
+        torch, _ = _torch()
         self._check_peer(dst)
         t, _ = self._on_device(buf)
         header = torch.tensor([t.numel(), code(t), tag], dtype=torch.int64, device=self.device)
         with self._explain(dst, "to take its message"):
-            works = [dist.isend(header, dst, tag=HEADER_TAG), dist.isend(t, dst, tag=data_tag(t))]
+            works = [self._isend(header, dst, HEADER_TAG), self._isend(t, dst, data_tag(t))]
         return SimpleNamespace(wait=lambda: self._finish(works, [dst, dst], "to take its message"))
 
     def irecv(self, buf: Any, src: int = ANY_SOURCE, tag: int = 0) -> Request:
         """Posts the header (and, from a known source, the data); ``wait()`` checks, returns the source."""
-        torch, dist = _torch()
+        torch, _ = _torch()
         self._check_peer(src, any_ok=True)
         if src == ANY_SOURCE and self.nccl:
             raise CommError("NCCL cannot receive from any source: use gloo (DPLAB_DEVICE=cpu)")
         t, host = self._on_device(buf)
         header = torch.zeros(3, dtype=torch.int64, device=self.device)
         with self._explain(src, "for its message"):
-            works = [dist.irecv(header, None if src == ANY_SOURCE else src, tag=HEADER_TAG)]
+            works = [self._irecv(header, src, HEADER_TAG)]
             if src != ANY_SOURCE:  # post the data now: its tag matches only a message of this shape
-                works.append(dist.irecv(t, src, tag=data_tag(t)))
+                works.append(self._irecv(t, src, data_tag(t)))
 
         @cache  # wait() twice returns the same source
         def wait() -> int:
@@ -100,7 +110,7 @@ class TorchPeer(Communicator):
             their_tag = self._check_header(header.cpu().numpy(), t, source)
             with self._explain(source, "for its message"):
                 if len(works) == 1:  # from any source: the data can only be posted now
-                    works.append(dist.irecv(t, source, tag=data_tag(t)))
+                    works.append(self._irecv(t, source, data_tag(t)))
                 works[1].wait(self._td)  # taken even under a wrong tag: the next one still arrives
             if host is not None:
                 host.copy_(t)

@@ -154,18 +154,16 @@ class TorchComm(TorchPeer):
     def _post(self, inc: _Incoming) -> _Incoming:
         """gloo: post the header's receive (if any) and the data's, piece by piece, each under
         its shape's tag."""
-        _, dist = _torch()
         if inc.header is not None:
-            inc.header_work = dist.irecv(inc.header, inc.spec.peer, tag=LINK_TAG)
-        inc.work = [dist.irecv(piece, inc.spec.peer, tag=data_tag(piece)) for piece in _pieces(inc.land)]
+            inc.header_work = self._irecv(inc.header, inc.spec.peer, LINK_TAG)
+        inc.work = [self._irecv(piece, inc.spec.peer, data_tag(piece)) for piece in _pieces(inc.land)]
         return inc
 
     def _send(self, t: Any, peer: int) -> list:
         """gloo: post the header (the collective's first message to ``peer``) and the data."""
-        _, dist = _torch()
         header = self._header_for(peer)
-        works = [dist.isend(header, peer, tag=LINK_TAG)] if header is not None else []
-        return works + [dist.isend(piece, peer, tag=data_tag(piece)) for piece in _pieces(t)]
+        works = [self._isend(header, peer, LINK_TAG)] if header is not None else []
+        return works + [self._isend(piece, peer, data_tag(piece)) for piece in _pieces(t)]
 
     def _header_for(self, peer: int) -> Any:
         if self._buffer is None or peer in self._told:
