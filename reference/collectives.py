@@ -1,6 +1,6 @@
 """Run any schedule over any Communicator, in place.
 
-    from reference.collectives import allreduce
+    from dplab.reference.collectives import allreduce
     allreduce(comm, grads, algorithm="ring", op="mean")   # every rank, same buffer shape
 
 The executor knows nothing about rings or trees: it looks up the schedule, cuts the
@@ -17,11 +17,10 @@ from functools import lru_cache
 from typing import Any
 
 import numpy as np
-
-from reference.algorithms import allreduce_schedule, direct, naive, ring, tree
-from reference.communicator import Communicator, RecvSpec, SendSpec
-from reference.errors import ConfigError
-from reference.schedule import Schedule, Transfer, chunk_bounds
+from dplab.reference.algorithms import allreduce_schedule, direct, naive, ring, tree
+from dplab.reference.communicator import Communicator, RecvSpec, SendSpec
+from dplab.reference.errors import ConfigError
+from dplab.reference.schedule import Schedule, Transfer, chunk_bounds
 
 __all__ = ["allreduce", "reduce_scatter", "allgather", "broadcast", "reduce", "run_schedule",
            "early_receives"]

@@ -22,9 +22,8 @@ from contextlib import contextmanager
 from typing import NamedTuple, Protocol
 
 import numpy as np
-
-from reference.errors import DplabError
-from reference.trace import Tracer
+from dplab.reference.errors import DplabError
+from dplab.reference.trace import Tracer
 
 __all__ = [
     "ANY_SOURCE", "Communicator", "Request", "SendSpec", "RecvSpec", "CommError", "CommTimeout",

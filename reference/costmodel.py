@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from reference.schedule import Schedule, chunk_bounds
+from dplab.reference.schedule import Schedule, chunk_bounds
 
 __all__ = ["Cost", "cost", "closed_form"]
 

@@ -4,7 +4,7 @@ Data parallelism is only checkable if every run sees the same global batches: th
 single-device oracle and each rank of a data-parallel run call ``batch_indices`` with the
 same ``(n, global_batch, step, seed)``, and each rank keeps its ``shard`` of the result.
 
-    >>> from reference.data import make_dataset, batch_indices, shard
+    >>> from dplab.reference.data import make_dataset, batch_indices, shard
     >>> data = make_dataset("regression", n=10, in_dim=3, out_dim=2, seed=0)
     >>> idx = batch_indices(10, global_batch=4, step=0, seed=0)
     >>> [len(shard(idx, rank, world_size=3)) for rank in range(3)]
@@ -18,10 +18,9 @@ from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
+from dplab.reference.errors import ConfigError
+from dplab.reference.schedule import chunk_bounds
 from numpy.typing import DTypeLike
-
-from reference.errors import ConfigError
-from reference.schedule import chunk_bounds
 
 __all__ = ["Dataset", "make_dataset", "batch_indices", "shard"]
 

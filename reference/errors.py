@@ -2,7 +2,7 @@
 
 Catch ``DplabError`` to catch anything dplab raises on purpose::
 
-    from reference.errors import ConfigError
+    from dplab.reference.errors import ConfigError
     raise ConfigError("global_batch must be >= 1, got 0: pass a positive batch size")
 """
 

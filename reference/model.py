@@ -6,7 +6,7 @@ because layer l's ``W`` and ``b`` sit next to each other, ``layer_slice(l)`` is 
 contiguous range: a data-parallel trainer can ship it as soon as it is ready.
 
     >>> import numpy as np
-    >>> from reference.model import MLP, MLPConfig
+    >>> from dplab.reference.model import MLP, MLPConfig
     >>> model = MLP(MLPConfig(in_dim=3, hidden=(5,), out_dim=2))
     >>> params = model.init_params(seed=0)
     >>> x, y = np.ones((4, 3)), np.zeros((4, 2))
@@ -30,9 +30,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
+from dplab.reference.errors import ConfigError
 from numpy.typing import DTypeLike
-
-from reference.errors import ConfigError
 
 __all__ = ["MLPConfig", "MLP"]
 

@@ -5,7 +5,7 @@ every rank runs the same optimizer on the same all-reduced gradient, so the stat
 identical without ever being communicated; the parameter server runs one on its own.
 
     >>> import numpy as np
-    >>> from reference.optim import OptimConfig, make_optimizer
+    >>> from dplab.reference.optim import OptimConfig, make_optimizer
     >>> params, grad = np.ones(3), np.full(3, 0.5)
     >>> opt = make_optimizer(OptimConfig(name="momentum", lr=0.1), num_params=3)
     >>> opt.step(params, grad)
@@ -20,9 +20,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
+from dplab.reference.errors import ConfigError
 from numpy.typing import DTypeLike
-
-from reference.errors import ConfigError
 
 __all__ = ["OptimConfig", "Optimizer", "SGD", "Momentum", "Adam", "make_optimizer"]
 

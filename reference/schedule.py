@@ -1,9 +1,9 @@
 """Collectives as data: a Schedule is chunks plus rounds of Transfers.
 
 An algorithm is a pure function ``world_size -> Schedule``. The same object is run
-by the executor (``reference.collectives``) on every backend, checked by the
-simulator (``reference.simulate``), priced by the cost model
-(``reference.costmodel``) and drawn by the visualizer. One source of truth.
+by the executor (``dplab.reference.collectives``) on every backend, checked by the
+simulator (``dplab.reference.simulate``), priced by the cost model
+(``dplab.reference.costmodel``) and drawn by the visualizer. One source of truth.
 
 The flat buffer of n elements is cut into ``num_chunks`` contiguous chunks
 (``chunk_bounds``). A round is a set of transfers that may all happen at once;
@@ -11,7 +11,7 @@ The flat buffer of n elements is cut into ``num_chunks`` contiguous chunks
 to its own (op='reduce') or overwrites its own (op='copy')". A send carries the
 value the chunk had at the start of the round.
 
-    >>> from reference.algorithms import allreduce_schedule
+    >>> from dplab.reference.algorithms import allreduce_schedule
     >>> s = allreduce_schedule("ring", 3)
     >>> len(s.rounds), s.num_chunks
     (4, 3)
@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from reference.errors import DplabError
+from dplab.reference.errors import DplabError
 
 __all__ = ["Op", "Transfer", "Schedule", "chunk_bounds", "concat", "ScheduleError"]
 

@@ -6,7 +6,7 @@ all-reduce ends with every chunk on every rank holding each contribution exactly
 once; counting (not just comparing sums) catches double counting that a lucky sum
 would hide. The per-round snapshots are what the visualizer animates.
 
-    >>> from reference.algorithms import allreduce_schedule
+    >>> from dplab.reference.algorithms import allreduce_schedule
     >>> sim = simulate(allreduce_schedule("ring", 4))
     >>> bool((sim.holdings[-1] == 1).all())
     True
@@ -17,8 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-
-from reference.schedule import Schedule, chunk_bounds
+from dplab.reference.schedule import Schedule, chunk_bounds
 
 __all__ = ["Simulation", "simulate", "is_allreduce", "initial_holdings"]
 

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
+from dplab.reference.model import MLPConfig
+from dplab.reference.optim import OptimConfig
+from dplab.reference.train.single import TrainConfig
 from hypothesis import strategies as st
-
-from reference.model import MLPConfig
-from reference.optim import OptimConfig
-from reference.train import TrainConfig
 
 __all__ = ["train_configs"]
 

@@ -14,18 +14,17 @@ import time
 
 import numpy as np
 import pytest
+from dplab.backends.launch.world import RankError
+from dplab.reference.errors import ConfigError
+from dplab.reference.model import MLPConfig
+from dplab.reference.optim import OptimConfig
+from dplab.reference.ps.replay import replay
+from dplab.reference.ps.trainer import AsyncConfig, LogEntry, train_async
+from dplab.reference.train.single import TrainConfig, setup, train_single
+from dplab.reference.train.sync import SyncConfig, train_sync
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import train_configs
-
-from backends.launch import RankError
-from reference.async_ps import AsyncConfig, LogEntry, train_async
-from reference.errors import ConfigError
-from reference.model import MLPConfig
-from reference.optim import OptimConfig
-from reference.replay import replay
-from reference.sync import SyncConfig, train_sync
-from reference.train import TrainConfig, setup, train_single
 
 EXAMPLES = settings.default.max_examples  # the profile's base count (DPLAB_EXAMPLES, default 50)
 BASE = TrainConfig(model=MLPConfig(in_dim=5, hidden=(7, 6), out_dim=3), num_samples=50,

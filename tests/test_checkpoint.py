@@ -24,11 +24,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
-from hypothesis.extra.numpy import arrays
-
-from reference.checkpoint import (
+from dplab.reference.checkpoint.store import (
     FORMAT_VERSION,
     Checkpoint,
     CheckpointError,
@@ -36,10 +32,13 @@ from reference.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from reference.data import batch_indices
-from reference.errors import ConfigError, DplabError
-from reference.optim import OptimConfig, make_optimizer
-from reference.train import TrainConfig, setup, train_single
+from dplab.reference.data import batch_indices
+from dplab.reference.errors import ConfigError, DplabError
+from dplab.reference.optim import OptimConfig, make_optimizer
+from dplab.reference.train.single import TrainConfig, setup, train_single
+from hypothesis import given
+from hypothesis import strategies as st
+from hypothesis.extra.numpy import arrays
 
 ROOT = Path(__file__).resolve().parents[1]
 CFG = TrainConfig(optimizer=OptimConfig(name="adam", lr=0.01), steps=6)
@@ -204,7 +203,7 @@ def test_latest_is_the_highest_complete_step_and_strays_are_ignored(tmp_path: Pa
     assert [p.name for p in listing.checkpoints] == [
         "ckpt-00000003.npz", "ckpt-00000007.npz", "ckpt-99999999.npz", "ckpt-100000000.npz"]
     assert listing.strays == (stray,) and listing.latest == tmp_path / "ckpt-100000000.npz"
-    with caplog.at_level(logging.WARNING, logger="reference.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="dplab.reference.checkpoint.store"):
         assert load_checkpoint(tmp_path).step == 100_000_000
     assert stray.name in caplog.text
 
@@ -249,7 +248,7 @@ def test_failed_save_leaves_previous_checkpoint_latest(tmp_path: Path, monkeypat
 CHILD = """
 import os, sys, time
 import numpy as np
-from reference.checkpoint import save_checkpoint
+from dplab.reference.checkpoint.store import save_checkpoint
 d, phase, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
 save = lambda s: save_checkpoint(d, s, np.full(n, float(s)), {"step": s}, s, None, {"n": n})
 save(1)

@@ -7,8 +7,7 @@ import subprocess
 import sys
 
 import pytest
-
-from backends.cli import main
+from dplab.backends.cli.commands import main
 
 
 def test_compare_default_grid_shows_equivalence(tmp_path, capsys):
@@ -74,7 +73,7 @@ def test_bench_rows_have_busbw_and_memcpy_ceiling(tmp_path, capsys):
     (["frobnicate"], "invalid choice"),
 ])
 def test_bad_arguments_one_line_exit_2(argv, message):
-    proc = subprocess.run([sys.executable, "-m", "backends.cli", *argv], capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "dplab.backends.cli", *argv], capture_output=True,
                           text=True, timeout=60)
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()

@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from dplab.reference import collectives
+from dplab.reference.algorithms import ALLREDUCE
+from dplab.reference.errors import ConfigError
+from dplab.reference.schedule import chunk_bounds
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from reference import collectives
-from reference.algorithms import ALLREDUCE
-from reference.errors import ConfigError
-from reference.schedule import chunk_bounds
 
 BASE = settings.default.max_examples
 ALGORITHMS = ("ring", "tree", "naive", "direct", "native")

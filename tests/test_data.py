@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from dplab.reference.data import batch_indices, make_dataset, shard
+from dplab.reference.errors import ConfigError
+from dplab.reference.schedule import chunk_bounds
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from reference.data import batch_indices, make_dataset, shard
-from reference.errors import ConfigError
-from reference.schedule import chunk_bounds
 
 
 @pytest.mark.parametrize("kind", ["regression", "classification"])

@@ -15,11 +15,10 @@ import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
+from dplab.reference.errors import ConfigError  # noqa: E402
+from dplab.reference.schedule import chunk_bounds  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
-
-from reference.errors import ConfigError  # noqa: E402
-from reference.schedule import chunk_bounds  # noqa: E402
 
 pytestmark = pytest.mark.torch
 # torch.optim pulls in torch._dynamo on first use (about a second): do it once here, before
@@ -133,7 +132,7 @@ def rel(a, b) -> float:
 
 def _train_ddp(comm, kind: str, cap: float, algorithm: str, accum: int = 1, steps: int = STEPS) -> dict:
     """Train DDP on this rank's shard (``accum`` micro-batches, all but the last in no_sync)."""
-    from backends.ddp import DDP
+    from dplab.backends.nn.ddp import DDP
 
     torch.set_num_threads(1)
     model = make_model(kind, seed=SEED + comm.rank)
@@ -178,7 +177,7 @@ def _train_ddp(comm, kind: str, cap: float, algorithm: str, accum: int = 1, step
 
 
 def _surface(comm) -> dict:
-    from backends.ddp import DDP
+    from dplab.backends.nn.ddp import DDP
 
     model = make_model("frozen", seed=SEED + comm.rank)
     ddp = DDP(model, comm)
@@ -192,7 +191,7 @@ def _surface(comm) -> dict:
 
 def _overlap(comm, steps: int = 2) -> list[tuple[int, int, int, int]]:
     """Per step: (first bucket start, last bucket start, backward end, buckets), on one clock."""
-    from backends.ddp import DDP
+    from dplab.backends.nn.ddp import DDP
 
     torch.set_num_threads(1)
     ddp = DDP(make_model("deep", seed=0), comm, bucket_cap_mb=2.0)  # one 2 MiB layer per bucket
@@ -216,7 +215,7 @@ def _overlap(comm, steps: int = 2) -> list[tuple[int, int, int, int]]:
 
 def _unused_then_normal(comm) -> tuple[str, bool, np.ndarray]:
     """An unused parameter: a ConfigError naming it; then the world still reduces normally."""
-    from backends.ddp import DDP
+    from dplab.backends.nn.ddp import DDP
 
     model = make_model("unused", seed=0)
     ddp = DDP(model, comm, bucket_cap_mb=TINY)
@@ -239,7 +238,7 @@ def _unused_then_normal(comm) -> tuple[str, bool, np.ndarray]:
 
 
 def _bad_config(comm, what: str) -> str:
-    from backends.ddp import DDP
+    from dplab.backends.nn.ddp import DDP
 
     try:
         if what == "algorithm":

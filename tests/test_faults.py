@@ -16,14 +16,13 @@ import time
 
 import numpy as np
 import pytest
-
-from backends import shm
-from backends.launch import RankError, RankLost, launch
-from backends.local_wiring import process_alive
-from reference.async_ps import AsyncConfig, train_async
-from reference.replay import replay
-from reference.sync import SyncConfig, train_sync
-from reference.train import TrainConfig
+from dplab.backends.launch.world import RankError, RankLost, launch
+from dplab.backends.local import shm
+from dplab.backends.local.wiring import process_alive
+from dplab.reference.ps.replay import replay
+from dplab.reference.ps.trainer import AsyncConfig, train_async
+from dplab.reference.train.single import TrainConfig
+from dplab.reference.train.sync import SyncConfig, train_sync
 
 WORKERS = frozenset({1, 2, 3})
 

@@ -16,14 +16,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from backends import shm
-from backends.launch import BackendUnavailable, RankError, World, launch
-from reference.collectives import allreduce
-from reference.communicator import ANY_SOURCE, BufferMismatch, CommError, CommTimeout
-from reference.errors import ConfigError, DplabError
-from reference.schedule import chunk_bounds
-from reference.trace import Event, align_clock, load_json, merge, save_json, to_chrome
+from dplab.backends.launch.world import BackendUnavailable, RankError, World, launch
+from dplab.backends.local import shm
+from dplab.reference.collectives import allreduce
+from dplab.reference.communicator import ANY_SOURCE, BufferMismatch, CommError, CommTimeout
+from dplab.reference.errors import ConfigError, DplabError
+from dplab.reference.schedule import chunk_bounds
+from dplab.reference.trace import Event, align_clock, load_json, merge, save_json, to_chrome
 
 
 def segments_of(session: str) -> list[str]:
@@ -467,7 +466,8 @@ def test_bad_world_size_is_a_config_error(bad):
         launch(lambda comm: None, bad)
 
 
-@pytest.mark.parametrize("backend, module", [("mpi", "backends.mpi"), ("torch", "backends.torch_world")])
+@pytest.mark.parametrize("backend, module", [("mpi", "dplab.backends.mpi.comm"),
+                                             ("torch", "dplab.backends.torchdist.setup")])
 def test_a_missing_engine_is_unavailable_with_its_reason(backend, module, monkeypatch):
     """When mpi4py/torch is not installed, launching says so and what to install."""
     monkeypatch.setattr(f"{module}.available", lambda: "not installed here: pip install 'dplab[x]'")
@@ -591,7 +591,7 @@ def test_align_clock_recovers_a_simulated_skew():
     def fn(comm):
         import types
 
-        import reference.trace as trace
+        import dplab.reference.trace as trace
 
         real = time.perf_counter_ns
         if comm.rank == 1:

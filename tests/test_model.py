@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from dplab.reference.errors import ConfigError
+from dplab.reference.model import MLP, MLPConfig
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
-
-from reference.errors import ConfigError
-from reference.model import MLP, MLPConfig
 
 configs = st.builds(
     MLPConfig,

@@ -1,6 +1,6 @@
 """The MPI backend: point-to-point semantics, collectives, failures, training, real mpiexec.
 
-Ranks are fresh interpreters started by ``mpiexec`` (backends.launch), so every job is a
+Ranks are fresh interpreters started by ``mpiexec`` (dplab.backends.launch.world), so every job is a
 module-level function of this file: the ranks import it to unpickle the job. Persistent
 worlds (one per world size, for this module) keep start-up to about a second per size;
 tests that make ranks fail or time out use worlds of their own. The last tests run
@@ -19,15 +19,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from backends import mpi
-from backends.launch import RankError, World, launch
-from reference import collectives
-from reference.communicator import ANY_SOURCE, CommError, CommTimeout
-from reference.errors import ConfigError
-from reference.schedule import chunk_bounds
-from reference.sync import SyncConfig, train_sync
-from reference.train import TrainConfig, train_single
+from dplab.backends.launch.world import RankError, World, launch
+from dplab.backends.mpi import comm as mpi
+from dplab.reference import collectives
+from dplab.reference.communicator import ANY_SOURCE, CommError, CommTimeout
+from dplab.reference.errors import ConfigError
+from dplab.reference.schedule import chunk_bounds
+from dplab.reference.train.single import TrainConfig, train_single
+from dplab.reference.train.sync import SyncConfig, train_sync
 
 REASON = mpi.available()
 if REASON:
@@ -234,7 +233,7 @@ def job_recv_forever(comm):
 
 def test_importing_the_backend_does_not_start_mpi():
     """Importing mpi4py.MPI calls MPI_Init: the launcher (and pytest) must never do that."""
-    code = "import sys, backends.mpi as m; print(m.available(), 'mpi4py.MPI' in sys.modules)"
+    code = "import sys, dplab.backends.mpi.comm as m; print(m.available(), 'mpi4py.MPI' in sys.modules)"
     run = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
     assert run.stdout.split() == ["None", "False"], run.stderr
 
@@ -423,7 +422,7 @@ def _mpiexec(*argv: str, timeout: float = 60) -> subprocess.CompletedProcess:
 
 def test_dplab_train_under_mpiexec_matches_single_device(tmp_path):
     out = tmp_path / "row.json"
-    run = _mpiexec("4", sys.executable, "-m", "backends.cli", "train", "--backend", "mpi",
+    run = _mpiexec("4", sys.executable, "-m", "dplab.backends.cli", "train", "--backend", "mpi",
                    "--steps", "5", "--json", str(out))
     assert run.returncode == 0, run.stderr
     (row,) = json.loads(out.read_text())["rows"]
@@ -442,7 +441,7 @@ def test_the_dplab_script_under_mpiexec():
 
 FAILING = """
 import numpy as np
-from backends.launch import launch
+from dplab.backends.launch.world import launch
 def fn(comm):
     if comm.rank == 1:
         raise ValueError("planned failure on rank 1")

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from reference.errors import ConfigError
-from reference.optim import Adam, Momentum, OptimConfig, make_optimizer
+from dplab.reference.errors import ConfigError
+from dplab.reference.optim import Adam, Momentum, OptimConfig, make_optimizer
 
 CONFIGS = [
     OptimConfig(name="sgd", lr=0.1),

@@ -20,15 +20,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from backends import shm
-from backends.launch import RankError, launch
-from reference.async_ps import AsyncConfig, train_async
-from reference.checkpoint import list_checkpoints
-from reference.replay import replay
-from reference.resume import CheckpointConfig
-from reference.sync import SyncConfig, train_sync
-from reference.train import TrainConfig
+from dplab.backends.launch.world import RankError, launch
+from dplab.backends.local import shm
+from dplab.reference.checkpoint.resume import CheckpointConfig
+from dplab.reference.checkpoint.store import list_checkpoints
+from dplab.reference.ps.replay import replay
+from dplab.reference.ps.trainer import AsyncConfig, train_async
+from dplab.reference.train.single import TrainConfig
+from dplab.reference.train.sync import SyncConfig, train_sync
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 120
@@ -37,13 +36,13 @@ BASE = ["--world-size", "3", "--steps", str(STEPS), "--hidden", "16", "--num-sam
 
 
 def dplab(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "backends.cli", "train", *args], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "dplab.backends.cli", "train", *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
 
 
 def kill_after_checkpoint(ckpt: Path, *args: str, at_least: int = 4) -> int:
     """Start ``dplab train`` checkpointing every 2 steps; SIGKILL it once ckpt >= at_least exists."""
-    proc = subprocess.Popen([sys.executable, "-m", "backends.cli", "train", *args,
+    proc = subprocess.Popen([sys.executable, "-m", "dplab.backends.cli", "train", *args,
                              "--checkpoint-every", "2", "--checkpoint-dir", str(ckpt)],
                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 60

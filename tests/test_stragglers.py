@@ -18,17 +18,16 @@ import time
 
 import numpy as np
 import pytest
-
-from backends.cli import main
-from backends.launch import RankError
-from reference.async_ps import AsyncConfig, compute_gradient, train_async, worker_batch
-from reference.errors import ConfigError
-from reference.model import MLPConfig
-from reference.optim import OptimConfig
-from reference.replay import replay
-from reference.straggler import Slowdown, check_stragglers, parse_stragglers
-from reference.sync import SyncConfig, train_sync
-from reference.train import TrainConfig, setup, train_single
+from dplab.backends.cli.commands import main
+from dplab.backends.launch.world import RankError
+from dplab.reference.errors import ConfigError
+from dplab.reference.model import MLPConfig
+from dplab.reference.optim import OptimConfig
+from dplab.reference.ps.replay import replay
+from dplab.reference.ps.trainer import AsyncConfig, compute_gradient, train_async, worker_batch
+from dplab.reference.train.single import TrainConfig, setup, train_single
+from dplab.reference.train.straggler import Slowdown, check_stragglers, parse_stragglers
+from dplab.reference.train.sync import SyncConfig, train_sync
 
 SMALL = TrainConfig(model=MLPConfig(in_dim=5, hidden=(7, 6), out_dim=3), num_samples=50,
                     global_batch=12, steps=5, seed=3)
@@ -291,7 +290,7 @@ def test_train_with_a_straggler_matches_single_device(tmp_path, capsys):
     (["compare", "--time-budget", "-1"], "time budget"),
 ])
 def test_bad_straggler_and_budget_arguments_one_line_exit_2(argv, message):
-    proc = subprocess.run([sys.executable, "-m", "backends.cli", *argv], capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "dplab.backends.cli", *argv], capture_output=True,
                           text=True, timeout=60)
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()

@@ -12,15 +12,14 @@ import dataclasses
 
 import numpy as np
 import pytest
+from dplab.backends.launch.world import RankError
+from dplab.reference.errors import ConfigError
+from dplab.reference.model import MLP, MLPConfig
+from dplab.reference.train.single import TrainConfig, setup, train_single
+from dplab.reference.train.sync import SyncConfig, train_sync
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import train_configs
-
-from backends.launch import RankError
-from reference.errors import ConfigError
-from reference.model import MLP, MLPConfig
-from reference.sync import SyncConfig, train_sync
-from reference.train import TrainConfig, setup, train_single
 
 ALGORITHMS = ["naive", "ring", "tree", "direct", "native"]
 # 1e-6 MiB is about one byte: every parameter closes its own bucket. 1e-3 MiB (~130 float64)

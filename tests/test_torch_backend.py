@@ -21,18 +21,17 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from dplab.backends.launch.world import RankError, World, launch
+from dplab.backends.torchdist.setup import available
+from dplab.reference import collectives
+from dplab.reference.communicator import ANY_SOURCE, CommError, RecvSpec, SendSpec
+from dplab.reference.errors import ConfigError
+from dplab.reference.model import MLPConfig
+from dplab.reference.schedule import chunk_bounds
+from dplab.reference.train.single import TrainConfig, train_single
+from dplab.reference.train.sync import SyncConfig, train_sync
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from backends.launch import RankError, World, launch
-from backends.torch_world import available
-from reference import collectives
-from reference.communicator import ANY_SOURCE, CommError, RecvSpec, SendSpec
-from reference.errors import ConfigError
-from reference.model import MLPConfig
-from reference.schedule import chunk_bounds
-from reference.sync import SyncConfig, train_sync
-from reference.train import TrainConfig, train_single
 
 if available():
     pytest.skip(f"torch backend unavailable: {available()}", allow_module_level=True)
@@ -335,7 +334,7 @@ def test_a_direct_exchange_of_mismatched_shapes_times_out_instead_of_killing_glo
 
 
 def job_in_pieces(comm, n, dtype):
-    import backends.torchdist as td
+    import dplab.backends.torchdist.comm as td
 
     td.PIECE_BYTES, before = 24, td.PIECE_BYTES  # 3 float64 or 6 float32 per piece: many pieces
     try:
@@ -419,11 +418,11 @@ def test_train_sync_equals_train_single(world, p, algorithm, accum_steps, global
 
 
 def test_torchrun_runs_the_cli_on_its_own_ranks(tmp_path):
-    """As a user types it: ``torchrun --nproc-per-node 4 -m backends.cli train --backend torch``."""
+    """As a user types it: ``torchrun --nproc-per-node 4 -m dplab.backends.cli train --backend torch``."""
     out = tmp_path / "run.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get(
         "PYTHONPATH", "")]))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "-m", "backends.cli",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "-m", "dplab.backends.cli",
            "train", "--backend", "torch", "--steps", "5", "--json", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -6,12 +6,11 @@ import dataclasses
 
 import numpy as np
 import pytest
-
-from reference.data import batch_indices, shard
-from reference.errors import ConfigError, DplabError
-from reference.model import MLPConfig
-from reference.optim import OptimConfig, make_optimizer
-from reference.train import TrainConfig, evaluate, setup, train_single
+from dplab.reference.data import batch_indices, shard
+from dplab.reference.errors import ConfigError, DplabError
+from dplab.reference.model import MLPConfig
+from dplab.reference.optim import OptimConfig, make_optimizer
+from dplab.reference.train.single import TrainConfig, evaluate, setup, train_single
 
 REGRESSION = TrainConfig(steps=50)
 CLASSIFICATION = TrainConfig(steps=50, dataset="classification", model=MLPConfig(loss="xent"))

@@ -16,10 +16,9 @@ import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
+from dplab.reference.errors import ConfigError  # noqa: E402
+from dplab.reference.schedule import chunk_bounds  # noqa: E402
 from torch import nn  # noqa: E402
-
-from reference.errors import ConfigError  # noqa: E402
-from reference.schedule import chunk_bounds  # noqa: E402
 
 pytestmark = pytest.mark.torch
 torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)  # torch._dynamo once, before forks
@@ -84,8 +83,8 @@ def rel(a, b) -> float:
 # -- rank functions (module level: MPI ranks unpickle them) ----------------------------------
 
 def _train_zero(comm, kind: str, opt_name: str, steps: int = STEPS) -> dict:
-    from backends.ddp import broadcast_module
-    from backends.zero import ZeroRedundancyOptimizer
+    from dplab.backends.nn.ddp import broadcast_module
+    from dplab.backends.nn.zero import ZeroRedundancyOptimizer
 
     torch.set_num_threads(1)
     model = make_model(kind, SEED + comm.rank)  # differs per rank until the broadcast
@@ -111,7 +110,7 @@ def _train_zero(comm, kind: str, opt_name: str, steps: int = STEPS) -> dict:
 
 
 def _bad_zero(comm, what: str) -> str:
-    from backends.zero import ZeroRedundancyOptimizer
+    from dplab.backends.nn.zero import ZeroRedundancyOptimizer
 
     model = make_model("tiny", SEED)
     try:

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from reference.algorithms import direct, naive, ring, tree
-from reference.errors import ConfigError
-from reference.schedule import Schedule
+from dplab.reference.algorithms import direct, naive, ring, tree
+from dplab.reference.errors import ConfigError
+from dplab.reference.schedule import Schedule
 
 __all__ = ["ALLREDUCE", "ALGORITHMS", "allreduce_schedule", "direct", "naive", "ring", "tree"]
 

@@ -18,7 +18,7 @@ native all-reduce.
 
 from __future__ import annotations
 
-from reference.schedule import Schedule, Transfer, concat
+from dplab.reference.schedule import Schedule, Transfer, concat
 
 __all__ = ["reduce_scatter", "allgather", "allreduce"]
 

@@ -12,7 +12,7 @@ The root adds the incoming buffers in rank order, so the result is deterministic
 
 from __future__ import annotations
 
-from reference.schedule import Schedule, Transfer, concat
+from dplab.reference.schedule import Schedule, Transfer, concat
 
 __all__ = ["reduce", "broadcast", "allreduce"]
 

@@ -22,7 +22,7 @@ arrived in the previous round, so after p-1 rounds everyone has every chunk.
 
 from __future__ import annotations
 
-from reference.schedule import Schedule, Transfer, concat
+from dplab.reference.schedule import Schedule, Transfer, concat
 
 __all__ = ["reduce_scatter", "allgather", "allreduce"]
 

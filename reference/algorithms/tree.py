@@ -20,7 +20,7 @@ for small buffers and lose to the ring for big ones.
 
 from __future__ import annotations
 
-from reference.schedule import Schedule, Transfer, concat
+from dplab.reference.schedule import Schedule, Transfer, concat
 
 __all__ = ["reduce", "broadcast", "allreduce"]
 

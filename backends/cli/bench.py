@@ -1,0 +1,129 @@
+"""All-reduce benchmark in the style of nccl-tests, with the machine's memory copy as the ceiling.
+
+    dplab bench --world-sizes 2 --sizes 4K,16M,64M
+
+As in nccl-tests, each rank times a loop of ``n`` back-to-back all-reduces and divides
+by ``n``; a cell's time is the mean over ranks (nccl-tests' default ``-a 1``). The loop
+runs ``reps`` times with the algorithms interleaved (ring, native, ring, native, ...),
+so a busy moment of a shared machine hits every algorithm alike, and the row reports
+the median repetition. ``native`` is the engine's all-reduce as its users call it
+(``MPI_Allreduce``, ``dist.all_reduce``), without the shape check that dplab's ``native``
+algorithm runs first in training; our algorithms' rows include whatever check they need.
+``n`` is sized from one timed call so that a cell's loops take about ``target_s``. As in nccl-tests:
+
+    algbw = bytes / time            busbw = algbw * 2 (p - 1) / p
+
+busbw is what each rank's link carried, so it is comparable across world sizes
+and with the memory-copy bandwidth (bytes / time of one ``np.copyto``), measured
+by rank 0 in the same run: the ceiling for any shared-memory transport.
+
+Buffers come from ``comm.empty`` (shared memory on the local backend: the ring
+then makes no copy beyond the algorithm's own reduce and copy of each chunk);
+``staged_bytes`` counts the bytes a rank had to copy into shared memory first.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+from dplab.reference.collectives import allreduce, broadcast
+
+__all__ = ["bench_rank", "memcpy_times", "summarize", "parse_size", "busbw_factor"]
+
+
+def parse_size(text: str) -> int:
+    """'4K' -> 4096, '16M' -> 16 MiB, '1G', or a plain byte count."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    if t and t[-1] in units:
+        return int(float(t[:-1]) * units[t[-1]])
+    return int(t)
+
+
+def busbw_factor(p: int) -> float:
+    return 2 * (p - 1) / p if p > 1 else 1.0
+
+
+def bench_rank(comm: Any, algorithms: list[str], sizes: list[int], dtype: str, warmup: int,
+               target_s: float, max_iters: int, reps: int = 5) -> dict[str, list[dict[str, Any]]]:
+    """Runs on every rank; returns this rank's loop times (per call, one per rep) for every cell."""
+    dt = np.dtype(dtype)
+    out: dict[str, list[dict[str, Any]]] = {"allreduce": [], "memcpy": []}
+    for nbytes in sizes:
+        buf = comm.empty(nbytes // dt.itemsize, dt)
+        buf[:] = 0  # zeros stay zeros: no overflow however many iterations
+        steps = {a: (lambda a=a, buf=buf: allreduce(comm, buf, a)) for a in algorithms}
+        if "native" in steps:  # the engine's all-reduce as its users call it: no dplab shape check
+            steps["native"] = lambda buf=buf: comm.native_allreduce(buf, check=False)
+        iters = {a: _loop_size(comm, steps[a], warmup, target_s / reps, max_iters) for a in algorithms}
+        times = {a: np.empty(reps) for a in algorithms}
+        staged = dict.fromkeys(algorithms, 0)
+        for rep in range(reps):
+            for a in algorithms:
+                comm.barrier()
+                before = getattr(comm, "bytes_staged", 0)
+                times[a][rep] = _time_loop(steps[a], iters[a])
+                staged[a] += getattr(comm, "bytes_staged", 0) - before
+        for a in algorithms:
+            out["allreduce"].append({"algorithm": a, "bytes": buf.nbytes, "times": times[a],
+                                     "staged_bytes": staged[a] / (reps * iters[a])})
+        if comm.rank == 0:
+            out["memcpy"].append(memcpy_times(buf.nbytes, warmup, target_s, max_iters, reps))
+        comm.barrier()
+    return out
+
+
+def _loop_size(comm: Any, step: Any, warmup: int, target_s: float, max_iters: int) -> int:
+    """Iterations per timed loop: rank 0's estimate from one call, so that all ranks agree."""
+    for _ in range(warmup):
+        step()
+    estimate = np.array([_time_loop(step, 1)], dtype=np.float64)
+    broadcast(comm, estimate)
+    return int(np.clip(target_s / max(estimate[0], 1e-7), 3, max_iters))
+
+
+def _time_loop(step: Any, n: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(n):
+        step()
+    return (time.perf_counter() - t0) / n
+
+
+def memcpy_times(nbytes: int, warmup: int, target_s: float, max_iters: int, reps: int = 5) -> dict[str, Any]:
+    """One core copying ``nbytes`` with ``np.copyto``: the bandwidth ceiling of shared memory."""
+    src = np.ones(nbytes, dtype=np.uint8)
+    dst = np.empty_like(src)
+
+    def step() -> None:
+        np.copyto(dst, src)
+
+    for _ in range(warmup + 1):
+        step()
+    n = int(np.clip(target_s / reps / max(_time_loop(step, 1), 1e-7), 3, max_iters))
+    times = np.array([_time_loop(step, n) for _ in range(reps)])
+    return {"algorithm": "memcpy", "bytes": nbytes, "times": times, "staged_bytes": 0}
+
+
+def summarize(backend: str, world_size: int, per_rank: list[dict[str, list[dict[str, Any]]]]
+              ) -> list[dict[str, Any]]:
+    """Rows from every rank's timings: per repetition the mean over ranks, then the median."""
+    rows = []
+    cells = [[r["allreduce"][i] for r in per_rank] for i in range(len(per_rank[0]["allreduce"]))]
+    for mine in cells + [[m] for m in per_rank[0]["memcpy"]]:
+        first = mine[0]
+        copy = first["algorithm"] == "memcpy"
+        t = float(np.median(np.mean(np.stack([m["times"] for m in mine]), axis=0)))
+        algbw = first["bytes"] / t / 1e9
+        p = 1 if copy else world_size
+        rows.append({
+            "backend": "memcpy" if copy else backend, "algorithm": first["algorithm"], "world_size": p,
+            "bytes": first["bytes"], "time_us": t * 1e6, "algbw_gbps": algbw,
+            "busbw_gbps": algbw * (1.0 if copy else busbw_factor(p)),
+            "staged_bytes": max(m["staged_bytes"] for m in mine),
+        })
+    ceiling = {r["bytes"]: r["busbw_gbps"] for r in rows if r["algorithm"] == "memcpy"}
+    for r in rows:
+        r["vs_memcpy"] = r["busbw_gbps"] / ceiling[r["bytes"]] if r["bytes"] in ceiling else float("nan")
+    return rows

@@ -1,0 +1,192 @@
+"""Training runs behind ``dplab train`` and ``dplab compare``: data parallel vs single device.
+
+Each run trains the same model from the same seed on the same global batches as
+``dplab.reference.train.single.train_single`` and reports how far every rank's parameters end
+from the single-device ones. That difference, ``max_abs_diff_vs_single``, is the
+whole point: it should be at the level of float rounding (1e-16 in float64).
+
+    from dplab.backends.cli.runs import RunSpec, run_train
+    row, events = run_train(RunSpec(world_size=4, algorithm="ring"))
+
+Three modes: ``sync`` (all-reduce, ``dplab.reference.train.sync``), ``async`` (the parameter server
+with bounded staleness) and ``backup`` (synchronous SGD through the parameter server,
+each step from the first W - b gradients). Any of them may carry stragglers, and a
+``time_budget_s`` that stops training after that much wall time instead of after
+``train.steps`` (then the upper bound): the row then says how far it got (``updates``,
+``samples_per_s``) and the loss it reached, and sync rows are checked against a
+single-device run of as many steps.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+from dplab.backends.launch.world import RankLost, World, check_backend, launch
+from dplab.reference.checkpoint.resume import CheckpointConfig, load_resume, run_meta
+from dplab.reference.errors import ConfigError
+from dplab.reference.ps.replay import replay
+from dplab.reference.ps.trainer import AsyncConfig, train_async, worker_batch
+from dplab.reference.trace import Event
+from dplab.reference.train.single import TrainConfig, evaluate, train_single
+from dplab.reference.train.straggler import Stragglers
+from dplab.reference.train.sync import SyncConfig, train_sync
+
+__all__ = ["RunSpec", "run_train", "train_rank", "MODES", "straggler_label"]
+
+MODES = ("sync", "async", "backup")
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One cell of a comparison: where and how to train ``train``."""
+
+    backend: str = "local"
+    world_size: int = 2
+    algorithm: str = "ring"
+    mode: str = "sync"
+    staleness: int | None = None
+    train: TrainConfig = field(default_factory=TrainConfig)
+    bucket_cap_mb: float = 25.0
+    accum_steps: int = 1
+    straggler: Stragglers = ()  # ((rank, factor), ...)
+    time_budget_s: float | None = None  # train until this much wall time is spent
+    backup_workers: int = 1  # mode "backup" only: gradients dropped per step
+    checkpoint: CheckpointConfig | None = None  # checkpoint every K steps / resume (checkpoint/resume.py)
+
+    def validate(self) -> None:
+        check_backend(self.backend)
+        if self.mode not in MODES:
+            raise ConfigError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        self.train.validate()
+        if self.mode == "sync":
+            self.sync_config().validate(self.world_size)
+        else:
+            self.async_config().validate(self.world_size)
+
+    def sync_config(self) -> SyncConfig:
+        return SyncConfig(self.algorithm, self.bucket_cap_mb, self.accum_steps, self.straggler,
+                          self.time_budget_s, checkpoint=self.checkpoint)
+
+    def async_config(self) -> AsyncConfig:
+        if self.mode == "backup":
+            return AsyncConfig(staleness=0, aggregate=True, backup_workers=self.backup_workers,
+                               straggler=self.straggler, time_budget_s=self.time_budget_s,
+                               checkpoint=self.checkpoint)
+        return AsyncConfig(staleness=self.staleness, straggler=self.straggler,
+                           time_budget_s=self.time_budget_s, checkpoint=self.checkpoint)
+
+    def check_resume(self) -> None:
+        """Refuse a corrupt or foreign checkpoint here, in the launcher, before any rank starts."""
+        if self.checkpoint is not None and self.checkpoint.resume is not None:
+            sync = self.mode == "sync"
+            rules = self.sync_config() if sync else self.async_config()
+            meta = run_meta("sync" if sync else "async", self.train, rules, self.world_size)
+            load_resume(self.checkpoint, meta)
+
+    def label(self) -> str:
+        """The row's ``algorithm``: the all-reduce, or the parameter server's rule."""
+        if self.mode == "sync":
+            return self.algorithm
+        if self.mode == "backup":
+            return f"ps backup b={self.backup_workers}"
+        return f"ps s={'inf' if self.staleness is None else self.staleness}"
+
+
+def straggler_label(stragglers: Stragglers) -> str:
+    return ",".join(f"{r}:{f:g}" for r, f in stragglers) or "none"
+
+
+def train_rank(comm: Any, spec: RunSpec, trace: bool) -> tuple[np.ndarray, Any, float, list[Event]]:
+    """What every rank runs: sync or parameter-server training, timed, with its trace events.
+
+    The second item is the per-step losses (sync) or the server's (log, dropped, lost) (otherwise).
+    """
+    comm.tracer.enabled = trace
+    comm.barrier()
+    t0 = time.perf_counter()
+    if spec.mode == "sync":
+        result = train_sync(comm, spec.train, spec.sync_config())
+        extra = result.losses
+    else:
+        result = train_async(comm, spec.train, spec.async_config())
+        extra = (result.log, result.dropped, result.lost)
+    wall = time.perf_counter() - t0
+    comm.tracer.enabled = False
+    return result.params, extra, wall, comm.tracer.take()
+
+
+def run_train(spec: RunSpec, world: World | None = None, trace: bool = False,
+              single: np.ndarray | None = None,
+              save_params: str | None = None) -> tuple[dict[str, Any], list[list[Event]]]:
+    """Train on ``spec.world_size`` ranks; returns the result row and every rank's trace events.
+
+    ``save_params``: also write rank 0's final parameters there (``np.save``), bit for bit.
+    """
+    spec.validate()
+    spec.check_resume()
+    if world is not None and world.world_size != spec.world_size:
+        raise ConfigError(f"world has {world.world_size} ranks but the spec asks for {spec.world_size}")
+    if world is not None:
+        results = world.run(train_rank, spec, trace)
+    else:  # fresh ranks, or the ranks of mpiexec/torchrun when we run under one
+        workers = frozenset(range(1, spec.world_size)) if spec.mode == "async" else frozenset()
+        results = launch(train_rank, spec.world_size, spec.backend, args=(spec, trace), tolerate=workers)
+    results = [r for r in results if not isinstance(r, RankLost)]  # async: the server went on
+    params = results[0][0]  # rank 0: a replica (sync) or the server (parameter server)
+    if save_params:
+        np.save(save_params, params)
+    wall = max(r[2] for r in results)
+    row = {
+        "backend": spec.backend, "mode": spec.mode, "algorithm": spec.label(),
+        "world_size": spec.world_size, "steps": spec.train.steps,
+        "global_batch": spec.train.global_batch, "straggler": straggler_label(spec.straggler),
+        "time_budget_s": spec.time_budget_s,
+        "final_loss": float(evaluate(spec.train, params)),
+    }
+    if spec.mode == "sync":
+        row |= sync_facts(spec, results, single)
+    else:
+        row |= server_facts(spec, results, single)
+    row["wall_s"] = wall
+    row["samples_per_s"] = row["samples"] / wall if wall > 0 else 0.0
+    return row, [r[3] for r in results]  # (lost workers have no trace: they died)
+
+
+def sync_facts(spec: RunSpec, results: list, single: np.ndarray | None) -> dict[str, Any]:
+    """Every replica against the single-device run of as many steps as were taken."""
+    steps = len(results[0][1])
+    if single is None or steps != spec.train.steps:
+        single = train_single(replace(spec.train, steps=steps)).params
+    params = results[0][0]
+    return {
+        "updates": steps, "samples": steps * spec.train.global_batch,
+        "max_abs_diff_vs_single": float(max(np.max(np.abs(r[0] - single), initial=0.0) for r in results)),
+        "ranks_identical": all(np.array_equal(r[0], params) for r in results),
+    }
+
+
+def server_facts(spec: RunSpec, results: list, single: np.ndarray | None) -> dict[str, Any]:
+    """The proof of a parameter-server run: its log replays to the same bits; who contributed what."""
+    params, (log, dropped, lost) = results[0][0], results[0][1]
+    workers, cfg, acfg = spec.world_size - 1, spec.train, spec.async_config()
+    facts: dict[str, Any] = {
+        "updates": max((e.produced for e in log), default=0),
+        "samples": sum(len(worker_batch(cfg, e.worker, workers, e.clock)) for e in log),
+        "replay_exact": bool(np.array_equal(replay(cfg, acfg, log, workers), params)),
+        "max_staleness": max((e.staleness for e in log), default=0),
+        "dropped": len(dropped),
+        "applied_by_worker": {str(w): n for w, n in sorted(Counter(e.worker for e in log).items())},
+        "ranks_identical": True,  # one server holds the parameters
+        "lost_workers": {str(w): clocks for w, clocks in lost},  # dead worker -> clocks it finished
+    }
+    if spec.time_budget_s is None and not lost:  # same clocks as the single-device steps: the gap async costs
+        if single is None:
+            single = train_single(cfg).params
+        facts["max_abs_diff_vs_single"] = float(np.max(np.abs(params - single), initial=0.0))
+    if spec.mode == "backup":
+        facts["dropped_by_worker"] = {str(w): n for w, n in sorted(Counter(w for w, _ in dropped).items())}
+    return facts

@@ -1,0 +1,294 @@
+"""The local backend: ranks are processes on one machine that talk through shared memory.
+
+No setup, no engine: this is dplab's embedded default. Each rank owns named
+shared-memory segments (``comm.empty`` allocates there, like registered memory in
+NCCL or MPI_Alloc_mem). Sending a buffer that lives in a segment costs no copy at
+all: the sender writes a descriptor (segment, offset, bytes, dtype, tag) into the
+pair's mailbox and posts a semaphore; the receiver reads, or adds, straight out of
+the sender's memory and posts back "done". A buffer outside the segments is first
+copied into a staging segment (one copy of the bytes sent).
+
+Each ordered pair (src, dst) has its own mailbox of SLOTS descriptors and two
+semaphores, so ranks signal only the peer they talk to (no global barrier per
+round). ``arrival[dst]`` is posted with every message so ANY_SOURCE receives can
+sleep until something comes. Messages between two ranks are matched in order;
+tags are checked, not used to pick a message.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import weakref
+from collections import OrderedDict, deque
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import numpy as np
+from dplab.backends.local.shm import Segment
+from dplab.backends.local.wiring import SLOTS, Wiring, process_alive
+from dplab.reference.communicator import (
+    ANY_SOURCE,
+    BufferMismatch,
+    CommError,
+    CommTimeout,
+    Communicator,
+    RecvSpec,
+    SendSpec,
+)
+from dplab.reference.trace import Tracer
+
+__all__ = ["Wiring", "LocalComm"]
+
+PEER_CACHE = 32  # peer segments a rank keeps mapped (least recently used go first)
+ANY_TAG = -1
+_DTYPES = [np.dtype(t) for t in ("uint8", "float32", "float64", "int32", "int64", "float16")]
+_CODE = {dt: i for i, dt in enumerate(_DTYPES)}
+_ALIGN = 64
+
+
+class _SendRequest:
+    def __init__(self, comm: LocalComm, dst: int, seq: int) -> None:
+        self.comm, self.dst, self.seq = comm, dst, seq
+
+    def wait(self) -> None:
+        self.comm._wait_ack(self.dst, self.seq)
+
+
+class _RecvRequest:
+    def __init__(self, comm: LocalComm, buf: np.ndarray, src: int, tag: int) -> None:
+        self.comm, self.buf, self.src, self.tag, self.source = comm, buf, src, tag, None
+
+    def wait(self) -> int:
+        if self.source is None:
+            self.comm._complete_until(self)
+        return self.source
+
+
+class LocalComm(Communicator):
+    def __init__(self, wiring: Wiring, rank: int) -> None:
+        self.w, self.rank, self.world_size = wiring, rank, wiring.world_size
+        self.timeout = wiring.timeout
+        self.tracer = Tracer(rank)
+        p = self.world_size
+        self._ctl_seg = Segment(f"{wiring.session}_ctl")
+        self._ctl = self._ctl_seg.view(0, p * p * SLOTS * 5 * 8, np.int64).reshape(p, p, SLOTS, 5)
+        self._segments: dict[int, Segment] = {}  # mine, by id (ids are never reused)
+        self._ranges: dict[int, tuple[int, int]] = {}  # id -> (address, size) of each of mine
+        self._peers: OrderedDict[tuple[int, int], Segment] = OrderedDict()  # (rank, id), LRU
+        self._send_seq, self._acked, self._recv_seq = [0] * p, [0] * p, [0] * p
+        self._staging: tuple[int, int] = (-1, 0)  # (segment id, capacity)
+        self._stage_top = 0  # bump pointer into the staging segment
+        self._staged_seqs: deque[tuple[int, int]] = deque()  # (dst, seq) of staged sends not yet acked
+        self._pending: dict[int, deque[_RecvRequest]] = {s: deque() for s in range(-1, p)}
+        self._any_next = 0
+        self._next_id = 0
+        # spinning only pays when every rank has a core to itself
+        self._spin = int(os.environ.get("DPLAB_SPIN", "200")) if p <= (os.cpu_count() or 1) else 0
+        self.bytes_staged = 0  # copies made because a send buffer was not in shared memory
+        if wiring.pids is not None:
+            wiring.pids[rank] = os.getpid()  # for peer_alive: dead or merely slow?
+
+    # -- liveness -----------------------------------------------------------------------------
+    def peer_alive(self, rank: int) -> bool:
+        """False once ``rank``'s process has died (a SIGKILL included); unknown counts as alive."""
+        pid = int(self.w.pids[rank]) if self.w.pids is not None else 0
+        return pid == 0 or process_alive(pid)
+
+    @contextmanager
+    def patience(self, seconds: float) -> Iterator[None]:
+        """Blocking calls inside give up after ``seconds``; a timed-out call consumed nothing."""
+        saved, self.timeout = self.timeout, min(seconds, self.timeout)
+        try:
+            yield
+        finally:
+            self.timeout = saved
+
+    # -- memory -------------------------------------------------------------------------------
+    def empty(self, shape: int | tuple[int, ...], dtype: np.dtype | str) -> np.ndarray:
+        dtype = np.dtype(dtype)
+        n = int(np.prod(shape)) * dtype.itemsize
+        seg_id = self._new_segment(n)
+        array = self._segments[seg_id].view(0, n, dtype).reshape(shape)
+        weakref.finalize(array, self._free, seg_id)  # its memory goes when the array goes
+        return array
+
+    def _new_segment(self, nbytes: int) -> int:
+        seg_id, self._next_id = self._next_id, self._next_id + 1
+        seg = Segment(f"{self.w.session}_r{self.rank}_{seg_id}", nbytes, create=True)
+        self._segments[seg_id] = seg
+        self._ranges[seg_id] = (seg.bytes.ctypes.data, seg.bytes.size)
+        return seg_id
+
+    def _free(self, seg_id: int) -> None:
+        """Forget and unlink a segment; peers that mapped it keep their mapping until evicted."""
+        self._ranges.pop(seg_id, None)
+        seg = self._segments.pop(seg_id, None)
+        if seg is not None:
+            seg.close()
+            seg.unlink()
+
+    def _locate(self, buf: np.ndarray) -> tuple[int, int, bool]:
+        """(segment id, offset, staged): where a peer can read ``buf`` from."""
+        if buf.nbytes == 0:
+            return -1, 0, False
+        addr = buf.ctypes.data
+        for seg_id, (base, size) in self._ranges.items():
+            if base <= addr and addr + buf.nbytes <= base + size:
+                return seg_id, addr - base, False
+        seg_id, cap = self._staging
+        if not self._staged_seqs:
+            self._stage_top = 0
+        if self._stage_top + buf.nbytes > cap:
+            seg_id = self._new_segment(max(buf.nbytes, 2 * cap, 1 << 20))
+            self._staging, self._stage_top = (seg_id, self._segments[seg_id].bytes.size), 0
+        off = self._stage_top
+        self._segments[seg_id].view(off, buf.nbytes, np.uint8)[:] = buf.reshape(-1).view(np.uint8)
+        self.bytes_staged += buf.nbytes
+        self._stage_top = off + -(-buf.nbytes // _ALIGN) * _ALIGN
+        return seg_id, off, True
+
+    def _peer_view(self, src: int, seg_id: int, off: int, nbytes: int, dtype: np.dtype) -> np.ndarray:
+        seg = self._peers.get((src, seg_id))
+        if seg is None:
+            seg = self._peers[(src, seg_id)] = Segment(f"{self.w.session}_r{src}_{seg_id}")
+            if len(self._peers) > PEER_CACHE:
+                self._peers.popitem(last=False)[1].close()
+        else:
+            self._peers.move_to_end((src, seg_id))
+        return seg.view(off, nbytes, dtype)
+
+    # -- point to point -----------------------------------------------------------------------
+    def isend(self, buf: np.ndarray, dst: int, tag: int = 0) -> _SendRequest:
+        return _SendRequest(self, dst, self._post(buf, dst, tag))
+
+    def irecv(self, buf: np.ndarray, src: int = ANY_SOURCE, tag: int = 0) -> _RecvRequest:
+        self._check_peer(src, any_ok=True)
+
+        req = _RecvRequest(self, buf, src, tag)
+        self._pending[src].append(req)
+        return req
+
+    def _post(self, buf: np.ndarray, dst: int, tag: int) -> int:
+        self._check_peer(dst)
+        if not buf.flags.c_contiguous or buf.dtype not in _CODE:
+            raise CommError(f"rank {self.rank}: send needs a contiguous array of one of "
+                            f"{', '.join(map(str, _CODE))}; got {buf.dtype}, "
+                            f"contiguous={buf.flags.c_contiguous}")
+        seq = self._send_seq[dst]
+        if seq - self._acked[dst] >= SLOTS:
+            self._wait_ack(dst, seq - SLOTS)
+        seg_id, off, staged = self._locate(buf)
+        self._ctl[self.rank, dst, seq % SLOTS] = (seg_id, off, buf.nbytes, _CODE[buf.dtype], tag)
+        self._send_seq[dst] = seq + 1
+        if staged:
+            self._staged_seqs.append((dst, seq))
+        self.w.ready[self.rank][dst].release()
+        self.w.arrival[dst].release()
+        return seq
+
+    def _wait_ack(self, dst: int, seq: int) -> None:
+        while self._acked[dst] <= seq:
+            self._acquire(self.w.done[self.rank][dst], "to take its message", dst)
+            self._acked[dst] += 1
+        while self._staged_seqs and self._acked[self._staged_seqs[0][0]] > self._staged_seqs[0][1]:
+            self._staged_seqs.popleft()
+
+    def _complete_until(self, req: _RecvRequest) -> None:
+        queue = self._pending[req.src]
+        while req.source is None:
+            head = queue.popleft()
+            head.source = self._recv_into(head.buf, head.src, head.tag, reduce=False)
+
+    def _recv_into(self, buf: np.ndarray, src: int, tag: int, reduce: bool) -> int:
+        me = self.rank
+        if src == ANY_SOURCE:
+            src = self._wait_any()
+        else:
+            self._acquire(self.w.ready[src][me], "for its message", src)
+        seq = self._recv_seq[src]
+        seg_id, off, nbytes, code, mtag = (int(v) for v in self._ctl[src, me, seq % SLOTS])
+        self._recv_seq[src] = seq + 1
+        try:
+            dtype = _DTYPES[code]
+            if buf.nbytes != nbytes or buf.dtype != dtype:
+                raise BufferMismatch(
+                    f"rank {me} expected {buf.size} x {buf.dtype} from rank {src} but rank {src} sent "
+                    f"{nbytes // dtype.itemsize} x {dtype}: every rank must pass a buffer of the same "
+                    "length and dtype to a collective")
+            if tag != ANY_TAG and mtag != tag:
+                raise CommError(f"rank {me} expected tag {tag} from rank {src}, got tag {mtag}: "
+                                "messages between two ranks are matched in order")
+            if nbytes:
+                peer = self._peer_view(src, seg_id, off, nbytes, dtype).reshape(buf.shape)
+                if reduce:  # buf may be any view, strided or not: numpy writes through it
+                    np.add(buf, peer, out=buf)
+                else:
+                    np.copyto(buf, peer)
+        finally:
+            self.w.done[src][me].release()
+        return src
+
+    def _wait_any(self) -> int:
+        me, p = self.rank, self.world_size
+        deadline = time.monotonic() + self.timeout
+        while True:
+            for i in range(p):
+                src = (self._any_next + i) % p
+                if src != me and self.w.ready[src][me].acquire(False):
+                    self._any_next = src + 1
+                    return src
+            left = deadline - time.monotonic()
+            if left <= 0 or not self.w.arrival[me].acquire(timeout=left):
+                raise CommTimeout(f"rank {me} waited {self.timeout:.0f}s for a message from any "
+                                  "rank: is a peer dead or stuck? (set DPLAB_TIMEOUT to wait longer)")
+
+    def _acquire(self, sem, what: str, peer: int) -> None:
+        """Spin briefly (a futex wake-up costs tens of microseconds), then sleep until the timeout."""
+        for _ in range(self._spin):
+            if sem.acquire(False):
+                return
+        if not sem.acquire(timeout=self.timeout):
+            raise CommTimeout(f"rank {self.rank} waited {self.timeout:.0f}s for rank {peer} {what}: "
+                              "is that rank dead or stuck? (set DPLAB_TIMEOUT to wait longer)")
+
+    def _check_peer(self, peer: int, any_ok: bool = False) -> None:
+        if any_ok and peer == ANY_SOURCE:
+            return
+        if not 0 <= peer < self.world_size or peer == self.rank:
+            raise CommError(f"rank {self.rank}: peer {peer} is not another rank of a world of "
+                            f"size {self.world_size}")
+
+    # -- rounds and collectives ---------------------------------------------------------------
+    def exchange(self, sends: list[SendSpec], recvs: list[RecvSpec], round: int = -1,
+                 algorithm: str = "", ahead: list[RecvSpec] = ()) -> None:
+        """Post every send, then reduce or copy each receive straight out of the peer's memory."""
+        tr = self.tracer
+        if not tr.enabled:  # the hot path: no clocks, no events
+            seqs = [self._post(s.buf, s.peer, 0) for s in sends]
+            for r in recvs:
+                self._recv_into(r.buf, r.peer, 0, r.reduce)
+            for s, seq in zip(sends, seqs):
+                self._wait_ack(s.peer, seq)
+            return
+        posted = [(s, self._post(s.buf, s.peer, 0), tr.now()) for s in sends]
+        for r in recvs:
+            t0 = tr.now()
+            self._recv_into(r.buf, r.peer, 0, r.reduce)
+            tr.record("reduce" if r.reduce else "copy", t0, tr.now(), peer=r.peer,
+                      bytes=r.buf.nbytes, chunk=r.chunk, round=round, algorithm=algorithm)
+        for s, seq, t0 in posted:
+            self._wait_ack(s.peer, seq)
+            tr.record("send", t0, tr.now(), peer=s.peer, bytes=s.buf.nbytes, chunk=s.chunk,
+                      round=round, algorithm=algorithm)
+
+    def native_allreduce(self, buf: np.ndarray, op: str = "sum", check: bool = True) -> None:
+        """No engine here: the native all-reduce is the direct (two-shot) shared-memory algorithm."""
+        from dplab.reference.collectives import allreduce
+
+        allreduce(self, buf, algorithm="direct", op=op)
+
+    def close(self) -> None:
+        for seg in [*self._peers.values(), *self._segments.values(), self._ctl_seg]:
+            seg.close()
+        self._peers.clear()

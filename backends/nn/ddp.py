@@ -1,0 +1,246 @@
+"""Data-parallel training of any torch module: torch's DistributedDataParallel, written small.
+
+    from dplab.backends.nn.ddp import DDP
+    from dplab.backends.launch.world import launch
+
+    def train(comm):
+        model = DDP(Net(), comm, bucket_cap_mb=25, algorithm="ring")  # rank 0's weights everywhere
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for x, y in my_shard_of_each_batch:       # equal-size shards of the global batch
+            opt.zero_grad()
+            loss_fn(model(x), y).backward()        # buckets are all-reduced while backward runs
+            opt.step()                             # every rank steps on the same averaged gradient
+        return model.module.state_dict()
+
+    launch(train, 4)                               # backend="mpi" or "torch" too
+
+How: every trainable parameter gets a slot in one flat gradient buffer, laid out in
+``named_parameters()`` order, and ``param.grad`` *is* that slot (a view, like DDP's
+``gradient_as_bucket_view=True``). Autograd accumulates straight into it. When a
+parameter's gradient is complete, its post-accumulate-grad hook divides it by the world
+size and tells the ``Reducer`` (``dplab.reference.train.buckets``); the Reducer all-reduces each bucket
+(a contiguous slice of the buffer, parameters in reverse order) on its communication
+thread as soon as the bucket is complete, while backward goes on with earlier layers. A
+callback queued on the autograd engine waits for the last bucket, so
+``loss.backward(); opt.step()`` just works.
+
+    flat grad:  [ emb | layer 1 | layer 2 | head ]      named_parameters() order
+    buckets:    [   bucket 1    ][  bucket 0      ]     reverse: head's bucket goes first
+
+Copies per step: none. The averaged gradient is computed in place in the slot that
+``param.grad`` already is, and on the local backend that slot lies in shared memory, so
+the all-reduce moves it without staging. The one exception is a gradient autograd created
+afresh because ``param.grad`` was None (the first backward, or after
+``zero_grad(set_to_none=True)``, torch's default): the hook copies it into its slot once
+and makes ``param.grad`` the slot again, exactly as DDP does. Use
+``opt.zero_grad(set_to_none=False)`` to skip that copy.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from functools import partial
+from typing import Any
+
+import torch
+from dplab.reference.algorithms import ALGORITHMS
+from dplab.reference.collectives import broadcast
+from dplab.reference.communicator import Communicator
+from dplab.reference.errors import ConfigError
+from dplab.reference.train.buckets import Reducer
+from torch import nn
+
+__all__ = ["DistributedDataParallel", "DDP", "broadcast_module", "flat_buffer", "flat_layout",
+           "dtype_and_device"]
+
+_CARRIERS = (torch.float32, torch.float64, torch.int32, torch.int64)  # what the collectives move
+
+
+def flat_buffer(comm: Communicator, n: int, dtype: torch.dtype,
+                device: torch.device) -> tuple[Any, torch.Tensor]:
+    """One flat buffer of ``n`` elements: (what the collectives get, a tensor view of it).
+
+    CPU tensors live in ``comm.empty`` memory (shared memory on the local backend, so sends
+    are zero-copy) seen through ``torch.from_numpy``. Tensors on a GPU stay there and need
+    a communicator on that GPU (the torch backend over NCCL), the only one that moves them.
+    """
+    if device.type == "cpu":
+        buf = comm.empty(n, torch.empty(0, dtype=dtype).numpy().dtype)
+        return buf, (buf if isinstance(buf, torch.Tensor) else torch.from_numpy(buf))
+    if getattr(comm, "device", None) != device:
+        raise ConfigError(f"parameters on {device} need a communicator on {device} (the torch backend "
+                          f"with DPLAB_DEVICE=cuda); {type(comm).__name__} moves host memory: use the CPU")
+    t = torch.empty(n, dtype=dtype, device=device)
+    return t, t
+
+
+def flat_layout(params: Sequence[torch.Tensor]) -> list[slice]:
+    """Each parameter's slice of the flat buffer, one after another in the given order."""
+    slices, start = [], 0
+    for p in params:
+        slices.append(slice(start, start + p.numel()))
+        start += p.numel()
+    return slices
+
+
+def dtype_and_device(params: Sequence[torch.Tensor]) -> tuple[torch.dtype, torch.device]:
+    """The one dtype and device of ``params``: a flat buffer holds a single kind of number."""
+    kinds = {(p.dtype, p.device) for p in params}
+    if len(kinds) > 1:
+        raise ConfigError("trainable parameters must share one dtype and device, got "
+                          f"{sorted(map(str, kinds))}: call module.to(dtype) first")
+    dtype, device = kinds.pop() if kinds else (torch.float32, torch.device("cpu"))
+    if dtype not in (torch.float32, torch.float64):
+        raise ConfigError(f"gradients of dtype {dtype} cannot be reduced: use float32 or float64")
+    return dtype, device
+
+
+@torch.no_grad()
+def broadcast_module(module: nn.Module, comm: Communicator, root: int = 0) -> None:
+    """Give every rank ``root``'s parameters and buffers (one broadcast per dtype).
+
+    Tensors of a dtype the collectives do not move (bool, int8, float16, ...) travel in a
+    wider one (int64, float64) and are converted back exactly.
+    """
+    groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for t in (*module.parameters(), *module.buffers()):
+        if t.is_complex():
+            raise ConfigError(f"cannot broadcast a {t.dtype} tensor: collectives move real numbers")
+        carrier = t.dtype if t.dtype in _CARRIERS else (
+            torch.float64 if t.dtype.is_floating_point else torch.int64)
+        groups.setdefault((carrier, t.device), []).append(t)
+    for (carrier, device), tensors in groups.items():
+        buf, flat = flat_buffer(comm, sum(t.numel() for t in tensors), carrier, device)
+        slices = flat_layout(tensors)
+        for t, s in zip(tensors, slices):
+            flat[s].copy_(t.reshape(-1))
+        broadcast(comm, buf, root=root)
+        for t, s in zip(tensors, slices):
+            t.copy_(flat[s].view_as(t))
+
+
+def _grad_ready(ref: weakref.ref, i: int, param: torch.Tensor) -> None:
+    """The hook holds the wrapper weakly: dropping the wrapper frees it (and its comm thread)."""
+    ddp = ref()
+    if ddp is not None:
+        ddp.mark_param_as_ready(i, param)
+
+
+def _release(reducer: Reducer, handles: list) -> None:
+    for h in handles:
+        h.remove()
+    reducer.close()
+
+
+class DistributedDataParallel(nn.Module):
+    """Wraps ``module`` so that backward averages its gradients over all ranks of ``comm``.
+
+    Differences from torch's DDP, on purpose: buffers are broadcast once, at construction
+    (no ``broadcast_buffers`` at every forward, so BatchNorm statistics stay per rank), and
+    every trainable parameter must get a gradient in every synced backward (no
+    ``find_unused_parameters``; ``wait`` says which one did not).
+    """
+
+    def __init__(self, module: nn.Module, comm: Communicator, bucket_cap_mb: float = 25.0,
+                 algorithm: str = "ring") -> None:
+        super().__init__()
+        if algorithm not in ALGORITHMS:
+            raise ConfigError(f"unknown algorithm {algorithm!r}: choose one of {', '.join(ALGORITHMS)}")
+        self.module, self.comm, self.algorithm = module, comm, algorithm
+        broadcast_module(module, comm)
+        named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+        self.param_names = [name for name, _ in named]  # for error messages
+        params = [p for _, p in named]  # named_parameters() already dedupes tied weights
+        dtype, device = dtype_and_device(params)
+        slices = flat_layout(params)
+        buf, self.flat_grad = flat_buffer(comm, slices[-1].stop if slices else 0, dtype, device)
+        self.flat_grad.zero_()
+        self.grad_slots = [self.flat_grad[s].view_as(p) for s, p in zip(slices, params)]
+        self.reducer = Reducer(comm, buf, slices, bucket_cap_mb, algorithm)
+        self.require_backward_grad_sync = True  # toggled by no_sync(), read by forward()
+        self._sync_this_backward = True
+        self._pending = False  # a synced backward has started and wait() has not run yet
+        self._unready = set(range(len(params)))
+        ref = weakref.ref(self)
+        handles = [p.register_post_accumulate_grad_hook(partial(_grad_ready, ref, i))
+                   for i, p in enumerate(params)]
+        self._finalizer = weakref.finalize(self, _release, self.reducer, handles)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the module; like DDP, whether its backward syncs is decided here, not in backward."""
+        if self._pending:
+            raise ConfigError("the previous synced backward did not finish (it raised before its end), "
+                              "so its buckets were only partly reduced: build a new DDP in a new world")
+        self._sync_this_backward = self.require_backward_grad_sync
+        return self.module(*args, **kwargs)
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally: backward passes of forwards run in here reduce nothing.
+
+        The next forward/backward outside the block reduces the accumulated sum, so k
+        micro-batches (each loss scaled by 1/k) take the step of one k-times larger batch.
+        """
+        old, self.require_backward_grad_sync = self.require_backward_grad_sync, False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = old
+
+    def mark_param_as_ready(self, i: int, param: torch.Tensor) -> None:
+        """Autograd's word that parameter ``i``'s gradient is complete for this backward.
+
+        Autograd runs a parameter's accumulation, and so this hook, once per backward even
+        when the parameter is used twice (tied weights): the two uses are summed first.
+        """
+        slot = self.grad_slots[i]
+        if param.grad is not slot:  # autograd made a new tensor: param.grad was None
+            slot.copy_(param.grad)
+            param.grad = slot
+        if not self._sync_this_backward:
+            return
+        if not self._pending:
+            self._pending = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.wait)
+        slot.div_(self.comm.world_size)  # sum of g / p = the average, as DDP pre-divides
+        self._unready.discard(i)
+        self.reducer.mark_param_as_ready(i)
+
+    def wait(self) -> None:
+        """Block until this backward's gradients are averaged; a no-op if that is done already.
+
+        Runs by itself at the end of every synced backward. A trainable parameter that got
+        no gradient is an error (there is no ``find_unused_parameters``): its slot is
+        reduced as zeros first, so every rank still runs the same collectives and none is
+        left waiting, and then the error names it.
+        """
+        if not self._pending:
+            return
+        self._pending = False
+        missing = sorted(self._unready)
+        for i in missing:
+            self.grad_slots[i].zero_()
+            self.reducer.mark_param_as_ready(i)
+        try:
+            with self.comm.tracer.span("wait", algorithm=self.algorithm):
+                self.reducer.wait()
+        finally:
+            self.reducer.reset()
+            self._unready = set(range(len(self.grad_slots)))
+        if missing:
+            names = ", ".join(self.param_names[i] for i in missing)
+            raise ConfigError(f"parameters got no gradient in a synced backward: {names}. Every "
+                              "trainable parameter must take part in the loss (unused parameters "
+                              "are not supported): freeze it with requires_grad_(False), or add "
+                              "0 * p.sum() to the loss")
+
+    finish_gradient_synchronization = wait
+
+    def close(self) -> None:
+        """Stop the communication thread and remove the hooks (also done when the wrapper is freed)."""
+        self._finalizer()
+
+
+DDP = DistributedDataParallel

@@ -1,0 +1,133 @@
+"""Bucketed gradient all-reduce that overlaps the backward pass (the DDP reducer).
+
+Gradients appear last layer first. Reducing each parameter on its own would pay
+one latency per parameter; reducing everything after backward would leave the
+network idle while we compute. So, like PyTorch DDP, parameters are grouped in
+reverse order into buckets of about ``bucket_cap_mb``; the moment every gradient
+of a bucket is ready, the bucket is handed to a communication thread that
+all-reduces it while the main thread keeps computing earlier layers.
+
+    backward:   [ layer 3 ][ layer 2 ][ layer 1 ][ layer 0 ]
+    comm:                  [ bucket 0 = 3,2 ......][ bucket 1 = 1,0 ]
+                                                             ^ wait()
+
+Buckets are launched strictly in order (bucket 1 never starts before bucket 0), so
+every rank runs the same sequence of collectives even if gradients arrive in a
+different order. Each bucket is a contiguous slice of one flat gradient buffer,
+so the all-reduce runs in place with no packing copy.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+import numpy as np
+from dplab.reference.collectives import allreduce
+from dplab.reference.communicator import Communicator
+from dplab.reference.errors import ConfigError
+
+__all__ = ["assign_buckets", "Reducer"]
+
+
+def assign_buckets(slices: Sequence[slice], itemsize: int, bucket_cap_mb: float) -> list[list[int]]:
+    """Parameter indices per bucket, walking parameters in reverse (the order backward makes them).
+
+    A bucket closes once it holds at least ``bucket_cap_mb`` MiB (the rule of torch DDP); a
+    parameter is never split, so one larger than the cap closes the bucket it lands in.
+    """
+    if bucket_cap_mb <= 0:
+        raise ConfigError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
+    cap = bucket_cap_mb * 2**20
+    buckets: list[list[int]] = [[]]
+    size = 0
+    for i in reversed(range(len(slices))):
+        if buckets[-1] and size >= cap:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(i)
+        size += (slices[i].stop - slices[i].start) * itemsize
+    return [b for b in buckets if b]
+
+
+class Reducer:
+    """Owns the buckets of one flat gradient buffer and the thread that reduces them."""
+
+    def __init__(self, comm: Communicator, grad: np.ndarray, slices: Sequence[slice],
+                 bucket_cap_mb: float = 25.0, algorithm: str = "ring") -> None:
+        self.comm, self.grad, self.algorithm = comm, grad, algorithm
+        self.buckets = assign_buckets(slices, grad.itemsize, bucket_cap_mb)
+        self.bucket_of = {i: b for b, params in enumerate(self.buckets) for i in params}
+        self.ranges = [(min(slices[i].start for i in ps), max(slices[i].stop for i in ps))
+                       for ps in self.buckets]
+        for (a, b), ps in zip(self.ranges, self.buckets):
+            if b - a != sum(slices[i].stop - slices[i].start for i in ps):
+                raise ConfigError("bucket parameters must be contiguous in the flat gradient, "
+                                  "in reverse order: lay parameters out in forward order")
+        self._sync = True
+        self._queue: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._comm_loop, daemon=True, name="dplab-comm")
+        self._thread.start()
+        self.reset()
+
+    def reset(self) -> None:
+        """Start a new step: nothing ready, nothing launched."""
+        self._missing = [len(ps) for ps in self.buckets]
+        self._ready: set[int] = set()
+        self._next_launch = 0
+        self._done = threading.Semaphore(0)
+        self._launched = 0
+        self._error: BaseException | None = None
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally: backward passes inside this block launch no reduction."""
+        self._sync = False
+        try:
+            yield
+        finally:
+            self._sync = True
+
+    def mark_param_as_ready(self, i: int) -> None:
+        if not self._sync:
+            return
+        if i in self._ready:
+            raise ConfigError(f"parameter {i} was marked ready twice in one step: call reset() per step")
+        self._ready.add(i)
+        b = self.bucket_of[i]
+        self._missing[b] -= 1
+        while self._next_launch < len(self.buckets) and self._missing[self._next_launch] == 0:
+            self._queue.put(self._next_launch)
+            self._next_launch += 1
+            self._launched += 1
+
+    def wait(self) -> None:
+        """Block until every launched bucket is reduced; afterwards ``grad`` holds the sum."""
+        if self._next_launch != len(self.buckets):
+            raise ConfigError(f"only {self._next_launch} of {len(self.buckets)} buckets were ready: "
+                              "every parameter must get a gradient before wait()")
+        for _ in range(self._launched):
+            self._done.acquire()
+        self._launched = 0
+        if self._error is not None:
+            raise self._error
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+
+    def _comm_loop(self) -> None:
+        tracer = self.comm.tracer
+        while (b := self._queue.get()) is not None:
+            a, z = self.ranges[b]
+            t0 = tracer.now()
+            try:
+                if self._error is None:
+                    allreduce(self.comm, self.grad[a:z], self.algorithm)
+            except BaseException as e:  # handed to the main thread by wait()
+                self._error = e
+            tracer.record("bucket", t0, tracer.now(), bytes=(z - a) * self.grad.itemsize,
+                          algorithm=self.algorithm, thread="comm", extra={"bucket": b})
+            self._done.release()

@@ -1,0 +1,128 @@
+"""Training configuration and the single-device trainer: the ground truth.
+
+Every data-parallel run (sync or async, any backend, any algorithm) is judged by how close
+its parameters come to ``train_single`` on the same ``TrainConfig``. So this file is kept
+as plain as possible: one model, one flat parameter vector, one batch per step.
+
+Run it::
+
+    python -m dplab.reference.train.single          # trains the default config, prints the loss per step
+
+or from Python::
+
+    >>> from dplab.reference.train.single import TrainConfig, train_single, evaluate
+    >>> result = train_single(TrainConfig(steps=3))
+    >>> len(result.losses)
+    3
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+from dplab.reference.data import Dataset, batch_indices, make_dataset
+from dplab.reference.errors import ConfigError
+from dplab.reference.model import MLP, MLPConfig
+from dplab.reference.optim import OptimConfig, make_optimizer
+
+__all__ = ["TrainConfig", "TrainResult", "setup", "train_single", "evaluate"]
+
+_LOSS_OF = {"regression": "mse", "classification": "xent"}
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything that determines a training run, bit for bit.
+
+    Validation is an explicit ``validate()`` (called by ``setup``) rather than on
+    construction, so ``dataclasses.replace`` can change ``dataset`` and ``model.loss`` one
+    at a time without tripping over the half-changed config in between.
+    """
+
+    model: MLPConfig = MLPConfig()
+    dataset: Literal["regression", "classification"] = "regression"  # mse | xent respectively
+    num_samples: int = 256
+    global_batch: int = 32
+    steps: int = 10
+    optimizer: OptimConfig = OptimConfig()
+    seed: int = 0
+    dtype: str = "float64"  # "float64" | "float32"
+
+    def validate(self) -> None:
+        """Raise ``ConfigError`` naming the field to change; return None if the config is fine."""
+        if self.dataset not in _LOSS_OF:
+            raise ConfigError(
+                f"dataset must be 'regression' or 'classification', not {self.dataset!r}"
+            )
+        if self.model.loss != _LOSS_OF[self.dataset]:
+            raise ConfigError(
+                f"dataset {self.dataset!r} needs model.loss={_LOSS_OF[self.dataset]!r}, got "
+                f"{self.model.loss!r}: use regression with 'mse' or classification with 'xent'"
+            )
+        if self.dataset == "classification" and self.model.out_dim < 2:
+            raise ConfigError("classification needs model.out_dim >= 2 (the number of classes)")
+        if self.num_samples < 1:
+            raise ConfigError(f"num_samples must be >= 1, got {self.num_samples}")
+        if self.global_batch < 1:
+            raise ConfigError(f"global_batch must be >= 1, got {self.global_batch}")
+        if self.steps < 0:
+            raise ConfigError(f"steps must be >= 0, got {self.steps}")
+        if self.seed < 0:
+            raise ConfigError(f"seed must be >= 0, got {self.seed}")
+        if self.dtype not in ("float64", "float32"):
+            raise ConfigError(f"dtype must be 'float64' or 'float32', not {self.dtype!r}")
+
+
+@dataclass
+class TrainResult:
+    params: np.ndarray  # final flat parameters
+    losses: list[float] = field(default_factory=list)  # each step's global-batch loss, pre-update
+
+
+def setup(cfg: TrainConfig) -> tuple[MLP, Dataset, np.ndarray]:
+    """Model, data set and initial parameters: shared by every trainer so all start identically.
+
+    The data set and the initial weights both come from ``cfg.seed`` but from independent
+    random streams (see ``dplab.reference.data``), so the student does not start aligned with
+    the teacher that made the data.
+    """
+    cfg.validate()
+    model = MLP(cfg.model)
+    m = cfg.model
+    data = make_dataset(cfg.dataset, cfg.num_samples, m.in_dim, m.out_dim, cfg.seed, cfg.dtype)
+    return model, data, model.init_params(cfg.seed, dtype=cfg.dtype)
+
+
+def train_single(cfg: TrainConfig) -> TrainResult:
+    """The single-device oracle: per step, one global batch, one gradient, one update.
+
+    ``scale = 1 / global_batch`` makes the loss the mean over the batch; data-parallel
+    ranks use the same scale on their shards, so their gradients sum to this one.
+    """
+    model, data, params = setup(cfg)
+    opt = make_optimizer(cfg.optimizer, model.num_params, params.dtype)
+    grad = np.zeros_like(params)
+    losses = []
+    for step in range(cfg.steps):
+        idx = batch_indices(cfg.num_samples, cfg.global_batch, step, cfg.seed)
+        grad[:] = 0
+        loss, _ = model.loss_and_grad(params, data.x[idx], data.y[idx], 1 / cfg.global_batch, grad)
+        opt.step(params, grad)
+        losses.append(loss)
+    return TrainResult(params, losses)
+
+
+def evaluate(cfg: TrainConfig, params: np.ndarray) -> float:
+    """Mean per-sample loss of ``params`` over the whole data set."""
+    model, data, _ = setup(cfg)
+    return model.loss(model.forward(params, data.x), data.y, scale=1 / cfg.num_samples)
+
+
+if __name__ == "__main__":
+    cfg = TrainConfig()
+    result = train_single(cfg)
+    for step, loss in enumerate(result.losses):
+        print(f"step {step:3d}  loss {loss:.6f}")
+    print(f"final mean loss over {cfg.num_samples} samples: {evaluate(cfg, result.params):.6f}")

@@ -1,0 +1,162 @@
+"""Time as an experimental variable: slowed ranks (stragglers) and wall-time budgets.
+
+A STRAGGLER is a rank whose compute is FACTOR times slower than the others' (a slower or
+busier device, thermal throttling, a noisy neighbour). dplab models it on the real
+machine, with no simulated clock:
+
+    after each piece of compute, the rank sleeps (FACTOR - 1) x the time that piece took
+
+so a micro-batch's forward and backward take FACTOR times their measured compute time,
+and its gradients appear FACTOR times later. The pieces are the forward pass and each
+layer of the backward pass (not the whole micro-batch at once), so a slowed rank's
+gradient buckets still leave as they are completed, as on a slow device: the overlap of
+communication with the backward pass stays honest. Sleeps of a few microseconds overshoot,
+so the sleep owed is kept as a running balance: an overshoot is a credit paid back by the
+next pieces, and over a run the rank sleeps (FACTOR - 1) x its compute time to within one
+sleep's overshoot. Sleeping, not spinning, leaves the core to the other ranks, so the
+straggler slows only itself (what a slow device does). Communication is not slowed.
+Each sleep is a ``slowdown`` trace event inside the rank's compute spans, so the
+timeline shows where the time went.
+
+Stragglers change WHEN things happen, never WHAT is computed: synchronous training with a
+straggler still equals single-device training bit for bit, and an asynchronous run still
+replays exactly from its log. A factor multiplies measured time, and measured time is
+noisy on a busy machine; for a fixed, compute-independent handicap (deterministic tests)
+both trainers also take ``delays``: seconds a rank sleeps before each (micro-)batch.
+
+A BUDGET stops training after a fixed wall time instead of a fixed number of steps. Only
+one rank decides (rank 0 in sync, the server in async) and tells the others, so every
+rank stops at the same step and none waits for a message that never comes.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import TypeVar
+
+from dplab.reference.errors import ConfigError
+from dplab.reference.trace import Tracer
+
+__all__ = ["Stragglers", "parse_stragglers", "check_stragglers", "factor_of", "check_delays", "Slowdown",
+           "Budget", "check_budget"]
+
+Stragglers = tuple[tuple[int, float], ...]  # ((rank, factor), ...): each slowed rank once
+T = TypeVar("T")
+_END = object()
+
+
+def parse_stragglers(text: str) -> Stragglers:
+    """``"1:4"`` or ``"1:4,2:1.5"`` -> ``((1, 4.0), (2, 1.5))``; ConfigError saying the form otherwise."""
+    pairs = []
+    for item in (s.strip() for s in text.split(",")):
+        rank, sep, factor = item.partition(":")
+        try:
+            if not sep:
+                raise ValueError
+            pairs.append((int(rank), float(factor)))
+        except ValueError:
+            raise ConfigError(f"bad straggler {item!r}: write RANK:FACTOR, e.g. 1:4 "
+                              "(rank 1 computes 4 times slower)") from None
+    return tuple(pairs)
+
+
+def check_stragglers(stragglers: Stragglers, world_size: int | None = None, first: int = 0) -> None:
+    """ConfigError unless each straggler names a computing rank (``first``..world_size-1) once, factor>=1."""
+    ranks = [r for r, _ in stragglers]
+    for rank, factor in stragglers:
+        if not (isinstance(rank, int) and rank >= first):
+            hint = " (rank 0 is the parameter server: it computes no gradients)" if first else ""
+            raise ConfigError(f"straggler rank must be an integer >= {first}{hint}, got {rank!r}")
+        if world_size is not None and rank >= world_size:
+            raise ConfigError(f"straggler rank {rank} is out of range: world_size {world_size} has "
+                              f"ranks 0..{world_size - 1}")
+        if not (isinstance(factor, (int, float)) and math.isfinite(factor) and factor >= 1):
+            raise ConfigError(f"straggler factor must be a finite number >= 1 (1 = full speed), "
+                              f"got {factor!r} for rank {rank}")
+    if len(set(ranks)) != len(ranks):
+        raise ConfigError(f"each straggler rank may appear once, got ranks {ranks}")
+
+
+def check_delays(delays: tuple[float, ...] | None, count: int | None, per: str) -> None:
+    """ConfigError unless ``delays`` is None or holds ``count`` finite seconds >= 0, one per ``per``."""
+    if delays is None:
+        return
+    if not all(isinstance(d, (int, float)) and math.isfinite(d) and d >= 0 for d in delays):
+        raise ConfigError(f"delays must be finite seconds >= 0, got {delays}")
+    if count is not None and len(delays) != count:
+        raise ConfigError(f"delays needs one entry per {per} ({count}), got {len(delays)}")
+
+
+def factor_of(stragglers: Stragglers, rank: int) -> float:
+    return dict(stragglers).get(rank, 1.0)
+
+
+class Slowdown:
+    """Stretches one rank's compute by ``factor``: sleeps (factor - 1) x each piece's measured time."""
+
+    def __init__(self, factor: float = 1.0, tracer: Tracer | None = None) -> None:
+        self.factor, self.tracer = float(factor), tracer  # each sleep is a "slowdown" span
+        self.compute_s = 0.0  # measured compute, in total
+        self.owed_s = 0.0  # sleep still owed; negative after an overshoot (a credit)
+        self.slept_s = 0.0  # so slept_s + owed_s == (factor - 1) * compute_s, always
+
+    @classmethod
+    def for_rank(cls, stragglers: Stragglers, rank: int, tracer: Tracer | None = None) -> Slowdown:
+        return cls(factor_of(stragglers, rank), tracer)
+
+    @contextmanager
+    def compute(self, delay_s: float = 0.0) -> Iterator[None]:
+        """Around one piece of compute: a fixed ``delay_s`` first, afterwards the slowdown it earned."""
+        if delay_s > 0:  # even sleep(0) gives the core away: on a busy machine that takes a while
+            time.sleep(delay_s)
+        t0 = time.perf_counter()
+        yield
+        self._pay(time.perf_counter() - t0)
+
+    def pieces(self, steps: Iterable[T]) -> Iterator[T]:
+        """Each step of a compute generator (the backward's layers), stretched before it is handed on."""
+        it = iter(steps)
+        while True:
+            t0 = time.perf_counter()
+            item = next(it, _END)
+            self._pay(time.perf_counter() - t0)
+            if item is _END:
+                return
+            yield item  # type: ignore[misc]
+
+    def _pay(self, compute_s: float) -> None:
+        """Sleep off what ``compute_s`` of compute earned, net of any earlier overshoot."""
+        if self.factor == 1.0:
+            return
+        self.compute_s += compute_s
+        self.owed_s += (self.factor - 1) * compute_s
+        if self.owed_s > 0:
+            t0 = time.perf_counter_ns()
+            time.sleep(self.owed_s)
+            t1 = time.perf_counter_ns()
+            self.owed_s -= (t1 - t0) / 1e9
+            self.slept_s += (t1 - t0) / 1e9
+            if self.tracer is not None:
+                offset = self.tracer.offset_ns
+                self.tracer.record("slowdown", t0 + offset, t1 + offset, extra={
+                    "factor": self.factor, "compute_s": self.compute_s, "slept_s": self.slept_s})
+
+
+class Budget:
+    """Wall time allowed from construction; ``None`` seconds never runs out."""
+
+    def __init__(self, seconds: float | None) -> None:
+        self.seconds = seconds
+        self.start = time.perf_counter()
+
+    def spent(self) -> bool:
+        return self.seconds is not None and time.perf_counter() - self.start >= self.seconds
+
+
+def check_budget(seconds: float | None) -> None:
+    if seconds is not None and not (isinstance(seconds, (int, float)) and math.isfinite(seconds)
+                                    and seconds >= 0):
+        raise ConfigError(f"time_budget_s must be finite seconds >= 0 (or None: no budget), got {seconds!r}")
