@@ -6,9 +6,9 @@
     def train(comm):
         model = DDP(Net(), comm, bucket_cap_mb=25, algorithm="ring")  # rank 0's weights everywhere
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        for x, y in my_shard_of_each_batch:       # equal-size shards of the global batch
+        for x, y in my_shard_of_each_batch:       # equal-size shards (else: local_batch_size=)
             opt.zero_grad()
-            loss_fn(model(x), y).backward()        # buckets are all-reduced while backward runs
+            loss_fn(model(x), y).backward()        # mean loss; buckets all-reduced while backward runs
             opt.step()                             # every rank steps on the same averaged gradient
         return model.module.state_dict()
 
@@ -18,9 +18,10 @@ How: every trainable parameter gets a slot in one flat gradient buffer, laid out
 ``named_parameters()`` order, and ``param.grad`` *is* that slot (a view, like DDP's
 ``gradient_as_bucket_view=True``). Autograd accumulates straight into it. When a
 parameter's gradient is complete, its post-accumulate-grad hook divides it by the world
-size and tells the ``Reducer`` (``dplab.reference.train.buckets``); the Reducer all-reduces each bucket
-(a contiguous slice of the buffer, parameters in reverse order) on its communication
-thread as soon as the bucket is complete, while backward goes on with earlier layers. A
+size (or weights it by its shard, see below) and tells the ``Reducer``
+(``dplab.reference.train.buckets``); the Reducer all-reduces each bucket (a contiguous slice
+of the buffer, parameters in reverse order) on its communication thread as soon as the
+bucket is complete, while backward goes on with earlier layers. A
 callback queued on the autograd engine waits for the last bucket, so
 ``loss.backward(); opt.step()`` just works.
 
@@ -34,6 +35,17 @@ afresh because ``param.grad`` was None (the first backward, or after
 ``zero_grad(set_to_none=True)``, torch's default): the hook copies it into its slot once
 and makes ``param.grad`` the slot again, exactly as DDP does. Use
 ``opt.zero_grad(set_to_none=False)`` to skip that copy.
+
+Uneven shards. Like torch's DDP, the gradient is averaged over ranks, (g_0 + ... + g_p-1) / p,
+which is the full batch's mean gradient only when every rank's shard has the same size. With
+shards of n_r samples (a global batch of 10 on 4 ranks: 3, 3, 2, 2) each rank's mean gradient
+must count n_r / N instead (N = sum of n_r), as the reference trainer does. Tell DDP the local
+batch size and it does exactly that:
+
+    model = DDP(Net(), comm, local_batch_size=len(my_shard))   # one int64 all-reduce: N
+    model.set_local_batch_size(n)                              # when the shard size changes
+
+A rank with an empty shard (N < p) contributes zeros, whatever its (NaN) mean loss says.
 """
 
 from __future__ import annotations
@@ -46,14 +58,16 @@ from typing import Any
 
 import torch
 from dplab.reference.algorithms import ALGORITHMS
-from dplab.reference.collectives import broadcast
+from dplab.reference.collectives import allreduce, broadcast
 from dplab.reference.communicator import Communicator
 from dplab.reference.errors import ConfigError
 from dplab.reference.train.buckets import Reducer
 from torch import nn
 
 __all__ = ["DistributedDataParallel", "DDP", "broadcast_module", "flat_buffer", "flat_layout",
-           "dtype_and_device"]
+           "dtype_and_device", "DEFAULT_BUCKET_CAP_MB"]
+
+DEFAULT_BUCKET_CAP_MB = 25.0  # torch's DDP: bucket_cap_mb=None means this
 
 _CARRIERS = (torch.float32, torch.float64, torch.int32, torch.int64)  # what the collectives move
 
@@ -141,13 +155,25 @@ class DistributedDataParallel(nn.Module):
     (no ``broadcast_buffers`` at every forward, so BatchNorm statistics stay per rank), and
     every trainable parameter must get a gradient in every synced backward (no
     ``find_unused_parameters``; ``wait`` says which one did not).
+
+    Args:
+        bucket_cap_mb: MiB of gradients per all-reduce (a parameter is never split).
+            ``None`` is torch's default, 25 MiB; ``math.inf`` puts every gradient in one bucket.
+        algorithm: the all-reduce schedule (``naive``, ``ring``, ``tree``, ``direct``, ``native``).
+        local_batch_size: this rank's shard size. Without it gradients are averaged over ranks
+            (sum / p, as torch's DDP does), which weights uneven shards wrongly: a sample on a
+            rank with a small shard counts more. With it each rank's gradient (of its mean loss)
+            counts n_r / N, N the global batch: exactly the full batch's gradient. Costs one
+            one-element all-reduce here and at each ``set_local_batch_size``, none per step.
     """
 
-    def __init__(self, module: nn.Module, comm: Communicator, bucket_cap_mb: float = 25.0,
-                 algorithm: str = "ring") -> None:
+    def __init__(self, module: nn.Module, comm: Communicator, bucket_cap_mb: float | None = None,
+                 algorithm: str = "ring", local_batch_size: int | None = None) -> None:
         super().__init__()
         if algorithm not in ALGORITHMS:
             raise ConfigError(f"unknown algorithm {algorithm!r}: choose one of {', '.join(ALGORITHMS)}")
+        if bucket_cap_mb is None:
+            bucket_cap_mb = DEFAULT_BUCKET_CAP_MB
         self.module, self.comm, self.algorithm = module, comm, algorithm
         broadcast_module(module, comm)
         named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
@@ -163,6 +189,10 @@ class DistributedDataParallel(nn.Module):
         self._sync_this_backward = True
         self._pending = False  # a synced backward has started and wait() has not run yet
         self._unready = set(range(len(params)))
+        self.local_batch_size: int | None = None  # None: average over ranks (equal shards)
+        self.global_batch_size: int | None = None
+        if local_batch_size is not None:
+            self.set_local_batch_size(local_batch_size)
         ref = weakref.ref(self)
         handles = [p.register_post_accumulate_grad_hook(partial(_grad_ready, ref, i))
                    for i, p in enumerate(params)]
@@ -175,6 +205,25 @@ class DistributedDataParallel(nn.Module):
                               "so its buckets were only partly reduced: build a new DDP in a new world")
         self._sync_this_backward = self.require_backward_grad_sync
         return self.module(*args, **kwargs)
+
+    def set_local_batch_size(self, n: int) -> None:
+        """Weight this rank's gradient by its shard, ``n`` / (sum of every rank's ``n``).
+
+        A collective (one all-reduce of a single integer): call it on every rank, between
+        steps, whenever a shard size changes; the weight holds until the next call. With
+        ``no_sync`` accumulation, ``n`` counts the samples of all micro-batches of a step.
+        """
+        if self._pending:
+            raise ConfigError("set_local_batch_size during a synced backward: call it between steps")
+        ok = type(n) is int and n >= 0  # a bad n is counted, so that every rank raises, none hangs
+        buf, counts = flat_buffer(self.comm, 2, torch.int64, self.flat_grad.device)
+        counts.copy_(torch.tensor([n if ok else 0, 0 if ok else 1]))
+        allreduce(self.comm, buf, self.algorithm)
+        total, bad = (int(v) for v in counts.cpu())
+        if bad or not total:
+            raise ConfigError(f"local_batch_size must be an integer >= 0 on every rank, not 0 on all; "
+                              f"this rank passed {n!r}, {bad} rank(s) passed no integer >= 0")
+        self.local_batch_size, self.global_batch_size = n, total
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -204,7 +253,12 @@ class DistributedDataParallel(nn.Module):
         if not self._pending:
             self._pending = True
             torch.autograd.Variable._execution_engine.queue_callback(self.wait)
-        slot.div_(self.comm.world_size)  # sum of g / p = the average, as DDP pre-divides
+        if self.local_batch_size is None:
+            slot.div_(self.comm.world_size)  # sum of g / p = the average, as DDP pre-divides
+        elif self.local_batch_size:
+            slot.mul_(self.local_batch_size / self.global_batch_size)  # sum of n_r g_r / N
+        else:
+            slot.zero_()  # an empty shard: its mean loss (and gradient) is NaN, its weight 0
         self._unready.discard(i)
         self.reducer.mark_param_as_ready(i)
 
