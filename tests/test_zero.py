@@ -106,7 +106,7 @@ def _train_zero(comm, kind: str, opt_name: str, steps: int = STEPS) -> dict:
         snaps.append(snapshot(model))
     return {"snaps": snaps, "shard": opt.shard_bounds, "bytes": opt.optimizer_state_bytes(),
             "staged": getattr(comm, "bytes_staged", 0) - staged,
-            "state_keys": sorted(opt.state_dict()["state"].get(0, {}))}
+            "state_keys": sorted(opt.local_state_dict()["state"].get(0, {}))}
 
 
 def _bad_zero(comm, what: str) -> str:
@@ -117,7 +117,8 @@ def _bad_zero(comm, what: str) -> str:
         if what == "algorithm":
             ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, comm, algorithm="tree", lr=0.1)
         else:
-            ZeroRedundancyOptimizer([{"params": model.parameters()}], torch.optim.SGD, comm, lr=0.1)
+            opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, comm, lr=0.1)
+            opt.consolidate_state_dict(to=comm.world_size)
     except ConfigError as e:
         return str(e)
     return "no error"
@@ -171,6 +172,6 @@ def test_optimizer_state_is_about_one_pth_of_the_unsharded(worlds, backend, p):
     assert results[0]["state_keys"] == ["exp_avg", "exp_avg_sq", "step"]
 
 
-@pytest.mark.parametrize("what, needle", [("algorithm", "reduce-scatter"), ("groups", "parameter groups")])
+@pytest.mark.parametrize("what, needle", [("algorithm", "reduce-scatter"), ("to", "to must be a rank")])
 def test_bad_configurations_are_config_errors(worlds, what, needle):
     assert needle in worlds(1).run(_bad_zero, what)[0]

@@ -7,10 +7,15 @@
         model = Net()
         broadcast_module(model, comm)                 # replicas must start equal
         opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, comm, lr=1e-3)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=10)   # a torch.optim.Optimizer
         for x, y in my_shard_of_each_batch:
             opt.zero_grad()
             loss_fn(model(x), y).backward()           # a plain module: no DDP wrapper
             opt.step()                                # the same parameters on every rank after it
+            sched.step()
+        opt.consolidate_state_dict(to=0)              # every rank: gathers the shards' state
+        if comm.rank == 0:
+            torch.save(opt.state_dict(), "opt.pt")    # torch.optim.AdamW's format: loads in either
 
 Adam keeps two numbers per parameter, twice the memory of the model itself, and plain
 data parallelism keeps all of it on every rank. ZeRO (Rajbhandari et al., 2020) notices
@@ -25,10 +30,19 @@ The same bytes move as in the all-reduce of data parallelism; the optimizer stat
 its arithmetic shrink to 1/p. Shard r is ``chunk_bounds(n, p)[r]``, the chunk a ring
 reduce-scatter leaves on rank r, so any n works, also n < p (some shards are empty).
 
+Like ``torch.distributed.optim.ZeroRedundancyOptimizer`` this is a ``torch.optim.Optimizer``:
+``param_groups`` hold the module's parameters with per-group options (lr, weight_decay, ...)
+that LR schedulers change and ``step()`` hands to the inner optimizer; ``add_param_group``
+works (on every rank); ``state_dict()`` after ``consolidate_state_dict(to)`` is the unsharded
+optimizer's. Each parameter group is flattened and sharded on its own, so a group's shard is
+one tensor of the inner optimizer, with that group's options. This is exact for optimizers
+that act element by element (SGD, Adam, AdamW, RMSprop, ...), not for those that look at a
+whole tensor (LAMB's trust ratio, Adafactor's factored moments, LBFGS).
+
 Copies per step: none. The module's parameters and gradients become views into two flat
-buffers (like FSDP's flat parameter), the shard the inner optimizer steps is a view of
-the parameter buffer, and both collectives run in place. A gradient that autograd made
-afresh (``param.grad`` was None: the first backward, or ``module.zero_grad()``) is copied
+buffers per group (like FSDP's flat parameter), the shard the inner optimizer steps is a
+view of the parameter buffer, and both collectives run in place. A gradient that autograd
+made afresh (``param.grad`` was None: the first backward, or ``module.zero_grad()``) is copied
 into its slot once at ``step()``. After ``step()`` the flat gradient outside this rank's
 shard is reduce-scatter scratch: call ``zero_grad()`` before the next backward, as every
 training loop does.
@@ -41,81 +55,45 @@ from typing import Any
 
 import torch
 from dplab.backends.nn.ddp import dtype_and_device, flat_buffer, flat_layout
+from dplab.backends.nn.zero_state import full_state_dict, gather_state, load_full_state
 from dplab.reference.collectives import allgather, reduce_scatter
 from dplab.reference.communicator import Communicator
 from dplab.reference.errors import ConfigError
 from dplab.reference.schedule import chunk_bounds
 
-__all__ = ["ZeroRedundancyOptimizer"]
+__all__ = ["ZeroRedundancyOptimizer", "FlatGroup"]
 
 SCATTER_ALGORITHMS = ("ring", "direct")  # the ones with a reduce_scatter / allgather schedule
+NOT_OPTIONS = ("params", "param_names")  # group keys that are not the optimizer's options
 
 
-class ZeroRedundancyOptimizer:
-    """Wraps ``optimizer_class`` so that each rank builds it over its own shard only."""
+class FlatGroup:
+    """One parameter group's trainable parameters as two flat buffers, and this rank's shard."""
 
-    def __init__(self, params: Iterable[torch.Tensor], optimizer_class: type[torch.optim.Optimizer],
-                 comm: Communicator, algorithm: str = "ring", **optimizer_kwargs: Any) -> None:
-        if algorithm not in SCATTER_ALGORITHMS:
-            raise ConfigError(f"ZeRO needs a reduce-scatter and an all-gather: algorithm must be one of "
-                              f"{', '.join(SCATTER_ALGORITHMS)}, got {algorithm!r}")
-        self.comm, self.algorithm = comm, algorithm
+    def __init__(self, comm: Communicator, params: Iterable[torch.Tensor]) -> None:
         self.params = _trainable(params)
         dtype, device = dtype_and_device(self.params)
-        slices = flat_layout(self.params)
-        n = slices[-1].stop if slices else 0
-        self._grad_buf, self.flat_grad = flat_buffer(comm, n, dtype, device)
-        self._param_buf, self.flat_param = flat_buffer(comm, n, dtype, device)
-        self.grad_slots = [self.flat_grad[s].view_as(p) for s, p in zip(slices, self.params)]
+        self.slices = flat_layout(self.params)
+        self.n = self.slices[-1].stop if self.slices else 0
+        self.grad_buf, self.flat_grad = flat_buffer(comm, self.n, dtype, device)
+        self.param_buf, self.flat_param = flat_buffer(comm, self.n, dtype, device)
+        self.grad_slots = [self.flat_grad[s].view_as(p) for s, p in zip(self.slices, self.params)]
         with torch.no_grad():
-            for p, s in zip(self.params, slices):
+            for p, s in zip(self.params, self.slices):
                 self.flat_param[s].copy_(p.reshape(-1))
                 p.data = self.flat_param[s].view_as(p)  # the module now reads the flat buffer
         self.zero_grad()
-        self.shard_bounds = chunk_bounds(n, comm.world_size)[comm.rank]
-        self.shard = self.flat_param[slice(*self.shard_bounds)]  # a leaf view: steps write through
-        self.shard.grad = self.flat_grad[slice(*self.shard_bounds)]
-        self.optim = optimizer_class([self.shard], **optimizer_kwargs)
+        self.bounds = chunk_bounds(self.n, comm.world_size)[comm.rank]
+        self.shard = self.flat_param[slice(*self.bounds)]  # a leaf view: steps write through
+        self.shard.grad = self.flat_grad[slice(*self.bounds)]
 
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        """The inner optimizer's groups (set ``lr`` here, or schedule ``self.optim``)."""
-        return self.optim.param_groups
-
-    def zero_grad(self, set_to_none: bool = False) -> None:
-        """Zero the flat gradient in place and point every ``param.grad`` at its slot.
-
-        ``set_to_none=True`` drops the gradients as torch optimizers do by default; it
-        costs one copy per parameter at the next ``step()``, so it is not the default here.
-        """
-        if set_to_none:
-            for p in self.params:
-                p.grad = None
-            return
+    def zero_grad(self) -> None:
         self.flat_grad.zero_()
         for p, slot in zip(self.params, self.grad_slots):
             p.grad = slot
 
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        """Average the gradients, step this rank's shard, share the updated parameters."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self.collect_grads()
-        reduce_scatter(self.comm, self._grad_buf, self.algorithm)
-        self.shard.grad.div_(self.comm.world_size)  # the sum of shard r, averaged
-        self.optim.step()
-        allgather(self.comm, self._param_buf, self.algorithm)
-        return loss
-
     def collect_grads(self) -> None:
-        """Make every ``param.grad`` its slot again; a missing gradient counts as zero.
-
-        Zero is what a rank that never used a parameter contributes to the average. (A
-        torch optimizer would skip such a parameter; here its shard steps anyway, so
-        Adam's momentum and weight decay still move it.)
-        """
+        """Make every ``param.grad`` its slot again; a missing gradient counts as zero."""
         for p, slot in zip(self.params, self.grad_slots):
             if p.grad is not slot:
                 if p.grad is None:
@@ -124,12 +102,114 @@ class ZeroRedundancyOptimizer:
                     slot.copy_(p.grad)
                 p.grad = slot
 
+
+class ZeroRedundancyOptimizer(torch.optim.Optimizer):
+    """Wraps ``optimizer_class`` so that each rank builds it over its own shards only.
+
+    ``params`` as for any torch optimizer: an iterable of tensors or of parameter-group dicts
+    (``{"params": ..., "lr": ...}``); ``optimizer_kwargs`` are the defaults of every group.
+    """
+
+    def __init__(self, params: Iterable[Any], optimizer_class: type[torch.optim.Optimizer],
+                 comm: Communicator, algorithm: str = "ring", **optimizer_kwargs: Any) -> None:
+        if algorithm not in SCATTER_ALGORITHMS:
+            raise ConfigError(f"ZeRO needs a reduce-scatter and an all-gather: algorithm must be one of "
+                              f"{', '.join(SCATTER_ALGORITHMS)}, got {algorithm!r}")
+        self.comm, self.algorithm, self.optimizer_class = comm, algorithm, optimizer_class
+        self.groups: list[FlatGroup] = []  # one per param_groups entry, same order
+        self.optim: torch.optim.Optimizer | None = None
+        self._consolidated: dict[str, Any] | None = None
+        super().__init__(params, optimizer_kwargs)  # calls add_param_group for each group
+        self.optim = optimizer_class([_inner(g, f) for g, f in zip(self.param_groups, self.groups)],
+                                     **optimizer_kwargs)
+        _copy_options(self.optim.param_groups, self.param_groups)  # the class's defaults, shown
+
+    @property
+    def shard_bounds(self) -> tuple[int, int]:
+        """This rank's shard of the first group's flat buffer (``groups[i].bounds`` for others)."""
+        return self.groups[0].bounds
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group (say, layers unfrozen while fine-tuning). Call it on every rank: the
+        group is flattened and sharded like the others; no existing state moves."""
+        super().add_param_group(param_group)
+        self.groups.append(FlatGroup(self.comm, self.param_groups[-1]["params"]))
+        if self.optim is not None:
+            self.optim.add_param_group(_inner(self.param_groups[-1], self.groups[-1]))
+            _copy_options(self.optim.param_groups[-1:], self.param_groups[-1:])
+
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        """Zero the flat gradients in place and point every ``param.grad`` at its slot.
+
+        ``set_to_none=True`` drops the gradients as torch optimizers do by default; it
+        costs one copy per parameter at the next ``step()``, so it is not the default here.
+        """
+        if set_to_none:
+            for g in self.groups:
+                for p in g.params:
+                    p.grad = None
+            return
+        for g in self.groups:
+            g.zero_grad()
+
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        """Average the gradients, step this rank's shards, share the updated parameters.
+
+        A parameter without a gradient counts as a zero gradient (what a rank that never used
+        it contributes), so, unlike a torch optimizer, its shard still steps: Adam's momentum
+        and weight decay still move it.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._consolidated = None  # the state moves on: consolidate again before saving
+        for g in self.groups:
+            g.collect_grads()
+            reduce_scatter(self.comm, g.grad_buf, self.algorithm)
+            g.shard.grad.div_(self.comm.world_size)  # the sum of shard r, averaged
+        _copy_options(self.param_groups, self.optim.param_groups)  # a scheduler's new lr
+        self.optim.step()
+        for g in self.groups:
+            allgather(self.comm, g.param_buf, self.algorithm)
+        return loss
+
+    def collect_grads(self) -> None:
+        for g in self.groups:
+            g.collect_grads()
+
+    # -- state -----------------------------------------------------------------------------------
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """Gather every rank's shards of the optimizer state onto rank ``to``, as torch's ZeRO
+        does: a collective, call it on every rank, after the last ``step()`` to be saved."""
+        if type(to) is not int or not 0 <= to < self.comm.world_size:
+            raise ConfigError(f"to must be a rank in 0..{self.comm.world_size - 1}, got {to!r}")
+        gathered = gather_state(self)
+        self._consolidated = full_state_dict(self, gathered) if self.comm.rank == to else None
+
     def state_dict(self) -> dict[str, Any]:
-        """This rank's shard only: its entry 0 is the flat shard ``shard_bounds`` of the parameters."""
+        """The unsharded optimizer's state dict (``torch.optim`` format: state per parameter
+        index), on the rank that ``consolidate_state_dict`` gathered to since the last step."""
+        if self._consolidated is None:
+            raise ConfigError(f"rank {self.comm.rank} holds no consolidated state: call "
+                              f"consolidate_state_dict(to={self.comm.rank}) on every rank after the last "
+                              "step() (or use local_state_dict() for this rank's shards)")
+        return self._consolidated
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load an unsharded state dict (from ``state_dict()``, or from the ``torch.optim``
+        optimizer of the same class over the same parameter groups): each rank keeps its shards."""
+        load_full_state(self, state_dict)
+        _copy_options(self.param_groups, self.optim.param_groups)
+        self._consolidated = None
+
+    def local_state_dict(self) -> dict[str, Any]:
+        """This rank's shards only (no communication): entry i is group i's flat shard."""
         return self.optim.state_dict()
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_local_state_dict(self, state: dict[str, Any]) -> None:
         self.optim.load_state_dict(state)
+        _copy_options(self.optim.param_groups, self.param_groups)
 
     def optimizer_state_bytes(self) -> int:
         """Bytes of the tensors in this rank's optimizer state (about 1/p of the unsharded)."""
@@ -137,14 +217,21 @@ class ZeroRedundancyOptimizer:
                    for v in s.values() if isinstance(v, torch.Tensor))
 
 
+def _inner(group: dict[str, Any], flat: FlatGroup) -> dict[str, Any]:
+    """The inner optimizer's group: this rank's shard, with the outer group's options."""
+    return {**{k: v for k, v in group.items() if k not in NOT_OPTIONS}, "params": [flat.shard]}
+
+
+def _copy_options(src: list[dict[str, Any]], dst: list[dict[str, Any]]) -> None:
+    for a, b in zip(src, dst):
+        b.update({k: v for k, v in a.items() if k not in NOT_OPTIONS})
+
+
 def _trainable(params: Iterable[Any]) -> list[torch.Tensor]:
     """Parameters that require grad, each once (tied weights appear once)."""
     out: list[torch.Tensor] = []
     seen: set[int] = set()
     for p in params:
-        if isinstance(p, dict):
-            raise ConfigError("parameter groups are not supported: pass one iterable of parameters "
-                              "(the inner optimizer gets one flat shard, so one group)")
         if p.requires_grad and id(p) not in seen:
             seen.add(id(p))
             out.append(p)
