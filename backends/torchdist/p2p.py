@@ -31,8 +31,10 @@ from dplab.reference.communicator import (
     CommError,
     CommTimeout,
     Communicator,
+    PeerLost,
     Request,
 )
+from dplab.reference.errors import ConfigError
 from dplab.reference.trace import Tracer
 
 __all__ = ["TorchPeer", "HEADER_TAG", "code", "data_tag", "DTYPES"]
@@ -45,11 +47,36 @@ class TorchPeer(Communicator):
     """One rank of a torch.distributed process group: its point-to-point messages, errors and
     control path. ``TorchComm`` (comm.py) adds the rounds and collectives."""
 
-    def __init__(self, rank: int, world_size: int, timeout: float = 60.0, init_method: str = "env://",
-                 device: str | None = None, local_rank: int | None = None, store: Any = None) -> None:
+    backend = "torch"
+
+    def __init__(self, rank: int | None, world_size: int | None, timeout: float = 60.0,
+                 init_method: str = "env://", device: str | None = None, local_rank: int | None = None,
+                 store: Any = None, group: Any = None) -> None:
+        """Start a process group, or, if torch.distributed is initialised already (the user's
+        ``dist.init_process_group``), speak over ``group`` (None: the default group) and leave
+        it to its owner: ``close()`` then destroys nothing (``owns_group`` is False)."""
         torch, dist = _torch()
-        self.rank, self.world_size, self.timeout = rank, world_size, timeout
-        self.tracer, self._td = Tracer(rank), timedelta(seconds=timeout)
+        self.owns_group = not dist.is_initialized()
+        if self.owns_group:
+            if group is not None:
+                raise ConfigError("group= is a group of an initialised torch.distributed: call "
+                                  "dist.init_process_group(...) first, or pass no group")
+            self._start_group(rank, world_size, timeout, init_method, device, local_rank, store)
+        else:
+            self._adopt(group, device, local_rank)
+        self.rank, self.world_size = dist.get_rank(self._group), dist.get_world_size(self._group)
+        if (rank, world_size) != (self.rank, self.world_size) and (rank, world_size) != (None, None):
+            raise ConfigError(f"asked for rank {rank} of {world_size}, but the initialised process group "
+                              f"says rank {self.rank} of {self.world_size}: pass no rank, use "
+                              "TorchComm.from_process_group()")
+        self.timeout, self.tracer, self._td = timeout, Tracer(self.rank), timedelta(seconds=timeout)
+
+    def _start_group(self, rank: int | None, world_size: int | None, timeout: float, init_method: str,
+                     device: str | None, local_rank: int | None, store: Any) -> None:
+        torch, dist = _torch()
+        if rank is None or world_size is None:
+            raise ConfigError("torch.distributed is not initialised: pass rank and world_size, or call "
+                              "dist.init_process_group(...) first")
         self.nccl = wants_cuda(device, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
         self.device = torch.device("cpu")
         if self.nccl:
@@ -62,6 +89,23 @@ class TorchPeer(Communicator):
                                 device_id=self.device if self.nccl else None)
         self._group = dist.group.WORLD  # its ranks are the global ranks
 
+    def _adopt(self, group: Any, device: str | None, local_rank: int | None) -> None:
+        """The caller's group. Its backend picks the device (NCCL: this process's current GPU);
+        a group that also has gloo (``cpu:gloo,cuda:nccl``) moves host memory unless device="cuda"."""
+        torch, dist = _torch()
+        self._group = dist.group.WORLD if group is None else group
+        if dist.get_rank(self._group) < 0:
+            raise ConfigError("this process is not a member of the group it was given")
+        backend = str(dist.get_backend(self._group))
+        kind = device or ("cuda" if backend == "nccl" else "cpu")
+        self.nccl = wants_cuda(kind, 1) and "nccl" in backend
+        if kind.startswith("cuda") and not self.nccl:
+            raise ConfigError(f"device {kind!r} needs an NCCL group, this one is {backend!r}")
+        if self.nccl and self._group is not dist.group.WORLD:
+            raise ConfigError("an NCCL subgroup is not supported yet: use the default group, or gloo")
+        index = local_rank if local_rank is not None else torch.cuda.current_device() if self.nccl else 0
+        self.device = torch.device("cuda", index) if self.nccl else torch.device("cpu")
+
     # dist.isend/irecv check their arguments and translate ranks on every call, which doubles
     # what posting a message costs (gloo, 2 ranks: 290 us against 150 us for a send and a
     # receive); the process group's own send/recv, which they end in, skip that.
@@ -70,6 +114,23 @@ class TorchPeer(Communicator):
 
     def _irecv(self, t: Any, src: int, tag: int) -> Any:
         return self._group.recv_anysource([t], tag) if src == ANY_SOURCE else self._group.recv([t], src, tag)
+
+    @classmethod
+    def from_process_group(cls, group: Any = None, timeout: float = 60.0,
+                           device: str | None = None) -> TorchPeer:
+        """A communicator over a process group the caller started, as torch scripts do:
+
+            dist.init_process_group("gloo")                  # or under torchrun, env://
+            comm = TorchComm.from_process_group()            # group=None: the default group
+            model = DDP(Net(), comm)
+            ...
+            comm.close()                                     # the group stays; destroy it yourself
+
+        Ranks are the group's own (``dist.get_rank(group)``), as in torch's collectives."""
+        if not _torch()[1].is_initialized():
+            raise ConfigError("torch.distributed is not initialised: call dist.init_process_group(...) "
+                              "first, or start ranks with dplab's launch()")
+        return cls(None, None, timeout, device=device, group=group)
 
     @classmethod
     def from_launcher(cls, timeout: float) -> TorchPeer:
@@ -154,7 +215,7 @@ class TorchPeer(Communicator):
         if "timed out" in str(e).lower() or "timeout" in str(e).lower():  # gloo; NCCL's watchdog
             return CommTimeout(f"rank {self.rank} waited {self.timeout:.0f}s for {who} {what}: is that "
                                "rank dead or stuck? (set DPLAB_TIMEOUT to wait longer)")
-        return CommError(f"rank {self.rank} lost {who} while waiting {what}: that rank died or failed "
+        return PeerLost(f"rank {self.rank} lost {who} while waiting {what}: that rank died or failed "
                          f"(see its error). The transport said: {str(e).splitlines()[0]}")
 
     def _finish(self, works: list, peers: list[int], what: str) -> None:
@@ -167,12 +228,12 @@ class TorchPeer(Communicator):
 
     def barrier(self) -> None:
         with self._explain(list(range(self.world_size)), "at a barrier"):
-            _torch()[1].barrier(async_op=True).wait(self._td)
+            _torch()[1].barrier(group=self._group, async_op=True).wait(self._td)
 
     def allgather_object(self, obj: Any) -> list:
         """Everyone's ``obj``, pickled: the launcher's control path, never the data path."""
         out: list = [None] * self.world_size
-        _torch()[1].all_gather_object(out, obj)
+        _torch()[1].all_gather_object(out, obj, group=self._group)
         return out
 
     def abort(self) -> None:
@@ -180,7 +241,8 @@ class TorchPeer(Communicator):
         self.close(getattr(_torch()[1].distributed_c10d, "_abort_process_group", None))
 
     def close(self, how: Callable[[], None] | None = None) -> None:
-        if _torch()[1].is_initialized():
+        """Destroy the process group this communicator started; one it was given stays its owner's."""
+        if self.owns_group and _torch()[1].is_initialized():
             (how or _torch()[1].destroy_process_group)()
 
 
