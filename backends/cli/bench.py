@@ -15,7 +15,10 @@ algorithm runs first in training; our algorithms' rows include whatever check th
 
 busbw is what each rank's link carried, so it is comparable across world sizes
 and with the memory-copy bandwidth (bytes / time of one ``np.copyto``), measured
-by rank 0 in the same run: the ceiling for any shared-memory transport.
+by rank 0 inside every backend x world-size run and printed as that run's ``memcpy``
+row: the ceiling for any shared-memory transport, and what the run's ``vs_memcpy``
+divides by. ``vs_native`` divides busbw by that of the engine's own all-reduce
+(``native``) of the same bytes in the same run.
 
 Buffers come from ``comm.empty`` (shared memory on the local backend: the ring
 then makes no copy beyond the algorithm's own reduce and copy of each chunk);
@@ -108,7 +111,13 @@ def memcpy_times(nbytes: int, warmup: int, target_s: float, max_iters: int, reps
 
 def summarize(backend: str, world_size: int, per_rank: list[dict[str, list[dict[str, Any]]]]
               ) -> list[dict[str, Any]]:
-    """Rows from every rank's timings: per repetition the mean over ranks, then the median."""
+    """Rows of one run (one backend, one world): per repetition the mean over ranks, then the median.
+
+    The run's own memory-copy row comes last (``algorithm`` memcpy, this run's backend and world
+    size, timed by rank 0 on one core) and is what this run's ``vs_memcpy`` divides by: runs of
+    different backends or world sizes happen at different moments of a shared machine. ``vs_native``
+    divides by the engine's own all-reduce of the same bytes in this run (None without one).
+    """
     rows = []
     cells = [[r["allreduce"][i] for r in per_rank] for i in range(len(per_rank[0]["allreduce"]))]
     for mine in cells + [[m] for m in per_rank[0]["memcpy"]]:
@@ -116,14 +125,16 @@ def summarize(backend: str, world_size: int, per_rank: list[dict[str, list[dict[
         copy = first["algorithm"] == "memcpy"
         t = float(np.median(np.mean(np.stack([m["times"] for m in mine]), axis=0)))
         algbw = first["bytes"] / t / 1e9
-        p = 1 if copy else world_size
         rows.append({
-            "backend": "memcpy" if copy else backend, "algorithm": first["algorithm"], "world_size": p,
+            "backend": backend, "algorithm": first["algorithm"], "world_size": world_size,
             "bytes": first["bytes"], "time_us": t * 1e6, "algbw_gbps": algbw,
-            "busbw_gbps": algbw * (1.0 if copy else busbw_factor(p)),
+            "busbw_gbps": algbw * (1.0 if copy else busbw_factor(world_size)),
             "staged_bytes": max(m["staged_bytes"] for m in mine),
         })
     ceiling = {r["bytes"]: r["busbw_gbps"] for r in rows if r["algorithm"] == "memcpy"}
+    native = {r["bytes"]: r["busbw_gbps"] for r in rows if r["algorithm"] == "native"}
     for r in rows:
-        r["vs_memcpy"] = r["busbw_gbps"] / ceiling[r["bytes"]] if r["bytes"] in ceiling else float("nan")
+        r["vs_memcpy"] = r["busbw_gbps"] / ceiling[r["bytes"]] if r["bytes"] in ceiling else None
+        mem = r["algorithm"] == "memcpy"
+        r["vs_native"] = r["busbw_gbps"] / native[r["bytes"]] if r["bytes"] in native and not mem else None
     return rows

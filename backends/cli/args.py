@@ -1,0 +1,282 @@
+"""The ``dplab`` argument parser: every option explained, with its default.
+
+    dplab --version
+    dplab train --help          # likewise compare --help, bench --help
+
+Values are checked as they are parsed where one value alone can be wrong (a NaN bucket
+cap, an empty list); checks that need several values, the file system or the machine's
+memory live in ``checks.py``. Both end in one line on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import textwrap
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+from dplab.backends.cli.bench import parse_size
+from dplab.backends.cli.compare import RACE_DEFAULTS
+from dplab.backends.cli.runs import MODES
+from dplab.reference.errors import ConfigError
+from dplab.reference.train.straggler import Stragglers, check_stragglers, parse_stragglers
+
+__all__ = ["build_parser", "dplab_version", "AUTO", "TRAIN_BUCKET_CAP_MB", "BENCH_EPILOG"]
+
+AUTO = object()  # --time-budget not given: compare picks by --modes
+# The default MLP (16-32-32-4, float64 or float32) has per-layer gradients of 1-8 KiB: DDP's 25 MB
+# puts them all in one bucket, reduced after backward ends, and the trace shows no overlap. A
+# cap of 0.0005 MiB (524 bytes) closes a bucket after each layer: 3 buckets, the first reduced
+# while the earlier layers' backward still runs.
+TRAIN_BUCKET_CAP_MB = 0.0005
+DDP_BUCKET_CAP_MB = 25.0
+
+BENCH_EPILOG = """\
+columns:
+  time_us     mean time of one all-reduce (loop mean, median over --reps, mean over ranks)
+  algbw_gbps  algorithm bandwidth: bytes / time, the buffer size over the time one all-reduce takes.
+  busbw_gbps  bus bandwidth: algbw x 2(p-1)/p for all-reduce (nccl-tests' convention), what each
+              rank's link carried, comparable across world sizes and with a memory copy.
+  vs_memcpy   busbw / the busbw of the memcpy row of the same run (backend x world size).
+  vs_native   this algorithm's busbw / the busbw of the engine's own all-reduce (MPI_Allreduce,
+              dist.all_reduce; local: the two-shot shared-memory one) at the same backend, world
+              size and bytes, in the same run: above 1 is faster than the engine. Needs 'native'
+              in --algorithms.
+  memcpy row  one core's np.copyto of the same bytes, timed by rank 0 inside each backend x world
+              size run: the ceiling of any shared-memory transport, and what vs_memcpy divides by.
+"""
+
+
+def dplab_version() -> str:
+    """The installed distribution's version (importlib.metadata), as ``pip show dplab`` says."""
+    try:
+        return version("dplab")
+    except PackageNotFoundError:  # running from a source tree that was never installed
+        return "unknown (not installed: pip install -e .)"
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit 2
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _wrap(text: str) -> str:
+    """Descriptions wrapped by hand: the formatter keeps the bench column table's layout as written."""
+    return textwrap.fill(text, 88)
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, (list, tuple)):
+        return ",".join("inf" if v is None else f"{v:g}" if isinstance(v, float) else str(v) for v in value)
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    """Appends ``(default: X)`` to every option whose help does not already say its default."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (action.option_strings and "default" not in text and action.default is not None
+                and action.default is not argparse.SUPPRESS and action.default is not AUTO):
+            text += f" (default: {_shown(action.default)})".replace("%", "%%")
+        return text
+
+
+def _csv(kind: Any = str):
+    """A comma-separated list of at least one value: an empty grid would run nothing and say so late."""
+    def parse(text: str) -> list:
+        try:
+            values = [kind(v.strip()) for v in text.split(",") if v.strip()]
+        except (ValueError, argparse.ArgumentTypeError) as e:
+            raise argparse.ArgumentTypeError(f"bad list {text!r}: {e}") from None
+        if not values:
+            raise argparse.ArgumentTypeError(f"empty list {text!r}: give at least one value")
+        return values
+    return parse
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    """A finite number > 0: NaN compares false with everything, so it slips past a plain ``<= 0``."""
+    value = float(text)
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
+def _size(text: str) -> int:
+    try:
+        value = parse_size(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid size {text!r}: bytes, or with K, M or G") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"size must be at least one element, got {text!r}")
+    return value
+
+
+def _staleness(text: str) -> int | None:
+    if text.lower() in ("inf", "none", "unbounded"):
+        return None
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"staleness must be >= 0 or 'inf', got {value}")
+    return value
+
+
+def _budget(text: str) -> float | None:
+    if text.lower() in ("none", "off"):
+        return None
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"time budget must be seconds >= 0 or 'none', got {text}")
+    return value
+
+
+def _straggler(text: str) -> Stragglers:
+    try:
+        stragglers = parse_stragglers(text)
+        check_stragglers(stragglers)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return stragglers
+
+
+def _add_time_args(p: argparse.ArgumentParser, budget_help: str) -> None:
+    g = p.add_argument_group("stragglers and time")
+    g.add_argument("--straggler", type=_straggler, action="append", default=[], metavar="RANK:FACTOR",
+                   help="slow RANK's compute FACTOR times (repeat, or 1:4,2:2); in async/backup "
+                        "rank 0 is the server and cannot be slowed (default: none)")
+    g.add_argument("--time-budget", type=_budget, default=AUTO, metavar="SECONDS", help=budget_help)
+
+
+def _add_model_args(p: argparse.ArgumentParser, bucket_cap_mb: float, bucket_help: str) -> None:
+    g = p.add_argument_group("model and data")
+    g.add_argument("--dataset", choices=["regression", "classification"], default="regression",
+                   help="synthetic data: regression (MSE loss) or classification (cross-entropy)")
+    g.add_argument("--hidden", type=_csv(int), default=[32, 32], help="hidden layer widths of the MLP")
+    g.add_argument("--in-dim", type=int, default=16, help="input features")
+    g.add_argument("--out-dim", type=int, default=4, help="outputs (classes for classification)")
+    g.add_argument("--activation", choices=["tanh", "relu"], default="tanh", help="hidden activation")
+    g.add_argument("--num-samples", type=int, default=1024, help="size of the synthetic data set")
+    g.add_argument("--global-batch", type=int, default=64,
+                   help="samples per step over all ranks, split across them (uneven splits allowed)")
+    g.add_argument("--steps", type=int, default=None,
+                   help="steps (clocks per worker in async); default 50, or no limit under a time budget")
+    g.add_argument("--optimizer", choices=["sgd", "momentum", "adam"], default="adam", help="optimizer")
+    g.add_argument("--lr", type=_positive_float, default=0.01, help="learning rate")
+    g.add_argument("--seed", type=int, default=0, help="seeds the data, the initial weights, the batches")
+    g.add_argument("--dtype", choices=["float64", "float32"], default="float64",
+                   help="parameters and gradients")
+    g.add_argument("--bucket-cap-mb", type=_positive_float, default=bucket_cap_mb, metavar="MiB",
+                   help=bucket_help)
+    g.add_argument("--accum-steps", type=_positive_int, default=1,
+                   help="micro-batches per step; all but the last skip the all-reduce (no_sync)")
+    _add_common_args(p, "torch backend: gloo on CPU or NCCL with one GPU per rank (default: cpu, or "
+                        "$DPLAB_DEVICE)")
+
+
+def _add_common_args(p: argparse.ArgumentParser, device_help: str) -> None:
+    g = p.add_argument_group("device and output")
+    g.add_argument("--device", choices=["cpu", "cuda"], default=None, help=device_help)
+    g.add_argument("--json", metavar="PATH",
+                   help="also write the rows, with full precision, as JSON (default: not written)")
+
+
+def _add_train(sub: Any) -> None:
+    t = sub.add_parser("train", help="train on N ranks and compare with one device",
+                       formatter_class=_Formatter,
+                       description=_wrap("Train one MLP on N ranks and report how far every rank's "
+                                         "parameters end from single-device training on the same batches."))
+    t.add_argument("--backend", default="local", help="local | mpi | torch")
+    t.add_argument("--world-size", type=int, default=None,
+                   help="ranks to start (default 4; under mpiexec/torchrun: the launcher's)")
+    t.add_argument("--algorithm", default="ring", help="naive | ring | tree | direct | native")
+    t.add_argument("--mode", choices=MODES, default="sync",
+                   help="sync: all-reduce; async: parameter server; backup: synchronous through the "
+                        "parameter server, each step from the first W - b gradients")
+    t.add_argument("--staleness", type=_staleness, default=None,
+                   help="async: clocks a worker may run ahead of the slowest (0 = lock-step; "
+                        "default inf = fully asynchronous)")
+    t.add_argument("--backup-workers", type=int, default=1, help="backup: gradients dropped per step")
+    t.add_argument("--trace", metavar="PATH",
+                   help="write the merged trace (and PATH.chrome.json for Perfetto) (default: no trace)")
+    _add_time_args(t, "stop after this much wall time (default: none, train --steps)")
+    g = t.add_argument_group("checkpoints")
+    g.add_argument("--checkpoint-every", type=int, default=0, metavar="K",
+                   help="write a checkpoint every K steps (async: K server updates); 0 = never")
+    g.add_argument("--checkpoint-dir", metavar="DIR",
+                   help="where checkpoints go; its parent directory must exist (default: none)")
+    g.add_argument("--resume", metavar="DIR",
+                   help="go on from DIR's latest checkpoint (or a file) (default: start afresh)")
+    g.add_argument("--save-params", metavar="PATH",
+                   help="write the final parameters (.npy) (default: not written)")
+    _add_model_args(t, TRAIN_BUCKET_CAP_MB,
+                    "gradient bucket size; a bucket's all-reduce starts as soon as its gradients exist, "
+                    "while backward goes on. The default, 0.0005 MiB (524 bytes), puts the default "
+                    "MLP's gradients in 3 buckets, one per layer, so a --trace shows the first "
+                    f"bucket's all-reduce overlapping backward; torch DDP's {DDP_BUCKET_CAP_MB:g} would "
+                    "make it one bucket, reduced after backward ends")
+
+
+def _add_compare(sub: Any) -> None:
+    c = sub.add_parser("compare", help="the same run over backends x algorithms x world sizes",
+                       formatter_class=_Formatter,
+                       description=_wrap("The same training run over a grid of backends x algorithms x world "
+                                         "sizes (x modes): an equivalence table, or a race for the same "
+                                         "wall time."))
+    c.add_argument("--backends", type=_csv(), default=["local"], help="comma-separated: local,mpi,torch")
+    c.add_argument("--algorithms", type=_csv(), default=None,
+                   help="all-reduce algorithms; default naive,ring,tree,native (ring in a race)")
+    c.add_argument("--world-sizes", type=_csv(int), default=None,
+                   help="default 1,2,3,4 (4 in a race)")
+    c.add_argument("--modes", type=_csv(), default=["sync"],
+                   help="sync,async,backup; with async (or a --time-budget) the cells race for the "
+                        "same wall time, and sync brings the backup-worker rows along")
+    c.add_argument("--staleness-grid", type=_csv(_staleness), default=RACE_DEFAULTS["staleness_grid"],
+                   help="race: the async staleness bounds")
+    c.add_argument("--backup-workers", type=_csv(int), default=RACE_DEFAULTS["backup_workers"],
+                   help="race: b for each backup-worker row")
+    _add_time_args(c, f"a race: every cell trains this long (default {RACE_DEFAULTS['time_budget_s']:g} s "
+                      "once async is in --modes, else none: a fixed --steps)")
+    _add_model_args(c, DDP_BUCKET_CAP_MB, "gradient bucket size, as torch DDP's bucket_cap_mb")
+
+
+def _add_bench(sub: Any) -> None:
+    b = sub.add_parser("bench", help="nccl-tests-style all-reduce bandwidth, memcpy as the ceiling",
+                       formatter_class=_Formatter, epilog=BENCH_EPILOG,
+                       description=_wrap("Time all-reduce algorithms on every backend x world size x buffer "
+                                         "size, nccl-tests style, against the engine's own all-reduce and "
+                                         "a memory copy."))
+    b.add_argument("--backends", "--backend", type=_csv(), default=["local"],
+                   help="local,mpi,torch: several in one run put their rows side by side")
+    b.add_argument("--algorithms", type=_csv(), default=["ring", "tree", "naive", "native"],
+                   help="naive, ring, tree, direct, and native (the engine's own all-reduce)")
+    b.add_argument("--world-sizes", type=_csv(int), default=[2], help="ranks per run")
+    b.add_argument("--sizes", type=_csv(_size), default=[4096, 1 << 20, 16 << 20, 64 << 20],
+                   help="bytes per buffer, with K, M or G for KiB, MiB, GiB (default: 4K,1M,16M,64M)")
+    b.add_argument("--dtype", choices=["float32", "float64"], default="float32", help="buffer element type")
+    b.add_argument("--warmup", type=int, default=3, help="untimed calls per cell before timing")
+    b.add_argument("--target-seconds", type=_positive_float, default=0.3, help="timed work per cell")
+    b.add_argument("--reps", type=int, default=5, help="timed loops per cell, algorithms interleaved")
+    b.add_argument("--max-iters", type=_positive_int, default=2000, help="most calls in one timed loop")
+    _add_common_args(b, "torch backend: gloo on CPU or NCCL with one GPU per rank (default: cpu, or "
+                        "$DPLAB_DEVICE)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="dplab", description="Data-Parallel Lab: data parallelism written by hand.",
+                     formatter_class=_Formatter)
+    parser.add_argument("--version", action="version", version=f"dplab {dplab_version()}",
+                        help="print the installed version and exit")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    _add_train(sub)
+    _add_compare(sub)
+    _add_bench(sub)
+    return parser
