@@ -36,7 +36,8 @@ def _refused(proc: subprocess.CompletedProcess, command: str, message: str) -> N
 @pytest.mark.parametrize("option", ["--json", "--trace", "--save-params"])
 def test_output_file_in_a_missing_directory(tmp_path, option):
     target = tmp_path / "no" / "such" / "out.json"
-    _refused(_dplab("train", *LONG, option, str(target)), "train", f"directory {target.parent} does not exist")
+    _refused(_dplab("train", *LONG, option, str(target)), "train",
+             f"directory {target.parent} does not exist")
 
 
 @pytest.mark.parametrize("option", ["--json", "--trace", "--save-params"])
