@@ -6,9 +6,11 @@
 The executor knows nothing about rings or trees: it looks up the schedule, cuts the
 flat buffer into the schedule's chunks, and for each round hands this rank's sends
 and receives to ``comm.exchange``. A rank whose buffer differs from its peers' gets a
-``BufferMismatch``, not a hang: every message is checked against the buffer it lands in
-(empty chunks, n < p, still travel as zero-length messages), or, where the transport
-cannot do that cheaply (gloo), ``comm.check_buffer`` compares the whole buffer once.
+``BufferMismatch``, not a hang, and one that called another collective, algorithm or root a
+``CollectiveMismatch``: ``comm.check_buffer(buf, call)`` tells the backend what this rank
+called, and every message carries it (its tag) and is checked against the buffer it lands in
+(empty chunks, n < p, still travel as zero-length messages), or, where the transport cannot
+do that cheaply (gloo), the collective's first message on each link carries it once.
 """
 
 from __future__ import annotations
@@ -18,12 +20,11 @@ from typing import Any
 
 import numpy as np
 from dplab.reference.algorithms import allreduce_schedule, direct, naive, ring, tree
-from dplab.reference.communicator import Communicator, RecvSpec, SendSpec
+from dplab.reference.communicator import Collective, Communicator, RecvSpec, SendSpec, require_writable
 from dplab.reference.errors import ConfigError
 from dplab.reference.schedule import Schedule, Transfer, chunk_bounds
 
-__all__ = ["allreduce", "reduce_scatter", "allgather", "broadcast", "reduce", "run_schedule",
-           "early_receives"]
+__all__ = ["allreduce", "reduce_scatter", "allgather", "broadcast", "reduce", "run_schedule", "schedule_plan"]
 
 _DTYPES = (np.float32, np.float64, np.int32, np.int64)
 _ROOTED = {"tree": (tree.reduce, tree.broadcast), "naive": (naive.reduce, naive.broadcast)}
@@ -33,49 +34,27 @@ _SCATTER = {"ring": (ring.reduce_scatter, ring.allgather),
 Plan = list[tuple[list[Transfer], list[Transfer]]]
 
 
-def run_schedule(comm: Communicator, buf: Any, schedule: Schedule, plan: Plan | None = None,
-                 early: list[list[int]] | None = None) -> None:
-    """Execute ``schedule`` on this rank's ``buf`` (1-D, contiguous array or tensor), round by round.
-
-    Each round also hands over the next round's receives that may be posted early (``ahead``).
-    A rendezvous transport (gloo) moves a message only once its receive is posted: posted a
-    round early, the neighbour's send goes at once instead of waiting for a round trip."""
+def run_schedule(comm: Communicator, buf: Any, schedule: Schedule, plan: Plan | None = None) -> None:
+    """Execute ``schedule`` on this rank's ``buf`` (1-D, contiguous array or tensor), round by round."""
     plan = plan if plan is not None else schedule.transfers_of(comm.rank)
-    early = early if early is not None else early_receives(plan)
     bounds = chunk_bounds(len(buf), schedule.num_chunks)
-    sends = [[SendSpec(buf[slice(*bounds[t.chunk])], t.dst, t.chunk) for t in ts] for ts, _ in plan]
-    recvs = [[RecvSpec(buf[slice(*bounds[t.chunk])], t.src, t.chunk, t.op == "reduce") for t in ts]
-             for _, ts in plan]
-    for k in range(len(plan)):
-        if sends[k] or recvs[k]:
-            ahead = [recvs[k + 1][i] for i in early[k]]
-            comm.exchange(sends[k], recvs[k], round=k, algorithm=schedule.name, ahead=ahead)
-
-
-def early_receives(plan: Plan) -> list[list[int]]:
-    """For each round k, which of round k+1's receives round k cannot disturb, so that they may
-    be posted during round k: those that land in scratch (reduce) and those into a chunk round
-    k neither sends nor receives. A peer's receives go ahead all or none, so that messages
-    between two ranks are still posted in the order they are sent."""
-    early = []
-    for (sends, recvs), (_, later) in zip(plan, plan[1:]):
-        busy = {t.chunk for t in sends} | {t.chunk for t in recvs}
-        held = {t.src for t in later if t.op != "reduce" and t.chunk in busy}
-        early.append([i for i, t in enumerate(later) if t.src not in held])
-    return early + [[]] if plan else []  # the last round has no next one
+    for k, (sends, recvs) in enumerate(plan):
+        if sends or recvs:
+            comm.exchange([SendSpec(buf[slice(*bounds[t.chunk])], t.dst, t.chunk) for t in sends],
+                          [RecvSpec(buf[slice(*bounds[t.chunk])], t.src, t.chunk, t.op == "reduce")
+                           for t in recvs], round=k, algorithm=schedule.name)
 
 
 @lru_cache(maxsize=1024)
-def _plan(kind: str, algorithm: str, p: int, rank: int, root: int = 0
-          ) -> tuple[Schedule, Plan, list[list[int]]]:
+def schedule_plan(kind: str, algorithm: str, p: int, rank: int, root: int = 0) -> tuple[Schedule, Plan]:
+    """The schedule of a collective and this rank's part of it: (sends, receives) per round."""
     if kind == "allreduce":
         s = allreduce_schedule(algorithm, p)
     elif kind in ("reduce_scatter", "allgather"):
         s = _pick(_SCATTER, algorithm)[kind == "allgather"](p)
     else:
         s = _pick(_ROOTED, algorithm)[kind == "broadcast"](p, root)
-    plan = s.transfers_of(rank)
-    return s, plan, early_receives(plan)
+    return s, s.transfers_of(rank)
 
 
 def _pick(table: dict, algorithm: str):
@@ -87,6 +66,7 @@ def _pick(table: dict, algorithm: str):
 def _flat(buf: Any) -> Any:
     """A 1-D view of ``buf``: a numpy array, or a torch tensor (duck-typed: reference imports no torch)."""
     if isinstance(buf, np.ndarray):
+        require_writable(buf)  # refused on every rank before any message, not half-way on one
         if buf.dtype.type not in _DTYPES:
             raise ConfigError(f"dtype {buf.dtype} not supported: use float32, float64, int32 or int64")
         if not buf.flags.c_contiguous:
@@ -106,14 +86,15 @@ def _is_float(buf: Any) -> bool:
         np.issubdtype(buf.dtype, np.floating))
 
 
-def _run(comm: Communicator, kind: str, buf: np.ndarray, algorithm: str, root: int = 0) -> np.ndarray:
+def _run(comm: Communicator, kind: str, buf: np.ndarray, algorithm: str, root: int | None = None
+         ) -> np.ndarray:
     flat = _flat(buf)
-    if not 0 <= root < comm.world_size:
+    if root is not None and not 0 <= root < comm.world_size:
         raise ConfigError(f"root {root} is not a rank of a world of size {comm.world_size}")
-    schedule, plan, early = _plan(kind, algorithm, comm.world_size, comm.rank, root)
+    schedule, plan = schedule_plan(kind, algorithm, comm.world_size, comm.rank, root or 0)
     with comm.tracer.span(kind, bytes=flat.nbytes, algorithm=algorithm):
-        comm.check_buffer(flat)
-        run_schedule(comm, flat, schedule, plan, early)
+        comm.check_buffer(flat, Collective(kind, algorithm, -1 if root is None else root))
+        run_schedule(comm, flat, schedule, plan)
     return flat
 
 

@@ -6,6 +6,11 @@ Data always moves through buffers (numpy arrays, or tensors viewed as arrays),
 never through pickle. Every blocking call honours ``timeout`` and raises
 ``CommTimeout`` naming the peer instead of hanging.
 
+Each collective starts with ``check_buffer(buf, call)``: ``call`` (a ``Collective``: kind,
+algorithm, root) and the buffer's length and dtype travel with the collective's messages, so a
+rank that called another collective, another algorithm or another root, or passed another
+buffer, is told so at the first message it receives instead of waiting out the timeout.
+
 The one composite call is ``exchange``: a round of a schedule posts all its sends
 and receives together and then waits for all of them. Posting them together is
 what keeps a ring from deadlocking (everyone sends before anyone waits), and it
@@ -22,15 +27,19 @@ from contextlib import contextmanager
 from typing import NamedTuple, Protocol
 
 import numpy as np
-from dplab.reference.errors import DplabError
+from dplab.reference.errors import ConfigError, DplabError
 from dplab.reference.trace import Tracer
 
 __all__ = [
     "ANY_SOURCE", "Communicator", "Request", "SendSpec", "RecvSpec", "CommError", "CommTimeout",
-    "BufferMismatch",
+    "BufferMismatch", "CollectiveMismatch", "PeerLost", "Collective", "COLLECTIVE_TAG", "describe_tag",
+    "collective_mismatch", "require_writable",
 ]
 
 ANY_SOURCE = -1
+COLLECTIVE_TAG = 1 << 20  # tags from here on name a collective (Collective.code); below, the user's
+_KINDS = ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce")
+_ALGORITHMS = ("naive", "ring", "tree", "direct", "native")
 
 
 class CommError(DplabError):
@@ -43,6 +52,62 @@ class CommTimeout(CommError, TimeoutError):
 
 class BufferMismatch(CommError):
     """Two ranks disagree on a message's length or dtype (every rank must pass the same buffer shape)."""
+
+
+class CollectiveMismatch(CommError):
+    """Two ranks called different collectives, or one collective with different algorithms or roots."""
+
+
+class PeerLost(CommError):
+    """The connection to a peer closed under a call: the peer died or failed first (see its error)."""
+
+
+class Collective(NamedTuple):
+    """What a rank called; every rank must call the same. ``code()`` packs it into one integer
+    that travels with the collective's messages (their tag on shared memory and MPI, the link
+    header on gloo), so comparing it costs one integer comparison per message."""
+
+    kind: str  # allreduce, reduce_scatter, allgather, broadcast, reduce
+    algorithm: str
+    root: int = -1  # rooted collectives (broadcast, reduce) only
+
+    def code(self) -> int:
+        k, a = _KINDS.index(self.kind), _ALGORITHMS.index(self.algorithm)
+        return COLLECTIVE_TAG + k + 8 * (a + 8 * (self.root + 1))
+
+    @classmethod
+    def decode(cls, code: int) -> Collective | None:
+        """The collective a code names, or None (a user's tag, or a bare exchange's 0)."""
+        if code < COLLECTIVE_TAG:
+            return None
+        k, rest = (code - COLLECTIVE_TAG) % 8, (code - COLLECTIVE_TAG) // 8
+        if k >= len(_KINDS) or rest % 8 >= len(_ALGORITHMS):
+            return None
+        return cls(_KINDS[k], _ALGORITHMS[rest % 8], rest // 8 - 1)
+
+    def __str__(self) -> str:
+        return f"{self.kind}({self.algorithm}{'' if self.root < 0 else f', root={self.root}'})"
+
+
+def describe_tag(tag: int) -> str:
+    """A message's tag in words: the collective it belongs to, or a point-to-point tag."""
+    call = Collective.decode(tag)
+    return str(call) if call is not None else f"a point-to-point message or exchange (tag {tag})"
+
+
+def collective_mismatch(rank: int, mine: int, peer: int, theirs: int) -> CollectiveMismatch:
+    """The error for a message of another collective than the one ``rank`` is in."""
+    return CollectiveMismatch(
+        f"rank {rank} called {describe_tag(mine)} but rank {peer} called {describe_tag(theirs)}: every "
+        "rank must call the same collective with the same algorithm (and root), in the same order")
+
+
+def require_writable(buf: object) -> None:
+    """Collectives write their result into ``buf``: refuse a read-only array before any message."""
+    flags = getattr(buf, "flags", None)
+    if flags is not None and not flags.writeable:
+        raise ConfigError("collectives write their result into the buffer, but this array is read-only "
+                          "(e.g. np.frombuffer over bytes): pass a writable array, e.g. buf.copy()")
 
 
 class Request(Protocol):
@@ -67,6 +132,7 @@ class Communicator(ABC):
     world_size: int
     timeout: float
     tracer: Tracer
+    backend: str = ""  # the transport, as --backend names it ("local", "mpi", "torch"): checkpoints record it
 
     @abstractmethod
     def isend(self, buf: np.ndarray, dst: int, tag: int = 0) -> Request: ...
@@ -100,14 +166,16 @@ class Communicator(ABC):
         no half-matched message behind (shared memory); the default changes nothing."""
         yield
 
-    def check_buffer(self, buf: np.ndarray) -> None:
-        """Called by every hand-written collective with the whole (flat) buffer, before round 0.
+    def check_buffer(self, buf: np.ndarray, call: Collective | None = None) -> None:
+        """Called by every hand-written collective with the whole (flat) buffer, before round 0;
+        the rounds that follow (``exchange`` with ``round >= 0``) belong to ``call``.
 
-        Backends whose every message carries its length and dtype (shared memory, MPI) catch a
-        rank with another buffer at its first message, for free: the default does nothing.
-        gloo cannot tell a receiver that a message has the wrong length without killing the
-        process, so the torch backend records (length, dtype) here and sends it along with the
-        collective's first message on each link, where the receiver compares it with its own.
+        Backends whose every message carries its length, dtype and tag (shared memory, MPI) tag
+        the collective's messages with ``call.code()`` and catch a rank with another buffer or
+        another collective at its first message, for free. gloo cannot tell a receiver that a
+        message has the wrong length without killing the process, so the torch backend records
+        (length, dtype, call) here and sends it along with the collective's first message on
+        each link, where the receiver compares it with its own. The default does nothing.
         """
         return None
 
@@ -133,11 +201,9 @@ class Communicator(ABC):
             step *= 2
 
     def exchange(self, sends: list[SendSpec], recvs: list[RecvSpec], round: int = -1,
-                 algorithm: str = "", ahead: list[RecvSpec] = ()) -> None:
+                 algorithm: str = "") -> None:
         """One round: post every receive and send, then complete them; reduces apply in list order.
-
-        ``ahead``: receives of round ``round + 1`` (the same specs will come again then) that
-        nothing in this round touches, so a backend may post them now. The default ignores them."""
+        ``round`` >= 0: round of the collective begun by the last ``check_buffer``; -1: on its own."""
         scratch = [np.empty_like(r.buf) if r.reduce else r.buf for r in recvs]
         rreqs = [self.irecv(s, r.peer) for s, r in zip(scratch, recvs)]
         sreqs = [self.isend(s.buf, s.peer) for s in sends]

@@ -11,7 +11,6 @@ import math
 import numpy as np
 import pytest
 from dplab.reference.algorithms import ALGORITHMS, ALLREDUCE, allreduce_schedule, direct, naive, ring, tree
-from dplab.reference.collectives import _plan, early_receives
 from dplab.reference.errors import ConfigError, DplabError
 from dplab.reference.schedule import Schedule, ScheduleError, Transfer, chunk_bounds, concat
 from dplab.reference.simulate import initial_holdings, is_allreduce, simulate
@@ -279,27 +278,3 @@ def test_schedule_error_belongs_to_the_dplab_error_family():
     """DESIGN: every error dplab raises on purpose subclasses DplabError."""
     assert issubclass(ScheduleError, ValueError)
     assert issubclass(ScheduleError, DplabError)
-
-
-# -- receives posted a round early (the executor's ``ahead``) ---------------------------------
-
-@pytest.mark.parametrize("p", range(1, 10))
-@pytest.mark.parametrize("kind, algorithm", [("allreduce", a) for a in sorted(ALLREDUCE) if a != "native"]
-                         + [(k, a) for k in ("reduce_scatter", "allgather") for a in SCATTER]
-                         + [(k, a) for k in ("reduce", "broadcast") for a in ROOTED])
-def test_receives_go_ahead_only_where_the_round_before_cannot_disturb_them(kind, algorithm, p):
-    for rank in range(p):
-        _, plan, early = _plan(kind, algorithm, p, rank)
-        assert len(early) == len(plan) and (not early or early[-1] == [])
-        for k, ((sends, now), ahead) in enumerate(zip(plan, early)):
-            later = plan[k + 1][1] if k + 1 < len(plan) else []
-            busy = {t.chunk for t in sends} | {t.chunk for t in now}
-            assert all(later[i].op == "reduce" or later[i].chunk not in busy for i in ahead)
-            going = {later[i].src for i in ahead}  # a peer's receives go ahead all or none
-            assert all((t.src in going) == (i in ahead) for i, t in enumerate(later))
-
-
-def test_the_ring_posts_every_receive_a_round_early_but_the_one_it_cannot():
-    assert [len(e) for e in early_receives(_plan("allreduce", "ring", 4, 0)[1])] == [1, 1, 1, 1, 1, 0]
-    # p=2: the all-gather copies into the chunk this rank just sent: that one must wait its round
-    assert early_receives(_plan("allreduce", "ring", 2, 0)[1]) == [[], []]

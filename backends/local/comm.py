@@ -12,7 +12,11 @@ Each ordered pair (src, dst) has its own mailbox of SLOTS descriptors and two
 semaphores, so ranks signal only the peer they talk to (no global barrier per
 round). ``arrival[dst]`` is posted with every message so ANY_SOURCE receives can
 sleep until something comes. Messages between two ranks are matched in order;
-tags are checked, not used to pick a message.
+tags are checked, not used to pick a message. A collective's messages are tagged with the
+collective's code (``check_buffer``), so a rank that called another collective, algorithm or
+root is named at the first message it receives; a rank that only sends and waits for a peer
+to take its message looks at the peer's own waiting message (its tag) now and then, which
+catches two ranks that both only send.
 """
 
 from __future__ import annotations
@@ -29,13 +33,18 @@ from dplab.backends.local.shm import Segment
 from dplab.backends.local.wiring import SLOTS, Wiring, process_alive
 from dplab.reference.communicator import (
     ANY_SOURCE,
+    COLLECTIVE_TAG,
     BufferMismatch,
+    Collective,
     CommError,
     CommTimeout,
     Communicator,
     RecvSpec,
     SendSpec,
+    collective_mismatch,
+    require_writable,
 )
+from dplab.reference.errors import ConfigError
 from dplab.reference.trace import Tracer
 
 __all__ = ["Wiring", "LocalComm"]
@@ -45,6 +54,7 @@ ANY_TAG = -1
 _DTYPES = [np.dtype(t) for t in ("uint8", "float32", "float64", "int32", "int64", "float16")]
 _CODE = {dt: i for i, dt in enumerate(_DTYPES)}
 _ALIGN = 64
+_PEEK_S = (1e-3, 0.25)  # a sender waiting this long looks at the peer's own message, then doubles
 
 
 class _SendRequest:
@@ -66,6 +76,8 @@ class _RecvRequest:
 
 
 class LocalComm(Communicator):
+    backend = "local"
+
     def __init__(self, wiring: Wiring, rank: int) -> None:
         self.w, self.rank, self.world_size = wiring, rank, wiring.world_size
         self.timeout = wiring.timeout
@@ -82,6 +94,7 @@ class LocalComm(Communicator):
         self._staged_seqs: deque[tuple[int, int]] = deque()  # (dst, seq) of staged sends not yet acked
         self._pending: dict[int, deque[_RecvRequest]] = {s: deque() for s in range(-1, p)}
         self._any_next = 0
+        self._tag = 0  # the tag of the running collective's messages (its code; see check_buffer)
         self._next_id = 0
         # spinning only pays when every rank has a core to itself
         self._spin = int(os.environ.get("DPLAB_SPIN", "200")) if p <= (os.cpu_count() or 1) else 0
@@ -187,9 +200,9 @@ class LocalComm(Communicator):
         self.w.arrival[dst].release()
         return seq
 
-    def _wait_ack(self, dst: int, seq: int) -> None:
+    def _wait_ack(self, dst: int, seq: int, peek: bool = False) -> None:
         while self._acked[dst] <= seq:
-            self._acquire(self.w.done[self.rank][dst], "to take its message", dst)
+            self._acquire(self.w.done[self.rank][dst], "to take its message", dst, peek)
             self._acked[dst] += 1
         while self._staged_seqs and self._acked[self._staged_seqs[0][0]] > self._staged_seqs[0][1]:
             self._staged_seqs.popleft()
@@ -211,6 +224,8 @@ class LocalComm(Communicator):
         self._recv_seq[src] = seq + 1
         try:
             dtype = _DTYPES[code]
+            if mtag != tag and tag != ANY_TAG and max(tag, mtag) >= COLLECTIVE_TAG:
+                raise collective_mismatch(me, tag, src, mtag)
             if buf.nbytes != nbytes or buf.dtype != dtype:
                 raise BufferMismatch(
                     f"rank {me} expected {buf.size} x {buf.dtype} from rank {src} but rank {src} sent "
@@ -243,14 +258,36 @@ class LocalComm(Communicator):
                 raise CommTimeout(f"rank {me} waited {self.timeout:.0f}s for a message from any "
                                   "rank: is a peer dead or stuck? (set DPLAB_TIMEOUT to wait longer)")
 
-    def _acquire(self, sem, what: str, peer: int) -> None:
-        """Spin briefly (a futex wake-up costs tens of microseconds), then sleep until the timeout."""
+    def _acquire(self, sem, what: str, peer: int, peek: bool = False) -> None:
+        """Spin briefly (a futex wake-up costs tens of microseconds), then sleep until the timeout;
+        with ``peek`` (a collective's sender waiting for ``peer``), sleep in doubling slices and
+        look at ``peer``'s waiting message in between (``_peek``)."""
         for _ in range(self._spin):
             if sem.acquire(False):
                 return
-        if not sem.acquire(timeout=self.timeout):
-            raise CommTimeout(f"rank {self.rank} waited {self.timeout:.0f}s for rank {peer} {what}: "
-                              "is that rank dead or stuck? (set DPLAB_TIMEOUT to wait longer)")
+        deadline, nap = time.monotonic() + self.timeout, _PEEK_S[0]
+        while peek and self._tag >= COLLECTIVE_TAG:
+            left = deadline - time.monotonic()
+            if sem.acquire(timeout=max(min(nap, left), 0)):
+                return
+            if left <= nap:
+                break
+            self._peek(peer)
+            nap = min(2 * nap, _PEEK_S[1])
+        else:
+            if sem.acquire(timeout=self.timeout):
+                return
+        raise CommTimeout(f"rank {self.rank} waited {self.timeout:.0f}s for rank {peer} {what}: "
+                          "is that rank dead or stuck? (set DPLAB_TIMEOUT to wait longer)")
+
+    def _peek(self, peer: int) -> None:
+        """Waiting for ``peer`` to take this collective's message: if ``peer`` has posted one of
+        another collective to us, it is in that one (it cannot have finished ours without taking
+        our message, and its earlier ones we took): both may only be sending, so say so now."""
+        if self.w.ready[peer][self.rank].get_value() > 0:
+            mtag = int(self._ctl[peer, self.rank, self._recv_seq[peer] % SLOTS, 4])
+            if mtag != self._tag and mtag >= COLLECTIVE_TAG:
+                raise collective_mismatch(self.rank, self._tag, peer, mtag)
 
     def _check_peer(self, peer: int, any_ok: bool = False) -> None:
         if any_ok and peer == ANY_SOURCE:
@@ -260,33 +297,49 @@ class LocalComm(Communicator):
                             f"size {self.world_size}")
 
     # -- rounds and collectives ---------------------------------------------------------------
+    def check_buffer(self, buf: np.ndarray, call: Collective | None = None) -> None:
+        """The collective's messages carry its code as their tag (length and dtype they carry anyway)."""
+        self._tag = call.code() if call is not None else 0
+
     def exchange(self, sends: list[SendSpec], recvs: list[RecvSpec], round: int = -1,
-                 algorithm: str = "", ahead: list[RecvSpec] = ()) -> None:
+                 algorithm: str = "") -> None:
         """Post every send, then reduce or copy each receive straight out of the peer's memory."""
-        tr = self.tracer
+        tr, tag = self.tracer, self._tag if round >= 0 else 0
+        peek = tag >= COLLECTIVE_TAG
         if not tr.enabled:  # the hot path: no clocks, no events
-            seqs = [self._post(s.buf, s.peer, 0) for s in sends]
+            seqs = [self._post(s.buf, s.peer, tag) for s in sends]
             for r in recvs:
-                self._recv_into(r.buf, r.peer, 0, r.reduce)
+                self._recv_into(r.buf, r.peer, tag, r.reduce)
             for s, seq in zip(sends, seqs):
-                self._wait_ack(s.peer, seq)
+                self._wait_ack(s.peer, seq, peek)
             return
-        posted = [(s, self._post(s.buf, s.peer, 0), tr.now()) for s in sends]
+        posted = [(s, self._post(s.buf, s.peer, tag), tr.now()) for s in sends]
         for r in recvs:
             t0 = tr.now()
-            self._recv_into(r.buf, r.peer, 0, r.reduce)
+            self._recv_into(r.buf, r.peer, tag, r.reduce)
             tr.record("reduce" if r.reduce else "copy", t0, tr.now(), peer=r.peer,
                       bytes=r.buf.nbytes, chunk=r.chunk, round=round, algorithm=algorithm)
         for s, seq, t0 in posted:
-            self._wait_ack(s.peer, seq)
+            self._wait_ack(s.peer, seq, peek)
             tr.record("send", t0, tr.now(), peer=s.peer, bytes=s.buf.nbytes, chunk=s.chunk,
                       round=round, algorithm=algorithm)
 
     def native_allreduce(self, buf: np.ndarray, op: str = "sum", check: bool = True) -> None:
-        """No engine here: the native all-reduce is the direct (two-shot) shared-memory algorithm."""
-        from dplab.reference.collectives import allreduce
+        """No engine here: the native all-reduce is the direct (two-shot) shared-memory algorithm,
+        under the name ``native`` (a peer that called ring is told that this rank called native)."""
+        from dplab.reference.algorithms import allreduce_schedule
+        from dplab.reference.collectives import run_schedule
 
-        allreduce(self, buf, algorithm="direct", op=op)
+        require_writable(buf)
+        if op not in ("sum", "mean") or (op == "mean" and buf.dtype.kind != "f"):
+            raise ConfigError(f"op must be 'sum' or 'mean' (floating point only), got {op!r} for {buf.dtype}")
+        if not buf.flags.c_contiguous:
+            raise ConfigError("collectives work in place on contiguous arrays: use np.ascontiguousarray")
+        flat = buf.reshape(-1)
+        self.check_buffer(flat, Collective("allreduce", "native"))
+        run_schedule(self, flat, allreduce_schedule("direct", self.world_size))
+        if op == "mean" and self.world_size > 1:
+            flat /= self.world_size
 
     def close(self) -> None:
         for seg in [*self._peers.values(), *self._segments.values(), self._ctl_seg]:

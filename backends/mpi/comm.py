@@ -19,7 +19,11 @@ This file adds what the Communicator contract asks and MPI does not give:
   sender's dtype (``16 * tag + dtype code``) and receives accept any tag, so, as on
   the local backend, messages between two ranks are matched in order and tags are
   checked, not used to pick a message. A longer message (MPI_ERR_TRUNCATE), a
-  shorter one or another dtype all become ``BufferMismatch``.
+  shorter one or another dtype all become ``BufferMismatch``. A collective's messages are
+  tagged with its code (``check_buffer``): a message of another collective, algorithm or root
+  is a ``CollectiveMismatch`` naming both calls, and a sender left waiting for a peer to
+  take its message probes the peer's own message (which catches two ranks that both only
+  send large messages; small ones leave eagerly and are caught by the next collective).
 * Isolation. dplab talks on a duplicate of the communicator it is given, so its
   messages never meet the application's.
 
@@ -41,12 +45,16 @@ from typing import Any
 import numpy as np
 from dplab.reference.communicator import (
     ANY_SOURCE,
+    COLLECTIVE_TAG,
     BufferMismatch,
+    Collective,
     CommError,
     CommTimeout,
     Communicator,
     RecvSpec,
     SendSpec,
+    collective_mismatch,
+    require_writable,
 )
 from dplab.reference.errors import ConfigError
 from dplab.reference.trace import Tracer
@@ -94,6 +102,8 @@ class _Request:
 class MpiComm(Communicator):
     """A Communicator over an MPI communicator (``MPI.COMM_WORLD`` unless told otherwise)."""
 
+    backend = "mpi"
+
     def __init__(self, comm: Any = None, timeout: float = 60.0) -> None:
         from mpi4py import MPI  # starts MPI (MPI_Init_thread) on first import
 
@@ -108,6 +118,7 @@ class MpiComm(Communicator):
                        np.dtype("int32"): MPI.INT32_T, np.dtype("int64"): MPI.INT64_T}
         self._local = threading.local()  # a scratch arena per thread (the reducer's runs rounds too)
         self._abandoned: list[Any] = []  # timed-out requests MPI may still touch: keep their buffers
+        self._tag = 0  # the tag of the running collective's messages (its code; see check_buffer)
 
     @classmethod
     def from_launcher(cls, timeout: float) -> MpiComm:
@@ -115,8 +126,9 @@ class MpiComm(Communicator):
         return cls(None, timeout)
 
     # -- waiting ----------------------------------------------------------------------------
-    def _poll(self, req: Any, status: Any, what: str, peer: int = -1) -> None:
-        """Wait for ``req`` by polling (see the module docstring); ``what`` names it on timeout."""
+    def _poll(self, req: Any, status: Any, what: str, peer: int = -1, peek: bool = False) -> None:
+        """Wait for ``req`` by polling (see the module docstring); ``what`` names it on timeout.
+        ``peek``: a collective's send to ``peer``: while napping, probe ``peer``'s message to us."""
         if req.Test(status):
             return
         start = time.monotonic()
@@ -125,12 +137,24 @@ class MpiComm(Communicator):
             if waited < _SPIN_S:
                 os.sched_yield()
             elif waited < self.timeout:
+                if peek:
+                    self._peek(peer)
                 time.sleep(min(max(waited / 20, _NAP_S[0]), _NAP_S[1]))
             else:
                 self._abandon(req)
                 who = what.format(peer=peer)
                 raise CommTimeout(f"rank {self.rank} waited {self.timeout:.0f}s for {who}: is that "
                                   "rank dead or stuck? (set DPLAB_TIMEOUT to wait longer)")
+
+    def _peek(self, peer: int) -> None:
+        """``peer`` has not taken this collective's message (or, ANY_SOURCE, nobody has joined
+        the native all-reduce's check): a message of another collective waiting for us means its
+        sender is in that one (it cannot have finished ours): say so now."""
+        status = self.MPI.Status()
+        if self._comm.Iprobe(self.MPI.ANY_SOURCE if peer == ANY_SOURCE else peer, self.MPI.ANY_TAG, status):
+            theirs = status.Get_tag() >> _TAG_BITS
+            if theirs != self._tag and theirs >= COLLECTIVE_TAG:
+                raise collective_mismatch(self.rank, self._tag, status.Get_source(), theirs)
 
     def _abandon(self, req: Any) -> None:
         try:
@@ -176,9 +200,12 @@ class MpiComm(Communicator):
         except MPI.Exception as e:
             if e.Get_error_class() != MPI.ERR_TRUNCATE:
                 raise CommError(f"rank {self.rank}: receive from rank {peer} failed: {e}") from e
-            src, dtype = status.Get_source(), _DTYPES[status.Get_tag() & 15]
+            src, mtag = status.Get_source(), status.Get_tag()
+            self._check_collective(tag, src, mtag >> _TAG_BITS)
+            dtype = _DTYPES[mtag & 15]
             raise self._mismatch(buf, src, f"more than {buf.nbytes // dtype.itemsize} x {dtype}") from None
         src, mtag = status.Get_source(), status.Get_tag()
+        self._check_collective(tag, src, mtag >> _TAG_BITS)
         dtype, nbytes = _DTYPES[mtag & 15], status.Get_count(MPI.BYTE)
         if nbytes != buf.nbytes or dtype != buf.dtype:
             raise self._mismatch(buf, src, f"{nbytes // dtype.itemsize} x {dtype}")
@@ -186,6 +213,10 @@ class MpiComm(Communicator):
             raise CommError(f"rank {self.rank} expected tag {tag} from rank {src}, got tag "
                             f"{mtag >> _TAG_BITS}: messages between two ranks are matched in order")
         return src
+
+    def _check_collective(self, tag: int, src: int, theirs: int) -> None:
+        if theirs != tag and tag != ANY_TAG and max(tag, theirs) >= COLLECTIVE_TAG:
+            raise collective_mismatch(self.rank, tag, src, theirs)
 
     def _mismatch(self, buf: np.ndarray, src: int, sent: str) -> BufferMismatch:
         return BufferMismatch(
@@ -203,20 +234,24 @@ class MpiComm(Communicator):
                             f"size {self.world_size}")
 
     # -- rounds and collectives ---------------------------------------------------------------
+    def check_buffer(self, buf: np.ndarray, call: Collective | None = None) -> None:
+        """The collective's messages carry its code in their tag (length and dtype they carry anyway)."""
+        self._tag = call.code() if call is not None else 0
+
     def exchange(self, sends: list[SendSpec], recvs: list[RecvSpec], round: int = -1,
-                 algorithm: str = "", ahead: list[RecvSpec] = ()) -> None:
+                 algorithm: str = "") -> None:
         """Post every receive, then every send; complete receives in order, adding reduce ones.
-        ``ahead`` is ignored: posting receives early, as the torch backend does, measured slower
-        here (ring at 1 MiB, 4 ranks: 0.55x MPI_Allreduce, not 0.62x)."""
-        tr = self.tracer
+        (Posting the next round's receives early, as the torch backend does, measured slower
+        here: ring at 1 MiB, 4 ranks: 0.55x MPI_Allreduce, not 0.62x.)"""
+        tr, tag = self.tracer, self._tag if round >= 0 else 0
         traced = tr.enabled  # the hot path builds no events and reads no clocks
         into = self._landing(recvs)
         rreqs = [self._post_recv(b, r.peer) for b, r in zip(into, recvs)]
         t_post = tr.now() if traced else 0
-        sreqs = [self._post_send(s.buf, s.peer, 0) for s in sends]
+        sreqs = [self._post_send(s.buf, s.peer, tag) for s in sends]
         for req, r, b in zip(rreqs, recvs, into):
             t0 = tr.now() if traced else 0
-            self._complete_recv(req, b, r.peer, 0)
+            self._complete_recv(req, b, r.peer, tag)
             if r.reduce:
                 np.add(r.buf, b, out=r.buf)
             elif b is not r.buf:
@@ -225,7 +260,7 @@ class MpiComm(Communicator):
                 tr.record("reduce" if r.reduce else "copy", t0, tr.now(), peer=r.peer,
                           bytes=r.buf.nbytes, chunk=r.chunk, round=round, algorithm=algorithm)
         for req, s in zip(sreqs, sends):
-            self._poll(req, None, _TO_TAKE, s.peer)
+            self._poll(req, None, _TO_TAKE, s.peer, tag >= COLLECTIVE_TAG)
             if traced:
                 tr.record("send", t_post, tr.now(), peer=s.peer, bytes=s.buf.nbytes, chunk=s.chunk,
                           round=round, algorithm=algorithm)
@@ -255,6 +290,7 @@ class MpiComm(Communicator):
         polled so that it can time out; after it every rank is inside this call and the real one
         runs as MPI users call it (a rank that dies in it ends the job: mpiexec stops the others)."""
         MPI = self.MPI
+        require_writable(buf)
         if op not in ("sum", "mean") or (op == "mean" and buf.dtype.kind != "f"):
             raise ConfigError(f"op must be 'sum' or 'mean' (floating point only), got {op!r} "
                               f"for {buf.dtype}")
@@ -263,9 +299,10 @@ class MpiComm(Communicator):
             raise CommError(f"rank {self.rank}: the native all-reduce needs a contiguous float32, "
                             f"float64, int32 or int64 array; got {buf.dtype}")
         if check:  # max of (n, c, -n, -c) over ranks: agree or not
+            self._tag = Collective("allreduce", "native").code()  # a peer in ours is caught by _peek
             shape = np.array([buf.size, _CODE[buf.dtype], -buf.size, -_CODE[buf.dtype]], np.int64)
             self._poll(self._comm.Iallreduce(MPI.IN_PLACE, shape, op=MPI.MAX), None,
-                       "every rank to join the native all-reduce")
+                       "every rank to join the native all-reduce", ANY_SOURCE, peek=True)
             if shape[0] != -shape[2] or shape[1] != -shape[3]:
                 raise BufferMismatch(
                     f"rank {self.rank} passed {buf.size} x {buf.dtype} to the native all-reduce but "

@@ -12,27 +12,42 @@ the GPU, and back after a receive. Device tensors go straight through. Nothing i
 Point-to-point messages, their headers and errors: ``p2p.py``. This file runs the rounds
 of a schedule. gloo cannot check a message's length without killing the process on a longer
 one, so a collective's first message on each link carries the whole buffer's (length, dtype)
-and the receiver compares it with its own (``check_buffer``); later messages on the link are
-bare data. A bare ``exchange`` before any collective carries no header: its messages travel
-under their shape's tag, so mismatched shapes time out (``CommTimeout``) instead of killing
-gloo. Each round's receives are posted a round early where the schedule allows (``ahead``):
-gloo sends only to a posted receive, so the neighbour's send then goes at once.
+and the collective's code (kind, algorithm, root), and the receiver compares them with its
+own (``check_buffer``): another buffer is a ``BufferMismatch``, another collective a
+``CollectiveMismatch``; later messages on the link are bare data. A bare ``exchange`` before
+any collective carries no header: its messages travel under their shape's tag, so mismatched
+shapes time out (``CommTimeout``) instead of killing gloo.
+
+gloo is a rendezvous transport: a send moves only once its receive is posted. So on gloo each
+round also posts the next round's receives that the round cannot disturb (``early_receives``,
+worked out from the collective's plan in ``check_buffer``): the neighbour's send then goes at
+once instead of waiting for a round trip.
 """
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from dplab.backends.torchdist.p2p import DTYPES, HEADER_TAG, TorchPeer, code, data_tag
 from dplab.backends.torchdist.setup import torch_modules as _torch
-from dplab.reference.communicator import BufferMismatch, CommError
+from dplab.reference.collectives import Plan, schedule_plan
+from dplab.reference.communicator import (
+    BufferMismatch,
+    Collective,
+    CommError,
+    RecvSpec,
+    collective_mismatch,
+    require_writable,
+)
 from dplab.reference.errors import ConfigError
+from dplab.reference.schedule import chunk_bounds
 
 if TYPE_CHECKING:
-    from dplab.reference.communicator import RecvSpec, SendSpec
+    from dplab.reference.communicator import SendSpec
 
-__all__ = ["TorchComm"]
+__all__ = ["TorchComm", "early_receives"]
 
 LINK_TAG = HEADER_TAG + 1  # the header on a collective's first message over a link
 PIECE_BYTES = 1 << 20  # gloo moves a longer message in pieces of this size (see _pieces)
@@ -56,16 +71,22 @@ class TorchComm(TorchPeer):
         super().__init__(*args, **kwargs)
         self._scratch: dict[Any, Any] = {}  # (dtype, slot) -> where a reduce lands
         self._early: dict[int, dict] = {}  # round -> receives posted for it a round early
-        self._buffer: tuple[int, int] | None = None  # (length, dtype code) of this collective
+        self._buffer: tuple[int, int, int] | None = None  # (length, dtype code, call code) of this collective
+        self._rounds: tuple | None = None  # (buffer, chunk bounds, plan, early) of this collective (gloo)
         self._told: set[int] = set()  # peers this collective has sent its header to
         self._heard: set[int] = set()  # peers it expects a header from
 
-    def check_buffer(self, buf: Any) -> None:
+    def check_buffer(self, buf: Any, call: Collective | None = None) -> None:
         """A collective begins: its first message to (and from) each peer carries the header.
         The schedule joins every rank to every other, so if two ranks disagree, some link joins
-        two that do, and its receiver raises ``BufferMismatch`` at its first message."""
-        self._buffer = (int(np.prod(buf.shape)), code(buf))
+        two that do, and its receiver raises ``BufferMismatch`` (or ``CollectiveMismatch``) at
+        its first message. On gloo, remember the plan: rounds post receives early from it."""
+        self._buffer = (int(np.prod(buf.shape)), code(buf), call.code() if call is not None else 0)
         self._told, self._heard = set(), set()
+        self._rounds = None
+        if call is not None and not self.nccl:
+            (chunks, plan), early = _early_plan(call, self.world_size, self.rank)
+            self._rounds = (buf, chunk_bounds(len(buf), chunks), plan, early)
 
     def native_allreduce(self, buf: Any, op: str = "sum", check: bool = True) -> None:
         """gloo's (or NCCL's) own all-reduce, in place: the yardstick for ours. With ``check``,
@@ -73,6 +94,7 @@ class TorchComm(TorchPeer):
         if every rank agrees): gloo aborts the process on a longer buffer and sums a same-size
         buffer of another dtype into garbage. ``dplab bench`` times it without, as users call it."""
         torch, dist = _torch()
+        require_writable(buf)
         if op not in ("sum", "mean"):
             raise ConfigError(f"op must be 'sum' or 'mean', got {op!r}")
         t, host = self._on_device(buf)
@@ -81,14 +103,14 @@ class TorchComm(TorchPeer):
             if check:
                 n, c = t.numel(), code(t)
                 shape = torch.tensor([n, c, -n, -c], dtype=torch.int64, device=self.device)
-                dist.all_reduce(shape, op=dist.ReduceOp.MAX, async_op=True).wait(self._td)
+                dist.all_reduce(shape, op=dist.ReduceOp.MAX, group=self._group, async_op=True).wait(self._td)
                 hi_n, hi_c, lo_n, lo_c = (abs(int(v)) for v in shape.cpu())
                 if (hi_n, hi_c, lo_n, lo_c) != (n, c, n, c):
                     raise BufferMismatch(
                         f"rank {self.rank} passed {n} x {DTYPES[c]} to all_reduce, lengths span {lo_n}.."
                         f"{hi_n}, dtypes {DTYPES[lo_c]}..{DTYPES[hi_c]}: every rank must pass a buffer "
                         "of the same length and dtype to a collective")
-            dist.all_reduce(t, async_op=True).wait(self._td)
+            dist.all_reduce(t, group=self._group, async_op=True).wait(self._td)
         if op == "mean":
             t /= self.world_size
         if host is not None:
@@ -96,11 +118,12 @@ class TorchComm(TorchPeer):
 
     # -- one round of a schedule --------------------------------------------------------------
     def exchange(self, sends: list[SendSpec], recvs: list[RecvSpec], round: int = -1,
-                 algorithm: str = "", ahead: list[RecvSpec] = ()) -> None:
+                 algorithm: str = "") -> None:
         """Post the round's receives (unless posted a round early) and sends, add each received
-        chunk as it lands, post the ``ahead`` receives, then wait for the sends. Not ahead on
-        NCCL: it runs a rank's batches in order on one stream, where an early receive would hold
-        back this rank's own next send; there the round is one batch (headers in one before)."""
+        chunk as it lands, post the next round's early receives (``_ahead``), then wait for the
+        sends. None early on NCCL: it runs a rank's batches in order on one stream, where an early
+        receive would hold back this rank's own next send; there the round is one batch (headers
+        in one before)."""
         tr, what = self.tracer, f"in round {round} of {algorithm or 'an exchange'}"
         t_post = tr.now() if tr.enabled else 0
         early, ins, fresh = self._early.pop(round, {}), [], []  # fresh: not posted last round
@@ -128,7 +151,8 @@ class TorchComm(TorchPeer):
             if tr.enabled:
                 tr.record("reduce" if inc.spec.reduce else "copy", t0, tr.now(), peer=inc.spec.peer,
                           bytes=inc.t.nbytes, chunk=inc.spec.chunk, round=round, algorithm=algorithm)
-        if ahead and not self.nccl:
+        ahead = self._ahead(round)
+        if ahead:
             with self._explain(peers, what):
                 self._early[round + 1] = {(r.peer, r.chunk): self._post(self._incoming(r, round + 1, k, True))
                                           for k, r in enumerate(ahead)}
@@ -137,6 +161,17 @@ class TorchComm(TorchPeer):
             if tr.enabled:
                 tr.record("send", t_post, tr.now(), peer=s.peer, bytes=t.nbytes, chunk=s.chunk,
                           round=round, algorithm=algorithm)
+
+    def _ahead(self, round: int) -> list[RecvSpec]:
+        """The receives of round ``round + 1`` that may be posted now (gloo, inside a collective)."""
+        if self._rounds is None or round < 0:
+            return []
+        buf, bounds, plan, early = self._rounds
+        if round + 1 >= len(plan):
+            return []
+        later = plan[round + 1][1]
+        return [RecvSpec(buf[slice(*bounds[t.chunk])], t.src, t.chunk, t.op == "reduce")
+                for t in (later[i] for i in early[round])]
 
     def _incoming(self, r: RecvSpec, round: int, k: int, early: bool = False) -> _Incoming:
         """A reduce lands in scratch kept per (round parity, early or not, k): a receive posted a
@@ -147,7 +182,7 @@ class TorchComm(TorchPeer):
         header = None
         if self._buffer is not None and r.peer not in self._heard:
             self._heard.add(r.peer)
-            header = _torch()[0].zeros(2, dtype=_torch()[0].int64, device=self.device)
+            header = _torch()[0].zeros(3, dtype=_torch()[0].int64, device=self.device)
         return _Incoming(r, t, host, land, header)
 
     def _post(self, inc: _Incoming) -> _Incoming:
@@ -190,7 +225,9 @@ class TorchComm(TorchPeer):
             inc.host.copy_(inc.t)
 
     def _check_link(self, header: Any, peer: int) -> None:
-        (n, c), (mine, my_code) = (int(v) for v in header.cpu()), self._buffer
+        (n, c, call), (mine, my_code, my_call) = (int(v) for v in header.cpu()), self._buffer
+        if call != my_call:
+            raise collective_mismatch(self.rank, my_call, peer, call)
         if (n, c) != (mine, my_code):
             raise BufferMismatch(f"rank {self.rank} passed {mine} x {DTYPES[my_code]} to a collective but "
                                  f"rank {peer} passed {n} x {DTYPES[c]}: every rank must pass a buffer of "
@@ -221,6 +258,26 @@ class TorchComm(TorchPeer):
             have = _torch()[0].empty(t.numel(), dtype=t.dtype, device=self.device)
             self._scratch[t.dtype, slot] = have
         return have[:t.numel()]
+
+
+@lru_cache(maxsize=1024)
+def _early_plan(call: Collective, p: int, rank: int) -> tuple[tuple[int, Plan], list[list[int]]]:
+    """((chunks, plan), early receives) of ``call`` on this rank: worked out once per collective kind."""
+    schedule, plan = schedule_plan(call.kind, call.algorithm, p, rank, max(call.root, 0))
+    return (schedule.num_chunks, plan), early_receives(plan)
+
+
+def early_receives(plan: Plan) -> list[list[int]]:
+    """For each round k, which of round k+1's receives round k cannot disturb, so that they may
+    be posted during round k: those that land in scratch (reduce) and those into a chunk round
+    k neither sends nor receives. A peer's receives go ahead all or none, so that messages
+    between two ranks are still posted in the order they are sent."""
+    early = []
+    for (sends, recvs), (_, later) in zip(plan, plan[1:]):
+        busy = {t.chunk for t in sends} | {t.chunk for t in recvs}
+        held = {t.src for t in later if t.op != "reduce" and t.chunk in busy}
+        early.append([i for i, t in enumerate(later) if t.src not in held])
+    return early + [[]] if plan else []  # the last round has no next one
 
 
 def _pieces(t: Any) -> tuple:

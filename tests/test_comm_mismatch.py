@@ -1,0 +1,72 @@
+"""Ranks that call different collectives are told so at the first message, on every backend.
+
+Every collective's messages carry what the sender called (``Collective``: kind, algorithm,
+root): a tag on shared memory and MPI, the link header on gloo. A rank that receives a
+message of another call raises ``CollectiveMismatch`` naming both, within a round; before,
+both ranks waited out the timeout (and torch blamed a rank that had "died").
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+from dplab.backends.launch.world import RankError, launch
+from dplab.reference import collectives
+from dplab.reference.communicator import COLLECTIVE_TAG, Collective, describe_tag
+
+TIMEOUT = 20.0  # a mismatch must be found long before this
+
+
+def call(comm, what: str, n: int):
+    buf = np.ones(n)
+    kind, algorithm, root = what.split(":")
+    if kind in ("broadcast", "reduce"):
+        return getattr(collectives, kind)(comm, buf, root=int(root), algorithm=algorithm)
+    return getattr(collectives, kind)(comm, buf, algorithm=algorithm)
+
+
+CASES = {  # name: (what rank 0 calls, what the others call, what the error names, n)
+    "allreduce-vs-broadcast": ("allreduce:ring:", "broadcast:tree:0", "broadcast(tree, root=0)", 100),
+    "ring-vs-tree": ("allreduce:ring:", "allreduce:tree:", "allreduce(tree)", 100),
+    "root-0-vs-root-1": ("broadcast:tree:0", "broadcast:tree:1", "broadcast(tree, root=1)", 1 << 20),
+    "scatter-vs-gather": ("reduce_scatter:ring:", "allgather:ring:", "allgather(ring)", 100),
+    "ring-vs-native": ("allreduce:ring:", "allreduce:native:", "allreduce(native)", 100),
+    # both only send (the root broadcasts, the leaf reduces to it; at p=2 two roots also only send):
+    # caught by a sender left waiting (8 MiB: MPI does not send that eagerly; small eager messages
+    # leave, both ranks return, and the next collective meets the stray message)
+    "both-only-send": ("broadcast:tree:0", "reduce:tree:0", "reduce(tree, root=0)", 1 << 20),
+}
+
+
+def job_mismatch(comm, mine: str, theirs: str, n: int):
+    return call(comm, mine if comm.rank == 0 else theirs, n)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_mismatched_collective_is_named_within_a_round(backend, case):
+    mine, theirs, named, n = CASES[case]
+    if backend == "torch" and case in ("ring-vs-native", "both-only-send", "root-0-vs-root-1"):
+        pytest.skip("gloo: a rank in dist.all_reduce, or one that only sends, waits without any "
+                    "message to check (gloo cannot probe); this still times out")
+
+    t0 = time.monotonic()
+    with pytest.raises(RankError) as err:
+        launch(job_mismatch, 2, backend=backend, args=(mine, theirs, n), timeout=TIMEOUT)
+    took = time.monotonic() - t0
+    message = str(err.value)
+    assert "CollectiveMismatch" in message, message
+    assert named in message and "every rank must call the same collective" in message
+    assert took < 8, f"{backend} {case}: {took:.1f}s, the timeout is {TIMEOUT}s"
+
+
+def test_collective_codes_round_trip_and_stay_clear_of_user_tags():
+    calls = [Collective(k, a, r) for k in ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce")
+             for a in ("naive", "ring", "tree", "direct", "native") for r in (-1, 0, 1, 7, 4095)]
+    codes = [c.code() for c in calls]
+    assert len(set(codes)) == len(calls) and min(codes) >= COLLECTIVE_TAG
+    assert [Collective.decode(c) for c in codes] == calls
+    assert Collective.decode(0) is None and Collective.decode(COLLECTIVE_TAG - 1) is None
+    assert describe_tag(Collective("broadcast", "tree", 1).code()) == "broadcast(tree, root=1)"
+    assert describe_tag(5) == "a point-to-point message or exchange (tag 5)"
