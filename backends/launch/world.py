@@ -185,17 +185,19 @@ class World:
                     status, value = "died", self._death_note(rank)
                 if status == "died" and rank in self.tolerate:
                     status, value = "ok", RankLost(rank, value)
+                if status == "error" and "PeerLost: " in value.rstrip().rsplit("\n", 1)[-1]:
+                    status = "lost"  # a consequence: it lost a peer that failed first; report that one
                 if status == "ok":
                     results[rank] = value
                 else:
                     failed[rank] = (status, value)
-                    grace = 3.0 if status == "stopped" else 0.5
+                    grace = 3.0 if status in ("stopped", "lost") else 0.5
                     deadline = min(deadline or float("inf"), time.monotonic() + grace)
                 waiting = {k: r for k, r in waiting.items() if r != rank}  # a dead rank stays ready
         if failed:
             self.abort()
             order = list(failed)  # arrival order breaks ties: the first to die is the cause
-            rank = min(order, key=lambda r: (["died", "error", "stopped"].index(failed[r][0]),
+            rank = min(order, key=lambda r: (["died", "error", "lost", "stopped"].index(failed[r][0]),
                                              order.index(r)))
             raise RankError(rank, failed[rank][1])
         return [results[r] for r in range(self.world_size)]
