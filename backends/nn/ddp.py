@@ -191,6 +191,7 @@ class DistributedDataParallel(nn.Module):
         self._unready = set(range(len(params)))
         self.local_batch_size: int | None = None  # None: average over ranks (equal shards)
         self.global_batch_size: int | None = None
+        self._counts: tuple[Any, torch.Tensor] | None = None
         if local_batch_size is not None:
             self.set_local_batch_size(local_batch_size)
         ref = weakref.ref(self)
@@ -216,7 +217,9 @@ class DistributedDataParallel(nn.Module):
         if self._pending:
             raise ConfigError("set_local_batch_size during a synced backward: call it between steps")
         ok = type(n) is int and n >= 0  # a bad n is counted, so that every rank raises, none hangs
-        buf, counts = flat_buffer(self.comm, 2, torch.int64, self.flat_grad.device)
+        if self._counts is None:  # kept: allocating shared memory costs more than the all-reduce
+            self._counts = flat_buffer(self.comm, 2, torch.int64, self.flat_grad.device)
+        buf, counts = self._counts
         counts.copy_(torch.tensor([n if ok else 0, 0 if ok else 1]))
         allreduce(self.comm, buf, self.algorithm)
         total, bad = (int(v) for v in counts.cpu())
