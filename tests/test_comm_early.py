@@ -50,3 +50,36 @@ def test_the_reference_executor_knows_nothing_of_early_receives():
     """The executor a learner reads hands each round to ``exchange`` and nothing more."""
     assert "early" not in inspect.getsource(collectives) and "ahead" not in inspect.getsource(collectives)
     assert "ahead" not in inspect.signature(Communicator.exchange).parameters
+
+
+def job_count_early(comm, algorithm):
+    """How many receives this rank posted a round early in one all-reduce (gloo's ``_ahead``)."""
+    import numpy as np
+
+    posted, ahead = [], comm._ahead
+
+    def counting(round):
+        early = ahead(round)
+        posted.extend(early)
+        return early
+
+    comm._ahead = counting
+    try:
+        buf = np.full(1000, comm.rank + 1.0)
+        collectives.allreduce(comm, buf, algorithm)
+        return len(posted), buf.tolist(), dict(comm._early)
+    finally:
+        del comm._ahead
+
+
+@pytest.mark.torch
+def test_gloo_posts_the_rings_receives_a_round_early_and_takes_them_all():
+    from dplab.backends.launch.world import World
+    from dplab.backends.torchdist.setup import available
+
+    if available():
+        pytest.skip(f"torch backend unavailable: {available()}")
+    with World(4, backend="torch", timeout=30.0) as world:
+        for count, buf, left in world.run(job_count_early, "ring"):
+            assert count == 5 and left == {}  # [1, 1, 1, 1, 1, 0] per round, all taken
+            assert buf == [10.0] * 1000
