@@ -96,9 +96,9 @@ def check_log(log: list[LogEntry], workers: int, clocks: int, acfg: AsyncConfig)
         if acfg.staleness is not None:
             assert e.clock - e.slowest_done <= acfg.staleness, f"{e} broke the bound {acfg.staleness}"
         if acfg.staleness == 0:  # lock-step: only this clock's other pushes can land in between
-            assert e.staleness <= workers - 1
+            assert e.delay <= workers - 1
         if acfg.aggregate:
-            assert e.version == e.clock and e.staleness == 0
+            assert e.version == e.clock and e.delay == 0
 
 
 # -- replay: the log is the whole story -------------------------------------------------------
@@ -150,7 +150,7 @@ def test_without_a_bound_the_fast_workers_do_not_wait(worlds):
     server = worlds(4).run(_train_async, cfg, acfg)[0]
     check_log(server.log, 3, 6, acfg)
     assert max(e.clock - e.slowest_done for e in server.log) >= 4  # beyond every bound tested above
-    assert max(e.staleness for e in server.log) >= 4
+    assert max(e.delay for e in server.log) >= 4
     assert np.array_equal(replay(cfg, acfg, server.log), server.params)
 
 
@@ -175,15 +175,15 @@ def test_lockstep_aggregation_float32_within_1e_5(worlds):
     assert rel(server.params, train_single(cfg).params) <= 1e-5
 
 
-# -- traces: a timeline and a staleness histogram ----------------------------------------------
+# -- traces: a timeline and a delay histogram --------------------------------------------------
 
 def test_trace_has_worker_spans_and_server_applies(worlds):
     cfg, acfg = dataclasses.replace(BASE, steps=3), AsyncConfig(staleness=1, max_delay_s=0.002)
     results = worlds(3).run(_train_async_traced, cfg, acfg)
     server = results[0]
     applies = [e for e in server.events if e.kind == "apply"]
-    assert [(e.extra["worker"], e.extra["clock"], e.extra["staleness"]) for e in applies] == [
-        (e.worker, e.clock, e.staleness) for e in server.log]
+    assert [(e.extra["worker"], e.extra["clock"], e.extra["delay"]) for e in applies] == [
+        (e.worker, e.clock, e.delay) for e in server.log]
     assert len([e for e in server.events if e.kind == "reply"]) == 2 * cfg.steps
     for rank, r in enumerate(results[1:], start=1):
         assert r.log == [] and all(e.rank == rank for e in r.events)

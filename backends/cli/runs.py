@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 from dplab.backends.launch.world import RankLost, World, check_backend, launch
-from dplab.reference.checkpoint.resume import CheckpointConfig, load_resume, run_meta
+from dplab.reference.checkpoint.resume import CheckpointConfig, Expect, load_resume
 from dplab.reference.errors import ConfigError
 from dplab.reference.ps.replay import replay
 from dplab.reference.ps.trainer import AsyncConfig, train_async, worker_batch
@@ -84,8 +84,8 @@ class RunSpec:
         if self.checkpoint is not None and self.checkpoint.resume is not None:
             sync = self.mode == "sync"
             rules = self.sync_config() if sync else self.async_config()
-            meta = run_meta("sync" if sync else "async", self.train, rules, self.world_size)
-            load_resume(self.checkpoint, meta)
+            load_resume(self.checkpoint, Expect.of("sync" if sync else "async", self.train, rules,
+                                                   self.world_size, self.backend))
 
     def label(self) -> str:
         """The row's ``algorithm``: the all-reduce, or the parameter server's rule."""
@@ -177,7 +177,7 @@ def server_facts(spec: RunSpec, results: list, single: np.ndarray | None) -> dic
         "updates": max((e.produced for e in log), default=0),
         "samples": sum(len(worker_batch(cfg, e.worker, workers, e.clock)) for e in log),
         "replay_exact": bool(np.array_equal(replay(cfg, acfg, log, workers), params)),
-        "max_staleness": max((e.staleness for e in log), default=0),
+        "max_delay": max((e.delay for e in log), default=0),  # in updates, not clocks
         "dropped": len(dropped),
         "applied_by_worker": {str(w): n for w, n in sorted(Counter(e.worker for e in log).items())},
         "ranks_identical": True,  # one server holds the parameters

@@ -20,6 +20,7 @@ from dplab.reference.checkpoint.resume import CheckpointConfig
 from dplab.reference.data import Dataset, batch_indices, shard
 from dplab.reference.errors import ConfigError
 from dplab.reference.model import MLP
+from dplab.reference.ps.gate import gate_open
 from dplab.reference.train.single import TrainConfig
 from dplab.reference.train.straggler import Stragglers, check_budget, check_delays, check_stragglers
 
@@ -34,7 +35,7 @@ TAG_HEADER, TAG_GRAD, TAG_REPLY, TAG_PARAMS = 11, 12, 13, 14
 
 @dataclass(frozen=True)
 class AsyncConfig:
-    staleness: int | None = 0  # clocks a worker may run ahead of the slowest; None: unbounded
+    staleness: int | None = 0  # in CLOCKS: how far a worker may run ahead of the slowest; None: unbounded
     clocks: int | None = None  # clocks per worker; None: TrainConfig.steps
     aggregate: bool = False  # one summed update per clock (needs staleness=0): sync DP
     delays: tuple[float, ...] | None = None  # seconds worker w sleeps before each compute: delays[w-1]
@@ -86,7 +87,14 @@ class AsyncConfig:
 
 @dataclass(frozen=True)
 class LogEntry:
-    """One applied gradient, in the order the server applied it."""
+    """One applied gradient, in the order the server applied it.
+
+    Two different lags, in two different units (see the glossary in ``dplab.reference.ps``):
+    ``clock - slowest_done`` is how far ahead of the slowest worker this gradient's worker
+    ran, in CLOCKS: SSP's ``AsyncConfig.staleness`` bounds it. ``delay`` is how many other
+    UPDATES landed between this gradient's pull and its own update: what makes it stale
+    for the optimizer. With W workers and staleness s, delay <= (W - 1) x (2s + 1).
+    """
 
     worker: int  # 1..W
     clock: int
@@ -95,16 +103,10 @@ class LogEntry:
     slowest_done: int  # min over workers of clocks done when this worker's pull was answered
 
     @property
-    def staleness(self) -> int:
-        """Updates applied between the pull and this gradient's own update."""
+    def delay(self) -> int:
+        """In UPDATES: updates the server applied after the version this gradient was computed on
+        and before its own (``produced - 1 - version``); 0 means it landed on fresh parameters."""
         return self.produced - 1 - self.version
-
-
-def gate_open(done: list[int], clock: int, staleness: int | None) -> bool:
-    """SSP: a worker may start ``clock`` once the slowest has finished ``clock - staleness`` clocks.
-
-    ``done``: the LIVE workers' finished clocks; a lost worker no longer holds anyone back."""
-    return staleness is None or not done or min(done) >= clock - staleness
 
 
 def worker_batch(cfg: TrainConfig, worker: int, workers: int, clock: int) -> np.ndarray:

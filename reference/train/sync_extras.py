@@ -1,0 +1,84 @@
+"""What a real run adds around the synchronous recipe, kept out of the recipe's way.
+
+``dplab.reference.train.sync`` is the five steps of data parallelism; this file is everything
+else one step of ``train_sync`` does, each as one small method it calls at one place:
+
+    resume(params, opt)         load a checkpoint into the replicas, say where to start
+    forward(step, j)            a trace span around micro-batch j's forward pass, stretched
+    backward(step, j, layers)   by a straggler's factor (``dplab.reference.train.straggler``)
+    span(name, step)            a trace span ("wait", "optimizer")
+    end_step(step, loss, ...)   all-reduce the loss with rank 0's vote to stop (the time
+                                budget), record it, checkpoint when due; True: stop now
+
+The budget vote rides on the loss all-reduce each step already does (a second number,
+1 from rank 0 when time is up, 0 from everyone else), so all ranks stop after the same
+step at no extra cost. At least one step is always taken; ``TrainConfig.steps`` stays the
+upper bound. Only rank 0 writes checkpoints (the replicas are bitwise identical); every
+rank reads the same one on resume, so they start equal again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+
+import numpy as np
+from dplab.reference.checkpoint.resume import Expect, load_resume, save_state
+from dplab.reference.collectives import allreduce
+from dplab.reference.communicator import Communicator
+from dplab.reference.optim import Optimizer
+from dplab.reference.train.single import TrainConfig
+from dplab.reference.train.straggler import Budget, Slowdown
+from dplab.reference.train.sync_config import SyncConfig
+
+__all__ = ["SyncExtras"]
+
+
+class SyncExtras:
+    """One rank's checkpoints, straggler slowdown, time budget and trace spans for ``train_sync``."""
+
+    def __init__(self, comm: Communicator, cfg: TrainConfig, sync: SyncConfig) -> None:
+        self.comm, self.sync, self.tracer = comm, sync, comm.tracer
+        self.budget = Budget(sync.time_budget_s)  # rank 0's clock starts now: set-up counts too
+        self.expect = Expect.of("sync", cfg, sync, comm.world_size, comm.backend)
+        self.slow = Slowdown.for_rank(sync.straggler, comm.rank, self.tracer)
+        self.delay_s = sync.delays[comm.rank] if sync.delays else 0.0  # a fixed sleep per micro-batch
+        self.losses: list[float] = []  # the global batch's loss, per step
+        self.vote = np.zeros(2, dtype=np.float64)  # [this step's loss, rank 0's vote to stop]
+
+    def resume(self, params: np.ndarray, opt: Optimizer) -> int:
+        """Load the checkpoint (if resuming) into ``params`` and ``opt``; the first step to take."""
+        state = load_resume(self.sync.checkpoint, self.expect)
+        if state is None:
+            return 0
+        params[:] = state.params
+        opt.load_state_dict(state.optimizer_state)
+        self.losses = [float(v) for v in state.data_position["losses"]]
+        return int(state.data_position["step"])
+
+    @contextmanager
+    def forward(self, step: int, micro: int) -> Iterator[None]:
+        with self.tracer.span("forward", extra={"step": step, "micro": micro}), \
+                self.slow.compute(self.delay_s):
+            yield
+
+    def backward(self, step: int, micro: int, layers: Iterable[int]) -> Iterator[int]:
+        """The backward pass's layers, handed on one by one as the straggler's pace allows."""
+        with self.tracer.span("backward", extra={"step": step, "micro": micro}):
+            yield from self.slow.pieces(layers)
+
+    def span(self, name: str, step: int) -> AbstractContextManager:
+        return self.tracer.span(name, extra={"step": step})
+
+    def end_step(self, step: int, loss: float, params: np.ndarray, opt: Optimizer) -> bool:
+        """After ``step``: the global loss and the stop vote in one all-reduce, a checkpoint if due.
+        True when rank 0 voted to stop (every rank gets the same answer)."""
+        spent = self.comm.rank == 0 and self.budget.spent()
+        self.vote[:] = (loss, 1.0 if spent else 0.0)
+        allreduce(self.comm, self.vote, self.sync.algorithm)
+        self.losses.append(float(self.vote[0]))
+        ckpt = self.sync.checkpoint
+        if self.comm.rank == 0 and ckpt is not None and ckpt.due(step + 1):
+            save_state(ckpt, step + 1, params, opt.state_dict(),
+                       {"step": step + 1, "losses": self.losses}, self.expect.meta)
+        return bool(self.vote[1] > 0)
