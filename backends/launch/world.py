@@ -183,8 +183,8 @@ class World:
                     continue  # its result is waiting in the pipe; read it on the next pass
                 else:
                     status, value = "died", self._death_note(rank)
-                if status == "died" and rank in self.tolerate:
-                    status, value = "ok", RankLost(rank, value)
+                if status == "died" and rank in self.tolerate and self.backend == "local":
+                    status, value = "ok", RankLost(rank, value)  # else: fatal
                 if status == "error" and "PeerLost: " in value.rstrip().rsplit("\n", 1)[-1]:
                     status = "lost"  # a consequence: it lost a peer that failed first; report that one
                 if status == "ok":
@@ -261,7 +261,8 @@ def launch(fn: Callable[..., Any], world_size: int | None = None, backend: str =
     interpreters, so there ``fn`` must be a module-level function. A rank of ``tolerate``
     that dies (SIGKILL, exit) gives a ``RankLost`` result instead of failing the world; what
     the others make of it is ``fn``'s business (the parameter server: ``dplab.reference.ps.server``).
-    Under mpiexec a dead rank still ends the job: that is MPI's failure model.
+    Only on the local backend: on mpi (MPI's failure model) and torch (gloo cannot tell a dead
+    peer from a slow one) a tolerated rank's death still fails the world, naming that rank.
     """
     check_backend(backend)
     if under_launcher(backend):
