@@ -14,12 +14,13 @@ workers. A worker repeats, for clock c = 0, 1, ..., clocks - 1:
     PUSH     send the gradient, with the clock and the version it was computed on
 
 The server applies every gradient the moment it arrives, so a gradient computed on
-version v may land on version v + k: it is k updates STALE. Unbounded, a fast worker
-races ahead of a slow one and stale gradients pile up. Stale Synchronous Parallel (Ho
-et al., 2013) bounds that with one rule, enforced by the server when it answers a pull:
+version v may land on version v + k: its DELAY is k, counted in UPDATES
+(``LogEntry.delay``). Unbounded, a fast worker races ahead of a slow one and delays pile
+up. Stale Synchronous Parallel (Ho et al., 2013) bounds the gap in CLOCKS instead, with one
+rule, enforced by the server when it answers a pull (s = ``staleness``, in clocks):
 
     a pull for clock c is answered only once every worker has finished clock c - s - 1,
-    i.e.  min over workers of clocks_done  >=  c - s           (s = staleness)
+    i.e.  min over workers of clocks_done  >=  c - s
 
 otherwise the reply waits until a push opens the gate. A fast worker (1 time unit per
 clock) beside a slow one (3 units per clock), with s = 1:
@@ -33,7 +34,9 @@ clock) beside a slow one (3 units per clock), with s = 1:
 
 s = 0 is lock-step (bulk synchronous), s = None never waits (fully asynchronous).
 With ``aggregate=True`` (only with s = 0) the server sums the W gradients of a clock,
-in worker order, and applies ONE update: exactly synchronous data parallelism.
+in worker order, and applies ONE update: synchronous data parallelism, equal to
+``train_sync`` and ``train_single`` to rounding (1e-10 relative in float64), not to the
+bit, since each adds the same gradients in its own order.
 
 Backup workers (Chen et al., 2016, "Revisiting Distributed Synchronous SGD"): with
 ``aggregate=True, backup_workers=b`` the update of clock c is made from the FIRST W - b

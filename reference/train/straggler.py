@@ -19,8 +19,9 @@ Each sleep is a ``slowdown`` trace event inside the rank's compute spans, so the
 timeline shows where the time went.
 
 Stragglers change WHEN things happen, never WHAT is computed: synchronous training with a
-straggler still equals single-device training bit for bit, and an asynchronous run still
-replays exactly from its log. A factor multiplies measured time, and measured time is
+straggler gives the same bits as without one (so it stays within rounding, 1e-10 relative
+in float64, of single-device training), and an asynchronous run still replays bit for bit
+from its log. A factor multiplies measured time, and measured time is
 noisy on a busy machine; for a fixed, compute-independent handicap (deterministic tests)
 both trainers also take ``delays``: seconds a rank sleeps before each (micro-)batch.
 

@@ -7,7 +7,7 @@
     # every rank's results[r].params are bitwise identical, and within rounding of
     # train_single(TrainConfig()).params (float64: 1e-10 relative; measured: ~1e-16)
 
-The recipe, one step at a time (``train_sync`` below is exactly these five):
+The recipe, one step at a time (``train_sync`` below is these five, in order):
 
 1. At start-up rank 0's parameters are broadcast, so every replica starts equal.
 2. The global batch of step t is cut into contiguous shards, one per rank (the first
