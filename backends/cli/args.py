@@ -214,7 +214,9 @@ def _add_train(sub: Any) -> None:
     g.add_argument("--checkpoint-dir", metavar="DIR",
                    help="where checkpoints go; its parent directory must exist (default: none)")
     g.add_argument("--resume", metavar="DIR",
-                   help="go on from DIR's latest checkpoint (or a file) (default: start afresh)")
+                   help="go on from DIR's latest checkpoint (or a file) (default: start afresh); "
+                        "the same backend, world size, algorithm and model, and --steps at least "
+                        "the checkpoint's, or it is refused")
     g.add_argument("--save-params", metavar="PATH",
                    help="write the final parameters (.npy) (default: not written)")
     _add_model_args(t, TRAIN_BUCKET_CAP_MB,
