@@ -27,14 +27,14 @@ This file adds what the Communicator contract asks and MPI does not give:
 * Isolation. dplab talks on a duplicate of the communicator it is given, so its
   messages never meet the application's.
 
-Importing this module does not start MPI: ``mpi4py.MPI`` (whose import calls
+MPI's own collectives (the barrier, ``MPI_Allreduce``, the launcher's control path) are in
+``engine_calls.py``. Importing this module does not start MPI: ``mpi4py.MPI`` (whose import calls
 MPI_Init) is imported when a communicator is built, never in the launcher.
 """
 
 from __future__ import annotations
 
 import os
-import pickle
 import shutil
 import sys
 import threading
@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from dplab.backends.mpi.engine_calls import _CODE, _DTYPES, MpiEngineCalls
 from dplab.reference.communicator import (
     ANY_SOURCE,
     COLLECTIVE_TAG,
@@ -54,7 +55,6 @@ from dplab.reference.communicator import (
     RecvSpec,
     SendSpec,
     collective_mismatch,
-    require_writable,
 )
 from dplab.reference.errors import ConfigError
 from dplab.reference.trace import Tracer
@@ -62,8 +62,6 @@ from dplab.reference.trace import Tracer
 __all__ = ["available", "MpiComm", "ANY_TAG"]
 
 ANY_TAG = -1
-_DTYPES = [np.dtype(t) for t in ("uint8", "float32", "float64", "int32", "int64", "float16")]
-_CODE = {dt: i for i, dt in enumerate(_DTYPES)}
 _TAG_BITS = 4  # the low bits of an MPI tag hold the sender's dtype code
 _SPIN_S = 0.02  # poll without sleeping this long, only yielding the core between polls
 _NAP_S = (20e-6, 1e-3)  # then nap 1/20 of the time waited so far, within these bounds
@@ -99,7 +97,7 @@ class _Request:
         return None if self.tag is None else self.peer
 
 
-class MpiComm(Communicator):
+class MpiComm(MpiEngineCalls, Communicator):
     """A Communicator over an MPI communicator (``MPI.COMM_WORLD`` unless told otherwise)."""
 
     backend = "mpi"
@@ -280,55 +278,6 @@ class MpiComm(Communicator):
                         if size else r.buf)
             off += size
         return into
-
-    def barrier(self) -> None:
-        self._poll(self._comm.Ibarrier(), None, "every rank to reach the barrier")
-
-    def native_allreduce(self, buf: np.ndarray, op: str = "sum", check: bool = True) -> None:
-        """MPI's own ``MPI_Allreduce``, in place: the yardstick for ours. MPI sums garbage when ranks
-        pass different lengths, so with ``check`` a tiny all-reduce of (length, dtype) goes first,
-        polled so that it can time out; after it every rank is inside this call and the real one
-        runs as MPI users call it (a rank that dies in it ends the job: mpiexec stops the others)."""
-        MPI = self.MPI
-        require_writable(buf)
-        if op not in ("sum", "mean") or (op == "mean" and buf.dtype.kind != "f"):
-            raise ConfigError(f"op must be 'sum' or 'mean' (floating point only), got {op!r} "
-                              f"for {buf.dtype}")
-        mpi_type = self._types.get(buf.dtype)
-        if mpi_type is None or not buf.flags.c_contiguous:
-            raise CommError(f"rank {self.rank}: the native all-reduce needs a contiguous float32, "
-                            f"float64, int32 or int64 array; got {buf.dtype}")
-        if check:  # max of (n, c, -n, -c) over ranks: agree or not
-            self._tag = Collective("allreduce", "native").code()  # a peer in ours is caught by _peek
-            shape = np.array([buf.size, _CODE[buf.dtype], -buf.size, -_CODE[buf.dtype]], np.int64)
-            self._poll(self._comm.Iallreduce(MPI.IN_PLACE, shape, op=MPI.MAX), None,
-                       "every rank to join the native all-reduce", ANY_SOURCE, peek=True)
-            if shape[0] != -shape[2] or shape[1] != -shape[3]:
-                raise BufferMismatch(
-                    f"rank {self.rank} passed {buf.size} x {buf.dtype} to the native all-reduce but "
-                    f"other ranks passed between {-shape[2]} and {shape[0]} elements or another dtype: "
-                    "every rank must pass a buffer of the same length and dtype to a collective")
-        self._comm.Allreduce(MPI.IN_PLACE, [buf, mpi_type], op=MPI.SUM)
-        if op == "mean":
-            buf /= self.world_size
-
-    # -- control path -------------------------------------------------------------------------
-    def allgather_object(self, obj: Any) -> list[Any]:
-        """Every rank's ``obj`` in rank order (results for the launcher: pickle is fine here)."""
-        what = "every rank to hand in its result"
-        data = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
-        sizes = np.empty(self.world_size, np.int64)
-        self._poll(self._comm.Iallgather(np.array([data.size], np.int64), sizes), None, what)
-        offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-        out = np.empty(int(sizes.sum()), np.uint8)
-        self._poll(self._comm.Iallgatherv(data, [out, sizes, offsets, self.MPI.BYTE]), None, what)
-        return [pickle.loads(out[a:a + n].tobytes()) for a, n in zip(offsets, sizes)]
-
-    def abort(self, code: int = 1) -> None:
-        """Stop every rank of the job now (MPI_Abort): one failed rank must not leave others waiting."""
-        for stream in (sys.stdout, sys.stderr):
-            stream.flush()
-        self._comm.Abort(code)
 
     def close(self) -> None:
         if self._comm != self.MPI.COMM_NULL:
