@@ -11,6 +11,7 @@ AdamW's loads into ZeRO; either way training continues as it would have.
 from __future__ import annotations
 
 import copy
+import pickle
 
 import numpy as np
 import pytest
@@ -134,15 +135,18 @@ def _train_save_resume(comm) -> dict:
     opt2 = _zero(comm, fresh)
     opt2.load_state_dict(state)
     again = train(fresh, opt2, resumed(fresh, opt2, sched_state), range(BEFORE, BEFORE + AFTER), lo, hi)
-    return {"before": before, "after": after, "again": again, "state": state, "params": params,
+    return {"before": before, "after": after, "again": again, "state": pickle.dumps(state), "params": params,
             "sched": sched_state, "unconsolidated": unconsolidated,
             "lrs": [g["lr"] for g in opt.param_groups],
             "inner_lrs": [g["lr"] for g in opt.optim.param_groups]}
 
 
-def _resume_from_torch(comm, params: list, state: dict, sched_state: dict) -> list:
-    """A plain AdamW's state dict, loaded into ZeRO: training goes on as the plain one's did."""
+def _resume_from_torch(comm, params: list, state: bytes, sched_state: dict) -> list:
+    """A plain AdamW's state dict, loaded into ZeRO: training goes on as the plain one's did.
+    State dicts travel pickled (plain pickle): a tensor sent through multiprocessing's pipes
+    would travel as a file descriptor to share, which MPI ranks cannot fetch."""
     torch.set_num_threads(1)
+    state = pickle.loads(state)
     per = B // comm.world_size
     model = make_model(SEED)
     model[2].bias.requires_grad_(True)
@@ -173,7 +177,7 @@ def test_state_dict_is_torchs_and_a_round_trip_trains_on_identically(worlds, bac
     for rank, r in enumerate(worlds(p, backend).run(_train_save_resume)):
         for a, b in zip(r["after"], r["again"], strict=True):  # resumed ZeRO == uninterrupted ZeRO
             assert all(np.array_equal(x, y) for x, y in zip(a, b, strict=True)), f"rank {rank}"
-        mine = r["state"]
+        mine = pickle.loads(r["state"])
         assert [g["params"] for g in mine["param_groups"]] == [g["params"] for g in theirs["param_groups"]]
         assert [g["lr"] for g in mine["param_groups"]] == [g["lr"] for g in theirs["param_groups"]]
         assert sorted(mine["state"]) == sorted(theirs["state"]) == [0, 1, 2, 3]
@@ -188,7 +192,7 @@ def test_state_dict_is_torchs_and_a_round_trip_trains_on_identically(worlds, bac
         for q, saved in zip(model.parameters(), r["params"]):
             q.copy_(torch.from_numpy(saved))
     opt = torch.optim.AdamW(param_groups(model, late=True), lr=0.01)
-    opt.load_state_dict(r["state"])
+    opt.load_state_dict(pickle.loads(r["state"]))
     sched = resumed(model, opt, r["sched"])
     close(train(model, opt, sched, range(BEFORE, BEFORE + AFTER), 0, B), r["after"], "plain from ZeRO's")
 
@@ -196,6 +200,7 @@ def test_state_dict_is_torchs_and_a_round_trip_trains_on_identically(worlds, bac
 @pytest.mark.parametrize("p", [2, 3])
 def test_a_plain_adamw_state_dict_loads_into_zero(worlds, backend, p):
     ref = reference()
-    results = worlds(p, backend).run(_resume_from_torch, ref["params"], ref["state"], ref["sched"])
+    state = pickle.dumps(ref["state"])
+    results = worlds(p, backend).run(_resume_from_torch, ref["params"], state, ref["sched"])
     for rank, snaps in enumerate(results):
         close(snaps, ref["after"], f"rank {rank}")
