@@ -5,7 +5,9 @@ with a resource tracker that unlinks it when the attaching process exits
 (fixed in 3.13 with ``track=False``). dplab's launcher owns the lifetime of its
 segments instead: every name starts with the world's session prefix, and the
 launcher unlinks everything with that prefix when the world ends, however its
-ranks ended. ``sweep_stale`` removes segments of worlds whose launcher died.
+ranks ended (and if the launcher itself dies, its ranks do: ``dplab.backends.launch.watch``).
+``sweep_stale`` removes segments of worlds whose launcher died, skipping those of other
+users, which we may not remove.
 """
 
 from __future__ import annotations
@@ -63,19 +65,23 @@ def _untracked(name: str, create: bool, size: int) -> SharedMemory:
 
 
 def unlink_prefix(prefix: str) -> int:
-    """Remove every segment whose name starts with ``prefix``; returns how many."""
+    """Remove every segment whose name starts with ``prefix`` that we may remove; returns how many.
+
+    One we may not remove (another user's, in the sticky /dev/shm) is skipped: it is not ours,
+    and it must never stop a launch.
+    """
     n = 0
     for path in SHM_DIR.glob(prefix + "*"):
         try:
             path.unlink()
             n += 1
-        except FileNotFoundError:
+        except (FileNotFoundError, PermissionError):
             pass
     return n
 
 
 def sweep_stale() -> int:
-    """Unlink segments of dead launchers (names are ``dplab_<launcher pid>_...``)."""
+    """Unlink segments of dead launchers (names are ``dplab_<launcher pid>_...``), where we may."""
     n = 0
     for path in SHM_DIR.glob(PREFIX + "*"):
         pid = path.name[len(PREFIX):].split("_", 1)[0]
