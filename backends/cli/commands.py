@@ -26,6 +26,7 @@ from dplab.backends.cli.checks import check_args
 from dplab.backends.cli.compare import EQUIVALENCE_DEFAULTS, RACE_DEFAULTS, compare_specs, run_specs
 from dplab.backends.cli.runs import MODES, RunSpec, run_train
 from dplab.backends.cli.table import Progress, format_table
+from dplab.backends.launch.interrupt import interruptible
 from dplab.backends.launch.world import BackendUnavailable, RankError, World, launcher_env, under_launcher
 from dplab.reference.checkpoint.resume import CheckpointConfig
 from dplab.reference.checkpoint.store import CheckpointError
@@ -142,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["DPLAB_DEVICE"] = args.device
     try:
         check_args(args, _is_printer(args))
-        rows = command(args)
+        rows = interruptible(f"dplab {args.command}", command, args)  # Ctrl-C: one line, exit 130
     except (ConfigError, BackendUnavailable, CheckpointError) as e:
         if _is_printer(args):  # under a launcher every rank hits it: rank 0 says it once
             _say(f"dplab {args.command}: error: {e}", sys.stderr)

@@ -1,25 +1,49 @@
 """What a rank runs: build its communicator, then run jobs until the launcher says stop.
 
-Forked ranks (local, torch) get here through ``multiprocessing``; MPI ranks are
-fresh interpreters started by ``mpiexec`` and enter through ``main`` below, which
-connects back to the launcher over loopback:
+Forked ranks (local, torch) get here through ``multiprocessing`` (``forked_rank``); MPI ranks are
+fresh interpreters started by ``mpiexec`` and enter through ``main`` below, which connects back to
+the launcher over loopback:
 
-    mpiexec -n 4 python -m dplab.backends.launch.serve 127.0.0.1:PORT      # done for you by World
+    mpiexec -n 4 python -c 'import sys; from dplab.backends.launch.serve import main; main(sys.argv[1:])' \\
+        127.0.0.1:PORT                                                   # done for you by World
+
+Every rank watches its launcher (``dplab.backends.launch.watch``): if the launcher dies, the rank
+unlinks what it shares and exits within a fraction of a second, whatever it was doing.
 """
 
 from __future__ import annotations
 
-import ctypes
 import os
+import pickle
 import signal
 import sys
 import traceback
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["serve", "die_with_parent", "main"]
+from dplab.backends.launch import mainmod
+from dplab.backends.launch.watch import (
+    alive_by_token,
+    forked_from,
+    mapped_mpich_segments,
+    unlink_mapped_mpich_segments,
+    watch_launcher,
+)
+
+__all__ = ["serve", "forked_rank", "receive", "main"]
 
 Job = tuple[Callable[..., Any], tuple]
+
+
+def receive(conn: Any) -> Any:
+    """The next message; a job naming the launcher's ``__main__`` gets that script loaded first."""
+    data = conn.recv_bytes()
+    try:
+        return pickle.loads(data)
+    except Exception:
+        if not mainmod.load_main():
+            raise
+        return pickle.loads(data)
 
 
 def serve(connect: Callable[[], Any], conn: Any, job: Job | None = None) -> None:
@@ -34,10 +58,10 @@ def serve(connect: Callable[[], Any], conn: Any, job: Job | None = None) -> None
         while True:
             if job is None:
                 try:
-                    job = conn.recv()
+                    job = receive(conn)
                 except (EOFError, OSError):
                     return
-                except Exception:  # e.g. fn defined in the launcher's __main__: not importable here
+                except Exception:  # e.g. fn of a module this interpreter cannot import
                     conn.send(("error", f"{traceback.format_exc()}\nthis rank could not unpickle the "
                                         "job: define fn at module level of an importable module"))
                     continue
@@ -58,27 +82,28 @@ def serve(connect: Callable[[], Any], conn: Any, job: Job | None = None) -> None
         comm.close()
 
 
-def die_with_parent() -> None:
-    try:  # Linux: SIGKILL this rank if the launcher dies, so no orphan waits forever
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
-    except (OSError, AttributeError):
-        pass
+def forked_rank(connect: Callable[[], Any], conn: Any, job: Job | None, launcher_pid: int,
+                cleanup: Callable[[], object]) -> None:
+    """Entry of a forked (local, torch) rank: watch the launcher, then serve."""
+    watch_launcher(forked_from(launcher_pid), cleanup)
+    serve(connect, conn, job)
 
 
 def main(argv: list[str]) -> None:
     """Entry of an MPI rank started by ``World(..., backend="mpi")``."""
     from multiprocessing.connection import Client
 
+    watch_launcher(alive_by_token(os.environ["DPLAB_LAUNCHER"]), unlink_mapped_mpich_segments)
     host, port = argv[0].rsplit(":", 1)
     for path in reversed(os.environ.get("DPLAB_SYS_PATH", "").split(os.pathsep)):
         if path and path not in sys.path:
             sys.path.insert(0, path)  # so pickled functions of the launcher's modules import here
+    from dplab.backends.launch.timeouts import default_timeout
     from dplab.backends.mpi.comm import MpiComm
 
-    timeout = float(os.environ.get("DPLAB_TIMEOUT", "60"))
-    comm = MpiComm(timeout=timeout)
+    comm = MpiComm(timeout=default_timeout())
     conn = Client((host, int(port)), authkey=bytes.fromhex(os.environ["DPLAB_AUTHKEY"]))
-    conn.send(comm.rank)
+    conn.send((comm.rank, os.getpid(), os.getpgrp(), tuple(mapped_mpich_segments())))
 
     def stopped_by_mpiexec(signum: int, frame: Any) -> None:
         # mpiexec terminates every rank when one dies: say so, so the launcher can tell the

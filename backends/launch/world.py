@@ -14,37 +14,51 @@ can run hundreds of examples without paying process start-up each time:
     with World(4, backend="local") as world:
         world.run(fn, *args)               # fn must be a module-level function (it is pickled)
 
+Nothing outlives the launcher: an unclosed ``World`` is ended when it is garbage-collected or the
+interpreter exits; Ctrl-C inside ``launch`` or ``run`` kills the ranks at once and unlinks the
+world's shared memory before the KeyboardInterrupt comes out (a second Ctrl-C waits for that
+cleanup); and if the launcher is killed outright, every rank notices within 0.2 s, unlinks what
+it shares and exits (``dplab.backends.launch.watch``).
+
 How ranks start: local and torch ranks are forked (milliseconds; torch ranks then
 rendezvous on loopback); MPI ranks are started by the ``mpiexec`` of the installed
-MPI (the ``mpich`` wheel) and connect back to the launcher over loopback. Under an
+MPI (the ``mpich`` wheel) and connect back to the launcher over loopback; a function of the
+user's script (``__main__``) reaches them as with multiprocessing's spawn
+(``dplab.backends.launch.mainmod``). Under an
 engine's own launcher (``mpiexec -n 4 dplab train --backend mpi``, ``torchrun``)
 ``launch`` runs ``fn`` on the launcher's ranks instead and returns everyone's results.
 """
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import secrets
-import signal
-import subprocess
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
 from multiprocessing.connection import wait
 from typing import Any
 
+from dplab.backends.launch import mainmod
 from dplab.backends.launch.engine import launcher_env, run_here, under_launcher
-from dplab.backends.launch.serve import die_with_parent, serve
-from dplab.backends.local.shm import PREFIX, sweep_stale, unlink_prefix
-from dplab.backends.mpi.mpiexec import kill_group, start_mpiexec, sweep_mpich_shm
+from dplab.backends.launch.interrupt import signals_deferred
+from dplab.backends.launch.ranks import Ranks, pickle_job, start_ranks
+from dplab.backends.launch.timeouts import check_timeout, default_timeout
+from dplab.backends.local.shm import PREFIX, sweep_stale
 from dplab.reference.errors import ConfigError, DplabError
 
 __all__ = ["launch", "World", "RankError", "RankLost", "BackendUnavailable", "BACKENDS", "check_backend",
            "default_timeout", "under_launcher", "launcher_env"]
 
 BACKENDS = ("local", "mpi", "torch")
+_STOP = ("died", "error", "lost", "stopped")  # which failure names the cause, first to last
+_UNKNOWN = "the rank's connection closed: the process died (no Python traceback)"
+
+
+def _death_note(ranks: Ranks, which: list[int]) -> dict[int, str]:
+    """How each rank of ``which`` died; a rank whose end nobody recorded gets ``_UNKNOWN`` itself."""
+    return {r: note or _UNKNOWN for r, note in ranks.death_notes(which).items()}
 
 
 class RankError(DplabError):
@@ -65,10 +79,6 @@ class RankLost:
 
 class BackendUnavailable(DplabError):
     """The backend asked for is not installed on this machine."""
-
-
-def default_timeout() -> float:
-    return float(os.environ.get("DPLAB_TIMEOUT", "60"))
 
 
 def check_backend(backend: str) -> None:
@@ -95,75 +105,55 @@ class World:
         check_backend(backend)
         if type(world_size) is not int or world_size < 1:
             raise ConfigError(f"world_size must be a positive integer, got {world_size!r}")
-        if timeout is not None and timeout <= 0:
-            raise ConfigError(f"timeout must be > 0 seconds, got {timeout}")
+        self.timeout = check_timeout(timeout) if timeout is not None else default_timeout()
         if under_launcher(backend):
             raise ConfigError(f"this process is already one rank of a {backend} launcher job: "
                               "call launch(), which runs on the launcher's ranks")
+        if mainmod.booting():
+            raise ConfigError('this script starts a dplab world when it is imported, so every MPI rank '
+                              'that loads it would start one too: put the launch under '
+                              'if __name__ == "__main__":')
+        if backend == "mpi" and job is not None:
+            mainmod.check_sendable(job[0])
         self.world_size, self.backend, self.tolerate = world_size, backend, frozenset(tolerate)
-        self.timeout = timeout if timeout is not None else default_timeout()
-        self._procs: list[Any] = []
-        self._conns: list[Any] = []
-        self._mpiexec: subprocess.Popen | None = None
+        self._ranks: Ranks | None = None
+        self._finalizer: weakref.finalize | None = None
         self._start(job)
 
-    # -- starting -----------------------------------------------------------------------------
     def _start(self, job: tuple[Callable, tuple] | None) -> None:
         sweep_stale()
         self.session = f"{PREFIX}{os.getpid()}_{secrets.token_hex(4)}"
-        if self.backend == "mpi":
-            self._start_mpiexec(job)
-        else:
-            self._start_forked(job)
-
-    def _start_forked(self, job: tuple[Callable, tuple] | None) -> None:
-        ctx = mp.get_context("fork")
-        if self.backend == "local":
-            from dplab.backends.local.comm import LocalComm, Wiring
-
-            # Kept for the world's lifetime: its pid array lives in multiprocessing's shared heap,
-            # and a block freed here would be handed to the next world while ours still use it.
-            self._wiring = Wiring.create(ctx, self.session, self.world_size, self.timeout)
-            connect = partial(LocalComm, self._wiring)
-        else:
-            from dplab.backends.torchdist.rendezvous import prepare
-
-            connect = prepare(self.world_size, self.timeout)
-        for rank in range(self.world_size):
-            parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_forked_rank, args=(partial(connect, rank), child, job),
-                               daemon=True, name=f"dplab-{self.backend}-rank-{rank}")
-            proc.start()
-            child.close()
-            self._conns.append(parent)
-            self._procs.append(proc)
-
-    def _start_mpiexec(self, job: tuple[Callable, tuple] | None) -> None:
-        self._mpiexec, self._conns = start_mpiexec(self.world_size, self.timeout)
-        if job is not None:
-            for conn in self._conns:
-                conn.send(job)
+        ranks = start_ranks(self.backend, self.world_size, self.session, self.timeout, job)
+        # An unclosed world ends with its last reference or with the interpreter, never later.
+        self._ranks, self._finalizer = ranks, weakref.finalize(self, ranks.kill)
 
     # -- running ------------------------------------------------------------------------------
     def run(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
         """Run ``fn(comm, *args)`` on every rank; per-rank results in rank order."""
-        if not self._conns:
-            self._start(None)
-        for conn in self._conns:
-            conn.send((fn, args))
-        return self._collect()
+        if self.backend == "mpi":
+            mainmod.check_sendable(fn)
+        payload = pickle_job(fn, args)
+        try:
+            if self._ranks is None:
+                self._start(None)
+            self._ranks.send_all(payload)
+            return self._collect()
+        except BaseException:
+            self.abort()  # Ctrl-C included: the ranks are mid-job, the world starts afresh next run
+            raise
 
     def _collect(self) -> list[Any]:
         """Every rank's result, or one RankError naming the rank that caused the failure.
 
         When one rank fails the others often fail right after it (a lost peer, or mpiexec
         terminating the job), so failures are gathered for a moment and the cause is
-        reported: a rank that died first, then one that raised, then one that was stopped.
+        reported: a rank that died first, then one that raised, then one that lost a peer,
+        then one that was stopped; among ranks that died, one whose end was recorded.
         """
+        ranks = self._ranks
         results: dict[int, Any] = {}
-        failed: dict[int, tuple[str, str]] = {}
-        waiting = {c: r for r, c in enumerate(self._conns)} | {
-            p.sentinel: r for r, p in enumerate(self._procs)}
+        failed: dict[int, tuple[str, str | None]] = {}
+        waiting = ranks.sentinels()
         deadline = None
         while len(results) + len(failed) < self.world_size:
             left = None if deadline is None else max(deadline - time.monotonic(), 0)
@@ -174,17 +164,17 @@ class World:
                 rank = waiting.get(ready)
                 if rank is None or rank in results or rank in failed:
                     continue
-                if ready is self._conns[rank]:
+                if ready is ranks.conns[rank]:
                     try:
                         status, value = ready.recv()
                     except (EOFError, OSError):
-                        status, value = "died", self._death_note(rank)
-                elif self._conns[rank].poll():
+                        status, value = "died", None
+                elif ranks.conns[rank].poll():
                     continue  # its result is waiting in the pipe; read it on the next pass
                 else:
-                    status, value = "died", self._death_note(rank)
+                    status, value = "died", None
                 if status == "died" and rank in self.tolerate and self.backend == "local":
-                    status, value = "ok", RankLost(rank, value)  # else: fatal
+                    status, value = "ok", RankLost(rank, _death_note(ranks, [rank])[rank])  # else: fatal
                 if status == "error" and "PeerLost: " in value.rstrip().rsplit("\n", 1)[-1]:
                     status = "lost"  # a consequence: it lost a peer that failed first; report that one
                 if status == "ok":
@@ -195,59 +185,38 @@ class World:
                     deadline = min(deadline or float("inf"), time.monotonic() + grace)
                 waiting = {k: r for k, r in waiting.items() if r != rank}  # a dead rank stays ready
         if failed:
-            self.abort()
+            died = _death_note(ranks, [r for r, (status, _) in failed.items() if status == "died"])
+            failed |= {r: ("died", note) for r, note in died.items()}
             order = list(failed)  # arrival order breaks ties: the first to die is the cause
-            rank = min(order, key=lambda r: (["died", "error", "lost", "stopped"].index(failed[r][0]),
+            rank = min(order, key=lambda r: (_STOP.index(failed[r][0]), failed[r][1] is _UNKNOWN,
                                              order.index(r)))
+            self.abort()
             raise RankError(rank, failed[rank][1])
         return [results[r] for r in range(self.world_size)]
 
-    def _death_note(self, rank: int) -> str:
-        if self._mpiexec is not None:
-            return "the MPI rank's connection closed: the process died (no Python traceback)"
-        proc = self._procs[rank]
-        proc.join(1)
-        code = proc.exitcode
-        if code is not None and code < 0:
-            return f"process died from signal {signal.Signals(-code).name} (no Python traceback)"
-        return f"process exited with code {code} before returning a result"
-
     # -- stopping -----------------------------------------------------------------------------
     def abort(self) -> None:
-        """Kill every rank now and unlink the world's shared memory."""
-        for proc in self._procs:
-            if proc.is_alive():
-                proc.kill()
-        for proc in self._procs:
-            proc.join(5)
-        if self._mpiexec is not None:
-            kill_group(self._mpiexec)
-            sweep_mpich_shm(min_age_s=0.0)  # what the killed ranks could not clean up
-        for conn in self._conns:
-            conn.close()
-        self._procs, self._conns, self._mpiexec = [], [], None
-        unlink_prefix(self.session)
+        """Kill every rank now and unlink the world's shared memory; a signal meanwhile waits."""
+        with signals_deferred():
+            if self._finalizer is not None:
+                self._finalizer()  # ranks.kill(), once
+            self._ranks = self._finalizer = None
 
     def close(self) -> None:
-        for conn in self._conns:
-            try:
-                conn.send(None)
-            except OSError:
-                pass
-        for proc in self._procs:
-            proc.join(5)
-        if self._mpiexec is not None:
-            try:
-                self._mpiexec.wait(10)
-            except subprocess.TimeoutExpired:
-                pass
-        self.abort()
+        """Ask the ranks to finish (5 s in all), then make sure: nothing of the world is left."""
+        with signals_deferred():
+            if self._ranks is not None:
+                self._ranks.stop(5.0)
+            self.abort()
 
     def __enter__(self) -> World:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type[BaseException] | None, *rest: object) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()  # an error or Ctrl-C in the block: the ranks' state is unknown, end them now
 
 
 def launch(fn: Callable[..., Any], world_size: int | None = None, backend: str = "local",
@@ -258,7 +227,8 @@ def launch(fn: Callable[..., Any], world_size: int | None = None, backend: str =
     Fresh ranks are started unless this process already is a rank of an engine
     launcher's job, in which case ``fn`` runs here and results are gathered from all.
     Local and torch ranks are forked, so ``fn`` may be any callable; MPI ranks are new
-    interpreters, so there ``fn`` must be a module-level function. A rank of ``tolerate``
+    interpreters, so there ``fn`` must be defined in a module or in the script being run
+    (not in ``python -c`` or a notebook). A rank of ``tolerate``
     that dies (SIGKILL, exit) gives a ``RankLost`` result instead of failing the world; what
     the others make of it is ``fn``'s business (the parameter server: ``dplab.reference.ps.server``).
     Only on the local backend: on mpi (MPI's failure model) and torch (gloo cannot tell a dead
@@ -266,16 +236,15 @@ def launch(fn: Callable[..., Any], world_size: int | None = None, backend: str =
     """
     check_backend(backend)
     if under_launcher(backend):
-        return run_here(fn, world_size, backend, tuple(args), timeout or default_timeout())
+        return run_here(fn, world_size, backend, tuple(args),
+                        check_timeout(timeout) if timeout is not None else default_timeout())
     if world_size is None:
         raise ConfigError("world_size is required outside mpiexec/torchrun")
     world = World(world_size, backend, timeout, job=(fn, tuple(args)), tolerate=tolerate)
     try:
-        return world._collect()
-    finally:
-        world.close()
-
-
-def _forked_rank(connect: Callable[[], Any], conn: Any, job: tuple[Callable, tuple] | None) -> None:
-    die_with_parent()
-    serve(connect, conn, job)
+        results = world._collect()
+    except BaseException:
+        world.abort()  # Ctrl-C or a failed rank: no waiting for ranks that are mid-job
+        raise
+    world.close()
+    return results

@@ -1,10 +1,24 @@
-"""Start an MPI world with the installed ``mpiexec`` and connect its ranks back to us.
+"""Start an MPI world with the installed ``mpiexec``, connect its ranks back to us, end it cleanly.
 
-``World(p, backend="mpi")`` runs ``mpiexec -n p python -m dplab.backends.launch.serve HOST:PORT``.
-Each rank (a fresh interpreter, so jobs must be module-level functions) connects to
-a listener on loopback, authenticated by a random key passed in the environment,
-and says which rank it is. mpiexec runs in its own session so that one signal to
-its process group stops every rank it started.
+``World(p, backend="mpi")`` runs ``mpiexec -n p python -c RANK_MAIN HOST:PORT``. Each rank (a fresh
+interpreter) initialises MPI, connects to a listener on loopback, authenticated by a random key
+passed in its environment, and says who it is: rank, pid, process group, and the MPICH
+shared-memory segments it maps. That is what ending the job needs:
+
+* mpiexec runs in a session of its own, and its proxy (``hydra_pmi_proxy``) makes another one for
+  the ranks, so one signal to mpiexec's group does not reach them: ``kill`` signals both groups.
+* MPICH unlinks its segments in ``MPI_Finalize``; killed ranks never get there, so ``kill`` unlinks
+  the segments the ranks reported (and, after a failed start, the unmapped ones made since).
+* How a rank ended. mpiexec cannot say (its exit status is the worst of all ranks, and it SIGKILLs
+  the others as soon as one exits), and the rank is not our child, so no ``waitpid`` of ours sees
+  it. So what mpiexec starts is a small keeper that forks the rank and waits for it: the rank
+  dies with its keeper (PR_SET_PDEATHSIG, safe in a single-threaded keeper), SIGTERM is passed
+  on, and when the rank ends abnormally the keeper writes its wait status to
+  ``/dev/shm/<session>_exit_<pid>`` (unlinked with the world) and ends the same way, so mpiexec
+  sees what it would have seen. ``death_note`` reads it: "process exited with code 3", as the
+  local backend says it.
+
+Start-up has its own allowance (``DPLAB_START_TIMEOUT``), separate from the collectives' timeout.
 """
 
 from __future__ import annotations
@@ -17,12 +31,44 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from multiprocessing.connection import Connection, Listener
 from pathlib import Path
 
 from dplab.reference.errors import DplabError
 
-__all__ = ["find_mpiexec", "start_mpiexec", "kill_group", "sweep_mpich_shm"]
+__all__ = ["find_mpiexec", "start_mpiexec", "MpiJob", "RankInfo", "kill_group", "sweep_mpich_shm"]
+
+# The keeper: fork the rank, pass SIGTERM on, record an abnormal end, end the same way. It imports
+# nothing of dplab (importing the package costs a second of numpy and friends per process).
+RANK_MAIN = """
+import os, signal, sys
+keeper = os.getpid()
+rank = os.fork()
+if rank == 0:
+    import ctypes
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: the rank ends with its keeper
+    if os.getppid() != keeper:
+        os._exit(1)
+    from dplab.backends.launch.serve import main
+    main(sys.argv[1:])
+    sys.exit(0)
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+signal.signal(signal.SIGTERM, lambda signum, frame: os.kill(rank, signum))
+status = os.waitpid(rank, 0)[1]
+pid, start = os.environ["DPLAB_LAUNCHER"].split(":")
+try:
+    launcher = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+except OSError:
+    launcher = ["X"]
+if status != 0 and launcher[0] not in ("Z", "X") and launcher[19] == start:  # someone to read it
+    with open(os.environ["DPLAB_EXIT_PREFIX"] + str(rank), "w") as f:
+        f.write(str(status))
+if os.WIFSIGNALED(status):
+    signal.signal(os.WTERMSIG(status), signal.SIG_DFL)
+    os.kill(keeper, os.WTERMSIG(status))
+os._exit(os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 1)
+"""
 
 
 def find_mpiexec() -> str | None:
@@ -30,8 +76,81 @@ def find_mpiexec() -> str | None:
     return str(beside) if beside.exists() else shutil.which("mpiexec")
 
 
-def start_mpiexec(world_size: int, timeout: float) -> tuple[subprocess.Popen, list[Connection]]:
-    """Start the ranks; returns mpiexec's process and one connection per rank, in rank order."""
+@dataclass(frozen=True)
+class RankInfo:
+    """What an MPI rank tells the launcher when it connects."""
+
+    rank: int
+    pid: int
+    pgid: int
+    segments: tuple[str, ...]  # MPICH's /dev/shm segments this rank maps
+
+
+class MpiJob:
+    """A running mpiexec job: its process, one connection per rank (rank order), and how to end it."""
+
+    def __init__(self, proc: subprocess.Popen, world_size: int, exit_prefix: str, started: float) -> None:
+        self.proc, self.world_size, self.exit_prefix, self.started = proc, world_size, exit_prefix, started
+        self.conns: list[Connection] = []
+        self.ranks: list[RankInfo] = []
+
+    def death_notes(self, ranks: list[int]) -> dict[int, str | None]:
+        """How each of ``ranks`` ended, from its keeper's record; None where there is none.
+
+        The rank that ended first has a record; the ranks mpiexec then SIGKILLed with their
+        keepers have none. So a record also tells the cause from the casualties.
+        """
+        records = {r: Path(self.exit_prefix + str(self.ranks[r].pid)) for r in ranks if r < len(self.ranks)}
+        deadline = time.monotonic() + 2  # a keeper writes its record just after its rank ends
+        while records and not any(p.exists() for p in records.values()) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        notes: dict[int, str | None] = dict.fromkeys(ranks)
+        for rank, record in records.items():
+            try:
+                status = int(record.read_text())
+            except (OSError, ValueError):
+                continue
+            if os.WIFSIGNALED(status):
+                name = _signame(os.WTERMSIG(status))
+                notes[rank] = f"process died from signal {name} (no Python traceback)"
+            elif os.WIFEXITED(status):
+                notes[rank] = f"process exited with code {os.WEXITSTATUS(status)} before returning a result"
+        return notes
+
+    def kill(self) -> None:
+        """SIGKILL mpiexec and every rank now; unlink the MPICH segments they can no longer unlink."""
+        for group in {info.pgid for info in self.ranks} - {os.getpgrp()}:  # never our own group
+            _killpg(group, signal.SIGKILL)
+        if self.proc.poll() is None:
+            _killpg(self.proc.pid, signal.SIGKILL)
+        try:
+            self.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            pass
+        pids = [info.pid for info in self.ranks]
+        deadline = time.monotonic() + 2
+        while time.monotonic() < deadline and any(_running(pid) for pid in pids):
+            time.sleep(0.01)
+        for info in self.ranks:
+            for path in info.segments:
+                Path(path).unlink(missing_ok=True)
+        if len(self.ranks) < self.world_size:
+            sweep_mpich_shm(min_age_s=0.0, since=self.started)  # ranks that never said what they map
+        for conn in self.conns:
+            conn.close()
+
+    def wait(self, timeout: float) -> None:
+        """Let mpiexec end by itself (the ranks were told to stop), then make sure of it."""
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+        self.kill()
+
+
+def start_mpiexec(world_size: int, timeout: float, start_timeout: float, session: str,
+                  env: dict[str, str] | None = None) -> MpiJob:
+    """Start the ranks; within ``start_timeout`` every one connects, or nothing is left running."""
     sweep_mpich_shm()
     mpiexec = find_mpiexec()
     if mpiexec is None:
@@ -39,50 +158,97 @@ def start_mpiexec(world_size: int, timeout: float) -> tuple[subprocess.Popen, li
     key = secrets.token_bytes(16)
     listener = Listener(("127.0.0.1", 0), backlog=world_size, authkey=key)  # all ranks dial at once
     host, port = listener.address
-    env = dict(os.environ, DPLAB_AUTHKEY=key.hex(), DPLAB_TIMEOUT=str(timeout),
-               DPLAB_SYS_PATH=os.pathsep.join(p for p in sys.path if p))
-    serve = "dplab.backends.launch.serve"
-    cmd = [mpiexec, "-n", str(world_size), sys.executable, "-m", serve, f"{host}:{port}"]
+    exit_prefix = f"/dev/shm/{session}_exit_"
+    env = dict(os.environ, **(env or {}), DPLAB_AUTHKEY=key.hex(), DPLAB_TIMEOUT=repr(timeout),
+               DPLAB_SYS_PATH=os.pathsep.join(p for p in sys.path if p), DPLAB_EXIT_PREFIX=exit_prefix)
+    cmd = [mpiexec, "-n", str(world_size), sys.executable, "-c", RANK_MAIN, f"{host}:{port}"]
+    started = time.time()
     proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, start_new_session=True)
-    conns: list[Connection] = []
+    job = MpiJob(proc, world_size, exit_prefix, started)
+    try:
+        _connect(job, listener, world_size, start_timeout)
+    except BaseException:
+        job.kill()
+        raise
+    finally:
+        listener.close()
+    return job
+
+
+def _connect(job: MpiJob, listener: Listener, world_size: int, allowance: float) -> None:
+    accepted: list[Connection] = []
 
     def accept_all() -> None:
-        for _ in range(world_size):
-            conns.append(listener.accept())
+        try:
+            for _ in range(world_size):
+                accepted.append(listener.accept())
+        except OSError:  # the listener was closed: we gave up
+            pass
 
-    accepter = threading.Thread(target=accept_all, daemon=True)
+    deadline = time.monotonic() + allowance
+    accepter = threading.Thread(target=accept_all, name="dplab-mpi-accept", daemon=True)
     accepter.start()
-    accepter.join(timeout)
-    listener.close()
-    if len(conns) < world_size:
-        kill_group(proc)
-        raise DplabError(f"only {len(conns)} of {world_size} MPI ranks connected within {timeout:.0f}s "
-                         f"(mpiexec: {' '.join(cmd)})")
-    by_rank = {c.recv(): c for c in conns}
-    return proc, [by_rank[r] for r in range(world_size)]
+    while accepter.is_alive() and time.monotonic() < deadline and job.proc.poll() is None:
+        accepter.join(0.05)
+    job.conns = list(accepted)
+    infos = []
+    for conn in job.conns:
+        if not conn.poll(max(deadline - time.monotonic(), 0.5)):
+            break
+        infos.append(RankInfo(*conn.recv()))
+    job.ranks = sorted(infos, key=lambda info: info.rank)
+    if len(infos) == world_size == len(job.conns):
+        by_rank = dict(zip([info.rank for info in infos], job.conns))
+        job.conns = [by_rank[r] for r in range(world_size)]
+        return
+    if job.proc.poll() is not None:
+        raise DplabError(f"mpiexec exited with code {job.proc.returncode} after {len(infos)} of "
+                         f"{world_size} MPI ranks connected (its output is above)")
+    raise DplabError(f"only {len(infos)} of {world_size} MPI ranks connected within {allowance:g}s: "
+                     "set DPLAB_START_TIMEOUT to give start-up more time")
+
+
+def _killpg(group: int, sig: int) -> None:
+    try:
+        os.killpg(group, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def _signame(sig: int) -> str:
+    try:
+        return signal.Signals(sig).name
+    except ValueError:
+        return f"signal {sig}"
 
 
 def kill_group(proc: subprocess.Popen) -> None:
-    """Stop mpiexec and every rank it started (they share its process group)."""
+    """Stop mpiexec and what it started: SIGTERM (mpiexec passes it on), then SIGKILL."""
     for sig, grace in ((signal.SIGTERM, 3), (signal.SIGKILL, 5)):
         if proc.poll() is not None:
             break
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            break
+        _killpg(proc.pid, sig)
         try:
             proc.wait(grace)
         except subprocess.TimeoutExpired:
             pass
 
 
-def sweep_mpich_shm(min_age_s: float = 1.0) -> int:
+def sweep_mpich_shm(min_age_s: float = 1.0, since: float = 0.0) -> int:
     """Unlink MPICH's shared-memory segments that no live process maps any more.
 
     MPICH unlinks them in MPI_Finalize; ranks that were killed never get there, so each
     aborted world would leave megabytes in /dev/shm. A segment still mapped by some
-    process belongs to a running job and is kept; so is a fresh one (a job starting up).
+    process belongs to a running job and is kept; so is a fresh one (a job starting up),
+    and with ``since`` (a ``time.time()``) one older than that: another job's business.
     """
     shm = Path("/dev/shm")
     candidates = {}
@@ -91,7 +257,8 @@ def sweep_mpich_shm(min_age_s: float = 1.0) -> int:
             st = path.stat()
         except FileNotFoundError:
             continue
-        if st.st_uid == os.getuid() and time.time() - st.st_mtime >= min_age_s:
+        age = time.time() - st.st_mtime
+        if st.st_uid == os.getuid() and age >= min_age_s and st.st_ctime >= since - 1.0:
             candidates[str(path)] = path
     if not candidates:
         return 0
@@ -103,5 +270,8 @@ def sweep_mpich_shm(min_age_s: float = 1.0) -> int:
         for name in [n for n in candidates if n in text]:
             del candidates[name]
     for path in candidates.values():
-        path.unlink(missing_ok=True)
+        try:
+            path.unlink(missing_ok=True)
+        except PermissionError:
+            pass
     return len(candidates)

@@ -1,0 +1,162 @@
+"""One incarnation of a world's ranks: start them, talk to them, end them (gently or at once).
+
+    ranks = start_ranks("local", 4, session, timeout=60.0, job=None)
+    ranks.send_all(payload)          # a pickled job to every rank
+    ranks.stop(grace_s=5)            # ask them to stop, then make sure
+    ranks.kill()                     # SIGKILL now, unlink the world's shared memory
+
+Local and torch ranks are forked (``multiprocessing``, fork context), each with a pipe back to the
+launcher; MPI ranks are started by mpiexec (``dplab.backends.mpi.mpiexec``) and dial back over
+loopback. Either way ``kill`` leaves nothing: no process, no segment with the world's prefix, no
+MPICH segment of its ranks. It runs at most once, and only in the process that started the ranks
+(a forked child that inherited this object must not kill its parent's world).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import signal
+import time
+from collections.abc import Callable
+from functools import partial
+from multiprocessing.reduction import ForkingPickler
+from typing import Any
+
+from dplab.backends.launch import mainmod
+from dplab.backends.launch.serve import forked_rank
+from dplab.backends.launch.timeouts import start_timeout
+from dplab.backends.launch.watch import launcher_token
+from dplab.backends.local.shm import unlink_prefix
+from dplab.backends.mpi.mpiexec import MpiJob, start_mpiexec
+from dplab.reference.errors import ConfigError
+
+__all__ = ["Ranks", "start_ranks", "pickle_job"]
+
+Job = tuple[Callable[..., Any], tuple]
+
+
+class Ranks:
+    """The processes and pipes of one start of a world; ``conns[r]`` talks to rank ``r``."""
+
+    def __init__(self, session: str, conns: list[Any], procs: list[Any] | None = None,
+                 mpi: MpiJob | None = None, keep: Any = None) -> None:
+        self.session, self.conns, self.procs, self.mpi = session, conns, procs or [], mpi
+        self._keep = keep  # the local backend's wiring: its shared heap must outlive the ranks
+        self._owner = os.getpid()
+        self._killed = False
+
+    def sentinels(self) -> dict[Any, int]:
+        """What to ``wait`` on: each rank's pipe, and each forked rank's process sentinel."""
+        return {c: r for r, c in enumerate(self.conns)} | {p.sentinel: r for r, p in enumerate(self.procs)}
+
+    def send_all(self, payload: bytes) -> None:
+        """Send a pickled message to every rank; a dead rank's broken pipe is left to ``collect``."""
+        for conn in self.conns:
+            try:
+                conn.send_bytes(payload)
+            except OSError:  # BrokenPipeError, ConnectionResetError: it died, its EOF will tell
+                pass
+
+    def death_notes(self, ranks: list[int]) -> dict[int, str | None]:
+        """How each of ``ranks`` ended, in the same words on every backend; None where unknown."""
+        if self.mpi is not None:
+            return self.mpi.death_notes(ranks)
+        notes: dict[int, str | None] = {}
+        for rank in ranks:
+            proc = self.procs[rank]
+            proc.join(1)
+            code = proc.exitcode
+            if code is not None and code < 0:
+                notes[rank] = f"process died from signal {signal.Signals(-code).name} (no Python traceback)"
+            else:
+                notes[rank] = f"process exited with code {code} before returning a result"
+        return notes
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        """Ask every rank to stop (a ``None`` job), give them ``grace_s`` in all, then ``kill``."""
+        self.send_all(b"\x80\x04N.")  # pickle.dumps(None)
+        deadline = time.monotonic() + grace_s
+        for proc in self.procs:
+            proc.join(max(deadline - time.monotonic(), 0))
+        if self.mpi is not None and not self._killed and os.getpid() == self._owner:
+            self.mpi.wait(max(deadline - time.monotonic(), 0) + 5)
+        self.kill()
+
+    def kill(self) -> None:
+        """SIGKILL every rank now and unlink the world's shared memory (once, in the owner only)."""
+        if self._killed or os.getpid() != self._owner:
+            return
+        self._killed = True
+        for proc in self.procs:
+            if proc.exitcode is None:
+                proc.kill()
+        for proc in self.procs:
+            proc.join(5)
+        if self.mpi is not None:
+            self.mpi.kill()
+        for conn in self.conns:
+            conn.close()
+        unlink_prefix(self.session)
+
+
+def start_ranks(backend: str, world_size: int, session: str, timeout: float, job: Job | None) -> Ranks:
+    """Start ``world_size`` ranks of ``backend``; with ``job`` each runs it first, unasked."""
+    if backend == "mpi":
+        return _start_mpi(world_size, session, timeout, job)
+    return _start_forked(backend, world_size, session, timeout, job)
+
+
+def _start_forked(backend: str, world_size: int, session: str, timeout: float, job: Job | None) -> Ranks:
+    ctx = mp.get_context("fork")
+    keep = None
+    if backend == "local":
+        from dplab.backends.local.comm import LocalComm, Wiring
+
+        # Kept for the world's lifetime: its pid array lives in multiprocessing's shared heap,
+        # and a block freed here would be handed to the next world while ours still use it.
+        keep = Wiring.create(ctx, session, world_size, timeout)
+        connect = partial(LocalComm, keep)
+    else:
+        from dplab.backends.torchdist.rendezvous import prepare
+
+        connect = prepare(world_size, timeout)
+    ranks = Ranks(session, [], [], keep=keep)
+    try:
+        for rank in range(world_size):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=forked_rank, daemon=True, name=f"dplab-{backend}-rank-{rank}",
+                               args=(partial(connect, rank), child, job, os.getpid(),
+                                     partial(unlink_prefix, session)))
+            proc.start()
+            child.close()
+            ranks.conns.append(parent)
+            ranks.procs.append(proc)
+    except BaseException:
+        ranks.kill()
+        raise
+    return ranks
+
+
+def pickle_job(fn: Callable[..., Any], args: tuple) -> bytes:
+    """``(fn, args)`` as the bytes every rank receives; one clear error if that is impossible."""
+    try:
+        return bytes(ForkingPickler.dumps((fn, tuple(args))))
+    except (pickle.PicklingError, AttributeError, TypeError) as e:
+        raise ConfigError(f"cannot send {getattr(fn, '__qualname__', fn)!r} to the ranks: {e}. Jobs of a "
+                          "persistent World and of MPI ranks travel by pickle: define fn at module level "
+                          "(launch() on local or torch forks, and takes any callable)") from None
+
+
+def _start_mpi(world_size: int, session: str, timeout: float, job: Job | None) -> Ranks:
+    payload = pickle_job(*job) if job is not None else None  # before anything starts
+    env = {"DPLAB_LAUNCHER": launcher_token()}
+    spec = mainmod.main_spec()
+    if spec is not None:
+        env[mainmod.ENV] = spec
+    mpi = start_mpiexec(world_size, timeout, start_timeout(), session, env)
+    ranks = Ranks(session, mpi.conns, mpi=mpi)
+    if payload is not None:
+        ranks.send_all(payload)
+    return ranks

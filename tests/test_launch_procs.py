@@ -1,0 +1,376 @@
+"""Launching leaves nothing behind: no rank outlives its launcher, nothing stays in /dev/shm.
+
+Each test runs a real launcher as a subprocess (a script calling ``launch``, or ``dplab train``),
+ends it the way users do (interpreter exit, SIGKILL, SIGTERM), and then looks at the machine:
+which of the launcher's descendants are still alive, which of its segments are still in /dev/shm.
+The helpers here are shared by the other ``test_launch_*`` files.
+
+    pytest -q -p no:cacheprovider tests/test_launch_procs.py
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from dplab.backends.launch.world import BackendUnavailable, RankError, World, check_backend, launch
+from dplab.backends.local import shm
+
+TESTS = Path(__file__).resolve().parent
+SHM = Path("/dev/shm")
+
+
+def backend_param(name: str):
+    marks = [] if name == "local" else [getattr(pytest.mark, name)]
+    return pytest.param(name, marks=marks, id=name)
+
+
+def need(backend: str) -> None:
+    try:
+        check_backend(backend)
+    except BackendUnavailable as e:
+        pytest.skip(str(e))
+
+
+# -- looking at processes and /dev/shm -------------------------------------------------------
+
+def _stat(pid: int) -> list[str] | None:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+
+
+def gone(pid: int) -> bool:
+    fields = _stat(pid)
+    return fields is None or fields[0] in ("Z", "X")
+
+
+def descendants(root: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        fields = _stat(int(stat.parent.name))
+        if fields is not None:
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = set(), [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def mpich_segments(pids: set[int]) -> set[str]:
+    names = set()
+    for pid in pids:
+        try:
+            maps = Path(f"/proc/{pid}/maps").read_text()
+        except OSError:
+            continue
+        names |= {line.split()[-1] for line in maps.splitlines() if "/dev/shm/mpich_shm_" in line}
+    return {n.removesuffix(" (deleted)") for n in names}
+
+
+def segments_of(launcher_pid: int) -> list[str]:
+    return sorted(p.name for p in SHM.glob(f"{shm.PREFIX}{launcher_pid}_*"))
+
+
+def wait_until(predicate, timeout: float, step: float = 0.02) -> float:
+    """Seconds until ``predicate()`` held; ``inf`` if it did not within ``timeout``."""
+    t0 = time.monotonic()
+    while True:
+        if predicate():
+            return time.monotonic() - t0
+        if time.monotonic() - t0 > timeout:
+            return float("inf")
+        time.sleep(step)
+
+
+def python_ranks(pids: set[int]) -> set[int]:
+    """The descendants that are python interpreters (the ranks; mpiexec and its proxy are not)."""
+    out = set()
+    for pid in pids:
+        try:
+            exe = os.readlink(f"/proc/{pid}/exe")
+        except OSError:
+            continue
+        if "python" in Path(exe).name:
+            out.add(pid)
+    return out
+
+
+def start(tmp_path: Path, code: str, *argv: str) -> subprocess.Popen:
+    """Run ``code`` as a script in ``tmp_path`` (cwd outside the repository), in its own session."""
+    script = tmp_path / "launcher.py"
+    script.write_text(textwrap.dedent(code))
+    env = dict(os.environ, PYTHONPATH=str(TESTS), PYTHONUNBUFFERED="1")
+    return subprocess.Popen([sys.executable, str(script), *argv], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+def wait_for_ranks(proc: subprocess.Popen, tmp_path: Path, n: int, timeout: float = 60) -> set[int]:
+    """Block until ``n`` ranks wrote their ``rank*`` file; then the launcher's descendants."""
+    waited = wait_until(lambda: len(list(tmp_path.glob("rank*"))) >= n or proc.poll() is not None,
+                        timeout)
+    if proc.poll() is not None or waited == float("inf"):
+        reap(descendants(proc.pid) | {proc.pid})
+        proc.wait(30)
+        out, err = proc.stdout.read(), proc.stderr.read()
+        raise AssertionError(f"the ranks did not start (rc {proc.returncode}):\n{out}\n{err}")
+    time.sleep(0.3)  # everyone is in the busy loop now
+    return descendants(proc.pid)
+
+
+# -- what the ranks run ----------------------------------------------------------------------
+
+KEEP: list = []
+
+
+def job_spin(comm, record_dir: str) -> None:
+    """Hold a buffer of the transport's memory and burn a core until killed."""
+    KEEP.append(comm.empty(4096, "float64"))
+    Path(record_dir, f"rank{comm.rank}").write_text(str(os.getpid()))
+    x = 0
+    while True:
+        x = (x + sum(range(1000))) % 7
+
+
+def job_hold(comm, record_dir: str) -> int:
+    """Keep a buffer alive in this rank after the call returns, and say who we are."""
+    KEEP.append(comm.empty(4096, "float64"))
+    Path(record_dir, f"rank{comm.rank}").write_text(str(os.getpid()))
+    return os.getpid()
+
+
+def job_pid(comm) -> int:
+    return os.getpid()
+
+
+def job_exit(comm, rank: int, code: int) -> int:
+    if comm.rank == rank:
+        os._exit(code)
+    comm.barrier()  # the others wait for the one that exits: a lost peer, not an early finish
+    return comm.rank
+
+
+# -- 1. an unclosed World --------------------------------------------------------------------
+
+UNCLOSED = """
+    import sys
+    from dplab.backends import World
+    from test_launch_procs import job_hold
+    w = World(2, backend=sys.argv[1])
+    print(w.run(job_hold, sys.argv[2]), flush=True)
+"""
+
+
+@pytest.mark.parametrize("backend", [backend_param(b) for b in ("local", "mpi", "torch")])
+def test_launch_an_unclosed_world_leaves_nothing_after_exit(tmp_path, backend):
+    """``w = World(2)`` and the interpreter ends: no rank, no segment, no MPICH memory survives."""
+    need(backend)
+    proc = start(tmp_path, UNCLOSED, backend, str(tmp_path))
+    family: set[int] = set()
+    mapped: set[str] = set()
+
+    def watch() -> None:  # what the ranks map, read while they are alive
+        while proc.poll() is None:
+            family.update(descendants(proc.pid))
+            mapped.update(mpich_segments(family))
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    out, err = proc.communicate(timeout=60)
+    watcher.join()
+    assert proc.returncode == 0, err
+    ranks = {int(f.read_text()) for f in tmp_path.glob("rank*")}
+    assert len(ranks) == 2 and sorted(ast.literal_eval(out)) == sorted(ranks)
+    waited = wait_until(lambda: all(gone(p) for p in family | ranks), 5)
+    assert waited < 5, [p for p in family | ranks if not gone(p)]
+    assert segments_of(proc.pid) == []
+    assert [m for m in mapped if Path(m).exists()] == []
+
+
+# -- 2. a launcher that is killed ------------------------------------------------------------
+
+SPIN = """
+    import sys
+    from dplab.backends import launch
+    from test_launch_procs import job_spin
+    launch(job_spin, 2, backend=sys.argv[1], args=(sys.argv[2],))
+"""
+
+
+def _kill_and_watch(proc: subprocess.Popen, family: set[int], sig: int) -> tuple[float, set[str]]:
+    """Signal the launcher alone; seconds until every descendant is gone, and MPICH's leftovers."""
+    mapped = mpich_segments(family)
+    assert mapped or not any("mpiexec" in _cmd(p) for p in family)
+    os.kill(proc.pid, sig)
+    proc.wait(30)  # not communicate(): a surviving mpiexec would hold the pipes open
+    try:
+        waited = wait_until(lambda: all(gone(p) for p in family), 10)
+    finally:
+        reap(family)
+    return waited, {m for m in mapped if Path(m).exists()}
+
+
+def reap(pids: set[int]) -> None:
+    """SIGKILL what a failed test left running, so that it does not burn the other tests' cores."""
+    for pid in pids:
+        if not gone(pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+
+
+def _cmd(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_text()
+    except OSError:
+        return ""
+
+
+@pytest.mark.parametrize("backend, sig", [
+    pytest.param(b, s, marks=[] if b == "local" else [getattr(pytest.mark, b)], id=f"{b}-{s.name}")
+    for b, s in [("local", signal.SIGKILL), ("local", signal.SIGTERM), ("mpi", signal.SIGKILL),
+                 ("mpi", signal.SIGTERM), ("torch", signal.SIGKILL)]])
+def test_launch_ranks_die_with_a_killed_launcher(tmp_path, backend, sig):
+    """SIGKILL/SIGTERM to a script in ``launch``: every rank (mpiexec, its proxy) gone within seconds."""
+    need(backend)
+    proc = start(tmp_path, SPIN, backend, str(tmp_path))
+    family = wait_for_ranks(proc, tmp_path, 2)
+    assert len(python_ranks(family)) >= 2
+    waited, leaked = _kill_and_watch(proc, family, sig)
+    print(f"{backend} {sig.name}: every rank gone {waited:.2f}s after the launcher died")
+    assert waited < 5, [(p, _cmd(p)) for p in family if not gone(p)]
+    assert segments_of(proc.pid) == [] and leaked == set()
+
+
+@pytest.mark.mpi
+def test_launch_dplab_train_on_mpi_dies_with_its_launcher(tmp_path):
+    """The reported case: ``dplab train --backend mpi --steps 1000000``, launcher SIGKILLed."""
+    need("mpi")
+    dplab = Path(sys.executable).parent / "dplab"
+    proc = subprocess.Popen([str(dplab), "train", "--backend", "mpi", "--world-size", "2",
+                             "--steps", "1000000"], cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    ready = wait_until(lambda: len(mpich_segments(python_ranks(descendants(proc.pid)))) > 0, 60)
+    assert ready < 60
+    time.sleep(1.0)  # training now
+    family = descendants(proc.pid)
+    waited, leaked = _kill_and_watch(proc, family, signal.SIGKILL)
+    print(f"dplab train mpi SIGKILL: every rank gone {waited:.2f}s after the launcher died")
+    assert waited < 5, [(p, _cmd(p)) for p in family if not gone(p)]
+    assert leaked == set()
+
+
+# -- 4. somebody else's stale segment --------------------------------------------------------
+# The stale segment is named after pid 1, which is alive, so that no other launcher on this machine
+# sweeps it while the test runs; the test alone is told that pid 1 is dead.
+
+def test_launch_a_stale_segment_we_may_not_remove_is_skipped(monkeypatch):
+    """Simulated: unlinking a stale segment raises PermissionError; the sweep goes on without it."""
+    stale = SHM / f"{shm.PREFIX}1_0badc0de_ctl"
+    stale.write_bytes(b"x")
+    real_unlink, real_alive = Path.unlink, shm._alive
+
+    def unlink(self: Path, missing_ok: bool = False) -> None:
+        if self.name == stale.name:
+            raise PermissionError(13, "Operation not permitted", str(self))
+        real_unlink(self, missing_ok)
+
+    monkeypatch.setattr(Path, "unlink", unlink)
+    monkeypatch.setattr(shm, "_alive", lambda pid: pid != 1 and real_alive(pid))
+    try:
+        assert shm.sweep_stale() >= 0  # no PermissionError
+        assert shm.unlink_prefix(stale.name) == 0
+        assert len(launch(job_pid, 2)) == 2
+        assert stale.exists()
+    finally:
+        monkeypatch.undo()
+        stale.unlink(missing_ok=True)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to play another user (uid 65534)")
+def test_launch_another_users_stale_segment_does_not_block_a_launch():
+    """Real: a root-owned stale segment in the sticky /dev/shm, a launcher running as uid 65534."""
+    stale = SHM / f"{shm.PREFIX}1_0badc0de_ctl"
+    stale.write_bytes(b"x")
+    try:
+        pid = os.fork()
+        if pid == 0:  # the child: another user, launching as usual
+            code = 3
+            try:
+                real_alive = shm._alive
+                shm._alive = lambda pid: pid != 1 and real_alive(pid)  # "its launcher is dead"
+                os.setgid(65534)
+                os.setuid(65534)
+                code = 0 if launch(lambda comm: comm.rank, 2) == [0, 1] else 2
+            except BaseException as e:  # noqa: BLE001 - report it through the exit code
+                os.write(2, f"{type(e).__name__}: {e}\n".encode())
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert stale.exists()  # not ours to remove: skipped
+        assert segments_of(pid) == []  # the other user's launch cleaned up after itself
+    finally:
+        stale.unlink(missing_ok=True)
+
+
+# -- 6. a world made in a helper thread; a rank that died between runs -----------------------
+
+@pytest.mark.parametrize("backend", [backend_param("local"), backend_param("torch")])
+def test_launch_a_world_outlives_the_thread_that_made_it(backend):
+    need(backend)
+    made: list[World] = []
+    maker = threading.Thread(target=lambda: made.append(World(2, backend, timeout=20.0)))
+    maker.start()
+    maker.join()
+    with made[0] as world:
+        first = world.run(job_pid)
+        time.sleep(0.5)  # PR_SET_PDEATHSIG would have fired by now
+        assert world.run(job_pid) == first and all(not gone(p) for p in first)
+
+
+@pytest.mark.parametrize("backend", [backend_param("local"), backend_param("mpi"),
+                                     backend_param("torch")])
+def test_launch_run_on_a_world_with_a_dead_rank_names_it(backend):
+    """The rank died between two runs: ``run`` raises RankError naming it, not BrokenPipeError."""
+    need(backend)
+    with World(3, backend, timeout=20.0) as world:
+        pids = world.run(job_pid)
+        os.kill(pids[1], signal.SIGKILL)
+        assert wait_until(lambda: gone(pids[1]), 5) < 5
+        time.sleep(0.3)  # mpiexec stops the others; the world's pipes are broken
+        t0 = time.monotonic()
+        with pytest.raises(RankError) as err:
+            world.run(job_pid)
+        assert time.monotonic() - t0 < 10
+        assert err.value.rank == 1 and "SIGKILL" in str(err.value), str(err.value)
+        assert len(world.run(job_pid)) == 3  # and the world starts afresh
+
+
+# -- 7. a rank that exits with a code --------------------------------------------------------
+
+@pytest.mark.parametrize("backend", [backend_param("local"), backend_param("mpi")])
+def test_launch_a_rank_that_exits_reports_its_exit_code(backend):
+    need(backend)
+    t0 = time.monotonic()
+    with pytest.raises(RankError) as err:
+        launch(job_exit, 3, backend=backend, args=(1, 3), timeout=20.0)
+    assert time.monotonic() - t0 < 10
+    assert err.value.rank == 1 and "exited with code 3" in str(err.value), str(err.value)
+    assert np.isscalar(err.value.rank)
