@@ -76,7 +76,7 @@ class Ranks:
 
     def stop(self, grace_s: float = 5.0) -> None:
         """Ask every rank to stop (a ``None`` job), give them ``grace_s`` in all, then ``kill``."""
-        self.send_all(b"\x80\x04N.")  # pickle.dumps(None)
+        self.send_all(pickle.dumps(None))
         deadline = time.monotonic() + grace_s
         for proc in self.procs:
             proc.join(max(deadline - time.monotonic(), 0))
