@@ -22,10 +22,27 @@ from dplab.backends.launch.world import check_backend, launcher_env, under_launc
 from dplab.reference.algorithms import ALGORITHMS
 from dplab.reference.errors import ConfigError
 
-__all__ = ["check_args", "check_output_file", "check_output_dir", "bench_memory_need", "MemoryNeed",
-           "shm_free_bytes", "mem_available_bytes"]
+__all__ = ["check_args", "OutputPathError", "stop_launcher_job", "check_output_file", "check_output_dir",
+           "bench_memory_need", "MemoryNeed", "shm_free_bytes", "mem_available_bytes"]
 
 SHM = "/dev/shm"
+
+
+class OutputPathError(ConfigError):
+    """An output path is bad. Only the rank that writes (rank 0) checks, so under a launcher the
+    other ranks do not know: see ``stop_launcher_job``."""
+
+
+def stop_launcher_job(backend: str, code: int) -> None:
+    """Rank 0 alone failed a check under ``mpiexec``: the other ranks would wait for it in MPI_Init
+    for ever, so abort the job (torchrun stops the other ranks itself once one exits). MPICH's own
+    "Abort(2) on node 0" line goes to /dev/null: ours was printed already."""
+    if backend == "mpi" and under_launcher("mpi"):
+        from mpi4py import MPI
+
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 2)
+        MPI.COMM_WORLD.Abort(code)
 
 
 def check_args(a: argparse.Namespace, printer: bool = True) -> None:
@@ -64,13 +81,13 @@ def check_output_file(option: str, path: str) -> None:
     """``path`` can be written: its directory exists and takes a new file (or the file is writable)."""
     p = Path(path)
     if p.is_dir():
-        raise ConfigError(f"{option} {path} is a directory: give a file name")
+        raise OutputPathError(f"{option} {path} is a directory: give a file name")
     parent = p.parent
     if not parent.is_dir():
-        raise ConfigError(f"{option} {path}: directory {parent} does not exist: create it first")
+        raise OutputPathError(f"{option} {path}: directory {parent} does not exist: create it first")
     if p.exists():
         if not os.access(p, os.W_OK):
-            raise ConfigError(f"{option} {path} is not writable: choose another path")
+            raise OutputPathError(f"{option} {path} is not writable: choose another path")
         return
     _probe(option, path, parent)
 
@@ -79,10 +96,10 @@ def check_output_dir(option: str, path: str) -> None:
     """``path`` is a writable directory, or one that can be made in an existing writable parent."""
     p = Path(path)
     if p.exists() and not p.is_dir():
-        raise ConfigError(f"{option} {path} is a file, not a directory: choose another path")
+        raise OutputPathError(f"{option} {path} is a file, not a directory: choose another path")
     where = p if p.is_dir() else p.parent
     if not where.is_dir():
-        raise ConfigError(f"{option} {path}: directory {where} does not exist: create it first")
+        raise OutputPathError(f"{option} {path}: directory {where} does not exist: create it first")
     _probe(option, path, where)
 
 
@@ -90,7 +107,7 @@ def _probe(option: str, path: str, directory: Path) -> None:
     try:
         fd, name = tempfile.mkstemp(dir=directory, prefix=".dplab-probe-")
     except OSError as e:
-        raise ConfigError(f"{option} {path}: cannot write in {directory} ({e.strerror}): "
+        raise OutputPathError(f"{option} {path}: cannot write in {directory} ({e.strerror}): "
                           "choose a writable place") from None
     os.close(fd)
     os.unlink(name)

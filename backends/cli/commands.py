@@ -17,12 +17,13 @@ import json
 import os
 import platform
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 from dplab.backends.cli import bench
 from dplab.backends.cli.args import AUTO, build_parser
-from dplab.backends.cli.checks import check_args
+from dplab.backends.cli.checks import OutputPathError, check_args, stop_launcher_job
 from dplab.backends.cli.compare import EQUIVALENCE_DEFAULTS, RACE_DEFAULTS, compare_specs, run_specs
 from dplab.backends.cli.runs import MODES, RunSpec, run_train
 from dplab.backends.cli.table import Progress, format_table
@@ -45,6 +46,7 @@ ASYNC_COLUMNS = [*TRAIN_COLUMNS, "max_delay", "replay_exact"]
 RACE_COLUMNS = ["backend", "mode", "algorithm", "world_size", "straggler", "updates", "samples_per_s",
                 "final_loss", "wall_s", "max_abs_diff_vs_single", "max_delay", "dropped",
                 "replay_exact"]
+LAUNCHER_GRACE_S = 2.0  # other ranks wait this long after an error every rank hits
 UNLIMITED_STEPS = 10**9  # --steps under a time budget, unless given: the clock decides
 BENCH_COLUMNS = ["backend", "algorithm", "world_size", "bytes", "time_us", "algbw_gbps",
                  "busbw_gbps", "vs_memcpy", "vs_native", "staged_bytes"]
@@ -147,6 +149,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, BackendUnavailable, CheckpointError) as e:
         if _is_printer(args):  # under a launcher every rank hits it: rank 0 says it once
             _say(f"dplab {args.command}: error: {e}", sys.stderr)
+        else:  # rank 0 exits first, so the launcher stops us, not it before it could say why
+            time.sleep(LAUNCHER_GRACE_S)
+        if isinstance(e, OutputPathError):  # rank 0's alone: the other ranks must not wait for it
+            stop_launcher_job(getattr(args, "backend", "local"), 2)
         return 2
     except RankError as e:
         _say(f"dplab {args.command}: {e}", sys.stderr)

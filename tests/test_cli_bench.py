@@ -1,0 +1,62 @@
+"""``dplab bench``: each run's ratios against its own memcpy row and the engine's own all-reduce."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+from dplab.backends.cli.args import build_parser
+from dplab.backends.cli.bench import summarize
+from dplab.backends.cli.commands import main
+
+
+def _timings(alg: str, nbytes: int, seconds: float) -> dict:
+    import numpy as np
+
+    return {"algorithm": alg, "bytes": nbytes, "times": np.full(3, seconds), "staged_bytes": 0}
+
+
+def test_ratios_are_against_the_same_runs_memcpy_and_native():
+    per_rank = [{"allreduce": [_timings("ring", 1000, 2e-6), _timings("native", 1000, 1e-6)],
+                 "memcpy": [_timings("memcpy", 1000, 0.5e-6)]} if r == 0 else
+                {"allreduce": [_timings("ring", 1000, 2e-6), _timings("native", 1000, 1e-6)], "memcpy": []}
+                for r in range(2)]
+    rows = {r["algorithm"]: r for r in summarize("mpi", 2, per_rank)}
+    assert rows["memcpy"]["backend"] == "mpi" and rows["memcpy"]["world_size"] == 2
+    assert rows["memcpy"]["busbw_gbps"] == pytest.approx(1000 / 0.5e-6 / 1e9)
+    assert rows["ring"]["busbw_gbps"] == pytest.approx(0.5)  # algbw 0.5 GB/s x 2(2-1)/2
+    assert rows["ring"]["vs_memcpy"] == pytest.approx(0.5 / 2.0)
+    assert rows["ring"]["vs_native"] == pytest.approx(0.5)  # twice native's time
+    assert rows["native"]["vs_native"] == 1.0
+    assert rows["memcpy"]["vs_native"] is None
+
+
+def test_bench_prints_each_runs_memcpy_row_and_vs_native(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--world-sizes", "2,3", "--sizes", "4K", "--algorithms", "ring,native",
+                 "--target-seconds", "0.01", "--reps", "3", "--json", str(out)]) == 0
+    table = capsys.readouterr().out
+    header = table.splitlines()[0].split()
+    assert "vs_native" in header and "vs_memcpy" in header
+    rows = json.loads(out.read_text())["rows"]
+    memcpy = {r["world_size"]: r for r in rows if r["algorithm"] == "memcpy"}
+    assert set(memcpy) == {2, 3}  # one per run, each printed
+    printed = [line.split() for line in table.splitlines()[2:] if " memcpy " in line]
+    assert [int(cells[2]) for cells in printed] == [2, 3]
+    for r in rows:
+        if r["algorithm"] == "memcpy":
+            continue
+        native = next(n for n in rows if n["algorithm"] == "native" and n["world_size"] == r["world_size"])
+        assert r["vs_native"] == pytest.approx(r["busbw_gbps"] / native["busbw_gbps"], rel=1e-12)
+        assert r["vs_memcpy"] == pytest.approx(r["busbw_gbps"] / memcpy[r["world_size"]]["busbw_gbps"],
+                                               rel=1e-12)
+
+
+def test_help_defines_algbw_busbw_and_vs_native_in_a_sentence_each():
+    sub = next(a for a in build_parser()._actions if hasattr(a, "_name_parser_map")).choices["bench"]
+    text = re.sub(r"\s+", " ", sub.format_help())
+    assert "algbw_gbps algorithm bandwidth: bytes / time" in text
+    assert "busbw_gbps bus bandwidth: algbw x 2(p-1)/p for all-reduce (nccl-tests' convention)" in text
+    assert "vs_native this algorithm's busbw / the busbw of the engine's own all-reduce" in text
+    assert "same backend, world size and bytes, in the same run" in text
