@@ -26,7 +26,7 @@ from dplab.backends.cli.args import AUTO, build_parser
 from dplab.backends.cli.checks import OutputPathError, check_args, stop_launcher_job
 from dplab.backends.cli.compare import EQUIVALENCE_DEFAULTS, RACE_DEFAULTS, compare_specs, run_specs
 from dplab.backends.cli.runs import MODES, RunSpec, run_train
-from dplab.backends.cli.table import Progress, format_table
+from dplab.backends.cli.table import Progress, format_number, format_table
 from dplab.backends.launch.interrupt import interruptible
 from dplab.backends.launch.world import BackendUnavailable, RankError, World, launcher_env, under_launcher
 from dplab.reference.checkpoint.resume import CheckpointConfig
@@ -78,7 +78,7 @@ def cmd_train(a: argparse.Namespace) -> list[dict[str, Any]]:
         save_json(a.trace, merged, meta={"row": row})
         chrome = Path(a.trace).with_suffix(".chrome.json")
         chrome.write_text(json.dumps(to_chrome(merged)))
-        _say(f"trace: {a.trace} ({len(merged)} events); Perfetto/chrome://tracing: {chrome}")
+        _say(f"trace: {a.trace} ({format_number(len(merged))} events); Perfetto/chrome://tracing: {chrome}")
     return [row]
 
 
