@@ -100,6 +100,14 @@ def test_refused_up_front(argv, message):
     assert time.perf_counter() - t0 < 30  # refused, not run
 
 
+def test_an_empty_hidden_list_is_a_linear_model_not_an_error(tmp_path):
+    from dplab.backends.cli.commands import main
+
+    out = tmp_path / "rows.json"
+    assert main(["train", "--hidden", "", "--world-size", "2", "--steps", "2", "--json", str(out)]) == 0
+    assert out.exists()
+
+
 def test_bench_memory_need_counts_every_rank_and_the_memcpy():
     need = bench_memory_need("local", 4, [4096, M, 16 * M, 64 * M])
     # a rank holds the 64M buffer and, while it is allocated, the 16M one before it

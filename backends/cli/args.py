@@ -83,14 +83,14 @@ class _Formatter(argparse.RawDescriptionHelpFormatter):
         return text
 
 
-def _csv(kind: Any = str):
+def _csv(kind: Any = str, empty_ok: bool = False):
     """A comma-separated list of at least one value: an empty grid would run nothing and say so late."""
     def parse(text: str) -> list:
         try:
             values = [kind(v.strip()) for v in text.split(",") if v.strip()]
         except (ValueError, argparse.ArgumentTypeError) as e:
             raise argparse.ArgumentTypeError(f"bad list {text!r}: {e}") from None
-        if not values:
+        if not values and not empty_ok:
             raise argparse.ArgumentTypeError(f"empty list {text!r}: give at least one value")
         return values
     return parse
@@ -160,7 +160,8 @@ def _add_model_args(p: argparse.ArgumentParser, bucket_cap_mb: float, bucket_hel
     g = p.add_argument_group("model and data")
     g.add_argument("--dataset", choices=["regression", "classification"], default="regression",
                    help="synthetic data: regression (MSE loss) or classification (cross-entropy)")
-    g.add_argument("--hidden", type=_csv(int), default=[32, 32], help="hidden layer widths of the MLP")
+    g.add_argument("--hidden", type=_csv(int, empty_ok=True), default=[32, 32],
+                   help="hidden layer widths of the MLP; '' for none (a linear model)")
     g.add_argument("--in-dim", type=int, default=16, help="input features")
     g.add_argument("--out-dim", type=int, default=4, help="outputs (classes for classification)")
     g.add_argument("--activation", choices=["tanh", "relu"], default="tanh", help="hidden activation")
