@@ -8,7 +8,7 @@ shared-memory segments it maps. That is what ending the job needs:
 * mpiexec runs in a session of its own, and its proxy (``hydra_pmi_proxy``) makes another one for
   the ranks, so one signal to mpiexec's group does not reach them: ``kill`` signals both groups.
 * MPICH unlinks its segments in ``MPI_Finalize``; killed ranks never get there, so ``kill`` unlinks
-  the segments the ranks reported (and, after a failed start, the unmapped ones made since).
+  the segments the ranks reported, then any of this user's that no live process maps.
 * How a rank ended. mpiexec cannot say (its exit status is the worst of all ranks, and it SIGKILLs
   the others as soon as one exits), and the rank is not our child, so no ``waitpid`` of ours sees
   it. So what mpiexec starts is a small keeper that forks the rank and waits for it: the rank
@@ -89,8 +89,8 @@ class RankInfo:
 class MpiJob:
     """A running mpiexec job: its process, one connection per rank (rank order), and how to end it."""
 
-    def __init__(self, proc: subprocess.Popen, world_size: int, exit_prefix: str, started: float) -> None:
-        self.proc, self.world_size, self.exit_prefix, self.started = proc, world_size, exit_prefix, started
+    def __init__(self, proc: subprocess.Popen, world_size: int, exit_prefix: str) -> None:
+        self.proc, self.world_size, self.exit_prefix = proc, world_size, exit_prefix
         self.conns: list[Connection] = []
         self.ranks: list[RankInfo] = []
 
@@ -118,7 +118,14 @@ class MpiJob:
         return notes
 
     def kill(self) -> None:
-        """SIGKILL mpiexec and every rank now; unlink the MPICH segments they can no longer unlink."""
+        """SIGKILL mpiexec and every rank now; unlink the MPICH segments they can no longer unlink.
+
+        The segments go first: every rank that reported them has them mapped already (unlinking
+        only removes the name), and no moment passes with a dead job's segment in /dev/shm.
+        """
+        for info in self.ranks:
+            for path in info.segments:
+                Path(path).unlink(missing_ok=True)
         for group in {info.pgid for info in self.ranks} - {os.getpgrp()}:  # never our own group
             _killpg(group, signal.SIGKILL)
         if self.proc.poll() is None:
@@ -131,11 +138,9 @@ class MpiJob:
         deadline = time.monotonic() + 2
         while time.monotonic() < deadline and any(_running(pid) for pid in pids):
             time.sleep(0.01)
-        for info in self.ranks:
-            for path in info.segments:
-                Path(path).unlink(missing_ok=True)
-        if len(self.ranks) < self.world_size:
-            sweep_mpich_shm(min_age_s=0.0, since=self.started)  # ranks that never said what they map
+        # Ranks that never said what they map (a failed start), and jobs of this user's own mpiexec
+        # that MPI_Abort left behind: whatever no live process maps any more.
+        sweep_mpich_shm(min_age_s=0.0)
         for conn in self.conns:
             conn.close()
 
@@ -162,9 +167,8 @@ def start_mpiexec(world_size: int, timeout: float, start_timeout: float, session
     env = dict(os.environ, **(env or {}), DPLAB_AUTHKEY=key.hex(), DPLAB_TIMEOUT=repr(timeout),
                DPLAB_SYS_PATH=os.pathsep.join(p for p in sys.path if p), DPLAB_EXIT_PREFIX=exit_prefix)
     cmd = [mpiexec, "-n", str(world_size), sys.executable, "-c", RANK_MAIN, f"{host}:{port}"]
-    started = time.time()
     proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, start_new_session=True)
-    job = MpiJob(proc, world_size, exit_prefix, started)
+    job = MpiJob(proc, world_size, exit_prefix)
     try:
         _connect(job, listener, world_size, start_timeout)
     except BaseException:
@@ -242,13 +246,12 @@ def kill_group(proc: subprocess.Popen) -> None:
             pass
 
 
-def sweep_mpich_shm(min_age_s: float = 1.0, since: float = 0.0) -> int:
+def sweep_mpich_shm(min_age_s: float = 1.0) -> int:
     """Unlink MPICH's shared-memory segments that no live process maps any more.
 
     MPICH unlinks them in MPI_Finalize; ranks that were killed never get there, so each
     aborted world would leave megabytes in /dev/shm. A segment still mapped by some
-    process belongs to a running job and is kept; so is a fresh one (a job starting up),
-    and with ``since`` (a ``time.time()``) one older than that: another job's business.
+    process belongs to a running job and is kept; so is a fresh one (a job starting up).
     """
     shm = Path("/dev/shm")
     candidates = {}
@@ -258,7 +261,7 @@ def sweep_mpich_shm(min_age_s: float = 1.0, since: float = 0.0) -> int:
         except FileNotFoundError:
             continue
         age = time.time() - st.st_mtime
-        if st.st_uid == os.getuid() and age >= min_age_s and st.st_ctime >= since - 1.0:
+        if st.st_uid == os.getuid() and age >= min_age_s:
             candidates[str(path)] = path
     if not candidates:
         return 0
