@@ -86,7 +86,17 @@ def forked_rank(connect: Callable[[], Any], conn: Any, job: Job | None, launcher
                 cleanup: Callable[[], object]) -> None:
     """Entry of a forked (local, torch) rank: watch the launcher, then serve."""
     watch_launcher(forked_from(launcher_pid), cleanup)
+    one_thread_per_rank()
     serve(connect, conn, job)
+
+
+def one_thread_per_rank() -> None:
+    """If the launcher had used torch, its OpenMP pool did not survive the fork: the first
+    parallel kernel here (a copy of a few MiB) would wait forever in libgomp. A rank is one
+    core's worth of work anyway, so torch runs single-threaded in it."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.set_num_threads(1)
 
 
 def main(argv: list[str]) -> None:
