@@ -19,6 +19,7 @@ from functools import lru_cache
 from typing import Any
 
 import numpy as np
+
 from dplab.reference.algorithms import allreduce_schedule, direct, naive, ring, tree
 from dplab.reference.communicator import Collective, Communicator, RecvSpec, SendSpec, require_writable
 from dplab.reference.errors import ConfigError

@@ -27,6 +27,7 @@ from contextlib import contextmanager
 from typing import NamedTuple, Protocol
 
 import numpy as np
+
 from dplab.reference.errors import ConfigError, DplabError
 from dplab.reference.trace import Tracer
 

@@ -18,9 +18,10 @@ from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
+from numpy.typing import DTypeLike
+
 from dplab.reference.errors import ConfigError
 from dplab.reference.schedule import chunk_bounds
-from numpy.typing import DTypeLike
 
 __all__ = ["Dataset", "make_dataset", "batch_indices", "shard"]
 

@@ -30,8 +30,9 @@ from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
-from dplab.reference.errors import ConfigError
 from numpy.typing import DTypeLike
+
+from dplab.reference.errors import ConfigError
 
 __all__ = ["MLPConfig", "MLP"]
 

@@ -20,8 +20,9 @@ from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
-from dplab.reference.errors import ConfigError
 from numpy.typing import DTypeLike
+
+from dplab.reference.errors import ConfigError
 
 __all__ = ["OptimConfig", "Optimizer", "SGD", "Momentum", "Adam", "make_optimizer"]
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+
 from dplab.reference.schedule import Schedule, chunk_bounds
 
 __all__ = ["Simulation", "simulate", "is_allreduce", "initial_holdings"]

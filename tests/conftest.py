@@ -18,8 +18,9 @@ import os
 from collections.abc import Callable, Iterator
 
 import pytest
-from dplab.backends.launch.world import BACKENDS, BackendUnavailable, World, check_backend
 from hypothesis import HealthCheck, settings
+
+from dplab.backends.launch.world import BACKENDS, BackendUnavailable, World, check_backend
 
 settings.register_profile(
     "ci",

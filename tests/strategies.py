@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from hypothesis import strategies as st
+
 from dplab.reference.model import MLPConfig
 from dplab.reference.optim import OptimConfig
 from dplab.reference.train.single import TrainConfig
-from hypothesis import strategies as st
 
 __all__ = ["train_configs"]
 

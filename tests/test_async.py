@@ -14,6 +14,10 @@ import time
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from strategies import train_configs
+
 from dplab.backends.launch.world import RankError
 from dplab.reference.errors import ConfigError
 from dplab.reference.model import MLPConfig
@@ -22,9 +26,6 @@ from dplab.reference.ps.replay import replay
 from dplab.reference.ps.trainer import AsyncConfig, LogEntry, train_async
 from dplab.reference.train.single import TrainConfig, setup, train_single
 from dplab.reference.train.sync import SyncConfig, train_sync
-from hypothesis import given, settings
-from hypothesis import strategies as st
-from strategies import train_configs
 
 EXAMPLES = settings.default.max_examples  # the profile's base count (DPLAB_EXAMPLES, default 50)
 BASE = TrainConfig(model=MLPConfig(in_dim=5, hidden=(7, 6), out_dim=3), num_samples=50,

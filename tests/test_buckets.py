@@ -11,12 +11,13 @@ import time
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from dplab.backends.launch.world import RankError
 from dplab.reference.errors import ConfigError
 from dplab.reference.model import MLP, MLPConfig
 from dplab.reference.train.buckets import Reducer, assign_buckets
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 TINY, HUGE = 1e-9, 1e6  # MiB: one parameter per bucket / everything in one bucket
 ALGORITHMS = ["naive", "ring", "tree", "direct", "native"]

@@ -24,6 +24,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from hypothesis.extra.numpy import arrays
+
 from dplab.reference.checkpoint.store import (
     FORMAT_VERSION,
     Checkpoint,
@@ -36,9 +40,6 @@ from dplab.reference.data import batch_indices
 from dplab.reference.errors import ConfigError, DplabError
 from dplab.reference.optim import OptimConfig, make_optimizer
 from dplab.reference.train.single import TrainConfig, setup, train_single
-from hypothesis import given
-from hypothesis import strategies as st
-from hypothesis.extra.numpy import arrays
 
 ROOT = Path(__file__).resolve().parents[1]
 CFG = TrainConfig(optimizer=OptimConfig(name="adam", lr=0.01), steps=6)

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+
 from dplab.backends.cli.commands import main
 
 

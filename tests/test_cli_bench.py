@@ -6,6 +6,7 @@ import json
 import re
 
 import pytest
+
 from dplab.backends.cli.args import build_parser
 from dplab.backends.cli.bench import summarize
 from dplab.backends.cli.commands import main

@@ -12,6 +12,7 @@ import sys
 import time
 
 import pytest
+
 from dplab.backends.cli import checks
 from dplab.backends.cli.checks import MemoryNeed, bench_memory_need
 from dplab.reference.errors import ConfigError

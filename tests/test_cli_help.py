@@ -8,6 +8,7 @@ import sys
 from importlib.metadata import version
 
 import pytest
+
 from dplab.backends.cli.args import build_parser
 
 

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from dplab.backends.launch.world import BackendUnavailable, check_backend
 
 REPO = Path(__file__).resolve().parents[1]

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from dplab.reference import collectives
 from dplab.reference.algorithms import ALLREDUCE
 from dplab.reference.errors import ConfigError
 from dplab.reference.schedule import chunk_bounds
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 BASE = settings.default.max_examples
 ALGORITHMS = ("ring", "tree", "naive", "direct", "native")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import inspect
 
 import pytest
+
 from dplab.backends.torchdist.comm import early_receives
 from dplab.reference import collectives
 from dplab.reference.algorithms import ALLREDUCE

@@ -12,6 +12,7 @@ import time
 
 import numpy as np
 import pytest
+
 from dplab.backends.launch.world import RankError, launch
 from dplab.backends.torchdist.setup import available
 from dplab.reference.communicator import CommError, PeerLost, RecvSpec, SendSpec

@@ -10,6 +10,7 @@ timeout, and torch wrote straight into memory numpy had promised not to change.
 from __future__ import annotations
 
 import numpy as np
+
 from dplab.reference import collectives
 from dplab.reference.errors import ConfigError
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 import math
 
 import pytest
-from dplab.reference.algorithms import allreduce_schedule
-from dplab.reference.costmodel import Cost, closed_form, cost
 from hypothesis import given
 from hypothesis import strategies as st
+
+from dplab.reference.algorithms import allreduce_schedule
+from dplab.reference.costmodel import Cost, closed_form, cost
 
 ALPHA = st.floats(0, 1e-3, allow_subnormal=False)  # seconds per message
 BETA = st.floats(0, 1e-8, allow_subnormal=False)  # seconds per byte

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from dplab.reference.data import batch_indices, make_dataset, shard
 from dplab.reference.errors import ConfigError
 from dplab.reference.schedule import chunk_bounds
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 
 @pytest.mark.parametrize("kind", ["regression", "classification"])

@@ -15,10 +15,11 @@ import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
-from dplab.reference.errors import ConfigError  # noqa: E402
-from dplab.reference.schedule import chunk_bounds  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
+
+from dplab.reference.errors import ConfigError  # noqa: E402
+from dplab.reference.schedule import chunk_bounds  # noqa: E402
 
 pytestmark = pytest.mark.torch
 # torch.optim pulls in torch._dynamo on first use (about a second): do it once here, before

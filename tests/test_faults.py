@@ -16,6 +16,7 @@ import time
 
 import numpy as np
 import pytest
+
 from dplab.backends.launch.world import RankError, RankLost, launch
 from dplab.backends.local import shm
 from dplab.backends.local.wiring import process_alive

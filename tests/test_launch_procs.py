@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from dplab.backends.launch.world import BackendUnavailable, check_backend
 from dplab.backends.local import shm
 

@@ -14,9 +14,10 @@ import time
 from pathlib import Path
 
 import pytest
+from test_launch_procs import TESTS, descendants, gone, job_pid, mpich_segments, need, wait_until
+
 from dplab.backends.launch.world import World, default_timeout, launch
 from dplab.reference.errors import ConfigError
-from test_launch_procs import TESTS, descendants, gone, job_pid, mpich_segments, need, wait_until
 
 DPLAB = Path(sys.executable).parent / "dplab"
 BAD_TIMEOUTS = ["abc", "0", "-1", "inf", "nan", "", "1e999"]

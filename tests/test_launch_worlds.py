@@ -12,9 +12,10 @@ import time
 from pathlib import Path
 
 import pytest
+from test_launch_procs import SHM, backend_param, gone, job_exit, job_pid, need, segments_of, wait_until
+
 from dplab.backends.launch.world import RankError, World, launch
 from dplab.backends.local import shm
-from test_launch_procs import SHM, backend_param, gone, job_exit, job_pid, need, segments_of, wait_until
 
 # -- 4. somebody else's stale segment --------------------------------------------------------
 # The stale segment is named after pid 1, which is alive, so that no other launcher on this machine

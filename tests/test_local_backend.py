@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from dplab.backends.launch.world import BackendUnavailable, RankError, World, launch
 from dplab.backends.local import shm
 from dplab.reference.collectives import allreduce

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from dplab.reference.errors import ConfigError
-from dplab.reference.model import MLP, MLPConfig
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
+
+from dplab.reference.errors import ConfigError
+from dplab.reference.model import MLP, MLPConfig
 
 configs = st.builds(
     MLPConfig,

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from dplab.backends.launch.world import RankError, World, launch
 from dplab.backends.mpi import comm as mpi
 from dplab.reference import collectives

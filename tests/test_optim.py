@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from dplab.reference.errors import ConfigError
 from dplab.reference.optim import Adam, Momentum, OptimConfig, make_optimizer
 

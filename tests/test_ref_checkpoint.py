@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from dplab.backends.cli.commands import main
 from dplab.backends.launch.world import BackendUnavailable, check_backend
 from dplab.reference.checkpoint.store import load_checkpoint, save_checkpoint

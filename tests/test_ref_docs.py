@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from dplab.backends.launch.world import launch
 from dplab.reference import ps, train
 from dplab.reference.ps.trainer import AsyncConfig, train_async

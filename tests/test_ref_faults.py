@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 
 import pytest
+
 from dplab.backends.launch.world import BackendUnavailable, RankError, RankLost, check_backend, launch
 from dplab.reference.ps.trainer import AsyncConfig, train_async
 from dplab.reference.train.single import TrainConfig

@@ -14,6 +14,7 @@ import re
 from pathlib import Path
 
 import numpy as np
+
 from dplab.backends.launch.world import launch
 from dplab.reference.checkpoint.resume import CheckpointConfig
 from dplab.reference.checkpoint.store import list_checkpoints

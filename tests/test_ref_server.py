@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from dplab.backends.cli.commands import main
 from dplab.backends.launch.world import launch
 from dplab.reference.communicator import CommTimeout

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from dplab.backends.launch.world import RankError, launch
 from dplab.backends.local import shm
 from dplab.reference.checkpoint.resume import CheckpointConfig

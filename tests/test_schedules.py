@@ -10,12 +10,13 @@ import math
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
 from dplab.reference.algorithms import ALGORITHMS, ALLREDUCE, allreduce_schedule, direct, naive, ring, tree
 from dplab.reference.errors import ConfigError, DplabError
 from dplab.reference.schedule import Schedule, ScheduleError, Transfer, chunk_bounds, concat
 from dplab.reference.simulate import initial_holdings, is_allreduce, simulate
-from hypothesis import given
-from hypothesis import strategies as st
 
 WORLD_SIZES = range(1, 17)
 PRIMES = (2, 3, 5, 7, 11, 13, 17, 31, 101)

@@ -18,6 +18,7 @@ import time
 
 import numpy as np
 import pytest
+
 from dplab.backends.cli.commands import main
 from dplab.backends.launch.world import RankError
 from dplab.reference.errors import ConfigError

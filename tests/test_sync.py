@@ -12,14 +12,15 @@ import dataclasses
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from strategies import train_configs
+
 from dplab.backends.launch.world import RankError
 from dplab.reference.errors import ConfigError
 from dplab.reference.model import MLP, MLPConfig
 from dplab.reference.train.single import TrainConfig, setup, train_single
 from dplab.reference.train.sync import SyncConfig, train_sync
-from hypothesis import given, settings
-from hypothesis import strategies as st
-from strategies import train_configs
 
 ALGORITHMS = ["naive", "ring", "tree", "direct", "native"]
 # 1e-6 MiB is about one byte: every parameter closes its own bucket. 1e-3 MiB (~130 float64)

@@ -21,6 +21,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from dplab.backends.launch.world import RankError, World, launch
 from dplab.backends.torchdist.setup import available
 from dplab.reference import collectives
@@ -30,8 +33,6 @@ from dplab.reference.model import MLPConfig
 from dplab.reference.schedule import chunk_bounds
 from dplab.reference.train.single import TrainConfig, train_single
 from dplab.reference.train.sync import SyncConfig, train_sync
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 if available():
     pytest.skip(f"torch backend unavailable: {available()}", allow_module_level=True)

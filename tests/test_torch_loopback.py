@@ -19,6 +19,7 @@ import subprocess
 import sys
 
 import pytest
+
 from dplab.backends.launch.world import launch
 from dplab.backends.torchdist.setup import available
 

@@ -17,6 +17,7 @@ from datetime import timedelta
 
 import numpy as np
 import pytest
+
 from dplab.backends.torchdist.setup import available
 
 if available():
@@ -43,6 +44,7 @@ def batch(rank: int) -> tuple:
 def _user_script(rank: int, world_size: int, store: str) -> dict:
     """What a rank of a user's torch script does, with dplab in the middle."""
     import torch.distributed as dist
+
     from dplab.backends.nn.ddp import DDP
     from dplab.backends.torchdist.comm import TorchComm
     from dplab.reference.collectives import allreduce

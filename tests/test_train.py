@@ -6,6 +6,7 @@ import dataclasses
 
 import numpy as np
 import pytest
+
 from dplab.reference.data import batch_indices, shard
 from dplab.reference.errors import ConfigError, DplabError
 from dplab.reference.model import MLPConfig

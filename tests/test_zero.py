@@ -16,9 +16,10 @@ import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
+from torch import nn  # noqa: E402
+
 from dplab.reference.errors import ConfigError  # noqa: E402
 from dplab.reference.schedule import chunk_bounds  # noqa: E402
-from torch import nn  # noqa: E402
 
 pytestmark = pytest.mark.torch
 torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)  # torch._dynamo once, before forks

@@ -31,6 +31,7 @@ import time
 from typing import Any
 
 import numpy as np
+
 from dplab.reference.collectives import allreduce, broadcast
 
 __all__ = ["bench_rank", "memcpy_times", "summarize", "parse_size", "busbw_factor"]

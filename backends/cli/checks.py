@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
 from dplab.backends.launch.world import check_backend, launcher_env, under_launcher
 from dplab.reference.algorithms import ALGORITHMS
 from dplab.reference.errors import ConfigError

@@ -31,6 +31,7 @@ from itertools import groupby
 from typing import Any
 
 import numpy as np
+
 from dplab.backends.cli.runs import RunSpec, run_train
 from dplab.backends.cli.table import Progress
 from dplab.backends.launch.world import World

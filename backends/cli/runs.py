@@ -25,6 +25,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
+
 from dplab.backends.launch.world import RankLost, World, check_backend, launch
 from dplab.reference.checkpoint.resume import CheckpointConfig, Expect, load_resume
 from dplab.reference.errors import ConfigError

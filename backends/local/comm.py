@@ -28,6 +28,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import numpy as np
+
 from dplab.backends.local.memory import PEER_CACHE, SegmentMemory
 from dplab.backends.local.shm import Segment
 from dplab.backends.local.wiring import SLOTS, Wiring, process_alive

@@ -13,6 +13,7 @@ from __future__ import annotations
 import weakref
 
 import numpy as np
+
 from dplab.backends.local.shm import Segment
 
 __all__ = ["SegmentMemory", "PEER_CACHE"]

@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from dplab.backends.mpi.engine_calls import _CODE, _DTYPES, MpiEngineCalls
 from dplab.reference.communicator import (
     ANY_SOURCE,

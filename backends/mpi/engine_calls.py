@@ -13,6 +13,7 @@ import sys
 from typing import Any
 
 import numpy as np
+
 from dplab.reference.communicator import ANY_SOURCE, BufferMismatch, Collective, CommError, require_writable
 from dplab.reference.errors import ConfigError
 

@@ -57,12 +57,13 @@ from functools import partial
 from typing import Any
 
 import torch
+from torch import nn
+
 from dplab.reference.algorithms import ALGORITHMS
 from dplab.reference.collectives import allreduce, broadcast
 from dplab.reference.communicator import Communicator
 from dplab.reference.errors import ConfigError
 from dplab.reference.train.buckets import Reducer
-from torch import nn
 
 __all__ = ["DistributedDataParallel", "DDP", "broadcast_module", "flat_buffer", "flat_layout",
            "dtype_and_device", "DEFAULT_BUCKET_CAP_MB"]

@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
+
 from dplab.backends.nn.ddp import flat_buffer
 from dplab.reference.collectives import allgather
 from dplab.reference.errors import ConfigError

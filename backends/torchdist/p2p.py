@@ -23,6 +23,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
+
 from dplab.backends.torchdist.setup import startup_timeout, wants_cuda
 from dplab.backends.torchdist.setup import torch_modules as _torch
 from dplab.reference.communicator import (

@@ -49,6 +49,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
 from dplab.reference.checkpoint.store import Checkpoint, CheckpointError, load_checkpoint, save_checkpoint
 from dplab.reference.errors import ConfigError
 from dplab.reference.model import MLP

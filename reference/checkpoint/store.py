@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from dplab.reference.errors import ConfigError, DplabError
 
 __all__ = ["CheckpointError", "Checkpoint", "Listing", "FORMAT", "FORMAT_VERSION",

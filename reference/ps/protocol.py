@@ -16,6 +16,7 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
+
 from dplab.reference.checkpoint.resume import CheckpointConfig
 from dplab.reference.data import Dataset, batch_indices, shard
 from dplab.reference.errors import ConfigError

@@ -29,6 +29,7 @@ from __future__ import annotations
 from itertools import groupby
 
 import numpy as np
+
 from dplab.reference.errors import ConfigError
 from dplab.reference.optim import make_optimizer
 from dplab.reference.ps.trainer import AsyncConfig, LogEntry, compute_gradient, update_gradient, worker_batch

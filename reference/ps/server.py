@@ -34,6 +34,7 @@ from functools import partial
 from typing import TypeVar
 
 import numpy as np
+
 from dplab.reference.checkpoint.resume import Expect
 from dplab.reference.communicator import ANY_SOURCE, CommError, Communicator
 from dplab.reference.optim import make_optimizer

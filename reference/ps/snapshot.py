@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+
 from dplab.reference.checkpoint.resume import CheckpointConfig, Expect, load_resume, save_state
 from dplab.reference.optim import Optimizer
 from dplab.reference.ps.protocol import LogEntry

@@ -94,6 +94,7 @@ import signal
 from dataclasses import dataclass, field
 
 import numpy as np
+
 from dplab.reference.communicator import Communicator
 from dplab.reference.ps.protocol import (
     PULL,

@@ -25,6 +25,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import numpy as np
+
 from dplab.reference.collectives import allreduce
 from dplab.reference.communicator import Communicator
 from dplab.reference.errors import ConfigError

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
+
 from dplab.reference.data import Dataset, batch_indices, make_dataset
 from dplab.reference.errors import ConfigError
 from dplab.reference.model import MLP, MLPConfig

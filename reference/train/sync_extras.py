@@ -23,6 +23,7 @@ from collections.abc import Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 
 import numpy as np
+
 from dplab.reference.checkpoint.resume import Expect, load_resume, save_state
 from dplab.reference.collectives import allreduce
 from dplab.reference.communicator import Communicator
