@@ -1,17 +1,19 @@
 """dplab's transports, launchers, torch wrappers and command line: how bytes move.
 
-The common case in one import:
+The common case in one import (a learner's first script; on mpi, keep the ``__main__`` guard):
 
-    from dplab.backends import launch, allreduce
+    import numpy as np
+    from dplab.backends import allreduce, launch
 
-    def demo(comm):                       # runs on every rank
+    def demo(comm):                            # runs on every rank
         x = np.full(4, comm.rank + 1.0)
-        allreduce(comm, x, algorithm="ring")
+        allreduce(comm, x, algorithm="ring")   # in place: 1 + 2 + 3 on every rank
         return x
 
-    launch(demo, 3)                       # three local ranks -> three arrays of 6.0
-    launch(demo, 3, backend="mpi")        # the same on MPI (mpiexec started for you)
-    row, events = run_train(RunSpec(world_size=4, algorithm="tree"))   # train, checked vs one device
+    if __name__ == "__main__":
+        print(launch(demo, 3))                 # three local ranks, each [6. 6. 6. 6.]
+        print(launch(demo, 3, backend="mpi"))  # the same on MPI (mpiexec started for you)
+        row, events = run_train(RunSpec(world_size=4, algorithm="tree"))  # train, checked vs one device
 
 Rooms: ``launch/`` (launch, World), ``local/`` ``mpi/`` ``torchdist/`` (one per transport),
 ``nn/`` (DistributedDataParallel, ZeroRedundancyOptimizer), ``cli/`` (the ``dplab`` command
