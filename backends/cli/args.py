@@ -273,6 +273,24 @@ def _add_bench(sub: Any) -> None:
                         "$DPLAB_DEVICE)")
 
 
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"port must be 0..65535 (0: a free one), got {value}")
+    return value
+
+
+def _add_app(sub: Any) -> None:
+    a = sub.add_parser("app", help="open the visualizer (Streamlit) in your browser",
+                       formatter_class=_Formatter,
+                       description=_wrap("Serve the dplab app (streamlit run on the packaged viz/app.py, "
+                                         "headless) and print its URL; Ctrl-C stops it. Needs the viz "
+                                         "extra: pip install 'dplab[viz]'."))
+    a.add_argument("--port", type=_port, default=0, help="port to serve on; 0 picks a free one")
+    a.add_argument("--host", default="127.0.0.1",
+                   help="address to bind; loopback keeps the app on this machine (0.0.0.0 shares it)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="dplab", description="Data-Parallel Lab: data parallelism written by hand.",
                      formatter_class=_Formatter)
@@ -282,4 +300,5 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train(sub)
     _add_compare(sub)
     _add_bench(sub)
+    _add_app(sub)
     return parser

@@ -1,10 +1,11 @@
-"""The ``dplab`` command line: train, compare, bench.
+"""The ``dplab`` command line: train, compare, bench, app.
 
     dplab train --world-size 4 --algorithm ring --steps 50 --trace run.json
     dplab compare                                   # naive/ring/tree/native x 1..4 ranks
     dplab compare --modes sync,async --straggler 1:4  # 3 s each: sync, backup workers, async
     dplab bench --world-sizes 2 --sizes 4K,16M,64M
     dplab train --checkpoint-every 10 --checkpoint-dir ck   # then, after a crash: add --resume ck
+    dplab app                                       # the visualizer, in your browser
 
 Every command prints a table; ``--json PATH`` writes the same rows as JSON.
 Bad arguments get a one-line error and exit code 2.
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from dplab.backends.cli import bench
+from dplab.backends.cli.app import run_app
 from dplab.backends.cli.args import AUTO, build_parser
 from dplab.backends.cli.checks import OutputPathError, check_args, stop_launcher_job
 from dplab.backends.cli.compare import EQUIVALENCE_DEFAULTS, RACE_DEFAULTS, compare_specs, run_specs
@@ -140,6 +142,8 @@ def _is_printer(a: argparse.Namespace) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "app":  # a server, not rows: it prints its URL and becomes streamlit
+        return run_app(args)
     command = {"train": cmd_train, "compare": cmd_compare, "bench": cmd_bench}[args.command]
     if args.device:  # read by the torch backend in every rank it starts
         os.environ["DPLAB_DEVICE"] = args.device

@@ -1,0 +1,100 @@
+"""``dplab app``: serve the visualizer, the packaged ``viz/app.py``, with ``streamlit run``.
+
+    dplab app                      # http://127.0.0.1:<a free port>, printed; Ctrl-C stops it
+    dplab app --port 8501          # a fixed port (refused at once if it is taken)
+    dplab app --host 0.0.0.0       # reachable from other machines: only where you mean it
+
+backends never imports viz (imports run viz -> backends): the app's file is found through
+``importlib.util.find_spec``, which locates the ``dplab.viz`` package without running it.
+The process becomes streamlit (``os.execv``), so Ctrl-C and SIGTERM reach the server itself
+and nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import socket
+import sys
+from pathlib import Path
+
+from dplab.reference.errors import ConfigError
+
+__all__ = ["app_path", "free_port", "streamlit_argv", "missing_viz_extra", "run_app"]
+
+VIZ_EXTRA = ("streamlit", "plotly")
+
+
+def missing_viz_extra() -> list[str]:
+    """The modules of the ``viz`` extra that are not installed (found, not imported: fast)."""
+    return [name for name in VIZ_EXTRA if importlib.util.find_spec(name) is None]
+
+
+def app_path() -> Path:
+    """``viz/app.py`` of the installed dplab, wherever the install put it (editable or wheel)."""
+    spec = importlib.util.find_spec("dplab.viz")
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    for folder in locations:
+        path = Path(folder) / "app.py"
+        if path.is_file():
+            return path
+    raise ConfigError(f"dplab's app file (viz/app.py) is not installed (looked in {locations or 'nowhere'}): "
+                      "reinstall dplab with pip install -e '.[viz]'")
+
+
+def free_port(host: str) -> int:
+    """A port the OS says is free on ``host`` now (streamlit binds it a moment later)."""
+    with socket.socket(_family(host), socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
+def _check_port(host: str, port: int) -> None:
+    """Refuse a taken port in one line, before streamlit's own longer complaint."""
+    try:
+        with socket.socket(_family(host), socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((host, port))
+    except OSError as e:
+        raise ConfigError(f"cannot serve on {host}:{port} ({e.strerror}): pick another --port, "
+                          "or leave it out for a free one") from None
+
+
+def streamlit_argv(path: Path, host: str, port: int) -> list[str]:
+    """The ``streamlit run`` command line: headless (no browser, no e-mail prompt), no telemetry,
+    no file watcher (an installed app does not change under it)."""
+    return [sys.executable, "-m", "streamlit", "run", str(path),
+            "--server.headless", "true", "--server.address", host, "--server.port", str(port),
+            "--browser.gatherUsageStats", "false", "--server.fileWatcherType", "none",
+            "--global.developmentMode", "false"]
+
+
+def url(host: str, port: int) -> str:
+    shown = "127.0.0.1" if host in ("0.0.0.0", "") else f"[{host}]" if ":" in host else host
+    return f"http://{shown}:{port}"
+
+
+def run_app(a: argparse.Namespace) -> int:
+    """Check, print the URL, then become streamlit. Returns 2 (with one line) when it cannot start."""
+    missing = missing_viz_extra()
+    if missing:
+        print(f"dplab app: error: the app needs the viz extra ({', '.join(missing)} missing): "
+              "pip install 'dplab[viz]'", file=sys.stderr, flush=True)
+        return 2
+    try:
+        path = app_path()
+        port = a.port or free_port(a.host)
+        _check_port(a.host, port)
+    except (ConfigError, OSError) as e:
+        reason = e if isinstance(e, ConfigError) else f"cannot bind {a.host} ({e.strerror}): check --host"
+        print(f"dplab app: error: {reason}", file=sys.stderr, flush=True)
+        return 2
+    print(f"dplab app: {url(a.host, port)} (Ctrl-C stops it)", flush=True)
+    argv = streamlit_argv(path, a.host, port)
+    os.execv(argv[0], argv)
+    return 0  # not reached: execv replaces this process

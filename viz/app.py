@@ -1,0 +1,25 @@
+"""The dplab app's entry: one ``st.Page`` per file under ``viz/pages/``, behind ``st.navigation``.
+
+    dplab app                       # prints http://127.0.0.1:<port>; Ctrl-C stops it
+    streamlit run viz/app.py        # the same, from a checkout
+
+Adding a page is one line in ``PAGES`` (its file under ``viz/pages/``): pages are files, so
+``st.switch_page`` and ``AppTest.switch_page("pages/<name>.py")`` reach them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import streamlit as st
+
+PAGES_DIR = Path(__file__).resolve().parent / "pages"
+
+st.set_page_config(page_title="dplab", page_icon="🔁", layout="wide")
+
+PAGES = [
+    st.Page(PAGES_DIR / "home.py", title="Home", icon="🏠", default=True),
+    st.Page(PAGES_DIR / "collectives.py", title="Collectives", icon="🔁"),
+]
+
+st.navigation(PAGES).run()
