@@ -1,0 +1,85 @@
+"""The Runs page's numbers: interval arithmetic and per-rank stats on hand-made spans (exact values)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("plotly", reason="the viz extra (plotly) is not installed")
+
+from dplab.reference.trace import Event  # noqa: E402
+from dplab.viz.timeline_metrics import (  # noqa: E402
+    find_straggler,
+    intersect,
+    measure,
+    rank_stats,
+    subtract,
+    totals,
+    union,
+)
+
+
+def test_union_merges_overlaps_and_touching_and_drops_empty() -> None:
+    assert union([(5, 9), (0, 3), (2, 4), (9, 10), (12, 12), (20, 15)]) == [(0, 4), (5, 10)]
+    assert measure([(0, 10), (2, 3), (5, 15)]) == 15
+    assert measure([]) == 0
+
+
+def test_intersect_and_subtract_exact() -> None:
+    comm = [(0, 10), (20, 30)]
+    compute = [(5, 25), (28, 40)]
+    assert intersect(comm, compute) == [(5, 10), (20, 25), (28, 30)]
+    assert subtract(comm, compute) == [(0, 5), (25, 28)]
+    assert subtract(compute, comm) == [(10, 20), (30, 40)]
+    assert subtract([(0, 10)], [(0, 10)]) == []
+    assert subtract([(0, 10)], [(2, 3), (4, 5)]) == [(0, 2), (3, 4), (5, 10)]
+    # the two parts always add up to the whole
+    assert measure(intersect(comm, compute)) + measure(subtract(comm, compute)) == measure(comm)
+
+
+def ev(rank: int, kind: str, a: int, b: int, thread: str = "main") -> Event:
+    return Event(rank, kind, a, b, thread=thread)
+
+
+def test_rank_stats_on_a_hand_made_sync_step() -> None:
+    """Rank 0: backward 0-100, a bucket 60-160 on the comm thread (with its nested all-reduce and
+    send, which must not count twice), wait 100-160, optimizer 160-170, loss all-reduce 170-190."""
+    events = [
+        ev(0, "forward", -50, 0), ev(0, "backward", 0, 100),
+        ev(0, "bucket", 60, 160, "comm"), ev(0, "allreduce", 62, 158, "comm"), ev(0, "send", 70, 90, "comm"),
+        ev(0, "wait", 100, 160), ev(0, "optimizer", 160, 170), ev(0, "allreduce", 170, 190),
+        # rank 1: a straggler, 4x the compute, its sleeps inside its backward; no waiting
+        ev(1, "forward", -50, 150), ev(1, "slowdown", 0, 150), ev(1, "backward", 150, 350),
+        ev(1, "bucket", 350, 400, "comm"), ev(1, "wait", 350, 400), ev(1, "optimizer", 400, 410),
+    ]
+    s0, s1 = rank_stats(events)
+    assert (s0.rank, s0.role, s0.span_ns) == (0, "replica", 240)
+    assert s0.compute_ns == 50 + 100 + 10
+    assert s0.comm_ns == 100 + 20  # the bucket (its all-reduce and send inside it) + the loss's
+    assert s0.overlapped_ns == 40  # bucket 60-100 under backward
+    assert s0.exposed_ns == 80  # 100-160 and 170-190
+    assert s0.overlap_pct == pytest.approx(100 * 40 / 120)
+    assert s0.wait_ns == 60 and s0.slowdown_ns == 0
+    assert (s1.compute_ns, s1.comm_ns, s1.overlapped_ns, s1.exposed_ns, s1.wait_ns, s1.slowdown_ns) == (
+        410, 50, 0, 50, 50, 150)
+    t = totals([s0, s1])
+    assert t["comm_ms"] == pytest.approx(170e-6) and t["exposed_comm_ms"] == pytest.approx(130e-6)
+    assert t["overlap_pct"] == pytest.approx(100 * 40 / 170) and t["wall_ms"] == pytest.approx(460e-6)
+    st = find_straggler([s0, s1])
+    assert (st.rank, st.slowest) == (1, 1) and st.ratio == pytest.approx(410 / 160)
+    assert st.sentence.startswith("rank 1 is the straggler: 2.6x the median compute")
+
+
+def test_parameter_server_roles_and_no_straggler_among_equals() -> None:
+    events = [
+        ev(0, "reply", 0, 10), ev(0, "apply", 30, 40),  # the server is never the straggler
+        ev(1, "wait", 0, 5), ev(1, "pull", 5, 10), ev(1, "compute", 10, 30), ev(1, "push", 30, 35),
+        ev(2, "wait", 0, 8), ev(2, "pull", 8, 12), ev(2, "compute", 12, 34), ev(2, "push", 34, 36),
+    ]
+    s0, s1, s2 = rank_stats(events)
+    assert [s.role for s in (s0, s1, s2)] == ["server", "worker", "worker"]
+    assert (s1.compute_ns, s1.comm_ns, s1.exposed_ns, s1.wait_ns, s1.overlap_pct) == (20, 10, 10, 5, 0.0)
+    assert (s0.compute_ns, s0.comm_ns) == (10, 10)
+    st = find_straggler([s0, s1, s2])
+    assert st.rank is None and st.slowest == 2 and st.ratio == pytest.approx(22 / 20)
+    assert st.sentence.startswith("no straggler")
+    assert find_straggler([s0, s1]).slowest is None  # one worker: nobody to compare with

@@ -1,0 +1,187 @@
+"""Where a real run's time went, per rank: compute, communication, how much of it was hidden.
+
+The numbers under the Runs page's timeline are computed here from the trace events, never
+read off the picture. Everything is interval arithmetic on ``[start, end)`` spans in
+nanoseconds: the union of a rank's compute spans, the union of its communication spans,
+and their intersection (communication hidden behind compute, the point of bucketing):
+
+    compute:  [ forward ][ backward ..........]           [opt]
+    comm:                    [ bucket 0 ][ bucket 1 ..........]
+    overlap:                 [ ........ ]                          exposed: [......]
+
+    from dplab.backends.cli.runs import RunSpec, run_train
+    from dplab.viz.timeline_metrics import rank_stats, find_straggler
+    row, per_rank = run_train(RunSpec(world_size=4, straggler=((1, 4.0),)), trace=True)
+    stats = rank_stats([e for events in per_rank for e in events])
+    find_straggler(stats).sentence     # "rank 1 is the straggler: ..."
+
+Spans nest (a bucket holds its all-reduce, which holds its sends; a straggler's
+``slowdown`` sleeps sit inside ``forward``/``backward``/``compute``), so every total is
+the measure of a union: nothing is counted twice.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from dplab.reference.trace import Event
+
+__all__ = ["Interval", "union", "measure", "intersect", "subtract", "COMPUTE_KINDS", "COMM_KINDS",
+           "WAIT_KINDS", "RankStats", "rank_stats", "totals", "Straggler", "find_straggler",
+           "STRAGGLER_RATIO"]
+
+Interval = tuple[int, int]  # [start, end) in ns
+
+COMPUTE_KINDS = frozenset({"forward", "backward", "optimizer", "compute", "apply"})
+# a collective (its own span and every send/receive inside it) or a parameter-server transfer
+COMM_KINDS = frozenset({"bucket", "allreduce", "broadcast", "reduce_scatter", "allgather", "reduce",
+                        "send", "copy", "pull", "push", "reply", "stop"})
+WAIT_KINDS = frozenset({"wait"})  # sync: the main thread blocked on the last bucket; async: at the gate
+STRAGGLER_RATIO = 1.5  # compute this many times the others' median before a rank is called a straggler
+
+
+def union(intervals: Iterable[Interval]) -> list[Interval]:
+    """Sorted, disjoint intervals covering exactly the same time; empty ones vanish."""
+    out: list[list[int]] = []
+    for a, b in sorted((a, b) for a, b in intervals if b > a):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def measure(intervals: Iterable[Interval]) -> int:
+    """Total time covered (overlaps counted once)."""
+    return sum(b - a for a, b in union(intervals))
+
+
+def intersect(xs: Iterable[Interval], ys: Iterable[Interval]) -> list[Interval]:
+    """The time covered by both."""
+    xs, ys = union(xs), union(ys)
+    out, i, j = [], 0, 0
+    while i < len(xs) and j < len(ys):
+        a, b = max(xs[i][0], ys[j][0]), min(xs[i][1], ys[j][1])
+        if b > a:
+            out.append((a, b))
+        if xs[i][1] < ys[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+def subtract(xs: Iterable[Interval], ys: Iterable[Interval]) -> list[Interval]:
+    """The time covered by ``xs`` and not by ``ys``."""
+    out: list[Interval] = []
+    ys = union(ys)
+    for a, b in union(xs):
+        for c, d in ys:
+            if d <= a or c >= b:
+                continue
+            if c > a:
+                out.append((a, c))
+            a = max(a, d)
+            if a >= b:
+                break
+        if b > a:
+            out.append((a, b))
+    return out
+
+
+@dataclass(frozen=True)
+class RankStats:
+    """One rank's time, in nanoseconds. ``overlap_pct``: the share of its communication hidden
+    behind its own compute (100: communication cost nothing; 0: all of it was waited for)."""
+
+    rank: int
+    role: str  # "replica" (sync), "server" or "worker" (parameter server)
+    span_ns: int  # first event's start to last event's end
+    compute_ns: int
+    comm_ns: int
+    overlapped_ns: int
+    exposed_ns: int  # communication with no compute under it
+    wait_ns: int
+    slowdown_ns: int  # a straggler's sleeps (inside its compute)
+
+    @property
+    def overlap_pct(self) -> float:
+        return 100.0 * self.overlapped_ns / self.comm_ns if self.comm_ns else 0.0
+
+    def row(self) -> dict[str, object]:
+        """A table row in milliseconds."""
+        ms = 1e-6
+        return {"rank": self.rank, "role": self.role, "compute_ms": self.compute_ns * ms,
+                "comm_ms": self.comm_ns * ms, "exposed_comm_ms": self.exposed_ns * ms,
+                "overlap_pct": self.overlap_pct, "wait_ms": self.wait_ns * ms,
+                "slowdown_ms": self.slowdown_ns * ms, "span_ms": self.span_ns * ms}
+
+
+def _role(kinds: set[str]) -> str:
+    if kinds & {"reply", "apply", "stop", "drop"}:
+        return "server"
+    return "worker" if kinds & {"pull", "push"} else "replica"
+
+
+def rank_stats(events: Iterable[Event]) -> list[RankStats]:
+    """Per rank (in rank order): compute, communication, their overlap, waiting, slowdown."""
+    by_rank: dict[int, list[Event]] = {}
+    for e in events:
+        by_rank.setdefault(e.rank, []).append(e)
+    out = []
+    for rank in sorted(by_rank):
+        evs = by_rank[rank]
+        spans = {k: [(e.t_start_ns, e.t_end_ns) for e in evs if e.kind in k]
+                 for k in (COMPUTE_KINDS, COMM_KINDS, WAIT_KINDS)}
+        compute, comm = union(spans[COMPUTE_KINDS]), union(spans[COMM_KINDS])
+        out.append(RankStats(
+            rank=rank, role=_role({e.kind for e in evs}),
+            span_ns=max(e.t_end_ns for e in evs) - min(e.t_start_ns for e in evs),
+            compute_ns=measure(compute), comm_ns=measure(comm),
+            overlapped_ns=measure(intersect(comm, compute)), exposed_ns=measure(subtract(comm, compute)),
+            wait_ns=measure(spans[WAIT_KINDS]),
+            slowdown_ns=measure((e.t_start_ns, e.t_end_ns) for e in evs if e.kind == "slowdown")))
+    return out
+
+
+def totals(stats: Sequence[RankStats]) -> dict[str, float]:
+    """The whole run in milliseconds: summed over ranks, and the share of communication hidden."""
+    comm = sum(s.comm_ns for s in stats)
+    overlapped = sum(s.overlapped_ns for s in stats)
+    return {"wall_ms": max((s.span_ns for s in stats), default=0) * 1e-6,
+            "compute_ms": sum(s.compute_ns for s in stats) * 1e-6, "comm_ms": comm * 1e-6,
+            "exposed_comm_ms": sum(s.exposed_ns for s in stats) * 1e-6,
+            "wait_ms": sum(s.wait_ns for s in stats) * 1e-6,
+            "overlap_pct": 100.0 * overlapped / comm if comm else 0.0}
+
+
+@dataclass(frozen=True)
+class Straggler:
+    """The slowest computing rank, and whether it is slow enough to be called a straggler."""
+
+    rank: int | None  # None: no rank computes STRAGGLER_RATIO times the others' median
+    slowest: int | None  # the rank with the most compute (None: fewer than two computing ranks)
+    ratio: float  # its compute over the median of the others'
+    sentence: str
+
+
+def find_straggler(stats: Sequence[RankStats], threshold: float = STRAGGLER_RATIO) -> Straggler:
+    """Name the rank whose compute most exceeds the others' (the parameter server is not a candidate)."""
+    cands = [s for s in stats if s.role != "server" and s.compute_ns > 0]
+    if len(cands) < 2:
+        return Straggler(None, None, 1.0, "no straggler: fewer than two ranks compute")
+    slow = max(cands, key=lambda s: s.compute_ns)
+    others = [s for s in cands if s is not slow]
+    median = statistics.median(s.compute_ns for s in others)
+    ratio = slow.compute_ns / median if median else float("inf")
+    wait = statistics.mean(s.wait_ns for s in others) * 1e-6
+    words = (f"{ratio:.1f}x the median compute of the others ({slow.compute_ns * 1e-6:.1f} ms vs "
+             f"{median * 1e-6:.1f} ms); the others wait {wait:.1f} ms on average, it waits "
+             f"{slow.wait_ns * 1e-6:.1f} ms")
+    if ratio >= threshold:
+        return Straggler(slow.rank, slow.rank, ratio, f"rank {slow.rank} is the straggler: {words}")
+    return Straggler(None, slow.rank, ratio,
+                     f"no straggler (none computes {threshold:g}x the others): the slowest, rank "
+                     f"{slow.rank}, takes {words}")
