@@ -2,12 +2,23 @@
 
 Round 0 is a reduce-scatter in one step: every rank r sends chunk d straight to
 its owner d, for every d != r. Round 1 is the all-gather: every owner sends its
-finished chunk to every other rank.
+finished chunk to every other rank. For p = 3 (drawn by ``dplab.reference.pictures``
+from the schedule below, through the simulator):
 
-    p = 3, round 0 (reduce)            round 1 (copy)
-    r1 --a1--> r0 <--a2-- r2           r0 --a--> r1, r2
-    r0 --b0--> r1 <--b2-- r2           r1 --b--> r0, r2
-    r0 --c0--> r2 <--c1-- r1           r2 --c--> r0, r1
+    p = 3, chunks a b c; "a01" holds rank 0's and rank 1's parts of chunk a
+    --x--> the receiver adds x, ==x==> it copies x
+    round 0
+      r0 [a0 b0 c0]  --b0--> r1  --c0--> r2
+      r1 [a1 b1 c1]  --a1--> r0  --c1--> r2
+      r2 [a2 b2 c2]  --a2--> r0  --b2--> r1
+    round 1
+      r0 [a012 b0   c0]    ==a012==> r1 r2
+      r1 [a1   b012 c1]    ==b012==> r0 r2
+      r2 [a2   b2   c012]  ==c012==> r0 r1
+    after round 1
+      r0 [a012 b012 c012]
+      r1 [a012 b012 c012]
+      r2 [a012 b012 c012]
 
 Same bytes as the ring (2(p-1)/p n per rank) in 2 rounds instead of 2(p-1), but
 each rank talks to p-1 peers per round. On a single-port network that costs

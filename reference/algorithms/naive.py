@@ -1,9 +1,21 @@
 """Naive all-reduce: everyone sends its whole buffer to a root, the root sends the sum back.
 
-    round 0 (reduce)        round 1 (broadcast)
-    r1 --buf--> r0          r0 --sum--> r1
-    r2 --buf--> r0          r0 --sum--> r2
-    r3 --buf--> r0          r0 --sum--> r3
+The whole buffer is one chunk, a; for p = 3 (drawn by ``dplab.reference.pictures``):
+
+    p = 3, chunk a; "a01" holds rank 0's and rank 1's parts of chunk a
+    --x--> the receiver adds x, ==x==> it copies x
+    round 0
+      r0 [a0]
+      r1 [a1]  --a1--> r0
+      r2 [a2]  --a2--> r0
+    round 1
+      r0 [a012]  ==a012==> r1 r2
+      r1 [a1]
+      r2 [a2]
+    after round 1
+      r0 [a012]
+      r1 [a012]
+      r2 [a012]
 
 Two rounds, but the root receives and sends (p-1) full buffers while the others
 idle: 2(p-1) n bytes through one port. The baseline every other algorithm beats.

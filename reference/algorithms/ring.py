@@ -6,14 +6,27 @@ moves 2(p-1)/p of the buffer in total: bandwidth-optimal for any p.
 
 Reduce-scatter, round k = 0..p-2: rank r sends chunk (r - k - 1) mod p to r + 1,
 which adds it to its own copy. After p-1 rounds rank r holds chunk r summed over
-all ranks (the convention of ``reduce_scatter_tensor``: rank r owns chunk r).
+all ranks (the convention of ``reduce_scatter_tensor``: rank r owns chunk r). The
+reduce-scatter for p = 3, as ``dplab.reference.pictures.render_rounds`` draws it from the
+simulator ("b02" is chunk b holding rank 0's and rank 2's contributions, b0 + b2):
 
-    p = 3, chunks a b c; "a0" is rank 0's contribution to chunk a
+    p = 3, chunks a b c; "a01" holds rank 0's and rank 1's parts of chunk a
+    --x--> the receiver adds x, ==x==> it copies x
+    round 0
+      r0 [a0 b0 c0]  --c0--> r1
+      r1 [a1 b1 c1]  --a1--> r2
+      r2 [a2 b2 c2]  --b2--> r0
+    round 1
+      r0 [a0  b02 c0]   --b02--> r1
+      r1 [a1  b1  c01]  --c01--> r2
+      r2 [a12 b2  c2]   --a12--> r0
+    after round 1
+      r0 [a012 b02  c0]
+      r1 [a1   b012 c01]
+      r2 [a12  b2   c012]
 
-    round 0                        round 1
-    r0 [a0 b0 c0] --c0--> r1       r0 [a0 b0 c02] --b0+b2--> r1  ->  r1 owns b012
-    r1 [a1 b1 c1] --a1--> r2       r1 [a01 b1 c1] --c0+c1--> r2  ->  r2 owns c012
-    r2 [a2 b2 c2] --b2--> r0       r2 [a2 b12 c2] --a0+a1--> r0  ->  r0 owns a012
+Each send carries everything its chunk has gathered so far (round 1: a12, not just a2),
+and the receiver adds its own part: after round p-2 rank r holds chunk r complete.
 
 All-gather, round k = 0..p-2: rank r sends chunk (r - k) mod p to r + 1, which
 copies it. Round 0 forwards the chunk each rank owns; later rounds pass on what

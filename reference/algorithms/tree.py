@@ -4,13 +4,18 @@ The whole buffer travels as one chunk. In reduce round k, every rank whose
 distance from the root (its "virtual rank" v = (r - root) mod p) has lowest set
 bit 2^k sends to v - 2^k, which adds it. After ceil(lg p) rounds the root holds
 the sum. The broadcast runs the same tree backwards with copies. Works for any p:
-a rank whose partner v + 2^k would be >= p just sits the round out.
+a rank whose partner v + 2^k would be >= p just sits the round out: for p = 6, rank 4
+has no partner in round 1 (it would pair with 6, which does not exist). The reduce for
+p = 6 (root 0), and the tree it builds, one line per leaf (drawn by
+``dplab.reference.pictures.render_arrows`` and ``render_tree`` from the schedule below):
 
-    reduce, p = 6 (root 0)                  the tree it builds
-    round 0:  1->0   3->2   5->4
-    round 1:  2->0   (4 would pair with 6,      0 <- 1
-                      which does not exist)     0 <- 2 <- 3
-    round 2:  4->0                              0 <- 4 <- 5
+    round 0 (adds):  1->0   3->2   5->4
+    round 1 (adds):  2->0
+    round 2 (adds):  4->0
+
+    0 <- 1
+    0 <- 2 <- 3
+    0 <- 4 <- 5
 
 The broadcast is the same arrows reversed, rounds in the opposite order.
 Latency: 2 ceil(lg p) messages on the critical path. Bandwidth: the whole buffer

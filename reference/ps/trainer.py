@@ -22,15 +22,17 @@ rule, enforced by the server when it answers a pull (s = ``staleness``, in clock
     a pull for clock c is answered only once every worker has finished clock c - s - 1,
     i.e.  min over workers of clocks_done  >=  c - s
 
-otherwise the reply waits until a push opens the gate. A fast worker (1 time unit per
-clock) beside a slow one (3 units per clock), with s = 1:
+otherwise the reply waits until a push opens the gate. A fast worker (4 time units per
+clock) beside a slow one (12 units per clock), with s = 1 (drawn by
+``dplab.reference.pictures.render_timeline`` from events the SSP ``Gate`` decides:
+``tests/test_pictures_docs.py``):
 
-    time ->        0   1   2   3   4   5   6   7   8   9
-    fast worker    [c0][c1]....[c2]........[c3]
-    slow worker    [    c0    ][    c1    ][    c2    ]
-                               ^           ^
-                               |           slow has done 2 clocks: clock 3 may start
-                               slow has done 1 clock: clock 2 may start (2 - 1 <= s)
+    time ->      0   4   8   12  16  20  24  28  32  36  40  44
+    fast worker  [c0][c1]    [c2]        [c3]
+    slow worker  [    c0    ][    c1    ][    c2    ][    c3    ]
+                             ^           ^
+                             |           slow has done 2 clocks: clock 3 may start
+                             slow has done 1 clock: clock 2 may start (2 - 1 <= s)
 
 s = 0 is lock-step (bulk synchronous), s = None never waits (fully asynchronous).
 With ``aggregate=True`` (only with s = 0) the server sums the W gradients of a clock,
@@ -45,13 +47,23 @@ when they come (``AsyncResult.dropped``). Everyone's next pull is answered as so
 clock c is applied, with the parameters of the current clock, so a worker whose
 gradient was dropped skips straight to the step in progress: nobody waits for the
 slowest, which is the point. b = 0 is plain aggregation, i.e. synchronous training.
-W = 3 workers, b = 1, worker 1 three times slower:
+W = 3 workers, b = 1, 8 clocks; worker 1 takes 13 time units per clock, workers 2 and 3
+take 4 (drawn by ``dplab.reference.pictures.render_timeline`` from events built by the
+server's own rules, ``Aggregator`` and ``decide``: ``tests/test_pictures_docs.py``):
 
-    worker 2     [c0]^ [c1]^ [c2]^ [c3]^
-    worker 3     [c0] ^[c1] ^[c2] ^[c3] ^      ^ : the second gradient of a clock
-    worker 1     [     c0     ]x[     c3     ]x   arrives and the update is applied;
-    version      0     1     2     3     4        x : worker 1's gradient, too late, is
-                                                      dropped; it pulls the clock in progress
+    time ->   0         10        20        30
+    worker 1  [     c0    ][     c3    ][     c6    ]
+    worker 2  [c0][c1][c2][c3][c4][c5][c6][c7]
+    worker 3  [c0][c1][c2][c3][c4][c5][c6][c7]
+    server        ^   ^   ^x  ^   ^   ^ x ^   ^      x
+
+    ^  the second gradient of a clock arrives: its update is applied (the version grows)
+    x  a gradient arrives after its clock's update: dropped. Worker 1's c0 lands at 13,
+       after c2's update: its next pull is answered at once with the clock in progress, c3
+
+Workers 2 and 3 never wait for worker 1: 8 updates by time 32, where waiting for it
+would take 104. Worker 1 computes c0, c3 and c6, and all three are dropped.
+
 Scaling: the surviving gradients are summed and multiplied by global_batch / (samples
 they cover), W / (W - b) for even shards: every step is a mean gradient, the step size
 of synchronous training. The BIAS: the gradients dropped are systematically those of

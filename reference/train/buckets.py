@@ -7,9 +7,15 @@ reverse order into buckets of about ``bucket_cap_mb``; the moment every gradient
 of a bucket is ready, the bucket is handed to a communication thread that
 all-reduces it while the main thread keeps computing earlier layers.
 
-    backward:   [ layer 3 ][ layer 2 ][ layer 1 ][ layer 0 ]
-    comm:                  [ bucket 0 = 3,2 ......][ bucket 1 = 1,0 ]
-                                                             ^ wait()
+Four layers, two per bucket: bucket 0 starts when layer 2's backward ENDS (its last
+gradient exists only then) and overlaps layer 1 and most of layer 0; bucket 1 can start
+only after layer 0, so ``wait()`` pays for all of it. Drawn by
+``dplab.reference.pictures.render_timeline`` from ``assign_buckets`` and the launch rule
+below, in made-up time units (the events: ``tests/test_pictures_docs.py``):
+
+    time ->  0         10        20        30        40        50        60
+    main     [ layer 3 ][ layer 2 ][ layer 1 ][ layer 0 ][      wait      ]
+    comm                           [ bucket 0 = 3,2 ]    [ bucket 1 = 1,0 ]
 
 Buckets are launched strictly in order (bucket 1 never starts before bucket 0), so
 every rank runs the same sequence of collectives even if gradients arrive in a
