@@ -1,0 +1,229 @@
+"""The app in a real browser: Debian's Chromium, driven by playwright, against ``dplab app``.
+
+    pytest -q -m browser tests/test_viz_browser.py
+    DPLAB_ARTIFACTS=/tmp/shots pytest -q -m browser tests/test_viz_browser.py   # keep the screenshots
+
+AppTest runs the pages' scripts but draws nothing: a figure whose JSON plotly.js rejects, a
+Play button that does not animate, a page that never finishes rendering all pass there. Here
+one ``dplab app`` serves the module (a free loopback port, stopped at the end) and a headless
+Chromium opens every page file under ``viz/pages/`` twice, each time as a new session: the first
+visit pays for whatever the page computes, the second finds it in ``st.cache_data``. Both times
+(navigation to rendered, see browser_helpers) go to ``render_times.json`` beside the
+screenshots, one ``<page>.png`` per page. Missing Chromium or playwright skips with the reason
+(fails under ``DPLAB_REQUIRE_BROWSER=1``, as in CI).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from browser_helpers import (
+    CHROMIUM_ARGS,
+    EXCEPTION_SELECTOR,
+    AppServer,
+    browser_missing,
+    chromium_path,
+    require_browser,
+    wait_rendered,
+)
+
+pytestmark = pytest.mark.browser
+
+PAGES_DIR = Path(__file__).resolve().parent.parent / "viz" / "pages"
+PAGE_FILES = sorted(p.stem for p in PAGES_DIR.glob("*.py") if not p.stem.startswith("_"))
+COLD_TIMEOUT_S = 120.0  # a first visit may train or bench before it draws
+WARM_TIMEOUT_S = 30.0
+VIEWPORT = {"width": 1400, "height": 900}
+ROUND_CAPTION = re.compile(r"\bround (\d+) of (\d+)", re.IGNORECASE)
+TEXT_SELECTOR = '[data-testid="stCaptionContainer"], [data-testid="stMarkdownContainer"]'
+# True once the first "round k of n" text on the page differs from the one before the click.
+CAPTION_CHANGED_JS = """([selector, before]) => {
+  const text = [...document.querySelectorAll(selector)].map(e => e.innerText)
+    .find(t => /round \\d+ of \\d+/i.test(t));
+  return text !== undefined && text !== before;
+}"""
+TIMES: dict[str, dict[str, float]] = {}
+
+
+def url_path(stem: str) -> str:
+    """The URL st.Page gives a page file: its name less a leading number (``1_runs`` -> ``runs``)."""
+    return re.sub(r"^\d+[_ -]*", "", stem)
+
+
+@pytest.fixture(scope="module")
+def artifacts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    folder = Path(os.environ["DPLAB_ARTIFACTS"]) if os.environ.get("DPLAB_ARTIFACTS") else \
+        tmp_path_factory.mktemp("browser")
+    folder.mkdir(parents=True, exist_ok=True)
+    yield folder
+    if TIMES:
+        (folder / "render_times.json").write_text(json.dumps(TIMES, indent=2) + "\n")
+        print(f"\nbrowser artifacts in {folder}: " + ", ".join(
+            f"{name} {t['first_s']:.2f}/{t['cached_s']:.2f} s" for name, t in TIMES.items()))
+
+
+@pytest.fixture(scope="module")
+def app(artifacts: Path) -> Iterator[AppServer]:
+    reason = browser_missing()
+    if reason:
+        (pytest.fail if require_browser() else pytest.skip)(reason)
+    server = AppServer(artifacts / "dplab-app.log").start()
+    try:
+        yield server
+    finally:
+        rc = server.stop()
+    assert rc in (0, -15), f"dplab app ended with {rc} on SIGTERM:\n{server.output()}"
+
+
+@pytest.fixture(scope="module")
+def browser(app: AppServer) -> Iterator[Any]:
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as pw:
+        chromium = pw.chromium.launch(executable_path=chromium_path(), headless=True,
+                                      args=list(CHROMIUM_ARGS), timeout=60_000)
+        try:
+            yield chromium
+        finally:
+            chromium.close()
+
+
+class Visit:
+    """One new session on one page: the page, its JavaScript errors, and how long it took to render."""
+
+    def __init__(self, browser: Any, url: str, timeout_s: float) -> None:
+        self.context = browser.new_context(viewport=VIEWPORT)
+        self.page = self.context.new_page()
+        self.js_errors: list[str] = []
+        self.page.on("pageerror", lambda e: self.js_errors.append(str(e)))
+        t0 = time.perf_counter()
+        self.page.goto(url, timeout=timeout_s * 1000)
+        wait_rendered(self.page, timeout_s)
+        self.render_s = time.perf_counter() - t0
+
+    def exceptions(self) -> list[str]:
+        return self.page.locator(EXCEPTION_SELECTOR).all_inner_texts()
+
+    def close(self) -> None:
+        self.context.close()
+
+
+@pytest.fixture
+def visit(browser: Any, app: AppServer) -> Iterator[Any]:
+    opened: list[Visit] = []
+
+    def open_page(stem: str, timeout_s: float = COLD_TIMEOUT_S) -> Visit:
+        opened.append(Visit(browser, f"{app.url}/{url_path(stem)}", timeout_s))
+        return opened[-1]
+
+    yield open_page
+    for v in opened:
+        v.close()
+
+
+def test_viz_browser_missing_chromium_skips_with_the_reason_and_fails_in_ci(tmp_path: Path) -> None:
+    """No browser: a visible skip that says how to install one; under DPLAB_REQUIRE_BROWSER=1 a failure."""
+    argv = [sys.executable, "-m", "pytest", "-q", "-rsf", "-p", "no:cacheprovider", __file__,
+            "-k", "every_page_file_is_in_the_navigation"]
+    env = {**os.environ, "DPLAB_CHROMIUM": str(tmp_path / "no-chromium"), "DPLAB_REQUIRE_BROWSER": "",
+           "DPLAB_ARTIFACTS": str(tmp_path)}
+    skipped = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
+    assert skipped.returncode == 0 and "1 skipped" in skipped.stdout, skipped.stdout[-2000:]
+    assert "SKIPPED" in skipped.stdout, skipped.stdout[-2000:]
+    assert "apt-get install -y chromium" in skipped.stdout, skipped.stdout[-2000:]
+    failed = subprocess.run(argv, env={**env, "DPLAB_REQUIRE_BROWSER": "1"}, capture_output=True, text=True,
+                            timeout=120)
+    assert failed.returncode == 1 and "apt-get install -y chromium" in failed.stdout, failed.stdout[-2000:]
+
+
+def test_viz_browser_every_page_file_is_in_the_navigation(visit: Any, app: AppServer) -> None:
+    """A page file that st.navigation does not list is unreachable: its URL falls back to Home."""
+    home = visit("")
+    hrefs = home.page.locator('[data-testid="stSidebarNav"] a').evaluate_all(
+        "els => els.map(e => new URL(e.href).pathname.replace(/^\\//, ''))")
+    assert "" in hrefs, f"no link to the default page in the sidebar: {hrefs}"
+    missing = [s for s in PAGE_FILES if url_path(s) not in hrefs and s != "home"]
+    assert not missing, f"viz/pages files not in st.navigation: {missing} (sidebar has {hrefs})"
+    assert len(hrefs) >= len(PAGE_FILES), (hrefs, PAGE_FILES)
+
+
+@pytest.mark.parametrize("stem", PAGE_FILES)
+def test_viz_browser_page_renders_without_exceptions(visit: Any, artifacts: Path, stem: str) -> None:
+    """Every page, as a newcomer opens it: no exception block, no JavaScript error, a title, a screenshot."""
+    first = visit(stem)
+    landed = first.page.evaluate("location.pathname").strip("/")
+    assert landed == ("" if stem == "home" else url_path(stem)), \
+        f"{stem}: /{url_path(stem)} landed on /{landed} (a page st.navigation lacks falls back to Home)"
+    assert first.exceptions() == [], f"{stem}: Streamlit exception block(s)"
+    assert first.js_errors == [], f"{stem}: JavaScript errors in the page"
+    titles = [t.strip() for t in first.page.locator("h1").all_inner_texts() if t.strip()]
+    assert titles, f"{stem}: rendered without a title"
+    charts = first.page.locator('[data-testid="stPlotlyChart"] .main-svg').count()
+    first.page.screenshot(path=str(artifacts / f"{stem}.png"), full_page=True)
+    cached = visit(stem, WARM_TIMEOUT_S)  # a second session: its runs come from st.cache_data
+    assert cached.exceptions() == [] and cached.js_errors == []
+    TIMES[stem] = {"first_s": round(first.render_s, 3), "cached_s": round(cached.render_s, 3),
+                   "plotly_svgs": charts, "title": titles[0]}
+
+
+def _round_caption(page: Any) -> str:
+    texts = page.locator(TEXT_SELECTOR).all_inner_texts()
+    found = [t for t in texts if ROUND_CAPTION.search(t)]
+    assert found, f"no 'round k of n' caption on the Collectives page: {texts[:8]}"
+    return found[0]
+
+
+@pytest.mark.skipif("collectives" not in PAGE_FILES, reason="viz/pages/collectives.py is not written yet")
+def test_viz_browser_collectives_next_changes_the_round_caption(visit: Any, artifacts: Path) -> None:
+    v = visit("collectives")
+    before = _round_caption(v.page)
+    v.page.get_by_role("button", name=re.compile(r"^\W*Next\W*$")).first.click()
+    v.page.wait_for_function(CAPTION_CHANGED_JS, arg=[TEXT_SELECTOR, before], timeout=WARM_TIMEOUT_S * 1000)
+    wait_rendered(v.page, WARM_TIMEOUT_S)
+    after = _round_caption(v.page)
+    k0, n0 = map(int, ROUND_CAPTION.search(before).groups())
+    k1, n1 = map(int, ROUND_CAPTION.search(after).groups())
+    assert (k1, n1) == (k0 + 1, n0), f"Next: {before!r} -> {after!r}"
+    assert v.exceptions() == [] and v.js_errors == []
+    v.page.screenshot(path=str(artifacts / "collectives-after-next.png"), full_page=True)
+
+
+def _slider_state(page: Any) -> list[dict[str, Any]]:
+    """Each plotly chart's first slider: its active step and how many steps (= frames) it has."""
+    return page.evaluate("""() => [...document.querySelectorAll('.js-plotly-plot')].map(el => {
+        const s = (el._fullLayout.sliders || [])[0];
+        if (!s) return null;
+        return {active: s.active, steps: s.steps.length, frames: (el._transitionData._frames || []).length};
+    })""")
+
+
+@pytest.mark.skipif("collectives" not in PAGE_FILES, reason="viz/pages/collectives.py is not written yet")
+def test_viz_browser_collectives_play_advances_the_slider(visit: Any, artifacts: Path) -> None:
+    """Play runs client-side: the slider moves while the server does nothing (no rerun per frame)."""
+    v = visit("collectives")
+    states = _slider_state(v.page)
+    animated = [i for i, s in enumerate(states) if s and s["steps"] > 1]
+    assert animated, f"no plotly chart with a slider of more than one step: {states}"
+    i = animated[0]
+    start = states[i]["active"]
+    assert states[i]["frames"] == states[i]["steps"], f"slider steps != frames: {states[i]}"
+    chart = v.page.locator(".js-plotly-plot").nth(i)
+    chart.scroll_into_view_if_needed()
+    chart.locator(".updatemenu-button", has_text="Play").first.click()
+    v.page.wait_for_function(
+        "([i, k]) => document.querySelectorAll('.js-plotly-plot')[i]._fullLayout.sliders[0].active > k",
+        arg=[i, start], timeout=WARM_TIMEOUT_S * 1000)
+    script_state = v.page.locator('[data-testid="stApp"]').get_attribute("data-test-script-state")
+    assert script_state == "notRunning", "Play reran the script: the animation must run in the browser"
+    assert _slider_state(v.page)[i]["active"] > start
+    assert v.exceptions() == [] and v.js_errors == []
+    v.page.screenshot(path=str(artifacts / "collectives-playing.png"), full_page=True)
