@@ -29,10 +29,10 @@ from typing import Any
 import plotly.graph_objects as go
 
 from dplab.reference.errors import ConfigError
-from dplab.reference.trace import Event, load_json, to_chrome
+from dplab.reference.trace import Event, load_json, save_json, to_chrome
 
-__all__ = ["Span", "lane_of", "lanes", "spans", "timeline_figure", "load_trace", "chrome_bytes",
-           "KIND_COLORS", "ALWAYS"]
+__all__ = ["Span", "lane_of", "lanes", "spans", "timeline_figure", "load_trace", "trace_bytes",
+           "chrome_bytes", "KIND_COLORS", "ALWAYS"]
 
 ALWAYS = frozenset({"slowdown"})  # drawn even when nested: the straggler's sleep is the story
 KIND_COLORS = {
@@ -107,7 +107,8 @@ def timeline_figure(events: Sequence[Event], detail: bool = False, title: str = 
     bars = spans(events, detail)
     order = lanes(events)
     fig = go.Figure()
-    kinds = sorted({s.kind for s in bars}, key=lambda k: min(s.depth for s in bars if s.kind == k))
+    known = list(KIND_COLORS)
+    kinds = sorted({s.kind for s in bars}, key=lambda k: (known.index(k) if k in known else len(known), k))
     for kind in kinds:
         mine = [s for s in bars if s.kind == kind]
         fig.add_trace(go.Bar(
@@ -139,6 +140,14 @@ def load_trace(data: bytes) -> tuple[list[Event], dict[str, Any]]:
     if not events:
         raise ConfigError("the trace file holds no events: record one with `dplab train --trace PATH`")
     return events, meta
+
+
+def trace_bytes(events: Iterable[Event], meta: dict[str, Any] | None = None) -> bytes:
+    """A trace file as ``dplab train --trace PATH`` writes it (``save_json``); ``load_trace`` reads it."""
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "trace.json"
+        save_json(path, events, meta)
+        return path.read_bytes()
 
 
 def chrome_bytes(events: Iterable[Event]) -> bytes:
