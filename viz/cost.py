@@ -152,7 +152,8 @@ def crossovers(params: CostParams, points: int = 97) -> list[Crossover]:
     for a, b in combinations(params.algorithms, 2):
         def diff(n: int, a: str = a, b: str = b) -> float:
             return model_time(a, n, params) - model_time(b, n, params)
-        signs = [tolerant_sign(a, b, n, params) for n in sizes]
+        tol = tie_tolerance(a, b, params)
+        signs = [0 if abs(d) <= tol else _sign(d) for d in map(diff, sizes)]
         last_i = None
         for i, si in enumerate(signs):
             if si == 0:
