@@ -141,3 +141,13 @@ def test_a_short_bench_runs_now_and_is_fitted():
     assert len(fit) == 1  # ring, tree, naive at two sizes; native and memcpy are not fitted
     names = [d["name"] for d in figure(at)["data"]]
     assert {"ring (local, measured)", "native (local, measured)", "ring (local, fitted)"} <= set(names)
+
+
+def test_the_app_lists_the_cost_page_and_reaches_it():
+    app = Path(PAGE).parents[1] / "app.py"
+    at = AppTest.from_file(str(app), default_timeout=60).run()
+    assert "Cost" in [link.proto.label for link in at.get("page_link")]
+    at.switch_page("pages/cost.py").run()
+    assert not at.exception
+    assert at.title[0].value == "Cost: α, β, γ against message size"
+    assert "Crossover: tree beats ring below 91.9 KiB at p=8." in captions(at)
