@@ -8,7 +8,7 @@ down to a whole element by bisection on the cost model itself, so "tree beats ri
 
     from dplab.viz.cost import CostParams, crossovers, cost_figure
     params = CostParams(alpha_s=5e-6, beta_gbps=10, world_size=8)
-    [c.sentence() for c in crossovers(params)]   # ['tree beats ring below 91.9 KiB at p=8', ...]
+    [c.sentence() for c in crossovers(params)]   # [..., 'tree beats ring below 91.9 KiB at p=8']
     cost_figure(params).show()
 
 The page (``viz/pages/cost.py``) only wires controls to these functions; the measured side
