@@ -38,7 +38,7 @@ def test_app_path_is_the_packaged_file_and_viz_is_not_imported():
 
 def test_streamlit_argv_is_headless_on_the_given_address():
     argv = cli_app.streamlit_argv(Path("/x/app.py"), "127.0.0.1", 8123)
-    assert argv[1:5] == ["-m", "streamlit", "run", "/x/app.py"]
+    assert argv[1] == "-c" and "uses_pages_directory = False" in argv[2] and argv[3:5] == ["run", "/x/app.py"]
     flags = dict(zip(argv[5::2], argv[6::2]))
     assert flags["--server.headless"] == "true"
     assert flags["--server.address"] == "127.0.0.1" and flags["--server.port"] == "8123"

@@ -18,8 +18,8 @@ PAGES_DIR = Path(__file__).resolve().parent / "pages"
 st.set_page_config(page_title="dplab", page_icon="🔁", layout="wide")
 
 PAGES = [
-    st.Page(PAGES_DIR / "home.py", title="Home", icon="🏠", default=True),
-    st.Page(PAGES_DIR / "collectives.py", title="Collectives", icon="🔁"),
+    st.Page(PAGES_DIR / "home.py", title="Home", icon=":material/home:", default=True),
+    st.Page(PAGES_DIR / "collectives.py", title="Collectives", icon=":material/sync_alt:"),
     st.Page(PAGES_DIR / "cost.py", title="Cost", icon="📈"),
 ]
 

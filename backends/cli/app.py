@@ -65,10 +65,19 @@ def _check_port(host: str, port: int) -> None:
                           "or leave it out for a free one") from None
 
 
+# ``streamlit run``, except that the folder ``viz/pages/`` beside ``viz/app.py`` must not switch on
+# Streamlit's old pages-directory mode: in it, a first request for a deep link (/collectives) runs
+# that page alone, without app.py's st.navigation (wrong sidebar, every file listed). app.py's
+# st.navigation turns the mode off itself, but only once some session has run app.py.
+STREAMLIT_MAIN = ("import sys; from streamlit.runtime.pages_manager import PagesManager; "
+                  "PagesManager.uses_pages_directory = False; from streamlit.web.cli import main; "
+                  "sys.argv[0] = 'streamlit'; sys.exit(main())")
+
+
 def streamlit_argv(path: Path, host: str, port: int) -> list[str]:
     """The ``streamlit run`` command line: headless (no browser, no e-mail prompt), no telemetry,
     no file watcher (an installed app does not change under it)."""
-    return [sys.executable, "-m", "streamlit", "run", str(path),
+    return [sys.executable, "-c", STREAMLIT_MAIN, "run", str(path),
             "--server.headless", "true", "--server.address", host, "--server.port", str(port),
             "--browser.gatherUsageStats", "false", "--server.fileWatcherType", "none",
             "--global.developmentMode", "false"]

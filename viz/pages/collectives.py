@@ -112,10 +112,10 @@ second = _build(CollectiveConfig(**{**cfg.__dict__, "algorithm": vs})) if vs != 
 last = max(w.rounds, second[0].rounds if second else 0)
 st.session_state[ROUND] = min(st.session_state[ROUND], last)
 buttons = st.columns([1, 1, 1, 1, 6])
-buttons[0].button("⏮ First", key="coll_first", on_click=_go, args=(0,))
+buttons[0].button("First", key="coll_first", on_click=_go, args=(0,))
 buttons[1].button("◀ Prev", key="coll_prev", on_click=_go, args=(st.session_state[ROUND] - 1,))
 buttons[2].button("Next ▶", key="coll_next", on_click=_go, args=(min(st.session_state[ROUND] + 1, last),))
-buttons[3].button("Last ⏭", key="coll_last", on_click=_go, args=(last,))
+buttons[3].button("Last", key="coll_last", on_click=_go, args=(last,))
 k = st.session_state[ROUND]
 st.query_params[ROUND] = str(k)
 if second is None:
