@@ -10,8 +10,11 @@ browser or package skips with the reason, unless ``DPLAB_REQUIRE_BROWSER=1`` (CI
 there a skip would hide that the app was never opened, so it fails instead.
 
 "Rendered" means what a person waiting for the page would say: Streamlit's script has finished
-(``data-test-script-state="notRunning"`` on a connected app), no spinner is showing, and every
-plotly chart has drawn its SVG (plotly's JavaScript loads lazily, a second after the script).
+(``data-test-script-state="notRunning"`` on a connected app), no spinner is showing, no element
+is still a placeholder (``stSkeleton``: plotly charts and dataframes are lazy-loaded components
+that arrive up to two seconds after the script has finished) and every plotly chart has drawn its
+SVG; and all of that still holds CONFIRM_S later (a rerun the first run triggers starts from a
+finished state too).
 """
 
 from __future__ import annotations
@@ -38,13 +41,14 @@ CHROMIUM_ARGS = ("--no-sandbox", "--disable-gpu", "--disable-background-networki
 EXCEPTION_SELECTOR = '[data-testid="stException"]'
 HEALTH_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 10.0
+CONFIRM_S = 0.3
 
 # True once the page is rendered (see the module docstring); evaluated in the page by wait_for_function.
 RENDERED_JS = """() => {
   const app = document.querySelector('[data-testid="stApp"]');
   if (!app || app.dataset.testScriptState !== 'notRunning' || app.dataset.testConnectionState !== 'CONNECTED')
     return false;
-  if (document.querySelector('[data-testid="stSpinner"]')) return false;
+  if (document.querySelector('[data-testid="stSpinner"], [data-testid="stSkeleton"]')) return false;
   const charts = [...document.querySelectorAll('[data-testid="stPlotlyChart"]')];
   return charts.every(c => c.querySelector('.js-plotly-plot .main-svg'));
 }"""
@@ -145,6 +149,15 @@ def _signal_group(pid: int, sig: int) -> None:
         pass
 
 
-def wait_rendered(page: Any, timeout_s: float) -> None:
-    """Block until ``page`` is rendered (RENDERED_JS), or raise playwright's TimeoutError."""
-    page.wait_for_function(RENDERED_JS, timeout=timeout_s * 1000, polling=50)
+def wait_rendered(page: Any, timeout_s: float) -> float:
+    """Block until ``page`` is rendered (RENDERED_JS, confirmed CONFIRM_S later), or raise playwright's
+    TimeoutError. Returns the seconds from the call to the confirmed render's first sighting."""
+    t0 = time.perf_counter()
+    deadline = t0 + timeout_s
+    while True:
+        left_ms = max(1.0, (deadline - time.perf_counter()) * 1000)
+        page.wait_for_function(RENDERED_JS, timeout=left_ms, polling=50)
+        seen = time.perf_counter() - t0
+        page.wait_for_timeout(CONFIRM_S * 1000)
+        if page.evaluate(RENDERED_JS):
+            return seen
