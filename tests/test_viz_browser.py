@@ -222,6 +222,12 @@ def _slider_state(page: Any) -> list[dict[str, Any]]:
     })""")
 
 
+def _colorscales(page: Any, i: int) -> list[Any]:
+    """The colour scales plotly.js draws chart ``i``'s traces with (resolved, as on screen)."""
+    return page.evaluate("(i) => document.querySelectorAll('.js-plotly-plot')[i]._fullData"
+                         ".map(t => t.colorscale || null)", i)
+
+
 @pytest.mark.skipif("collectives" not in PAGE_FILES, reason="viz/pages/collectives.py is not written yet")
 def test_viz_browser_collectives_play_advances_the_slider(visit: Any, artifacts: Path) -> None:
     """Play runs client-side: the slider moves while the server does nothing (no rerun per frame)."""
@@ -231,6 +237,7 @@ def test_viz_browser_collectives_play_advances_the_slider(visit: Any, artifacts:
     assert animated, f"no plotly chart with a slider of more than one step: {states}"
     i = animated[0]
     start = states[i]["active"]
+    scales_before = _colorscales(v.page, i)
     assert states[i]["frames"] == states[i]["steps"], f"slider steps != frames: {states[i]}"
     chart = v.page.locator(".js-plotly-plot").nth(i)
     chart.scroll_into_view_if_needed()
@@ -241,5 +248,8 @@ def test_viz_browser_collectives_play_advances_the_slider(visit: Any, artifacts:
     script_state = v.page.locator('[data-testid="stApp"]').get_attribute("data-test-script-state")
     assert script_state == "notRunning", "Play reran the script: the animation must run in the browser"
     assert _slider_state(v.page)[i]["active"] > start
+    # A colour must mean the same count in every frame: plotly.py spells a named scale out in the
+    # frames, while plotly.js resolves the same name (its own, reversed "Blues") in the first view.
+    assert _colorscales(v.page, i) == scales_before, "the colour scale changed when Play started"
     assert v.exceptions() == [] and v.js_errors == []
     v.screenshot(artifacts / "collectives-playing.png")

@@ -16,6 +16,7 @@ test can read the transfers back (``arrows``).
 from __future__ import annotations
 
 import numpy as np
+import plotly.colors
 import plotly.graph_objects as go
 
 from dplab.reference.schedule import Transfer, chunk_bounds
@@ -24,6 +25,9 @@ from dplab.viz.collectives import COLLECTIVES, MAX_VALUES_N, Frame, Walkthrough,
 __all__ = ["figure", "figure_spec", "at_frame", "arrows", "frame_title", "OP_COLOURS", "PLAY_MS"]
 
 OP_COLOURS = {"reduce": "#e4572e", "copy": "#2e86ab"}
+# Spelled out: plotly.py resolves a named scale in frames, plotly.js in the first view, and their
+# "Blues" run opposite ways (the colours flipped when Play started).
+BLUES = [[i / 8, c] for i, c in enumerate(plotly.colors.sequential.Blues)]
 PLAY_MS = 700  # one round per 0.7 s: the p=16 ring's 30 rounds take 21 s
 
 
@@ -97,7 +101,7 @@ def _heatmap(w: Walkthrough, f: Frame) -> dict:
     p = w.config.world_size
     return dict(type="heatmap", z=z.tolist(), text=labels, customdata=hover, texttemplate="%{text}",
                 hovertemplate="%{customdata}<extra></extra>", zmin=0, zmax=max(p, 1),
-                colorscale="Blues", colorbar=dict(title=dict(text="ranks held"), thickness=12),
+                colorscale=BLUES, colorbar=dict(title=dict(text="ranks held"), thickness=12),
                 x=list(range(w.schedule.num_chunks)), y=list(range(p)), xgap=2, ygap=2)
 
 
