@@ -83,3 +83,24 @@ def test_parameter_server_roles_and_no_straggler_among_equals() -> None:
     assert st.rank is None and st.slowest == 2 and st.ratio == pytest.approx(22 / 20)
     assert st.sentence.startswith("no straggler")
     assert find_straggler([s0, s1]).slowest is None  # one worker: nobody to compare with
+
+
+def step(rank: int, kind: str, a: int, b: int, n: int, key: str = "step") -> Event:
+    return Event(rank, kind, a, b, extra={key: n})
+
+
+def test_one_preempted_step_makes_no_straggler_but_every_slow_step_does() -> None:
+    """Rank 0 loses 50 units to the scheduler in one of three steps: its total is 2.9x rank 1's, its
+    median step is not; rank 2 is slow in every step (the median step sees it)."""
+    fast = [step(1, "forward", 10 * n, 10 * n + 2, n) for n in range(3)] + [
+        step(1, "backward", 10 * n + 2, 10 * n + 10, n) for n in range(3)]
+    hiccup = [step(0, "forward", 0, 60, 0), step(0, "forward", 100, 110, 1), step(0, "forward", 200, 210, 2)]
+    s0, s1 = rank_stats(hiccup + fast)
+    assert (s0.compute_ns, s1.compute_ns) == (80, 30) and (s0.step_compute_ns, s1.step_compute_ns) == (10, 10)
+    st = find_straggler([s0, s1])
+    assert st.rank is None and st.ratio == 1.0 and "per step" in st.sentence
+    slow = [step(2, "compute", 100 * n, 100 * n + 40, n, "clock") for n in range(3)]
+    s2 = rank_stats(slow)[0]
+    assert s2.step_compute_ns == 40
+    st = find_straggler([s0, s1, s2])
+    assert (st.rank, st.ratio) == (2, 4.0)

@@ -39,9 +39,10 @@ COMPUTE_KINDS = frozenset({"forward", "backward", "optimizer", "compute", "apply
 COMM_KINDS = frozenset({"bucket", "allreduce", "broadcast", "reduce_scatter", "allgather", "reduce",
                         "send", "copy", "pull", "push", "reply", "stop"})
 WAIT_KINDS = frozenset({"wait"})  # sync: the main thread blocked on the last bucket; async: at the gate
-# A straggler computes this many times the others' median. Measured, 4 ranks on two cores, hidden 256,
-# 10 steps: 1.0-1.8x with none, 2.5-4.8x with a 4x straggler (hidden 16: 0.2 ms steps, where the
-# scheduler's noise alone reached 29x).
+# A straggler's median step computes this many times the others'. Measured here, 4 ranks on two busy
+# cores (load 5-7), default model, 10 steps, 8 runs each: 1.1-1.4x with none and 3.0-4.7x with a 4x
+# straggler (sync), 1.0-1.1x and 3.9-4.2x (async); 2 ranks, a 8x straggler: 7.5-14.5x. Totals instead of
+# the median step reached 29x with no straggler at all (one step preempted by the operating system will do).
 STRAGGLER_RATIO = 2.0
 
 
@@ -108,6 +109,7 @@ class RankStats:
     exposed_ns: int  # communication with no compute under it
     wait_ns: int
     slowdown_ns: int  # a straggler's sleeps (inside its compute)
+    step_compute_ns: float = 0.0  # the median step's (clock's) compute: a preempted step does not move it
 
     @property
     def overlap_pct(self) -> float:
@@ -119,13 +121,24 @@ class RankStats:
         return {"rank": self.rank, "role": self.role, "compute_ms": self.compute_ns * ms,
                 "comm_ms": self.comm_ns * ms, "exposed_comm_ms": self.exposed_ns * ms,
                 "overlap_pct": self.overlap_pct, "wait_ms": self.wait_ns * ms,
-                "slowdown_ms": self.slowdown_ns * ms, "span_ms": self.span_ns * ms}
+                "slowdown_ms": self.slowdown_ns * ms, "step_compute_ms": self.step_compute_ns * ms,
+                "span_ms": self.span_ns * ms}
 
 
 def _role(kinds: set[str]) -> str:
     if kinds & {"reply", "apply", "stop", "drop"}:
         return "server"
     return "worker" if kinds & {"pull", "push"} else "replica"
+
+
+def _step_compute(evs: list[Event]) -> float:
+    """The median over steps (sync) or clocks (async) of the compute time inside each."""
+    steps: dict[int, list[Interval]] = {}
+    for e in evs:
+        key = e.extra.get("step", e.extra.get("clock"))
+        if e.kind in COMPUTE_KINDS and key is not None:
+            steps.setdefault(key, []).append((e.t_start_ns, e.t_end_ns))
+    return float(statistics.median(measure(v) for v in steps.values())) if steps else 0.0
 
 
 def rank_stats(events: Iterable[Event]) -> list[RankStats]:
@@ -145,7 +158,8 @@ def rank_stats(events: Iterable[Event]) -> list[RankStats]:
             compute_ns=measure(compute), comm_ns=measure(comm),
             overlapped_ns=measure(intersect(comm, compute)), exposed_ns=measure(subtract(comm, compute)),
             wait_ns=measure(spans[WAIT_KINDS]),
-            slowdown_ns=measure((e.t_start_ns, e.t_end_ns) for e in evs if e.kind == "slowdown")))
+            slowdown_ns=measure((e.t_start_ns, e.t_end_ns) for e in evs if e.kind == "slowdown"),
+            step_compute_ns=_step_compute(evs)))
     return out
 
 
@@ -171,18 +185,24 @@ class Straggler:
 
 
 def find_straggler(stats: Sequence[RankStats], threshold: float = STRAGGLER_RATIO) -> Straggler:
-    """Name the rank whose compute most exceeds the others' (the parameter server is not a candidate)."""
+    """Name the rank whose compute most exceeds the others' (the parameter server is not a candidate).
+
+    Compared per step (the median step's compute) when every rank's spans say their step, so one
+    step preempted by the operating system does not make a straggler; the totals otherwise.
+    """
     cands = [s for s in stats if s.role != "server" and s.compute_ns > 0]
     if len(cands) < 2:
         return Straggler(None, None, 1.0, "no straggler: fewer than two ranks compute")
-    slow = max(cands, key=lambda s: s.compute_ns)
+    per_step = all(s.step_compute_ns > 0 for s in cands)
+    of = (lambda s: s.step_compute_ns) if per_step else (lambda s: float(s.compute_ns))
+    slow = max(cands, key=of)
     others = [s for s in cands if s is not slow]
-    median = statistics.median(s.compute_ns for s in others)
-    ratio = slow.compute_ns / median if median else float("inf")
+    median = statistics.median(of(s) for s in others)
+    ratio = of(slow) / median if median else float("inf")
     wait = statistics.mean(s.wait_ns for s in others) * 1e-6
-    words = (f"{ratio:.1f}x the median compute of the others ({slow.compute_ns * 1e-6:.1f} ms vs "
-             f"{median * 1e-6:.1f} ms); the others wait {wait:.1f} ms on average, it waits "
-             f"{slow.wait_ns * 1e-6:.1f} ms")
+    words = (f"{ratio:.1f}x the median compute{' per step' if per_step else ''} of the others "
+             f"({of(slow) * 1e-6:.2f} ms vs {median * 1e-6:.2f} ms); the others wait {wait:.1f} ms in all "
+             f"on average, it waits {slow.wait_ns * 1e-6:.1f} ms")
     if ratio >= threshold:
         return Straggler(slow.rank, slow.rank, ratio, f"rank {slow.rank} is the straggler: {words}")
     return Straggler(None, slow.rank, ratio,

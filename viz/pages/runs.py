@@ -29,7 +29,7 @@ FACTORS = (1.5, 2.0, 3.0, 4.0, 6.0, 8.0)
 # key -> (default, parse from the URL); the URL's parameter is the key without "runs_"
 CONTROLS = {
     "runs_source": ("run", str), "runs_world_size": (4, int), "runs_mode": ("sync", str),
-    "runs_algorithm": ("ring", str), "runs_bucket_mb": (0.0005, float), "runs_hidden": (256, int),
+    "runs_algorithm": ("ring", str), "runs_bucket_mb": (0.0005, float), "runs_hidden": (16, int),
     "runs_steps": (10, int), "runs_staleness": ("1", str), "runs_backup": (1, int),
     "runs_straggler": ("none", str), "runs_factor": (4.0, float),
     "runs_detail": (False, lambda v: v == "True"),
@@ -78,8 +78,7 @@ def run_controls() -> tuple[dict, list[Event]] | None:
     steps = c[2].number_input("steps (clocks in async)", 1, 50, step=1, key="runs_steps")
     keep("runs_hidden", HIDDEN)
     hidden = c[3].selectbox("hidden width (2 layers)", HIDDEN, key="runs_hidden",
-                            help="a wider model computes longer: more communication can hide behind it, "
-                                 "and compute stands out of the scheduler's noise (16 is a 0.2 ms step)")
+                            help="a wider model computes longer, so more communication can hide behind it")
     c = st.columns(4)
     keep("runs_algorithm", ALGORITHMS)
     keep("runs_bucket_mb", BUCKETS_MB)
