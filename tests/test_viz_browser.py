@@ -253,3 +253,32 @@ def test_viz_browser_collectives_play_advances_the_slider(visit: Any, artifacts:
     assert _colorscales(v.page, i) == scales_before, "the colour scale changed when Play started"
     assert v.exceptions() == [] and v.js_errors == []
     v.screenshot(artifacts / "collectives-playing.png")
+
+
+# Per-frame timestamps of a chart's animation, from plotly's own event (performance.now(), ms).
+RECORD_FRAMES_JS = """(i) => { const gd = document.querySelectorAll('.js-plotly-plot')[i];
+  window.__frames = []; gd.on('plotly_animatingframe', () => window.__frames.push(performance.now())); }"""
+
+
+@pytest.mark.skipif("collectives" not in PAGE_FILES, reason="viz/pages/collectives.py is not written yet")
+def test_viz_browser_collectives_deep_link_p16_ring_animates_smoothly(visit: Any, artifacts: Path) -> None:
+    """A link opens the p=16 ring at round 3 of 30; Play then draws frame after frame at its pace."""
+    v = visit("collectives?coll_collective=allreduce&coll_algorithm=ring&coll_p=16&coll_n=64&coll_round=2")
+    assert ROUND_CAPTION.search(_round_caption(v.page)).groups() == ("3", "30")
+    i = next(j for j, s in enumerate(_slider_state(v.page)) if s)
+    assert _slider_state(v.page)[i] == {"active": 2, "steps": 31, "frames": 31}
+    v.page.evaluate(RECORD_FRAMES_JS, i)
+    chart = v.page.locator(".js-plotly-plot").nth(i)
+    chart.scroll_into_view_if_needed()
+    chart.locator(".updatemenu-button", has_text="Play").first.click()
+    frames = 6
+    v.page.wait_for_function(f"() => window.__frames.length > {frames}", timeout=WARM_TIMEOUT_S * 1000)
+    stamps = v.page.evaluate("window.__frames")
+    gaps = [b - a for a, b in zip(stamps, stamps[1:])]
+    play_ms = v.page.evaluate("(i) => document.querySelectorAll('.js-plotly-plot')[i]"
+                              ".layout.updatemenus[0].buttons[0].args[1].frame.duration", i)
+    record = {"play_ms": play_ms, "gaps_ms": [round(g, 1) for g in gaps]}
+    (artifacts / "p16_ring_frame_gaps_ms.json").write_text(json.dumps(record) + "\n")
+    assert v.exceptions() == [] and v.js_errors == []
+    assert max(gaps) < play_ms + 1000, f"frames drawn {gaps} ms apart, asked for {play_ms} ms"
+    v.screenshot(artifacts / "collectives-p16-ring.png")
