@@ -119,3 +119,15 @@ def test_load_a_trace_file_shows_its_computed_numbers() -> None:
 
     at.get("file_uploader")[0].set_value(("bad.json", b'{"traceEvents": []}', "application/json")).run()
     assert at.error and "not a dplab trace file" in at.error[0].value
+
+
+def test_reached_through_the_app() -> None:
+    """The app lists the page: switch to it from the entry, deep link and all."""
+    at = AppTest.from_file(str(VIZ / "app.py"), default_timeout=60)
+    at.query_params["world_size"] = "2"
+    at.query_params["steps"] = "2"
+    at.run()
+    at.switch_page("pages/runs.py").run()
+    assert not at.exception and not at.error
+    assert at.title[0].value == "Runs" and metrics(at)["straggler"] in {"none", "rank 0", "rank 1"}
+    assert figure(at)["layout"]["yaxis"]["categoryarray"][0] == "rank 0 · main"

@@ -20,6 +20,7 @@ st.set_page_config(page_title="dplab", page_icon="🔁", layout="wide")
 PAGES = [
     st.Page(PAGES_DIR / "home.py", title="Home", icon=":material/home:", default=True),
     st.Page(PAGES_DIR / "collectives.py", title="Collectives", icon=":material/sync_alt:"),
+    st.Page(PAGES_DIR / "runs.py", title="Runs", icon=":material/timeline:"),
     st.Page(PAGES_DIR / "cost.py", title="Cost", icon="📈"),
 ]
 
