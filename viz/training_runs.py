@@ -50,7 +50,7 @@ from dplab.reference.ps.trainer import LogEntry, worker_batch
 from dplab.reference.trace import Event
 from dplab.reference.train.single import TrainConfig, setup, train_single
 
-__all__ = ["TrainingGrid", "Cell", "run_grid", "run_cell", "Progress"]
+__all__ = ["TrainingGrid", "Cell", "run_grid", "run_cell", "sync_steps", "fill_sync", "Progress"]
 
 Progress = Callable[[int, int, str], None]  # (done, total, what just finished)
 
@@ -179,13 +179,18 @@ def run_cell(spec: RunSpec, world: World, points: int = 20) -> Cell:
     return cell
 
 
-def _equivalence(spec: RunSpec, world: World) -> tuple[list[np.ndarray], dict[str, Any]]:
-    """Per-step parameters of a sync spec: one run (no straggler) that checkpoints every step."""
+def sync_steps(spec: RunSpec, world: World | None = None) -> list[np.ndarray]:
+    """Per-step parameters of a sync spec: one more run (no straggler) that checkpoints every step.
+
+    ``world``: a World of ``spec.world_size`` ranks to run on; None starts one for this run.
+    """
+    if world is None:
+        with World(spec.world_size, spec.backend) as fresh:
+            return sync_steps(spec, fresh)
     with tempfile.TemporaryDirectory(prefix="dplab-viz-") as d:
         ckpt = CheckpointConfig(every=1, directory=d)
-        row, _ = run_train(replace(spec, straggler=(), checkpoint=ckpt), world)
-        params = [load_checkpoint(p).params for p in list_checkpoints(d).checkpoints]
-    return params, row
+        run_train(replace(spec, straggler=(), checkpoint=ckpt), world)
+        return [load_checkpoint(p).params for p in list_checkpoints(d).checkpoints]
 
 
 def run_grid(grid: TrainingGrid, on_progress: Progress | None = None) -> list[Cell]:
@@ -199,18 +204,18 @@ def run_grid(grid: TrainingGrid, on_progress: Progress | None = None) -> list[Ce
         for spec in specs:
             cells.append(run_cell(spec, world, grid.points))
             if on_progress:
-                on_progress(len(cells), total, f"{cells[-1].label} straggler {cells[-1].straggler}")
+                on_progress(len(cells), total, f"{cells[-1].label}, straggler {cells[-1].straggler}")
         sync = [c for c in cells if c.row["mode"] == "sync"]
         if sync:
-            params, _ = _equivalence(sync[0].spec, world)
-            _fill_sync(sync, params, grid.train_config())
+            fill_sync(sync, sync_steps(sync[0].spec, world), grid.train_config())
         if on_progress:
             on_progress(total, total, "per-step equivalence")
     return cells
 
 
-def _fill_sync(sync: list[Cell], params: list[np.ndarray], cfg: TrainConfig) -> None:
-    """Losses and the per-step difference from one device, from the checkpointed run's parameters."""
+def fill_sync(sync: list[Cell], params: list[np.ndarray], cfg: TrainConfig) -> None:
+    """Losses and the per-step difference from one device, from the checkpointed run's parameters
+    (``sync_steps``); every sync cell must have ended on the same bits as that run."""
     if len(params) != cfg.steps:
         raise ConfigError(f"the equivalence run left {len(params)} checkpoints for {cfg.steps} steps")
     loss = _loss(cfg)
@@ -222,5 +227,5 @@ def _fill_sync(sync: list[Cell], params: list[np.ndarray], cfg: TrainConfig) -> 
         if not c.same_bits:
             raise ConfigError(f"sync run (straggler {c.straggler}) ended on other bits than the "
                               "checkpointed run of the same spec: the per-step curve would not be its own")
-        c.losses += losses
+        c.losses = c.losses[:1] + losses
         c.diffs = diffs

@@ -1,0 +1,183 @@
+"""Training: sync vs backup workers vs a staleness grid, with and without a straggler, from real runs.
+
+    dplab app                      # then the Training page
+    dplab compare --modes sync,async,backup --world-sizes 4 --staleness-grid 0,2,inf --steps 20
+                                   # the same grid's rows on the command line (one setting of straggler)
+
+The runs go through ``dplab compare``'s own functions (``compare_specs``, ``run_train``) on the
+local backend, cached by their configuration (``dplab.viz.training_runs``); the figures are
+``dplab.viz.training``'s. Controls live in the URL (deep links).
+"""
+
+from __future__ import annotations
+
+import streamlit as st
+
+from dplab.backends.cli.runs import straggler_label
+from dplab.backends.launch.world import World
+from dplab.reference.errors import DplabError
+from dplab.viz.training import (
+    X_TITLES,
+    delay_counts,
+    delay_figure,
+    equivalence_figure,
+    loss_figure,
+    straggler_cost,
+    summary_rows,
+    throughput_figure,
+)
+from dplab.viz.training_runs import Cell, TrainingGrid, fill_sync, run_cell, sync_steps
+
+STALENESS = ("0", "1", "2", "4", "inf")
+FACTORS = (1.0, 2.0, 4.0, 8.0, 16.0)
+HIDDEN = (32, 128, 256)
+
+
+def _csv(raw: str) -> list[str]:
+    return [v for v in raw.split(",") if v]
+
+
+# key -> (default, parse from the URL); the URL's parameter is the key without "training_"
+CONTROLS = {
+    "training_world_size": (4, int), "training_steps": (20, int),
+    "training_staleness": (["0", "2", "inf"], _csv),
+    "training_backup": ([1], lambda v: [int(x) for x in _csv(v)]),
+    "training_factor": (8.0, float), "training_hidden": (128, int),
+}
+
+BOUNDS = {"training_world_size": (3, 6), "training_steps": (2, 50)}
+
+
+def from_url() -> None:
+    """Seed each control from the URL once per session (a bad value falls back to the default)."""
+    for key, (default, parse) in CONTROLS.items():
+        if key not in st.session_state:
+            raw = st.query_params.get(key.removeprefix("training_"))
+            try:
+                st.session_state[key] = default if raw is None else parse(raw)
+            except ValueError:
+                st.session_state[key] = default
+    for key, (lo, hi) in BOUNDS.items():  # a number input refuses a value outside its range
+        if not lo <= st.session_state[key] <= hi:
+            st.session_state[key] = CONTROLS[key][0]
+
+
+def to_url() -> None:
+    def text(v: object) -> str:
+        return ",".join(str(x) for x in v) if isinstance(v, list) else str(v)
+    st.query_params.update({k.removeprefix("training_"): text(st.session_state[k]) for k in CONTROLS})
+
+
+Args = tuple  # (world_size, steps, staleness, backup, factor, hidden): what the cache is keyed by
+
+
+def grid_of(args: Args) -> TrainingGrid:
+    p, steps, staleness, backup, factor, hidden = args
+    return TrainingGrid(world_size=p, steps=steps, staleness=staleness, backup_workers=backup,
+                        straggler_factor=factor, hidden=(hidden,))
+
+
+@st.cache_data(show_spinner=False, max_entries=256)
+def make_cell(args: Args, index: int) -> Cell:
+    """Cell ``index`` of the grid: one real run on freshly forked local ranks, cached."""
+    grid = grid_of(args)
+    with World(grid.world_size, "local") as world:
+        return run_cell(grid.specs()[index], world, grid.points)
+
+
+@st.cache_data(show_spinner=False, max_entries=16)
+def make_sync_steps(args: Args) -> list:
+    """The sync spec's per-step parameters (one more run, checkpointing every step), cached."""
+    return sync_steps(next(s for s in grid_of(args).specs() if s.mode == "sync"))
+
+
+def make_runs(args: Args) -> list[Cell]:
+    """Every cell, one cached run at a time, so the progress bar moves outside the cache."""
+    grid, bar = grid_of(args), st.empty()
+    specs = grid.specs()
+    cells = []
+    for i, spec in enumerate(specs):
+        bar.progress(i / (len(specs) + 1), f"{i}/{len(specs) + 1}: {spec.label()}, straggler "
+                                          f"{straggler_label(spec.straggler)}")
+        cells.append(make_cell(args, i))
+    bar.progress(len(specs) / (len(specs) + 1), "per-step equivalence of the sync runs")
+    sync = [c for c in cells if c.row["mode"] == "sync"]
+    if sync:
+        fill_sync(sync, make_sync_steps(args), grid.train_config())
+    bar.empty()
+    return cells
+
+
+def controls() -> TrainingGrid:
+    c = st.columns(6)
+    p = c[0].number_input("world size", *BOUNDS["training_world_size"], step=1, key="training_world_size",
+                          help="sync: p ranks all-reduce; parameter server: rank 0 serves, p - 1 work")
+    steps = c[1].number_input("steps (clocks per worker)", *BOUNDS["training_steps"], step=1, key="training_steps")
+    state = st.session_state
+    state["training_staleness"] = [s for s in state["training_staleness"] if s in STALENESS]
+    stal = c[2].multiselect("staleness grid (clocks)", STALENESS, key="training_staleness",
+                            help="SSP's bound: how many clocks a worker may run ahead of the slowest")
+    options = list(range(1, p - 1))
+    st.session_state["training_backup"] = [b for b in st.session_state["training_backup"] if b in options]
+    backup = c[3].multiselect("backup workers b", options, key="training_backup",
+                              help="synchronous SGD through the server: each step from the first "
+                                   "W - b gradients")
+    if st.session_state["training_factor"] not in FACTORS:
+        st.session_state["training_factor"] = CONTROLS["training_factor"][0]
+    factor = c[4].selectbox("straggler factor", FACTORS, key="training_factor",
+                            help=f"rank {p - 1} computes this many times slower in the straggler's runs")
+    if st.session_state["training_hidden"] not in HIDDEN:
+        st.session_state["training_hidden"] = CONTROLS["training_hidden"][0]
+    hidden = c[5].selectbox("hidden width", HIDDEN, key="training_hidden",
+                            help="wider: more compute per step, which is what a straggler slows")
+    to_url()
+    return TrainingGrid(world_size=int(p), steps=int(steps),
+                        staleness=tuple(None if s == "inf" else int(s) for s in stal),
+                        backup_workers=tuple(backup), straggler_factor=float(factor), hidden=(int(hidden),))
+
+
+def show(cells: list[Cell], grid: TrainingGrid) -> None:
+    sync = [c for c in cells if c.row["mode"] == "sync"]
+    ps = [c for c in cells if c.row["mode"] != "sync"]
+    cost = straggler_cost(cells)
+    st.caption(f"{len(cells)} real runs of dplab compare's grid on the local backend: sync on "
+               f"{grid.world_size} ranks, the parameter server with 1 server + {grid.world_size - 1} "
+               "workers; "
+               f"each without and with rank {grid.world_size - 1} {grid.straggler_factor:g}x slower.")
+    m = st.columns(max(1, len(cost)))
+    for col, (label, ratio) in zip(m, cost.items()):
+        col.metric(f"{label}: throughput with the straggler", f"{ratio:.2f}x")
+    left, right = st.columns(2)
+    left.plotly_chart(loss_figure(cells, "step"), key="training_loss_steps")
+    right.plotly_chart(loss_figure(cells, "time"), key="training_loss_time")
+    st.caption("x: " + X_TITLES["step"] + " · right: " + X_TITLES["time"] + ". Every point's loss is "
+               "evaluated on the whole data set: the last one is the row's final_loss.")
+    st.plotly_chart(throughput_figure(cells), key="training_throughput")
+    if ps:
+        st.plotly_chart(delay_figure(cells), key="training_delays")
+        worst = max(ps, key=lambda c: max(delay_counts(c), default=0))
+        st.caption(f"Largest delay: {worst.row['max_delay']} updates ({worst.label}, straggler "
+                   f"{worst.straggler}). Delay counts UPDATES between a gradient's pull and its apply; "
+                   "staleness bounds CLOCKS, so with W workers and staleness s, delay <= (W - 1)(2s + 1).")
+    if sync:
+        st.plotly_chart(equivalence_figure(cells), key="training_equivalence")
+        diffs = sync[0].diffs
+        st.caption(f"Per step k: max |params_k − train_single(steps=k).params|, largest {max(diffs):.2e} "
+                   f"over {len(diffs)} steps. The per-step parameters are the checkpoints of one more run "
+                   "of the same spec (a checkpoint after every step); its last equals each timed sync "
+                   "run's final parameters bit for bit, straggler or not.")
+    st.dataframe(summary_rows(cells), key="training_table")
+
+
+st.title("Training: sync, backup workers, bounded staleness")
+from_url()
+grid = controls()
+try:
+    grid.specs()  # bad combinations fail here, in one line, before any run
+    with st.spinner("training the grid (real runs on the local backend)..."):
+        cells = make_runs((grid.world_size, grid.steps, grid.staleness, grid.backup_workers,
+                           grid.straggler_factor, grid.hidden[0]))
+except DplabError as e:
+    st.error(str(e))
+else:
+    show(cells, grid)
