@@ -282,3 +282,20 @@ def test_viz_browser_collectives_deep_link_p16_ring_animates_smoothly(visit: Any
     assert v.exceptions() == [] and v.js_errors == []
     assert max(gaps) < play_ms + 1000, f"frames drawn {gaps} ms apart, asked for {play_ms} ms"
     v.screenshot(artifacts / "collectives-p16-ring.png")
+
+
+@pytest.mark.skipif("runs" not in PAGE_FILES, reason="viz/pages/runs.py is not written yet")
+def test_viz_browser_runs_chrome_trace_downloads(visit: Any, artifacts: Path) -> None:
+    """The download button hands the browser the run's Chrome trace: one process per rank, spans in it."""
+    v = visit("runs")
+    p = int(v.page.get_by_label("world size").first.input_value())
+    with v.page.expect_download(timeout=WARM_TIMEOUT_S * 1000) as info:
+        v.page.get_by_role("button", name=re.compile("Chrome trace")).click()
+    path = artifacts / "run.chrome.json"
+    info.value.save_as(path)
+    trace = json.loads(path.read_text())
+    names = {e["args"]["name"] for e in trace["traceEvents"] if e.get("name") == "process_name"}
+    assert names == {f"rank {r}" for r in range(p)}
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert {e["pid"] for e in spans} == set(range(p)) and all(e["dur"] >= 0 for e in spans)
+    assert {"forward", "backward"} <= {e["name"] for e in spans}, sorted({e["name"] for e in spans})[:20]
