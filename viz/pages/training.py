@@ -112,7 +112,8 @@ def controls() -> TrainingGrid:
     c = st.columns(6)
     p = c[0].number_input("world size", *BOUNDS["training_world_size"], step=1, key="training_world_size",
                           help="sync: p ranks all-reduce; parameter server: rank 0 serves, p - 1 work")
-    steps = c[1].number_input("steps (clocks per worker)", *BOUNDS["training_steps"], step=1, key="training_steps")
+    steps = c[1].number_input("steps (clocks per worker)", *BOUNDS["training_steps"], step=1,
+                              key="training_steps")
     state = st.session_state
     state["training_staleness"] = [s for s in state["training_staleness"] if s in STALENESS]
     stal = c[2].multiselect("staleness grid (clocks)", STALENESS, key="training_staleness",

@@ -1,0 +1,86 @@
+"""The Training page under streamlit's AppTest: a small real grid from a deep link, its figures' specs."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+st = pytest.importorskip("streamlit", reason="the viz extra (streamlit) is not installed")
+pytest.importorskip("plotly", reason="the viz extra (plotly) is not installed")
+
+from streamlit.testing.v1 import AppTest  # noqa: E402
+
+VIZ = Path(__file__).resolve().parents[1] / "viz"
+PAGE = str(VIZ / "pages" / "training.py")
+SMALL = {"world_size": "3", "steps": "3", "hidden": "32", "staleness": "0,inf", "factor": "2.0"}
+
+
+@pytest.fixture(autouse=True)
+def fresh_cache():
+    st.cache_data.clear()
+    yield
+    st.cache_data.clear()
+
+
+def page(**query: str) -> AppTest:
+    at = AppTest.from_file(PAGE, default_timeout=90)
+    for k, v in query.items():
+        at.query_params[k] = v
+    return at.run()
+
+
+def charts(at: AppTest) -> dict[str, dict]:
+    """Every plotly chart's spec, by its title."""
+    specs = [json.loads(c.proto.spec) for c in at.get("plotly_chart")]
+    return {f["layout"]["title"]["text"]: f for f in specs}
+
+
+def test_a_small_grid_from_a_deep_link() -> None:
+    at = page(**SMALL)
+    assert not at.exception and not at.error
+    assert at.caption[0].value.startswith("8 real runs of dplab compare's grid")
+    assert "1 server + 2 workers" in at.caption[0].value and "rank 2 2x slower" in at.caption[0].value
+    assert [m.label for m in at.metric] == [f"{lab}: throughput with the straggler"
+                                            for lab in ("ring", "ps backup b=1", "ps s=0", "ps s=inf")]
+    assert all(re.fullmatch(r"\d+\.\d\dx", m.value) for m in at.metric)
+    figs = charts(at)
+    assert set(figs) >= {"loss against steps", "loss against wall time",
+                         "throughput (samples applied per second)", "sync: max_abs_diff_vs_single per step"}
+    assert len(figs["loss against steps"]["data"]) == 8
+    steps = [d for d in figs["loss against steps"]["data"] if d["name"] == "ring"][0]
+    assert steps["x"] == [0.0, 1.0, 2.0, 3.0]
+    table = at.dataframe[0].value
+    final = dict(zip(zip(table["run"], table["straggler"]), table["final_loss"]))
+    ring_loss = [d for d in figs["loss against wall time"]["data"] if d["name"] == "ring"][0]["y"][-1]
+    assert final[("ring", "none")] == ring_loss == final[("ring", "2:2")]  # a straggler changes no bits
+    eq = figs["sync: max_abs_diff_vs_single per step"]["data"][0]["y"]
+    assert len(eq) == 3 and max(eq) < 1e-12
+    delays = next(f for t, f in figs.items() if t.startswith("delay histogram"))
+    ps_updates = sum(u for r, u in zip(table["run"], table["updates"]) if r != "ring")
+    assert sum(sum(d["y"]) for d in delays["data"]) == ps_updates  # W=2, b=1: one gradient per update
+    assert at.query_params["staleness"] == "0,inf"
+
+
+def test_controls_by_key_rerun_the_grid() -> None:
+    at = page(**SMALL)
+    at.multiselect(key="training_staleness").set_value(["inf"])
+    at.multiselect(key="training_backup").set_value([])
+    at.run()
+    assert not at.exception and not at.error
+    assert [m.label for m in at.metric] == ["ring: throughput with the straggler",
+                                            "ps s=inf: throughput with the straggler"]
+    assert at.caption[0].value.startswith("4 real runs")
+    assert at.query_params["staleness"] == "inf" and at.query_params["backup"] == ""
+
+
+def test_bad_deep_links_fall_back_to_defaults() -> None:
+    at = page(world_size="2", steps="3", hidden="7", factor="3", staleness="inf,9", backup="5")
+    assert not at.exception and not at.error
+    assert at.number_input(key="training_world_size").value == 4  # 2 is below the page's minimum
+    assert at.selectbox(key="training_hidden").value == 128
+    assert at.selectbox(key="training_factor").value == 8.0
+    assert at.multiselect(key="training_staleness").value == ["inf"]
+    assert at.multiselect(key="training_backup").value == []
