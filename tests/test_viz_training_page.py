@@ -84,3 +84,14 @@ def test_bad_deep_links_fall_back_to_defaults() -> None:
     assert at.selectbox(key="training_factor").value == 8.0
     assert at.multiselect(key="training_staleness").value == ["inf"]
     assert at.multiselect(key="training_backup").value == []
+
+
+def test_the_app_switches_to_the_page() -> None:
+    at = AppTest.from_file(str(VIZ / "app.py"), default_timeout=90)
+    for k, v in SMALL.items():
+        at.query_params[k] = v
+    at.run()
+    at.switch_page("pages/training.py").run()
+    assert not at.exception and not at.error
+    assert at.title[0].value == "Training: sync, backup workers, bounded staleness"
+    assert at.caption[0].value.startswith("8 real runs")

@@ -22,6 +22,7 @@ PAGES = [
     st.Page(PAGES_DIR / "collectives.py", title="Collectives", icon=":material/sync_alt:"),
     st.Page(PAGES_DIR / "runs.py", title="Runs", icon=":material/timeline:"),
     st.Page(PAGES_DIR / "cost.py", title="Cost", icon="📈"),
+    st.Page(PAGES_DIR / "training.py", title="Training", icon=":material/model_training:"),
 ]
 
 st.navigation(PAGES).run()

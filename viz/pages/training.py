@@ -148,6 +148,8 @@ def show(cells: list[Cell], grid: TrainingGrid) -> None:
     m = st.columns(max(1, len(cost)))
     for col, (label, ratio) in zip(m, cost.items()):
         col.metric(f"{label}: throughput with the straggler", f"{ratio:.2f}x")
+    st.caption("Measured, not modelled: a straggler costs sync its factor only where compute dominates a "
+               "step, and with fewer cores than ranks a sleeping straggler hands its core to the others.")
     left, right = st.columns(2)
     left.plotly_chart(loss_figure(cells, "step"), key="training_loss_steps")
     right.plotly_chart(loss_figure(cells, "time"), key="training_loss_time")
