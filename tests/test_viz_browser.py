@@ -52,12 +52,16 @@ CAPTION_CHANGED_JS = """([selector, before]) => {
     .find(t => /round \\d+ of \\d+/i.test(t));
   return text !== undefined && text !== before;
 }"""
+DEFAULT_PAGE = "home"  # viz/app.py: st.Page(... "home.py", default=True)
+NOT_FOUND_JS = """() => [...document.querySelectorAll('[role=dialog]')]
+  .some(d => /page not found/i.test(d.innerText))"""
 TIMES: dict[str, dict[str, float]] = {}
 
 
 def url_path(stem: str) -> str:
-    """The URL st.Page gives a page file: its name less a leading number (``1_runs`` -> ``runs``)."""
-    return re.sub(r"^\d+[_ -]*", "", stem)
+    """The URL st.Page gives a page file: its name less a leading number (``1_runs`` -> ``runs``);
+    the default page (Home) lives at the root, and ``/home`` is "Page not found" there."""
+    return "" if stem == DEFAULT_PAGE else re.sub(r"^\d+[_ -]*", "", stem)
 
 
 @pytest.fixture(scope="module")
@@ -165,7 +169,7 @@ def test_viz_browser_every_page_file_is_in_the_navigation(visit: Any, app: AppSe
     hrefs = home.page.locator('[data-testid="stSidebarNav"] a').evaluate_all(
         "els => els.map(e => new URL(e.href).pathname.replace(/^\\//, ''))")
     assert "" in hrefs, f"no link to the default page in the sidebar: {hrefs}"
-    missing = [s for s in PAGE_FILES if url_path(s) not in hrefs and s != "home"]
+    missing = [s for s in PAGE_FILES if url_path(s) not in hrefs]
     assert not missing, f"viz/pages files not in st.navigation: {missing} (sidebar has {hrefs})"
     assert len(hrefs) >= len(PAGE_FILES), (hrefs, PAGE_FILES)
 
@@ -174,8 +178,9 @@ def test_viz_browser_every_page_file_is_in_the_navigation(visit: Any, app: AppSe
 def test_viz_browser_page_renders_without_exceptions(visit: Any, artifacts: Path, stem: str) -> None:
     """Every page, as a newcomer opens it: no exception block, no JavaScript error, a title, a screenshot."""
     first = visit(stem)
+    assert not first.page.evaluate(NOT_FOUND_JS), f"{stem}: 'Page not found' at /{url_path(stem)}"
     landed = first.page.evaluate("location.pathname").strip("/")
-    assert landed == ("" if stem == "home" else url_path(stem)), \
+    assert landed == url_path(stem), \
         f"{stem}: /{url_path(stem)} landed on /{landed} (a page st.navigation lacks falls back to Home)"
     assert first.exceptions() == [], f"{stem}: Streamlit exception block(s)"
     assert first.js_errors == [], f"{stem}: JavaScript errors in the page"
