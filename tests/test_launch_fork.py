@@ -1,7 +1,8 @@
-"""Forked ranks after the launcher used torch: its OpenMP pool does not survive the fork.
+"""One core's worth of work per rank: BLAS and torch run single-threaded in every rank.
 
-A rank that then ran a parallel torch kernel (DDP copying 8 MiB of parameters) waited forever
-in libgomp. Forked ranks now run torch single-threaded, one core's worth of work each.
+A forked rank whose launcher had used torch ran a parallel torch kernel (DDP copying 8 MiB of
+parameters) and waited forever in libgomp: the launcher's OpenMP pool does not survive the fork.
+And ranks that each started a BLAS thread per core fought over the cores.
 """
 
 from __future__ import annotations
@@ -10,8 +11,6 @@ import subprocess
 import sys
 
 import pytest
-
-pytest.importorskip("torch", reason="needs torch: pip install 'dplab[torch]'")
 
 SCRIPT = """
 import torch
@@ -36,9 +35,38 @@ if __name__ == "__main__":
 
 @pytest.mark.torch
 def test_launch_forked_ranks_run_torch_after_the_launcher_used_openmp(tmp_path):
+    pytest.importorskip("torch", reason="needs torch: pip install 'dplab[torch]'")
     script = tmp_path / "omp.py"
     script.write_text(SCRIPT)
     proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True,
                           timeout=90)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[(1, 1), (1, 1)]"
+
+
+def _blas_threads(comm) -> int:
+    import ctypes
+
+    maps = open("/proc/self/maps").read().splitlines()
+    path = next(line.split()[-1] for line in maps if "openblas" in line.lower())
+    lib = ctypes.CDLL(path)
+    get = next(getattr(lib, n) for n in ("scipy_openblas_get_num_threads64_", "openblas_get_num_threads")
+               if hasattr(lib, n))
+    return get()
+
+
+@pytest.mark.parametrize("backend", ["local", pytest.param("mpi", marks=pytest.mark.mpi)])
+def test_launch_ranks_run_blas_on_one_thread(backend):
+    """p ranks with a BLAS thread per core each would fight over the cores."""
+    import numpy as np
+
+    from dplab.backends.launch.world import BackendUnavailable, check_backend, launch
+
+    try:
+        check_backend(backend)
+    except BackendUnavailable as e:
+        pytest.skip(str(e))
+    np.ones((64, 64)) @ np.ones((64, 64))  # NumPy's OpenBLAS is loaded (and threaded) here
+    if not any("openblas" in line.lower() for line in open("/proc/self/maps")):
+        pytest.skip("this NumPy does not use OpenBLAS")
+    assert launch(_blas_threads, 2, backend=backend) == [1, 1]

@@ -91,12 +91,40 @@ def forked_rank(connect: Callable[[], Any], conn: Any, job: Job | None, launcher
 
 
 def one_thread_per_rank() -> None:
-    """If the launcher had used torch, its OpenMP pool did not survive the fork: the first
-    parallel kernel here (a copy of a few MiB) would wait forever in libgomp. A rank is one
-    core's worth of work anyway, so torch runs single-threaded in it."""
+    """A rank is one core's worth of work: NumPy's BLAS and torch run single-threaded in it.
+
+    p ranks that each start a BLAS thread per core fight over the cores (a 256x64 @ 64x64
+    matmul took 837 us with 2 OpenBLAS threads per rank on a loaded two-core machine, 48 us
+    with one). And if the launcher had used torch, its OpenMP pool did not survive the fork: the
+    first parallel kernel here (a copy of a few MiB) would wait forever in libgomp."""
+    for set_threads in _openblas_setters():
+        set_threads(1)
     torch = sys.modules.get("torch")
     if torch is not None:
         torch.set_num_threads(1)
+
+
+def _openblas_setters() -> list[Callable[[int], object]]:
+    """The ``set_num_threads`` of every OpenBLAS this process has loaded (NumPy's wheel bundles
+    one under a prefixed name); none where /proc is missing."""
+    import ctypes
+
+    try:
+        maps = open("/proc/self/maps").read().splitlines()
+    except OSError:
+        return []
+    found = []
+    for path in sorted({line.split()[-1] for line in maps if "openblas" in line.lower()}):
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:
+            continue
+        for name in ("scipy_openblas_set_num_threads64_", "scipy_openblas_set_num_threads",
+                     "openblas_set_num_threads64_", "openblas_set_num_threads"):
+            if hasattr(lib, name):
+                found.append(getattr(lib, name))
+                break
+    return found
 
 
 def main(argv: list[str]) -> None:
@@ -104,6 +132,7 @@ def main(argv: list[str]) -> None:
     from multiprocessing.connection import Client
 
     watch_launcher(alive_by_token(os.environ["DPLAB_LAUNCHER"]), unlink_mapped_mpich_segments)
+    one_thread_per_rank()
     host, port = argv[0].rsplit(":", 1)
     for path in reversed(os.environ.get("DPLAB_SYS_PATH", "").split(os.pathsep)):
         if path and path not in sys.path:
