@@ -14,11 +14,14 @@ from dplab.reference.errors import ConfigError  # noqa: E402
 from dplab.viz.cost import (  # noqa: E402
     CostParams,
     busbw_line,
+    coinciding,
+    coinciding_sentence,
     cost_figure,
     crossovers,
     curves,
     features,
     format_bytes,
+    merged_crossovers,
     model_time,
     size_grid,
     tie_tolerance,
@@ -106,6 +109,47 @@ def test_ring_and_direct_tie_instead_of_crossing_at_every_remainder():
     params = CostParams(world_size=8, algorithms=("ring", "direct"))
     assert crossovers(params) == []
     assert model_time("ring", 8 * 4 * 999, params) == pytest.approx(model_time("direct", 8 * 4 * 999, params))
+
+
+def test_coinciding_curves_are_the_ties_at_every_size():
+    assert coinciding(CostParams(world_size=8)) == [("ring", "direct")]
+    assert coinciding(CostParams(world_size=3)) == [("naive", "tree"), ("ring", "direct")]  # 4α, 4nβ each
+    assert coinciding(CostParams(world_size=8, algorithms=("tree", "ring"))) == []
+    assert coinciding_sentence([], 8) is None
+    assert coinciding_sentence([("ring", "direct")], 8) == (
+        "ring and direct cost the same at every size at p=8 (within one element per message), so their "
+        "curves coincide: direct is drawn dashed over ring.")
+    assert coinciding_sentence(coinciding(CostParams(world_size=3)), 3).endswith(
+        "coincide: tree and direct are drawn dashed over naive and ring.")
+
+
+def test_crossovers_of_coinciding_curves_merge_into_one_sentence():
+    params = CostParams(world_size=8)
+    pairs = crossovers(params)
+    assert [x.sentence() for x in pairs] == ["tree beats direct below 91.9 KiB at p=8",
+                                             "tree beats ring below 91.9 KiB at p=8"]
+    (m,) = merged_crossovers(params)
+    assert (m.faster_below, m.faster_above, m.world_size) == (("tree",), ("ring", "direct"), 8)
+    assert m.nbytes == min(x.nbytes for x in pairs) and set(m.parts) == set(pairs)
+    assert m.sentence() == "tree beats ring and direct below 91.9 KiB at p=8"
+    assert m.label() == "tree|ring=direct"
+    # without the tie there is nothing to merge: the pair's own crossover, same size and words
+    (alone,) = merged_crossovers(CostParams(world_size=8, algorithms=("ring", "tree")))
+    assert alone.sentence() == "tree beats ring below 91.9 KiB at p=8" and len(alone.parts) == 1
+
+
+def test_figure_dashes_the_coinciding_curve_and_draws_one_marker():
+    params = CostParams(world_size=8)
+    fig = cost_figure(params, points=41)
+    by_name = {t.name: t for t in fig.data}
+    ring, direct = by_name["ring (model)"], by_name["direct = ring (model)"]
+    assert ring.line.dash == "solid" and direct.line.dash == "dash"
+    assert list(direct.y) == pytest.approx(list(ring.y), rel=1e-3)  # the same curve, both visible
+    marks = by_name["crossovers"]
+    assert marks.text == ("tree|ring=direct",) and marks.hovertext == (
+        "tree beats ring and direct below 91.9 KiB at p=8",)
+    assert marks.y[0] == pytest.approx(model_time("tree", marks.x[0], params) * 1e6)
+    assert fig.layout.legend.y > 1 and fig.layout.legend.yanchor == "bottom"  # above the plot
 
 
 def test_no_crossover_where_one_algorithm_always_wins():

@@ -46,10 +46,17 @@ def test_first_render_names_the_crossovers_and_draws_the_model():
     at = page()
     took = time.perf_counter() - t0
     assert not at.exception and not at.error
-    assert "Crossover: tree beats ring below 91.9 KiB at p=8." in captions(at)
+    # ring and direct cross tree at one size: one sentence, one marker, one caption for the tie
+    assert [c for c in captions(at) if c.startswith("Crossover")] == [
+        "Crossover: tree beats ring and direct below 91.9 KiB at p=8."]
+    assert ("ring and direct cost the same at every size at p=8 (within one element per message), so their "
+            "curves coincide: direct is drawn dashed over ring.") in captions(at)
     fig = figure(at)
     names = [d["name"] for d in fig["data"]]
-    assert names == ["naive (model)", "ring (model)", "tree (model)", "direct (model)", "crossovers"]
+    assert names == ["naive (model)", "ring (model)", "tree (model)", "direct = ring (model)", "crossovers"]
+    assert fig["data"][3]["line"]["dash"] == "dash" and fig["data"][1]["line"]["dash"] == "solid"
+    assert fig["data"][4]["text"] == ["tree|ring=direct"]
+    assert fig["layout"]["legend"]["y"] > 1  # above the plot, off the x axis' title
     ring = fig["data"][1]
     params = CostParams()
     assert ring["y"][20] == pytest.approx(model_time("ring", ring["x"][20], params) * 1e6)
@@ -85,6 +92,7 @@ def test_a_deep_link_sets_the_controls_and_a_bad_value_falls_back():
     assert at.slider(key="cost_world_size").value == 3
     assert at.select_slider(key="cost_alpha_us").value == 5.0  # 7 is not an option: the default
     assert "No crossover between ring, tree from 1 KiB to 64 KiB at p=3." in captions(at)
+    assert not any("coincide" in c for c in captions(at))  # ring and tree do not tie
     fig = figure(at)
     assert fig["data"][0]["x"][0] == 1024 and fig["data"][0]["x"][-1] == 65536
 
@@ -150,4 +158,4 @@ def test_the_app_lists_the_cost_page_and_reaches_it():
     at.switch_page("pages/cost.py").run()
     assert not at.exception
     assert at.title[0].value == "Cost: α, β, γ against message size"
-    assert "Crossover: tree beats ring below 91.9 KiB at p=8." in captions(at)
+    assert "Crossover: tree beats ring and direct below 91.9 KiB at p=8." in captions(at)

@@ -9,7 +9,12 @@ down to a whole element by bisection on the cost model itself, so "tree beats ri
     from dplab.viz.cost import CostParams, crossovers, cost_figure
     params = CostParams(alpha_s=5e-6, beta_gbps=10, world_size=8)
     [c.sentence() for c in crossovers(params)]   # [..., 'tree beats ring below 91.9 KiB at p=8']
+    [m.sentence() for m in merged_crossovers(params)]  # ['tree beats ring and direct below 91.9 KiB at p=8']
     cost_figure(params).show()
+
+Algorithms whose curves tie at every size (ring and direct cost the same on paper) are
+``coinciding``: the figure dashes all but the first of them so the first stays visible, and
+their crossovers with a third algorithm are one marker and one sentence (``merged_crossovers``).
 
 The page (``viz/pages/cost.py``) only wires controls to these functions; the measured side
 (bench rows, the alpha/beta fit) is ``dplab.viz.cost_fit``.
@@ -29,12 +34,14 @@ from dplab.reference.algorithms import ALLREDUCE, allreduce_schedule
 from dplab.reference.costmodel import cost
 from dplab.reference.errors import ConfigError
 
-__all__ = ["CostParams", "Crossover", "COLORS", "Y_AXES", "size_grid", "model_time", "curves",
-           "crossovers", "features", "tie_tolerance", "tolerant_sign", "to_y", "format_bytes",
+__all__ = ["CostParams", "Crossover", "MergedCrossover", "COLORS", "Y_AXES", "DASHES", "size_grid",
+           "model_time", "curves", "crossovers", "coinciding", "coinciding_sentence", "merged_crossovers",
+           "features", "tie_tolerance", "tolerant_sign", "to_y", "format_bytes",
            "busbw_line", "cost_figure"]
 
 COLORS = {"naive": "#7f7f7f", "ring": "#1f77b4", "tree": "#2ca02c", "direct": "#ff7f0e",
           "native": "#9467bd"}
+DASHES = ("solid", "dash", "dot", "dashdot")  # the n-th member of a coinciding group
 Y_AXES = {"time": "time per all-reduce (µs)", "algbw": "algbw (GB/s)", "busbw": "busbw (GB/s)"}
 
 
@@ -92,6 +99,34 @@ class Crossover:
     def sentence(self) -> str:
         return f"{self.faster_below} beats {self.faster_above} below {format_bytes(self.nbytes)} " \
                f"at p={self.world_size}"
+
+
+def _and(names: tuple[str, ...]) -> str:
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+
+
+@dataclass(frozen=True)
+class MergedCrossover:
+    """Crossovers at one size whose algorithms coincide: one marker, one sentence.
+
+    ``faster_below`` beat(s) every one of ``faster_above`` below ``nbytes`` (the smallest of the
+    merged crossovers' sizes); ``parts`` are the pairwise crossovers it stands for.
+    """
+
+    faster_below: tuple[str, ...]
+    faster_above: tuple[str, ...]
+    nbytes: int
+    world_size: int
+    parts: tuple[Crossover, ...]
+
+    def sentence(self) -> str:
+        verb = "beats" if len(self.faster_below) == 1 else "beat"
+        return f"{_and(self.faster_below)} {verb} {_and(self.faster_above)} below " \
+               f"{format_bytes(self.nbytes)} at p={self.world_size}"
+
+    def label(self) -> str:
+        """The marker's text: winners below | winners above, coinciding ones joined by '='."""
+        return f"{'='.join(self.faster_below)}|{'='.join(self.faster_above)}"
 
 
 def size_grid(params: CostParams, points: int = 97) -> list[int]:
@@ -166,6 +201,63 @@ def crossovers(params: CostParams, points: int = 97) -> list[Crossover]:
     return sorted(out, key=lambda x: (x.nbytes, x.faster_below, x.faster_above))
 
 
+def coinciding(params: CostParams, points: int = 97) -> list[tuple[str, ...]]:
+    """Groups of two or more algorithms whose curves tie (``tolerant_sign`` 0) at every grid size.
+
+    Ring and direct cost the same on paper at every p (2(p-1) latencies, 2(p-1)/p·n bytes), so
+    their curves lie on each other; at p=2 tree and naive do too. Groups keep
+    ``params.algorithms``' order; each member ties with the group's first.
+    """
+    sizes = size_grid(params, points)
+    groups: list[list[str]] = []
+    for a in params.algorithms:
+        home = next((g for g in groups if all(tolerant_sign(g[0], a, n, params) == 0 for n in sizes)), None)
+        if home is None:
+            groups.append([a])
+        else:
+            home.append(a)
+    return [tuple(g) for g in groups if len(g) > 1]
+
+
+def coinciding_sentence(groups: list[tuple[str, ...]], world_size: int) -> str | None:
+    """One caption for all coinciding curves, or None when every curve stands alone."""
+    if not groups:
+        return None
+    parts = [f"{_and(g)} cost the same at every size" for g in groups]
+    dashed = [a for g in groups for a in g[1:]]
+    return (f"{'; '.join(parts)} at p={world_size} (within one element per message), so their curves "
+            f"coincide: {_and(tuple(dashed))} {'is' if len(dashed) == 1 else 'are'} drawn dashed over "
+            f"{_and(tuple(g[0] for g in groups))}.")
+
+
+def merged_crossovers(params: CostParams, points: int = 97,
+                      xs: list[Crossover] | None = None) -> list[MergedCrossover]:
+    """``crossovers`` with those of coinciding algorithms merged: "tree beats ring and direct below ...".
+
+    Two crossovers merge when their winners below are the same or coincide, their winners above
+    are the same or coincide, and their sizes are within 1% (one spot on the log axis); the
+    merged size is the smallest. ``xs``: crossovers already computed for these params.
+    """
+    xs = crossovers(params, points) if xs is None else xs
+    group_of = {a: g for g in coinciding(params, points) for a in g}
+    buckets: dict[tuple[tuple[str, ...], tuple[str, ...]], list[list[Crossover]]] = {}
+    for x in xs:  # smallest first
+        key = (group_of.get(x.faster_below, (x.faster_below,)),
+               group_of.get(x.faster_above, (x.faster_above,)))
+        clusters = buckets.setdefault(key, [])
+        if clusters and x.nbytes <= clusters[-1][0].nbytes * 1.01:
+            clusters[-1].append(x)
+        else:
+            clusters.append([x])
+    out = []
+    for (gb, ga), clusters in buckets.items():
+        for cl in clusters:
+            below = tuple(a for a in gb if any(x.faster_below == a for x in cl))
+            above = tuple(a for a in ga if any(x.faster_above == a for x in cl))
+            out.append(MergedCrossover(below, above, min(x.nbytes for x in cl), params.world_size, tuple(cl)))
+    return sorted(out, key=lambda m: (m.nbytes, m.faster_below, m.faster_above))
+
+
 def _bisect(diff: Any, lo: int, hi: int, left_sign: int, itemsize: int) -> int:
     """Shrink [lo, hi] to one element: diff(lo) has ``left_sign`` (or is 0), diff(hi) not; returns hi."""
     while hi - lo > itemsize:
@@ -220,17 +312,22 @@ def cost_figure(params: CostParams, y: str = "time", points: int = 97,
     p = params.world_size
     fig = go.Figure()
     c = curves(params, points)
+    position = {a: (g[0], g.index(a)) for g in coinciding(params, points) for a in g}
     for a, (sizes, times) in c.items():
+        first, i = position.get(a, (a, 0))
+        name = f"{a} (model)" if i == 0 else f"{a} = {first} (model)"
         fig.add_trace(go.Scatter(x=sizes, y=to_y(sizes, times, p, y).tolist(), mode="lines",
-                                 name=f"{a} (model)", line={"color": COLORS[a]}, legendgroup=a,
+                                 name=name, legendgroup=a,
+                                 line={"color": COLORS[a], "dash": DASHES[i % len(DASHES)],
+                                       "width": 2 + (i > 0)},
                                  hovertemplate="%{x:,} B: %{y:.4g}<extra>" + a + "</extra>"))
-    xs = crossovers(params, points)
+    xs = merged_crossovers(params, points)
     if xs:
         n = [x.nbytes for x in xs]
-        t = [model_time(x.faster_below, x.nbytes, params) for x in xs]
+        t = [model_time(x.faster_below[0], x.nbytes, params) for x in xs]
         fig.add_trace(go.Scatter(x=n, y=to_y(n, t, p, y).tolist(), mode="markers+text",
                                  name="crossovers", marker={"symbol": "x", "size": 11, "color": "black"},
-                                 text=[f"{x.faster_below}|{x.faster_above}" for x in xs],
+                                 text=[x.label() for x in xs],
                                  textposition="top center", hovertext=[x.sentence() for x in xs],
                                  hoverinfo="text"))
     symbols = ["circle", "square", "diamond", "triangle-up", "cross"]
@@ -255,8 +352,10 @@ def cost_figure(params: CostParams, y: str = "time", points: int = 97,
                             f"β={params.beta_gbps:g} GB/s, "
                             f"γ={'free' if params.gamma_gbps is None else f'{params.gamma_gbps:g} GB/s'}",
                       xaxis={"title": "message size (bytes)", "type": "log"},
-                      yaxis={"title": Y_AXES[y], "type": "log"}, legend={"orientation": "h"},
-                      margin={"t": 50, "b": 10})
+                      yaxis={"title": Y_AXES[y], "type": "log"},
+                      # above the plot, under the title: below it, it covered the x axis' title
+                      legend={"orientation": "h", "x": 0, "xanchor": "left", "y": 1.02, "yanchor": "bottom"},
+                      margin={"t": 90, "b": 10})
     return fig
 
 

@@ -4,10 +4,11 @@
     dplab bench --world-sizes 2,4 --json bench.json      # a file this page loads
 
 The curves are ``dplab.reference.costmodel.cost`` over the schedules the executor runs, the
-crossovers are computed by ``dplab.viz.cost.crossovers``; measured rows come from a short
-``dplab bench`` run now (the command line's own runner, cached by its arguments) or from
-``--json`` files, and alpha and beta are fitted to them by ``dplab.viz.cost_fit``. This file
-only wires controls to those builders. Controls live in the URL (deep links).
+crossovers are computed by ``dplab.viz.cost.crossovers`` (one sentence for coinciding curves,
+``merged_crossovers``); measured rows come from a short ``dplab bench`` run now (the command
+line's own runner, cached by its arguments) or from ``--json`` files, and alpha and beta are
+fitted to them by ``dplab.viz.cost_fit``. This file only wires controls to those builders.
+Controls live in the URL (deep links).
 """
 
 from __future__ import annotations
@@ -16,7 +17,15 @@ import streamlit as st
 
 from dplab.reference.algorithms import ALLREDUCE
 from dplab.reference.errors import DplabError
-from dplab.viz.cost import CostParams, busbw_line, cost_figure, crossovers, format_bytes
+from dplab.viz.cost import (
+    CostParams,
+    busbw_line,
+    coinciding,
+    coinciding_sentence,
+    cost_figure,
+    format_bytes,
+    merged_crossovers,
+)
 from dplab.viz.cost_fit import fit_alpha_beta, fit_table, load_bench_json, residual_figure, run_bench
 
 ALPHA_US = (0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0)
@@ -170,13 +179,16 @@ try:
 except DplabError as e:
     st.error(str(e))
     st.stop()
-xs = crossovers(params)
+xs = merged_crossovers(params)
 if xs:
     for x in xs:
         st.caption(f"Crossover: {x.sentence()}.")
 else:
     st.caption(f"No crossover between {', '.join(params.algorithms)} from {format_bytes(params.min_bytes)} "
                f"to {format_bytes(params.max_bytes)} at p={params.world_size}.")
+same = coinciding_sentence(coinciding(params), params.world_size)
+if same:
+    st.caption(same)
 figure_slot = st.container()
 st.caption(busbw_line(params.world_size))
 st.subheader("Measured")
