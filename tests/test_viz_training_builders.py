@@ -15,13 +15,17 @@ from dplab.reference.errors import ConfigError  # noqa: E402
 from dplab.reference.ps.replay import replay  # noqa: E402
 from dplab.reference.train.single import evaluate, train_single  # noqa: E402
 from dplab.viz.training import (  # noqa: E402
+    RELATIVE_TOL,
+    X_TITLES,
     delay_counts,
     delay_figure,
     equivalence_figure,
     loss_figure,
+    short_label,
     straggler_cost,
     summary_rows,
     throughput_figure,
+    tolerance,
 )
 from dplab.viz.training_runs import Cell, TrainingGrid, fill_sync, run_grid  # noqa: E402
 
@@ -98,6 +102,7 @@ def test_loss_throughput_and_equivalence_figures_carry_the_cells_values(cells: l
                                             [c.row["samples_per_s"] for c in cells[4:]]]
     eq = equivalence_figure(cells)
     assert len(eq.data) == 1 and list(eq.data[0].y) == cells[0].diffs and eq.layout.yaxis.type == "log"
+    assert by_steps.layout.xaxis.title.text == X_TITLES["step"] and len(X_TITLES["step"]) <= 40
     rows = summary_rows(cells)
     assert [r["final_loss"] for r in rows] == [c.row["final_loss"] for c in cells]
     assert all(r["exact"] is True for r in rows)
@@ -126,3 +131,26 @@ def test_grid_refuses_worlds_without_a_straggling_worker() -> None:
         TrainingGrid(world_size=2).specs()
     with pytest.raises(ConfigError, match="straggler_factor"):
         TrainingGrid(straggler_factor=0.5).specs()
+
+
+def test_equivalence_axis_spans_the_rounding_up_past_the_tolerance_line(cells: list[Cell]) -> None:
+    """Rounding-level differences read as rounding: the log axis runs from a decade below the smallest
+    difference to a decade above the tolerance, which is drawn, not squeezed between two ~1e-16 values."""
+    sync = cells[0]
+    scale = max(1.0, float(np.max(np.abs(sync.params))))
+    assert tolerance(cells) == RELATIVE_TOL * scale
+    eq = equivalence_figure(cells)
+    (line,) = eq.layout.shapes
+    assert line.y0 == line.y1 == tolerance(cells) and line.line.dash == "dash"
+    (label,) = eq.layout.annotations
+    assert label.y == np.log10(tolerance(cells)) and label.text.startswith("tolerance")  # log axis: exponent
+    low, high = eq.layout.yaxis.range
+    smallest = min(d for d in sync.diffs if d > 0)
+    assert low == np.floor(np.log10(smallest)) - 1 and high == np.ceil(np.log10(tolerance(cells))) + 1
+    assert high - low >= 6  # ~1e-16 against 1e-10: at least six decades on screen
+    assert max(sync.diffs) < tolerance(cells) * 1e-3
+
+
+def test_metric_labels_are_short() -> None:
+    assert [short_label(lab) for lab in ("ring", "ps backup b=1", "ps s=0", "ps s=inf")] == \
+        ["ring", "backup b=1", "s=0", "s=inf"]

@@ -43,8 +43,10 @@ def test_a_small_grid_from_a_deep_link() -> None:
     assert not at.exception and not at.error
     assert at.caption[0].value.startswith("8 real runs of dplab compare's grid")
     assert "1 server + 2 workers" in at.caption[0].value and "rank 2 2x slower" in at.caption[0].value
-    assert [m.label for m in at.metric] == [f"{lab}: throughput with the straggler"
-                                            for lab in ("ring", "ps backup b=1", "ps s=0", "ps s=inf")]
+    assert [m.label for m in at.metric] == ["ring", "backup b=1", "s=0", "s=inf"]
+    assert [m.proto.help for m in at.metric][1] == "ps backup b=1: samples/s with the straggler over " \
+                                                   "samples/s without"
+    assert at.caption[1].value.startswith("Throughput with rank 2 2x slower, over throughput without")
     assert all(re.fullmatch(r"\d+\.\d\dx", m.value) for m in at.metric)
     figs = charts(at)
     assert set(figs) >= {"loss against steps", "loss against wall time",
@@ -58,6 +60,11 @@ def test_a_small_grid_from_a_deep_link() -> None:
     assert final[("ring", "none")] == ring_loss == final[("ring", "2:2")]  # a straggler changes no bits
     eq = figs["sync: max_abs_diff_vs_single per step"]["data"][0]["y"]
     assert len(eq) == 3 and max(eq) < 1e-12
+    eq_fig = figs["sync: max_abs_diff_vs_single per step"]
+    assert eq_fig["layout"]["yaxis"]["type"] == "log" and eq_fig["layout"]["shapes"][0]["y0"] == 1e-10
+    assert eq_fig["layout"]["yaxis"]["range"][1] == -9  # the axis reaches past the tolerance
+    assert figs["loss against steps"]["layout"]["xaxis"]["title"]["text"] == "steps (global batches applied)"
+    assert any("a step is one global batch of gradients applied" in c.value for c in at.caption)
     delays = next(f for t, f in figs.items() if t.startswith("delay histogram"))
     ps_updates = sum(u for r, u in zip(table["run"], table["updates"]) if r != "ring")
     assert sum(sum(d["y"]) for d in delays["data"]) == ps_updates  # W=2, b=1: one gradient per update
@@ -70,8 +77,7 @@ def test_controls_by_key_rerun_the_grid() -> None:
     at.multiselect(key="training_backup").set_value([])
     at.run()
     assert not at.exception and not at.error
-    assert [m.label for m in at.metric] == ["ring: throughput with the straggler",
-                                            "ps s=inf: throughput with the straggler"]
+    assert [m.label for m in at.metric] == ["ring", "s=inf"]
     assert at.caption[0].value.startswith("4 real runs")
     assert at.query_params["staleness"] == "inf" and at.query_params["backup"] == ""
 

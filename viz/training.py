@@ -17,22 +17,29 @@ the pull it was computed on and its own update), straight from the server's log.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from dplab.viz.training_runs import Cell
 
 __all__ = ["loss_figure", "throughput_figure", "delay_counts", "delay_figure", "equivalence_figure",
-           "summary_rows", "straggler_cost", "X_TITLES"]
+           "summary_rows", "straggler_cost", "short_label", "tolerance", "X_TITLES", "X_NOTES",
+           "RELATIVE_TOL"]
 
-X_TITLES = {
-    "step": "steps (global batches of gradients applied: a sync step, or W async updates)",
-    "time": "wall time (s, from the run's first traced event)",
+# the axis titles, short enough for a half-width chart; what they mean goes in the page's caption
+X_TITLES = {"step": "steps (global batches applied)", "time": "wall time (s)"}
+X_NOTES = {
+    "step": "a step is one global batch of gradients applied: a sync step, or W async updates",
+    "time": "seconds from the run's first traced event",
 }
+# sync vs one device agree to ROUNDING: max|a - b| <= 1e-10 * max(1, max|b|) in float64 (the tests' rel)
+RELATIVE_TOL = 1e-10
 _PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf")
 
 
@@ -105,8 +112,24 @@ def delay_figure(cells: Sequence[Cell]) -> go.Figure:
     return fig
 
 
+def short_label(label: str) -> str:
+    """A configuration's name without the server's prefix: ``ring``, ``backup b=1``, ``s=0``."""
+    return label.removeprefix("ps ")
+
+
+def tolerance(cells: Sequence[Cell]) -> float:
+    """The absolute tolerance the sync runs must stay under: 1e-10 * max(1, max |final params|)."""
+    scale = max((float(np.max(np.abs(c.params), initial=0.0)) for c in cells
+                 if c.row["mode"] == "sync" and c.params is not None), default=0.0)
+    return RELATIVE_TOL * max(1.0, scale)
+
+
 def equivalence_figure(cells: Sequence[Cell]) -> go.Figure:
-    """Per step k, max |sync params_k - train_single(steps=k)|: rounding, never drift (log scale)."""
+    """Per step k, max |sync params_k - train_single(steps=k)|: rounding, never drift.
+
+    A log axis that spans from below the smallest difference up past the tolerance (dashed line),
+    so rounding (~1e-16) reads as six orders of magnitude under it, not as a jump between two
+    rounding-level values. A step that is exactly 0 has no point on a log axis."""
     fig = go.Figure()
     seen = set()
     for c in (c for c in cells if c.row["mode"] == "sync" and c.diffs):
@@ -114,9 +137,21 @@ def equivalence_figure(cells: Sequence[Cell]) -> go.Figure:
             continue
         seen.add(c.label)
         fig.add_trace(go.Scatter(x=list(range(1, len(c.diffs) + 1)), y=c.diffs, mode="lines+markers",
-                                 name=f"{c.label} (every straggler setting: same bits)"))
+                                 name=f"{c.label} (every straggler setting: same bits)",
+                                 hovertemplate="step %{x}: %{y:.3g}<extra></extra>"))
+    tol = tolerance(cells)
+    positive = [d for t in fig.data for d in t.y if d > 0]
+    low = math.floor(math.log10(min(positive, default=tol * 1e-6))) - 1
+    high = math.ceil(math.log10(tol)) + 1
+    fig.add_hline(y=tol, line_dash="dash", line_color="#d62728")
+    # on a log axis an annotation's y is the exponent (add_hline's own annotation would land at y=1e-10)
+    fig.add_annotation(x=1, xref="paper", xanchor="right", y=math.log10(tol), yref="y", yanchor="top",
+                       text=f"tolerance {tol:.0e} (relative {RELATIVE_TOL:.0e})", showarrow=False,
+                       font={"color": "#d62728"})
     fig.update_layout(title="sync: max_abs_diff_vs_single per step", xaxis_title="step",
-                      yaxis_title="max |params − single-device params|", yaxis_type="log", margin={"t": 40})
+                      yaxis_title="max |params − single-device params|", yaxis_type="log",
+                      yaxis_range=[low, high], yaxis_dtick=1, yaxis_exponentformat="power",
+                      margin={"t": 40})
     return fig
 
 

@@ -17,14 +17,17 @@ from dplab.backends.cli.runs import straggler_label
 from dplab.backends.launch.world import World
 from dplab.reference.errors import DplabError
 from dplab.viz.training import (
-    X_TITLES,
+    RELATIVE_TOL,
+    X_NOTES,
     delay_counts,
     delay_figure,
     equivalence_figure,
     loss_figure,
+    short_label,
     straggler_cost,
     summary_rows,
     throughput_figure,
+    tolerance,
 )
 from dplab.viz.training_runs import Cell, TrainingGrid, fill_sync, run_cell, sync_steps
 
@@ -145,16 +148,22 @@ def show(cells: list[Cell], grid: TrainingGrid) -> None:
                f"{grid.world_size} ranks, the parameter server with 1 server + {grid.world_size - 1} "
                "workers; "
                f"each without and with rank {grid.world_size - 1} {grid.straggler_factor:g}x slower.")
+    if cost:
+        st.caption(f"Throughput with rank {grid.world_size - 1} {grid.straggler_factor:g}x slower, over "
+                   "throughput without (1.00x: unharmed; below 1: the straggler costs that much). ring: sync "
+                   "all-reduce; backup b: the server steps on the first W - b gradients; s: the server's "
+                   "staleness bound.")
     m = st.columns(max(1, len(cost)))
     for col, (label, ratio) in zip(m, cost.items()):
-        col.metric(f"{label}: throughput with the straggler", f"{ratio:.2f}x")
+        col.metric(short_label(label), f"{ratio:.2f}x",
+                   help=f"{label}: samples/s with the straggler over samples/s without")
     st.caption("Measured, not modelled: a straggler costs sync its factor only where compute dominates a "
                "step, and with fewer cores than ranks a sleeping straggler hands its core to the others.")
     left, right = st.columns(2)
     left.plotly_chart(loss_figure(cells, "step"), key="training_loss_steps")
     right.plotly_chart(loss_figure(cells, "time"), key="training_loss_time")
-    st.caption("x: " + X_TITLES["step"] + " · right: " + X_TITLES["time"] + ". Every point's loss is "
-               "evaluated on the whole data set: the last one is the row's final_loss.")
+    st.caption("Left, steps: " + X_NOTES["step"] + ". Right, wall time: " + X_NOTES["time"] + ". Every "
+               "point's loss is evaluated on the whole data set: the last one is the row's final_loss.")
     st.plotly_chart(throughput_figure(cells), key="training_throughput")
     if ps:
         st.plotly_chart(delay_figure(cells), key="training_delays")
@@ -165,8 +174,13 @@ def show(cells: list[Cell], grid: TrainingGrid) -> None:
     if sync:
         st.plotly_chart(equivalence_figure(cells), key="training_equivalence")
         diffs = sync[0].diffs
+        zeros = sum(d == 0 for d in diffs)
         st.caption(f"Per step k: max |params_k − train_single(steps=k).params|, largest {max(diffs):.2e} "
-                   f"over {len(diffs)} steps. The per-step parameters are the checkpoints of one more run "
+                   f"over {len(diffs)} steps"
+                   + (f" ({zeros} exactly 0, not drawn on the log axis)" if zeros else "")
+                   + f", against the tolerance {tolerance(cells):.0e} (dashed: relative {RELATIVE_TOL:.0e}, "
+                   "times max(1, max |params|)): rounding, not drift. "
+                   "The per-step parameters are the checkpoints of one more run "
                    "of the same spec (a checkpoint after every step); its last equals each timed sync "
                    "run's final parameters bit for bit, straggler or not.")
     st.dataframe(summary_rows(cells), key="training_table")
