@@ -20,7 +20,7 @@ from dplab.viz.collectives import (  # noqa: E402
     contributors_label,
     walkthrough,
 )
-from dplab.viz.collectives_figure import PLAY_MS, arrows, at_frame, figure, figure_spec  # noqa: E402
+from dplab.viz.collectives_figure import BUTTONS_PX, PLAY_MS, arrows, at_frame, figure, figure_spec  # noqa: E402
 
 CASES = [(c, a) for c in COLLECTIVES for a in algorithms_for(c)]
 
@@ -153,6 +153,12 @@ def test_figure_is_a_valid_plotly_animation_with_client_side_play():
     play = fig.layout.updatemenus[0].buttons[0]
     assert play.method == "animate" and play.args[1]["frame"] == {"duration": PLAY_MS, "redraw": True}
     assert play.args[1]["fromcurrent"] is True
+    # the buttons sit left of the rail, which starts BUTTONS_PX (pixels) in; the "frame N" label sits at
+    # the rail's right end, so Play/Pause cannot cover it (they did: "frame 1" read "me 1")
+    menu = fig.layout.updatemenus[0]
+    assert (menu.x, menu.xanchor, menu.y, slider.x, slider.y) == (0.0, "left", slider.y, 0.0, menu.y)
+    assert slider.pad.l == BUTTONS_PX and slider.currentvalue.xanchor == "right"
+    assert [b.label for b in menu.buttons] == ["▶ Play", "Pause"]
     assert arrows(fig.layout) == list(allreduce_schedule("ring", 4).rounds[2])  # the shown frame's arrows
     heat = fig.data[0]
     # rank 0 before round 3: round 1 brought chunk 2 from rank 3, round 2 chunk 1 (already 2+3)

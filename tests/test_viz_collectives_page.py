@@ -41,6 +41,8 @@ def _spec(at: AppTest, i: int = 0) -> dict:
 
 def test_next_moves_the_caption_metrics_and_figure():
     at = _page()
+    # plain words and triangles Chromium's fonts have (⏮/⏭ drew as boxes)
+    assert [b.label for b in at.button] == ["First", "◀ Prev", "Next ▶", "Last"]
     assert at.caption[0].value.startswith("round 1 of 6, reduce-scatter: rank 0 sends chunk 3 to rank 1")
     assert _metrics(at) == {"rounds done": "0 of 6", "bytes sent, busiest rank": "0 B",
                             "cost-model time so far": "0.00 µs"}

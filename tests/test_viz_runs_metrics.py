@@ -8,6 +8,7 @@ pytest.importorskip("plotly", reason="the viz extra (plotly) is not installed")
 
 from dplab.reference.trace import Event  # noqa: E402
 from dplab.viz.timeline_metrics import (  # noqa: E402
+    configured_stragglers,
     find_straggler,
     intersect,
     measure,
@@ -104,3 +105,55 @@ def test_one_preempted_step_makes_no_straggler_but_every_slow_step_does() -> Non
     assert s2.step_compute_ns == 40
     st = find_straggler([s0, s1, s2])
     assert (st.rank, st.ratio) == (2, 4.0)
+
+
+def test_totals_give_the_mean_per_rank_beside_the_sum() -> None:
+    events = [ev(0, "forward", 0, 10), ev(0, "bucket", 10, 40, "comm"), ev(0, "wait", 10, 40),
+              ev(1, "forward", 0, 20), ev(1, "bucket", 20, 30, "comm"), ev(1, "wait", 20, 30)]
+    t = totals(rank_stats(events))
+    assert t["ranks"] == 2
+    assert (t["comm_ms"], t["exposed_comm_ms"], t["wait_ms"]) == pytest.approx((40e-6, 40e-6, 40e-6))
+    assert (t["comm_mean_ms"], t["exposed_comm_mean_ms"], t["wait_mean_ms"]) == pytest.approx(
+        (20e-6, 20e-6, 20e-6))
+    assert t["compute_mean_ms"] == pytest.approx(15e-6) and t["wall_ms"] == pytest.approx(40e-6)
+
+
+def four_ranks_rank0_slow() -> list:
+    """Rank 0 computes 3 units a step, the others 1: slow enough to be named at 2x."""
+    out = []
+    for r in range(4):
+        width = 3 if r == 0 else 1
+        out += [step(r, "forward", 10 * n, 10 * n + width, n) for n in range(3)]
+    return rank_stats(out)
+
+
+def test_a_slow_rank_nobody_configured_is_the_machines_doing() -> None:
+    stats = four_ranks_rank0_slow()
+    st = find_straggler(stats, configured=(), cores=2)
+    assert (st.rank, st.configured, st.ratio) == (0, False, 3.0)
+    assert st.sentence.startswith("rank 0 is the slowest, 3.0x the median compute per step of the others")
+    assert "is the straggler" not in st.sentence
+    assert st.sentence.endswith("But no straggler was configured: this is the machine's doing (4 ranks "
+                                "sharing 2 CPU cores: the operating system gave this one less time), not a "
+                                "configured straggler")
+    roomy = find_straggler(stats, configured=(), cores=16).sentence
+    assert "other work on the machine's 16 CPU cores slowed it" in roomy
+    assert "sharing the machine's cores" in find_straggler(stats, configured=()).sentence  # cores unknown
+    other = find_straggler(stats, configured=(2,), cores=2)
+    assert other.configured is False and "But the configured straggler is rank 2: " in other.sentence
+
+
+def test_a_configured_straggler_is_named_as_before() -> None:
+    stats = four_ranks_rank0_slow()
+    for configured, flag in (((0,), True), (None, None)):
+        st = find_straggler(stats, configured=configured, cores=2)
+        assert (st.rank, st.configured) == (0, flag)
+        assert st.sentence.startswith("rank 0 is the straggler: 3.0x the median compute per step")
+        assert "machine" not in st.sentence
+
+
+def test_configured_stragglers_from_the_row() -> None:
+    assert configured_stragglers({"straggler": "none"}) == ()
+    assert configured_stragglers({"straggler": "1:4"}) == (1,)
+    assert configured_stragglers({"straggler": "0:2,3:4.5"}) == (0, 3)
+    assert configured_stragglers({}) is None and configured_stragglers({"straggler": "x:y"}) is None

@@ -22,13 +22,15 @@ import plotly.graph_objects as go
 from dplab.reference.schedule import Transfer, chunk_bounds
 from dplab.viz.collectives import COLLECTIVES, MAX_VALUES_N, Frame, Walkthrough, contributors_label
 
-__all__ = ["figure", "figure_spec", "at_frame", "arrows", "frame_title", "OP_COLOURS", "PLAY_MS"]
+__all__ = ["figure", "figure_spec", "at_frame", "arrows", "frame_title", "OP_COLOURS", "PLAY_MS",
+           "BUTTONS_PX"]
 
 OP_COLOURS = {"reduce": "#e4572e", "copy": "#2e86ab"}
 # Spelled out: plotly.py resolves a named scale in frames, plotly.js in the first view, and their
 # "Blues" run opposite ways (the colours flipped when Play started).
 BLUES = [[i / 8, c] for i, c in enumerate(plotly.colors.sequential.Blues)]
 PLAY_MS = 700  # one round per 0.7 s: the p=16 ring's 30 rounds take 21 s
+BUTTONS_PX = 140  # Play and Pause, side by side (about 115 px in Chromium), and a gap
 
 
 def frame_title(w: Walkthrough, f: Frame) -> str:
@@ -122,15 +124,18 @@ def figure_spec(w: Walkthrough) -> dict:
                    range=[-0.5, k - 0.5]),
         yaxis=dict(title=dict(text="rank"), tickmode="array", tickvals=list(range(p)),
                    autorange="reversed"),
-        sliders=[dict(active=0, steps=steps, x=0.12, len=0.88, y=-0.08, pad=dict(t=30),
-                      currentvalue=dict(prefix="frame ", font=dict(size=12)))],
+        # One row under the axis: the buttons at its left, the slider's rail starting BUTTONS_PX to their
+        # right (pixels, so a half-width panel keeps them apart too) and its "frame N" label at the rail's
+        # right end, where no button can cover it.
+        sliders=[dict(active=0, steps=steps, x=0.0, len=1.0, y=-0.08, pad=dict(t=30, l=BUTTONS_PX),
+                      currentvalue=dict(prefix="frame ", xanchor="right", font=dict(size=12)))],
         updatemenus=[dict(type="buttons", direction="left", x=0.0, y=-0.08, xanchor="left", yanchor="top",
-                          pad=dict(t=30, r=10), showactive=False, buttons=[
+                          pad=dict(t=30, r=0), showactive=False, buttons=[
                               dict(label="▶ Play", method="animate",
                                    args=[None, dict(frame=dict(duration=PLAY_MS, redraw=True),
                                                     fromcurrent=True, transition=dict(duration=0),
                                                     mode="immediate")]),
-                              dict(label="❚❚", method="animate",
+                              dict(label="Pause", method="animate",
                                    args=[[None], dict(frame=dict(duration=0, redraw=False), mode="immediate",
                                                       transition=dict(duration=0))])])],
     )

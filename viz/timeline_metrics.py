@@ -13,7 +13,7 @@ and their intersection (communication hidden behind compute, the point of bucket
     from dplab.viz.timeline_metrics import rank_stats, find_straggler
     row, per_rank = run_train(RunSpec(world_size=4, straggler=((1, 4.0),)), trace=True)
     stats = rank_stats([e for events in per_rank for e in events])
-    find_straggler(stats).sentence     # "rank 1 is the straggler: ..."
+    find_straggler(stats, configured=(1,)).sentence     # "rank 1 is the straggler: ..."
 
 Spans nest (a bucket holds its all-reduce, which holds its sends; a straggler's
 ``slowdown`` sleeps sit inside ``forward``/``backward``/``compute``), so every total is
@@ -30,7 +30,7 @@ from dplab.reference.trace import Event
 
 __all__ = ["Interval", "union", "measure", "intersect", "subtract", "COMPUTE_KINDS", "COMM_KINDS",
            "WAIT_KINDS", "RankStats", "rank_stats", "totals", "Straggler", "find_straggler",
-           "STRAGGLER_RATIO"]
+           "STRAGGLER_RATIO", "configured_stragglers"]
 
 Interval = tuple[int, int]  # [start, end) in ns
 
@@ -164,14 +164,34 @@ def rank_stats(events: Iterable[Event]) -> list[RankStats]:
 
 
 def totals(stats: Sequence[RankStats]) -> dict[str, float]:
-    """The whole run in milliseconds: summed over ranks, and the share of communication hidden."""
+    """The whole run in milliseconds: communication, exposed communication and waiting summed over
+    ranks (``*_ms``) and per rank, the mean over the ``ranks`` (``*_mean_ms``: what compares with
+    ``wall_ms``); ``overlap_pct``: the share of all ranks' communication hidden behind compute."""
+    n = len(stats)
     comm = sum(s.comm_ns for s in stats)
     overlapped = sum(s.overlapped_ns for s in stats)
-    return {"wall_ms": max((s.span_ns for s in stats), default=0) * 1e-6,
-            "compute_ms": sum(s.compute_ns for s in stats) * 1e-6, "comm_ms": comm * 1e-6,
-            "exposed_comm_ms": sum(s.exposed_ns for s in stats) * 1e-6,
-            "wait_ms": sum(s.wait_ns for s in stats) * 1e-6,
-            "overlap_pct": 100.0 * overlapped / comm if comm else 0.0}
+    out = {"wall_ms": max((s.span_ns for s in stats), default=0) * 1e-6, "ranks": n,
+           "compute_ms": sum(s.compute_ns for s in stats) * 1e-6, "comm_ms": comm * 1e-6,
+           "exposed_comm_ms": sum(s.exposed_ns for s in stats) * 1e-6,
+           "wait_ms": sum(s.wait_ns for s in stats) * 1e-6,
+           "overlap_pct": 100.0 * overlapped / comm if comm else 0.0}
+    for key in ("compute_ms", "comm_ms", "exposed_comm_ms", "wait_ms"):
+        out[key.replace("_ms", "_mean_ms")] = out[key] / n if n else 0.0
+    return out
+
+
+def configured_stragglers(row: dict) -> tuple[int, ...] | None:
+    """The ranks a run was told to slow down, from its result row's ``straggler`` ("none", "1:4",
+    "0:2,3:4"); None when the row does not say (a trace file without its row)."""
+    label = row.get("straggler")
+    if not isinstance(label, str):
+        return None
+    if label == "none":
+        return ()
+    try:
+        return tuple(int(part.split(":")[0]) for part in label.split(","))
+    except ValueError:
+        return None
 
 
 @dataclass(frozen=True)
@@ -182,13 +202,29 @@ class Straggler:
     slowest: int | None  # the rank with the most compute (None: fewer than two computing ranks)
     ratio: float  # its compute over the median of the others'
     sentence: str
+    # of a named rank: True when the run was told to slow it, False when not (the machine slowed it),
+    # None when nobody said what was configured (or no rank is named)
+    configured: bool | None = None
 
 
-def find_straggler(stats: Sequence[RankStats], threshold: float = STRAGGLER_RATIO) -> Straggler:
+def _machine(ranks: int, cores: int | None) -> str:
+    if cores is None:
+        return "ranks sharing the machine's cores, with each other or with other work"
+    if ranks > cores:
+        return (f"{ranks} ranks sharing {cores} CPU core{'s' if cores != 1 else ''}: the operating system "
+                f"gave this one less time")
+    return f"the operating system or other work on the machine's {cores} CPU cores slowed it"
+
+
+def find_straggler(stats: Sequence[RankStats], threshold: float = STRAGGLER_RATIO,
+                   configured: Sequence[int] | None = None, cores: int | None = None) -> Straggler:
     """Name the rank whose compute most exceeds the others' (the parameter server is not a candidate).
 
     Compared per step (the median step's compute) when every rank's spans say their step, so one
     step preempted by the operating system does not make a straggler; the totals otherwise.
+    ``configured``: the ranks the run was told to slow down (``()``: none; None: not known). A rank
+    slow enough but not configured is the machine's doing, and the sentence says so (with ``cores``,
+    the CPU cores the ranks ran on, when known) instead of calling it the straggler.
     """
     cands = [s for s in stats if s.role != "server" and s.compute_ns > 0]
     if len(cands) < 2:
@@ -203,8 +239,16 @@ def find_straggler(stats: Sequence[RankStats], threshold: float = STRAGGLER_RATI
     words = (f"{ratio:.1f}x the median compute{' per step' if per_step else ''} of the others "
              f"({of(slow) * 1e-6:.2f} ms vs {median * 1e-6:.2f} ms); the others wait {wait:.1f} ms in all "
              f"on average, it waits {slow.wait_ns * 1e-6:.1f} ms")
-    if ratio >= threshold:
-        return Straggler(slow.rank, slow.rank, ratio, f"rank {slow.rank} is the straggler: {words}")
-    return Straggler(None, slow.rank, ratio,
-                     f"no straggler (none computes {threshold:g}x the others): the slowest, rank "
-                     f"{slow.rank}, takes {words}")
+    if ratio < threshold:
+        return Straggler(None, slow.rank, ratio,
+                         f"no straggler (none computes {threshold:g}x the others): the slowest, rank "
+                         f"{slow.rank}, takes {words}")
+    if configured is None or slow.rank in configured:
+        return Straggler(slow.rank, slow.rank, ratio, f"rank {slow.rank} is the straggler: {words}",
+                         None if configured is None else True)
+    told = ("no straggler was configured" if not configured else
+            f"the configured straggler{'s are ranks' if len(configured) > 1 else ' is rank'} "
+            f"{', '.join(map(str, configured))}")
+    return Straggler(slow.rank, slow.rank, ratio,
+                     f"rank {slow.rank} is the slowest, {words}. But {told}: this is the machine's doing "
+                     f"({_machine(len(stats), cores)}), not a configured straggler", False)

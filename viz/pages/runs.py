@@ -10,6 +10,8 @@ from those spans by ``dplab.viz.timeline_metrics``. Controls live in the URL (de
 
 from __future__ import annotations
 
+import os
+
 import streamlit as st
 
 from dplab.backends.cli.runs import MODES, RunSpec, run_train
@@ -19,7 +21,7 @@ from dplab.reference.model import MLPConfig
 from dplab.reference.trace import Event, merge
 from dplab.reference.train.single import TrainConfig
 from dplab.viz.timeline import chrome_bytes, load_trace, timeline_figure, trace_bytes
-from dplab.viz.timeline_metrics import find_straggler, rank_stats, totals
+from dplab.viz.timeline_metrics import configured_stragglers, find_straggler, rank_stats, totals
 
 SOURCES = {"run": "Make a run now (local backend)", "file": "Load a trace file"}
 BUCKETS_MB = (0.0005, 0.002, 0.01, 0.1, 25.0)
@@ -124,17 +126,40 @@ def file_controls() -> tuple[dict, list[Event]] | None:
     return meta.get("row", {}), events
 
 
-def show(row: dict, events: list[Event]) -> None:
+def cores() -> int:
+    """The CPU cores this process (and the ranks it forks) may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def show(row: dict, events: list[Event], made_here: bool = False) -> None:
+    """The numbers, the timeline and the table of one run. ``made_here``: this machine ran it just now,
+    so its cores are the ones the ranks shared."""
     stats = rank_stats(events)
-    total, straggler = totals(stats), find_straggler(stats)
-    c = st.columns(5)
-    c[0].metric("wall (first to last span)", f"{total['wall_ms']:.1f} ms")
-    c[1].metric("communication hidden", f"{total['overlap_pct']:.1f} %",
-                help="the share of communication time that ran while the same rank computed")
-    c[2].metric("exposed communication", f"{total['exposed_comm_ms']:.1f} ms",
-                help="communication with no compute under it, summed over ranks")
-    c[3].metric("waiting", f"{total['wait_ms']:.1f} ms", help="wait spans, summed over ranks")
-    c[4].metric("straggler", "none" if straggler.rank is None else f"rank {straggler.rank}")
+    total = totals(stats)
+    straggler = find_straggler(stats, configured=configured_stragglers(row),
+                               cores=cores() if made_here else None)
+    n = total["ranks"]
+    per_rank = f"mean of {n} rank{'s' if n != 1 else ''}"
+
+    def summed(what: str, key: str) -> str:
+        return f"{what}, per rank: the mean over the {n} ranks (summed over them: {total[key]:.1f} ms)"
+
+    c = st.columns(6)
+    c[0].metric("wall", f"{total['wall_ms']:.1f} ms", delta="first to last span", delta_color="off",
+                delta_arrow="off", help="the first span's start to the last span's end, any rank")
+    c[1].metric("communication", f"{total['comm_mean_ms']:.1f} ms", delta=per_rank, delta_color="off",
+                delta_arrow="off", help=summed("collectives and transfers", "comm_ms"))
+    c[2].metric("comm. hidden", f"{total['overlap_pct']:.1f} %", delta="over all ranks",
+                delta_color="off", delta_arrow="off",
+                help="the share of all ranks' communication time that ran while the same rank computed")
+    c[3].metric("exposed comm.", f"{total['exposed_comm_mean_ms']:.1f} ms", delta=per_rank,
+                delta_color="off", delta_arrow="off",
+                help=summed("communication with no compute under it", "exposed_comm_ms"))
+    c[4].metric("waiting", f"{total['wait_mean_ms']:.1f} ms", delta=per_rank, delta_color="off",
+                delta_arrow="off", help=summed("wait spans", "wait_ms"))
+    c[5].metric("straggler", "none" if straggler.rank is None else f"rank {straggler.rank}",
+                delta={True: "configured", False: "not configured"}.get(straggler.configured),
+                delta_color="off", delta_arrow="off")
     st.caption(straggler.sentence, help="compute: forward, backward, optimizer (async: compute, apply)")
     if row:
         facts = [f"{k} {row[k]:.4g}" if isinstance(row[k], float) else f"{k} {row[k]}"
@@ -162,4 +187,4 @@ source = st.radio("source", tuple(SOURCES), format_func=SOURCES.get, key="runs_s
 result = run_controls() if source == "run" else file_controls()
 to_url()
 if result is not None:
-    show(*result)
+    show(*result, made_here=source == "run")
