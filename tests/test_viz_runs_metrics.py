@@ -67,7 +67,9 @@ def test_rank_stats_on_a_hand_made_sync_step() -> None:
     assert t["overlap_pct"] == pytest.approx(100 * 40 / 170) and t["wall_ms"] == pytest.approx(460e-6)
     st = find_straggler([s0, s1])
     assert (st.rank, st.slowest) == (1, 1) and st.ratio == pytest.approx(410 / 160)
-    assert st.sentence.startswith("rank 1 is the straggler: 2.6x the median compute")
+    # its own slowdown spans name it (slept 150 of its 410 ns of compute), whatever the others did
+    assert st.sentence.startswith("rank 1 is the straggler: slowed on purpose, it slept 0.0 ms, "
+                                  "1.6x its own compute, and computed 2.6x the median of the others")
 
 
 def test_parameter_server_roles_and_no_straggler_among_equals() -> None:
@@ -157,3 +159,21 @@ def test_configured_stragglers_from_the_row() -> None:
     assert configured_stragglers({"straggler": "1:4"}) == (1,)
     assert configured_stragglers({"straggler": "0:2,3:4.5"}) == (0, 3)
     assert configured_stragglers({}) is None and configured_stragglers({"straggler": "x:y"}) is None
+
+
+def test_a_straggler_whose_sleep_overshot_once_is_still_named() -> None:
+    """Rank 1 slept its whole debt in step 0 (one sleep that overshot is paid back by the next
+    steps), so its median step looks like rank 0's; its slowdown spans still name it. Before, the
+    median-step rule said "no straggler" for a configured 8x straggler about 1 run in 5 here."""
+    def step(rank: int, k: int, compute: int, slept: int = 0) -> list[Event]:
+        t = 1000 * k
+        evs = [Event(rank, "forward", t, t + compute + slept, extra={"step": k})]
+        return evs + ([Event(rank, "slowdown", t, t + slept, extra={"step": k})] if slept else [])
+
+    events = [e for k in range(5) for e in step(0, k, 100)]
+    events += [e for k in range(5) for e in step(1, k, 100, slept=700 if k == 0 else 0)]
+    s0, s1 = rank_stats(events)
+    assert s0.step_compute_ns == s1.step_compute_ns == 100  # the median step: no difference
+    st = find_straggler([s0, s1], configured=(1,), cores=2)
+    assert (st.rank, st.configured) == (1, True) and st.ratio == pytest.approx(1200 / 500)
+    assert st.sentence.startswith("rank 1 is the straggler: slowed on purpose, it slept 0.0 ms")

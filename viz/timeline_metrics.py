@@ -221,7 +221,9 @@ def find_straggler(stats: Sequence[RankStats], threshold: float = STRAGGLER_RATI
     """Name the rank whose compute most exceeds the others' (the parameter server is not a candidate).
 
     Compared per step (the median step's compute) when every rank's spans say their step, so one
-    step preempted by the operating system does not make a straggler; the totals otherwise.
+    step preempted by the operating system does not make a straggler; the totals otherwise. A rank
+    slowed on purpose is named by its own ``slowdown`` spans (the trainer recorded every sleep),
+    whatever the machine did to the others: comparing it with busy neighbours can hide it.
     ``configured``: the ranks the run was told to slow down (``()``: none; None: not known). A rank
     slow enough but not configured is the machine's doing, and the sentence says so (with ``cores``,
     the CPU cores the ranks ran on, when known) instead of calling it the straggler.
@@ -229,6 +231,9 @@ def find_straggler(stats: Sequence[RankStats], threshold: float = STRAGGLER_RATI
     cands = [s for s in stats if s.role != "server" and s.compute_ns > 0]
     if len(cands) < 2:
         return Straggler(None, None, 1.0, "no straggler: fewer than two ranks compute")
+    slowed = [s for s in cands if s.slowdown_ns > 0]
+    if slowed:
+        return _slowed_on_purpose(max(slowed, key=lambda s: s.slowdown_ns), cands, configured)
     per_step = all(s.step_compute_ns > 0 for s in cands)
     of = (lambda s: s.step_compute_ns) if per_step else (lambda s: float(s.compute_ns))
     slow = max(cands, key=of)
@@ -252,3 +257,16 @@ def find_straggler(stats: Sequence[RankStats], threshold: float = STRAGGLER_RATI
     return Straggler(slow.rank, slow.rank, ratio,
                      f"rank {slow.rank} is the slowest, {words}. But {told}: this is the machine's doing "
                      f"({_machine(len(stats), cores)}), not a configured straggler", False)
+
+
+def _slowed_on_purpose(slow: RankStats, cands: Sequence[RankStats],
+                       configured: Sequence[int] | None) -> Straggler:
+    """A rank that slept on purpose (a configured straggler): named from its own spans."""
+    median = statistics.median(s.compute_ns for s in cands if s is not slow)
+    ratio = slow.compute_ns / median if median else float("inf")
+    own = slow.compute_ns / max(1, slow.compute_ns - slow.slowdown_ns)
+    return Straggler(slow.rank, slow.rank, ratio,
+                     f"rank {slow.rank} is the straggler: slowed on purpose, it slept "
+                     f"{slow.slowdown_ns * 1e-6:.1f} ms, {own:.1f}x its own compute, and computed "
+                     f"{ratio:.1f}x the median of the others in all",
+                     None if configured is None else slow.rank in configured)
