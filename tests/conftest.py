@@ -48,6 +48,20 @@ def backend(request: pytest.FixtureRequest) -> str:
     return request.param
 
 
+@pytest.fixture(autouse=True)
+def _fresh_streamlit_cache() -> Iterator[None]:
+    """``st.cache_data`` is shared by every AppTest in the process: each test starts and ends with
+    it empty, so one page's cached runs never answer another test's question."""
+    import sys
+
+    st = sys.modules.get("streamlit")  # only where a test has imported it: no cost elsewhere
+    if st is not None:
+        st.cache_data.clear()
+    yield
+    if (st := sys.modules.get("streamlit")) is not None:
+        st.cache_data.clear()
+
+
 @pytest.fixture(scope="session")
 def worlds() -> Iterator[Callable[..., World]]:
     """``get_world(p, backend="local")``: the session's persistent world of ``p`` ranks (created lazily)."""

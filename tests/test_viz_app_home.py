@@ -11,11 +11,6 @@ from streamlit.testing.v1 import AppTest  # noqa: E402
 from dplab.backends.cli.app import app_path  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def _fresh_cache():
-    st.cache_data.clear()
-
-
 def test_home_is_the_default_page_and_links_to_collectives():
     at = AppTest.from_file(str(app_path()), default_timeout=30).run()
     assert not at.exception

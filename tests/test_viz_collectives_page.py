@@ -16,11 +16,6 @@ from dplab.reference.algorithms import allreduce_schedule  # noqa: E402
 from dplab.viz.collectives_figure import arrows  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def _fresh_cache():
-    st.cache_data.clear()
-
-
 def _page(**params: str) -> AppTest:
     at = AppTest.from_file(str(app_path()), default_timeout=30)
     for name, value in params.items():

@@ -18,12 +18,6 @@ from dplab.viz.cost import CostParams, crossovers, features, model_time  # noqa:
 PAGE = str(Path(__file__).resolve().parents[1] / "viz" / "pages" / "cost.py")
 
 
-@pytest.fixture(autouse=True)
-def fresh_cache():
-    st.cache_data.clear()
-    yield
-    st.cache_data.clear()
-
 
 def page(**query: str) -> AppTest:
     at = AppTest.from_file(PAGE, default_timeout=60)

@@ -23,12 +23,6 @@ VIZ = Path(__file__).resolve().parents[1] / "viz"
 PAGE = str(VIZ / "pages" / "runs.py")
 
 
-@pytest.fixture(autouse=True)
-def fresh_cache():
-    st.cache_data.clear()
-    yield
-    st.cache_data.clear()
-
 
 def page(**query: str) -> AppTest:
     at = AppTest.from_file(PAGE, default_timeout=60)

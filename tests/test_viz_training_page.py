@@ -18,12 +18,6 @@ PAGE = str(VIZ / "pages" / "training.py")
 SMALL = {"world_size": "3", "steps": "3", "hidden": "32", "staleness": "0,inf", "factor": "2.0"}
 
 
-@pytest.fixture(autouse=True)
-def fresh_cache():
-    st.cache_data.clear()
-    yield
-    st.cache_data.clear()
-
 
 def page(**query: str) -> AppTest:
     at = AppTest.from_file(PAGE, default_timeout=90)
