@@ -14,20 +14,22 @@ from dplab.reference.errors import ConfigError  # noqa: E402
 from dplab.viz.cost import (  # noqa: E402
     CostParams,
     busbw_line,
-    coinciding,
-    coinciding_sentence,
-    cost_figure,
-    crossovers,
     curves,
     features,
     format_bytes,
-    merged_crossovers,
     model_time,
     size_grid,
-    tie_tolerance,
     to_y,
+)
+from dplab.viz.cost_crossovers import (  # noqa: E402
+    coinciding,
+    coinciding_sentence,
+    crossovers,
+    merged_crossovers,
+    tie_tolerance,
     tolerant_sign,
 )
+from dplab.viz.cost_figure import cost_figure  # noqa: E402
 
 
 def test_curves_equal_costmodel_at_sample_points():

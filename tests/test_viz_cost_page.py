@@ -13,7 +13,8 @@ pytest.importorskip("plotly", reason="the viz extra (plotly) is not installed")
 
 from streamlit.testing.v1 import AppTest  # noqa: E402
 
-from dplab.viz.cost import CostParams, crossovers, features, model_time  # noqa: E402
+from dplab.viz.cost import CostParams, features, model_time  # noqa: E402
+from dplab.viz.cost_crossovers import crossovers  # noqa: E402
 
 PAGE = str(Path(__file__).resolve().parents[1] / "viz" / "pages" / "cost.py")
 

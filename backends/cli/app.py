@@ -21,7 +21,7 @@ from pathlib import Path
 
 from dplab.reference.errors import ConfigError
 
-__all__ = ["app_path", "free_port", "streamlit_argv", "missing_viz_extra", "run_app"]
+__all__ = ["app_path", "free_port", "port_number", "streamlit_argv", "missing_viz_extra", "run_app"]
 
 VIZ_EXTRA = ("streamlit", "plotly")
 
@@ -41,6 +41,14 @@ def app_path() -> Path:
             return path
     raise ConfigError(f"dplab's app file (viz/app.py) is not installed (looked in {locations or 'nowhere'}): "
                       "reinstall dplab with pip install -e '.[viz]'")
+
+
+def port_number(text: str) -> int:
+    """``--port``: 0..65535, 0 for a free one (argparse turns the error into one line, exit 2)."""
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"port must be 0..65535 (0: a free one), got {value}")
+    return value
 
 
 def free_port(host: str) -> int:

@@ -16,6 +16,7 @@ import textwrap
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
+from dplab.backends.cli.app import port_number
 from dplab.backends.cli.bench import parse_size
 from dplab.backends.cli.compare import RACE_DEFAULTS
 from dplab.backends.cli.runs import MODES
@@ -273,20 +274,13 @@ def _add_bench(sub: Any) -> None:
                         "$DPLAB_DEVICE)")
 
 
-def _port(text: str) -> int:
-    value = int(text)
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"port must be 0..65535 (0: a free one), got {value}")
-    return value
-
-
 def _add_app(sub: Any) -> None:
     a = sub.add_parser("app", help="open the visualizer (Streamlit) in your browser",
                        formatter_class=_Formatter,
                        description=_wrap("Serve the dplab app (streamlit run on the packaged viz/app.py, "
                                          "headless) and print its URL; Ctrl-C stops it. Needs the viz "
                                          "extra: pip install 'dplab[viz]'."))
-    a.add_argument("--port", type=_port, default=0, help="port to serve on; 0 picks a free one")
+    a.add_argument("--port", type=port_number, default=0, help="port to serve on; 0 picks a free one")
     a.add_argument("--host", default="127.0.0.1",
                    help="address to bind; loopback keeps the app on this machine (0.0.0.0 shares it)")
 

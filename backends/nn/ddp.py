@@ -2,7 +2,6 @@
 
     from dplab.backends.nn.ddp import DDP
     from dplab.backends.launch.world import launch
-
     def train(comm):
         model = DDP(Net(), comm, bucket_cap_mb=25, algorithm="ring")  # rank 0's weights everywhere
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -16,25 +15,22 @@
 
 How: every trainable parameter gets a slot in one flat gradient buffer, laid out in
 ``named_parameters()`` order, and ``param.grad`` *is* that slot (a view, like DDP's
-``gradient_as_bucket_view=True``). Autograd accumulates straight into it. When a
-parameter's gradient is complete, its post-accumulate-grad hook divides it by the world
-size (or weights it by its shard, see below) and tells the ``Reducer``
-(``dplab.reference.train.buckets``); the Reducer all-reduces each bucket (a contiguous slice
-of the buffer, parameters in reverse order) on its communication thread as soon as the
-bucket is complete, while backward goes on with earlier layers. A
-callback queued on the autograd engine waits for the last bucket, so
-``loss.backward(); opt.step()`` just works.
+``gradient_as_bucket_view=True``): autograd accumulates straight into it. When a parameter's
+gradient is complete, its post-accumulate-grad hook divides it by the world size (or weights
+it by its shard, see below) and tells the ``Reducer`` (``dplab.reference.train.buckets``),
+which all-reduces each bucket (a contiguous slice, parameters in reverse order) on its comm
+thread as soon as it is complete, while backward goes on with earlier layers. A callback
+queued on the autograd engine waits for the last bucket: ``loss.backward(); opt.step()`` works.
 
     flat grad:  [ emb | layer 1 | layer 2 | head ]      named_parameters() order
     buckets:    [   bucket 1    ][  bucket 0      ]     reverse: head's bucket goes first
 
 Copies per step: none. The averaged gradient is computed in place in the slot that
-``param.grad`` already is, and on the local backend that slot lies in shared memory, so
-the all-reduce moves it without staging. The one exception is a gradient autograd created
-afresh because ``param.grad`` was None (the first backward, or after
-``zero_grad(set_to_none=True)``, torch's default): the hook copies it into its slot once
-and makes ``param.grad`` the slot again, exactly as DDP does. Use
-``opt.zero_grad(set_to_none=False)`` to skip that copy.
+``param.grad`` already is, which on the local backend lies in shared memory, so the all-reduce
+moves it without staging. The one exception is a gradient autograd made afresh because
+``param.grad`` was None (the first backward, or ``zero_grad(set_to_none=True)``, torch's
+default): the hook copies it into its slot once and makes ``param.grad`` the slot again, as
+DDP does; ``opt.zero_grad(set_to_none=False)`` skips that copy.
 
 Uneven shards. Like torch's DDP, the gradient is averaged over ranks, (g_0 + ... + g_p-1) / p,
 which is the full batch's mean gradient only when every rank's shard has the same size. With

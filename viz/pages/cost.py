@@ -17,15 +17,9 @@ import streamlit as st
 
 from dplab.reference.algorithms import ALLREDUCE
 from dplab.reference.errors import DplabError
-from dplab.viz.cost import (
-    CostParams,
-    busbw_line,
-    coinciding,
-    coinciding_sentence,
-    cost_figure,
-    format_bytes,
-    merged_crossovers,
-)
+from dplab.viz.cost import CostParams, busbw_line, format_bytes
+from dplab.viz.cost_crossovers import coinciding, coinciding_sentence, merged_crossovers
+from dplab.viz.cost_figure import cost_figure
 from dplab.viz.cost_fit import fit_alpha_beta, fit_table, load_bench_json, residual_figure, run_bench
 
 ALPHA_US = (0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0)
