@@ -1,0 +1,1 @@
+"""Mixed precision: half-precision compute copies of fp32 master weights, and loss scaling."""
