@@ -447,7 +447,7 @@ def job_cuda(comm, cfg):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("p", [2, 4])
+@pytest.mark.parametrize("p", [1, 2, 4])
 def test_nccl_on_cuda_tensors_is_exact_and_trains_like_one_device(monkeypatch, p):
     if torch.cuda.device_count() < p:
         pytest.skip(f"needs {p} CUDA GPUs, this machine has {torch.cuda.device_count()}")
