@@ -19,6 +19,7 @@ from typing import Any
 from dplab.backends.cli.app import port_number
 from dplab.backends.cli.bench import parse_size
 from dplab.backends.cli.compare import RACE_DEFAULTS
+from dplab.backends.cli.memory import add_memory_parser
 from dplab.backends.cli.runs import MODES
 from dplab.reference.errors import ConfigError
 from dplab.reference.train.straggler import Stragglers, check_stragglers, parse_stragglers
@@ -295,4 +296,5 @@ def build_parser() -> argparse.ArgumentParser:
     _add_compare(sub)
     _add_bench(sub)
     _add_app(sub)
+    add_memory_parser(sub, _Formatter)
     return parser

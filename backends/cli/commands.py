@@ -1,4 +1,4 @@
-"""The ``dplab`` command line: train, compare, bench, app.
+"""The ``dplab`` command line: train, compare, bench, app, memory.
 
     dplab train --world-size 4 --algorithm ring --steps 50 --trace run.json
     dplab compare                                   # naive/ring/tree/native x 1..4 ranks
@@ -6,6 +6,7 @@
     dplab bench --world-sizes 2 --sizes 4K,16M,64M
     dplab train --checkpoint-every 10 --checkpoint-dir ck   # then, after a crash: add --resume ck
     dplab app                                       # the visualizer, in your browser
+    dplab memory --params 7B --world-sizes 8,64     # GB per rank of ZeRO stages 0-3 (formulas)
 
 Every command prints a table; ``--json PATH`` writes the same rows as JSON.
 Bad arguments get a one-line error and exit code 2.
@@ -27,6 +28,7 @@ from dplab.backends.cli.app import run_app
 from dplab.backends.cli.args import AUTO, build_parser
 from dplab.backends.cli.checks import OutputPathError, check_args, stop_launcher_job
 from dplab.backends.cli.compare import EQUIVALENCE_DEFAULTS, RACE_DEFAULTS, compare_specs, run_specs
+from dplab.backends.cli.memory import run_memory
 from dplab.backends.cli.runs import MODES, RunSpec, run_train
 from dplab.backends.cli.table import Progress, format_number, format_table
 from dplab.backends.launch.interrupt import interruptible
@@ -144,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "app":  # a server, not rows: it prints its URL and becomes streamlit
         return run_app(args)
+    if args.command == "memory":  # formulas, not a run: no backend, no ranks, no device
+        return run_memory(args, argv)
     command = {"train": cmd_train, "compare": cmd_compare, "bench": cmd_bench}[args.command]
     if args.device:  # read by the torch backend in every rank it starts
         os.environ["DPLAB_DEVICE"] = args.device
