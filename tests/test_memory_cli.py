@@ -131,3 +131,14 @@ def test_every_option_is_explained_with_its_default():
     for shown in ["(default: 7B)", "(default: adam)", "(default: mixed)", "(default: 1,8,64)",
                   "(default: 0,1,2,3)", "(default: not written)", "reduction stage 0's total / this total"]:
         assert shown in text, shown
+
+
+def test_a_reader_that_leaves_ends_the_output_quietly():
+    """``dplab memory ... | head -1``: 12,000 rows overflow the pipe; no BrokenPipeError traceback, exit 0."""
+    sizes = ",".join(map(str, range(1, 3001)))
+    proc = subprocess.Popen([sys.executable, "-m", "dplab.backends.cli", "memory", "--world-sizes", sizes],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout.readline().startswith(b"7,000,000,000 parameters")
+    proc.stdout.close()
+    assert proc.wait(timeout=60) == 0
+    assert proc.stderr.read() == b""

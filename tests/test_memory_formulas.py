@@ -80,13 +80,24 @@ def test_stages_only_ever_shrink_and_stage_3_is_stage_0_over_n(psi, n, p, g, k):
     assert all(b == one[0] for b in one)  # one rank: nothing to shard over
 
 
+def test_numpy_counts_are_numbers_too():
+    """A parameter count summed by NumPy (np.int64) or a world size from an array is accepted."""
+    import numpy as np
+
+    assert model_state_bytes(np.int64(1000), 2, np.int64(4)) == MemoryBreakdown(2000, 500, 3000)
+    assert model_state_bytes(np.float32(1000), 0, 1, state_bytes=np.int64(8)).total == 12000
+
+
 @pytest.mark.parametrize(("kwargs", "match"), [
     ({"stage": 4}, "stage must be 0, 1, 2 or 3"),
+    ({"stage": True}, "stage must be 0, 1, 2 or 3"),
     ({"world_size": 0}, "world_size must be an integer >= 1"),
     ({"world_size": 2.0}, "world_size must be an integer"),
     ({"num_params": -1}, "num_params must be a finite number >= 0"),
     ({"num_params": float("nan")}, "num_params"),
     ({"state_bytes": float("inf")}, "state_bytes"),
+    ({"num_params": "7B"}, "num_params must be a finite number"),
+    ({"world_size": True}, "world_size must be an integer"),
 ])
 def test_bad_arguments_say_what_to_do(kwargs, match):
     args = {"num_params": 100, "stage": 1, "world_size": 2, **kwargs}

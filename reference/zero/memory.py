@@ -46,6 +46,7 @@ with mixed-precision Adam, 16 bytes per parameter, 112 GB before activations, wh
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 from dplab.reference.errors import ConfigError
@@ -121,14 +122,14 @@ def model_state_bytes(num_params: float, stage: int, world_size: int, *, param_b
     Stage s shards the first s of (optimizer state, gradients, weights) over the ranks and
     replicates the rest; the defaults are the paper's mixed-precision Adam (2, 2, 12).
     """
-    if stage not in STAGES:
+    if isinstance(stage, bool) or stage not in STAGES:
         raise ConfigError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+    if isinstance(world_size, bool) or not isinstance(world_size, numbers.Integral) or world_size < 1:
         raise ConfigError(f"world_size must be an integer >= 1, got {world_size!r}")
     named = {"num_params": num_params, "param_bytes": param_bytes, "grad_bytes": grad_bytes,
              "state_bytes": state_bytes}
     for name, value in named.items():
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (
                 math.isfinite(value) and value >= 0):
             raise ConfigError(f"{name} must be a finite number >= 0, got {value!r}")
     n = world_size
