@@ -11,6 +11,19 @@ and receives to ``comm.exchange``. A rank whose buffer differs from its peers' g
 called, and every message carries it (its tag) and is checked against the buffer it lands in
 (empty chunks, n < p, still travel as zero-length messages), or, where the transport cannot
 do that cheaply (gloo), the collective's first message on each link carries it once.
+
+Dtypes: float16, float32, float64, int32, int64 everywhere; torch.bfloat16 tensors on the torch
+backend (numpy has no bfloat16, so the local and MPI backends, which move numpy arrays, cannot
+carry it). The accumulation rule for half types is the buffer's own precision, as NCCL does:
+every partial sum is rounded to the buffer's dtype before it travels on, so a float16 sum over p
+ranks is p-1 additions, each rounded (unit roundoff u = 2**-11; bfloat16 2**-8). Its error, for
+any algorithm and any order of additions, is at most ``(p-1) u / (1 - (p-1) u) * sum_r |x_r|``
+per element (Higham's bound for recursive summation); ``op="mean"`` adds one rounding more. Which
+order the additions take depends on the algorithm and the chunk (gloo's float16 all-reduce of
+1, 2**-11, 2**-11 on three ranks gives 1.0 for one element and 1.0009765625 for another), so
+half-precision results agree across ranks bit for bit but not with another algorithm's. A sum
+past the dtype's largest value (65504 for float16) is inf: that is how loss scaling
+(``dplab.reference.precision``) sees an overflow on every rank at once.
 """
 
 from __future__ import annotations
@@ -27,7 +40,8 @@ from dplab.reference.schedule import Schedule, Transfer, chunk_bounds
 
 __all__ = ["allreduce", "reduce_scatter", "allgather", "broadcast", "reduce", "run_schedule", "schedule_plan"]
 
-_DTYPES = (np.float32, np.float64, np.int32, np.int64)
+_DTYPES = ("float16", "float32", "float64", "int32", "int64")  # numpy arrays, on every backend
+_TORCH_DTYPES = (*_DTYPES, "bfloat16")  # torch tensors, on the torch backend
 _ROOTED = {"tree": (tree.reduce, tree.broadcast), "naive": (naive.reduce, naive.broadcast)}
 _SCATTER = {"ring": (ring.reduce_scatter, ring.allgather),
             "direct": (direct.reduce_scatter, direct.allgather)}
@@ -64,18 +78,23 @@ def _pick(table: dict, algorithm: str):
     return table[algorithm]
 
 
-def _flat(buf: Any) -> Any:
+def _flat(buf: Any, backend: str = "") -> Any:
     """A 1-D view of ``buf``: a numpy array, or a torch tensor (duck-typed: reference imports no torch)."""
     if isinstance(buf, np.ndarray):
         require_writable(buf)  # refused on every rank before any message, not half-way on one
-        if buf.dtype.type not in _DTYPES:
-            raise ConfigError(f"dtype {buf.dtype} not supported: use float32, float64, int32 or int64")
+        if buf.dtype.name not in _DTYPES:
+            raise ConfigError(f"dtype {buf.dtype} not supported: use {', '.join(_DTYPES)} (numpy has no "
+                              "bfloat16: pass a torch.bfloat16 tensor on the torch backend)")
         if not buf.flags.c_contiguous:
             raise ConfigError("collectives work in place on contiguous arrays: use np.ascontiguousarray")
         return buf.reshape(-1)
     if type(buf).__module__.startswith("torch"):
-        if str(buf.dtype).removeprefix("torch.") not in ("float32", "float64", "int32", "int64"):
-            raise ConfigError(f"dtype {buf.dtype} not supported: use float32, float64, int32 or int64")
+        if str(buf.dtype).removeprefix("torch.") not in _TORCH_DTYPES:
+            raise ConfigError(f"dtype {buf.dtype} not supported: use {', '.join(_TORCH_DTYPES)}")
+        if backend in ("local", "mpi"):
+            raise ConfigError(f"torch tensors travel on the torch backend; the {backend} backend moves "
+                              "numpy arrays: pass t.numpy() (a CPU tensor shares its memory) or use "
+                              "backend='torch' (bfloat16 only there: numpy has no bfloat16)")
         if not buf.is_contiguous():
             raise ConfigError("collectives work in place on contiguous tensors: pass t.contiguous()")
         return buf.view(-1)
@@ -89,7 +108,7 @@ def _is_float(buf: Any) -> bool:
 
 def _run(comm: Communicator, kind: str, buf: np.ndarray, algorithm: str, root: int | None = None
          ) -> np.ndarray:
-    flat = _flat(buf)
+    flat = _flat(buf, getattr(comm, "backend", ""))
     if root is not None and not 0 <= root < comm.world_size:
         raise ConfigError(f"root {root} is not a rank of a world of size {comm.world_size}")
     schedule, plan = schedule_plan(kind, algorithm, comm.world_size, comm.rank, root or 0)
@@ -100,14 +119,16 @@ def _run(comm: Communicator, kind: str, buf: np.ndarray, algorithm: str, root: i
 
 
 def allreduce(comm: Communicator, buf: np.ndarray, algorithm: str = "ring", op: str = "sum") -> np.ndarray:
-    """Sum (or average, ``op="mean"``) ``buf`` across all ranks, in place; returns ``buf``."""
+    """Sum (or average, ``op="mean"``) ``buf`` across all ranks, in place; returns ``buf``.
+
+    float16 and bfloat16 add in their own precision, each partial sum rounded (module docstring)."""
     if op not in ("sum", "mean"):
         raise ConfigError(f"op must be 'sum' or 'mean', got {op!r}")
-    _flat(buf)
+    _flat(buf, getattr(comm, "backend", ""))
     if op == "mean" and not _is_float(buf):
         raise ConfigError(f"op='mean' needs a floating-point buffer, got {buf.dtype}: use op='sum'")
     if algorithm == "native":
-        flat = _flat(buf)
+        flat = _flat(buf, getattr(comm, "backend", ""))
         with comm.tracer.span("allreduce", bytes=flat.nbytes, algorithm="native"):
             comm.native_allreduce(flat, "sum")
     else:

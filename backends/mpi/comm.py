@@ -115,6 +115,9 @@ class MpiComm(MpiEngineCalls, Communicator):
         self._max_tag = self._comm.Get_attr(MPI.TAG_UB) >> _TAG_BITS
         self._types = {np.dtype("float32"): MPI.FLOAT, np.dtype("float64"): MPI.DOUBLE,
                        np.dtype("int32"): MPI.INT32_T, np.dtype("int64"): MPI.INT64_T}
+        half = getattr(MPI, "FLOAT16_T", MPI.DATATYPE_NULL)  # MPI 4.1's; MPICH >= 4.2 sums it
+        if half != MPI.DATATYPE_NULL:
+            self._types[np.dtype("float16")] = half
         self._local = threading.local()  # a scratch arena per thread (the reducer's runs rounds too)
         self._abandoned: list[Any] = []  # timed-out requests MPI may still touch: keep their buffers
         self._tag = 0  # the tag of the running collective's messages (its code; see check_buffer)

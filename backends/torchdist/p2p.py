@@ -40,7 +40,7 @@ from dplab.reference.trace import Tracer
 
 __all__ = ["TorchPeer", "HEADER_TAG", "code", "data_tag", "DTYPES"]
 
-DTYPES = ("uint8", "float32", "float64", "int32", "int64", "float16")  # the header's dtype codes
+DTYPES = ("uint8", "float32", "float64", "int32", "int64", "float16", "bfloat16")  # the header's dtype codes
 HEADER_TAG = 1 << 30  # data tags, (length, dtype) folded, stay below it
 
 
