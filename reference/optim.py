@@ -1,5 +1,9 @@
 """SGD, momentum and Adam on flat NumPy arrays, formula for formula like torch.optim.
 
+LARS and LAMB, which need the model's tensors (one trust ratio each), are in
+``optim_layerwise.py``; ``make_optimizer`` builds all five. Every optimizer takes the lr of
+update t from ``cfg.lr`` and ``cfg.warmup_steps`` (``dplab.reference.lr.warmup_lr``).
+
 Optimizers update the one flat parameter vector in place. In synchronous data parallelism
 every rank runs the same optimizer on the same all-reduced gradient, so the states stay
 identical without ever being communicated; the parameter server runs one on its own.
@@ -23,29 +27,45 @@ import numpy as np
 from numpy.typing import DTypeLike
 
 from dplab.reference.errors import ConfigError
+from dplab.reference.lr import warmup_lr
 
-__all__ = ["OptimConfig", "Optimizer", "SGD", "Momentum", "Adam", "make_optimizer"]
+__all__ = ["OptimConfig", "Optimizer", "SGD", "Momentum", "Adam", "make_optimizer", "OPTIMIZERS",
+           "LAYERWISE"]
+
+OPTIMIZERS = ("sgd", "momentum", "adam", "lars", "lamb")
+LAYERWISE = ("lars", "lamb")  # need ``layers=``: one trust ratio per tensor
 
 
 @dataclass(frozen=True)
 class OptimConfig:
-    """``weight_decay`` is L2 added to the gradient, as torch.optim.SGD/Adam do (not AdamW)."""
+    """``weight_decay`` is L2 added to the gradient, as torch.optim.SGD/Adam do (not AdamW);
+    LARS and LAMB use it as their papers do (see ``optim_layerwise``).
 
-    name: Literal["sgd", "momentum", "adam"] = "sgd"
+    ``warmup_steps``: the lr ramps linearly over the first updates (``lr.warmup_lr``).
+    ``trust_coef``: LARS's eta, the trust coefficient (0.001 in the paper): a tensor moves by
+    about lr * eta of its norm per step, so LARS wants a much larger ``lr`` than SGD.
+    """
+
+    name: Literal["sgd", "momentum", "adam", "lars", "lamb"] = "sgd"
     lr: float = 0.05
-    momentum: float = 0.9
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
+    momentum: float = 0.9  # momentum and lars
+    betas: tuple[float, float] = (0.9, 0.999)  # adam and lamb
+    eps: float = 1e-8  # adam and lamb
     weight_decay: float = 0.0
+    warmup_steps: int = 0
+    trust_coef: float = 0.001  # lars
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "betas", tuple(self.betas))
-        if self.name not in ("sgd", "momentum", "adam"):
-            raise ConfigError(
-                f"optimizer name must be 'sgd', 'momentum' or 'adam', not {self.name!r}"
-            )
+        if self.name not in OPTIMIZERS:
+            raise ConfigError(f"optimizer name must be one of {', '.join(OPTIMIZERS)}, not {self.name!r}")
         if not self.lr >= 0 or not self.weight_decay >= 0 or not self.eps > 0:
             raise ConfigError(f"need lr >= 0, weight_decay >= 0 and eps > 0, got {self}")
+        steps = self.warmup_steps
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+            raise ConfigError(f"warmup_steps must be an integer >= 0 (0: no warm-up), got {steps!r}")
+        if not (math.isfinite(self.trust_coef) and self.trust_coef > 0):
+            raise ConfigError(f"trust_coef (LARS's eta) must be a finite number > 0, got {self.trust_coef}")
         if not 0 <= self.momentum < 1 or len(self.betas) != 2:
             raise ConfigError(f"need 0 <= momentum < 1 and two betas, got {self}")
         if not all(0 <= b < 1 for b in self.betas):
@@ -55,14 +75,19 @@ class OptimConfig:
 class Optimizer:
     """Base class: checks shapes, counts steps, saves and restores its state arrays.
 
-    Subclasses list their state arrays in ``_state_names`` and implement ``_update``.
+    Subclasses list their state arrays in ``_state_names`` and implement ``_update``, which
+    reads the lr of this update from ``self.lr`` (warm-up applied). ``layers``: the model's
+    tensors as slices of the flat vector (``MLP.param_slices``), for the layer-wise ones.
     """
 
     _state_names: tuple[str, ...] = ()
+    _l2_in_grad = True  # add weight_decay * params to the gradient before _update
 
-    def __init__(self, cfg: OptimConfig, num_params: int, dtype: DTypeLike = np.float64):
+    def __init__(self, cfg: OptimConfig, num_params: int, dtype: DTypeLike = np.float64,
+                 layers: list[slice] | None = None):
         self.cfg, self.num_params, self.dtype = cfg, num_params, np.dtype(dtype)
-        self.t = 0  # number of steps taken (Adam's bias correction needs it)
+        self.layers = layers
+        self.t = 0  # number of steps taken (Adam's bias correction and the warm-up need it)
         for name in self._state_names:
             setattr(self, name, np.zeros(num_params, dtype=self.dtype))
 
@@ -73,8 +98,13 @@ class Optimizer:
                 raise ConfigError(f"{name} must be {self.dtype} of shape ({self.num_params},), "
                                   f"got {a.dtype} {a.shape}: build the optimizer to match")
         self.t += 1
-        wd = self.cfg.weight_decay
+        wd = self.cfg.weight_decay if self._l2_in_grad else 0.0
         self._update(params, grad + wd * params if wd else grad)
+
+    @property
+    def lr(self) -> float:
+        """The lr of the update being taken (number ``self.t``): ``cfg.lr`` after the warm-up."""
+        return warmup_lr(self.cfg.lr, self.cfg.warmup_steps, self.t)
 
     def _update(self, params: np.ndarray, g: np.ndarray) -> None:
         raise NotImplementedError
@@ -101,7 +131,7 @@ class SGD(Optimizer):
     """``p -= lr * g``."""
 
     def _update(self, params: np.ndarray, g: np.ndarray) -> None:
-        params -= self.cfg.lr * g
+        params -= self.lr * g
 
 
 class Momentum(Optimizer):
@@ -117,7 +147,7 @@ class Momentum(Optimizer):
         buf = self.momentum_buffer
         buf *= self.cfg.momentum
         buf += g
-        params -= self.cfg.lr * buf
+        params -= self.lr * buf
 
 
 class Adam(Optimizer):
@@ -139,10 +169,16 @@ class Adam(Optimizer):
         v *= b2
         v += (1 - b2) * g * g
         denom = np.sqrt(v) / math.sqrt(1 - b2**t) + self.cfg.eps
-        params -= (self.cfg.lr / (1 - b1**t)) * m / denom
+        params -= (self.lr / (1 - b1**t)) * m / denom
 
 
-def make_optimizer(cfg: OptimConfig, num_params: int, dtype: DTypeLike = np.float64) -> Optimizer:
-    """The optimizer named by ``cfg.name``, with zeroed state of ``num_params`` in ``dtype``."""
-    cls = {"sgd": SGD, "momentum": Momentum, "adam": Adam}[cfg.name]
-    return cls(cfg, num_params, dtype)
+def make_optimizer(cfg: OptimConfig, num_params: int, dtype: DTypeLike = np.float64,
+                   layers: list[slice] | None = None) -> Optimizer:
+    """The optimizer named by ``cfg.name``, with zeroed state of ``num_params`` in ``dtype``.
+
+    ``layers`` (the model's ``param_slices``) is required by LARS and LAMB, ignored by the others.
+    """
+    from dplab.reference.optim_layerwise import LAMB, LARS  # it imports this module
+
+    cls = {"sgd": SGD, "momentum": Momentum, "adam": Adam, "lars": LARS, "lamb": LAMB}[cfg.name]
+    return cls(cfg, num_params, dtype, layers)

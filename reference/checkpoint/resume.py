@@ -136,7 +136,7 @@ def check_consistent(state: Checkpoint, expect: Expect) -> None:
     if p.shape != (n,) or p.dtype != np.dtype(cfg.dtype):
         raise bad(f"parameters {p.dtype}{list(p.shape)}, the model needs {cfg.dtype}[{n}]")
     opt = state.optimizer_state
-    names = set(make_optimizer(cfg.optimizer, n, cfg.dtype).state_dict())
+    names = set(make_optimizer(cfg.optimizer, n, cfg.dtype, MLP(cfg.model).param_slices).state_dict())
     if set(opt) != names:
         raise bad(f"optimizer state {sorted(opt)}, {cfg.optimizer.name} keeps {sorted(names)}")
     for k, v in opt.items():

@@ -46,7 +46,7 @@ def replay(cfg: TrainConfig, acfg: AsyncConfig, log: list[LogEntry],
         raise ConfigError("with backup workers a worker may be missing from the log: pass workers=")
     model, data, params = setup(cfg)
     workers = workers if workers is not None else max((e.worker for e in log), default=1)
-    opt = make_optimizer(cfg.optimizer, model.num_params, params.dtype)
+    opt = make_optimizer(cfg.optimizer, model.num_params, params.dtype, model.param_slices)
     last_use = {e.version: e.produced for e in log}  # the update after which version v is not needed
     versions = {0: params.copy()}  # versions[v]: the parameters after v updates, while still needed
     expected = 1

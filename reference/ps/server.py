@@ -73,7 +73,7 @@ class Server:
         self.workers, self.clocks = comm.world_size - 1, clocks
         self.params = comm.empty(model.num_params, initial.dtype)
         self.params[:] = initial
-        self.opt = make_optimizer(cfg.optimizer, model.num_params, initial.dtype)
+        self.opt = make_optimizer(cfg.optimizer, model.num_params, initial.dtype, model.param_slices)
         self.grad = np.empty_like(initial)
         self.reply = np.zeros(2, dtype=np.int64)  # [version, clock] or [STOP, STOP]
         self.version = 0  # updates applied so far

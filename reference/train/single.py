@@ -103,7 +103,7 @@ def train_single(cfg: TrainConfig) -> TrainResult:
     ranks use the same scale on their shards, so their gradients sum to this one.
     """
     model, data, params = setup(cfg)
-    opt = make_optimizer(cfg.optimizer, model.num_params, params.dtype)
+    opt = make_optimizer(cfg.optimizer, model.num_params, params.dtype, model.param_slices)
     grad = np.zeros_like(params)
     losses = []
     for step in range(cfg.steps):

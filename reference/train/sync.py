@@ -59,7 +59,7 @@ def train_sync(comm: Communicator, cfg: TrainConfig, sync: SyncConfig = _DEFAULT
     if comm.rank != 0:  # anything but rank 0's weights: the broadcast must fix it
         params = model.init_params(cfg.seed + 1 + comm.rank, dtype=params.dtype)
     broadcast(comm, params, root=0)  # 1. every replica starts from rank 0's parameters
-    opt = make_optimizer(cfg.optimizer, model.num_params, params.dtype)
+    opt = make_optimizer(cfg.optimizer, model.num_params, params.dtype, model.param_slices)
     grad = comm.empty(model.num_params, params.dtype)  # buckets are slices of it: no packing
     scale = 1 / cfg.global_batch  # the global batch, not the shard: shard gradients sum to its mean
     with closing(Reducer(comm, grad, model.param_slices, sync.bucket_cap_mb, sync.algorithm)) as reducer:

@@ -1,0 +1,63 @@
+"""Learning rates for large global batches: the scaling rules and linear warm-up.
+
+Data parallelism makes the global batch grow with the number of ranks. A k-times larger
+batch averages k times as many per-sample gradients, so its gradient noise shrinks, and
+one step of it should go further than one small step. Two rules say how much further:
+
+    linear (Goyal et al. 2017, "Accurate, Large Minibatch SGD"):  lr = base_lr * k
+        k small steps of SGD move about as far as one step of k times the batch, as long
+        as the gradient changes little over those k steps: true early in training only
+        after a warm-up, and only up to a "critical" batch beyond which it breaks.
+    sqrt   (Krizhevsky 2014, "One weird trick"; Hoffer et al. 2017):  lr = base_lr * sqrt(k)
+        keeps the variance of the update (lr^2 * noise / batch) unchanged; the usual
+        choice for Adam-like optimizers, whose steps are already normalised per element.
+    none:  lr = base_lr whatever the batch (the baseline that shows why a rule is needed).
+
+    >>> from dplab.reference.lr import scaled_lr, warmup_lr
+    >>> scaled_lr(0.1, base_batch=256, global_batch=1024, rule="linear")
+    0.4
+    >>> scaled_lr(0.1, base_batch=256, global_batch=1024, rule="sqrt")
+    0.2
+    >>> [warmup_lr(1.0, warmup_steps=4, step=t) for t in (1, 2, 3, 4, 5)]
+    [0.25, 0.5, 0.75, 1.0, 1.0]
+
+Warm-up: a scaled lr is too large for the first steps, where the gradient still changes
+fast. ``warmup_lr`` ramps it linearly over the first ``warmup_steps`` updates, from
+lr / warmup_steps at update 1 to the full lr at update ``warmup_steps`` (no update is
+wasted at lr 0; Goyal et al. start the ramp at the small batch's lr instead, which differs
+only in the first point). The step is the optimizer's own count of updates taken, so
+every trainer (sync, parameter server, single device) and every resume gets it for free.
+"""
+
+from __future__ import annotations
+
+import math
+
+from dplab.reference.errors import ConfigError
+
+__all__ = ["LR_RULES", "scaled_lr", "warmup_lr"]
+
+LR_RULES = ("linear", "sqrt", "none")
+
+
+def scaled_lr(base_lr: float, base_batch: int, global_batch: int, rule: str = "linear") -> float:
+    """The lr for ``global_batch`` when ``base_lr`` is right for ``base_batch`` (see the module)."""
+    if rule not in LR_RULES:
+        raise ConfigError(f"lr rule must be one of {', '.join(LR_RULES)}, got {rule!r}")
+    if not (base_batch >= 1 and global_batch >= 1):
+        raise ConfigError(f"base_batch and global_batch must be >= 1, got {base_batch}, {global_batch}")
+    if not (math.isfinite(base_lr) and base_lr >= 0):
+        raise ConfigError(f"base_lr must be a finite number >= 0, got {base_lr}")
+    k = global_batch / base_batch
+    return base_lr * {"linear": k, "sqrt": math.sqrt(k), "none": 1.0}[rule]
+
+
+def warmup_lr(lr: float, warmup_steps: int, step: int) -> float:
+    """The lr of update number ``step`` (1 for the first): ``lr * min(1, step / warmup_steps)``.
+
+    ``warmup_steps=0`` returns ``lr`` itself (the same float, so runs without warm-up keep
+    their bits).
+    """
+    if warmup_steps and step < warmup_steps:
+        return lr * step / warmup_steps
+    return lr
