@@ -1,0 +1,62 @@
+"""The ZeRO trainer's configuration: which stage, which reduce-scatter/all-gather, micro-batches.
+
+    ZeroConfig(stage=3, algorithm="ring", accum_steps=2, prefetch=True)   # validated by train_zero
+
+Stage s shards the first s of (optimizer state, gradients, parameters) across the ranks; stage 0
+is plain data parallelism (replicas and an all-reduce), kept as the baseline the others are
+measured against. Stages 1-3 are built from a reduce-scatter and an all-gather, so they need an
+algorithm that has those two schedules (ring, direct); stage 0 takes any all-reduce.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dplab.reference.algorithms import ALGORITHMS
+from dplab.reference.errors import ConfigError
+
+__all__ = ["ZeroConfig", "SCATTER_ALGORITHMS", "ELEMENTWISE_OPTIMIZERS"]
+
+SCATTER_ALGORITHMS = ("ring", "direct")  # those with reduce_scatter and allgather schedules
+# An optimizer that updates each element from that element alone gives the same numbers on a
+# shard as on the whole vector. LARS/LAMB scale a whole LAYER by its norm: not on a shard.
+ELEMENTWISE_OPTIMIZERS = ("sgd", "momentum", "adam")
+
+
+@dataclass(frozen=True)
+class ZeroConfig:
+    """``stage`` 0-3; ``algorithm`` of the collectives; ``accum_steps`` micro-batches per step;
+    ``prefetch`` (stage 3): gather the next layer on the comm thread while this one computes."""
+
+    stage: int = 1
+    algorithm: str = "ring"
+    accum_steps: int = 1
+    prefetch: bool = True
+
+    def validate(self, world_size: int | None = None) -> None:
+        """Raise ``ConfigError`` naming the field and the fix."""
+        if isinstance(self.stage, bool) or self.stage not in (0, 1, 2, 3):
+            raise ConfigError(f"ZeRO stage must be 0, 1, 2 or 3, got {self.stage!r}")
+        if self.stage == 0:
+            if self.algorithm not in ALGORITHMS:
+                raise ConfigError(f"unknown algorithm {self.algorithm!r}: stage 0 all-reduces, "
+                                  f"choose one of {', '.join(ALGORITHMS)}")
+        elif self.algorithm not in SCATTER_ALGORITHMS:
+            raise ConfigError(
+                f"ZeRO stage {self.stage} reduce-scatters gradients and all-gathers parameters, and "
+                f"{self.algorithm!r} has no such schedules: choose one of {', '.join(SCATTER_ALGORITHMS)}"
+                " (naive, tree and native have only an all-reduce; stage 0 takes them)")
+        steps = self.accum_steps
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ConfigError(f"accum_steps must be an integer >= 1, got {self.accum_steps!r}")
+        if not isinstance(self.prefetch, bool):
+            raise ConfigError(f"prefetch must be True or False, got {self.prefetch!r}")
+        if world_size is not None and world_size < 1:
+            raise ConfigError(f"world_size must be >= 1, got {world_size}")
+
+    def check_optimizer(self, name: str) -> None:
+        """Sharded stages step a slice of each layer: only element-wise optimizers give the same numbers."""
+        if name not in ELEMENTWISE_OPTIMIZERS:
+            raise ConfigError(
+                f"ZeRO shards every layer across the ranks, and optimizer {name!r} needs whole-layer "
+                f"norms that no rank holds: use one of {', '.join(ELEMENTWISE_OPTIMIZERS)}, or train_sync")

@@ -1,0 +1,98 @@
+"""One communication thread per rank: collectives run in the order they were handed over.
+
+    comm_thread = CommThread(comm)
+    h = comm_thread.submit(allgather, comm, buf, "ring")   # returns at once
+    ...compute while buf is gathered...
+    h.wait()                                               # buf is complete now
+    comm_thread.close()
+
+Why one thread and a queue, as in ``dplab.reference.train.buckets``: every rank must issue its
+collectives in the same order, or ranks wait on different calls. The main thread submits them
+in program order, the same on every rank, and the thread runs them strictly in that order, so
+the order holds however the compute of different ranks interleaves with it. The main thread
+itself issues no collective while the thread has work (the trainer waits for everything
+before its own loss all-reduce).
+
+Nothing hangs: each collective already times out inside the transport (``comm.timeout``), so
+the thread always moves on; ``wait`` gives up when the thread has made no progress for that
+long plus a margin, and a collective's error reaches the caller through ``wait``. After an
+error the thread skips the rest of the queue (the world is broken; the caller raises).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from dplab.reference.communicator import CommTimeout, Communicator
+
+__all__ = ["CommThread", "Handle"]
+
+_MARGIN_S = 5.0
+
+
+class Handle:
+    """A submitted collective; ``wait()`` returns once it ran (raising its error, if it failed)."""
+
+    def __init__(self, owner: CommThread, fn: Callable[..., Any], args: tuple) -> None:
+        self._owner, self._fn, self._args = owner, fn, args
+        self._done = threading.Event()
+        self.error: BaseException | None = None
+
+    def _run(self) -> None:
+        try:
+            if self._owner.error is None:
+                self._fn(*self._args)
+        except BaseException as e:  # handed to the waiting main thread
+            self.error = self._owner.error = e
+        finally:
+            self._fn, self._args = None, ()  # drop the buffers: a freed array must really go
+            with self._owner.lock:
+                self._owner.pending -= 1
+                self._owner.last_progress = time.monotonic()
+            self._done.set()
+
+    def wait(self) -> None:
+        owner = self._owner
+        while not self._done.wait(0.05):
+            stuck = time.monotonic() - owner.last_progress
+            if stuck > owner.timeout + _MARGIN_S:
+                raise CommTimeout(f"rank {owner.rank}: the comm thread made no progress for {stuck:.0f} s; "
+                                  "a peer is not taking part in the same collectives (raise DPLAB_TIMEOUT "
+                                  "if it is only slow)")
+        if owner.error is not None:
+            raise owner.error
+
+
+class CommThread:
+    """Runs submitted collectives one after the other on a daemon thread."""
+
+    def __init__(self, comm: Communicator) -> None:
+        self.rank, self.timeout = comm.rank, float(getattr(comm, "timeout", 60.0))
+        self.error: BaseException | None = None
+        self.last_progress = time.monotonic()
+        self.lock, self.pending = threading.Lock(), 0
+        self._queue: queue.Queue[Handle | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._loop, daemon=True, name="dplab-zero-comm")
+        self._thread.start()
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Handle:
+        """Queue ``fn(*args)`` behind everything submitted before it."""
+        handle = Handle(self, fn, args)
+        with self.lock:
+            if self.pending == 0:
+                self.last_progress = time.monotonic()  # an idle thread was not a stuck one
+            self.pending += 1
+        self._queue.put(handle)
+        return handle
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(self.timeout + _MARGIN_S)
+
+    def _loop(self) -> None:
+        while (handle := self._queue.get()) is not None:
+            handle._run()

@@ -1,0 +1,134 @@
+"""Where a rank's parameters live: replicated (stages 0-2) or sharded and gathered (stage 3).
+
+Both holders answer the trainer's three questions the same way, so ``train_zero`` reads alike
+for every stage:
+
+    w = params.acquire(layer)    # layer's flat weights [W, b] to compute with (stage 3: gathered)
+    params.release(w); del w     # done with them (stage 3: freed, for real: drop the reference)
+    params.master(layer)         # what the optimizer steps: this rank's chunk, or all of it
+
+Two names on purpose: the weights the model *computes with* and the *master* the optimizer
+updates are the same memory here (float64 or float32 throughout), but in mixed precision they
+are not (fp16 compute copies, an fp32 master shard), and the holder is where that split goes.
+
+Stage 3 and prefetch. In one step the layers are used in a known order: forward 0..L-1, then
+backward L-1..0, once per micro-batch. ``acquire`` waits for the gather of the current use and,
+with ``prefetch``, hands the gather of the NEXT use to the comm thread before returning, so it
+runs while this layer computes. So at most two gathered layers are held at once (with
+prefetch: the one computing and the one arriving; without: one):
+
+    main   [fwd 0][fwd 1][fwd 2][bwd 2][bwd 1][bwd 0]
+    comm   [g0]   [g1]   [g2]   [g2]   [g1]   [g0]        g = all-gather of that layer
+           (with prefetch, g(k+1) runs under the compute of k; only g0 of forward is waited for)
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from dplab.reference.collectives import allgather
+from dplab.reference.communicator import Communicator
+from dplab.reference.errors import ConfigError
+from dplab.reference.zero.layout import ShardLayout
+from dplab.reference.zero.ledger import MemoryLedger
+from dplab.reference.zero.overlap import CommThread, Handle
+
+__all__ = ["ReplicatedParams", "ShardedParams", "use_plan"]
+
+
+def use_plan(num_layers: int, accum_steps: int) -> list[int]:
+    """The layers one step uses, in order: per micro-batch, forward 0..L-1 then backward L-1..0."""
+    one = [*range(num_layers), *reversed(range(num_layers))]
+    return one * accum_steps
+
+
+class ReplicatedParams:
+    """Stages 0-2: every rank holds every parameter in one flat vector (a replica)."""
+
+    def __init__(self, ledger: MemoryLedger, layout: ShardLayout, init: np.ndarray, sharded_update: bool,
+                 comm: Communicator, comm_thread: CommThread, algorithm: str) -> None:
+        self.layout, self.sharded_update = layout, sharded_update
+        self.comm, self.comm_thread, self.algorithm = comm, comm_thread, algorithm
+        self.full = ledger.zeros("params", len(init), init.dtype)
+        self.full[:] = init
+
+    def begin_step(self, accum_steps: int) -> None:
+        pass
+
+    def acquire(self, layer: int) -> np.ndarray:
+        return self.full[self.layout.layers[layer]]
+
+    def release(self, w: np.ndarray) -> None:
+        pass
+
+    def master(self, layer: int) -> np.ndarray:
+        """Stage 0: the whole layer; stages 1-2: this rank's chunk of it (a view: stepped in place)."""
+        w = self.full[self.layout.layers[layer]]
+        return w[self.layout.own(layer)] if self.sharded_update else w
+
+    def after_step(self) -> None:
+        """Stages 1-2: each rank updated only its chunks; the all-gather brings everyone the rest."""
+        if self.sharded_update:
+            handles = [self.comm_thread.submit(allgather, self.comm, self.full[s], self.algorithm)
+                       for s in self.layout.layers]
+            for h in handles:
+                h.wait()
+
+    def gather_full(self) -> np.ndarray:
+        return self.full.copy()
+
+
+class ShardedParams:
+    """Stage 3: a rank holds only its chunk of each layer; a layer is all-gathered when used."""
+
+    def __init__(self, ledger: MemoryLedger, layout: ShardLayout, init: np.ndarray, prefetch: bool,
+                 comm: Communicator, comm_thread: CommThread, algorithm: str) -> None:
+        self.ledger, self.layout, self.prefetch, self.dtype = ledger, layout, prefetch, init.dtype
+        self.comm, self.comm_thread, self.algorithm = comm, comm_thread, algorithm
+        self.shards = []
+        for layer, s in enumerate(layout.layers):
+            shard = ledger.zeros("params", layout.own_size(layer), init.dtype)
+            shard[:] = init[s][layout.own(layer)]
+            self.shards.append(shard)
+        self.plan: list[int] = []
+        self.i = 0
+        self.next: tuple[np.ndarray, Handle] | None = None
+
+    def begin_step(self, accum_steps: int) -> None:
+        self.plan, self.i, self.next = use_plan(len(self.shards), accum_steps), 0, None
+
+    def acquire(self, layer: int) -> np.ndarray:
+        if self.i >= len(self.plan) or self.plan[self.i] != layer:
+            raise ConfigError(f"stage 3 uses layers in the order {self.plan}; use {self.i} asked for layer "
+                              f"{layer}: acquire layers in the order of forward, then backward")
+        if self.next is None:  # not prefetched: gather it now
+            self.next = self._gather(layer)
+        buf, handle = self.next
+        self.next = None
+        handle.wait()
+        self.i += 1
+        if self.prefetch and self.i < len(self.plan):
+            self.next = self._gather(self.plan[self.i])  # arrives while this layer computes
+        return buf
+
+    def release(self, w: np.ndarray) -> None:
+        self.ledger.free(w)
+
+    def master(self, layer: int) -> np.ndarray:
+        return self.shards[layer]
+
+    def after_step(self) -> None:
+        pass  # the shards are the parameters; the next step gathers the updated ones
+
+    def gather_full(self) -> np.ndarray:
+        """All parameters on every rank (for the result; after the last step, not counted)."""
+        full = np.empty(sum(self.layout.sizes), self.dtype)
+        for layer, s in enumerate(self.layout.layers):
+            full[s][self.layout.own(layer)] = self.shards[layer]
+            self.comm_thread.submit(allgather, self.comm, full[s], self.algorithm).wait()
+        return full
+
+    def _gather(self, layer: int) -> tuple[np.ndarray, Handle]:
+        buf = self.ledger.empty("params", self.layout.sizes[layer], self.dtype)
+        buf[self.layout.own(layer)] = self.shards[layer]  # my chunk in; the all-gather brings the rest
+        return buf, self.comm_thread.submit(allgather, self.comm, buf, self.algorithm)

@@ -1,0 +1,160 @@
+"""ZeRO stages 0-3 in the reference trainer: data parallelism that shards its model states.
+
+    from dplab.backends import launch
+    from dplab.reference.train.single import TrainConfig, train_single
+    from dplab.reference.zero.train import ZeroConfig, train_zero
+    results = launch(train_zero, 4, args=(TrainConfig(), ZeroConfig(stage=3)))
+    results[0].params      # within 1e-10 (relative, float64) of train_single(TrainConfig()).params
+    results[r].memory      # rank r's peak bytes of params, grads, optimizer state during a step
+
+Plain data parallelism (``train_sync``, stage 0 here) keeps on every rank all the weights, all
+the gradients and the whole optimizer state: N ranks, N copies. ZeRO (Rajbhandari et al. 2020)
+keeps only what each rank needs, and moves the rest when it is needed. Every layer's flat
+slice is cut into N chunks; rank r owns chunk r of each layer (``layout.py``). Then:
+
+    stage  weights          gradients                           optimizer state   moved per step
+    0      all              all, all-reduced                    all               2 Psi
+    1      all              all, reduce-scattered               my chunks         2 Psi
+    2      all              my chunks: reduce-scatter each      my chunks         2 Psi (1 micro-batch)
+                            layer as backward yields it, free
+    3      my chunks: gather a layer before its forward and     my chunks         3 Psi
+           again before its backward, free after
+
+(Psi: the number of parameters; "moved" is (p-1)/p of that many elements sent per rank, for
+ring and direct.) Stages 1-3 all-gather the updated weights: stages 1-2 right after the
+optimizer step (``params.after_step``), stage 3 lazily, layer by layer in the next step.
+
+One step, on every rank (the same recipe as ``dplab.reference.train.sync``):
+
+1. This rank's shard of the global batch, cut into ``accum_steps`` micro-batches; the loss is
+   scaled by 1/global_batch so the ranks' gradients sum to the full batch's.
+2. Forward, one layer at a time: ``params.acquire(l)`` hands the layer's weights (stage 3
+   gathers them, and prefetches the next layer's on the comm thread).
+3. Backward, last layer first: the layer's gradient goes into ``grads.buffer(l)`` and
+   ``grads.ready`` launches its reduction on the comm thread while earlier layers compute.
+4. Wait for the reductions; each rank steps the optimizer on what it owns (``params.master``
+   with ``grads.of``): the whole model in stage 0, its chunks in stages 1-3.
+5. Stages 1-2 all-gather the updated chunks; the loss is all-reduced for the log.
+
+Every array of model state goes through a ``MemoryLedger`` (``ledger.py``), so the peaks are
+measured, not computed; ``traffic.py`` counts the bytes each rank sent from the trace.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import numpy as np
+
+from dplab.reference.collectives import allreduce, broadcast
+from dplab.reference.communicator import Communicator
+from dplab.reference.data import batch_indices, shard
+from dplab.reference.model import MLP
+from dplab.reference.optim import make_optimizer
+from dplab.reference.schedule import chunk_bounds
+from dplab.reference.train.single import TrainConfig, TrainResult, setup
+from dplab.reference.zero.config import ZeroConfig
+from dplab.reference.zero.grads import FullGrads, ShardedGrads
+from dplab.reference.zero.layers import layer_delta, layer_forward, layer_grads, output_delta
+from dplab.reference.zero.layout import ShardLayout
+from dplab.reference.zero.ledger import MemoryLedger, MemoryReport
+from dplab.reference.zero.overlap import CommThread
+from dplab.reference.zero.params import ReplicatedParams, ShardedParams
+
+__all__ = ["ZeroConfig", "ZeroResult", "train_zero", "forward", "backward"]
+
+
+@dataclass
+class ZeroResult(TrainResult):
+    """``TrainResult`` (full ``params`` on every rank, the global ``losses``) plus what it cost."""
+
+    memory: MemoryReport | None = None  # this rank's peak bytes during the steps
+    shard_elems: int = 0  # parameters this rank owns (sum over ranks: num_params)
+
+
+_DEFAULT = ZeroConfig()  # stage 1, ring, one micro-batch
+
+
+def train_zero(comm: Communicator, cfg: TrainConfig, zero: ZeroConfig = _DEFAULT,
+               ledger: MemoryLedger | None = None) -> ZeroResult:
+    """Run on every rank; returns the full final parameters, the losses and this rank's memory peaks.
+
+    ``ledger``: pass one to watch allocations as they happen (the tracemalloc test does)."""
+    zero.validate(comm.world_size)
+    zero.check_optimizer(cfg.optimizer.name)
+    model, data, init = setup(cfg)
+    if comm.rank != 0:  # anything but rank 0's weights: the broadcast must fix it
+        init = model.init_params(cfg.seed + 1 + comm.rank, dtype=init.dtype)
+    broadcast(comm, init, root=0)  # every rank starts from rank 0's parameters
+    ledger = ledger if ledger is not None else MemoryLedger()
+    layout = ShardLayout(model, comm.world_size, comm.rank)
+    comm_thread = CommThread(comm)
+    where = (comm, comm_thread, zero.algorithm)
+    if zero.stage < 3:
+        params = ReplicatedParams(ledger, layout, init, zero.stage >= 1, *where)
+    else:
+        params = ShardedParams(ledger, layout, init, zero.prefetch, *where)
+    del init  # stage 3: the full vector existed only to be cut into shards (before any step)
+    grads = FullGrads(ledger, layout, cfg.dtype, zero.stage, *where) if zero.stage < 2 else \
+        ShardedGrads(ledger, layout, cfg.dtype, *where)
+    sizes = [len(params.master(layer)) for layer in range(model.num_layers)]  # what this rank updates
+    opts = [ledger.track("optimizer", partial(make_optimizer, cfg.optimizer, n, cfg.dtype)) for n in sizes]
+    tracer, scale, losses = comm.tracer, 1 / cfg.global_batch, []
+    ledger.reset_peaks()  # the peaks are the steps', not the set-up's
+    try:
+        for step in range(cfg.steps):
+            batch = batch_indices(cfg.num_samples, cfg.global_batch, step, cfg.seed)
+            mine = shard(batch, comm.rank, comm.world_size)  # 1. this rank's shard of the batch
+            loss = 0.0
+            with tracer.span("zero_step", extra={"step": step, "stage": zero.stage}):
+                params.begin_step(zero.accum_steps)
+                grads.begin_step()
+                for j, (a, b) in enumerate(chunk_bounds(len(mine), zero.accum_steps)):
+                    x, y = data.x[mine[a:b]].astype(cfg.dtype, copy=False), data.y[mine[a:b]]
+                    with tracer.span("forward", extra={"step": step, "micro": j}):
+                        acts = forward(model, params, x)  # 2.
+                        loss += model.loss(acts, y, scale)
+                    with tracer.span("backward", extra={"step": step, "micro": j}):
+                        backward(model, params, grads, acts, y, scale, j == zero.accum_steps - 1)  # 3.
+                with tracer.span("wait", extra={"step": step}):
+                    grads.wait()  # 4. every reduction done
+                with tracer.span("optimizer", extra={"step": step}):
+                    for layer, opt in enumerate(opts):  # 4. each rank steps what it owns
+                        opt.step(params.master(layer), grads.of(layer))
+                    params.after_step()  # 5. stages 1-2: all-gather the updated chunks
+            total = np.array([loss])
+            allreduce(comm, total, zero.algorithm)  # the global batch's loss, for the log
+            losses.append(float(total[0]))
+        final = params.gather_full()  # after the steps: not counted in the peaks
+    finally:
+        comm_thread.close()
+    return ZeroResult(final, losses, ledger.report(), layout.shard_elems)
+
+
+def forward(model: MLP, params: ReplicatedParams | ShardedParams, x: np.ndarray) -> list[np.ndarray]:
+    """Every layer's input and the output, computed with one layer's weights at a time."""
+    acts = [x]
+    for layer in range(model.num_layers):
+        w = params.acquire(layer)  # stage 3: all-gathered now (and the next layer's gather starts)
+        acts.append(layer_forward(model, layer, w, acts[-1]))
+        params.release(w)
+        del w  # a released layer must not stay alive through us: the ledger would lie
+    return acts
+
+
+def backward(model: MLP, params: ReplicatedParams | ShardedParams, grads: FullGrads | ShardedGrads,
+             acts: list[np.ndarray], y: np.ndarray, scale: float, last_micro: bool) -> None:
+    """Gradients last layer first, each handed to ``grads`` (and its reduction) the moment it exists."""
+    delta = output_delta(model, acts[-1], y, scale)
+    for layer in reversed(range(model.num_layers)):
+        w = params.acquire(layer)  # stage 3: gathered again (the forward's copy was freed)
+        g = grads.buffer(layer)
+        layer_grads(model, layer, acts[layer], delta, g)
+        grads.ready(layer, g, last_micro)  # its reduction runs while the layers below compute
+        del g
+        if layer > 0:
+            delta = layer_delta(model, layer, w, acts[layer], delta)
+        params.release(w)
+        del w
+    grads.end_micro()
