@@ -25,6 +25,10 @@ The recipe, one step at a time (``train_sync`` below is these five, in order):
    rounding, not to the bit: the all-reduce adds the shards' gradients in another order
    than one device's backward adds its samples', and float addition is not associative.
 
+Mixed precision (``SyncConfig.precision``) is three calls of ``Amp``
+(``dplab.reference.precision.amp``): float16 weights for forward and backward, the loss scaled,
+the reduced gradient unscaled into float32 (or the step skipped on an overflow).
+
 Everything else a real run does (resume and checkpoints, stragglers, the time-budget
 vote, trace spans) is one call of ``SyncExtras`` (``dplab.reference.train.sync_extras``)
 at the place it happens, so the recipe reads on its own. Stragglers change when things
@@ -40,6 +44,7 @@ from dplab.reference.collectives import broadcast
 from dplab.reference.communicator import Communicator
 from dplab.reference.data import batch_indices, shard
 from dplab.reference.optim import make_optimizer
+from dplab.reference.precision.amp import Amp
 from dplab.reference.schedule import chunk_bounds
 from dplab.reference.train.buckets import Reducer
 from dplab.reference.train.single import TrainConfig, TrainResult, setup
@@ -60,7 +65,8 @@ def train_sync(comm: Communicator, cfg: TrainConfig, sync: SyncConfig = _DEFAULT
         params = model.init_params(cfg.seed + 1 + comm.rank, dtype=params.dtype)
     broadcast(comm, params, root=0)  # 1. every replica starts from rank 0's parameters
     opt = make_optimizer(cfg.optimizer, model.num_params, params.dtype, model.param_slices)
-    grad = comm.empty(model.num_params, params.dtype)  # buckets are slices of it: no packing
+    amp = Amp(comm, sync, params)  # mixed precision (float16 compute, loss scaling); off: a no-op
+    grad = comm.empty(model.num_params, amp.reduce_dtype)  # buckets are slices of it: no packing
     scale = 1 / cfg.global_batch  # the global batch, not the shard: shard gradients sum to its mean
     with closing(Reducer(comm, grad, model.param_slices, sync.bucket_cap_mb, sync.algorithm)) as reducer:
         for step in range(extras.resume(params, opt), cfg.steps):
@@ -68,19 +74,21 @@ def train_sync(comm: Communicator, cfg: TrainConfig, sync: SyncConfig = _DEFAULT
             mine = shard(batch, comm.rank, comm.world_size)  # 2. this rank's shard of the batch
             grad[:], loss = 0, 0.0
             reducer.reset()
+            weights, grad_scale = amp.weights(params), scale * amp.loss_scale  # float16 copy; S / B
             for j, (a, b) in enumerate(chunk_bounds(len(mine), sync.accum_steps)):  # 3. micro-batches:
                 x, y = data.x[mine[a:b]], data.y[mine[a:b]]
                 with reducer.no_sync() if j < sync.accum_steps - 1 else nullcontext():  # the last reduces
                     with extras.forward(step, j):
-                        acts = model.forward(params, x)
+                        acts = model.forward(weights, x)
                         loss += model.loss(acts, y, scale)
-                    for layer in extras.backward(step, j, model.backward(params, acts, y, grad, scale)):
+                    for layer in extras.backward(step, j, model.backward(weights, acts, y, grad, grad_scale)):
                         reducer.mark_param_as_ready(2 * layer + 1)  # 4. a bucket whose gradients are
                         reducer.mark_param_as_ready(2 * layer)  # all there is all-reduced at once
             with extras.span("wait", step):
                 reducer.wait()  # 4. ... until the last bucket is summed
             with extras.span("optimizer", step):
-                opt.step(params, grad)  # 5. the same step on every rank
+                if (master_grad := amp.master_grad(grad, step)) is not None:  # None: overflow, skip
+                    opt.step(params, master_grad)  # 5. the same step on every rank
             if extras.end_step(step, loss, params, opt):  # the loss, the budget vote, a checkpoint
                 break
     return TrainResult(params, extras.losses)

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from dplab.reference.algorithms import ALGORITHMS
 from dplab.reference.checkpoint.resume import CheckpointConfig
 from dplab.reference.errors import ConfigError
+from dplab.reference.precision.config import MixedPrecision
 from dplab.reference.train.straggler import Stragglers, check_budget, check_delays, check_stragglers
 
 __all__ = ["SyncConfig"]
@@ -26,6 +27,7 @@ class SyncConfig:
     time_budget_s: float | None = None  # stop after the step during which this much time ran out
     delays: tuple[float, ...] | None = None  # seconds rank r sleeps before each micro-batch: delays[r]
     checkpoint: CheckpointConfig | None = None  # rank 0 saves; every rank resumes (checkpoint/)
+    precision: MixedPrecision | None = None  # float16 compute and loss scaling (precision/)
 
     def __post_init__(self) -> None:
         if self.delays is not None:
@@ -43,3 +45,8 @@ class SyncConfig:
         check_budget(self.time_budget_s)
         if self.checkpoint is not None:
             self.checkpoint.validate()
+        if self.precision is not None:
+            self.precision.validate()
+            if self.precision.dynamic and self.checkpoint is not None:
+                raise ConfigError("checkpoints do not keep the dynamic loss scale yet, so a resumed run "
+                                  "would not match: use a static loss_scale with checkpoints")

@@ -1,0 +1,62 @@
+"""Mixed precision inside ``train_sync``: the three calls its recipe makes, and nothing more.
+
+    amp = Amp(comm, sync, params)                    # params: the float32 masters
+    grad = comm.empty(n, amp.reduce_dtype)           # the buffer the buckets all-reduce
+    weights = amp.weights(params)                    # per step: the float16 compute copy
+    model.backward(weights, acts, y, grad, scale * amp.loss_scale)
+    grad_for_step = amp.master_grad(grad, step)      # unscaled float32, or None: skip this step
+
+What happens in one step, torch AMP's order: the masters are rounded to a float16 copy; forward
+and backward run on it with the loss multiplied by S; the gradient lands in (and is all-reduced
+in) ``reduce_dtype``; it is divided by S into a float32 buffer and checked for inf/nan; the
+scaler decides (``dplab.reference.precision.scaler``); the optimizer steps the float32 masters.
+Without ``SyncConfig.precision`` every call passes its argument through (S = 1 exactly), so the
+plain run is unchanged, bit for bit.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from dplab.reference.communicator import Communicator
+from dplab.reference.precision.scaler import LossScaler, compute_copy
+
+__all__ = ["Amp"]
+
+
+class Amp:
+    """One rank's mixed precision for the synchronous trainer (``sync``: a ``SyncConfig``)."""
+
+    def __init__(self, comm: Communicator, sync: Any, master: np.ndarray) -> None:
+        self.comm, self.precision = comm, sync.precision
+        self.scaler: LossScaler | None = None
+        self.reduce_dtype = master.dtype
+        if self.precision is None:
+            return
+        self.precision.validate(master.dtype)
+        self.reduce_dtype = np.dtype(self.precision.reduce_dtype)
+        self.scaler = LossScaler(self.precision, comm.tracer)
+        self._weights = np.empty(master.shape, self.precision.compute_dtype)
+        self._master_grad = np.empty_like(master)
+        # our schedules leave the same bits on every rank; an engine's all-reduce may not (see scaler)
+        self._replicated, self._algorithm = sync.algorithm != "native", sync.algorithm
+
+    @property
+    def loss_scale(self) -> float:
+        return 1.0 if self.scaler is None else self.scaler.loss_scale
+
+    def weights(self, master: np.ndarray) -> np.ndarray:
+        """The weights forward and backward use this step: the masters rounded to float16."""
+        return master if self.scaler is None else compute_copy(master, self._weights)
+
+    def master_grad(self, grad: np.ndarray, step: int) -> np.ndarray | None:
+        """The gradient the optimizer steps the masters with: ``grad`` itself without mixed
+        precision; else the reduced gradient divided by S into float32, or None when the step is
+        skipped (an inf or nan under dynamic scaling; every rank decides alike)."""
+        if self.scaler is None:
+            return grad
+        found_inf = self.scaler.unscale_and_check(self.comm, grad, self._master_grad,
+                                                  self._replicated, self._algorithm)
+        return self._master_grad if self.scaler.update(found_inf, step) else None

@@ -1,0 +1,78 @@
+"""How a run uses half precision: the compute dtype, the reduction dtype, the loss scale.
+
+    from dplab.reference.precision import MixedPrecision
+    MixedPrecision()                                   # float16 compute, float32 reduce, dynamic scale
+    MixedPrecision(reduce_dtype="float16", loss_scale=1024.0)          # static scale, float16 all-reduce
+    SyncConfig(precision=MixedPrecision())             # with TrainConfig(dtype="float32"): the masters
+
+The scaler's knobs and defaults are torch.amp.GradScaler's (init_scale 2**16, growth 2, backoff
+0.5, growth_interval 2000). Master weights are float32, as in torch AMP: with float64 masters
+the run would measure something no one trains with, so ``validate`` refuses them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+from numpy.typing import DTypeLike
+
+from dplab.reference.errors import ConfigError
+
+__all__ = ["MixedPrecision"]
+
+_COMPUTE = ("float16",)  # numpy has no bfloat16: the reference trainer computes in float16
+_REDUCE = ("float16", "float32")
+
+
+@dataclass(frozen=True)
+class MixedPrecision:
+    """float16 compute copies of float32 master weights, gradients reduced in ``reduce_dtype``.
+
+    ``loss_scale`` is a number (static: never changes; an overflow then reaches the weights, as
+    apex amp's static scale does) or ``"dynamic"`` (torch's GradScaler: skip the step and multiply
+    the scale by ``backoff_factor`` on an overflow, by ``growth_factor`` after ``growth_interval``
+    steps without one).
+    """
+
+    compute_dtype: str = "float16"
+    reduce_dtype: str = "float32"  # float16: half the bytes on the wire, p-1 more roundings
+    loss_scale: float | str = "dynamic"
+    init_scale: float = 2.0**16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+
+    @property
+    def dynamic(self) -> bool:
+        return self.loss_scale == "dynamic"
+
+    def validate(self, master_dtype: DTypeLike | None = None) -> None:
+        """Raise ``ConfigError`` naming the field to change; ``master_dtype``: the run's parameters."""
+        if self.compute_dtype not in _COMPUTE:
+            raise ConfigError(f"compute_dtype must be 'float16', not {self.compute_dtype!r} (numpy has no "
+                              "bfloat16; for bfloat16 use torch tensors on the torch backend)")
+        if self.reduce_dtype not in _REDUCE:
+            raise ConfigError(f"reduce_dtype must be 'float16' or 'float32', not {self.reduce_dtype!r}")
+        if isinstance(self.loss_scale, str):
+            if self.loss_scale != "dynamic":
+                raise ConfigError(f"loss_scale must be a number > 0 or 'dynamic', not {self.loss_scale!r}")
+        elif not _positive(self.loss_scale):
+            raise ConfigError(f"a static loss_scale must be a finite number > 0, got {self.loss_scale!r}")
+        if not _positive(self.init_scale):
+            raise ConfigError(f"init_scale must be a finite number > 0, got {self.init_scale!r}")
+        if not (_positive(self.growth_factor) and self.growth_factor > 1):
+            raise ConfigError(f"growth_factor must be > 1 (as in GradScaler), got {self.growth_factor!r}")
+        if not (_positive(self.backoff_factor) and self.backoff_factor < 1):
+            raise ConfigError(f"backoff_factor must lie in (0, 1), got {self.backoff_factor!r}")
+        if isinstance(self.growth_interval, bool) or not isinstance(self.growth_interval, int) \
+                or self.growth_interval < 1:
+            raise ConfigError(f"growth_interval must be an integer >= 1, got {self.growth_interval!r}")
+        if master_dtype is not None and np.dtype(master_dtype) != np.float32:
+            raise ConfigError(f"mixed precision keeps float32 master weights, got {np.dtype(master_dtype)}: "
+                              "set TrainConfig(dtype='float32')")
+
+
+def _positive(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0

@@ -1,0 +1,137 @@
+"""Loss scaling: keep small float16 gradients from flushing to zero, and survive overflows.
+
+    scaler = LossScaler(MixedPrecision(), comm.tracer)
+    model.backward(weights16, acts, y, grad, scale / B * scaler.loss_scale)   # the scaled loss's gradient
+    allreduce(comm, grad)
+    found_inf = scaler.unscale_and_check(comm, grad, out=master_grad, replicated=True)
+    if scaler.update(found_inf, step):                                          # False: skip this step
+        opt.step(master, master_grad)
+
+float16 keeps 11 significant bits and nothing below 6e-8, so gradients of 1e-8 vanish. Multiplying
+the loss by S multiplies every gradient by S (the chain rule is linear): they land in float16's
+range, and dividing by S afterwards, in float32, gives the true gradient back. Too large an S
+overflows to inf; an inf or nan anywhere then says "this S was too large".
+
+Dynamic scaling (torch.amp.GradScaler, rule for rule): on an overflow skip the optimizer step and
+multiply S by ``backoff_factor``; after ``growth_interval`` steps in a row without one, multiply it
+by ``growth_factor`` (unless that is no longer a finite float32). A static S never changes and
+never skips: an overflow goes into the weights as inf or nan. torch has no static mode to copy
+(GradScaler refuses growth_factor <= 1 and backoff_factor >= 1); a static scale in torch is the
+hand-written ``(loss * S).backward(); p.grad /= S; opt.step()``, whose step takes the inf (as
+apex amp's static loss scale does), so that is what happens here.
+
+Every skip, backoff, growth and static overflow is a trace event of kind ``"loss_scale"``
+(extra: step, action, scale, new_scale) and a row of ``scaler.history``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from dplab.reference.collectives import allreduce
+from dplab.reference.communicator import Communicator
+from dplab.reference.errors import ConfigError
+from dplab.reference.precision.config import MixedPrecision
+from dplab.reference.trace import Tracer
+
+__all__ = ["LossScaler", "ScaleEvent", "compute_copy"]
+
+
+class ScaleEvent(NamedTuple):
+    step: int
+    action: str  # skip | backoff | growth | overflow (static: the step went on with inf/nan)
+    scale: float  # before
+    new_scale: float  # after
+
+
+def compute_copy(master: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """Round the master weights into ``out`` (the float16 compute copy); returns ``out``.
+
+    Round to nearest, as ``tensor.half()`` does; a master weight beyond 65504 becomes inf, which
+    the next gradient check catches (its gradient is inf or nan)."""
+    if out.shape != master.shape:
+        raise ConfigError(f"compute copy has shape {out.shape}, master {master.shape}: allocate it alike")
+    with np.errstate(over="ignore"):
+        np.copyto(out, master, casting="same_kind")
+    return out
+
+
+class LossScaler:
+    """One rank's loss scale. Every rank must call it with the same found_inf (``unscale_and_check``
+    makes sure), so the scales, and the skipped steps, agree everywhere."""
+
+    def __init__(self, cfg: MixedPrecision, tracer: Tracer | None = None) -> None:
+        cfg.validate()
+        self.cfg, self.tracer = cfg, tracer
+        self._scale = float(cfg.init_scale if cfg.dynamic else cfg.loss_scale)
+        self.growth_tracker = 0  # good steps in a row since the last backoff or growth
+        self.history: list[ScaleEvent] = []
+        self._flag: np.ndarray | None = None
+
+    @property
+    def loss_scale(self) -> float:
+        """S: the factor the loss (the backward's ``scale``) is multiplied by this step."""
+        return self._scale
+
+    def unscale_and_check(self, comm: Communicator, grads: np.ndarray, out: np.ndarray | None = None,
+                          replicated: bool = False, algorithm: str = "ring") -> bool:
+        """``out = grads / S`` (in float32 arithmetic, rounded to ``out``'s dtype; in place when ``out``
+        is None); True when any rank's result holds an inf or nan.
+
+        ``replicated=True``: ``grads`` is bitwise the same on every rank (an all-reduce by one of
+        our schedules: every chunk ends as a copy of one sum), and an inf or nan survives a sum, so
+        each rank's own check is everyone's. Otherwise (a shard after a reduce-scatter, or an
+        engine's all-reduce that may add in another order on each rank) the flag is all-reduced:
+        one float, so every rank skips or steps together."""
+        target = grads if out is None else out
+        if target.shape != grads.shape:
+            raise ConfigError(f"out has shape {target.shape}, grads {grads.shape}: use the same shape")
+        with np.errstate(over="ignore", invalid="ignore"):
+            np.divide(grads, np.float32(self._scale), out=target, casting="same_kind")
+        found = not bool(np.isfinite(target).all())
+        if replicated:
+            return found
+        if self._flag is None:
+            self._flag = comm.empty(1, "float32")
+        self._flag[0] = 1.0 if found else 0.0
+        allreduce(comm, self._flag, algorithm)
+        return bool(self._flag[0] > 0)
+
+    def update(self, found_inf: bool, step: int = -1) -> bool:
+        """Apply the scaling rule after a step's check; True when the optimizer should step now."""
+        s, cfg = self._scale, self.cfg
+        if not cfg.dynamic:
+            if found_inf:
+                self._event(step, "overflow", s, s)
+            return True  # a static scale never skips: the step takes the inf or nan
+        if found_inf:
+            self._event(step, "skip", s, s)
+            self._set(step, "backoff", s * cfg.backoff_factor)
+            self.growth_tracker = 0
+            return False
+        self.growth_tracker += 1
+        if self.growth_tracker == cfg.growth_interval:
+            if np.isfinite(np.float32(s * cfg.growth_factor)):  # torch keeps S in a float32
+                self._set(step, "growth", s * cfg.growth_factor)
+            self.growth_tracker = 0
+        return True
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint must keep for a resumed run to scale as an uninterrupted one."""
+        return {"scale": self._scale, "growth_tracker": self.growth_tracker}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._scale, self.growth_tracker = float(state["scale"]), int(state["growth_tracker"])
+
+    def _set(self, step: int, action: str, new_scale: float) -> None:
+        self._event(step, action, self._scale, new_scale)
+        self._scale = new_scale
+
+    def _event(self, step: int, action: str, scale: float, new_scale: float) -> None:
+        self.history.append(ScaleEvent(step, action, scale, new_scale))
+        if self.tracer is not None:
+            t = self.tracer.now()
+            self.tracer.record("loss_scale", t, t, extra={"step": step, "action": action, "scale": scale,
+                                                          "new_scale": new_scale})
