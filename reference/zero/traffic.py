@@ -1,0 +1,61 @@
+"""Bytes each rank sends per ZeRO step: counted from the trace, and the closed forms they meet.
+
+    comm.tracer.enabled = True
+    train_zero(comm, cfg, ZeroConfig(stage=3))
+    sent_per_step(comm.tracer.take(), comm.rank)     # [bytes of step 0, step 1, ...], this rank
+    sent_closed_form(3, num_params, p) * itemsize    # their mean over the ranks, exactly
+
+A reduce-scatter or an all-gather of n elements sends (p-1)/p * n elements per rank on average
+(ring: every chunk but one, once; direct: the same bytes in one round), and an all-reduce is the
+two in a row. Per step and rank, with Psi parameters and ``accum_steps`` = a micro-batches:
+
+    stage 0   all-reduce of the gradient (once, after the last micro-batch)     2 (p-1)/p Psi
+    stage 1   reduce-scatter of the gradient + all-gather of the new weights    2 (p-1)/p Psi
+    stage 2   a reduce-scatter per micro-batch + the all-gather            (a + 1) (p-1)/p Psi
+    stage 3   per micro-batch: gather for forward, again for backward,
+              reduce-scatter of the gradient                                  3a (p-1)/p Psi
+
+So with one micro-batch, stages 1 and 2 cost exactly what plain data parallelism costs (the
+paper's 2 Psi), and stage 3 1.5 times that (3 Psi): the price of not keeping the weights.
+Stage 2 pays for accumulation, since it never keeps a full gradient to accumulate into.
+Stage 3 could skip layer 0's backward gather (its gradient needs only the activations, and
+there is no layer below to pass a delta to); this trainer gathers it anyway, as the paper
+counts and as FSDP does, so the 3 Psi holds. Individual ranks differ from the mean when
+chunks are uneven (a rank sends every chunk but its own), so ``collective_sent`` gives one
+rank's exact count from the schedule itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from dplab.reference.collectives import schedule_plan
+from dplab.reference.errors import ConfigError
+from dplab.reference.schedule import chunk_bounds
+from dplab.reference.trace import Event
+
+__all__ = ["sent_per_step", "sent_closed_form", "collective_sent"]
+
+
+def sent_per_step(events: Iterable[Event], rank: int) -> list[int]:
+    """Bytes ``rank`` sent inside each ``zero_step`` span (the loss all-reduce comes after it)."""
+    events = [e for e in events if e.rank == rank]
+    steps = sorted((e for e in events if e.kind == "zero_step"), key=lambda e: e.extra["step"])
+    sends = [e for e in events if e.kind == "send"]
+    return [sum(e.bytes for e in sends if s.t_start_ns <= e.t_start_ns <= s.t_end_ns) for s in steps]
+
+
+def sent_closed_form(stage: int, num_params: float, world_size: int, accum_steps: int = 1) -> float:
+    """Elements one rank sends per step, averaged over the ranks (multiply by the itemsize for bytes)."""
+    if stage not in (0, 1, 2, 3):
+        raise ConfigError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
+    times = {0: 2, 1: 2, 2: accum_steps + 1, 3: 3 * accum_steps}[stage]
+    return times * (world_size - 1) / world_size * num_params
+
+
+def collective_sent(kind: str, algorithm: str, world_size: int, rank: int, n: int) -> int:
+    """Elements ``rank`` sends in one ``kind`` (allreduce, reduce_scatter, allgather) of ``n`` elements,
+    read off the schedule the executor runs."""
+    schedule, plan = schedule_plan(kind, algorithm, world_size, rank)
+    bounds = chunk_bounds(n, schedule.num_chunks)
+    return sum(bounds[t.chunk][1] - bounds[t.chunk][0] for sends, _ in plan for t in sends)
