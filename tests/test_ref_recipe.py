@@ -33,7 +33,7 @@ def test_sync_py_opens_with_the_recipe_in_its_five_numbered_steps() -> None:
     source = inspect.getsource(train_sync)
     body = source.split('"""', 2)[2]  # after the docstring
     lines = [s for s in body.splitlines() if s.strip()]
-    assert len(lines) <= 31, f"the recipe is {len(lines)} lines"
+    assert len(lines) <= 33, f"the recipe is {len(lines)} lines"  # 31, + 2 for mixed precision
     marks = [int(m) for m in re.findall(r"# (\d)\. ", body)]
     assert marks == sorted(marks) and set(marks) == {1, 2, 3, 4, 5}, marks
 

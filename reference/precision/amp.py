@@ -1,10 +1,10 @@
-"""Mixed precision inside ``train_sync``: the three calls its recipe makes, and nothing more.
+"""Mixed precision inside ``train_sync``: the calls its recipe makes, and nothing more.
 
     amp = Amp(comm, sync, params)                    # params: the float32 masters
     grad = comm.empty(n, amp.reduce_dtype)           # the buffer the buckets all-reduce
     weights = amp.weights(params)                    # per step: the float16 compute copy
-    model.backward(weights, acts, y, grad, scale * amp.loss_scale)
-    grad_for_step = amp.master_grad(grad, step)      # unscaled float32, or None: skip this step
+    model.backward(weights, acts, y, grad, amp.scale(1 / B))          # the loss times S
+    amp.step(opt, params, grad, step)                # grad / S in float32, or skip on an overflow
 
 What happens in one step, torch AMP's order: the masters are rounded to a float16 copy; forward
 and backward run on it with the loss multiplied by S; the gradient lands in (and is all-reduced
@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from dplab.reference.communicator import Communicator
+from dplab.reference.optim import Optimizer
 from dplab.reference.precision.scaler import LossScaler, compute_copy
 
 __all__ = ["Amp"]
@@ -51,12 +52,20 @@ class Amp:
         """The weights forward and backward use this step: the masters rounded to float16."""
         return master if self.scaler is None else compute_copy(master, self._weights)
 
-    def master_grad(self, grad: np.ndarray, step: int) -> np.ndarray | None:
-        """The gradient the optimizer steps the masters with: ``grad`` itself without mixed
-        precision; else the reduced gradient divided by S into float32, or None when the step is
-        skipped (an inf or nan under dynamic scaling; every rank decides alike)."""
+    def scale(self, scale: float) -> float:
+        """The backward's ``scale`` times S: the gradient of the scaled loss (torch: scaler.scale(loss))."""
+        return scale if self.scaler is None else scale * self.scaler.loss_scale
+
+    def step(self, opt: Optimizer, master: np.ndarray, grad: np.ndarray, step: int) -> bool:
+        """``opt.step`` on the masters, as torch's ``scaler.step(opt)``: with the reduced gradient
+        divided by S into float32, unless it holds an inf or nan and the scale is dynamic (then
+        nothing moves, optimizer state included; every rank decides alike). True if it stepped."""
         if self.scaler is None:
-            return grad
+            opt.step(master, grad)
+            return True
         found_inf = self.scaler.unscale_and_check(self.comm, grad, self._master_grad,
                                                   self._replicated, self._algorithm)
-        return self._master_grad if self.scaler.update(found_inf, step) else None
+        if not self.scaler.update(found_inf, step):
+            return False
+        opt.step(master, self._master_grad)
+        return True

@@ -25,9 +25,10 @@ The recipe, one step at a time (``train_sync`` below is these five, in order):
    rounding, not to the bit: the all-reduce adds the shards' gradients in another order
    than one device's backward adds its samples', and float addition is not associative.
 
-Mixed precision (``SyncConfig.precision``) is three calls of ``Amp``
-(``dplab.reference.precision.amp``): float16 weights for forward and backward, the loss scaled,
-the reduced gradient unscaled into float32 (or the step skipped on an overflow).
+Mixed precision (``SyncConfig.precision``) is four calls of ``Amp``
+(``dplab.reference.precision.amp``), as torch AMP's ``scaler.scale(loss)`` and ``scaler.step(opt)``:
+float16 weights for forward and backward, the loss scaled, the reduced gradient unscaled into
+float32 for the optimizer (or the step skipped on an overflow). Without it each is a no-op.
 
 Everything else a real run does (resume and checkpoints, stragglers, the time-budget
 vote, trace spans) is one call of ``SyncExtras`` (``dplab.reference.train.sync_extras``)
@@ -74,21 +75,20 @@ def train_sync(comm: Communicator, cfg: TrainConfig, sync: SyncConfig = _DEFAULT
             mine = shard(batch, comm.rank, comm.world_size)  # 2. this rank's shard of the batch
             grad[:], loss = 0, 0.0
             reducer.reset()
-            weights, grad_scale = amp.weights(params), scale * amp.loss_scale  # float16 copy; S / B
+            weights, scaled = amp.weights(params), amp.scale(scale)  # mixed precision: float16, S / B
             for j, (a, b) in enumerate(chunk_bounds(len(mine), sync.accum_steps)):  # 3. micro-batches:
                 x, y = data.x[mine[a:b]], data.y[mine[a:b]]
                 with reducer.no_sync() if j < sync.accum_steps - 1 else nullcontext():  # the last reduces
                     with extras.forward(step, j):
                         acts = model.forward(weights, x)
                         loss += model.loss(acts, y, scale)
-                    for layer in extras.backward(step, j, model.backward(weights, acts, y, grad, grad_scale)):
+                    for layer in extras.backward(step, j, model.backward(weights, acts, y, grad, scaled)):
                         reducer.mark_param_as_ready(2 * layer + 1)  # 4. a bucket whose gradients are
                         reducer.mark_param_as_ready(2 * layer)  # all there is all-reduced at once
             with extras.span("wait", step):
                 reducer.wait()  # 4. ... until the last bucket is summed
             with extras.span("optimizer", step):
-                if (master_grad := amp.master_grad(grad, step)) is not None:  # None: overflow, skip
-                    opt.step(params, master_grad)  # 5. the same step on every rank
+                amp.step(opt, params, grad, step)  # 5. the same step on every rank (skipped on overflow)
             if extras.end_step(step, loss, params, opt):  # the loss, the budget vote, a checkpoint
                 break
     return TrainResult(params, extras.losses)
