@@ -11,12 +11,12 @@ memory live in ``checks.py``. Both end in one line on stderr and exit code 2.
 from __future__ import annotations
 
 import argparse
-import math
 import textwrap
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 from dplab.backends.cli.app import port_number
+from dplab.backends.cli.args_optim import add_optimizer_args, add_sweep_args, positive_float, positive_int
 from dplab.backends.cli.bench import parse_size
 from dplab.backends.cli.compare import RACE_DEFAULTS
 from dplab.backends.cli.memory import add_memory_parser
@@ -98,21 +98,6 @@ def _csv(kind: Any = str, empty_ok: bool = False):
     return parse
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    """A finite number > 0: NaN compares false with everything, so it slips past a plain ``<= 0``."""
-    value = float(text)
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
-    return value
-
-
 def _size(text: str) -> int:
     try:
         value = parse_size(text)
@@ -172,14 +157,13 @@ def _add_model_args(p: argparse.ArgumentParser, bucket_cap_mb: float, bucket_hel
                    help="samples per step over all ranks, split across them (uneven splits allowed)")
     g.add_argument("--steps", type=int, default=None,
                    help="steps (clocks per worker in async); default 50, or no limit under a time budget")
-    g.add_argument("--optimizer", choices=["sgd", "momentum", "adam"], default="adam", help="optimizer")
-    g.add_argument("--lr", type=_positive_float, default=0.01, help="learning rate")
+    add_optimizer_args(g)  # --optimizer, --lr, --warmup-steps, --trust-coef, --weight-decay
     g.add_argument("--seed", type=int, default=0, help="seeds the data, the initial weights, the batches")
     g.add_argument("--dtype", choices=["float64", "float32"], default="float64",
                    help="parameters and gradients")
-    g.add_argument("--bucket-cap-mb", type=_positive_float, default=bucket_cap_mb, metavar="MiB",
+    g.add_argument("--bucket-cap-mb", type=positive_float, default=bucket_cap_mb, metavar="MiB",
                    help=bucket_help)
-    g.add_argument("--accum-steps", type=_positive_int, default=1,
+    g.add_argument("--accum-steps", type=positive_int, default=1,
                    help="micro-batches per step; all but the last skip the all-reduce (no_sync)")
     _add_common_args(p, "torch backend: gloo on CPU or NCCL with one GPU per rank (default: cpu, or "
                         "$DPLAB_DEVICE)")
@@ -251,6 +235,7 @@ def _add_compare(sub: Any) -> None:
     _add_time_args(c, f"a race: every cell trains this long (default {RACE_DEFAULTS['time_budget_s']:g} s "
                       "once async is in --modes, else none: a fixed --steps)")
     _add_model_args(c, DDP_BUCKET_CAP_MB, "gradient bucket size, as torch DDP's bucket_cap_mb")
+    add_sweep_args(c)
 
 
 def _add_bench(sub: Any) -> None:
@@ -268,9 +253,9 @@ def _add_bench(sub: Any) -> None:
                    help="bytes per buffer, with K, M or G for KiB, MiB, GiB (default: 4K,1M,16M,64M)")
     b.add_argument("--dtype", choices=["float32", "float64"], default="float32", help="buffer element type")
     b.add_argument("--warmup", type=int, default=3, help="untimed calls per cell before timing")
-    b.add_argument("--target-seconds", type=_positive_float, default=0.3, help="timed work per cell")
+    b.add_argument("--target-seconds", type=positive_float, default=0.3, help="timed work per cell")
     b.add_argument("--reps", type=int, default=5, help="timed loops per cell, algorithms interleaved")
-    b.add_argument("--max-iters", type=_positive_int, default=2000, help="most calls in one timed loop")
+    b.add_argument("--max-iters", type=positive_int, default=2000, help="most calls in one timed loop")
     _add_common_args(b, "torch backend: gloo on CPU or NCCL with one GPU per rank (default: cpu, or "
                         "$DPLAB_DEVICE)")
 

@@ -26,10 +26,12 @@ from typing import Any
 from dplab.backends.cli import bench
 from dplab.backends.cli.app import run_app
 from dplab.backends.cli.args import AUTO, build_parser
+from dplab.backends.cli.args_optim import optim_config
 from dplab.backends.cli.checks import OutputPathError, check_args, stop_launcher_job
 from dplab.backends.cli.compare import EQUIVALENCE_DEFAULTS, RACE_DEFAULTS, compare_specs, run_specs
 from dplab.backends.cli.memory import run_memory
 from dplab.backends.cli.runs import MODES, RunSpec, run_train
+from dplab.backends.cli.sweep import cmd_sweep, sweep_columns, wants_sweep
 from dplab.backends.cli.table import Progress, format_number, format_table
 from dplab.backends.launch.interrupt import interruptible
 from dplab.backends.launch.world import BackendUnavailable, RankError, World, launcher_env, under_launcher
@@ -37,7 +39,6 @@ from dplab.reference.checkpoint.resume import CheckpointConfig
 from dplab.reference.checkpoint.store import CheckpointError
 from dplab.reference.errors import ConfigError
 from dplab.reference.model import MLPConfig
-from dplab.reference.optim import OptimConfig
 from dplab.reference.trace import merge, save_json, to_chrome
 from dplab.reference.train.single import TrainConfig
 from dplab.reference.train.straggler import Stragglers
@@ -61,7 +62,7 @@ def _train_config(a: argparse.Namespace, budget: float | None) -> TrainConfig:
     model = MLPConfig(a.in_dim, tuple(a.hidden), a.out_dim, a.activation, loss)
     steps = a.steps if a.steps is not None else 50 if budget is None else UNLIMITED_STEPS
     return TrainConfig(model, a.dataset, a.num_samples, a.global_batch, steps,
-                       OptimConfig(a.optimizer, a.lr), a.seed, a.dtype)
+                       optim_config(a), a.seed, a.dtype)
 
 
 def _stragglers(a: argparse.Namespace) -> Stragglers:
@@ -94,6 +95,8 @@ def _checkpoint(a: argparse.Namespace) -> CheckpointConfig | None:
 
 def cmd_compare(a: argparse.Namespace) -> list[dict[str, Any]]:
     """The equivalence table (fixed steps), or, under a time budget, the race of sync and async."""
+    if wants_sweep(a):  # --global-batches: the large-batch sweep (sweep.py)
+        return cmd_sweep(a, _train_config)
     for mode in a.modes:
         if mode not in MODES:
             raise ConfigError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
@@ -126,6 +129,8 @@ def _columns(command: str, rows: list[dict[str, Any]]) -> list[str]:
     """The table shows what the rows are about: a race, stragglers, a parameter server."""
     if command == "bench":
         return BENCH_COLUMNS
+    if rows and "lr_rule" in rows[0]:
+        return sweep_columns(rows)
     if any(r.get("time_budget_s") is not None for r in rows):
         return RACE_COLUMNS
     columns = list(ASYNC_COLUMNS if any(r["mode"] != "sync" for r in rows) else TRAIN_COLUMNS)
