@@ -28,7 +28,7 @@ backward and a reduce-scatter, 1.5x the bytes of DDP's all-reduce. Gradients are
 DDP does (sum / p, or each rank's weighted by ``local_batch_size`` / global batch).
 
 Mixed precision: ``compute_dtype=torch.bfloat16`` (or float16) gathers the fp32 shards, casts
-the full parameters (and the root's floating inputs, and the buffers) to bf16 for forward and
+the full parameters (and the root's floating inputs, and for each forward the buffers) to bf16 for forward and
 backward, and casts each gradient back to fp32 *before* the reduce-scatter: the reduction and
 the optimizer work on fp32 masters. (Reducing in bf16 would halve the bytes; our collectives
 move float32/float64 only.) No loss scaling here: float16 gradients may underflow.
@@ -89,7 +89,9 @@ class FullyShardedDataParallel(nn.Module):
                               f"got {compute_dtype!r}")
         plans = plan_units(module, units)  # checked before any collective: a bad unit fails alone
         master, device = dtype_and_device(list(module.parameters()))
-        self.module, self.comm, self.algorithm = module, comm, algorithm
+        if device.type != "cpu":
+            flat_buffer(comm, 0, master, device)  # raises unless the communicator moves that device's memory
+        self.module, self.comm, self.algorithm, self.device = module, comm, algorithm, device
         self.compute_dtype = compute_dtype if compute_dtype not in (None, master) else None
         broadcast_module(module, comm)
         self._state_keys = list(module.state_dict().keys())
@@ -112,17 +114,14 @@ class FullyShardedDataParallel(nn.Module):
             for trainable in (True, False):
                 idx = [i for i, p in enumerate(plan.params) if p.requires_grad == trainable]
                 if idx:
-                    flats.append(FlatParam(comm, [plan.params[i] for i in idx], [plan.holders[i] for i in idx],
-                                           cdt, trainable, self.meter, algorithm))
+                    params, holders = [plan.params[i] for i in idx], [plan.holders[i] for i in idx]
+                    flats.append(FlatParam(comm, params, holders, cdt, trainable, self.meter, algorithm))
                     self._flat_keys.append([first_key[id(plan.params[i])] for i in idx])
             self.units.append(flats)
         self.flat_params = nn.ParameterList([f.shard for flats in self.units for f in flats])
-        self._scratch = flat_buffer(comm, max((f.n for f in self._flats()), default=0), master, device)
-        if self.compute_dtype is not None:
-            for mod in module.modules():
-                for name, b in mod._buffers.items():
-                    if b is not None and b.is_floating_point():
-                        mod._buffers[name] = b.to(self.compute_dtype)
+        self._float_buffers = [] if self.compute_dtype is None else [
+            (mod, name) for mod in module.modules() for name, b in mod._buffers.items()
+            if b is not None and b.is_floating_point()]
         for k, flats in enumerate(self.units):
             for f in flats:
                 if f.trainable:
@@ -150,11 +149,33 @@ class FullyShardedDataParallel(nn.Module):
         if self.compute_dtype is not None:
             args, kwargs = _cast((args, kwargs), self.compute_dtype)
         self._pre_forward(0)
-        return self._post_forward(0, None, None, self.module(*args, **kwargs))
+        masters = self._cast_buffers()
+        try:
+            output = self.module(*args, **kwargs)
+        finally:
+            self._restore_buffers(masters)
+        return self._post_forward(0, None, None, output)
+
+    def _cast_buffers(self) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+        """Floating buffers in the compute dtype for this forward; the module keeps its own."""
+        out = []
+        for mod, name in self._float_buffers:
+            master = mod._buffers[name]
+            low = mod._buffers[name] = master.to(self.compute_dtype)
+            out.append((master, low, low._version))
+        return out
+
+    def _restore_buffers(self, masters: list[tuple[torch.Tensor, torch.Tensor, int]]) -> None:
+        """The module's own buffers back; one that forward changed (running statistics) takes the change."""
+        for (mod, name), (master, low, version) in zip(self._float_buffers, masters):
+            mod._buffers[name] = master
+            if low._version != version:
+                with torch.no_grad():
+                    master.copy_(low)
 
     def _pre_forward(self, k: int, *_: Any) -> None:
         for f in self.units[k]:
-            f.gather(self._scratch)
+            f.gather()
             f.use_views()
             if f.trainable and torch.is_grad_enabled() and f not in self._pending:
                 self._pending.append(f)
@@ -174,11 +195,11 @@ class FullyShardedDataParallel(nn.Module):
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
         for f in self.units[k]:
-            f.gather(self._scratch)
+            f.gather()
 
     def _grad_ready(self, flat: FlatParam, _leaf: torch.Tensor) -> None:
         """Autograd's word that the flat's full gradient is complete: reduce-scatter it, free it."""
-        flat.reduce_grad(self._scratch, self._weight())
+        flat.reduce_grad(self._weight())
         flat.free()
         if flat in self._pending:
             self._pending.remove(flat)
@@ -189,7 +210,7 @@ class FullyShardedDataParallel(nn.Module):
         self._callback_queued = False
         pending, self._pending = self._pending, []
         for f in pending:
-            f.reduce_grad(self._scratch, None)
+            f.reduce_grad(None)
         for f in self._flats():
             f.free()
 
@@ -201,7 +222,7 @@ class FullyShardedDataParallel(nn.Module):
     def set_local_batch_size(self, n: int) -> None:
         """Weight this rank's gradient by ``n`` / (sum of every rank's ``n``); a collective, as in DDP."""
         ok = type(n) is int and n >= 0  # a bad n is counted, so that every rank raises, none hangs
-        buf, counts = flat_buffer(self.comm, 2, torch.int64, self._scratch[1].device)
+        buf, counts = flat_buffer(self.comm, 2, torch.int64, self.device)
         counts.copy_(torch.tensor([n if ok else 0, 0 if ok else 1]))
         allreduce(self.comm, buf, "ring")
         total, bad = (int(v) for v in counts.cpu())
@@ -222,7 +243,7 @@ class FullyShardedDataParallel(nn.Module):
         fulls = []
         try:
             for flat in self._flats():
-                full = flat.full_master(self._scratch)
+                full = flat.full_master()
                 fulls.append(full)
                 for s, shape, holders in zip(flat.slices, flat.shapes, flat.holders):
                     for mod, name in holders:
@@ -269,13 +290,13 @@ class FullyShardedDataParallel(nn.Module):
 
     # -- memory ------------------------------------------------------------------------------------
     def param_memory(self) -> dict[str, int]:
-        """Bytes of parameter storage on this rank: shards, the communication scratch, the peak
-        of gathered (full) units alive at once, their sum, and the unsharded model for scale."""
+        """Bytes of parameter storage on this rank: the shards, the most gathered (full) parameter
+        storage alive at once (units in flight, a transient fp32 copy in mixed precision), their
+        sum, and the unsharded model's parameters for scale."""
         flats = self._flats()
         shard = sum(f.shard.numel() * f.shard.element_size() for f in flats)
-        scratch = self._scratch[1].numel() * self._scratch[1].element_size()
-        return {"shard_bytes": shard, "scratch_bytes": scratch, "gathered_peak_bytes": self.meter.peak,
-                "peak_bytes": shard + scratch + self.meter.peak,
+        return {"shard_bytes": shard, "gathered_peak_bytes": self.meter.peak,
+                "peak_bytes": shard + self.meter.peak,
                 "unsharded_bytes": sum(f.n * f.shard.element_size() for f in flats)}
 
     def reset_peak_memory(self) -> None:

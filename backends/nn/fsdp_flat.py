@@ -2,9 +2,9 @@
 
     flat = FlatParam(comm, [w, b], holders, compute_dtype=None, trainable=True)
     flat.shard           # nn.Parameter: this rank's chunk_bounds(n, p)[rank] of [ w | b ] (fp32/fp64)
-    flat.gather(scratch) # leaf = the whole [ w | b ] in the compute dtype; module attributes = its views
+    flat.gather()        # leaf = the whole [ w | b ] in the compute dtype; module attributes = its views
     flat.free()          # leaf's storage resized to 0 bytes; module attributes = empty placeholders
-    flat.reduce_grad(scratch, weight)   # leaf.grad -> reduce-scatter -> shard.grad += this rank's chunk
+    flat.reduce_grad(weight)   # leaf.grad -> reduce-scatter -> shard.grad += this rank's chunk
 
 Why the storage is resized instead of the tensor dropped: autograd keeps the views of ``leaf``
 that forward used (a linear layer saves its weight for backward). Resizing the storage to zero
@@ -13,19 +13,22 @@ the unit's backward resizes it back and fills it again, so the saved views see t
 again. That is how torch's FSDP frees its flat parameter. Writes go through ``leaf.data``,
 whose version counter is not the leaf's, so autograd does not object to the refill.
 
-Communication goes through one scratch buffer per wrapper (``comm.empty`` memory, shared memory
-on the local backend, so nothing is staged), as large as the largest flat parameter in the
-master dtype: the shard is copied into its chunk, all-gathered, then copied (and cast to the
-compute dtype) into the leaf. Gradients go the other way: leaf.grad is copied into scratch (cast
-to the master dtype, fp32, *before* the reduction: we reduce in fp32, not in the compute dtype),
-weighted, reduce-scattered, and this rank's chunk is added to ``shard.grad``.
+The all-gather writes straight into the leaf's storage (in the compute dtype only when that is
+the master dtype; otherwise into a transient full tensor in the master dtype, then cast), and
+the reduce-scatter runs in place on the full gradient: on MPI and torch.distributed nothing is
+copied. These buffers are torch's, not ``comm.empty`` shared memory (that cannot be resized),
+so on the local backend each send is staged (copied once; ``comm.bytes_staged`` counts it).
+Gradients are cast to the master dtype (fp32) *before* the reduction: we reduce in fp32, not in
+the compute dtype (our collectives move float32 and float64 only).
 """
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -80,24 +83,28 @@ class FlatParam:
     def leaf_bytes(self) -> int:
         return self.n * self.leaf.element_size()
 
-    def _gather_into_scratch(self, scratch: tuple[Any, torch.Tensor]) -> torch.Tensor:
-        """All-gather the shards into ``scratch``; returns the full flat tensor (a view of it)."""
-        buf, t = scratch
-        lo, hi = self.bounds
-        t[lo:hi].copy_(self.shard.detach())
-        allgather(self.comm, buf[:self.n], self.algorithm)
-        return t[:self.n]
+    def _allgather(self, full: torch.Tensor) -> torch.Tensor:
+        """All-gather the shards into ``full`` (n elements, master dtype), in place."""
+        full[slice(*self.bounds)].copy_(self.shard.detach())
+        allgather(self.comm, _buf(full), self.algorithm)
+        return full
 
     @torch.no_grad()
-    def gather(self, scratch: tuple[Any, torch.Tensor]) -> None:
-        """Make the full parameters the module's attributes (views of the leaf); a no-op if done."""
+    def gather(self) -> None:
+        """Fill the leaf with the full parameters (a collective); a no-op if already gathered."""
         if self.gathered:
             return
-        full = self._gather_into_scratch(scratch)
         self.leaf.untyped_storage().resize_(self.leaf_bytes)
-        self.leaf.data.copy_(full)  # .data: a fresh version counter, autograd's saved views stay valid
         self.meter.add(self.leaf_bytes)
         self.gathered = True
+        target = self.leaf.data  # .data: a fresh version counter, autograd's saved views stay valid
+        if target.dtype == self.master_dtype:
+            self._allgather(target)
+        else:  # mixed precision: gather the fp32 masters, then cast; the fp32 copy is transient
+            full = self._allgather(torch.empty(self.n, dtype=self.master_dtype, device=target.device))
+            self.meter.add(full.nbytes)
+            target.copy_(full)
+            self.meter.add(-full.nbytes)
 
     def use_views(self) -> None:
         """Point the module attributes at views of the leaf, recorded by autograd when grad is on."""
@@ -106,10 +113,10 @@ class FlatParam:
             for mod, name in holders:
                 setattr(mod, name, view)
 
-    def full_master(self, scratch: tuple[Any, torch.Tensor]) -> torch.Tensor:
+    def full_master(self) -> torch.Tensor:
         """The full flat parameter in the master dtype, a new tensor (a collective: every rank)."""
-        full = self._gather_into_scratch(scratch).clone()
-        self.meter.add(full.numel() * full.element_size())
+        full = self._allgather(torch.empty(self.n, dtype=self.master_dtype, device=self.shard.device))
+        self.meter.add(full.nbytes)
         return full
 
     def free(self) -> None:
@@ -123,21 +130,19 @@ class FlatParam:
                 setattr(mod, name, empty)
 
     @torch.no_grad()
-    def reduce_grad(self, scratch: tuple[Any, torch.Tensor], weight: float | None) -> None:
+    def reduce_grad(self, weight: float | None) -> None:
         """Average the full gradient over ranks; this rank's chunk is added to ``shard.grad``.
 
         ``weight`` multiplies this rank's gradient before the sum (1/p, or n_r / N for shards of
         n_r samples); ``None`` contributes zeros (no gradient on this rank, or an empty shard).
         """
-        buf, t = scratch
-        g = t[:self.n]
-        if weight is None or self.leaf.grad is None:
-            g.zero_()
-        else:
-            g.copy_(self.leaf.grad.reshape(-1))  # cast to the master dtype before reducing
+        grad, self.leaf.grad = self.leaf.grad, None  # the full gradient goes after this, not at zero_grad
+        if weight is None or grad is None:
+            g = torch.zeros(self.n, dtype=self.master_dtype, device=self.shard.device)
+        else:  # cast to the master dtype before reducing (a copy only in mixed precision)
+            g = grad.reshape(-1).to(self.master_dtype).contiguous()
             g.mul_(weight)
-        self.leaf.grad = None  # the full gradient goes now, not at the next zero_grad
-        reduce_scatter(self.comm, buf[:self.n], self.algorithm)
+        reduce_scatter(self.comm, _buf(g), self.algorithm)
         mine = g[slice(*self.bounds)]
         if self.shard.grad is None:
             self.shard.grad = mine.clone()
@@ -148,3 +153,20 @@ class FlatParam:
         """Keep this rank's chunk of a full flat parameter (no communication)."""
         with torch.no_grad():
             self.shard.copy_(full[slice(*self.bounds)])
+
+
+def _buf(t: torch.Tensor) -> Any:
+    """What the collectives get: a CPU tensor as a numpy array over its memory, a GPU tensor as is.
+
+    Not ``t.numpy()``: that marks the storage as not resizable, and the leaf's must stay
+    resizable (``free``). The array is built from the address, used for one collective, dropped.
+    """
+    if t.device.type != "cpu":
+        return t
+    dtype = _NUMPY[t.dtype]
+    if t.numel() == 0:
+        return np.empty(0, dtype)
+    return np.frombuffer((ctypes.c_char * t.nbytes).from_address(t.data_ptr()), dtype=dtype)
+
+
+_NUMPY = {torch.float32: np.float32, torch.float64: np.float64}
