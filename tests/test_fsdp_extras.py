@@ -214,3 +214,63 @@ def _bad(comm, what: str) -> str:
                                           ("dtype", "compute_dtype must be")])
 def test_bad_configurations_say_what_to_do(worlds, what, needle):
     assert needle in worlds(1).run(_bad, what)[0]
+
+
+# -- gradient accumulation, a unit without a gradient ---------------------------------------
+
+def _accumulate(comm, micro: int) -> dict:
+    """``micro`` backward passes per step (each loss / micro), then one step: the big batch's step.
+    There is no no_sync: each backward reduce-scatters and adds into shard.grad."""
+    from dplab.backends.nn.fsdp import FSDP
+
+    torch.set_num_threads(1)
+    model = make_model("frozen", SEED + comm.rank)
+    fsdp = FSDP(model, comm, units=units_of(model, "frozen3"))
+    opt = torch.optim.AdamW(fsdp.parameters(), lr=0.01, weight_decay=0.1)
+    lo, hi = chunk_bounds(B, comm.world_size)[comm.rank]
+    for step in range(STEPS):
+        x, y = batch("frozen", step)
+        opt.zero_grad()
+        for a, b in chunk_bounds(hi - lo, micro):
+            (loss_sum("frozen", fsdp(x[lo + a:lo + b]), y[lo + a:lo + b]) / (hi - lo)).backward()
+        opt.step()
+    return numpy_state(fsdp.full_state_dict())
+
+
+@pytest.mark.parametrize("p", [1, 2, 3])
+def test_accumulated_micro_batches_take_the_big_batch_step(worlds, p):
+    from test_fsdp import reference
+
+    want = reference("frozen")[-1]
+    for state in worlds(p).run(_accumulate, 2):
+        assert max(rel(state[k], want[k]) for k in want) <= 1e-10
+
+
+class Spare(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.used, self.spare = nn.Linear(3, 2, dtype=torch.float64), nn.Linear(3, 2, dtype=torch.float64)
+
+    def forward(self, x):
+        self.spare(x)  # runs (so its unit is gathered and waits for a gradient) but feeds no loss
+        return self.used(x)
+
+
+def _spare(comm) -> list:
+    """The spare unit gets no gradient: it reduces zeros at the end of backward; nobody waits."""
+    from dplab.backends.nn.fsdp import FSDP
+
+    torch.manual_seed(0)
+    model = Spare()
+    fsdp = FSDP(model, comm, units=[model.used, model.spare])
+    x = torch.full((4, 3), comm.rank + 1.0, dtype=torch.float64)
+    for _ in range(2):
+        fsdp(x).sum().backward()
+    return [None if q.grad is None else q.grad.numpy().copy() for q in fsdp.parameters()]
+
+
+def test_a_unit_without_gradient_reduces_zeros_and_the_world_goes_on(worlds):
+    full = np.array([12.0] * 6 + [8.0] * 2)  # 2 backwards x the rank mean of 4 rows of x (1s, 2s); bias: 4
+    for rank, (used, spare) in enumerate(worlds(2).run(_spare)):  # the root holds nothing: 2 flats
+        np.testing.assert_array_equal(used, full[4 * rank:4 * rank + 4])
+        np.testing.assert_array_equal(spare, np.zeros(4))  # a gradient of zeros, not None
