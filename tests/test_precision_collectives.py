@@ -188,3 +188,47 @@ def test_bound_is_tight_enough_to_mean_something():
         fp16 = (fp16 + rank_data(seed, r)).astype(np.float16)
     ratio = np.abs(fp16 - total) / (gamma(p - 1, U["float16"]) * magnitude)
     assert 0.1 < ratio.max() <= 1.0
+
+
+# -- NCCL on a GPU: half types on device tensors, and a float16 numpy buffer through the host copy --
+
+def half_inputs(seed: int, rank: int, dtype: str):
+    import torch
+
+    return torch.from_numpy(rank_data(seed, rank).astype(np.float32)).to(getattr(torch, dtype))
+
+
+def job_cuda_half(comm, seed: int) -> dict:
+    import torch
+
+    out = {}
+    for dtype in ("float16", "bfloat16"):
+        for algorithm in ("ring", "tree", "native"):
+            t = half_inputs(seed, comm.rank, dtype).to(comm.device)
+            collectives.allreduce(comm, t, algorithm)
+            out[dtype, algorithm] = (t.device.type, t.to(torch.float64).cpu().numpy())
+    buf = rank_data(seed, comm.rank)
+    collectives.allreduce(comm, buf, "ring")
+    out["numpy"] = ("cpu", buf.astype(np.float64))
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("p", [1, 2])
+def test_half_types_on_nccl(monkeypatch, p):
+    torch = pytest.importorskip("torch")
+    if torch.cuda.device_count() < p:
+        pytest.skip(f"needs {p} CUDA GPUs, this machine has {torch.cuda.device_count()}")
+    from dplab.backends.launch.world import World
+
+    monkeypatch.setenv("DPLAB_DEVICE", "cuda")
+    seed = 21
+    with World(p, backend="torch", timeout=60.0) as w:
+        results = w.run(job_cuda_half, seed)
+    for key, (device, value) in results[0].items():
+        dtype = "float16" if key == "numpy" else key[0]
+        xs = [half_inputs(seed, r, dtype).double().numpy() for r in range(p)]
+        err = np.abs(value - sum(xs))
+        assert device == ("cpu" if key == "numpy" else "cuda"), key
+        assert np.all(err <= gamma(p - 1, U[dtype]) * sum(np.abs(x) for x in xs)), key
+        assert all(np.array_equal(r[key][1], value) for r in results), key
