@@ -217,7 +217,7 @@ class LocalComm(SegmentMemory, Communicator):
                 return
             if left <= nap:
                 break
-            self._peek(peer)
+            self._peek(peer, sem)
             nap = min(2 * nap, _PEEK_S[1])
         else:
             if sem.acquire(timeout=self.timeout):
@@ -225,13 +225,18 @@ class LocalComm(SegmentMemory, Communicator):
         raise CommTimeout(f"rank {self.rank} waited {self.timeout:.0f}s for rank {peer} {what}: "
                           "is that rank dead or stuck? (set DPLAB_TIMEOUT to wait longer)")
 
-    def _peek(self, peer: int) -> None:
+    def _peek(self, peer: int, done) -> None:
         """Waiting for ``peer`` to take this collective's message: if ``peer`` has posted one of
         another collective to us, it is in that one (it cannot have finished ours without taking
-        our message, and its earlier ones we took): both may only be sending, so say so now."""
+        our message, and its earlier ones we took): both may only be sending, so say so now.
+        Unless it took ours since we last looked (``done`` posted, then its next collective's
+        message): then that message is legitimately ahead of us and the ack is ours to take."""
         if self.w.ready[peer][self.rank].get_value() > 0:
             mtag = int(self._ctl[peer, self.rank, self._recv_seq[peer] % SLOTS, 4])
             if mtag != self._tag and mtag >= COLLECTIVE_TAG:
+                if done.acquire(False):  # taken after all: give the ack back to _acquire's caller
+                    done.release()
+                    return
                 raise collective_mismatch(self.rank, self._tag, peer, mtag)
 
     def _check_peer(self, peer: int, any_ok: bool = False) -> None:
