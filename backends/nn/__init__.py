@@ -3,4 +3,8 @@
     ddp.py        DistributedDataParallel: bucketed gradient all-reduce overlapped with backward
     zero.py       ZeroRedundancyOptimizer: ZeRO stage 1, optimizer state sharded across ranks
     zero_state.py ZeRO's sharded optimizer state <-> torch.optim's state dict
+    fsdp.py       FullyShardedDataParallel: parameters sharded per unit, gathered only while it runs
+    fsdp_flat.py  one unit's flat parameter: shard, gather into a freeable leaf, reduce-scatter
+    fsdp_units.py which unit owns which parameter (tied ones once), units checked
+    fsdp_precision.py  FSDP's compute dtype for the root's inputs and the buffers, per forward
 """

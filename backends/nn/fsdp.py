@@ -54,6 +54,7 @@ from torch import nn
 
 from dplab.backends.nn.ddp import broadcast_module, dtype_and_device, flat_buffer
 from dplab.backends.nn.fsdp_flat import FlatParam, MemoryMeter
+from dplab.backends.nn.fsdp_precision import cast_buffers, cast_floats, restore_buffers, tensors_in
 from dplab.backends.nn.fsdp_units import param_keys, plan_units
 from dplab.reference.collectives import allreduce
 from dplab.reference.communicator import Communicator
@@ -147,31 +148,14 @@ class FullyShardedDataParallel(nn.Module):
             raise ConfigError("forward inside summon_full_params(): leave the context first")
         self._pending.clear()  # a forward whose backward never ran (evaluation) leaves nothing behind
         if self.compute_dtype is not None:
-            args, kwargs = _cast((args, kwargs), self.compute_dtype)
+            args, kwargs = cast_floats((args, kwargs), self.compute_dtype)
         self._pre_forward(0)
-        masters = self._cast_buffers()
+        masters = cast_buffers(self._float_buffers, self.compute_dtype)
         try:
             output = self.module(*args, **kwargs)
         finally:
-            self._restore_buffers(masters)
+            restore_buffers(self._float_buffers, masters)
         return self._post_forward(0, None, None, output)
-
-    def _cast_buffers(self) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
-        """Floating buffers in the compute dtype for this forward; the module keeps its own."""
-        out = []
-        for mod, name in self._float_buffers:
-            master = mod._buffers[name]
-            low = mod._buffers[name] = master.to(self.compute_dtype)
-            out.append((master, low, low._version))
-        return out
-
-    def _restore_buffers(self, masters: list[tuple[torch.Tensor, torch.Tensor, int]]) -> None:
-        """The module's own buffers back; one that forward changed (running statistics) takes the change."""
-        for (mod, name), (master, low, version) in zip(self._float_buffers, masters):
-            mod._buffers[name] = master
-            if low._version != version:
-                with torch.no_grad():
-                    master.copy_(low)
 
     def _pre_forward(self, k: int, *_: Any) -> None:
         for f in self.units[k]:
@@ -184,7 +168,7 @@ class FullyShardedDataParallel(nn.Module):
         for f in self.units[k]:
             f.free()
         if torch.is_grad_enabled() and self.units[k]:
-            for t in _tensors(output):
+            for t in tensors_in(output):
                 if t.requires_grad:
                     t.register_hook(partial(self._pre_backward, k))
         return output
@@ -305,24 +289,3 @@ class FullyShardedDataParallel(nn.Module):
 
 FSDP = FullyShardedDataParallel
 
-
-def _tensors(obj: Any) -> Iterator[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (list, tuple)):
-        for o in obj:
-            yield from _tensors(o)
-    elif isinstance(obj, dict):
-        for o in obj.values():
-            yield from _tensors(o)
-
-
-def _cast(obj: Any, dtype: torch.dtype) -> Any:
-    """Floating-point tensors in nested tuples, lists and dicts cast to ``dtype`` (the root's inputs)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.to(dtype) if obj.is_floating_point() else obj
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_cast(o, dtype) for o in obj)
-    if isinstance(obj, dict):
-        return {k: _cast(v, dtype) for k, v in obj.items()}
-    return obj

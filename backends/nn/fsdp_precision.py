@@ -1,0 +1,65 @@
+"""FSDP's mixed precision beyond the parameters: the root's inputs and the buffers, per forward.
+
+    args, kwargs = cast_floats((args, kwargs), torch.bfloat16)   # floating tensors only
+    masters = cast_buffers(float_buffers, torch.bfloat16)        # the module sees bf16 copies
+    out = module(*args, **kwargs)
+    restore_buffers(float_buffers, masters)                      # its own fp32 buffers back
+
+The buffers are cast for each forward instead of once for all, so that the module's own stay in
+their dtype: a state dict keeps the fp32 values (a bf16 round trip would change them). A buffer
+that forward changed in place (BatchNorm's running statistics) passes the change to its master.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["cast_floats", "tensors_in", "cast_buffers", "restore_buffers"]
+
+Masters = list[tuple[torch.Tensor, torch.Tensor, int]]  # (module's buffer, its cast copy, the copy's version)
+
+
+def cast_floats(obj: Any, dtype: torch.dtype) -> Any:
+    """Floating-point tensors in nested tuples, lists and dicts cast to ``dtype``; the rest as is."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(dtype) if obj.is_floating_point() else obj
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(cast_floats(o, dtype) for o in obj)
+    if isinstance(obj, dict):
+        return {k: cast_floats(v, dtype) for k, v in obj.items()}
+    return obj
+
+
+def tensors_in(obj: Any) -> Iterator[torch.Tensor]:
+    """The tensors in a module's output (nested tuples, lists and dicts)."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for o in obj:
+            yield from tensors_in(o)
+    elif isinstance(obj, dict):
+        for o in obj.values():
+            yield from tensors_in(o)
+
+
+def cast_buffers(buffers: list[tuple[nn.Module, str]], dtype: torch.dtype) -> Masters:
+    """Give each (module, name) a ``dtype`` copy of its buffer for one forward."""
+    out = []
+    for mod, name in buffers:
+        master = mod._buffers[name]
+        low = mod._buffers[name] = master.to(dtype)
+        out.append((master, low, low._version))
+    return out
+
+
+def restore_buffers(buffers: list[tuple[nn.Module, str]], masters: Masters) -> None:
+    """The module's own buffers back; one that forward changed in place takes the change."""
+    for (mod, name), (master, low, version) in zip(buffers, masters):
+        mod._buffers[name] = master
+        if low._version != version:
+            with torch.no_grad():
+                master.copy_(low)
