@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from dplab.reference.algorithms import ALGORITHMS
 from dplab.reference.errors import ConfigError
+from dplab.reference.precision.config import MixedPrecision
 
 __all__ = ["ZeroConfig", "SCATTER_ALGORITHMS", "ELEMENTWISE_OPTIMIZERS"]
 
@@ -26,12 +27,14 @@ ELEMENTWISE_OPTIMIZERS = ("sgd", "momentum", "adam")
 @dataclass(frozen=True)
 class ZeroConfig:
     """``stage`` 0-3; ``algorithm`` of the collectives; ``accum_steps`` micro-batches per step;
-    ``prefetch`` (stage 3): gather the next layer on the comm thread while this one computes."""
+    ``prefetch`` (stage 3): gather the next layer on the comm thread while this one computes;
+    ``precision``: float16 compute copies of float32 masters, loss scaling (``reference/precision``)."""
 
     stage: int = 1
     algorithm: str = "ring"
     accum_steps: int = 1
     prefetch: bool = True
+    precision: MixedPrecision | None = None
 
     def validate(self, world_size: int | None = None) -> None:
         """Raise ``ConfigError`` naming the field and the fix."""
@@ -51,6 +54,10 @@ class ZeroConfig:
             raise ConfigError(f"accum_steps must be an integer >= 1, got {self.accum_steps!r}")
         if not isinstance(self.prefetch, bool):
             raise ConfigError(f"prefetch must be True or False, got {self.prefetch!r}")
+        if self.precision is not None:
+            if not isinstance(self.precision, MixedPrecision):
+                raise ConfigError(f"precision must be a MixedPrecision or None, got {self.precision!r}")
+            self.precision.validate()
         if world_size is not None and world_size < 1:
             raise ConfigError(f"world_size must be >= 1, got {world_size}")
 

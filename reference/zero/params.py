@@ -8,8 +8,11 @@ for every stage:
     params.master(layer)         # what the optimizer steps: this rank's chunk, or all of it
 
 Two names on purpose: the weights the model *computes with* and the *master* the optimizer
-updates are the same memory here (float64 or float32 throughout), but in mixed precision they
-are not (fp16 compute copies, an fp32 master shard), and the holder is where that split goes.
+updates. In float64 or float32 they are the same memory (the master is a view of the weights).
+In mixed precision (``compute_dtype`` float16) they are not: the compute weights are float16
+("params": 2 bytes a parameter) and the masters float32 arrays of what this rank updates (the
+whole model in stage 0, its chunks in stages 1-3), counted as optimizer state ("optimizer"),
+as the paper counts them; ``after_step`` rounds the updated masters into the compute weights.
 
 Stage 3 and prefetch. In one step the layers are used in a known order: forward 0..L-1, then
 backward L-1..0, once per micro-batch. ``acquire`` waits for the gather of the current use and,
@@ -29,11 +32,19 @@ import numpy as np
 from dplab.reference.collectives import allgather
 from dplab.reference.communicator import Communicator
 from dplab.reference.errors import ConfigError
+from dplab.reference.precision.scaler import compute_copy
 from dplab.reference.zero.layout import ShardLayout
 from dplab.reference.zero.ledger import MemoryLedger
 from dplab.reference.zero.overlap import CommThread, Handle
 
 __all__ = ["ReplicatedParams", "ShardedParams", "use_plan"]
+
+
+def _copy(ledger: MemoryLedger, values: np.ndarray) -> np.ndarray:
+    """A float32 master: optimizer state in the paper's count (only the optimizer step reads it)."""
+    master = ledger.zeros("optimizer", len(values), values.dtype)
+    master[:] = values
+    return master
 
 
 def use_plan(num_layers: int, accum_steps: int) -> list[int]:
@@ -46,11 +57,15 @@ class ReplicatedParams:
     """Stages 0-2: every rank holds every parameter in one flat vector (a replica)."""
 
     def __init__(self, ledger: MemoryLedger, layout: ShardLayout, init: np.ndarray, sharded_update: bool,
-                 comm: Communicator, comm_thread: CommThread, algorithm: str) -> None:
+                 compute_dtype: np.dtype, comm: Communicator, comm_thread: CommThread,
+                 algorithm: str) -> None:
         self.layout, self.sharded_update = layout, sharded_update
         self.comm, self.comm_thread, self.algorithm = comm, comm_thread, algorithm
-        self.full = ledger.zeros("params", len(init), init.dtype)
-        self.full[:] = init
+        self.full = ledger.zeros("params", len(init), compute_dtype)
+        compute_copy(init, self.full)
+        self.masters = None if compute_dtype == init.dtype else [  # mixed precision: float32 masters
+            _copy(ledger, init[s][layout.own(i)] if sharded_update else init[s])
+            for i, s in enumerate(layout.layers)]
 
     def begin_step(self, accum_steps: int) -> None:
         pass
@@ -63,11 +78,15 @@ class ReplicatedParams:
 
     def master(self, layer: int) -> np.ndarray:
         """Stage 0: the whole layer; stages 1-2: this rank's chunk of it (a view: stepped in place)."""
-        w = self.full[self.layout.layers[layer]]
-        return w[self.layout.own(layer)] if self.sharded_update else w
+        if self.masters is not None:
+            return self.masters[layer]
+        return self._mine(layer)
 
     def after_step(self) -> None:
         """Stages 1-2: each rank updated only its chunks; the all-gather brings everyone the rest."""
+        if self.masters is not None:  # round the updated masters into the float16 weights
+            for layer, master in enumerate(self.masters):
+                compute_copy(master, self._mine(layer))
         if self.sharded_update:
             handles = [self.comm_thread.submit(allgather, self.comm, self.full[s], self.algorithm)
                        for s in self.layout.layers]
@@ -75,21 +94,37 @@ class ReplicatedParams:
                 h.wait()
 
     def gather_full(self) -> np.ndarray:
-        return self.full.copy()
+        """Every parameter: the masters where there are some (for the result; not counted)."""
+        if self.masters is None:
+            return self.full.copy()
+        full = np.empty(len(self.full), self.masters[0].dtype)
+        for layer, s in enumerate(self.layout.layers):
+            full[s][self.layout.own(layer) if self.sharded_update else slice(None)] = self.masters[layer]
+            if self.sharded_update:
+                self.comm_thread.submit(allgather, self.comm, full[s], self.algorithm).wait()
+        return full
+
+    def _mine(self, layer: int) -> np.ndarray:
+        w = self.full[self.layout.layers[layer]]
+        return w[self.layout.own(layer)] if self.sharded_update else w
 
 
 class ShardedParams:
     """Stage 3: a rank holds only its chunk of each layer; a layer is all-gathered when used."""
 
     def __init__(self, ledger: MemoryLedger, layout: ShardLayout, init: np.ndarray, prefetch: bool,
-                 comm: Communicator, comm_thread: CommThread, algorithm: str) -> None:
-        self.ledger, self.layout, self.prefetch, self.dtype = ledger, layout, prefetch, init.dtype
+                 compute_dtype: np.dtype, comm: Communicator, comm_thread: CommThread,
+                 algorithm: str) -> None:
+        self.ledger, self.layout, self.prefetch = ledger, layout, prefetch
+        self.dtype = np.dtype(compute_dtype)
         self.comm, self.comm_thread, self.algorithm = comm, comm_thread, algorithm
         self.shards = []
         for layer, s in enumerate(layout.layers):
-            shard = ledger.zeros("params", layout.own_size(layer), init.dtype)
-            shard[:] = init[s][layout.own(layer)]
+            shard = ledger.zeros("params", layout.own_size(layer), compute_dtype)
+            compute_copy(init[s][layout.own(layer)], shard)
             self.shards.append(shard)
+        self.masters = None if self.dtype == init.dtype else [  # mixed precision: float32 masters
+            _copy(ledger, init[s][layout.own(i)]) for i, s in enumerate(layout.layers)]
         self.plan: list[int] = []
         self.i = 0
         self.next: tuple[np.ndarray, Handle] | None = None
@@ -115,16 +150,20 @@ class ShardedParams:
         self.ledger.free(w)
 
     def master(self, layer: int) -> np.ndarray:
-        return self.shards[layer]
+        return self.shards[layer] if self.masters is None else self.masters[layer]
 
     def after_step(self) -> None:
-        pass  # the shards are the parameters; the next step gathers the updated ones
+        """The shards are the parameters; the next step gathers the updated ones."""
+        if self.masters is not None:
+            for shard, master in zip(self.shards, self.masters, strict=True):
+                compute_copy(master, shard)
 
     def gather_full(self) -> np.ndarray:
-        """All parameters on every rank (for the result; after the last step, not counted)."""
-        full = np.empty(sum(self.layout.sizes), self.dtype)
+        """All parameters (the masters, if any) on every rank: the result, after the steps, not counted."""
+        mine = self.shards if self.masters is None else self.masters
+        full = np.empty(sum(self.layout.sizes), mine[0].dtype)
         for layer, s in enumerate(self.layout.layers):
-            full[s][self.layout.own(layer)] = self.shards[layer]
+            full[s][self.layout.own(layer)] = mine[layer]
             self.comm_thread.submit(allgather, self.comm, full[s], self.algorithm).wait()
         return full
 

@@ -52,8 +52,10 @@ from dplab.reference.communicator import Communicator
 from dplab.reference.data import batch_indices, shard
 from dplab.reference.model import MLP
 from dplab.reference.optim import make_optimizer
+from dplab.reference.precision.scaler import LossScaler
 from dplab.reference.schedule import chunk_bounds
 from dplab.reference.train.single import TrainConfig, TrainResult, setup
+from dplab.reference.zero.amp import amp_step
 from dplab.reference.zero.config import ZeroConfig
 from dplab.reference.zero.grads import FullGrads, ShardedGrads
 from dplab.reference.zero.layers import layer_delta, layer_forward, layer_grads, output_delta
@@ -84,6 +86,12 @@ def train_zero(comm: Communicator, cfg: TrainConfig, zero: ZeroConfig = _DEFAULT
     zero.validate(comm.world_size)
     zero.check_optimizer(cfg.optimizer.name)
     model, data, init = setup(cfg)
+    prec = zero.precision  # None: one dtype throughout; else float16 compute, float32 masters
+    if prec is not None:
+        prec.validate(init.dtype)
+    compute = np.dtype(cfg.dtype if prec is None else prec.compute_dtype)
+    reduce = np.dtype(cfg.dtype if prec is None else prec.reduce_dtype)
+    scaler = None if prec is None else LossScaler(prec, comm.tracer)
     if comm.rank != 0:  # anything but rank 0's weights: the broadcast must fix it
         init = model.init_params(cfg.seed + 1 + comm.rank, dtype=init.dtype)
     broadcast(comm, init, root=0)  # every rank starts from rank 0's parameters
@@ -92,12 +100,12 @@ def train_zero(comm: Communicator, cfg: TrainConfig, zero: ZeroConfig = _DEFAULT
     comm_thread = CommThread(comm)
     where = (comm, comm_thread, zero.algorithm)
     if zero.stage < 3:
-        params = ReplicatedParams(ledger, layout, init, zero.stage >= 1, *where)
+        params = ReplicatedParams(ledger, layout, init, zero.stage >= 1, compute, *where)
     else:
-        params = ShardedParams(ledger, layout, init, zero.prefetch, *where)
+        params = ShardedParams(ledger, layout, init, zero.prefetch, compute, *where)
     del init  # stage 3: the full vector existed only to be cut into shards (before any step)
-    grads = FullGrads(ledger, layout, cfg.dtype, zero.stage, *where) if zero.stage < 2 else \
-        ShardedGrads(ledger, layout, cfg.dtype, *where)
+    grads = FullGrads(ledger, layout, reduce, zero.stage, *where) if zero.stage < 2 else \
+        ShardedGrads(ledger, layout, reduce, *where)
     sizes = [len(params.master(layer)) for layer in range(model.num_layers)]  # what this rank updates
     opts = [ledger.track("optimizer", partial(make_optimizer, cfg.optimizer, n, cfg.dtype)) for n in sizes]
     tracer, scale, losses = comm.tracer, 1 / cfg.global_batch, []
@@ -108,21 +116,26 @@ def train_zero(comm: Communicator, cfg: TrainConfig, zero: ZeroConfig = _DEFAULT
             mine = shard(batch, comm.rank, comm.world_size)  # 1. this rank's shard of the batch
             loss = 0.0
             with tracer.span("zero_step", extra={"step": step, "stage": zero.stage}):
+                scaled = scale if scaler is None else scale * scaler.loss_scale  # mixed: the loss times S
                 params.begin_step(zero.accum_steps)
                 grads.begin_step()
                 for j, (a, b) in enumerate(chunk_bounds(len(mine), zero.accum_steps)):
-                    x, y = data.x[mine[a:b]].astype(cfg.dtype, copy=False), data.y[mine[a:b]]
+                    x, y = data.x[mine[a:b]].astype(compute, copy=False), data.y[mine[a:b]]
                     with tracer.span("forward", extra={"step": step, "micro": j}):
                         acts = forward(model, params, x)  # 2.
                         loss += model.loss(acts, y, scale)
                     with tracer.span("backward", extra={"step": step, "micro": j}):
-                        backward(model, params, grads, acts, y, scale, j == zero.accum_steps - 1)  # 3.
+                        backward(model, params, grads, acts, y, scaled, j == zero.accum_steps - 1)  # 3.
                 with tracer.span("wait", extra={"step": step}):
                     grads.wait()  # 4. every reduction done
                 with tracer.span("optimizer", extra={"step": step}):
-                    for layer, opt in enumerate(opts):  # 4. each rank steps what it owns
-                        opt.step(params.master(layer), grads.of(layer))
-                    params.after_step()  # 5. stages 1-2: all-gather the updated chunks
+                    if scaler is None:
+                        for layer, opt in enumerate(opts):  # 4. each rank steps what it owns
+                            opt.step(params.master(layer), grads.of(layer))
+                    stepped = scaler is None or amp_step(comm, zero.algorithm, scaler, ledger, opts, params,
+                                                         grads, step)  # mixed: unscale, or skip on overflow
+                    if stepped:
+                        params.after_step()  # 5. stages 1-2: all-gather the updated chunks
             total = np.array([loss])
             allreduce(comm, total, zero.algorithm)  # the global batch's loss, for the log
             losses.append(float(total[0]))
