@@ -138,8 +138,20 @@ def test_float64_masters_are_refused_on_every_rank():
         launch(train_sync, 2, args=(TrainConfig(steps=1), replace(SYNC, precision=MixedPrecision())))
 
 
-def test_dynamic_scale_and_checkpoints_are_refused_together(tmp_path):
-    ckpt = CheckpointConfig(directory=str(tmp_path), every=5)
-    with pytest.raises(ConfigError, match="dynamic loss scale"):
-        replace(SYNC, precision=MixedPrecision(), checkpoint=ckpt).validate()
-    replace(SYNC, precision=MixedPrecision(loss_scale=128.0), checkpoint=ckpt).validate()  # static: fine
+def test_dynamic_scale_resumes_exactly_from_a_checkpoint(tmp_path):
+    """The loss scale and its growth count are checkpointed: a run resumed after the skips and
+    back-offs (and before a growth) ends on the same bits as the uninterrupted one."""
+    cfg = replace(F32, steps=9)
+    mixed = MixedPrecision(init_scale=2.0**20, growth_interval=5)  # skips 0-2, grows at step 7
+    every = CheckpointConfig(every=4, directory=str(tmp_path))
+    whole = launch(train_sync, 2, args=(cfg, replace(SYNC, precision=mixed, checkpoint=every)))
+    again = CheckpointConfig(resume=str(tmp_path / "ckpt-00000004.npz"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # float16 overflow, on purpose
+        resumed = launch(train_sync, 2, args=(cfg, replace(SYNC, precision=mixed, checkpoint=again)))
+    fresh = MixedPrecision(init_scale=2.0**17, growth_interval=5)  # the scale at step 4, growth not kept
+    wrong = launch(train_sync, 2, args=(cfg, replace(SYNC, precision=fresh)))
+    assert np.array_equal(resumed[0].params, whole[0].params) and resumed[0].losses == whole[0].losses
+    assert not np.array_equal(wrong[0].params, whole[0].params)  # so the kept state mattered
+
+

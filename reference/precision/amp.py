@@ -33,6 +33,7 @@ class Amp:
     def __init__(self, comm: Communicator, sync: Any, master: np.ndarray) -> None:
         self.comm, self.precision = comm, sync.precision
         self.scaler: LossScaler | None = None
+        self.skipped = 0  # steps skipped on an overflow: the optimizer's step count lags by this
         self.reduce_dtype = master.dtype
         if self.precision is None:
             return
@@ -47,6 +48,18 @@ class Amp:
     @property
     def loss_scale(self) -> float:
         return 1.0 if self.scaler is None else self.scaler.loss_scale
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps so a resumed run scales as an uninterrupted one ({} when off)."""
+        if self.scaler is None:
+            return {}
+        return {"loss_scale": self.scaler.state_dict(), "skipped_steps": self.skipped}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what ``state_dict()`` returned (a dict with a ``"loss_scale"`` entry, or without)."""
+        if self.scaler is not None and "loss_scale" in state:
+            self.scaler.load_state_dict(state["loss_scale"])
+            self.skipped = int(state["skipped_steps"])
 
     def weights(self, master: np.ndarray) -> np.ndarray:
         """The weights forward and backward use this step: the masters rounded to float16."""
@@ -66,6 +79,7 @@ class Amp:
         found_inf = self.scaler.unscale_and_check(self.comm, grad, self._master_grad,
                                                   self._replicated, self._algorithm)
         if not self.scaler.update(found_inf, step):
+            self.skipped += 1
             return False
         opt.step(master, self._master_grad)
         return True

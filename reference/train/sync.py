@@ -70,7 +70,7 @@ def train_sync(comm: Communicator, cfg: TrainConfig, sync: SyncConfig = _DEFAULT
     grad = comm.empty(model.num_params, amp.reduce_dtype)  # buckets are slices of it: no packing
     scale = 1 / cfg.global_batch  # the global batch, not the shard: shard gradients sum to its mean
     with closing(Reducer(comm, grad, model.param_slices, sync.bucket_cap_mb, sync.algorithm)) as reducer:
-        for step in range(extras.resume(params, opt), cfg.steps):
+        for step in range(extras.resume(params, opt, amp), cfg.steps):
             batch = batch_indices(cfg.num_samples, cfg.global_batch, step, cfg.seed)
             mine = shard(batch, comm.rank, comm.world_size)  # 2. this rank's shard of the batch
             grad[:], loss = 0, 0.0
@@ -89,6 +89,6 @@ def train_sync(comm: Communicator, cfg: TrainConfig, sync: SyncConfig = _DEFAULT
                 reducer.wait()  # 4. ... until the last bucket is summed
             with extras.span("optimizer", step):
                 amp.step(opt, params, grad, step)  # 5. the same step on every rank (skipped on overflow)
-            if extras.end_step(step, loss, params, opt):  # the loss, the budget vote, a checkpoint
+            if extras.end_step(step, loss, params, opt, amp):  # the loss, the budget vote, a checkpoint
                 break
     return TrainResult(params, extras.losses)

@@ -47,6 +47,3 @@ class SyncConfig:
             self.checkpoint.validate()
         if self.precision is not None:
             self.precision.validate()
-            if self.precision.dynamic and self.checkpoint is not None:
-                raise ConfigError("checkpoints do not keep the dynamic loss scale yet, so a resumed run "
-                                  "would not match: use a static loss_scale with checkpoints")

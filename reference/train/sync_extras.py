@@ -3,7 +3,8 @@
 ``dplab.reference.train.sync`` is the five steps of data parallelism; this file is everything
 else one step of ``train_sync`` does, each as one small method it calls at one place:
 
-    resume(params, opt)         load a checkpoint into the replicas, say where to start
+    resume(params, opt, amp)    load a checkpoint into the replicas (and the loss scale), say
+                                where to start
     forward(step, j)            a trace span around micro-batch j's forward pass, stretched
     backward(step, j, layers)   by a straggler's factor (``dplab.reference.train.straggler``)
     span(name, step)            a trace span ("wait", "optimizer")
@@ -28,6 +29,7 @@ from dplab.reference.checkpoint.resume import Expect, load_resume, save_state
 from dplab.reference.collectives import allreduce
 from dplab.reference.communicator import Communicator
 from dplab.reference.optim import Optimizer
+from dplab.reference.precision.amp import Amp
 from dplab.reference.train.single import TrainConfig
 from dplab.reference.train.straggler import Budget, Slowdown
 from dplab.reference.train.sync_config import SyncConfig
@@ -47,13 +49,15 @@ class SyncExtras:
         self.losses: list[float] = []  # the global batch's loss, per step
         self.vote = np.zeros(2, dtype=np.float64)  # [this step's loss, rank 0's vote to stop]
 
-    def resume(self, params: np.ndarray, opt: Optimizer) -> int:
-        """Load the checkpoint (if resuming) into ``params`` and ``opt``; the first step to take."""
+    def resume(self, params: np.ndarray, opt: Optimizer, amp: Amp) -> int:
+        """Load the checkpoint (if resuming) into ``params``, ``opt`` and the loss scaler of
+        ``amp``; the first step to take."""
         state = load_resume(self.sync.checkpoint, self.expect)
         if state is None:
             return 0
         params[:] = state.params
         opt.load_state_dict(state.optimizer_state)
+        amp.load_state_dict(state.data_position)  # the loss scale, under mixed precision
         self.losses = [float(v) for v in state.data_position["losses"]]
         return int(state.data_position["step"])
 
@@ -71,7 +75,7 @@ class SyncExtras:
     def span(self, name: str, step: int) -> AbstractContextManager:
         return self.tracer.span(name, extra={"step": step})
 
-    def end_step(self, step: int, loss: float, params: np.ndarray, opt: Optimizer) -> bool:
+    def end_step(self, step: int, loss: float, params: np.ndarray, opt: Optimizer, amp: Amp) -> bool:
         """After ``step``: the global loss and the stop vote in one all-reduce, a checkpoint if due.
         True when rank 0 voted to stop (every rank gets the same answer)."""
         spent = self.comm.rank == 0 and self.budget.spent()
@@ -80,6 +84,6 @@ class SyncExtras:
         self.losses.append(float(self.vote[0]))
         ckpt = self.sync.checkpoint
         if self.comm.rank == 0 and ckpt is not None and ckpt.due(step + 1):
-            save_state(ckpt, step + 1, params, opt.state_dict(),
-                       {"step": step + 1, "losses": self.losses}, self.expect.meta)
+            position = {"step": step + 1, "losses": self.losses, **amp.state_dict()}
+            save_state(ckpt, step + 1, params, opt.state_dict(), position, self.expect.meta)
         return bool(self.vote[1] > 0)
