@@ -17,6 +17,7 @@ from typing import Any
 
 from dplab.backends.cli.app import port_number
 from dplab.backends.cli.args_optim import add_optimizer_args, add_sweep_args, positive_float, positive_int
+from dplab.backends.cli.args_zero import add_zero_args
 from dplab.backends.cli.bench import parse_size
 from dplab.backends.cli.compare import RACE_DEFAULTS
 from dplab.backends.cli.memory import add_memory_parser
@@ -159,8 +160,8 @@ def _add_model_args(p: argparse.ArgumentParser, bucket_cap_mb: float, bucket_hel
                    help="steps (clocks per worker in async); default 50, or no limit under a time budget")
     add_optimizer_args(g)  # --optimizer, --lr, --warmup-steps, --trust-coef, --weight-decay
     g.add_argument("--seed", type=int, default=0, help="seeds the data, the initial weights, the batches")
-    g.add_argument("--dtype", choices=["float64", "float32"], default="float64",
-                   help="parameters and gradients")
+    g.add_argument("--dtype", choices=["float64", "float32"], default=None,
+                   help="parameters and gradients (default: float64; float32 under --mixed-precision)")
     g.add_argument("--bucket-cap-mb", type=positive_float, default=bucket_cap_mb, metavar="MiB",
                    help=bucket_help)
     g.add_argument("--accum-steps", type=positive_int, default=1,
@@ -206,6 +207,7 @@ def _add_train(sub: Any) -> None:
                         "the checkpoint's, or it is refused")
     g.add_argument("--save-params", metavar="PATH",
                    help="write the final parameters (.npy) (default: not written)")
+    add_zero_args(t)  # --zero-stage, --mixed-precision, --loss-scale, --reduce-dtype
     _add_model_args(t, TRAIN_BUCKET_CAP_MB,
                     "gradient bucket size; a bucket's all-reduce starts as soon as its gradients exist, "
                     "while backward goes on. The default, 0.0005 MiB (524 bytes), puts the default "

@@ -27,6 +27,7 @@ from dplab.backends.cli import bench
 from dplab.backends.cli.app import run_app
 from dplab.backends.cli.args import AUTO, build_parser
 from dplab.backends.cli.args_optim import optim_config
+from dplab.backends.cli.args_zero import master_dtype, precision_config
 from dplab.backends.cli.checks import OutputPathError, check_args, stop_launcher_job
 from dplab.backends.cli.compare import EQUIVALENCE_DEFAULTS, RACE_DEFAULTS, compare_specs, run_specs
 from dplab.backends.cli.memory import run_memory
@@ -62,7 +63,7 @@ def _train_config(a: argparse.Namespace, budget: float | None) -> TrainConfig:
     model = MLPConfig(a.in_dim, tuple(a.hidden), a.out_dim, a.activation, loss)
     steps = a.steps if a.steps is not None else 50 if budget is None else UNLIMITED_STEPS
     return TrainConfig(model, a.dataset, a.num_samples, a.global_batch, steps,
-                       optim_config(a), a.seed, a.dtype)
+                       optim_config(a), a.seed, master_dtype(a))
 
 
 def _stragglers(a: argparse.Namespace) -> Stragglers:
@@ -76,7 +77,7 @@ def cmd_train(a: argparse.Namespace) -> list[dict[str, Any]]:
     budget = None if a.time_budget is AUTO else a.time_budget
     spec = RunSpec(a.backend, world_size, a.algorithm, a.mode, a.staleness, _train_config(a, budget),
                    a.bucket_cap_mb, a.accum_steps, _stragglers(a), budget, a.backup_workers,
-                   _checkpoint(a))
+                   _checkpoint(a), a.zero_stage, precision_config(a))
     row, events = run_train(spec, trace=bool(a.trace), save_params=a.save_params if _is_printer(a) else None)
     if a.trace and _is_printer(a):
         merged = merge(events)
@@ -136,6 +137,8 @@ def _columns(command: str, rows: list[dict[str, Any]]) -> list[str]:
     columns = list(ASYNC_COLUMNS if any(r["mode"] != "sync" for r in rows) else TRAIN_COLUMNS)
     if any(r["mode"] == "backup" for r in rows):
         columns.insert(-1, "dropped")
+    if any("peak_total_bytes" in r for r in rows):  # ZeRO: the measured peaks of model state
+        columns[-1:-1] = ["peak_params_bytes", "peak_grads_bytes", "peak_optimizer_bytes"]
     if any(r.get("straggler", "none") != "none" for r in rows):
         columns.insert(columns.index("world_size") + 1, "straggler")
     return columns

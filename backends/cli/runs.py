@@ -29,12 +29,14 @@ import numpy as np
 from dplab.backends.launch.world import RankLost, World, check_backend, launch
 from dplab.reference.checkpoint.resume import CheckpointConfig, Expect, load_resume
 from dplab.reference.errors import ConfigError
+from dplab.reference.precision.config import MixedPrecision
 from dplab.reference.ps.replay import replay
 from dplab.reference.ps.trainer import AsyncConfig, train_async, worker_batch
 from dplab.reference.trace import Event
 from dplab.reference.train.single import TrainConfig, evaluate, train_single
 from dplab.reference.train.straggler import Stragglers
 from dplab.reference.train.sync import SyncConfig, train_sync
+from dplab.reference.zero.train import ZeroConfig, train_zero
 
 __all__ = ["RunSpec", "run_train", "train_rank", "MODES", "straggler_label"]
 
@@ -57,20 +59,44 @@ class RunSpec:
     time_budget_s: float | None = None  # train until this much wall time is spent
     backup_workers: int = 1  # mode "backup" only: gradients dropped per step
     checkpoint: CheckpointConfig | None = None  # checkpoint every K steps / resume (checkpoint/resume.py)
+    zero_stage: int | None = None  # sync only: train with ZeRO stage 0-3 (reference/zero) instead
+    precision: MixedPrecision | None = None  # sync only: float16 compute, float32 masters, loss scaling
 
     def validate(self) -> None:
         check_backend(self.backend)
         if self.mode not in MODES:
             raise ConfigError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         self.train.validate()
-        if self.mode == "sync":
+        if self.precision is not None and self.mode == "sync":
+            self.precision.validate(self.train.dtype)  # float32 masters: refused here, before any rank
+        if self.zero_stage is not None:
+            self.check_zero()
+        elif self.mode == "sync":
             self.sync_config().validate(self.world_size)
         else:
+            if self.precision is not None:
+                raise ConfigError(f"mixed precision is for synchronous training: drop it, or use --mode sync "
+                                  f"(not {self.mode})")
             self.async_config().validate(self.world_size)
+
+    def check_zero(self) -> None:
+        """ZeRO runs the plain synchronous recipe: what only train_sync has is refused, with the fix."""
+        extras = {"--mode async/backup": self.mode != "sync", "--straggler": bool(self.straggler),
+                  "--time-budget": self.time_budget_s is not None, "checkpoints": self.checkpoint is not None}
+        given = [name for name, on in extras.items() if on]
+        if given:
+            raise ConfigError(f"--zero-stage trains synchronously without {', '.join(given)}: drop "
+                              f"{'it' if len(given) == 1 else 'them'}, or drop --zero-stage")
+        self.zero_config().validate(self.world_size)
+        self.zero_config().check_optimizer(self.train.optimizer.name)
 
     def sync_config(self) -> SyncConfig:
         return SyncConfig(self.algorithm, self.bucket_cap_mb, self.accum_steps, self.straggler,
-                          self.time_budget_s, checkpoint=self.checkpoint)
+                          self.time_budget_s, checkpoint=self.checkpoint, precision=self.precision)
+
+    def zero_config(self) -> ZeroConfig:
+        stage = 0 if self.zero_stage is None else self.zero_stage
+        return ZeroConfig(stage, self.algorithm, self.accum_steps, precision=self.precision)
 
     def async_config(self) -> AsyncConfig:
         if self.mode == "backup":
@@ -91,7 +117,7 @@ class RunSpec:
     def label(self) -> str:
         """The row's ``algorithm``: the all-reduce, or the parameter server's rule."""
         if self.mode == "sync":
-            return self.algorithm
+            return self.algorithm if self.zero_stage is None else f"{self.algorithm} zero-{self.zero_stage}"
         if self.mode == "backup":
             return f"ps backup b={self.backup_workers}"
         return f"ps s={'inf' if self.staleness is None else self.staleness}"
@@ -104,14 +130,18 @@ def straggler_label(stragglers: Stragglers) -> str:
 def train_rank(comm: Any, spec: RunSpec, trace: bool) -> tuple[np.ndarray, Any, float, list[Event]]:
     """What every rank runs: sync or parameter-server training, timed, with its trace events.
 
-    The second item is the per-step losses (sync) or the server's (log, dropped, lost) (otherwise).
+    The second item is (per-step losses, ZeRO's measured memory or None) for sync, or the server's
+    (log, dropped, lost) otherwise.
     """
     comm.tracer.enabled = trace
     comm.barrier()
     t0 = time.perf_counter()
-    if spec.mode == "sync":
+    if spec.zero_stage is not None:
+        result = train_zero(comm, spec.train, spec.zero_config())
+        extra = result.losses, result.memory
+    elif spec.mode == "sync":
         result = train_sync(comm, spec.train, spec.sync_config())
-        extra = result.losses
+        extra = result.losses, None
     else:
         result = train_async(comm, spec.train, spec.async_config())
         extra = (result.log, result.dropped, result.lost)
@@ -158,8 +188,9 @@ def run_train(spec: RunSpec, world: World | None = None, trace: bool = False,
 
 
 def sync_facts(spec: RunSpec, results: list, single: np.ndarray | None) -> dict[str, Any]:
-    """Every replica against the single-device run of as many steps as were taken."""
-    steps = len(results[0][1])
+    """Every replica against the single-device run of as many steps as were taken; under ZeRO, the
+    largest rank's measured peak bytes of model state (weights, gradients, optimizer state)."""
+    steps = len(results[0][1][0])
     if single is None or steps != spec.train.steps:
         single = train_single(replace(spec.train, steps=steps)).params
     params = results[0][0]
@@ -167,7 +198,15 @@ def sync_facts(spec: RunSpec, results: list, single: np.ndarray | None) -> dict[
         "updates": steps, "samples": steps * spec.train.global_batch,
         "max_abs_diff_vs_single": float(max(np.max(np.abs(r[0] - single), initial=0.0) for r in results)),
         "ranks_identical": all(np.array_equal(r[0], params) for r in results),
-    }
+    } | _peak_memory(results)
+
+
+def _peak_memory(results: list) -> dict[str, int]:
+    reports = [r[1][1] for r in results if r[1][1] is not None]
+    if not reports:
+        return {}
+    return {f"peak_{k}_bytes": max(getattr(m, k) for m in reports)
+            for k in ("params", "grads", "optimizer", "total")}
 
 
 def server_facts(spec: RunSpec, results: list, single: np.ndarray | None) -> dict[str, Any]:
