@@ -27,18 +27,26 @@ about n/p + (1 or 2) n/U instead of n. The price is communication: a gather in f
 backward and a reduce-scatter, 1.5x the bytes of DDP's all-reduce. Gradients are averaged as
 DDP does (sum / p, or each rank's weighted by ``local_batch_size`` / global batch).
 
-Mixed precision: ``compute_dtype=torch.bfloat16`` (or float16) gathers the fp32 shards, casts
-the full parameters (and the root's floating inputs, and for each forward the buffers) to bf16 for forward and
-backward, and casts each gradient back to fp32 *before* the reduce-scatter: the reduction and
-the optimizer work on fp32 masters. (Reducing in bf16 would halve the bytes; our collectives
-move float32/float64 only.) No loss scaling here: float16 gradients may underflow.
+Mixed precision, as torch's ``MixedPrecision(param_dtype, reduce_dtype)``: with
+``compute_dtype=torch.bfloat16`` (or float16) each rank casts its fp32 shard to bf16 and the
+gather moves bf16 (half the bytes; the same bits as gathering fp32 and casting after); forward
+and backward run in bf16 (the root's floating inputs and, per forward, the buffers too). Each
+gradient is cast to fp32, weighted, cast to ``reduce_dtype`` and reduce-scattered in it: fp32 by
+default (exact masters' sums), float16 or bfloat16 to halve those bytes too (each partial sum
+rounded to it, ``reference.collectives``; bfloat16 on the torch backend only). The optimizer
+steps fp32 masters. No loss scaling here: float16 gradients may underflow.
+
+Gradient accumulation without communication, as torch's FSDP: forwards (and their backwards)
+inside ``with fsdp.no_sync():`` reduce nothing; each unit keeps its full gradient (master dtype,
+the full unit's size per rank: the memory no_sync costs) until the first synced backward, which
+reduce-scatters the sum once per unit. Whether a backward syncs is decided by its forward, as in DDP.
 
 Frozen parameters (``requires_grad=False``) get a flat shard of their own that is gathered but
 never reduced and has no gradient, so optimizers skip it. A parameter tied between modules (an
 embedding reused as the output projection) is flattened once, in the unit holding all its uses
 (``fsdp_units``). ``summon_full_params()`` puts the full fp32 parameters back into the module for
 a while (a collective); ``full_state_dict()`` returns the plain module's state dict on every
-rank, ``load_full_state_dict`` takes one. ``param_memory()`` counts parameter bytes per rank.
+rank, ``load_full_state_dict`` takes one (``fsdp_full``). ``param_memory()`` counts parameter bytes per rank.
 Gathers and reductions run on the autograd thread (no overlap with compute, unlike ``ddp.py``).
 """
 
@@ -54,7 +62,15 @@ from torch import nn
 
 from dplab.backends.nn.ddp import broadcast_module, dtype_and_device, flat_buffer
 from dplab.backends.nn.fsdp_flat import FlatParam, MemoryMeter
-from dplab.backends.nn.fsdp_precision import cast_buffers, cast_floats, restore_buffers, tensors_in
+from dplab.backends.nn.fsdp_full import FullParams
+from dplab.backends.nn.fsdp_precision import (
+    COMPUTE_DTYPES,
+    cast_buffers,
+    cast_floats,
+    check_dtypes,
+    restore_buffers,
+    tensors_in,
+)
 from dplab.backends.nn.fsdp_units import param_keys, plan_units
 from dplab.reference.collectives import allreduce
 from dplab.reference.communicator import Communicator
@@ -63,37 +79,35 @@ from dplab.reference.errors import ConfigError
 __all__ = ["FullyShardedDataParallel", "FSDP", "COMPUTE_DTYPES"]
 
 SCATTER_ALGORITHMS = ("ring", "direct")  # those with a reduce_scatter and an allgather schedule
-COMPUTE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-class FullyShardedDataParallel(nn.Module):
+class FullyShardedDataParallel(FullParams, nn.Module):
     """Wraps ``module``: its parameters become flat shards, gathered per unit while it runs.
 
     Args:
         units: submodules that each get their own flat parameter (none may contain another);
             ``None``: the whole model is one unit. Their order is the order of ``parameters()``.
-        compute_dtype: dtype of forward and backward (float16, bfloat16); masters, gradients
-            reduced and optimizer stay in the module's dtype. ``None``: the module's dtype.
+        compute_dtype: dtype of the gather, forward and backward (float16, bfloat16); masters and
+            optimizer stay in the module's dtype. ``None``: the module's dtype.
+        reduce_dtype: dtype of the gradients' reduce-scatter. ``None``: the module's dtype.
         algorithm: ``ring`` or ``direct`` (the schedules with a reduce-scatter and all-gather).
         local_batch_size: this rank's shard size, for uneven shards (as in ``DDP``).
     """
 
     def __init__(self, module: nn.Module, comm: Communicator, *, units: Sequence[nn.Module] | None = None,
-                 compute_dtype: torch.dtype | None = None, algorithm: str = "ring",
-                 local_batch_size: int | None = None) -> None:
+                 compute_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
+                 algorithm: str = "ring", local_batch_size: int | None = None) -> None:
         super().__init__()
         if algorithm not in SCATTER_ALGORITHMS:
             raise ConfigError(f"FSDP needs a reduce-scatter and an all-gather: algorithm must be one of "
                               f"{', '.join(SCATTER_ALGORITHMS)}, got {algorithm!r}")
-        if compute_dtype is not None and compute_dtype not in COMPUTE_DTYPES:
-            raise ConfigError(f"compute_dtype must be one of {', '.join(map(str, COMPUTE_DTYPES))} or None, "
-                              f"got {compute_dtype!r}")
         plans = plan_units(module, units)  # checked before any collective: a bad unit fails alone
         master, device = dtype_and_device(list(module.parameters()))
+        dtypes = check_dtypes(compute_dtype, reduce_dtype, master, comm, device)
+        self.compute_dtype, self.reduce_dtype = dtypes
         if device.type != "cpu":
             flat_buffer(comm, 0, master, device)  # raises unless the communicator moves that device's memory
         self.module, self.comm, self.algorithm, self.device = module, comm, algorithm, device
-        self.compute_dtype = compute_dtype if compute_dtype not in (None, master) else None
         broadcast_module(module, comm)
         self._state_keys = list(module.state_dict().keys())
         self._param_keys = param_keys(module)
@@ -116,7 +130,8 @@ class FullyShardedDataParallel(nn.Module):
                 idx = [i for i, p in enumerate(plan.params) if p.requires_grad == trainable]
                 if idx:
                     params, holders = [plan.params[i] for i in idx], [plan.holders[i] for i in idx]
-                    flats.append(FlatParam(comm, params, holders, cdt, trainable, self.meter, algorithm))
+                    flats.append(FlatParam(comm, params, holders, cdt, trainable, self.meter, algorithm,
+                                           self.reduce_dtype))
                     self._flat_keys.append([first_key[id(plan.params[i])] for i in idx])
             self.units.append(flats)
         self.flat_params = nn.ParameterList([f.shard for flats in self.units for f in flats])
@@ -133,6 +148,8 @@ class FullyShardedDataParallel(nn.Module):
         self._pending: list[FlatParam] = []  # trainable flats used in forward, not reduced yet
         self._callback_queued = False
         self._summoned = False
+        self.require_backward_grad_sync = True  # toggled by no_sync(), read by forward()
+        self._sync_this_backward = True
         self.local_batch_size: int | None = None
         self.global_batch_size: int | None = None
         if local_batch_size is not None:
@@ -147,6 +164,7 @@ class FullyShardedDataParallel(nn.Module):
         if self._summoned:
             raise ConfigError("forward inside summon_full_params(): leave the context first")
         self._pending.clear()  # a forward whose backward never ran (evaluation) leaves nothing behind
+        self._sync_this_backward = self.require_backward_grad_sync
         if self.compute_dtype is not None:
             args, kwargs = cast_floats((args, kwargs), self.compute_dtype)
         self._pre_forward(0)
@@ -182,19 +200,25 @@ class FullyShardedDataParallel(nn.Module):
             f.gather()
 
     def _grad_ready(self, flat: FlatParam, _leaf: torch.Tensor) -> None:
-        """Autograd's word that the flat's full gradient is complete: reduce-scatter it, free it."""
-        flat.reduce_grad(self._weight())
+        """Autograd's word that the flat's full gradient is complete: reduce-scatter it (or, under
+        no_sync, keep it), free the parameters."""
+        if self._sync_this_backward:
+            flat.reduce_grad(self._weight())
+        else:
+            flat.hold_grad()
         flat.free()
         if flat in self._pending:
             self._pending.remove(flat)
 
     def _end_backward(self) -> None:
-        """After backward: flats that got no gradient reduce zeros (every rank runs the same
-        collectives, none waits), frozen flats gathered for backward are freed."""
+        """After a synced backward: flats that got no gradient reduce what they hold from no_sync,
+        or zeros (every rank runs the same collectives, none waits). Gathered flats are freed."""
         self._callback_queued = False
         pending, self._pending = self._pending, []
-        for f in pending:
-            f.reduce_grad(None)
+        if self._sync_this_backward:
+            held = [f for f in self._flats() if f.held is not None and f not in pending]
+            for f in pending + held:
+                f.reduce_grad(self._weight())
         for f in self._flats():
             f.free()
 
@@ -215,73 +239,29 @@ class FullyShardedDataParallel(nn.Module):
                               f"this rank passed {n!r}, {bad} rank(s) passed no integer >= 0")
         self.local_batch_size, self.global_batch_size = n, total
 
-    # -- full parameters ---------------------------------------------------------------------------
     @contextmanager
-    def summon_full_params(self, writeback: bool = True) -> Iterator[None]:
-        """Inside, the module's attributes are the full parameters in the master dtype, on every
-        rank; with ``writeback`` each rank's chunk of what they hold at exit goes back to its shard.
-        A collective: call it on every rank, outside forward and backward."""
-        if self._summoned or any(f.gathered for f in self._flats()):
-            raise ConfigError("summon_full_params() inside forward, backward or another summon: "
-                              "call it between steps")
-        fulls = []
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients without communication: backwards of forwards run in here keep each
+        unit's full gradient; the next synced backward reduce-scatters the sum, once per unit.
+        So k micro-batches in here and one outside (each loss scaled to the step's batch) take
+        the big batch's step with one reduce-scatter per unit instead of k + 1."""
+        old, self.require_backward_grad_sync = self.require_backward_grad_sync, False
         try:
-            for flat in self._flats():
-                full = flat.full_master()
-                fulls.append(full)
-                for s, shape, holders in zip(flat.slices, flat.shapes, flat.holders):
-                    for mod, name in holders:
-                        setattr(mod, name, full[s].view(shape))
-            self._summoned = True
             yield
-            if writeback:
-                for flat, full in zip(self._flats(), fulls):
-                    flat.load_full(full)
         finally:
-            self._summoned = False
-            for flat, full in zip(self._flats(), fulls):
-                flat.free()
-                self.meter.add(-full.numel() * full.element_size())
-
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The wrapped module's ``state_dict()`` as if it were never wrapped, the same on every rank:
-        full parameters in the master dtype, buffers in their original dtype. A collective."""
-        out = {}
-        with self.summon_full_params(writeback=False):
-            for key in self._state_keys:
-                if key in self._param_keys:
-                    prefix, _, name = key.rpartition(".")
-                    value = getattr(self.module.get_submodule(prefix), name)
-                else:
-                    value = self.module.get_buffer(key).to(self._buffer_dtypes[key])
-                out[key] = value.detach().clone()
-        return out
-
-    def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Load a plain module's state dict: each rank keeps its chunks (no communication; pass
-        the same dict on every rank)."""
-        missing = [k for k in self._state_keys if k not in state_dict]
-        unexpected = [k for k in state_dict if k not in self._state_keys]
-        if missing or unexpected:
-            raise ConfigError(f"state dict does not fit the wrapped module: missing {missing}, "
-                              f"unexpected {unexpected}")
-        for flat, keys in zip(self._flats(), self._flat_keys):
-            flat.load_full(torch.cat([state_dict[k].reshape(-1).to(flat.master_dtype) for k in keys]))
-        with torch.no_grad():
-            for key in self._buffer_dtypes:
-                buf = self.module.get_buffer(key)
-                buf.copy_(state_dict[key].to(buf.dtype))
+            self.require_backward_grad_sync = old
 
     # -- memory ------------------------------------------------------------------------------------
     def param_memory(self) -> dict[str, int]:
         """Bytes of parameter storage on this rank: the shards, the most gathered (full) parameter
-        storage alive at once (units in flight, a transient fp32 copy in mixed precision), their
-        sum, and the unsharded model's parameters for scale."""
+        storage alive at once (units in flight, in the compute dtype), their sum, the unsharded
+        model's parameters for scale, and the full gradients no_sync holds now."""
         flats = self._flats()
         shard = sum(f.shard.numel() * f.shard.element_size() for f in flats)
         return {"shard_bytes": shard, "gathered_peak_bytes": self.meter.peak,
                 "peak_bytes": shard + self.meter.peak,
-                "unsharded_bytes": sum(f.n * f.shard.element_size() for f in flats)}
+                "unsharded_bytes": sum(f.n * f.shard.element_size() for f in flats),
+                "held_grad_bytes": sum(f.held.nbytes for f in flats if f.held is not None)}
 
     def reset_peak_memory(self) -> None:
         self.meter.reset_peak()

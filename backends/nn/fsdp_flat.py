@@ -13,13 +13,21 @@ the unit's backward resizes it back and fills it again, so the saved views see t
 again. That is how torch's FSDP frees its flat parameter. Writes go through ``leaf.data``,
 whose version counter is not the leaf's, so autograd does not object to the refill.
 
-The all-gather writes straight into the leaf's storage (in the compute dtype only when that is
-the master dtype; otherwise into a transient full tensor in the master dtype, then cast), and
-the reduce-scatter runs in place on the full gradient: on MPI and torch.distributed nothing is
-copied. These buffers are torch's, not ``comm.empty`` shared memory (that cannot be resized),
-so on the local backend each send is staged (copied once; ``comm.bytes_staged`` counts it).
-Gradients are cast to the master dtype (fp32) *before* the reduction: we reduce in fp32, not in
-the compute dtype (our collectives move float32 and float64 only).
+The all-gather writes straight into the leaf's storage, in the compute dtype: this rank's fp32
+chunk is cast into its place in the leaf and the leaf is all-gathered, so a bf16 gather moves
+half the bytes of an fp32 one. It is the same bits as gathering fp32 and casting after (a cast
+acts element by element; where it happens does not matter). The reduce-scatter runs in place on
+the full gradient in ``reduce_dtype``: on MPI and torch.distributed nothing is copied. These
+buffers are torch's, not ``comm.empty`` shared memory (that cannot be resized), so on the local
+backend each send is staged (copied once; ``comm.bytes_staged`` counts it).
+
+bfloat16 on the local and MPI backends, which move numpy arrays (numpy has no bfloat16): an
+all-gather only copies, never adds, so the bf16 leaf travels as a float16 array over the same
+bytes (``_buf``), bit for bit, on every backend. A *reduction* in bfloat16 must add, which only
+the torch backend can: FSDP refuses ``reduce_dtype=torch.bfloat16`` elsewhere (``fsdp_precision``).
+
+    flat.hold_grad()     # no_sync: leaf.grad (any dtype) added into ``held``, a master-dtype full
+                         # gradient, instead of being reduced; the next reduce_grad sends held + grad
 """
 
 from __future__ import annotations
@@ -61,13 +69,16 @@ class FlatParam:
     """Parameters of one unit that share ``requires_grad``: a flat shard and a gatherable leaf."""
 
     def __init__(self, comm: Communicator, params: Sequence[torch.Tensor], holders: Sequence[list[Holder]],
-                 compute_dtype: torch.dtype, trainable: bool, meter: MemoryMeter, algorithm: str) -> None:
+                 compute_dtype: torch.dtype, trainable: bool, meter: MemoryMeter, algorithm: str,
+                 reduce_dtype: torch.dtype | None = None) -> None:
         self.comm, self.meter, self.algorithm, self.trainable = comm, meter, algorithm, trainable
         self.holders = [list(h) for h in holders]
         self.shapes = [p.shape for p in params]
         self.slices = flat_layout(params)
         self.n = self.slices[-1].stop if self.slices else 0
         self.master_dtype, device = params[0].dtype, params[0].device
+        self.reduce_dtype = reduce_dtype or self.master_dtype
+        self.held: torch.Tensor | None = None  # no_sync's accumulated full gradient (master dtype)
         self.bounds = chunk_bounds(self.n, comm.world_size)[comm.rank]
         with torch.no_grad():
             full = torch.cat([p.detach().reshape(-1) for p in params])
@@ -84,9 +95,9 @@ class FlatParam:
         return self.n * self.leaf.element_size()
 
     def _allgather(self, full: torch.Tensor) -> torch.Tensor:
-        """All-gather the shards into ``full`` (n elements, master dtype), in place."""
+        """All-gather the shards into ``full`` (n elements, any dtype: the shard is cast), in place."""
         full[slice(*self.bounds)].copy_(self.shard.detach())
-        allgather(self.comm, _buf(full), self.algorithm)
+        allgather(self.comm, _buf(full, copy_only=True), self.algorithm)
         return full
 
     @torch.no_grad()
@@ -98,13 +109,7 @@ class FlatParam:
         self.meter.add(self.leaf_bytes)
         self.gathered = True
         target = self.leaf.data  # .data: a fresh version counter, autograd's saved views stay valid
-        if target.dtype == self.master_dtype:
-            self._allgather(target)
-        else:  # mixed precision: gather the fp32 masters, then cast; the fp32 copy is transient
-            full = self._allgather(torch.empty(self.n, dtype=self.master_dtype, device=target.device))
-            self.meter.add(full.nbytes)
-            target.copy_(full)
-            self.meter.add(-full.nbytes)
+        self._allgather(target)  # in the compute dtype: the shard is cast into its place, then sent
 
     def use_views(self) -> None:
         """Point the module attributes at views of the leaf, recorded by autograd when grad is on."""
@@ -130,22 +135,41 @@ class FlatParam:
                 setattr(mod, name, empty)
 
     @torch.no_grad()
+    def hold_grad(self) -> None:
+        """no_sync: keep the full gradient for later instead of reducing it (in the master dtype,
+        so that k micro-batches in bf16 are summed in fp32, not rounded to bf16 k times)."""
+        grad, self.leaf.grad = self.leaf.grad, None
+        if grad is None:
+            return
+        if self.held is None:
+            self.held = grad.reshape(-1).to(self.master_dtype).contiguous()
+        else:
+            self.held.add_(grad.reshape(-1))
+
+    @torch.no_grad()
     def reduce_grad(self, weight: float | None) -> None:
-        """Average the full gradient over ranks; this rank's chunk is added to ``shard.grad``.
+        """Average the full gradient (plus any ``held`` one) over ranks; this rank's chunk is added
+        to ``shard.grad``.
 
         ``weight`` multiplies this rank's gradient before the sum (1/p, or n_r / N for shards of
         n_r samples); ``None`` contributes zeros (no gradient on this rank, or an empty shard).
+        The weighting happens in the master dtype, then one cast to ``reduce_dtype`` (one rounding
+        in float16, not two); the sum runs in ``reduce_dtype``, each partial sum rounded to it.
         """
         grad, self.leaf.grad = self.leaf.grad, None  # the full gradient goes after this, not at zero_grad
-        if weight is None or grad is None:
-            g = torch.zeros(self.n, dtype=self.master_dtype, device=self.shard.device)
-        else:  # cast to the master dtype before reducing (a copy only in mixed precision)
-            g = grad.reshape(-1).to(self.master_dtype).contiguous()
-            g.mul_(weight)
+        held, self.held = self.held, None
+        if weight is None or (grad is None and held is None):
+            g = torch.zeros(self.n, dtype=self.reduce_dtype, device=self.shard.device)
+        else:  # cast to the master dtype (a copy only in mixed precision), weight, cast to reduce_dtype
+            g = held
+            if grad is not None:
+                mine = grad.reshape(-1).to(self.master_dtype)
+                g = mine if g is None else g.add_(mine)
+            g = g.contiguous().mul_(weight).to(self.reduce_dtype)
         reduce_scatter(self.comm, _buf(g), self.algorithm)
-        mine = g[slice(*self.bounds)]
+        mine = g[slice(*self.bounds)].to(self.master_dtype, copy=True)
         if self.shard.grad is None:
-            self.shard.grad = mine.clone()
+            self.shard.grad = mine
         else:
             self.shard.grad.add_(mine)
 
@@ -155,13 +179,16 @@ class FlatParam:
             self.shard.copy_(full[slice(*self.bounds)])
 
 
-def _buf(t: torch.Tensor) -> Any:
+def _buf(t: torch.Tensor, copy_only: bool = False) -> Any:
     """What the collectives get: a CPU tensor as a numpy array over its memory, a GPU tensor as is.
 
     Not ``t.numpy()``: that marks the storage as not resizable, and the leaf's must stay
     resizable (``free``). The array is built from the address, used for one collective, dropped.
+    A bfloat16 CPU tensor: for a collective that only copies (``copy_only``: the all-gather), a
+    float16 array over the same bytes, which every backend moves bit for bit; for a reduction, the
+    tensor itself (the torch backend adds bfloat16; FSDP refuses it on the others beforehand).
     """
-    if t.device.type != "cpu":
+    if t.device.type != "cpu" or (t.dtype == torch.bfloat16 and not copy_only):
         return t
     dtype = _NUMPY[t.dtype]
     if t.numel() == 0:
@@ -169,4 +196,5 @@ def _buf(t: torch.Tensor) -> Any:
     return np.frombuffer((ctypes.c_char * t.nbytes).from_address(t.data_ptr()), dtype=dtype)
 
 
-_NUMPY = {torch.float32: np.float32, torch.float64: np.float64}
+_NUMPY = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16,
+          torch.bfloat16: np.float16}  # bfloat16: its bits as float16, for copies only (see _buf)

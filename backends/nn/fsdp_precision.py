@@ -1,5 +1,6 @@
-"""FSDP's mixed precision beyond the parameters: the root's inputs and the buffers, per forward.
+"""FSDP's mixed precision: the dtypes checked, the root's inputs and the buffers cast per forward.
 
+    compute, reduce = check_dtypes(torch.bfloat16, None, torch.float32, comm)  # (bf16, fp32)
     args, kwargs = cast_floats((args, kwargs), torch.bfloat16)   # floating tensors only
     masters = cast_buffers(float_buffers, torch.bfloat16)        # the module sees bf16 copies
     out = module(*args, **kwargs)
@@ -18,9 +19,35 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["cast_floats", "tensors_in", "cast_buffers", "restore_buffers"]
+from dplab.reference.errors import ConfigError
+
+__all__ = ["COMPUTE_DTYPES", "check_dtypes", "cast_floats", "tensors_in", "cast_buffers", "restore_buffers"]
+
+COMPUTE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 Masters = list[tuple[torch.Tensor, torch.Tensor, int]]  # (module's buffer, its cast copy, the copy's version)
+
+
+def check_dtypes(compute: torch.dtype | None, reduce: torch.dtype | None, master: torch.dtype,
+                 comm: Any, device: torch.device | None = None) -> tuple[torch.dtype | None, torch.dtype]:
+    """(compute dtype or None when it is the master's, reduce dtype), or a ConfigError saying what to do.
+
+    A bfloat16 reduction adds bfloat16 numbers: only the torch backend carries them (or a GPU
+    tensor); the local and MPI backends move numpy arrays, and numpy has no bfloat16. Refused
+    there, on every rank at construction, rather than silently reduced in float32: the caller
+    asked for the halved bytes and would not get them. (A bfloat16 *gather* works everywhere: it
+    only copies, see ``fsdp_flat._buf``.)
+    """
+    for name, dtype in (("compute_dtype", compute), ("reduce_dtype", reduce)):
+        if dtype is not None and dtype not in COMPUTE_DTYPES:
+            raise ConfigError(f"{name} must be one of {', '.join(map(str, COMPUTE_DTYPES))} or None, "
+                              f"got {dtype!r}")
+    backend = getattr(comm, "backend", "")
+    if reduce == torch.bfloat16 and backend in ("local", "mpi") and (device is None or device.type == "cpu"):
+        raise ConfigError(f"reduce_dtype=torch.bfloat16 cannot be reduced on the {backend} backend (it "
+                          "moves numpy arrays; numpy has no bfloat16): use reduce_dtype=torch.float16 or "
+                          "torch.float32, or backend='torch'")
+    return (None if compute in (None, master) else compute), (reduce or master)
 
 
 def cast_floats(obj: Any, dtype: torch.dtype) -> Any:
