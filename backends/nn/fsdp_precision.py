@@ -9,6 +9,9 @@
 The buffers are cast for each forward instead of once for all, so that the module's own stay in
 their dtype: a state dict keeps the fp32 values (a bf16 round trip would change them). A buffer
 that forward changed in place (BatchNorm's running statistics) passes the change to its master.
+"Changed" is read from the values, not from the tensor's version counter: BatchNorm's kernel
+writes its running statistics without bumping it (``bn(x)`` leaves ``running_mean._version`` at
+0), so a version check never saw the update and the statistics stayed at their initial values.
 """
 
 from __future__ import annotations
@@ -84,9 +87,10 @@ def cast_buffers(buffers: list[tuple[nn.Module, str]], dtype: torch.dtype) -> Ma
 
 
 def restore_buffers(buffers: list[tuple[nn.Module, str]], masters: Masters) -> None:
-    """The module's own buffers back; one that forward changed in place takes the change."""
+    """The module's own buffers back; one that forward changed in place takes the change (the
+    version counter catches Python's in-place ops, the comparison with a fresh cast the kernels')."""
     for (mod, name), (master, low, version) in zip(buffers, masters):
         mod._buffers[name] = master
-        if low._version != version:
+        if low._version != version or not torch.equal(low, master.to(low.dtype)):
             with torch.no_grad():
                 master.copy_(low)
