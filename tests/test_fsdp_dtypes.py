@@ -229,3 +229,23 @@ def _bad_reduce(comm) -> str:
 
 def test_bad_reduce_dtype_says_what_to_do(worlds):
     assert "reduce_dtype must be one of" in worlds(1).run(_bad_reduce)[0]
+
+
+def _peak(comm, compute) -> dict:
+    from dplab.backends.nn.fsdp import FSDP
+
+    model = make_model("stack", SEED, F32)
+    fsdp = FSDP(model, comm, units=units_of(model, "stack"), compute_dtype=compute)
+    x, y = batch("stack", 0, B, F32)
+    fsdp.reset_peak_memory()
+    loss_sum("stack", fsdp(x), y).backward()
+    return fsdp.param_memory()
+
+
+@pytest.mark.parametrize("name", ["bf16", "fp16"])
+def test_a_16_bit_gather_needs_no_fp32_copy(worlds, name):
+    """Gathered parameters at their peak: the root (34 params) and one block (272), in 2 bytes each;
+    gathering fp32 and casting after also held the block's fp32 copy (1700 bytes, not 612)."""
+    r = worlds(2).run(_peak, {"bf16": BF16, "fp16": FP16}[name])[0]
+    assert r["gathered_peak_bytes"] == (34 + 272) * 2 == 612
+    assert r["shard_bytes"] == (17 + 4 * 136) * 4 and r["held_grad_bytes"] == 0

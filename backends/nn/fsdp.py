@@ -244,7 +244,9 @@ class FullyShardedDataParallel(FullParams, nn.Module):
         """Accumulate gradients without communication: backwards of forwards run in here keep each
         unit's full gradient; the next synced backward reduce-scatters the sum, once per unit.
         So k micro-batches in here and one outside (each loss scaled to the step's batch) take
-        the big batch's step with one reduce-scatter per unit instead of k + 1."""
+        the big batch's step with one reduce-scatter per unit instead of k + 1. The weight
+        (``local_batch_size``) applies once, to the sum: count the samples of all micro-batches.
+        ``zero_grad`` does not clear what is held (it is not in the shards' ``.grad`` yet)."""
         old, self.require_backward_grad_sync = self.require_backward_grad_sync, False
         try:
             yield
