@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from dplab.reference.algorithms import allreduce_schedule, direct, naive, ring, tree
+from dplab.reference.algorithms import ROOTED, SCATTER, allreduce_schedule, lookup
 from dplab.reference.communicator import Collective, Communicator, RecvSpec, SendSpec, require_writable
 from dplab.reference.errors import ConfigError
 from dplab.reference.schedule import Schedule, Transfer, chunk_bounds
@@ -42,9 +42,6 @@ __all__ = ["allreduce", "reduce_scatter", "allgather", "broadcast", "reduce", "r
 
 _DTYPES = ("float16", "float32", "float64", "int32", "int64")  # numpy arrays, on every backend
 _TORCH_DTYPES = (*_DTYPES, "bfloat16")  # torch tensors, on the torch backend
-_ROOTED = {"tree": (tree.reduce, tree.broadcast), "naive": (naive.reduce, naive.broadcast)}
-_SCATTER = {"ring": (ring.reduce_scatter, ring.allgather),
-            "direct": (direct.reduce_scatter, direct.allgather)}
 
 Plan = list[tuple[list[Transfer], list[Transfer]]]
 
@@ -66,16 +63,12 @@ def schedule_plan(kind: str, algorithm: str, p: int, rank: int, root: int = 0) -
     if kind == "allreduce":
         s = allreduce_schedule(algorithm, p)
     elif kind in ("reduce_scatter", "allgather"):
-        s = _pick(_SCATTER, algorithm)[kind == "allgather"](p)
+        pair, extra = lookup(SCATTER, algorithm, kind)
+        s = pair[kind == "allgather"](p, *extra)
     else:
-        s = _pick(_ROOTED, algorithm)[kind == "broadcast"](p, root)
+        pair, extra = lookup(ROOTED, algorithm, kind)
+        s = pair[kind == "broadcast"](p, root, *extra)
     return s, s.transfers_of(rank)
-
-
-def _pick(table: dict, algorithm: str):
-    if algorithm not in table:
-        raise ConfigError(f"algorithm {algorithm!r} not available here: choose one of {', '.join(table)}")
-    return table[algorithm]
 
 
 def _flat(buf: Any, backend: str = "") -> Any:

@@ -40,7 +40,10 @@ __all__ = [
 ANY_SOURCE = -1
 COLLECTIVE_TAG = 1 << 20  # tags from here on name a collective (Collective.code); below, the user's
 _KINDS = ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce")
-_ALGORITHMS = ("naive", "ring", "tree", "direct", "native")
+# Every algorithm's slot in a collective's code (up to 32; a parameter after ':' is not encoded).
+_ALGORITHMS = ("naive", "ring", "tree", "direct", "native", "recursive_doubling", "rabenseifner",
+               "double_tree", "pipelined_ring", "pipelined_tree", "hierarchical")
+_SLOTS = 32
 
 
 class CommError(DplabError):
@@ -73,8 +76,8 @@ class Collective(NamedTuple):
     root: int = -1  # rooted collectives (broadcast, reduce) only
 
     def code(self) -> int:
-        k, a = _KINDS.index(self.kind), _ALGORITHMS.index(self.algorithm)
-        return COLLECTIVE_TAG + k + 8 * (a + 8 * (self.root + 1))
+        k, a = _KINDS.index(self.kind), _ALGORITHMS.index(self.algorithm.partition(":")[0])
+        return COLLECTIVE_TAG + k + 8 * (a + _SLOTS * (self.root + 1))
 
     @classmethod
     def decode(cls, code: int) -> Collective | None:
@@ -82,9 +85,9 @@ class Collective(NamedTuple):
         if code < COLLECTIVE_TAG:
             return None
         k, rest = (code - COLLECTIVE_TAG) % 8, (code - COLLECTIVE_TAG) // 8
-        if k >= len(_KINDS) or rest % 8 >= len(_ALGORITHMS):
+        if k >= len(_KINDS) or rest % _SLOTS >= len(_ALGORITHMS):
             return None
-        return cls(_KINDS[k], _ALGORITHMS[rest % 8], rest // 8 - 1)
+        return cls(_KINDS[k], _ALGORITHMS[rest % _SLOTS], rest // _SLOTS - 1)
 
     def __str__(self) -> str:
         return f"{self.kind}({self.algorithm}{'' if self.root < 0 else f', root={self.root}'})"

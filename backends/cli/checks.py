@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from dplab.backends.launch.world import check_backend, launcher_env, under_launcher
-from dplab.reference.algorithms import ALGORITHMS
+from dplab.reference.algorithms import ALGORITHMS, has_schedule
 from dplab.reference.errors import ConfigError
 
 __all__ = ["check_args", "OutputPathError", "stop_launcher_job", "check_output_file", "check_output_dir",
@@ -122,7 +122,7 @@ def _check_bench(a: argparse.Namespace) -> None:
     for p in a.world_sizes:
         if p < 1:
             raise ConfigError(f"world_size must be a positive integer, got {p}")
-    unknown = [alg for alg in a.algorithms if alg not in ALGORITHMS]
+    unknown = [alg for alg in a.algorithms if not has_schedule(alg)]
     if unknown:
         raise ConfigError(f"unknown algorithm {unknown[0]!r}: choose from {', '.join(ALGORITHMS)}")
     itemsize = np.dtype(a.dtype).itemsize

@@ -55,7 +55,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dplab.reference.algorithms import ALGORITHMS
+from dplab.reference.algorithms import ALGORITHMS, has_schedule
 from dplab.reference.collectives import allreduce, broadcast
 from dplab.reference.communicator import Communicator
 from dplab.reference.errors import ConfigError
@@ -167,7 +167,7 @@ class DistributedDataParallel(nn.Module):
     def __init__(self, module: nn.Module, comm: Communicator, bucket_cap_mb: float | None = None,
                  algorithm: str = "ring", local_batch_size: int | None = None) -> None:
         super().__init__()
-        if algorithm not in ALGORITHMS:
+        if not has_schedule(algorithm):
             raise ConfigError(f"unknown algorithm {algorithm!r}: choose one of {', '.join(ALGORITHMS)}")
         if bucket_cap_mb is None:
             bucket_cap_mb = DEFAULT_BUCKET_CAP_MB

@@ -72,13 +72,13 @@ from dplab.backends.nn.fsdp_precision import (
     tensors_in,
 )
 from dplab.backends.nn.fsdp_units import param_keys, plan_units
+from dplab.reference.algorithms import SCATTER_ALGORITHMS, has_schedule
 from dplab.reference.collectives import allreduce
 from dplab.reference.communicator import Communicator
 from dplab.reference.errors import ConfigError
 
 __all__ = ["FullyShardedDataParallel", "FSDP", "COMPUTE_DTYPES"]
 
-SCATTER_ALGORITHMS = ("ring", "direct")  # those with a reduce_scatter and an allgather schedule
 
 
 class FullyShardedDataParallel(FullParams, nn.Module):
@@ -98,7 +98,7 @@ class FullyShardedDataParallel(FullParams, nn.Module):
                  compute_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
                  algorithm: str = "ring", local_batch_size: int | None = None) -> None:
         super().__init__()
-        if algorithm not in SCATTER_ALGORITHMS:
+        if not has_schedule(algorithm, "scatter"):
             raise ConfigError(f"FSDP needs a reduce-scatter and an all-gather: algorithm must be one of "
                               f"{', '.join(SCATTER_ALGORITHMS)}, got {algorithm!r}")
         plans = plan_units(module, units)  # checked before any collective: a bad unit fails alone

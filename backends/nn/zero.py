@@ -57,6 +57,7 @@ import torch
 
 from dplab.backends.nn.ddp import dtype_and_device, flat_buffer, flat_layout
 from dplab.backends.nn.zero_state import full_state_dict, gather_state, load_full_state
+from dplab.reference.algorithms import SCATTER_ALGORITHMS, has_schedule
 from dplab.reference.collectives import allgather, reduce_scatter
 from dplab.reference.communicator import Communicator
 from dplab.reference.errors import ConfigError
@@ -64,7 +65,6 @@ from dplab.reference.schedule import chunk_bounds
 
 __all__ = ["ZeroRedundancyOptimizer", "FlatGroup"]
 
-SCATTER_ALGORITHMS = ("ring", "direct")  # the ones with a reduce_scatter / allgather schedule
 NOT_OPTIONS = ("params", "param_names")  # group keys that are not the optimizer's options
 
 
@@ -113,7 +113,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params: Iterable[Any], optimizer_class: type[torch.optim.Optimizer],
                  comm: Communicator, algorithm: str = "ring", **optimizer_kwargs: Any) -> None:
-        if algorithm not in SCATTER_ALGORITHMS:
+        if not has_schedule(algorithm, "scatter"):
             raise ConfigError(f"ZeRO needs a reduce-scatter and an all-gather: algorithm must be one of "
                               f"{', '.join(SCATTER_ALGORITHMS)}, got {algorithm!r}")
         self.comm, self.algorithm, self.optimizer_class = comm, algorithm, optimizer_class

@@ -1,32 +1,94 @@
-"""The all-reduce algorithms, each a pure function ``world_size -> Schedule``.
+"""The collective algorithms, each a pure function ``world_size -> Schedule``: one registry.
 
-``native`` is not here on purpose: it names the engine's own all-reduce
-(MPI_Allreduce, dist.all_reduce), the yardstick our algorithms are measured against.
+    ALLREDUCE["ring"](4)                   # the ring all-reduce schedule for 4 ranks
+    allreduce_schedule("ring", 4)          # the same, checked and cached
+    SCATTER["ring"]                        # (reduce_scatter, allgather) schedule functions
+    ROOTED["tree"]                         # (reduce, broadcast) schedule functions, (p, root) -> Schedule
+
+An algorithm that takes an integer parameter (a pipeline's chunk count, a node's size) is
+named ``"<name>:<int>"``, e.g. ``"pipelined_tree:8"``; its function is ``(world_size, param)``
+and ``PARAMETRIC`` gives the default used when the name comes without one. ``split_name``
+parses such a name; every table lookup goes through ``lookup``.
+
+``native`` is not here on purpose: it names the engine's own all-reduce (MPI_Allreduce,
+dist.all_reduce), the yardstick our algorithms are measured against.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import lru_cache
+from typing import Any
 
 from dplab.reference.algorithms import direct, naive, ring, tree
 from dplab.reference.errors import ConfigError
 from dplab.reference.schedule import Schedule
 
-__all__ = ["ALLREDUCE", "ALGORITHMS", "allreduce_schedule", "direct", "naive", "ring", "tree"]
+__all__ = ["ALLREDUCE", "SCATTER", "ROOTED", "PARAMETRIC", "ALGORITHMS", "SCATTER_ALGORITHMS",
+           "allreduce_schedule", "split_name", "lookup", "has_schedule", "direct", "naive", "ring", "tree"]
 
-ALLREDUCE = {"naive": naive.allreduce, "ring": ring.allreduce, "tree": tree.allreduce,
-             "direct": direct.allreduce}
-ALGORITHMS = (*ALLREDUCE, "native")
+ALLREDUCE: dict[str, Callable[..., Schedule]] = {
+    "naive": naive.allreduce, "ring": ring.allreduce, "tree": tree.allreduce, "direct": direct.allreduce,
+}
+SCATTER: dict[str, tuple[Callable[..., Schedule], Callable[..., Schedule]]] = {
+    "ring": (ring.reduce_scatter, ring.allgather), "direct": (direct.reduce_scatter, direct.allgather),
+}
+ROOTED: dict[str, tuple[Callable[..., Schedule], Callable[..., Schedule]]] = {
+    "tree": (tree.reduce, tree.broadcast), "naive": (naive.reduce, naive.broadcast),
+}
+PARAMETRIC: dict[str, int] = {}  # name -> the default of its integer parameter
+ALGORITHMS = (*ALLREDUCE, "native")  # what an all-reduce may be asked to run
+SCATTER_ALGORITHMS = tuple(SCATTER)  # what reduce-scatter, all-gather (and so ZeRO, FSDP) may run
+
+
+def split_name(algorithm: str) -> tuple[str, int | None]:
+    """``"pipelined_tree:8"`` -> ``("pipelined_tree", 8)``; ``"ring"`` -> ``("ring", None)``."""
+    name, sep, param = algorithm.partition(":")
+    if not sep:
+        return name, None
+    if name not in PARAMETRIC:
+        raise ConfigError(f"algorithm {name!r} takes no ':<int>' parameter: write {name!r}"
+                          if name in ALLREDUCE else f"unknown algorithm {algorithm!r}")
+    try:
+        value = int(param)
+    except ValueError:
+        raise ConfigError(f"algorithm {algorithm!r}: the part after ':' must be an integer, "
+                          f"e.g. '{name}:{PARAMETRIC[name]}'") from None
+    if value < 1:
+        raise ConfigError(f"algorithm {algorithm!r}: the parameter must be >= 1")
+    return name, value
+
+
+def lookup(table: dict[str, Any], algorithm: str, what: str) -> tuple[Any, tuple[int, ...]]:
+    """The table's entry for ``algorithm`` and the extra arguments its functions take."""
+    name, param = split_name(algorithm)
+    if name not in table:
+        raise ConfigError(f"no {what} schedule for algorithm {algorithm!r}: choose one of {', '.join(table)}")
+    if name in PARAMETRIC:
+        return table[name], (PARAMETRIC[name] if param is None else param,)
+    return table[name], ()
+
+
+def has_schedule(algorithm: str, kind: str = "allreduce") -> bool:
+    """Can ``algorithm`` run collective ``kind``: "allreduce" (``native`` included) or "scatter"
+    (reduce-scatter and all-gather, which ZeRO and FSDP need)?"""
+    try:
+        name = split_name(algorithm)[0]
+    except (ConfigError, AttributeError):
+        return False
+    return name in (ALGORITHMS if kind == "allreduce" else SCATTER_ALGORITHMS)
 
 
 @lru_cache(maxsize=256)
 def allreduce_schedule(algorithm: str, world_size: int) -> Schedule:
     """The all-reduce schedule of ``algorithm`` for ``world_size`` ranks (cached: schedules are immutable)."""
-    if algorithm not in ALLREDUCE:
-        raise ConfigError(
-            f"no schedule for all-reduce algorithm {algorithm!r}: choose one of "
-            f"{', '.join(ALLREDUCE)} ('native' is the engine's own, it has no schedule)"
-        )
+    if algorithm == "native":
+        raise ConfigError("'native' is the engine's own all-reduce: it has no schedule; choose one of "
+                          f"{', '.join(ALLREDUCE)}")
+    if split_name(algorithm)[0] not in ALLREDUCE:
+        raise ConfigError(f"no schedule for all-reduce algorithm {algorithm!r}: choose one of "
+                          f"{', '.join(ALLREDUCE)} ('native' is the engine's own, it has no schedule)")
+    fn, extra = lookup(ALLREDUCE, algorithm, "all-reduce")
     if world_size < 1:
         raise ConfigError(f"world_size must be >= 1, got {world_size}")
-    return ALLREDUCE[algorithm](world_size)
+    return fn(world_size, *extra)

@@ -71,7 +71,8 @@ class MixedPrecision:
             raise ConfigError(f"growth_interval must be an integer >= 1, got {self.growth_interval!r}")
         if master_dtype is not None and np.dtype(master_dtype) != np.float32:
             raise ConfigError(f"mixed precision keeps float32 master weights, got {np.dtype(master_dtype)}: "
-                              "set TrainConfig(dtype='float32') (dplab train: --dtype float32, its default here)")
+                              "set TrainConfig(dtype='float32') (dplab train: --dtype float32, "
+                              "its default here)")
 
 
 def _positive(x: object) -> bool:

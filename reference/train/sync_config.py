@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dplab.reference.algorithms import ALGORITHMS
+from dplab.reference.algorithms import ALGORITHMS, has_schedule
 from dplab.reference.checkpoint.resume import CheckpointConfig
 from dplab.reference.errors import ConfigError
 from dplab.reference.precision.config import MixedPrecision
@@ -34,7 +34,7 @@ class SyncConfig:
             object.__setattr__(self, "delays", tuple(float(d) for d in self.delays))
 
     def validate(self, world_size: int | None = None) -> None:
-        if self.algorithm not in ALGORITHMS:
+        if not has_schedule(self.algorithm):
             raise ConfigError(f"unknown algorithm {self.algorithm!r}: choose one of {', '.join(ALGORITHMS)}")
         if self.accum_steps < 1:
             raise ConfigError(f"accum_steps must be >= 1, got {self.accum_steps}")

@@ -12,13 +12,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dplab.reference.algorithms import ALGORITHMS
+from dplab.reference.algorithms import ALGORITHMS, SCATTER_ALGORITHMS, has_schedule
 from dplab.reference.errors import ConfigError
 from dplab.reference.precision.config import MixedPrecision
 
 __all__ = ["ZeroConfig", "SCATTER_ALGORITHMS", "ELEMENTWISE_OPTIMIZERS"]
 
-SCATTER_ALGORITHMS = ("ring", "direct")  # those with reduce_scatter and allgather schedules
 # An optimizer that updates each element from that element alone gives the same numbers on a
 # shard as on the whole vector. LARS/LAMB scale a whole LAYER by its norm: not on a shard.
 ELEMENTWISE_OPTIMIZERS = ("sgd", "momentum", "adam")
@@ -41,10 +40,10 @@ class ZeroConfig:
         if isinstance(self.stage, bool) or self.stage not in (0, 1, 2, 3):
             raise ConfigError(f"ZeRO stage must be 0, 1, 2 or 3, got {self.stage!r}")
         if self.stage == 0:
-            if self.algorithm not in ALGORITHMS:
+            if not has_schedule(self.algorithm):
                 raise ConfigError(f"unknown algorithm {self.algorithm!r}: stage 0 all-reduces, "
                                   f"choose one of {', '.join(ALGORITHMS)}")
-        elif self.algorithm not in SCATTER_ALGORITHMS:
+        elif not has_schedule(self.algorithm, "scatter"):
             raise ConfigError(
                 f"ZeRO stage {self.stage} reduce-scatters gradients and all-gathers parameters, and "
                 f"{self.algorithm!r} has no such schedules: choose one of {', '.join(SCATTER_ALGORITHMS)}"
