@@ -2,13 +2,14 @@
 
 A bench row (``dplab bench --json``) is one algorithm's time for one buffer at one world size.
 Its schedule says how many latencies and how many bytes lie on the critical path
-(``dplab.viz.cost.features``), so every row is one linear equation
+(``dplab.reference.costfit.terms``), so every row is one linear equation
 
     time = a(algorithm, p, n) * alpha + b(algorithm, p, n) * beta
 
-and alpha, beta per backend (or per backend and algorithm) are a least-squares solution.
-The reduction's gamma is not fitted on its own: every algorithm here adds half the bytes it
-moves (b = 2 x bytes reduced), so gamma hides inside the fitted beta as gamma / 2.
+and alpha, beta per backend (or per backend and algorithm) are a least-squares solution. The
+fit itself is ``dplab.reference.costfit`` (``dplab tune`` uses the same one); this page keeps
+gamma folded into beta: naive, ring, tree and direct all add half the bytes they move
+(b = 2 x bytes reduced), so gamma hides inside the fitted beta as gamma / 2.
 
     from dplab.viz.cost_fit import run_bench, fit_alpha_beta
     rows = run_bench([2], [4096, 1 << 16, 1 << 20])   # the same path as `dplab bench`
@@ -20,21 +21,18 @@ not fitted; they stay on the page's figure as measured points.
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import plotly.graph_objects as go
 
-from dplab.reference.algorithms import ALLREDUCE
-from dplab.reference.errors import ConfigError
-from dplab.viz.cost import COLORS, features, format_bytes
+from dplab.reference import costfit
+from dplab.reference.costfit import BENCH_KEYS, CostFit, load_bench_json
+from dplab.viz.cost import COLORS, format_bytes
 
 __all__ = ["BENCH_KEYS", "Fit", "load_bench_json", "fittable", "fit_alpha_beta", "fit_table",
            "residual_rows", "residual_figure", "run_bench"]
-
-BENCH_KEYS = ("backend", "algorithm", "world_size", "bytes", "time_us")
 
 
 @dataclass(frozen=True)
@@ -51,69 +49,34 @@ class Fit:
     beta: float | None
     rows: tuple[dict[str, Any], ...]
     note: str = ""
+    core: CostFit | None = field(default=None, compare=False, repr=False)  # reference.costfit's fit
 
     @property
     def beta_gbps(self) -> float | None:
         return None if not self.beta else 1e-9 / self.beta
 
     def predict_s(self, row: dict[str, Any], itemsize: int = 4) -> float:
-        a, b = features(row["algorithm"], row["world_size"], row["bytes"], itemsize)
-        return a * (self.alpha_s or 0.0) + b * (self.beta or 0.0)
-
-
-def load_bench_json(text: str | bytes, name: str = "bench JSON") -> list[dict[str, Any]]:
-    """Rows from what ``dplab bench --json`` writes ({"meta", "rows"}), or a bare list of rows."""
-    try:
-        data = json.loads(text)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{name} is not JSON ({e}): give a file written by `dplab bench --json`") from None
-    rows = data.get("rows") if isinstance(data, dict) else data
-    if isinstance(data, dict) and data.get("meta", {}).get("command", "bench") != "bench":
-        raise ConfigError(f"{name} holds `dplab {data['meta']['command']}` rows: "
-                          "give `dplab bench --json` output")
-    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
-        raise ConfigError(f"{name} has no list of rows: give a file written by `dplab bench --json`")
-    for i, r in enumerate(rows):
-        missing = [k for k in BENCH_KEYS if k not in r]
-        if missing:
-            raise ConfigError(f"{name}: row {i} lacks {', '.join(missing)}: give `dplab bench --json` output")
-    return rows
+        core = self.core or CostFit(self.backend, "all", self.algorithm, self.alpha_s, self.beta, None)
+        return core.predict_s(row["algorithm"], row["world_size"], row["bytes"], itemsize)
 
 
 def fittable(row: dict[str, Any]) -> bool:
     """Rows with a schedule of ours, more than one rank and a positive time."""
-    return row["algorithm"] in ALLREDUCE and row["world_size"] > 1 and row["time_us"] > 0
+    return costfit.fittable(row, native=False)
 
 
 def fit_alpha_beta(rows: list[dict[str, Any]], per_algorithm: bool = False, relative: bool = True,
                    itemsize: int = 4) -> list[Fit]:
-    """Least-squares alpha and beta per backend (or per backend and algorithm).
+    """Least-squares alpha and beta per backend (or per backend and algorithm): ``costfit.fit``.
 
     ``relative`` (the default) minimises the relative error of every row, so a 4 KiB row, which
     is nearly all alpha, counts as much as a 64 MiB row, which is nearly all beta; plain least
     squares (``relative=False``) lets the largest times decide alpha too, and its alpha is noise.
     Exact points (times that are the model's own) are recovered to rounding either way.
     """
-    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
-    for r in rows:
-        if fittable(r):
-            groups.setdefault((r["backend"], r["algorithm"] if per_algorithm else "all"), []).append(r)
-    fits = []
-    for (backend, alg), mine in sorted(groups.items()):
-        mine = sorted(mine, key=lambda r: (r["algorithm"], r["world_size"], r["bytes"]))
-        x = np.array([features(r["algorithm"], r["world_size"], r["bytes"], itemsize) for r in mine])
-        t = np.array([r["time_us"] * 1e-6 for r in mine])
-        w = 1.0 / t if relative else np.ones_like(t)
-        scale = np.abs(x).max(axis=0)  # alpha counts ~10, beta bytes ~1e7: columns of one size
-        design = x * w[:, None] / scale
-        if len(mine) < 2 or np.linalg.matrix_rank(design) < 2:
-            fits.append(Fit(backend, alg, None, None, tuple(mine),
-                            "needs rows of at least two sizes to fit both alpha and beta"))
-            continue
-        coef = np.linalg.lstsq(design, t * w, rcond=None)[0] / scale
-        note = "" if (coef > 0).all() else "a negative value: these rows do not follow time = a·α + b·β"
-        fits.append(Fit(backend, alg, float(coef[0]), float(coef[1]), tuple(mine), note))
-    return fits
+    by = ("backend", "algorithm") if per_algorithm else ("backend",)
+    return [Fit(f.backend, f.algorithm, f.alpha, f.beta, f.rows, f.note, f)
+            for f in costfit.fit(rows, by, itemsize, relative, gamma=False, native=False, nonnegative=False)]
 
 
 def residual_rows(fit: Fit, itemsize: int = 4) -> list[dict[str, Any]]:
