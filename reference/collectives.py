@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from dplab.reference import auto
 from dplab.reference.algorithms import ROOTED, SCATTER, allreduce_schedule, lookup
 from dplab.reference.communicator import Collective, Communicator, RecvSpec, SendSpec, require_writable
 from dplab.reference.errors import ConfigError
@@ -113,6 +114,7 @@ def _run(comm: Communicator, kind: str, buf: np.ndarray, algorithm: str, root: i
 
 def allreduce(comm: Communicator, buf: np.ndarray, algorithm: str = "ring", op: str = "sum") -> np.ndarray:
     """Sum (or average, ``op="mean"``) ``buf`` across all ranks, in place; returns ``buf``.
+    ``algorithm="auto"`` runs what the fitted cost model prices cheapest for this size (``auto``).
 
     float16 and bfloat16 add in their own precision, each partial sum rounded (module docstring)."""
     if op not in ("sum", "mean"):
@@ -120,6 +122,8 @@ def allreduce(comm: Communicator, buf: np.ndarray, algorithm: str = "ring", op: 
     _flat(buf, getattr(comm, "backend", ""))
     if op == "mean" and not _is_float(buf):
         raise ConfigError(f"op='mean' needs a floating-point buffer, got {buf.dtype}: use op='sum'")
+    if algorithm == "auto":  # the one place auto resolves (reference/auto.py); the trace names the choice
+        algorithm = auto.chosen(comm, _flat(buf, getattr(comm, "backend", "")))
     if algorithm == "native":
         flat = _flat(buf, getattr(comm, "backend", ""))
         with comm.tracer.span("allreduce", bytes=flat.nbytes, algorithm="native"):

@@ -72,6 +72,8 @@ def lookup(table: dict[str, Any], algorithm: str, what: str) -> tuple[Any, tuple
 def has_schedule(algorithm: str, kind: str = "allreduce") -> bool:
     """Can ``algorithm`` run collective ``kind``: "allreduce" (``native`` included) or "scatter"
     (reduce-scatter and all-gather, which ZeRO and FSDP need)?"""
+    if algorithm == "auto":  # an all-reduce chosen per call by the fitted cost model (reference/auto.py)
+        return kind == "allreduce"
     try:
         name = split_name(algorithm)[0]
     except (ConfigError, AttributeError):

@@ -1,0 +1,174 @@
+"""``algorithm="auto"``: per call, the all-reduce that the fitted cost model says is fastest here.
+
+    allreduce(comm, grads, algorithm="auto")    # anywhere an all-reduce algorithm is accepted
+    dplab tune --backends local,mpi             # measure, fit and save what auto reads
+    choose("mpi", 4, 1 << 20)                   # what auto runs for 1 MiB on 4 MPI ranks
+
+The choice: every registered all-reduce (``ALLREDUCE``, parametric ones at their default), and
+``native`` where the fit has a native row, priced for (backend, world size, bytes) by the most
+specific fit that covers it, the cheapest taken (ties: registry order). Most specific first:
+this algorithm at this world size, this algorithm at any world size, every schedule of ours at
+this world size, every schedule of ours (``native`` only from its own rows: it is not our schedule).
+
+Where the fit comes from, in order: ``$DPLAB_TUNE`` (a path), ``~/.cache/dplab/tune.json``
+(``dplab tune`` writes there by default), else ``DEFAULT_FITS``: ``dplab tune --backends
+local,mpi,torch --world-sizes 2,4`` on the machine dplab was written on (two cores, shared).
+A backend with no fit at all (NCCL, ``torch-nccl``, unless tuned) runs ``native``: the engine
+tuned its own all-reduce for the hardware and we have no measurement to beat it with.
+
+Every rank computes the same choice from the same inputs (the same file, the same registry, the
+same arithmetic); ranks that disagree (different files) are caught by the collective's code check
+(``communicator.Collective``) at the first message. The choice is cached per (backend, world
+size, bytes, itemsize): after the first call of a size, auto costs one dictionary lookup.
+The fit is read once per process; ``reset()`` reads it again (``dplab tune`` calls it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from dplab.reference.algorithms import ALLREDUCE
+from dplab.reference.costfit import CostFit
+from dplab.reference.errors import ConfigError, DplabError
+
+__all__ = ["TUNE_ENV", "DEFAULT_TUNE_PATH", "DEFAULT_FITS", "Tuning", "tune_path", "load_tuning",
+           "save_tuning", "current", "choose", "chosen", "backend_key", "reset"]
+
+TUNE_ENV = "DPLAB_TUNE"
+DEFAULT_TUNE_PATH = "~/.cache/dplab/tune.json"
+_ALL = "all"
+
+# (backend, world_size, algorithm, alpha s, beta s/B, gamma s/B): see the module docstring.
+DEFAULT_FITS: tuple[tuple[str, Any, str, float, float, float | None], ...] = (
+    ("local", _ALL, _ALL, 25e-6, 1 / 15e9, None),
+    ("local", _ALL, "native", 20e-6, 1 / 15e9, None),
+    ("mpi", _ALL, _ALL, 15e-6, 1 / 6e9, None),
+    ("mpi", _ALL, "native", 5e-6, 1 / 5e9, None),
+    ("torch", _ALL, _ALL, 300e-6, 1 / 2e9, None),
+    ("torch", _ALL, "native", 300e-6, 1 / 1e9, None),
+)
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """The fits auto chooses from, and where they came from (a path, or "built-in defaults")."""
+
+    fits: tuple[CostFit, ...]
+    source: str = "built-in defaults"
+
+    def fit_for(self, backend: str, algorithm: str, world_size: int) -> CostFit | None:
+        """The most specific fit that prices ``algorithm`` (module docstring), or None."""
+        keys = [(world_size, algorithm), (_ALL, algorithm)]
+        if algorithm != "native":
+            keys += [(world_size, _ALL), (_ALL, _ALL)]
+        for p, alg in keys:
+            for f in self.fits:
+                if (f.backend == backend and f.algorithm == alg and f.alpha is not None
+                        and str(f.world_size) == str(p)):
+                    return f
+        return None
+
+    def predict_s(self, backend: str, algorithm: str, world_size: int, nbytes: int,
+                  itemsize: int = 4) -> float | None:
+        f = self.fit_for(backend, algorithm, world_size)
+        return None if f is None else f.predict_s(algorithm, world_size, nbytes, itemsize)
+
+    def candidates(self, backend: str) -> list[str]:
+        """Every registered all-reduce, then ``native`` if this backend has a fit for it."""
+        natives = [f for f in self.fits if f.backend == backend and f.algorithm == "native"]
+        return [*ALLREDUCE, *(["native"] if natives else [])]
+
+    def choose(self, backend: str, world_size: int, nbytes: int, itemsize: int = 4) -> str:
+        """The candidate with the least predicted time; ``native`` where nothing is fitted."""
+        best: tuple[float, int, str] | None = None
+        for i, alg in enumerate(self.candidates(backend)):
+            try:
+                t = self.predict_s(backend, alg, world_size, nbytes, itemsize)
+            except DplabError:  # a schedule that cannot be built at this world size is no candidate
+                continue
+            if t is not None and (best is None or (t, i) < best[:2]):
+                best = (t, i, alg)
+        return "native" if best is None else best[2]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"version": 1, "fits": [f.to_json() for f in self.fits]}
+
+    @classmethod
+    def from_json(cls, data: Any, source: str) -> Tuning:
+        try:
+            if data.get("version") != 1:
+                raise ConfigError(f"{source}: unknown tune file version {data.get('version')!r}")
+            return cls(tuple(CostFit.from_json(f) for f in data["fits"]), source)
+        except (AttributeError, KeyError, TypeError) as e:
+            raise ConfigError(f"{source} is not a file written by `dplab tune` ({e!r}): run "
+                              "`dplab tune` again, or unset $DPLAB_TUNE for the built-in fit") from None
+
+
+def tune_path() -> Path:
+    """``$DPLAB_TUNE`` if set, else ``~/.cache/dplab/tune.json``."""
+    return Path(os.environ.get(TUNE_ENV) or DEFAULT_TUNE_PATH).expanduser()
+
+
+def _defaults() -> Tuning:
+    return Tuning(tuple(CostFit(b, p, a, alpha, beta, gamma, (), "built-in default")
+                        for b, p, a, alpha, beta, gamma in DEFAULT_FITS))
+
+
+def load_tuning(path: str | Path | None = None) -> Tuning:
+    """The saved fit at ``path`` (default ``tune_path()``); the built-in defaults if there is none."""
+    where = Path(path).expanduser() if path is not None else tune_path()
+    if not where.exists():
+        if path is not None or os.environ.get(TUNE_ENV):
+            raise ConfigError(f"no tune file at {where}: run `dplab tune --out {where}` first")
+        return _defaults()
+    try:
+        data = json.loads(where.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"cannot read the tune file {where} ({e}): run `dplab tune` again") from None
+    return Tuning.from_json(data, str(where))
+
+
+def save_tuning(tuning: Tuning, path: str | Path | None = None) -> Path:
+    """Write ``tuning`` where auto reads it (default ``tune_path()``), atomically; returns the path."""
+    where = Path(path).expanduser() if path is not None else tune_path()
+    where.parent.mkdir(parents=True, exist_ok=True)
+    tmp = where.with_name(f".{where.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(tuning.to_json(), indent=1))
+    os.replace(tmp, where)
+    return where
+
+
+@lru_cache(maxsize=1)
+def current() -> Tuning:
+    """The fit this process chooses with: read once (``reset()`` reads it again)."""
+    return load_tuning()
+
+
+@lru_cache(maxsize=4096)
+def choose(backend: str, world_size: int, nbytes: int, itemsize: int = 4) -> str:
+    """What ``algorithm="auto"`` runs for one all-reduce of ``nbytes`` on ``world_size`` ranks."""
+    return current().choose(backend, world_size, nbytes, itemsize)
+
+
+def backend_key(comm: Any) -> str:
+    """The fit's backend for ``comm``: its ``backend`` ("local", "mpi", "torch"), "torch-nccl" on GPUs."""
+    name = getattr(comm, "backend", "") or "unknown"
+    return "torch-nccl" if name == "torch" and getattr(comm, "nccl", False) else name
+
+
+def chosen(comm: Any, flat: Any) -> str:
+    """What auto runs for the 1-D buffer ``flat`` (numpy array or torch tensor) on ``comm``."""
+    n = len(flat)
+    nbytes = int(flat.nbytes)
+    return choose(backend_key(comm), comm.world_size, nbytes, nbytes // n if n else 4)
+
+
+def reset() -> None:
+    """Forget the fit and the cached choices (after writing a new fit, or changing $DPLAB_TUNE)."""
+    current.cache_clear()
+    choose.cache_clear()
