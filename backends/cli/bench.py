@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from dplab.reference import auto
 from dplab.reference.collectives import allreduce, broadcast
 
 __all__ = ["bench_rank", "memcpy_times", "summarize", "parse_size", "busbw_factor"]
@@ -73,6 +74,8 @@ def bench_rank(comm: Any, algorithms: list[str], sizes: list[int], dtype: str, w
         for a in algorithms:
             out["allreduce"].append({"algorithm": a, "bytes": buf.nbytes, "times": times[a],
                                      "staged_bytes": staged[a] / (reps * iters[a])})
+            if a == "auto":  # the row says which algorithm auto ran for this size
+                out["allreduce"][-1]["ran"] = auto.chosen(comm, buf.reshape(-1))
         if comm.rank == 0:
             out["memcpy"].append(memcpy_times(buf.nbytes, warmup, target_s, max_iters, reps))
         comm.barrier()
@@ -132,6 +135,8 @@ def summarize(backend: str, world_size: int, per_rank: list[dict[str, list[dict[
             "busbw_gbps": algbw * (1.0 if copy else busbw_factor(world_size)),
             "staged_bytes": max(m["staged_bytes"] for m in mine),
         })
+        if "ran" in first:
+            rows[-1]["ran"] = first["ran"]
     ceiling = {r["bytes"]: r["busbw_gbps"] for r in rows if r["algorithm"] == "memcpy"}
     native = {r["bytes"]: r["busbw_gbps"] for r in rows if r["algorithm"] == "native"}
     for r in rows:

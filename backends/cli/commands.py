@@ -1,4 +1,4 @@
-"""The ``dplab`` command line: train, compare, bench, app, memory.
+"""The ``dplab`` command line: train, compare, bench, app, memory, tune.
 
     dplab train --world-size 4 --algorithm ring --steps 50 --trace run.json
     dplab compare                                   # naive/ring/tree/native x 1..4 ranks
@@ -7,6 +7,7 @@
     dplab train --checkpoint-every 10 --checkpoint-dir ck   # then, after a crash: add --resume ck
     dplab app                                       # the visualizer, in your browser
     dplab memory --params 7B --world-sizes 8,64     # GB per rank of ZeRO stages 0-3 (formulas)
+    dplab tune --backends local,mpi                 # fit alpha, beta, gamma; --algorithm auto uses it
 
 Every command prints a table; ``--json PATH`` writes the same rows as JSON.
 Bad arguments get a one-line error and exit code 2.
@@ -34,6 +35,7 @@ from dplab.backends.cli.memory import run_memory
 from dplab.backends.cli.runs import MODES, RunSpec, run_train
 from dplab.backends.cli.sweep import cmd_sweep, sweep_columns, wants_sweep
 from dplab.backends.cli.table import Progress, format_number, format_table
+from dplab.backends.cli.tune import TUNE_COLUMNS, cmd_tune
 from dplab.backends.launch.interrupt import interruptible
 from dplab.backends.launch.world import BackendUnavailable, RankError, World, launcher_env, under_launcher
 from dplab.reference.checkpoint.resume import CheckpointConfig
@@ -128,8 +130,11 @@ def cmd_bench(a: argparse.Namespace) -> list[dict[str, Any]]:
 
 def _columns(command: str, rows: list[dict[str, Any]]) -> list[str]:
     """The table shows what the rows are about: a race, stragglers, a parameter server."""
-    if command == "bench":
-        return BENCH_COLUMNS
+    if command == "bench":  # an auto row says what auto ran
+        return [*BENCH_COLUMNS[:2], "ran", *BENCH_COLUMNS[2:]] if any("ran" in r for r in rows) \
+            else BENCH_COLUMNS
+    if command == "tune":
+        return TUNE_COLUMNS
     if rows and "lr_rule" in rows[0]:
         return sweep_columns(rows)
     if any(r.get("time_budget_s") is not None for r in rows):
@@ -156,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         return run_app(args)
     if args.command == "memory":  # formulas, not a run: no backend, no ranks, no device
         return run_memory(args, argv)
-    command = {"train": cmd_train, "compare": cmd_compare, "bench": cmd_bench}[args.command]
+    command = {"train": cmd_train, "compare": cmd_compare, "bench": cmd_bench, "tune": cmd_tune}[args.command]
     if args.device:  # read by the torch backend in every rank it starts
         os.environ["DPLAB_DEVICE"] = args.device
     try:
