@@ -47,7 +47,7 @@ A rank with an empty shard (N < p) contributes zeros, whatever its (NaN) mean lo
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import partial
 from typing import Any
@@ -55,57 +55,18 @@ from typing import Any
 import torch
 from torch import nn
 
+from dplab.backends.nn.flat import dtype_and_device, flat_buffer, flat_layout, sum_batch_sizes
 from dplab.reference.algorithms import ALGORITHMS, has_schedule
-from dplab.reference.collectives import allreduce, broadcast
+from dplab.reference.collectives import broadcast
 from dplab.reference.communicator import Communicator
 from dplab.reference.errors import ConfigError
 from dplab.reference.train.buckets import Reducer
 
-__all__ = ["DistributedDataParallel", "DDP", "broadcast_module", "flat_buffer", "flat_layout",
-           "dtype_and_device", "DEFAULT_BUCKET_CAP_MB"]
+__all__ = ["DistributedDataParallel", "DDP", "broadcast_module", "DEFAULT_BUCKET_CAP_MB"]
 
 DEFAULT_BUCKET_CAP_MB = 25.0  # torch's DDP: bucket_cap_mb=None means this
 
 _CARRIERS = (torch.float32, torch.float64, torch.int32, torch.int64)  # what the collectives move
-
-
-def flat_buffer(comm: Communicator, n: int, dtype: torch.dtype,
-                device: torch.device) -> tuple[Any, torch.Tensor]:
-    """One flat buffer of ``n`` elements: (what the collectives get, a tensor view of it).
-
-    CPU tensors live in ``comm.empty`` memory (shared memory on the local backend, so sends
-    are zero-copy) seen through ``torch.from_numpy``. Tensors on a GPU stay there and need
-    a communicator on that GPU (the torch backend over NCCL), the only one that moves them.
-    """
-    if device.type == "cpu":
-        buf = comm.empty(n, torch.empty(0, dtype=dtype).numpy().dtype)
-        return buf, (buf if isinstance(buf, torch.Tensor) else torch.from_numpy(buf))
-    if getattr(comm, "device", None) != device:
-        raise ConfigError(f"parameters on {device} need a communicator on {device} (the torch backend "
-                          f"with DPLAB_DEVICE=cuda); {type(comm).__name__} moves host memory: use the CPU")
-    t = torch.empty(n, dtype=dtype, device=device)
-    return t, t
-
-
-def flat_layout(params: Sequence[torch.Tensor]) -> list[slice]:
-    """Each parameter's slice of the flat buffer, one after another in the given order."""
-    slices, start = [], 0
-    for p in params:
-        slices.append(slice(start, start + p.numel()))
-        start += p.numel()
-    return slices
-
-
-def dtype_and_device(params: Sequence[torch.Tensor]) -> tuple[torch.dtype, torch.device]:
-    """The one dtype and device of ``params``: a flat buffer holds a single kind of number."""
-    kinds = {(p.dtype, p.device) for p in params}
-    if len(kinds) > 1:
-        raise ConfigError("trainable parameters must share one dtype and device, got "
-                          f"{sorted(map(str, kinds))}: call module.to(dtype) first")
-    dtype, device = kinds.pop() if kinds else (torch.float32, torch.device("cpu"))
-    if dtype not in (torch.float32, torch.float64):
-        raise ConfigError(f"gradients of dtype {dtype} cannot be reduced: use float32 or float64")
-    return dtype, device
 
 
 @torch.no_grad()
@@ -213,16 +174,9 @@ class DistributedDataParallel(nn.Module):
         """
         if self._pending:
             raise ConfigError("set_local_batch_size during a synced backward: call it between steps")
-        ok = type(n) is int and n >= 0  # a bad n is counted, so that every rank raises, none hangs
         if self._counts is None:  # kept: allocating shared memory costs more than the all-reduce
             self._counts = flat_buffer(self.comm, 2, torch.int64, self.flat_grad.device)
-        buf, counts = self._counts
-        counts.copy_(torch.tensor([n if ok else 0, 0 if ok else 1]))
-        allreduce(self.comm, buf, self.algorithm)
-        total, bad = (int(v) for v in counts.cpu())
-        if bad or not total:
-            raise ConfigError(f"local_batch_size must be an integer >= 0 on every rank, not 0 on all; "
-                              f"this rank passed {n!r}, {bad} rank(s) passed no integer >= 0")
+        total = sum_batch_sizes(self.comm, n, self._counts, self.algorithm)
         self.local_batch_size, self.global_batch_size = n, total
 
     @contextmanager

@@ -60,7 +60,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from dplab.backends.nn.ddp import broadcast_module, dtype_and_device, flat_buffer
+from dplab.backends.nn.ddp import broadcast_module
+from dplab.backends.nn.flat import dtype_and_device, flat_buffer, sum_batch_sizes
 from dplab.backends.nn.fsdp_flat import FlatParam, MemoryMeter
 from dplab.backends.nn.fsdp_full import FullParams
 from dplab.backends.nn.fsdp_precision import (
@@ -73,7 +74,6 @@ from dplab.backends.nn.fsdp_precision import (
 )
 from dplab.backends.nn.fsdp_units import param_keys, plan_units
 from dplab.reference.algorithms import SCATTER_ALGORITHMS, has_schedule
-from dplab.reference.collectives import allreduce
 from dplab.reference.communicator import Communicator
 from dplab.reference.errors import ConfigError
 
@@ -229,14 +229,7 @@ class FullyShardedDataParallel(FullParams, nn.Module):
 
     def set_local_batch_size(self, n: int) -> None:
         """Weight this rank's gradient by ``n`` / (sum of every rank's ``n``); a collective, as in DDP."""
-        ok = type(n) is int and n >= 0  # a bad n is counted, so that every rank raises, none hangs
-        buf, counts = flat_buffer(self.comm, 2, torch.int64, self.device)
-        counts.copy_(torch.tensor([n if ok else 0, 0 if ok else 1]))
-        allreduce(self.comm, buf, "ring")
-        total, bad = (int(v) for v in counts.cpu())
-        if bad or not total:
-            raise ConfigError(f"local_batch_size must be an integer >= 0 on every rank, not 0 on all; "
-                              f"this rank passed {n!r}, {bad} rank(s) passed no integer >= 0")
+        total = sum_batch_sizes(self.comm, n, flat_buffer(self.comm, 2, torch.int64, self.device))
         self.local_batch_size, self.global_batch_size = n, total
 
     @contextmanager

@@ -40,7 +40,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from dplab.backends.nn.ddp import flat_layout
+from dplab.backends.nn.flat import flat_layout
 from dplab.reference.collectives import allgather, reduce_scatter
 from dplab.reference.communicator import Communicator
 from dplab.reference.schedule import chunk_bounds

@@ -55,7 +55,7 @@ from typing import Any
 
 import torch
 
-from dplab.backends.nn.ddp import dtype_and_device, flat_buffer, flat_layout
+from dplab.backends.nn.flat import dtype_and_device, flat_buffer, flat_layout
 from dplab.backends.nn.zero_state import full_state_dict, gather_state, load_full_state
 from dplab.reference.algorithms import SCATTER_ALGORITHMS, has_schedule
 from dplab.reference.collectives import allgather, reduce_scatter

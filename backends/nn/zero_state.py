@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dplab.backends.nn.ddp import flat_buffer
+from dplab.backends.nn.flat import flat_buffer
 from dplab.reference.collectives import allgather
 from dplab.reference.errors import ConfigError
 
