@@ -83,10 +83,13 @@ class LocalComm(SegmentMemory, Communicator):
         self.tracer = Tracer(rank)
         p = self.world_size
         self._ctl_seg = Segment(f"{wiring.session}_ctl")
-        self._ctl = self._ctl_seg.view(0, p * p * SLOTS * 5 * 8, np.int64).reshape(p, p, SLOTS, 5)
+        # the mailboxes, flat: slot (src, dst, seq) is _ctl[_slot(src, dst, seq):][:5]. A memoryview
+        # reads and writes one int64 in ~40 ns, where numpy's indexing costs a microsecond.
+        self._ctl = self._ctl_seg.bytes[:p * p * SLOTS * 5 * 8].data.cast("q")
         self._segments: dict[int, Segment] = {}  # mine, by id (ids are never reused)
         self._ranges: dict[int, tuple[int, int]] = {}  # id -> (address, size) of each of mine
         self._peers: OrderedDict[tuple[int, int], Segment] = OrderedDict()  # (rank, id), LRU
+        self._views: dict[tuple, np.ndarray] = {}  # (rank, id, offset, bytes, dtype) -> view
         self._send_seq, self._acked, self._recv_seq = [0] * p, [0] * p, [0] * p
         self._staging: tuple[int, int] = (-1, 0)  # (segment id, capacity)
         self._stage_top = 0  # bump pointer into the staging segment
@@ -95,8 +98,11 @@ class LocalComm(SegmentMemory, Communicator):
         self._any_next = 0
         self._tag = 0  # the tag of the running collective's messages (its code; see check_buffer)
         self._next_id = 0
-        # spinning only pays when every rank has a core to itself
-        self._spin = int(os.environ.get("DPLAB_SPIN", "200")) if p <= (os.cpu_count() or 1) else 0
+        # Spinning pays when every rank has a core to itself; when ranks outnumber cores, a waiting
+        # rank yields its core a few times (to the peer it waits for, likely) before it sleeps.
+        own_core = p <= len(os.sched_getaffinity(0))
+        self._spin = int(os.environ.get("DPLAB_SPIN", "200")) if own_core else 0
+        self._yields = 0 if own_core else int(os.environ.get("DPLAB_YIELDS", "0"))
         self.bytes_staged = 0  # copies made because a send buffer was not in shared memory
         if wiring.pids is not None:
             wiring.pids[rank] = os.getpid()  # for peer_alive: dead or merely slow?
@@ -128,8 +134,10 @@ class LocalComm(SegmentMemory, Communicator):
         return req
 
     def _post(self, buf: np.ndarray, dst: int, tag: int) -> int:
-        self._check_peer(dst)
-        if not buf.flags.c_contiguous or buf.dtype not in _CODE:
+        if not 0 <= dst < self.world_size or dst == self.rank:
+            self._check_peer(dst)
+        code = _CODE.get(buf.dtype)
+        if code is None or not buf.flags.c_contiguous:
             raise CommError(f"rank {self.rank}: send needs a contiguous array of one of "
                             f"{', '.join(map(str, _CODE))}; got {buf.dtype}, "
                             f"contiguous={buf.flags.c_contiguous}")
@@ -137,13 +145,19 @@ class LocalComm(SegmentMemory, Communicator):
         if seq - self._acked[dst] >= SLOTS:
             self._wait_ack(dst, seq - SLOTS)
         seg_id, off, staged = self._locate(buf)
-        self._ctl[self.rank, dst, seq % SLOTS] = (seg_id, off, buf.nbytes, _CODE[buf.dtype], tag)
+        i = self._slot(self.rank, dst, seq)
+        ctl = self._ctl
+        ctl[i], ctl[i + 1], ctl[i + 2], ctl[i + 3], ctl[i + 4] = seg_id, off, buf.nbytes, code, tag
         self._send_seq[dst] = seq + 1
         if staged:
             self._staged_seqs.append((dst, seq))
         self.w.ready[self.rank][dst].release()
         self.w.arrival[dst].release()
         return seq
+
+    def _slot(self, src: int, dst: int, seq: int) -> int:
+        """Where the descriptor of message ``seq`` from ``src`` to ``dst`` starts in ``_ctl``."""
+        return ((src * self.world_size + dst) * SLOTS + seq % SLOTS) * 5
 
     def _wait_ack(self, dst: int, seq: int, peek: bool = False) -> None:
         while self._acked[dst] <= seq:
@@ -165,22 +179,18 @@ class LocalComm(SegmentMemory, Communicator):
         else:
             self._acquire(self.w.ready[src][me], "for its message", src)
         seq = self._recv_seq[src]
-        seg_id, off, nbytes, code, mtag = (int(v) for v in self._ctl[src, me, seq % SLOTS])
+        i, ctl = self._slot(src, me, seq), self._ctl
+        seg_id, off, nbytes, code, mtag = ctl[i], ctl[i + 1], ctl[i + 2], ctl[i + 3], ctl[i + 4]
         self._recv_seq[src] = seq + 1
         try:
-            dtype = _DTYPES[code]
-            if mtag != tag and tag != ANY_TAG and max(tag, mtag) >= COLLECTIVE_TAG:
-                raise collective_mismatch(me, tag, src, mtag)
-            if buf.nbytes != nbytes or buf.dtype != dtype:
-                raise BufferMismatch(
-                    f"rank {me} expected {buf.size} x {buf.dtype} from rank {src} but rank {src} sent "
-                    f"{nbytes // dtype.itemsize} x {dtype}: every rank must pass a buffer of the same "
-                    "length and dtype to a collective")
-            if tag != ANY_TAG and mtag != tag:
-                raise CommError(f"rank {me} expected tag {tag} from rank {src}, got tag {mtag}: "
-                                "messages between two ranks are matched in order")
+            if mtag != tag and tag != ANY_TAG:
+                self._refuse(buf, src, tag, mtag, nbytes, code)
+            if buf.nbytes != nbytes or buf.dtype is not _DTYPES[code] and buf.dtype != _DTYPES[code]:
+                self._refuse(buf, src, tag, mtag, nbytes, code)
             if nbytes:
-                peer = self._peer_view(src, seg_id, off, nbytes, dtype).reshape(buf.shape)
+                peer = self._peer_view(src, seg_id, off, nbytes, _DTYPES[code])
+                if buf.ndim != 1:
+                    peer = peer.reshape(buf.shape)
                 if reduce:  # buf may be any view, strided or not: numpy writes through it
                     np.add(buf, peer, out=buf)
                 else:
@@ -188,6 +198,20 @@ class LocalComm(SegmentMemory, Communicator):
         finally:
             self.w.done[src][me].release()
         return src
+
+    def _refuse(self, buf: np.ndarray, src: int, tag: int, mtag: int, nbytes: int, code: int) -> None:
+        """The error for a message that does not fit the receive: another collective, another buffer
+        or another tag, in that order (a rank in another collective may well send another length)."""
+        me, dtype = self.rank, _DTYPES[code]
+        if mtag != tag and tag != ANY_TAG and max(tag, mtag) >= COLLECTIVE_TAG:
+            raise collective_mismatch(me, tag, src, mtag)
+        if buf.nbytes != nbytes or buf.dtype != dtype:
+            raise BufferMismatch(
+                f"rank {me} expected {buf.size} x {buf.dtype} from rank {src} but rank {src} sent "
+                f"{nbytes // dtype.itemsize} x {dtype}: every rank must pass a buffer of the same "
+                "length and dtype to a collective")
+        raise CommError(f"rank {me} expected tag {tag} from rank {src}, got tag {mtag}: "
+                        "messages between two ranks are matched in order")
 
     def _wait_any(self) -> int:
         me, p = self.rank, self.world_size
@@ -210,6 +234,10 @@ class LocalComm(SegmentMemory, Communicator):
         for _ in range(self._spin):
             if sem.acquire(False):
                 return
+        for _ in range(self._yields):
+            if sem.acquire(False):
+                return
+            os.sched_yield()
         deadline, nap = time.monotonic() + self.timeout, _PEEK_S[0]
         while peek and self._tag >= COLLECTIVE_TAG:
             left = deadline - time.monotonic()
@@ -232,7 +260,7 @@ class LocalComm(SegmentMemory, Communicator):
         Unless it took ours since we last looked (``done`` posted, then its next collective's
         message): then that message is legitimately ahead of us and the ack is ours to take."""
         if self.w.ready[peer][self.rank].get_value() > 0:
-            mtag = int(self._ctl[peer, self.rank, self._recv_seq[peer] % SLOTS, 4])
+            mtag = self._ctl[self._slot(peer, self.rank, self._recv_seq[peer]) + 4]
             if mtag != self._tag and mtag >= COLLECTIVE_TAG:
                 if done.acquire(False):  # taken after all: give the ack back to _acquire's caller
                     done.release()
@@ -292,6 +320,8 @@ class LocalComm(SegmentMemory, Communicator):
             flat /= self.world_size
 
     def close(self) -> None:
+        self._views.clear()
+        self._ctl.release()
         for seg in [*self._peers.values(), *self._segments.values(), self._ctl_seg]:
             seg.close()
         self._peers.clear()

@@ -4,7 +4,8 @@
 MPI_Alloc_mem); a send names a buffer by (segment, offset) so the receiver reads it straight
 out of the sender's memory. A buffer outside every segment is first copied into a staging
 segment (``bytes_staged`` counts those copies). Peers' segments are mapped on first use and
-the least recently used are unmapped beyond ``PEER_CACHE``. ``LocalComm`` (comm.py) holds the
+the least recently used are unmapped beyond ``PEER_CACHE``; the views a receive reads
+through are kept (``VIEW_CACHE``). ``LocalComm`` (comm.py) holds the
 state (``_segments``, ``_ranges``, ``_peers``, staging) that these methods share.
 """
 
@@ -16,9 +17,10 @@ import numpy as np
 
 from dplab.backends.local.shm import Segment
 
-__all__ = ["SegmentMemory", "PEER_CACHE"]
+__all__ = ["SegmentMemory", "PEER_CACHE", "VIEW_CACHE"]
 
 PEER_CACHE = 32  # peer segments a rank keeps mapped (least recently used go first)
+VIEW_CACHE = 4096  # views into peers' segments a rank keeps (all dropped when full)
 _ALIGN = 64
 
 
@@ -69,11 +71,23 @@ class SegmentMemory:
         return seg_id, off, True
 
     def _peer_view(self, src: int, seg_id: int, off: int, nbytes: int, dtype: np.dtype) -> np.ndarray:
+        """A view of ``nbytes`` at ``off`` in ``src``'s segment ``seg_id``. Views are kept: a
+        collective reads the same chunks of the same buffers call after call, and carving a view
+        out of a mapping costs more than the reduction of a small chunk."""
+        key = (src, seg_id, off, nbytes, dtype)
+        view = self._views.get(key)
+        if view is not None:
+            return view
         seg = self._peers.get((src, seg_id))
         if seg is None:
             seg = self._peers[(src, seg_id)] = Segment(f"{self.w.session}_r{src}_{seg_id}")
             if len(self._peers) > PEER_CACHE:
-                self._peers.popitem(last=False)[1].close()
+                gone, old = self._peers.popitem(last=False)
+                self._views = {k: v for k, v in self._views.items() if k[:2] != gone}
+                old.close()
         else:
             self._peers.move_to_end((src, seg_id))
-        return seg.view(off, nbytes, dtype)
+        if len(self._views) >= VIEW_CACHE:
+            self._views.clear()
+        view = self._views[key] = seg.view(off, nbytes, dtype)
+        return view
