@@ -167,3 +167,25 @@ def test_training_with_auto_equals_one_device(tune_env, backend):
     ran = {e.algorithm for e in spans}  # what auto ran, by the same fit, for each bucket's bytes
     assert ran and ran <= set(ALLREDUCE) and ran == {auto.load_tuning().choose(backend, 3, e.bytes, 8)
                                                      for e in spans}
+
+
+class _StubOpt:
+    def step(self, master, grad):
+        master -= grad
+
+
+def _amp_step_with_an_inf_on_rank_0(comm, algorithm):
+    """As if an engine's all-reduce had left different bits on each rank: only rank 0 sees an inf."""
+    from dplab.reference.precision import Amp, MixedPrecision
+
+    master = np.ones(4, np.float32)
+    amp = Amp(comm, SyncConfig(algorithm, precision=MixedPrecision()), master)
+    grad = np.full(4, np.inf if comm.rank == 0 else 1.0, np.float32)
+    return amp.step(_StubOpt(), master, grad, 0)
+
+
+@pytest.mark.parametrize("algorithm", ["native", "auto"])
+def test_mixed_precision_under_auto_agrees_on_overflow_as_under_native(algorithm, tune_env):
+    # auto may run the engine's own all-reduce, so, as for native, the overflow flag is all-reduced
+    tune_env(("local", "all", "native", 1e-9, 1e-13, None), ("local", "all", "all", 1.0, 1.0, None))
+    assert launch(_amp_step_with_an_inf_on_rank_0, 2, args=(algorithm,)) == [False, False]

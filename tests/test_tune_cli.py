@@ -48,7 +48,7 @@ def test_tune_fits_saved_rows_and_saves_every_level_where_auto_reads_it(tmp_path
     assert head[("all", "all")]["alpha_us"] == pytest.approx(20) and head[("all", "all")]["beta_gbps"] == (
         pytest.approx(8))
     assert head[("all", "native")]["alpha_us"] == pytest.approx(5)
-    assert head[(4, "tree")]["max_residual_pct"] < 1e-6 and len(rows) == 1 + 1 + 2 * 2 + 2 * 4
+    assert head[(4, "tree")]["max_residual_pct"] < 1e-6 and len(rows) == 1 + 1 + 2 * 2 + 2 * 3
     saved = auto.load_tuning(out)
     assert len(saved.fits) == len(rows) and saved.fit_for("local", "native", 4).alpha == pytest.approx(5e-6)
     monkeypatch.setenv(auto.TUNE_ENV, str(out))

@@ -112,8 +112,12 @@ def bench_rows(a: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def tune_fits(rows: list[dict[str, Any]], itemsize: int = 4) -> list[costfit.CostFit]:
-    """The fits of every level (``LEVELS``), coarsest first."""
-    return [f for by in LEVELS for f in costfit.fit(rows, by, itemsize)]
+    """The fits of every level (``LEVELS``), coarsest first; native's per-world-size fits once."""
+    fits: dict[tuple[str, str, str], costfit.CostFit] = {}
+    for by in LEVELS:
+        for f in costfit.fit(rows, by, itemsize):
+            fits.setdefault((f.backend, str(f.world_size), f.algorithm), f)
+    return list(fits.values())
 
 
 def _gains(fits: list[costfit.CostFit], itemsize: int) -> list[str]:

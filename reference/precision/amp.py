@@ -42,8 +42,9 @@ class Amp:
         self.scaler = LossScaler(self.precision, comm.tracer)
         self._weights = np.empty(master.shape, self.precision.compute_dtype)
         self._master_grad = np.empty_like(master)
-        # our schedules leave the same bits on every rank; an engine's all-reduce may not (see scaler)
-        self._replicated, self._algorithm = sync.algorithm != "native", sync.algorithm
+        # our schedules leave the same bits on every rank; an engine's all-reduce may not (see scaler),
+        # and "auto" may pick the engine's (reference/auto.py)
+        self._replicated, self._algorithm = sync.algorithm not in ("native", "auto"), sync.algorithm
 
     @property
     def loss_scale(self) -> float:
