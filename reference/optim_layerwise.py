@@ -18,9 +18,11 @@ apply it per layer and their implementations per tensor.
     array([ 2.97,  3.96, -1.  ])
 
 Both take ``layers=`` and refuse to run without it (which tensor is which cannot be
-guessed from a flat vector). A tensor whose norm is 0 (a bias at initialisation), or whose
-update is 0, gets ratio 1, as in the reference implementations: the formula would give
-0 or 0/0.
+guessed from a flat vector). The norms come from ``self.norms`` (a list of arrays -> their
+norms): here, ``local_norms``; when each rank holds only a chunk of every tensor (ZeRO), a
+function that all-reduces the chunks' squared norms, so every rank gets the whole tensors'.
+A tensor whose norm is 0 (a bias at initialisation), or whose update is 0, gets ratio 1, as
+in the reference implementations: the formula would give 0 or 0/0.
 """
 
 from __future__ import annotations
@@ -33,7 +35,12 @@ from numpy.typing import DTypeLike
 from dplab.reference.errors import ConfigError
 from dplab.reference.optim import OptimConfig, Optimizer
 
-__all__ = ["LARS", "LAMB", "check_layers", "trust_ratio"]
+__all__ = ["LARS", "LAMB", "check_layers", "trust_ratio", "local_norms"]
+
+
+def local_norms(arrays: list[np.ndarray]) -> list[float]:
+    """The 2-norm of each array (the whole tensors are here: one device, or a replica)."""
+    return [float(np.linalg.norm(a)) for a in arrays]
 
 
 def check_layers(layers: list[slice] | None, num_params: int, who: str) -> tuple[slice, ...]:
@@ -81,13 +88,14 @@ class LARS(Optimizer):
     def __init__(self, cfg: OptimConfig, num_params: int, dtype: DTypeLike = np.float64,
                  layers: list[slice] | None = None):
         super().__init__(cfg, num_params, dtype, check_layers(layers, num_params, "LARS"))
+        self.norms = local_norms
 
     def _update(self, params: np.ndarray, g: np.ndarray) -> None:
         cfg, lr, v = self.cfg, self.lr, self.momentum_buffer
-        wd = cfg.weight_decay
-        for sl in self.layers:
+        wd, k = cfg.weight_decay, len(self.layers)
+        norms = self.norms([params[sl] for sl in self.layers] + [g[sl] for sl in self.layers])
+        for sl, w_norm, g_norm in zip(self.layers, norms[:k], norms[k:], strict=True):
             w, gi = params[sl], g[sl]
-            w_norm, g_norm = float(np.linalg.norm(w)), float(np.linalg.norm(gi))
             local_lr = cfg.trust_coef * w_norm / (g_norm + wd * w_norm) if w_norm > 0 and g_norm > 0 else 1.0
             v[sl] *= cfg.momentum
             v[sl] += (lr * local_lr) * (gi + wd * w if wd else gi)
@@ -114,6 +122,7 @@ class LAMB(Optimizer):
     def __init__(self, cfg: OptimConfig, num_params: int, dtype: DTypeLike = np.float64,
                  layers: list[slice] | None = None):
         super().__init__(cfg, num_params, dtype, check_layers(layers, num_params, "LAMB"))
+        self.norms = local_norms
 
     def _update(self, params: np.ndarray, g: np.ndarray) -> None:
         (b1, b2), t, cfg = self.cfg.betas, self.t, self.cfg
@@ -125,7 +134,7 @@ class LAMB(Optimizer):
         u = (m / (1 - b1**t)) / (np.sqrt(v) / math.sqrt(1 - b2**t) + cfg.eps)
         if cfg.weight_decay:
             u += cfg.weight_decay * params
-        lr = self.lr
-        for sl in self.layers:
-            ratio = trust_ratio(float(np.linalg.norm(params[sl])), float(np.linalg.norm(u[sl])))
-            params[sl] -= (lr * ratio) * u[sl]
+        lr, k = self.lr, len(self.layers)
+        norms = self.norms([params[sl] for sl in self.layers] + [u[sl] for sl in self.layers])
+        for sl, w_norm, u_norm in zip(self.layers, norms[:k], norms[k:], strict=True):
+            params[sl] -= (lr * trust_ratio(w_norm, u_norm)) * u[sl]

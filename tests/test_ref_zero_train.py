@@ -16,7 +16,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import train_configs
 
-from dplab.backends.launch.world import RankError
 from dplab.reference.errors import ConfigError
 from dplab.reference.model import MLP, MLPConfig
 from dplab.reference.optim import OptimConfig
@@ -163,8 +162,13 @@ def test_bad_configs_are_refused_with_the_fix(zero, words):
         zero.validate(2)
 
 
-@pytest.mark.parametrize("name", ["lars", "lamb"])
-def test_layerwise_optimizers_are_refused_clearly(worlds, name):
-    cfg = dataclasses.replace(BASE, optimizer=OptimConfig(name))
-    with pytest.raises(RankError, match="whole-layer norms"):
-        worlds(2).run(_train, cfg, ZeroConfig(stage=1))
+@pytest.mark.parametrize("name, lr", [("lars", 2.0), ("lamb", 0.01)])
+def test_layerwise_optimizers_take_whole_tensor_norms_from_the_chunks(worlds, backend, name, lr):
+    """LARS and LAMB scale each tensor by its whole norm; under stages 1-3 the chunks' squared norms
+    are all-reduced (``zero/layerwise.py``), so every stage still equals one device. p = 3 cuts the
+    layers' [W, b] ranges inside W and across W|b, and the 2-unit bias leaves one rank nothing."""
+    opt = OptimConfig(name, lr=lr, weight_decay=0.01, warmup_steps=1)
+    cfg = dataclasses.replace(BASE, optimizer=opt, steps=3)
+    for stage in (0, 1, 2, 3):
+        for p in ((1, 2, 3) if backend == "local" else (3,)):
+            check_equals_single(worlds(p, backend).run(_train, cfg, ZeroConfig(stage=stage)), cfg, 1e-10)

@@ -88,7 +88,6 @@ class RunSpec:
             raise ConfigError(f"--zero-stage trains synchronously without {', '.join(given)}: drop "
                               f"{'it' if len(given) == 1 else 'them'}, or drop --zero-stage")
         self.zero_config().validate(self.world_size)
-        self.zero_config().check_optimizer(self.train.optimizer.name)
 
     def sync_config(self) -> SyncConfig:
         return SyncConfig(self.algorithm, self.bucket_cap_mb, self.accum_steps, self.straggler,

@@ -16,11 +16,8 @@ from dplab.reference.algorithms import ALGORITHMS, SCATTER_ALGORITHMS, has_sched
 from dplab.reference.errors import ConfigError
 from dplab.reference.precision.config import MixedPrecision
 
-__all__ = ["ZeroConfig", "SCATTER_ALGORITHMS", "ELEMENTWISE_OPTIMIZERS"]
+__all__ = ["ZeroConfig", "SCATTER_ALGORITHMS"]
 
-# An optimizer that updates each element from that element alone gives the same numbers on a
-# shard as on the whole vector. LARS/LAMB scale a whole LAYER by its norm: not on a shard.
-ELEMENTWISE_OPTIMIZERS = ("sgd", "momentum", "adam")
 
 
 @dataclass(frozen=True)
@@ -59,10 +56,3 @@ class ZeroConfig:
             self.precision.validate()
         if world_size is not None and world_size < 1:
             raise ConfigError(f"world_size must be >= 1, got {world_size}")
-
-    def check_optimizer(self, name: str) -> None:
-        """Sharded stages step a slice of each layer: only element-wise optimizers give the same numbers."""
-        if name not in ELEMENTWISE_OPTIMIZERS:
-            raise ConfigError(
-                f"ZeRO shards every layer across the ranks, and optimizer {name!r} needs whole-layer "
-                f"norms that no rank holds: use one of {', '.join(ELEMENTWISE_OPTIMIZERS)}, or train_sync")

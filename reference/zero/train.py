@@ -51,7 +51,7 @@ from dplab.reference.collectives import allreduce, broadcast
 from dplab.reference.communicator import Communicator
 from dplab.reference.data import batch_indices, shard
 from dplab.reference.model import MLP
-from dplab.reference.optim import make_optimizer
+from dplab.reference.optim import LAYERWISE, make_optimizer
 from dplab.reference.precision.scaler import LossScaler
 from dplab.reference.schedule import chunk_bounds
 from dplab.reference.train.single import TrainConfig, TrainResult, setup
@@ -59,6 +59,7 @@ from dplab.reference.zero.amp import amp_step
 from dplab.reference.zero.config import ZeroConfig
 from dplab.reference.zero.grads import FullGrads, ShardedGrads
 from dplab.reference.zero.layers import layer_delta, layer_forward, layer_grads, output_delta
+from dplab.reference.zero.layerwise import chunk_tensors, shard_norms
 from dplab.reference.zero.layout import ShardLayout
 from dplab.reference.zero.ledger import MemoryLedger, MemoryReport
 from dplab.reference.zero.overlap import CommThread
@@ -84,7 +85,6 @@ def train_zero(comm: Communicator, cfg: TrainConfig, zero: ZeroConfig = _DEFAULT
 
     ``ledger``: pass one to watch allocations as they happen (the tracemalloc test does)."""
     zero.validate(comm.world_size)
-    zero.check_optimizer(cfg.optimizer.name)
     model, data, init = setup(cfg)
     prec = zero.precision  # None: one dtype throughout; else float16 compute, float32 masters
     if prec is not None:
@@ -107,7 +107,12 @@ def train_zero(comm: Communicator, cfg: TrainConfig, zero: ZeroConfig = _DEFAULT
     grads = FullGrads(ledger, layout, reduce, zero.stage, *where) if zero.stage < 2 else \
         ShardedGrads(ledger, layout, reduce, *where)
     sizes = [len(params.master(layer)) for layer in range(model.num_layers)]  # what this rank updates
-    opts = [ledger.track("optimizer", partial(make_optimizer, cfg.optimizer, n, cfg.dtype)) for n in sizes]
+    opts = [ledger.track("optimizer", partial(make_optimizer, cfg.optimizer, n, cfg.dtype,
+                                              chunk_tensors(model, layout, layer, zero.stage == 0)))
+            for layer, n in enumerate(sizes)]
+    if cfg.optimizer.name in LAYERWISE and zero.stage > 0:  # LARS/LAMB: norms of whole tensors
+        for opt in opts:
+            opt.norms = partial(shard_norms, comm, zero.algorithm)
     tracer, scale, losses = comm.tracer, 1 / cfg.global_batch, []
     ledger.reset_peaks()  # the peaks are the steps', not the set-up's
     try:
