@@ -4,7 +4,8 @@ A bench row ``{backend, algorithm, world_size, bytes, time_us}`` (``dplab bench 
 all-reduce's measured time. The cost model (``costmodel.cost``) walks that row's schedule and
 charges each round's slowest rank alpha per message, beta per byte and gamma per reduced byte.
 For one schedule and size that is linear, ``time = a alpha + b beta + c gamma``, with (a, b, c)
-the slowest ranks' counts summed over the rounds (``terms``), so a set of rows is a linear
+the slowest ranks' counts summed over the rounds (``terms``, read off ``cost()`` itself, so a
+change to the model is a change to the fit), and a set of rows is a linear
 system and alpha, beta, gamma are its least-squares solution.
 
     from dplab.reference.costfit import fit, load_bench_json
@@ -31,8 +32,8 @@ from typing import Any
 import numpy as np
 
 from dplab.reference.algorithms import ALLREDUCE, allreduce_schedule, split_name
+from dplab.reference.costmodel import cost
 from dplab.reference.errors import ConfigError
-from dplab.reference.schedule import chunk_bounds
 
 __all__ = ["BENCH_KEYS", "NATIVE_STANDIN", "REFERENCE_POINT", "CostFit", "terms", "fit", "fittable",
            "load_bench_json"]
@@ -46,26 +47,24 @@ _ALL = "all"
 @lru_cache(maxsize=8192)
 def terms(algorithm: str, world_size: int, nbytes: int, itemsize: int = 4,
           at: tuple[float, float, float] = REFERENCE_POINT) -> tuple[float, float, float]:
-    """(messages, bytes, reduced bytes) on the critical path of one all-reduce: ``cost()`` is
-    ``a alpha + b beta + c gamma`` with these (a, b, c) wherever the slowest rank of every round is
-    the one it is at ``at`` (for symmetric schedules: everywhere). ``native`` is priced as a ring."""
-    name = NATIVE_STANDIN if algorithm == "native" else algorithm
-    s = allreduce_schedule(name, world_size)
-    size = [(b - a) * itemsize for a, b in chunk_bounds(nbytes // itemsize, s.num_chunks)]
-    total = np.zeros(3)
-    for rnd in s.rounds:
-        per = np.zeros((world_size, 5))  # messages out, in, bytes out, in, reduced
-        for t in rnd:
-            m = size[t.chunk]
-            per[t.src, 0] += 1
-            per[t.dst, 1] += 1
-            per[t.src, 2] += m
-            per[t.dst, 3] += m
-            per[t.dst, 4] += m if t.op == "reduce" else 0
-        cand = np.stack([per[:, :2].max(axis=1), per[:, 2:4].max(axis=1), per[:, 4]], axis=1)
-        if len(rnd):
-            total += cand[int(np.argmax(cand @ np.asarray(at)))]
-    return float(total[0]), float(total[1]), float(total[2])
+    """(messages, bytes, reduced bytes) on the critical path of one all-reduce, read off the cost
+    model itself: ``cost()`` is ``a alpha + b beta + c gamma`` with these (a, b, c) wherever each
+    round's slowest rank is the one it is at ``at`` (for symmetric schedules: everywhere).
+
+    The model is a sum over rounds of the slowest rank's linear cost, so near ``at`` it is linear
+    and (a, b, c) is its slope: one step in each of alpha, beta, gamma, small enough not to change
+    any round's slowest rank (a value under 1% of ``REFERENCE_POINT``'s counts as that 1%). The
+    counts are whole numbers; rounding removes the float noise.
+    ``native`` is priced as a ring (``NATIVE_STANDIN``)."""
+    s = allreduce_schedule(NATIVE_STANDIN if algorithm == "native" else algorithm, world_size)
+    x = np.maximum(np.asarray(at, float), np.asarray(REFERENCE_POINT) * 1e-2)  # a step needs a scale
+    t0 = cost(s, nbytes, *x, itemsize=itemsize).time
+    slope = []
+    for i in range(3):
+        y = x.copy()
+        y[i] += x[i] * 2.0**-6
+        slope.append(float(round((cost(s, nbytes, *y, itemsize=itemsize).time - t0) / (y[i] - x[i]))))
+    return slope[0], slope[1], slope[2]
 
 
 @dataclass(frozen=True)
