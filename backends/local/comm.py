@@ -26,6 +26,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import lru_cache
 
 import numpy as np
 
@@ -54,6 +55,7 @@ ANY_TAG = -1
 _DTYPES = [np.dtype(t) for t in ("uint8", "float32", "float64", "int32", "int64", "float16")]
 _CODE = {dt: i for i, dt in enumerate(_DTYPES)}
 _PEEK_S = (1e-3, 0.25)  # a sender waiting this long looks at the peer's own message, then doubles
+_code = lru_cache(maxsize=4096)(Collective.code)  # a collective's tag, once per (kind, algorithm, root)
 
 
 class _SendRequest:
@@ -176,7 +178,7 @@ class LocalComm(SegmentMemory, Communicator):
         me = self.rank
         if src == ANY_SOURCE:
             src = self._wait_any()
-        else:
+        elif not self.w.ready[src][me].acquire(False):
             self._acquire(self.w.ready[src][me], "for its message", src)
         seq = self._recv_seq[src]
         i, ctl = self._slot(src, me, seq), self._ctl
@@ -277,7 +279,7 @@ class LocalComm(SegmentMemory, Communicator):
     # -- rounds and collectives ---------------------------------------------------------------
     def check_buffer(self, buf: np.ndarray, call: Collective | None = None) -> None:
         """The collective's messages carry its code as their tag (length and dtype they carry anyway)."""
-        self._tag = call.code() if call is not None else 0
+        self._tag = _code(call) if call is not None else 0
 
     def exchange(self, sends: list[SendSpec], recvs: list[RecvSpec], round: int = -1,
                  algorithm: str = "") -> None:

@@ -11,6 +11,7 @@ state (``_segments``, ``_ranges``, ``_peers``, staging) that these methods share
 
 from __future__ import annotations
 
+import ctypes
 import weakref
 
 import numpy as np
@@ -54,7 +55,10 @@ class SegmentMemory:
         """(segment id, offset, staged): where a peer can read ``buf`` from."""
         if buf.nbytes == 0:
             return -1, 0, False
-        addr = buf.ctypes.data
+        try:  # a third of what buf.ctypes.data costs (a microsecond, a fifth of a small round)
+            addr = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+        except (TypeError, ValueError, BufferError):  # read-only: it exports no writable view
+            addr = buf.ctypes.data
         for seg_id, (base, size) in self._ranges.items():
             if base <= addr and addr + buf.nbytes <= base + size:
                 return seg_id, addr - base, False

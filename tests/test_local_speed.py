@@ -1,0 +1,126 @@
+"""The local backend's fast path, by structure (speed itself is measured by ``dplab bench``).
+
+A waiting rank spins a bounded number of times and then sleeps (two cores: an unbounded spin
+starves the peer it waits for); a receive reduces straight out of the peer's memory, in place,
+with no temporary; the views into peers' segments are made once per chunk and then kept,
+bounded, and dropped with the segment they point into.
+"""
+
+from __future__ import annotations
+
+import time
+import tracemalloc
+
+import numpy as np
+import pytest
+
+from dplab.backends.launch.world import launch
+from dplab.backends.local import memory
+from dplab.backends.local.shm import Segment
+from dplab.reference.collectives import allreduce
+
+
+def _wait_cpu(comm, delay):
+    """Rank 0 sends after ``delay`` seconds; the others each wait for it. Returns the CPU seconds
+    a waiting rank spent while it waited."""
+    buf = comm.empty(4, np.float64)
+    comm.barrier()
+    if comm.rank == 0:
+        time.sleep(delay)
+        for dst in range(1, comm.world_size):
+            buf[:] = dst
+            comm.send(buf, dst)
+        return None
+    cpu = time.process_time()
+    comm.recv(buf, 0)
+    assert buf.tolist() == [float(comm.rank)] * 4
+    return time.process_time() - cpu, comm._spin, comm._yields
+
+
+@pytest.mark.parametrize("p", [2, 4])
+def test_a_waiting_rank_sleeps_after_a_bounded_spin(p):
+    """p=2 spins (a rank per core), p=4 yields (more ranks than cores): both bounded, then sleep.
+    Half a second of waiting costs a sleeping rank well under a tenth of a second of CPU."""
+    delay = 0.5
+    for cpu, spin, yields in launch(_wait_cpu, p, args=(delay,), timeout=20)[1:]:
+        assert spin <= 10_000 and yields <= 1_000
+        assert cpu < delay / 5, f"a rank burnt {cpu:.3f} s of CPU waiting {delay} s: it spun"
+
+
+def _views_made(comm, n, calls):
+    """How many views into segments each allreduce makes after the first (receives only)."""
+    buf = comm.empty(n, np.float32)
+    buf[:] = comm.rank + 1
+    allreduce(comm, buf, "ring")
+    made = []
+    view = Segment.view
+
+    def counting(self, *args):
+        made.append(1)
+        return view(self, *args)
+
+    Segment.view = counting
+    try:
+        for _ in range(calls):
+            buf[:] = comm.rank + 1
+            allreduce(comm, buf, "ring")
+    finally:
+        Segment.view = view
+    return len(made), buf.tolist()
+
+
+def test_repeated_collectives_reuse_their_views_into_peer_memory():
+    """A chunk's view into the peer's segment is carved once: the 4 KiB all-reduce spent a fifth of
+    its receive making it again every call."""
+    p, n = 3, 1000
+    for made, values in launch(_views_made, p, args=(n, 5), timeout=20):
+        assert made == 0
+        assert values == [float(sum(range(1, p + 1)))] * n
+
+
+def _peak_bytes(comm, n):
+    buf = comm.empty(n, np.float32)
+    buf[:] = comm.rank
+    allreduce(comm, buf, "ring")  # mappings and views made, outside the measurement
+    tracemalloc.start()
+    try:
+        buf[:] = comm.rank
+        allreduce(comm, buf, "ring")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert buf[0] == sum(range(comm.world_size))
+    return peak, comm.bytes_staged
+
+
+def test_a_shared_memory_allreduce_makes_no_temporary_and_no_copy():
+    """1 MiB per rank: numpy adds into the buffer itself (a temporary would trace 512 KiB) and
+    nothing is staged."""
+    n = 1 << 18
+    for peak, staged in launch(_peak_bytes, 2, args=(n,), timeout=20):
+        assert peak < 32 * 1024, f"{peak} bytes allocated during a {4 * n}-byte all-reduce"
+        assert staged == 0
+
+
+def _many_segments(comm, count, cache):
+    memory.VIEW_CACHE = cache
+    got = []
+    for i in range(count):
+        buf = comm.empty(8, np.int64)
+        if comm.rank == 0:
+            buf[:] = i
+            comm.send(buf, 1)
+        else:
+            comm.recv(buf, 0)
+            got.append(int(buf[0]))
+            mapped = set(comm._peers)
+            assert len(comm._peers) <= memory.PEER_CACHE
+            assert len(comm._views) <= cache
+            assert all(key[:2] in mapped for key in comm._views), "a view outlived its mapping"
+        comm.barrier()
+    return got
+
+
+def test_views_are_bounded_and_go_with_their_segment():
+    count = memory.PEER_CACHE + 8
+    assert launch(_many_segments, 2, args=(count, 5), timeout=20)[1] == list(range(count))
