@@ -1,11 +1,26 @@
-"""Alpha-beta-gamma cost of any schedule, computed by walking the schedule itself.
+"""Alpha-beta-gamma cost of any schedule, computed from the schedule itself, on any topology.
 
-The model (Hockney, extended with gamma by Thakur, Rabenseifner & Gropp 2005):
-sending a message of m bytes costs alpha + m beta; reducing m bytes costs m gamma.
-Ports are single and full-duplex: in one round a rank pays alpha per message and
-beta per byte for the *larger* of what it sends and what it receives (it can do
-both at once, but one message at a time in each direction), plus gamma for every
-byte it reduces. A round lasts as long as its slowest rank.
+The model (Hockney, extended with gamma by Thakur, Rabenseifner & Gropp 2005): sending a
+message of m bytes costs alpha + m beta; reducing m bytes costs m gamma. A message is what the
+executor sends: a round's consecutive chunks from one rank to one peer with one op
+(``dplab.reference.schedule.messages``), so Rabenseifner's half-buffer is one alpha.
+
+Ports are full duplex, one per kind of link (``dplab.reference.topology``): in one round a
+rank pays, on each port, alpha per message and beta per byte for the *larger* of what it sends
+and what it receives there; its two ports (inside the node, between nodes) work at once, so
+its round takes the slower port, plus gamma for every byte it reduces. A round lasts as long
+as its slowest rank. With one level (``Topology.flat(alpha, beta, gamma)``, what
+``cost(schedule, n, alpha, beta, gamma)`` prices) that is the classic single-port model.
+
+    cost(allreduce_schedule("ring", 8), 1 << 20, 5e-6, 1e-10, 0.0).time
+    cost(allreduce_schedule("hierarchical:8", 64), 1 << 20, topology=PRESETS["dgx-h100"]).time
+    curve(allreduce_schedule("ring", 4096), [1 << 10, 1 << 20, 1 << 30], PRESETS["dgx-h100"], 4)
+
+How it stays fast at p = 4096: the schedule is summarised once per topology (``cost_cells``:
+per round, the distinct (messages, chunks, reductions) a rank can have), then any number of
+sizes is priced from that summary. A size whose chunks are not all the same number of
+elements is priced exactly by ``cost`` (a second pass over the columns); ``curve`` prices it as
+the next multiple of the chunk count (every chunk its largest size, an upper bound).
 
 The closed forms from the literature are here too; tests check the walk against them.
 """
@@ -14,10 +29,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
+
+from dplab.reference.cost_cells import FIELDS, cell_blocks
+from dplab.reference.errors import ConfigError
 from dplab.reference.schedule import Schedule, chunk_bounds
+from dplab.reference.topology import Topology
 
-__all__ = ["Cost", "cost", "closed_form"]
+__all__ = ["Cost", "cost", "curve", "closed_form", "Summary", "summarize"]
 
 
 @dataclass(frozen=True)
@@ -28,31 +49,112 @@ class Cost:
     bytes_recv_max: int
 
 
-def cost(
-    schedule: Schedule, nbytes: int, alpha: float, beta: float, gamma: float, itemsize: int = 1
-) -> Cost:
-    """Price ``schedule`` for a buffer of ``nbytes`` (cut into chunks of whole ``itemsize`` elements)."""
-    p = schedule.world_size
-    chunk_bytes = [(b - a) * itemsize for a, b in chunk_bounds(nbytes // itemsize, schedule.num_chunks)]
-    total, sent, recv = 0.0, [0] * p, [0] * p
-    for rnd in schedule.rounds:
-        msgs_out, msgs_in = [0] * p, [0] * p
-        out, inn, reduced = [0] * p, [0] * p, [0] * p
-        for t in rnd:
-            m = chunk_bytes[t.chunk]
-            msgs_out[t.src] += 1
-            msgs_in[t.dst] += 1
-            out[t.src] += m
-            inn[t.dst] += m
-            if t.op == "reduce":
-                reduced[t.dst] += m
-        total += max(
-            alpha * max(msgs_out[r], msgs_in[r]) + beta * max(out[r], inn[r]) + gamma * reduced[r]
-            for r in range(p)
-        )
-        sent = [s + o for s, o in zip(sent, out)]
-        recv = [s + i for s, i in zip(recv, inn)]
-    return Cost(total, len(schedule.rounds), max(sent), max(recv))
+@dataclass(frozen=True, eq=False)
+class Summary:
+    """A schedule as the cost model sees it on one node size, whatever the message size.
+
+    Row q is a cell shape some rank has in round ``round[q]`` (``fields[q]``: FIELDS in chunks);
+    rows are sorted by round and ``first`` is where each round's rows begin."""
+
+    rounds: int
+    round: np.ndarray
+    fields: np.ndarray  # (rows, 5) int64
+    first: np.ndarray
+    sent_chunks: np.ndarray  # per rank, over the whole schedule
+    recv_chunks: np.ndarray
+
+
+def summarize(schedule: Schedule, ranks_per_node: int) -> Summary:
+    """The summary of ``schedule`` (computed once per schedule and node size, then kept)."""
+    g = min(max(ranks_per_node, 1), schedule.world_size)
+    return schedule.memo(("cost-summary", g), lambda: _summarize(schedule, g))
+
+
+def _summarize(schedule: Schedule, g: int) -> Summary:
+    t, p = schedule.table, schedule.world_size
+    rounds, fields = [], []
+    for r0, _, cells in cell_blocks(schedule, g):
+        r, u = _distinct_per_round([cells[name] for name in FIELDS])
+        rounds.append(r + r0)
+        fields.append(u)
+    rnd = np.concatenate(rounds) if rounds else np.zeros(0, np.int64)
+    fld = np.concatenate(fields) if fields else np.zeros((0, len(FIELDS)), np.int64)
+    first = np.flatnonzero(np.r_[True, rnd[1:] != rnd[:-1]]) if rnd.size else np.zeros(0, np.int64)
+    return Summary(len(t), rnd, fld, first, np.bincount(t.src, minlength=p), np.bincount(t.dst, minlength=p))
+
+
+def _distinct_per_round(f: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """(round, fields) rows, one per distinct cell shape in each round; ``f``: FIELDS as (rounds, p)."""
+    nr, p = f[0].shape
+    bits = [int(a.max()).bit_length() if a.size else 0 for a in f]
+    total = sum(bits)
+    if total + nr.bit_length() > 62:  # too wide to pack: sort rows
+        rows = np.stack([np.repeat(np.arange(nr), p)] + [a.ravel() for a in f], axis=1).astype(np.int64)
+        u = np.unique(rows, axis=0)
+        return u[:, 0], u[:, 1:]
+    key = np.repeat(np.arange(nr, dtype=np.int64), p)
+    for a, b in zip(f, bits):
+        key <<= b
+        key |= a.ravel().astype(np.int64, copy=False)
+    key = np.flatnonzero(np.bincount(key, minlength=1)) if nr << total <= 1 << 24 else np.unique(key)
+    out, shift = np.empty((key.size, len(bits)), np.int64), 0
+    for i in reversed(range(len(bits))):
+        out[:, i] = (key >> shift) & ((1 << bits[i]) - 1)
+        shift += bits[i]
+    return key >> total, out
+
+
+def _price(s: Summary, chunk_bytes: np.ndarray, topo: Topology) -> np.ndarray:
+    """Seconds for each uniform chunk size in ``chunk_bytes`` (S,)."""
+    if not s.round.size:
+        return np.zeros(chunk_bytes.shape)
+    f, b = s.fields.astype(float), np.asarray(chunk_bytes, float)[None, :]
+    intra = topo.intra.alpha * f[:, 0:1] + topo.intra.beta * f[:, 1:2] * b
+    inter = topo.inter.alpha * f[:, 2:3] + topo.inter.beta * f[:, 3:4] * b
+    cell = np.maximum(intra, inter) + topo.gamma * f[:, 4:5] * b
+    return np.maximum.reduceat(cell, s.first, axis=0).sum(axis=0)
+
+
+def _topology(alpha: Any, beta: Any, gamma: Any, topology: Topology | None) -> Topology:
+    if topology is not None:
+        if not (alpha is None and beta is None and gamma is None):
+            raise ConfigError("give either alpha, beta, gamma (one level) or topology=, not both")
+        return topology
+    if alpha is None or beta is None or gamma is None:
+        raise ConfigError("cost needs alpha, beta and gamma, or topology=Topology(...)")
+    return Topology.flat(alpha, beta, gamma)
+
+
+def cost(schedule: Schedule, nbytes: int, alpha: float | None = None, beta: float | None = None,
+         gamma: float | None = None, itemsize: int = 1, *, topology: Topology | None = None) -> Cost:
+    """Price ``schedule`` for a buffer of ``nbytes`` (cut into chunks of whole ``itemsize`` elements),
+    on one level (alpha, beta, gamma) or on ``topology``. Exact for every size."""
+    topo = _topology(alpha, beta, gamma, topology)
+    k, n = schedule.num_chunks, nbytes // itemsize
+    s = summarize(schedule, topo.ranks_per_node)
+    if n % k == 0:
+        b = n // k * itemsize
+        time = float(_price(s, np.array([b]), topo)[0])
+        return Cost(time, s.rounds, int(s.sent_chunks.max()) * b, int(s.recv_chunks.max()) * b)
+    chunk_bytes = np.array([(hi - lo) * itemsize for lo, hi in chunk_bounds(n, k)], dtype=float)
+    time = 0.0
+    for _, _, c in cell_blocks(schedule, min(topo.ranks_per_node, schedule.world_size), chunk_bytes):
+        intra = topo.intra.alpha * c["m_intra"] + topo.intra.beta * c["x_intra"]
+        inter = topo.inter.alpha * c["m_inter"] + topo.inter.beta * c["x_inter"]
+        time += float((np.maximum(intra, inter) + topo.gamma * c["red"]).max(axis=1).sum())
+    t, p = schedule.table, schedule.world_size
+    sent = np.bincount(t.src, chunk_bytes[t.chunk], minlength=p)
+    recv = np.bincount(t.dst, chunk_bytes[t.chunk], minlength=p)
+    return Cost(time, s.rounds, int(sent.max()), int(recv.max()))
+
+
+def curve(schedule: Schedule, sizes: Any, topology: Topology, itemsize: int = 1) -> np.ndarray:
+    """Seconds for each of ``sizes`` (bytes) at once. A size whose element count is not a multiple of
+    the chunk count is priced as the next multiple (every chunk at its largest): exact for the
+    others, an upper bound within one element per chunk for these (``cost`` is exact for all)."""
+    n = np.asarray(sizes, dtype=np.int64) // itemsize
+    k = schedule.num_chunks
+    return _price(summarize(schedule, topology.ranks_per_node), -(-n // k) * itemsize, topology)
 
 
 def closed_form(algorithm: str, p: int, n: float, alpha: float, beta: float, gamma: float) -> float:

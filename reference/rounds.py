@@ -1,0 +1,157 @@
+"""A schedule's rounds stored as columns of small integers: the storage that reaches p = 4096.
+
+The ring at p = 4096 has 2 (p - 1) rounds of p transfers: 33.5 million. As ``Transfer`` objects
+that is minutes and gigabytes; as four columns (src, dst, chunk, reduce) it is about 235 MB
+built in a second or two, and the cost model (``dplab.reference.costmodel``) prices it with
+vectorised numpy. The ``Transfer`` tuples that the executor, the simulator and the pictures
+read are built from these columns when asked (``Schedule.rounds``, at the small p they run at):
+the schedule is stored once, in one form.
+
+Algorithms build rounds either way; both give the same table:
+
+    Schedule("t", 3, 1, ((Transfer(1, 0, 0, "reduce"), Transfer(2, 0, 0, "reduce")),))
+    r = np.arange(p)                             # the ring's reduce-scatter, one line per round
+    Schedule("ring_reduce_scatter", p, p, [Round(r, (r + 1) % p, (r - k - 1) % p, "reduce")
+                                           for k in range(p - 1)])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+
+from dplab.reference.errors import DplabError
+
+__all__ = ["Op", "Transfer", "Round", "RoundTable", "ScheduleError"]
+
+Op = Literal["reduce", "copy"]
+
+
+class ScheduleError(DplabError, ValueError):
+    """A schedule that cannot be executed as written."""
+
+
+@dataclass(frozen=True)
+class Transfer:
+    src: int
+    dst: int
+    chunk: int
+    op: Op
+
+
+class Round:
+    """One round as arrays: transfer i is ``src[i] -> dst[i]`` of ``chunk[i]``, reduced or copied.
+
+    Scalars broadcast (``Round(r, (r + 1) % p, 0, "copy")``); ``op`` is "reduce", "copy" or an
+    array of them. Order is kept: it is the order the executor posts a rank's messages in."""
+
+    __slots__ = ("src", "dst", "chunk", "reduce")
+
+    def __init__(self, src: Any, dst: Any, chunk: Any, op: Any) -> None:
+        if isinstance(op, str):
+            ops = np.array([op])
+        else:
+            ops = np.unique(np.asarray(op))  # one op per transfer
+        bad = ops[~np.isin(ops, ("reduce", "copy"))]
+        if bad.size:
+            raise ScheduleError(f"unknown op {str(bad[0])!r}: a transfer either 'reduce's or 'copy's")
+        reduce = np.asarray(op) == "reduce" if ops.size > 1 else bool(ops.size and ops[0] == "reduce")
+        cols = [np.ravel(np.asarray(a)) for a in (src, dst, chunk)]
+        cols = [a if a.dtype.kind in "iu" else a.astype(np.int64) for a in cols]
+        if len({a.size for a in cols}) > 1 or np.ndim(reduce):
+            cols = [np.ravel(a) for a in np.broadcast_arrays(*cols, np.asarray(reduce))][:3]
+        self.src, self.dst, self.chunk = cols
+        self.reduce = np.ravel(np.broadcast_to(np.asarray(reduce, dtype=bool), cols[0].shape))
+
+    @classmethod
+    def of(cls, transfers: Iterable[Any], index: int = 0) -> Round:
+        """A tuple of ``Transfer`` as a Round (``index``: the round's number, for the error)."""
+        ts = tuple(transfers)
+        for t in ts:
+            if t.op not in ("reduce", "copy"):
+                raise ScheduleError(f"round {index}: unknown op {t.op!r} in {t}")
+        src, dst, chunk = (np.array([getattr(t, f) for t in ts], np.int64) for f in ("src", "dst", "chunk"))
+        return cls(src, dst, chunk, np.array([t.op for t in ts], dtype=object).astype(str) if ts else "copy")
+
+
+@dataclass(frozen=True, eq=False)
+class RoundTable:
+    """All rounds' transfers one after another; round i is rows ``starts[i]:starts[i + 1]``.
+
+    Columns are int16 when the world and the chunk count fit (p, k < 32768), else int32."""
+
+    src: np.ndarray
+    dst: np.ndarray
+    chunk: np.ndarray
+    reduce: np.ndarray  # bool: True for op 'reduce', False for 'copy'
+    starts: np.ndarray  # int64, len(rounds) + 1
+
+    @staticmethod
+    def build(rounds: Iterable[Any], world_size: int, num_chunks: int) -> RoundTable:
+        """From Rounds or tuples of Transfers (mixed is fine); the rows are range-checked here."""
+        if isinstance(rounds, RoundTable):
+            return rounds
+        dtype = np.int16 if max(world_size, num_chunks) < 2**15 else np.int32
+        cols: list[list[np.ndarray]] = [[], [], [], []]
+        counts = [0]
+        for i, rnd in enumerate(rounds):
+            r = rnd if isinstance(rnd, Round) else Round.of(rnd, i)
+            for a, limit in ((r.src, world_size), (r.dst, world_size), (r.chunk, num_chunks)):
+                if a.size and (a.min() < 0 or a.max() >= limit):
+                    out = ((r.src < 0) | (r.src >= world_size) | (r.dst < 0) | (r.dst >= world_size)
+                           | (r.chunk < 0) | (r.chunk >= num_chunks))
+                    j = int(np.flatnonzero(out)[0])
+                    bad = _transfer(r.src[j], r.dst[j], r.chunk[j], r.reduce[j])
+                    raise ScheduleError(f"round {i}: {bad} is out of range (p={world_size}, k={num_chunks})")
+            for col, a in zip(cols, (r.src, r.dst, r.chunk)):
+                col.append(a.astype(dtype))
+            cols[3].append(r.reduce)
+            counts.append(len(r.reduce))
+        src, dst, chunk = (np.concatenate(c) if c else np.zeros(0, dtype) for c in cols[:3])
+        reduce = np.concatenate(cols[3]) if cols[3] else np.zeros(0, bool)
+        return RoundTable(src, dst, chunk, reduce, np.cumsum(counts, dtype=np.int64))
+
+    def __len__(self) -> int:
+        return len(self.starts) - 1
+
+    @property
+    def num_transfers(self) -> int:
+        return int(self.starts[-1])
+
+    def round_ids(self, r0: int = 0, r1: int | None = None) -> np.ndarray:
+        """The round of every row of rounds r0..r1-1, numbered from 0 at r0."""
+        r1 = len(self) if r1 is None else r1
+        return np.repeat(np.arange(r1 - r0, dtype=np.int64), np.diff(self.starts[r0:r1 + 1]))
+
+    def transfers(self, i: int) -> tuple[Transfer, ...]:
+        a, b = int(self.starts[i]), int(self.starts[i + 1])
+        return tuple(_transfer(*row) for row in zip(self.src[a:b].tolist(), self.dst[a:b].tolist(),
+                                                     self.chunk[a:b].tolist(), self.reduce[a:b].tolist()))
+
+    def blocks(self, max_rows: int = 1 << 20, max_rounds: int | None = None) -> Iterator[tuple[int, int]]:
+        """Consecutive round ranges [r0, r1) of at most ``max_rows`` rows (a bigger round alone)."""
+        r0, n = 0, len(self)
+        while r0 < n:
+            r1 = int(np.searchsorted(self.starts, self.starts[r0] + max_rows, side="right")) - 1
+            r1 = max(r1, r0 + 1) if max_rounds is None else max(min(r1, r0 + max_rounds), r0 + 1)
+            yield r0, min(r1, n)
+            r0 = min(r1, n)
+
+    def equals(self, other: RoundTable) -> bool:
+        return all(np.array_equal(getattr(self, f), getattr(other, f))
+                   for f in ("starts", "src", "dst", "chunk", "reduce"))
+
+    @staticmethod
+    def concat(tables: Iterable[RoundTable]) -> RoundTable:
+        ts = list(tables)
+        offsets = np.cumsum([0] + [t.num_transfers for t in ts])
+        starts = np.concatenate([np.zeros(1, np.int64)] + [t.starts[1:] + o for t, o in zip(ts, offsets)])
+        return RoundTable(*(np.concatenate([getattr(t, f) for t in ts])
+                            for f in ("src", "dst", "chunk", "reduce")), starts)
+
+
+def _transfer(src: Any, dst: Any, chunk: Any, reduce: Any) -> Transfer:
+    return Transfer(int(src), int(dst), int(chunk), "reduce" if reduce else "copy")
