@@ -36,12 +36,15 @@ from dplab.reference.algorithms import ALLREDUCE
 from dplab.reference.costfit import CostFit
 from dplab.reference.errors import ConfigError, DplabError
 
-__all__ = ["TUNE_ENV", "DEFAULT_TUNE_PATH", "DEFAULT_FITS", "Tuning", "tune_path", "load_tuning",
-           "save_tuning", "current", "choose", "chosen", "backend_key", "reset"]
+__all__ = ["TUNE_ENV", "DEFAULT_TUNE_PATH", "DEFAULT_FITS", "NATIVE_CHECK", "Tuning", "tune_path",
+           "load_tuning", "save_tuning", "current", "choose", "chosen", "backend_key", "reset"]
 
 TUNE_ENV = "DPLAB_TUNE"
 DEFAULT_TUNE_PATH = "~/.cache/dplab/tune.json"
 _ALL = "all"
+# dplab's native all-reduce first all-reduces (n, dtype, -n, -dtype) as 4 int64s where the engine
+# cannot carry our check (MPI, gloo, NCCL; the local backend's is a tag): auto pays it, so prices it
+NATIVE_CHECK = (("mpi", "torch", "torch-nccl"), 32, 8)
 
 # (backend, world_size, algorithm, alpha s, beta s/B, gamma s/B): see the module docstring.
 DEFAULT_FITS: tuple[tuple[str, Any, str, float, float, float | None], ...] = (
@@ -75,8 +78,15 @@ class Tuning:
 
     def predict_s(self, backend: str, algorithm: str, world_size: int, nbytes: int,
                   itemsize: int = 4) -> float | None:
+        """Seconds for one all-reduce as ``allreduce(..., algorithm)`` runs it (``native``: with its
+        shape check where that is one more engine all-reduce, ``NATIVE_CHECK``)."""
         f = self.fit_for(backend, algorithm, world_size)
-        return None if f is None else f.predict_s(algorithm, world_size, nbytes, itemsize)
+        if f is None:
+            return None
+        t = f.predict_s(algorithm, world_size, nbytes, itemsize)
+        if algorithm == "native" and backend in NATIVE_CHECK[0]:
+            t += f.predict_s(algorithm, world_size, *NATIVE_CHECK[1:])
+        return t
 
     def candidates(self, backend: str) -> list[str]:
         """Every registered all-reduce, then ``native`` if this backend has a fit for it."""
@@ -161,11 +171,9 @@ def backend_key(comm: Any) -> str:
     return "torch-nccl" if name == "torch" and getattr(comm, "nccl", False) else name
 
 
-def chosen(comm: Any, flat: Any) -> str:
-    """What auto runs for the 1-D buffer ``flat`` (numpy array or torch tensor) on ``comm``."""
-    n = len(flat)
-    nbytes = int(flat.nbytes)
-    return choose(backend_key(comm), comm.world_size, nbytes, nbytes // n if n else 4)
+def chosen(comm: Any, buf: Any) -> str:
+    """What auto runs for ``buf`` (a numpy array or torch tensor, any shape) on ``comm``."""
+    return choose(backend_key(comm), comm.world_size, int(buf.nbytes), int(buf.itemsize))
 
 
 def reset() -> None:

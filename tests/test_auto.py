@@ -68,6 +68,18 @@ def test_the_most_specific_fit_prices_each_candidate_and_native_needs_its_own():
     assert tuning().choose("torch-nccl", 8, SMALL) == "native"  # nothing fitted: the engine's own
 
 
+def test_native_is_priced_with_its_shape_check_where_that_is_one_more_engine_call():
+    fits = [(b, "all", f, alpha, 1e-11, None) for b in ("local", "mpi")
+            for f, alpha in (("native", 10e-6), ("all", 25e-6))]
+    t = tuning(*fits)
+    check = t.fit_for("mpi", "native", 2).predict_s("native", 2, 32, 8)
+    assert t.predict_s("mpi", "native", 2, SMALL) == pytest.approx(
+        t.fit_for("mpi", "native", 2).predict_s("native", 2, SMALL) + check)
+    assert t.predict_s("local", "native", 2, SMALL) == t.fit_for("local", "native", 2).predict_s(
+        "native", 2, SMALL)  # the local backend's check is a tag: free
+    assert t.choose("local", 2, SMALL) == "native" and t.choose("mpi", 2, SMALL) != "native"
+
+
 def test_new_registry_entries_join_without_a_change_here(monkeypatch):
     monkeypatch.setitem(ALLREDUCE, "ring_again", ring.allreduce)
     t = tuning(("local", "all", "all", 10e-6, 1e-10, None), ("local", "all", "ring_again", 1e-9, 1e-12, None))
@@ -129,11 +141,12 @@ def _auto_sum(comm, sizes):
     return out
 
 
-def test_auto_runs_the_chosen_schedule_on_every_rank_and_the_trace_names_it(tune_env):
+def test_auto_runs_the_chosen_schedule_on_every_rank_and_the_trace_names_it(tune_env, backend):
     # tree is cheap per message, ring per byte: small buffers go to tree, large ones to ring
-    tune_env(("local", 3, "tree", 1e-6, 1e-9, None), ("local", 3, "ring", 1e-4, 1e-11, None),
-             ("local", "all", "all", 1.0, 1.0, None))
-    results = launch(_auto_sum, 3, args=((10, 1 << 18),))
+    tune_env(*[f for b in ("local", "mpi", "torch") for f in (
+        (b, 3, "tree", 1e-6, 1e-9, None), (b, 3, "ring", 1e-4, 1e-11, None),
+        (b, "all", "all", 1.0, 1.0, None))])
+    results = launch(_auto_sum, 3, backend=backend, args=((10, 1 << 18),))
     for per_rank in results:
         assert per_rank == [("tree", "tree", 0.0), ("ring", "ring", 0.0)]
 
@@ -189,3 +202,22 @@ def test_mixed_precision_under_auto_agrees_on_overflow_as_under_native(algorithm
     # auto may run the engine's own all-reduce, so, as for native, the overflow flag is all-reduced
     tune_env(("local", "all", "native", 1e-9, 1e-13, None), ("local", "all", "all", 1.0, 1.0, None))
     assert launch(_amp_step_with_an_inf_on_rank_0, 2, args=(algorithm,)) == [False, False]
+
+
+def _ddp_grad(comm):
+    torch = pytest.importorskip("torch")
+    from dplab.backends.nn.ddp import DDP
+
+    torch.manual_seed(0)
+    ddp = DDP(torch.nn.Linear(3, 2, dtype=torch.float64), comm, algorithm="auto")
+    x = torch.full((1, 3), float(comm.rank + 1), dtype=torch.float64)
+    ddp(x).sum().backward()
+    return ddp.module.weight.grad.numpy().copy()
+
+
+def test_ddp_takes_auto_and_averages_gradients(tune_env, backend):
+    pytest.importorskip("torch")
+    tune_env(*[(b, "all", "all", 10e-6, 1e-10, None) for b in ("local", "mpi", "torch")])
+    grads = launch(_ddp_grad, 2, backend=backend)
+    for g in grads:  # d(sum(W x))/dW = x: rank r's x is r + 1 everywhere, the mean is 1.5
+        np.testing.assert_array_equal(g, np.full((2, 3), 1.5))
