@@ -124,7 +124,7 @@ def allreduce(comm: Communicator, buf: np.ndarray, algorithm: str = "ring", op: 
     if op == "mean" and not _is_float(buf):
         raise ConfigError(f"op='mean' needs a floating-point buffer, got {buf.dtype}: use op='sum'")
     if algorithm == "auto":  # the one place auto resolves (reference/auto.py); the trace names the choice
-        algorithm = auto.chosen(comm, _flat(buf, getattr(comm, "backend", "")))
+        algorithm = auto.chosen(comm, buf)
     if algorithm == "native":
         flat = _flat(buf, getattr(comm, "backend", ""))
         with comm.tracer.span("allreduce", bytes=flat.nbytes, algorithm="native"):
