@@ -15,7 +15,7 @@ import json
 import threading
 import time
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,6 +23,8 @@ from typing import Any
 import numpy as np
 
 __all__ = ["Event", "Tracer", "align_clock", "merge", "save_json", "load_json", "to_chrome"]
+
+_OFF = nullcontext()  # every disabled tracer's span
 
 
 @dataclass(frozen=True)
@@ -54,11 +56,13 @@ class Tracer:
                 fields["thread"] = "comm"
             self.events.append(Event(self.rank, kind, t_start_ns, t_end_ns, **fields))
 
+    def span(self, kind: str, **fields: Any) -> AbstractContextManager[None]:
+        """Records ``kind`` around the block; when off, a shared do-nothing context (a generator's
+        costs ~2 µs, a tenth of a small all-reduce on shared memory)."""
+        return self._span(kind, fields) if self.enabled else _OFF
+
     @contextmanager
-    def span(self, kind: str, **fields: Any) -> Iterator[None]:
-        if not self.enabled:
-            yield
-            return
+    def _span(self, kind: str, fields: dict[str, Any]) -> Iterator[None]:
         t0 = self.now()
         try:
             yield

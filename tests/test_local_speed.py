@@ -124,3 +124,18 @@ def _many_segments(comm, count, cache):
 def test_views_are_bounded_and_go_with_their_segment():
     count = memory.PEER_CACHE + 8
     assert launch(_many_segments, 2, args=(count, 5), timeout=20)[1] == list(range(count))
+
+
+def test_a_disabled_tracer_spans_nothing_and_an_enabled_one_records():
+    """Every collective enters a span: off, it is one shared do-nothing context (a generator-based
+    context manager cost ~2 µs per collective, a tenth of a 4 KiB all-reduce)."""
+    from dplab.reference.trace import Tracer
+
+    off, on = Tracer(0), Tracer(1, enabled=True)
+    assert off.span("allreduce", bytes=4) is Tracer(2).span("reduce")
+    with on.span("allreduce", bytes=4, algorithm="ring"):
+        with off.span("allreduce"):
+            pass
+    (event,) = on.take()
+    assert (event.rank, event.kind, event.bytes, event.algorithm) == (1, "allreduce", 4, "ring")
+    assert event.t_end_ns >= event.t_start_ns and off.take() == []
