@@ -1,0 +1,115 @@
+"""Hierarchical (two-level) all-reduce: inside each node, then across nodes, then inside again.
+
+Every large cluster reduces this way. Ranks are grouped into nodes of g consecutive ranks
+(``"hierarchical:<g>"``; rank r is on node r // g, local index r % g), N = ceil(p / g) nodes.
+The buffer is cut into g pieces, and each piece into N sub-chunks (g N chunks; chunk
+c N + j is sub-chunk j of piece c):
+
+1. reduce-scatter inside each node (a ring over the node's ranks): local rank i ends with
+   piece i summed over its node;
+2. all-reduce across nodes, one ring per piece: the ranks that hold piece c (one per node, the
+   ranks with the same local index) run a ring all-reduce of its N sub-chunks; all g rings at
+   once, each on its own rank's inter-node link (a DGX has one NIC per GPU);
+3. all-gather inside each node (a ring): every rank ends with every piece.
+
+Each rank sends 2(g-1)/g n bytes inside its node and 2(N-1)/(N g) n across: 2(p-1)/p n in all,
+as the ring, but only a g-th of it on the slow links, and in 2(g-1) + 2(N-1) rounds instead of
+2(p-1). g = 1 (every rank its own node) and g >= p (one node) are the plain ring.
+
+A last node with fewer ranks (p not a multiple of g, s = p mod g ranks there): its local rank i
+holds every piece c with c mod s = i, so it runs several inter-node rings at once (pieces
+i, i + s, ...) and its intra-node ring moves those pieces together; it finishes its intra rounds
+early and waits. p = 4, g = 2 (nodes {0, 1} and {2, 3}; piece 0 is chunks a b, piece 1 is c d), drawn by
+``dplab.reference.pictures.render_rounds`` from the schedule below:
+
+    p = 4, chunks a b c d; "a01" holds rank 0's and rank 1's parts of chunk a
+    --x--> the receiver adds x, ==x==> it copies x
+    round 0
+      r0 [a0 b0 c0 d0]  --c0--> r1  --d0--> r1
+      r1 [a1 b1 c1 d1]  --a1--> r0  --b1--> r0
+      r2 [a2 b2 c2 d2]  --c2--> r3  --d2--> r3
+      r3 [a3 b3 c3 d3]  --a3--> r2  --b3--> r2
+    round 1
+      r0 [a01 b01 c0  d0]   --b01--> r2
+      r1 [a1  b1  c01 d01]  --d01--> r3
+      r2 [a23 b23 c2  d2]   --a23--> r0
+      r3 [a3  b3  c23 d23]  --c23--> r1
+    round 2
+      r0 [a0123 b01   c0    d0]     ==a0123==> r2
+      r1 [a1    b1    c0123 d01]    ==c0123==> r3
+      r2 [a23   b0123 c2    d2]     ==b0123==> r0
+      r3 [a3    b3    c23   d0123]  ==d0123==> r1
+    round 3
+      r0 [a0123 b0123 c0    d0]     ==a0123==> r1  ==b0123==> r1
+      r1 [a1    b1    c0123 d0123]  ==c0123==> r0  ==d0123==> r0
+      r2 [a0123 b0123 c2    d2]     ==a0123==> r3  ==b0123==> r3
+      r3 [a3    b3    c0123 d0123]  ==c0123==> r2  ==d0123==> r2
+    after round 3
+      r0 [a0123 b0123 c0123 d0123]
+      r1 [a0123 b0123 c0123 d0123]
+      r2 [a0123 b0123 c0123 d0123]
+      r3 [a0123 b0123 c0123 d0123]
+
+Rounds 0 and 3 are inside the nodes: each rank sends a whole piece, two consecutive chunks,
+as one message. Rounds 1 and 2 are the rings across nodes (two nodes: one round each way).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from dplab.reference.errors import ConfigError
+from dplab.reference.schedule import Round, Schedule
+
+__all__ = ["allreduce", "NODE_SIZE", "layout"]
+
+NODE_SIZE = 2  # the default g: at the small world sizes tests run, two levels show up from p = 3
+
+
+def layout(p: int, g: int) -> tuple[int, int, list[int]]:
+    """(g, N, node sizes) with g clipped to p: g ranks per node, the last node possibly smaller."""
+    if g < 1:
+        raise ConfigError(f"hierarchical:{g}: a node holds at least one rank")
+    g = min(g, p)
+    n = -(-p // g)
+    return g, n, [min(g, p - x * g) for x in range(n)]
+
+
+def _intra(g: int, n: int, sizes: list[int], k: int, shift: int, op: str) -> Round:
+    """Round k of a ring inside every node: local rank i sends the pieces c with c mod s = (i - k
+    - shift) mod s (s its node's size; c = that one in a full node), all N sub-chunks of each (one
+    message: sub-chunks c N .. c N + N - 1 are consecutive), to local rank i + 1."""
+    full = sum(1 for s in sizes if s == g) if g > 1 and k < g - 1 else 0
+    r = np.arange(full * g)
+    i = r % g
+    parts = [(np.repeat(r, n), np.repeat(r - i + (i + 1) % g, n),
+              np.repeat((i - k - shift) % g * n, n) + np.tile(np.arange(n), r.size))]
+    s = sizes[-1]
+    if s < g and k < s - 1:  # the smaller last node: each rank sends all the pieces it holds
+        base = (len(sizes) - 1) * g
+        for i in range(s):
+            pieces = [c for c in range(g) if c % s == (i - k - shift) % s]
+            chunks = np.concatenate([c * n + np.arange(n) for c in pieces])
+            parts.append((np.full(chunks.size, base + i), np.full(chunks.size, base + (i + 1) % s), chunks))
+    return Round(*(np.concatenate(cols) for cols in zip(*parts)), op)
+
+
+def _inter(g: int, n: int, sizes: list[int], k: int, shift: int, op: str) -> Round:
+    """Round k of the g rings across nodes: on piece c's ring, node x's holder sends sub-chunk
+    (x - k - shift) mod N to node x + 1's holder."""
+    c, x = np.meshgrid(np.arange(g), np.arange(n), indexing="ij")  # (piece, node)
+    size = np.asarray(sizes)[x]
+    holder = x * g + c % size
+    nxt = (x + 1) % n
+    to = nxt * g + c % np.asarray(sizes)[nxt]
+    sub = (x - k - shift) % n
+    return Round(holder.ravel(), to.ravel(), (c * n + sub).ravel(), op)
+
+
+def allreduce(p: int, g: int = NODE_SIZE) -> Schedule:
+    g, n, sizes = layout(p, g)
+    rounds = [_intra(g, n, sizes, k, 1, "reduce") for k in range(g - 1)]
+    rounds += [_inter(g, n, sizes, k, 1, "reduce") for k in range(n - 1)]
+    rounds += [_inter(g, n, sizes, k, 0, "copy") for k in range(n - 1)]
+    rounds += [_intra(g, n, sizes, k, 0, "copy") for k in range(g - 1)]
+    return Schedule("hierarchical", p, g * n, rounds)
