@@ -20,23 +20,43 @@ from collections.abc import Callable
 from functools import lru_cache
 from typing import Any
 
-from dplab.reference.algorithms import direct, naive, ring, tree
+from dplab.reference.algorithms import (
+    direct,
+    double_tree,
+    hierarchical,
+    naive,
+    pipelined,
+    rabenseifner,
+    recursive_doubling,
+    ring,
+    tree,
+)
 from dplab.reference.errors import ConfigError
 from dplab.reference.schedule import Schedule
 
 __all__ = ["ALLREDUCE", "SCATTER", "ROOTED", "PARAMETRIC", "ALGORITHMS", "SCATTER_ALGORITHMS",
-           "allreduce_schedule", "split_name", "lookup", "has_schedule", "direct", "naive", "ring", "tree"]
+           "allreduce_schedule", "split_name", "lookup", "has_schedule", "direct", "naive", "ring", "tree",
+           "recursive_doubling", "rabenseifner", "double_tree", "pipelined", "hierarchical"]
 
 ALLREDUCE: dict[str, Callable[..., Schedule]] = {
     "naive": naive.allreduce, "ring": ring.allreduce, "tree": tree.allreduce, "direct": direct.allreduce,
+    "recursive_doubling": recursive_doubling.allreduce, "rabenseifner": rabenseifner.allreduce,
+    "double_tree": double_tree.allreduce, "pipelined_tree": pipelined.pipelined_tree,
+    "pipelined_ring": pipelined.pipelined_ring,
+    "hierarchical": hierarchical.allreduce,
 }
 SCATTER: dict[str, tuple[Callable[..., Schedule], Callable[..., Schedule]]] = {
     "ring": (ring.reduce_scatter, ring.allgather), "direct": (direct.reduce_scatter, direct.allgather),
+    "rabenseifner": (rabenseifner.reduce_scatter, rabenseifner.allgather),
 }
 ROOTED: dict[str, tuple[Callable[..., Schedule], Callable[..., Schedule]]] = {
     "tree": (tree.reduce, tree.broadcast), "naive": (naive.reduce, naive.broadcast),
 }
-PARAMETRIC: dict[str, int] = {}  # name -> the default of its integer parameter
+PARAMETRIC: dict[str, int] = {
+    "double_tree": pipelined.TREE_PIECES, "pipelined_tree": pipelined.TREE_PIECES,
+    "pipelined_ring": pipelined.RING_SLICES,
+    "hierarchical": hierarchical.NODE_SIZE,
+}  # name -> the default of its integer parameter
 ALGORITHMS = (*ALLREDUCE, "native")  # what an all-reduce may be asked to run
 SCATTER_ALGORITHMS = tuple(SCATTER)  # what reduce-scatter, all-gather (and so ZeRO, FSDP) may run
 
