@@ -38,7 +38,8 @@ from dplab.reference.errors import ConfigError
 from dplab.reference.schedule import Schedule, chunk_bounds
 from dplab.reference.topology import Topology
 
-__all__ = ["Cost", "cost", "curve", "closed_form", "Summary", "summarize"]
+__all__ = ["Cost", "cost", "curve", "closed_form", "Summary", "summarize", "Regions", "best_regions",
+           "region_algorithms"]
 
 
 @dataclass(frozen=True)
@@ -157,6 +158,66 @@ def curve(schedule: Schedule, sizes: Any, topology: Topology, itemsize: int = 1)
     return _price(summarize(schedule, topology.ranks_per_node), -(-n // k) * itemsize, topology)
 
 
+@dataclass(frozen=True, eq=False)
+class Regions:
+    """Seconds of every algorithm at every (p, size): ``times[a, i, j]`` for ``algorithms[a]``, ``ps[i]``,
+    ``sizes[j]``; ``winner[i, j]`` is the index of the cheapest."""
+
+    topology: Topology
+    algorithms: tuple[str, ...]
+    ps: tuple[int, ...]
+    sizes: tuple[int, ...]
+    times: np.ndarray
+
+    @property
+    def winner(self) -> np.ndarray:
+        return np.argmin(self.times, axis=0)
+
+    def table(self) -> str:
+        """The winner per (p, size) as text: one row per p, one column per size."""
+        names = [_short(s) for s in self.sizes]
+        width = max(len(a) for a in self.algorithms)
+        lines = ["p \\ size".ljust(7) + " ".join(n.rjust(width) for n in names)]
+        for i, p in enumerate(self.ps):
+            lines.append(str(p).ljust(7) + " ".join(self.algorithms[w].rjust(width) for w in self.winner[i]))
+        return "\n".join(lines)
+
+
+def _short(nbytes: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if nbytes >= 1 << shift:
+            return f"{nbytes / (1 << shift):g}{unit}"
+    return f"{nbytes}B"
+
+
+def region_algorithms(topology: Topology) -> tuple[str, ...]:
+    """Every registered all-reduce, a parametric one at its default; hierarchical with the topology's
+    node size (with one rank per node it is the ring, so it is left out)."""
+    from dplab.reference.algorithms import ALLREDUCE
+
+    names = [a for a in ALLREDUCE if a != "hierarchical"]
+    if topology.ranks_per_node > 1 and "hierarchical" in ALLREDUCE:
+        names.append(f"hierarchical:{topology.ranks_per_node}")
+    return tuple(names)
+
+
+def best_regions(topology: Topology, ps: Any, sizes: Any, algorithms: Any = None,
+                 itemsize: int = 4) -> Regions:
+    """Price ``algorithms`` (default ``region_algorithms``) at every p and size on ``topology`` with
+    ``curve`` (sizes rounded up to whole chunks). Schedules are built and dropped one at a time,
+    not cached: the ring at p = 4096 alone is 235 MB of columns."""
+    from dplab.reference.algorithms import ALLREDUCE, lookup
+
+    algs = tuple(algorithms or region_algorithms(topology))
+    sz = np.asarray(sizes, dtype=np.int64)
+    times = np.empty((len(algs), len(ps), sz.size))
+    for a, name in enumerate(algs):
+        fn, extra = lookup(ALLREDUCE, name, "all-reduce")
+        for i, p in enumerate(ps):
+            times[a, i] = curve(fn(int(p), *extra), sz, topology, itemsize)
+    return Regions(topology, algs, tuple(int(p) for p in ps), tuple(int(s) for s in sz), times)
+
+
 def closed_form(algorithm: str, p: int, n: float, alpha: float, beta: float, gamma: float) -> float:
     """Textbook all-reduce times for n bytes (tree: exact for powers of two)."""
     if p == 1:
@@ -170,4 +231,11 @@ def closed_form(algorithm: str, p: int, n: float, alpha: float, beta: float, gam
         return 2 * (p - 1) * alpha + 2 * (p - 1) * n * beta + (p - 1) * n * gamma
     if algorithm == "direct":
         return 2 * (p - 1) * alpha + 2 * (p - 1) / p * n * beta + (p - 1) / p * n * gamma
+    m, fold = p.bit_length() - 1, p & (p - 1) != 0  # p' = 2^m ranks after the fold (MPICH's)
+    if algorithm == "recursive_doubling":  # the fold: a reducing round and a copying round more
+        return (m + 2 * fold) * (alpha + n * beta) + (m + fold) * n * gamma
+    if algorithm == "rabenseifner":  # exact when p' divides n
+        q = 1 << m
+        return ((2 * m + 2 * fold) * alpha + (2 * (q - 1) / q + 2 * fold) * n * beta
+                + ((q - 1) / q + fold) * n * gamma)
     raise ValueError(f"no closed form for {algorithm!r}")
