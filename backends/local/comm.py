@@ -17,12 +17,16 @@ collective's code (``check_buffer``), so a rank that called another collective, 
 root is named at the first message it receives; a rank that only sends and waits for a peer
 to take its message looks at the peer's own waiting message (its tag) now and then, which
 catches two ranks that both only send.
+
+A small message's time is Python, not bytes (``dplab bench --backends local,mpi --sizes 4K``), so
+the hot path keeps it short: descriptors go through a flat int64 memoryview of the mailboxes,
+the views into a peer's segment are made once per chunk and kept (``memory.py``), and a wait
+spins briefly before it sleeps (``waits.py``).
 """
 
 from __future__ import annotations
 
 import os
-import time
 from collections import OrderedDict, deque
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -32,6 +36,7 @@ import numpy as np
 
 from dplab.backends.local.memory import PEER_CACHE, SegmentMemory
 from dplab.backends.local.shm import Segment
+from dplab.backends.local.waits import Waits, wait_policy
 from dplab.backends.local.wiring import SLOTS, Wiring, process_alive
 from dplab.reference.communicator import (
     ANY_SOURCE,
@@ -39,7 +44,6 @@ from dplab.reference.communicator import (
     BufferMismatch,
     Collective,
     CommError,
-    CommTimeout,
     Communicator,
     RecvSpec,
     SendSpec,
@@ -54,7 +58,6 @@ __all__ = ["Wiring", "LocalComm", "PEER_CACHE"]
 ANY_TAG = -1
 _DTYPES = [np.dtype(t) for t in ("uint8", "float32", "float64", "int32", "int64", "float16")]
 _CODE = {dt: i for i, dt in enumerate(_DTYPES)}
-_PEEK_S = (1e-3, 0.25)  # a sender waiting this long looks at the peer's own message, then doubles
 _code = lru_cache(maxsize=4096)(Collective.code)  # a collective's tag, once per (kind, algorithm, root)
 
 
@@ -76,7 +79,7 @@ class _RecvRequest:
         return self.source
 
 
-class LocalComm(SegmentMemory, Communicator):
+class LocalComm(SegmentMemory, Waits, Communicator):
     backend = "local"
 
     def __init__(self, wiring: Wiring, rank: int) -> None:
@@ -100,11 +103,7 @@ class LocalComm(SegmentMemory, Communicator):
         self._any_next = 0
         self._tag = 0  # the tag of the running collective's messages (its code; see check_buffer)
         self._next_id = 0
-        # Spinning pays when every rank has a core to itself; when ranks outnumber cores, a waiting
-        # rank yields its core a few times (to the peer it waits for, likely) before it sleeps.
-        own_core = p <= len(os.sched_getaffinity(0))
-        self._spin = int(os.environ.get("DPLAB_SPIN", "200")) if own_core else 0
-        self._yields = 0 if own_core else int(os.environ.get("DPLAB_YIELDS", "0"))
+        self._spin, self._yields = wait_policy(p)
         self.bytes_staged = 0  # copies made because a send buffer was not in shared memory
         if wiring.pids is not None:
             wiring.pids[rank] = os.getpid()  # for peer_alive: dead or merely slow?
@@ -162,8 +161,10 @@ class LocalComm(SegmentMemory, Communicator):
         return ((src * self.world_size + dst) * SLOTS + seq % SLOTS) * 5
 
     def _wait_ack(self, dst: int, seq: int, peek: bool = False) -> None:
+        done = self.w.done[self.rank][dst]
         while self._acked[dst] <= seq:
-            self._acquire(self.w.done[self.rank][dst], "to take its message", dst, peek)
+            if not done.acquire(False):
+                self._acquire(done, "to take its message", dst, peek)
             self._acked[dst] += 1
         while self._staged_seqs and self._acked[self._staged_seqs[0][0]] > self._staged_seqs[0][1]:
             self._staged_seqs.popleft()
@@ -214,60 +215,6 @@ class LocalComm(SegmentMemory, Communicator):
                 "length and dtype to a collective")
         raise CommError(f"rank {me} expected tag {tag} from rank {src}, got tag {mtag}: "
                         "messages between two ranks are matched in order")
-
-    def _wait_any(self) -> int:
-        me, p = self.rank, self.world_size
-        deadline = time.monotonic() + self.timeout
-        while True:
-            for i in range(p):
-                src = (self._any_next + i) % p
-                if src != me and self.w.ready[src][me].acquire(False):
-                    self._any_next = src + 1
-                    return src
-            left = deadline - time.monotonic()
-            if left <= 0 or not self.w.arrival[me].acquire(timeout=left):
-                raise CommTimeout(f"rank {me} waited {self.timeout:.0f}s for a message from any "
-                                  "rank: is a peer dead or stuck? (set DPLAB_TIMEOUT to wait longer)")
-
-    def _acquire(self, sem, what: str, peer: int, peek: bool = False) -> None:
-        """Spin briefly (a futex wake-up costs tens of microseconds), then sleep until the timeout;
-        with ``peek`` (a collective's sender waiting for ``peer``), sleep in doubling slices and
-        look at ``peer``'s waiting message in between (``_peek``)."""
-        for _ in range(self._spin):
-            if sem.acquire(False):
-                return
-        for _ in range(self._yields):
-            if sem.acquire(False):
-                return
-            os.sched_yield()
-        deadline, nap = time.monotonic() + self.timeout, _PEEK_S[0]
-        while peek and self._tag >= COLLECTIVE_TAG:
-            left = deadline - time.monotonic()
-            if sem.acquire(timeout=max(min(nap, left), 0)):
-                return
-            if left <= nap:
-                break
-            self._peek(peer, sem)
-            nap = min(2 * nap, _PEEK_S[1])
-        else:
-            if sem.acquire(timeout=self.timeout):
-                return
-        raise CommTimeout(f"rank {self.rank} waited {self.timeout:.0f}s for rank {peer} {what}: "
-                          "is that rank dead or stuck? (set DPLAB_TIMEOUT to wait longer)")
-
-    def _peek(self, peer: int, done) -> None:
-        """Waiting for ``peer`` to take this collective's message: if ``peer`` has posted one of
-        another collective to us, it is in that one (it cannot have finished ours without taking
-        our message, and its earlier ones we took): both may only be sending, so say so now.
-        Unless it took ours since we last looked (``done`` posted, then its next collective's
-        message): then that message is legitimately ahead of us and the ack is ours to take."""
-        if self.w.ready[peer][self.rank].get_value() > 0:
-            mtag = self._ctl[self._slot(peer, self.rank, self._recv_seq[peer]) + 4]
-            if mtag != self._tag and mtag >= COLLECTIVE_TAG:
-                if done.acquire(False):  # taken after all: give the ack back to _acquire's caller
-                    done.release()
-                    return
-                raise collective_mismatch(self.rank, self._tag, peer, mtag)
 
     def _check_peer(self, peer: int, any_ok: bool = False) -> None:
         if any_ok and peer == ANY_SOURCE:
