@@ -16,11 +16,14 @@ from __future__ import annotations
 import streamlit as st
 
 from dplab.reference.algorithms import ALLREDUCE
+from dplab.reference.costmodel import best_regions
 from dplab.reference.errors import DplabError
+from dplab.reference.topology import PRESETS
 from dplab.viz.cost import CostParams, busbw_line, format_bytes
 from dplab.viz.cost_crossovers import coinciding, coinciding_sentence, merged_crossovers
 from dplab.viz.cost_figure import cost_figure
 from dplab.viz.cost_fit import fit_alpha_beta, fit_table, load_bench_json, residual_figure, run_bench
+from dplab.viz.cost_regions import REGION_SIZES, WORLD_SIZES, regions_figure
 
 ALPHA_US = (0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0)
 BETA_GBPS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 12.5, 25.0, 50.0, 100.0, 200.0, 400.0)
@@ -196,4 +199,18 @@ if rows and not at_p:
 with figure_slot:
     st.plotly_chart(cost_figure(params, st.session_state["cost_y"], measured=rows, fitted=fitted),
                     key="cost_figure")
+
+
+@st.cache_data(show_spinner="pricing every schedule at every world size ...")
+def _regions(preset: str, max_p: int):  # noqa: ANN202 - a cached Regions
+    return best_regions(PRESETS[preset], [p for p in WORLD_SIZES if p <= max_p], REGION_SIZES)
+
+
+st.subheader("Which all-reduce wins where")
+if st.toggle("Map the cheapest schedule per (world size, message size) on a cluster", key="regions_on"):
+    preset = st.selectbox("topology", list(PRESETS), key="regions_topology")
+    max_p = st.select_slider("largest world size", options=WORLD_SIZES[2:], value=64, key="regions_max_p",
+                             help="every schedule is built and priced at each p: 4096 takes minutes")
+    st.caption(PRESETS[preset].source)
+    st.plotly_chart(regions_figure(_regions(preset, max_p)), key="cost_regions")
 to_url()
