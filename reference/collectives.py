@@ -28,6 +28,8 @@ past the dtype's largest value (65504 for float16) is inf: that is how loss scal
 
 from __future__ import annotations
 
+import threading
+import weakref
 from functools import lru_cache
 from typing import Any
 
@@ -37,7 +39,7 @@ from dplab.reference import auto
 from dplab.reference.algorithms import ROOTED, SCATTER, allreduce_schedule, lookup
 from dplab.reference.communicator import Collective, Communicator, RecvSpec, SendSpec, require_writable
 from dplab.reference.errors import ConfigError
-from dplab.reference.schedule import Schedule, Transfer, chunk_bounds
+from dplab.reference.schedule import Message, Schedule, chunk_bounds, messages_of
 
 __all__ = ["allreduce", "reduce_scatter", "allgather", "broadcast", "reduce", "run_schedule", "schedule_plan"]
 
@@ -45,18 +47,59 @@ _DTYPES = ("float16", "float32", "float64", "int32", "int64")  # numpy arrays, o
 _TORCH_DTYPES = (*_DTYPES, "bfloat16")  # torch tensors, on the torch backend
 _NUMPY_DTYPES = frozenset(np.dtype(t) for t in _DTYPES)
 
-Plan = list[tuple[list[Transfer], list[Transfer]]]
+Plan = list[tuple[list[Message], list[Message]]]  # per round, this rank's (sends, receives)
 
 
 def run_schedule(comm: Communicator, buf: Any, schedule: Schedule, plan: Plan | None = None) -> None:
-    """Execute ``schedule`` on this rank's ``buf`` (1-D, contiguous array or tensor), round by round."""
-    plan = plan if plan is not None else schedule.transfers_of(comm.rank)
+    """Execute ``schedule`` on this rank's ``buf`` (1-D, contiguous array or tensor), round by round.
+
+    A round's chunks to one peer that are consecutive go as one message (``messages_of``). A
+    message of chunks this rank also receives into in the same round (recursive doubling's
+    exchange) is sent from a snapshot: zero-copy transports read the sent memory while the
+    receive adds into it. Schedules without such exchanges send straight out of ``buf``."""
+    plan = plan if plan is not None else messages_of(schedule, comm.rank)
     bounds = chunk_bounds(len(buf), schedule.num_chunks)
     for k, (sends, recvs) in enumerate(plan):
         if sends or recvs:
-            comm.exchange([SendSpec(buf[slice(*bounds[t.chunk])], t.dst, t.chunk) for t in sends],
-                          [RecvSpec(buf[slice(*bounds[t.chunk])], t.src, t.chunk, t.op == "reduce")
-                           for t in recvs], round=k, algorithm=schedule.name)
+            out = [buf[bounds[m.chunk][0]:bounds[m.stop - 1][1]] for m in sends]
+            if any(m.snapshot for m in sends):
+                out = _snapshots(comm, buf, sends, out)
+            comm.exchange([SendSpec(b, m.dst, m.chunk) for b, m in zip(out, sends)],
+                          [RecvSpec(buf[bounds[m.chunk][0]:bounds[m.stop - 1][1]], m.src, m.chunk,
+                                    m.op == "reduce") for m in recvs], round=k, algorithm=schedule.name)
+
+
+_SCRATCH = threading.local()  # per thread (DDP's comm thread has its own): comm -> {dtype: scratch}
+
+
+def _snapshots(comm: Communicator, buf: Any, sends: list[Message], out: list[Any]) -> list[Any]:
+    """``out`` with each snapshot message replaced by a copy of it in scratch from ``comm.empty``
+    (shared memory on the local backend, so the copy itself still goes without staging). The
+    scratch is kept per communicator and reused: a round's sends are done when ``exchange``
+    returns. Its bytes count as the transport's staged bytes where it counts them (local)."""
+    spans = {(m.chunk, m.stop): b for b, m in zip(out, sends) if m.snapshot}
+    scratch = _scratch(comm, buf, sum(len(b) for b in spans.values()))
+    copies, off = {}, 0
+    for span, b in spans.items():
+        copies[span] = scratch[off:off + len(b)]
+        copies[span][:] = b
+        off += len(b)
+    if hasattr(comm, "bytes_staged"):
+        comm.bytes_staged += off * (buf.itemsize if isinstance(buf, np.ndarray) else buf.element_size())
+    return [copies[(m.chunk, m.stop)] if m.snapshot else b for b, m in zip(out, sends)]
+
+
+def _scratch(comm: Communicator, buf: Any, n: int) -> Any:
+    """At least ``n`` elements of ``buf``'s dtype (and device), grown as needed, then reused."""
+    cache = getattr(_SCRATCH, "by_comm", None)
+    if cache is None:
+        cache = _SCRATCH.by_comm = weakref.WeakKeyDictionary()
+    mine = cache.setdefault(comm, {})
+    key = (str(buf.dtype), str(getattr(buf, "device", "")))
+    have = mine.get(key)
+    if have is None or len(have) < n:
+        have = mine[key] = comm.empty(n, buf.dtype) if isinstance(buf, np.ndarray) else buf.new_empty(n)
+    return have[:n]
 
 
 @lru_cache(maxsize=1024)
@@ -70,7 +113,7 @@ def schedule_plan(kind: str, algorithm: str, p: int, rank: int, root: int = 0) -
     else:
         pair, extra = lookup(ROOTED, algorithm, kind)
         s = pair[kind == "broadcast"](p, root, *extra)
-    return s, s.transfers_of(rank)
+    return s, messages_of(s, rank)
 
 
 def _flat(buf: Any, backend: str = "") -> Any:

@@ -39,32 +39,36 @@ def initial_holdings(p: int, k: int) -> np.ndarray:
 
 
 def simulate(schedule: Schedule, buffers: list[np.ndarray] | None = None) -> Simulation:
-    """Apply every round; a send carries the chunk as it was at the start of the round."""
+    """Apply every round; a send carries the chunk as it was at the start of the round (so two
+    ranks may exchange one chunk in one round: recursive doubling). Provenance moves per round
+    as whole arrays (p = 64 in milliseconds); values chunk by chunk."""
     p, k = schedule.world_size, schedule.num_chunks
-    holding = initial_holdings(p, k)
-    history = [holding.copy()]
+    history = [initial_holdings(p, k)]
     bufs = None
     if buffers is not None:
         if len(buffers) != p:
             raise ValueError(f"need {p} buffers, got {len(buffers)}")
-        bufs = [np.array(b, copy=True).reshape(-1) for b in buffers]
-        bounds = chunk_bounds(bufs[0].size, k)
+        bufs = np.stack([np.array(b, copy=True).reshape(-1) for b in buffers])
+        bounds = chunk_bounds(bufs.shape[1], k)
     for rnd in schedule.rounds:
-        before = holding.copy()
-        values = [b.copy() for b in bufs] if bufs is not None else None
-        for t in rnd:
-            if t.op == "reduce":
-                holding[t.dst, t.chunk] += before[t.src, t.chunk]
-            else:
-                holding[t.dst, t.chunk] = before[t.src, t.chunk]
-            if bufs is not None:
+        before = history[-1]  # the state at the start of the round: what every send carries
+        holding = before.copy()
+        if rnd:
+            src, dst, chunk, red = (np.array(c) for c in zip(*((t.src, t.dst, t.chunk, t.op == "reduce")
+                                                                for t in rnd)))
+            cp = ~red  # validate() refuses a copy into a chunk that anything else lands in that round
+            holding[dst[cp], chunk[cp]] = before[src[cp], chunk[cp]]
+            np.add.at(holding, (dst[red], chunk[red]), before[src[red], chunk[red]])
+        if bufs is not None:
+            values = bufs.copy()
+            for t in rnd:
                 a, b = bounds[t.chunk]
                 if t.op == "reduce":
-                    bufs[t.dst][a:b] += values[t.src][a:b]
+                    bufs[t.dst, a:b] += values[t.src, a:b]
                 else:
-                    bufs[t.dst][a:b] = values[t.src][a:b]
-        history.append(holding.copy())
-    return Simulation(schedule, history, bufs)
+                    bufs[t.dst, a:b] = values[t.src, a:b]
+        history.append(holding)
+    return Simulation(schedule, history, list(bufs) if bufs is not None else None)
 
 
 def is_allreduce(sim: Simulation) -> bool:

@@ -17,7 +17,7 @@ import textwrap
 import numpy as np
 import pytest
 
-from dplab.reference.algorithms import direct, naive, ring, tree
+from dplab.reference.algorithms import direct, naive, rabenseifner, recursive_doubling, ring, tree
 from dplab.reference.pictures import render_arrows, render_rounds, render_timeline, render_tree
 from dplab.reference.ps import trainer as ps_trainer
 from dplab.reference.ps.aggregate import Aggregator
@@ -112,6 +112,9 @@ PICTURES = {  # (module whose docstring holds it, how the code draws it today)
     "direct": (direct, lambda: render_rounds(direct.allreduce(3))),
     "tree rounds": (tree, lambda: render_arrows(tree.reduce(6))),
     "tree paths": (tree, lambda: render_tree(tree.reduce(6))),
+    "recursive doubling": (recursive_doubling, lambda: render_rounds(recursive_doubling.allreduce(6))),
+    "rabenseifner": (rabenseifner, lambda: render_rounds(rabenseifner.allreduce(4))),
+    "rabenseifner fold": (rabenseifner, lambda: render_rounds(rabenseifner.reduce_scatter(3))),
     "buckets": (buckets_mod, lambda: render_timeline(
         bucket_events(), 1, lane=lambda e: e.thread, lanes=["main", "comm"])),
     "backup workers": (ps_trainer, lambda: render_timeline(

@@ -192,16 +192,23 @@ def sentence(index: int, rounds: int, phase: str, transfers: tuple[Transfer, ...
 def closed_form_bytes(cfg: CollectiveConfig) -> int:
     """The textbook count of bytes the busiest rank sends (n divisible by p): what the walk is
     compared with. Ring/direct move (p-1)/p of the buffer per half; a tree's root sends it once
-    per level; a naive root once per other rank."""
+    per level; a naive root once per other rank; recursive doubling the whole buffer per round,
+    Rabenseifner the ring's bytes, each + the whole buffer again where p is not a power of two."""
     p, n = cfg.world_size, cfg.nbytes
     if p == 1:
         return 0
     lg = math.ceil(math.log2(p))
+    m = p.bit_length() - 1  # the fold leaves q = 2^m ranks; rem of them took a partner's part
+    q, fold = 1 << m, p > 1 << m
+    gathered = sum(d + min(d, p - q) for d in (1 << i for i in range(m)))  # rank 0's doubling, in chunks
     per_algorithm = {
         "allreduce": {"ring": 2 * (p - 1) * n // p, "direct": 2 * (p - 1) * n // p, "tree": lg * n,
-                      "naive": (p - 1) * n},
-        "reduce_scatter": {"ring": (p - 1) * n // p, "direct": (p - 1) * n // p},
-        "allgather": {"ring": (p - 1) * n // p, "direct": (p - 1) * n // p},
+                      "naive": (p - 1) * n, "recursive_doubling": (m + fold) * n,
+                      "rabenseifner": 2 * (q - 1) * n // q + fold * n},
+        "reduce_scatter": {"ring": (p - 1) * n // p, "direct": (p - 1) * n // p,
+                           "rabenseifner": n if fold else (p - 1) * n // p},  # the fold sends it all
+        "allgather": {"ring": (p - 1) * n // p, "direct": (p - 1) * n // p,
+                      "rabenseifner": (gathered + fold * (p - 1)) * n // p},
         "broadcast": {"tree": lg * n, "naive": (p - 1) * n},
         "reduce": {"tree": n, "naive": n},
     }

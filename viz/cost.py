@@ -39,7 +39,8 @@ __all__ = ["CostParams", "COLORS", "Y_AXES", "DASHES", "size_grid", "model_time"
            "features", "to_y", "format_bytes", "busbw_line"]
 
 COLORS = {"naive": "#7f7f7f", "ring": "#1f77b4", "tree": "#2ca02c", "direct": "#ff7f0e",
-          "native": "#9467bd"}
+          "native": "#9467bd", "recursive_doubling": "#d62728", "rabenseifner": "#17becf",
+          "hierarchical": "#8c564b"}
 DASHES = ("solid", "dash", "dot", "dashdot")  # the n-th member of a coinciding group
 Y_AXES = {"time": "time per all-reduce (µs)", "algbw": "algbw (GB/s)", "busbw": "busbw (GB/s)"}
 

@@ -171,7 +171,7 @@ class TorchComm(TorchPeer):
         if round + 1 >= len(plan):
             return []
         later = plan[round + 1][1]
-        return [RecvSpec(buf[slice(*bounds[t.chunk])], t.src, t.chunk, t.op == "reduce")
+        return [RecvSpec(buf[bounds[t.chunk][0]:bounds[t.stop - 1][1]], t.src, t.chunk, t.op == "reduce")
                 for t in (later[i] for i in early[round])]
 
     def _incoming(self, r: RecvSpec, round: int, k: int, early: bool = False) -> _Incoming:
@@ -275,8 +275,8 @@ def early_receives(plan: Plan) -> list[list[int]]:
     between two ranks are still posted in the order they are sent."""
     early = []
     for (sends, recvs), (_, later) in zip(plan, plan[1:]):
-        busy = {t.chunk for t in sends} | {t.chunk for t in recvs}
-        held = {t.src for t in later if t.op != "reduce" and t.chunk in busy}
+        busy = {c for t in (*sends, *recvs) for c in range(t.chunk, t.stop)}  # messages: chunk..stop-1
+        held = {t.src for t in later if t.op != "reduce" and not busy.isdisjoint(range(t.chunk, t.stop))}
         early.append([i for i, t in enumerate(later) if t.src not in held])
     return early + [[]] if plan else []  # the last round has no next one
 

@@ -58,4 +58,4 @@ def collective_sent(kind: str, algorithm: str, world_size: int, rank: int, n: in
     read off the schedule the executor runs."""
     schedule, plan = schedule_plan(kind, algorithm, world_size, rank)
     bounds = chunk_bounds(n, schedule.num_chunks)
-    return sum(bounds[t.chunk][1] - bounds[t.chunk][0] for sends, _ in plan for t in sends)
+    return sum(bounds[m.stop - 1][1] - bounds[m.chunk][0] for sends, _ in plan for m in sends)  # messages
