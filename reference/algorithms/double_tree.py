@@ -1,0 +1,122 @@
+"""Double binary tree all-reduce: two complementary trees, each carrying half of the buffer (NCCL).
+
+A pipelined binary tree (``pipelined``) has one weakness: its interior ranks carry 3n bytes
+each way (n up to the parent, n down to each of two children) while its leaves, half the
+ranks, carry only n: the busy half sets the time. NCCL's fix (Sanders, Speck & Traff 2009,
+"Two-tree algorithms for full bandwidth broadcast, reduction and scan"; NCCL 2.4) is a second
+tree in which the leaves of the first are the interior ranks, and the first tree's interior
+ranks are leaves. Each tree reduces and broadcasts half of the buffer, pipelined. A rank is
+interior in one tree (3 x n/2 each way) and a leaf in the other (n/2 each way): 2n bytes
+each way per rank, like the ring's 2(p-1)/p n, in 2H + k - 1 rounds of depth H = ceil(lg p)
+instead of the ring's 2(p-1). Logarithmic latency with bandwidth-optimal traffic: NCCL's
+choice at scale.
+
+NCCL's construction (``ncclGetDtree`` in src/graph/trees.cc): tree 0 is ``ncclGetBtree``'s
+binary tree, whose odd ranks are leaves; for even p, tree 1 is its mirror image, rank r in
+the place of p - 1 - r, so the odd ranks of tree 0 land on even places: interior. For p = 8,
+one line per leaf, its path to the root (``dplab.reference.pictures.render_tree`` of
+``one_tree(8, 0)`` and ``one_tree(8, 1)``), tree 0 first; its leaves 1 3 5 7 are tree 1's
+interior ranks and the other way round:
+
+    0 <- 4 <- 2 <- 1
+    0 <- 4 <- 2 <- 3
+    0 <- 4 <- 6 <- 5
+    0 <- 4 <- 6 <- 7
+
+    7 <- 3 <- 1 <- 0
+    7 <- 3 <- 1 <- 2
+    7 <- 3 <- 5 <- 4
+    7 <- 3 <- 5 <- 6
+
+For odd p NCCL shifts tree 0 by one rank instead; that leaves rank 0 interior in both trees
+(tree 0's root, and in tree 1 in the place of tree 0's rank p - 1) for every odd p, so we do not
+follow it: we build NCCL's even double tree over ranks 0..p-2 and hang rank p-1 under both
+roots, which have one child each. Rank p-1 is a leaf in both, each root gains its second
+child, and every rank is still interior in at most one tree. For p = 7, tree 0 then tree 1:
+
+    0 <- 4 <- 2 <- 1
+    0 <- 4 <- 2 <- 3
+    0 <- 4 <- 5
+    0 <- 6
+
+    5 <- 1 <- 0
+    5 <- 1 <- 3 <- 2
+    5 <- 1 <- 3 <- 4
+    5 <- 6
+
+Rounds: 2H + k - 1 with k pieces per half (pipelined), where H is the trees' height:
+ceil(lg p) for even p, ceil(lg(p-1)) for odd p. In the cost model a rank is in at most four
+messages each way per round (three of its interior tree, one of its leaf tree), each n/(2k),
+and adds at most two of them:
+
+    time <= (2H + k - 1) (4 alpha + 2 beta n/k + gamma n/k),   about 4k alpha + 2n beta + n gamma
+    for k >> H: bytes per rank 2n each way, the ring's 2(p-1)/p n, in lg p rounds, not p
+
+The ring still wins the model at small p (4 alpha per round against its 2, and 2n against
+2(p-1)/p n); the double tree takes over as p grows: at 16 MiB, alpha 5 us, 10 GB/s, gamma at
+20 GB/s, with its best k, it is 1.3x the ring's time at p = 8 and 0.86x at p = 256.
+
+    ALLREDUCE["double_tree"](8, 4)       # or allreduce_schedule("double_tree:4", 8)
+"""
+
+from __future__ import annotations
+
+from dplab.reference.algorithms.pipelined import TREE_PIECES, btree, children_of, over_trees
+from dplab.reference.errors import ConfigError
+from dplab.reference.schedule import Schedule
+
+__all__ = ["nccl_dtree", "trees", "roles", "one_tree", "allreduce", "busiest"]
+
+
+def nccl_dtree(p: int) -> tuple[list[int], list[int]]:
+    """Parents in NCCL's two trees, exactly as ncclGetDtree builds them (mirror for even p, shift for odd)."""
+    t0 = btree(p)
+    if p % 2:  # shift by one: tree 1 is tree 0 with every rank r in r + 1's place
+        return t0, [-1 if t0[(r - 1) % p] < 0 else (t0[(r - 1) % p] + 1) % p for r in range(p)]
+    return t0, [-1 if t0[p - 1 - r] < 0 else p - 1 - t0[p - 1 - r] for r in range(p)]
+
+
+def trees(p: int) -> tuple[list[int], list[int]]:
+    """Parents in our two trees: NCCL's for even p; for odd p, NCCL's over p - 1 ranks with
+    rank p - 1 hung under both roots (module docstring: NCCL's odd shift leaves rank 0 interior twice)."""
+    if p % 2 == 0 or p == 1:
+        return nccl_dtree(p)
+    t0, t1 = nccl_dtree(p - 1)
+    return [*t0, t0.index(-1)], [*t1, t1.index(-1)]
+
+
+def roles(p: int) -> list[tuple[str, str]]:
+    """Each rank's role in tree 0 and tree 1: 'leaf' (no children) or 'interior' (the root too)."""
+    kids = [children_of(t) for t in trees(p)]
+    return [("interior" if kids[0][r] else "leaf", "interior" if kids[1][r] else "leaf") for r in range(p)]
+
+
+def _check(p: int, k: int) -> None:
+    if p < 1 or k < 1:
+        raise ConfigError(f"double_tree: world_size and the piece count must be >= 1, got p={p}, k={k} "
+                          "(write e.g. 'double_tree:4')")
+
+
+def one_tree(p: int, which: int, k: int = 1) -> Schedule:
+    """Tree ``which`` alone, reducing and broadcasting its half (chunks which*k .. which*k + k - 1):
+    half an all-reduce, for pictures and for reading one tree's rounds."""
+    _check(p, k)
+    if which not in (0, 1):
+        raise ConfigError(f"double_tree has trees 0 and 1, not {which}")
+    return over_trees(f"double_tree_{which}", p, 2 * k, [(trees(p)[which], range(which * k, which * k + k))])
+
+
+def allreduce(p: int, k: int = TREE_PIECES) -> Schedule:
+    """Both trees at once, each reducing then broadcasting its half of the buffer in ``k`` pieces."""
+    _check(p, k)
+    t0, t1 = trees(p)
+    return over_trees("double_tree", p, 2 * k, [(t0, range(k)), (t1, range(k, 2 * k))])
+
+
+def busiest(p: int, n: int, k: int = TREE_PIECES) -> int:
+    """The most elements any rank sends for an n-element buffer: tree 0 carries h0 = the first k of
+    ``chunk_bounds(n, 2k)`` (the larger half), and rank 2 is interior in it with two children (3 h0)
+    and a leaf in tree 1 (h1): n + 2 h0, which is 2n when 2k divides n (p >= 4; p = 3: n + h0)."""
+    base, extra = divmod(n, 2 * k)
+    h0 = k * base + min(extra, k)
+    return (0, 0, n, n + h0)[p] if p < 4 else n + 2 * h0

@@ -1,0 +1,212 @@
+"""Pipelined all-reduce: cut the buffer into k pieces that flow one behind the other (NCCL).
+
+A tree that moves the whole buffer as one chunk makes every level wait for the level below
+to finish all of it: 2H rounds of (alpha + n beta) for a tree of height H, so the bandwidth
+term grows with the depth. Cut the buffer into k pieces and send piece j one round behind
+piece j-1: while piece j is reduced at one level, piece j+1 travels below it. A rank of
+height h (a leaf has h = 0) sends piece j up in round h + j; the root holds piece j summed
+after round H - 1 + j and starts broadcasting it at once, so the reduce and the broadcast
+overlap and a rank at depth d sends piece j down in round H + d + j:
+
+    rounds = 2H + k - 1      (not 2H * k one piece after another, nor 2(H + k - 1) phase by phase)
+
+Each round moves n/k bytes per message, so for large n the depth stops multiplying the bytes:
+the pipeline's bandwidth term tends to what the busiest rank moves, not to H times it. The
+price is alpha per piece: more pieces, more messages; the best k grows like sqrt(n beta / alpha).
+
+The tree is NCCL's binary tree (``ncclGetBtree`` in src/graph/trees.cc), rooted at rank 0,
+which alternates leaves and interior ranks: an odd rank is a leaf, an even one has up to two
+children (rank 0, the root, has one), height ceil(lg p) for any p. For p = 8, one line per
+leaf, its path to the root (``dplab.reference.pictures.render_tree`` of the schedule below):
+
+    0 <- 4 <- 2 <- 1
+    0 <- 4 <- 2 <- 3
+    0 <- 4 <- 6 <- 5
+    0 <- 4 <- 6 <- 7
+
+Its binary shape is what lets pipelining pay: a rank takes at most two pieces in per round
+while reducing (a binomial tree's root takes lg p), so an interior rank moves 3n bytes each
+way in all (n up, 2n down, against the ring's 2(p-1)/p n: ``double_tree`` fixes that). The
+all-reduce for p = 4 and k = 2 pieces (a, b), one line per round (``render_arrows``): piece b
+runs one round behind piece a, and rank 0 sends a back down (round 2) while b still climbs:
+
+    round 0 (adds):  1-a->2   3-a->2
+    round 1 (adds):  2-a->0   1-b->2   3-b->2
+    round 2 (adds/copies):  0-a->2   2-b->0
+    round 3 (copies):  2-a->1   2-a->3   0-b->2
+    round 4 (copies):  2-b->1   2-b->3
+
+The ring, pipelined: each of the ring's p chunks is cut into k slices (chunk c's slice j is
+chunk c k + j), and slice j of ring step s is sent in round s + j, as soon as slice j of step
+s - 1 has arrived: 2(p-1) + k - 1 rounds. In our round-synchronous alpha-beta-gamma model this
+buys NOTHING, and we say so: the ring already keeps every link busy in every round, so there
+is no pipeline to fill; the bytes per rank stay 2(p-1)/p n and the messages grow k-fold, so
+the model prices it at exactly the ring's time plus 2(p-1)(k-1) alpha (n a multiple of pk;
+``tests/test_alg_pipelined_cost.py`` checks it). What it models is real, but outside rounds:
+NCCL cuts each ring step into slices so a rank forwards slice j as soon as it has arrived and
+been reduced, while slice j+1 is still on the wire. The reduction (gamma) then hides behind the
+transfer and a step needs only a slice-sized buffer. ``sliced_ring_time`` prices that (one
+rank's link and its adder as two resources, slice by slice); at k = 1 it is the ring's model
+time, and for gamma > 0 it falls with k until alpha per slice wins. The data flows the
+ring's way; p = 3, k = 2 (a b are ring chunk 0's two slices, c d chunk 1's, e f chunk 2's):
+slice b follows a one round behind, and from round 1 every rank sends two slices per round:
+
+    round 0 (adds):  1-a->2   2-c->0   0-e->1
+    round 1 (adds):  2-a->0   1-b->2   0-c->1   2-d->0   1-e->2   0-f->1
+    round 2 (adds/copies):  0-a->1   2-b->0   1-c->2   0-d->1   2-e->0   1-f->2
+    round 3 (copies):  1-a->2   0-b->1   2-c->0   1-d->2   0-e->1   2-f->0
+    round 4 (copies):  1-b->2   2-d->0   0-f->1
+
+    ALLREDUCE["pipelined_tree"](8, 4)      # or allreduce_schedule("pipelined_tree:4", 8)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from dplab.reference.algorithms import ring
+from dplab.reference.errors import ConfigError
+from dplab.reference.schedule import Schedule, Transfer
+
+__all__ = ["TREE_PIECES", "RING_SLICES", "btree", "children_of", "heights", "depths", "over_trees",
+           "pipelined_tree", "pipelined_ring", "tree_busiest", "ring_busiest", "sliced_ring_time"]
+
+TREE_PIECES = 8  # default pieces per tree: the model's best k at 1 MiB for double_tree at p = 64 (module doc)
+RING_SLICES = 4  # default slices per ring step: buys nothing in the round model, hides gamma in real links
+
+
+def _check(p: int, k: int, name: str) -> None:
+    if p < 1 or k < 1:
+        raise ConfigError(f"{name}: world_size and the piece count must be >= 1, got p={p}, k={k} "
+                          f"(write e.g. '{name}:4')")
+
+
+def btree(p: int) -> list[int]:
+    """Each rank's parent in NCCL's binary tree over ``p`` ranks (root 0: -1), as ncclGetBtree builds it.
+
+    Rank r's lowest set bit b: its parent is r with b cleared and 2b set (r ^ b | 2b), or r ^ b
+    when that is out of range; so 1, 3 hang under 2, 2 and 6 under 4, and the largest power of
+    two below p under 0."""
+    parents = [-1] * p
+    for r in range(1, p):
+        bit = r & -r
+        up = (r ^ bit) | (bit << 1)
+        parents[r] = up if up < p else r ^ bit
+    return parents
+
+
+def children_of(parents: Sequence[int]) -> list[list[int]]:
+    """Each rank's children, in rank order."""
+    kids: list[list[int]] = [[] for _ in parents]
+    for r, q in enumerate(parents):
+        if q >= 0:
+            kids[q].append(r)
+    return kids
+
+
+def heights(parents: Sequence[int]) -> list[int]:
+    """Each rank's height: 0 for a leaf, 1 + its tallest child's otherwise."""
+    kids, h = children_of(parents), [0] * len(parents)
+
+    def walk(r: int) -> int:  # depth is at most ~lg p + 1: recursion is fine
+        h[r] = max((walk(c) + 1 for c in kids[r]), default=0)
+        return h[r]
+
+    for root in (r for r, q in enumerate(parents) if q < 0):
+        walk(root)
+    return h
+
+
+def depths(parents: Sequence[int]) -> list[int]:
+    """Each rank's distance from its root."""
+    d = [0] * len(parents)
+    for r in range(len(parents)):
+        q = parents[r]
+        while q >= 0:
+            d[r], q = d[r] + 1, parents[q]
+    return d
+
+
+def _by_chunk(timed: dict[int, list[Transfer]]) -> tuple[tuple[Transfer, ...], ...]:
+    """Rounds 0..last, each round's transfers grouped by chunk (the order the app draws them in)."""
+    last = max(timed, default=-1)
+    return tuple(tuple(sorted(timed.get(i, ()), key=lambda t: t.chunk)) for i in range(last + 1))
+
+
+def over_trees(name: str, p: int, num_chunks: int, trees: Sequence[tuple[Sequence[int], Sequence[int]]]
+               ) -> Schedule:
+    """All-reduce over one or more trees at once: ``trees`` is (parents, chunks) pairs, each tree
+    reducing its chunks (pieces, in pipeline order) up to its root and broadcasting them back.
+
+    Rank r of height h sends piece j up in round h + j; at depth d it sends piece j down in
+    round H + d + j (H: the tree's height). A rank never sends a piece it receives in the same
+    round: pieces move up one level per round, so what arrives in a round is a later piece."""
+    timed: dict[int, list[Transfer]] = {}
+    for parents, chunks in trees:
+        h, d = heights(parents), depths(parents)
+        height = max(h, default=0)
+        for r, q in enumerate(parents):
+            if q < 0:
+                continue
+            for j, c in enumerate(chunks):
+                timed.setdefault(h[r] + j, []).append(Transfer(r, q, c, "reduce"))
+                timed.setdefault(height + d[q] + j, []).append(Transfer(q, r, c, "copy"))
+    return Schedule(name, p, num_chunks, _by_chunk(timed))
+
+
+def pipelined_tree(p: int, k: int = TREE_PIECES) -> Schedule:
+    """All-reduce over NCCL's binary tree, the buffer in ``k`` pieces: 2 ceil(lg p) + k - 1 rounds."""
+    _check(p, k, "pipelined_tree")
+    return over_trees("pipelined_tree", p, k, [(btree(p), range(k))])
+
+
+def pipelined_ring(p: int, k: int = RING_SLICES) -> Schedule:
+    """The ring all-reduce with each step cut into ``k`` slices, slice j one round behind slice j-1."""
+    _check(p, k, "pipelined_ring")
+    steps = ring.reduce_scatter(p).rounds + ring.allgather(p).rounds
+    timed: dict[int, list[Transfer]] = {}
+    for s, step in enumerate(steps):
+        for j in range(k):
+            timed.setdefault(s + j, []).extend(Transfer(t.src, t.dst, t.chunk * k + j, t.op) for t in step)
+    return Schedule("pipelined_ring", p, p * k, _by_chunk(timed))
+
+
+def tree_busiest(p: int, n: int) -> int:
+    """The most elements any rank sends in ``pipelined_tree`` for an n-element buffer, any k: every
+    piece goes once up and once down each edge, so an interior rank with two children sends 3n."""
+    return n * (0, 0, 1, 2)[p] if p < 4 else 3 * n
+
+
+def ring_busiest(p: int, n: int, k: int = RING_SLICES) -> int:
+    """The most elements any rank sends in ``pipelined_ring``: rank r sends every ring chunk but r
+    (reduce-scatter) and every one but r + 1 (all-gather); ring chunk c is chunks ck..ck+k-1 of
+    ``chunk_bounds(n, pk)``, larger first, so the busiest skips the last two: 2(p-1)/p n when pk | n."""
+    if p == 1:
+        return 0
+    base, extra = divmod(n, p * k)
+    size = [k * base + min(max(extra - c * k, 0), k) for c in range(p)]
+    return 2 * n - size[-1] - size[-2]
+
+
+def sliced_ring_time(p: int, nbytes: float, alpha: float, beta: float, gamma: float, k: int) -> float:
+    """The ring's time when a rank forwards each slice as soon as it is reduced (outside the round model).
+
+    One rank's link sends slices one after another (alpha + m beta each, m = n/(pk)); its adder
+    reduces what arrived one slice at a time (m gamma), overlapping the link. Slice j of step
+    s + 1 leaves once slice j of step s has been reduced (reduce-scatter) or arrived
+    (all-gather). Every rank does the same at the same times, so one rank's timeline is the
+    ring's. k = 1 gives exactly the round model's ring time."""
+    _check(p, k, "sliced_ring_time")
+    if p == 1:
+        return 0.0
+    send, add = alpha + beta * nbytes / (p * k), gamma * nbytes / (p * k)
+    ready, link, adder = [0.0] * k, 0.0, 0.0
+    for s in range(2 * (p - 1)):
+        for j in range(k):
+            link = max(link, ready[j]) + send
+            if s < p - 1:
+                adder = max(adder, link) + add
+                ready[j] = adder
+            else:
+                ready[j] = link
+    return max(ready)
