@@ -4,8 +4,9 @@
     dplab tune --backends local,mpi             # measure, fit and save what auto reads
     choose("mpi", 4, 1 << 20)                   # what auto runs for 1 MiB on 4 MPI ranks
 
-The choice: every registered all-reduce (``ALLREDUCE``, parametric ones at their default), and
-``native`` where the fit has a native row, priced for (backend, world size, bytes) by the most
+The choice: every registered all-reduce (``ALLREDUCE``, parametric ones at their default; only
+those with a fit of their own where ``dplab tune`` measured some), and ``native`` where the fit
+has a native row, priced for (backend, world size, bytes) by the most
 specific fit that covers it, the cheapest taken (ties: registry order). Most specific first:
 this algorithm at this world size, this algorithm at any world size, every schedule of ours at
 this world size, every schedule of ours (``native`` only from its own rows: it is not our schedule).
@@ -89,9 +90,13 @@ class Tuning:
         return t
 
     def candidates(self, backend: str) -> list[str]:
-        """Every registered all-reduce, then ``native`` if this backend has a fit for it."""
-        natives = [f for f in self.fits if f.backend == backend and f.algorithm == "native"]
-        return [*ALLREDUCE, *(["native"] if natives else [])]
+        """The registered all-reduces, then ``native`` if this backend has a fit for it. Where some
+        were measured (a fit of their own), only those: the others would be priced by the coarse
+        fit alone, 25-35% rms off on the machine this was written on, against measured rivals
+        (``dplab tune`` benches every registered one, so a new algorithm joins at the next tune)."""
+        mine = {f.algorithm for f in self.fits if f.backend == backend and f.alpha is not None}
+        measured = [a for a in ALLREDUCE if a in mine]
+        return [*(measured or ALLREDUCE), *(["native"] if "native" in mine else [])]
 
     def choose(self, backend: str, world_size: int, nbytes: int, itemsize: int = 4) -> str:
         """The candidate with the least predicted time; ``native`` where nothing is fitted."""

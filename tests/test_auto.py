@@ -86,6 +86,14 @@ def test_new_registry_entries_join_without_a_change_here(monkeypatch):
     assert "ring_again" in t.candidates("local") and t.choose("local", 4, LARGE) == "ring_again"
 
 
+def test_where_some_were_measured_only_those_compete():
+    # the coarse fit alone makes every unmeasured schedule look 1000x cheaper than measured tree
+    t = tuning(("local", "all", "all", 1e-9, 1e-14, None), ("local", 2, "tree", 1e-6, 1e-11, None),
+               ("local", 2, "naive", 2e-6, 1e-11, None))
+    assert t.candidates("local") == ["naive", "tree"] and t.choose("local", 2, SMALL) == "tree"
+    assert tuning(("local", "all", "all", 1e-9, 1e-14, None)).candidates("local") == list(ALLREDUCE)
+
+
 def test_ties_go_to_the_first_registered():
     t = tuning(("local", "all", "all", 0.0, 0.0, None))
     assert t.choose("local", 4, SMALL) == next(iter(ALLREDUCE))

@@ -86,3 +86,11 @@ def test_a_short_real_tune_then_bench_shows_what_auto_ran(tmp_path, monkeypatch,
     assert " ran " in capsys.readouterr().out.splitlines()[0] + " "
     rows = [r for r in json.loads(rows_path.read_text())["rows"] if r["algorithm"] == "auto"]
     assert [r["ran"] for r in rows] == [saved.choose("local", 2, n) for n in (4096, 65536)]
+
+
+def test_a_missing_tune_file_is_one_line_before_any_rank_starts(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv(auto.TUNE_ENV, str(tmp_path / "none.json"))
+    assert main(["bench", "--world-sizes", "2", "--sizes", "4K", "--algorithms", "auto"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"dplab bench: error: no tune file at {tmp_path / 'none.json'}: run "
+                   f"`dplab tune --out {tmp_path / 'none.json'}` first"]

@@ -38,6 +38,7 @@ from dplab.backends.cli.table import Progress, format_number, format_table
 from dplab.backends.cli.tune import TUNE_COLUMNS, cmd_tune
 from dplab.backends.launch.interrupt import interruptible
 from dplab.backends.launch.world import BackendUnavailable, RankError, World, launcher_env, under_launcher
+from dplab.reference import auto
 from dplab.reference.checkpoint.resume import CheckpointConfig
 from dplab.reference.checkpoint.store import CheckpointError
 from dplab.reference.errors import ConfigError
@@ -166,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["DPLAB_DEVICE"] = args.device
     try:
         check_args(args, _is_printer(args))
+        if "auto" in [getattr(args, "algorithm", None), *(getattr(args, "algorithms", None) or [])]:
+            auto.current()  # a bad $DPLAB_TUNE is one line here, not a traceback from every rank
         rows = interruptible(f"dplab {args.command}", command, args)  # Ctrl-C: one line, exit 130
     except (ConfigError, BackendUnavailable, CheckpointError) as e:
         if _is_printer(args):  # under a launcher every rank hits it: rank 0 says it once
