@@ -27,6 +27,7 @@ spins briefly before it sleeps (``waits.py``).
 from __future__ import annotations
 
 import os
+import struct
 from collections import OrderedDict, deque
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -58,6 +59,7 @@ __all__ = ["Wiring", "LocalComm", "PEER_CACHE"]
 ANY_TAG = -1
 _DTYPES = [np.dtype(t) for t in ("uint8", "float32", "float64", "int32", "int64", "float16")]
 _CODE = {dt: i for i, dt in enumerate(_DTYPES)}
+_DESC = struct.Struct("5q")  # a message's descriptor: segment id, offset, bytes, dtype code, tag
 _code = lru_cache(maxsize=4096)(Collective.code)  # a collective's tag, once per (kind, algorithm, root)
 
 
@@ -88,9 +90,14 @@ class LocalComm(SegmentMemory, Waits, Communicator):
         self.tracer = Tracer(rank)
         p = self.world_size
         self._ctl_seg = Segment(f"{wiring.session}_ctl")
-        # the mailboxes, flat: slot (src, dst, seq) is _ctl[_slot(src, dst, seq):][:5]. A memoryview
-        # reads and writes one int64 in ~40 ns, where numpy's indexing costs a microsecond.
-        self._ctl = self._ctl_seg.bytes[:p * p * SLOTS * 5 * 8].data.cast("q")
+        # the mailboxes as bytes: message seq from src to dst is the 5 int64 at _slot(src, dst, seq).
+        # One struct call reads or writes them in ~0.1 µs, where numpy's indexing costs a microsecond.
+        self._ctl = self._ctl_seg.bytes[:p * p * SLOTS * _DESC.size].data
+        # this rank's semaphores per peer, looked up once: ready to / from it, done to / from it
+        w, me = wiring, rank
+        self._ready_to = [w.ready[me][d] for d in range(p)]
+        self._ready_from = [w.ready[s][me] for s in range(p)]
+        self._done_to, self._done_from = [w.done[s][me] for s in range(p)], [w.done[me][d] for d in range(p)]
         self._segments: dict[int, Segment] = {}  # mine, by id (ids are never reused)
         self._ranges: dict[int, tuple[int, int]] = {}  # id -> (address, size) of each of mine
         self._peers: OrderedDict[tuple[int, int], Segment] = OrderedDict()  # (rank, id), LRU
@@ -146,22 +153,21 @@ class LocalComm(SegmentMemory, Waits, Communicator):
         if seq - self._acked[dst] >= SLOTS:
             self._wait_ack(dst, seq - SLOTS)
         seg_id, off, staged = self._locate(buf)
-        i = self._slot(self.rank, dst, seq)
-        ctl = self._ctl
-        ctl[i], ctl[i + 1], ctl[i + 2], ctl[i + 3], ctl[i + 4] = seg_id, off, buf.nbytes, code, tag
+        i = ((self.rank * self.world_size + dst) * SLOTS + seq % SLOTS) * _DESC.size  # _slot, inlined
+        _DESC.pack_into(self._ctl, i, seg_id, off, buf.nbytes, code, tag)
         self._send_seq[dst] = seq + 1
         if staged:
             self._staged_seqs.append((dst, seq))
-        self.w.ready[self.rank][dst].release()
+        self._ready_to[dst].release()
         self.w.arrival[dst].release()
         return seq
 
     def _slot(self, src: int, dst: int, seq: int) -> int:
         """Where the descriptor of message ``seq`` from ``src`` to ``dst`` starts in ``_ctl``."""
-        return ((src * self.world_size + dst) * SLOTS + seq % SLOTS) * 5
+        return ((src * self.world_size + dst) * SLOTS + seq % SLOTS) * _DESC.size
 
     def _wait_ack(self, dst: int, seq: int, peek: bool = False) -> None:
-        done = self.w.done[self.rank][dst]
+        done = self._done_from[dst]
         while self._acked[dst] <= seq:
             if not done.acquire(False):
                 self._acquire(done, "to take its message", dst, peek)
@@ -179,11 +185,11 @@ class LocalComm(SegmentMemory, Waits, Communicator):
         me = self.rank
         if src == ANY_SOURCE:
             src = self._wait_any()
-        elif not self.w.ready[src][me].acquire(False):
-            self._acquire(self.w.ready[src][me], "for its message", src)
+        elif not self._ready_from[src].acquire(False):
+            self._acquire(self._ready_from[src], "for its message", src)
         seq = self._recv_seq[src]
-        i, ctl = self._slot(src, me, seq), self._ctl
-        seg_id, off, nbytes, code, mtag = ctl[i], ctl[i + 1], ctl[i + 2], ctl[i + 3], ctl[i + 4]
+        i = ((src * self.world_size + me) * SLOTS + seq % SLOTS) * _DESC.size  # _slot, inlined
+        seg_id, off, nbytes, code, mtag = _DESC.unpack_from(self._ctl, i)
         self._recv_seq[src] = seq + 1
         try:
             if mtag != tag and tag != ANY_TAG:
@@ -199,7 +205,7 @@ class LocalComm(SegmentMemory, Waits, Communicator):
                 else:
                     np.copyto(buf, peer)
         finally:
-            self.w.done[src][me].release()
+            self._done_to[src].release()
         return src
 
     def _refuse(self, buf: np.ndarray, src: int, tag: int, mtag: int, nbytes: int, code: int) -> None:

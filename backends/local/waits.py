@@ -18,6 +18,7 @@ sending (each in another collective) are named at once instead of at the timeout
 from __future__ import annotations
 
 import os
+import struct
 import time
 
 from dplab.reference.communicator import COLLECTIVE_TAG, CommTimeout, collective_mismatch
@@ -26,6 +27,7 @@ __all__ = ["Waits", "wait_policy", "SPIN", "PEEK_S"]
 
 SPIN = 200  # semaphore tries before sleeping, when every rank has a core (~20 µs at most)
 PEEK_S = (1e-3, 0.25)  # a sender waiting this long looks at the peer's own message, then doubles
+_TAG = struct.Struct("q")  # the last of a descriptor's five int64 (comm.py's _DESC)
 
 
 def wait_policy(world_size: int) -> tuple[int, int]:
@@ -85,7 +87,7 @@ class Waits:
         Unless it took ours since we last looked (``done`` posted, then its next collective's
         message): then that message is legitimately ahead of us and the ack is ours to take."""
         if self.w.ready[peer][self.rank].get_value() > 0:
-            mtag = self._ctl[self._slot(peer, self.rank, self._recv_seq[peer]) + 4]
+            mtag = _TAG.unpack_from(self._ctl, self._slot(peer, self.rank, self._recv_seq[peer]) + 32)[0]
             if mtag != self._tag and mtag >= COLLECTIVE_TAG:
                 if done.acquire(False):  # taken after all: give the ack back to _acquire's caller
                     done.release()
