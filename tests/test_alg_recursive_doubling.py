@@ -191,6 +191,31 @@ def test_only_the_exchanges_copy_and_ring_stays_zero_copy_on_shared_memory(world
             assert staged == exchanges * n * 8, (algorithm, p, rank, staged)
 
 
+def job_tensor(comm, n, dtype):
+    """A torch tensor through the exchange: its snapshot is a tensor too (``buf.new_empty``)."""
+    import torch
+
+    t = (torch.arange(n) % 16 * (comm.rank + 1)).to(getattr(torch, dtype))
+    out = collectives.allreduce(comm, t, algorithm="recursive_doubling")
+    return out is t, t.double().numpy()
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("p", [2, 3])
+def test_torch_tensors_take_the_snapshot_too(worlds, p):
+    from dplab.backends.launch.world import BackendUnavailable, check_backend
+
+    try:
+        check_backend("torch")
+    except BackendUnavailable as e:
+        pytest.skip(str(e))
+    for dtype in ("float64", "bfloat16"):  # small integers: exact in bfloat16 too
+        for rank, (same, out) in enumerate(worlds(p, "torch").run(job_tensor, 1000, dtype)):
+            assert same
+            want = np.arange(1000) % 16 * (p * (p + 1) // 2)
+            np.testing.assert_array_equal(out, want, err_msg=f"{dtype} rank {rank}")
+
+
 # -- training --------------------------------------------------------------------------------
 
 def _train(comm, cfg, sync):
