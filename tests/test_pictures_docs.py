@@ -17,7 +17,16 @@ import textwrap
 import numpy as np
 import pytest
 
-from dplab.reference.algorithms import direct, naive, rabenseifner, recursive_doubling, ring, tree
+from dplab.reference.algorithms import (
+    direct,
+    double_tree,
+    naive,
+    pipelined,
+    rabenseifner,
+    recursive_doubling,
+    ring,
+    tree,
+)
 from dplab.reference.pictures import render_arrows, render_rounds, render_timeline, render_tree
 from dplab.reference.ps import trainer as ps_trainer
 from dplab.reference.ps.aggregate import Aggregator
@@ -115,6 +124,13 @@ PICTURES = {  # (module whose docstring holds it, how the code draws it today)
     "recursive doubling": (recursive_doubling, lambda: render_rounds(recursive_doubling.allreduce(6))),
     "rabenseifner": (rabenseifner, lambda: render_rounds(rabenseifner.allreduce(4))),
     "rabenseifner fold": (rabenseifner, lambda: render_rounds(rabenseifner.reduce_scatter(3))),
+    "pipelined tree": (pipelined, lambda: render_tree(pipelined.pipelined_tree(8, 1))),
+    "pipelined rounds": (pipelined, lambda: render_arrows(pipelined.pipelined_tree(4, 2))),
+    "pipelined ring": (pipelined, lambda: render_arrows(pipelined.pipelined_ring(3, 2))),
+    "double tree p=8": (double_tree, lambda: "\n\n".join(
+        render_tree(double_tree.one_tree(8, w)) for w in (0, 1))),
+    "double tree p=7": (double_tree, lambda: "\n\n".join(
+        render_tree(double_tree.one_tree(7, w)) for w in (0, 1))),
     "buckets": (buckets_mod, lambda: render_timeline(
         bucket_events(), 1, lane=lambda e: e.thread, lanes=["main", "comm"])),
     "backup workers": (ps_trainer, lambda: render_timeline(
