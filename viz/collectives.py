@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from dplab.reference.algorithms import ALLREDUCE
+from dplab.reference.algorithms import ALLREDUCE, double_tree, pipelined
 from dplab.reference.collectives import schedule_plan
 from dplab.reference.costmodel import closed_form, cost
 from dplab.reference.errors import ConfigError
@@ -204,7 +204,10 @@ def closed_form_bytes(cfg: CollectiveConfig) -> int:
     per_algorithm = {
         "allreduce": {"ring": 2 * (p - 1) * n // p, "direct": 2 * (p - 1) * n // p, "tree": lg * n,
                       "naive": (p - 1) * n, "recursive_doubling": (m + fold) * n,
-                      "rabenseifner": 2 * (q - 1) * n // q + fold * n},
+                      "rabenseifner": 2 * (q - 1) * n // q + fold * n,
+                      "pipelined_tree": pipelined.tree_busiest(p, n),  # 3n, any n
+                      "pipelined_ring": pipelined.ring_busiest(p, n // cfg.itemsize) * cfg.itemsize,
+                      "double_tree": double_tree.busiest(p, n // cfg.itemsize) * cfg.itemsize},  # 2n
         "reduce_scatter": {"ring": (p - 1) * n // p, "direct": (p - 1) * n // p,
                            "rabenseifner": n if fold else (p - 1) * n // p},  # the fold sends it all
         "allgather": {"ring": (p - 1) * n // p, "direct": (p - 1) * n // p,
@@ -275,7 +278,10 @@ def walkthrough(cfg: CollectiveConfig) -> Walkthrough:
     final_ok = bool((_done(sim.holdings[-1], want) | (want < 0).all(axis=2)).all())
     time_cf = None
     if cfg.collective == "allreduce":
-        time_cf = closed_form(cfg.algorithm, p, cfg.nbytes, alpha, beta, gamma)
+        try:
+            time_cf = closed_form(cfg.algorithm, p, cfg.nbytes, alpha, beta, gamma)
+        except ValueError:  # no textbook formula (the pipelined trees): the walk above is the model's time
+            time_cf = None
     return Walkthrough(cfg, schedule, inputs, frames, closed_form_bytes(cfg), time_cf, final_ok, sim.buffers)
 
 
