@@ -78,6 +78,9 @@ whole result goes back out. The reduce-scatter for p = 3:
 
 Cost for p = 2^m (alpha per message, beta per byte, gamma per byte added):
 2 lg p alpha + 2 (p-1)/p n beta + (p-1)/p n gamma, the ring's bytes with the tree's latency.
+Otherwise the fold adds a whole-buffer reduce and copy: with p' = 2^floor(lg p),
+(2 lg p' + 2) alpha + (2 (p'-1)/p' + 2) n beta + ((p'-1)/p' + 1) n gamma
+(``costmodel.closed_form``; ``tests/test_alg_rabenseifner.py`` checks the walk against it).
 """
 
 from __future__ import annotations
