@@ -8,6 +8,7 @@ bounded, and dropped with the segment they point into.
 
 from __future__ import annotations
 
+import os
 import time
 import tracemalloc
 
@@ -17,6 +18,7 @@ import pytest
 from dplab.backends.launch.world import launch
 from dplab.backends.local import memory
 from dplab.backends.local.shm import Segment
+from dplab.backends.local.waits import Waits
 from dplab.reference.collectives import allreduce
 
 
@@ -43,7 +45,7 @@ def test_a_waiting_rank_sleeps_after_a_bounded_spin(p):
     Half a second of waiting costs a sleeping rank well under a tenth of a second of CPU."""
     delay = 0.5
     for cpu, spin, yields in launch(_wait_cpu, p, args=(delay,), timeout=20)[1:]:
-        assert spin <= 10_000 and yields <= 1_000
+        assert spin <= 1e-3 and yields <= 1_000 and (spin > 0) == (p <= len(os.sched_getaffinity(0)))
         assert cpu < delay / 5, f"a rank burnt {cpu:.3f} s of CPU waiting {delay} s: it spun"
 
 
@@ -139,3 +141,44 @@ def test_a_disabled_tracer_spans_nothing_and_an_enabled_one_records():
     (event,) = on.take()
     assert (event.rank, event.kind, event.bytes, event.algorithm) == (1, "allreduce", 4, "ring")
     assert event.t_end_ns >= event.t_start_ns and off.take() == []
+
+
+class _Sem:
+    """A semaphore whose peer is quick (the first try succeeds) or slow (only a sleep succeeds)."""
+
+    def __init__(self, quick: bool) -> None:
+        self.quick, self.tries, self.sleeps = quick, 0, 0
+
+    def acquire(self, block: bool = True, timeout: float | None = None) -> bool:
+        if not block:
+            self.tries += 1
+            return self.quick
+        self.sleeps += 1
+        return True
+
+
+class _Waiter(Waits):
+    rank, timeout, _tag, _yields = 0, 1.0, 0, 0
+
+    def __init__(self, spin: float) -> None:
+        self._spin, self._budget, self._waits = spin, spin, 0
+
+
+def test_the_spin_backs_off_while_waits_sleep_and_comes_back_when_they_do_not():
+    """A busy machine (a peer without a core) makes every spin a waste: each wait that ends asleep
+    halves the next spin, down to a sixteenth; every eighth wait spins in full, and one quick
+    wait restores it."""
+    w, spin = _Waiter(20e-6), 20e-6
+    budgets = []
+    for _ in range(7):
+        slow = _Sem(quick=False)
+        w._acquire(slow, "for its message", 1)
+        assert slow.sleeps == 1 and slow.tries > 0
+        budgets.append(w._budget)
+    assert budgets == [spin / 2, spin / 4, spin / 8, spin / 16, spin / 16, spin / 16, spin / 16]
+    probe = _Sem(quick=False)
+    w._acquire(probe, "for its message", 1)  # the 8th: a full spin, which fails
+    assert w._budget == spin / 2
+    quick = _Sem(quick=True)
+    w._acquire(quick, "for its message", 1)
+    assert (quick.tries, quick.sleeps, w._budget) == (1, 0, spin)

@@ -111,6 +111,7 @@ class LocalComm(SegmentMemory, Waits, Communicator):
         self._tag = 0  # the tag of the running collective's messages (its code; see check_buffer)
         self._next_id = 0
         self._spin, self._yields = wait_policy(p)
+        self._budget, self._waits = self._spin, 0  # the spin now (waits.py) and waits so far
         self.bytes_staged = 0  # copies made because a send buffer was not in shared memory
         if wiring.pids is not None:
             wiring.pids[rank] = os.getpid()  # for peer_alive: dead or merely slow?

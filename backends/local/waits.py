@@ -1,13 +1,16 @@
-"""How a rank of the local backend waits: spin, maybe yield, then sleep, never past its timeout.
+"""How a rank of the local backend waits: spin, then sleep, never past its timeout.
 
 A semaphore post that finds its waiter asleep costs a futex wake-up, and the waiter tens of
-microseconds to be scheduled again: more than a whole round of a small all-reduce. So a waiting
-rank first tries the semaphore ``spin`` times (~0.1 µs each), which catches a peer that is a
-few microseconds behind, and only then sleeps. Spinning is bounded and only pays while every
-rank has a core of its own: when ranks outnumber cores (world size 4 or 8 on two cores) a
-spinning rank takes the core from the very peer it waits for, so there it sleeps at once
-(``yields`` > 0 would give the core away with ``sched_yield`` a few times first; measured
-slower here, 1.5x at p=4, so off unless ``DPLAB_YIELDS`` asks). ``DPLAB_SPIN`` sets the spin.
+microseconds to be scheduled again: more than a whole round of a small all-reduce (a 4 KiB
+all-reduce at p=2 took 75 µs with no spin, 16 µs with one). So a waiting rank first tries the
+semaphore for up to ``SPIN_US`` (``DPLAB_SPIN_US``), which catches a peer a few microseconds
+behind, and only then sleeps. The spin is bounded and adapts: a wait that ends asleep anyway
+(a long message, or a machine so busy that the peer has no core) halves the next spin, down to
+a sixteenth; every eighth wait spins in full, and one that succeeds restores it. Spinning
+only pays while every rank has a core of its own: when ranks outnumber cores (world size 4 or
+8 on two cores) a spinning rank takes the core from the very peer it waits for, so there it
+sleeps at once (``DPLAB_YIELDS`` > 0 gives the core away with ``sched_yield`` that many times
+first: measured 1.5x slower at p=4 on an idle machine, so off by default).
 
 A sender waiting for a collective's peer to take its message sleeps in doubling slices and
 looks at the peer's own waiting message in between (``_peek``): two ranks that are both only
@@ -23,17 +26,17 @@ import time
 
 from dplab.reference.communicator import COLLECTIVE_TAG, CommTimeout, collective_mismatch
 
-__all__ = ["Waits", "wait_policy", "SPIN", "PEEK_S"]
+__all__ = ["Waits", "wait_policy", "SPIN_US", "PEEK_S"]
 
-SPIN = 200  # semaphore tries before sleeping, when every rank has a core (~20 µs at most)
+SPIN_US = 20  # how long a wait spins at most before it sleeps, when every rank has a core
 PEEK_S = (1e-3, 0.25)  # a sender waiting this long looks at the peer's own message, then doubles
 _TAG = struct.Struct("q")  # the last of a descriptor's five int64 (comm.py's _DESC)
 
 
-def wait_policy(world_size: int) -> tuple[int, int]:
-    """(spins, yields) before a wait sleeps: spin with a core per rank, else neither (see above)."""
+def wait_policy(world_size: int) -> tuple[float, int]:
+    """(seconds of spin, yields) before a wait sleeps: spin with a core per rank, else neither."""
     own_core = world_size <= len(os.sched_getaffinity(0))
-    spin = int(os.environ.get("DPLAB_SPIN", str(SPIN))) if own_core else 0
+    spin = float(os.environ.get("DPLAB_SPIN_US", SPIN_US)) * 1e-6 if own_core else 0.0
     return spin, 0 if own_core else int(os.environ.get("DPLAB_YIELDS", "0"))
 
 
@@ -58,9 +61,16 @@ class Waits:
         """Spin briefly (a futex wake-up costs tens of microseconds), then sleep until the timeout;
         with ``peek`` (a collective's sender waiting for ``peer``), sleep in doubling slices and
         look at ``peer``'s waiting message in between (``_peek``)."""
-        for _ in range(self._spin):
-            if sem.acquire(False):
-                return
+        if self._spin:
+            self._waits += 1  # every 8th wait spins in full: is the peer quick again?
+            budget, clock = self._spin if self._waits % 8 == 0 else self._budget, time.perf_counter
+            end = clock() + budget
+            while clock() < end:
+                for _ in range(8):  # a try costs ~60 ns, a clock read as much
+                    if sem.acquire(False):
+                        self._budget = self._spin
+                        return
+            self._budget = max(budget / 2, self._spin / 16)  # the peer is slow, or has no core: back off
         for _ in range(self._yields):
             if sem.acquire(False):
                 return
