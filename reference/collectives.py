@@ -77,16 +77,21 @@ def _snapshots(comm: Communicator, buf: Any, sends: list[Message], out: list[Any
     (shared memory on the local backend, so the copy itself still goes without staging). The
     scratch is kept per communicator and reused: a round's sends are done when ``exchange``
     returns. Its bytes count as the transport's staged bytes where it counts them (local)."""
-    spans = {(m.chunk, m.stop): b for b, m in zip(out, sends) if m.snapshot}
-    scratch = _scratch(comm, buf, sum(len(b) for b in spans.values()))
-    copies, off = {}, 0
+    spans: dict[tuple[int, int], Any] = {}  # one copy of a span sent to several peers
+    for b, m in zip(out, sends):
+        if m.snapshot:
+            spans[m.chunk, m.stop] = b
+    scratch, off = _scratch(comm, buf, sum(map(len, spans.values()))), 0
     for span, b in spans.items():
-        copies[span] = scratch[off:off + len(b)]
-        copies[span][:] = b
+        spans[span] = copy = scratch[off:off + len(b)]
+        if isinstance(b, np.ndarray):
+            np.copyto(copy, b)  # half the cost of copy[:] = b at 4 KiB
+        else:
+            copy.copy_(b)
         off += len(b)
     if hasattr(comm, "bytes_staged"):
         comm.bytes_staged += off * (buf.itemsize if isinstance(buf, np.ndarray) else buf.element_size())
-    return [copies[(m.chunk, m.stop)] if m.snapshot else b for b, m in zip(out, sends)]
+    return [spans[m.chunk, m.stop] if m.snapshot else b for b, m in zip(out, sends)]
 
 
 def _scratch(comm: Communicator, buf: Any, n: int) -> Any:
@@ -95,7 +100,7 @@ def _scratch(comm: Communicator, buf: Any, n: int) -> Any:
     if cache is None:
         cache = _SCRATCH.by_comm = weakref.WeakKeyDictionary()
     mine = cache.setdefault(comm, {})
-    key = (str(buf.dtype), str(getattr(buf, "device", "")))
+    key = (buf.dtype, getattr(buf, "device", None))  # as they are: str() of a dtype costs ~10 µs
     have = mine.get(key)
     if have is None or len(have) < n:
         have = mine[key] = comm.empty(n, buf.dtype) if isinstance(buf, np.ndarray) else buf.new_empty(n)
