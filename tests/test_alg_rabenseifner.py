@@ -13,17 +13,20 @@ from functools import cache
 
 import numpy as np
 import pytest
+from test_ref_zero_traffic import CFG as TRAFFIC
+from test_ref_zero_traffic import _sent, schedules_say
 
 from dplab.reference import collectives
 from dplab.reference.algorithms import SCATTER, allreduce_schedule, recursive_doubling
 from dplab.reference.costmodel import cost
-from dplab.reference.model import MLPConfig
+from dplab.reference.model import MLP, MLPConfig
 from dplab.reference.optim import OptimConfig
 from dplab.reference.schedule import Schedule, chunk_bounds, messages_of
 from dplab.reference.simulate import is_allreduce, simulate
 from dplab.reference.train.single import TrainConfig, train_single
 from dplab.reference.train.sync import SyncConfig, train_sync
 from dplab.reference.zero.config import ZeroConfig
+from dplab.reference.zero.traffic import sent_closed_form
 from dplab.reference.zero.train import train_zero
 
 WORLDS = range(1, 65)
@@ -203,6 +206,21 @@ def test_zero_with_rabenseifner_equals_train_single(worlds, backend, stage, p):
     assert rel(results[0].params, ref.params) <= 1e-10
     assert all(np.array_equal(r.params, results[0].params) for r in results)
     assert sum(r.shard_elems for r in results) == ref.params.size
+
+
+@pytest.mark.parametrize("p", [2, 3, 4])
+@pytest.mark.parametrize("stage", [0, 1, 3])
+def test_zero_sends_per_step_what_rabenseifners_schedules_say(worlds, stage, p):
+    """Counted from the trace, whose messages carry several chunks (``traffic.collective_sent`` reads
+    their spans); a power of two sends the paper's 2 or 3 (p-1)/p Psi on average, others no less
+    (at p = 3 the all-reduce's fold costs exactly the ring's bytes, the reduce-scatter's more)."""
+    model = MLP(TRAFFIC.model)
+    sizes = [(s := model.layer_slice(layer)).stop - s.start for layer in range(model.num_layers)]
+    per_rank = worlds(p).run(_sent, TRAFFIC, ZeroConfig(stage=stage, algorithm="rabenseifner"))
+    for rank, steps in enumerate(per_rank):
+        assert steps == [8 * schedules_say(stage, "rabenseifner", p, rank, sizes, 1)] * TRAFFIC.steps, rank
+    mean, paper = sum(s[0] for s in per_rank) / p, 8 * sent_closed_form(stage, model.num_params, p)
+    assert mean == pytest.approx(paper, rel=1e-12) if not folded(p) else mean >= paper * (1 - 1e-12)
 
 
 def test_recursive_doubling_and_rabenseifner_share_the_fold():
