@@ -57,6 +57,10 @@ class Schedule:
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError(f"a Schedule is immutable: cannot set {name!r}")
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled as its columns (``st.cache_data`` and persistent worlds pickle schedules)."""
+        return (Schedule, (self.name, self.world_size, self.num_chunks, self.table, True))
+
     @property
     def rounds(self) -> tuple[tuple[Transfer, ...], ...]:
         if self._rounds is None:

@@ -281,3 +281,16 @@ def test_schedule_error_belongs_to_the_dplab_error_family():
     """DESIGN: every error dplab raises on purpose subclasses DplabError."""
     assert issubclass(ScheduleError, ValueError)
     assert issubclass(ScheduleError, DplabError)
+
+
+def test_every_schedule_pickles_to_an_equal_one():
+    """``st.cache_data`` and persistent worlds pickle schedules: the columns must travel whole."""
+    import pickle
+
+    from dplab.reference.algorithms import ALLREDUCE, allreduce_schedule
+
+    for name in ALLREDUCE:
+        for p in (1, 2, 5):
+            s = allreduce_schedule(name, p)
+            back = pickle.loads(pickle.dumps(s))
+            assert back == s and back.rounds == s.rounds and back.name == s.name

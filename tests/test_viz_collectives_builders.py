@@ -32,6 +32,10 @@ def test_algorithms_are_the_executors():
     assert algorithms_for("broadcast") == sorted(ROOTED) == algorithms_for("reduce")
 
 
+def _order(t):
+    return (t.src, t.dst, t.chunk, t.op)
+
+
 @pytest.mark.parametrize("collective,algorithm", CASES)
 def test_frames_arrows_and_provenance_for_every_world_size(collective, algorithm):
     """frames = rounds + 1; frame k's arrows are rounds[k]; the end is what the collective leaves."""
@@ -44,8 +48,9 @@ def test_frames_arrows_and_provenance_for_every_world_size(collective, algorithm
         spec = figure_spec(w)
         assert len(spec["frames"]) == len(w.frames)
         for k, frame in enumerate(spec["frames"]):
-            want = list(sched.rounds[k]) if k < len(sched.rounds) else []
-            assert arrows(frame["layout"]) == want == list(w.frames[k].transfers)
+            want = sorted(sched.rounds[k], key=_order) if k < len(sched.rounds) else []  # a round is a set
+            drawn = sorted(arrows(frame["layout"]), key=_order)
+            assert drawn == want == sorted(w.frames[k].transfers, key=_order)
         assert w.correct, (collective, algorithm, p)
         final = w.frames[-1]
         if collective == "allreduce":
@@ -117,7 +122,10 @@ def test_bytes_and_time_counters_match_the_closed_forms(collective, algorithm):
         sent = [f.bytes_sent for f in w.frames]
         assert sent[0] == (0,) * p
         assert all(a <= b for before, after in zip(sent, sent[1:]) for a, b in zip(before, after))
-        assert max(sent[-1]) == w.closed_form_bytes
+        if algorithm == "hierarchical" and p % 2:  # a smaller last node: no textbook form
+            assert w.closed_form_bytes is None
+        else:
+            assert max(sent[-1]) == w.closed_form_bytes
         whole = cost(w.schedule, cfg.nbytes, *cfg.abg, cfg.itemsize)
         assert w.frames[-1].time_s == pytest.approx(whole.time, rel=1e-12)
         assert max(sent[-1]) == whole.bytes_sent_max

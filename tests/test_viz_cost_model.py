@@ -52,19 +52,30 @@ def test_curves_meet_the_closed_forms_where_the_chunks_divide():
         assert model_time(alg, n, params) == pytest.approx(closed_form(alg, 8, n, 2e-6, 1 / 4e9, 0))
 
 
+LINEAR = ("naive", "ring", "tree", "direct", "recursive_doubling", "rabenseifner")
+
+
 @pytest.mark.parametrize("alg", list(ALLREDUCE))
 @pytest.mark.parametrize("p", [2, 3, 5, 8, 13])
-def test_model_is_linear_in_alpha_and_beta(alg, p):
-    """The fit's premise: time = a * alpha + b * beta (+ gamma, half of b's bytes) exactly."""
+def test_model_is_linear_in_alpha_and_beta_where_one_rank_is_slowest_for_both(alg, p):
+    """time = a * alpha + b * beta exactly when the rank that pays the most messages in a round also
+    moves the most bytes: the textbook schedules. The pipelined and two-level ones (and uneven
+    chunks) can have one rank slowest for alpha and another for beta, and the max of sums is then
+    below the sum of maxes: the fit (reference/costfit.py) takes its slopes at each point instead."""
     for n in (4, 100, 4100, 1 << 20):
         a, b = features(alg, p, n)
         t = cost(allreduce_schedule(alg, p), n, 7e-6, 3e-10, 0, 4).time
-        assert t == pytest.approx(7e-6 * a + 3e-10 * b, rel=1e-12)
+        if alg in LINEAR:
+            assert t == pytest.approx(7e-6 * a + 3e-10 * b, rel=1e-12)
+        else:
+            assert max(7e-6 * a, 3e-10 * b) <= t * (1 + 1e-9) and t <= (7e-6 * a + 3e-10 * b) * (1 + 1e-9)
         g = cost(allreduce_schedule(alg, p), n, 0, 0, 1, 4).time
         if alg == "recursive_doubling":  # it adds every byte it receives, but the fold's copy back
             assert g == pytest.approx(b - n * (p & (p - 1) != 0))
-        else:
+        elif alg in LINEAR:
             assert g == pytest.approx(b / 2)
+        else:  # a rank adds at most what it receives
+            assert g <= b * (1 + 1e-12)
 
 
 def test_tree_beats_ring_below_the_closed_form_crossover():

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from dplab.reference.algorithms import ALLREDUCE, double_tree, pipelined
+from dplab.reference.algorithms import ALLREDUCE, PARAMETRIC, double_tree, pipelined, split_name
 from dplab.reference.collectives import schedule_plan
 from dplab.reference.costmodel import closed_form, cost
 from dplab.reference.errors import ConfigError
@@ -189,14 +189,18 @@ def sentence(index: int, rounds: int, phase: str, transfers: tuple[Transfer, ...
     return f"round {index + 1} of {rounds}, {phase}: {said}"
 
 
-def closed_form_bytes(cfg: CollectiveConfig) -> int:
+def closed_form_bytes(cfg: CollectiveConfig) -> int | None:
     """The textbook count of bytes the busiest rank sends (n divisible by p): what the walk is
-    compared with. Ring/direct move (p-1)/p of the buffer per half; a tree's root sends it once
-    per level; a naive root once per other rank; recursive doubling the whole buffer per round,
-    Rabenseifner the ring's bytes, each + the whole buffer again where p is not a power of two."""
+    compared with; None where there is none (hierarchical with a smaller last node). Ring/direct
+    move (p-1)/p of the buffer per half; a tree's root sends it once per level; a naive root once
+    per other rank; recursive doubling the whole buffer per round, Rabenseifner the ring's bytes,
+    each + the whole buffer again where p is not a power of two."""
     p, n = cfg.world_size, cfg.nbytes
     if p == 1:
         return 0
+    if cfg.algorithm.partition(":")[0] == "hierarchical":  # the ring's bytes, when nodes are equal
+        g = min(split_name(cfg.algorithm)[1] or PARAMETRIC["hierarchical"], p)
+        return 2 * (p - 1) * n // p if p % g == 0 else None
     lg = math.ceil(math.log2(p))
     m = p.bit_length() - 1  # the fold leaves q = 2^m ranks; rem of them took a partner's part
     q, fold = 1 << m, p > 1 << m
@@ -239,7 +243,7 @@ class Walkthrough:
     schedule: Schedule
     inputs: list[np.ndarray]  # each rank's starting vector (small integers)
     frames: list[Frame]
-    closed_form_bytes: int
+    closed_form_bytes: int | None  # None: no textbook form (hierarchical with a smaller last node)
     closed_form_time_s: float | None  # all-reduce only: the textbook time (tree: exact for powers of 2)
     correct: bool  # the final provenance is the collective's target
     final_values: list[np.ndarray] | None = field(default=None)  # simulate() on the whole schedule

@@ -38,9 +38,10 @@ def frame_title(w: Walkthrough, f: Frame) -> str:
     cfg = w.config
     head = f"round {f.index + 1} of {w.rounds}: {f.phase}" if f.transfers else f"end ({w.rounds} rounds)"
     busiest = max(f.bytes_sent) if f.bytes_sent else 0
+    form = "none" if w.closed_form_bytes is None else f"{w.closed_form_bytes:,}"
     return (f"{cfg.algorithm} {COLLECTIVES[cfg.collective]}, p={cfg.world_size} · {head}<br>"
             f"<sup>bytes sent, busiest rank: {busiest:,} (closed form, whole collective: "
-            f"{w.closed_form_bytes:,}) · cost model so far: {f.time_s * 1e6:,.2f} µs</sup>")
+            f"{form}) · cost model so far: {f.time_s * 1e6:,.2f} µs</sup>")
 
 
 def _cells(w: Walkthrough, f: Frame) -> tuple[np.ndarray, list[list[str]], list[list[str]]]:

@@ -38,9 +38,9 @@ from dplab.reference.errors import ConfigError
 __all__ = ["CostParams", "COLORS", "Y_AXES", "DASHES", "size_grid", "model_time", "curves",
            "features", "to_y", "format_bytes", "busbw_line"]
 
-COLORS = {"naive": "#7f7f7f", "ring": "#1f77b4", "tree": "#2ca02c", "direct": "#ff7f0e",
-          "native": "#9467bd", "recursive_doubling": "#d62728", "rabenseifner": "#17becf",
-          "hierarchical": "#8c564b"}
+_PALETTE = ("#7f7f7f", "#1f77b4", "#2ca02c", "#ff7f0e", "#d62728", "#17becf", "#e377c2", "#bcbd22",
+            "#8c564b", "#393b79", "#637939", "#7b4173")  # D3's category10, then more: one per algorithm
+COLORS = {name: _PALETTE[i % len(_PALETTE)] for i, name in enumerate(ALLREDUCE)} | {"native": "#9467bd"}
 DASHES = ("solid", "dash", "dot", "dashdot")  # the n-th member of a coinciding group
 Y_AXES = {"time": "time per all-reduce (µs)", "algbw": "algbw (GB/s)", "busbw": "busbw (GB/s)"}
 

@@ -80,8 +80,9 @@ def _metrics(w: Walkthrough, k: int) -> None:
     busiest = max(f.bytes_sent)
     a, b, c = st.columns(3)
     a.metric("rounds done", f"{f.index} of {w.rounds}")
+    form = "no closed form" if w.closed_form_bytes is None else f"closed form {w.closed_form_bytes:,} B"
     b.metric("bytes sent, busiest rank", f"{busiest:,} B", help="the walk of the schedule's rounds so far",
-             delta=f"closed form {w.closed_form_bytes:,} B", delta_color="off", delta_arrow="off")
+             delta=form, delta_color="off", delta_arrow="off")
     cf = "" if w.closed_form_time_s is None else f"closed form {w.closed_form_time_s * 1e6:,.2f} µs"
     c.metric("cost-model time so far", f"{f.time_s * 1e6:,.2f} µs", delta=cf or None, delta_color="off",
              delta_arrow="off", help="dplab.reference.costmodel.cost over the rounds so far")
