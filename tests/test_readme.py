@@ -72,6 +72,26 @@ def test_the_algorithm_table_matches_the_schedules(p):
     assert max(tree) == tree[0] == lg * n and min(tree) == n
 
 
+@pytest.mark.parametrize("p", range(2, 13))
+def test_the_new_rows_match_the_schedules(p):
+    n = 2 * 3 * 5 * 7 * 8 * 9 * 11
+    lg, m = math.ceil(math.log2(p)), p.bit_length() - 1
+    q, f = 1 << m, int(p & (p - 1) != 0)
+    rounds = {a: len(allreduce_schedule(a, p).rounds) for a in
+              ("recursive_doubling", "rabenseifner", "pipelined_tree", "pipelined_ring", "hierarchical")}
+    nodes = math.ceil(p / 2)
+    assert rounds == {"recursive_doubling": m + 2 * f, "rabenseifner": 2 * m + 2 * f,
+                      "pipelined_tree": 2 * lg + 7, "pipelined_ring": 2 * (p - 1) + 3,
+                      "hierarchical": 2 * (2 - 1) + 2 * (nodes - 1)}
+    if p % 2 == 0:
+        assert len(allreduce_schedule("double_tree", p).rounds) == 2 * lg + 7
+        assert _sent("hierarchical", p, n) == [2 * (p - 1) * n // p] * p
+    assert max(_sent("recursive_doubling", p, n)) == (m + f) * n
+    assert max(_sent("rabenseifner", p, n)) == 2 * (q - 1) * n // q + f * n
+    if p >= 4:
+        assert max(_sent("double_tree", p, n)) == 2 * n and max(_sent("pipelined_tree", p, n)) == 3 * n
+
+
 def test_the_table_in_the_readme_is_the_one_tested():
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:4]]
             for line in README.splitlines() if re.match(r"\| (naive|ring|tree|direct) \|", line)}
