@@ -58,15 +58,33 @@ def run_schedule(comm: Communicator, buf: Any, schedule: Schedule, plan: Plan | 
     exchange) is sent from a snapshot: zero-copy transports read the sent memory while the
     receive adds into it. Schedules without such exchanges send straight out of ``buf``."""
     plan = plan if plan is not None else messages_of(schedule, comm.rank)
-    bounds = chunk_bounds(len(buf), schedule.num_chunks)
-    for k, (sends, recvs) in enumerate(plan):
-        if sends or recvs:
-            out = [buf[bounds[m.chunk][0]:bounds[m.stop - 1][1]] for m in sends]
-            if any(m.snapshot for m in sends):
-                out = _snapshots(comm, buf, sends, out)
-            comm.exchange([SendSpec(b, m.dst, m.chunk) for b, m in zip(out, sends)],
-                          [RecvSpec(buf[bounds[m.chunk][0]:bounds[m.stop - 1][1]], m.src, m.chunk,
-                                    m.op == "reduce") for m in recvs], round=k, algorithm=schedule.name)
+    for k, sends, recvs, spans, snapshot in _rounds(plan, len(buf), schedule.num_chunks):
+        out = [buf[s] for s in spans]
+        if snapshot:
+            out = _snapshots(comm, buf, sends, out)
+        comm.exchange([SendSpec(b, m.dst, m.chunk) for b, m in zip(out, sends)],
+                      [RecvSpec(buf[s], m.src, m.chunk, m.op == "reduce") for s, m in recvs],
+                      round=k, algorithm=schedule.name)
+
+
+_ROUNDS: dict[tuple[int, int, int], tuple[Plan, list]] = {}  # (id(plan), n, chunks) -> (plan, rounds)
+
+
+def _rounds(plan: Plan, n: int, num_chunks: int) -> list:
+    """The plan's non-empty rounds with each message's slice of an ``n``-element buffer worked out
+    once per (plan, n): (round, sends, [(slice, receive)], [send slice], any snapshot). Chunk
+    bounds and message spans cost more Python than a small all-reduce's data (~2 µs a call)."""
+    hit = _ROUNDS.get((id(plan), n, num_chunks))
+    if hit is not None and hit[0] is plan:
+        return hit[1]
+    bounds = chunk_bounds(n, num_chunks)
+    span = lambda m: slice(bounds[m.chunk][0], bounds[m.stop - 1][1])  # noqa: E731
+    rounds = [(k, sends, [(span(m), m) for m in recvs], [span(m) for m in sends],
+               any(m.snapshot for m in sends)) for k, (sends, recvs) in enumerate(plan) if sends or recvs]
+    if len(_ROUNDS) >= 4096:
+        _ROUNDS.clear()
+    _ROUNDS[id(plan), n, num_chunks] = (plan, rounds)
+    return rounds
 
 
 _SCRATCH = threading.local()  # per thread (DDP's comm thread has its own): comm -> {dtype: scratch}
