@@ -119,6 +119,8 @@ def validate(s: Schedule) -> None:
         rid = t.round_ids(r0, r1)
         if np.bincount(rid * p + t.dst[a:b], minlength=1).max() <= 1:
             continue  # no rank receives twice in one round of this block
+        if (r1 - r0) * k <= 1 << 24 and np.bincount(rid * k + t.chunk[a:b], minlength=1).max() <= 1:
+            continue  # no chunk moves twice in one round (the pipelined ring's slices): cheap, no isin
         key, copy = (rid * p + t.dst[a:b]) * k + t.chunk[a:b], ~t.reduce[a:b]
         space = (r1 - r0) * p * k
         if space <= 4 * (b - a):  # dense: the keys (round, rank, chunk) that break the rule, by counting
