@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import os
 import struct
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import lru_cache
@@ -61,6 +61,17 @@ _DTYPES = [np.dtype(t) for t in ("uint8", "float32", "float64", "int32", "int64"
 _CODE = {dt: i for i, dt in enumerate(_DTYPES)}
 _DESC = struct.Struct("5q")  # a message's descriptor: segment id, offset, bytes, dtype code, tag
 _code = lru_cache(maxsize=4096)(Collective.code)  # a collective's tag, once per (kind, algorithm, root)
+
+
+def _refuse_crowded_round(rank: int, sends: list[SendSpec], round: int, algorithm: str) -> None:
+    """A round that posts more than SLOTS messages to one peer would wait for a free slot while the
+    peer, posting its own round first, never receives: refuse it at once instead of timing out."""
+    peer, count = max(Counter(s.peer for s in sends).items(), key=lambda pc: pc[1])
+    if count > SLOTS:
+        raise ConfigError(f"rank {rank}: {algorithm or 'the schedule'} round {round} posts {count} messages "
+                          f"to rank {peer}, more than the local backend's {SLOTS} mailbox slots per peer: "
+                          f"lower the algorithm's piece count (e.g. '{algorithm or 'pipelined_ring'}:{SLOTS}'"
+                          ") or use the mpi or torch backend")
 
 
 class _SendRequest:
@@ -238,6 +249,8 @@ class LocalComm(SegmentMemory, Waits, Communicator):
     def exchange(self, sends: list[SendSpec], recvs: list[RecvSpec], round: int = -1,
                  algorithm: str = "") -> None:
         """Post every send, then reduce or copy each receive straight out of the peer's memory."""
+        if len(sends) > SLOTS:  # every rank posting before it receives: more than SLOTS to one peer deadlock
+            _refuse_crowded_round(self.rank, sends, round, algorithm)
         tr, tag = self.tracer, self._tag if round >= 0 else 0
         peek = tag >= COLLECTIVE_TAG
         if not tr.enabled:  # the hot path: no clocks, no events

@@ -1,0 +1,38 @@
+"""The local backend refuses a round that posts more messages to one peer than its mailbox holds
+(``backends/local/wiring.py`` SLOTS = 64) at once, with a ConfigError that says what to lower,
+instead of every rank waiting for a slot until the timeout (``pipelined_ring:65`` at p = 34:
+each rank sends 65 slices to its right neighbour in round 64).
+
+    pytest -q tests/test_alg_arrays_slots.py
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from dplab.backends import RankError, allreduce, launch
+from dplab.backends.local.wiring import SLOTS
+
+P = 34  # 2 (p - 1) = 66 ring steps: up to 66 slices in flight, so k = SLOTS + 1 is reached
+
+
+def _ring(comm, k: int) -> list[float]:
+    buf = np.arange(P * (SLOTS + 1), dtype=np.float64) + comm.rank
+    allreduce(comm, buf, algorithm=f"pipelined_ring:{k}")
+    return buf[:3].tolist()
+
+
+def test_a_round_with_more_messages_to_one_peer_than_slots_is_refused_not_waited_out():
+    t0 = time.monotonic()
+    with pytest.raises(RankError, match=rf"posts {SLOTS + 1} messages to rank \d+, more than the local "
+                                        rf"backend's {SLOTS} mailbox slots.*'pipelined_ring:{SLOTS}'"):
+        launch(_ring, P, args=(SLOTS + 1,), timeout=10.0)
+    assert time.monotonic() - t0 < 10.0  # refused at once: before, every rank timed out on the mailbox
+
+
+def test_exactly_slots_messages_to_one_peer_still_run():
+    base = np.arange(3) * P + P * (P - 1) / 2  # sum over ranks of (i + rank)
+    assert launch(_ring, P, args=(SLOTS,), timeout=30.0) == [base.tolist()] * P
