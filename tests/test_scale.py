@@ -36,7 +36,7 @@ from dplab.reference.topology import PRESETS, Link, Topology
 SIZES = np.geomspace(1 << 10, 1 << 30, 20).astype(np.int64)
 P = 4096
 QUADRATIC = {"direct": 60, "rabenseifner": 60, "hierarchical": 60, "hierarchical:8": 60,  # CPU seconds
-             "pipelined_ring": 60}  # 27 s measured; ~80 s before validate's cheap pass (rounds.py's rule)
+             "pipelined_ring": 60}  # 27 s measured; ~80 s before schedule.validate's cheap pass
 LIGHT = 10  # CPU seconds for the rest, build and price
 
 
