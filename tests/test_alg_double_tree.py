@@ -8,6 +8,7 @@ import math
 
 import numpy as np
 import pytest
+from test_alg_pipelined import nccl_get_btree
 
 from dplab.reference.algorithms import ALLREDUCE, PARAMETRIC, allreduce_schedule
 from dplab.reference.algorithms import double_tree as D
@@ -16,7 +17,6 @@ from dplab.reference.algorithms import ring as ring_mod
 from dplab.reference.costmodel import cost
 from dplab.reference.errors import ConfigError
 from dplab.reference.simulate import is_allreduce, simulate
-from tests.test_alg_pipelined import nccl_get_btree
 
 
 def nccl_get_dtree(nranks: int, rank: int) -> tuple[int, int]:

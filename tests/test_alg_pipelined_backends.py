@@ -5,12 +5,12 @@ one device within 1e-10 (float64)."""
 from __future__ import annotations
 
 import pytest
+from test_collectives import assert_identical_everywhere, exact_sum, job_allreduce
+from test_sync import _train, check_equals_single
 
 from dplab.reference.model import MLPConfig
 from dplab.reference.train.single import TrainConfig
 from dplab.reference.train.sync import SyncConfig
-from tests.test_collectives import assert_identical_everywhere, exact_sum, job_allreduce
-from tests.test_sync import _train, check_equals_single
 
 NAMES = ("pipelined_tree", "pipelined_tree:1", "pipelined_tree:5", "pipelined_ring", "pipelined_ring:1",
          "pipelined_ring:3", "double_tree", "double_tree:1", "double_tree:3")
