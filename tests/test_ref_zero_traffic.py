@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 
+from dplab.backends.launch.world import BackendUnavailable, check_backend
 from dplab.reference.model import MLP, MLPConfig
 from dplab.reference.optim import OptimConfig
 from dplab.reference.train.single import TrainConfig
@@ -44,13 +45,7 @@ def schedules_say(stage: int, algorithm: str, p: int, rank: int, sizes: list[int
     return sum(per_layer(n) for n in sizes)
 
 
-@pytest.mark.parametrize("stage, accum_steps", [(0, 1), (1, 1), (2, 1), (3, 1), (1, 3), (2, 3), (3, 2)])
-@pytest.mark.parametrize("algorithm", ["ring", "direct"])
-@pytest.mark.parametrize("p", [1, 2, 3, 4])
-def test_bytes_sent_per_step_are_the_schedules_and_their_mean_the_closed_form(worlds, backend, stage,
-                                                                              accum_steps, algorithm, p):
-    if backend != "local" and (accum_steps > 1 or p == 3):
-        pytest.skip("the other engines run the one-micro-batch rows at p = 1, 2, 4 (speed)")
+def _check_traffic(worlds, backend: str, stage: int, accum_steps: int, algorithm: str, p: int) -> None:
     model = MLP(CFG.model)
     sizes = [(s := model.layer_slice(layer)).stop - s.start for layer in range(model.num_layers)]
     zero = ZeroConfig(stage=stage, algorithm=algorithm, accum_steps=accum_steps)
@@ -61,6 +56,28 @@ def test_bytes_sent_per_step_are_the_schedules_and_their_mean_the_closed_form(wo
         assert steps == [want] * CFG.steps, f"rank {rank}: sent {steps}, the schedules say {want} per step"
     mean = sum(steps[0] for steps in per_rank) / p
     assert mean == pytest.approx(8 * sent_closed_form(stage, model.num_params, p, accum_steps), rel=1e-12)
+
+
+@pytest.mark.parametrize("stage, accum_steps", [(0, 1), (1, 1), (2, 1), (3, 1), (1, 3), (2, 3), (3, 2)])
+@pytest.mark.parametrize("algorithm", ["ring", "direct"])
+@pytest.mark.parametrize("p", [1, 2, 3, 4])
+def test_bytes_sent_per_step_are_the_schedules_and_their_mean_the_closed_form(worlds, stage, accum_steps,
+                                                                              algorithm, p):
+    _check_traffic(worlds, "local", stage, accum_steps, algorithm, p)
+
+
+@pytest.mark.parametrize("engine", [pytest.param("mpi", marks=pytest.mark.mpi),
+                                    pytest.param("torch", marks=pytest.mark.torch)])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("algorithm", ["ring", "direct"])
+@pytest.mark.parametrize("p", [1, 2, 4])
+def test_the_engines_send_what_the_schedules_say(worlds, engine, stage, algorithm, p):
+    """The same count on MPI and torch, for one micro-batch (the grid above runs on shared memory)."""
+    try:
+        check_backend(engine)
+    except BackendUnavailable as e:
+        pytest.skip(str(e))
+    _check_traffic(worlds, engine, stage, 1, algorithm, p)
 
 
 def test_closed_forms_are_the_papers_2_and_3_psi():
