@@ -17,6 +17,7 @@ from typing import Any
 
 from dplab.backends.cli.app import port_number
 from dplab.backends.cli.args_optim import add_optimizer_args, add_sweep_args, positive_float, positive_int
+from dplab.backends.cli.args_optim import csv_list as _csv
 from dplab.backends.cli.args_zero import add_zero_args
 from dplab.backends.cli.bench import parse_size
 from dplab.backends.cli.compare import RACE_DEFAULTS
@@ -85,19 +86,6 @@ class _Formatter(argparse.RawDescriptionHelpFormatter):
                 and action.default is not argparse.SUPPRESS and action.default is not AUTO):
             text += f" (default: {_shown(action.default)})".replace("%", "%%")
         return text
-
-
-def _csv(kind: Any = str, empty_ok: bool = False):
-    """A comma-separated list of at least one value: an empty grid would run nothing and say so late."""
-    def parse(text: str) -> list:
-        try:
-            values = [kind(v.strip()) for v in text.split(",") if v.strip()]
-        except (ValueError, argparse.ArgumentTypeError) as e:
-            raise argparse.ArgumentTypeError(f"bad list {text!r}: {e}") from None
-        if not values and not empty_ok:
-            raise argparse.ArgumentTypeError(f"empty list {text!r}: give at least one value")
-        return values
-    return parse
 
 
 def _size(text: str) -> int:

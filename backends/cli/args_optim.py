@@ -1,4 +1,5 @@
-"""Options of the optimizer (train and compare) and of the large-batch sweep (compare).
+"""Options of the optimizer (train and compare) and of the large-batch sweep (compare), and the
+number and list parsers every command's options share (``positive_int``, ``csv_list``).
 
     dplab train --optimizer lamb --lr 0.005 --warmup-steps 10
     dplab compare --global-batches 64,256,1024,4096 --lr-rule linear,sqrt --optimizer momentum --lr 0.05
@@ -128,3 +129,17 @@ def add_sweep_args(c: argparse.ArgumentParser) -> None:
         if key in SWEEP_DATA:
             action.default = (_DefaultStr if isinstance(action.default, str) else _DefaultInt)(action.default)
             action.help += f" (default: {action.default}; a --global-batches sweep: {SWEEP_DATA[key]})"
+
+
+def csv_list(kind: Any = str, empty_ok: bool = False, what: str = "value"):
+    """A comma-separated list of at least one value: an empty grid would run nothing and say so late.
+    Every command's list options parse through this one function."""
+    def parse(text: str) -> list:
+        try:
+            values = [kind(v.strip()) for v in text.split(",") if v.strip()]
+        except (ValueError, argparse.ArgumentTypeError) as e:
+            raise argparse.ArgumentTypeError(f"bad list {text!r}: {e}") from None
+        if not values and not empty_ok:
+            raise argparse.ArgumentTypeError(f"empty list {text!r}: give at least one {what}")
+        return values
+    return parse

@@ -21,6 +21,7 @@ from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any
 
+from dplab.backends.cli.args_optim import csv_list
 from dplab.backends.cli.checks import check_output_file
 from dplab.backends.cli.table import format_table
 from dplab.reference.errors import ConfigError
@@ -72,12 +73,7 @@ def parse_params(text: str) -> int:
 def _int_list(allowed: tuple[int, ...] | None, what: str):
     """A comma-separated list of integers >= 1 (or among ``allowed``), duplicates dropped, order kept."""
     def parse(text: str) -> list[int]:
-        try:
-            values = [int(v) for v in text.split(",") if v.strip()]
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"bad list {text!r}: give integers like 1,8,64") from None
-        if not values:
-            raise argparse.ArgumentTypeError(f"empty list {text!r}: give at least one {what}")
+        values = csv_list(int, what=what)(text)
         bad = [v for v in values if (v not in allowed if allowed else v < 1)]
         if bad:
             need = f"one of {', '.join(map(str, allowed))}" if allowed else "an integer >= 1"

@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from dplab.backends.cli.args_optim import csv_list
 from dplab.backends.cli.bench import parse_size
 from dplab.reference import auto, costfit
 from dplab.reference.algorithms import ALLREDUCE
@@ -43,18 +44,6 @@ columns:
 """
 
 
-def _list(kind: Any, what: str):
-    def parse(text: str) -> list:
-        try:
-            values = [kind(v.strip()) for v in text.split(",") if v.strip()]
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"bad list of {what} {text!r}") from None
-        if not values:
-            raise argparse.ArgumentTypeError(f"empty list {text!r}: give at least one {what}")
-        return values
-    return parse
-
-
 def add_tune_parser(sub: Any, formatter_class: type[argparse.HelpFormatter]) -> argparse.ArgumentParser:
     """Register ``dplab tune`` on the subparsers ``sub`` (args.py passes its formatter: one style)."""
     t = sub.add_parser("tune", help="fit alpha, beta, gamma per backend and save them for --algorithm auto",
@@ -64,12 +53,14 @@ def add_tune_parser(sub: Any, formatter_class: type[argparse.HelpFormatter]) -> 
                            "one with --from-json), fit the alpha-beta-gamma cost model to it by least "
                            "squares, print the fit with its residuals and save it where "
                            "algorithm='auto' reads it.", 88))
-    t.add_argument("--backends", "--backend", type=_list(str, "backends"), default=["local"],
+    t.add_argument("--backends", "--backend", type=csv_list(str, what="backend"), default=["local"],
                    help="local,mpi,torch")
-    t.add_argument("--world-sizes", type=_list(int, "world sizes"), default=[2, 4], help="ranks per run")
-    t.add_argument("--sizes", type=_list(parse_size, "sizes"), default=[4096, 1 << 16, 1 << 20, 16 << 20],
+    t.add_argument("--world-sizes", type=csv_list(int, what="world size"), default=[2, 4],
+                   help="ranks per run")
+    t.add_argument("--sizes", type=csv_list(parse_size, what="size"),
+                   default=[4096, 1 << 16, 1 << 20, 16 << 20],
                    help="bytes per buffer, with K, M or G (default: 4K,64K,1M,16M)")
-    t.add_argument("--algorithms", type=_list(str, "algorithms"), default=None,
+    t.add_argument("--algorithms", type=csv_list(str, what="algorithm"), default=None,
                    help="what to bench (default: every registered all-reduce and native)")
     t.add_argument("--dtype", choices=["float32", "float64"], default="float32", help="buffer element type")
     t.add_argument("--reps", type=int, default=3, help="timed loops per cell, algorithms interleaved")
