@@ -90,8 +90,13 @@ def test_launch_a_second_ctrl_c_during_cleanup_leaks_nothing(tmp_path, gap):
     ranks_s, launcher_s, err = _signal_and_time(
         proc, family, [(signal.SIGINT, 0), (signal.SIGINT, gap), (signal.SIGTERM, gap)], group=True)
     print(f"gap {gap}s: ranks gone in {ranks_s:.3f}s, launcher exited in {launcher_s:.3f}s")
-    assert proc.returncode == 130, err
-    assert err.strip().splitlines() == ["dplab train: interrupted"], err
+    # With no gap the three signals reach a multi-threaded launcher together: the kernel may hand
+    # them to different threads, whose C handlers can trip SIGTERM before SIGINT, so the first one
+    # Python's handler sees (and the exit code) is either; seen once in 12 runs. Either way: one
+    # line that names it, and nothing left behind.
+    first = {130: "interrupted", 143: "terminated"} if gap == 0 else {130: "interrupted"}
+    assert proc.returncode in first, err
+    assert err.strip().splitlines() == [f"dplab train: {first[proc.returncode]}"], err
     assert ranks_s < 1.5
     assert segments_of(proc.pid) == []
 
