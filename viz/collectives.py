@@ -20,12 +20,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from dplab.reference.algorithms import ALLREDUCE, PARAMETRIC, double_tree, pipelined, split_name
+from dplab.reference.algorithms import ALLREDUCE
 from dplab.reference.collectives import schedule_plan
 from dplab.reference.costmodel import closed_form, cost
 from dplab.reference.errors import ConfigError
 from dplab.reference.schedule import Schedule, Transfer, chunk_bounds
 from dplab.reference.simulate import simulate
+from dplab.viz.collectives_bytes import closed_form_bytes
 
 __all__ = ["COLLECTIVES", "CollectiveConfig", "Frame", "Walkthrough", "algorithms_for", "schedule_for",
            "phases", "target", "contributors_label", "sentence", "closed_form_bytes", "walkthrough",
@@ -187,39 +188,6 @@ def sentence(index: int, rounds: int, phase: str, transfers: tuple[Transfer, ...
     if len(transfers) > MAX_CLAUSES:
         said += f"; and {len(transfers) - MAX_CLAUSES} more transfers like these, all at once"
     return f"round {index + 1} of {rounds}, {phase}: {said}"
-
-
-def closed_form_bytes(cfg: CollectiveConfig) -> int | None:
-    """The textbook count of bytes the busiest rank sends (n divisible by p): what the walk is
-    compared with; None where there is none (hierarchical with a smaller last node). Ring/direct
-    move (p-1)/p of the buffer per half; a tree's root sends it once per level; a naive root once
-    per other rank; recursive doubling the whole buffer per round, Rabenseifner the ring's bytes,
-    each + the whole buffer again where p is not a power of two."""
-    p, n = cfg.world_size, cfg.nbytes
-    if p == 1:
-        return 0
-    if cfg.algorithm.partition(":")[0] == "hierarchical":  # the ring's bytes, when nodes are equal
-        g = min(split_name(cfg.algorithm)[1] or PARAMETRIC["hierarchical"], p)
-        return 2 * (p - 1) * n // p if p % g == 0 else None
-    lg = math.ceil(math.log2(p))
-    m = p.bit_length() - 1  # the fold leaves q = 2^m ranks; rem of them took a partner's part
-    q, fold = 1 << m, p > 1 << m
-    gathered = sum(d + min(d, p - q) for d in (1 << i for i in range(m)))  # rank 0's doubling, in chunks
-    per_algorithm = {
-        "allreduce": {"ring": 2 * (p - 1) * n // p, "direct": 2 * (p - 1) * n // p, "tree": lg * n,
-                      "naive": (p - 1) * n, "recursive_doubling": (m + fold) * n,
-                      "rabenseifner": 2 * (q - 1) * n // q + fold * n,
-                      "pipelined_tree": pipelined.tree_busiest(p, n),  # 3n, any n
-                      "pipelined_ring": pipelined.ring_busiest(p, n // cfg.itemsize) * cfg.itemsize,
-                      "double_tree": double_tree.busiest(p, n // cfg.itemsize) * cfg.itemsize},  # 2n
-        "reduce_scatter": {"ring": (p - 1) * n // p, "direct": (p - 1) * n // p,
-                           "rabenseifner": n if fold else (p - 1) * n // p},  # the fold sends it all
-        "allgather": {"ring": (p - 1) * n // p, "direct": (p - 1) * n // p,
-                      "rabenseifner": (gathered + fold * (p - 1)) * n // p},
-        "broadcast": {"tree": lg * n, "naive": (p - 1) * n},
-        "reduce": {"tree": n, "naive": n},
-    }
-    return per_algorithm[cfg.collective][cfg.algorithm]
 
 
 @dataclass(frozen=True)
