@@ -76,5 +76,5 @@ def cost_figure(params: CostParams, y: str = "time", points: int = 97,
                       yaxis={"title": Y_AXES[y], "type": "log"},
                       # above the plot, under the title: below it, it covered the x axis' title
                       legend={"orientation": "h", "x": 0, "xanchor": "left", "y": 1.02, "yanchor": "bottom"},
-                      margin={"t": 90, "b": 10})
+                      margin={"t": 130, "b": 10})  # room for a legend of two rows under the title
     return fig
