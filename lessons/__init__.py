@@ -1,1 +1,36 @@
-"""Step-through lessons over the public API (placeholder until the lessons issue)."""
+"""Step-through lessons: every idea of data parallelism taught on the real engine.
+
+    dplab lesson                 # the list, with each lesson's length and what it needs
+    dplab lesson 1               # step through lesson 1 (Enter: next, b: back, h: hint, q: quit)
+    dplab app                    # the same steps on the app's Lessons page
+
+A lesson is a module ``lessons/lNN_<slug>.py`` that defines ``LESSON`` (``lessons/step.py``
+says what a step is); ``lessons/runner.py`` runs its steps, CI runs every one of them.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from dplab.lessons.step import Check, Explore, Lesson, Predict, Step
+from dplab.reference.errors import ConfigError
+
+__all__ = ["MODULES", "lessons", "lesson", "Lesson", "Step", "Check", "Predict", "Explore"]
+
+# In teaching order: each lesson may use what the ones before it taught.
+MODULES = (
+    "l01_replicas",
+)
+
+
+def lessons() -> list[Lesson]:
+    """Every lesson, in order (importing each module; the figures' plotly loads only when drawn)."""
+    return [importlib.import_module(f"dplab.lessons.{m}").LESSON for m in MODULES]
+
+
+def lesson(number: int) -> Lesson:
+    """Lesson ``number`` (1-based), or an error listing the ones there are."""
+    if not 1 <= number <= len(MODULES):
+        raise ConfigError(f"there is no lesson {number}: the lessons are 1..{len(MODULES)} "
+                          "(dplab lesson lists them)")
+    return importlib.import_module(f"dplab.lessons.{MODULES[number - 1]}").LESSON

@@ -1,0 +1,58 @@
+"""The ideas of data parallelism every learner should meet, and which step teaches each.
+
+    python -m dplab.lessons.coverage      # the README's table, generated from the steps
+
+A step names what it teaches (``Step(teaches=("replicas",))``); CI fails when an idea has no
+step, when a step names an idea not listed here, or when the README's table is not this one.
+"""
+
+from __future__ import annotations
+
+from dplab.lessons import lessons
+
+__all__ = ["CONCEPTS", "coverage", "coverage_table"]
+
+CONCEPTS = {
+    "replicas": "replicas, and why every replica must stay identical",
+    "sharding": "sharding the global batch (global = micro × N, uneven shards)",
+    "large-batch-sgd": "data parallelism equals large-batch SGD",
+    "allreduce": "the all-reduce: naive, ring, tree and the others in the engine",
+    "bandwidth-latency": "the bandwidth/latency trade-off, and topology",
+    "cost-model": "the α-β-γ cost model against measurements",
+    "buckets": "buckets and overlap with backward",
+    "accumulation": "gradient accumulation",
+    "amdahl": "Amdahl's law, the communication-to-computation ratio, measured scaling efficiency",
+    "lr-scaling": "learning-rate scaling, warm-up, LARS/LAMB",
+    "sync-async": "synchronous vs asynchronous training",
+    "staleness": "staleness and bounded staleness (SSP)",
+    "stragglers": "stragglers and backup workers",
+    "faults": "faults: checkpoints, exact resume, a lost worker",
+    "memory": "memory: replicas vs ZeRO-1/2/3/FSDP, the 7B example",
+    "precision": "mixed precision and loss scaling",
+    "dp-vs-ddp": "DataParallel (one process, a master device) vs DistributedDataParallel",
+    "engines": "the engines (MPI, NCCL, gloo), their launchers, and running past one machine",
+    "beyond-dp": "when data parallelism is not enough: model, pipeline, tensor parallelism",
+}
+
+
+def coverage() -> dict[str, list[tuple[int, int, str]]]:
+    """concept -> [(lesson number, step number (1-based), step title), ...]."""
+    taught: dict[str, list[tuple[int, int, str]]] = {key: [] for key in CONCEPTS}
+    for lesson in lessons():
+        for k, step in enumerate(lesson.steps, start=1):
+            for key in step.teaches:
+                taught.setdefault(key, []).append((lesson.number, k, step.title))
+    return taught
+
+
+def coverage_table() -> str:
+    """The README's concept -> lesson/step table (markdown)."""
+    lines = ["| idea | taught in (lesson.step) |", "|---|---|"]
+    for key, places in coverage().items():
+        where = "; ".join(f"{n}.{k} {title}" for n, k, title in places) or "-"
+        lines.append(f"| {CONCEPTS.get(key, key)} | {where} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(coverage_table())

@@ -1,0 +1,158 @@
+"""Lesson 1: replicas that stay identical, and why that makes data parallelism large-batch SGD.
+
+    dplab lesson 1
+
+Four steps: train on four ranks and compare with one device; cut a global batch into shards;
+leave the all-reduce out and watch the replicas drift; show that the shards' gradients sum to
+the one-device gradient of the whole batch.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from dplab.backends import RunSpec, TrainConfig, allreduce, run_train
+from dplab.lessons.step import Check, Explore, Lesson, Predict, Step
+from dplab.reference.data import batch_indices, shard
+from dplab.reference.model import MLP
+from dplab.reference.train.single import setup
+
+__all__ = ["LESSON"]
+
+
+def four_replicas(lab):
+    spec = RunSpec(world_size=4, algorithm="ring", train=TrainConfig(steps=50))
+    row, events = run_train(spec, world=lab.world(4), trace=True)
+    return {"p": 4, "steps": row["steps"], "identical": row["ranks_identical"],
+            "diff": row["max_abs_diff_vs_single"], "loss": row["final_loss"], "events": events,
+            "verdict": "identical" if row["ranks_identical"] else "different"}
+
+
+def _timeline(facts):
+    from dplab.viz.timeline import timeline_figure
+    return timeline_figure([e for rank in facts["events"] for e in rank], title="4 replicas, 50 steps")
+
+
+def cut_the_batch(lab):
+    p, global_batch = 4, 10
+    batch = batch_indices(n=256, global_batch=global_batch, step=0, seed=0)
+    shards = [shard(batch, rank, p) for rank in range(p)]
+    return {"p": p, "B": global_batch, "sizes": [len(s) for s in shards], "rank0": len(shards[0]),
+            "covers": bool(np.array_equal(np.concatenate(shards), batch))}
+
+
+def rank_trains_alone(comm, cfg, allreduce_grads):
+    model, data, params = setup(cfg)
+    grad = np.zeros_like(params)
+    for step in range(cfg.steps):
+        batch = batch_indices(cfg.num_samples, cfg.global_batch, step, cfg.seed)
+        idx = shard(batch, comm.rank, comm.world_size)
+        grad[:] = 0
+        model.loss_and_grad(params, data.x[idx], data.y[idx], 1 / cfg.global_batch, grad)
+        if allreduce_grads:
+            allreduce(comm, grad, algorithm="ring")
+        params -= cfg.optimizer.lr * grad
+    return params
+
+
+def drift_without_allreduce(lab):
+    cfg, world = TrainConfig(steps=20), lab.world(4)
+    alone = world.run(rank_trains_alone, cfg, False)
+    together = world.run(rank_trains_alone, cfg, True)
+    return {"drift": float(max(np.abs(p - alone[0]).max() for p in alone)),
+            "together": float(max(np.abs(p - together[0]).max() for p in together))}
+
+
+def shards_sum_to_one_batch(lab):
+    cfg = TrainConfig()
+    model, data, params = setup(cfg)
+    idx = batch_indices(cfg.num_samples, 10, step=0, seed=0)
+
+    def gradient(samples, scale):
+        g = np.zeros_like(params)
+        model.loss_and_grad(params, data.x[samples], data.y[samples], scale, g)
+        return g
+
+    one_device = gradient(idx, 1 / 10)
+    summed = sum(gradient(shard(idx, r, 4), 1 / 10) for r in range(4))   # what the all-reduce adds
+    by_shard = sum(gradient(shard(idx, r, 4), 1 / len(shard(idx, r, 4))) for r in range(4)) / 4
+    return {"diff": float(np.abs(summed - one_device).max()), "scale": 1 / 10,
+            "wrong": float(np.abs(by_shard - one_device).max()), "params": MLP(cfg.model).num_params}
+
+
+STEPS = (
+    Step(
+        title="One model, four replicas",
+        text=("Four ranks each hold a full copy of the model (a **replica**) and train it for {steps} steps "
+              "on their part of each batch; after every backward pass a ring all-reduce sums the "
+              "gradients, and every rank takes the same optimizer step.\n\n"
+              "At the end the four replicas are identical to the bit (`{identical}`), and they differ "
+              "from one device trained on the same batches by at most **{diff:.1e}**: float64 rounding, "
+              "because the all-reduce adds in another order than one device does. Final loss {loss:.4f}."),
+        run=four_replicas,
+        checks=(Check("every replica holds the same bits", lambda f: f["identical"] is True),
+                Check("the replicas equal one device to float64 rounding (< 1e-12)",
+                      lambda f: f["diff"] < 1e-12)),
+        figure=_timeline,
+        predict=Predict("After {steps} steps on {p} ranks, are the replicas 'identical', 'close' or "
+                        "'different' from each other?", "verdict",
+                        choices=("identical", "close", "different")),
+        hint="Every rank applies the same update (the summed gradient) to the same starting weights.",
+        try_this="dplab train --world-size 4 --algorithm tree --trace run.json   # then open it in the app",
+        explore=Explore("training", lambda f: {"world_sizes": f["p"], "steps": f["steps"]}),
+        teaches=("replicas",),
+    ),
+    Step(
+        title="Sharding the global batch",
+        text=("A global batch of B={B} samples on p={p} ranks: each rank takes a contiguous shard, "
+              "the first B mod p ranks one sample more. Shard sizes: {sizes}. Together they are "
+              "exactly the global batch (`{covers}`): global batch = micro-batch × N when B divides "
+              "evenly, and uneven shards are fine."),
+        run=cut_the_batch,
+        checks=(Check("the shards together are the global batch", lambda f: f["covers"]),
+                Check("shard sizes differ by at most one", lambda f: max(f["sizes"]) - min(f["sizes"]) <= 1),
+                Check("the shard sizes add up to B", lambda f: sum(f["sizes"]) == f["B"])),
+        predict=Predict("A global batch of {B} samples on {p} ranks: how many samples does rank 0 get?",
+                        "rank0"),
+        hint="10 = 4 × 2 + 2: two samples are left over, and the first two ranks take one each.",
+        try_this="dplab train --world-size 3 --global-batch 10   # uneven shards, still equal to one device",
+        teaches=("sharding",),
+    ),
+    Step(
+        title="Why every replica must stay identical",
+        text=("Leave the all-reduce out and each rank steps on its own shard's gradient: after 20 steps "
+              "the replicas differ by up to **{drift:.3g}** - four different models, none of them the one "
+              "a single device would train. With the all-reduce they differ by {together:.1g}: the sum "
+              "makes every rank's update the same, so the replicas never need to be compared."),
+        run=drift_without_allreduce,
+        checks=(Check("without the all-reduce the replicas drift apart (> 1e-3)",
+                      lambda f: f["drift"] > 1e-3),
+                Check("with it they stay bitwise identical", lambda f: f["together"] == 0.0)),
+        hint="The all-reduce is the only line that differs between the two runs.",
+        try_this="Change the step's run to all-reduce only every 5th step (local SGD) and compare the drift.",
+        teaches=("replicas",),
+    ),
+    Step(
+        title="Data parallelism is large-batch SGD",
+        text=("Each rank scales its loss by 1/B with B the *global* batch ({scale}), not by its shard size. "
+              "Then the shard gradients simply **sum** to one device's gradient of the whole batch: "
+              "they differ by {diff:.1e}. Averaging per-shard means instead (each scaled by 1/its size) is "
+              "off by {wrong:.2g} when the shards are uneven. So p ranks with shards of b samples train "
+              "exactly like one device with a batch of p·b: the learning rate belongs to that batch."),
+        run=shards_sum_to_one_batch,
+        checks=(Check("the summed shard gradients equal the full-batch gradient (< 1e-14)",
+                      lambda f: f["diff"] < 1e-14),
+                Check("averaging per-shard means is wrong for uneven shards (> 1e-6)",
+                      lambda f: f["wrong"] > 1e-6)),
+        predict=Predict("A global batch of 10 on 4 ranks: by what factor does rank 3 (2 samples) "
+                        "scale its loss?",
+                        "scale", rel_tol=1e-9),
+        hint="The scale is the same on every rank, whatever its shard size.",
+        try_this="dplab compare --world-sizes 1,2,3,4   # every row ends within rounding of one device",
+        teaches=("large-batch-sgd",),
+    ),
+)
+
+
+LESSON = Lesson(1, "replicas", "Replicas that stay identical",
+                "Why data-parallel training on N ranks is the same as large-batch SGD on one device.", STEPS)

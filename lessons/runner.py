@@ -1,0 +1,117 @@
+"""Run a lesson's steps on the real engine: the one path the terminal, the app and CI share.
+
+    from dplab.lessons import lesson
+    from dplab.lessons.runner import Lab, run_step
+
+    with Lab() as lab:
+        for step in lesson(1).steps:
+            out = run_step(step, lab)
+            print(out.text, [c.holds for c in out.checks])
+
+A ``Lab`` keeps one world of ranks per (world size, backend) alive between steps (starting
+ranks is the slow part), and closes them at the end.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from dplab.backends import World
+from dplab.lessons.step import Facts, Lesson, Step, fill
+from dplab.reference.errors import ConfigError, DplabError
+
+__all__ = ["Lab", "CheckResult", "StepOutcome", "run_step", "missing_needs", "LessonCheckFailed"]
+
+# the modules each extra brings (found, not imported: fast)
+_EXTRA_MODULES = {"mpi": ("mpi4py",), "torch": ("torch",), "viz": ("plotly", "streamlit")}
+
+
+class LessonCheckFailed(DplabError):
+    """A step's claim did not hold on this run: the lesson and the engine disagree."""
+
+
+def missing_needs(lesson: Lesson) -> list[str]:
+    """The extras ``lesson`` needs that are not installed, e.g. ``["mpi"]``."""
+    missing = []
+    for extra in lesson.needs:
+        if extra not in _EXTRA_MODULES:
+            raise ConfigError(f"lesson {lesson.number} needs unknown extra {extra!r}: use one of "
+                              f"{', '.join(_EXTRA_MODULES)}")
+        if any(importlib.util.find_spec(m) is None for m in _EXTRA_MODULES[extra]):
+            missing.append(extra)
+    return missing
+
+
+class Lab:
+    """The ranks a lesson's steps run on, kept between steps."""
+
+    def __init__(self) -> None:
+        self._worlds: dict[tuple[int, str], World] = {}
+        self.scratch: dict[str, Any] = {}      # what one step leaves for the next (a checkpoint path)
+
+    def world(self, world_size: int, backend: str = "local") -> World:
+        key = (world_size, backend)
+        if key not in self._worlds:
+            self._worlds[key] = World(world_size, backend)
+        return self._worlds[key]
+
+    def close(self) -> None:
+        for world in self._worlds.values():
+            world.close()
+        self._worlds.clear()
+
+    def __enter__(self) -> Lab:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    claim: str                                 # filled
+    holds: bool
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    step: Step
+    facts: Facts
+    text: str                                  # filled
+    checks: tuple[CheckResult, ...]
+    seconds: float
+    figure: Any = field(default=None)          # the plotly figure, when the step has one
+
+    @property
+    def ok(self) -> bool:
+        return all(c.holds for c in self.checks)
+
+    def question(self) -> str | None:
+        return fill(self.step.predict.question, self.facts) if self.step.predict else None
+
+    def raise_if_failed(self) -> None:
+        failed = [c.claim for c in self.checks if not c.holds]
+        if failed:
+            raise LessonCheckFailed(f"step {self.step.title!r}: {'; '.join(failed)} did not hold "
+                                    f"(facts: {_short(self.facts)})")
+
+
+def run_step(step: Step, lab: Lab, figure: bool = True) -> StepOutcome:
+    """Run ``step`` on ``lab``'s ranks; fill its text and judge its checks (never raises for a
+    failed check: the caller shows it, CI raises with ``raise_if_failed``)."""
+    t0 = time.perf_counter()
+    facts = step.run(lab)
+    if not isinstance(facts, dict):
+        raise ConfigError(f"step {step.title!r}: run() must return a dict of facts, "
+                          f"got {type(facts).__name__}")
+    seconds = time.perf_counter() - t0
+    checks = tuple(CheckResult(fill(c.claim, facts), bool(c.holds(facts))) for c in step.checks)
+    fig = step.figure(facts) if (figure and step.figure is not None) else None
+    return StepOutcome(step, facts, fill(step.text, facts), checks, seconds, fig)
+
+
+def _short(facts: Facts) -> str:
+    return ", ".join(f"{k}={v!r}"[:60] for k, v in facts.items() if isinstance(v, (int, float, str, bool)))

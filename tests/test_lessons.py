@@ -1,0 +1,49 @@
+"""Every step of every lesson runs on the real engine and its claims hold (marker ``lessons``).
+
+    pytest -m lessons                 # just the lessons (a few minutes on two cores)
+
+One test per lesson, its steps in order on one ``Lab`` (shared worlds), as a learner meets them.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from dplab.lessons import MODULES, lesson, lessons
+from dplab.lessons.coverage import CONCEPTS
+from dplab.lessons.runner import Lab, missing_needs, run_step
+
+pytestmark = pytest.mark.lessons
+
+APP_PAGES = {"collectives", "cost", "training", "runs", "memory", "lessons"}
+
+
+@pytest.mark.parametrize("number", range(1, len(MODULES) + 1))
+def test_every_step_runs_and_its_claims_hold(number):
+    les = lesson(number)
+    if missing_needs(les):
+        pytest.skip(f"lesson {number} needs the extras {missing_needs(les)}: pip install -e '.[all]'")
+    with Lab() as lab:
+        for step in les.steps:
+            out = run_step(step, lab)
+            out.raise_if_failed()
+            assert step.checks, f"step {step.title!r} proves nothing: give it checks"
+            assert "{" not in out.text or "}" not in out.text.split("{", 1)[1], out.text  # filled
+            assert step.code(), step.title
+            if step.predict is not None:
+                truth = step.predict.expected(out.facts)
+                reply = f"{truth}" if not isinstance(truth, float) else repr(truth)
+                assert step.predict.judge(out.facts, reply).correct, (step.title, reply)
+                assert out.question()
+            if step.explore is not None:
+                assert step.explore.page in APP_PAGES, step.explore.page
+                step.explore.query(out.facts)
+            if step.figure is not None:
+                assert out.figure is not None and len(out.figure.data) > 0, step.title
+
+
+def test_lessons_are_numbered_in_order_and_name_known_ideas():
+    for k, les in enumerate(lessons(), start=1):
+        assert les.number == k and les.slug in MODULES[k - 1], (k, les.slug)
+        for step in les.steps:
+            assert set(step.teaches) <= set(CONCEPTS), (les.number, step.title, step.teaches)
