@@ -15,7 +15,7 @@ import importlib
 from dplab.lessons.step import Check, Explore, Lesson, Predict, Step
 from dplab.reference.errors import ConfigError
 
-__all__ = ["MODULES", "lessons", "lesson", "Lesson", "Step", "Check", "Predict", "Explore"]
+__all__ = ["MODULES", "numbers", "lessons", "lesson", "Lesson", "Step", "Check", "Predict", "Explore"]
 
 # In teaching order: each lesson may use what the ones before it taught.
 MODULES = (
@@ -28,9 +28,14 @@ def lessons() -> list[Lesson]:
     return [importlib.import_module(f"dplab.lessons.{m}").LESSON for m in MODULES]
 
 
+def numbers() -> list[int]:
+    """The lessons' numbers, from their module names (``l07_async`` is lesson 7)."""
+    return [int(m[1:3]) for m in MODULES]
+
+
 def lesson(number: int) -> Lesson:
-    """Lesson ``number`` (1-based), or an error listing the ones there are."""
-    if not 1 <= number <= len(MODULES):
-        raise ConfigError(f"there is no lesson {number}: the lessons are 1..{len(MODULES)} "
+    """Lesson ``number``, or an error listing the ones there are."""
+    if number not in numbers():
+        raise ConfigError(f"there is no lesson {number}: the lessons are {', '.join(map(str, numbers()))} "
                           "(dplab lesson lists them)")
-    return importlib.import_module(f"dplab.lessons.{MODULES[number - 1]}").LESSON
+    return importlib.import_module(f"dplab.lessons.{MODULES[numbers().index(number)]}").LESSON
