@@ -20,6 +20,7 @@ __all__ = ["MODULES", "numbers", "lessons", "lesson", "Lesson", "Step", "Check",
 # In teaching order: each lesson may use what the ones before it taught.
 MODULES = (
     "l01_replicas",
+    "l06_large_batches",
 )
 
 
