@@ -27,72 +27,26 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from dplab.reference.trace import Event
+from dplab.reference.trace_metrics import (  # interval arithmetic, span kinds: shared with dplab scaling
+    COMM_KINDS,
+    COMPUTE_KINDS,
+    WAIT_KINDS,
+    Interval,
+    intersect,
+    measure,
+    subtract,
+    union,
+)
 
 __all__ = ["Interval", "union", "measure", "intersect", "subtract", "COMPUTE_KINDS", "COMM_KINDS",
            "WAIT_KINDS", "RankStats", "rank_stats", "totals", "Straggler", "find_straggler",
            "STRAGGLER_RATIO", "configured_stragglers"]
 
-Interval = tuple[int, int]  # [start, end) in ns
-
-COMPUTE_KINDS = frozenset({"forward", "backward", "optimizer", "compute", "apply"})
-# a collective (its own span and every send/receive inside it) or a parameter-server transfer
-COMM_KINDS = frozenset({"bucket", "allreduce", "broadcast", "reduce_scatter", "allgather", "reduce",
-                        "send", "copy", "pull", "push", "reply", "stop"})
-WAIT_KINDS = frozenset({"wait"})  # sync: the main thread blocked on the last bucket; async: at the gate
 # A straggler's median step computes this many times the others'. Measured here, 4 ranks on two busy
 # cores (load 5-7), default model, 10 steps, 8 runs each: 1.1-1.4x with none and 3.0-4.7x with a 4x
 # straggler (sync), 1.0-1.1x and 3.9-4.2x (async); 2 ranks, a 8x straggler: 7.5-14.5x. Totals instead of
 # the median step reached 29x with no straggler at all (one step preempted by the operating system will do).
 STRAGGLER_RATIO = 2.0
-
-
-def union(intervals: Iterable[Interval]) -> list[Interval]:
-    """Sorted, disjoint intervals covering exactly the same time; empty ones vanish."""
-    out: list[list[int]] = []
-    for a, b in sorted((a, b) for a, b in intervals if b > a):
-        if out and a <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], b)
-        else:
-            out.append([a, b])
-    return [(a, b) for a, b in out]
-
-
-def measure(intervals: Iterable[Interval]) -> int:
-    """Total time covered (overlaps counted once)."""
-    return sum(b - a for a, b in union(intervals))
-
-
-def intersect(xs: Iterable[Interval], ys: Iterable[Interval]) -> list[Interval]:
-    """The time covered by both."""
-    xs, ys = union(xs), union(ys)
-    out, i, j = [], 0, 0
-    while i < len(xs) and j < len(ys):
-        a, b = max(xs[i][0], ys[j][0]), min(xs[i][1], ys[j][1])
-        if b > a:
-            out.append((a, b))
-        if xs[i][1] < ys[j][1]:
-            i += 1
-        else:
-            j += 1
-    return out
-
-
-def subtract(xs: Iterable[Interval], ys: Iterable[Interval]) -> list[Interval]:
-    """The time covered by ``xs`` and not by ``ys``."""
-    out: list[Interval] = []
-    ys = union(ys)
-    for a, b in union(xs):
-        for c, d in ys:
-            if d <= a or c >= b:
-                continue
-            if c > a:
-                out.append((a, c))
-            a = max(a, d)
-            if a >= b:
-                break
-        if b > a:
-            out.append((a, b))
-    return out
 
 
 @dataclass(frozen=True)
