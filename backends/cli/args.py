@@ -23,6 +23,7 @@ from dplab.backends.cli.bench import parse_size
 from dplab.backends.cli.compare import RACE_DEFAULTS
 from dplab.backends.cli.memory import add_memory_parser
 from dplab.backends.cli.runs import MODES
+from dplab.backends.cli.scaling import add_scaling_parser
 from dplab.backends.cli.tune import add_tune_parser
 from dplab.reference.errors import ConfigError
 from dplab.reference.train.straggler import Stragglers, check_stragglers, parse_stragglers
@@ -274,4 +275,5 @@ def build_parser() -> argparse.ArgumentParser:
     _add_app(sub)
     add_memory_parser(sub, _Formatter)
     add_tune_parser(sub, _Formatter)
+    add_scaling_parser(sub, _Formatter)
     return parser

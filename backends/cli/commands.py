@@ -1,4 +1,4 @@
-"""The ``dplab`` command line: train, compare, bench, app, memory, tune.
+"""The ``dplab`` command line: train, compare, bench, app, memory, tune, scaling.
 
     dplab train --world-size 4 --algorithm ring --steps 50 --trace run.json
     dplab compare                                   # naive/ring/tree/native x 1..4 ranks
@@ -33,6 +33,7 @@ from dplab.backends.cli.checks import OutputPathError, check_args, stop_launcher
 from dplab.backends.cli.compare import EQUIVALENCE_DEFAULTS, RACE_DEFAULTS, compare_specs, run_specs
 from dplab.backends.cli.memory import run_memory
 from dplab.backends.cli.runs import MODES, RunSpec, run_train
+from dplab.backends.cli.scaling import cmd_scaling, scaling_columns
 from dplab.backends.cli.sweep import cmd_sweep, sweep_columns, wants_sweep
 from dplab.backends.cli.table import Progress, format_number, format_table
 from dplab.backends.cli.tune import TUNE_COLUMNS, cmd_tune
@@ -136,6 +137,8 @@ def _columns(command: str, rows: list[dict[str, Any]]) -> list[str]:
             else BENCH_COLUMNS
     if command == "tune":
         return TUNE_COLUMNS
+    if command == "scaling":
+        return scaling_columns(rows)
     if rows and "lr_rule" in rows[0]:
         return sweep_columns(rows)
     if any(r.get("time_budget_s") is not None for r in rows):
@@ -162,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_app(args)
     if args.command == "memory":  # formulas, not a run: no backend, no ranks, no device
         return run_memory(args, argv)
-    command = {"train": cmd_train, "compare": cmd_compare, "bench": cmd_bench, "tune": cmd_tune}[args.command]
+    command = {"train": cmd_train, "compare": cmd_compare, "bench": cmd_bench, "tune": cmd_tune,
+               "scaling": cmd_scaling}[args.command]
     if args.device:  # read by the torch backend in every rank it starts
         os.environ["DPLAB_DEVICE"] = args.device
     try:
