@@ -20,7 +20,9 @@ __all__ = ["MODULES", "numbers", "lessons", "lesson", "Lesson", "Step", "Check",
 # In teaching order: each lesson may use what the ones before it taught.
 MODULES = (
     "l01_replicas",
+    "l02_allreduce",
     "l06_large_batches",
+    "l08_stragglers",
 )
 
 
