@@ -1,14 +1,25 @@
-"""Plain-text tables and a progress bar for the command line (no dependencies)."""
+"""Tables and a progress bar for the command line, drawn with rich.
+
+    print(format_table(rows, ["backend", "world_size", "final_loss"]))   # what every command prints
+    progress = Progress(len(cells)); ...; progress.step("local p=4"); progress.close()
+
+Piped (``dplab compare | head``, the tests, ``NO_COLOR=1``) a table is plain text that scripts can
+split on whitespace: a header, a row of dashes, right-aligned cells two spaces apart. In a terminal
+the same layout gains a bold header and coloured booleans. The progress bar (with an ETA) is drawn
+on stderr only when stderr is a terminal, so piped output never holds cursor codes.
+"""
 
 from __future__ import annotations
 
+import atexit
+import io
 import math
+import os
 import sys
-import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TextIO
 
-__all__ = ["format_table", "format_number", "Progress"]
+__all__ = ["format_table", "format_number", "Progress", "styled"]
 
 
 def format_number(v: Any) -> str:
@@ -34,33 +45,84 @@ def format_number(v: Any) -> str:
     return f"{v:.3e}"
 
 
-def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
+def styled(stream: TextIO | None = None) -> bool:
+    """Colour for ``stream`` (default stdout): a terminal, not ``TERM=dumb``, and no ``NO_COLOR``.
+
+    Decided here rather than by rich's own detection so that ``FORCE_COLOR`` or a notebook can
+    never put escape codes into output a script or a test parses.
+    """
+    return _terminal(stream or sys.stdout) and not os.environ.get("NO_COLOR")
+
+
+def _terminal(stream: TextIO) -> bool:
+    try:
+        tty = stream.isatty()
+    except (AttributeError, ValueError):  # a closed or fake stream
+        return False
+    return tty and os.environ.get("TERM", "") != "dumb"
+
+
+_CELL_STYLE = {"True": "green", "False": "bold red", "-": "dim"}
+
+
+def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[str], colour: bool | None = None) -> str:
+    """The rows as a table, one line per row (never wrapped: a wide table stays one line per row).
+
+    ``colour`` None: colour when stdout is a terminal (``styled``). Plain text is stable: the
+    layout the tests and the README show, whatever rich version draws it.
+    """
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
+    colour = styled() if colour is None else colour
     cells = [[format_number(r.get(c, "")) for c in columns] for r in rows]
     widths = [max([len(c), *(len(row[i]) for row in cells)]) for i, c in enumerate(columns)]
-    line = "  ".join(c.rjust(w) for c, w in zip(columns, widths))
-    out = [line, "  ".join("-" * w for w in widths)]
-    out += ["  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in cells]
-    return "\n".join(out)
+    table = Table(box=None, padding=(0, 1), pad_edge=False, show_edge=False, collapse_padding=False,
+                  header_style="bold" if colour else "", show_header=True)
+    for c, w in zip(columns, widths):
+        table.add_column(c, justify="right", no_wrap=True, min_width=w, max_width=w)
+    table.add_row(*(Text("-" * w, style="dim" if colour else "") for w in widths))
+    for row in cells:
+        table.add_row(*(Text(v, style=_CELL_STYLE.get(v, "") if colour else "") for v in row))
+    width = sum(widths) + 2 * max(len(widths) - 1, 0)
+    out = io.StringIO()
+    console = Console(file=out, width=max(width, 1), force_terminal=colour, no_color=not colour,
+                      color_system="auto" if colour else None, highlight=False, emoji=False,
+                      legacy_windows=False)
+    console.print(table, crop=False, overflow="ignore", soft_wrap=False)
+    return "\n".join(line.rstrip() for line in out.getvalue().splitlines())
 
 
 class Progress:
-    """``[#####.....] 5/10 label`` on stderr, redrawn in place; silent when stderr is not a terminal."""
+    """A rich progress bar on stderr (done/total, elapsed, ETA, label); silent when stderr is not a
+    terminal. ``step`` after each piece of work, ``close`` at the end (also run at exit, so an error
+    that skips it cannot leave the terminal's cursor hidden)."""
 
     def __init__(self, total: int, width: int = 30) -> None:
         self.total, self.width, self.done = total, width, 0
-        self.live = sys.stderr.isatty()
-        self.t0 = time.perf_counter()
+        self.live = _terminal(sys.stderr)  # NO_COLOR takes the colour away, not the bar
+        self._bar: Any = None
+        if self.live:
+            import rich.progress as rp
+            from rich.console import Console
+
+            console = Console(file=sys.stderr, no_color=bool(os.environ.get("NO_COLOR")))
+            self._bar = rp.Progress(rp.BarColumn(bar_width=width), rp.MofNCompleteColumn(),
+                                      rp.TimeElapsedColumn(), rp.TextColumn("eta"), rp.TimeRemainingColumn(),
+                                      rp.TextColumn("{task.description}"), console=console, transient=True,
+                                      redirect_stdout=False, redirect_stderr=False, refresh_per_second=4)
+            self._task = self._bar.add_task("", total=max(total, 1))
+            self._bar.start()
+            atexit.register(self.close)
 
     def step(self, label: str = "") -> None:
         self.done += 1
-        if self.live:
-            fill = self.width * self.done // max(self.total, 1)
-            elapsed = time.perf_counter() - self.t0
-            sys.stderr.write(f"\r[{'#' * fill}{'.' * (self.width - fill)}] {self.done}/{self.total} "
-                             f"{elapsed:5.1f}s {label:<40.40}")
-            sys.stderr.flush()
+        if self._bar is not None:
+            self._bar.update(self._task, completed=self.done, description=label[:40])
 
     def close(self) -> None:
-        if self.live:
-            sys.stderr.write("\r" + " " * (self.width + 60) + "\r")
-            sys.stderr.flush()
+        if self._bar is not None:
+            bar, self._bar = self._bar, None
+            bar.stop()
+            atexit.unregister(self.close)
