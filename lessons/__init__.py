@@ -22,6 +22,7 @@ MODULES = (
     "l01_replicas",
     "l02_allreduce",
     "l06_large_batches",
+    "l08_stragglers",
 )
 
 
