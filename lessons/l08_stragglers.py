@@ -68,7 +68,10 @@ def backup_workers(lab):
             "replay_exact": bool(np.array_equal(replay(TRAIN, cfg, server.log, 3), server.params)),
             "diff": float(np.abs(server.params - train_single(TRAIN).params).max()),
             "straggler_dropped": dropped[1], "others_dropped": max(dropped[2], dropped[3]),
-            "applied": dict(sorted(Counter(e.worker for e in server.log).items()))}
+            "applied": dict(sorted(Counter(e.worker for e in server.log).items())),
+            "applied_text": ", ".join(f"worker {w}: {n}" for w, n in sorted(Counter(
+                e.worker for e in server.log).items())),
+            "dropped_text": ", ".join(f"worker {w}: {n}" for w, n in sorted(dropped.items())) or "none"}
 
 
 STEPS = (

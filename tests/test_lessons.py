@@ -28,7 +28,6 @@ def test_every_step_runs_and_its_claims_hold(number):
             out = run_step(step, lab)
             out.raise_if_failed()
             assert step.checks, f"step {step.title!r} proves nothing: give it checks"
-            assert "{" not in out.text or "}" not in out.text.split("{", 1)[1], out.text  # filled
             assert step.code(), step.title
             if step.predict is not None:
                 truth = step.predict.expected(out.facts)
