@@ -60,18 +60,20 @@ def _timeline(facts):
     return timeline_figure(events, title=f"rank 1 is {facts['slow_ms']:.0f} ms late each step")
 
 
+def in_words(counts):
+    return ", ".join(f"worker {w}: {n}" for w, n in sorted(counts.items())) or "none"
+
+
 def backup_workers(lab):
     cfg = AsyncConfig(staleness=0, aggregate=True, backup_workers=1, delays=(SLOW, 0, 0))
     server = lab.world(4).run(train_async, TRAIN, cfg)[0]          # rank 0 serves, 1..3 compute
     dropped = Counter(worker for worker, _ in server.dropped)
+    applied = Counter(entry.worker for entry in server.log)
     return {"dropped": dict(sorted(dropped.items())), "total": len(server.dropped), "steps": TRAIN.steps,
             "replay_exact": bool(np.array_equal(replay(TRAIN, cfg, server.log, 3), server.params)),
             "diff": float(np.abs(server.params - train_single(TRAIN).params).max()),
             "straggler_dropped": dropped[1], "others_dropped": max(dropped[2], dropped[3]),
-            "applied": dict(sorted(Counter(e.worker for e in server.log).items())),
-            "applied_text": ", ".join(f"worker {w}: {n}" for w, n in sorted(Counter(
-                e.worker for e in server.log).items())),
-            "dropped_text": ", ".join(f"worker {w}: {n}" for w, n in sorted(dropped.items())) or "none"}
+            "applied": dict(applied), "applied_text": in_words(applied), "dropped_text": in_words(dropped)}
 
 
 STEPS = (
@@ -100,8 +102,8 @@ STEPS = (
         title="Backup workers: stop waiting for the last one",
         text=("Through a parameter server, each update takes the first gradients to arrive and drops "
               "the last one (one backup worker, Chen et al. 2016); a worker whose gradient was dropped "
-              "skips to the step in progress. Gradients in the {steps} updates, by worker: {applied}; "
-              "dropped: {dropped}. The fast workers never wait for the late one, which computes only a "
+              "skips to the step in progress. Gradients in the {steps} updates: {applied_text}; "
+              "dropped: {dropped_text}. The fast workers never wait for the late one, which computes only a "
               "few steps, and those are the ones dropped. The run is still exactly what its log says "
               "(replay: `{replay_exact}`), but it is no longer one device's SGD: the parameters end "
               "{diff:.2g} away, because the late worker's shard of each batch is never seen (a bias "
