@@ -1,0 +1,108 @@
+"""Exercises: four steps of the lessons ask the learner to write the code, and the engine judges it.
+
+    dplab lesson init work            # copies the four stubs into ./work (never over your files)
+    dplab lesson check 2 work         # runs work/ring_reduce_scatter.py against the simulator
+
+or from Python::
+
+    from dplab.lessons.exercises import check, init_dir
+    init_dir(Path("work"))
+    for report in check(2, Path("work")):
+        print(report.name, report.passed, report.message)
+
+    exercise              lesson  file                    judged by
+    ring_reduce_scatter   2       ring_reduce_scatter.py  the simulator's counts, p = 1..8
+    ddp_buckets           4       ddp_buckets.py          assign_buckets, and training vs one device
+    ssp_gate              7       ssp_gate.py             the server's gate, and a parameter-server run
+    zero2_step            10      zero2_step.py           1..4 ranks against one device, every step
+
+A stub is a file with the function's signature, a docstring that explains the task, and a body
+that is deliberately wrong, so checking a fresh stub already says something in the lesson's
+words. The shipped answers are in ``solutions/``; CI proves every stub fails and every
+solution passes (``tests/test_lesson_exercises.py``).
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from dplab.lessons.exercises.buckets import judge_buckets
+from dplab.lessons.exercises.learner import ExerciseReport, judged
+from dplab.lessons.exercises.ring import judge_ring
+from dplab.lessons.exercises.ssp import judge_ssp
+from dplab.lessons.exercises.zero2 import judge_zero2
+from dplab.reference.errors import ConfigError
+
+__all__ = ["Exercise", "ExerciseReport", "EXERCISES", "STUBS", "SOLUTIONS", "init_dir", "check", "check_file"]
+
+STUBS = Path(__file__).parent / "stubs"
+SOLUTIONS = Path(__file__).parent / "solutions"
+
+
+@dataclass(frozen=True)
+class Exercise:
+    """One exercise: the lesson that asks for it, the file the learner edits, and its judge."""
+
+    lesson: int
+    title: str
+    stub: str                                  # file name: in stubs/, solutions/, the learner's folder
+    solution: Path                             # the shipped answer
+    checker: Callable[[Path], ExerciseReport]  # checker(the learner's file) -> a report, never an exception
+
+    @property
+    def stub_path(self) -> Path:
+        return STUBS / self.stub
+
+
+def _exercise(name: str, lesson: int, title: str, judge: Callable[[Path], str]) -> Exercise:
+    return Exercise(lesson, title, f"{name}.py", SOLUTIONS / f"{name}.py", judged(name, judge))
+
+
+EXERCISES: dict[str, Exercise] = {
+    "ring_reduce_scatter": _exercise("ring_reduce_scatter", 2, "The ring reduce-scatter as a schedule",
+                                     judge_ring),
+    "ddp_buckets": _exercise("ddp_buckets", 4, "DDP's bucket assignment", judge_buckets),
+    "ssp_gate": _exercise("ssp_gate", 7, "The SSP staleness gate", judge_ssp),
+    "zero2_step": _exercise("zero2_step", 10, "A ZeRO-2 step", judge_zero2),
+}
+
+
+def init_dir(path: Path) -> list[Path]:
+    """Copy every stub into ``path`` (created if need be); returns the files written.
+
+    Refuses, writing nothing, if any of them exists already: it may be the learner's work."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"{path} is a file: give dplab lesson init a folder for the exercises")
+    targets = [path / e.stub for e in EXERCISES.values()]
+    there = [t for t in targets if t.exists()]
+    if there:
+        names = ", ".join(str(t) for t in there)
+        raise ConfigError(f"{names} already exist{'s' if len(there) == 1 else ''}: dplab lesson init never "
+                          "overwrites a learner's file; check your work with "
+                          f"`dplab lesson check N {path}`, or init another folder")
+    path.mkdir(parents=True, exist_ok=True)
+    for e, target in zip(EXERCISES.values(), targets):
+        shutil.copyfile(e.stub_path, target)
+    return targets
+
+
+def check(lesson: int, path: Path | None = None) -> list[ExerciseReport]:
+    """Judge the learner's file for each exercise of ``lesson`` (in ``path``, default: cwd): a report each."""
+    chosen = [e for e in EXERCISES.values() if e.lesson == lesson]
+    if not chosen:
+        which = ", ".join(str(e.lesson) for e in EXERCISES.values())
+        raise ConfigError(f"lesson {lesson} has no exercise: lessons {which} have one each "
+                          "(dplab lesson check N DIR)")
+    folder = Path.cwd() if path is None else Path(path)
+    return [e.checker(folder / e.stub) for e in chosen]
+
+
+def check_file(name: str, file: Path) -> ExerciseReport:
+    """Judge one file as the answer to exercise ``name`` (e.g. a solution kept under another name)."""
+    if name not in EXERCISES:
+        raise ConfigError(f"there is no exercise {name!r}: choose one of {', '.join(EXERCISES)}")
+    return EXERCISES[name].checker(Path(file))

@@ -1,0 +1,112 @@
+"""Exercise of lesson 7: the stale-synchronous-parallel gate, written by the learner.
+
+    dplab lesson check 7 DIR          # runs DIR/ssp_gate.py
+
+The learner's ``may_proceed(clock, slowest, staleness)`` says whether a worker may start
+``clock`` when the slowest worker has finished ``slowest`` clocks. It is judged against the
+parameter server's own gate (``dplab.reference.ps.gate.gate_open``) on a grid of clocks and
+staleness bounds, and by a real asynchronous run (a server and 3 workers, worker 1 slow) whose
+server asks the learner's gate, answered from a table of its replies computed here. The
+server's log records, for every gradient, the clock it was for and how many clocks the slowest
+worker had finished when its pull was answered; SSP's promise is that the gap never exceeds
+the staleness: "worker 2 ran 5 clocks ahead of the slowest with staleness 1".
+
+A gate stricter than the server's could hold every worker forever, so the run happens only
+when the learner's gate opens at least wherever the server's does.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from dplab.backends import RankError, launch
+from dplab.lessons.exercises.learner import Fail, describe_rank_error, learner_call, load_function
+from dplab.reference.ps.gate import Gate, gate_open
+from dplab.reference.ps.protocol import AsyncConfig, LogEntry
+from dplab.reference.ps.server import Server
+from dplab.reference.ps.trainer import work
+from dplab.reference.train.single import TrainConfig
+
+__all__ = ["judge_ssp", "GRID_CLOCKS", "STALENESS", "RUN_STALENESS", "RUN_CLOCKS", "RUN_WORKERS"]
+
+GRID_CLOCKS = range(9)
+STALENESS = (0, 1, 2, 3, None)
+RUN_STALENESS, RUN_CLOCKS, RUN_WORKERS = 1, 6, 3
+_SLOW_S = 0.03  # worker 1 sleeps this long before each clock's compute: the others run ahead
+
+
+def judge_ssp(file: Path) -> str:
+    """The learner's may_proceed against the server's gate, then in a run of the parameter server."""
+    fn = load_function(file, "may_proceed")
+    replies = {}
+    for s in STALENESS:
+        for clock in GRID_CLOCKS:
+            for slowest in GRID_CLOCKS:
+                with learner_call(file, f"may_proceed(clock={clock}, slowest={slowest}, staleness={s})"):
+                    got = fn(clock, slowest, s)
+                if not isinstance(got, bool):
+                    raise Fail(f"may_proceed(clock={clock}, slowest={slowest}, staleness={s}) returned "
+                               f"{got!r}: return True (the worker may start) or False (it waits)")
+                replies[clock, slowest, s] = got
+    strict = [k for k, v in replies.items() if not v and gate_open([k[1]], k[0], k[2])]
+    loose = [k for k, v in replies.items() if v and not gate_open([k[1]], k[0], k[2])]
+    if strict:
+        clock, slowest, s = strict[0]
+        rule = ("staleness None is fully asynchronous: nobody ever waits" if s is None else
+                f"SSP lets a worker start clock {clock} once the slowest has finished {clock} - {s} = "
+                f"{clock - s} clocks, and it has finished {slowest}")
+        raise Fail(f"may_proceed(clock={clock}, slowest={slowest}, staleness={s}) is False, but {rule}: your "
+                   "gate holds back a worker that may go (too strict a gate can stall the whole run)")
+    table = {(c, d): replies[c, d, RUN_STALENESS] for c in GRID_CLOCKS for d in GRID_CLOCKS}
+    log = _run(table, file)
+    worst = max(log, key=lambda e: (e.clock - e.slowest_done, -e.clock))
+    ahead = worst.clock - worst.slowest_done
+    if ahead > RUN_STALENESS or loose:
+        if ahead > RUN_STALENESS:
+            said = (f"worker {worst.worker} ran {ahead} clocks ahead of the slowest with staleness "
+                    f"{RUN_STALENESS}: it started clock {worst.clock} when the slowest had finished "
+                    f"{worst.slowest_done}")
+        else:  # this run's timing never met the case: the grid still shows it
+            said = "this run's timing never put a worker that far ahead, but the grid does"
+        clock, slowest, s = min(loose, key=lambda k: (k[2] != RUN_STALENESS, k[0] - k[1]))
+        raise Fail(f"{said}; may_proceed(clock={clock}, slowest={slowest}, staleness={s}) is True, but with "
+                   f"staleness {s} clock {clock} must wait until the slowest has finished {clock - s}")
+    delay = max(e.delay for e in log)
+    return (f"may_proceed agrees with the server's gate on all {len(replies)} cases, and in a run of "
+            f"{RUN_WORKERS} workers (worker 1 slow) with staleness {RUN_STALENESS} no worker ran more than "
+            f"{ahead} clock ahead of the slowest ({len(log)} updates; the largest delay, in updates, "
+            f"was {delay})")
+
+
+def _run(table: dict[tuple[int, int], bool], file: Path) -> list[LogEntry]:
+    cfg = TrainConfig(steps=RUN_CLOCKS)
+    acfg = AsyncConfig(staleness=RUN_STALENESS, delays=(_SLOW_S,) + (0.0,) * (RUN_WORKERS - 1))
+    try:
+        return launch(_server_or_worker, RUN_WORKERS + 1, args=(cfg, acfg, table), timeout=20)[0]
+    except RankError as e:
+        raise Fail(describe_rank_error(e.detail, e.rank, file, "the run with your gate")) from None
+
+
+class _TableGate(Gate):
+    """The server's gate, deciding with the learner's replies (``table[clock, slowest]``)."""
+
+    def __init__(self, workers: int, staleness: int | None, table: dict[tuple[int, int], bool]) -> None:
+        super().__init__(workers, staleness)
+        self.table = table
+
+    def opens(self, clock: int) -> bool:
+        live = self.live()
+        return not live or self.table[clock, min(live)]
+
+
+def _server_or_worker(comm: Any, cfg: TrainConfig, acfg: AsyncConfig,
+                      table: dict[tuple[int, int], bool]) -> list[LogEntry]:
+    """Rank 0: the engine's server with the learner's gate; the others: the engine's workers."""
+    clocks = cfg.steps
+    if comm.rank != 0:
+        work(comm, cfg, acfg, clocks)
+        return []
+    server = Server(comm, cfg, acfg, clocks)
+    server.gate = _TableGate(server.workers, acfg.staleness, table)
+    return server.run()[1]
