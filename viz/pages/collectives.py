@@ -14,6 +14,7 @@ import streamlit as st
 
 from dplab.viz.collectives import COLLECTIVES, CollectiveConfig, Walkthrough, algorithms_for, walkthrough
 from dplab.viz.collectives_figure import at_frame, figure_spec
+from dplab.viz.deep_links import adopt
 
 BIND = "query-params"
 ROUND = "coll_round"
@@ -106,6 +107,8 @@ st.markdown("A collective is a **schedule**: chunks of the buffer and rounds of 
             "is one rank's chunk: its colour counts how many ranks' contributions it holds, its label "
             "says which (✓: what the collective leaves there); arrows are the round's transfers "
             "(orange adds, blue copies).")
+if adopt(st.query_params, "collectives"):  # ?algorithm=tree&p=6 (a lesson's link): coll_algorithm, coll_p
+    st.switch_page("pages/collectives.py", query_params=st.query_params.to_dict())  # the widgets read them
 _round_from_url()
 cfg, vs = _controls()
 w, spec = _build(cfg)

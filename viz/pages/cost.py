@@ -24,6 +24,7 @@ from dplab.viz.cost_crossovers import coinciding, coinciding_sentence, merged_cr
 from dplab.viz.cost_figure import cost_figure
 from dplab.viz.cost_fit import fit_alpha_beta, fit_table, load_bench_json, residual_figure, run_bench
 from dplab.viz.cost_regions import REGION_SIZES, WORLD_SIZES, regions_figure
+from dplab.viz.deep_links import adopt
 
 # Shown until the learner picks others: the textbook's four and MPICH's two. All ten at once draw
 # a dozen crossovers on top of each other; the multiselect offers every registered one.
@@ -173,6 +174,7 @@ def show_fit(rows: list[dict], p: int) -> dict[tuple[str, str], tuple[float, flo
 
 
 st.title("Cost: α, β, γ against message size")
+adopt(st.query_params, "cost")  # a lesson's ?p=8&algorithm=ring: world_size, algorithms
 from_url()
 try:
     params = model_controls()

@@ -20,6 +20,7 @@ from dplab.reference.errors import DplabError
 from dplab.reference.model import MLPConfig
 from dplab.reference.trace import Event, merge
 from dplab.reference.train.single import TrainConfig
+from dplab.viz.deep_links import adopt
 from dplab.viz.timeline import chrome_bytes, load_trace, timeline_figure, trace_bytes
 from dplab.viz.timeline_metrics import configured_stragglers, find_straggler, rank_stats, totals
 
@@ -181,6 +182,7 @@ def show(row: dict, events: list[Event], made_here: bool = False) -> None:
 st.title("Runs")
 st.caption("The timeline of a real run: one lane per rank and thread, every bar a span the trainers "
            "recorded while they ran. The numbers are computed from the same spans.")
+adopt(st.query_params, "runs")  # a lesson's ?p=4: world_size
 from_url()
 keep("runs_source", tuple(SOURCES))
 source = st.radio("source", tuple(SOURCES), format_func=SOURCES.get, key="runs_source", horizontal=True)

@@ -16,6 +16,7 @@ import streamlit as st
 from dplab.backends.cli.runs import straggler_label
 from dplab.backends.launch.world import World
 from dplab.reference.errors import DplabError
+from dplab.viz.deep_links import adopt
 from dplab.viz.training import (
     RELATIVE_TOL,
     X_NOTES,
@@ -187,6 +188,7 @@ def show(cells: list[Cell], grid: TrainingGrid) -> None:
 
 
 st.title("Training: sync, backup workers, bounded staleness")
+adopt(st.query_params, "training")  # a lesson's ?world_sizes=4 or ?p=4: world_size
 from_url()
 grid = controls()
 try:
