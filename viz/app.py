@@ -23,6 +23,7 @@ PAGES = [
     st.Page(PAGES_DIR / "runs.py", title="Runs", icon=":material/timeline:"),
     st.Page(PAGES_DIR / "cost.py", title="Cost", icon="📈"),
     st.Page(PAGES_DIR / "training.py", title="Training", icon=":material/model_training:"),
+    st.Page(PAGES_DIR / "lessons.py", title="Lessons", icon=":material/school:"),
 ]
 
 st.navigation(PAGES).run()

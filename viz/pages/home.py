@@ -11,6 +11,9 @@ from streamlit.errors import StreamlitPageNotFoundError
 
 # (file under viz/pages/, link text, what it shows)
 LINKS = [
+    ("pages/lessons.py", "Lessons",
+     "step through the ideas of data parallelism on the real engine: predict each result, then see it "
+     "measured, with the checks that prove it and a link to the page that explores it further."),
     ("pages/collectives.py", "Collectives",
      "watch all-reduce, reduce-scatter, all-gather, broadcast and reduce move round by round: a rank x "
      "chunk grid labelled with whose contributions each cell holds, the round's transfers as arrows, "

@@ -1,0 +1,249 @@
+"""The Lessons page under ``AppTest``, its pure helpers, and deep links into the other pages.
+
+    pytest -q tests/test_viz_lessons_page.py
+
+Lesson 1 is the one every test opens (it exists from the start; its first step trains four ranks
+for ~1 s); the page must work for any lesson, so nothing here depends on how many there are.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+st = pytest.importorskip("streamlit", reason="the viz extra is not installed: pip install 'dplab[viz]'")
+pytest.importorskip("plotly", reason="the viz extra is not installed: pip install 'dplab[viz]'")
+from streamlit.testing.v1 import AppTest  # noqa: E402
+
+from dplab.backends.cli.app import app_path  # noqa: E402
+from dplab.lessons import lesson, numbers  # noqa: E402
+from dplab.lessons import runner as lesson_runner  # noqa: E402
+from dplab.lessons.runner import CheckResult, StepOutcome  # noqa: E402
+from dplab.lessons.step import Check, Explore, Step  # noqa: E402
+from dplab.viz import deep_links, lesson_view  # noqa: E402
+
+L1 = lesson(1)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_caches():
+    """st.cache_data is shared by every AppTest in this process: each test starts from none."""
+    st.cache_data.clear()
+    yield
+    st.cache_data.clear()
+
+
+def _app(page: str = "pages/lessons.py", **params: str) -> AppTest:
+    at = AppTest.from_file(str(app_path()), default_timeout=60)
+    for name, value in params.items():
+        at.query_params[name] = value
+    at.run()
+    at.switch_page(page).run()
+    assert not at.exception, at.exception
+    return at
+
+
+def _counter(at: AppTest) -> str:
+    return at.get("progress")[0].proto.text
+
+
+def _checks(at: AppTest) -> list[str]:
+    return [m.value for m in at.markdown if m.value[:1] in (lesson_view.PASS, lesson_view.FAIL)]
+
+
+def _close(at: AppTest) -> None:
+    held = at.session_state["lesson_lab"] if "lesson_lab" in at.session_state else None
+    if held is not None:
+        held[1].close()
+
+
+# --- the page ----------------------------------------------------------------------------------------
+
+def test_lesson_one_opens_next_back_move_the_counter_and_it_links_to_training():
+    at = _app()
+    try:
+        assert at.title[0].value == "Lessons"
+        assert at.selectbox(key="lesson_pick").value == 1
+        assert _counter(at) == f"step 1 of {len(L1.steps)}"
+        assert at.subheader[0].value == f"1. {L1.steps[0].title}"
+        assert at.button(key="lesson_back").proto.disabled and not at.button(key="lesson_next").proto.disabled
+        assert at.code[0].value == L1.steps[0].code()
+        # the deep link: the lesson writes world_sizes=4 (its words); the Training page keeps world_size
+        link, explore = at.get("page_link")[-1].proto, L1.steps[0].explore
+        assert explore.page == "training" and link.page_script_hash  # a page the navigation has
+        facts = at.session_state["lesson_outcomes"][0].facts
+        assert explore.query(facts) == {"world_sizes": "4", "steps": "50"}
+        assert link.label == "Explore this on the Training page"
+        assert link.query_string == "steps=50&world_size=4"
+        at.button(key="lesson_next").click().run()
+        assert _counter(at) == f"step 2 of {len(L1.steps)}" and at.query_params["step"] == "2"
+        assert at.subheader[0].value == f"2. {L1.steps[1].title}"
+        at.button(key="lesson_back").click().run()
+        assert _counter(at) == f"step 1 of {len(L1.steps)}" and at.query_params["step"] == "1"
+        for k in range(1, len(L1.steps)):  # to the end: every step renders, Next stops there
+            at.button(key="lesson_next").click().run()
+            assert not at.exception and not at.error, (k, at.exception, at.error)
+            assert _counter(at) == f"step {k + 1} of {len(L1.steps)}"
+        assert at.button(key="lesson_next").proto.disabled
+        assert at.get("progress")[0].proto.value == 100
+    finally:
+        _close(at)
+
+
+def test_answers_right_and_wrong_show_their_verdicts_and_reveal_the_result():
+    at = _app()
+    try:
+        # step 1 asks a choice: nothing of the result shows before the answer
+        assert _checks(at) == [] and not at.get("plotly_chart")
+        at.radio(key="lesson_answer_1_0").set_value("different").run()
+        at.button(key="lesson_check_1_0").click().run()
+        assert [w.value for w in at.warning] == ["Not quite: it is identical."]
+        assert _checks(at) == [f"✅ {c.claim}" for c in L1.steps[0].checks]  # revealed by the answer
+        fig = json.loads(at.get("plotly_chart")[0].proto.spec)
+        assert len(fig["data"]) > 0  # the live timeline of the run
+        assert "identical to the bit (`True`)" in at.markdown[1].value
+        at.radio(key="lesson_answer_1_0").set_value("identical").run()
+        at.button(key="lesson_check_1_0").click().run()
+        assert [s.value for s in at.success] == ["Right: identical, measured on this run."] and not at.warning
+        # step 2 asks a number: 10 samples on 4 ranks, rank 0 gets 3
+        at.button(key="lesson_next").click().run()
+        at.button(key="lesson_check_1_1").click().run()  # no answer yet: asked for one, nothing revealed
+        assert [i.value for i in at.info] == ["Type or pick an answer first, or press Show me."]
+        assert _checks(at) == []
+        at.text_input(key="lesson_answer_1_1").input("2").run()
+        at.button(key="lesson_check_1_1").click().run()
+        assert [w.value for w in at.warning] == ["Not quite: it is 3 (you said 2, 0.667x that)."]
+        at.text_input(key="lesson_answer_1_1").input("3").run()
+        at.button(key="lesson_check_1_1").click().run()
+        assert [s.value for s in at.success] == ["Right: 3, measured on this run."]
+        assert len(_checks(at)) == len(L1.steps[1].checks)
+    finally:
+        _close(at)
+
+
+def test_query_params_open_a_step_and_show_me_reveals_it():
+    at = _app(lesson="1", step="2")
+    try:
+        assert _counter(at) == f"step 2 of {len(L1.steps)}" and at.subheader[0].value.startswith("2. ")
+        # step 2 ran after step 1, on the same Lab, as in CI
+        assert sorted(at.session_state["lesson_outcomes"]) == [0, 1]
+        assert _checks(at) == [] and at.button(key="lesson_show_1_1")
+        at.button(key="lesson_show_1_1").click().run()
+        assert _checks(at) == [f"✅ {c.claim}" for c in L1.steps[1].checks]
+        assert "Shard sizes: [3, 3, 2, 2]" in " ".join(m.value for m in at.markdown)
+        assert not [b for b in at.button if b.key == "lesson_show_1_1"]  # shown: the button is gone
+    finally:
+        _close(at)
+
+
+def test_picking_another_lesson_starts_it_on_fresh_ranks(monkeypatch):
+    other = next((n for n in numbers() if n != 1), None)
+    if other is None:
+        pytest.skip("only lesson 1 is registered")
+    at = _app()
+    try:
+        at.button(key="lesson_next").click().run()
+        lab = at.session_state["lesson_lab"][1]
+        assert lab._worlds  # step 1 started a world of 4 ranks
+        at.selectbox(key="lesson_pick").set_value(other).run()
+        assert not at.exception
+        assert lab._worlds == {}  # closed when the lesson changed
+        assert at.query_params["lesson"] == str(other) and at.query_params["step"] == "1"
+        assert _counter(at) == f"step 1 of {len(lesson(other).steps)}"
+        assert at.session_state["lesson_lab"][0] == other
+    finally:
+        _close(at)
+
+
+def test_a_lesson_whose_extras_are_missing_says_what_to_install(monkeypatch):
+    import dplab.lessons.l01_replicas as l01
+
+    monkeypatch.setitem(lesson_runner._EXTRA_MODULES, "mpi", ("dplab_no_such_module",))
+    monkeypatch.setattr(l01, "LESSON", dataclasses.replace(L1, needs=("mpi",)))
+    at = _app()
+    assert [w.value for w in at.warning] == [
+        "Lesson 1 needs the mpi extra, not installed here: `pip install -e '.[mpi]'` (from a checkout), "
+        "then reload this page."]
+    assert not at.get("progress") and "lesson_lab" not in at.session_state  # nothing ran
+
+
+def test_a_step_that_fails_shows_one_error_and_the_rest_of_the_page(monkeypatch):
+    import dplab.lessons.l01_replicas as l01
+
+    def broken(lab):
+        raise RuntimeError("the engine disagreed")
+
+    step = Step("Broken", "never shown", broken, checks=(Check("x", lambda f: True),), hint="a hint")
+    monkeypatch.setattr(l01, "LESSON", dataclasses.replace(L1, steps=(step, *L1.steps[1:])))
+    at = _app()
+    try:
+        assert [e.value for e in at.error] == ["This step did not run: RuntimeError: the engine disagreed"]
+        at.button(key="lesson_next").click().run()  # the next step still runs
+        assert not at.error and at.subheader[0].value == f"2. {L1.steps[1].title}"
+    finally:
+        _close(at)
+
+
+# --- deep links into the other pages ---------------------------------------------------------------
+
+def test_a_deep_link_with_short_names_sets_the_collectives_controls():
+    at = _app("pages/collectives.py", algorithm="tree", p="6", n="12")
+    assert at.selectbox(key="coll_algorithm").value == "tree"
+    assert at.slider(key="coll_p").value == 6 and at.number_input(key="coll_n").value == 12
+    assert at.caption[0].value.startswith("round 1 of 6, reduce up the tree")
+    query = {k: at.query_params[k] for k in at.query_params}
+    assert {"algorithm", "p", "n"}.isdisjoint(query)  # the URL ends up in the page's own names
+    assert query["coll_algorithm"] == "tree" and query["coll_p"] == "6"
+
+
+def test_a_deep_link_with_short_names_sets_the_cost_controls():
+    at = _app("pages/cost.py", p="4", algorithm="ring,tree")
+    assert at.slider(key="cost_world_size").value == 4
+    assert list(at.multiselect(key="cost_algorithms").value) == ["ring", "tree"]
+    assert at.query_params["world_size"] == "4" and "p" not in at.query_params
+
+
+# --- the pure helpers --------------------------------------------------------------------------------
+
+def test_position_reads_lesson_and_step_and_clamps():
+    lengths = {1: 4, 6: 3}.get
+    assert lesson_view.position({"lesson": "6", "step": "2"}, [1, 6], lengths) == (6, 1)
+    assert lesson_view.position({"lesson": "6", "step": "9"}, [1, 6], lengths) == (6, 2)
+    assert lesson_view.position({"lesson": "2", "step": "0"}, [1, 6], lengths) == (1, 0)
+    assert lesson_view.position({}, [1, 6], lengths) == (1, 0)
+    assert lesson_view.position({"lesson": "x", "step": "y"}, [1, 6], lengths) == (1, 0)
+    assert lesson_view.lessons_link_params(6, 1) == {"lesson": "6", "step": "2"}
+
+
+def test_check_lines_mark_each_claim():
+    out = StepOutcome(L1.steps[1], {}, "", (CheckResult("holds", True), CheckResult("fails", False)), 0.0)
+    assert lesson_view.check_lines(out) == ["✅ holds", "❌ fails"]
+
+
+def test_explore_link_translates_short_names_and_names_what_a_page_ignores():
+    link = lesson_view.explore_link(Explore("collectives", lambda f: {"algorithm": "ring", "p": f["p"],
+                                                                    "bogus": 1}), {"p": 8})
+    assert link.file == "pages/collectives.py" and link.label == "Explore this on the Collectives page"
+    assert link.params == {"coll_algorithm": "ring", "coll_p": "8", "bogus": "1"}
+    assert link.unread == ("bogus",)
+    assert lesson_view.explore_link(Explore("memory", lambda f: {"x": 1}), {}).unread == ()  # unknown page
+    with pytest.raises(ValueError, match="no app page"):
+        lesson_view.explore_link(Explore("nowhere"), {})
+
+
+def test_adopt_prefers_the_pages_own_name_and_takes_the_first_of_a_list():
+    query = {"world_sizes": "2,4", "steps": "5"}
+    assert deep_links.adopt(query, "training") == {"world_size": "2"}
+    assert query == {"world_size": "2", "steps": "5"}
+    query = {"p": "4", "world_size": "6"}
+    assert deep_links.adopt(query, "runs") == {} and query == {"world_size": "6"}
+    assert deep_links.adopt({"lesson": "1"}, "lessons") == {}
+
+
+def test_is_command_and_needs_line():
+    assert lesson_view.is_command("dplab train --world-size 4")
+    assert not lesson_view.is_command("Change the step's run to all-reduce every 5th step.")
+    assert lesson_view.needs_line(12, ["torch", "mpi"]).startswith(
+        "Lesson 12 needs the torch and mpi extras, not installed here: `pip install -e '.[torch,mpi]'`")

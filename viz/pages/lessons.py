@@ -1,0 +1,209 @@
+"""Lessons: step through a lesson on the real engine, predicting each result before it is shown.
+
+    dplab app                                  # then Lessons; or open a step directly:
+    http://127.0.0.1:8501/lessons?lesson=1&step=2
+
+The same steps as ``dplab lesson N``: each runs through ``dplab.lessons.runner.run_step`` on this
+session's ``Lab`` (its worlds of ranks kept between steps, closed when the lesson changes) and
+its outcome is kept per step, so Back and Next do not run it again. A step runs after the ones
+before it, as in CI (a step may use what an earlier one left in ``lab.scratch``). What the page
+decides lives in ``dplab.viz.lesson_view``; this file only draws it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import streamlit as st
+from streamlit.errors import StreamlitPageNotFoundError
+
+from dplab.lessons import lesson, numbers
+from dplab.lessons.runner import Lab, StepOutcome, missing_needs, run_step
+from dplab.lessons.step import Lesson
+from dplab.viz.lesson_view import (
+    answer_kind,
+    check_lines,
+    explore_link,
+    is_command,
+    lessons_link_params,
+    needs_line,
+    position,
+)
+
+PICK, STEP, AT = "lesson_pick", "lesson_step", "lesson_at"  # widget; step index; where the learner was
+OUTCOMES, LAB, REVEALED, VERDICTS = "lesson_outcomes", "lesson_lab", "lesson_revealed", "lesson_verdicts"
+state = st.session_state
+
+
+def _title(number: int) -> str:
+    try:
+        les = lesson(number)
+    except Exception as e:  # noqa: BLE001 - a lesson being written must not take the page down
+        return f"{number} · (does not load: {type(e).__name__})"
+    return f"{number} · {les.title} ({len(les.steps)} steps)"
+
+
+def _start(nums: list[int]) -> None:
+    """Once per visit: the lesson and step from ``?lesson=N&step=K``, else where the learner was."""
+    if PICK in state:
+        return
+    query = st.query_params.to_dict()
+    if "lesson" not in query and AT in state:
+        query = lessons_link_params(*state[AT])
+    number, k = position(query, nums, lambda n: len(lesson(n).steps))
+    state[PICK], state[STEP] = number, k
+
+
+def _close_lab() -> None:
+    held = state.pop(LAB, None)
+    if held is not None:
+        held[1].close()
+    state[OUTCOMES] = {}
+
+
+def _picked() -> None:
+    """Another lesson: its first step, on fresh ranks (the last lesson's worlds are closed now)."""
+    state[STEP] = 0
+    _close_lab()
+
+
+def _move(k: int) -> None:
+    state[STEP] = k
+
+
+def _reveal(key: tuple[int, int]) -> None:
+    state.setdefault(REVEALED, set()).add(key)
+
+
+def _check(key: tuple[int, int], answer_key: str) -> None:
+    reply = state.get(answer_key)
+    if reply is None or not str(reply).strip():
+        state.setdefault(VERDICTS, {})[key] = None
+        return
+    out = state[OUTCOMES][key[1]]
+    state.setdefault(VERDICTS, {})[key] = out.step.predict.judge(out.facts, str(reply))
+    _reveal(key)
+
+
+def _outcome(les: Lesson, k: int) -> StepOutcome | Exception:
+    """Step ``k``'s outcome, running it (and any step before it not yet run) on this session's Lab."""
+    held = state.get(LAB)
+    if held is None or held[0] != les.number:
+        _close_lab()
+        state[LAB] = (les.number, Lab())
+    lab, done = state[LAB][1], state.setdefault(OUTCOMES, {})
+    for i in range(k + 1):
+        if i not in done:
+            with st.spinner(f"running step {i + 1} of lesson {les.number} on the real engine ..."):
+                try:
+                    done[i] = run_step(les.steps[i], lab)
+                except Exception as e:  # noqa: BLE001 - shown on the page, in one box
+                    done[i] = e
+    return done[k]
+
+
+def _question(out: StepOutcome, key: tuple[int, int]) -> None:
+    predict = out.step.predict
+    answer_key = f"lesson_answer_{key[0]}_{key[1]}"
+    st.markdown(f"**Predict first.** {out.question()}")
+    if answer_kind(predict) == "choices":
+        st.radio("your answer", predict.choices, index=None, key=answer_key, horizontal=True)
+    else:
+        st.text_input("your answer" + (f" ({predict.unit})" if predict.unit else ""), key=answer_key,
+                      placeholder="a number: 1,572,864 or 1.5 MiB or 3/4 all work")
+    c = st.columns([1, 1, 6])
+    c[0].button("Check", key=f"lesson_check_{key[0]}_{key[1]}", on_click=_check, args=(key, answer_key),
+                type="primary")
+    if key not in state.get(REVEALED, set()):
+        c[1].button("Show me", key=f"lesson_show_{key[0]}_{key[1]}", on_click=_reveal, args=(key,))
+    if key in state.get(VERDICTS, {}):
+        verdict = state[VERDICTS][key]
+        if verdict is None:
+            st.info("Type or pick an answer first, or press Show me.")
+        elif verdict.correct:
+            st.success(f"Right: {verdict.expected}, measured on this run.")
+        else:
+            st.warning(verdict.message[:1].upper() + verdict.message[1:] + ".")
+
+
+def _result(out: StepOutcome, key: tuple[int, int]) -> None:
+    st.markdown(out.text)
+    if out.figure is not None:
+        st.plotly_chart(out.figure, key=f"lesson_fig_{key[0]}_{key[1]}")
+    st.markdown("**What this step proves** (checked on this run, "
+                f"{out.seconds:.2f} s on the real engine)")
+    for line in check_lines(out):
+        st.markdown(line)
+
+
+def _link(out: StepOutcome) -> None:
+    link = explore_link(out.step.explore, out.facts)
+    try:
+        st.page_link(link.file, label=link.label, query_params=link.params, icon=":material/open_in_new:")
+    except StreamlitPageNotFoundError:
+        st.caption(f"The {link.page} page is not in this app yet: it will explore this step further.")
+
+
+def _step(les: Lesson, k: int) -> None:
+    step, key = les.steps[k], (les.number, k)
+    st.subheader(f"{k + 1}. {step.title}")
+    out = _outcome(les, k)
+    if isinstance(out, Exception):
+        st.error(f"This step did not run: {type(out).__name__}: {out}")
+        return
+    if step.predict is None:
+        _reveal(key)
+    else:
+        _question(out, key)
+    if key in state.get(REVEALED, set()):
+        _result(out, key)
+    else:
+        st.caption("The result, the figure and what the step proves show once you answer (or press Show me).")
+    st.markdown("**The code this step runs**")
+    st.code(step.code(), language="python")
+    if step.hint:
+        with st.expander("Hint"):
+            st.markdown(step.hint)
+    if step.try_this and is_command(step.try_this):
+        st.markdown("**Try this** in a terminal:")
+        st.code(step.try_this, language="bash")
+    elif step.try_this:
+        st.markdown(f"**Try this:** {step.try_this}")
+    if step.exercise:
+        st.caption(f"Exercise `{step.exercise}`: `dplab lesson init DIR` copies the stub, "
+                   f"`dplab lesson check {les.number} DIR` checks your code.")
+    if step.explore is not None:
+        _link(out)
+
+
+def _nav(les: Lesson, k: int, where: Any) -> None:
+    n = len(les.steps)
+    c = where.columns([1, 1, 8])
+    c[0].button("◀ Back", key="lesson_back", on_click=_move, args=(k - 1,), disabled=k == 0)
+    c[1].button("Next ▶", key="lesson_next", on_click=_move, args=(k + 1,), disabled=k == n - 1)
+
+
+st.title("Lessons")
+nums = numbers()
+if not nums:
+    st.info("No lessons yet.")
+    st.stop()
+_start(nums)
+st.selectbox("lesson", nums, key=PICK, format_func=_title, on_change=_picked)
+try:
+    les = lesson(state[PICK])
+except Exception as e:  # noqa: BLE001 - a lesson being written must not take the page down
+    st.error(f"Lesson {state[PICK]} does not load: {type(e).__name__}: {e}")
+    st.stop()
+st.caption(les.summary)
+missing = missing_needs(les)
+if missing:
+    st.warning(needs_line(les.number, missing))
+    st.markdown("\n".join(f"{i + 1}. {s.title}" for i, s in enumerate(les.steps)))
+    st.stop()
+k = min(max(state.get(STEP, 0), 0), len(les.steps) - 1)
+state[STEP], state[AT] = k, (les.number, k)
+st.query_params.update(lessons_link_params(les.number, k))
+st.progress((k + 1) / len(les.steps), text=f"step {k + 1} of {len(les.steps)}")
+_nav(les, k, st)
+_step(les, k)
