@@ -55,9 +55,10 @@ def ring_problem(schedule: object, p: int) -> str | None:
         over = np.argwhere(counts > 1)
         if over.size:
             rank, chunk, part = (int(x) for x in over[0])
-            return (f"rank {rank} ends with chunk {chunk} counted {_times(counts[rank, chunk, part])} after "
-                    f"round {i} (rank {part}'s part is in it {counts[rank, chunk, part]} times): each rank's "
-                    "part must be added exactly once, so never send a rank a sum it is already in")
+            times = _times(counts[rank, chunk, part])
+            return (f"rank {rank} ends with chunk {chunk} counted {times} after round {i}: rank {part}'s "
+                    f"part is in it {times}, and each rank's part must be added exactly once (never send a "
+                    "rank a sum its own part is already in)")
     last = history[-1]
     for rank in range(p):
         if (last[rank, rank] == 1).all():

@@ -1,0 +1,239 @@
+"""The exercises: every stub fails its check in the lesson's words, every shipped solution passes,
+a planted bug gets its own sentence, and nothing a learner writes crashes ``check``.
+
+    pytest -q tests/test_lesson_exercises.py
+"""
+
+from __future__ import annotations
+
+import re
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from dplab.lessons.exercises import EXERCISES, SOLUTIONS, STUBS, check, check_file, init_dir
+from dplab.reference.errors import ConfigError
+
+
+def _line_of(file: Path, code: str) -> int:
+    return next(i for i, line in enumerate(file.read_text().splitlines(), 1) if code in line)
+
+
+def _write(tmp_path: Path, name: str, source: str) -> Path:
+    file = tmp_path / f"{name}.py"
+    file.write_text(textwrap.dedent(source))
+    return file
+
+
+def test_the_four_exercises_their_lessons_and_files():
+    assert {n: e.lesson for n, e in EXERCISES.items()} == {
+        "ring_reduce_scatter": 2, "ddp_buckets": 4, "ssp_gate": 7, "zero2_step": 10}
+    for name, e in EXERCISES.items():
+        assert e.stub == f"{name}.py" and e.stub_path.parent == STUBS and e.solution.parent == SOLUTIONS
+        assert e.stub_path.is_file() and e.solution.is_file()
+        assert e.stub_path.read_text() != e.solution.read_text()
+
+
+STUB_SAYS = {
+    "ring_reduce_scatter": [re.escape("at p=3: rank 0 ends with chunk 0 missing ranks 1 and 2's parts after "
+                                      "the last round (round 0)")],
+    "ddp_buckets": [re.escape("bucket 0 holds parameter 0 but parameter 5's gradient arrives first: buckets "
+                              "follow the reverse order of the parameters")],
+    # worker 1 sleeps 30 ms per clock while the others never wait: they run 2-5 clocks ahead
+    "ssp_gate": [r"worker [23] ran [2-5] clocks ahead of the slowest with staleness 1",
+                 re.escape("may_proceed(clock=2, slowest=0, staleness=1) is True, but with staleness 1 "
+                           "clock 2 must wait until the slowest has finished 1")],
+    "zero2_step": [r"at p=2: zero2_step raised on rank [01]: ShardError: rank [01]'s optimizer holds state "
+                   r"for its own shard only: 242 of the 484 parameters",
+                   "line {line} of zero2_step.py: `optimizer.step\\(params, grad\\)"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(EXERCISES))
+def test_every_stub_fails_its_check_in_the_lessons_words(name):
+    stub = EXERCISES[name].stub_path
+    report = check_file(name, stub)
+    assert report.name == name and not report.passed
+    line = _line_of(stub, "optimizer.step(params, grad)") if name == "zero2_step" else 0
+    for pattern in STUB_SAYS[name]:
+        assert re.search(pattern.format(line=line), report.message), report.message
+
+
+SOLUTION_SAYS = {
+    "ring_reduce_scatter": r"right for p = 1\.\.8: .* \(7 rounds, 56 chunk transfers at p=8\)",
+    "ddp_buckets": r"your buckets \[\[5, 4, 3\], \[2\], \[1, 0\]\] .* to within \d\.\de-1[5-9] of one "
+                   r"device, and they match the engine's on 4 edge and 200 random cases",
+    "ssp_gate": r"agrees with the server's gate on all 405 cases, .* no worker ran more than [01] clock "
+                r"ahead of the slowest \(18 updates",
+    "zero2_step": r"right on 1\.\.4 ranks: .* at most 121 of the 484 parameters at p=4",
+}
+
+
+@pytest.mark.parametrize("lesson", [2, 4, 7, 10])
+def test_every_solution_passes(lesson):
+    (report,) = check(lesson, SOLUTIONS)  # the solutions folder is laid out as a learner's folder
+    assert EXERCISES[report.name].lesson == lesson
+    assert report.passed, report.message
+    assert re.search(SOLUTION_SAYS[report.name], report.message), report.message
+
+
+RING = """
+    import numpy as np
+    from dplab.reference.schedule import Round, Schedule
+
+    def ring_reduce_scatter(p):
+        r = np.arange(p)
+        return Schedule("mine", p, p, [Round(r, {dst}, {chunk}, "reduce") for k in range({rounds})])
+"""
+BUCKETS = """
+    def ddp_buckets(sizes, cap):
+        buckets, held = [[]], 0
+        for i in reversed(range(len(sizes))):
+            if buckets[-1] and {close}:
+                buckets.append([])
+                held = 0
+            buckets[-1].append(i)
+            held += sizes[i]
+        return {result}
+"""
+GATE = """
+    def may_proceed(clock, slowest, staleness):
+        return staleness is None or {rule}
+"""
+ZERO2 = """
+    from dplab.reference.collectives import allgather, reduce_scatter
+    from dplab.reference.schedule import chunk_bounds
+
+    def zero2_step(comm, params, grad, optimizer):
+        a, b = chunk_bounds(len(params), comm.world_size)[comm.rank]
+        reduce_scatter(comm, grad)
+        optimizer.step(params[a:b], grad[a:b]{divide})
+        {gather}
+"""
+RIGHT_RING = {"dst": "(r + 1) % p", "chunk": "(r - k - 1) % p", "rounds": "p - 1"}
+RIGHT_BUCKETS = {"close": "held >= cap", "result": "buckets"}
+PLANTED = [
+    ("ring_reduce_scatter", RING, {**RIGHT_RING, "chunk": "(r - k) % p"},  # off by one chunk
+     "at p=2: rank 0 ends with chunk 1 complete, not chunk 0: rank r must end owning chunk r"),
+    ("ring_reduce_scatter", RING, {**RIGHT_RING, "rounds": "p if p > 1 else 0"},  # one round too many
+     "at p=2: rank 0 ends with chunk 1 counted twice after round 1: rank 0's part is in it twice"),
+    ("ring_reduce_scatter", RING, {"dst": "(r - 1) % p", "chunk": "(r + k + 1) % p", "rounds": "p - 1"},
+     "at p=3: in round 0 rank 0 sends to rank 2: in a ring each rank sends only to its right neighbour"),
+    ("ddp_buckets", BUCKETS, {**RIGHT_BUCKETS, "close": "held > cap"},  # the cap's edge
+     "for gradients of [100, 100, 100, 100] bytes and cap 200: bucket 0 should close after parameter 2, once "
+     "it holds 200 bytes >= the cap of 200; yours goes on to parameter 1 (300 bytes)"),
+    ("ddp_buckets", BUCKETS, {**RIGHT_BUCKETS, "close": "held + sizes[i] > cap"},  # closes before the cap
+     "bucket 0 closes after parameter 4 holding 544 bytes, below the cap of 600: a bucket stays open until "
+     "it holds at least the cap (parameter 3's 128 bytes belong in it too)"),
+    ("ddp_buckets", BUCKETS, {**RIGHT_BUCKETS, "result": "buckets[:-1]"},  # the last bucket lost
+     "parameter 0 is in no bucket: its gradient would never be all-reduced"),
+    ("ddp_buckets", BUCKETS, {**RIGHT_BUCKETS, "result": "[sorted(b) for b in buckets] + [[0]]"},
+     "parameter 0 is in buckets 2 and 3: its gradient would be all-reduced twice"),
+    ("ssp_gate", GATE.format(rule="slowest > clock - staleness"), {},  # too strict by one
+     "may_proceed(clock=0, slowest=0, staleness=0) is False, but SSP lets a worker start clock 0 once the "
+     "slowest has finished 0 - 0 = 0 clocks"),
+    ("ssp_gate", GATE.format(rule="slowest >= clock - staleness - 1"), {},  # too loose by one
+     "may_proceed(clock=2, slowest=0, staleness=1) is True, but with staleness 1 clock 2 must wait until the "
+     "slowest has finished 1"),
+    ("zero2_step", ZERO2, {"divide": "", "gather": "pass"},  # no all-gather
+     "at p=2: after step 0 rank 0 still holds shard 1 as it was before the step: rank 1 updated it, but no "
+     "all-gather brought the update to rank 0"),
+    ("zero2_step", ZERO2, {"divide": " / comm.world_size", "gather": "allgather(comm, params)"},  # averaged
+     "at p=2: after step 0 rank 0's own shard 0 (params[0:242]) moved 1/2 as far as on one device: the "
+     "gradient was averaged over the ranks"),
+]
+
+
+@pytest.mark.parametrize("name, template, fill, says", PLANTED,
+                         ids=[f"{p[0]}-{i}" for i, p in enumerate(PLANTED)])
+def test_a_planted_bug_gets_its_own_sentence(tmp_path, name, template, fill, says):
+    report = check_file(name, _write(tmp_path, name, template.format(**fill)))
+    assert not report.passed
+    assert says in report.message, report.message
+
+
+def test_the_planted_templates_are_right_when_filled_right(tmp_path):
+    """The planted bugs differ from a passing answer only where they say (ring and buckets: fast)."""
+    for name, template, fill in (("ring_reduce_scatter", RING, RIGHT_RING),
+                                 ("ddp_buckets", BUCKETS, RIGHT_BUCKETS)):
+        report = check_file(name, _write(tmp_path, name, template.format(**fill)))
+        assert report.passed, report.message
+
+
+def test_the_learners_exceptions_are_reports_that_name_their_line(tmp_path):
+    raising = _write(tmp_path, "ring_reduce_scatter", """
+        def ring_reduce_scatter(p):
+            chunks = p
+            raise ValueError(f"no idea at p={chunks}")
+    """)
+    report = check_file("ring_reduce_scatter", raising)
+    assert not report.passed
+    assert report.message == ("ring_reduce_scatter(1) raised ValueError: no idea at p=1 (line 4 of "
+                              "ring_reduce_scatter.py: `raise ValueError(f\"no idea at p={chunks}\")`)")
+
+    (tmp_path / "ring_reduce_scatter.py").write_text("def ring_reduce_scatter(p)\n    return p\n")
+    assert check(2, tmp_path)[0].message == (
+        "ring_reduce_scatter.py is not valid Python: expected ':' at line 1: `def ring_reduce_scatter(p)`")
+    (tmp_path / "ring_reduce_scatter.py").write_text("import numpy\n\nX = 1 / 0\n")
+    assert check(2, tmp_path)[0].message == (
+        "importing ring_reduce_scatter.py raised ZeroDivisionError: division by zero (line 3 of "
+        "ring_reduce_scatter.py: `X = 1 / 0`)")
+    (tmp_path / "ring_reduce_scatter.py").write_text("def ring(p):\n    return p\n")
+    assert "defines no function ring_reduce_scatter" in check(2, tmp_path)[0].message
+
+    wrong_type = _write(tmp_path, "ssp_gate", GATE.format(rule="None"))
+    assert check_file("ssp_gate", wrong_type).message == (
+        "may_proceed(clock=0, slowest=0, staleness=0) returned None: return True (the worker may start) or "
+        "False (it waits)")
+
+
+def test_a_rank_that_raises_is_a_report_naming_rank_and_line(tmp_path):
+    right = ZERO2.format(divide="", gather="allgather(comm, params)")
+    give_up = "    if comm.rank == 1:\n            raise RuntimeError('rank one gives up')\n        a, b ="
+    file = _write(tmp_path, "zero2_step", right.replace("    a, b =", give_up, 1))
+    report = check_file("zero2_step", file)
+    line = _line_of(file, "raise RuntimeError")
+    assert report.message == (f"at p=2: zero2_step raised on rank 1: RuntimeError: rank one gives up (line "
+                              f"{line} of zero2_step.py: `raise RuntimeError('rank one gives up')`)")
+
+
+def test_init_dir_copies_the_stubs_and_never_overwrites(tmp_path):
+    work = tmp_path / "deep" / "work"
+    written = init_dir(work)
+    assert sorted(p.name for p in written) == sorted(e.stub for e in EXERCISES.values())
+    for e in EXERCISES.values():
+        assert (work / e.stub).read_text() == e.stub_path.read_text()
+
+    mine = work / "ddp_buckets.py"
+    mine.write_text("# my work\n")
+    with pytest.raises(ConfigError, match=r"ddp_buckets.py, .* already exist: dplab lesson init never "):
+        init_dir(work)
+    assert mine.read_text() == "# my work\n"
+
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    (fresh / "ssp_gate.py").write_text("# mine\n")
+    with pytest.raises(ConfigError, match=r"ssp_gate.py already exists: dplab lesson init never overwrites"):
+        init_dir(fresh)
+    assert sorted(p.name for p in fresh.iterdir()) == ["ssp_gate.py"]  # nothing written beside it
+    assert (fresh / "ssp_gate.py").read_text() == "# mine\n"
+
+
+def test_check_reads_the_learners_folder(tmp_path, monkeypatch):
+    init_dir(tmp_path / "work")
+    (report,) = check(2, tmp_path / "work")
+    assert report.name == "ring_reduce_scatter" and not report.passed and "missing ranks 1 and 2's parts" in \
+        report.message
+    monkeypatch.chdir(tmp_path / "work")
+    assert check(2) == [report]  # the current directory by default
+
+    (empty,) = check(2, tmp_path)
+    assert not empty.passed
+    assert empty.message == (f"there is no ring_reduce_scatter.py in {tmp_path}: run `dplab lesson init "
+                             f"{tmp_path}` to get the stubs, then write your answer in "
+                             "ring_reduce_scatter.py")
+    with pytest.raises(ConfigError, match="lesson 3 has no exercise: lessons 2, 4, 7, 10 have one each"):
+        check(3, tmp_path)
+    with pytest.raises(ConfigError, match="there is no exercise 'ring'"):
+        check_file("ring", tmp_path)
