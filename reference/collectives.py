@@ -58,13 +58,16 @@ def run_schedule(comm: Communicator, buf: Any, schedule: Schedule, plan: Plan | 
     exchange) is sent from a snapshot: zero-copy transports read the sent memory while the
     receive adds into it. Schedules without such exchanges send straight out of ``buf``."""
     plan = plan if plan is not None else messages_of(schedule, comm.rank)
-    for k, sends, recvs, spans, snapshot in _rounds(plan, len(buf), schedule.num_chunks):
-        out = [buf[s] for s in spans]
-        if snapshot:
-            out = _snapshots(comm, buf, sends, out)
-        comm.exchange([SendSpec(b, m.dst, m.chunk) for b, m in zip(out, sends)],
-                      [RecvSpec(buf[s], m.src, m.chunk, m.op == "reduce") for s, m in recvs],
-                      round=k, algorithm=schedule.name)
+    name, new = schedule.name, tuple.__new__  # a NamedTuple's own __new__ costs twice as much
+    for k, sends, recvs, snap in _rounds(plan, len(buf), schedule.num_chunks):
+        if snap:
+            scratch = _snapshot(comm, buf, snap)
+            out = [new(SendSpec, (buf[s] if at < 0 else scratch[at:at + s.stop - s.start], d, c))
+                   for s, d, c, at in sends]
+        else:
+            out = [new(SendSpec, (buf[s], d, c)) for s, d, c, _ in sends]
+        comm.exchange(out, [new(RecvSpec, (buf[s], src, c, red)) for s, src, c, red in recvs],
+                      round=k, algorithm=name)
 
 
 _ROUNDS: dict[tuple[int, int, int], tuple[Plan, list]] = {}  # (id(plan), n, chunks) -> (plan, rounds)
@@ -72,57 +75,73 @@ _ROUNDS: dict[tuple[int, int, int], tuple[Plan, list]] = {}  # (id(plan), n, chu
 
 def _rounds(plan: Plan, n: int, num_chunks: int) -> list:
     """The plan's non-empty rounds with each message's slice of an ``n``-element buffer worked out
-    once per (plan, n): (round, sends, [(slice, receive)], [send slice], any snapshot). Chunk
-    bounds and message spans cost more Python than a small all-reduce's data (~2 µs a call)."""
+    once per (plan, n): (round, [(slice, dst, chunk, snapshot offset or -1)], [(slice, src, chunk,
+    reduce)], snapshot spans). Chunk bounds, spans and snapshot layout cost more Python than a small
+    all-reduce's data (~2 µs a call); a span sent to several peers is copied once."""
     hit = _ROUNDS.get((id(plan), n, num_chunks))
     if hit is not None and hit[0] is plan:
         return hit[1]
     bounds = chunk_bounds(n, num_chunks)
     span = lambda m: slice(bounds[m.chunk][0], bounds[m.stop - 1][1])  # noqa: E731
-    rounds = [(k, sends, [(span(m), m) for m in recvs], [span(m) for m in sends],
-               any(m.snapshot for m in sends)) for k, (sends, recvs) in enumerate(plan) if sends or recvs]
+    rounds = []
+    for k, (sends, recvs) in enumerate(plan):
+        if not sends and not recvs:
+            continue
+        snap: dict[tuple[int, int], int] = {}  # (start, stop) of a snapshot span -> its offset in scratch
+        out = []
+        for m in sends:
+            s, at = span(m), -1
+            if m.snapshot:
+                at = snap.setdefault((s.start, s.stop), sum(b - a for a, b in snap))
+            out.append((s, m.dst, m.chunk, at))
+        rounds.append((k, out, [(span(m), m.src, m.chunk, m.op == "reduce") for m in recvs],
+                       tuple(snap.items())))
     if len(_ROUNDS) >= 4096:
         _ROUNDS.clear()
     _ROUNDS[id(plan), n, num_chunks] = (plan, rounds)
     return rounds
 
 
-_SCRATCH = threading.local()  # per thread (DDP's comm thread has its own): comm -> {dtype: scratch}
+_SCRATCH = threading.local()  # per thread (DDP's comm thread has its own): id(comm) -> (ref, scratches)
 
 
-def _snapshots(comm: Communicator, buf: Any, sends: list[Message], out: list[Any]) -> list[Any]:
-    """``out`` with each snapshot message replaced by a copy of it in scratch from ``comm.empty``
-    (shared memory on the local backend, so the copy itself still goes without staging). The
-    scratch is kept per communicator and reused: a round's sends are done when ``exchange``
-    returns. Its bytes count as the transport's staged bytes where it counts them (local)."""
-    spans: dict[tuple[int, int], Any] = {}  # one copy of a span sent to several peers
-    for b, m in zip(out, sends):
-        if m.snapshot:
-            spans[m.chunk, m.stop] = b
-    scratch, off = _scratch(comm, buf, sum(map(len, spans.values()))), 0
-    for span, b in spans.items():
-        spans[span] = copy = scratch[off:off + len(b)]
-        if isinstance(b, np.ndarray):
-            np.copyto(copy, b)  # half the cost of copy[:] = b at 4 KiB
+def _snapshot(comm: Communicator, buf: Any, spans: tuple) -> Any:
+    """Scratch from ``comm.empty`` (shared memory on the local backend, so the copy itself still goes
+    without staging) holding a copy of each span sent from a snapshot, at its offset (``spans``:
+    ((start, stop), offset) pairs, offsets ascending). The scratch is kept per communicator and
+    reused: a round's sends are done when ``exchange`` returns. Its bytes count as the transport's
+    staged bytes where it counts them (local)."""
+    (start, stop), at = spans[-1]
+    total = at + stop - start
+    scratch = _scratch(comm, buf, total)
+    numpy = isinstance(buf, np.ndarray)
+    for (start, stop), at in spans:
+        if numpy:
+            np.copyto(scratch[at:at + stop - start], buf[start:stop])  # half the cost of [:]= at 4 KiB
         else:
-            copy.copy_(b)
-        off += len(b)
+            scratch[at:at + stop - start].copy_(buf[start:stop])
     if hasattr(comm, "bytes_staged"):
-        comm.bytes_staged += off * (buf.itemsize if isinstance(buf, np.ndarray) else buf.element_size())
-    return [spans[m.chunk, m.stop] if m.snapshot else b for b, m in zip(out, sends)]
+        comm.bytes_staged += total * (buf.itemsize if numpy else buf.element_size())
+    return scratch
 
 
 def _scratch(comm: Communicator, buf: Any, n: int) -> Any:
-    """At least ``n`` elements of ``buf``'s dtype (and device), grown as needed, then reused."""
+    """At least ``n`` elements of ``buf``'s dtype (and device), grown as needed, then reused. Kept
+    by ``id(comm)`` with a weak reference to check it (a WeakKeyDictionary look-up costs ~0.5 µs)."""
     cache = getattr(_SCRATCH, "by_comm", None)
     if cache is None:
-        cache = _SCRATCH.by_comm = weakref.WeakKeyDictionary()
-    mine = cache.setdefault(comm, {})
+        cache = _SCRATCH.by_comm = {}
+    entry = cache.get(id(comm))
+    if entry is None or entry[0]() is not comm:
+        for dead in [k for k, (ref, _) in cache.items() if ref() is None]:
+            del cache[dead]
+        entry = cache[id(comm)] = (weakref.ref(comm), {})
+    mine = entry[1]
     key = (buf.dtype, getattr(buf, "device", None))  # as they are: str() of a dtype costs ~10 µs
     have = mine.get(key)
     if have is None or len(have) < n:
         have = mine[key] = comm.empty(n, buf.dtype) if isinstance(buf, np.ndarray) else buf.new_empty(n)
-    return have[:n]
+    return have
 
 
 @lru_cache(maxsize=1024)
@@ -142,11 +161,13 @@ def schedule_plan(kind: str, algorithm: str, p: int, rank: int, root: int = 0) -
 def _flat(buf: Any, backend: str = "") -> Any:
     """A 1-D view of ``buf``: a numpy array, or a torch tensor (duck-typed: reference imports no torch)."""
     if isinstance(buf, np.ndarray):
-        require_writable(buf)  # refused on every rank before any message, not half-way on one
+        flags = buf.flags  # one flags object for both checks
+        if not flags.writeable:
+            require_writable(buf)  # refused on every rank before any message, not half-way on one
         if buf.dtype not in _NUMPY_DTYPES and buf.dtype.name not in _DTYPES:  # .name costs ~2 µs
             raise ConfigError(f"dtype {buf.dtype} not supported: use {', '.join(_DTYPES)} (numpy has no "
                               "bfloat16: pass a torch.bfloat16 tensor on the torch backend)")
-        if not buf.flags.c_contiguous:
+        if not flags.c_contiguous:
             raise ConfigError("collectives work in place on contiguous arrays: use np.ascontiguousarray")
         return buf.reshape(-1)
     if type(buf).__module__.startswith("torch"):
@@ -163,18 +184,37 @@ def _flat(buf: Any, backend: str = "") -> Any:
 
 
 def _is_float(buf: Any) -> bool:
-    return buf.dtype.is_floating_point if hasattr(buf.dtype, "is_floating_point") else bool(
-        np.issubdtype(buf.dtype, np.floating))
+    dtype = buf.dtype
+    return dtype.kind == "f" if isinstance(dtype, np.dtype) else bool(dtype.is_floating_point)
 
 
-def _run(comm: Communicator, kind: str, buf: np.ndarray, algorithm: str, root: int | None = None
-         ) -> np.ndarray:
-    flat = _flat(buf, getattr(comm, "backend", ""))
-    if root is not None and not 0 <= root < comm.world_size:
-        raise ConfigError(f"root {root} is not a rank of a world of size {comm.world_size}")
-    schedule, plan = schedule_plan(kind, algorithm, comm.world_size, comm.rank, root or 0)
-    with comm.tracer.span(kind, bytes=flat.nbytes, algorithm=algorithm):
-        comm.check_buffer(flat, Collective(kind, algorithm, -1 if root is None else root))
+_CALLS: dict[tuple, tuple[Schedule, Plan, Collective]] = {}  # (kind, algorithm, p, rank, root) -> ...
+
+
+def _run(comm: Communicator, kind: str, buf: Any, algorithm: str, root: int | None = None,
+         flat: Any = None) -> Any:
+    """Run one collective on ``buf`` (``flat``: its 1-D view, when the caller has checked it already).
+    The schedule, this rank's plan and the ``Collective`` it announces are looked up once per call
+    signature (building them cost ~1.5 µs a call); a tracer that is off costs no span."""
+    if flat is None:
+        flat = _flat(buf, getattr(comm, "backend", ""))
+    p, rank = comm.world_size, comm.rank
+    if root is not None and not 0 <= root < p:
+        raise ConfigError(f"root {root} is not a rank of a world of size {p}")
+    call = _CALLS.get((kind, algorithm, p, rank, root))
+    if call is None:
+        schedule, plan = schedule_plan(kind, algorithm, p, rank, root or 0)
+        if len(_CALLS) >= 4096:
+            _CALLS.clear()
+        call = _CALLS[kind, algorithm, p, rank, root] = (
+            schedule, plan, Collective(kind, algorithm, -1 if root is None else root))
+    schedule, plan, collective = call
+    if comm.tracer.enabled:
+        with comm.tracer.span(kind, bytes=flat.nbytes, algorithm=algorithm):
+            comm.check_buffer(flat, collective)
+            run_schedule(comm, flat, schedule, plan)
+    else:
+        comm.check_buffer(flat, collective)
         run_schedule(comm, flat, schedule, plan)
     return flat
 
@@ -186,17 +226,16 @@ def allreduce(comm: Communicator, buf: np.ndarray, algorithm: str = "ring", op: 
     float16 and bfloat16 add in their own precision, each partial sum rounded (module docstring)."""
     if op not in ("sum", "mean"):
         raise ConfigError(f"op must be 'sum' or 'mean', got {op!r}")
-    _flat(buf, getattr(comm, "backend", ""))
+    flat = _flat(buf, getattr(comm, "backend", ""))
     if op == "mean" and not _is_float(buf):
         raise ConfigError(f"op='mean' needs a floating-point buffer, got {buf.dtype}: use op='sum'")
     if algorithm == "auto":  # the one place auto resolves (reference/auto.py); the trace names the choice
         algorithm = auto.chosen(comm, buf)
     if algorithm == "native":
-        flat = _flat(buf, getattr(comm, "backend", ""))
         with comm.tracer.span("allreduce", bytes=flat.nbytes, algorithm="native"):
             comm.native_allreduce(flat, "sum")
     else:
-        flat = _run(comm, "allreduce", buf, algorithm)
+        _run(comm, "allreduce", buf, algorithm, flat=flat)
     if op == "mean" and comm.world_size > 1:
         flat /= comm.world_size
     return buf

@@ -111,6 +111,7 @@ class LocalComm(SegmentMemory, Waits, Communicator):
         self._done_to, self._done_from = [w.done[s][me] for s in range(p)], [w.done[me][d] for d in range(p)]
         self._segments: dict[int, Segment] = {}  # mine, by id (ids are never reused)
         self._ranges: dict[int, tuple[int, int]] = {}  # id -> (address, size) of each of mine
+        self._last_range: tuple[int, int, int] = (-1, 0, 0)  # (id, address, size) last found by _locate
         self._peers: OrderedDict[tuple[int, int], Segment] = OrderedDict()  # (rank, id), LRU
         self._views: dict[tuple, np.ndarray] = {}  # (rank, id, offset, bytes, dtype) -> view
         self._send_seq, self._acked, self._recv_seq = [0] * p, [0] * p, [0] * p
@@ -253,12 +254,13 @@ class LocalComm(SegmentMemory, Waits, Communicator):
             _refuse_crowded_round(self.rank, sends, round, algorithm)
         tr, tag = self.tracer, self._tag if round >= 0 else 0
         peek = tag >= COLLECTIVE_TAG
-        if not tr.enabled:  # the hot path: no clocks, no events
-            seqs = [self._post(s.buf, s.peer, tag) for s in sends]
+        if not tr.enabled:  # the hot path: no clocks, no events, methods looked up once
+            post, recv_into, wait_ack = self._post, self._recv_into, self._wait_ack
+            seqs = [post(s[0], s[1], tag) for s in sends]
             for r in recvs:
-                self._recv_into(r.buf, r.peer, tag, r.reduce)
+                recv_into(r[0], r[1], tag, r[3])
             for s, seq in zip(sends, seqs):
-                self._wait_ack(s.peer, seq, peek)
+                wait_ack(s[1], seq, peek)
             return
         posted = [(s, self._post(s.buf, s.peer, tag), tr.now()) for s in sends]
         for r in recvs:

@@ -46,6 +46,8 @@ class SegmentMemory:
     def _free(self, seg_id: int) -> None:
         """Forget and unlink a segment; peers that mapped it keep their mapping until evicted."""
         self._ranges.pop(seg_id, None)
+        if self._last_range[0] == seg_id:
+            self._last_range = (-1, 0, 0)
         seg = self._segments.pop(seg_id, None)
         if seg is not None:
             seg.close()
@@ -59,8 +61,12 @@ class SegmentMemory:
             addr = ctypes.addressof(ctypes.c_char.from_buffer(buf))
         except (TypeError, ValueError, BufferError):  # read-only: it exports no writable view
             addr = buf.ctypes.data
+        seg_id, base, size = self._last_range  # a round's sends mostly come from one segment
+        if base <= addr and addr + buf.nbytes <= base + size:
+            return seg_id, addr - base, False
         for seg_id, (base, size) in self._ranges.items():
             if base <= addr and addr + buf.nbytes <= base + size:
+                self._last_range = (seg_id, base, size)
                 return seg_id, addr - base, False
         seg_id, cap = self._staging
         if not self._staged_seqs:
