@@ -21,6 +21,7 @@ __all__ = ["MODULES", "numbers", "lessons", "lesson", "Lesson", "Step", "Check",
 MODULES = (
     "l01_replicas",
     "l02_allreduce",
+    "l03_cost",
     "l06_large_batches",
     "l08_stragglers",
 )

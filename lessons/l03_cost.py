@@ -1,0 +1,299 @@
+"""Lesson 3: the alpha-beta-gamma cost model against measurements.
+
+    dplab lesson 3
+
+Five steps: the model prices any schedule (and agrees with the textbook formulas); measure
+four all-reduces here and fit alpha, beta, gamma to them, residuals and all; the crossover
+between latency-bound and bandwidth-bound, in the model and (where it is robust) measured; the
+cheapest schedule per (world size, message size) on a cluster; and what ``algorithm="auto"``
+picks from the fit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+
+from dplab.backends import allreduce
+from dplab.backends.cli.bench import bench_rank, summarize
+from dplab.lessons.step import Check, Explore, Lesson, Predict, Step
+from dplab.reference import auto
+from dplab.reference.algorithms import allreduce_schedule
+from dplab.reference.costfit import fit, terms
+from dplab.reference.costmodel import best_regions, closed_form, cost, region_algorithms
+from dplab.reference.topology import PRESETS
+from dplab.viz.cost import format_bytes
+
+__all__ = ["LESSON"]
+
+KIB, MIB = 1 << 10, 1 << 20
+BENCH_ALGORITHMS = ["ring", "tree", "recursive_doubling", "naive"]  # rd reduces all it receives: gamma
+BENCH_SIZES = [4 * KIB, 64 * KIB, MIB]
+BENCH_REPS = 5
+SMALL_REPS = 9  # the 4 KiB claim of the crossover step: more repetitions, the claim rests on it
+CLUSTER_PS = (2, 4, 8, 16, 32, 64, 128)
+CLUSTER_SIZES = tuple(1 << k for k in range(10, 31, 2))  # 1 KiB .. 1 GiB
+CLUSTER_ALGORITHMS = region_algorithms(PRESETS["dgx-h100"])
+TABLE_SIZES = (KIB, MIB, 1 << 30)  # the text's table; the figure has them all
+
+
+def model_prices_schedules(lab):
+    p, n = 4, MIB
+    alpha, beta, gamma = 5e-6, 1 / 10e9, 1 / 25e9      # 5 µs a message, 10 GB/s links, 25 GB/s adds
+    walked = {a: cost(allreduce_schedule(a, p), n, alpha, beta, gamma, itemsize=4).time
+              for a in ("naive", "ring", "tree", "recursive_doubling", "rabenseifner")}
+    textbook = {a: closed_form(a, p, n, alpha, beta, gamma) for a in walked}
+    return {"p": p, "n_bytes": n, "ring_us": walked["ring"] * 1e6,
+            "table": "\n".join(f"| {a} | {walked[a] * 1e6:.1f} | {textbook[a] * 1e6:.1f} |" for a in walked),
+            "worst": max(abs(walked[a] / textbook[a] - 1) for a in walked)}
+
+
+def bench_here(lab):
+    """Time four all-reduces at three sizes on 4 local ranks, as `dplab bench` does (kept for the
+    lesson's later steps: measuring is the slow part)."""
+    if "l03_rows" not in lab.scratch:
+        per_rank = lab.world(4).run(bench_rank, BENCH_ALGORITHMS, BENCH_SIZES, "float32",
+                                    2, 0.03, 2000, BENCH_REPS)    # warm-up, 30 ms a cell, at most 2000 calls
+        lab.scratch["l03_rows"] = [r for r in summarize("local", 4, per_rank) if r["algorithm"] != "memcpy"]
+    return lab.scratch["l03_rows"]
+
+
+def measure_and_fit(lab):
+    rows = bench_here(lab)
+    (model,) = fit(rows)                                 # one fit for the backend: alpha, beta, gamma
+    table = "\n".join(f"| {r['algorithm']} | {r['bytes']:,} | {r['measured_us']:.0f} | "
+                      f"{r['fitted_us']:.0f} | {r['residual_pct']:+.0f}% |" for r in model.residuals())
+    rms = model.summary()["rms_residual_pct"]
+    nudged = [rms_of(replace(model, **{k: getattr(model, k) * s}))     # each fitted value 10% off
+              for k in ("alpha", "beta", "gamma") if getattr(model, k) for s in (0.9, 1.1)]
+    return {"p": 4, "fit": model, "alpha_us": model.alpha * 1e6, "rows": len(rows), "reps": BENCH_REPS,
+            "sizes": ", ".join(map(format_bytes, BENCH_SIZES)),
+            "beta_is": _per_byte(model.beta), "gamma_is": _per_byte(model.gamma),
+            "note": model.note or "none",
+            "rms": rms, "table": table, "least": all(x >= rms - 1e-6 for x in nudged), "nudged": len(nudged),
+            "nonnegative": all((v or 0.0) >= 0 for v in (model.alpha, model.beta, model.gamma))}
+
+
+def rms_of(model):
+    """The fit's objective: the root mean square of each row's residual relative to its time."""
+    return float(np.sqrt(np.mean([r["residual_pct"] ** 2 for r in model.residuals()])))
+
+
+def _per_byte(seconds):
+    return f"1/({1e-9 / seconds:.3g} GB/s)" if seconds else "0"
+
+
+def _residuals(facts):
+    from dplab.viz.cost_fit import Fit, residual_figure
+    f = facts["fit"]
+    return residual_figure([Fit(f.backend, f.algorithm, f.alpha, f.beta, f.rows, f.note, f)])
+
+
+def crossover(lab):
+    from dplab.viz.cost import CostParams
+    from dplab.viz.cost_crossovers import crossovers
+    textbook = CostParams(alpha_s=5e-6, beta_gbps=10, world_size=8,
+                          algorithms=("ring", "tree", "recursive_doubling"))
+    said = {(c.faster_below, c.faster_above): c.nbytes for c in crossovers(textbook)}
+    rows = bench_here(lab)
+    (model,) = fit(rows)                                 # this machine's fit, from the step before
+    ring_wins = [n for n in (int(n) // 4 * 4 for n in np.geomspace(KIB, 1 << 30, 241))
+                 if model.predict_s("ring", 4, n) < model.predict_s("recursive_doubling", 4, n)]
+    timed = {(r["algorithm"], r["bytes"]): r["time_us"] for r in rows}
+    per_rank = lab.world(4).run(bench_rank, ["ring", "recursive_doubling"], [4 * KIB], "float32",
+                                3, 0.05, 2000, SMALL_REPS)    # 4 KiB again, more repetitions
+    timed |= {(r["algorithm"], r["bytes"]): r["time_us"] for r in summarize("local", 4, per_rank)}
+    rounds = {a: len(allreduce_schedule(a, 4).rounds) for a in ("ring", "recursive_doubling")}
+    here = (f"with this machine's fit (p=4) the ring takes over at {ring_wins[0] / KIB:,.0f} KiB" if ring_wins
+            else "this run's fit found no cost per byte (too busy a machine), so with it the ring never does")
+    return {"reps": SMALL_REPS, "ring_rounds": rounds["ring"], "rd_rounds": rounds["recursive_doubling"],
+            "here": here,
+            "tree_below_kib": said["tree", "ring"] / KIB,
+            "rd_below_kib": said["recursive_doubling", "ring"] / KIB,
+            "ring_4k_us": timed["ring", 4 * KIB], "rd_4k_us": timed["recursive_doubling", 4 * KIB],
+            "ratio_4k": timed["ring", 4 * KIB] / timed["recursive_doubling", 4 * KIB],
+            "ring_1m_us": timed["ring", MIB], "rd_1m_us": timed["recursive_doubling", MIB],
+            "model_ratio_64m": model_time("recursive_doubling", 64 * MIB) / model_time("ring", 64 * MIB),
+            "winner_4k": min(("ring", "recursive_doubling"), key=lambda a: timed[a, 4 * KIB])}
+
+
+def model_time(algorithm, nbytes, p=8):
+    """The textbook setting's time: alpha 5 µs, 10 GB/s links, reduction free."""
+    return cost(allreduce_schedule(algorithm, p), nbytes, 5e-6, 1e-10, 0.0, itemsize=4).time
+
+
+def _crossover_figure(facts):
+    from dplab.viz.cost import CostParams
+    from dplab.viz.cost_figure import cost_figure
+    return cost_figure(CostParams(alpha_s=5e-6, beta_gbps=10, world_size=8,
+                                  algorithms=("ring", "tree", "recursive_doubling")))
+
+
+def cluster_regions(lab):
+    topo = PRESETS["dgx-h100"]                            # 8 GPUs a node on NVLink, InfiniBand between
+    regions = best_regions(topo, CLUSTER_PS, CLUSTER_SIZES)
+    win = {(p, n): regions.algorithms[regions.winner[i, j]]
+           for i, p in enumerate(CLUSTER_PS) for j, n in enumerate(CLUSTER_SIZES)}
+    small, large = CLUSTER_SIZES[0], CLUSTER_SIZES[-1]
+    alphas = {p: (terms(win[p, small], p, small)[0], terms(win[p, large], p, large)[0]) for p in CLUSTER_PS}
+    least = {p: cost(allreduce_schedule(win[p, large], p), large, 0, 0, 0, itemsize=4).bytes_sent_max
+             / (2 * (p - 1) / p * large) for p in CLUSTER_PS}
+    table = "\n".join(f"| {p} | " + " | ".join(win[p, n] for n in TABLE_SIZES) + " |" for p in CLUSTER_PS)
+    return {"regions": regions, "table": table, "small_64": win[64, small], "large_64": win[64, large],
+            "small_winners": ", ".join(sorted({win[p, small] for p in CLUSTER_PS})),
+            "large_winners": ", ".join(sorted({win[p, large] for p in CLUSTER_PS})), "alphas": alphas,
+            "least": least,
+            "hier_multi_node": all(win[p, large].startswith("hierarchical") for p in CLUSTER_PS if p > 8)}
+
+
+def _regions_figure(facts):
+    from dplab.viz.cost_regions import regions_figure
+    return regions_figure(facts["regions"])
+
+
+def traced_auto(comm, nbytes):
+    buf = comm.empty(nbytes // 4, np.float32)
+    buf[:] = 1
+    comm.tracer.enabled = True
+    allreduce(comm, buf, algorithm="auto")               # auto: the fitted model picks, per size
+    comm.tracer.enabled = False
+    ran = {e.algorithm for e in comm.tracer.take() if e.kind == "send"}
+    return {"chosen": auto.chosen(comm, buf), "ran": sorted(ran), "sum": float(buf[0])}
+
+
+def what_auto_picks(lab):
+    p, tuning = 4, auto.current()                        # $DPLAB_TUNE, ~/.cache/dplab/tune.json or built in
+    picks, ran, ok = {}, {}, True
+    for n in (4 * KIB, 16 * MIB):
+        per_rank = lab.world(p).run(traced_auto, n)
+        picks[n] = per_rank[0]["chosen"]
+        ran[n] = per_rank[0]["ran"]
+        priced = {a: tuning.predict_s("local", a, p, n) for a in tuning.candidates("local")}
+        cheapest = min((t, i, a) for i, (a, t) in enumerate(priced.items()) if t is not None)[2]
+        ok &= (picks[n] == cheapest and len({r["chosen"] for r in per_rank}) == 1
+               and all(r["sum"] == p for r in per_rank))
+    schedule = {n: "direct" if a == "native" else allreduce_schedule(a, p).name for n, a in picks.items()}
+    return {"p": p, "source": tuning.source, "small": picks[4 * KIB], "large": picks[16 * MIB],
+            "consistent": ok, "ran_as_chosen": all(ran[n] == [schedule[n]] for n in picks),
+            "ran_small": ", ".join(ran[4 * KIB]), "ran_large": ", ".join(ran[16 * MIB])}
+
+
+STEPS = (
+    Step(
+        title="The α-β-γ model prices any schedule",
+        text=("Sending a message of m bytes costs α + m β; adding m bytes costs m γ. The model walks a "
+              "schedule round by round and charges each round its slowest rank. At p={p}, {n_bytes:,} bytes, "
+              "α = 5 µs, β = 1/(10 GB/s), γ = 1/(25 GB/s), the walk and the textbook formulas "
+              "(Thakur, Rabenseifner & Gropp 2005) give, in µs:\n\n"
+              "| algorithm | walk of the schedule | textbook |\n|---|---|---|\n{table}\n\n"
+              "They agree to {worst:.0e}: the model is the schedule, priced. The ring: 2(p-1) α "
+              "+ 2(p-1)/p n β "
+              "+ (p-1)/p n γ = {ring_us:.1f} µs."),
+        run=model_prices_schedules,
+        checks=(Check("the walk equals the textbook formula for all five (to 1e-9)",
+                      lambda f: f["worst"] < 1e-9),),
+        predict=Predict("In the model (α = 5 µs, 10 GB/s links, 25 GB/s adds), how many µs does a ring "
+                        "all-reduce of {n_bytes:,} bytes take at p={p}?", "ring_us", rel_tol=0.05, unit="µs"),
+        hint="6 α = 30 µs; 1.5 MiB at 10 GB/s ≈ 157 µs; 0.75 MiB at 25 GB/s ≈ 31 µs.",
+        try_this="dplab app   # Cost page: the same model as curves over message size",
+        explore=Explore("cost", lambda f: {"p": f["p"], "alpha_us": 5.0, "beta_gbps": 10.0, "gamma": "25"}),
+        teaches=("cost-model",),
+    ),
+    Step(
+        title="Measure, then fit α, β, γ",
+        text=("{p} local ranks time four all-reduces (ring, tree, recursive doubling, naive) at "
+              "{sizes}, the way `dplab bench` does (loops, algorithms interleaved, the "
+              "median of {reps} repetitions). Each row is one linear equation, time = a α + b β + c γ, with "
+              "(a, b, c) read off the schedule; least squares over the {rows} rows gives "
+              "α = **{alpha_us:.1f} µs**, β = {beta_is}, γ = {gamma_is} (note: {note}).\n\n"
+              "| algorithm | bytes | measured µs | fitted µs | residual |\n|---|---|---|---|---|\n{table}\n\n"
+              "The rms residual is {rms:.0f}%, and no other α, β, γ nearby does better: moving any of them "
+              "10% either way ({nudged} tries) fits worse. A rough guide, all the same: these ranks are "
+              "processes sharing two busy cores, not GPUs on a network. A rank waits for the scheduler as "
+              "much as for a peer, and a byte moved costs about what a byte added does (memory bandwidth), "
+              "so the fit may put all the per-byte cost in one of β and γ."),
+        run=measure_and_fit,
+        checks=(Check("every message costs time: α > 0", lambda f: f["alpha_us"] > 0),
+                Check("no value comes out negative", lambda f: f["nonnegative"]),
+                Check("least squares: 10% off any fitted value fits worse", lambda f: f["least"])),
+        figure=_residuals,
+        hint="Relative least squares: a 4 KiB row (nearly all α) weighs as much as a 1 MiB row.",
+        try_this="dplab tune --world-sizes 2,4   # the same fit, every algorithm, saved for algorithm='auto'",
+        explore=Explore("cost", lambda f: {"p": 4, "source": "run", "bench_world_sizes": 4}),
+        teaches=("cost-model",),
+    ),
+    Step(
+        title="Crossover: latency-bound below, bandwidth-bound above",
+        text=("In the model at p=8 (α = 5 µs, 10 GB/s), the tree beats the ring below "
+              "**{tree_below_kib:.1f} KiB** and recursive doubling beats it below "
+              "**{rd_below_kib:.0f} KiB**: "
+              "few rounds win while the message is small (latency-bound), few bytes win once it is large "
+              "(bandwidth-bound; at 64 MiB recursive doubling takes {model_ratio_64m:.1f}x the ring's time). "
+              "And {here}.\n\n"
+              "Measured here at 4 KiB (medians of {reps} interleaved repetitions): ring {ring_4k_us:.0f} µs, "
+              "recursive doubling {rd_4k_us:.0f} µs ({ratio_4k:.1f}x): {ring_rounds} rounds against "
+              "{rd_rounds} show through the noise. At 1 MiB they measured {ring_1m_us:.0f} and "
+              "{rd_1m_us:.0f} µs. Near a crossover, and on a machine this busy, the order of two close "
+              "times is the scheduler's call, so the lesson claims none there."),
+        run=crossover,
+        checks=(Check("model: the tree's crossover with the ring lies below recursive doubling's",
+                      lambda f: f["tree_below_kib"] < f["rd_below_kib"]),
+                Check("model: the ring wins large messages (64 MiB) by > 1.2x",
+                      lambda f: f["model_ratio_64m"] > 1.2),
+                Check("measured at 4 KiB: recursive doubling beats the ring by > 1.2x (medians)",
+                      lambda f: f["ratio_4k"] > 1.2)),
+        figure=_crossover_figure,
+        predict=Predict("Measured here on 4 ranks: which is faster for a 4 KiB all-reduce, 'ring' or "
+                        "'recursive_doubling'?", "winner_4k", choices=("ring", "recursive_doubling")),
+        hint="At 4 KiB the bytes are nothing; count the rounds: 2(p-1) against lg p.",
+        try_this="dplab bench --world-sizes 4 --algorithms ring,recursive_doubling --sizes 4K,1M,16M",
+        explore=Explore("cost", lambda f: {"p": 8, "alpha_us": 5.0, "beta_gbps": 10.0,
+                                           "algorithms": "ring,tree,recursive_doubling"}),
+        teaches=("cost-model", "bandwidth-latency"),
+    ),
+    Step(
+        title="The cheapest all-reduce per region, at cluster scale",
+        text=("On DGX H100 nodes (8 GPUs on NVLink, InfiniBand between; reference/topology.py), the model "
+              "prices every registered schedule at every world size and message size and keeps the "
+              "cheapest (the figure has every size from 1 KiB to 1 GiB):\n\n"
+              "| p | 1 KiB | 1 MiB | 1 GiB |\n|---|---|---|---|\n{table}\n\n"
+              "Small messages go to {small_winners}: the fewest latencies. Large ones to {large_winners}: "
+              "the fewest bytes, and once there is more than one node the hierarchical all-reduce, which "
+              "keeps 7/8 of them on NVLink. At 64 GPUs: {small_64} for 1 KiB, {large_64} for 1 GiB."),
+        run=cluster_regions,
+        checks=(Check("at every p, the small-message winner pays no more latencies than the large one",
+                      lambda f: all(a <= b for a, b in f["alphas"].values())),
+                Check("at every p, the large-message winner sends the least possible, 2(p-1)/p n",
+                      lambda f: all(abs(x - 1) < 1e-9 for x in f["least"].values())),
+                Check("past one node (p > 8), 1 GiB goes hierarchical", lambda f: f["hier_multi_node"])),
+        figure=_regions_figure,
+        predict=Predict("On DGX H100 nodes, which schedule does the model pick for a 1 GiB all-reduce on 64 "
+                        "GPUs?", "large_64", choices=CLUSTER_ALGORITHMS),
+        hint="A 1 GiB message is bandwidth-bound, and the slow links are the ones between nodes.",
+        try_this="dplab app   # Cost page, 'Map the cheapest schedule': try the h100-100g preset",
+        explore=Explore("cost", lambda f: {"p": 16}),
+        teaches=("cost-model", "bandwidth-latency"),
+    ),
+    Step(
+        title="What algorithm='auto' picks",
+        text=("`allreduce(comm, buf, algorithm=\"auto\")` prices every candidate with the fitted model "
+              "(here from: {source}) and runs the cheapest, per size. On {p} local ranks it chose "
+              "**{small}** for 4 KiB and **{large}** for 16 MiB, and the trace shows what really ran: "
+              "{ran_small} and {ran_large}. Every rank computes the same choice from the same fit, so "
+              "they never disagree. `dplab tune` measures this machine and writes the fit auto reads."),
+        run=what_auto_picks,
+        checks=(Check("auto's choice is the cheapest candidate in the fit, the same on every rank, and sums "
+                      "correctly", lambda f: f["consistent"]),
+                Check("the trace shows the chosen schedule ran", lambda f: f["ran_as_chosen"])),
+        hint="auto.choose('local', 4, nbytes) is what a rank asks; the answer is cached per size.",
+        try_this="dplab tune --world-sizes 4 && dplab bench --world-sizes 4 --algorithms auto,ring,native",
+        explore=Explore("cost", lambda f: {"p": f["p"]}),
+        teaches=("cost-model",),
+    ),
+)
+
+
+LESSON = Lesson(3, "cost", "The α-β-γ cost model against measurements",
+                "How to price an all-reduce, fit the model to what this machine measures, and read where "
+                "each algorithm wins.", STEPS)
