@@ -188,6 +188,13 @@ def test_the_learners_exceptions_are_reports_that_name_their_line(tmp_path):
         "False (it waits)")
 
 
+def test_a_gate_answering_numpy_bools_passes(tmp_path):
+    gate = GATE.format(rule="np.int64(slowest) >= clock - staleness").replace("def", "import numpy as np\n\n"
+                                                                                  "    def", 1)
+    report = check_file("ssp_gate", _write(tmp_path, "ssp_gate", gate))
+    assert report.passed, report.message
+
+
 def test_a_rank_that_raises_is_a_report_naming_rank_and_line(tmp_path):
     right = ZERO2.format(divide="", gather="allgather(comm, params)")
     give_up = "    if comm.rank == 1:\n            raise RuntimeError('rank one gives up')\n        a, b ="

@@ -20,6 +20,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from dplab.backends import RankError, launch
 from dplab.lessons.exercises.learner import Fail, describe_rank_error, learner_call, load_function
 from dplab.reference.ps.gate import Gate, gate_open
@@ -45,10 +47,10 @@ def judge_ssp(file: Path) -> str:
             for slowest in GRID_CLOCKS:
                 with learner_call(file, f"may_proceed(clock={clock}, slowest={slowest}, staleness={s})"):
                     got = fn(clock, slowest, s)
-                if not isinstance(got, bool):
+                if not isinstance(got, (bool, np.bool_)):  # numpy's comparisons give np.bool_
                     raise Fail(f"may_proceed(clock={clock}, slowest={slowest}, staleness={s}) returned "
                                f"{got!r}: return True (the worker may start) or False (it waits)")
-                replies[clock, slowest, s] = got
+                replies[clock, slowest, s] = bool(got)
     strict = [k for k, v in replies.items() if not v and gate_open([k[1]], k[0], k[2])]
     loose = [k for k, v in replies.items() if v and not gate_open([k[1]], k[0], k[2])]
     if strict:

@@ -59,7 +59,7 @@ class ShardOptimizer:
             raise ShardError(f"rank {self.rank}'s optimizer holds state for its own shard only: {size} of "
                              f"the {self.num_params} parameters (params[{self.start}:{self.stop}]), but step "
                              f"got {len(params)} parameters and {len(grad)} gradients: in ZeRO-2 a rank "
-                             "updates only the shard it owns, chunk_bounds(len(params), p)[rank]")
+                             "updates only the chunk it owns, number rank of chunk_bounds(len(params), p)")
         self._opt.step(params, grad)
 
 
@@ -134,7 +134,7 @@ def _wrong_update(t: int, s: int, a: int, b: int, got: np.ndarray, want: np.ndar
     moved, right = got - before, want - before
     if not np.abs(moved).any():
         return (f"{where} did not move: rank {s} owns it and must update it in place "
-                "(optimizer.step(params[a:b], grad[a:b]) changes params itself)")
+                "(give optimizer.step views of params and grad, not copies: it changes them itself)")
     ratio = float(moved @ right / (right @ right)) if right.any() else float("nan")
     if p > 1 and abs(ratio * p - 1) < 1e-6:
         return (f"{where} moved 1/{p} as far as on one device: the gradient was averaged over the ranks, but "
