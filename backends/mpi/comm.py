@@ -121,6 +121,7 @@ class MpiComm(MpiEngineCalls, Communicator):
         self._local = threading.local()  # a scratch arena per thread (the reducer's runs rounds too)
         self._abandoned: list[Any] = []  # timed-out requests MPI may still touch: keep their buffers
         self._tag = 0  # the tag of the running collective's messages (its code; see check_buffer)
+        self._agreement: list | None = None  # the native all-reduce's check, as persistent requests
 
     @classmethod
     def from_launcher(cls, timeout: float) -> MpiComm:
@@ -128,9 +129,10 @@ class MpiComm(MpiEngineCalls, Communicator):
         return cls(None, timeout)
 
     # -- waiting ----------------------------------------------------------------------------
-    def _poll(self, req: Any, status: Any, what: str, peer: int = -1, peek: bool = False) -> None:
+    def _poll(self, req: Any, status: Any, what: str, peer: int = -1, peek: int | None = None) -> None:
         """Wait for ``req`` by polling (see the module docstring); ``what`` names it on timeout.
-        ``peek``: a collective's send to ``peer``: while napping, probe ``peer``'s message to us."""
+        ``peek``: a rank (or ANY_SOURCE) whose message to us is probed while napping: one of another
+        collective means its sender is in that one (``_peek``)."""
         if req.Test(status):
             return
         start = time.monotonic()
@@ -139,8 +141,8 @@ class MpiComm(MpiEngineCalls, Communicator):
             if waited < _SPIN_S:
                 os.sched_yield()
             elif waited < self.timeout:
-                if peek:
-                    self._peek(peer)
+                if peek is not None:
+                    self._peek(peek)
                 time.sleep(min(max(waited / 20, _NAP_S[0]), _NAP_S[1]))
             else:
                 self._abandon(req)
@@ -149,7 +151,7 @@ class MpiComm(MpiEngineCalls, Communicator):
                                   "rank dead or stuck? (set DPLAB_TIMEOUT to wait longer)")
 
     def _peek(self, peer: int) -> None:
-        """``peer`` has not taken this collective's message (or, ANY_SOURCE, nobody has joined
+        """``peer`` has not taken this collective's message (or, ANY_SOURCE, a peer has not joined
         the native all-reduce's check): a message of another collective waiting for us means its
         sender is in that one (it cannot have finished ours): say so now."""
         status = self.MPI.Status()
@@ -193,12 +195,14 @@ class MpiComm(MpiEngineCalls, Communicator):
         source = self.MPI.ANY_SOURCE if src == ANY_SOURCE else src
         return self._comm.Irecv([buf, self.MPI.BYTE], source, self.MPI.ANY_TAG)
 
-    def _complete_recv(self, req: Any, buf: np.ndarray, peer: int, tag: int) -> int:
+    def _complete_recv(self, req: Any, buf: np.ndarray, peer: int, tag: int, what: str = "",
+                       peek: int | None = None) -> int:
         """Wait for a receive, check that the message is the one ``buf`` expects; its source."""
         MPI, status = self.MPI, self.MPI.Status()
         try:
-            self._poll(req, status, "a message from any rank" if peer == ANY_SOURCE
-                       else "rank {peer}'s message", peer)
+            if not req.Test(status):  # (the first test inline: a message that is there costs less)
+                self._poll(req, status, what or ("a message from any rank" if peer == ANY_SOURCE
+                                                 else "rank {peer}'s message"), peer, peek)
         except MPI.Exception as e:
             if e.Get_error_class() != MPI.ERR_TRUNCATE:
                 raise CommError(f"rank {self.rank}: receive from rank {peer} failed: {e}") from e
@@ -207,13 +211,15 @@ class MpiComm(MpiEngineCalls, Communicator):
             dtype = _DTYPES[mtag & 15]
             raise self._mismatch(buf, src, f"more than {buf.nbytes // dtype.itemsize} x {dtype}") from None
         src, mtag = status.Get_source(), status.Get_tag()
-        self._check_collective(tag, src, mtag >> _TAG_BITS)
+        theirs = mtag >> _TAG_BITS
+        if theirs != tag:
+            self._check_collective(tag, src, theirs)
         dtype, nbytes = _DTYPES[mtag & 15], status.Get_count(MPI.BYTE)
         if nbytes != buf.nbytes or dtype != buf.dtype:
             raise self._mismatch(buf, src, f"{nbytes // dtype.itemsize} x {dtype}")
-        if tag != ANY_TAG and mtag >> _TAG_BITS != tag:
+        if tag != ANY_TAG and theirs != tag:
             raise CommError(f"rank {self.rank} expected tag {tag} from rank {src}, got tag "
-                            f"{mtag >> _TAG_BITS}: messages between two ranks are matched in order")
+                            f"{theirs}: messages between two ranks are matched in order")
         return src
 
     def _check_collective(self, tag: int, src: int, theirs: int) -> None:
@@ -262,7 +268,7 @@ class MpiComm(MpiEngineCalls, Communicator):
                 tr.record("reduce" if r.reduce else "copy", t0, tr.now(), peer=r.peer,
                           bytes=r.buf.nbytes, chunk=r.chunk, round=round, algorithm=algorithm)
         for req, s in zip(sreqs, sends):
-            self._poll(req, None, _TO_TAKE, s.peer, tag >= COLLECTIVE_TAG)
+            self._poll(req, None, _TO_TAKE, s.peer, s.peer if tag >= COLLECTIVE_TAG else None)
             if traced:
                 tr.record("send", t_post, tr.now(), peer=s.peer, bytes=s.buf.nbytes, chunk=s.chunk,
                           round=round, algorithm=algorithm)
@@ -285,4 +291,8 @@ class MpiComm(MpiEngineCalls, Communicator):
 
     def close(self) -> None:
         if self._comm != self.MPI.COMM_NULL:
+            for reqs, *_ in self._agreement or ():  # inactive: the check completed
+                for req in reqs:
+                    req.Free()
+            self._agreement = None
             self._comm.Free()
