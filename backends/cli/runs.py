@@ -20,6 +20,7 @@ single-device run of as many steps.
 from __future__ import annotations
 
 import time
+import warnings
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -135,6 +136,16 @@ def train_rank(comm: Any, spec: RunSpec, trace: bool) -> tuple[np.ndarray, Any, 
     comm.tracer.enabled = trace
     comm.barrier()
     t0 = time.perf_counter()
+    with warnings.catch_warnings():
+        if spec.precision is not None:  # float16 overflows are expected: the loss scaler skips that step
+            warnings.simplefilter("ignore", RuntimeWarning)
+        result, extra = _train(comm, spec)
+    wall = time.perf_counter() - t0
+    comm.tracer.enabled = False
+    return result.params, extra, wall, comm.tracer.take()
+
+
+def _train(comm: Any, spec: RunSpec) -> tuple[Any, Any]:
     if spec.zero_stage is not None:
         result = train_zero(comm, spec.train, spec.zero_config())
         extra = result.losses, result.memory
@@ -144,9 +155,7 @@ def train_rank(comm: Any, spec: RunSpec, trace: bool) -> tuple[np.ndarray, Any, 
     else:
         result = train_async(comm, spec.train, spec.async_config())
         extra = (result.log, result.dropped, result.lost)
-    wall = time.perf_counter() - t0
-    comm.tracer.enabled = False
-    return result.params, extra, wall, comm.tracer.take()
+    return result, extra
 
 
 def run_train(spec: RunSpec, world: World | None = None, trace: bool = False,
