@@ -21,6 +21,7 @@ in a real training loop, where the all-reduce itself keeps the ranks in step.
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -31,8 +32,8 @@ from dplab.reference.errors import ConfigError
 __all__ = ["DdpBench", "ddp_rank", "ddp_model", "DDP_COLUMNS", "ddp_rows", "run_ddp"]
 
 DDP_COLUMNS = ["impl", "backend", "world_size", "params", "global_batch", "step_ms", "ratio_vs_single",
-               "reps"]
-IMPLS = ("single", "dplab", "torch_ddp")
+               "cpu_ms", "cpu_ratio_vs_single", "load_1min"]
+IMPLS = ("single", "independent", "dplab", "torch_ddp")
 
 
 @dataclass(frozen=True)
@@ -74,10 +75,15 @@ def ddp_model(cfg: DdpBench, seed: int = 0) -> Any:
     return nn.Sequential(*layers[:-1])
 
 
-def ddp_rank(comm: Any, cfg: DdpBench, impl: str) -> float | None:
-    """Runs on every rank: this rank's mean step in seconds (None where it sits out).
+def ddp_rank(comm: Any, cfg: DdpBench, impl: str) -> tuple[float, float] | None:
+    """Runs on every rank: this rank's mean step, wall and CPU seconds (None where it sits out).
+
+    CPU time counts every thread of the rank's process (the comm thread, gloo's): the work a step
+    costs, which a busy machine inflates much less than the wall time.
 
     ``single``: rank 0 alone trains on the 1/p batch, the others return at once (and sleep).
+    ``independent``: every rank trains alone on its 1/p batch, no communication: what p processes
+    computing at once cost on this machine (shared caches, memory bandwidth, cores), DDP's real floor.
     ``dplab``: our ``DistributedDataParallel`` on ``comm``. ``torch_ddp``: torch's own, over the
     process group of the torch backend (gloo on CPU).
     """
@@ -114,27 +120,33 @@ def ddp_rank(comm: Any, cfg: DdpBench, impl: str) -> float | None:
             step()
         if impl != "single":
             comm.barrier()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for _ in range(cfg.steps):
             step()
-        return (time.perf_counter() - t0) / cfg.steps
+        return (time.perf_counter() - t0) / cfg.steps, (time.process_time() - c0) / cfg.steps
     finally:
         if impl == "dplab":
             model.close()
 
 
-def ddp_rows(times: dict[tuple[str, str], list[float]], cfg: DdpBench, world_size: int
-             ) -> list[dict[str, Any]]:
-    """Rows from ``{(impl, backend): [slowest rank's step per rep]}``; ratios against ``single``."""
-    medians = {key: statistics.median(ts) for key, ts in times.items()}
-    single = next((t for (impl, _), t in medians.items() if impl == "single"), None)
+def ddp_rows(times: dict[tuple[str, str], list[tuple[float, float]]], cfg: DdpBench, world_size: int,
+             load: float | None = None) -> list[dict[str, Any]]:
+    """Rows from ``{(impl, backend): [(slowest rank's wall step, mean rank's CPU step) per rep]}``:
+    medians over repetitions, and ratios against ``single`` (wall to wall, CPU to CPU)."""
+    wall = {key: statistics.median(w for w, _ in ts) for key, ts in times.items()}
+    cpu = {key: statistics.median(c for _, c in ts) for key, ts in times.items()}
+    base = next((key for key in times if key[0] == "single"), None)
     rows = []
-    for (impl, backend), t in medians.items():
-        rows.append({"impl": impl, "backend": backend, "world_size": 1 if impl == "single" else world_size,
-                     "params": cfg.params(), "global_batch": cfg.global_batch // world_size
-                     if impl == "single" else cfg.global_batch, "step_ms": t * 1e3,
-                     "ratio_vs_single": t / single if single else None, "reps": len(times[impl, backend]),
-                     "step_ms_each": [v * 1e3 for v in times[impl, backend]]})
+    for (impl, backend), t in wall.items():
+        single = impl == "single"
+        rows.append({"impl": impl, "backend": "-" if impl == "independent" else backend,
+                     "world_size": 1 if single else world_size, "params": cfg.params(),
+                     "global_batch": cfg.global_batch // world_size if single else cfg.global_batch,
+                     "step_ms": t * 1e3, "ratio_vs_single": t / wall[base] if base else None,
+                     "cpu_ms": cpu[impl, backend] * 1e3,
+                     "cpu_ratio_vs_single": cpu[impl, backend] / cpu[base] if base else None,
+                     "reps": len(times[impl, backend]), "load_1min": load,
+                     "step_ms_each": [w * 1e3 for w, _ in times[impl, backend]]})
     return rows
 
 
@@ -147,23 +159,26 @@ def run_ddp(cfg: DdpBench, backends: list[str], world_sizes: list[int], reps: in
     for p in world_sizes:
         cfg.validate(p)
     rows: list[dict[str, Any]] = []
-    cells = [("single", backends[0])] + [("dplab", b) for b in backends]
+    cells = [("single", backends[0]), ("independent", backends[0])] + [("dplab", b) for b in backends]
     cells += [("torch_ddp", "torch")] if "torch" in backends else []
     progress = Progress(len(world_sizes) * reps * len(cells))
     for p in world_sizes:
         worlds: dict[str, Any] = {}
-        times: dict[tuple[str, str], list[float]] = {c: [] for c in cells}
+        times: dict[tuple[str, str], list[tuple[float, float]]] = {c: [] for c in cells}
+        loads = []
         try:
             for b in backends:
                 worlds[b] = World(p, b)
             for _ in range(reps):
                 for impl, b in cells:
                     per_rank = worlds[b].run(ddp_rank, cfg, impl)
-                    times[impl, b].append(max(t for t in per_rank if t is not None))
+                    mine = [t for t in per_rank if t is not None]
+                    times[impl, b].append((max(w for w, _ in mine), statistics.fmean(c for _, c in mine)))
+                    loads.append(os.getloadavg()[0])
                     progress.step(f"{impl} {b} p={p}")
         finally:
             for w in worlds.values():
                 w.close()
-        rows += ddp_rows(times, cfg, p)
+        rows += ddp_rows(times, cfg, p, statistics.fmean(loads))
     progress.close()
     return rows
