@@ -22,8 +22,10 @@ MODULES = (
     "l01_replicas",
     "l02_allreduce",
     "l03_cost",
+    "l04_buckets",
     "l06_large_batches",
     "l08_stragglers",
+    "l11_precision",
 )
 
 
