@@ -39,7 +39,8 @@ def what_float16_holds(lab):
     model.loss_and_grad(params, data.x[idx], data.y[idx], 1 / cfg.global_batch, grad)
     small = grad[(grad != 0) & (np.abs(grad) < FP16.smallest_normal)]
     scale = 2.0**16
-    return {"bits": FP16.nmant + 1, "max": float(FP16.max), "eps": float(FP16.eps), "tiny": float(FP16.smallest_normal),
+    return {"bits": FP16.nmant + 1, "max": float(FP16.max), "eps": float(FP16.eps),
+            "tiny": float(FP16.smallest_normal),
             "below_normal": len(small) / np.count_nonzero(grad), "largest": float(np.abs(grad).max()),
             "err_plain": worst_tenth(small, small.astype(np.float16)),
             "err_scaled": worst_tenth(small, (small * scale).astype(np.float16).astype(np.float32) / scale),
