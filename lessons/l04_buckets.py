@@ -1,0 +1,197 @@
+"""Lesson 4: buckets, overlap with backward, and gradient accumulation.
+
+    dplab lesson 4
+
+Four steps: how DDP groups gradients into buckets (and the exercise that asks you to); a real
+run's trace showing the first bucket's all-reduce running while backward still computes; how
+many all-reduces a step makes as ``bucket_cap_mb`` changes; and gradient accumulation, which
+reduces once per step however many micro-batches it takes, and still equals one device.
+"""
+
+from __future__ import annotations
+
+from dplab.backends import RunSpec, TrainConfig, run_train
+from dplab.lessons.step import Check, Explore, Lesson, Predict, Step
+from dplab.reference.model import MLP, MLPConfig
+from dplab.reference.trace_metrics import COMM_KINDS, COMPUTE_KINDS, intersect, measure
+from dplab.reference.train.buckets import assign_buckets
+from dplab.reference.train.single import train_single
+from dplab.viz.cost import format_bytes
+
+__all__ = ["LESSON"]
+
+# a wide middle layer: its backward is long enough to hide the last layer's all-reduce under it
+MODEL = MLPConfig(in_dim=16, hidden=(512, 512), out_dim=4)
+CAPS = (0.01, 0.1, 25.0)  # bucket_cap_mb: one bucket per layer, two, one for everything
+
+
+def one_device(comm, cfg):
+    return train_single(cfg).params                     # the oracle, run on a rank (one BLAS thread)
+
+
+def buckets_of_the_model(lab):
+    model = MLP(MODEL)
+    names = model.param_names
+    sizes = {cap: assign_buckets(model.param_slices, 8, cap) for cap in CAPS}   # float64: 8 bytes
+    lines = "\n".join(f"| {cap:g} | " + " ; ".join(",".join(names[i] for i in b) for b in sizes[cap]) + " |"
+                      for cap in CAPS)
+    nbytes = [(s.stop - s.start) * 8 for s in model.param_slices]
+    small = sizes[CAPS[0]]
+    return {"table": lines, "cap": CAPS[0], "count": len(small), "counts": [len(sizes[c]) for c in CAPS],
+            "reverse": all(s[0][0] == len(names) - 1 for s in sizes.values()),
+            "contiguous": all(b == list(range(b[0], b[-1] - 1, -1)) for s in sizes.values() for b in s),
+            "full": all(sum(nbytes[i] for i in b) >= cap * 2**20 for cap in CAPS for b in sizes[cap][:-1]),
+            "sizes": ", ".join(f"{n} {format_bytes(b)}" for n, b in zip(names, nbytes))}
+
+
+def overlap_in_the_trace(lab):
+    cfg = TrainConfig(model=MODEL, num_samples=256, global_batch=128, steps=6)
+    single = lab.world(1).run(one_device, cfg)[0]
+    row, events = run_train(RunSpec(world_size=2, bucket_cap_mb=CAPS[0], train=cfg), world=lab.world(2),
+                            trace=True, single=single)
+    rank0 = events[0]
+    early = []                                           # per step: first bucket start < backward end?
+    for step in range(cfg.steps):
+        backward_end = max(e.t_end_ns for e in rank0 if e.kind == "backward" and e.extra["step"] == step)
+        starts = [e.t_start_ns for e in rank0 if e.kind == "bucket" and e.extra["bucket"] == 0]
+        first = min(t for t in starts if t > min(e.t_start_ns for e in rank0 if e.extra.get("step") == step))
+        early.append(first < backward_end)
+    comm = [(e.t_start_ns, e.t_end_ns) for e in rank0 if e.kind in COMM_KINDS]
+    compute = [(e.t_start_ns, e.t_end_ns) for e in rank0 if e.kind in COMPUTE_KINDS]
+    return {"steps": cfg.steps, "early": sum(early), "events": events,
+            "hidden_pct": 100 * measure(intersect(comm, compute)) / measure(comm),
+            "diff": row["max_abs_diff_vs_single"], "identical": row["ranks_identical"]}
+
+
+def _timeline(facts):
+    from dplab.viz.timeline import timeline_figure
+    events = [e for rank in facts["events"] for e in rank]
+    return timeline_figure(events, title="2 ranks: buckets under backward")
+
+
+def count_allreduces(lab):
+    cfg = TrainConfig(model=MODEL, num_samples=256, global_batch=128, steps=2)
+    single = lab.world(1).run(one_device, cfg)[0]
+    model, out = MLP(MODEL), {"caps": list(CAPS), "params": MLP(MODEL).num_params}
+    for cap in CAPS:
+        row, events = run_train(RunSpec(world_size=2, bucket_cap_mb=cap, train=cfg), world=lab.world(2),
+                                trace=True, single=single)
+        buckets = [e for e in events[0] if e.kind == "bucket"]
+        out[cap] = {"per_step": len(buckets) // cfg.steps,
+                    "bytes_per_step": sum(e.bytes for e in buckets) // cfg.steps,
+                    "planned": len(assign_buckets(model.param_slices, 8, cap)),
+                    "diff": row["max_abs_diff_vs_single"]}
+    out["per_step"] = ", ".join(str(out[c]["per_step"]) for c in CAPS)
+    out["caps_text"] = ", ".join(f"{c:g}" for c in CAPS)
+    out["one_bucket"] = out[CAPS[-1]]["per_step"]
+    return out
+
+
+def accumulate(lab):
+    cfg = TrainConfig(model=MODEL, num_samples=256, global_batch=128, steps=3)
+    single = lab.world(1).run(one_device, cfg)[0]
+    out = {"steps": cfg.steps}
+    for k in (1, 4):
+        row, events = run_train(RunSpec(world_size=2, bucket_cap_mb=CAPS[-1], accum_steps=k, train=cfg),
+                                world=lab.world(2), trace=True, single=single)
+        kinds = [e.kind for e in events[0]]
+        out[k] = {"forwards": kinds.count("forward") / cfg.steps,
+                  "allreduces": kinds.count("bucket") / cfg.steps,
+                  "diff": row["max_abs_diff_vs_single"]}
+    out["micro"] = out[4]["forwards"]
+    out["allreduces_4"], out["diff4"] = int(out[4]["allreduces"]), out[4]["diff"]
+    return out
+
+
+STEPS = (
+    Step(
+        title="Buckets: gradients grouped in the order backward makes them",
+        text=("Backward produces gradients last layer first. DDP does not all-reduce each parameter "
+              "alone (one latency each) nor all of them at the end (the network idle during backward): it "
+              "walks the parameters in reverse and closes a bucket once it holds at least `bucket_cap_mb`. "
+              "A parameter is never split. This model's parameters (float64): {sizes}.\n\n"
+              "| bucket_cap_mb | buckets, in launch order |\n|---|---|\n{table}\n\n"
+              "Each bucket is a contiguous slice of one flat gradient buffer, so it is all-reduced in place. "
+              "Your turn: `dplab lesson init DIR` copies the stubs, write the bucket assignment in "
+              "`ddp_buckets.py`, and `dplab lesson check 4 DIR` compares it with the engine's on random "
+              "models, then trains with your buckets against one device."),
+        run=buckets_of_the_model,
+        checks=(Check("the first bucket starts with the last parameter", lambda f: f["reverse"]),
+                Check("every bucket is a contiguous run of parameters, in reverse",
+                      lambda f: f["contiguous"]),
+                Check("every bucket but the last holds at least the cap", lambda f: f["full"]),
+                Check("a larger cap never makes more buckets ({counts})",
+                      lambda f: f["counts"] == sorted(f["counts"], reverse=True) and f["counts"][-1] == 1)),
+        predict=Predict("With bucket_cap_mb={cap:g} (about 10 KiB), how many buckets does this model get?",
+                        "count"),
+        hint="Walk from b2 backwards: a bucket closes as soon as what it holds reaches the cap.",
+        try_this="dplab lesson init ex && dplab lesson check 4 ex   # then fill in ex/ddp_buckets.py",
+        exercise="ddp_buckets",
+        teaches=("buckets",),
+    ),
+    Step(
+        title="Overlap: the first bucket is reduced while backward still runs",
+        text=("Two ranks train {steps} steps with one bucket per layer, the trace on. In "
+              "**{early} of {steps}** steps, rank 0's first bucket (the last layer's gradients) started its "
+              "all-reduce before "
+              "backward had finished: the communication thread reduces it while the main thread computes "
+              "the wide middle layer's gradients. Over the run, {hidden_pct:.0f}% of rank 0's communication "
+              "time ran under compute. Overlap changes when things happen, not what is computed: the "
+              "replicas are identical (`{identical}`) and within {diff:.1e} of one device."),
+        run=overlap_in_the_trace,
+        checks=(Check("the trace shows a bucket's all-reduce starting before backward ended",
+                      lambda f: f["early"] >= 1),
+                Check("some communication ran under compute (> 0%)", lambda f: f["hidden_pct"] > 0),
+                Check("and the result is one device's, to rounding (< 1e-12)",
+                      lambda f: f["identical"] and f["diff"] < 1e-12)),
+        figure=_timeline,
+        hint="In the figure, look for a bucket bar on the comm lane under a backward bar on the main lane.",
+        try_this="dplab train --world-size 2 --bucket-cap-mb 0.01 --trace run.json   # open it in the app",
+        explore=Explore("runs", lambda f: {"world_size": 2, "bucket_mb": 0.01, "hidden": 512,
+                                           "steps": f["steps"]}),
+        teaches=("buckets",),
+    ),
+    Step(
+        title="Bucket count against bucket_cap_mb",
+        text=("The same run with bucket_cap_mb = {caps_text}: the trace counts {per_step} all-reduces per "
+              "step, exactly the buckets planned, and together they carry every gradient every step. Small "
+              "buckets start early (more overlap) but each pays a latency; one big bucket ({one_bucket:g} "
+              "all-reduce a step) pays one latency and overlaps nothing. torch DDP's default is 25 MB, with "
+              "the first bucket capped at 1 MB so that something starts early."),
+        run=count_allreduces,
+        checks=(Check("the trace's all-reduces per step equal the planned buckets",
+                      lambda f: all(f[c]["per_step"] == f[c]["planned"] for c in f["caps"])),
+                Check("they carry all the gradient bytes, every step",
+                      lambda f: all(f[c]["bytes_per_step"] == 8 * f["params"] for c in f["caps"])),
+                Check("every bucketing trains like one device (< 1e-12)",
+                      lambda f: all(f[c]["diff"] < 1e-12 for c in f["caps"]))),
+        hint="Bucketing changes how the sum is cut, not the sum: the result is the same bits on every rank.",
+        try_this="dplab train --world-size 4 --bucket-cap-mb 0.002 --trace run.json   # many small buckets",
+        explore=Explore("runs", lambda f: {"world_size": 2, "bucket_mb": 25.0, "hidden": 512}),
+        teaches=("buckets",),
+    ),
+    Step(
+        title="Gradient accumulation: one all-reduce per step, not per micro-batch",
+        text=("With accum_steps=4 each rank runs its shard as {micro:g} micro-batches per step: {micro:g} "
+              "forward and backward passes add into the same gradient, and only the last one launches the "
+              "all-reduce "
+              "(the others run under `no_sync`). The trace counts {allreduces_4} all-reduce per step, as "
+              "without accumulation. The result still equals one device ({diff4:.1e}): accumulation trades "
+              "memory (a smaller micro-batch) for time, never the result."),
+        run=accumulate,
+        checks=(Check("four forward passes per step with accum_steps=4", lambda f: f[4]["forwards"] == 4),
+                Check("one all-reduce per step, with or without accumulation",
+                      lambda f: f[4]["allreduces"] == f[1]["allreduces"] == 1),
+                Check("both equal one device (< 1e-12)", lambda f: max(f[1]["diff"], f[4]["diff"]) < 1e-12)),
+        predict=Predict("accum_steps=4 and one bucket: how many all-reduces does a rank run per step?",
+                        "allreduces_4"),
+        hint="no_sync() turns mark_param_as_ready into a no-op for all but the last micro-batch.",
+        try_this="dplab train --world-size 2 --accum-steps 4   # still within rounding of one device",
+        teaches=("accumulation",),
+    ),
+)
+
+
+LESSON = Lesson(4, "buckets", "Buckets, overlap with backward, gradient accumulation",
+                "How DDP hides the all-reduce behind backward, and how accumulation keeps it to one a step.",
+                STEPS)
