@@ -27,7 +27,6 @@ spins briefly before it sleeps (``waits.py``).
 from __future__ import annotations
 
 import os
-import struct
 from collections import Counter, OrderedDict, deque
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -36,9 +35,10 @@ from functools import lru_cache
 import numpy as np
 
 from dplab.backends.local.memory import PEER_CACHE, SegmentMemory
+from dplab.backends.local.oneshot import OneShot
 from dplab.backends.local.shm import Segment
 from dplab.backends.local.waits import Waits, wait_policy
-from dplab.backends.local.wiring import SLOTS, Wiring, process_alive
+from dplab.backends.local.wiring import CODE, DESC, DTYPES, SLOTS, Wiring, process_alive
 from dplab.reference.communicator import (
     ANY_SOURCE,
     COLLECTIVE_TAG,
@@ -57,10 +57,9 @@ from dplab.reference.trace import Tracer
 __all__ = ["Wiring", "LocalComm", "PEER_CACHE"]
 
 ANY_TAG = -1
-_DTYPES = [np.dtype(t) for t in ("uint8", "float32", "float64", "int32", "int64", "float16")]
-_CODE = {dt: i for i, dt in enumerate(_DTYPES)}
-_DESC = struct.Struct("5q")  # a message's descriptor: segment id, offset, bytes, dtype code, tag
+_DTYPES, _CODE, _DESC = DTYPES, CODE, DESC  # the mailboxes' descriptor layout (wiring.py)
 _code = lru_cache(maxsize=4096)(Collective.code)  # a collective's tag, once per (kind, algorithm, root)
+_NATIVE = Collective("allreduce", "native")
 
 
 def _refuse_crowded_round(rank: int, sends: list[SendSpec], round: int, algorithm: str) -> None:
@@ -92,7 +91,7 @@ class _RecvRequest:
         return self.source
 
 
-class LocalComm(SegmentMemory, Waits, Communicator):
+class LocalComm(SegmentMemory, Waits, OneShot, Communicator):
     backend = "local"
 
     def __init__(self, wiring: Wiring, rank: int) -> None:
@@ -274,19 +273,18 @@ class LocalComm(SegmentMemory, Waits, Communicator):
                       round=round, algorithm=algorithm)
 
     def native_allreduce(self, buf: np.ndarray, op: str = "sum", check: bool = True) -> None:
-        """No engine here: the native all-reduce is the direct (two-shot) shared-memory algorithm,
-        under the name ``native`` (a peer that called ring is told that this rank called native)."""
-        from dplab.reference.collectives import run_schedule, schedule_plan
-
+        """No engine here: the native all-reduce is the one-shot shared-memory all-reduce
+        (``oneshot.py``: each rank reduces its chunk in every rank's buffer), under the name
+        ``native`` (a peer that called ring is told that this rank called native)."""
         require_writable(buf)
         if op not in ("sum", "mean") or (op == "mean" and buf.dtype.kind != "f"):
             raise ConfigError(f"op must be 'sum' or 'mean' (floating point only), got {op!r} for {buf.dtype}")
         if not buf.flags.c_contiguous:
             raise ConfigError("collectives work in place on contiguous arrays: use np.ascontiguousarray")
         flat = buf.reshape(-1)
-        self.check_buffer(flat, Collective("allreduce", "native"))
-        # the cached plan: building this rank's messages from the schedule costs more than a 4 KiB call
-        run_schedule(self, flat, *schedule_plan("allreduce", "direct", self.world_size, self.rank))
+        self.check_buffer(flat, _NATIVE)
+        if self.world_size > 1:
+            self._one_shot(flat)
         if op == "mean" and self.world_size > 1:
             flat /= self.world_size
 

@@ -10,15 +10,21 @@ on without a worker killed mid-run (``dplab.reference.ps.server``).
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 from multiprocessing.context import BaseContext
 from typing import Any
 
+import numpy as np
+
 from dplab.backends.local.shm import Segment
 
-__all__ = ["Wiring", "SLOTS", "process_alive"]
+__all__ = ["Wiring", "SLOTS", "DESC", "DTYPES", "CODE", "process_alive"]
 
-SLOTS = 64
+SLOTS = 64  # descriptors in each (src, dst) mailbox
+DESC = struct.Struct("5q")  # a message's descriptor: segment id, offset, bytes, dtype code, tag
+DTYPES = [np.dtype(t) for t in ("uint8", "float32", "float64", "int32", "int64", "float16")]
+CODE = {dt: i for i, dt in enumerate(DTYPES)}  # a dtype's code in a descriptor
 
 
 @dataclass
@@ -35,7 +41,7 @@ class Wiring:
 
     @classmethod
     def create(cls, ctx: BaseContext, session: str, p: int, timeout: float) -> Wiring:
-        ctl = Segment(f"{session}_ctl", p * p * SLOTS * 5 * 8, create=True)
+        ctl = Segment(f"{session}_ctl", p * p * SLOTS * DESC.size, create=True)
         ctl.close()
         sems = [[ctx.Semaphore(0) for _ in range(p)] for _ in range(2 * p)]
         return cls(session, p, timeout, sems[:p], sems[p:], [ctx.Semaphore(0) for _ in range(p)],
