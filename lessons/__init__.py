@@ -23,6 +23,7 @@ MODULES = (
     "l02_allreduce",
     "l03_cost",
     "l04_buckets",
+    "l05_scaling",
     "l06_large_batches",
     "l08_stragglers",
     "l11_precision",
