@@ -25,8 +25,10 @@ MODULES = (
     "l04_buckets",
     "l05_scaling",
     "l06_large_batches",
+    "l07_async",
     "l08_stragglers",
     "l11_precision",
+    "l12_engines",
 )
 
 
