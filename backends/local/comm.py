@@ -21,7 +21,8 @@ catches two ranks that both only send.
 A small message's time is Python, not bytes (``dplab bench --backends local,mpi --sizes 4K``), so
 the hot path keeps it short: descriptors go through a flat int64 memoryview of the mailboxes,
 the views into a peer's segment are made once per chunk and kept (``memory.py``), and a wait
-spins briefly before it sleeps (``waits.py``).
+spins briefly before it sleeps (``waits.py``). ``native`` is one round in which each rank
+reduces its chunk in every rank's buffer, writing into peers' memory (``oneshot.py``).
 """
 
 from __future__ import annotations

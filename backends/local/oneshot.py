@@ -19,9 +19,9 @@ buffer. For p = 2 and chunks a, b:
 The same bytes as ``direct`` (each rank reads (p-1) n/p of peers' memory and writes as much
 instead of reading it a second time) in one round instead of two, and no snapshot: the one
 round that ``recursive_doubling`` needs at p = 2 copies the whole buffer first. A buffer
-outside shared memory goes out as a staged copy (``memory.py``): peers write into that copy,
-so it is copied back once every peer is done. The sum in chunk d is added in the order
-d, then the other ranks upwards, by rank d alone: every rank ends bitwise equal.
+outside shared memory goes out as a staged copy (``memory.py``): peers write their chunks into
+that copy, so those are copied back once every peer is done. Rank d alone adds chunk d, in the
+order d, d + 1, ..., p - 1, 0, ..., d - 1: every rank ends bitwise equal.
 
 It is not a schedule of ``dplab.reference.algorithms``: a schedule's transfers move a chunk
 to the rank that holds the result, and here the rank that computes a result writes it into
@@ -34,7 +34,6 @@ import numpy as np
 
 from dplab.backends.local.wiring import CODE, DESC, DTYPES, SLOTS
 from dplab.reference.communicator import COLLECTIVE_TAG, CommError
-from dplab.reference.schedule import chunk_bounds
 
 __all__ = ["OneShot"]
 
@@ -53,7 +52,9 @@ class OneShot:
         seg_id, off, staged = self._locate(flat)
         seqs = [self._announce(q, seg_id, off, flat.nbytes, code, tag, staged) for q in peers]
         views = [self._take(q, flat, tag) for q in peers]  # every peer's buffer, checked first
-        lo, hi = chunk_bounds(len(flat), p)[me]
+        base, extra = divmod(len(flat), p)  # chunk_bounds(n, p)[me], without the other p - 1
+        lo = me * base + min(me, extra)
+        hi = lo + base + (me < extra)
         tr = self.tracer
         if hi > lo:
             mine = flat[lo:hi]
