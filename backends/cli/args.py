@@ -21,6 +21,7 @@ from dplab.backends.cli.args_optim import csv_list as _csv
 from dplab.backends.cli.args_zero import add_zero_args
 from dplab.backends.cli.bench import parse_size
 from dplab.backends.cli.compare import RACE_DEFAULTS
+from dplab.backends.cli.lesson import add_lesson_parser
 from dplab.backends.cli.memory import add_memory_parser
 from dplab.backends.cli.runs import MODES
 from dplab.backends.cli.scaling import add_scaling_parser
@@ -276,4 +277,5 @@ def build_parser() -> argparse.ArgumentParser:
     add_memory_parser(sub, _Formatter)
     add_tune_parser(sub, _Formatter)
     add_scaling_parser(sub, _Formatter)
+    add_lesson_parser(sub, _Formatter)
     return parser

@@ -31,6 +31,7 @@ from dplab.backends.cli.args_optim import optim_config
 from dplab.backends.cli.args_zero import master_dtype, precision_config
 from dplab.backends.cli.checks import OutputPathError, check_args, stop_launcher_job
 from dplab.backends.cli.compare import EQUIVALENCE_DEFAULTS, RACE_DEFAULTS, compare_specs, run_specs
+from dplab.backends.cli.lesson import run_lesson_command
 from dplab.backends.cli.memory import run_memory
 from dplab.backends.cli.runs import MODES, RunSpec, run_train
 from dplab.backends.cli.scaling import cmd_scaling, scaling_columns
@@ -165,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_app(args)
     if args.command == "memory":  # formulas, not a run: no backend, no ranks, no device
         return run_memory(args, argv)
+    if args.command == "lesson":  # a conversation, not rows: dplab.lessons.terminal renders it
+        return run_lesson_command(args)
     command = {"train": cmd_train, "compare": cmd_compare, "bench": cmd_bench, "tune": cmd_tune,
                "scaling": cmd_scaling}[args.command]
     if args.device:  # read by the torch backend in every rank it starts

@@ -1,0 +1,110 @@
+"""``dplab lesson``: the step-through lessons from the command line.
+
+    dplab lesson                      # the lessons: steps, estimated time, what each needs
+    dplab lesson 1                    # step through lesson 1 (resumes where you stopped)
+    dplab lesson 1 --step 3           # from step 3
+    dplab lesson 1 --no-pause         # straight through without reading input (scripts, CI)
+    dplab lesson init DIR             # copy the exercises' stubs into DIR
+    dplab lesson check 2 [DIR]        # run your code for lesson 2's exercises (DIR: default here)
+
+This file only parses and dispatches. Imports run lessons -> backends, so backends never imports
+``dplab.lessons`` at import time: the command finds ``dplab.lessons.terminal`` with
+``importlib.import_module`` when it runs (as ``app.py`` finds the app). Bad arguments are one
+line on stderr and exit code 2, like every ``dplab`` command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+import textwrap
+from dataclasses import dataclass
+from typing import Any
+
+from dplab.backends.cli.args_optim import positive_int
+from dplab.backends.launch.interrupt import interruptible
+from dplab.backends.launch.world import BackendUnavailable
+from dplab.reference.errors import ConfigError
+
+__all__ = ["add_lesson_parser", "parse_request", "run_lesson_command", "LessonRequest"]
+
+USAGE = "N | init DIR | check N [DIR]"
+
+
+def add_lesson_parser(sub: Any, formatter_class: type[argparse.HelpFormatter]) -> argparse.ArgumentParser:
+    """Register ``dplab lesson`` on the subparsers ``sub`` (args.py passes its formatter)."""
+    p = sub.add_parser("lesson", help="step through a lesson on the real engine (no N: list them)",
+                       formatter_class=formatter_class,
+                       description=textwrap.fill(
+                           "Step-through lessons: each step runs the real engine at a small size, shows "
+                           "what happened and checks the claim it makes. Enter: next step, b: back, "
+                           "h: hint, q: quit; a lesson resumes where you stopped ($DPLAB_HOME/lessons.json "
+                           "or ~/.cache/dplab/lessons.json). Without N: the list of lessons.", 88),
+                       epilog="examples:\n  dplab lesson\n  dplab lesson 1 --step 2\n"
+                              "  dplab lesson 1 --no-pause > lesson1.txt\n"
+                              "  dplab lesson init exercises && dplab lesson check 2 exercises")
+    p.add_argument("words", nargs="*", metavar=USAGE,
+                   help="a lesson number; 'init DIR' copies the exercise stubs into DIR; 'check N [DIR]' "
+                        "runs your exercises of lesson N (DIR: default the current directory)")
+    p.add_argument("--step", type=positive_int, metavar="K",
+                   help="start lesson N at step K instead of where you stopped (default: resume)")
+    p.add_argument("--no-pause", action="store_true",
+                   help="run every step straight through without reading input; exit 1 naming any claim "
+                        "that did not hold (default: pause after each step)")
+    return p
+
+
+@dataclass(frozen=True)
+class LessonRequest:
+    action: str                    # "list", "run", "init", "check"
+    number: int | None = None
+    path: str | None = None
+    step: int | None = None
+    pause: bool = True
+
+
+def _number(word: str) -> int:
+    try:
+        return int(word)
+    except ValueError:
+        raise ConfigError(f"expected a lesson number, got {word!r} (usage: dplab lesson {USAGE})") from None
+
+
+def parse_request(words: list[str], step: int | None = None, no_pause: bool = False) -> LessonRequest:
+    """What ``dplab lesson WORDS...`` asks for; a ConfigError (one line) for what makes no sense."""
+    if words and words[0] in ("init", "check"):
+        if step is not None or no_pause:
+            raise ConfigError(f"--step and --no-pause go with a lesson number, not with {words[0]}")
+        if words[0] == "init":
+            if len(words) != 2:
+                raise ConfigError("usage: dplab lesson init DIR (the folder to copy the exercise stubs into)")
+            return LessonRequest("init", path=words[1])
+        if len(words) not in (2, 3):
+            raise ConfigError("usage: dplab lesson check N [DIR] (N: the lesson; DIR: your exercises, "
+                              "default the current directory)")
+        return LessonRequest("check", _number(words[1]), words[2] if len(words) == 3 else None)
+    if len(words) > 1:
+        raise ConfigError(f"one lesson at a time, got {' '.join(words)} (usage: dplab lesson {USAGE})")
+    if not words:
+        if step is not None or no_pause:
+            raise ConfigError("--step and --no-pause need a lesson number: dplab lesson N --step K")
+        return LessonRequest("list")
+    return LessonRequest("run", _number(words[0]), step=step, pause=not no_pause)
+
+
+def run_lesson_command(a: argparse.Namespace) -> int:
+    """Dispatch to ``dplab.lessons.terminal``; ConfigError and a missing extra: one line, exit 2."""
+    try:
+        req = parse_request(a.words, a.step, a.no_pause)
+        terminal = importlib.import_module("dplab.lessons.terminal")
+        if req.action == "list":
+            return terminal.list_lessons()
+        if req.action == "init":
+            return terminal.init(req.path)
+        if req.action == "check":
+            return interruptible("dplab lesson", terminal.check, req.number, req.path)
+        return interruptible("dplab lesson", terminal.run, req.number, req.step, req.pause)
+    except (ConfigError, BackendUnavailable) as e:
+        print(f"dplab lesson: error: {e}", file=sys.stderr, flush=True)
+        return 2

@@ -1,0 +1,167 @@
+"""One lesson step as rich renderables: what ``dplab lesson`` prints, pieces the terminal composes.
+
+    from rich.console import Console
+    from dplab.lessons.render import step_rule, code_block, outcome_body
+    console = Console()
+    console.print(step_rule(lesson, 0), code_block(step), *outcome_body(outcome, lesson))
+
+Pure functions, no input and no I/O: the interaction (keys, questions, resume) is in
+``lessons/terminal.py``. Everything is readable at 80 columns and as plain text when piped (the
+Console decides; nothing here writes escape codes itself).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+from urllib.parse import urlencode
+
+from rich.markdown import Markdown
+from rich.rule import Rule
+from rich.syntax import Syntax
+from rich.table import Table
+from rich.text import Text
+
+from dplab.lessons.runner import StepOutcome
+from dplab.lessons.step import Lesson, Step, Verdict
+
+__all__ = ["marks", "step_rule", "end_rule", "code_block", "question_text", "verdict_text", "outcome_body",
+           "hint_text", "explore_link", "estimate_seconds", "lessons_table", "reports_table", "PIP"]
+
+PIP = {"mpi": "pip install 'dplab[mpi]'", "torch": "pip install 'dplab[torch]'",
+       "viz": "pip install 'dplab[viz]'"}
+READ_WORDS_PER_S = 3.0        # ~180 words a minute, for the listing's estimate
+READ_CODE_LINE_S = 2.0
+ANSWER_S = 30.0               # thinking about a "predict first" question
+UNKNOWN_RUN_S = 2.0           # a step never run here: a typical small run on the local backend
+
+
+def marks(encoding: str) -> tuple[str, str]:
+    """The marks for a claim that holds and one that does not (ASCII where the output cannot UTF-8)."""
+    return ("✓", "✗") if encoding.lower().replace("-", "").startswith("utf") else ("ok", "X")
+
+
+def step_rule(lesson: Lesson, index: int) -> Rule:
+    """``Lesson 1 · step 2/4 · Sharding the global batch`` as a rule across the screen."""
+    step = lesson.steps[index]
+    return Rule(Text(f"Lesson {lesson.number} · step {index + 1}/{len(lesson.steps)} · {step.title}",
+                     style="bold"), align="left", style="cyan")
+
+
+def end_rule(lesson: Lesson) -> Rule:
+    return Rule(Text(f"End of lesson {lesson.number} · {lesson.title}", style="bold"), align="left",
+                style="cyan")
+
+
+def code_block(step: Step) -> Syntax:
+    """The code the step runs (``Step.code``), highlighted in the terminal's own colours, wrapped."""
+    return Syntax(step.code(), "python", theme="ansi_dark", background_color="default", word_wrap=True)
+
+
+def question_text(outcome: StepOutcome) -> Text:
+    """The "predict first" question, with its choices when it has them."""
+    predict = outcome.step.predict
+    text = Text("Predict first: ", style="bold magenta")
+    text.append(outcome.question() or "")
+    if predict is not None and predict.choices:
+        text.append(f" ({' / '.join(predict.choices)})", style="magenta")
+    elif predict is not None and predict.unit:
+        text.append(f" (in {predict.unit})", style="magenta")
+    return text
+
+
+def verdict_text(verdict: Verdict | None, expected: str, encoding: str) -> Text:
+    """``✓ right: 3`` / ``✗ not quite: it is identical`` / no answer given: the measured answer."""
+    yes, no = marks(encoding)
+    if verdict is None:
+        return Text(f"(no answer) the measurement says: {expected}", style="magenta")
+    return Text(f"{yes if verdict.correct else no} {verdict.message}",
+                style="bold green" if verdict.correct else "bold red")
+
+
+def _checks_table(outcome: StepOutcome, encoding: str) -> Table:
+    yes, no = marks(encoding)
+    table = Table(box=None, show_header=False, padding=(0, 1), pad_edge=False, expand=False)
+    table.add_column("mark", no_wrap=True)
+    table.add_column("claim", overflow="fold")
+    for check in outcome.checks:
+        mark = Text(f"{yes} holds" if check.holds else f"{no} FAILED",
+                    style="green" if check.holds else "bold red")
+        table.add_row(mark, check.claim)
+    return table
+
+
+def explore_link(step: Step, facts: dict[str, Any]) -> str | None:
+    """The app page that explores the step, with its parameters: ``dplab app`` then this path."""
+    if step.explore is None:
+        return None
+    query = urlencode(step.explore.query(facts))
+    return f"/{step.explore.page}" + (f"?{query}" if query else "")
+
+
+def outcome_body(outcome: StepOutcome, lesson: Lesson, encoding: str) -> list[Any]:
+    """What the step showed and proved: its text, the checks with a mark each, then where to go next."""
+    step = outcome.step
+    parts: list[Any] = [Markdown(outcome.text), Text(f"Checks ({outcome.seconds:.1f} s run):", style="bold"),
+                        _checks_table(outcome, encoding)]
+    if step.figure is not None:
+        parts.append(Text.assemble(("figure: ", "bold"), "open the Lessons page in ",
+                                   ("dplab app", "cyan"), f" (lesson {lesson.number})"))
+    if step.try_this:
+        parts.append(Text.assemble(("try this: ", "bold"), (step.try_this, "cyan")))
+    link = explore_link(step, outcome.facts)
+    if link:
+        parts.append(Text.assemble(("explore: ", "bold"), ("dplab app", "cyan"), ", page ", (link, "cyan")))
+    if step.exercise:
+        parts.append(Text.assemble(("exercise: ", "bold"), f"{step.exercise}: ",
+                                   ("dplab lesson init DIR", "cyan"), ", then ",
+                                   (f"dplab lesson check {lesson.number} DIR", "cyan")))
+    return parts
+
+
+def hint_text(step: Step) -> Text:
+    return Text.assemble(("hint: ", "bold yellow"), step.hint or "this step has no hint")
+
+
+def estimate_seconds(lesson: Lesson, run_seconds: dict[int, float]) -> float:
+    """A lesson's length for a learner: reading its text and code, the questions, and the runs
+    (the times measured here last time, else ``UNKNOWN_RUN_S`` a step)."""
+    total = 0.0
+    for number, step in enumerate(lesson.steps, 1):
+        words = len(step.text.split()) + sum(len(c.claim.split()) for c in step.checks)
+        total += words / READ_WORDS_PER_S + READ_CODE_LINE_S * len(step.code().splitlines())
+        total += (ANSWER_S if step.predict else 0.0) + run_seconds.get(number, UNKNOWN_RUN_S)
+    return total
+
+
+def lessons_table(rows: Sequence[tuple[Lesson, list[str], float, int | None]]) -> Table:
+    """``dplab lesson``: one row per (lesson, missing extras, estimated seconds, resume step)."""
+    table = Table(box=None, padding=(0, 1), pad_edge=False, header_style="bold")
+    table.add_column("#", justify="right", no_wrap=True)
+    table.add_column("lesson", overflow="fold")
+    table.add_column("steps", justify="right", no_wrap=True)
+    table.add_column("time", justify="right", no_wrap=True)
+    table.add_column("needs", overflow="fold")
+    for lesson, missing, seconds, resume in rows:
+        title = Text(lesson.title)
+        if resume:
+            title.append(f" (resumes at step {resume})", style="yellow")
+        needs = Text(", ".join(lesson.needs) or "-")
+        for extra in missing:
+            needs.append(f"\n{extra} missing: {PIP.get(extra, 'pip install dplab')}", style="red")
+        table.add_row(str(lesson.number), title, str(len(lesson.steps)),
+                      f"~{max(1, round(seconds / 60))} min", needs)
+    return table
+
+
+def reports_table(reports: Sequence[Any], encoding: str) -> Table:
+    """``dplab lesson check``: one row per exercise report (``.name``, ``.passed``, ``.message``)."""
+    yes, no = marks(encoding)
+    table = Table(box=None, padding=(0, 1), pad_edge=False, header_style="bold")
+    table.add_column("exercise", no_wrap=True)
+    table.add_column("", no_wrap=True)
+    table.add_column("what the check found", overflow="fold")
+    for r in reports:
+        table.add_row(r.name, Text(f"{yes} passed" if r.passed else f"{no} failed",
+                                   style="green" if r.passed else "bold red"), r.message)
+    return table

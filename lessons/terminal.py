@@ -1,0 +1,278 @@
+"""``dplab lesson``: step through a lesson in the terminal, on the real engine.
+
+    dplab lesson                 # the lessons: steps, estimated time, what each needs
+    dplab lesson 1               # Enter: next step, b: back, h: hint, q: quit (resumes where you stopped)
+    dplab lesson 1 --step 3      # start at step 3
+    dplab lesson 1 --no-pause    # straight through, reading nothing: exit 1 naming a claim that failed
+    dplab lesson init DIR        # copy the exercises' stubs; then: dplab lesson check 2 DIR
+
+A "predict first" step runs first (its facts hold the answer), asks, reads the reply, judges it
+(``Predict.judge``) and only then shows what happened. The position is saved whenever a step is
+shown and on q, Ctrl-C or end of input (``lessons/resume.py``); a step that takes more than a
+second shows a progress bar with an ETA from the time it took here last time.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+from rich.console import Console
+from rich.text import Text
+
+from dplab.backends.cli.table import styled
+from dplab.lessons import lesson as lesson_number
+from dplab.lessons import lessons, render
+from dplab.lessons.resume import Positions
+from dplab.lessons.runner import Lab, StepOutcome, missing_needs, run_step
+from dplab.lessons.step import Lesson, Verdict
+from dplab.lessons.ticker import Ticker
+from dplab.reference.errors import ConfigError, DplabError
+
+__all__ = ["make_console", "list_lessons", "run", "run_lesson", "init", "check", "KEYS"]
+
+KEYS = "Enter: next · b: back · h: hint · q: quit"
+
+
+def make_console(file: TextIO | None = None) -> Console:
+    """Colour on a terminal without ``NO_COLOR``; plain text (no escape codes at all, no trailing
+    blanks from rich's padding) when piped: 80 columns, or ``$COLUMNS``."""
+    file = file or sys.stdout
+    colour = styled(file)
+    try:
+        tty = file.isatty()
+    except (AttributeError, ValueError):
+        tty = False
+    return Console(file=file if tty else _Trimmed(file), force_terminal=tty, no_color=not colour,
+                   color_system="auto" if colour else None, highlight=False, emoji=False)
+
+
+class _Trimmed:
+    """A text stream that drops the spaces rich pads each line with before the newline."""
+
+    def __init__(self, file: TextIO) -> None:
+        self.file = file
+
+    def write(self, text: str) -> int:
+        self.file.write(re.sub(r"[ \t]+\n", "\n", text))
+        return len(text)
+
+    def flush(self) -> None:
+        self.file.flush()
+
+    def isatty(self) -> bool:
+        return False
+
+    def fileno(self) -> int:
+        return self.file.fileno()
+
+    @property
+    def encoding(self) -> str:
+        return getattr(self.file, "encoding", None) or "utf-8"
+
+
+def list_lessons(console: Console | None = None) -> int:
+    """The table of lessons, with a line on how to start one."""
+    console = console or make_console()
+    positions = Positions.load()
+    _warn(console, positions.warning)
+    rows = [(les, missing_needs(les), render.estimate_seconds(les, positions.seconds(les.number)),
+             positions.step(les.number)) for les in lessons()]
+    console.print(render.lessons_table(rows))
+    console.print(Text.assemble("\n", ("dplab lesson N", "cyan"), " steps through lesson N (",
+                                KEYS, "); ", ("--step K", "cyan"), " starts at step K; ",
+                                ("--no-pause", "cyan"), " runs it straight through."))
+    return 0
+
+
+@dataclass
+class _Session:
+    lesson: Lesson
+    console: Console
+    pause: bool
+    positions: Positions
+    outcomes: dict[int, StepOutcome] = field(default_factory=dict)
+    answers: dict[int, Verdict | None] = field(default_factory=dict)
+    seconds: dict[int, float] = field(default_factory=dict)
+
+    def save(self, step: int | None) -> None:
+        if self.pause:  # a script (--no-pause) leaves the learner's place alone
+            _warn(self.console, self.positions.save(self.lesson.number, step, self.seconds))
+
+    def outcome(self, index: int, lab: Lab) -> StepOutcome:
+        """Run step ``index`` once (going back shows the same run again)."""
+        if index not in self.outcomes:
+            step = self.lesson.steps[index]
+            expected = self.positions.seconds(self.lesson.number).get(index + 1)
+            with Ticker(self.console, f"running step {index + 1}: {step.title}", expected):
+                self.outcomes[index] = run_step(step, lab, figure=False)  # figures: the app's
+            self.seconds[index + 1] = self.outcomes[index].seconds
+        return self.outcomes[index]
+
+    def show(self, index: int, lab: Lab) -> None:
+        step, console = self.lesson.steps[index], self.console
+        console.print()
+        console.print(render.step_rule(self.lesson, index))
+        console.print(render.code_block(step))
+        out = self.outcome(index, lab)
+        if step.predict is not None:
+            console.print(render.question_text(out))
+            expected = step.predict.judge(out.facts, "").expected
+            if not self.pause:
+                console.print(Text(f"answer: {expected}", style="magenta"))
+            else:
+                if index not in self.answers:
+                    reply = console.input("your answer (Enter: show it)> ").strip()
+                    self.answers[index] = step.predict.judge(out.facts, reply) if reply else None
+                console.print(render.verdict_text(self.answers[index], expected, console.encoding))
+        console.print()
+        for part in render.outcome_body(out, self.lesson, console.encoding):
+            console.print(part)
+
+    def failed(self) -> list[str]:
+        return [f"step {i + 1} ({o.step.title}): {c.claim!r} did not hold"
+                for i, o in sorted(self.outcomes.items()) for c in o.checks if not c.holds]
+
+
+def run_lesson(lesson: Lesson, step: int | None = None, pause: bool = True,
+               console: Console | None = None) -> int:
+    """Step through ``lesson`` (1-based ``step``; None: where the learner stopped). 0: done or quit
+    with every check holding; 1: a claim did not hold (named on stderr) or a step failed to run."""
+    console = console or make_console()
+    missing = missing_needs(lesson)
+    if missing:
+        raise ConfigError(f"lesson {lesson.number} needs the {', '.join(missing)} extra: "
+                          + "; ".join(render.PIP.get(m, "pip install dplab") for m in missing))
+    n = len(lesson.steps)
+    if step is not None and not 1 <= step <= n:
+        raise ConfigError(f"lesson {lesson.number} has {n} steps: --step must be 1..{n}, got {step}")
+    positions = Positions.load()
+    session = _Session(lesson, console, pause, positions)
+    if step is None and pause:
+        _warn(console, positions.warning)
+        resumed = positions.step(lesson.number)
+        if resumed is not None and 1 <= resumed <= n:
+            console.print(Text(f"Resuming lesson {lesson.number} at step {resumed}/{n} "
+                               f"(dplab lesson {lesson.number} --step 1 starts over).", style="yellow"))
+            step = resumed
+    index = (step or 1) - 1
+    console.print(Text(f"Lesson {lesson.number}: {lesson.title}", style="bold"))
+    console.print(lesson.summary)
+    if pause:
+        console.print(Text(KEYS, style="dim"))
+    with Lab() as lab:
+        try:
+            index = _loop(session, index, lab)
+        except KeyboardInterrupt:
+            session.save(index + 1)
+            print(f"dplab lesson {lesson.number}: stopped at step {index + 1}/{n}; "
+                  f"dplab lesson {lesson.number} resumes there", file=sys.stderr, flush=True)
+            raise  # the CLI's interruptible: the ranks are stopped, one line, exit 130
+        except DplabError as e:
+            session.save(index + 1)
+            print(f"dplab lesson {lesson.number}: step {index + 1} could not run: {e}", file=sys.stderr)
+            return 1
+    if index < n:  # q or end of input
+        console.print(Text(f"Stopped at step {index + 1}/{n}: dplab lesson {lesson.number} resumes there.",
+                           style="yellow"))
+    else:
+        _end(session)
+    for line in session.failed():
+        print(f"dplab lesson {lesson.number}: {line}", file=sys.stderr)
+    return 1 if session.failed() else 0
+
+
+def _loop(session: _Session, index: int, lab: Lab) -> int:
+    """Show steps from ``index`` on; returns where it stopped (``len(steps)``: the end)."""
+    n, console = len(session.lesson.steps), session.console
+    while index < n:
+        session.save(index + 1)
+        session.show(index, lab)
+        if not session.pause:
+            index += 1
+            continue
+        while True:
+            try:
+                key = console.input(Text(f"[{KEYS}]> ", style="dim")).strip().lower()
+            except EOFError:
+                console.print()
+                return index
+            if key in ("", "n"):
+                index += 1
+                break
+            if key == "b":
+                if index == 0:
+                    console.print(Text("This is the first step.", style="yellow"))
+                    continue
+                index -= 1
+                break
+            if key == "h":
+                console.print(render.hint_text(session.lesson.steps[index]))
+            elif key == "q":
+                return index
+            else:
+                console.print(Text(f"{key!r}: type Enter, b, h or q", style="yellow"))
+    return index
+
+
+def _end(session: _Session) -> None:
+    lesson, console = session.lesson, session.console
+    session.save(None)
+    checks = [c for o in session.outcomes.values() for c in o.checks]
+    held = sum(c.holds for c in checks)
+    yes, no = render.marks(console.encoding)
+    console.print()
+    console.print(render.end_rule(lesson))
+    console.print(Text(f"{yes if held == len(checks) else no} {held} of {len(checks)} checks held "
+                       f"in the {len(session.outcomes)} steps shown.",
+                       style="bold green" if held == len(checks) else "bold red"))
+    nxt = [les for les in lessons() if les.number == lesson.number + 1]
+    if nxt:
+        console.print(Text.assemble("Next: ", (f"dplab lesson {nxt[0].number}", "cyan"),
+                                    f" ({nxt[0].title})"))
+
+
+def run(number: int, step: int | None = None, pause: bool = True) -> int:
+    """``dplab lesson N``: lesson ``number`` (a bad number is a ConfigError listing the lessons)."""
+    return run_lesson(lesson_number(number), step, pause)
+
+
+def _exercises() -> Any:
+    try:
+        return importlib.import_module("dplab.lessons.exercises")
+    except ModuleNotFoundError as e:
+        if e.name and not e.name.startswith("dplab.lessons.exercises"):
+            raise
+        raise ConfigError("the exercises (dplab.lessons.exercises) are not installed: "
+                          "reinstall dplab with pip install -e .") from None
+
+
+def init(path: str | Path) -> int:
+    """``dplab lesson init DIR``: copy the exercises' stubs into DIR and say what comes next."""
+    console = make_console()
+    written = _exercises().init_dir(Path(path))
+    for file in written:
+        console.print(Text.assemble("wrote ", (str(file), "cyan")))
+    console.print(Text.assemble(f"{len(written)} exercise files in {path}: fill them in, then ",
+                                ("dplab lesson check N " + str(path), "cyan"), " for lesson N."))
+    return 0
+
+
+def check(number: int, path: str | Path | None = None) -> int:
+    """``dplab lesson check N [DIR]``: run the learner's code; 0 when every exercise passes."""
+    console = make_console()
+    reports = _exercises().check(number, None if path is None else Path(path))
+    console.print(render.reports_table(reports, console.encoding))
+    passed = sum(bool(r.passed) for r in reports)
+    console.print(Text(f"{passed} of {len(reports)} exercises of lesson {number} pass.",
+                       style="bold green" if passed == len(reports) else "bold red"))
+    return 0 if passed == len(reports) else 1
+
+
+def _warn(console: Console, warning: str | None) -> None:
+    if warning:
+        print(f"dplab lesson: warning: {warning}", file=sys.stderr, flush=True)
