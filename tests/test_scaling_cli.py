@@ -95,3 +95,17 @@ def test_a_tiny_run_has_every_field_and_its_split_adds_up(tmp_path, capsys):
         assert r["speedup"] == pytest.approx(rows[0]["step_ms"] / r["step_ms"])
     assert rows[0]["efficiency"] == 1.0
     assert rows[1]["exposed_comm_ms"] > 0  # two ranks all-reduce; one does not need to
+
+
+def test_every_option_shows_its_default():
+    import re
+
+    from dplab.backends.cli.args import build_parser
+
+    parser = build_parser()
+    (sub,) = [a for a in parser._actions if a.choices and hasattr(a, "_name_parser_map")]
+    options = sub.choices["scaling"].format_help().split("options:", 1)[1].split("columns (", 1)[0]
+    blocks = re.split(r"\n  (?=--)", options)[1:]  # one block per option, its help lines included
+    assert len(blocks) == 13
+    for block in blocks:
+        assert "default" in block, block

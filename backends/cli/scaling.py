@@ -63,8 +63,16 @@ columns (strong scaling):
   exposed_comm_ms  reductions with no compute under them
   waiting_ms       blocked on the last bucket while neither computing nor reducing
   other_ms         the rest of the step: Python between phases; the four add up to step_ms
-columns (--ddp):
-  ratio_vs_single  step of DDP on p ranks / step of one process on the 1/p batch (1: free)
+rows and columns (--ddp):
+  single           one process on the 1/p batch: what every ratio divides by
+  independent      p processes each on its 1/p batch, no communication: the machine's own floor
+  dplab, torch_ddp our DDP on each backend; torch's DistributedDataParallel over gloo
+  step_ms          the slowest rank's mean step (median repetition)
+  ratio_vs_single  step_ms / single's step_ms (1: data parallelism cost nothing)
+  cpu_ms           CPU time per step of one rank, all its threads (mean over ranks): the work,
+                   which a busy machine inflates far less than the wall time
+  load_1min        the machine's load average during the run: above the core count, wall times
+                   measure the scheduler as much as the code
 """
 
 
@@ -174,10 +182,12 @@ def add_scaling_parser(sub: Any, formatter_class: type[argparse.HelpFormatter]) 
     s.add_argument("--algorithm", default="ring", help="the all-reduce of the gradient buckets")
     s.add_argument("--bucket-cap-mb", type=float, default=25.0, metavar="MiB", help="gradient bucket size")
     s.add_argument("--dtype", choices=["float64", "float32"], default="float64",
-                   help="parameters and gradients of the reference trainer (--ddp: float32, torch's default)")
+                   help="parameters and gradients of the reference trainer (--ddp trains in float32)")
     s.add_argument("--ddp", action="store_true",
-                   help="measure DDP for torch modules (a 10.5 M-parameter MLP, SGD) instead")
-    s.add_argument("--device", choices=["cpu"], default=None, help="torch backend: gloo on the CPU")
+                   help="measure DDP for torch modules (a 10.5 M-parameter MLP, SGD) instead "
+                        "(default: off, strong scaling)")
+    s.add_argument("--device", choices=["cpu"], default=None,
+                   help="torch backend: gloo on the CPU (default: cpu)")
     s.add_argument("--json", metavar="PATH", help="also write the rows as JSON (default: not written)")
     return s
 
