@@ -27,6 +27,7 @@ MODULES = (
     "l06_large_batches",
     "l07_async",
     "l08_stragglers",
+    "l09_faults",
     "l11_precision",
     "l12_engines",
 )
