@@ -104,18 +104,28 @@ def check_log(log: list[LogEntry], workers: int, clocks: int, acfg: AsyncConfig)
 
 # -- replay: the log is the whole story -------------------------------------------------------
 
-@settings(max_examples=3 * EXAMPLES, deadline=None)
-@given(run=runs())
-def test_replaying_the_log_reproduces_the_server_bit_for_bit(worlds, backend, run):
-    p, cfg, acfg = run
-    results = worlds(p, backend).run(_train_async, cfg, acfg)
-    server = results[0]
-    check_log(server.log, p - 1, cfg.steps, acfg)
-    assert server.params.dtype == np.dtype(cfg.dtype)
-    again = replay(cfg, acfg, server.log, workers=p - 1)
-    assert again.dtype == server.params.dtype and np.array_equal(again, server.params)
-    if cfg.steps == 0:
-        assert np.array_equal(server.params, setup(cfg)[2])
+def _examples(backend: str, local: int) -> int:
+    """The server, gate and replay are the same code on every backend; what an engine adds is its
+    any-source receive and its pickling of jobs, which a quarter of the examples still exercise
+    (150 examples took 5.2 s on MPI and 7.6 s on torch, against 2.8 s on local)."""
+    return local if backend == "local" else max(3, local // 4)
+
+
+def test_replaying_the_log_reproduces_the_server_bit_for_bit(worlds, backend):
+    @settings(max_examples=_examples(backend, 3 * EXAMPLES), deadline=None)
+    @given(run=runs())
+    def prop(run):
+        p, cfg, acfg = run
+        results = worlds(p, backend).run(_train_async, cfg, acfg)
+        server = results[0]
+        check_log(server.log, p - 1, cfg.steps, acfg)
+        assert server.params.dtype == np.dtype(cfg.dtype)
+        again = replay(cfg, acfg, server.log, workers=p - 1)
+        assert again.dtype == server.params.dtype and np.array_equal(again, server.params)
+        if cfg.steps == 0:
+            assert np.array_equal(server.params, setup(cfg)[2])
+
+    prop()
 
 
 def test_training_moves_the_parameters_and_replay_notices_a_changed_log(worlds):
