@@ -46,3 +46,44 @@ def test_a_tiny_run_puts_torch_ddp_beside_ours_with_every_field():
 def test_a_global_batch_smaller_than_the_world_is_refused():
     with pytest.raises(ConfigError, match="global batch 1 < world size 2"):
         run_ddp(DdpBench(global_batch=1), ["local"], [2], reps=1)
+
+
+def _hook_ops(comm) -> tuple[list[str], list[str], bool]:
+    """The tensor operations of two backwards of DDP over one Linear: gradients fresh, then kept."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from dplab.backends.nn.ddp import DDP
+
+    class Log(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Linear(4, 3), comm)
+    x = torch.full((5, 4), float(comm.rank + 1))
+    ops = []
+    for set_to_none in (True, False):
+        model.zero_grad(set_to_none=set_to_none)
+        loss = model(x).sum()
+        with Log() as log:
+            loss.backward()
+        ops.append([op for op in log.ops if op.startswith(("aten.copy", "aten.div", "aten.mul"))])
+    expected = torch.full((3, 4), (1 + 2) * 5 / 2)  # d sum / dW = the sum of x over the batch, averaged
+    ok = torch.equal(model.module.weight.grad, expected)
+    model.close()
+    return ops[0], ops[1], ok
+
+
+def test_the_hook_averages_each_gradient_in_one_pass(worlds):
+    """A fresh gradient (grad was None) is divided into its slot by one op, not copied and then
+    divided (two passes over 42 MB for the 10.5 M-parameter MLP, ~2 ms of a ~70 ms step)."""
+    fresh, kept, ok = worlds(2).run(_hook_ops)[0]  # the session's world: its ranks have torch warm
+    assert fresh == ["aten.div.out", "aten.div.out"]  # weight and bias, one pass each
+    assert kept == ["aten.div.out", "aten.div.out"]  # autograd added into the slot; scaled in place
+    assert ok
