@@ -98,6 +98,7 @@ class _Session:
     outcomes: dict[int, StepOutcome] = field(default_factory=dict)
     answers: dict[int, Verdict | None] = field(default_factory=dict)
     seconds: dict[int, float] = field(default_factory=dict)
+    at: int = 0                                # the step shown now (0-based): where an interruption leaves
 
     def save(self, step: int | None) -> None:
         if self.pause:  # a script (--no-pause) leaves the learner's place alone
@@ -168,13 +169,13 @@ def run_lesson(lesson: Lesson, step: int | None = None, pause: bool = True,
         try:
             index = _loop(session, index, lab)
         except KeyboardInterrupt:
-            session.save(index + 1)
-            print(f"dplab lesson {lesson.number}: stopped at step {index + 1}/{n}; "
+            session.save(session.at + 1)
+            print(f"dplab lesson {lesson.number}: stopped at step {session.at + 1}/{n}; "
                   f"dplab lesson {lesson.number} resumes there", file=sys.stderr, flush=True)
             raise  # the CLI's interruptible: the ranks are stopped, one line, exit 130
         except DplabError as e:
-            session.save(index + 1)
-            print(f"dplab lesson {lesson.number}: step {index + 1} could not run: {e}", file=sys.stderr)
+            session.save(session.at + 1)
+            print(f"dplab lesson {lesson.number}: step {session.at + 1} could not run: {e}", file=sys.stderr)
             return 1
     if index < n:  # q or end of input
         console.print(Text(f"Stopped at step {index + 1}/{n}: dplab lesson {lesson.number} resumes there.",
@@ -190,6 +191,7 @@ def _loop(session: _Session, index: int, lab: Lab) -> int:
     """Show steps from ``index`` on; returns where it stopped (``len(steps)``: the end)."""
     n, console = len(session.lesson.steps), session.console
     while index < n:
+        session.at = index
         session.save(index + 1)
         session.show(index, lab)
         if not session.pause:

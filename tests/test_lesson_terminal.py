@@ -182,11 +182,15 @@ def test_resume_where_the_learner_stopped(tmp_path):
 def test_ctrl_c_saves_the_position_and_exits_130(tmp_path):
     t = Terminal(DPLAB + ["1", "--step", "2"], _env(tmp_path))
     t.expect("your answer")
+    t.type("3\r")
+    t.expect(PROMPT)
+    t.type("\r")                                         # on to step 3, where Ctrl-C comes
+    t.expect(r"step 3/4[\s\S]*" + re.escape(PROMPT))
     time.sleep(0.5)  # as a person would: a signal in the instant before input() blocks is only seen later
     t.type("\x03")
     assert t.wait() == 130
-    assert "stopped at step 2/4; dplab lesson 1 resumes there" in t.text and "Traceback" not in t.text
-    assert Positions.load(tmp_path / "lessons.json").step(1) == 2
+    assert "stopped at step 3/4; dplab lesson 1 resumes there" in t.text and "Traceback" not in t.text
+    assert Positions.load(tmp_path / "lessons.json").step(1) == 3
 
 
 def test_the_list_and_a_corrupt_position_file(tmp_path):
@@ -373,3 +377,34 @@ def test_the_tickers_threads_leave_ctrl_c_to_the_main_thread():
         time.sleep(0.3)
         assert shown.shown and _blocks_sigint(shown._bar.live._refresh_thread.native_id)
     assert not _blocks_sigint(threading.get_native_id())
+
+
+def _breaks(lab):
+    raise ConfigError("the engine said no")
+
+
+def test_a_step_that_cannot_run_is_one_line_exit_1_and_keeps_the_place(tmp_path, monkeypatch, capsys):
+    from dplab.lessons.terminal import run_lesson
+
+    monkeypatch.setenv("DPLAB_HOME", str(tmp_path))
+    monkeypatch.setattr("sys.stdin", io.StringIO("\n"))
+    lesson = _lesson(Step("Fine", "x is {x}", _facts), Step("Broken", "-", _breaks))
+    assert run_lesson(lesson, console=Console(file=io.StringIO(), width=80)) == 1
+    assert capsys.readouterr().err == "dplab lesson 99: step 2 could not run: the engine said no\n"
+    assert Positions.load(tmp_path / "lessons.json").step(99) == 2
+
+
+def test_missing_extras_are_named_with_their_pip_command(monkeypatch):
+    from dplab.lessons import render, runner
+    from dplab.lessons.terminal import run_lesson
+
+    monkeypatch.setattr(runner.importlib.util, "find_spec", lambda name: None)
+    lesson = Lesson(12, "engines", "Engines", "-", (Step("One", "-", _facts),), needs=("torch", "mpi"))
+    with pytest.raises(ConfigError, match=re.escape("needs the torch, mpi extra: pip install 'dplab[torch]'; "
+                                                    "pip install 'dplab[mpi]'")):
+        run_lesson(lesson, console=Console(file=io.StringIO()))
+    screen = io.StringIO()
+    Console(file=screen, width=120).print(render.lessons_table([(lesson, ["mpi"], 130.0, 1)]))
+    text = screen.getvalue()
+    assert "torch, mpi" in text and "mpi missing: pip install 'dplab[mpi]'" in text and "~2 min" in text
+    assert "Engines (resumes at step 1)" in text
