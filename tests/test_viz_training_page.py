@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,21 @@ VIZ = Path(__file__).resolve().parents[1] / "viz"
 PAGE = str(VIZ / "pages" / "training.py")
 SMALL = {"world_size": "3", "steps": "3", "hidden": "32", "staleness": "0,inf", "factor": "2.0"}
 
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_cache_for_this_module() -> Iterator[None]:
+    """This module's tests share st.cache_data, emptied when the module starts and ends: the SMALL
+    grid (8 real runs on forked ranks) is then trained once, not by each of three tests. The first
+    test that asks for it trains it; a control changed afterwards asks for other cells, which run."""
+    st.cache_data.clear()
+    yield
+    st.cache_data.clear()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_streamlit_cache() -> Iterator[None]:
+    """Overrides conftest's per-test clearing of st.cache_data for this module (see above)."""
+    yield
 
 
 def page(**query: str) -> AppTest:
