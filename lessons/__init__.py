@@ -28,6 +28,7 @@ MODULES = (
     "l07_async",
     "l08_stragglers",
     "l09_faults",
+    "l10_memory",
     "l11_precision",
     "l12_engines",
 )

@@ -228,7 +228,7 @@ STEPS = (
                 Check("and ends bitwise equal to an uninterrupted run", lambda f: f["identical"])),
         predict=Predict("Checkpoints every {every} steps; rank 1 dies after step {after}. From which step "
                         "does the resumed run go on?", "last"),
-        hint="Only complete checkpoints count, and the latest one is at a multiple of 5.",
+        hint="Only complete checkpoints count, and they are written at multiples of the interval.",
         try_this="dplab train --world-size 4 --steps 200 --checkpoint-every 20 --checkpoint-dir ck   "
                  "# kill -9 a rank, then add --resume ck",
         teaches=("faults",),

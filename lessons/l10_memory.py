@@ -1,0 +1,254 @@
+"""Lesson 10: memory. Replicas vs ZeRO-1/2/3 (and FSDP), and when data parallelism is not enough.
+
+    dplab lesson 10
+
+Five steps: measure what each rank holds under ZeRO stages 0-3 against the closed forms; count
+the bytes each stage sends per step; the 7B example of ``dplab memory``; a model that data
+parallelism alone cannot fit, and what model, pipeline and tensor parallelism would need per
+rank (the same calculator); then write a ZeRO-2 step yourself (the exercise ``zero2_step``).
+"""
+
+from __future__ import annotations
+
+import math
+
+from dplab.backends import RunSpec, run_train
+from dplab.backends.cli.memory import memory_rows
+from dplab.lessons.exercises import STUBS, check_file
+from dplab.lessons.step import Check, Explore, Lesson, Predict, Step
+from dplab.reference.model import MLP, MLPConfig
+from dplab.reference.optim import OptimConfig
+from dplab.reference.schedule import chunk_bounds
+from dplab.reference.train.single import TrainConfig
+from dplab.reference.zero.memory import GB, model_state_bytes
+from dplab.reference.zero.traffic import sent_closed_form, sent_per_step
+
+__all__ = ["LESSON"]
+
+# Seven layers (544, 6 x 1056, 132 parameters), each divisible by 4: every rank owns exactly 1/4
+MODEL = MLPConfig(in_dim=16, hidden=(32,) * 6, out_dim=4)
+TRAIN = TrainConfig(model=MODEL, steps=2, optimizer=OptimConfig("adam", lr=0.01))
+KB = 1024
+DEVICE_GB = 80                                 # one 80 GB accelerator (GB = 1e9 bytes, as the calculator)
+
+
+def layer_sizes(model):
+    net = MLP(model)
+    return [net.layer_slice(layer).stop - net.layer_slice(layer).start for layer in range(net.num_layers)]
+
+
+def two_layers(sizes):
+    """The largest two neighbouring layers: what ZeRO-2/3 hold whole while they are in flight."""
+    return max(a + b for a, b in zip(sizes, sizes[1:]))
+
+
+def measured_memory(lab):
+    sizes, p = layer_sizes(MODEL), 4
+    psi, rows = sum(sizes), {}
+    for stage in (0, 1, 2, 3):
+        row, _ = run_train(RunSpec(world_size=p, zero_stage=stage, train=TRAIN), world=lab.world(p))
+        form = model_state_bytes(psi, stage, p, param_bytes=8, grad_bytes=8, state_bytes=16)  # float64 Adam
+        rows[stage] = {"params": row["peak_params_bytes"], "grads": row["peak_grads_bytes"],
+                       "optimizer": row["peak_optimizer_bytes"], "total": row["peak_total_bytes"],
+                       "form": form, "diff": row["max_abs_diff_vs_single"]}
+    table = "\n".join(f"| {s} | {r['params'] / KB:.1f} | {r['grads'] / KB:.1f} | {r['optimizer'] / KB:.1f} | "
+                      f"{r['total'] / KB:.1f} | {r['form'].total / KB:.1f} |" for s, r in rows.items())
+    return {"p": p, "psi": psi, "layers": len(sizes), "rows": rows, "table": table,
+            "flight": 8 * two_layers(sizes), "flight_kb": 8 * two_layers(sizes) / KB,
+            "opt_fraction": rows[1]["optimizer"] / rows[0]["optimizer"],
+            "saving": rows[0]["total"] / rows[3]["total"]}
+
+
+def sent_per_stage(lab):
+    p, psi = 4, sum(layer_sizes(MODEL))
+    sent, events = {}, []
+    for stage in (0, 1, 2, 3):
+        spec = RunSpec(world_size=p, zero_stage=stage, train=TRAIN)
+        _, events = run_train(spec, world=lab.world(p), trace=True)
+        sent[stage] = [sent_per_step(events[rank], rank) for rank in range(p)]   # bytes, per rank per step
+    form = {s: sent_closed_form(s, psi, p) * 8 for s in sent}                      # float64: 8 bytes
+    return {"p": p, "psi": psi, "sent": sent, "form": form, "rank0": {s: v[0][0] for s, v in sent.items()},
+            "ratio": sent[3][0][0] / sent[0][0][0], "events": events,     # the last run's: stage 3
+            "table": "\n".join(f"| {s} | {v[0][0]:,} | {form[s]:,.0f} |" for s, v in sent.items())}
+
+
+def _timeline(facts):
+    from dplab.viz.timeline import timeline_figure
+    return timeline_figure([e for rank in facts["events"] for e in rank],
+                           title=f"ZeRO stage 3 on {facts['p']} ranks: gathers and reduce-scatters per layer")
+
+
+def seven_billion(lab):
+    rows = memory_rows(7_000_000_000, "adam", "mixed", [0, 1, 2, 3], [1, 8, 64])  # `dplab memory`'s rows
+    paper = memory_rows(7_500_000_000, "adam", "mixed", [0, 1, 2, 3], [64])       # ZeRO's Figure 1
+    at = {(r["world_size"], r["stage"]): r["total_gb"] for r in rows}
+    table = "\n".join(f"| {n} | " + " | ".join(f"{at[n, s]:.1f}" for s in range(4)) + " |"
+                      for n in (1, 8, 64))
+    return {"per_param": rows[0]["param_bytes"] + rows[0]["grad_bytes"] + rows[0]["state_bytes"],
+            "k": rows[0]["state_bytes"], "replicated": at[1, 0], "stage3_8": at[8, 3],
+            "weights_gb": rows[0]["params_gb"],
+            "table": table, "paper": [round(r["total_gb"], 1) for r in paper], "device": DEVICE_GB,
+            "paper_text": ", ".join(f"{round(r['total_gb'], 1):g}" for r in paper)}
+
+
+def beyond_data_parallel(lab):
+    psi, per_rank = 1_000_000_000_000, DEVICE_GB * GB        # one trillion parameters, mixed Adam
+    zero3_8 = model_state_bytes(psi, 3, 8)                   # data parallel only: 8 ranks at stage 3
+    need = math.ceil(model_state_bytes(psi, 0, 1).total / per_rank)   # ranks ZeRO-3 alone would need
+    tensor, pipeline, data = 8, 16, 8                         # each rank: 1/(8 x 16) of the weights
+    three_d = model_state_bytes(psi / (tensor * pipeline), 1, data)   # ... and ZeRO-1 over 8 replicas
+    return {"psi_t": psi / 1e12, "device": DEVICE_GB, "zero3_8_gb": zero3_8.total / GB,
+            "weights_8_gb": zero3_8.params / GB, "need": need,
+            "tensor": tensor, "pipeline": pipeline, "data": data, "gpus": tensor * pipeline * data,
+            "three_d_gb": three_d.total / GB, "share": psi / (tensor * pipeline) / 1e9}
+
+
+def zero2_exercise(lab):
+    n, p = sum(layer_sizes(MODEL)), 4
+    owns = chunk_bounds(n, p)                           # rank r owns params[a:b], the r-th chunk
+    stub = check_file("zero2_step", STUBS / "zero2_step.py")   # what `dplab lesson check 10` says of the stub
+    return {"n": n, "p": p, "owns": ", ".join(f"rank {r}: [{a}:{b}]" for r, (a, b) in enumerate(owns)),
+            "rank2_start": owns[2][0], "stub_passed": stub.passed, "stub_says": stub.message}
+
+
+STEPS = (
+    Step(
+        title="What each rank holds: replicas vs ZeRO-1, 2, 3",
+        text=("Plain data parallelism keeps on every rank all the weights, all the gradients and the whole "
+              "optimizer state: p ranks, p copies. ZeRO (Rajbhandari et al. 2020) keeps only what a rank "
+              "needs: stage 1 shards the optimizer state, stage 2 the gradients too, stage 3 the weights "
+              "too. Measured by the trainer's memory ledger, the busiest of p={p} ranks, float64 Adam, "
+              "{psi:,} parameters in {layers} layers (KiB):\n\n"
+              "| stage | params | grads | optimizer | total | formula total |\n|---|---|---|---|---|---|\n"
+              "{table}\n\n"
+              "Stage 0 is the closed form exactly; each sharded part is the formula's 1/p exactly. What "
+              "stages 2 and 3 hold beyond the formula is the layers in flight: a layer's gradient while it "
+              "is reduce-scattered and the next is computed, a layer's weights while they are gathered and "
+              "used ({flight_kb:.1f} KiB, the two largest neighbouring layers). With {layers} layers that is "
+              "a large share; two of a hundred equal layers would be 2% of the weights. Every stage "
+              "trains the same model as one device; stage 3 holds {saving:.1f}x less than stage 0."),
+        run=measured_memory,
+        checks=(Check("stage 0 holds exactly the closed form",
+                      lambda f: (f["rows"][0]["params"], f["rows"][0]["grads"], f["rows"][0]["optimizer"])
+                      == (f["rows"][0]["form"].params, f["rows"][0]["form"].grads,
+                          f["rows"][0]["form"].optimizer)),
+                Check("stages 1-3 hold exactly 1/p of the optimizer state",
+                      lambda f: all(f["rows"][s]["optimizer"] == f["rows"][s]["form"].optimizer
+                                    for s in (1, 2, 3))),
+                Check("sharded gradients (2, 3) and weights (3) are 1/p plus the two layers in flight",
+                      lambda f: all(f["rows"][s]["grads"] == f["rows"][s]["form"].grads + f["flight"]
+                                    for s in (2, 3))
+                      and f["rows"][3]["params"] == f["rows"][3]["form"].params + f["flight"]),
+                Check("each stage holds less than the one before",
+                      lambda f: f["rows"][0]["total"] > f["rows"][1]["total"] > f["rows"][2]["total"]
+                      > f["rows"][3]["total"]),
+                Check("and every stage trains as one device does (< 1e-12)",
+                      lambda f: all(r["diff"] < 1e-12 for r in f["rows"].values()))),
+        predict=Predict("At ZeRO stage 1 on {p} ranks, what fraction of stage 0's optimizer state does a "
+                        "rank hold?", "opt_fraction", rel_tol=0.01),
+        hint="Stage 1: rank r updates only the r-th 1/p of the parameters, so it keeps state for those.",
+        try_this="dplab train --zero-stage 3 --world-size 4 --optimizer adam   # rows carry peak_*_bytes",
+        explore=Explore("memory", lambda f: {"params": f["psi"], "world_sizes": f["p"]}),
+        teaches=("memory",),
+    ),
+    Step(
+        title="What sharding costs: bytes per step",
+        text=("Memory saved is communication paid. From the trace, the bytes rank 0 sent in one step at "
+              "p={p} against the closed form (ring: (p-1)/p of the vector per reduce-scatter or "
+              "all-gather):\n\n"
+              "| stage | rank 0 sent | formula |\n|---|---|---|\n{table}\n\n"
+              "Stages 1 and 2 send what plain data parallelism sends: an all-reduce *is* a reduce-scatter "
+              "then an all-gather, and ZeRO only moves the optimizer step in between. Stage 3 gathers each "
+              "layer's weights twice (forward and backward) and reduce-scatters its gradient: "
+              "**{ratio:g}x** the bytes. Torch's FSDP (dplab's `backends/nn/fsdp.py`) is stage 3 for torch "
+              "modules, with the same three collectives."),
+        run=sent_per_stage,
+        figure=_timeline,
+        checks=(Check("every rank sent exactly the closed form, every step, at every stage",
+                      lambda f: all(b == f["form"][s] for s, ranks in f["sent"].items() for r in ranks
+                                    for b in r)),
+                Check("stages 1 and 2 send what stage 0 sends",
+                      lambda f: f["rank0"][0] == f["rank0"][1] == f["rank0"][2]),
+                Check("stage 3 sends 1.5x", lambda f: f["ratio"] == 1.5)),
+        predict=Predict("Per step, how many times the bytes of plain data parallelism does ZeRO stage 3 "
+                        "send?", "ratio", rel_tol=0.01, unit="x"),
+        hint="Count the collectives: all-reduce = reduce-scatter + all-gather; stage 3 adds one all-gather.",
+        try_this="dplab train --zero-stage 3 --world-size 4 --trace z3.json   # every send is in the trace",
+        teaches=("memory",),
+    ),
+    Step(
+        title="The 7B example",
+        text=("Scale it up with the same formulas: `dplab memory` for 7 billion parameters, Adam in mixed "
+              "precision: {per_param} bytes per parameter (2 for fp16 weights, 2 for gradients, K = {k} for "
+              "the fp32 master copy and Adam's two moments). Per rank, GB (1e9 bytes), model states only:\n\n"
+              "| ranks | stage 0 | stage 1 | stage 2 | stage 3 |\n|---|---|---|---|---|\n{table}\n\n"
+              "Replicated, every rank needs **{replicated:.0f} GB** before a single activation, which no "
+              "{device} GB accelerator holds, however many of them there are: the weights alone are "
+              "{weights_gb:.0f} GB. Stage 3 on 8 ranks makes it {stage3_8:.0f} GB. The paper's Figure 1 "
+              "(7.5B, 64 ranks) comes out as printed there: {paper_text} GB for stages 0-3."),
+        run=seven_billion,
+        checks=(Check("16 bytes per parameter: 112 GB replicated, whatever the number of ranks",
+                      lambda f: f["per_param"] == 16 and f["replicated"] == 112),
+                Check("stage 3 on 8 ranks: 14 GB", lambda f: f["stage3_8"] == 14),
+                Check("the ZeRO paper's Figure 1: 120, 31.4, 16.6, 1.9 GB",
+                      lambda f: f["paper"] == [120.0, 31.4, 16.6, 1.9])),
+        predict=Predict("7B parameters, Adam in mixed precision (2 + 2 + 12 bytes per parameter), plain data "
+                        "parallelism: how many GB of model states per rank?", "replicated", rel_tol=0.01,
+                        unit="GB"),
+        hint="Data parallelism replicates: the number of ranks does not enter.",
+        try_this="dplab memory --params 7.5B --world-sizes 64   # the ZeRO paper's Figure 1",
+        explore=Explore("memory", lambda f: {"params": "7B", "world_sizes": "1,8,64"}),
+        teaches=("memory",),
+    ),
+    Step(
+        title="When data parallelism is not enough",
+        text=("Take {psi_t:g} trillion parameters, mixed-precision Adam, {device} GB per accelerator. Data "
+              "parallelism on a node of 8 at stage 3 needs **{zero3_8_gb:,.0f} GB** per rank; the weights "
+              "alone are {weights_8_gb:,.0f} GB. Sharding divides by the number of replicas, so ZeRO-3 "
+              "alone fits only from {need} ranks on, and every one of them must be a replica with its own "
+              "samples: a global batch of at least {need}, chosen by memory rather than by what trains well "
+              "(lesson 6). And stage 3 still gathers each layer whole (step 1's layers in flight), and "
+              "activations are not sharded at all.\n\n"
+              "So large models split the *model*: pipeline parallelism gives each rank a run of layers, "
+              "tensor parallelism a slice of each layer's matrices. With {tensor}-way tensor and "
+              "{pipeline}-way pipeline parallelism each rank holds {share:.2f}B parameters; the same "
+              "calculator then gives **{three_d_gb:.1f} GB** per rank at ZeRO-1 over {data} replicas, "
+              "{gpus} accelerators in all (an even split assumed; activations on top)."),
+        run=beyond_data_parallel,
+        checks=(Check("ZeRO-3 over 8 ranks: the weights alone exceed one device",
+                      lambda f: f["weights_8_gb"] > f["device"]),
+                Check("ZeRO-3 alone needs hundreds of ranks to fit", lambda f: f["need"] >= 100),
+                Check("split 128 ways by tensor x pipeline parallelism, ZeRO-1 over 8 fits",
+                      lambda f: f["three_d_gb"] < f["device"])),
+        predict=Predict("{psi_t:g} trillion parameters at 16 bytes each: how many ranks does ZeRO-3 alone "
+                        "need to fit the model states in {device} GB per rank?", "need"),
+        hint="Stage 3 divides all of it (weights, gradients, state) by the number of ranks: total / device.",
+        try_this="dplab memory --params 1T --world-sizes 8,200 --stages 0,3",
+        explore=Explore("memory", lambda f: {"params": "1T", "world_sizes": f"8,{f['need']}"}),
+        teaches=("beyond-dp",),
+    ),
+    Step(
+        title="Exercise: a ZeRO-2 step",
+        text=("Now write one step of ZeRO-2. `dplab lesson init DIR` copies the exercise stubs into DIR; "
+              "fill in `zero2_step(comm, params, grad, optimizer)` in DIR/zero2_step.py and run "
+              "`dplab lesson check 10 DIR`: it runs your step on 1 to 4 ranks and compares every rank's "
+              "every chunk with one device after every step.\n\n"
+              "Three moves: reduce-scatter the gradient, so rank r holds chunk r of the sum; step the "
+              "optimizer on the chunk this rank owns (here, {n:,} parameters at p={p}: {owns}); all-gather "
+              "the parameters. The stub is plain data parallelism (an all-reduce, then a step on every "
+              "parameter); checking it as shipped says:\n\n> {stub_says}"),
+        run=zero2_exercise,
+        checks=(Check("the stub fails its check, in the lesson's words",
+                      lambda f: not f["stub_passed"] and "rank" in f["stub_says"]),),
+        predict=Predict("{n:,} parameters on {p} ranks: at which index does rank 2's chunk start?",
+                        "rank2_start"),
+        hint="chunk_bounds(n, p)[rank] is (start, stop); reduce_scatter and allgather work in place.",
+        try_this="dplab lesson init ex && dplab lesson check 10 ex   # edit ex/zero2_step.py until it passes",
+        exercise="zero2_step",
+        teaches=("memory",),
+    ),
+)
+
+LESSON = Lesson(10, "memory", "Memory: replicas vs ZeRO-1/2/3 and FSDP; when data parallelism is not enough",
+                "What each rank must hold, what sharding it costs in bytes, and when to split the model.",
+                STEPS)
