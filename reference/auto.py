@@ -10,6 +10,8 @@ has a native row, priced for (backend, world size, bytes) by the most
 specific fit that covers it, the cheapest taken (ties: registry order). Most specific first:
 this algorithm at this world size, this algorithm at any world size, every schedule of ours at
 this world size, every schedule of ours (``native`` only from its own rows: it is not our schedule).
+Where ``dplab tune`` measured this algorithm at this world size, the fit's time is scaled by
+measured / fitted at the nearest measured size: at a benchmarked size auto goes by the measurement.
 
 Where the fit comes from, in order: ``$DPLAB_TUNE`` (a path), ``~/.cache/dplab/tune.json``
 (``dplab tune`` writes there by default), else ``DEFAULT_FITS``: ``dplab tune --backends
@@ -28,6 +30,7 @@ The fit is read once per process; ``reset()`` reads it again (``dplab tune`` cal
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass
 from functools import lru_cache
@@ -70,6 +73,16 @@ class Tuning:
 
     fits: tuple[CostFit, ...]
     source: str = "built-in defaults"
+    # (backend, world size, algorithm, bytes, seconds): what `dplab tune` measured; None: its fits' rows
+    measured: tuple[tuple[str, int, str, int, float], ...] | None = None
+
+    def cells(self) -> tuple[tuple[str, int, str, int, float], ...]:
+        """The measured cells (``measured``, else read off the per-algorithm fits' rows)."""
+        if self.measured is not None:
+            return self.measured
+        return tuple((f.backend, int(r["world_size"]), f.algorithm, int(r["bytes"]), r["time_us"] * 1e-6)
+                     for f in self.fits if f.algorithm != _ALL and str(f.world_size) != _ALL
+                     for r in f.rows if r.get("time_us"))
 
     def fit_for(self, backend: str, algorithm: str, world_size: int) -> CostFit | None:
         """The most specific fit that prices ``algorithm`` (module docstring), or None."""
@@ -90,10 +103,32 @@ class Tuning:
         f = self.fit_for(backend, algorithm, world_size)
         if f is None:
             return None
-        t = f.predict_s(algorithm, world_size, nbytes, itemsize)
+        t = self._corrected(f, backend, algorithm, world_size, nbytes, itemsize)
         if algorithm == "native" and backend in NATIVE_CHECK[0]:
-            t += f.predict_s(algorithm, world_size, *NATIVE_CHECK[1:])
+            t += self._corrected(f, backend, algorithm, world_size, *NATIVE_CHECK[1:])
         return t
+
+    def _corrected(self, f: CostFit, backend: str, algorithm: str, world_size: int, nbytes: int,
+                   itemsize: int) -> float:
+        """The fit's time, scaled by measured / fitted at the measured size nearest ``nbytes`` (by
+        ratio) of this very cell, if ``dplab tune`` measured it: a benchmarked size is priced at what
+        was measured there. (Three or four parameters fitted to a loaded machine's rows missed them
+        by 12-60%, enough to rank schedules 2x apart the wrong way round.)"""
+        t = f.predict_s(algorithm, world_size, nbytes, itemsize)
+        near = [(abs(math.log2(max(b, 1) / max(nbytes, 1))), b, s) for be, p, a, b, s in self._cells()
+                if be == backend and p == world_size and a == algorithm]
+        if near and t > 0:
+            _, b, s = min(near)
+            fitted = f.predict_s(algorithm, world_size, b, itemsize)
+            t *= s / fitted if fitted > 0 else 1.0
+        return t
+
+    def _cells(self) -> tuple[tuple[str, int, str, int, float], ...]:
+        cached = self.__dict__.get("_cells_cache")
+        if cached is None:
+            cached = self.cells()
+            object.__setattr__(self, "_cells_cache", cached)
+        return cached
 
     def candidates(self, backend: str) -> list[str]:
         """The registered all-reduces, then ``native`` if this backend has a fit for it. Where some
@@ -117,15 +152,18 @@ class Tuning:
         return "native" if best is None else best[2]
 
     def to_json(self) -> dict[str, Any]:
-        return {"version": 1, "fits": [f.to_json() for f in self.fits]}
+        return {"version": 1, "fits": [f.to_json() for f in self.fits],
+                "measured": [list(c) for c in self.cells()]}
 
     @classmethod
     def from_json(cls, data: Any, source: str) -> Tuning:
         try:
             if data.get("version") != 1:
                 raise ConfigError(f"{source}: unknown tune file version {data.get('version')!r}")
-            return cls(tuple(CostFit.from_json(f) for f in data["fits"]), source)
-        except (AttributeError, KeyError, TypeError) as e:
+            measured = tuple((str(b), int(p), str(a), int(n), float(t))
+                             for b, p, a, n, t in data.get("measured", ()))
+            return cls(tuple(CostFit.from_json(f) for f in data["fits"]), source, measured)
+        except (AttributeError, KeyError, TypeError, ValueError) as e:
             raise ConfigError(f"{source} is not a file written by `dplab tune` ({e!r}): run "
                               "`dplab tune` again, or unset $DPLAB_TUNE for the built-in fit") from None
 
