@@ -212,7 +212,7 @@ STEPS = (
         teaches=("faults",),
     ),
     Step(
-        title="A lost rank in synchronous training: fail clearly, resume",
+        title="A lost rank in sync training: fail, then resume",
         text=("Synchronous training cannot go on without a rank: every step needs every gradient. Four "
               "ranks checkpoint every {every} steps; rank 1 dies (SIGKILL) after step {after}. The others "
               "wait in the next all-reduce for a gradient that never comes; the launcher sees rank 1's "

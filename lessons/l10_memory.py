@@ -86,7 +86,7 @@ def seven_billion(lab):
                       for n in (1, 8, 64))
     return {"per_param": rows[0]["param_bytes"] + rows[0]["grad_bytes"] + rows[0]["state_bytes"],
             "k": rows[0]["state_bytes"], "replicated": at[1, 0], "stage3_8": at[8, 3],
-            "weights_gb": rows[0]["params_gb"],
+            "weights_gb": rows[0]["params_gb"], "optimizer_gb": rows[0]["optimizer_gb"],
             "table": table, "paper": [round(r["total_gb"], 1) for r in paper], "device": DEVICE_GB,
             "paper_text": ", ".join(f"{round(r['total_gb'], 1):g}" for r in paper)}
 
@@ -183,9 +183,10 @@ STEPS = (
               "the fp32 master copy and Adam's two moments). Per rank, GB (1e9 bytes), model states only:\n\n"
               "| ranks | stage 0 | stage 1 | stage 2 | stage 3 |\n|---|---|---|---|---|\n{table}\n\n"
               "Replicated, every rank needs **{replicated:.0f} GB** before a single activation, which no "
-              "{device} GB accelerator holds, however many of them there are: the weights alone are "
-              "{weights_gb:.0f} GB. Stage 3 on 8 ranks makes it {stage3_8:.0f} GB. The paper's Figure 1 "
-              "(7.5B, 64 ranks) comes out as printed there: {paper_text} GB for stages 0-3."),
+              "{device} GB accelerator holds, however many of them there are: the weights are only "
+              "{weights_gb:.0f} GB of it, the optimizer state {optimizer_gb:.0f} GB. Stage 3 on 8 ranks "
+              "makes it {stage3_8:.0f} GB. The paper's Figure 1 (7.5B, 64 ranks) comes out as printed there: "
+              "{paper_text} GB for stages 0-3."),
         run=seven_billion,
         checks=(Check("16 bytes per parameter: 112 GB replicated, whatever the number of ranks",
                       lambda f: f["per_param"] == 16 and f["replicated"] == 112),
