@@ -15,8 +15,10 @@ that need more for a meaningful property scale it up.
 from __future__ import annotations
 
 import os
+import subprocess
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -81,3 +83,33 @@ def worlds() -> Iterator[Callable[..., World]]:
         # with one world per size and backend (~20): one after another that was 10-25 s of teardown.
         with ThreadPoolExecutor(max_workers=max(1, len(cache))) as pool:
             list(pool.map(World.close, cache.values()))
+
+
+@pytest.fixture
+def cli_here(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> Callable[..., Any]:
+    """``cli_here(*argv)``: ``dplab *argv`` run by ``main`` in this process, as a CompletedProcess
+    (returncode, stdout, stderr). A subprocess costs ~0.45 s of interpreter start and imports per
+    call; this costs milliseconds. Starting a rank is an error here: every refusal it is used for
+    must come before any rank starts (a World may check its arguments, as for --world-size 0).
+    Tests of what only a real process shows (the module's exit code, no warning printed at import)
+    keep a subprocess for one case per command."""
+    from dplab.backends.cli.commands import main
+    from dplab.backends.launch import world
+
+    def no_ranks(*args: object, **kwargs: object) -> None:
+        raise AssertionError("dplab started ranks: the refusal must come before any rank starts")
+
+    monkeypatch.setattr(world, "start_ranks", no_ranks)
+    monkeypatch.setenv("DPLAB_DEVICE", "")  # main sets it for --device: put back as it was after
+    monkeypatch.delenv("DPLAB_DEVICE")
+
+    def run(*argv: str) -> subprocess.CompletedProcess:
+        capsys.readouterr()
+        try:
+            code = main(list(argv))
+        except SystemExit as e:  # argparse's own errors
+            code = e.code
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess(list(argv), code, out, err)
+
+    return run

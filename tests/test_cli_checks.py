@@ -2,7 +2,9 @@
 
 Each case below used to fail late (after the run, with a traceback, the results lost), deep in
 a rank, with a ZeroDivisionError, or not at all. ``--steps 1000000`` makes "late" obvious: a
-check that ran after the work would not answer within the timeout.
+check that ran after the work would not answer within the timeout. Most cases run ``main`` in
+this process (conftest's ``cli_here``: starting a world there fails the test); one case per
+command still runs ``python -m dplab.backends.cli`` as a process, for its exit code and stderr.
 """
 
 from __future__ import annotations
@@ -35,30 +37,35 @@ def _refused(proc: subprocess.CompletedProcess, command: str, message: str) -> N
 
 
 @pytest.mark.parametrize("option", ["--json", "--trace", "--save-params"])
-def test_output_file_in_a_missing_directory(tmp_path, option):
+def test_output_file_in_a_missing_directory(cli_here, tmp_path, option):
     target = tmp_path / "no" / "such" / "out.json"
-    _refused(_dplab("train", *LONG, option, str(target)), "train",
+    _refused(cli_here("train", *LONG, option, str(target)), "train",
              f"directory {target.parent} does not exist")
 
 
 @pytest.mark.parametrize("option", ["--json", "--trace", "--save-params"])
-def test_output_file_in_an_unwritable_place(option):
-    _refused(_dplab("train", *LONG, option, "/proc/dplab-out.json"), "train", "cannot write in /proc")
+def test_output_file_in_an_unwritable_place(cli_here, option):
+    _refused(cli_here("train", *LONG, option, "/proc/dplab-out.json"), "train", "cannot write in /proc")
 
 
 def test_output_file_that_is_a_directory(tmp_path):
-    _refused(_dplab("compare", *LONG, "--json", str(tmp_path)), "compare", "is a directory")
+    _refused(_dplab("compare", *LONG, "--json", str(tmp_path)), "compare", "is a directory")  # a process
 
 
-def test_checkpoint_dir_missing_parent_unwritable_or_a_file(tmp_path):
+def test_an_output_path_refused_by_the_module_as_run(tmp_path):
+    """The in-process cases above, as a process: exit 2 from ``python -m``, one line, nothing else."""
+    _refused(_dplab("train", *LONG, "--json", str(tmp_path / "no" / "out.json")), "train", "does not exist")
+
+
+def test_checkpoint_dir_missing_parent_unwritable_or_a_file(cli_here, tmp_path):
     missing = tmp_path / "no" / "ck"
-    _refused(_dplab("train", *LONG, "--checkpoint-every", "5", "--checkpoint-dir", str(missing)), "train",
+    _refused(cli_here("train", *LONG, "--checkpoint-every", "5", "--checkpoint-dir", str(missing)), "train",
              "does not exist")
-    _refused(_dplab("train", *LONG, "--checkpoint-every", "5", "--checkpoint-dir", "/proc/ck"), "train",
+    _refused(cli_here("train", *LONG, "--checkpoint-every", "5", "--checkpoint-dir", "/proc/ck"), "train",
              "cannot write in /proc")
     afile = tmp_path / "file"
     afile.write_text("x")
-    _refused(_dplab("train", *LONG, "--checkpoint-dir", str(afile)), "train", "is a file, not a directory")
+    _refused(cli_here("train", *LONG, "--checkpoint-dir", str(afile)), "train", "is a file, not a directory")
 
 
 def test_a_writable_place_passes_and_leaves_no_probe_behind(tmp_path):
@@ -91,13 +98,19 @@ def test_a_writable_place_passes_and_leaves_no_probe_behind(tmp_path):
     (["bench", "--sizes", ""], "empty list"),
     (["bench", "--backends", ""], "empty list"),
 ])
-def test_refused_up_front(argv, message):
+def test_refused_up_front(cli_here, argv, message):
+    _refused(cli_here(*argv), argv[0], message)  # cli_here fails the test if a world starts
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["bench", "--world-sizes", "2,0"], "world_size must be a positive integer, got 0"),
+    (["train", *LONG, "--bucket-cap-mb", "nan"], "--bucket-cap-mb: must be a finite number > 0, got nan"),
+    (["compare", *LONG, "--backends", ""], "--backends: empty list ''"),
+])
+def test_refused_up_front_by_the_module_as_run(argv, message):
+    """One case per command as a real process: exit 2, one line on stderr, and fast (not run)."""
     t0 = time.perf_counter()
-    proc = _dplab(*argv)
-    assert proc.returncode == 2, proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"dplab {argv[0]}: error: ") and message in lines[0], \
-        proc.stderr
+    _refused(_dplab(*argv), argv[0], message)
     assert time.perf_counter() - t0 < 30  # refused, not run
 
 

@@ -290,9 +290,17 @@ def test_train_with_a_straggler_matches_single_device(tmp_path, capsys):
     (["train", "--mode", "backup", "--world-size", "3", "--backup-workers", "2"], "backup_workers"),
     (["compare", "--time-budget", "-1"], "time budget"),
 ])
-def test_bad_straggler_and_budget_arguments_one_line_exit_2(argv, message):
-    proc = subprocess.run([sys.executable, "-m", "dplab.backends.cli", *argv], capture_output=True,
-                          text=True, timeout=60)
+def test_bad_straggler_and_budget_arguments_one_line_exit_2(cli_here, argv, message):
+    proc = cli_here(*argv)  # main in this process (conftest): a world started would fail the test
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], proc.stderr
+
+
+def test_a_bad_straggler_from_the_module_as_run():
+    """One case above as a real process: ``python -m`` exits 2 with that one line only."""
+    proc = subprocess.run([sys.executable, "-m", "dplab.backends.cli", "train", "--straggler", "3"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "bad straggler '3'" in lines[0], proc.stderr
