@@ -47,8 +47,9 @@ __all__ = ["TUNE_ENV", "DEFAULT_TUNE_PATH", "DEFAULT_FITS", "NATIVE_CHECK", "Tun
 TUNE_ENV = "DPLAB_TUNE"
 DEFAULT_TUNE_PATH = "~/.cache/dplab/tune.json"
 _ALL = "all"
-# dplab's native all-reduce first all-reduces (n, dtype, -n, -dtype) as 4 int64s where the engine
-# cannot carry our check (MPI, gloo, NCCL; the local backend's is a tag): auto pays it, so prices it
+# dplab's native all-reduce first checks every rank's (length, dtype) where the engine cannot carry our
+# check (the local backend's is a tag): on MPI ceil(log2 p) rounds of 32-byte messages, on gloo and NCCL
+# a MAX all-reduce of 4 int64s. auto pays it, so prices it as a native all-reduce of 32 bytes
 NATIVE_CHECK = (("mpi", "torch", "torch-nccl"), 32, 8)
 
 # (backend, world_size, algorithm, alpha s, beta s/B, gamma s/B): the per-backend fits of
