@@ -51,14 +51,13 @@ class Round:
     __slots__ = ("src", "dst", "chunk", "reduce")
 
     def __init__(self, src: Any, dst: Any, chunk: Any, op: Any) -> None:
-        if isinstance(op, str):
-            ops = np.array([op])
-        else:
-            ops = np.unique(np.asarray(op))  # one op per transfer
-        bad = ops[~np.isin(ops, ("reduce", "copy"))]
+        ops = np.ravel(np.asarray(op))  # one op per transfer, or one for all
+        is_reduce = ops == "reduce"
+        bad = ops[~is_reduce & (ops != "copy")]
         if bad.size:
             raise ScheduleError(f"unknown op {str(bad[0])!r}: a transfer either 'reduce's or 'copy's")
-        reduce = np.asarray(op) == "reduce" if ops.size > 1 else bool(ops.size and ops[0] == "reduce")
+        mixed = bool(is_reduce.any()) and not bool(is_reduce.all())  # (no np.unique: it imports numpy.ma)
+        reduce = np.asarray(op) == "reduce" if mixed else bool(is_reduce.size and is_reduce[0])
         cols = [np.ravel(np.asarray(a)) for a in (src, dst, chunk)]
         cols = [a if a.dtype.kind in "iu" else a.astype(np.int64) for a in cols]
         if len({a.size for a in cols}) > 1 or np.ndim(reduce):
