@@ -23,9 +23,13 @@ __all__ = ["LESSON"]
 def four_replicas(lab):
     spec = RunSpec(world_size=4, algorithm="ring", train=TrainConfig(steps=50))
     row, events = run_train(spec, world=lab.world(4), trace=True)
-    return {"p": 4, "steps": row["steps"], "identical": row["ranks_identical"],
-            "diff": row["max_abs_diff_vs_single"], "loss": row["final_loss"], "events": events,
-            "verdict": "identical" if row["ranks_identical"] else "different"}
+    same = row["ranks_identical"]
+    return {"p": 4, "steps": row["steps"],
+            "identical": same,
+            "diff": row["max_abs_diff_vs_single"],
+            "loss": row["final_loss"],
+            "events": events,
+            "verdict": "identical" if same else "different"}
 
 
 def _timeline(facts):
@@ -37,18 +41,22 @@ def cut_the_batch(lab):
     p, global_batch = 4, 10
     batch = batch_indices(n=256, global_batch=global_batch, step=0, seed=0)
     shards = [shard(batch, rank, p) for rank in range(p)]
-    return {"p": p, "B": global_batch, "sizes": [len(s) for s in shards], "rank0": len(shards[0]),
-            "covers": bool(np.array_equal(np.concatenate(shards), batch))}
+    together = np.concatenate(shards)
+    return {"p": p, "B": global_batch,
+            "sizes": [len(s) for s in shards],
+            "rank0": len(shards[0]),
+            "covers": bool(np.array_equal(together, batch))}
 
 
 def rank_trains_alone(comm, cfg, allreduce_grads):
     model, data, params = setup(cfg)
     grad = np.zeros_like(params)
+    B = cfg.global_batch
     for step in range(cfg.steps):
-        batch = batch_indices(cfg.num_samples, cfg.global_batch, step, cfg.seed)
+        batch = batch_indices(cfg.num_samples, B, step, cfg.seed)
         idx = shard(batch, comm.rank, comm.world_size)
         grad[:] = 0
-        model.loss_and_grad(params, data.x[idx], data.y[idx], 1 / cfg.global_batch, grad)
+        model.loss_and_grad(params, data.x[idx], data.y[idx], 1 / B, grad)
         if allreduce_grads:
             allreduce(comm, grad, algorithm="ring")
         params -= cfg.optimizer.lr * grad
@@ -59,8 +67,11 @@ def drift_without_allreduce(lab):
     cfg, world = TrainConfig(steps=20), lab.world(4)
     alone = world.run(rank_trains_alone, cfg, False)
     together = world.run(rank_trains_alone, cfg, True)
-    return {"drift": float(max(np.abs(p - alone[0]).max() for p in alone)),
-            "together": float(max(np.abs(p - together[0]).max() for p in together))}
+
+    def spread(replicas):
+        return float(max(np.abs(p - replicas[0]).max() for p in replicas))
+
+    return {"drift": spread(alone), "together": spread(together)}
 
 
 def shards_sum_to_one_batch(lab):
@@ -73,11 +84,15 @@ def shards_sum_to_one_batch(lab):
         model.loss_and_grad(params, data.x[samples], data.y[samples], scale, g)
         return g
 
+    shards = [shard(idx, r, 4) for r in range(4)]
     one_device = gradient(idx, 1 / 10)
-    summed = sum(gradient(shard(idx, r, 4), 1 / 10) for r in range(4))   # what the all-reduce adds
-    by_shard = sum(gradient(shard(idx, r, 4), 1 / len(shard(idx, r, 4))) for r in range(4)) / 4
-    return {"diff": float(np.abs(summed - one_device).max()), "scale": 1 / 10,
-            "wrong": float(np.abs(by_shard - one_device).max()), "params": MLP(cfg.model).num_params}
+    # what the all-reduce adds:
+    summed = sum(gradient(s, 1 / 10) for s in shards)
+    by_shard = sum(gradient(s, 1 / len(s)) for s in shards) / 4
+    return {"diff": float(np.abs(summed - one_device).max()),
+            "scale": 1 / 10,
+            "wrong": float(np.abs(by_shard - one_device).max()),
+            "params": MLP(cfg.model).num_params}
 
 
 STEPS = (

@@ -29,21 +29,28 @@ ALGORITHMS = ("naive", "ring", "tree", "recursive_doubling", "rabenseifner", "do
 
 
 def traced_allreduce(comm, nbytes, algorithm):
-    buf = comm.empty(nbytes // 4, np.float32)           # float32: 4 bytes an element
+    # float32: 4 bytes an element
+    buf = comm.empty(nbytes // 4, np.float32)
     buf[:] = comm.rank + 1
     comm.tracer.enabled = True
     allreduce(comm, buf, algorithm=algorithm)
     comm.tracer.enabled = False
     sends = [e for e in comm.tracer.take() if e.kind == "send"]
-    return {"bytes": sum(e.bytes for e in sends), "messages": len(sends), "value": float(buf[0])}
+    return {"bytes": sum(e.bytes for e in sends),
+            "messages": len(sends),
+            "value": float(buf[0])}
 
 
 def ring_bytes(lab):
     p, n = 4, MIB
-    per_rank = lab.world(p).run(traced_allreduce, n, "ring")
-    return {"p": p, "n_bytes": n, "sent": per_rank[0]["bytes"], "messages": per_rank[0]["messages"],
-            "formula": 2 * (p - 1) * n // p, "naive_root": (p - 1) * n,
-            "all_sent": [r["bytes"] for r in per_rank], "sum": per_rank[0]["value"],
+    ranks = lab.world(p).run(traced_allreduce, n, "ring")
+    return {"p": p, "n_bytes": n,
+            "sent": ranks[0]["bytes"],
+            "messages": ranks[0]["messages"],
+            "formula": 2 * (p - 1) * n // p,
+            "naive_root": (p - 1) * n,
+            "all_sent": [r["bytes"] for r in ranks],
+            "sum": ranks[0]["value"],
             "expected_sum": float(sum(range(1, p + 1)))}
 
 
@@ -55,15 +62,21 @@ def _ring_figure(facts):
 
 def ring_reduce_scatter_rounds(lab):
     p = 4
-    schedule = ring.reduce_scatter(p)                   # the engine's own: what your exercise must match
-    sim = simulate(schedule)
-    end = sim.holdings[-1]                              # [rank, chunk, contributor]: times counted
+    # the engine's own: what your exercise must match
+    schedule = ring.reduce_scatter(p)
+    rounds = schedule.rounds
+    # [rank, chunk, contributor]: times counted
+    end = simulate(schedule).holdings[-1]
     rule = all(t.chunk == (t.src - k - 1) % p and t.dst == (t.src + 1) % p
-               for k, rnd in enumerate(schedule.rounds) for t in rnd)
-    return {"p": p, "last": p - 1, "rounds": len(schedule.rounds), "picture": render_rounds(schedule),
+               for k, rnd in enumerate(rounds) for t in rnd)
+    complete = all((end[r, r] == 1).all() for r in range(p))
+    rank0_next = next(t.chunk for t in rounds[1] if t.src == 0)
+    return {"p": p, "last": p - 1,
+            "rounds": len(rounds),
+            "picture": render_rounds(schedule),
             "rule": rule,
-            "own_chunk_complete": all((end[r, r] == 1).all() for r in range(p)),
-            "round1_rank0_chunk": next(t.chunk for t in schedule.rounds[1] if t.src == 0)}
+            "own_chunk_complete": complete,
+            "round1_rank0_chunk": rank0_next}
 
 
 def schedules_compared(lab):
@@ -71,15 +84,21 @@ def schedules_compared(lab):
     rows = []
     for name in ALGORITHMS:
         schedule = allreduce_schedule(name, p)
-        messages, path_bytes, _ = terms(name, p, n)     # on the critical path: alpha and beta counts
-        rows.append({"algorithm": name, "rounds": len(schedule.rounds), "alphas": int(messages),
-                     "busiest_sends_n": cost(schedule, n, 0, 0, 0, itemsize=4).bytes_sent_max / n,
+        # on the critical path: alpha and beta counts
+        messages, path_bytes, _ = terms(name, p, n)
+        busiest = cost(schedule, n, 0, 0, 0, itemsize=4).bytes_sent_max
+        rows.append({"algorithm": name,
+                     "rounds": len(schedule.rounds),
+                     "alphas": int(messages),
+                     "busiest_sends_n": busiest / n,
                      "correct": is_allreduce(simulate(schedule))})
     by = {r["algorithm"]: r for r in rows}
-    table = "\n".join(f"| {r['algorithm']} | {r['rounds']} | {r['alphas']} | {r['busiest_sends_n']:.3g} n |"
-                      for r in rows)
+    table = "\n".join(
+        f"| {r['algorithm']} | {r['rounds']} | {r['alphas']} "
+        f"| {r['busiest_sends_n']:.3g} n |" for r in rows)
+    fewest = min(rows, key=lambda r: r["alphas"])["algorithm"]
     return {"p": p, "rows": rows, "by": by, "table": table,
-            "fewest_alphas": min(rows, key=lambda r: r["alphas"])["algorithm"]}
+            "fewest_alphas": fewest}
 
 
 def _tree_figure(facts):
@@ -89,30 +108,42 @@ def _tree_figure(facts):
 
 
 def latency_or_bandwidth(lab):
-    p, net = 8, PRESETS["flat-10g"]                     # 10 Gb/s Ethernet, 5 us a message
+    # 10 Gb/s Ethernet, 5 us a message
+    p, net = 8, PRESETS["flat-10g"]
     small, large = 4 << 10, 64 * MIB
-    times = {(a, n): cost(allreduce_schedule(a, p), n, itemsize=4, topology=net).time
-             for a in ("ring", "recursive_doubling") for n in (small, large)}
-    alpha, rd = net.intra.alpha, "recursive_doubling"
-    return {"p": p, "alpha_us": alpha * 1e6, "gbps": 1e-9 / net.intra.beta, "small": small, "large": large,
-            "ring_small_us": times["ring", small] * 1e6, "rd_small_us": times[rd, small] * 1e6,
-            "ring_large_ms": times["ring", large] * 1e3, "rd_large_ms": times[rd, large] * 1e3,
+    rd = "recursive_doubling"
+    times = {(a, n): cost(allreduce_schedule(a, p), n, itemsize=4,
+                          topology=net).time
+             for a in ("ring", rd) for n in (small, large)}
+    alpha = net.intra.alpha
+    return {"p": p, "small": small, "large": large,
+            "alpha_us": alpha * 1e6,
+            "gbps": 1e-9 / net.intra.beta,
+            "ring_small_us": times["ring", small] * 1e6,
+            "rd_small_us": times[rd, small] * 1e6,
+            "ring_large_ms": times["ring", large] * 1e3,
+            "rd_large_ms": times[rd, large] * 1e3,
             "ring_alpha_share": 2 * (p - 1) * alpha / times["ring", small],
-            "small_winner": min(("ring", "recursive_doubling"), key=lambda a: times[a, small]),
-            "large_winner": min(("ring", "recursive_doubling"), key=lambda a: times[a, large])}
+            "small_winner": min(("ring", rd), key=lambda a: times[a, small]),
+            "large_winner": min(("ring", rd), key=lambda a: times[a, large])}
 
 
 def slow_links(lab):
-    topo, p, n = PRESETS["dgx-h100"], 16, 256 * MIB    # two nodes of 8 GPUs
+    # two nodes of 8 GPUs
+    topo, p, n = PRESETS["dgx-h100"], 16, 256 * MIB
     g = topo.ranks_per_node
     out = {"p": p, "g": g, "nodes": p // g, "n_mib": n // MIB}
     for key, name in (("ring", "ring"), ("hier", f"hierarchical:{g}")):
         schedule = allreduce_schedule(name, p)
         t, chunk = schedule.table, n // schedule.num_chunks
-        between = (t.src // g) != (t.dst // g)          # this transfer leaves its node
-        out[f"{key}_inter_n"] = int(np.bincount(t.src[between], minlength=p).max()) * chunk / n
-        out[f"{key}_total_n"] = int(np.bincount(t.src, minlength=p).max()) * chunk / n
-        out[f"{key}_ms"] = cost(schedule, n, itemsize=4, topology=topo).time * 1e3
+        # this transfer leaves its node:
+        between = (t.src // g) != (t.dst // g)
+        inter = np.bincount(t.src[between], minlength=p).max()
+        total = np.bincount(t.src, minlength=p).max()
+        secs = cost(schedule, n, itemsize=4, topology=topo).time
+        out[f"{key}_inter_n"] = int(inter) * chunk / n
+        out[f"{key}_total_n"] = int(total) * chunk / n
+        out[f"{key}_ms"] = secs * 1e3
         out[f"{key}_rounds"] = len(schedule.rounds)
     out["factor"] = out["ring_inter_n"] / out["hier_inter_n"]
     return out
