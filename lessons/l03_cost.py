@@ -40,44 +40,69 @@ TABLE_SIZES = (KIB, MIB, 1 << 30)  # the text's table; the figure has them all
 
 def model_prices_schedules(lab):
     p, n = 4, MIB
-    alpha, beta, gamma = 5e-6, 1 / 10e9, 1 / 25e9      # 5 µs a message, 10 GB/s links, 25 GB/s adds
-    walked = {a: cost(allreduce_schedule(a, p), n, alpha, beta, gamma, itemsize=4).time
-              for a in ("naive", "ring", "tree", "recursive_doubling", "rabenseifner")}
-    textbook = {a: closed_form(a, p, n, alpha, beta, gamma) for a in walked}
-    return {"p": p, "n_bytes": n, "ring_us": walked["ring"] * 1e6,
-            "table": "\n".join(f"| {a} | {walked[a] * 1e6:.1f} | {textbook[a] * 1e6:.1f} |" for a in walked),
-            "worst": max(abs(walked[a] / textbook[a] - 1) for a in walked)}
+    # 5 µs a message, 10 GB/s links, 25 GB/s adds
+    alpha, beta, gamma = 5e-6, 1 / 10e9, 1 / 25e9
+    names = ("naive", "ring", "tree", "recursive_doubling", "rabenseifner")
+    walked = {a: cost(allreduce_schedule(a, p), n, alpha, beta, gamma,
+                      itemsize=4).time
+              for a in names}
+    textbook = {a: closed_form(a, p, n, alpha, beta, gamma) for a in names}
+    table = "\n".join(
+        f"| {a} | {walked[a] * 1e6:.1f} | {textbook[a] * 1e6:.1f} |"
+        for a in names)
+    worst = max(abs(walked[a] / textbook[a] - 1) for a in names)
+    return {"p": p, "n_bytes": n,
+            "ring_us": walked["ring"] * 1e6,
+            "table": table,
+            "worst": worst}
 
 
 def bench_here(lab):
-    """Time four all-reduces at three sizes on 4 local ranks, as `dplab bench` does (kept for the
-    lesson's later steps: measuring is the slow part)."""
+    """Time four all-reduces at three sizes on 4 local ranks, as
+    `dplab bench` does (kept for the lesson's later steps: measuring
+    is the slow part)."""
     if "l03_rows" not in lab.scratch:
-        per_rank = lab.world(4).run(bench_rank, BENCH_ALGORITHMS, BENCH_SIZES, "float32",
-                                    2, 0.03, 2000, BENCH_REPS)    # warm-up, 30 ms a cell, at most 2000 calls
-        lab.scratch["l03_rows"] = [r for r in summarize("local", 4, per_rank) if r["algorithm"] != "memcpy"]
+        # warm-up 2, 30 ms a cell, at most 2000 calls
+        ranks = lab.world(4).run(bench_rank, BENCH_ALGORITHMS, BENCH_SIZES,
+                                 "float32", 2, 0.03, 2000, BENCH_REPS)
+        rows = summarize("local", 4, ranks)
+        lab.scratch["l03_rows"] = [r for r in rows
+                                   if r["algorithm"] != "memcpy"]
     return lab.scratch["l03_rows"]
 
 
 def measure_and_fit(lab):
     rows = bench_here(lab)
-    (model,) = fit(rows)                                 # one fit for the backend: alpha, beta, gamma
-    table = "\n".join(f"| {r['algorithm']} | {r['bytes']:,} | {r['measured_us']:.0f} | "
-                      f"{r['fitted_us']:.0f} | {r['residual_pct']:+.0f}% |" for r in model.residuals())
+    # one fit for the backend: alpha, beta, gamma
+    (model,) = fit(rows)
+    table = "\n".join(
+        f"| {r['algorithm']} | {r['bytes']:,} | {r['measured_us']:.0f} | "
+        f"{r['fitted_us']:.0f} | {r['residual_pct']:+.0f}% |"
+        for r in model.residuals())
     rms = model.summary()["rms_residual_pct"]
-    nudged = [rms_of(replace(model, **{k: getattr(model, k) * s}))     # each fitted value 10% off
-              for k in ("alpha", "beta", "gamma") if getattr(model, k) for s in (0.9, 1.1)]
-    return {"p": 4, "fit": model, "alpha_us": model.alpha * 1e6, "rows": len(rows), "reps": BENCH_REPS,
+    # each fitted value 10% off
+    nudged = [rms_of(replace(model, **{k: getattr(model, k) * s}))
+              for k in ("alpha", "beta", "gamma") if getattr(model, k)
+              for s in (0.9, 1.1)]
+    abg = (model.alpha, model.beta, model.gamma)
+    return {"p": 4, "fit": model,
+            "alpha_us": model.alpha * 1e6,
+            "rows": len(rows), "reps": BENCH_REPS,
             "sizes": ", ".join(map(format_bytes, BENCH_SIZES)),
-            "beta_is": _per_byte(model.beta), "gamma_is": _per_byte(model.gamma),
+            "beta_is": _per_byte(model.beta),
+            "gamma_is": _per_byte(model.gamma),
             "note": model.note or "none",
-            "rms": rms, "table": table, "least": all(x >= rms - 1e-6 for x in nudged), "nudged": len(nudged),
-            "nonnegative": all((v or 0.0) >= 0 for v in (model.alpha, model.beta, model.gamma))}
+            "rms": rms, "table": table,
+            "least": all(x >= rms - 1e-6 for x in nudged),
+            "nudged": len(nudged),
+            "nonnegative": all((v or 0.0) >= 0 for v in abg)}
 
 
 def rms_of(model):
-    """The fit's objective: the root mean square of each row's residual relative to its time."""
-    return float(np.sqrt(np.mean([r["residual_pct"] ** 2 for r in model.residuals()])))
+    """The fit's objective: the root mean square of each row's
+    residual relative to its time."""
+    pct = [r["residual_pct"] for r in model.residuals()]
+    return float(np.sqrt(np.mean([x ** 2 for x in pct])))
 
 
 def _per_byte(seconds):
@@ -93,34 +118,50 @@ def _residuals(facts):
 def crossover(lab):
     from dplab.viz.cost import CostParams
     from dplab.viz.cost_crossovers import crossovers
+    ring, rd = "ring", "recursive_doubling"
     textbook = CostParams(alpha_s=5e-6, beta_gbps=10, world_size=8,
-                          algorithms=("ring", "tree", "recursive_doubling"))
-    said = {(c.faster_below, c.faster_above): c.nbytes for c in crossovers(textbook)}
+                          algorithms=(ring, "tree", rd))
+    said = {(c.faster_below, c.faster_above): c.nbytes
+            for c in crossovers(textbook)}
     rows = bench_here(lab)
-    (model,) = fit(rows)                                 # this machine's fit, from the step before
-    ring_wins = [n for n in (int(n) // 4 * 4 for n in np.geomspace(KIB, 1 << 30, 241))
-                 if model.predict_s("ring", 4, n) < model.predict_s("recursive_doubling", 4, n)]
+    # this machine's fit, from the step before
+    (model,) = fit(rows)
+    sizes = (int(n) // 4 * 4 for n in np.geomspace(KIB, 1 << 30, 241))
+    ring_wins = [n for n in sizes
+                 if model.predict_s(ring, 4, n) < model.predict_s(rd, 4, n)]
     timed = {(r["algorithm"], r["bytes"]): r["time_us"] for r in rows}
-    per_rank = lab.world(4).run(bench_rank, ["ring", "recursive_doubling"], [4 * KIB], "float32",
-                                3, 0.05, 2000, SMALL_REPS)    # 4 KiB again, more repetitions
-    timed |= {(r["algorithm"], r["bytes"]): r["time_us"] for r in summarize("local", 4, per_rank)}
-    rounds = {a: len(allreduce_schedule(a, 4).rounds) for a in ("ring", "recursive_doubling")}
-    here = (f"with this machine's fit (p=4) the ring takes over at {ring_wins[0] / KIB:,.0f} KiB" if ring_wins
-            else "this run's fit found no cost per byte (too busy a machine), so with it the ring never does")
-    return {"reps": SMALL_REPS, "ring_rounds": rounds["ring"], "rd_rounds": rounds["recursive_doubling"],
-            "here": here,
-            "tree_below_kib": said["tree", "ring"] / KIB,
-            "rd_below_kib": said["recursive_doubling", "ring"] / KIB,
-            "ring_4k_us": timed["ring", 4 * KIB], "rd_4k_us": timed["recursive_doubling", 4 * KIB],
-            "ratio_4k": timed["ring", 4 * KIB] / timed["recursive_doubling", 4 * KIB],
-            "ring_1m_us": timed["ring", MIB], "rd_1m_us": timed["recursive_doubling", MIB],
-            "model_ratio_64m": model_time("recursive_doubling", 64 * MIB) / model_time("ring", 64 * MIB),
-            "winner_4k": min(("ring", "recursive_doubling"), key=lambda a: timed[a, 4 * KIB])}
+    # 4 KiB again, more repetitions
+    ranks = lab.world(4).run(bench_rank, [ring, rd], [4 * KIB], "float32",
+                             3, 0.05, 2000, SMALL_REPS)
+    again = summarize("local", 4, ranks)
+    timed |= {(r["algorithm"], r["bytes"]): r["time_us"] for r in again}
+    rounds = {a: len(allreduce_schedule(a, 4).rounds) for a in (ring, rd)}
+    if ring_wins:
+        at = ring_wins[0] / KIB
+        here = ("with this machine's fit (p=4) the ring takes over "
+                f"at {at:,.0f} KiB")
+    else:
+        here = ("this run's fit found no cost per byte (too busy a machine), "
+                "so with it the ring never does")
+    k4, m64 = 4 * KIB, 64 * MIB
+    return {"reps": SMALL_REPS, "here": here,
+            "ring_rounds": rounds[ring],
+            "rd_rounds": rounds[rd],
+            "tree_below_kib": said["tree", ring] / KIB,
+            "rd_below_kib": said[rd, ring] / KIB,
+            "ring_4k_us": timed[ring, k4],
+            "rd_4k_us": timed[rd, k4],
+            "ratio_4k": timed[ring, k4] / timed[rd, k4],
+            "ring_1m_us": timed[ring, MIB],
+            "rd_1m_us": timed[rd, MIB],
+            "model_ratio_64m": model_time(rd, m64) / model_time(ring, m64),
+            "winner_4k": min((ring, rd), key=lambda a: timed[a, k4])}
 
 
 def model_time(algorithm, nbytes, p=8):
-    """The textbook setting's time: alpha 5 µs, 10 GB/s links, reduction free."""
-    return cost(allreduce_schedule(algorithm, p), nbytes, 5e-6, 1e-10, 0.0, itemsize=4).time
+    """The textbook setting: alpha 5 µs, 10 GB/s links, free adds."""
+    schedule = allreduce_schedule(algorithm, p)
+    return cost(schedule, nbytes, 5e-6, 1e-10, 0.0, itemsize=4).time
 
 
 def _crossover_figure(facts):
@@ -131,20 +172,34 @@ def _crossover_figure(facts):
 
 
 def cluster_regions(lab):
-    topo = PRESETS["dgx-h100"]                            # 8 GPUs a node on NVLink, InfiniBand between
-    regions = best_regions(topo, CLUSTER_PS, CLUSTER_SIZES)
+    # 8 GPUs a node on NVLink, InfiniBand between
+    topo = PRESETS["dgx-h100"]
+    ps, sizes = CLUSTER_PS, CLUSTER_SIZES
+    regions = best_regions(topo, ps, sizes)
     win = {(p, n): regions.algorithms[regions.winner[i, j]]
-           for i, p in enumerate(CLUSTER_PS) for j, n in enumerate(CLUSTER_SIZES)}
-    small, large = CLUSTER_SIZES[0], CLUSTER_SIZES[-1]
-    alphas = {p: (terms(win[p, small], p, small)[0], terms(win[p, large], p, large)[0]) for p in CLUSTER_PS}
-    least = {p: cost(allreduce_schedule(win[p, large], p), large, 0, 0, 0, itemsize=4).bytes_sent_max
-             / (2 * (p - 1) / p * large) for p in CLUSTER_PS}
-    table = "\n".join(f"| {p} | " + " | ".join(win[p, n] for n in TABLE_SIZES) + " |" for p in CLUSTER_PS)
-    return {"regions": regions, "table": table, "small_64": win[64, small], "large_64": win[64, large],
-            "small_winners": ", ".join(sorted({win[p, small] for p in CLUSTER_PS})),
-            "large_winners": ", ".join(sorted({win[p, large] for p in CLUSTER_PS})), "alphas": alphas,
+           for i, p in enumerate(ps) for j, n in enumerate(sizes)}
+    small, large = sizes[0], sizes[-1]
+    alphas = {p: (terms(win[p, small], p, small)[0],
+                  terms(win[p, large], p, large)[0])
+              for p in ps}
+
+    def sent_by_busiest(p):
+        schedule = allreduce_schedule(win[p, large], p)
+        return cost(schedule, large, 0, 0, 0, itemsize=4).bytes_sent_max
+
+    least = {p: sent_by_busiest(p) / (2 * (p - 1) / p * large) for p in ps}
+    table = "\n".join(
+        f"| {p} | " + " | ".join(win[p, n] for n in TABLE_SIZES) + " |"
+        for p in ps)
+    hier = all(win[p, large].startswith("hierarchical") for p in ps if p > 8)
+    return {"regions": regions, "table": table,
+            "small_64": win[64, small],
+            "large_64": win[64, large],
+            "small_winners": ", ".join(sorted({win[p, small] for p in ps})),
+            "large_winners": ", ".join(sorted({win[p, large] for p in ps})),
+            "alphas": alphas,
             "least": least,
-            "hier_multi_node": all(win[p, large].startswith("hierarchical") for p in CLUSTER_PS if p > 8)}
+            "hier_multi_node": hier}
 
 
 def _regions_figure(facts):
@@ -156,27 +211,42 @@ def traced_auto(comm, nbytes):
     buf = comm.empty(nbytes // 4, np.float32)
     buf[:] = 1
     comm.tracer.enabled = True
-    allreduce(comm, buf, algorithm="auto")               # auto: the fitted model picks, per size
+    # auto: the fitted model picks, per size
+    allreduce(comm, buf, algorithm="auto")
     comm.tracer.enabled = False
-    ran = {e.algorithm for e in comm.tracer.take() if e.kind == "send"}
-    return {"chosen": auto.chosen(comm, buf), "ran": sorted(ran), "sum": float(buf[0])}
+    sends = [e for e in comm.tracer.take() if e.kind == "send"]
+    ran = {e.algorithm for e in sends}
+    return {"chosen": auto.chosen(comm, buf),
+            "ran": sorted(ran),
+            "sum": float(buf[0])}
 
 
 def what_auto_picks(lab):
-    p, tuning = 4, auto.current()                        # $DPLAB_TUNE, ~/.cache/dplab/tune.json or built in
+    # $DPLAB_TUNE, ~/.cache/dplab/tune.json or built in
+    p, tuning = 4, auto.current()
+    small, large = 4 * KIB, 16 * MIB
     picks, ran, ok = {}, {}, True
-    for n in (4 * KIB, 16 * MIB):
-        per_rank = lab.world(p).run(traced_auto, n)
-        picks[n] = per_rank[0]["chosen"]
-        ran[n] = per_rank[0]["ran"]
-        priced = {a: tuning.predict_s("local", a, p, n) for a in tuning.candidates("local")}
-        cheapest = min((t, i, a) for i, (a, t) in enumerate(priced.items()) if t is not None)[2]
-        ok &= (picks[n] == cheapest and len({r["chosen"] for r in per_rank}) == 1
-               and all(r["sum"] == p for r in per_rank))
-    schedule = {n: "direct" if a == "native" else allreduce_schedule(a, p).name for n, a in picks.items()}
-    return {"p": p, "source": tuning.source, "small": picks[4 * KIB], "large": picks[16 * MIB],
-            "consistent": ok, "ran_as_chosen": all(ran[n] == [schedule[n]] for n in picks),
-            "ran_small": ", ".join(ran[4 * KIB]), "ran_large": ", ".join(ran[16 * MIB])}
+    for n in (small, large):
+        ranks = lab.world(p).run(traced_auto, n)
+        picks[n] = ranks[0]["chosen"]
+        ran[n] = ranks[0]["ran"]
+        priced = {a: tuning.predict_s("local", a, p, n)
+                  for a in tuning.candidates("local")}
+        cheapest = min((t, i, a) for i, (a, t) in enumerate(priced.items())
+                       if t is not None)[2]
+        ok &= (picks[n] == cheapest
+               and len({r["chosen"] for r in ranks}) == 1
+               and all(r["sum"] == p for r in ranks))
+    schedule = {n: "direct" if a == "native"
+                else allreduce_schedule(a, p).name
+                for n, a in picks.items()}
+    return {"p": p, "source": tuning.source,
+            "small": picks[small],
+            "large": picks[large],
+            "consistent": ok,
+            "ran_as_chosen": all(ran[n] == [schedule[n]] for n in picks),
+            "ran_small": ", ".join(ran[small]),
+            "ran_large": ", ".join(ran[large])}
 
 
 STEPS = (
