@@ -129,7 +129,7 @@ def test_where_things_live_names_every_file():
     words = set(re.findall(r"[\w]+\.py|[\w]+/", section))
     root = Path(__file__).resolve().parents[1]
     missing = []
-    for folder in ("reference", "backends"):
+    for folder in ("reference", "backends", "viz", "lessons"):
         for path in sorted((root / folder).rglob("*.py")):
             if path.name in ("__init__.py", "__main__.py") or path.name in words:
                 continue
@@ -138,3 +138,23 @@ def test_where_things_live_names_every_file():
             if f"{path.name}/" not in words:
                 missing.append(str(path.relative_to(root)) + "/")
     assert not missing, f"README's 'Where things live' does not mention {missing}"
+
+
+def test_the_lessons_table_is_the_lessons():
+    """Number, title, steps and needs of every lesson, as the README lists them."""
+    from dplab.lessons import lessons
+
+    section = README.split("## Lessons", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if re.match(r"\| \d+ \|", line)]
+    listed = [tuple(cell.strip() for cell in row.strip("|").split("|")[:4]) for row in rows]
+    actual = [(str(les.number), les.title, str(len(les.steps)), ", ".join(les.needs) or "-")
+              for les in lessons()]
+    assert listed == actual
+
+
+def test_the_coverage_table_is_complete_and_current():
+    """Every idea has a step, and the README's table is the one the lessons make."""
+    from dplab.lessons.coverage import coverage, coverage_table
+
+    assert [idea for idea, places in coverage().items() if not places] == []
+    assert coverage_table() in README
