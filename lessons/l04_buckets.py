@@ -26,41 +26,69 @@ CAPS = (0.01, 0.1, 25.0)  # bucket_cap_mb: one bucket per layer, two, one for ev
 
 
 def one_device(comm, cfg):
-    return train_single(cfg).params                     # the oracle, run on a rank (one BLAS thread)
+    # the oracle, run on a rank (one BLAS thread)
+    return train_single(cfg).params
 
 
 def buckets_of_the_model(lab):
     model = MLP(MODEL)
     names = model.param_names
-    sizes = {cap: assign_buckets(model.param_slices, 8, cap) for cap in CAPS}   # float64: 8 bytes
-    lines = "\n".join(f"| {cap:g} | " + " ; ".join(",".join(names[i] for i in b) for b in sizes[cap]) + " |"
-                      for cap in CAPS)
+    # float64: 8 bytes an element
+    buckets = {cap: assign_buckets(model.param_slices, 8, cap)
+               for cap in CAPS}
+
+    def row(cap):
+        cells = [",".join(names[i] for i in b) for b in buckets[cap]]
+        return f"| {cap:g} | " + " ; ".join(cells) + " |"
+
     nbytes = [(s.stop - s.start) * 8 for s in model.param_slices]
-    small = sizes[CAPS[0]]
-    return {"table": lines, "cap": CAPS[0], "count": len(small), "counts": [len(sizes[c]) for c in CAPS],
-            "reverse": all(s[0][0] == len(names) - 1 for s in sizes.values()),
-            "contiguous": all(b == list(range(b[0], b[-1] - 1, -1)) for s in sizes.values() for b in s),
-            "full": all(sum(nbytes[i] for i in b) >= cap * 2**20 for cap in CAPS for b in sizes[cap][:-1]),
-            "sizes": ", ".join(f"{n} {format_bytes(b)}" for n, b in zip(names, nbytes))}
+    small = buckets[CAPS[0]]
+    every = [b for bs in buckets.values() for b in bs]
+    # each bucket but the last holds at least its cap
+    full = all(sum(nbytes[i] for i in b) >= cap * 2**20
+               for cap in CAPS for b in buckets[cap][:-1])
+    last = len(names) - 1
+    return {"table": "\n".join(row(cap) for cap in CAPS),
+            "cap": CAPS[0],
+            "count": len(small),
+            "counts": [len(buckets[c]) for c in CAPS],
+            "reverse": all(bs[0][0] == last for bs in buckets.values()),
+            "contiguous": all(b == list(range(b[0], b[-1] - 1, -1))
+                              for b in every),
+            "full": full,
+            "sizes": ", ".join(f"{n} {format_bytes(b)}"
+                               for n, b in zip(names, nbytes))}
 
 
 def overlap_in_the_trace(lab):
-    cfg = TrainConfig(model=MODEL, num_samples=256, global_batch=128, steps=6)
+    cfg = TrainConfig(model=MODEL, num_samples=256, global_batch=128,
+                      steps=6)
     single = lab.world(1).run(one_device, cfg)[0]
-    row, events = run_train(RunSpec(world_size=2, bucket_cap_mb=CAPS[0], train=cfg), world=lab.world(2),
-                            trace=True, single=single)
+    spec = RunSpec(world_size=2, bucket_cap_mb=CAPS[0], train=cfg)
+    row, events = run_train(spec, world=lab.world(2), trace=True,
+                            single=single)
     rank0 = events[0]
-    early = []                                           # per step: first bucket start < backward end?
+    starts = [e.t_start_ns for e in rank0
+              if e.kind == "bucket" and e.extra["bucket"] == 0]
+    # per step: does the first bucket start before backward ends?
+    early = []
     for step in range(cfg.steps):
-        backward_end = max(e.t_end_ns for e in rank0 if e.kind == "backward" and e.extra["step"] == step)
-        starts = [e.t_start_ns for e in rank0 if e.kind == "bucket" and e.extra["bucket"] == 0]
-        first = min(t for t in starts if t > min(e.t_start_ns for e in rank0 if e.extra.get("step") == step))
+        mine = [e for e in rank0 if e.extra.get("step") == step]
+        begin = min(e.t_start_ns for e in mine)
+        backward_end = max(e.t_end_ns for e in mine
+                           if e.kind == "backward")
+        first = min(t for t in starts if t > begin)
         early.append(first < backward_end)
-    comm = [(e.t_start_ns, e.t_end_ns) for e in rank0 if e.kind in COMM_KINDS]
-    compute = [(e.t_start_ns, e.t_end_ns) for e in rank0 if e.kind in COMPUTE_KINDS]
-    return {"steps": cfg.steps, "early": sum(early), "events": events,
-            "hidden_pct": 100 * measure(intersect(comm, compute)) / measure(comm),
-            "diff": row["max_abs_diff_vs_single"], "identical": row["ranks_identical"]}
+    comm = [(e.t_start_ns, e.t_end_ns) for e in rank0
+            if e.kind in COMM_KINDS]
+    compute = [(e.t_start_ns, e.t_end_ns) for e in rank0
+               if e.kind in COMPUTE_KINDS]
+    hidden = measure(intersect(comm, compute)) / measure(comm)
+    return {"steps": cfg.steps, "events": events,
+            "early": sum(early),
+            "hidden_pct": 100 * hidden,
+            "diff": row["max_abs_diff_vs_single"],
+            "identical": row["ranks_identical"]}
 
 
 def _timeline(facts):
@@ -70,17 +98,22 @@ def _timeline(facts):
 
 
 def count_allreduces(lab):
-    cfg = TrainConfig(model=MODEL, num_samples=256, global_batch=128, steps=2)
+    cfg = TrainConfig(model=MODEL, num_samples=256, global_batch=128,
+                      steps=2)
     single = lab.world(1).run(one_device, cfg)[0]
-    model, out = MLP(MODEL), {"caps": list(CAPS), "params": MLP(MODEL).num_params}
+    model = MLP(MODEL)
+    out = {"caps": list(CAPS), "params": model.num_params}
     for cap in CAPS:
-        row, events = run_train(RunSpec(world_size=2, bucket_cap_mb=cap, train=cfg), world=lab.world(2),
-                                trace=True, single=single)
+        spec = RunSpec(world_size=2, bucket_cap_mb=cap, train=cfg)
+        row, events = run_train(spec, world=lab.world(2), trace=True,
+                                single=single)
         buckets = [e for e in events[0] if e.kind == "bucket"]
-        out[cap] = {"per_step": len(buckets) // cfg.steps,
-                    "bytes_per_step": sum(e.bytes for e in buckets) // cfg.steps,
-                    "planned": len(assign_buckets(model.param_slices, 8, cap)),
-                    "diff": row["max_abs_diff_vs_single"]}
+        planned = assign_buckets(model.param_slices, 8, cap)
+        out[cap] = {
+            "per_step": len(buckets) // cfg.steps,
+            "bytes_per_step": sum(e.bytes for e in buckets) // cfg.steps,
+            "planned": len(planned),
+            "diff": row["max_abs_diff_vs_single"]}
     out["per_step"] = ", ".join(str(out[c]["per_step"]) for c in CAPS)
     out["caps_text"] = ", ".join(f"{c:g}" for c in CAPS)
     out["one_bucket"] = out[CAPS[-1]]["per_step"]
@@ -88,18 +121,22 @@ def count_allreduces(lab):
 
 
 def accumulate(lab):
-    cfg = TrainConfig(model=MODEL, num_samples=256, global_batch=128, steps=3)
+    cfg = TrainConfig(model=MODEL, num_samples=256, global_batch=128,
+                      steps=3)
     single = lab.world(1).run(one_device, cfg)[0]
     out = {"steps": cfg.steps}
     for k in (1, 4):
-        row, events = run_train(RunSpec(world_size=2, bucket_cap_mb=CAPS[-1], accum_steps=k, train=cfg),
-                                world=lab.world(2), trace=True, single=single)
+        spec = RunSpec(world_size=2, bucket_cap_mb=CAPS[-1],
+                       accum_steps=k, train=cfg)
+        row, events = run_train(spec, world=lab.world(2), trace=True,
+                                single=single)
         kinds = [e.kind for e in events[0]]
         out[k] = {"forwards": kinds.count("forward") / cfg.steps,
                   "allreduces": kinds.count("bucket") / cfg.steps,
                   "diff": row["max_abs_diff_vs_single"]}
     out["micro"] = out[4]["forwards"]
-    out["allreduces_4"], out["diff4"] = int(out[4]["allreduces"]), out[4]["diff"]
+    out["allreduces_4"] = int(out[4]["allreduces"])
+    out["diff4"] = out[4]["diff"]
     return out
 
 
