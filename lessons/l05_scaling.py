@@ -28,13 +28,18 @@ REPS = 3  # world sizes and models interleaved, each cell the median of its repe
 
 
 def amdahl(serial, p):
-    """The best speedup on p ranks when a share ``serial`` of the one-rank time cannot be split."""
+    """The best speedup on p ranks when a share ``serial`` of the
+    one-rank time cannot be split."""
     return 1 / (serial + (1 - serial) / p)
 
 
 def amdahl_on_paper(lab):
     f = 0.1
-    return {"f_pct": 100 * f, "s2": amdahl(f, 2), "s4": amdahl(f, 4), "s64": amdahl(f, 64), "ceiling": 1 / f,
+    return {"f_pct": 100 * f,
+            "s2": amdahl(f, 2),
+            "s4": amdahl(f, 4),
+            "s64": amdahl(f, 64),
+            "ceiling": 1 / f,
             "grows": [amdahl(f, p) for p in (1, 2, 4, 8, 64)]}
 
 
@@ -43,34 +48,46 @@ def timed_training(comm, cfg):
     train_sync(comm, cfg, SyncConfig("ring"))
     comm.tracer.enabled = False
     events = comm.tracer.take()
-    return step_split(events, first_step=1), events     # step 0 is warm-up
+    # step 0 is warm-up
+    return step_split(events, first_step=1), events
 
 
 def measure_scaling(lab):
-    """Every (model, world size) cell, interleaved, REPS times; the slowest rank's mean step, median
-    over the repetitions (kept for the lesson's later steps: measuring is the slow part)."""
+    """Every (model, world size) cell, interleaved, REPS times; the
+    slowest rank's mean step, median over the repetitions (kept for
+    the lesson's later steps: measuring is the slow part)."""
     if "l05" not in lab.scratch:
         step_ms, splits, traces = {}, {}, {}
         for _ in range(REPS):
             for p in WORLD_SIZES:
                 for name, cfg in MODELS.items():
-                    per_rank = lab.world(p).run(timed_training, cfg)
-                    slowest = max(per_rank, key=lambda r: r[0].step_ms)
-                    step_ms.setdefault((name, p), []).append(slowest[0].step_ms)
-                    splits.setdefault((name, p), []).append(per_rank[0][0])
-                    traces[name, p] = [r[1] for r in per_rank]
-        lab.scratch["l05"] = ({k: statistics.median(v) for k, v in step_ms.items()}, splits, traces)
+                    ranks = lab.world(p).run(timed_training, cfg)
+                    split0 = ranks[0][0]
+                    slowest = max(r[0].step_ms for r in ranks)
+                    step_ms.setdefault((name, p), []).append(slowest)
+                    splits.setdefault((name, p), []).append(split0)
+                    traces[name, p] = [r[1] for r in ranks]
+        median = {k: statistics.median(v) for k, v in step_ms.items()}
+        lab.scratch["l05"] = (median, splits, traces)
     return lab.scratch["l05"]
 
 
 def strong_scaling(lab):
     step_ms, _, _ = measure_scaling(lab)
-    eff = {(m, p): step_ms[m, 1] / (p * step_ms[m, p]) for m in MODELS for p in WORLD_SIZES}
-    table = "\n".join(f"| {m} ({MLP(MODELS[m].model).num_params:,} params) | "
-                      + " | ".join(f"{step_ms[m, p]:.2f} ms, E={eff[m, p]:.2f}" for p in WORLD_SIZES) + " |"
-                      for m in MODELS)
-    return {"table": table, "eff": eff, "batch_small": MODELS["small"].global_batch,
-            "batch_large": MODELS["large"].global_batch, "ratio2": eff["large", 2] / eff["small", 2],
+    eff = {(m, p): step_ms[m, 1] / (p * step_ms[m, p])
+           for m in MODELS for p in WORLD_SIZES}
+
+    def row(m):
+        params = MLP(MODELS[m].model).num_params
+        cells = [f"{step_ms[m, p]:.2f} ms, E={eff[m, p]:.2f}"
+                 for p in WORLD_SIZES]
+        return f"| {m} ({params:,} params) | " + " | ".join(cells) + " |"
+
+    return {"table": "\n".join(row(m) for m in MODELS),
+            "eff": eff,
+            "batch_small": MODELS["small"].global_batch,
+            "batch_large": MODELS["large"].global_batch,
+            "ratio2": eff["large", 2] / eff["small", 2],
             "ratio4": eff["large", 4] / eff["small", 4],
             "better": max(MODELS, key=lambda m: eff[m, 2] + eff[m, 4])}
 
@@ -79,16 +96,25 @@ def where_time_goes(lab):
     _, splits, traces = measure_scaling(lab)
     out = {"traces": traces["small", 2]}
     for m in MODELS:
-        s = min(splits[m, 2], key=lambda x: x.step_ms)   # the least disturbed repetition
-        out[m] = {"step": s.step_ms, "compute": s.compute_ms, "comm": s.exposed_comm_ms,
-                  "wait": s.waiting_ms, "other": s.other_ms,
+        # the least disturbed repetition
+        s = min(splits[m, 2], key=lambda x: x.step_ms)
+        parts = (s.compute_ms + s.exposed_comm_ms + s.waiting_ms
+                 + s.other_ms)
+        out[m] = {"step": s.step_ms,
+                  "compute": s.compute_ms,
+                  "comm": s.exposed_comm_ms,
+                  "wait": s.waiting_ms,
+                  "other": s.other_ms,
                   "ratio": (s.exposed_comm_ms + s.waiting_ms) / s.compute_ms,
-                  "adds_up": abs(s.compute_ms + s.exposed_comm_ms + s.waiting_ms + s.other_ms - s.step_ms)
-                  < 1e-6}
-    out["table"] = "\n".join(f"| {m} | {out[m]['step']:.2f} | {out[m]['compute']:.2f} | "
-                             f"{out[m]['comm']:.2f} | {out[m]['wait']:.2f} | {out[m]['other']:.2f} | "
-                             f"{out[m]['ratio']:.2g} |"
-                             for m in MODELS)
+                  "adds_up": abs(parts - s.step_ms) < 1e-6}
+
+    def row(m):
+        o = out[m]
+        return (f"| {m} | {o['step']:.2f} | {o['compute']:.2f} "
+                f"| {o['comm']:.2f} | {o['wait']:.2f} | {o['other']:.2f} "
+                f"| {o['ratio']:.2g} |")
+
+    out["table"] = "\n".join(row(m) for m in MODELS)
     return out
 
 
@@ -102,9 +128,13 @@ def amdahl_measured(lab):
     out = {}
     for m in MODELS:
         s = min(splits[m, 2], key=lambda x: x.step_ms)
-        serial = s.step_ms - s.compute_ms                 # what did not shrink: exposed comm, waits, Python
-        f = serial / (serial + 2 * s.compute_ms)          # its share of the work as one rank would do it
-        out[m] = {"f": f, "f_pct": 100 * f, "ceiling": 1 / f, "bound4": amdahl(f, 4)}
+        # what did not shrink: exposed comm, waits, Python
+        serial = s.step_ms - s.compute_ms
+        # its share of the work as one rank would do it
+        f = serial / (serial + 2 * s.compute_ms)
+        out[m] = {"f": f, "f_pct": 100 * f,
+                  "ceiling": 1 / f,
+                  "bound4": amdahl(f, 4)}
     return out
 
 
