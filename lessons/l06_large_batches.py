@@ -25,53 +25,79 @@ MODEL = MLPConfig(loss="xent")                 # 8 -> 16 -> 16 -> 4 classes
 
 
 def classify(global_batch, steps, lr, warmup_steps=0, optimizer="momentum"):
-    return TrainConfig(model=MODEL, dataset="classification", num_samples=512, global_batch=global_batch,
-                       steps=steps, optimizer=OptimConfig(optimizer, lr=lr, warmup_steps=warmup_steps))
+    opt = OptimConfig(optimizer, lr=lr, warmup_steps=warmup_steps)
+    return TrainConfig(model=MODEL, dataset="classification",
+                       num_samples=512, global_batch=global_batch,
+                       steps=steps, optimizer=opt)
 
 
 def same_samples_fewer_steps(lab):
-    small = classify(global_batch=32, steps=480, lr=0.05)          # one device, 15,360 samples
+    # one device, 480 steps of 32: 15,360 samples
+    small = classify(global_batch=32, steps=480, lr=0.05)
     small_loss = evaluate(small, train_single(small).params)
     big = {}
-    for rule in ("none", "sqrt", "linear"):                        # 4 ranks x 128 = 512, 30 steps
+    # 4 ranks x 128 = 512 a step, 30 steps: the same samples
+    for rule in ("none", "sqrt", "linear"):
         lr = scaled_lr(0.05, base_batch=32, global_batch=512, rule=rule)
-        row, _ = run_train(RunSpec(world_size=4, train=classify(512, 30, lr)), world=lab.world(4))
+        spec = RunSpec(world_size=4, train=classify(512, 30, lr))
+        row, _ = run_train(spec, world=lab.world(4))
         big[rule] = (lr, row["final_loss"])
-    return {"small_loss": small_loss, "none": big["none"][1], "sqrt": big["sqrt"][1],
-            "linear": big["linear"][1], "lr_linear": big["linear"][0], "lr_sqrt": big["sqrt"][0],
-            "samples": small.steps * small.global_batch, "small_steps": small.steps, "big_steps": 30,
-            "k": 512 // small.global_batch, "base_lr": small.optimizer.lr, "base_batch": small.global_batch}
+    return {"small_loss": small_loss,
+            "none": big["none"][1],
+            "sqrt": big["sqrt"][1],
+            "linear": big["linear"][1],
+            "lr_linear": big["linear"][0],
+            "lr_sqrt": big["sqrt"][0],
+            "samples": small.steps * small.global_batch,
+            "small_steps": small.steps, "big_steps": 30,
+            "k": 512 // small.global_batch,
+            "base_lr": small.optimizer.lr,
+            "base_batch": small.global_batch}
 
 
 def warm_up(lab):
     curves = {}
     lr, warmup_steps = 6.4, 10
     for warmup in (0, warmup_steps):
-        cfg = classify(global_batch=512, steps=30, lr=lr, warmup_steps=warmup)
+        cfg = classify(global_batch=512, steps=30, lr=lr,
+                       warmup_steps=warmup)
         result = train_single(cfg)
         curves[warmup] = (result.losses, evaluate(cfg, result.params))
-    (cold, cold_end), (warm, warm_end) = curves[0], curves[warmup_steps]
-    return {"start": cold[0], "cold_peak": max(cold[:10]), "warm_peak": max(warm[:10]),
-            "cold_end": cold_end, "warm_end": warm_end, "lr": lr, "warmup_steps": warmup_steps}
+    cold, cold_end = curves[0]
+    warm, warm_end = curves[warmup_steps]
+    return {"start": cold[0],
+            "cold_peak": max(cold[:10]),
+            "warm_peak": max(warm[:10]),
+            "cold_end": cold_end,
+            "warm_end": warm_end,
+            "lr": lr, "warmup_steps": warmup_steps}
 
 
 def one_lr_per_layer(lab):
     cfg = classify(global_batch=512, steps=1, lr=1.0)
+    B = cfg.global_batch
     model, data, params = setup(cfg)
-    idx = batch_indices(cfg.num_samples, cfg.global_batch, step=0, seed=cfg.seed)
+    idx = batch_indices(cfg.num_samples, B, step=0, seed=cfg.seed)
+    x, y = data.x[idx], data.y[idx]
     grad = np.zeros_like(params)
-    model.loss_and_grad(params, data.x[idx], data.y[idx], 1 / cfg.global_batch, grad)
-    weights = model.param_slices[0::2]                             # weight matrices (biases start at 0)
+    model.loss_and_grad(params, x, y, 1 / B, grad)
+    # the weight matrices (biases start at 0)
+    weights = model.param_slices[0::2]
+    norm = np.linalg.norm
     moved = {}
     for name in ("sgd", "lars"):
         new = params.copy()
-        opt = make_optimizer(OptimConfig(name, lr=1.0, trust_coef=0.01), model.num_params,
+        cfg_opt = OptimConfig(name, lr=1.0, trust_coef=0.01)
+        opt = make_optimizer(cfg_opt, model.num_params,
                              layers=model.param_slices)
         opt.step(new, grad)
-        moved[name] = [np.linalg.norm(new[w] - params[w]) / np.linalg.norm(params[w]) for w in weights]
-    ratios = [np.linalg.norm(params[w]) / np.linalg.norm(grad[w]) for w in weights]
-    return {"ratios": [round(float(r), 2) for r in ratios], "sgd": [round(float(m), 4) for m in moved["sgd"]],
-            "lars": [float(m) for m in moved["lars"]], "eta": 0.01}
+        moved[name] = [norm(new[w] - params[w]) / norm(params[w])
+                       for w in weights]
+    ratios = [norm(params[w]) / norm(grad[w]) for w in weights]
+    return {"ratios": [round(float(r), 2) for r in ratios],
+            "sgd": [round(float(m), 4) for m in moved["sgd"]],
+            "lars": [float(m) for m in moved["lars"]],
+            "eta": 0.01}
 
 
 STEPS = (
