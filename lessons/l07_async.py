@@ -34,54 +34,87 @@ WORKERS = 3                                    # world of 4: rank 0 serves, rank
 
 
 def same_wall_time(lab):
-    world, cfg = lab.world(4), replace(TRAIN, steps=500)      # 500: an upper bound, the budget stops it
-    late = (0.0, 0.0, 0.0, LATE)                # rank 3 starts every batch LATE seconds late
-    world.run(train_sync, replace(cfg, steps=1))   # fresh ranks warm up (imports, schedules), untimed
-    sync = world.run(train_sync, cfg, SyncConfig(delays=late, time_budget_s=BUDGET))[0]
-    ps = world.run(train_async, cfg, AsyncConfig(staleness=None, delays=late[1:], time_budget_s=BUDGET))[0]
-    sync_samples = len(sync.losses) * cfg.global_batch
-    ps_samples = sum(len(worker_batch(cfg, e.worker, WORKERS, e.clock)) for e in ps.log)
+    # 500 steps: an upper bound, the budget stops it
+    world, cfg = lab.world(4), replace(TRAIN, steps=500)
+    # rank 3 starts every batch LATE seconds late
+    late = (0.0, 0.0, 0.0, LATE)
+    # fresh ranks warm up (imports, schedules), untimed
+    world.run(train_sync, replace(cfg, steps=1))
+    sync_cfg = SyncConfig(delays=late, time_budget_s=BUDGET)
+    ps_cfg = AsyncConfig(staleness=None, delays=late[1:],
+                         time_budget_s=BUDGET)
+    sync = world.run(train_sync, cfg, sync_cfg)[0]
+    ps = world.run(train_async, cfg, ps_cfg)[0]
+    steps = len(sync.losses)
+    sync_samples = steps * cfg.global_batch
+    ps_samples = sum(len(worker_batch(cfg, e.worker, WORKERS, e.clock))
+                     for e in ps.log)
     late_share = sum(e.worker == 3 for e in ps.log) / len(ps.log)
-    single = train_single(replace(cfg, steps=len(sync.losses))).params   # one device, as many steps
-    return {"budget": BUDGET, "late_ms": LATE * 1e3, "sync_steps": len(sync.losses),
-            "sync_samples": sync_samples, "async_samples": ps_samples, "ratio": ps_samples / sync_samples,
-            "sync_loss": evaluate(cfg, sync.params), "async_loss": evaluate(cfg, ps.params),
-            "late_share": late_share, "more": "async" if ps_samples > sync_samples else "sync",
+    # one device, as many steps
+    single = train_single(replace(cfg, steps=steps)).params
+    again = replay(cfg, AsyncConfig(staleness=None), ps.log, WORKERS)
+    return {"budget": BUDGET, "late_ms": LATE * 1e3,
+            "sync_steps": steps,
+            "sync_samples": sync_samples,
+            "async_samples": ps_samples,
+            "ratio": ps_samples / sync_samples,
+            "sync_loss": evaluate(cfg, sync.params),
+            "async_loss": evaluate(cfg, ps.params),
+            "late_share": late_share,
+            "more": "async" if ps_samples > sync_samples else "sync",
             "sync_vs_single": float(np.abs(sync.params - single).max()),
-            "replay_exact": bool(np.array_equal(replay(cfg, AsyncConfig(staleness=None), ps.log, WORKERS),
-                                                ps.params))}
+            "replay_exact": bool(np.array_equal(again, ps.params))}
 
 
 def clocks_ahead(log):
-    """How far ahead of the slowest worker any gradient's worker ran, in clocks (SSP's measure)."""
+    """How far ahead of the slowest worker any gradient's worker ran,
+    in clocks (SSP's measure)."""
     return max(e.clock - e.slowest_done for e in log)
 
 
 def ssp_runs(lab, bounds):
-    """One parameter-server run per staleness bound, worker 1 starting each clock SSP_LATE seconds late."""
+    """One parameter-server run per staleness bound, worker 1 starting
+    each clock SSP_LATE seconds late."""
     world = lab.world(4)
-    return {s: world.run(train_async, TRAIN, AsyncConfig(staleness=s, delays=(SSP_LATE, 0.0, 0.0)))[0]
+    late = (SSP_LATE, 0.0, 0.0)
+    return {s: world.run(train_async, TRAIN,
+                         AsyncConfig(staleness=s, delays=late))[0]
             for s in bounds}
 
 
 def staleness_bound(lab):
     runs = ssp_runs(lab, (0, 1, 2, None))
     ahead = {s: clocks_ahead(r.log) for s, r in runs.items()}
-    table = "\n".join(f"| {'None' if s is None else s} | {a} |" for s, a in ahead.items())
-    return {"late_ms": SSP_LATE * 1e3, "clocks": TRAIN.steps, "ahead": ahead, "ahead_2": ahead[2],
-            "ahead_none": ahead[None], "table": table}
+    table = "\n".join(f"| {'None' if s is None else s} | {a} |"
+                      for s, a in ahead.items())
+    return {"late_ms": SSP_LATE * 1e3, "clocks": TRAIN.steps,
+            "ahead": ahead,
+            "ahead_2": ahead[2],
+            "ahead_none": ahead[None],
+            "table": table}
 
 
 def delay_histogram(lab):
     runs = ssp_runs(lab, (0, 2, None))
     delays = {s: [e.delay for e in r.log] for s, r in runs.items()}
-    bound = {s: (WORKERS - 1) * (2 * s + 1) for s in (0, 2)}          # delay <= (W - 1)(2s + 1)
-    exact = all(np.array_equal(replay(TRAIN, AsyncConfig(staleness=s), r.log, WORKERS), r.params)
-                for s, r in runs.items())
-    return {"logs": {s: r.log for s, r in runs.items()}, "max_delay": {s: max(d) for s, d in delays.items()},
-            "max_0": max(delays[0]), "max_2": max(delays[2]), "max_none": max(delays[None]),
-            "bound_0": bound[0], "bound_2": bound[2], "workers": WORKERS, "replay_exact": exact,
-            "updates": len(runs[0].log), "late_ms": SSP_LATE * 1e3}
+    # delay <= (W - 1)(2s + 1)
+    bound = {s: (WORKERS - 1) * (2 * s + 1) for s in (0, 2)}
+
+    def replays_exactly(s, run):
+        again = replay(TRAIN, AsyncConfig(staleness=s), run.log, WORKERS)
+        return np.array_equal(again, run.params)
+
+    exact = all(replays_exactly(s, r) for s, r in runs.items())
+    return {"logs": {s: r.log for s, r in runs.items()},
+            "max_delay": {s: max(d) for s, d in delays.items()},
+            "max_0": max(delays[0]),
+            "max_2": max(delays[2]),
+            "max_none": max(delays[None]),
+            "bound_0": bound[0], "bound_2": bound[2],
+            "workers": WORKERS,
+            "replay_exact": exact,
+            "updates": len(runs[0].log),
+            "late_ms": SSP_LATE * 1e3}
 
 
 def _histogram(facts):
@@ -95,12 +128,18 @@ def _histogram(facts):
 
 
 def the_gate(lab):
-    done = [3, 1, 2]                            # clocks finished by workers 1, 2, 3
-    opens = {clock: gate_open(done, clock, staleness=1) for clock in (1, 2, 3)}
-    stub = check_file("ssp_gate", STUBS / "ssp_gate.py")   # what `dplab lesson check 7` says of the stub
-    return {"done": done, "slowest": min(done), "opens": opens, "open_2": opens[2], "open_3": opens[3],
-            "stub_passed": stub.passed, "stub_says": stub.message,
-            "first_held": str(min(c for c, ok in opens.items() if not ok))}
+    # clocks finished by workers 1, 2, 3
+    done = [3, 1, 2]
+    opens = {clock: gate_open(done, clock, staleness=1)
+             for clock in (1, 2, 3)}
+    # what `dplab lesson check 7` says of the stub
+    stub = check_file("ssp_gate", STUBS / "ssp_gate.py")
+    held = min(c for c, ok in opens.items() if not ok)
+    return {"done": done, "slowest": min(done),
+            "opens": opens, "open_2": opens[2], "open_3": opens[3],
+            "stub_passed": stub.passed,
+            "stub_says": stub.message,
+            "first_held": str(held)}
 
 
 STEPS = (
