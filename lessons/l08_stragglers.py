@@ -45,13 +45,19 @@ def train_traced(comm, cfg, sync):
 
 def one_slow_rank(lab):
     world = lab.world(4)
+    slow = SyncConfig(delays=(0, SLOW, 0, 0))
     plain = world.run(train_traced, TRAIN, SyncConfig())
-    slowed = world.run(train_traced, TRAIN, SyncConfig(delays=(0, SLOW, 0, 0)))
+    slowed = world.run(train_traced, TRAIN, slow)
     events = [rank_events for _, rank_events in slowed]
     wait = milliseconds(events, "wait")
-    return {"slow_ms": SLOW * 1e3, "steps": TRAIN.steps, "straggler": 1, "wait": [round(w) for w in wait],
-            "least_waiting": str(min(range(4), key=lambda r: wait[r])), "events": events,
-            "same_bits": all(np.array_equal(a, b) for (a, _), (b, _) in zip(plain, slowed))}
+    same = all(np.array_equal(a, b)
+               for (a, _), (b, _) in zip(plain, slowed))
+    return {"slow_ms": SLOW * 1e3, "steps": TRAIN.steps,
+            "straggler": 1,
+            "wait": [round(w) for w in wait],
+            "least_waiting": str(min(range(4), key=lambda r: wait[r])),
+            "events": events,
+            "same_bits": same}
 
 
 def _timeline(facts):
@@ -61,19 +67,29 @@ def _timeline(facts):
 
 
 def in_words(counts):
-    return ", ".join(f"worker {w}: {n}" for w, n in sorted(counts.items())) or "none"
+    return ", ".join(f"worker {w}: {n}"
+                     for w, n in sorted(counts.items())) or "none"
 
 
 def backup_workers(lab):
-    cfg = AsyncConfig(staleness=0, aggregate=True, backup_workers=1, delays=(SLOW, 0, 0))
-    server = lab.world(4).run(train_async, TRAIN, cfg)[0]          # rank 0 serves, 1..3 compute
+    cfg = AsyncConfig(staleness=0, aggregate=True, backup_workers=1,
+                      delays=(SLOW, 0, 0))
+    # rank 0 serves, 1..3 compute
+    server = lab.world(4).run(train_async, TRAIN, cfg)[0]
     dropped = Counter(worker for worker, _ in server.dropped)
     applied = Counter(entry.worker for entry in server.log)
-    return {"dropped": dict(sorted(dropped.items())), "total": len(server.dropped), "steps": TRAIN.steps,
-            "replay_exact": bool(np.array_equal(replay(TRAIN, cfg, server.log, 3), server.params)),
-            "diff": float(np.abs(server.params - train_single(TRAIN).params).max()),
-            "lost": {w: dropped[w] / max(dropped[w] + applied[w], 1) for w in (1, 2, 3)},
-            "applied": dict(applied), "applied_text": in_words(applied), "dropped_text": in_words(dropped)}
+    again = replay(TRAIN, cfg, server.log, 3)
+    single = train_single(TRAIN).params
+    return {"dropped": dict(sorted(dropped.items())),
+            "total": len(server.dropped),
+            "steps": TRAIN.steps,
+            "replay_exact": bool(np.array_equal(again, server.params)),
+            "diff": float(np.abs(server.params - single).max()),
+            "lost": {w: dropped[w] / max(dropped[w] + applied[w], 1)
+                     for w in (1, 2, 3)},
+            "applied": dict(applied),
+            "applied_text": in_words(applied),
+            "dropped_text": in_words(dropped)}
 
 
 STEPS = (
