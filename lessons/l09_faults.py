@@ -43,54 +43,75 @@ TRAIN = TrainConfig(model=MLPConfig(hidden=(32, 32)), steps=20, optimizer=OptimC
 
 
 def train_to(lab, steps, directory, resume=False):
-    """Train TRAIN for ``steps`` steps on 4 ranks, checkpointing every 5; return rank 0's parameters."""
-    ckpt = CheckpointConfig(every=5, directory=directory, resume=directory if resume else None)
-    spec = RunSpec(world_size=4, train=replace(TRAIN, steps=steps), checkpoint=ckpt)
+    """Train TRAIN for ``steps`` steps on 4 ranks, checkpointing every
+    5; return rank 0's parameters."""
+    ckpt = CheckpointConfig(every=5, directory=directory,
+                            resume=directory if resume else None)
+    spec = RunSpec(world_size=4, train=replace(TRAIN, steps=steps),
+                   checkpoint=ckpt)
     out = Path(directory) / "final.npy"
     run_train(spec, world=lab.world(4), save_params=str(out))
     return np.load(out)
 
 
 def stop_and_resume(lab):
-    with tempfile.TemporaryDirectory() as stopped, tempfile.TemporaryDirectory() as straight:
-        train_to(lab, 10, stopped)                          # the run stops after step 10 ...
+    tmp = tempfile.TemporaryDirectory
+    with tmp() as stopped, tmp() as straight:
+        # the run stops after step 10 ...
+        train_to(lab, 10, stopped)
         saved = [p.name for p in list_checkpoints(stopped).checkpoints]
-        resumed = train_to(lab, 20, stopped, resume=True)   # ... and a new one picks up there
+        # ... and a new one picks up there
+        resumed = train_to(lab, 20, stopped, resume=True)
         uninterrupted = train_to(lab, 20, straight)
     diff = float(np.abs(resumed - uninterrupted).max())
+    verdict = ("identical" if diff == 0
+               else "close" if diff < 1e-10 else "different")
     return {"saved": ", ".join(saved), "diff": diff,
             "identical": bool(np.array_equal(resumed, uninterrupted)),
-            "verdict": "identical" if diff == 0 else ("close" if diff < 1e-10 else "different")}
+            "verdict": verdict}
 
 
 def inside_a_checkpoint(lab):
-    with tempfile.TemporaryDirectory() as d, tempfile.TemporaryDirectory() as forgetful:
+    tmp = tempfile.TemporaryDirectory
+    with tmp() as d, tmp() as forgetful:
         train_to(lab, 10, d)
-        ckpt = load_checkpoint(d)                           # the latest: step 10
-        # the same checkpoint with Adam's moments forgotten (zeroed), as a resume that kept only weights
+        # the latest: step 10
+        ckpt = load_checkpoint(d)
+        # the same checkpoint with Adam's moments forgotten (zeroed),
+        # as a resume that kept only the weights
         zeroed = {k: (np.zeros_like(v) if isinstance(v, np.ndarray) else v)
                   for k, v in ckpt.optimizer_state.items()}
-        save_checkpoint(forgetful, ckpt.step, ckpt.params, zeroed, ckpt.data_position, ckpt.rng_state,
-                        ckpt.meta)
-        right, wrong = train_to(lab, 20, d, resume=True), train_to(lab, 20, forgetful, resume=True)
+        save_checkpoint(forgetful, ckpt.step, ckpt.params, zeroed,
+                        ckpt.data_position, ckpt.rng_state, ckpt.meta)
+        right = train_to(lab, 20, d, resume=True)
+        wrong = train_to(lab, 20, forgetful, resume=True)
         raw = bytearray(Path(ckpt.path).read_bytes())
-        raw[len(raw) // 2] ^= 1                             # one flipped bit in the middle of the file
+        # one flipped bit in the middle of the file
+        raw[len(raw) // 2] ^= 1
         Path(ckpt.path).write_bytes(raw)
         try:
             load_checkpoint(ckpt.path)
             refused = ""
         except CheckpointError as e:
             refused = str(e)
-    batch = batch_indices(TRAIN.num_samples, TRAIN.global_batch, step=10, seed=TRAIN.seed)
-    again = batch_indices(TRAIN.num_samples, TRAIN.global_batch, step=10, seed=TRAIN.seed)
-    arrays = {k: v for k, v in ckpt.optimizer_state.items() if isinstance(v, np.ndarray)}
-    return {"step": ckpt.step, "n_params": ckpt.params.size, "opt_arrays": ", ".join(sorted(arrays)),
+    n, B, seed = TRAIN.num_samples, TRAIN.global_batch, TRAIN.seed
+    batch = batch_indices(n, B, step=10, seed=seed)
+    again = batch_indices(n, B, step=10, seed=seed)
+    state = ckpt.optimizer_state
+    arrays = {k: v for k, v in state.items() if isinstance(v, np.ndarray)}
+    return {"step": ckpt.step,
+            "n_params": ckpt.params.size,
+            "opt_arrays": ", ".join(sorted(arrays)),
             "n_opt_arrays": len(arrays),
-            "opt_step": ckpt.optimizer_state["step"], "position": ckpt.data_position["step"],
+            "opt_step": state["step"],
+            "position": ckpt.data_position["step"],
             "losses": len(ckpt.data_position["losses"]),
-            "rng": repr(ckpt.rng_state), "same_batch": bool(np.array_equal(batch, again)),
-            "forgot_diff": float(np.abs(right - wrong).max()), "refused": refused,
-            "opt_bytes": sum(v.nbytes for v in arrays.values()), "param_bytes": ckpt.params.nbytes}
+            "rng": repr(ckpt.rng_state),
+            "same_batch": bool(np.array_equal(batch, again)),
+            "forgot_diff": float(np.abs(right - wrong).max()),
+            "refused": refused,
+            "opt_bytes": sum(v.nbytes for v in arrays.values()),
+            "param_bytes": ckpt.params.nbytes}
 
 
 def traced_async(comm, cfg, acfg):
@@ -100,18 +121,28 @@ def traced_async(comm, cfg, acfg):
 
 def worker_dies(lab):
     cfg = replace(TRAIN, steps=10)
-    acfg = AsyncConfig(staleness=1, kill_at=(2, 4))     # worker 2 is SIGKILLed as it starts clock 4
-    results = launch(traced_async, 4, args=(cfg, acfg), tolerate=frozenset({1, 2, 3}))
-    server = results[0]
+    # worker 2 is SIGKILLed as it starts clock 4
+    acfg = AsyncConfig(staleness=1, kill_at=(2, 4))
+    results = launch(traced_async, 4, args=(cfg, acfg),
+                     tolerate=frozenset({1, 2, 3}))
+    server, dead = results[0], results[2]
+    lost = isinstance(dead, RankLost)
     applied = {w: sum(e.worker == w for e in server.log) for w in (1, 2, 3)}
     in_words = ", ".join(f"worker {w}: {n}" for w, n in applied.items())
-    return {"lost": server.lost, "lost_clocks": dict(server.lost).get(2), "applied": applied,
-            "applied_2": applied[2], "applied_text": in_words, "clocks": cfg.steps,
-            "rank_lost": isinstance(results[2], RankLost),
-            "how": results[2].detail.strip().splitlines()[-1] if isinstance(results[2], RankLost) else "",
-            "gate_held": all(e.clock - e.slowest_done <= acfg.staleness for e in server.log),
-            "replay_exact": bool(np.array_equal(replay(cfg, acfg, server.log, 3), server.params)),
-            "events": [r.events for r in results if not isinstance(r, RankLost)]}
+    again = replay(cfg, acfg, server.log, 3)
+    return {"lost": server.lost,
+            "lost_clocks": dict(server.lost).get(2),
+            "applied": applied,
+            "applied_2": applied[2],
+            "applied_text": in_words,
+            "clocks": cfg.steps,
+            "rank_lost": lost,
+            "how": dead.detail.strip().splitlines()[-1] if lost else "",
+            "gate_held": all(e.clock - e.slowest_done <= acfg.staleness
+                             for e in server.log),
+            "replay_exact": bool(np.array_equal(again, server.params)),
+            "events": [r.events for r in results
+                       if not isinstance(r, RankLost)]}
 
 
 def _timeline(facts):
@@ -121,7 +152,8 @@ def _timeline(facts):
 
 
 def rank_dies(comm, cfg, sync, after):
-    """Every rank trains; rank 1 dies as a crash does (SIGKILL: no goodbye) after ``after`` steps."""
+    """Every rank trains; rank 1 dies as a crash does (SIGKILL: no
+    goodbye) after ``after`` steps."""
     if comm.rank == 1:
         train_sync(comm, replace(cfg, steps=after), sync)
         os.kill(os.getpid(), signal.SIGKILL)
@@ -129,20 +161,30 @@ def rank_dies(comm, cfg, sync, after):
 
 
 def crash_and_resume(lab):
-    with tempfile.TemporaryDirectory() as d, tempfile.TemporaryDirectory() as straight:
-        sync = SyncConfig(checkpoint=CheckpointConfig(every=5, directory=d))
+    tmp = tempfile.TemporaryDirectory
+    with tmp() as d, tmp() as straight:
+        ckpt = CheckpointConfig(every=5, directory=d)
+        sync = SyncConfig(checkpoint=ckpt)
         try:
             launch(rank_dies, 4, args=(TRAIN, sync, 13), timeout=20)
             error = None
         except RankError as e:
             error = e
-        last = load_checkpoint(d).step                      # where the resumed run starts
+        # where the resumed run starts
+        last = load_checkpoint(d).step
         resumed = train_to(lab, 20, d, resume=True)
         uninterrupted = train_to(lab, 20, straight)
-    return {"after": 13, "every": 5, "failed": error is not None,
-            "failed_rank": None if error is None else error.rank,
-            "error": "" if error is None else " ".join(line.strip() for line in str(error).splitlines()),
-            "last": last, "identical": bool(np.array_equal(resumed, uninterrupted))}
+    if error is None:
+        rank, said = None, ""
+    else:
+        lines = str(error).splitlines()
+        rank, said = error.rank, " ".join(s.strip() for s in lines)
+    return {"after": 13, "every": 5,
+            "failed": error is not None,
+            "failed_rank": rank,
+            "error": said,
+            "last": last,
+            "identical": bool(np.array_equal(resumed, uninterrupted))}
 
 
 STEPS = (
