@@ -34,11 +34,13 @@ DEVICE_GB = 80                                 # one 80 GB accelerator (GB = 1e9
 
 def layer_sizes(model):
     net = MLP(model)
-    return [net.layer_slice(layer).stop - net.layer_slice(layer).start for layer in range(net.num_layers)]
+    slices = [net.layer_slice(layer) for layer in range(net.num_layers)]
+    return [s.stop - s.start for s in slices]
 
 
 def two_layers(sizes):
-    """The largest two neighbouring layers: what ZeRO-2/3 hold whole while they are in flight."""
+    """The largest two neighbouring layers: what ZeRO-2/3 hold whole
+    while they are in flight."""
     return max(a + b for a, b in zip(sizes, sizes[1:]))
 
 
@@ -46,15 +48,28 @@ def measured_memory(lab):
     sizes, p = layer_sizes(MODEL), 4
     psi, rows = sum(sizes), {}
     for stage in (0, 1, 2, 3):
-        row, _ = run_train(RunSpec(world_size=p, zero_stage=stage, train=TRAIN), world=lab.world(p))
-        form = model_state_bytes(psi, stage, p, param_bytes=8, grad_bytes=8, state_bytes=16)  # float64 Adam
-        rows[stage] = {"params": row["peak_params_bytes"], "grads": row["peak_grads_bytes"],
-                       "optimizer": row["peak_optimizer_bytes"], "total": row["peak_total_bytes"],
-                       "form": form, "diff": row["max_abs_diff_vs_single"]}
-    table = "\n".join(f"| {s} | {r['params'] / KB:.1f} | {r['grads'] / KB:.1f} | {r['optimizer'] / KB:.1f} | "
-                      f"{r['total'] / KB:.1f} | {r['form'].total / KB:.1f} |" for s, r in rows.items())
-    return {"p": p, "psi": psi, "layers": len(sizes), "rows": rows, "table": table,
-            "flight": 8 * two_layers(sizes), "flight_kb": 8 * two_layers(sizes) / KB,
+        spec = RunSpec(world_size=p, zero_stage=stage, train=TRAIN)
+        row, _ = run_train(spec, world=lab.world(p))
+        # float64 Adam: 8 + 8 + 16 bytes a parameter
+        form = model_state_bytes(psi, stage, p, param_bytes=8,
+                                 grad_bytes=8, state_bytes=16)
+        rows[stage] = {"params": row["peak_params_bytes"],
+                       "grads": row["peak_grads_bytes"],
+                       "optimizer": row["peak_optimizer_bytes"],
+                       "total": row["peak_total_bytes"],
+                       "form": form,
+                       "diff": row["max_abs_diff_vs_single"]}
+
+    def line(s, r):
+        kb = [r[k] / KB for k in ("params", "grads", "optimizer", "total")]
+        cells = [f"{x:.1f}" for x in (*kb, r["form"].total / KB)]
+        return f"| {s} | " + " | ".join(cells) + " |"
+
+    flight = 8 * two_layers(sizes)
+    return {"p": p, "psi": psi, "layers": len(sizes), "rows": rows,
+            "table": "\n".join(line(s, r) for s, r in rows.items()),
+            "flight": flight,
+            "flight_kb": flight / KB,
             "opt_fraction": rows[1]["optimizer"] / rows[0]["optimizer"],
             "saving": rows[0]["total"] / rows[3]["total"]}
 
@@ -65,11 +80,19 @@ def sent_per_stage(lab):
     for stage in (0, 1, 2, 3):
         spec = RunSpec(world_size=p, zero_stage=stage, train=TRAIN)
         _, events = run_train(spec, world=lab.world(p), trace=True)
-        sent[stage] = [sent_per_step(events[rank], rank) for rank in range(p)]   # bytes, per rank per step
-    form = {s: sent_closed_form(s, psi, p) * 8 for s in sent}                      # float64: 8 bytes
-    return {"p": p, "psi": psi, "sent": sent, "form": form, "rank0": {s: v[0][0] for s, v in sent.items()},
-            "ratio": sent[3][0][0] / sent[0][0][0], "events": events,     # the last run's: stage 3
-            "table": "\n".join(f"| {s} | {v[0][0]:,} | {form[s]:,.0f} |" for s, v in sent.items())}
+        # bytes, per rank per step
+        sent[stage] = [sent_per_step(events[rank], rank)
+                       for rank in range(p)]
+    # float64: 8 bytes an element
+    form = {s: sent_closed_form(s, psi, p) * 8 for s in sent}
+    table = "\n".join(f"| {s} | {v[0][0]:,} | {form[s]:,.0f} |"
+                      for s, v in sent.items())
+    return {"p": p, "psi": psi, "sent": sent, "form": form,
+            "rank0": {s: v[0][0] for s, v in sent.items()},
+            "ratio": sent[3][0][0] / sent[0][0][0],
+            # the last run's: stage 3
+            "events": events,
+            "table": table}
 
 
 def _timeline(facts):
@@ -79,36 +102,63 @@ def _timeline(facts):
 
 
 def seven_billion(lab):
-    rows = memory_rows(7_000_000_000, "adam", "mixed", [0, 1, 2, 3], [1, 8, 64])  # `dplab memory`'s rows
-    paper = memory_rows(7_500_000_000, "adam", "mixed", [0, 1, 2, 3], [64])       # ZeRO's Figure 1
+    stages = [0, 1, 2, 3]
+    # `dplab memory`'s rows
+    rows = memory_rows(7_000_000_000, "adam", "mixed", stages, [1, 8, 64])
+    # ZeRO's Figure 1
+    paper = memory_rows(7_500_000_000, "adam", "mixed", stages, [64])
     at = {(r["world_size"], r["stage"]): r["total_gb"] for r in rows}
-    table = "\n".join(f"| {n} | " + " | ".join(f"{at[n, s]:.1f}" for s in range(4)) + " |"
-                      for n in (1, 8, 64))
-    return {"per_param": rows[0]["param_bytes"] + rows[0]["grad_bytes"] + rows[0]["state_bytes"],
-            "k": rows[0]["state_bytes"], "replicated": at[1, 0], "stage3_8": at[8, 3],
-            "weights_gb": rows[0]["params_gb"], "optimizer_gb": rows[0]["optimizer_gb"],
-            "table": table, "paper": [round(r["total_gb"], 1) for r in paper], "device": DEVICE_GB,
-            "paper_text": ", ".join(f"{round(r['total_gb'], 1):g}" for r in paper)}
+    table = "\n".join(
+        f"| {n} | " + " | ".join(f"{at[n, s]:.1f}" for s in stages) + " |"
+        for n in (1, 8, 64))
+    r0 = rows[0]
+    per_param = r0["param_bytes"] + r0["grad_bytes"] + r0["state_bytes"]
+    paper_gb = [round(r["total_gb"], 1) for r in paper]
+    return {"per_param": per_param,
+            "k": r0["state_bytes"],
+            "replicated": at[1, 0],
+            "stage3_8": at[8, 3],
+            "weights_gb": r0["params_gb"],
+            "optimizer_gb": r0["optimizer_gb"],
+            "table": table,
+            "paper": paper_gb,
+            "device": DEVICE_GB,
+            "paper_text": ", ".join(f"{gb:g}" for gb in paper_gb)}
 
 
 def beyond_data_parallel(lab):
-    psi, per_rank = 1_000_000_000_000, DEVICE_GB * GB        # one trillion parameters, mixed Adam
-    zero3_8 = model_state_bytes(psi, 3, 8)                   # data parallel only: 8 ranks at stage 3
-    need = math.ceil(model_state_bytes(psi, 0, 1).total / per_rank)   # ranks ZeRO-3 alone would need
-    tensor, pipeline, data = 8, 16, 8                         # each rank: 1/(8 x 16) of the weights
-    three_d = model_state_bytes(psi / (tensor * pipeline), 1, data)   # ... and ZeRO-1 over 8 replicas
-    return {"psi_t": psi / 1e12, "device": DEVICE_GB, "zero3_8_gb": zero3_8.total / GB,
-            "weights_8_gb": zero3_8.params / GB, "need": need,
-            "tensor": tensor, "pipeline": pipeline, "data": data, "gpus": tensor * pipeline * data,
-            "three_d_gb": three_d.total / GB, "share": psi / (tensor * pipeline) / 1e9}
+    # one trillion parameters, mixed-precision Adam
+    psi, per_rank = 1_000_000_000_000, DEVICE_GB * GB
+    # data parallel only: 8 ranks at stage 3
+    zero3_8 = model_state_bytes(psi, 3, 8)
+    # the ranks ZeRO-3 alone would need
+    need = math.ceil(model_state_bytes(psi, 0, 1).total / per_rank)
+    # each rank: 1/(8 x 16) of the weights ...
+    tensor, pipeline, data = 8, 16, 8
+    # ... and ZeRO-1 over 8 replicas
+    three_d = model_state_bytes(psi / (tensor * pipeline), 1, data)
+    return {"psi_t": psi / 1e12, "device": DEVICE_GB,
+            "zero3_8_gb": zero3_8.total / GB,
+            "weights_8_gb": zero3_8.params / GB,
+            "need": need,
+            "tensor": tensor, "pipeline": pipeline, "data": data,
+            "gpus": tensor * pipeline * data,
+            "three_d_gb": three_d.total / GB,
+            "share": psi / (tensor * pipeline) / 1e9}
 
 
 def zero2_exercise(lab):
     n, p = sum(layer_sizes(MODEL)), 4
-    owns = chunk_bounds(n, p)                           # rank r owns params[a:b], the r-th chunk
-    stub = check_file("zero2_step", STUBS / "zero2_step.py")   # what `dplab lesson check 10` says of the stub
-    return {"n": n, "p": p, "owns": ", ".join(f"rank {r}: [{a}:{b}]" for r, (a, b) in enumerate(owns)),
-            "rank2_start": owns[2][0], "stub_passed": stub.passed, "stub_says": stub.message}
+    # rank r owns params[a:b], the r-th chunk
+    owns = chunk_bounds(n, p)
+    # what `dplab lesson check 10` says of the stub
+    stub = check_file("zero2_step", STUBS / "zero2_step.py")
+    return {"n": n, "p": p,
+            "owns": ", ".join(f"rank {r}: [{a}:{b}]"
+                              for r, (a, b) in enumerate(owns)),
+            "rank2_start": owns[2][0],
+            "stub_passed": stub.passed,
+            "stub_says": stub.message}
 
 
 STEPS = (
