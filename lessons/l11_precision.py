@@ -26,37 +26,51 @@ FP16 = np.finfo(np.float16)
 
 
 def worst_tenth(exact, rounded):
-    """The 90th percentile of the relative error: one value in ten is off by more than this."""
-    return float(np.percentile(np.abs(rounded.astype(np.float64) - exact) / np.abs(exact), 90))
+    """The 90th percentile of the relative error: one value in ten is
+    off by more than this."""
+    error = np.abs(rounded.astype(np.float64) - exact) / np.abs(exact)
+    return float(np.percentile(error, 90))
 
 
 def what_float16_holds(lab):
-    cfg = TrainConfig(steps=600, global_batch=256, optimizer=OptimConfig("adam", lr=0.01))
+    adam = OptimConfig("adam", lr=0.01)
+    cfg = TrainConfig(steps=600, global_batch=256, optimizer=adam)
+    B = cfg.global_batch
     model, data, _ = setup(cfg)
-    params = train_single(cfg).params                      # a model near its optimum: small gradients
+    # a model near its optimum: small gradients
+    params = train_single(cfg).params
     grad = np.zeros_like(params)
-    idx = batch_indices(cfg.num_samples, cfg.global_batch, step=0, seed=0)
-    model.loss_and_grad(params, data.x[idx], data.y[idx], 1 / cfg.global_batch, grad)
-    small = grad[(grad != 0) & (np.abs(grad) < FP16.smallest_normal)]
+    idx = batch_indices(cfg.num_samples, B, step=0, seed=0)
+    model.loss_and_grad(params, data.x[idx], data.y[idx], 1 / B, grad)
+    tiny = FP16.smallest_normal
+    small = grad[(grad != 0) & (np.abs(grad) < tiny)]
     scale = 2.0**16
-    return {"bits": FP16.nmant + 1, "max": float(FP16.max), "eps": float(FP16.eps),
-            "tiny": float(FP16.smallest_normal),
-            "below_normal": len(small) / np.count_nonzero(grad), "largest": float(np.abs(grad).max()),
-            "err_plain": worst_tenth(small, small.astype(np.float16)),
-            "err_scaled": worst_tenth(small, (small * scale).astype(np.float16).astype(np.float32) / scale),
+    f16, f32 = np.float16, np.float32
+    scaled = (small * scale).astype(f16).astype(f32) / scale
+    return {"bits": FP16.nmant + 1,
+            "max": float(FP16.max),
+            "eps": float(FP16.eps),
+            "tiny": float(tiny),
+            "below_normal": len(small) / np.count_nonzero(grad),
+            "largest": float(np.abs(grad).max()),
+            "err_plain": worst_tenth(small, small.astype(f16)),
+            "err_scaled": worst_tenth(small, scaled),
             "scale": scale}
 
 
 def pure_float16(cfg):
-    """Weights, gradients and updates all in float16: no float32 master copy."""
+    """Weights, gradients and updates all in float16: no float32
+    master copy."""
     model, data, params = setup(replace(cfg, dtype="float64"))
     params = params.astype(np.float16)
+    lr, B = np.float16(cfg.optimizer.lr), cfg.global_batch
     for step in range(cfg.steps):
-        idx = batch_indices(cfg.num_samples, cfg.global_batch, step, cfg.seed)
+        idx = batch_indices(cfg.num_samples, B, step, cfg.seed)
         grad = np.zeros_like(params)
-        x, y = data.x[idx].astype(np.float16), data.y[idx].astype(np.float16)
-        model.loss_and_grad(params, x, y, 1 / cfg.global_batch, grad)
-        params -= np.float16(cfg.optimizer.lr) * grad
+        x = data.x[idx].astype(np.float16)
+        y = data.y[idx].astype(np.float16)
+        model.loss_and_grad(params, x, y, 1 / B, grad)
+        params -= lr * grad
     return params
 
 
@@ -65,27 +79,37 @@ def masters_in_float32(lab):
     exact = train_single(replace(cfg, dtype="float64")).params
     errors = {}
     for name, precision in (("float32", None), ("mixed", MixedPrecision())):
-        row, _ = run_train(RunSpec(world_size=4, train=cfg, precision=precision), world=lab.world(4))
-        errors[name] = row["max_abs_diff_vs_single"]            # the oracle here is float64
-    errors["float16"] = float(np.abs(pure_float16(cfg).astype(np.float64) - exact).max())
+        spec = RunSpec(world_size=4, train=cfg, precision=precision)
+        row, _ = run_train(spec, world=lab.world(4))
+        # the oracle here is float64
+        errors[name] = row["max_abs_diff_vs_single"]
+    half = pure_float16(cfg).astype(np.float64)
+    errors["float16"] = float(np.abs(half - exact).max())
     return errors | {"steps": cfg.steps}
 
 
 def dynamic_scaling(lab):
     precision = MixedPrecision(init_scale=2.0**24, growth_interval=5)
-    spec = RunSpec(world_size=4, train=TrainConfig(steps=30, dtype="float32"), precision=precision)
+    train = TrainConfig(steps=30, dtype="float32")
+    spec = RunSpec(world_size=4, train=train, precision=precision)
     row, events = run_train(spec, world=lab.world(4), trace=True)
-    scale_events = [e.extra for e in events[0] if e.kind == "loss_scale"]
-    skipped = [e["step"] for e in scale_events if e["action"] == "skip"]
-    first_kept = min(set(range(spec.train.steps)) - set(skipped))
-    return {"init": precision.init_scale, "skipped": len(skipped), "first_kept": first_kept,
-            "scale_then": next(e["scale"] for e in scale_events if e["step"] >= first_kept),
-            "grown": sum(e["action"] == "growth" for e in scale_events), "loss": row["final_loss"],
-            "steps": spec.train.steps, "interval": precision.growth_interval}
+    scales = [e.extra for e in events[0] if e.kind == "loss_scale"]
+    skipped = [e["step"] for e in scales if e["action"] == "skip"]
+    first_kept = min(set(range(train.steps)) - set(skipped))
+    then = next(e["scale"] for e in scales if e["step"] >= first_kept)
+    return {"init": precision.init_scale,
+            "skipped": len(skipped),
+            "first_kept": first_kept,
+            "scale_then": then,
+            "grown": sum(e["action"] == "growth" for e in scales),
+            "loss": row["final_loss"],
+            "steps": train.steps,
+            "interval": precision.growth_interval}
 
 
 def float16_values(rank, n):
-    return np.random.default_rng(rank).standard_normal(n).astype(np.float16)
+    rng = np.random.default_rng(rank)
+    return rng.standard_normal(n).astype(np.float16)
 
 
 def allreduce_in(comm, n, dtype):
@@ -93,22 +117,29 @@ def allreduce_in(comm, n, dtype):
     comm.tracer.enabled = True
     allreduce(comm, x, algorithm="ring")
     comm.tracer.enabled = False
-    sent = sum(e.bytes for e in comm.tracer.take() if e.kind == "send")
-    return x, sent
+    sends = [e for e in comm.tracer.take() if e.kind == "send"]
+    return x, sum(e.bytes for e in sends)
 
 
 def half_the_bytes(lab):
     n, p = 1_000_000, 4
     values = [float16_values(r, n).astype(np.float64) for r in range(p)]
-    exact, magnitude = sum(values), sum(np.abs(v) for v in values)
+    exact = sum(values)
+    magnitude = sum(np.abs(v) for v in values)
     results = {}
     for dtype in ("float16", "float32"):
         x, sent = lab.world(p).run(allreduce_in, n, dtype)[0]
         results[dtype] = (sent, np.abs(x.astype(np.float64) - exact))
-    u = FP16.eps / 2                                       # float16's unit roundoff, 2^-11
-    (sent16, err16), (sent32, err32) = results["float16"], results["float32"]
-    return {"n": n, "p": p, "sent16": sent16, "sent32": sent32, "err16": float(err16.max()),
-            "err32": float(err32.max()), "within": bool(np.all(err16 <= (p - 1) * u * magnitude * 1.01))}
+    # float16's unit roundoff, 2^-11
+    u = FP16.eps / 2
+    sent16, err16 = results["float16"]
+    sent32, err32 = results["float32"]
+    bound = (p - 1) * u * magnitude * 1.01
+    return {"n": n, "p": p,
+            "sent16": sent16, "sent32": sent32,
+            "err16": float(err16.max()),
+            "err32": float(err32.max()),
+            "within": bool(np.all(err16 <= bound))}
 
 
 STEPS = (
