@@ -20,55 +20,75 @@ __all__ = ["LESSON"]
 
 
 def bytes_sent(comm, n, algorithm):
-    """(bytes this rank sent, bytes it sent to rank 0) in one all-reduce of n float32 values."""
+    """(bytes this rank sent, bytes it sent to rank 0) in one
+    all-reduce of n float32 values."""
     grad = np.ones(n, dtype=np.float32)
     comm.tracer.enabled = True
     allreduce(comm, grad, algorithm=algorithm)
     comm.tracer.enabled = False
     sends = [e for e in comm.tracer.take() if e.kind == "send"]
-    return sum(e.bytes for e in sends), sum(e.bytes for e in sends if e.peer == 0)
+    to_master = [e for e in sends if e.peer == 0]
+    return sum(e.bytes for e in sends), sum(e.bytes for e in to_master)
 
 
 def a_master_against_a_ring(lab):
-    n, p = 250_000, 4                                   # a million bytes of float32 gradient
+    # a million bytes of float32 gradient
+    n, p = 250_000, 4
     world = lab.world(p)
     naive = world.run(bytes_sent, n, "naive")
-    master_sent, master_received = naive[0][0], sum(to_master for _, to_master in naive[1:])
+    master_sent = naive[0][0]
+    master_received = sum(to_master for _, to_master in naive[1:])
     ring_sent = world.run(bytes_sent, n, "ring")[0][0]
-    return {"n_bytes": 4 * n, "p": p, "master_sent": master_sent, "master_received": master_received,
-            "ring_sent": ring_sent, "ratio": master_sent / ring_sent}
+    return {"n_bytes": 4 * n, "p": p,
+            "master_sent": master_sent,
+            "master_received": master_received,
+            "ring_sent": ring_sent,
+            "ratio": master_sent / ring_sent}
 
 
 def torch_model():
     import torch
+    nn = torch.nn
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    return nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
 
 
 def train_torch(comm, steps, batch):
-    """One process on the whole batch when ``comm`` is None, else DDP on this rank's half."""
+    """One process on the whole batch when ``comm`` is None, else DDP
+    on this rank's half."""
     import torch
 
     from dplab.backends.nn.ddp import DistributedDataParallel
-    x, y = torch.randn(batch, 8, generator=torch.Generator().manual_seed(1)), torch.ones(batch, 1)
+    seeded = torch.Generator().manual_seed(1)
+    x = torch.randn(batch, 8, generator=seeded)
+    y = torch.ones(batch, 1)
     model = torch_model()
     if comm is not None:
-        half = slice(comm.rank * batch // 2, (comm.rank + 1) * batch // 2)
-        x, y, model = x[half], y[half], DistributedDataParallel(model, comm)
+        r = comm.rank
+        half = slice(r * batch // 2, (r + 1) * batch // 2)
+        x, y = x[half], y[half]
+        model = DistributedDataParallel(model, comm)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for _ in range(steps):
         opt.zero_grad()
-        torch.nn.functional.mse_loss(model(x), y).backward()    # DDP averages the two halves' gradients
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        # DDP averages the two halves' gradients
+        loss.backward()
         opt.step()
-    return torch.cat([p.detach().flatten() for p in model.parameters()]).numpy()
+    flat = [p.detach().flatten() for p in model.parameters()]
+    return torch.cat(flat).numpy()
 
 
 def ddp_equals_one_process(lab):
     steps, batch = 10, 64
-    alone = train_torch(None, steps, batch)                # (imports torch before the ranks fork)
+    # (imports torch before the ranks fork)
+    alone = train_torch(None, steps, batch)
     replicas = lab.world(2).run(train_torch, steps, batch)
-    return {"identical": all(np.array_equal(r, replicas[0]) for r in replicas), "steps": steps,
-            "batch": batch, "diff": float(np.abs(replicas[0] - alone).max()), "params": len(alone)}
+    first = replicas[0]
+    return {"identical": all(np.array_equal(r, first) for r in replicas),
+            "steps": steps, "batch": batch,
+            "diff": float(np.abs(first - alone).max()),
+            "params": len(alone)}
 
 
 def train_ring(comm, cfg):
@@ -78,10 +98,12 @@ def train_ring(comm, cfg):
 def engine_name(comm):
     if type(comm).__name__ == "MpiComm":
         from mpi4py import MPI
-        return MPI.Get_library_version().split("\n")[0].split()[0] + f" (size {MPI.COMM_WORLD.Get_size()})"
+        library = MPI.Get_library_version().split("\n")[0].split()[0]
+        return library + f" (size {MPI.COMM_WORLD.Get_size()})"
     if type(comm).__name__ == "TorchComm":
         import torch.distributed as dist
-        return f"torch.distributed {dist.get_backend()} (size {dist.get_world_size()})"
+        size = dist.get_world_size()
+        return f"torch.distributed {dist.get_backend()} (size {size})"
     return "shared memory"
 
 
@@ -92,7 +114,9 @@ def three_engines(lab):
         params[backend] = world.run(train_ring, cfg)[0]
         engines[backend] = world.run(engine_name)[0]
     same = all(np.array_equal(params["local"], params[b]) for b in params)
-    return {"same_bits": same, "verdict": "identical" if same else "different", "steps": cfg.steps,
+    return {"same_bits": same,
+            "verdict": "identical" if same else "different",
+            "steps": cfg.steps,
             "engines": "; ".join(f"{b}: {e}" for b, e in engines.items())}
 
 
@@ -107,8 +131,10 @@ def engine_rank(comm):
 
 def who_numbered_the_ranks(lab):
     mpi, gloo = lab.world(2, "mpi"), lab.world(2, "torch")
-    return {"mpi_engine": mpi.run(engine_name)[0], "torch_engine": gloo.run(engine_name)[0],
-            "mpi_ranks": mpi.run(engine_rank), "torch_ranks": gloo.run(engine_rank)}
+    return {"mpi_engine": mpi.run(engine_name)[0],
+            "torch_engine": gloo.run(engine_name)[0],
+            "mpi_ranks": mpi.run(engine_rank),
+            "torch_ranks": gloo.run(engine_rank)}
 
 
 STEPS = (

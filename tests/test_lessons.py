@@ -47,3 +47,14 @@ def test_lessons_are_numbered_in_order_and_name_known_ideas():
         assert module == f"l{les.number:02d}_{les.slug}", (module, les.number, les.slug)
         for step in les.steps:
             assert set(step.teaches) <= set(CONCEPTS), (les.number, step.title, step.teaches)
+
+
+SHOWN_WIDTH = 79       # the code a step shows must read in an 80-column terminal without wrapping
+
+
+def test_shown_code_fits_an_80_column_terminal():
+    too_long = [f"lesson {les.number} step {i} ({step.title!r}) line {j}, {len(line)} chars: {line.strip()}"
+                for les in lessons() for i, step in enumerate(les.steps, 1)
+                for j, line in enumerate(step.code().splitlines(), 1) if len(line) > SHOWN_WIDTH]
+    assert not too_long, (f"{len(too_long)} shown lines are wider than {SHOWN_WIDTH}:\n"
+                          + "\n".join(too_long[:20]))
