@@ -304,3 +304,44 @@ def test_viz_browser_runs_chrome_trace_downloads(visit: Any, artifacts: Path) ->
     spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
     assert {e["pid"] for e in spans} == set(range(p)) and all(e["dur"] >= 0 for e in spans)
     assert {"forward", "backward"} <= {e["name"] for e in spans}, sorted({e["name"] for e in spans})[:20]
+
+
+@pytest.mark.skipif("lessons" not in PAGE_FILES, reason="viz/pages/lessons.py is not written yet")
+def test_viz_browser_lessons_answer_then_next(visit: Any, artifacts: Path) -> None:
+    """Lesson 1: answer the first question (a choice) rightly, Next, the second (a number) wrongly."""
+    v = visit("lessons?lesson=1&step=1")
+    page = v.page
+    assert page.get_by_text("step 1 of", exact=False).count() > 0
+    page.locator('[data-testid="stRadio"] label', has_text="identical").first.click()
+    wait_rendered(page, WARM_TIMEOUT_S)
+    page.get_by_role("button", name="Check").click()
+    page.locator('[data-testid="stAlertContentSuccess"]').wait_for(timeout=WARM_TIMEOUT_S * 1000)
+    wait_rendered(page, WARM_TIMEOUT_S)
+    assert "Right: identical" in page.locator('[data-testid="stAlertContentSuccess"]').inner_text()
+    assert page.get_by_text("✅ every replica holds the same bits").count() == 1  # revealed
+    v.screenshot(artifacts / "lessons-answered.png")
+    page.get_by_role("button", name=re.compile(r"^\W*Next\W*$")).first.click()
+    page.get_by_text("step 2 of", exact=False).first.wait_for(timeout=WARM_TIMEOUT_S * 1000)
+    wait_rendered(page, WARM_TIMEOUT_S)
+    assert "step=2" in page.url
+    box = page.get_by_label("your answer")
+    box.fill("2")
+    box.press("Enter")
+    wait_rendered(page, WARM_TIMEOUT_S)
+    page.get_by_role("button", name="Check").click()
+    page.locator('[data-testid="stAlertContentWarning"]').wait_for(timeout=WARM_TIMEOUT_S * 1000)
+    wait_rendered(page, WARM_TIMEOUT_S)
+    assert "it is 3 (you said 2" in page.locator('[data-testid="stAlertContentWarning"]').inner_text()
+    assert v.exceptions() == [] and v.js_errors == []
+    v.screenshot(artifacts / "lessons-after-next.png")
+
+
+@pytest.mark.skipif("collectives" not in PAGE_FILES, reason="viz/pages/collectives.py is not written yet")
+def test_viz_browser_collectives_deep_link_short_names(visit: Any) -> None:
+    """A lesson's link in its own words (?algorithm=tree&p=6) opens the page with those controls."""
+    v = visit("collectives?algorithm=tree&p=6&n=12")
+    assert ROUND_CAPTION.search(_round_caption(v.page)).groups() == ("1", "6")
+    assert "reduce up the tree" in _round_caption(v.page)
+    query = v.page.evaluate("location.search")
+    assert "coll_algorithm=tree" in query and "coll_p=6" in query and "&p=" not in query, query
+    assert v.exceptions() == [] and v.js_errors == []

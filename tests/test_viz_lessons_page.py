@@ -138,7 +138,22 @@ def test_query_params_open_a_step_and_show_me_reveals_it():
         _close(at)
 
 
-def test_picking_another_lesson_starts_it_on_fresh_ranks(monkeypatch):
+def test_no_rank_outlives_the_run_that_needed_it():
+    """Ranks forked from the app's server hold copies of its sockets: alive between runs, they kept
+    connections the server had closed open, and the browser's next request on one (the plotly chart's
+    script after Check) hung for ever. The Lab (and its scratch) stays; its worlds do not."""
+    at = _app()
+    try:
+        lab = at.session_state["lesson_lab"][1]
+        assert 0 in at.session_state["lesson_outcomes"]  # step 1 ran on a world of 4 ranks ...
+        assert lab._worlds == {}  # ... closed before the page was sent
+        at.button(key="lesson_next").click().run()
+        assert at.session_state["lesson_lab"][1] is lab and lab._worlds == {}
+    finally:
+        _close(at)
+
+
+def test_picking_another_lesson_starts_it_on_a_new_lab():
     other = next((n for n in numbers() if n != 1), None)
     if other is None:
         pytest.skip("only lesson 1 is registered")
@@ -146,10 +161,11 @@ def test_picking_another_lesson_starts_it_on_fresh_ranks(monkeypatch):
     try:
         at.button(key="lesson_next").click().run()
         lab = at.session_state["lesson_lab"][1]
-        assert lab._worlds  # step 1 started a world of 4 ranks
+        lab.scratch["left"] = "by lesson 1"
         at.selectbox(key="lesson_pick").set_value(other).run()
         assert not at.exception
-        assert lab._worlds == {}  # closed when the lesson changed
+        fresh = at.session_state["lesson_lab"][1]
+        assert fresh is not lab and "left" not in fresh.scratch
         assert at.query_params["lesson"] == str(other) and at.query_params["step"] == "1"
         assert _counter(at) == f"step 1 of {len(lesson(other).steps)}"
         assert at.session_state["lesson_lab"][0] == other
@@ -240,6 +256,10 @@ def test_adopt_prefers_the_pages_own_name_and_takes_the_first_of_a_list():
     query = {"p": "4", "world_size": "6"}
     assert deep_links.adopt(query, "runs") == {} and query == {"world_size": "6"}
     assert deep_links.adopt({"lesson": "1"}, "lessons") == {}
+
+
+def test_took_reads_at_every_scale():
+    assert [lesson_view.took(s) for s in (1.234, 0.0456, 0.0003)] == ["1.23 s", "46 ms", "0.3 ms"]
 
 
 def test_is_command_and_needs_line():

@@ -20,7 +20,7 @@ from dplab.lessons.step import Explore, Facts, Predict
 from dplab.viz.deep_links import PAGE_FILES, PAGE_TITLES, adopt, unread
 
 __all__ = ["PASS", "FAIL", "position", "check_lines", "answer_kind", "Link", "explore_link", "needs_line",
-           "lessons_link_params", "is_command"]
+           "lessons_link_params", "is_command", "took"]
 
 PASS, FAIL = "✅", "❌"
 
@@ -87,6 +87,13 @@ def is_command(try_this: str) -> bool:
     """A "try this" line that is a shell command (shown as one, to copy) rather than a sentence."""
     first = try_this.split(maxsplit=1)[0] if try_this.strip() else ""
     return first in ("dplab", "python", "python3", "pytest", "mpiexec", "torchrun", "pip", "streamlit")
+
+
+def took(seconds: float) -> str:
+    """How long a step ran, readable at every scale: ``1.23 s``, ``45 ms``, ``0.3 ms``."""
+    if seconds >= 1:
+        return f"{seconds:.2f} s"
+    return f"{seconds * 1e3:.2g} ms" if seconds < 0.01 else f"{seconds * 1e3:.0f} ms"
 
 
 def needs_line(number: int, missing: list[str]) -> str:

@@ -4,9 +4,10 @@
     http://127.0.0.1:8501/lessons?lesson=1&step=2
 
 The same steps as ``dplab lesson N``: each runs through ``dplab.lessons.runner.run_step`` on this
-session's ``Lab`` (its worlds of ranks kept between steps, closed when the lesson changes) and
-its outcome is kept per step, so Back and Next do not run it again. A step runs after the ones
-before it, as in CI (a step may use what an earlier one left in ``lab.scratch``). What the page
+session's ``Lab`` (one per session, a new one when the lesson changes; its ranks are closed after
+each run, see ``_outcome``) and its outcome is kept per step, so Back and Next do not run it
+again. A step runs after the ones before it, as in CI (a step may use what an earlier one left in
+``lab.scratch``). What the page
 decides lives in ``dplab.viz.lesson_view``; this file only draws it.
 """
 
@@ -28,6 +29,7 @@ from dplab.viz.lesson_view import (
     lessons_link_params,
     needs_line,
     position,
+    took,
 )
 
 PICK, STEP, AT = "lesson_pick", "lesson_step", "lesson_at"  # widget; step index; where the learner was
@@ -92,13 +94,20 @@ def _outcome(les: Lesson, k: int) -> StepOutcome | Exception:
         _close_lab()
         state[LAB] = (les.number, Lab())
     lab, done = state[LAB][1], state.setdefault(OUTCOMES, {})
-    for i in range(k + 1):
-        if i not in done:
-            with st.spinner(f"running step {i + 1} of lesson {les.number} on the real engine ..."):
-                try:
-                    done[i] = run_step(les.steps[i], lab)
-                except Exception as e:  # noqa: BLE001 - shown on the page, in one box
-                    done[i] = e
+    try:
+        for i in range(k + 1):
+            if i not in done:
+                with st.spinner(f"running step {i + 1} of lesson {les.number} on the real engine ..."):
+                    try:
+                        done[i] = run_step(les.steps[i], lab)
+                    except Exception as e:  # noqa: BLE001 - shown on the page, in one box
+                        done[i] = e
+    finally:
+        # Ranks are forked from the app's server and hold copies of its sockets: a browser connection
+        # the server closed stayed open in them, and the next request on it (the plotly chart's
+        # script) hung until they exited. So no rank outlives the run that needed it (a world of 4
+        # starts in ~0.3 s); the Lab and its scratch stay for the next step.
+        lab.close()
     return done[k]
 
 
@@ -110,7 +119,7 @@ def _question(out: StepOutcome, key: tuple[int, int]) -> None:
         st.radio("your answer", predict.choices, index=None, key=answer_key, horizontal=True)
     else:
         st.text_input("your answer" + (f" ({predict.unit})" if predict.unit else ""), key=answer_key,
-                      placeholder="a number: 1,572,864 or 1.5 MiB or 3/4 all work")
+                      placeholder="a number: 1,572,864 or 1.5 MiB or 3/4 all work", width=360)
     c = st.columns([1, 1, 6])
     c[0].button("Check", key=f"lesson_check_{key[0]}_{key[1]}", on_click=_check, args=(key, answer_key),
                 type="primary")
@@ -130,8 +139,7 @@ def _result(out: StepOutcome, key: tuple[int, int]) -> None:
     st.markdown(out.text)
     if out.figure is not None:
         st.plotly_chart(out.figure, key=f"lesson_fig_{key[0]}_{key[1]}")
-    st.markdown("**What this step proves** (checked on this run, "
-                f"{out.seconds:.2f} s on the real engine)")
+    st.markdown(f"**What this step proves** (checked on this run: {took(out.seconds)} on the real engine)")
     for line in check_lines(out):
         st.markdown(line)
 
@@ -146,6 +154,13 @@ def _link(out: StepOutcome) -> None:
 
 def _step(les: Lesson, k: int) -> None:
     step, key = les.steps[k], (les.number, k)
+    # Each step in a container of its own: the browser builds it afresh. In one shared slot a radio
+    # replaced by a text box (Next from step 1 to step 2 of lesson 1) stayed a grey placeholder.
+    with st.container(key=f"lesson_body_{key[0]}_{key[1]}"):
+        _body(les, k, step, key)
+
+
+def _body(les: Lesson, k: int, step: Any, key: tuple[int, int]) -> None:
     st.subheader(f"{k + 1}. {step.title}")
     out = _outcome(les, k)
     if isinstance(out, Exception):
@@ -207,3 +222,5 @@ st.query_params.update(lessons_link_params(les.number, k))
 st.progress((k + 1) / len(les.steps), text=f"step {k + 1} of {len(les.steps)}")
 _nav(les, k, st)
 _step(les, k)
+if k < len(les.steps) - 1:  # the learner is at the bottom when done reading
+    st.button(f"Next: {les.steps[k + 1].title} ▶", key="lesson_next_end", on_click=_move, args=(k + 1,))
