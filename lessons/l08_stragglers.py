@@ -67,8 +67,8 @@ def _timeline(facts):
 
 
 def in_words(counts):
-    return ", ".join(f"worker {w}: {n}"
-                     for w, n in sorted(counts.items())) or "none"
+    words = [f"worker {w}: {n}" for w, n in sorted(counts.items())]
+    return ", ".join(words) or "none"
 
 
 def backup_workers(lab):
