@@ -61,8 +61,8 @@ def buckets_of_the_model(lab):
 
 
 def overlap_in_the_trace(lab):
-    cfg = TrainConfig(model=MODEL, num_samples=256, global_batch=128,
-                      steps=6)
+    cfg = TrainConfig(model=MODEL, num_samples=256,
+                      global_batch=128, steps=6)
     single = lab.world(1).run(one_device, cfg)[0]
     spec = RunSpec(world_size=2, bucket_cap_mb=CAPS[0], train=cfg)
     row, events = run_train(spec, world=lab.world(2), trace=True,
@@ -98,8 +98,8 @@ def _timeline(facts):
 
 
 def count_allreduces(lab):
-    cfg = TrainConfig(model=MODEL, num_samples=256, global_batch=128,
-                      steps=2)
+    cfg = TrainConfig(model=MODEL, num_samples=256,
+                      global_batch=128, steps=2)
     single = lab.world(1).run(one_device, cfg)[0]
     model = MLP(MODEL)
     out = {"caps": list(CAPS), "params": model.num_params}
@@ -121,8 +121,8 @@ def count_allreduces(lab):
 
 
 def accumulate(lab):
-    cfg = TrainConfig(model=MODEL, num_samples=256, global_batch=128,
-                      steps=3)
+    cfg = TrainConfig(model=MODEL, num_samples=256,
+                      global_batch=128, steps=3)
     single = lab.world(1).run(one_device, cfg)[0]
     out = {"steps": cfg.steps}
     for k in (1, 4):
