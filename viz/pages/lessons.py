@@ -154,13 +154,6 @@ def _link(out: StepOutcome) -> None:
 
 def _step(les: Lesson, k: int) -> None:
     step, key = les.steps[k], (les.number, k)
-    # Each step in a container of its own: the browser builds it afresh. In one shared slot a radio
-    # replaced by a text box (Next from step 1 to step 2 of lesson 1) stayed a grey placeholder.
-    with st.container(key=f"lesson_body_{key[0]}_{key[1]}"):
-        _body(les, k, step, key)
-
-
-def _body(les: Lesson, k: int, step: Any, key: tuple[int, int]) -> None:
     st.subheader(f"{k + 1}. {step.title}")
     out = _outcome(les, k)
     if isinstance(out, Exception):
