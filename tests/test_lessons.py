@@ -12,6 +12,7 @@ import pytest
 from dplab.lessons import MODULES, lesson, lessons, numbers
 from dplab.lessons.coverage import CONCEPTS
 from dplab.lessons.runner import Lab, missing_needs, run_step
+from dplab.viz.deep_links import unread
 
 pytestmark = pytest.mark.lessons
 
@@ -36,7 +37,8 @@ def test_every_step_runs_and_its_claims_hold(number):
                 assert out.question()
             if step.explore is not None:
                 assert step.explore.page in APP_PAGES, step.explore.page
-                step.explore.query(out.facts)
+                query = step.explore.query(out.facts)  # names the page would ignore open the wrong picture
+                assert not unread(step.explore.page, query), (step.title, unread(step.explore.page, query))
             if step.figure is not None:
                 assert out.figure is not None and len(out.figure.data) > 0, step.title
 
