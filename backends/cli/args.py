@@ -47,7 +47,7 @@ columns:
               rank's link carried, comparable across world sizes and with a memory copy.
   vs_memcpy   busbw / the busbw of the memcpy row of the same run (backend x world size).
   vs_native   this algorithm's busbw / the busbw of the engine's own all-reduce (MPI_Allreduce,
-              dist.all_reduce; local: the two-shot shared-memory one) at the same backend, world
+              dist.all_reduce; local: the one-shot shared-memory one) at the same backend, world
               size and bytes, in the same run: above 1 is faster than the engine. Needs 'native'
               in --algorithms.
   memcpy row  one core's np.copyto of the same bytes, timed by rank 0 inside each backend x world
