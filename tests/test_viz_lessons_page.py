@@ -214,6 +214,25 @@ def test_a_deep_link_with_short_names_sets_the_collectives_controls():
     assert query["coll_algorithm"] == "tree" and query["coll_p"] == "6"
 
 
+def test_a_link_into_collectives_later_in_the_session_opens_at_its_round():
+    """A learner steps the Collectives page to round 2, leaves, and later follows a lesson's link
+    (tree, p=8, no round): the link's picture opens at round 0, not at the round the session left."""
+    at = _app("pages/collectives.py")
+    at.button(key="coll_next").click().run()
+    at.button(key="coll_next").click().run()
+    assert at.query_params["coll_round"] == "2"
+    at.switch_page("pages/home.py").run()
+    # what st.page_link(..., query_params=...) puts in the browser's URL: the link's parameters only
+    del at.query_params["coll_round"]
+    at.query_params.update({"coll_algorithm": "tree", "coll_p": "8"})
+    at.switch_page("pages/collectives.py").run()
+    assert not at.exception
+    assert at.selectbox(key="coll_algorithm").value == "tree" and at.slider(key="coll_p").value == 8
+    assert at.caption[0].value.startswith("round 1 of 6, reduce up the tree")
+    at.button(key="coll_next").click().run()  # and the buttons still move it
+    assert at.caption[0].value.startswith("round 2 of 6") and at.query_params["coll_round"] == "1"
+
+
 def test_a_deep_link_with_short_names_sets_the_cost_controls():
     at = _app("pages/cost.py", p="4", algorithm="ring,tree")
     assert at.slider(key="cost_world_size").value == 4

@@ -18,6 +18,7 @@ from dplab.viz.deep_links import adopt
 
 BIND = "query-params"
 ROUND = "coll_round"
+WRITTEN = "_coll_round_in_url"  # the round this page last put in the URL
 
 
 @st.cache_data(show_spinner=False, max_entries=64)
@@ -35,11 +36,15 @@ def _fix_state(key: str, options: list) -> None:
 
 
 def _round_from_url() -> None:
-    if ROUND not in st.session_state:
-        try:
-            st.session_state[ROUND] = max(0, int(st.query_params.get(ROUND, 0)))
-        except ValueError:
-            st.session_state[ROUND] = 0
+    """The URL's round, unless this page wrote it there itself on its last run: a link into the page
+    (a lesson's, later in the same session) opens at its round, or at 0 when it names none."""
+    raw = st.query_params.get(ROUND)
+    if ROUND in st.session_state and raw is not None and raw == st.session_state.get(WRITTEN):
+        return
+    try:
+        st.session_state[ROUND] = max(0, int(raw or 0))
+    except ValueError:
+        st.session_state[ROUND] = 0
 
 
 def _go(target: int) -> None:
@@ -121,7 +126,7 @@ buttons[1].button("◀ Prev", key="coll_prev", on_click=_go, args=(st.session_st
 buttons[2].button("Next ▶", key="coll_next", on_click=_go, args=(min(st.session_state[ROUND] + 1, last),))
 buttons[3].button("Last", key="coll_last", on_click=_go, args=(last,))
 k = st.session_state[ROUND]
-st.query_params[ROUND] = str(k)
+st.query_params[ROUND] = st.session_state[WRITTEN] = str(k)
 if second is None:
     _panel(w, spec, k, "coll_fig")
 else:
