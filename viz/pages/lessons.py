@@ -7,8 +7,7 @@ The same steps as ``dplab lesson N``: each runs through ``dplab.lessons.runner.r
 session's ``Lab`` (one per session, a new one when the lesson changes; its ranks are closed after
 each run, see ``_outcome``) and its outcome is kept per step, so Back and Next do not run it
 again. A step runs after the ones before it, as in CI (a step may use what an earlier one left in
-``lab.scratch``). What the page
-decides lives in ``dplab.viz.lesson_view``; this file only draws it.
+``lab.scratch``). What the page decides lives in ``dplab.viz.lesson_view``; this file draws it.
 """
 
 from __future__ import annotations
@@ -33,6 +32,7 @@ from dplab.viz.lesson_view import (
 )
 
 PICK, STEP, AT = "lesson_pick", "lesson_step", "lesson_at"  # widget; step index; where the learner was
+WRITTEN = "_lesson_in_url"  # the (lesson, step) this page last put in the URL
 OUTCOMES, LAB, REVEALED, VERDICTS = "lesson_outcomes", "lesson_lab", "lesson_revealed", "lesson_verdicts"
 state = st.session_state
 
@@ -46,11 +46,13 @@ def _title(number: int) -> str:
 
 
 def _start(nums: list[int]) -> None:
-    """Once per visit: the lesson and step from ``?lesson=N&step=K``, else where the learner was."""
-    if PICK in state:
-        return
+    """The lesson and step from ``?lesson=N&step=K`` unless this page wrote them there on its last run
+    (a new visit or a link, even from this page); a visit without them: where the learner was."""
     query = st.query_params.to_dict()
-    if "lesson" not in query and AT in state:
+    url = (query.get("lesson"), query.get("step"))
+    if PICK in state and (url[0] is None or url == state.get(WRITTEN)):
+        return
+    if url[0] is None and AT in state:
         query = lessons_link_params(*state[AT])
     number, k = position(query, nums, lambda n: len(lesson(n).steps))
     state[PICK], state[STEP] = number, k
@@ -212,6 +214,7 @@ if missing:
 k = min(max(state.get(STEP, 0), 0), len(les.steps) - 1)
 state[STEP], state[AT] = k, (les.number, k)
 st.query_params.update(lessons_link_params(les.number, k))
+state[WRITTEN] = (str(les.number), str(k + 1))
 st.progress((k + 1) / len(les.steps), text=f"step {k + 1} of {len(les.steps)}")
 _nav(les, k, st)
 _step(les, k)
