@@ -15,7 +15,7 @@ import math
 from dplab.backends import RunSpec, run_train
 from dplab.backends.cli.memory import memory_rows
 from dplab.lessons.exercises import STUBS, check_file
-from dplab.lessons.step import Check, Explore, Lesson, Predict, Step
+from dplab.lessons.step import Check, Lesson, Predict, Step
 from dplab.reference.model import MLP, MLPConfig
 from dplab.reference.optim import OptimConfig
 from dplab.reference.schedule import chunk_bounds
@@ -198,7 +198,6 @@ STEPS = (
                         "rank hold?", "opt_fraction", rel_tol=0.01),
         hint="Stage 1: rank r updates only the r-th 1/p of the parameters, so it keeps state for those.",
         try_this="dplab train --zero-stage 3 --world-size 4 --optimizer adam   # rows carry peak_*_bytes",
-        explore=Explore("memory", lambda f: {"params": f["psi"], "world_sizes": f["p"]}),
         teaches=("memory",),
     ),
     Step(
@@ -248,7 +247,6 @@ STEPS = (
                         unit="GB"),
         hint="Data parallelism replicates: the number of ranks does not enter.",
         try_this="dplab memory --params 7.5B --world-sizes 64   # the ZeRO paper's Figure 1",
-        explore=Explore("memory", lambda f: {"params": "7B", "world_sizes": "1,8,64"}),
         teaches=("memory",),
     ),
     Step(
@@ -275,7 +273,6 @@ STEPS = (
                         "need to fit the model states in {device} GB per rank?", "need"),
         hint="Stage 3 divides all of it (weights, gradients, state) by the number of ranks: total / device.",
         try_this="dplab memory --params 1T --world-sizes 8,200 --stages 0,3",
-        explore=Explore("memory", lambda f: {"params": "1T", "world_sizes": f"8,{f['need']}"}),
         teaches=("beyond-dp",),
     ),
     Step(

@@ -122,7 +122,7 @@ def _number(reply: str) -> float | None:
 class Explore:
     """A deep link: the app page that explores the step further, with the step's parameters."""
 
-    page: str                                  # "collectives", "cost", "training", "runs", "memory"
+    page: str                                  # the app page: "collectives", "cost", "training", "runs"
     params: Callable[[Facts], dict[str, Any]] | None = None
 
     def query(self, facts: Facts) -> dict[str, str]:

@@ -16,7 +16,7 @@ from dplab.viz.deep_links import unread
 
 pytestmark = pytest.mark.lessons
 
-APP_PAGES = {"collectives", "cost", "training", "runs", "memory", "lessons"}
+APP_PAGES = {"collectives", "cost", "training", "runs", "lessons"}
 
 
 @pytest.mark.parametrize("number", numbers())
