@@ -233,33 +233,6 @@ def _colorscales(page: Any, i: int) -> list[Any]:
                          ".map(t => t.colorscale || null)", i)
 
 
-@pytest.mark.skipif("collectives" not in PAGE_FILES, reason="viz/pages/collectives.py is not written yet")
-def test_viz_browser_collectives_play_advances_the_slider(visit: Any, artifacts: Path) -> None:
-    """Play runs client-side: the slider moves while the server does nothing (no rerun per frame)."""
-    v = visit("collectives")
-    states = _slider_state(v.page)
-    animated = [i for i, s in enumerate(states) if s and s["steps"] > 1]
-    assert animated, f"no plotly chart with a slider of more than one step: {states}"
-    i = animated[0]
-    start = states[i]["active"]
-    scales_before = _colorscales(v.page, i)
-    assert states[i]["frames"] == states[i]["steps"], f"slider steps != frames: {states[i]}"
-    chart = v.page.locator(".js-plotly-plot").nth(i)
-    chart.scroll_into_view_if_needed()
-    chart.locator(".updatemenu-button", has_text="Play").first.click()
-    v.page.wait_for_function(
-        "([i, k]) => document.querySelectorAll('.js-plotly-plot')[i]._fullLayout.sliders[0].active > k",
-        arg=[i, start], timeout=WARM_TIMEOUT_S * 1000)
-    script_state = v.page.locator('[data-testid="stApp"]').get_attribute("data-test-script-state")
-    assert script_state == "notRunning", "Play reran the script: the animation must run in the browser"
-    assert _slider_state(v.page)[i]["active"] > start
-    # A colour must mean the same count in every frame: plotly.py spells a named scale out in the
-    # frames, while plotly.js resolves the same name (its own, reversed "Blues") in the first view.
-    assert _colorscales(v.page, i) == scales_before, "the colour scale changed when Play started"
-    assert v.exceptions() == [] and v.js_errors == []
-    v.screenshot(artifacts / "collectives-playing.png")
-
-
 # Per-frame timestamps of a chart's animation, from plotly's own event (performance.now(), ms).
 RECORD_FRAMES_JS = """(i) => { const gd = document.querySelectorAll('.js-plotly-plot')[i];
   window.__frames = []; gd.on('plotly_animatingframe', () => window.__frames.push(performance.now())); }"""
@@ -267,17 +240,26 @@ RECORD_FRAMES_JS = """(i) => { const gd = document.querySelectorAll('.js-plotly-
 
 @pytest.mark.skipif("collectives" not in PAGE_FILES, reason="viz/pages/collectives.py is not written yet")
 def test_viz_browser_collectives_deep_link_p16_ring_animates_smoothly(visit: Any, artifacts: Path) -> None:
-    """A link opens the p=16 ring at round 3 of 30; Play then draws frame after frame at its pace."""
+    """A link opens the p=16 ring at round 3 of 30; Play then draws frame after frame at its pace.
+    Play runs client-side: the slider moves while the server does nothing (no rerun per frame), and
+    the colour scale stays the one of the first view. (One visit for both: each costs a page run.)"""
     v = visit("collectives?coll_collective=allreduce&coll_algorithm=ring&coll_p=16&coll_n=64&coll_round=2")
     assert ROUND_CAPTION.search(_round_caption(v.page)).groups() == ("3", "30")
     i = next(j for j, s in enumerate(_slider_state(v.page)) if s)
     assert _slider_state(v.page)[i] == {"active": 2, "steps": 31, "frames": 31}
+    scales_before = _colorscales(v.page, i)
     v.page.evaluate(RECORD_FRAMES_JS, i)
     chart = v.page.locator(".js-plotly-plot").nth(i)
     chart.scroll_into_view_if_needed()
     chart.locator(".updatemenu-button", has_text="Play").first.click()
     frames = 6
     v.page.wait_for_function(f"() => window.__frames.length > {frames}", timeout=WARM_TIMEOUT_S * 1000)
+    script_state = v.page.locator('[data-testid="stApp"]').get_attribute("data-test-script-state")
+    assert script_state == "notRunning", "Play reran the script: the animation must run in the browser"
+    assert _slider_state(v.page)[i]["active"] > 2
+    # A colour must mean the same count in every frame: plotly.py spells a named scale out in the
+    # frames, while plotly.js resolves the same name (its own, reversed "Blues") in the first view.
+    assert _colorscales(v.page, i) == scales_before, "the colour scale changed when Play started"
     stamps = v.page.evaluate("window.__frames")
     gaps = [b - a for a, b in zip(stamps, stamps[1:])]
     play_ms = v.page.evaluate("(i) => document.querySelectorAll('.js-plotly-plot')[i]"
