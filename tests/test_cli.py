@@ -88,11 +88,9 @@ def test_bad_arguments_one_line_exit_2(cli_here, argv, message):
 @pytest.mark.parametrize("argv, message", [
     (["train", "--world-size", "0"], "world_size must be a positive integer"),  # dplab's check
     (["frobnicate"], "invalid choice"),  # argparse's
-    # Refused only after the p = 1 runs: not up front (see the xfail below), so a process here.
-    (["compare", "--world-sizes", "1,0"], "world_size must be a positive integer"),
 ])
 def test_bad_arguments_one_line_exit_2_from_the_module_as_run(argv, message):
-    """Two of the cases above as a real process: ``python -m`` exits 2 with that one line only."""
+    """The cases above as a real process: ``python -m`` exits 2 with that one line only."""
     proc = subprocess.run([sys.executable, "-m", "dplab.backends.cli", *argv], capture_output=True,
                           text=True, timeout=60)
     assert proc.returncode == 2, proc.stderr
@@ -100,9 +98,6 @@ def test_bad_arguments_one_line_exit_2_from_the_module_as_run(argv, message):
     assert len(lines) == 1 and message in lines[0], proc.stderr
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="dplab compare runs the world_size 1 cells before it refuses world_size 0 "
-                          "(check_args does not check --world-sizes): move the case up when it does")
 def test_compare_refuses_a_bad_world_size_before_any_rank_starts(cli_here):
     proc = cli_here("compare", "--world-sizes", "1,0")
     assert proc.returncode == 2 and "world_size must be a positive integer" in proc.stderr

@@ -56,6 +56,9 @@ def check_args(a: argparse.Namespace, printer: bool = True) -> None:
                           "--backend torch")
     if a.command == "train":
         _check_launcher_world(a)
+    for p in getattr(a, "world_sizes", None) or ():  # compare's and bench's grids: before any cell runs
+        if p < 1:
+            raise ConfigError(f"world_size must be a positive integer, got {p}")
     if a.command == "bench":
         _check_bench(a)
     if printer:
@@ -119,9 +122,6 @@ def _check_bench(a: argparse.Namespace) -> None:
         raise ConfigError("bench needs --reps >= 1, --target-seconds > 0 and --warmup >= 0")
     for backend in a.backends:
         check_backend(backend)
-    for p in a.world_sizes:
-        if p < 1:
-            raise ConfigError(f"world_size must be a positive integer, got {p}")
     unknown = [alg for alg in a.algorithms if not has_schedule(alg)]
     if unknown:
         raise ConfigError(f"unknown algorithm {unknown[0]!r}: choose from {', '.join(ALGORITHMS)}")
