@@ -56,7 +56,7 @@ def check_args(a: argparse.Namespace, printer: bool = True) -> None:
                           "--backend torch")
     if a.command == "train":
         _check_launcher_world(a)
-    for p in getattr(a, "world_sizes", None) or ():  # compare's and bench's grids: before any cell runs
+    for p in (a.world_sizes or ()) if a.command in ("compare", "bench") else ():  # before any cell runs
         if p < 1:
             raise ConfigError(f"world_size must be a positive integer, got {p}")
     if a.command == "bench":
