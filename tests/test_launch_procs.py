@@ -112,7 +112,11 @@ def python_ranks(pids: set[int]) -> set[int]:
 def start(tmp_path: Path, code: str, *argv: str) -> subprocess.Popen:
     """Run ``code`` as a script in ``tmp_path`` (cwd outside the repository), in its own session."""
     script = tmp_path / "launcher.py"
-    script.write_text(textwrap.dedent(code))
+    # Ctrl-C as a terminal's foreground job has it, even when pytest itself was started with SIGINT
+    # ignored (a background job of a non-interactive shell): Python then installs no handler, and the
+    # script would never see its KeyboardInterrupt.
+    script.write_text("import signal; signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+                      + textwrap.dedent(code))
     env = dict(os.environ, PYTHONPATH=str(TESTS), PYTHONUNBUFFERED="1")
     return subprocess.Popen([sys.executable, str(script), *argv], cwd=tmp_path, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
