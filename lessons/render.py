@@ -163,5 +163,6 @@ def reports_table(reports: Sequence[Any], encoding: str) -> Table:
     table.add_column("what the check found", overflow="fold")
     for r in reports:
         table.add_row(r.name, Text(f"{yes} passed" if r.passed else f"{no} failed",
-                                   style="green" if r.passed else "bold red"), r.message)
+                                   style="green" if r.passed else "bold red"),
+                      Text(r.message))  # plain text: a quoted `params[a:b]` is not rich markup
     return table

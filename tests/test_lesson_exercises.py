@@ -244,3 +244,33 @@ def test_check_reads_the_learners_folder(tmp_path, monkeypatch):
         check(3, tmp_path)
     with pytest.raises(ConfigError, match="there is no exercise 'ring'"):
         check_file("ring", tmp_path)
+
+
+def test_a_learner_loop_that_never_ends_is_stopped_and_named(tmp_path, monkeypatch):
+    from dplab.lessons.exercises import learner
+
+    monkeypatch.setattr(learner, "CALL_LIMIT_S", 0.3)
+    looping = _write(tmp_path, "ring_reduce_scatter", """
+        def ring_reduce_scatter(p):
+            rounds = []
+            while True:
+                rounds.append(p)
+    """)
+    report = check_file("ring_reduce_scatter", looping)
+    assert not report.passed
+    assert report.message.startswith("ring_reduce_scatter(1) raised TooLong: still running after 0.3 s")
+    # named where the loop was stopped: its head or its body
+    assert re.search(r"\(line [45] of ring_reduce_scatter.py: `(while True:|rounds.append\(p\))`\)$",
+                     report.message), report.message
+
+
+def test_a_report_is_printed_as_written_even_with_brackets():
+    from rich.console import Console
+
+    from dplab.lessons.exercises.learner import ExerciseReport
+    from dplab.lessons.render import reports_table
+
+    console = Console(width=200, no_color=True, record=True)
+    message = "line 3: `grad[lo:hi] = params[bold]`"
+    console.print(reports_table([ExerciseReport("ring_reduce_scatter", False, message)], "utf-8"))
+    assert message in console.export_text()

@@ -15,7 +15,9 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import re
+import signal
 import sys
+import threading
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -25,8 +27,8 @@ from typing import Any
 
 from dplab.reference.errors import DplabError
 
-__all__ = ["ExerciseReport", "Fail", "load_function", "learner_call", "describe", "describe_rank_error",
-           "judged"]
+__all__ = ["ExerciseReport", "Fail", "TooLong", "CALL_LIMIT_S", "load_function", "learner_call", "describe",
+           "describe_rank_error", "judged"]
 
 _counter = itertools.count()
 
@@ -70,15 +72,43 @@ def load_function(file: Path, name: str) -> Callable[..., Any]:
     return fn
 
 
+CALL_LIMIT_S = 30.0  # one call of the learner's function; the checkers' own calls take milliseconds
+
+
+class TooLong(Exception):
+    """The learner's function ran past ``CALL_LIMIT_S``: a loop that never ends, most likely."""
+
+
 @contextmanager
 def learner_call(file: Path, what: str) -> Iterator[None]:
-    """Around a call of the learner's function: any exception becomes a ``Fail`` naming their line."""
+    """Around a call of the learner's function: any exception becomes a ``Fail`` naming their line,
+    and a call that runs past ``CALL_LIMIT_S`` is stopped (SIGALRM, in the main thread) and named
+    at the line it was running, instead of hanging ``dplab lesson check``."""
+    with _time_limit(CALL_LIMIT_S):
+        try:
+            yield
+        except Fail:
+            raise
+        except Exception as e:
+            raise Fail(describe(e, file, what)) from None
+
+
+@contextmanager
+def _time_limit(seconds: float) -> Iterator[None]:
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
+        yield  # no timer off the main thread: the call runs unguarded
+        return
+
+    def stop(signum: int, frame: Any) -> None:
+        raise TooLong(f"still running after {seconds:g} s: does a loop never end?")
+
+    previous = signal.signal(signal.SIGALRM, stop)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
     try:
         yield
-    except Fail:
-        raise
-    except Exception as e:
-        raise Fail(describe(e, file, what)) from None
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def describe(exc: BaseException, file: Path, what: str) -> str:
