@@ -2,10 +2,9 @@
 
     dplab lesson 10
 
-Five steps: measure what each rank holds under ZeRO stages 0-3 against the closed forms; count
-the bytes each stage sends per step; the 7B example of ``dplab memory``; a model that data
-parallelism alone cannot fit, and what model, pipeline and tensor parallelism would need per
-rank (the same calculator); then write a ZeRO-2 step yourself (the exercise ``zero2_step``).
+Five steps: what each rank holds under ZeRO stages 0-3 against the closed forms; the bytes each
+stage sends per step; the 7B example of ``dplab memory``; a model data parallelism alone cannot
+fit, and what model, pipeline and tensor parallelism would need per rank; a ZeRO-2 step to write.
 """
 
 from __future__ import annotations
@@ -28,8 +27,7 @@ __all__ = ["LESSON"]
 # Seven layers (544, 6 x 1056, 132 parameters), each divisible by 4: every rank owns exactly 1/4
 MODEL = MLPConfig(in_dim=16, hidden=(32,) * 6, out_dim=4)
 TRAIN = TrainConfig(model=MODEL, steps=2, optimizer=OptimConfig("adam", lr=0.01))
-KB = 1024
-DEVICE_GB = 80                                 # one 80 GB accelerator (GB = 1e9 bytes, as the calculator)
+KB, DEVICE_GB = 1024, 80                       # one 80 GB accelerator (GB = 1e9 bytes, as the calculator)
 
 
 def layer_sizes(model):
