@@ -109,3 +109,44 @@ def test_the_executor_looks_a_call_up_once_per_signature(monkeypatch):
         collectives.broadcast(comm, np.zeros(8), root=1)
     assert asked == [("allreduce", "tree", 2, 0, 0), ("broadcast", "tree", 2, 0, 1)]
     assert comm.calls[0] is comm.calls[2] and str(comm.calls[1]) == "broadcast(tree, root=1)"
+
+
+def _reused_beside_fresh(comm, n, calls):
+    """Rank 1 passes one buffer every call, the others a new one: in rank 0 rank 1's segment is a
+    view-cache hit each time and sinks to the bottom of the peer LRU, so mapping rank 2's next
+    segment evicts it while the one-shot still holds its view (this was a SIGSEGV: the eviction
+    unmapped it under the view)."""
+    old = comm.empty(n, np.float64)
+    keep = []
+    for _ in range(calls):
+        buf = old if comm.rank == 1 else comm.empty(n, np.float64)
+        keep.append(buf)
+        buf[:] = comm.rank + 1
+        comm.native_allreduce(buf)
+        assert (buf == comm.world_size * (comm.world_size + 1) // 2).all()
+    return len(comm._peers)
+
+
+def test_a_peer_segment_evicted_while_its_view_is_held_stays_readable():
+    from dplab.backends.local.memory import PEER_CACHE
+
+    assert launch(_reused_beside_fresh, 3, args=(4096, PEER_CACHE + 4), timeout=60)[0] == PEER_CACHE
+
+
+def _freed_under_a_view(comm, n):
+    """An array from ``comm.empty`` dies while a slice of it lives: its segment is freed and
+    unlinked, and the slice still reads and sends (staged: its segment is gone from the ranges)."""
+    whole = comm.empty(n, np.float64)
+    part = whole[1:]
+    part[:] = comm.rank + 1
+    del whole
+    import gc
+
+    gc.collect()
+    comm.native_allreduce(part)
+    return float(part.sum())
+
+
+def test_a_slice_outlives_its_freed_segment():
+    p, n = 3, 1 << 14
+    assert launch(_freed_under_a_view, p, args=(n,), timeout=30) == [6.0 * (n - 1)] * p

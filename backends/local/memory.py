@@ -4,8 +4,9 @@
 MPI_Alloc_mem); a send names a buffer by (segment, offset) so the receiver reads it straight
 out of the sender's memory. A buffer outside every segment is first copied into a staging
 segment (``bytes_staged`` counts those copies). Peers' segments are mapped on first use and
-the least recently used are unmapped beyond ``PEER_CACHE``; the views a receive reads
-through are kept (``VIEW_CACHE``). ``LocalComm`` (comm.py) holds the
+the least recently used are forgotten beyond ``PEER_CACHE`` (a mapping goes with its last view,
+so a view still in use stays readable: ``shm.Segment``); the views a receive reads through are
+kept (``VIEW_CACHE``). ``LocalComm`` (comm.py) holds the
 state (``_segments``, ``_ranges``, ``_peers``, staging) that these methods share.
 """
 

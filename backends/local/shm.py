@@ -1,8 +1,8 @@
-"""Named shared-memory segments that no resource tracker unlinks behind our back.
+"""Named shared-memory segments: files in /dev/shm, mapped, whose lifetime the launcher owns.
 
-Python's ``SharedMemory`` registers every segment, even one it merely attaches,
-with a resource tracker that unlinks it when the attaching process exits
-(fixed in 3.13 with ``track=False``). dplab's launcher owns the lifetime of its
+Python's ``SharedMemory`` is not used: it registers every segment it attaches with a resource
+tracker that unlinks it when the attaching process exits, and its ``close`` unmaps memory that
+numpy views still point at. dplab's launcher owns the lifetime of its
 segments instead: every name starts with the world's session prefix, and the
 launcher unlinks everything with that prefix when the world ends, however its
 ranks ended (and if the launcher itself dies, its ranks do: ``dplab.backends.launch.watch``).
@@ -12,29 +12,48 @@ users, which we may not remove.
 
 from __future__ import annotations
 
+import errno
+import mmap
 import os
-import sys
-from multiprocessing import resource_tracker
-from multiprocessing.shared_memory import SharedMemory
+import shutil
 from pathlib import Path
 
 import numpy as np
 
-__all__ = ["PREFIX", "Segment", "unlink_prefix", "sweep_stale", "leftovers"]
+from dplab.reference.errors import ConfigError
+
+__all__ = ["PREFIX", "Segment", "ShmFull", "shm_full", "unlink_prefix", "sweep_stale", "leftovers"]
 
 PREFIX = "dplab_"
 SHM_DIR = Path("/dev/shm")
 
 
+class ShmFull(ConfigError):
+    """/dev/shm has no room for a segment: says how much was needed and how much is free."""
+
+
 class Segment:
-    """One mapped segment, exposed as a uint8 array; ``view`` carves typed arrays out of it."""
+    """One mapped segment, exposed as a uint8 array; ``view`` carves typed arrays out of it.
+
+    The mapping is never unmapped by hand: ``close`` drops this object's reference, and the kernel
+    mapping goes with the last numpy view of it. A numpy array made over a buffer keeps the mmap
+    object alive but holds no export of it, so ``mmap.close()`` would unmap memory under views
+    still in use (a SIGSEGV on the next read). Reading through any view is therefore always safe.
+    A new segment's pages are reserved at creation (``posix_fallocate``): a full /dev/shm is a
+    ``ShmFull`` here, not a SIGBUS at the first write to a page tmpfs could not supply.
+    """
 
     def __init__(self, name: str, size: int = 0, create: bool = False) -> None:
-        self._shm = _untracked(name, create, max(size, 1))
-        os.close(self._shm._fd)  # the mapping keeps the memory; the descriptor is not needed
-        self._shm._fd = -1  # type: ignore[attr-defined]
+        path = SHM_DIR / name
+        fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
+        try:
+            if create:
+                _reserve(fd, path, max(size, 1))
+            self._mmap = mmap.mmap(fd, 0 if not create else max(size, 1))
+        finally:
+            os.close(fd)  # the mapping keeps the memory; the descriptor is not needed
         self.name = name
-        self.bytes = np.ndarray((self._shm.size,), dtype=np.uint8, buffer=self._shm.buf)
+        self.bytes = np.frombuffer(self._mmap, dtype=np.uint8)
 
     def view(self, offset: int, nbytes: int, dtype: np.dtype) -> np.ndarray:
         return self.bytes[offset:offset + nbytes].view(dtype)
@@ -46,22 +65,36 @@ class Segment:
             pass
 
     def close(self) -> None:
-        self.bytes = None  # type: ignore[assignment]
-        try:
-            self._shm.close()
-        except BufferError:  # a caller still holds a view; the mapping dies with the process
-            pass
+        """Forget the mapping; it is unmapped once no view of it is left (see the class)."""
+        self.bytes = self._mmap = None  # type: ignore[assignment]
 
 
-def _untracked(name: str, create: bool, size: int) -> SharedMemory:
-    if sys.version_info >= (3, 13):
-        return SharedMemory(name, create=create, size=size, track=False)
-    register = resource_tracker.register  # before 3.13 there is no track=False: mute it briefly
-    resource_tracker.register = lambda *args, **kwargs: None
+def _reserve(fd: int, path: Path, size: int) -> None:
+    """Give the new segment ``size`` bytes of /dev/shm now, or unlink it and raise ``ShmFull``."""
     try:
-        return SharedMemory(name, create=create, size=size)
-    finally:
-        resource_tracker.register = register
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        os.unlink(path)
+        if e.errno in (errno.ENOSPC, errno.EFBIG):
+            raise shm_full(size, f"segment {path.name}") from None
+        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):  # a file system without fallocate
+            raise
+        os.ftruncate(fd, size)  # pragma: no cover - tmpfs supports fallocate
+
+
+def shm_full(need: int, what: str) -> ShmFull:
+    """The one-line error for a full /dev/shm: what needed how much, and how much is free."""
+    try:
+        free = shutil.disk_usage(SHM_DIR).free
+    except OSError:
+        free = 0
+    return ShmFull(f"{SHM_DIR} is full: {what} needs {_mib(need)}, {_mib(free)} is free there; "
+                   f"free space in {SHM_DIR} (df -h {SHM_DIR}; remove what dead jobs left) or enlarge it "
+                   f"(mount -o remount,size=... {SHM_DIR})")
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.0f} KiB"
 
 
 def unlink_prefix(prefix: str) -> int:
