@@ -28,8 +28,8 @@ from typing import Any
 
 import plotly.graph_objects as go
 
-from dplab.reference.errors import ConfigError
-from dplab.reference.trace import Event, load_json, save_json, to_chrome
+from dplab.backends.cli import uploads
+from dplab.reference.trace import Event, save_json, to_chrome
 
 __all__ = ["Span", "lane_of", "lanes", "spans", "timeline_figure", "load_trace", "trace_bytes",
            "chrome_bytes", "KIND_COLORS", "ALWAYS"]
@@ -127,19 +127,9 @@ def timeline_figure(events: Sequence[Event], detail: bool = False, title: str = 
 
 
 def load_trace(data: bytes) -> tuple[list[Event], dict[str, Any]]:
-    """The events and meta of a trace file written by ``dplab train --trace PATH`` (through
-    ``dplab.reference.trace.load_json`` itself, so the app reads exactly what the CLI writes)."""
-    with tempfile.TemporaryDirectory() as d:
-        path = Path(d) / "trace.json"
-        path.write_bytes(data)
-        try:
-            events, meta = load_json(path)
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise ConfigError("not a dplab trace file: load the PATH written by `dplab train --trace PATH` "
-                              f"(not its .chrome.json, which is for Perfetto): {e}") from None
-    if not events:
-        raise ConfigError("the trace file holds no events: record one with `dplab train --trace PATH`")
-    return events, meta
+    """The events and meta of a trace file written by ``dplab train --trace PATH``, checked whole
+    first (``dplab.backends.cli.uploads.trace``: size, types, ranges), since anyone may upload one."""
+    return uploads.trace(data)
 
 
 def trace_bytes(events: Iterable[Event], meta: dict[str, Any] | None = None) -> bytes:

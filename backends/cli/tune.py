@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from dplab.backends.cli import uploads
 from dplab.backends.cli.args_optim import csv_list
 from dplab.backends.cli.bench import parse_size
 from dplab.reference import auto, costfit
@@ -83,7 +84,7 @@ def bench_rows(a: argparse.Namespace) -> list[dict[str, Any]]:
         except OSError as e:
             raise ConfigError(f"--from-json {a.from_json}: {e.strerror}: give a `dplab bench --json` "
                               "file") from None
-        rows = costfit.load_bench_json(text, a.from_json)
+        rows = uploads.bench_rows(text, a.from_json)  # checked whole: sizes, types, ranges
     else:
         from dplab.backends.cli.args import build_parser  # args imports this module: import late
         from dplab.backends.cli.checks import check_args
