@@ -209,7 +209,7 @@ class Frame:
 class Walkthrough:
     config: CollectiveConfig
     schedule: Schedule
-    inputs: list[np.ndarray]  # each rank's starting vector (small integers)
+    inputs: list[np.ndarray] | None  # each rank's starting vector (small integers); None past MAX_VALUES_N
     frames: list[Frame]
     closed_form_bytes: int | None  # None: no textbook form (hierarchical with a smaller last node)
     closed_form_time_s: float | None  # all-reduce only: the textbook time (tree: exact for powers of 2)
@@ -226,9 +226,12 @@ def walkthrough(cfg: CollectiveConfig) -> Walkthrough:
     schedule = schedule_for(cfg)
     p, k, rounds = cfg.world_size, schedule.num_chunks, len(schedule.rounds)
     rng = np.random.default_rng(cfg.seed)
-    inputs = [rng.integers(0, 10, cfg.n).astype(np.float32) for _ in range(p)]
-    sim = simulate(schedule, inputs if cfg.n <= MAX_VALUES_N else None)
-    values = [inputs] if cfg.n <= MAX_VALUES_N else None
+    # Only short vectors get values: a long one is priced by its length alone (``nbytes``), so a
+    # billion elements cost nothing here instead of p copies of the vector.
+    short = cfg.n <= MAX_VALUES_N
+    inputs = [rng.integers(0, 10, cfg.n).astype(np.float32) for _ in range(p)] if short else None
+    sim = simulate(schedule, inputs)
+    values = [inputs] if inputs is not None else None
     for rnd in schedule.rounds if values is not None else ():  # the simulator, one round at a time
         values.append(simulate(Schedule(schedule.name, p, k, (rnd,)), values[-1]).buffers)
     names = phases(cfg, schedule)

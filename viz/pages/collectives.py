@@ -21,7 +21,9 @@ ROUND = "coll_round"
 WRITTEN = "_coll_round_in_url"  # the round this page last put in the URL
 
 
-@st.cache_data(show_spinner=False, max_entries=64)
+# An entry is at most ~10 MB pickled (p=16 pipelined_ring, whatever n: long vectors carry no values),
+# so the cache holds at most ~160 MB however many distinct URLs visitors open.
+@st.cache_data(show_spinner=False, max_entries=16)
 def _build(cfg: CollectiveConfig) -> tuple[Walkthrough, dict]:
     """A walkthrough and its animation, per configuration (the p=16 ring: 0.3 s uncached)."""
     w = walkthrough(cfg)
