@@ -13,9 +13,13 @@ Pure: no Streamlit here, ``st.query_params`` is just a mutable mapping to ``adop
 
 from __future__ import annotations
 
-from collections.abc import Callable, MutableMapping
+from collections.abc import Callable, Iterable, MutableMapping
 
-__all__ = ["PAGE_FILES", "PAGE_TITLES", "ALIASES", "READS", "adopt", "reads", "unread"]
+__all__ = ["PAGE_FILES", "PAGE_TITLES", "ALIASES", "READS", "MAX_PARAM_CHARS", "adopt", "reads", "unread",
+           "url_list"]
+
+# Longer than any list a page offers, spelled out: a longer value is someone else's, not a control's.
+MAX_PARAM_CHARS = 512
 
 # page name (as Explore names it) -> its file, as st.page_link and AppTest.switch_page take it
 PAGE_FILES = {name: f"pages/{name}.py" for name in ("collectives", "cost", "training", "runs", "memory",
@@ -35,6 +39,27 @@ READS: dict[str, frozenset[str] | None] = {
     "lessons": frozenset({"lesson", "step"}),
     "memory": None,
 }
+
+
+def url_list(raw: str | None, parse: Callable[[str], object], allowed: Iterable[object],
+             limit: int) -> list | None:
+    """A URL's comma list as a control takes it: parsed, only ``allowed`` values, each once (first
+    spelling wins), at most ``limit``. None where ``raw`` is None, longer than ``MAX_PARAM_CHARS``,
+    or holds a value that does not parse: the page then uses its default. A URL is anyone's input,
+    so its length, not the page's options, would otherwise decide how much work a page does."""
+    if raw is None or len(raw) > MAX_PARAM_CHARS:
+        return None
+    pool, out = list(allowed), []
+    for text in raw.split(","):
+        if not text.strip():
+            continue
+        try:
+            value = parse(text.strip())
+        except (TypeError, ValueError, OverflowError):
+            return None
+        if value in pool and value not in out:
+            out.append(value)
+    return out[:limit]
 
 
 def _first(value: str) -> str:

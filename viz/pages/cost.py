@@ -13,18 +13,22 @@ Controls live in the URL (deep links).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import streamlit as st
 
+from dplab.backends.cli.uploads import BENCH, bench_rows
 from dplab.reference.algorithms import ALLREDUCE
 from dplab.reference.costmodel import best_regions
-from dplab.reference.errors import DplabError
+from dplab.reference.errors import ConfigError, DplabError
 from dplab.reference.topology import PRESETS
+from dplab.viz.budget import BUDGET, visitor_hooks
 from dplab.viz.cost import CostParams, busbw_line, format_bytes
 from dplab.viz.cost_crossovers import coinciding, coinciding_sentence, merged_crossovers
 from dplab.viz.cost_figure import cost_figure
-from dplab.viz.cost_fit import fit_alpha_beta, fit_table, load_bench_json, residual_figure, run_bench
+from dplab.viz.cost_fit import fit_alpha_beta, fit_table, residual_figure, run_bench
 from dplab.viz.cost_regions import REGION_SIZES, WORLD_SIZES, regions_figure
-from dplab.viz.deep_links import adopt
+from dplab.viz.deep_links import MAX_PARAM_CHARS, adopt, url_list
 
 # Shown until the learner picks others: the textbook's four and MPICH's two. All ten at once draw
 # a dozen crossovers on top of each other; the multiselect offers every registered one.
@@ -40,12 +44,23 @@ SOURCES = {"none": "model only", "run": "run a short bench now (local)",
 FIT_BY = {"backend": "per backend", "algorithm": "per backend and algorithm"}
 
 
-def _floats(text: str) -> tuple[float, ...]:
-    return tuple(float(v) for v in text.split(","))
+BENCH_WORLD_SIZES = tuple(range(2, 9))
+BENCH_MAX_WORLDS, BENCH_MAX_SIZES = 3, 4
+MAX_FILES = 8  # a short bench: each world size is one more world of ranks
 
 
 def _ints(text: str) -> tuple[int, ...]:
     return tuple(int(v) for v in text.split(","))
+
+
+def _url_list(item: Callable[[str], object], pool: tuple, limit: int) -> Callable[[str], tuple]:
+    """Each value once, only the offered ones, at most ``limit``: a URL of repeats is one control."""
+    def parse(raw: str) -> tuple:
+        value = url_list(raw, item, pool, limit)
+        if value is None:
+            raise ValueError(raw)
+        return tuple(value)
+    return parse
 
 
 # key -> (default, parse from the URL, options it must be among or None); the URL's name drops "cost_"
@@ -53,10 +68,10 @@ CONTROLS = {
     "cost_world_size": (8, int, tuple(range(2, 17))), "cost_alpha_us": (5.0, float, ALPHA_US),
     "cost_beta_gbps": (10.0, float, BETA_GBPS), "cost_gamma": ("free", str, GAMMA),
     "cost_sizes": ((1 << 10, 256 << 20), _ints, None), "cost_y": ("time", str, tuple(Y)),
-    "cost_algorithms": (FIRST_SHOWN, lambda v: tuple(v.split(",")), None),
+    "cost_algorithms": (FIRST_SHOWN, _url_list(str, tuple(ALLREDUCE), len(ALLREDUCE)), None),
     "cost_source": ("none", str, tuple(SOURCES)), "cost_fit_by": ("backend", str, tuple(FIT_BY)),
-    "cost_bench_world_sizes": ((2,), _ints, None),
-    "cost_bench_sizes": ((4096, 1 << 16, 1 << 20), _ints, None),
+    "cost_bench_world_sizes": ((2,), _url_list(int, BENCH_WORLD_SIZES, BENCH_MAX_WORLDS), None),
+    "cost_bench_sizes": ((4096, 1 << 16, 1 << 20), _url_list(int, BENCH_SIZES, BENCH_MAX_SIZES), None),
 }
 
 
@@ -66,9 +81,7 @@ def _valid(key: str, value: object) -> bool:
         return value in options
     if key == "cost_sizes":
         return len(value) == 2 and value[0] < value[1] and set(value) <= set(SIZES)
-    pool = {"cost_algorithms": ALLREDUCE, "cost_bench_world_sizes": range(2, 9),
-            "cost_bench_sizes": BENCH_SIZES}[key]
-    return len(value) > 0 and set(value) <= set(pool)
+    return len(value) > 0  # the lists: already only offered values, each once (``_url_list``)
 
 
 def from_url() -> None:
@@ -82,8 +95,8 @@ def from_url() -> None:
             continue
         raw = st.query_params.get(key.removeprefix("cost_"))
         try:
-            value = default if raw is None else parse(raw)
-        except ValueError:
+            value = default if raw is None or len(raw) > MAX_PARAM_CHARS else parse(raw)
+        except (ValueError, OverflowError):
             value = default
         value = value if _valid(key, value) else default
         st.session_state["_cost_sizes_start" if key == "cost_sizes" else key] = value
@@ -97,8 +110,11 @@ def to_url() -> None:
 
 @st.cache_data(show_spinner=False, max_entries=16)
 def short_bench(world_sizes: tuple[int, ...], sizes: tuple[int, ...]) -> list[dict]:
-    """``dplab bench`` on freshly forked local ranks, a few tenths of a second per cell; cached."""
-    return run_bench(list(world_sizes), list(sizes), reps=3, target_seconds=0.05)
+    """``dplab bench`` on freshly forked local ranks, a few tenths of a second per cell; cached.
+    Each world waits its turn in the server's budget and dies with the page (``viz.budget``)."""
+    stop, check = visitor_hooks()
+    return run_bench(list(world_sizes), list(sizes), reps=3, target_seconds=0.05,
+                     world=lambda p, backend: BUDGET.world(p, backend, stop=stop, check=check))
 
 
 def model_controls() -> CostParams:
@@ -123,20 +139,38 @@ def measured_rows() -> list[dict]:
                       horizontal=True)
     if source == "run":
         c = st.columns(2)
-        ps = c[0].multiselect("bench world sizes", tuple(range(2, 9)), key="cost_bench_world_sizes")
-        sizes = c[1].multiselect("bench sizes", BENCH_SIZES, key="cost_bench_sizes", format_func=format_bytes)
+        ps = c[0].multiselect("bench world sizes", BENCH_WORLD_SIZES, key="cost_bench_world_sizes",
+                              max_selections=BENCH_MAX_WORLDS)
+        sizes = c[1].multiselect("bench sizes", BENCH_SIZES, key="cost_bench_sizes", format_func=format_bytes,
+                                 max_selections=BENCH_MAX_SIZES)
+        ps, sizes = sorted(set(ps))[:BENCH_MAX_WORLDS], sorted(set(sizes))[:BENCH_MAX_SIZES]
         if not ps or len(sizes) < 2:
             st.info("Pick a world size and at least two sizes: two unknowns need two sizes.")
             return []
-        with st.spinner(f"dplab bench on the local backend, world sizes {', '.join(map(str, ps))} ..."):
-            return short_bench(tuple(sorted(ps)), tuple(sorted(sizes)))
+        queued = st.empty()
+        if line := BUDGET.waiting_line(max(ps)):
+            queued.info(line)
+        try:
+            with st.spinner(f"dplab bench on the local backend, world sizes {', '.join(map(str, ps))} ..."):
+                return short_bench(tuple(ps), tuple(sizes))
+        except DplabError as e:
+            st.error(str(e))
+            return []
+        finally:
+            queued.empty()
     if source == "file":
         files = st.file_uploader("dplab bench --json files", type=["json"], accept_multiple_files=True,
                                  key="cost_files")
-        rows = []
-        for f in files or []:
+        rows: list[dict] = []
+        if len(files or []) > MAX_FILES:
+            st.warning(f"Fitting the first {MAX_FILES} of {len(files)} files: the fit is one per backend.")
+        for f in (files or [])[:MAX_FILES]:
             try:
-                rows += load_bench_json(f.getvalue(), f.name)
+                more = bench_rows(f.getvalue(), f.name)
+                if len(rows) + len(more) > BENCH.max_rows:
+                    raise ConfigError(f"{f.name} brings the rows past {BENCH.max_rows:,}, what this page "
+                                      "fits at once: load fewer files")
+                rows += more
             except DplabError as e:
                 st.error(str(e))
         if not files:

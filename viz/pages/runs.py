@@ -20,6 +20,7 @@ from dplab.reference.errors import DplabError
 from dplab.reference.model import MLPConfig
 from dplab.reference.trace import Event, merge
 from dplab.reference.train.single import TrainConfig
+from dplab.viz.budget import BUDGET, visitor_hooks
 from dplab.viz.deep_links import adopt
 from dplab.viz.timeline import chrome_bytes, load_trace, timeline_figure, trace_bytes
 from dplab.viz.timeline_metrics import configured_stragglers, find_straggler, rank_stats, totals
@@ -38,6 +39,8 @@ CONTROLS = {
     "runs_detail": (False, lambda v: v == "True"),
 }
 
+BOUNDS = {"runs_world_size": (1, 8), "runs_steps": (1, 50), "runs_backup": (0, 7)}
+
 
 def from_url() -> None:
     """Seed each control from the URL once per session (a bad value falls back to the default)."""
@@ -46,8 +49,11 @@ def from_url() -> None:
             raw = st.query_params.get(key.removeprefix("runs_"))
             try:
                 st.session_state[key] = default if raw is None else parse(raw)
-            except ValueError:
+            except (ValueError, OverflowError):
                 st.session_state[key] = default
+    for key, (lo, hi) in BOUNDS.items():  # a number the inputs do not offer: the default, not their edge
+        if not lo <= st.session_state[key] <= hi:
+            st.session_state[key] = CONTROLS[key][0]
 
 
 def keep(key: str, options: tuple) -> None:
@@ -60,25 +66,31 @@ def to_url() -> None:
     st.query_params.update({k.removeprefix("runs_"): str(st.session_state[k]) for k in CONTROLS})
 
 
-@st.cache_data(show_spinner=False, max_entries=32)
+# The largest run (8 ranks, 50 steps, hidden 512, a bucket per layer) is ~5 MB pickled: ~80 MB in all.
+@st.cache_data(show_spinner=False, max_entries=16)
 def make_run(world_size: int, mode: str, algorithm: str, bucket_mb: float, hidden: int, steps: int,
              staleness: int | None, backup: int, straggler: tuple) -> tuple[dict, list[Event]]:
-    """One real run, traced, on freshly forked local ranks; cached by every argument."""
+    """One real run, traced, on freshly forked local ranks; cached by every argument. The ranks wait
+    their turn in the server's budget and die with the page (``viz.budget``)."""
     spec = RunSpec(world_size=world_size, mode=mode, algorithm=algorithm, bucket_cap_mb=bucket_mb,
                    staleness=staleness, backup_workers=backup, straggler=straggler,
                    train=TrainConfig(model=MLPConfig(hidden=(hidden, hidden)), steps=steps))
-    row, per_rank = run_train(spec, trace=True)
+    spec.validate()  # a refused configuration starts no ranks
+    stop, check = visitor_hooks()
+    workers = frozenset(range(1, world_size)) if mode == "async" else frozenset()  # as run_train's launch
+    with BUDGET.world(world_size, tolerate=workers, stop=stop, check=check) as world:
+        row, per_rank = run_train(spec, world, trace=True)
     return row, merge(per_rank)
 
 
 def run_controls() -> tuple[dict, list[Event]] | None:
     c = st.columns(4)
-    p = c[0].number_input("world size", 1, 8, step=1, key="runs_world_size")
+    p = c[0].number_input("world size", *BOUNDS["runs_world_size"], step=1, key="runs_world_size")
     keep("runs_mode", MODES)
     mode = c[1].selectbox("mode", MODES, key="runs_mode",
                           help="sync: all-reduce of gradient buckets; async: a parameter server with "
                                "bounded staleness; backup: sync through the server, dropping the slowest")
-    steps = c[2].number_input("steps (clocks in async)", 1, 50, step=1, key="runs_steps")
+    steps = c[2].number_input("steps (clocks in async)", *BOUNDS["runs_steps"], step=1, key="runs_steps")
     keep("runs_hidden", HIDDEN)
     hidden = c[3].selectbox("hidden width (2 layers)", HIDDEN, key="runs_hidden",
                             help="a wider model computes longer, so more communication can hide behind it")
@@ -97,7 +109,7 @@ def run_controls() -> tuple[dict, list[Event]] | None:
         s = c[0].selectbox("staleness (clocks)", STALENESS, key="runs_staleness")
         staleness = None if s == "inf" else int(s)
     else:
-        backup = c[0].number_input("backup workers", 0, 7, step=1, key="runs_backup")
+        backup = c[0].number_input("backup workers", *BOUNDS["runs_backup"], step=1, key="runs_backup")
     ranks = ("none", *(str(r) for r in range(int(p))))
     keep("runs_straggler", ranks)
     keep("runs_factor", FACTORS)
@@ -105,6 +117,9 @@ def run_controls() -> tuple[dict, list[Event]] | None:
     factor = c[3].select_slider("straggler factor", FACTORS, key="runs_factor",
                                 help="its compute is stretched this many times (it sleeps the difference)")
     straggler = () if who == "none" else ((int(who), float(factor)),)
+    queued = st.empty()
+    if line := BUDGET.waiting_line(int(p)):
+        queued.info(line)
     with st.spinner(f"training on {p} local ranks ..."):
         try:
             return make_run(int(p), mode, algorithm, float(bucket_mb), int(hidden), int(steps), staleness,
@@ -112,6 +127,8 @@ def run_controls() -> tuple[dict, list[Event]] | None:
         except DplabError as e:
             st.error(str(e))
             return None
+        finally:
+            queued.empty()
 
 
 def file_controls() -> tuple[dict, list[Event]] | None:

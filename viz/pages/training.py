@@ -11,12 +11,14 @@ local backend, cached by their configuration (``dplab.viz.training_runs``); the 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import streamlit as st
 
 from dplab.backends.cli.runs import straggler_label
-from dplab.backends.launch.world import World
 from dplab.reference.errors import DplabError
-from dplab.viz.deep_links import adopt
+from dplab.viz.budget import BUDGET, visitor_hooks
+from dplab.viz.deep_links import MAX_PARAM_CHARS, adopt, url_list
 from dplab.viz.training import (
     RELATIVE_TOL,
     X_NOTES,
@@ -37,19 +39,27 @@ FACTORS = (1.0, 2.0, 4.0, 8.0, 16.0)
 HIDDEN = (32, 128, 256)
 
 
-def _csv(raw: str) -> list[str]:
-    return [v for v in raw.split(",") if v]
+BOUNDS = {"training_world_size": (3, 6), "training_steps": (2, 50)}
+BACKUP = tuple(range(1, BOUNDS["training_world_size"][1] - 1))  # b < W = p - 1 workers
+
+
+def _url_list(item: Callable[[str], object], pool: tuple) -> Callable[[str], list]:
+    """Each offered value once: a URL of repeats asks for one run per value, not one per repeat."""
+    def parse(raw: str) -> list:
+        value = url_list(raw, item, pool, len(pool))
+        if value is None:
+            raise ValueError(raw)
+        return value
+    return parse
 
 
 # key -> (default, parse from the URL); the URL's parameter is the key without "training_"
 CONTROLS = {
     "training_world_size": (4, int), "training_steps": (20, int),
-    "training_staleness": (["0", "2", "inf"], _csv),
-    "training_backup": ([1], lambda v: [int(x) for x in _csv(v)]),
+    "training_staleness": (["0", "2", "inf"], _url_list(str, STALENESS)),
+    "training_backup": ([1], _url_list(int, BACKUP)),
     "training_factor": (8.0, float), "training_hidden": (128, int),
 }
-
-BOUNDS = {"training_world_size": (3, 6), "training_steps": (2, 50)}
 
 
 def from_url() -> None:
@@ -58,8 +68,8 @@ def from_url() -> None:
         if key not in st.session_state:
             raw = st.query_params.get(key.removeprefix("training_"))
             try:
-                st.session_state[key] = default if raw is None else parse(raw)
-            except ValueError:
+                st.session_state[key] = default if raw is None or len(raw) > MAX_PARAM_CHARS else parse(raw)
+            except (ValueError, OverflowError):
                 st.session_state[key] = default
     for key, (lo, hi) in BOUNDS.items():  # a number input refuses a value outside its range
         if not lo <= st.session_state[key] <= hi:
@@ -81,24 +91,32 @@ def grid_of(args: Args) -> TrainingGrid:
                         straggler_factor=factor, hidden=(hidden,))
 
 
-@st.cache_data(show_spinner=False, max_entries=256)
+# A cell is at most ~0.3 MB pickled (p=6, 50 steps, hidden 256), the per-step parameters ~2 MB.
+@st.cache_data(show_spinner=False, max_entries=128)
 def make_cell(args: Args, index: int) -> Cell:
-    """Cell ``index`` of the grid: one real run on freshly forked local ranks, cached."""
+    """Cell ``index`` of the grid: one real run on freshly forked local ranks, cached. The ranks
+    wait their turn in the server's budget and die with the page (``viz.budget``)."""
     grid = grid_of(args)
-    with World(grid.world_size, "local") as world:
+    stop, check = visitor_hooks()
+    with BUDGET.world(grid.world_size, stop=stop, check=check) as world:
         return run_cell(grid.specs()[index], world, grid.points)
 
 
 @st.cache_data(show_spinner=False, max_entries=16)
 def make_sync_steps(args: Args) -> list:
     """The sync spec's per-step parameters (one more run, checkpointing every step), cached."""
-    return sync_steps(next(s for s in grid_of(args).specs() if s.mode == "sync"))
+    spec = next(s for s in grid_of(args).specs() if s.mode == "sync")
+    stop, check = visitor_hooks()
+    with BUDGET.world(spec.world_size, stop=stop, check=check) as world:
+        return sync_steps(spec, world)
 
 
 def make_runs(args: Args) -> list[Cell]:
     """Every cell, one cached run at a time, so the progress bar moves outside the cache."""
-    grid, bar = grid_of(args), st.empty()
+    grid, bar, queued = grid_of(args), st.empty(), st.empty()
     specs = grid.specs()
+    if line := BUDGET.waiting_line(grid.world_size):
+        queued.info(line)
     cells = []
     for i, spec in enumerate(specs):
         bar.progress(i / (len(specs) + 1), f"{i}/{len(specs) + 1}: {spec.label()}, straggler "
@@ -109,6 +127,7 @@ def make_runs(args: Args) -> list[Cell]:
     if sync:
         fill_sync(sync, make_sync_steps(args), grid.train_config())
     bar.empty()
+    queued.empty()
     return cells
 
 
@@ -119,11 +138,12 @@ def controls() -> TrainingGrid:
     steps = c[1].number_input("steps (clocks per worker)", *BOUNDS["training_steps"], step=1,
                               key="training_steps")
     state = st.session_state
-    state["training_staleness"] = [s for s in state["training_staleness"] if s in STALENESS]
+    state["training_staleness"] = [s for s in dict.fromkeys(state["training_staleness"]) if s in STALENESS]
     stal = c[2].multiselect("staleness grid (clocks)", STALENESS, key="training_staleness",
                             help="SSP's bound: how many clocks a worker may run ahead of the slowest")
     options = list(range(1, p - 1))
-    st.session_state["training_backup"] = [b for b in st.session_state["training_backup"] if b in options]
+    st.session_state["training_backup"] = [b for b in dict.fromkeys(st.session_state["training_backup"])
+                                           if b in options]
     backup = c[3].multiselect("backup workers b", options, key="training_backup",
                               help="synchronous SGD through the server: each step from the first "
                                    "W - b gradients")
