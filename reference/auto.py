@@ -47,6 +47,8 @@ __all__ = ["TUNE_ENV", "DEFAULT_TUNE_PATH", "DEFAULT_FITS", "NATIVE_CHECK", "Tun
 TUNE_ENV = "DPLAB_TUNE"
 DEFAULT_TUNE_PATH = "~/.cache/dplab/tune.json"
 _ALL = "all"
+REDO = "run `dplab tune` again to rewrite it"  # ends every bad-file line
+_VALUES = ("alpha_s", "beta_s_per_byte", "gamma_s_per_byte")  # a saved fit's numbers
 # dplab's native all-reduce first checks every rank's (length, dtype) where the engine cannot carry our
 # check (the local backend's is a tag): on MPI ceil(log2 p) rounds of 32-byte messages, on gloo and NCCL
 # a MAX all-reduce of 4 int64s. auto pays it, so prices it as a native all-reduce of 32 bytes
@@ -158,15 +160,71 @@ class Tuning:
 
     @classmethod
     def from_json(cls, data: Any, source: str) -> Tuning:
+        """The tuning in ``data`` (``to_json``'s form), every number checked: a value no ``dplab
+        tune`` writes (negative, NaN, a string) would make auto pick one schedule everywhere or fail
+        on every rank at its first all-reduce, so it is refused here, in one line."""
         try:
             if data.get("version") != 1:
-                raise ConfigError(f"{source}: unknown tune file version {data.get('version')!r}")
-            measured = tuple((str(b), int(p), str(a), int(n), float(t))
-                             for b, p, a, n, t in data.get("measured", ()))
-            return cls(tuple(CostFit.from_json(f) for f in data["fits"]), source, measured)
+                raise ConfigError(f"{source}: unknown tune file version {data.get('version')!r}: {REDO}")
+            fits, measured = data["fits"], data.get("measured", [])
+            if not isinstance(fits, list) or not isinstance(measured, list):
+                raise ConfigError(f"{source}: 'fits' and 'measured' must be lists: {REDO}")
+            for i, f in enumerate(fits):
+                _check_fit(f, f"{source}: fits[{i}]")
+            for i, m in enumerate(measured):
+                _check_cell(m, f"{source}: measured[{i}]")
+            return cls(tuple(CostFit.from_json(f) for f in fits), source,
+                       tuple((b, p, a, n, float(t)) for b, p, a, n, t in measured))
         except (AttributeError, KeyError, TypeError, ValueError) as e:
-            raise ConfigError(f"{source} is not a file written by `dplab tune` ({e!r}): run "
-                              "`dplab tune` again, or unset $DPLAB_TUNE for the built-in fit") from None
+            if isinstance(e, ConfigError):
+                raise
+            raise ConfigError(f"{source} is not a file written by `dplab tune` ({e!r}): {REDO}") from None
+
+
+def _bad(where: str, value: Any, want: str) -> ConfigError:
+    shown = repr(value)
+    return ConfigError(f"{where} is {shown if len(shown) <= 40 else shown[:37] + '...'}, not {want}: {REDO}")
+
+
+def _real(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_fit(f: Any, where: str) -> None:
+    """One saved fit: names are strings, world_size a rank count or "all", each value None (not
+    fitted) or a finite number >= 0, and a fitted one not all zero (that prices every schedule at
+    0 s, so the first registered would win everywhere)."""
+    if not isinstance(f, dict):
+        raise _bad(where, f, "a fit (an object)")
+    for key in ("backend", "algorithm"):
+        if not isinstance(f[key], str):
+            raise _bad(f"{where}.{key}", f[key], "a name")
+    ws = f["world_size"]
+    if ws != _ALL and not (type(ws) is int and ws >= 1):
+        raise _bad(f"{where}.world_size", ws, f"a rank count or {_ALL!r}")
+    where = f"{where} ({f['backend']}, {ws}, {f['algorithm']})"
+    for key in _VALUES:
+        v = f[key]
+        if v is not None and not (_real(v) and math.isfinite(v) and v >= 0):
+            raise _bad(f"{where}.{key}", v, "a finite number >= 0")
+    if f["alpha_s"] is not None and not any(f[key] for key in _VALUES):
+        raise ConfigError(f"{where}: alpha_s, beta_s_per_byte and gamma_s_per_byte are all 0, which prices "
+                          f"every all-reduce at 0 s: {REDO}")
+
+
+def _check_cell(m: Any, where: str) -> None:
+    """One measured cell: [backend, world size >= 1, algorithm, bytes >= 0, seconds > 0, finite]."""
+    if not (isinstance(m, list) and len(m) == 5):
+        raise _bad(where, m, "[backend, world_size, algorithm, bytes, seconds]")
+    b, p, a, n, t = m
+    for name, v in (("backend", b), ("algorithm", a)):
+        if not isinstance(v, str):
+            raise _bad(f"{where} {name}", v, "a name")
+    for name, v, least in (("world_size", p, 1), ("bytes", n, 0)):
+        if not (type(v) is int and v >= least):
+            raise _bad(f"{where} {name}", v, f"a whole number >= {least}")
+    if not (_real(t) and math.isfinite(t) and t > 0):
+        raise _bad(f"{where} ({b}, {p}, {a}, {n} B) seconds", t, "a measured time > 0")
 
 
 def tune_path() -> Path:
@@ -186,10 +244,12 @@ def load_tuning(path: str | Path | None = None) -> Tuning:
         if path is not None or os.environ.get(TUNE_ENV):
             raise ConfigError(f"no tune file at {where}: run `dplab tune --out {where}` first")
         return _defaults()
+    if not where.is_file():  # a FIFO or a device would block or never end
+        raise ConfigError(f"the tune file {where} is not a regular file: {REDO}")
     try:
         data = json.loads(where.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ConfigError(f"cannot read the tune file {where} ({e}): run `dplab tune` again") from None
+    except (OSError, ValueError, RecursionError) as e:  # ValueError: bad JSON, or not UTF-8
+        raise ConfigError(f"cannot read the tune file {where} ({e}): {REDO}") from None
     return Tuning.from_json(data, str(where))
 
 

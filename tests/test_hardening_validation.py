@@ -1,0 +1,96 @@
+"""Inputs that used to go wrong in silence now stop in one line (issue 18).
+
+- two ``ZeroRedundancyOptimizer``s over the same parameters: the older one's ``step()`` refuses;
+- a tune file with values ``dplab tune`` never writes (negative, zero, NaN, a string): refused at
+  load, naming the file and the field;
+- ``--loss-scale`` / ``--reduce-dtype`` without ``--mixed-precision`` refused at parsing; a loss
+  scale outside float32; a static scale that overflows, or a run that diverges, stops with an error.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dplab.backends.cli.commands import main
+from dplab.reference import auto
+from dplab.reference.costfit import CostFit
+from dplab.reference.errors import ConfigError
+
+SMALL = ["--world-size", "2", "--steps", "3"]
+
+
+# -- 2. the tune file auto reads -------------------------------------------------------------------
+
+def _tune_file(tmp_path):
+    fits = (CostFit("local", "all", "all", 44e-6, 0.0, 1 / 5.8e9),
+            CostFit("local", "all", "native", 95e-6, 1 / 5.2e9, None),
+            CostFit("local", 4, "ring", 40e-6, 2e-10, None))
+    measured = (("local", 4, "ring", 4096, 100e-6), ("local", 4, "native", 4096, 200e-6))
+    path = auto.save_tuning(auto.Tuning(fits, "test", measured), tmp_path / "tune.json")
+    return path, json.loads(path.read_text())
+
+
+def _set(data, where, value):
+    *keys, last = where
+    for k in keys:
+        data = data[k]
+    data[last] = value
+
+
+@pytest.mark.parametrize("where, value, field", [
+    (("fits", 0, "alpha_s"), -4.4e-05, "fits[0] (local, all, all).alpha_s is -4.4e-05"),
+    (("fits", 1, "beta_s_per_byte"), float("nan"), "fits[1] (local, all, native).beta_s_per_byte is nan"),
+    (("fits", 2, "alpha_s"), float("inf"), "fits[2] (local, 4, ring).alpha_s is inf"),
+    (("fits", 0, "alpha_s"), "fast", "fits[0] (local, all, all).alpha_s is 'fast'"),
+    (("fits", 0, "gamma_s_per_byte"), True, "fits[0] (local, all, all).gamma_s_per_byte is True"),
+    (("fits", 2, "world_size"), "4", "fits[2].world_size is '4'"),
+    (("measured", 0, 4), 0, "measured[0] (local, 4, ring, 4096 B) seconds is 0"),
+    (("measured", 1, 4), -1e-4, "measured[1] (local, 4, native, 4096 B) seconds is -0.0001"),
+    (("measured", 0, 3), 4.5, "measured[0] bytes is 4.5"),
+])
+def test_a_tune_file_with_a_bad_number_is_refused_at_load_naming_file_and_field(tmp_path, where, value,
+                                                                                 field):
+    path, data = _tune_file(tmp_path)
+    assert auto.load_tuning(path).choose("local", 4, 4096) == "ring"  # the good file, as written
+    _set(data, where, value)
+    path.write_text(json.dumps(data))
+    with pytest.raises(ConfigError) as e:
+        auto.load_tuning(path)
+    msg = str(e.value)
+    assert msg.startswith(f"{path}: {field}") and "run `dplab tune` again" in msg and "\n" not in msg
+
+
+def test_a_fit_that_prices_everything_at_zero_is_refused(tmp_path):
+    path, data = _tune_file(tmp_path)
+    for f in data["fits"]:
+        f.update(alpha_s=0.0, beta_s_per_byte=0.0, gamma_s_per_byte=0.0)  # auto: naive everywhere
+    path.write_text(json.dumps(data))
+    with pytest.raises(ConfigError, match=r"fits\[0\] .* are all 0, which prices every all-reduce at 0 s"):
+        auto.load_tuning(path)
+
+
+def test_a_tune_file_that_is_not_text_or_not_a_file_is_one_line(tmp_path):
+    bad = tmp_path / "latin1.json"
+    bad.write_bytes(b'{"version": 1, "fits": [], "note": "\xe9"}')
+    with pytest.raises(ConfigError, match="cannot read the tune file"):
+        auto.load_tuning(bad)
+    with pytest.raises(ConfigError, match="not a regular file"):
+        auto.load_tuning(tmp_path)  # a directory (a FIFO would block)
+
+
+def test_auto_with_a_bad_tune_file_is_one_line_before_any_rank_starts(tmp_path, monkeypatch, capsys):
+    path, data = _tune_file(tmp_path)
+    data["fits"][0]["alpha_s"] = "fast"  # was a TypeError traceback from every rank
+    path.write_text(json.dumps(data))
+    monkeypatch.setenv(auto.TUNE_ENV, str(path))
+    auto.reset()
+    try:
+        assert main(["train", *SMALL, "--algorithm", "auto"]) == 2
+    finally:
+        auto.reset()
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("dplab train: error: ") and "alpha_s is 'fast'" in err and "\n" not in err
+
+
