@@ -21,6 +21,40 @@ from dplab.reference.errors import ConfigError
 SMALL = ["--world-size", "2", "--steps", "3"]
 
 
+# -- 1. ZeRO: one optimizer per parameter --------------------------------------------------------
+
+def _two_zeros(comm) -> dict:
+    import torch
+
+    from dplab.backends.nn.zero import ZeroRedundancyOptimizer
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2, dtype=torch.float64)
+    old = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, comm, lr=0.1)
+    new = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, comm, lr=0.1)  # a fresh one: fine
+    x = torch.ones(4, 3, dtype=torch.float64)
+    out = {}
+    for name, opt in (("old", old), ("new", new)):
+        before = model.weight.detach().clone()
+        opt.zero_grad()
+        model(x).sum().backward()
+        try:
+            opt.step()
+            out[name] = not torch.equal(before, model.weight.detach())  # True: it moved the weights
+        except ConfigError as e:
+            out[name] = str(e)
+    return out
+
+
+@pytest.mark.torch
+def test_the_older_of_two_zeros_over_the_same_parameters_refuses_to_step(worlds):
+    pytest.importorskip("torch")
+    for r in worlds(2).run(_two_zeros):
+        assert r["new"] is True  # the newest steps the module's weights
+        assert "\n" not in r["old"] and "taken over by a ZeroRedundancyOptimizer built later" in r["old"]
+        assert "step only the newest optimizer" in r["old"]
+
+
 # -- 2. the tune file auto reads -------------------------------------------------------------------
 
 def _tune_file(tmp_path):

@@ -45,7 +45,9 @@ view of the parameter buffer, and both collectives run in place. A gradient that
 made afresh (``param.grad`` was None: the first backward, or ``module.zero_grad()``) is copied
 into its slot once at ``step()``. After ``step()`` the flat gradient outside this rank's
 shard is reduce-scatter scratch: call ``zero_grad()`` before the next backward, as every
-training loop does.
+training loop does. So a parameter belongs to one ZeRO at a time: one built later over the same
+parameters takes them over (a fresh optimizer for the same model works), and the earlier one's
+``step()`` raises rather than stepping a buffer the module no longer reads.
 """
 
 from __future__ import annotations
@@ -83,10 +85,19 @@ class FlatGroup:
             for p, s in zip(self.params, self.slices):
                 self.flat_param[s].copy_(p.reshape(-1))
                 p.data = self.flat_param[s].view_as(p)  # the module now reads the flat buffer
+        self.addresses = [p.data_ptr() for p in self.params]  # where the module reads each one now
         self.zero_grad()
         self.bounds = chunk_bounds(self.n, comm.world_size)[comm.rank]
         self.shard = self.flat_param[slice(*self.bounds)]  # a leaf view: steps write through
         self.shard.grad = self.flat_grad[slice(*self.bounds)]
+
+    def moved(self) -> int | None:
+        """The index of the first parameter the module no longer reads from this group's flat
+        buffer (another ZeRO took it over, or its ``.data`` was replaced), or None."""
+        for i, (p, address) in enumerate(zip(self.params, self.addresses)):
+            if p.data_ptr() != address:
+                return i
+        return None
 
     def zero_grad(self) -> None:
         self.flat_grad.zero_()
@@ -159,7 +170,12 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         A parameter without a gradient counts as a zero gradient (what a rank that never used
         it contributes), so, unlike a torch optimizer, its shard still steps: Adam's momentum
         and weight decay still move it.
+
+        Raises ``ConfigError`` if a later ``ZeroRedundancyOptimizer`` took over some of these
+        parameters (the module then reads that one's flat buffer, and this step would move
+        nothing): building a new optimizer over a model works, stepping the old one does not.
         """
+        self._check_owner()
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -178,6 +194,16 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
     def collect_grads(self) -> None:
         for g in self.groups:
             g.collect_grads()
+
+    def _check_owner(self) -> None:
+        for k, g in enumerate(self.groups):
+            i = g.moved()
+            if i is not None:
+                raise ConfigError(
+                    f"parameter {i} of group {k} ({tuple(g.params[i].shape)}) was taken over by a "
+                    "ZeroRedundancyOptimizer built later over the same parameters (or its .data was "
+                    "replaced, as module.to() does), so this one's step would move nothing: step only "
+                    "the newest optimizer (add_param_group gives one optimizer more parameters)")
 
     # -- state -----------------------------------------------------------------------------------
     def consolidate_state_dict(self, to: int = 0) -> None:
