@@ -10,13 +10,16 @@
 from __future__ import annotations
 
 import json
+import warnings
 
+import numpy as np
 import pytest
 
 from dplab.backends.cli.commands import main
 from dplab.reference import auto
 from dplab.reference.costfit import CostFit
 from dplab.reference.errors import ConfigError
+from dplab.reference.precision import LossScaler, MixedPrecision
 
 SMALL = ["--world-size", "2", "--steps", "3"]
 
@@ -128,3 +131,34 @@ def test_auto_with_a_bad_tune_file_is_one_line_before_any_rank_starts(tmp_path, 
     assert err.startswith("dplab train: error: ") and "alpha_s is 'fast'" in err and "\n" not in err
 
 
+# -- 3. mixed precision: flags that mean nothing, scales that cannot work, runs that diverge --------
+
+def test_a_static_scale_that_overflows_stops_the_run_before_the_weights_take_the_inf(capsys):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        rc = main(["train", *SMALL, "--mixed-precision", "fp16", "--loss-scale", "1e30"])
+    assert rc == 1  # was rc 0 with a nan loss and replicas "not identical"
+    err = capsys.readouterr().err
+    assert "step 0: the gradients overflowed float16 (inf or nan) at the static loss scale 1e+30" in err
+    assert "'dynamic' to skip such steps" in err
+
+
+def test_a_diverging_run_stops_with_an_error_not_a_nan_table(capsys):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        rc = main(["train", *SMALL, "--lr", "1e300"])
+    assert rc == 1
+    assert "the parameters are inf or nan after the update" in capsys.readouterr().err
+
+
+def test_dynamic_scaling_skips_overflows_and_stops_only_below_float32():
+    scaler = LossScaler(MixedPrecision(init_scale=2.0**-124))
+    assert [scaler.update(True, s) for s in range(2)] == [False, False]  # skipped, as GradScaler
+    assert scaler.loss_scale == 2.0**-126  # float32's smallest normal: still in range
+    assert scaler.update(False, 2) is True  # a good step steps
+    with pytest.raises(ConfigError, match=r"step 3: the gradients held inf or nan at every loss scale down "
+                                          r"to 1.18e-38, .* lower the learning rate"):
+        scaler.update(True, 3)
+    with pytest.raises(ConfigError, match="checkpoint is damaged"):
+        scaler.load_state_dict({"scale": float("nan"), "growth_tracker": 0})
+    assert np.float32(scaler.loss_scale) > 0

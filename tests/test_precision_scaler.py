@@ -54,8 +54,9 @@ def test_dynamic_rule_matches_torch_gradscaler(init_scale):
 
 @pytest.mark.torch
 def test_torch_has_no_static_scaler_and_a_hand_scaled_step_takes_the_inf():
-    """Why a static scale does not skip here: GradScaler refuses to be static, and the static scale
-    torch users write by hand, (loss * S).backward(); p.grad /= S; opt.step(), steps into inf."""
+    """Why a static scale stops the run here: GradScaler refuses to be static, and the static scale
+    torch users write by hand, (loss * S).backward(); p.grad /= S; opt.step(), steps into inf with
+    no word. Ours raises at that overflow instead, before the step (no skip: the scale is static)."""
     torch = pytest.importorskip("torch")
     for kw in ({"growth_factor": 1.0}, {"backoff_factor": 1.0}):
         with pytest.raises(AssertionError):
@@ -65,7 +66,9 @@ def test_torch_has_no_static_scaler_and_a_hand_scaled_step_takes_the_inf():
     p.grad /= 2.0**20
     torch.optim.SGD([p], lr=0.1).step()
     assert not torch.isfinite(p).any()
-    assert ours([True, False], loss_scale=2.0**20) == [(2.0**20, True), (2.0**20, True)]  # the same here
+    assert ours([False, False], loss_scale=2.0**20) == [(2.0**20, True), (2.0**20, True)]  # never moves
+    with pytest.raises(ConfigError, match=r"step -1: the gradients overflowed float16 .* static loss scale"):
+        ours([True], loss_scale=2.0**20)
 
 
 def test_events_and_history():

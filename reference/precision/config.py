@@ -20,20 +20,24 @@ from numpy.typing import DTypeLike
 
 from dplab.reference.errors import ConfigError
 
-__all__ = ["MixedPrecision"]
+__all__ = ["MixedPrecision", "SCALE_RANGE"]
 
 _COMPUTE = ("float16",)  # numpy has no bfloat16: the reference trainer computes in float16
 _REDUCE = ("float16", "float32")
+# S lives in a float32 (as torch's GradScaler keeps it) and gradients are divided by it there: outside
+# float32's normal range it would round to inf or to 0, and every unscaled gradient to 0 or inf
+SCALE_RANGE = (float(np.finfo(np.float32).tiny), float(np.finfo(np.float32).max))
 
 
 @dataclass(frozen=True)
 class MixedPrecision:
     """float16 compute copies of float32 master weights, gradients reduced in ``reduce_dtype``.
 
-    ``loss_scale`` is a number (static: never changes; an overflow then reaches the weights, as
-    apex amp's static scale does) or ``"dynamic"`` (torch's GradScaler: skip the step and multiply
-    the scale by ``backoff_factor`` on an overflow, by ``growth_factor`` after ``growth_interval``
-    steps without one).
+    ``loss_scale`` is a number (static: never changes; an overflow stops the run with an error
+    before the step, which would put inf or nan into every weight) or ``"dynamic"`` (torch's
+    GradScaler: skip the step and multiply the scale by ``backoff_factor`` on an overflow, by
+    ``growth_factor`` after ``growth_interval`` steps without one). Scales lie in float32's normal
+    range, ``SCALE_RANGE``.
     """
 
     compute_dtype: str = "float16"
@@ -58,10 +62,12 @@ class MixedPrecision:
         if isinstance(self.loss_scale, str):
             if self.loss_scale != "dynamic":
                 raise ConfigError(f"loss_scale must be a number > 0 or 'dynamic', not {self.loss_scale!r}")
-        elif not _positive(self.loss_scale):
-            raise ConfigError(f"a static loss_scale must be a finite number > 0, got {self.loss_scale!r}")
-        if not _positive(self.init_scale):
-            raise ConfigError(f"init_scale must be a finite number > 0, got {self.init_scale!r}")
+        elif not _scale(self.loss_scale):
+            raise ConfigError(f"a static loss_scale must be a number in [{SCALE_RANGE[0]:.3g}, "
+                              f"{SCALE_RANGE[1]:.3g}] (float32's), got {self.loss_scale!r}")
+        if not _scale(self.init_scale):
+            raise ConfigError(f"init_scale must be a number in [{SCALE_RANGE[0]:.3g}, {SCALE_RANGE[1]:.3g}] "
+                              f"(float32's), got {self.init_scale!r}")
         if not (_positive(self.growth_factor) and self.growth_factor > 1):
             raise ConfigError(f"growth_factor must be > 1 (as in GradScaler), got {self.growth_factor!r}")
         if not (_positive(self.backoff_factor) and self.backoff_factor < 1):
@@ -77,3 +83,7 @@ class MixedPrecision:
 
 def _positive(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+
+
+def _scale(x: object) -> bool:
+    return _positive(x) and SCALE_RANGE[0] <= x <= SCALE_RANGE[1]  # type: ignore[operator]

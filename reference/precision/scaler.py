@@ -14,11 +14,17 @@ overflows to inf; an inf or nan anywhere then says "this S was too large".
 
 Dynamic scaling (torch.amp.GradScaler, rule for rule): on an overflow skip the optimizer step and
 multiply S by ``backoff_factor``; after ``growth_interval`` steps in a row without one, multiply it
-by ``growth_factor`` (unless that is no longer a finite float32). A static S never changes and
-never skips: an overflow goes into the weights as inf or nan. torch has no static mode to copy
-(GradScaler refuses growth_factor <= 1 and backoff_factor >= 1); a static scale in torch is the
-hand-written ``(loss * S).backward(); p.grad /= S; opt.step()``, whose step takes the inf (as
-apex amp's static loss scale does), so that is what happens here.
+by ``growth_factor`` (unless that is no longer a finite float32). One bound GradScaler lacks: a
+backoff below float32's smallest normal number (``SCALE_RANGE``) raises ``ConfigError``. By then
+every step for ~140 in a row held an inf or nan at every scale tried, so it is the loss or the
+weights that are not finite, not the scale; GradScaler would skip every remaining step in silence.
+
+A static S never changes and never skips. torch has no static mode to copy (GradScaler refuses
+growth_factor <= 1 and backoff_factor >= 1); a static scale in torch is the hand-written
+``(loss * S).backward(); p.grad /= S; opt.step()``, whose step takes the inf (as apex amp's static
+scale does) and leaves every weight inf or nan from then on, with no word. Here an overflow at a
+static S raises ``ConfigError`` instead, before that step: the run stops with the weights intact
+and a line that says to lower S or make it dynamic.
 
 Every skip, backoff, growth and static overflow is a trace event of kind ``"loss_scale"``
 (extra: step, action, scale, new_scale) and a row of ``scaler.history``.
@@ -33,7 +39,7 @@ import numpy as np
 from dplab.reference.collectives import allreduce
 from dplab.reference.communicator import Communicator
 from dplab.reference.errors import ConfigError
-from dplab.reference.precision.config import MixedPrecision
+from dplab.reference.precision.config import SCALE_RANGE, MixedPrecision
 from dplab.reference.trace import Tracer
 
 __all__ = ["LossScaler", "ScaleEvent", "compute_copy"]
@@ -41,7 +47,7 @@ __all__ = ["LossScaler", "ScaleEvent", "compute_copy"]
 
 class ScaleEvent(NamedTuple):
     step: int
-    action: str  # skip | backoff | growth | overflow (static: the step went on with inf/nan)
+    action: str  # skip | backoff | growth | overflow (static: the run stops before the step)
     scale: float  # before
     new_scale: float  # after
 
@@ -100,14 +106,25 @@ class LossScaler:
         return bool(self._flag[0] > 0)
 
     def update(self, found_inf: bool, step: int = -1) -> bool:
-        """Apply the scaling rule after a step's check; True when the optimizer should step now."""
+        """Apply the scaling rule after a step's check; True when the optimizer should step now.
+
+        Raises ``ConfigError`` on an overflow at a static scale, and where a backoff would take the
+        dynamic scale below ``SCALE_RANGE`` (module docstring). Every rank gets the same
+        ``found_inf``, so every rank raises at the same step."""
         s, cfg = self._scale, self.cfg
         if not cfg.dynamic:
             if found_inf:
                 self._event(step, "overflow", s, s)
-            return True  # a static scale never skips: the step takes the inf or nan
+                raise ConfigError(f"step {step}: the gradients overflowed float16 (inf or nan) at the static "
+                                  f"loss scale {s:g}: use a smaller one, or 'dynamic' to skip such steps "
+                                  "(dplab train: --loss-scale)")
+            return True
         if found_inf:
             self._event(step, "skip", s, s)
+            if s * cfg.backoff_factor < SCALE_RANGE[0]:
+                raise ConfigError(f"step {step}: the gradients held inf or nan at every loss scale down to "
+                                  f"{s:.3g}, so the loss or the weights themselves are not finite: the run "
+                                  "diverged; lower the learning rate")
             self._set(step, "backoff", s * cfg.backoff_factor)
             self.growth_tracker = 0
             return False
@@ -123,7 +140,11 @@ class LossScaler:
         return {"scale": self._scale, "growth_tracker": self.growth_tracker}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._scale, self.growth_tracker = float(state["scale"]), int(state["growth_tracker"])
+        scale = float(state["scale"])
+        if not SCALE_RANGE[0] <= scale <= SCALE_RANGE[1]:  # nan fails too
+            raise ConfigError(f"the saved loss scale {scale!r} is outside float32's normal range: the "
+                              "checkpoint is damaged; resume from an earlier one")
+        self._scale, self.growth_tracker = scale, int(state["growth_tracker"])
 
     def _set(self, step: int, action: str, new_scale: float) -> None:
         self._event(step, action, self._scale, new_scale)

@@ -9,17 +9,25 @@ else one step of ``train_sync`` does, each as one small method it calls at one p
     backward(step, j, layers)   by a straggler's factor (``dplab.reference.train.straggler``)
     span(name, step)            a trace span ("wait", "optimizer")
     end_step(step, loss, ...)   all-reduce the loss with rank 0's vote to stop (the time
-                                budget), record it, checkpoint when due; True: stop now
+                                budget), record it, stop a diverged run, checkpoint when due;
+                                True: stop now
 
 The budget vote rides on the loss all-reduce each step already does (a second number,
 1 from rank 0 when time is up, 0 from everyone else), so all ranks stop after the same
 step at no extra cost. At least one step is always taken; ``TrainConfig.steps`` stays the
 upper bound. Only rank 0 writes checkpoints (the replicas are bitwise identical); every
 rank reads the same one on resume, so they start equal again.
+
+A run whose weights turn inf or nan after a step, or whose last loss is not finite, raises
+``ConfigError`` on every rank at that step (the replicas agree, and so does the all-reduced
+loss), before a checkpoint could keep it: every later step would only carry the nan along, and
+the run would end looking like any other. A non-finite loss on a step that dynamic loss scaling
+skipped is not one: the weights did not move (torch's GradScaler carries on, and so does this).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 
@@ -28,6 +36,7 @@ import numpy as np
 from dplab.reference.checkpoint.resume import Expect, load_resume, save_state
 from dplab.reference.collectives import allreduce
 from dplab.reference.communicator import Communicator
+from dplab.reference.errors import ConfigError
 from dplab.reference.optim import Optimizer
 from dplab.reference.precision.amp import Amp
 from dplab.reference.train.single import TrainConfig
@@ -47,6 +56,7 @@ class SyncExtras:
         self.slow = Slowdown.for_rank(sync.straggler, comm.rank, self.tracer)
         self.delay_s = sync.delays[comm.rank] if sync.delays else 0.0  # a fixed sleep per micro-batch
         self.losses: list[float] = []  # the global batch's loss, per step
+        self.last_step = cfg.steps - 1
         self.vote = np.zeros(2, dtype=np.float64)  # [this step's loss, rank 0's vote to stop]
 
     def resume(self, params: np.ndarray, opt: Optimizer, amp: Amp) -> int:
@@ -82,8 +92,19 @@ class SyncExtras:
         self.vote[:] = (loss, 1.0 if spent else 0.0)
         allreduce(self.comm, self.vote, self.sync.algorithm)
         self.losses.append(float(self.vote[0]))
+        stop = bool(self.vote[1] > 0)
+        self._check_finite(step, params, stop or step >= self.last_step)
         ckpt = self.sync.checkpoint
         if self.comm.rank == 0 and ckpt is not None and ckpt.due(step + 1):
             position = {"step": step + 1, "losses": self.losses, **amp.state_dict()}
             save_state(ckpt, step + 1, params, opt.state_dict(), position, self.expect.meta)
-        return bool(self.vote[1] > 0)
+        return stop
+
+    def _check_finite(self, step: int, params: np.ndarray, last: bool) -> None:
+        """ConfigError if the weights are not finite, or if this last step's loss is not."""
+        if not np.isfinite(params).all():
+            raise ConfigError(f"step {step}: the parameters are inf or nan after the update (the loss was "
+                              f"{self.losses[-1]:.3g}): the run diverged; lower the learning rate")
+        if last and not math.isfinite(self.losses[-1]):
+            raise ConfigError(f"step {step}: the loss of the last step is {self.losses[-1]}: the run "
+                              "diverged; lower the learning rate")
