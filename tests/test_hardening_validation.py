@@ -15,6 +15,7 @@ import warnings
 import numpy as np
 import pytest
 
+from dplab.backends.cli.args import build_parser
 from dplab.backends.cli.commands import main
 from dplab.reference import auto
 from dplab.reference.costfit import CostFit
@@ -132,6 +133,40 @@ def test_auto_with_a_bad_tune_file_is_one_line_before_any_rank_starts(tmp_path, 
 
 
 # -- 3. mixed precision: flags that mean nothing, scales that cannot work, runs that diverge --------
+
+@pytest.mark.parametrize("flags, named", [
+    (["--loss-scale", "1024"], "--loss-scale applies"),
+    (["--reduce-dtype", "float16"], "--reduce-dtype applies"),
+    (["--loss-scale", "dynamic", "--reduce-dtype", "float32", "--mixed-precision", "no"],
+     "--loss-scale and --reduce-dtype apply"),
+])
+def test_precision_flags_without_mixed_precision_are_refused_at_parsing(flags, named, capsys):
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["train", *flags])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert f"error: {named} only to mixed precision: add --mixed-precision fp16" in err and "\n" not in err
+
+
+def test_precision_flags_count_in_any_order_with_mixed_precision():
+    for argv in (["--loss-scale", "8", "--mixed-precision", "fp16"], ["--mixed-precision", "fp16",
+                                                                     "--reduce-dtype", "float16"]):
+        a = build_parser().parse_args(["train", *argv])
+        assert a.mixed_precision == "fp16"
+    a = build_parser().parse_args(["train"])
+    assert (a.loss_scale, a.reduce_dtype) == (None, None)
+
+
+@pytest.mark.parametrize("value", ["1e39", "1e-39"])
+def test_a_loss_scale_outside_float32_is_refused(value, capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["train", "--mixed-precision", "fp16", "--loss-scale", value])
+    assert "float32's range" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="float32's"):
+        MixedPrecision(loss_scale=float(value)).validate()
+    with pytest.raises(ConfigError, match="init_scale .*float32's"):
+        MixedPrecision(init_scale=float(value)).validate()
+
 
 def test_a_static_scale_that_overflows_stops_the_run_before_the_weights_take_the_inf(capsys):
     with warnings.catch_warnings():

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import argparse
 import textwrap
+from collections.abc import Callable
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 from dplab.backends.cli.app import port_number
 from dplab.backends.cli.args_optim import add_optimizer_args, add_sweep_args, positive_float, positive_int
 from dplab.backends.cli.args_optim import csv_list as _csv
-from dplab.backends.cli.args_zero import add_zero_args
+from dplab.backends.cli.args_zero import add_zero_args, precision_flags_error
 from dplab.backends.cli.bench import parse_size
 from dplab.backends.cli.compare import RACE_DEFAULTS
 from dplab.backends.cli.lesson import add_lesson_parser
@@ -64,6 +65,21 @@ def dplab_version() -> str:
 
 
 class _Parser(argparse.ArgumentParser):
+    """One-line errors, exit 2. ``checks``: functions of the parsed options that return why they
+    contradict each other, or None; run after parsing, so the options' order does not matter."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.checks: list[Callable[[argparse.Namespace], str | None]] = []
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        parsed, rest = super().parse_known_args(args, namespace)
+        for check in self.checks:
+            problem = check(parsed)
+            if problem:
+                self.error(problem)
+        return parsed, rest
+
     def error(self, message: str) -> None:  # one line, exit 2
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
@@ -199,6 +215,7 @@ def _add_train(sub: Any) -> None:
     g.add_argument("--save-params", metavar="PATH",
                    help="write the final parameters (.npy) (default: not written)")
     add_zero_args(t)  # --zero-stage, --mixed-precision, --loss-scale, --reduce-dtype
+    t.checks.append(precision_flags_error)
     _add_model_args(t, TRAIN_BUCKET_CAP_MB,
                     "gradient bucket size; a bucket's all-reduce starts as soon as its gradients exist, "
                     "while backward goes on. The default, 0.0005 MiB (524 bytes), puts the default "
