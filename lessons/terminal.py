@@ -256,7 +256,7 @@ def _exercises() -> Any:
 def init(path: str | Path) -> int:
     """``dplab lesson init DIR``: copy the exercises' stubs into DIR and say what comes next."""
     console = make_console()
-    written = _exercises().init_dir(Path(path))
+    written = _exercises().init_dir(path if not str(path).strip() else Path(path))  # "": refused, not "."
     for file in written:
         console.print(Text.assemble("wrote ", (str(file), "cyan")))
     console.print(Text.assemble(f"{len(written)} exercise files in {path}: fill them in, then ",
@@ -268,6 +268,10 @@ def check(number: int, path: str | Path | None = None) -> int:
     """``dplab lesson check N [DIR]``: run the learner's code; 0 when every exercise passes."""
     console = make_console()
     reports = _exercises().check(number, None if path is None else Path(path))
+    for report in reports:
+        if getattr(report, "output", "").strip():
+            console.print(Text(f"{report.name} printed:", style="dim"))
+            console.print(Text(report.output.rstrip()))
     console.print(render.reports_table(reports, console.encoding))
     passed = sum(bool(r.passed) for r in reports)
     console.print(Text(f"{passed} of {len(reports)} exercises of lesson {number} pass.",

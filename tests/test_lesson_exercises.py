@@ -247,9 +247,7 @@ def test_check_reads_the_learners_folder(tmp_path, monkeypatch):
 
 
 def test_a_learner_loop_that_never_ends_is_stopped_and_named(tmp_path, monkeypatch):
-    from dplab.lessons.exercises import learner
-
-    monkeypatch.setattr(learner, "CALL_LIMIT_S", 0.3)
+    monkeypatch.setenv("DPLAB_CHECK_LIMIT_S", "0.3")
     looping = _write(tmp_path, "ring_reduce_scatter", """
         def ring_reduce_scatter(p):
             rounds = []

@@ -20,11 +20,16 @@ A stub is a file with the function's signature, a docstring that explains the ta
 that is deliberately wrong, so checking a fresh stub already says something in the lesson's
 words. The shipped answers are in ``solutions/``; CI proves every stub fails and every
 solution passes (``tests/test_lesson_exercises.py``).
+
+The learner's code runs in a child process with a time and a memory limit, and only plain data
+comes back; the verdict is reached here (``child.py``). ``$DPLAB_CHECK_LIMIT_S`` (default 30)
+and ``$DPLAB_CHECK_MEMORY_MB`` (default 4096) set the limits.
 """
 
 from __future__ import annotations
 
-import shutil
+import errno
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,14 +55,15 @@ class Exercise:
     title: str
     stub: str                                  # file name: in stubs/, solutions/, the learner's folder
     solution: Path                             # the shipped answer
-    checker: Callable[[Path], ExerciseReport]  # checker(the learner's file) -> a report, never an exception
+    checker: Callable[[Path], ExerciseReport]  # checker(the learner's file) -> a report (CheckUnavailable:
+                                               # the machine cannot run the check)
 
     @property
     def stub_path(self) -> Path:
         return STUBS / self.stub
 
 
-def _exercise(name: str, lesson: int, title: str, judge: Callable[[Path], str]) -> Exercise:
+def _exercise(name: str, lesson: int, title: str, judge: Callable[[Path, list[str]], str]) -> Exercise:
     return Exercise(lesson, title, f"{name}.py", SOLUTIONS / f"{name}.py", judged(name, judge))
 
 
@@ -70,24 +76,58 @@ EXERCISES: dict[str, Exercise] = {
 }
 
 
-def init_dir(path: Path) -> list[Path]:
+def init_dir(path: str | Path) -> list[Path]:
     """Copy every stub into ``path`` (created if need be); returns the files written.
 
-    Refuses, writing nothing, if any of them exists already: it may be the learner's work."""
+    Refuses, writing nothing, if any of them exists already (a link too, even a dangling one:
+    writing through it would land outside ``path``), and says in one line why a folder cannot be
+    made or written."""
+    if not str(path).strip():
+        raise ConfigError("dplab lesson init needs a folder name: dplab lesson init DIR (an empty name "
+                          "would be the current folder; say . if that is what you mean)")
     path = Path(path)
-    if path.exists() and not path.is_dir():
-        raise ConfigError(f"{path} is a file: give dplab lesson init a folder for the exercises")
-    targets = [path / e.stub for e in EXERCISES.values()]
-    there = [t for t in targets if t.exists()]
+    try:
+        if path.exists() and not path.is_dir():
+            raise ConfigError(f"{path} is a file: give dplab lesson init a folder for the exercises")
+        targets = [path / e.stub for e in EXERCISES.values()]
+        there = [t for t in targets if os.path.lexists(t)]
+    except OSError as e:  # a folder on the way that we may not read
+        raise ConfigError(f"cannot look into {path} ({e.strerror or e}): give dplab lesson init a folder "
+                          "you can write to") from None
     if there:
         names = ", ".join(str(t) for t in there)
         raise ConfigError(f"{names} already exist{'s' if len(there) == 1 else ''}: dplab lesson init never "
                           "overwrites a learner's file; check your work with "
                           f"`dplab lesson check N {path}`, or init another folder")
-    path.mkdir(parents=True, exist_ok=True)
-    for e, target in zip(EXERCISES.values(), targets):
-        shutil.copyfile(e.stub_path, target)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"cannot create the folder {path} ({e.strerror or e}): give dplab lesson init a "
+                          "folder you can write to") from None
+    written: list[Path] = []
+    target = path
+    try:
+        for exercise, target in zip(EXERCISES.values(), targets):
+            _write_new(target, exercise.stub_path.read_bytes())
+            written.append(target)
+    except OSError as e:
+        for done in written:  # all or nothing: a half-initialised folder would be refused next time
+            done.unlink(missing_ok=True)
+        said = "a file or link of that name appeared" if e.errno == errno.EEXIST else e.strerror or str(e)
+        raise ConfigError(f"cannot write {target} ({said}): give dplab lesson init a folder you can write "
+                          "to") from None
     return targets
+
+
+def _write_new(target: Path, data: bytes) -> None:
+    """Create ``target`` with ``data``; never through a link, never over a file (O_EXCL)."""
+    fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+    except OSError:
+        target.unlink(missing_ok=True)  # ours: created just now
+        raise
 
 
 def check(lesson: int, path: Path | None = None) -> list[ExerciseReport]:

@@ -21,12 +21,14 @@ from unittest import mock
 import numpy as np
 
 from dplab.backends import launch
-from dplab.lessons.exercises.learner import Fail, describe_rank_error, learner_call, load_function
+from dplab.lessons.exercises.child import run_learner
+from dplab.lessons.exercises.learner import Fail, learner_call, load_function, rank_failure, short_repr
 from dplab.reference.train import buckets as engine
 from dplab.reference.train.single import TrainConfig, TrainResult, setup, train_single
 from dplab.reference.train.sync import SyncConfig, train_sync
 
-__all__ = ["judge_buckets", "engine_buckets", "bucket_problem", "MODEL_CAP", "RANDOM_CASES", "EDGE_CASES"]
+__all__ = ["judge_buckets", "collect_buckets", "engine_buckets", "bucket_problem", "MODEL_CAP",
+           "RANDOM_CASES", "EDGE_CASES", "MAX_INDICES"]
 
 MODEL_CAP = 600  # bytes: lesson 4's model (six parameters, 32..2,048 bytes) in three buckets
 RANDOM_CASES = 200
@@ -34,6 +36,7 @@ RANDOM_CASES = 200
 # one parameter, everything in one bucket
 EDGE_CASES = [([100, 100, 100, 100], 200), ([10, 5000, 10], 100), ([64], 1), ([7, 7, 7], 10**9)]
 _WORLD = 3
+MAX_INDICES = 10_000  # per answer: the cases have at most 12 parameters
 _RTOL = 1e-10  # float64 against one device: rounding only
 
 
@@ -46,40 +49,62 @@ def engine_buckets(sizes: list[int], cap: int) -> list[list[int]]:
     return engine.assign_buckets(slices, 1, cap / 2**20)
 
 
-def judge_buckets(file: Path) -> str:
+def judge_buckets(file: Path, output: list[str]) -> str:
     """The learner's ddp_buckets against the engine's, in training, and on random cases."""
-    fn = load_function(file, "ddp_buckets")
     cfg = TrainConfig(steps=3)
     model, _, params = setup(cfg)
     sizes = [(s.stop - s.start) * params.itemsize for s in model.param_slices]
-    mine = _call(fn, file, sizes, MODEL_CAP)
-    problem = bucket_problem(mine, engine_buckets(sizes, MODEL_CAP), sizes, MODEL_CAP)
-    if problem:
-        raise Fail(f"for lesson 4's model (gradients of {sizes} bytes, cap {MODEL_CAP:,}): {problem}")
-    diff = _train(cfg, mine, file)
     rng = np.random.default_rng(4)
     randoms = [([int(x) for x in rng.integers(1, 5000, size=int(rng.integers(1, 13)))],
                 int(rng.integers(1, 8000))) for _ in range(RANDOM_CASES)]
-    for case, cap in EDGE_CASES + randoms:
-        problem = bucket_problem(_call(fn, file, case, cap), engine_buckets(case, cap), case, cap)
+    cases = [(sizes, MODEL_CAP)] + EDGE_CASES + randoms
+    answer = run_learner("ddp_buckets", file, {"cases": cases}, output)
+    got = answer["data"].get("buckets", [])
+    for i, ((case, cap), mine) in enumerate(zip(cases, got)):
+        problem = bucket_problem(mine, engine_buckets(case, cap), case, cap)
+        if problem and i == 0:
+            raise Fail(f"for lesson 4's model (gradients of {sizes} bytes, cap {MODEL_CAP:,}): {problem}")
         if problem:
             raise Fail(f"for gradients of {case} bytes and cap {cap:,}: {problem}")
-    return (f"your buckets {mine} for lesson 4's model trained 3 steps on {_WORLD} ranks to within "
+        if i == 0:
+            diff = _train(cfg, mine, file)
+    if answer["fail"]:
+        raise Fail(answer["fail"])
+    return (f"your buckets {got[0]} for lesson 4's model trained 3 steps on {_WORLD} ranks to within "
             f"{diff:.1e} of one device, and they match the engine's on {len(EDGE_CASES)} edge and "
             f"{RANDOM_CASES} random cases")
 
 
-def _call(fn: Any, file: Path, sizes: list[int], cap: int) -> list[list[int]]:
-    with learner_call(file, f"ddp_buckets({sizes}, {cap})"):
-        got = fn(list(sizes), cap)
+def collect_buckets(file: Path, inputs: dict[str, Any], out: dict[str, Any], deadline: float) -> None:
+    """In the child: the learner's buckets for each case, as lists of ints (``out["buckets"]``)."""
+    fn = load_function(file, "ddp_buckets")
+    out["buckets"] = results = []
+    for sizes, cap in inputs["cases"]:
+        what = f"ddp_buckets({sizes}, {cap})"
+        with learner_call(file, what):
+            got = fn(list(sizes), cap)
+            results.append(_plain_buckets(got, what))
+
+
+def _plain_buckets(got: Any, what: str) -> list[list[int]]:
+    """``got`` as a list of lists of ints, reading at most ``MAX_INDICES`` indices (a generator that
+    never ends, a list of a billion, stop there), or ``Fail``."""
+    buckets, n = [], 0
     try:
-        buckets = [[int(i) for i in b] for b in got]
-        ok = all(int(i) == i for b in got for i in b)
-    except (TypeError, ValueError):
-        ok = False
-    if not ok:
-        raise Fail(f"ddp_buckets returned {got!r}: return a list of buckets, each a list of parameter "
-                   "indices")
+        for b in got:
+            bucket = []
+            for i in b:
+                n += 1
+                if n > MAX_INDICES:
+                    raise Fail(f"{what} returned more than {MAX_INDICES:,} parameter indices: return one "
+                               "list of indices per bucket, each parameter in exactly one")
+                if int(i) != i:
+                    raise ValueError(i)
+                bucket.append(int(i))
+            buckets.append(bucket)
+    except (TypeError, ValueError, OverflowError):
+        raise Fail(f"{what} returned {short_repr(got)}: return a list of buckets, each a list of parameter "
+                   "indices") from None
     return buckets
 
 
@@ -142,8 +167,7 @@ def _train(cfg: TrainConfig, buckets: list[list[int]], file: Path) -> float:
     try:
         results = launch(_train_with_buckets, _WORLD, args=(cfg, sync, buckets), timeout=20)
     except RankError as e:
-        what = f"training with your buckets {buckets}"
-        raise Fail(describe_rank_error(e.detail, e.rank, file, what)) from None
+        raise rank_failure(e, file, f"training with your buckets {buckets}") from None
     oracle = train_single(cfg).params
     scale = float(np.abs(oracle).max())
     diff = max(float(np.abs(r.params - oracle).max()) for r in results) / scale

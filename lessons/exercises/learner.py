@@ -1,23 +1,30 @@
-"""The learner's file, run safely: load it by path, call it, and turn whatever goes wrong into words.
+"""The learner's file: load it by path, call it, and turn whatever goes wrong into one line.
+
+This module runs on both sides of ``dplab lesson check``. In the child process
+(``lessons/exercises/child.py``) it loads the learner's file and calls their function::
 
     fn = load_function(Path("work/ring_reduce_scatter.py"), "ring_reduce_scatter")
-    with learner_call(file, "ring_reduce_scatter"):
+    with learner_call(file, "ring_reduce_scatter(4)"):
         schedule = fn(4)                        # an exception here becomes a Fail naming the line
 
-A checker raises ``Fail(message)`` for anything the learner should fix; ``judged`` turns that into
-an ``ExerciseReport``. Nothing the learner writes may crash ``dplab lesson check``: an exception in
-their code, a syntax error, a missing function, a rank that raised all become a report that names
-the line of their file it happened on.
+In the parent it judges what came back: a checker raises ``Fail(message)`` for anything the
+learner should fix, and ``judged`` turns that into an ``ExerciseReport``. Nothing the learner
+writes may crash ``dplab lesson check``: an exception, a syntax error, a missing function, a rank
+that raised, a ``sys.exit``, a fork all become a report that names the line of their file. A
+check that cannot run on this machine at all (a full /dev/shm) is a ``CheckUnavailable``: a
+one-line error about the machine, never a verdict on the answer.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import itertools
+import os
 import re
+import reprlib
+import resource
 import signal
 import sys
-import threading
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -25,25 +32,106 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dplab.reference.errors import DplabError
+from dplab.reference.errors import ConfigError, DplabError
 
-__all__ = ["ExerciseReport", "Fail", "TooLong", "CALL_LIMIT_S", "load_function", "learner_call", "describe",
-           "describe_rank_error", "judged"]
+__all__ = ["ExerciseReport", "Fail", "CheckUnavailable", "TooLong", "LIMIT_S", "MESSAGE_CHARS", "limit_s",
+           "load_function", "learner_call", "same_process", "describe", "describe_rank_error",
+           "rank_failure", "clip", "short_repr", "judged"]
 
 _counter = itertools.count()
+
+LIMIT_S = 30.0  # the learner's code in one check (import and every call): the checkers' own take ~1 s
+MESSAGE_CHARS = 600  # what a report quotes of an exception's message or a returned value
+
+
+def limit_s() -> float:
+    """The time limit of one check: ``$DPLAB_CHECK_LIMIT_S`` when set (tests use a short one)."""
+    text = os.environ.get("DPLAB_CHECK_LIMIT_S", "")
+    try:
+        value = float(text) if text else LIMIT_S
+    except ValueError:
+        raise ConfigError(f"DPLAB_CHECK_LIMIT_S={text!r} is not a number of seconds: unset it or give "
+                          "e.g. 30") from None
+    if not 0 < value < 1e6:
+        raise ConfigError(f"DPLAB_CHECK_LIMIT_S={text!r} must be a positive number of seconds, e.g. 30")
+    return value
 
 
 @dataclass(frozen=True)
 class ExerciseReport:
-    """One exercise's verdict: ``message`` says what is wrong in the lesson's words, or what was proven."""
+    """One exercise's verdict: ``message`` says what is wrong in the lesson's words, or what was
+    proven; ``output`` is what the learner's code printed (clipped), shown beside it."""
 
     name: str
     passed: bool
     message: str
+    output: str = ""
 
 
 class Fail(DplabError):
     """The learner's answer is wrong (or does not run): the message is what the learner reads."""
+
+
+class CheckUnavailable(ConfigError):
+    """The check itself cannot run on this machine (a full /dev/shm): not a verdict on the answer."""
+
+
+class TooLong(BaseException):
+    """The learner's code ran past the check's time limit: a loop that never ends, most likely.
+
+    A BaseException, so that a learner's ``except Exception:`` around a loop does not swallow it."""
+
+
+def clip(text: str, limit: int = MESSAGE_CHARS) -> str:
+    """``text`` cut to ``limit`` characters, saying how much was left out."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text) - limit:,} more characters)"
+
+
+_repr = reprlib.Repr()
+_repr.maxlist = _repr.maxtuple = _repr.maxset = _repr.maxdict = 8
+_repr.maxstring = _repr.maxother = 80
+_repr.maxlevel = 3
+
+
+def short_repr(value: Any) -> str:
+    """``repr(value)`` cut short: a returned giant list is quoted by its first items."""
+    try:
+        return clip(_repr.repr(value), 200)
+    except Exception:  # the learner's own __repr__ raised
+        return f"a {type(value).__name__}"
+
+
+@contextmanager
+def same_process() -> Iterator[None]:
+    """Around the learner's code: a process it forked ends here, silently, when it comes back, so
+    that only the process that started the check answers (a fork would judge and report twice);
+    one still running then is killed, so that it holds no rank's pipe open past the call."""
+    pid, before = os.getpid(), _children()
+    try:
+        yield
+    finally:
+        if os.getpid() != pid:
+            os._exit(0)
+        for child in _children() - before:
+            try:
+                os.kill(child, signal.SIGKILL)
+                os.waitpid(child, 0)
+            except (ProcessLookupError, ChildProcessError):
+                pass
+
+
+def _children() -> set[int]:
+    """This process's children (Linux: /proc/self/task/*/children; elsewhere none are known)."""
+    out: set[int] = set()
+    try:
+        for task in os.scandir("/proc/self/task"):
+            with open(f"{task.path}/children") as f:
+                out.update(int(pid) for pid in f.read().split())
+    except OSError:
+        pass
+    return out
 
 
 def load_function(file: Path, name: str) -> Callable[..., Any]:
@@ -59,12 +147,13 @@ def load_function(file: Path, name: str) -> Callable[..., Any]:
     module = importlib.util.module_from_spec(spec)
     sys.modules[module_name] = module  # dataclasses and pickling look a module up by its name
     try:
-        spec.loader.exec_module(module)
+        with same_process():
+            spec.loader.exec_module(module)
     except SyntaxError as e:
         code = (e.text or "").strip()
         raise Fail(f"{file.name} is not valid Python: {e.msg} at line {e.lineno}"
-                   + (f": `{code}`" if code else "")) from None
-    except Exception as e:  # what runs at import is the learner's code too
+                   + (f": `{clip(code, 120)}`" if code else "")) from None
+    except BaseException as e:  # what runs at import is the learner's code too: an exit, a loop
         raise Fail(describe(e, file, f"importing {file.name}")) from None
     fn = getattr(module, name, None)
     if not callable(fn):
@@ -72,89 +161,116 @@ def load_function(file: Path, name: str) -> Callable[..., Any]:
     return fn
 
 
-CALL_LIMIT_S = 30.0  # one call of the learner's function; the checkers' own calls take milliseconds
-
-
-class TooLong(Exception):
-    """The learner's function ran past ``CALL_LIMIT_S``: a loop that never ends, most likely."""
-
-
 @contextmanager
 def learner_call(file: Path, what: str) -> Iterator[None]:
-    """Around a call of the learner's function: any exception becomes a ``Fail`` naming their line,
-    and a call that runs past ``CALL_LIMIT_S`` is stopped (SIGALRM, in the main thread) and named
-    at the line it was running, instead of hanging ``dplab lesson check``."""
-    with _time_limit(CALL_LIMIT_S):
-        try:
-            yield
-        except Fail:
-            raise
-        except Exception as e:
-            raise Fail(describe(e, file, what)) from None
-
-
-@contextmanager
-def _time_limit(seconds: float) -> Iterator[None]:
-    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
-        yield  # no timer off the main thread: the call runs unguarded
-        return
-
-    def stop(signum: int, frame: Any) -> None:
-        raise TooLong(f"still running after {seconds:g} s: does a loop never end?")
-
-    previous = signal.signal(signal.SIGALRM, stop)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
+    """Around a call of the learner's function: whatever it raises (an exception, ``sys.exit``, the
+    time limit's ``TooLong``) becomes a ``Fail`` naming their line; a fork of theirs ends here."""
     try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
+        with same_process():
+            yield
+    except Fail:
+        raise
+    except BaseException as e:
+        raise Fail(describe(e, file, what)) from None
 
 
 def describe(exc: BaseException, file: Path, what: str) -> str:
     """``"ring_reduce_scatter raised ValueError: ... (line 31 of ring_reduce_scatter.py: `code`)"``."""
-    text = f"{what} raised {type(exc).__name__}" + (f": {exc}" if str(exc) else "")
+    if isinstance(exc, SystemExit):
+        text = (f"{what} called sys.exit({short_repr(exc.code) if exc.code is not None else ''}): an "
+                "exercise returns its answer instead of ending the program")
+    else:
+        message = clip(str(exc))
+        text = f"{what} raised {type(exc).__name__}" + (f": {message}" if message else "")
+        if isinstance(exc, MemoryError):
+            text += _memory_limit()
     mine = [f for f in traceback.extract_tb(exc.__traceback__) if _same(f.filename, file)]
     if mine:
-        text += f" (line {mine[-1].lineno} of {Path(file).name}" + (f": `{mine[-1].line.strip()}`)"
-                                                                      if mine[-1].line else ")")
+        code = clip(mine[-1].line.strip(), 120) if mine[-1].line else ""
+        text += f" (line {mine[-1].lineno} of {Path(file).name}" + (f": `{code}`)" if code else ")")
     return text
 
 
-_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in [^\n]*\n(?P<code>[^\n]*)')
+def _memory_limit() -> str:
+    soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+    if soft == resource.RLIM_INFINITY:
+        return ""
+    return f" (the check allows {soft >> 20:,} MiB of memory; $DPLAB_CHECK_MEMORY_MB sets that)"
+
+
+_FRAME = re.compile(r'  File "(?P<file>[^"\n]+)", line (?P<line>\d+), in [^\n]*')
+_TAIL_CHARS = 200_000  # a traceback's frames and last line are at its end; a huge message is not read
 
 
 def describe_rank_error(detail: str, rank: int, file: Path, what: str) -> str:
     """The same sentence from a rank's traceback text (a ``RankError``'s ``detail``)."""
-    lines = [line for line in detail.strip().splitlines() if line.strip()]
-    last = lines[-1].strip() if lines else "an error without a message"
-    last = re.sub(r"^[\w.]+\.(\w+):", r"\1:", last)  # dplab.reference.errors.ConfigError: -> ConfigError:
-    text = f"{what} raised on rank {rank}: {last}"
-    mine = [m for m in _FRAME.finditer(detail) if _same(m["file"], file)]
+    text = f"{what} raised on rank {rank}: {_last_line(detail)}"
+    mine = _learner_frames(detail, file)
     if mine:
-        code = mine[-1]["code"].strip()
-        text += f" (line {mine[-1]['line']} of {Path(file).name}" + (f": `{code}`)" if code else ")")
+        line, code = mine[-1]
+        text += f" (line {line} of {Path(file).name}" + (f": `{clip(code, 120)}`)" if code else ")")
     return text
+
+
+def _last_line(detail: str) -> str:
+    tail = detail[-_TAIL_CHARS:].rstrip()
+    last = tail[tail.rfind("\n") + 1:].strip() if tail else ""
+    last = re.sub(r"^[\w.]+\.(\w+):", r"\1:", last[:1000])  # dplab.reference.errors.ConfigError: -> ...
+    return clip(last) or "an error without a message"
+
+
+def _learner_frames(detail: str, file: Path) -> list[tuple[str, str]]:
+    """(line, code) of every frame of ``file`` in a traceback's text, oldest first."""
+    lines = detail[:_TAIL_CHARS].splitlines() + detail[_TAIL_CHARS:][-_TAIL_CHARS:].splitlines()
+    out = []
+    for i, line in enumerate(lines):
+        m = _FRAME.match(line[:2000])
+        if m and _same(m["file"], file):
+            out.append((m["line"], lines[i + 1].strip() if i + 1 < len(lines) else ""))
+    return out
+
+
+# what a rank's error says when the machine, not the answer, stopped it (with no frame of the learner's)
+_MACHINE = re.compile(r"^(ShmFull|BackendUnavailable|OSError|PermissionError|BlockingIOError|MemoryError)\b"
+                      r"|/dev/shm")
+
+
+def rank_failure(error: Any, file: Path, what: str) -> Fail | CheckUnavailable:
+    """A ``RankError`` as the learner's ``Fail``, or as ``CheckUnavailable`` when no frame of theirs
+    is in it and it names the machine (``ShmFull``: /dev/shm is full)."""
+    last = _last_line(error.detail)
+    if not _learner_frames(error.detail, file) and _MACHINE.search(last):
+        return CheckUnavailable(f"cannot check {Path(file).name} on this machine: {last}")
+    return Fail(describe_rank_error(error.detail, error.rank, file, what))
 
 
 def _same(a: str, b: Path) -> bool:
     try:
         return Path(a).resolve() == Path(b).resolve()
-    except OSError:
+    except (OSError, ValueError):
         return False
 
 
 def judged(name: str, judge: Callable[[Path], str]) -> Callable[[Path], ExerciseReport]:
-    """``judge(file)`` returns what a right answer proved, or raises ``Fail``: as a report, always."""
+    """``judge(file)`` returns what a right answer proved, or raises ``Fail``: as a report, always.
+    ``CheckUnavailable`` (and any error of the machine's) is raised: it is no verdict."""
 
     def checker(file: Path) -> ExerciseReport:
+        output: list[str] = []
         try:
-            return ExerciseReport(name, True, judge(Path(file)))
+            return ExerciseReport(name, True, clip(judge(Path(file), output), 4 * MESSAGE_CHARS),
+                                  "".join(output))
         except Fail as e:
-            return ExerciseReport(name, False, str(e))
+            return ExerciseReport(name, False, clip(str(e), 4 * MESSAGE_CHARS), "".join(output))
+        except CheckUnavailable:
+            raise
+        except (ConfigError, OSError) as e:  # a full /dev/shm, a world that could not start
+            raise CheckUnavailable(f"cannot check {Path(file).name} on this machine: "
+                                   f"{clip(str(e))}") from None
         except Exception as e:  # the learner's answer broke the checker itself: still a report
             return ExerciseReport(name, False, describe(e, Path(file), f"checking {Path(file).name}")
-                                  + " (the checker could not judge this answer: report it if it looks right)")
+                                  + " (the checker could not judge this answer: report it if it looks right)",
+                                  "".join(output))
 
     checker.__name__ = f"check_{name}"
     checker.__doc__ = judge.__doc__

@@ -13,31 +13,72 @@ one chunk to its right neighbour per round.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from dplab.lessons.exercises.learner import Fail, learner_call, load_function
-from dplab.reference.schedule import Schedule
+from dplab.lessons.exercises.child import run_learner
+from dplab.lessons.exercises.learner import Fail, learner_call, load_function, short_repr
+from dplab.reference.schedule import Round, Schedule, ScheduleError
 from dplab.reference.simulate import simulate
 
-__all__ = ["WORLD_SIZES", "judge_ring", "ring_problem"]
+__all__ = ["WORLD_SIZES", "MAX_TRANSFERS", "judge_ring", "collect_ring", "ring_problem"]
 
 WORLD_SIZES = range(1, 9)
+MAX_TRANSFERS = 100_000  # per schedule: the ring needs p(p - 1), 56 at p = 8
 
 
-def judge_ring(file: Path) -> str:
+def judge_ring(file: Path, output: list[str]) -> str:
     """Run the learner's ring_reduce_scatter for p = 1..8 through the simulator."""
-    fn = load_function(file, "ring_reduce_scatter")
-    for p in WORLD_SIZES:
-        with learner_call(file, f"ring_reduce_scatter({p})"):
-            schedule = fn(p)
-        problem = ring_problem(schedule, p)
+    answer = run_learner("ring_reduce_scatter", file, {"world_sizes": list(WORLD_SIZES)}, output)
+    for p, plain in zip(WORLD_SIZES, answer["data"].get("schedules", [])):
+        problem = ring_problem(_schedule(plain, p), p)
         if problem:
             raise Fail(f"at p={p}: {problem}")
+    if answer["fail"]:
+        raise Fail(answer["fail"])
     p = WORLD_SIZES[-1]
     return (f"right for p = 1..{p}: after p - 1 rounds rank r holds chunk r with every rank's part exactly "
             f"once, each rank sending one chunk to its right neighbour per round ({p - 1} rounds, "
             f"{p * (p - 1)} chunk transfers at p={p})")
+
+
+def collect_ring(file: Path, inputs: dict[str, Any], out: dict[str, Any], deadline: float) -> None:
+    """In the child: each p's schedule as plain columns (``out["schedules"]``), or what it was instead."""
+    fn = load_function(file, "ring_reduce_scatter")
+    out["schedules"] = schedules = []
+    for p in inputs["world_sizes"]:
+        with learner_call(file, f"ring_reduce_scatter({p})"):
+            schedule = fn(p)
+        if not isinstance(schedule, Schedule):
+            schedules.append({"type": type(schedule).__name__, "repr": short_repr(schedule)})
+            continue
+        t = schedule.table
+        if t.num_transfers > MAX_TRANSFERS:
+            raise Fail(f"ring_reduce_scatter({p}) returned a schedule of {t.num_transfers:,} transfers: the "
+                       f"ring's reduce-scatter needs p(p - 1) = {p * (p - 1)}")
+        schedules.append({"type": "Schedule", "name": str(schedule.name)[:200],
+                          "world_size": schedule.world_size, "num_chunks": schedule.num_chunks,
+                          "src": t.src.tolist(), "dst": t.dst.tolist(), "chunk": t.chunk.tolist(),
+                          "reduce": t.reduce.tolist(), "starts": t.starts.tolist()})
+
+
+def _schedule(plain: dict[str, Any], p: int) -> object:
+    """The learner's schedule rebuilt here from its columns (checked again), or a stand-in for what
+    they returned instead (``ring_problem`` names its type)."""
+    if plain["type"] != "Schedule":
+        return type(plain["type"], (), {})()
+    name, size, chunks = plain["name"], plain["world_size"], plain["num_chunks"]
+    if (size, chunks) != (p, p):  # refused before simulating: say which, without building it
+        return Schedule(name, max(size, 1), max(chunks, 1), [])
+    starts = plain["starts"]
+    cols = [np.asarray(plain[k], np.int64) for k in ("src", "dst", "chunk")]
+    ops = np.where(np.asarray(plain["reduce"], bool), "reduce", "copy")
+    try:
+        rounds = [Round(*(c[a:b] for c in cols), ops[a:b]) for a, b in zip(starts, starts[1:])]
+        return Schedule(name, p, p, rounds)
+    except ScheduleError as e:
+        raise Fail(f"at p={p}: ring_reduce_scatter returned a schedule that cannot run: {e}") from None
 
 
 def ring_problem(schedule: object, p: int) -> str | None:

@@ -23,14 +23,16 @@ from typing import Any
 import numpy as np
 
 from dplab.backends import RankError, launch
-from dplab.lessons.exercises.learner import Fail, describe_rank_error, learner_call, load_function
+from dplab.lessons.exercises.child import run_learner
+from dplab.lessons.exercises.learner import Fail, learner_call, load_function, rank_failure, short_repr
 from dplab.reference.ps.gate import Gate, gate_open
 from dplab.reference.ps.protocol import AsyncConfig, LogEntry
 from dplab.reference.ps.server import Server
 from dplab.reference.ps.trainer import work
 from dplab.reference.train.single import TrainConfig
 
-__all__ = ["judge_ssp", "GRID_CLOCKS", "STALENESS", "RUN_STALENESS", "RUN_CLOCKS", "RUN_WORKERS"]
+__all__ = ["judge_ssp", "collect_ssp", "GRID_CLOCKS", "STALENESS", "RUN_STALENESS", "RUN_CLOCKS",
+           "RUN_WORKERS"]
 
 GRID_CLOCKS = range(9)
 STALENESS = (0, 1, 2, 3, None)
@@ -38,19 +40,13 @@ RUN_STALENESS, RUN_CLOCKS, RUN_WORKERS = 1, 6, 3
 _SLOW_S = 0.03  # worker 1 sleeps this long before each clock's compute: the others run ahead
 
 
-def judge_ssp(file: Path) -> str:
+def judge_ssp(file: Path, output: list[str]) -> str:
     """The learner's may_proceed against the server's gate, then in a run of the parameter server."""
-    fn = load_function(file, "may_proceed")
-    replies = {}
-    for s in STALENESS:
-        for clock in GRID_CLOCKS:
-            for slowest in GRID_CLOCKS:
-                with learner_call(file, f"may_proceed(clock={clock}, slowest={slowest}, staleness={s})"):
-                    got = fn(clock, slowest, s)
-                if not isinstance(got, (bool, np.bool_)):  # numpy's comparisons give np.bool_
-                    raise Fail(f"may_proceed(clock={clock}, slowest={slowest}, staleness={s}) returned "
-                               f"{got!r}: return True (the worker may start) or False (it waits)")
-                replies[clock, slowest, s] = bool(got)
+    keys = [(clock, slowest, s) for s in STALENESS for clock in GRID_CLOCKS for slowest in GRID_CLOCKS]
+    answer = run_learner("ssp_gate", file, {"keys": keys}, output)
+    if answer["fail"]:
+        raise Fail(answer["fail"])
+    replies = {tuple(k): v for k, v in zip(keys, answer["data"].get("replies", []))}
     strict = [k for k, v in replies.items() if not v and gate_open([k[1]], k[0], k[2])]
     loose = [k for k, v in replies.items() if v and not gate_open([k[1]], k[0], k[2])]
     if strict:
@@ -81,13 +77,27 @@ def judge_ssp(file: Path) -> str:
             f"was {delay})")
 
 
+def collect_ssp(file: Path, inputs: dict[str, Any], out: dict[str, Any], deadline: float) -> None:
+    """In the child: the learner's reply to each (clock, slowest, staleness), in ``out["replies"]``."""
+    fn = load_function(file, "may_proceed")
+    out["replies"] = replies = []
+    for clock, slowest, s in inputs["keys"]:
+        what = f"may_proceed(clock={clock}, slowest={slowest}, staleness={s})"
+        with learner_call(file, what):
+            got = fn(clock, slowest, s)
+        if not isinstance(got, (bool, np.bool_)):  # numpy's comparisons give np.bool_
+            raise Fail(f"{what} returned {short_repr(got)}: return True (the worker may start) or False "
+                       "(it waits)")
+        replies.append(bool(got))
+
+
 def _run(table: dict[tuple[int, int], bool], file: Path) -> list[LogEntry]:
     cfg = TrainConfig(steps=RUN_CLOCKS)
     acfg = AsyncConfig(staleness=RUN_STALENESS, delays=(_SLOW_S,) + (0.0,) * (RUN_WORKERS - 1))
     try:
         return launch(_server_or_worker, RUN_WORKERS + 1, args=(cfg, acfg, table), timeout=20)[0]
     except RankError as e:
-        raise Fail(describe_rank_error(e.detail, e.rank, file, "the run with your gate")) from None
+        raise rank_failure(e, file, "the run with your gate") from None
 
 
 class _TableGate(Gate):

@@ -13,6 +13,8 @@ rank 1 updated it, but no all-gather brought the update to rank 0".
 
 from __future__ import annotations
 
+import signal
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -20,14 +22,23 @@ from typing import Any
 import numpy as np
 
 from dplab.backends import RankError, launch
-from dplab.lessons.exercises.learner import Fail, describe_rank_error, load_function
+from dplab.lessons.exercises.child import Patched, dplab_functions, patched_since, run_learner
+from dplab.lessons.exercises.learner import (
+    CheckUnavailable,
+    Fail,
+    TooLong,
+    limit_s,
+    load_function,
+    rank_failure,
+    same_process,
+)
 from dplab.reference.data import batch_indices, shard
 from dplab.reference.errors import DplabError
 from dplab.reference.optim import OptimConfig, make_optimizer
 from dplab.reference.schedule import chunk_bounds
 from dplab.reference.train.single import TrainConfig, setup, train_single
 
-__all__ = ["judge_zero2", "ShardOptimizer", "ShardError", "WORLD_SIZES", "STEPS"]
+__all__ = ["judge_zero2", "collect_zero2", "ShardOptimizer", "ShardError", "WORLD_SIZES", "STEPS"]
 
 WORLD_SIZES = (1, 2, 3, 4)
 STEPS = 3
@@ -63,26 +74,55 @@ class ShardOptimizer:
         self._opt.step(params, grad)
 
 
-def judge_zero2(file: Path) -> str:
+def judge_zero2(file: Path, output: list[str]) -> str:
     """The learner's zero2_step on 1..4 ranks, every rank's every shard against one device per step."""
-    load_function(file, "zero2_step")  # a file that does not import fails here, not on every rank
+    answer = run_learner("zero2_step", file, {"world_sizes": list(WORLD_SIZES)}, output)
     oracle = [train_single(replace(_CFG, steps=k)).params for k in range(STEPS + 1)]
-    for p in WORLD_SIZES:
-        try:
-            runs = launch(_rank, p, args=(str(file), _CFG), timeout=TIMEOUT_S)
-        except RankError as e:
-            raise Fail(f"at p={p}: " + describe_rank_error(e.detail, e.rank, file, "zero2_step")) from None
+    for p, plain in zip(WORLD_SIZES, answer["data"].get("runs", [])):
+        runs = [[np.asarray(a, dtype=np.float64) for a in rank] for rank in plain]
+        if len(runs) != p or any(len(r) != STEPS or any(a.shape != oracle[0].shape for a in r) for r in runs):
+            raise Fail(f"at p={p}: the ranks did not bring back {STEPS} steps of {len(oracle[0])} parameters "
+                       "each")
         problem = _diagnose(runs, oracle, p)
         if problem:
             raise Fail(f"at p={p}: {problem}")
+    if answer["fail"]:
+        raise Fail(answer["fail"])
     n, p = len(oracle[0]), WORLD_SIZES[-1]
     most = max(b - a for a, b in chunk_bounds(n, p))
     return (f"right on 1..{p} ranks: after each of {STEPS} steps every rank holds every shard as one device "
             f"has it, each rank keeping optimizer state for at most {most} of the {n} parameters at p={p}")
 
 
-def _rank(comm: Any, file: str, cfg: TrainConfig) -> list[np.ndarray]:
+def collect_zero2(file: Path, inputs: dict[str, Any], out: dict[str, Any], deadline: float) -> None:
+    """In the child: for each p, every rank's parameters after every step (``out["runs"]``).
+
+    The ranks stop themselves a little before ``deadline``, so that the traceback names the
+    learner's line; a rank that does not stop is killed with the child, by the parent."""
+    load_function(file, "zero2_step")  # a file that does not import fails here, not on every rank
+    out["runs"] = runs = []
+    for p in inputs["world_sizes"]:
+        try:
+            done = launch(_rank, p, args=(str(file), _CFG, deadline), timeout=TIMEOUT_S)
+        except TooLong as e:  # here, waiting for ranks that swallowed their own stop
+            raise Fail(f"at p={p}: zero2_step {e}") from None
+        except RankError as e:
+            failure = rank_failure(e, file, "zero2_step")
+            if isinstance(failure, CheckUnavailable):
+                raise failure from None
+            raise Fail(f"at p={p}: {failure}") from None
+        patched = sorted({name for rank in done for name in rank["patched"]})
+        if patched:
+            raise Patched(patched)
+        runs.append([[a.tolist() for a in rank["after"]] for rank in done])
+
+
+def _rank(comm: Any, file: str, cfg: TrainConfig, deadline: float) -> dict[str, Any]:
     """One rank: its shard of each batch's gradient, the learner's step, the parameters after it."""
+    left = deadline - time.monotonic()  # CLOCK_MONOTONIC: one clock for the child and its ranks
+    signal.signal(signal.SIGALRM, _stop)
+    signal.setitimer(signal.ITIMER_REAL, max(left - min(1.0, 0.2 * left), 0.01))
+    before = dplab_functions()
     zero2_step = load_function(Path(file), "zero2_step")
     model, data, init = setup(cfg)
     params = comm.empty(model.num_params, init.dtype)
@@ -95,9 +135,15 @@ def _rank(comm: Any, file: str, cfg: TrainConfig) -> list[np.ndarray]:
         idx = shard(batch, comm.rank, comm.world_size)
         grad[:] = 0
         model.loss_and_grad(params, data.x[idx], data.y[idx], 1 / cfg.global_batch, grad)
-        zero2_step(comm, params, grad, optimizer)
+        with same_process():
+            zero2_step(comm, params, grad, optimizer)
         after.append(np.array(params, copy=True))
-    return after
+    signal.setitimer(signal.ITIMER_REAL, 0)
+    return {"after": after, "patched": patched_since(before, Path(file))}
+
+
+def _stop(signum: int, frame: Any) -> None:
+    raise TooLong(f"still running at the check's time limit of {limit_s():g} s: does a loop never end?")
 
 
 def _diagnose(runs: list[list[np.ndarray]], oracle: list[np.ndarray], p: int) -> str | None:
