@@ -43,6 +43,7 @@ def test_streamlit_argv_is_headless_on_the_given_address():
     assert flags["--server.headless"] == "true"
     assert flags["--server.address"] == "127.0.0.1" and flags["--server.port"] == "8123"
     assert flags["--browser.gatherUsageStats"] == "false"
+    assert flags["--server.maxUploadSize"] == "64"  # the largest trace a page reads, not 200 MB
 
 
 def test_missing_viz_extra_is_one_line_exit_2(monkeypatch, capsys):

@@ -334,3 +334,10 @@ def test_runs_page_refuses_hostile_traces_in_one_line() -> None:
     ok = json.dumps({"events": [EVENT], "meta": {"row": {"straggler": ["x"], "world_size": 1}}}).encode()
     at.get("file_uploader")[0].set_value(("ok.json", ok, "application/json")).run()
     assert not one_line_errors(at)
+
+
+def test_the_regions_map_offers_no_world_size_that_takes_minutes() -> None:
+    at = page("cost")
+    at.toggle(key="regions_on").set_value(True).run()
+    assert not one_line_errors(at)
+    assert [int(o) for o in at.select_slider(key="regions_max_p").options][-1] == 1024  # ~10 s; 4096: minutes

@@ -19,11 +19,13 @@ import socket
 import sys
 from pathlib import Path
 
+from dplab.backends.cli.uploads import TRACE
 from dplab.reference.errors import ConfigError
 
 __all__ = ["app_path", "free_port", "port_number", "streamlit_argv", "missing_viz_extra", "run_app"]
 
 VIZ_EXTRA = ("streamlit", "plotly")
+MAX_UPLOAD_MB = -(-TRACE.max_bytes // (1 << 20))  # megabytes, as streamlit's option counts them
 
 
 def missing_viz_extra() -> list[str]:
@@ -84,11 +86,12 @@ STREAMLIT_MAIN = ("import sys; from streamlit.runtime.pages_manager import Pages
 
 def streamlit_argv(path: Path, host: str, port: int) -> list[str]:
     """The ``streamlit run`` command line: headless (no browser, no e-mail prompt), no telemetry,
-    no file watcher (an installed app does not change under it)."""
+    no file watcher (an installed app does not change under it), and uploads no larger than the
+    largest file a page reads (a trace, ``uploads.TRACE``), not Streamlit's 200 MB."""
     return [sys.executable, "-c", STREAMLIT_MAIN, "run", str(path),
             "--server.headless", "true", "--server.address", host, "--server.port", str(port),
             "--browser.gatherUsageStats", "false", "--server.fileWatcherType", "none",
-            "--global.developmentMode", "false"]
+            "--global.developmentMode", "false", "--server.maxUploadSize", str(MAX_UPLOAD_MB)]
 
 
 def url(host: str, port: int) -> str:

@@ -46,7 +46,9 @@ FIT_BY = {"backend": "per backend", "algorithm": "per backend and algorithm"}
 
 BENCH_WORLD_SIZES = tuple(range(2, 9))
 BENCH_MAX_WORLDS, BENCH_MAX_SIZES = 3, 4
-MAX_FILES = 8  # a short bench: each world size is one more world of ranks
+MAX_FILES = 8
+# Every doubling of p costs ~4x and cannot be stopped midway: 1024 is ~10 s of one core, 4096 minutes.
+REGIONS_MAX_P = 1024  # a short bench: each world size is one more world of ranks
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -240,7 +242,7 @@ with figure_slot:
                     key="cost_figure")
 
 
-@st.cache_data(show_spinner="pricing every schedule at every world size ...")
+@st.cache_data(show_spinner="pricing every schedule at every world size ...", max_entries=32)
 def _regions(preset: str, max_p: int):  # noqa: ANN202 - a cached Regions
     return best_regions(PRESETS[preset], [p for p in WORLD_SIZES if p <= max_p], REGION_SIZES)
 
@@ -248,8 +250,10 @@ def _regions(preset: str, max_p: int):  # noqa: ANN202 - a cached Regions
 st.subheader("Which all-reduce wins where")
 if st.toggle("Map the cheapest schedule per (world size, message size) on a cluster", key="regions_on"):
     preset = st.selectbox("topology", list(PRESETS), key="regions_topology")
-    max_p = st.select_slider("largest world size", options=WORLD_SIZES[2:], value=64, key="regions_max_p",
-                             help="every schedule is built and priced at each p: 4096 takes minutes")
+    max_p = st.select_slider("largest world size", [p for p in WORLD_SIZES[2:] if p <= REGIONS_MAX_P],
+                             value=64, key="regions_max_p",
+                             help=f"every schedule is built and priced at each p: {REGIONS_MAX_P} takes "
+                                  "~10 s")
     st.caption(PRESETS[preset].source)
     st.plotly_chart(regions_figure(_regions(preset, max_p)), key="cost_regions")
 to_url()
