@@ -5,28 +5,88 @@
     positions.save(1, step=3, seconds={1: 2.4})
     positions.save(1, step=None)          # finished: the next run starts from the beginning
 
-The file is a cache, never a reason to fail: one that is unreadable or not the expected JSON is
-ignored with a one-line warning (``positions.warning``) and rewritten on the next save; one that
-cannot be written is a warning too. The step times feed the progress bar's ETA and the listing's
-estimated length.
+The file is a cache, never a reason to fail or to hang: one that is unreadable, not UTF-8, not
+the expected JSON (too deep, too large, ``1e309``), or not a regular file (a FIFO, a link to
+/dev/zero) is ignored with a one-line warning (``positions.warning``) and rewritten on the next
+save; one that cannot be written is a warning too. A save re-reads the file under a lock
+(``fcntl.flock`` on ``lessons.json.lock``) and changes only its own lesson, then replaces the
+file atomically (a temporary file and ``os.replace``), so two ``dplab lesson`` runs at once keep
+both resume points. The step times feed the progress bar's ETA and the listing's estimated length.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
+import stat
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Positions", "store_path"]
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - not on POSIX: saves are atomic but not merged under a lock
+    fcntl = None  # type: ignore[assignment]
+
+__all__ = ["Positions", "store_path", "MAX_BYTES", "MAX_STEP"]
 
 FILE_NAME = "lessons.json"
+MAX_BYTES = 1 << 20  # a dozen lessons take a few KB
+MAX_STEP = 10_000    # a stored step beyond this is nonsense, not a place to resume
 
 
 def store_path() -> Path:
     """``$DPLAB_HOME/lessons.json`` when ``DPLAB_HOME`` is set, else ``~/.cache/dplab/lessons.json``."""
     home = os.environ.get("DPLAB_HOME")
     return (Path(home) if home else Path.home() / ".cache" / "dplab") / FILE_NAME
+
+
+class _Corrupt(ValueError):
+    """The file is there but holds nothing we can use: the reason, for the warning."""
+
+
+def _read(path: Path) -> dict[str, Any] | None:
+    """The stored object, None when there is no file; ``_Corrupt`` or ``OSError`` otherwise.
+
+    Opened without blocking (a FIFO with no writer would wait forever) and read only if it is a
+    regular file of at most ``MAX_BYTES`` (a link to /dev/zero never ends)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise _Corrupt("not a regular file")
+        raw = f.read(MAX_BYTES + 1)
+    if len(raw) > MAX_BYTES:
+        raise _Corrupt(f"larger than {MAX_BYTES >> 20} MiB")
+    try:
+        data = json.loads(raw.decode("utf-8"), parse_constant=_no_constant, parse_float=_finite)
+    except UnicodeDecodeError:
+        raise _Corrupt("not UTF-8 text") from None
+    except RecursionError:
+        raise _Corrupt("nested too deeply") from None
+    except ValueError as e:  # JSONDecodeError; an integer of more than 4,300 digits
+        raise _Corrupt(str(e).splitlines()[0][:80] if str(e) else "not JSON") from None
+    if not isinstance(data, dict) or not isinstance(data.get("lessons"), dict) or not all(
+            isinstance(v, dict) for v in data["lessons"].values()):
+        raise _Corrupt("not the expected {'lessons': {...}} object")
+    return data
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a number JSON allows")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e309: a float's range ends near 1.8e308
+        raise ValueError(f"{text[:20]} is beyond a float's range")
+    return value
 
 
 class Positions:
@@ -39,21 +99,13 @@ class Positions:
     def load(cls, path: Path | None = None) -> Positions:
         path = store_path() if path is None else path
         try:
-            text = path.read_text()
-        except FileNotFoundError:
-            return cls(path, {"lessons": {}})
+            data = _read(path)
         except OSError as e:
-            return cls(path, {"lessons": {}}, f"cannot read {path} ({e.strerror}): starting from step 1")
-        try:
-            data = json.loads(text)
-            if not isinstance(data, dict) or not isinstance(data.get("lessons"), dict) or not all(
-                    isinstance(v, dict) for v in data["lessons"].values()):
-                raise ValueError("not the expected {'lessons': {...}} object")
-        except ValueError as e:  # JSONDecodeError is a ValueError
-            reason = str(e).splitlines()[0][:80]
-            return cls(path, {"lessons": {}}, f"ignoring {path}, which is corrupt ({reason}); "
-                                              "it is rewritten on the next save")
-        return cls(path, data)
+            return cls(path, {"lessons": {}}, f"cannot read {path} ({e.strerror or e}): starting from step 1")
+        except _Corrupt as e:
+            return cls(path, {"lessons": {}}, f"ignoring {path}, which is corrupt ({e}); it is rewritten on "
+                                              "the next save")
+        return cls(path, data if data is not None else {"lessons": {}})
 
     def _entry(self, lesson: int) -> dict[str, Any]:
         return self.data["lessons"].get(str(lesson), {})
@@ -61,37 +113,88 @@ class Positions:
     def step(self, lesson: int) -> int | None:
         """The 1-based step ``lesson`` resumes at, or None (never started, finished, or nonsense)."""
         step = self._entry(lesson).get("step")
-        return step if isinstance(step, int) and not isinstance(step, bool) and step >= 1 else None
+        ok = isinstance(step, int) and not isinstance(step, bool) and 1 <= step <= MAX_STEP
+        return step if ok else None
 
     def seconds(self, lesson: int) -> dict[int, float]:
         """Step number -> how long its run took last time here (what the ETA is made of)."""
-        raw = self._entry(lesson).get("seconds", {})
-        out = {}
-        for k, v in (raw.items() if isinstance(raw, dict) else ()):
-            if str(k).isdigit() and isinstance(v, (int, float)) and v >= 0:
-                out[int(k)] = float(v)
-        return out
+        return _seconds(self._entry(lesson))
 
     def save(self, lesson: int, step: int | None, seconds: dict[int, float] | None = None) -> str | None:
-        """Record the position (None: finished) and step times; a failure is returned as a warning."""
-        entry = dict(self._entry(lesson))
-        if step is None:
-            entry.pop("step", None)
-        else:
-            entry["step"] = step
-        if seconds:
-            merged = {**self.seconds(lesson), **seconds}
-            entry["seconds"] = {str(k): round(v, 3) for k, v in sorted(merged.items())}
-        self.data["lessons"][str(lesson)] = entry
-        tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
+        """Record the position (None: finished) and step times; a failure is returned as a warning.
+
+        Merged under a lock with what is on disk now: another run's lessons are kept."""
+        target = _target(self.path)
+        tmp: str | None = None
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp.write_text(json.dumps(self.data, indent=1, sort_keys=True))
-            os.replace(tmp, self.path)  # atomic: a reader never sees half a file
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with _locked(target):
+                try:
+                    disk = _read(target) or {"lessons": {}}
+                except (_Corrupt, OSError):  # rewritten: it was of no use
+                    disk = {"lessons": {}}
+                entry = dict(disk["lessons"].get(str(lesson), {}))
+                if step is None:
+                    entry.pop("step", None)
+                else:
+                    entry["step"] = step
+                if seconds:
+                    merged = {**_seconds(entry), **seconds}
+                    entry["seconds"] = {str(k): round(v, 3) for k, v in sorted(merged.items())}
+                disk["lessons"][str(lesson)] = entry
+                fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+                os.fchmod(fd, _mode(target))  # mkstemp's 0600 would hide the file from its owner's group
+                with os.fdopen(fd, "w", encoding="utf-8") as f:
+                    f.write(json.dumps(disk, indent=1, sort_keys=True))
+                os.replace(tmp, target)  # atomic: a reader never sees half a file
+                tmp = None
+            self.data = disk
         except OSError as e:
-            try:
-                tmp.unlink()
-            except OSError:  # never written (the folder is missing or is a file)
-                pass
-            return f"cannot save the position to {self.path} ({e.strerror})"
+            if tmp is not None:
+                Path(tmp).unlink(missing_ok=True)
+            return f"cannot save the position to {self.path} ({e.strerror or e})"
         return None
+
+
+def _seconds(entry: dict[str, Any]) -> dict[int, float]:
+    raw = entry.get("seconds", {})
+    out = {}
+    for k, v in (raw.items() if isinstance(raw, dict) else ()):
+        if (str(k).isdigit() and len(str(k)) < 6 and isinstance(v, (int, float)) and not isinstance(v, bool)
+                and math.isfinite(v) and v >= 0):
+            out[int(k)] = float(v)
+    return out
+
+
+def _mode(target: Path) -> int:
+    try:
+        info = target.stat()
+        return stat.S_IMODE(info.st_mode) if stat.S_ISREG(info.st_mode) else 0o644
+    except OSError:
+        return 0o644
+
+
+def _target(path: Path) -> Path:
+    """Where a save writes: through a link to a regular file (a dotfiles setup), else at ``path``
+    itself, replacing a link to anything else (/dev/zero) or a FIFO rather than writing into it."""
+    try:
+        if path.is_symlink() and path.resolve().is_file():
+            return path.resolve()
+    except (OSError, RuntimeError):  # a loop of links
+        pass
+    return path
+
+
+@contextmanager
+def _locked(target: Path) -> Iterator[None]:
+    """Hold ``target.lock`` exclusively: one save at a time reads, merges and replaces."""
+    if fcntl is None:
+        yield
+        return
+    lock = target.with_name(f"{target.name}.lock")
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock

@@ -88,7 +88,8 @@ class Predict:
             return Verdict(ok, shown, "right" if ok else f"not quite: it is {shown}")
         guess = _number(reply)
         if guess is None:
-            return Verdict(False, shown, f"{reply!r} is not a number; the answer is {shown}")
+            said = reply if len(reply) <= 40 else f"{reply[:40]}..."
+            return Verdict(False, shown, f"{said!r} is not a number; the answer is {shown}")
         ok = math.isclose(guess, float(truth), rel_tol=self.rel_tol, abs_tol=1e-12)
         if ok:
             return Verdict(True, shown, f"right: {shown}")
@@ -100,22 +101,35 @@ def _norm(s: str) -> str:
     return "".join(s.lower().split())
 
 
+_SCALE = {"k": 1e3, "m": 1e6, "g": 1e9, "kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 1e3, "mb": 1e6,
+          "gb": 1e9, "b": 1, "%": 0.01, "x": 1, "bytes": 1}
+_SUFFIXES = sorted(_SCALE, key=len, reverse=True)
+_MAX_REPLY = 100  # characters: no number a person types is longer
+
+
 def _number(reply: str) -> float | None:
-    """``1,572,864``, ``1.5e6``, ``1.5M``, ``1.5 MiB``, ``3/4``: what a person types for a number."""
-    s = _norm(reply).replace(",", "").replace("_", "")
-    scale = {"k": 1e3, "m": 1e6, "g": 1e9, "kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 1e3, "mb": 1e6,
-             "gb": 1e9, "b": 1, "%": 0.01, "x": 1, "bytes": 1}
-    for suffix in sorted(scale, key=len, reverse=True):
+    """``1,572,864``, ``1.5e6``, ``1.5M``, ``1.5 MiB``, ``3/4``: what a person types for a number.
+
+    At most one unit suffix is read, so a reply of any length is judged in one pass (a digit
+    followed by thousands of letters is simply not a number); infinities and NaN are not numbers."""
+    s = _norm(reply[:4 * _MAX_REPLY + 1]).replace(",", "").replace("_", "")
+    if not s or len(s) > _MAX_REPLY:
+        return None
+    scale = 1.0
+    for suffix in _SUFFIXES:
         if s.endswith(suffix) and s[: -len(suffix)]:
-            value = _number(s[: -len(suffix)])
-            return None if value is None else value * scale[suffix]
+            s, scale = s[: -len(suffix)], _SCALE[suffix]
+            break
     try:
         if "/" in s:
             a, b = s.split("/", 1)
-            return float(a) / float(b)
-        return float(s)
+            value = float(a) / float(b)
+        else:
+            value = float(s)
     except (ValueError, ZeroDivisionError):
         return None
+    value *= scale
+    return value if math.isfinite(value) else None
 
 
 @dataclass(frozen=True)

@@ -55,6 +55,7 @@ OUTPUT_CHARS = 4000      # of what the learner's code prints, shown with the rep
 RESULT_BYTES = 16 << 20  # the answer's JSON: the largest exercise sends ~300 KB
 MEMORY_MB = 4096         # the child's address space (each of its ranks too): numpy and a world fit in 1 GB
 _STARTED = "started"
+_CANNOT_ANSWER = 70  # the child's exit code when it could not write its answer (a full disk)
 
 
 class Patched(Exception):
@@ -91,6 +92,9 @@ def run_learner(exercise: str, file: Path, inputs: dict[str, Any], output: list[
                                    "result": str(result), "started": str(Path(tmp) / _STARTED),
                                    "limit_s": limit, "memory_mb": memory}))
         ended, code, printed = _run_child(job, Path(tmp) / _STARTED, limit)
+        if code == _CANNOT_ANSWER and not result.exists():
+            last = printed.strip().splitlines()[-1] if printed.strip() else "no reason given"
+            raise CheckUnavailable(f"cannot check {file.name} on this machine: {clip(last)}")
         output.append(printed)
         size = result.stat().st_size if result.is_file() else -1
         if size > RESULT_BYTES:
@@ -244,8 +248,12 @@ def main(job_path: str) -> None:
         os._exit(0)
     answer["patched"] = sorted({*answer.get("patched", ()), *patched_since(before, file)})
     tmp = Path(job["result"] + ".tmp")
-    tmp.write_text(json.dumps(answer))
-    os.replace(tmp, job["result"])
+    try:
+        tmp.write_text(json.dumps(answer))
+        os.replace(tmp, job["result"])
+    except OSError as e:
+        print(f"cannot write the answer to {tmp} ({e.strerror or e})", flush=True)
+        os._exit(_CANNOT_ANSWER)
     sys.stdout.flush()
     os._exit(0)  # no atexit handler of the learner's runs after the answer
 

@@ -199,7 +199,7 @@ def _memory_limit() -> str:
 
 
 _FRAME = re.compile(r'  File "(?P<file>[^"\n]+)", line (?P<line>\d+), in [^\n]*')
-_TAIL_CHARS = 200_000  # a traceback's frames and last line are at its end; a huge message is not read
+_TAIL_CHARS = 200_000  # frames are read from the first and last 200,000 characters: a huge message is not
 
 
 def describe_rank_error(detail: str, rank: int, file: Path, what: str) -> str:
@@ -213,10 +213,10 @@ def describe_rank_error(detail: str, rank: int, file: Path, what: str) -> str:
 
 
 def _last_line(detail: str) -> str:
-    tail = detail[-_TAIL_CHARS:].rstrip()
-    last = tail[tail.rfind("\n") + 1:].strip() if tail else ""
-    last = re.sub(r"^[\w.]+\.(\w+):", r"\1:", last[:1000])  # dplab.reference.errors.ConfigError: -> ...
-    return clip(last) or "an error without a message"
+    detail = detail.rstrip()
+    last = detail[detail.rfind("\n") + 1:].strip()
+    head = re.sub(r"^[\w.]+\.(\w+):", r"\1:", last[:1000])  # dplab.reference.errors.ConfigError: -> ...
+    return clip(head + last[1000:]) if last else "an error without a message"
 
 
 def _learner_frames(detail: str, file: Path) -> list[tuple[str, str]]:
