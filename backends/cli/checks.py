@@ -56,6 +56,8 @@ def check_args(a: argparse.Namespace, printer: bool = True) -> None:
                           "--backend torch")
     if a.command == "train":
         _check_launcher_world(a)
+    if a.command in ("compare", "bench"):
+        _check_launcher_grid(a)
     for p in (a.world_sizes or ()) if a.command in ("compare", "bench") else ():  # before any cell runs
         if p < 1:
             raise ConfigError(f"world_size must be a positive integer, got {p}")
@@ -79,6 +81,16 @@ def _check_launcher_world(a: argparse.Namespace) -> None:
         if started != a.world_size:
             raise ConfigError(f"the launcher started {started} ranks but --world-size is {a.world_size}: "
                               "drop --world-size or make them agree")
+
+
+def _check_launcher_grid(a: argparse.Namespace) -> None:
+    """Under mpiexec/torchrun the grid's world is the launcher's ranks: one size, that one."""
+    for backend in a.backends:
+        if under_launcher(backend):
+            started = launcher_env(backend)[1]
+            if a.world_sizes != [started]:
+                raise ConfigError(f"the launcher started {started} ranks: give --world-sizes {started} "
+                                  f"(not {','.join(map(str, a.world_sizes or ['the default 1,2,3,4']))})")
 
 
 def check_output_file(option: str, path: str) -> None:

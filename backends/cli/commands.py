@@ -38,8 +38,9 @@ from dplab.backends.cli.scaling import cmd_scaling, scaling_columns
 from dplab.backends.cli.sweep import cmd_sweep, sweep_columns, wants_sweep
 from dplab.backends.cli.table import Progress, format_number, format_table
 from dplab.backends.cli.tune import TUNE_COLUMNS, cmd_tune
+from dplab.backends.launch.engine import launcher_env, launcher_rank, under_launcher
 from dplab.backends.launch.interrupt import interruptible
-from dplab.backends.launch.world import BackendUnavailable, RankError, World, launcher_env, under_launcher
+from dplab.backends.launch.world import BackendUnavailable, RankError, open_world
 from dplab.reference import auto
 from dplab.reference.checkpoint.resume import CheckpointConfig
 from dplab.reference.checkpoint.store import CheckpointError
@@ -122,7 +123,7 @@ def cmd_bench(a: argparse.Namespace) -> list[dict[str, Any]]:
     rows, progress = [], Progress(len(a.world_sizes) * len(a.backends))
     for backend in a.backends:
         for p in a.world_sizes:
-            with World(p, backend) as world:
+            with open_world(p, backend) as world:
                 per_rank = world.run(bench.bench_rank, a.algorithms, a.sizes, a.dtype, a.warmup,
                                      a.target_seconds, a.max_iters, a.reps)
             rows += bench.summarize(backend, p, per_rank)
@@ -156,8 +157,7 @@ def _columns(command: str, rows: list[dict[str, Any]]) -> list[str]:
 
 def _is_printer(a: argparse.Namespace) -> bool:
     """Under mpiexec/torchrun every rank runs this command; only rank 0 reports."""
-    backend = getattr(a, "backend", "local")
-    return not under_launcher(backend) or launcher_env(backend)[0] == 0
+    return launcher_rank() in (None, 0)  # compare and bench too, and a refused --backend local
 
 
 def main(argv: list[str] | None = None) -> int:

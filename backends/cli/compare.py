@@ -34,7 +34,7 @@ import numpy as np
 
 from dplab.backends.cli.runs import RunSpec, run_train
 from dplab.backends.cli.table import Progress
-from dplab.backends.launch.world import World
+from dplab.backends.launch.world import open_world
 from dplab.reference.train.single import train_single
 
 __all__ = ["compare_specs", "run_specs", "RACE_DEFAULTS", "EQUIVALENCE_DEFAULTS"]
@@ -76,7 +76,7 @@ def run_specs(specs: Sequence[RunSpec]) -> list[dict[str, Any]]:
     singles: dict[Any, np.ndarray] = {}  # the single-device oracle, once per training config
     rows, progress = [], Progress(len(specs))
     for (backend, p), group in groupby(specs, key=lambda s: (s.backend, s.world_size)):
-        with World(p, backend) as world:
+        with open_world(p, backend) as world:  # under mpiexec/torchrun: its ranks
             for spec in group:
                 single = None
                 if spec.time_budget_s is None:

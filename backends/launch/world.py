@@ -41,15 +41,15 @@ from multiprocessing.connection import wait
 from typing import Any
 
 from dplab.backends.launch import mainmod
-from dplab.backends.launch.engine import launcher_env, run_here, under_launcher
+from dplab.backends.launch.engine import LauncherWorld, launcher_env, run_here, spans_hosts, under_launcher
 from dplab.backends.launch.interrupt import signals_deferred
 from dplab.backends.launch.ranks import Ranks, pickle_job, start_ranks
 from dplab.backends.launch.timeouts import check_timeout, default_timeout
 from dplab.backends.local.shm import PREFIX, sweep_stale
 from dplab.reference.errors import ConfigError, DplabError
 
-__all__ = ["launch", "World", "RankError", "RankLost", "BackendUnavailable", "BACKENDS", "check_backend",
-           "default_timeout", "under_launcher", "launcher_env"]
+__all__ = ["launch", "World", "open_world", "RankError", "RankLost", "BackendUnavailable", "BACKENDS",
+           "check_backend", "default_timeout", "under_launcher", "launcher_env"]
 
 BACKENDS = ("local", "mpi", "torch")
 _STOP = ("died", "error", "lost", "stopped")  # which failure names the cause, first to last
@@ -109,6 +109,8 @@ class World:
         if under_launcher(backend):
             raise ConfigError(f"this process is already one rank of a {backend} launcher job: "
                               "call launch(), which runs on the launcher's ranks")
+        if backend == "local" and (why := spans_hosts()):  # shared memory reaches one host's ranks only
+            raise ConfigError(f"the local backend runs on one host, but {why}: use --backend torch or mpi")
         if mainmod.booting():
             raise ConfigError('this script starts a dplab world when it is imported, so every MPI rank '
                               'that loads it would start one too: put the launch under '
@@ -217,6 +219,15 @@ class World:
             self.close()
         else:
             self.abort()  # an error or Ctrl-C in the block: the ranks' state is unknown, end them now
+
+
+def open_world(world_size: int, backend: str = "local",
+               timeout: float | None = None) -> World | LauncherWorld:
+    """A ``World`` of fresh ranks; under ``backend``'s own launcher (mpiexec, torchrun), its ranks."""
+    if under_launcher(backend):
+        return LauncherWorld(backend, check_timeout(timeout) if timeout is not None else default_timeout(),
+                             world_size)
+    return World(world_size, backend, timeout)
 
 
 def launch(fn: Callable[..., Any], world_size: int | None = None, backend: str = "local",
