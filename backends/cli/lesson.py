@@ -43,7 +43,9 @@ def add_lesson_parser(sub: Any, formatter_class: type[argparse.HelpFormatter]) -
                            "or ~/.cache/dplab/lessons.json). Without N: the list of lessons.", 88),
                        epilog="examples:\n  dplab lesson\n  dplab lesson 1 --step 2\n"
                               "  dplab lesson 1 --no-pause > lesson1.txt\n"
-                              "  dplab lesson init exercises && dplab lesson check 2 exercises")
+                              "  dplab lesson init exercises && dplab lesson check 2 exercises\n\n"
+                              "check runs your code in a child process, stopped after $DPLAB_CHECK_LIMIT_S "
+                              "seconds (30)\nand limited to $DPLAB_CHECK_MEMORY_MB MiB (4096)")
     p.add_argument("words", nargs="*", metavar=USAGE,
                    help="a lesson number; 'init DIR' copies the exercise stubs into DIR; 'check N [DIR]' "
                         "runs your exercises of lesson N (DIR: default the current directory)")

@@ -119,7 +119,7 @@ def _no_answer(file: Path, ended: bool, code: int, limit: float) -> str:
         return (f"{file.name} was still running {limit + GRACE_S:g} s in, {GRACE_S:g} s after the check's "
                 f"time limit of {limit:g} s asked it to stop: does a loop catch every exception (a bare "
                 "`except:` or `except BaseException`)? It was killed, with everything it started")
-    if code == 0 or code > 0:
+    if code >= 0:
         return (f"{file.name} ended the check's process with exit code {code} before answering: an "
                 "exercise returns its answer; remove os._exit (or exit) from it")
     try:
@@ -151,7 +151,7 @@ def _run_child(job: Path, started: Path, limit: float) -> tuple[bool, int, str]:
     reader.start()
     ended = False
     try:
-        ended = _wait_unreaped(proc.pid, started, limit)
+        ended = _wait_unreaped(proc, started, limit)
     finally:
         _kill_group(proc.pid)  # the child is not reaped yet: its group id cannot belong to another
         proc.wait()
@@ -174,14 +174,11 @@ def _drain(stream: Any, kept: list[bytes]) -> None:
         kept.append(f"\n... ({dropped:,} more bytes of output)\n".encode())
 
 
-def _wait_unreaped(pid: int, started: Path, limit: float) -> bool:
+def _wait_unreaped(proc: subprocess.Popen, started: Path, limit: float) -> bool:
     """Wait for the child to end without reaping it; False if it ran past its limit and grace."""
     deadline, nap, armed = time.monotonic() + START_S, 0.002, False
     while True:
-        try:
-            if os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
-                return True
-        except ChildProcessError:
+        if _ended(proc):
             return True
         now = time.monotonic()
         if not armed and started.exists():  # the child's limit runs from here
@@ -190,6 +187,15 @@ def _wait_unreaped(pid: int, started: Path, limit: float) -> bool:
             return False
         time.sleep(nap)
         nap = min(nap * 2, 0.05)
+
+
+def _ended(proc: subprocess.Popen) -> bool:
+    if not hasattr(os, "waitid"):  # (macOS) poll reaps: the group id may be reused before the kill
+        return proc.poll() is not None
+    try:
+        return os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:
+        return True
 
 
 def _kill_group(pid: int) -> None:

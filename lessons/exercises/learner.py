@@ -230,16 +230,18 @@ def _learner_frames(detail: str, file: Path) -> list[tuple[str, str]]:
     return out
 
 
-# what a rank's error says when the machine, not the answer, stopped it (with no frame of the learner's)
-_MACHINE = re.compile(r"^(ShmFull|BackendUnavailable|OSError|PermissionError|BlockingIOError|MemoryError)\b"
-                      r"|/dev/shm")
+# what a rank's error says when the machine, not the answer, stopped it: always, or with no frame of
+# the learner's in the traceback
+_MACHINE = re.compile(r"^(ShmFull|BackendUnavailable):")
+_MACHINE_UNLESS_THEIRS = re.compile(r"^(OSError|PermissionError|BlockingIOError|MemoryError)\b|/dev/shm")
 
 
 def rank_failure(error: Any, file: Path, what: str) -> Fail | CheckUnavailable:
-    """A ``RankError`` as the learner's ``Fail``, or as ``CheckUnavailable`` when no frame of theirs
-    is in it and it names the machine (``ShmFull``: /dev/shm is full)."""
+    """A ``RankError`` as the learner's ``Fail``, or as ``CheckUnavailable`` when it names the machine
+    (``ShmFull``: /dev/shm is full; an ``OSError`` raised outside the learner's code)."""
     last = _last_line(error.detail)
-    if not _learner_frames(error.detail, file) and _MACHINE.search(last):
+    if _MACHINE.match(last) or (_MACHINE_UNLESS_THEIRS.search(last)
+                                and not _learner_frames(error.detail, file)):
         return CheckUnavailable(f"cannot check {Path(file).name} on this machine: {last}")
     return Fail(describe_rank_error(error.detail, error.rank, file, what))
 
