@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from dplab.backends.launch.netns import MPI_ENV, TORCH_ENV, Cluster, available, leftovers
+from dplab.backends.launch.world import BackendUnavailable, check_backend
 
 __all__ = ["cluster", "hosts_env", "torchrun", "mpiexec", "finish", "needs_hosts", "DPLAB", "REPO"]
 
@@ -26,6 +27,13 @@ REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 DPLAB = str(BIN / "dplab")
 LAUNCH_TIMEOUT_S = 90  # a hung launcher fails the test, not the suite's 300 s
+
+
+def _needs(backend: str) -> None:
+    try:
+        check_backend(backend)
+    except BackendUnavailable as e:
+        pytest.skip(str(e))
 
 
 def needs_hosts() -> None:
@@ -56,6 +64,7 @@ def hosts_env(extra: dict[str, str]) -> dict[str, str]:
 
 def torchrun(c: Cluster, dplab_args: list[str], rdzv_id: str, cwd: Path) -> list[subprocess.Popen]:
     """One ``torchrun -m dplab.backends.cli ...`` per host, each in its host's namespace."""
+    _needs("torch")
     env = hosts_env(TORCH_ENV)
     return [c.popen(h, [sys.executable, "-m", "torch.distributed.run", *c.torchrun_args(h, rdzv_id),
                         "-m", "dplab.backends.cli", *dplab_args],
@@ -65,6 +74,7 @@ def torchrun(c: Cluster, dplab_args: list[str], rdzv_id: str, cwd: Path) -> list
 
 def mpiexec(c: Cluster, dplab_args: list[str], cwd: Path) -> list[subprocess.Popen]:
     """``mpiexec ... dplab ...`` from host 0, its proxies entering the other hosts' namespaces."""
+    _needs("mpi")
     argv = [str(BIN / "mpiexec"), *c.mpiexec_args(), DPLAB, *dplab_args]
     return [c.popen(0, argv, env=hosts_env(MPI_ENV), cwd=cwd, stdout=subprocess.PIPE,
                     stderr=subprocess.PIPE, text=True)]

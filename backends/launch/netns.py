@@ -28,6 +28,7 @@ survived (the guard killed too) is removed by the next ``Cluster`` (``sweep_stal
 from __future__ import annotations
 
 import argparse
+import functools
 import ipaddress
 import itertools
 import os
@@ -49,7 +50,7 @@ __all__ = ["Cluster", "ClusterError", "IFACE", "TORCH_ENV", "MPI_ENV", "availabl
 
 IFACE = "dpl0"  # every host's link has this name inside its namespace: GLOO_SOCKET_IFNAME, -iface
 SUBNET = "10.213.0.0/24"
-_NS = re.compile(r"^dplab-(\d+)-(\d+)-h\d+$")  # namespaces: pid, serial, host
+_NS = re.compile(r"^dplab-(\d+)-(?:(\d+)-h\d+|probe)$")  # namespaces: pid, serial, host; available()'s
 _LINK = re.compile(r"^dp([0-9a-f]+)\.([0-9a-f]+)[bv]\d*$")  # bridge and veths (15 characters at most)
 _serial = itertools.count()
 # gloo's sockets on the cluster's interface (in a namespace the hostname names no address of it)
@@ -105,6 +106,7 @@ class ClusterError(RuntimeError):
     """The cluster could not be made (not root, no iproute2, a command failed): says which."""
 
 
+@functools.cache
 def available() -> str | None:
     """None when namespaces can be made here, else why not (for a test's skip reason)."""
     if os.geteuid() != 0:
@@ -195,7 +197,7 @@ def _remove(pid: int, serial: int | None) -> None:
     def ours(owner: int, ser: int) -> bool:
         return owner == pid and (serial is None or ser == serial)
 
-    namespaces = [n for n in _namespaces() if (m := _NS.match(n)) and ours(int(m[1]), int(m[2]))]
+    namespaces = [n for n in _namespaces() if (m := _NS.match(n)) and ours(int(m[1]), int(m[2] or -1))]
     _kill_in(namespaces, grace=1.0)
     links = [n for n in _links() if (m := _LINK.match(n)) and ours(int(m[1], 16), int(m[2], 16))]
     for link in sorted(links, key=lambda n: n.endswith("b")):  # veths (both ends at once), then bridge
