@@ -86,9 +86,10 @@ def test_a_loop_that_swallows_the_stop_is_killed_with_what_it_started(tmp_path, 
     file = _write(tmp_path, "ring_reduce_scatter", f"""
         import os, time
         def ring_reduce_scatter(p):
-            if os.fork() == 0:
-                open({str(tmp_path / 'pid')!r}, "w").write(str(os.getpid()))
+            pid = os.fork()
+            if pid == 0:
                 time.sleep(120)
+            open({str(tmp_path / 'pid')!r}, "w").write(str(pid))  # by the parent: no race with the kill
             while True:
                 try:
                     while True:
@@ -182,9 +183,10 @@ def test_a_learners_fork_reports_once_and_its_process_ends(tmp_path):
 import os, time
 def ring_reduce_scatter(p):
     if p == 2:
-        if os.fork() == 0:
-            open({str(tmp_path / 'sleeper')!r}, "w").write(str(os.getpid()))
+        pid = os.fork()
+        if pid == 0:
             time.sleep(120)
+        open({str(tmp_path / 'sleeper')!r}, "w").write(str(pid))
     if p == 3:
         os.fork()  # both processes come back with an answer
     print("computing", p)
@@ -203,9 +205,10 @@ def test_a_process_a_rank_forked_does_not_outlive_the_world(tmp_path):
 import os, time
 def zero2_step(comm, params, grad, optimizer):
     if comm.world_size == 2 and comm.rank == 1 and not os.path.exists({str(tmp_path / 'sleeper')!r}):
-        if os.fork() == 0:
-            open({str(tmp_path / 'sleeper')!r}, "w").write(str(os.getpid()))
+        pid = os.fork()
+        if pid == 0:
             time.sleep(120)
+        open({str(tmp_path / 'sleeper')!r}, "w").write(str(pid))
     right(comm, params, grad, optimizer)
 """)
     report, took = _timed("zero2_step", tmp_path / "zero2_step.py")
