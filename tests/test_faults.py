@@ -32,7 +32,7 @@ WORKERS = frozenset({1, 2, 3})
 def test_async_goes_on_without_a_killed_worker(staleness: int | None) -> None:
     cfg = TrainConfig(steps=10)
     acfg = AsyncConfig(staleness=staleness, kill_at=(2, 4), max_delay_s=0.003, delay_seed=7)
-    before = set(shm.leftovers())
+    before = set(shm.leftovers(shm.mine()))
     t0 = time.monotonic()
     results = launch(train_async, 4, args=(cfg, acfg), tolerate=WORKERS)
     assert time.monotonic() - t0 < 10
@@ -44,28 +44,31 @@ def test_async_goes_on_without_a_killed_worker(staleness: int | None) -> None:
     assert np.array_equal(replay(cfg, acfg, server.log, 3), server.params)
     if staleness is not None:  # the gate held, over the workers alive at each pull
         assert all(e.clock - e.slowest_done <= staleness for e in server.log)
-    assert set(shm.leftovers()) <= before
+    assert set(shm.leftovers(shm.mine())) <= before
 
 
 def test_async_worker_killed_by_another_process() -> None:
     """The killer is outside the world: SIGKILL by pid, read from the shared wiring's pids."""
     cfg = TrainConfig(steps=200)
     acfg = AsyncConfig(staleness=1, delays=(0.01, 0.0))  # worker 1: >= 2 s for its 200 clocks
-    before = set(shm.leftovers())
+    before = set(shm.leftovers(shm.mine()))
     results = launch(_killed_from_outside, 3, args=(cfg, acfg), tolerate=frozenset({1, 2}))
     server = results[0]
     assert isinstance(results[1], RankLost)
     [(worker, reached)] = server.lost
     assert worker == 1 and 1 <= reached < 200
     assert np.array_equal(replay(cfg, acfg, server.log, 2), server.params)
-    assert set(shm.leftovers()) <= before
+    assert set(shm.leftovers(shm.mine())) <= before
 
 
 def _killed_from_outside(comm, cfg: TrainConfig, acfg: AsyncConfig):
     """Rank 2 (a worker) starts a killer thread that SIGKILLs rank 1 once it has run a while."""
     if comm.rank == 2:
         def kill() -> None:
-            time.sleep(0.3)  # by now every rank has written its pid into the wiring
+            deadline = time.monotonic() + 30  # rank 1 writes its pid when it connects: on a busy
+            while not comm.w.pids[1] and time.monotonic() < deadline:  # machine that can take a while
+                time.sleep(0.01)
+            time.sleep(0.3)  # a few of its 10 ms clocks
             pid = int(comm.w.pids[1])
             if pid and process_alive(pid):
                 os.kill(pid, signal.SIGKILL)
@@ -103,13 +106,13 @@ def _sync_rank_killed(comm, cfg: TrainConfig):
 
 
 def test_sync_stops_within_seconds_naming_the_killed_rank() -> None:
-    before = set(shm.leftovers())
+    before = set(shm.leftovers(shm.mine()))
     t0 = time.monotonic()
     with pytest.raises(RankError) as info:
         launch(_sync_rank_killed, 3, args=(TrainConfig(steps=100_000),))
     assert time.monotonic() - t0 < 10
     assert info.value.rank == 1 and "SIGKILL" in str(info.value) and "rank 1" in str(info.value)
-    assert set(shm.leftovers()) <= before
+    assert set(shm.leftovers(shm.mine())) <= before
 
 
 def test_peer_alive_tells_dead_from_zombie() -> None:

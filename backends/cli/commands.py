@@ -186,6 +186,10 @@ def main(argv: list[str] | None = None) -> int:
             stop_launcher_job(getattr(args, "backend", "local"), 2)
         return 2
     except RankError as e:
+        message = e.config_error()
+        if message is not None:  # the input or the machine, not a bug: one line, as above
+            _say(f"dplab {args.command}: error: rank {e.rank}: {message}", sys.stderr)
+            return 2
         _say(f"dplab {args.command}: {e}", sys.stderr)
         return 1
     if not _is_printer(args):

@@ -14,6 +14,7 @@ MPICH segment of its ranks. It runs at most once, and only in the process that s
 
 from __future__ import annotations
 
+import errno
 import multiprocessing as mp
 import os
 import pickle
@@ -28,7 +29,7 @@ from dplab.backends.launch import mainmod
 from dplab.backends.launch.serve import forked_rank
 from dplab.backends.launch.timeouts import start_timeout
 from dplab.backends.launch.watch import launcher_token
-from dplab.backends.local.shm import unlink_prefix
+from dplab.backends.local.shm import shm_full, unlink_prefix
 from dplab.backends.mpi.mpiexec import MpiJob, start_mpiexec
 from dplab.reference.errors import ConfigError
 
@@ -116,7 +117,13 @@ def _start_forked(backend: str, world_size: int, session: str, timeout: float, j
 
         # Kept for the world's lifetime: its pid array lives in multiprocessing's shared heap,
         # and a block freed here would be handed to the next world while ours still use it.
-        keep = Wiring.create(ctx, session, world_size, timeout)
+        try:
+            keep = Wiring.create(ctx, session, world_size, timeout)
+        except OSError as e:  # the semaphores and the heap live in /dev/shm too
+            unlink_prefix(session)
+            if e.errno != errno.ENOSPC:
+                raise
+            raise shm_full(4096 * (2 * world_size + 1) * world_size, "the ranks' semaphores") from None
         connect = partial(LocalComm, keep)
     else:
         from dplab.backends.torchdist.rendezvous import prepare
@@ -155,7 +162,11 @@ def _start_mpi(world_size: int, session: str, timeout: float, job: Job | None) -
     spec = mainmod.main_spec()
     if spec is not None:
         env[mainmod.ENV] = spec
-    mpi = start_mpiexec(world_size, timeout, start_timeout(), session, env)
+    try:
+        mpi = start_mpiexec(world_size, timeout, start_timeout(), session, env)
+    except BaseException:  # ranks that started wrote their exit files under the session's prefix
+        unlink_prefix(session)
+        raise
     ranks = Ranks(session, mpi.conns, mpi=mpi)
     if payload is not None:
         ranks.send_all(payload)

@@ -31,6 +31,7 @@ engine's own launcher (``mpiexec -n 4 dplab train --backend mpi``, ``torchrun``)
 
 from __future__ import annotations
 
+import importlib
 import os
 import secrets
 import time
@@ -67,6 +68,20 @@ class RankError(DplabError):
     def __init__(self, rank: int, detail: str) -> None:
         self.rank, self.detail = rank, detail
         super().__init__(f"rank {rank} failed:\n{detail}")
+
+    def config_error(self) -> str | None:
+        """The message, when the rank failed with a ``ConfigError`` (a one-line error about the input
+        or the machine, e.g. a full /dev/shm); None for a bug or a crash, whose traceback matters."""
+        last = self.detail.rstrip().rsplit("\n", 1)[-1]
+        name, sep, message = last.partition(": ")
+        module, _, cls = name.rpartition(".")
+        if not sep or not module.startswith("dplab."):
+            return None
+        try:
+            found = getattr(importlib.import_module(module), cls, None)
+        except ImportError:
+            return None
+        return message if isinstance(found, type) and issubclass(found, ConfigError) else None
 
 
 @dataclass(frozen=True)

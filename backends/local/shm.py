@@ -22,7 +22,8 @@ import numpy as np
 
 from dplab.reference.errors import ConfigError
 
-__all__ = ["PREFIX", "Segment", "ShmFull", "shm_full", "unlink_prefix", "sweep_stale", "leftovers"]
+__all__ = ["PREFIX", "Segment", "ShmFull", "shm_full", "unlink_prefix", "sweep_stale", "leftovers",
+           "mine"]
 
 PREFIX = "dplab_"
 SHM_DIR = Path("/dev/shm")
@@ -88,7 +89,7 @@ def shm_full(need: int, what: str) -> ShmFull:
         free = shutil.disk_usage(SHM_DIR).free
     except OSError:
         free = 0
-    return ShmFull(f"{SHM_DIR} is full: {what} needs {_mib(need)}, {_mib(free)} is free there; "
+    return ShmFull(f"{SHM_DIR} is full: {_mib(need)} needed for {what}, {_mib(free)} free; "
                    f"free space in {SHM_DIR} (df -h {SHM_DIR}; remove what dead jobs left) or enlarge it "
                    f"(mount -o remount,size=... {SHM_DIR})")
 
@@ -123,8 +124,15 @@ def sweep_stale() -> int:
     return n
 
 
-def leftovers() -> list[str]:
-    return sorted(p.name for p in SHM_DIR.glob(PREFIX + "*"))
+def leftovers(prefix: str = PREFIX) -> list[str]:
+    """Names in /dev/shm that start with ``prefix``: pass this process's, ``mine()``, to see only
+    what its own worlds made (another dplab job on the machine has segments of its own)."""
+    return sorted(p.name for p in SHM_DIR.glob(prefix + "*"))
+
+
+def mine() -> str:
+    """The prefix of every segment of the worlds this process launches."""
+    return f"{PREFIX}{os.getpid()}_"
 
 
 def _alive(pid: int) -> bool:

@@ -35,9 +35,11 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, Listener
 from pathlib import Path
 
+from dplab.backends.local.shm import shm_full
 from dplab.reference.errors import DplabError
 
-__all__ = ["find_mpiexec", "start_mpiexec", "MpiJob", "RankInfo", "kill_group", "sweep_mpich_shm"]
+__all__ = ["find_mpiexec", "start_mpiexec", "MpiJob", "RankInfo", "kill_group", "sweep_mpich_shm",
+           "check_mpich_room", "MPICH_SHM_PER_RANK"]
 
 # The keeper: fork the rank, pass SIGTERM on, record an abnormal end, end the same way. It imports
 # nothing of dplab (importing the package costs a second of numpy and friends per process).
@@ -157,6 +159,7 @@ def start_mpiexec(world_size: int, timeout: float, start_timeout: float, session
                   env: dict[str, str] | None = None) -> MpiJob:
     """Start the ranks; within ``start_timeout`` every one connects, or nothing is left running."""
     sweep_mpich_shm()
+    check_mpich_room(world_size)
     mpiexec = find_mpiexec()
     if mpiexec is None:
         raise DplabError("no mpiexec found: pip install 'dplab[mpi]' (mpi4py + the mpich wheel)")
@@ -177,6 +180,21 @@ def start_mpiexec(world_size: int, timeout: float, start_timeout: float, session
     finally:
         listener.close()
     return job
+
+
+# MPICH's shared-memory transport maps about 1 MiB of /dev/shm per rank on one host (its
+# eager cells); without it MPI_Init fails with MPICH's own multi-line banner.
+MPICH_SHM_PER_RANK = 1100 * 1024
+
+
+def check_mpich_room(world_size: int) -> None:
+    """``ShmFull`` in one line, before mpiexec starts, when /dev/shm cannot hold MPICH's segments."""
+    try:
+        free = shutil.disk_usage("/dev/shm").free
+    except OSError:
+        return  # no /dev/shm: MPICH picks another transport
+    if free < world_size * MPICH_SHM_PER_RANK:
+        raise shm_full(world_size * MPICH_SHM_PER_RANK, f"MPICH's shared memory of {world_size} ranks")
 
 
 def _connect(job: MpiJob, listener: Listener, world_size: int, allowance: float) -> None:
