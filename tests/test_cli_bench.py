@@ -61,3 +61,45 @@ def test_help_defines_algbw_busbw_and_vs_native_in_a_sentence_each():
     assert "busbw_gbps bus bandwidth: algbw x 2(p-1)/p for all-reduce (nccl-tests' convention)" in text
     assert "vs_native this algorithm's busbw / the busbw of the engine's own all-reduce" in text
     assert "same backend, world size and bytes, in the same run" in text
+
+
+def test_busbw_is_zero_at_one_rank_as_in_nccl_tests():
+    """Nothing travels at p = 1: busbw 0 (nccl-tests' 2 (p-1)/p), and no ratio divides by it."""
+    per_rank = [{"allreduce": [_timings("ring", 1000, 1e-6), _timings("native", 1000, 1e-6)],
+                 "memcpy": [_timings("memcpy", 1000, 0.5e-6)]}]
+    rows = {r["algorithm"]: r for r in summarize("torch", 1, per_rank)}
+    assert rows["ring"]["busbw_gbps"] == 0 and rows["ring"]["algbw_gbps"] == pytest.approx(1.0)
+    assert rows["ring"]["vs_native"] is None and rows["ring"]["vs_memcpy"] == 0
+    assert rows["memcpy"]["busbw_gbps"] == pytest.approx(2.0)  # a copy's bytes / time, at any p
+
+
+def test_every_clock_read_waits_for_the_device(monkeypatch):
+    """On a GPU the kernels run asynchronously: a timed loop synchronizes before both clock reads,
+    so it times the device's work, not the launches (checked here with a recording stand-in)."""
+    from dplab.backends.cli import bench
+
+    torch = pytest.importorskip("torch")
+    events = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: events.append("sync"))
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: events.append("clock") or 0.0)
+
+    class Comm:
+        device = torch.device("cuda", 0)
+
+    dev = bench.Device(Comm())
+    assert dev.cuda
+    bench._time_loop(lambda: events.append("call"), 2, dev.sync)
+    assert events == ["sync", "clock", "call", "call", "sync", "clock"]
+    assert not bench.Device(object()).cuda  # a host communicator: numpy buffers, no waiting
+
+
+def test_a_cuda_bench_without_a_gpu_is_one_line(capsys):
+    pytest.importorskip("torch")
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    assert main(["bench", "--backends", "torch", "--device", "cuda", "--world-sizes", "1",
+                 "--sizes", "1M"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "GPU" in err and "--device cpu" in err

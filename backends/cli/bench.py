@@ -11,7 +11,7 @@ the median repetition. ``native`` is the engine's all-reduce as its users call i
 algorithm runs first in training; our algorithms' rows include whatever check they need.
 ``n`` is sized from one timed call so that a cell's loops take about ``target_s``. As in nccl-tests:
 
-    algbw = bytes / time            busbw = algbw * 2 (p - 1) / p
+    algbw = bytes / time            busbw = algbw * 2 (p - 1) / p     (0 at p = 1)
 
 busbw is what each rank's link carried, so it is comparable across world sizes
 and with the memory-copy bandwidth (bytes / time of one ``np.copyto``), measured
@@ -23,6 +23,11 @@ divides by. ``vs_native`` divides busbw by that of the engine's own all-reduce
 Buffers come from ``comm.empty`` (shared memory on the local backend: the ring
 then makes no copy beyond the algorithm's own reduce and copy of each chunk);
 ``staged_bytes`` counts the bytes a rank had to copy into shared memory first.
+
+On GPUs (``--backends torch --device cuda``) the buffers are device tensors, every clock read
+waits for the device first (``torch.cuda.synchronize``: kernels run asynchronously, so a clock
+read alone times their launch), the memcpy row is a device-to-device ``Tensor.copy_``, and
+``native`` is NCCL's ``all_reduce``.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ import numpy as np
 from dplab.reference import auto
 from dplab.reference.collectives import allreduce, broadcast
 
-__all__ = ["bench_rank", "memcpy_times", "summarize", "parse_size", "busbw_factor"]
+__all__ = ["bench_rank", "memcpy_times", "summarize", "parse_size", "busbw_factor", "Device"]
 
 
 def parse_size(text: str) -> int:
@@ -48,68 +53,107 @@ def parse_size(text: str) -> int:
 
 
 def busbw_factor(p: int) -> float:
-    return 2 * (p - 1) / p if p > 1 else 1.0
+    """nccl-tests' all-reduce factor 2 (p - 1) / p: the bytes each rank's link carries per byte
+    reduced. 0 at p = 1, where nothing travels."""
+    return 2 * (p - 1) / p
+
+
+class Device:
+    """Where a bench run's buffers live and how to read a clock there: host memory (numpy, no wait),
+    or a CUDA device (torch tensors; wait for the device before every clock read)."""
+
+    def __init__(self, comm: Any) -> None:
+        dev = getattr(comm, "device", None)
+        self.cuda = getattr(dev, "type", "cpu") == "cuda"
+        self.device = dev
+
+    def empty(self, comm: Any, n: int, dtype: np.dtype) -> Any:
+        if not self.cuda:
+            return comm.empty(n, dtype)
+        import torch
+
+        return torch.zeros(n, dtype=getattr(torch, dtype.name), device=self.device)
+
+    def sync(self) -> None:
+        if self.cuda:
+            import torch
+
+            torch.cuda.synchronize(self.device)
+
+    def copy_pair(self, nbytes: int) -> tuple[Any, Any]:
+        """Source and destination of the copy row: the device's own memory on a GPU."""
+        if not self.cuda:
+            src = np.ones(nbytes, dtype=np.uint8)
+            return src, np.empty_like(src)
+        import torch
+
+        src = torch.ones(nbytes, dtype=torch.uint8, device=self.device)
+        return src, torch.empty_like(src)
 
 
 def bench_rank(comm: Any, algorithms: list[str], sizes: list[int], dtype: str, warmup: int,
                target_s: float, max_iters: int, reps: int = 5) -> dict[str, list[dict[str, Any]]]:
     """Runs on every rank; returns this rank's loop times (per call, one per rep) for every cell."""
-    dt = np.dtype(dtype)
+    dt, dev = np.dtype(dtype), Device(comm)
     out: dict[str, list[dict[str, Any]]] = {"allreduce": [], "memcpy": []}
     for nbytes in sizes:
-        buf = comm.empty(nbytes // dt.itemsize, dt)
+        buf = dev.empty(comm, nbytes // dt.itemsize, dt)
         buf[:] = 0  # zeros stay zeros: no overflow however many iterations
         steps = {a: (lambda a=a, buf=buf: allreduce(comm, buf, a)) for a in algorithms}
         if "native" in steps:  # the engine's all-reduce as its users call it: no dplab shape check
             steps["native"] = lambda buf=buf: comm.native_allreduce(buf, check=False)
-        iters = {a: _loop_size(comm, steps[a], warmup, target_s / reps, max_iters) for a in algorithms}
+        iters = {a: _loop_size(comm, steps[a], warmup, target_s / reps, max_iters, dev.sync)
+                 for a in algorithms}
         times = {a: np.empty(reps) for a in algorithms}
         staged = dict.fromkeys(algorithms, 0)
         for rep in range(reps):
             for a in algorithms:
                 comm.barrier()
                 before = getattr(comm, "bytes_staged", 0)
-                times[a][rep] = _time_loop(steps[a], iters[a])
+                times[a][rep] = _time_loop(steps[a], iters[a], dev.sync)
                 staged[a] += getattr(comm, "bytes_staged", 0) - before
         for a in algorithms:
-            out["allreduce"].append({"algorithm": a, "bytes": buf.nbytes, "times": times[a],
+            out["allreduce"].append({"algorithm": a, "bytes": nbytes, "times": times[a],
                                      "staged_bytes": staged[a] / (reps * iters[a])})
             if a == "auto":  # the row says which algorithm auto ran for this size
                 out["allreduce"][-1]["ran"] = auto.chosen(comm, buf.reshape(-1))
         if comm.rank == 0:
-            out["memcpy"].append(memcpy_times(buf.nbytes, warmup, target_s, max_iters, reps))
+            out["memcpy"].append(memcpy_times(nbytes, warmup, target_s, max_iters, reps, dev))
         comm.barrier()
     return out
 
 
-def _loop_size(comm: Any, step: Any, warmup: int, target_s: float, max_iters: int) -> int:
+def _loop_size(comm: Any, step: Any, warmup: int, target_s: float, max_iters: int,
+               sync: Any = lambda: None) -> int:
     """Iterations per timed loop: rank 0's estimate from one call, so that all ranks agree."""
     for _ in range(warmup):
         step()
-    estimate = np.array([_time_loop(step, 1)], dtype=np.float64)
+    estimate = np.array([_time_loop(step, 1, sync)], dtype=np.float64)
     broadcast(comm, estimate)
     return int(np.clip(target_s / max(estimate[0], 1e-7), 3, max_iters))
 
 
-def _time_loop(step: Any, n: int) -> float:
+def _time_loop(step: Any, n: int, sync: Any = lambda: None) -> float:
+    """Seconds per call of ``n`` calls; ``sync`` waits for the device before each clock read."""
+    sync()
     t0 = time.perf_counter()
     for _ in range(n):
         step()
+    sync()
     return (time.perf_counter() - t0) / n
 
 
-def memcpy_times(nbytes: int, warmup: int, target_s: float, max_iters: int, reps: int = 5) -> dict[str, Any]:
-    """One core copying ``nbytes`` with ``np.copyto``: the bandwidth ceiling of shared memory."""
-    src = np.ones(nbytes, dtype=np.uint8)
-    dst = np.empty_like(src)
-
-    def step() -> None:
-        np.copyto(dst, src)
-
+def memcpy_times(nbytes: int, warmup: int, target_s: float, max_iters: int, reps: int = 5,
+                 dev: Device | None = None) -> dict[str, Any]:
+    """One copy of ``nbytes``: ``np.copyto`` on one core (the ceiling of shared memory), or the
+    device's own ``Tensor.copy_`` on a GPU."""
+    src, dst = dev.copy_pair(nbytes) if dev is not None else Device(None).copy_pair(nbytes)
+    sync = dev.sync if dev is not None else (lambda: None)
+    step = (lambda: dst.copy_(src)) if dev is not None and dev.cuda else (lambda: np.copyto(dst, src))
     for _ in range(warmup + 1):
         step()
-    n = int(np.clip(target_s / reps / max(_time_loop(step, 1), 1e-7), 3, max_iters))
-    times = np.array([_time_loop(step, n) for _ in range(reps)])
+    n = int(np.clip(target_s / reps / max(_time_loop(step, 1, sync), 1e-7), 3, max_iters))
+    times = np.array([_time_loop(step, n, sync) for _ in range(reps)])
     return {"algorithm": "memcpy", "bytes": nbytes, "times": times, "staged_bytes": 0}
 
 
@@ -140,7 +184,7 @@ def summarize(backend: str, world_size: int, per_rank: list[dict[str, list[dict[
     ceiling = {r["bytes"]: r["busbw_gbps"] for r in rows if r["algorithm"] == "memcpy"}
     native = {r["bytes"]: r["busbw_gbps"] for r in rows if r["algorithm"] == "native"}
     for r in rows:
-        r["vs_memcpy"] = r["busbw_gbps"] / ceiling[r["bytes"]] if r["bytes"] in ceiling else None
+        r["vs_memcpy"] = r["busbw_gbps"] / ceiling[r["bytes"]] if ceiling.get(r["bytes"]) else None
         mem = r["algorithm"] == "memcpy"
-        r["vs_native"] = r["busbw_gbps"] / native[r["bytes"]] if r["bytes"] in native and not mem else None
+        r["vs_native"] = r["busbw_gbps"] / native[r["bytes"]] if native.get(r["bytes"]) and not mem else None
     return rows
