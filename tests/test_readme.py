@@ -1,5 +1,6 @@
-"""The README says what the code does: its Python example runs as written, its algorithm table
-matches the schedules.
+"""The README says what the code does: the commands a newcomer types are the ones CI runs and
+parse, its Python example runs as written, its algorithm table matches the schedules, its links
+lead somewhere, and each folder's README maps every file in it.
 
 A README that drifts from the code teaches the wrong thing and nothing notices; these tests are
 the noticing.
@@ -8,7 +9,9 @@ the noticing.
 from __future__ import annotations
 
 import math
+import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -19,7 +22,88 @@ from dplab.backends.launch.world import BackendUnavailable, check_backend
 from dplab.reference.algorithms import allreduce_schedule
 from dplab.reference.schedule import chunk_bounds
 
-README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+FOLDERS = ("reference", "backends", "viz", "lessons")  # each maps its files in its own README.md
+DOCS = {path: path.read_text() for path in
+        [ROOT / "README.md", *(ROOT / f / "README.md" for f in FOLDERS),
+         ROOT / "backends" / "nn" / "README.md", ROOT / "backends" / "PERFORMANCE.md"]}
+
+
+def _first_block() -> list[str]:
+    """The commands the README starts with: what a newcomer types on a fresh machine."""
+    block = re.search(r"```bash\n(.*?)```", README, re.S).group(1)
+    return [line.split("  #")[0].strip() for line in block.splitlines() if line.strip()]
+
+
+def test_the_readme_starts_with_install_train_test_and_app():
+    assert README.index("```bash") < README.index("\n## "), "the commands come before any section"
+    lines = _first_block()
+    assert lines[:3] == ["python3 -m venv .venv && . .venv/bin/activate", 'pip install "torch==2.13.0"',
+                         'pip install -e ".[all]"']
+    assert {"dplab train --world-size 4", "pytest", "dplab app"} <= set(lines)
+
+
+def test_the_install_and_test_commands_are_what_ci_runs():
+    """.ci/run installs as the README says and runs the README's test command."""
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert 'pip install -q "torch==2.13.0"' in ci and 'pip install -q -e ".[all]"' in ci
+    assert ci.index("torch==2.13.0") < ci.index('-e ".[all]"')
+    assert re.search(r"^pytest\b", ci, re.M), ".ci/run must run the README's test command: pytest"
+
+
+def _dplab_commands() -> list[str]:
+    """Every ``dplab ...`` line in the README's bash blocks, comments stripped."""
+    lines = []
+    for block in re.findall(r"```bash\n(.*?)```", README, re.S):
+        for line in block.splitlines():
+            words = shlex.split(line, comments=True)
+            if "dplab" in words:
+                lines.append(words[words.index("dplab"):])
+    return lines
+
+
+def test_every_dplab_command_in_the_readme_parses():
+    from dplab.backends.cli.args import build_parser
+
+    commands = _dplab_commands()
+    assert len(commands) >= 12
+    for words in commands:
+        build_parser().parse_args(words[1:])  # argparse exits 2 on an option that does not exist
+
+
+def test_dplab_train_prints_what_the_readme_shows():
+    """The newcomer's first run: the same columns, and the row within rounding of one device."""
+    shown = re.search(r"```\n(backend +mode .*?)```", README, re.S).group(1).splitlines()
+    proc = subprocess.run([sys.executable, "-m", "dplab.backends.cli", "train", "--world-size", "4"],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "NO_COLOR": "1"})
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout.splitlines()
+    assert out[0].split() == shown[0].split()
+    row, readme_row = out[2].split(), shown[2].split()
+    assert row[:6] == readme_row[:6]  # backend .. final_loss: deterministic
+    assert float(row[6]) < 1e-12 and row[7] == "True"
+
+
+def test_links_in_the_docs_lead_somewhere():
+    """Every relative markdown link names a file that exists, and a #section it has."""
+    def slug(heading: str) -> str:
+        return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+    for path, text in DOCS.items():
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if target.startswith(("http://", "https://")):
+                continue
+            file, _, anchor = target.partition("#")
+            dest = (path.parent / file).resolve() if file else path
+            assert dest.exists(), f"{path.relative_to(ROOT)} links to {target}, which does not exist"
+            if anchor and dest.suffix == ".md":
+                headings = {slug(h) for h in re.findall(r"^#+ (.*)$", dest.read_text(), re.M)}
+                assert anchor in headings, f"{path.relative_to(ROOT)} links to {target}: no such section"
+
+
+def test_the_readme_stays_short():
+    assert len(README.splitlines()) <= 280, "reference material goes to a folder's README"
 
 
 def _python_example() -> str:
@@ -104,10 +188,10 @@ def test_the_table_in_the_readme_is_the_one_tested():
 
 
 def test_the_readme_names_only_modules_that_exist():
-    """Every ``dplab.x.y`` the README mentions imports (a renamed module breaks this, not a user)."""
+    """Every ``dplab.x.y`` the docs mention imports (a renamed module breaks this, not a user)."""
     import importlib
 
-    names = set(re.findall(r"\bdplab(?:\.\w+)+", README))
+    names = set(re.findall(r"\bdplab(?:\.\w+)+", "\n".join(DOCS.values())))
     assert names, "the README should name its modules"
     for name in sorted(names):
         parts = name.split(".")
@@ -123,28 +207,35 @@ def test_the_readme_names_only_modules_that_exist():
             pytest.fail(f"the README names {name}, which does not import")
 
 
-def test_where_things_live_names_every_file():
-    """The README's map of the tree lists every module: a new file must find its place there."""
-    section = README.split("## Where things live", 1)[1].split("\n## ", 1)[0]
+@pytest.mark.parametrize("folder", FOLDERS)
+def test_where_things_live_names_every_file(folder):
+    """Each folder's README maps every module in it: a new file must find its place there."""
+    doc = ROOT / folder / "README.md"
+    section = doc.read_text().split("## Where things live", 1)[1].split("\n## ", 1)[0]
     words = set(re.findall(r"[\w]+\.py|[\w]+/", section))
-    root = Path(__file__).resolve().parents[1]
     missing = []
-    for folder in ("reference", "backends", "viz", "lessons"):
-        for path in sorted((root / folder).rglob("*.py")):
-            if path.name in ("__init__.py", "__main__.py") or path.name in words:
-                continue
-            missing.append(str(path.relative_to(root)))
-        for path in sorted(p for p in (root / folder).rglob("*") if p.is_dir() and p.name != "__pycache__"):
-            if f"{path.name}/" not in words:
-                missing.append(str(path.relative_to(root)) + "/")
-    assert not missing, f"README's 'Where things live' does not mention {missing}"
+    for path in sorted((ROOT / folder).rglob("*.py")):
+        if path.name in ("__init__.py", "__main__.py") or path.name in words:
+            continue
+        missing.append(str(path.relative_to(ROOT)))
+    for path in sorted(p for p in (ROOT / folder).rglob("*") if p.is_dir() and p.name != "__pycache__"):
+        if f"{path.name}/" not in words:
+            missing.append(str(path.relative_to(ROOT)) + "/")
+    assert not missing, f"{folder}/README.md's 'Where things live' does not mention {missing}"
+
+
+def test_the_readme_shows_where_the_spine_lives():
+    """From the README alone a learner finds the ring, the executor, the recipe and the reducer."""
+    section = README.split("## Where things live", 1)[1].split("\n## ", 1)[0]
+    for path in ("algorithms/ring.py", "collectives.py", "train/sync.py", "train/buckets.py"):
+        assert path in section and (ROOT / "reference" / path).exists(), path
 
 
 def test_the_lessons_table_is_the_lessons():
-    """Number, title, steps and needs of every lesson, as the README lists them."""
+    """Number, title, steps and needs of every lesson, as lessons/README.md lists them."""
     from dplab.lessons import lessons
 
-    section = README.split("## Lessons", 1)[1].split("\n## ", 1)[0]
+    section = (ROOT / "lessons" / "README.md").read_text().split("\n## ", 1)[0]
     rows = [line for line in section.splitlines() if re.match(r"\| \d+ \|", line)]
     listed = [tuple(cell.strip() for cell in row.strip("|").split("|")[:4]) for row in rows]
     actual = [(str(les.number), les.title, str(len(les.steps)), ", ".join(les.needs) or "-")
@@ -153,8 +244,8 @@ def test_the_lessons_table_is_the_lessons():
 
 
 def test_the_coverage_table_is_complete_and_current():
-    """Every idea has a step, and the README's table is the one the lessons make."""
+    """Every idea has a step, and lessons/README.md's table is the one the lessons make."""
     from dplab.lessons.coverage import coverage, coverage_table
 
     assert [idea for idea, places in coverage().items() if not places] == []
-    assert coverage_table() in README
+    assert coverage_table() in (ROOT / "lessons" / "README.md").read_text()
