@@ -13,8 +13,7 @@ import numpy as np
 import pytest
 
 from dplab.reference.errors import ConfigError
-from dplab.reference.optim import OptimConfig, make_optimizer
-from dplab.reference.optim_layerwise import LAMB, LARS, check_layers
+from dplab.reference.optim import LAMB, LARS, OptimConfig, check_layers, make_optimizer
 
 LAYERS = [slice(0, 2), slice(2, 3)]  # weight (2 numbers), bias (1)
 
