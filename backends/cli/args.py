@@ -27,6 +27,7 @@ from dplab.backends.cli.memory import add_memory_parser
 from dplab.backends.cli.runs import MODES
 from dplab.backends.cli.scaling import add_scaling_parser
 from dplab.backends.cli.tune import add_tune_parser
+from dplab.reference.algorithms import ALGORITHMS, PARAMETRIC
 from dplab.reference.errors import ConfigError
 from dplab.reference.train.straggler import Stragglers, check_stragglers, parse_stragglers
 
@@ -192,7 +193,8 @@ def _add_train(sub: Any) -> None:
     t.add_argument("--backend", default="local", help="local | mpi | torch")
     t.add_argument("--world-size", type=int, default=None,
                    help="ranks to start (default 4; under mpiexec/torchrun: the launcher's)")
-    t.add_argument("--algorithm", default="ring", help="naive | ring | tree | direct | native")
+    t.add_argument("--algorithm", default="ring",
+                   help=" | ".join(f"{a}[:N]" if a in PARAMETRIC else a for a in (*ALGORITHMS, "auto")))
     t.add_argument("--mode", choices=MODES, default="sync",
                    help="sync: all-reduce; async: parameter server; backup: synchronous through the "
                         "parameter server, each step from the first W - b gradients")
@@ -232,7 +234,8 @@ def _add_compare(sub: Any) -> None:
                                          "wall time."))
     c.add_argument("--backends", type=_csv(), default=["local"], help="comma-separated: local,mpi,torch")
     c.add_argument("--algorithms", type=_csv(), default=None,
-                   help="all-reduce algorithms; default naive,ring,tree,native (ring in a race)")
+                   help=f"all-reduce algorithms, from {', '.join((*ALGORITHMS, 'auto'))}; "
+                        "default naive,ring,tree,native (ring in a race)")
     c.add_argument("--world-sizes", type=_csv(int), default=None,
                    help="default 1,2,3,4 (4 in a race)")
     c.add_argument("--modes", type=_csv(), default=["sync"],
@@ -257,7 +260,7 @@ def _add_bench(sub: Any) -> None:
     b.add_argument("--backends", "--backend", type=_csv(), default=["local"],
                    help="local,mpi,torch: several in one run put their rows side by side")
     b.add_argument("--algorithms", type=_csv(), default=["ring", "tree", "naive", "native"],
-                   help="naive, ring, tree, direct, and native (the engine's own all-reduce)")
+                   help=f"from {', '.join((*ALGORITHMS, 'auto'))} (native: the engine's own all-reduce)")
     b.add_argument("--world-sizes", type=_csv(int), default=[2], help="ranks per run")
     b.add_argument("--sizes", type=_csv(_size), default=[4096, 1 << 20, 16 << 20, 64 << 20],
                    help="bytes per buffer, with K, M or G for KiB, MiB, GiB (default: 4K,1M,16M,64M)")
