@@ -257,7 +257,8 @@ def walkthrough(cfg: CollectiveConfig) -> Walkthrough:
             time_cf = closed_form(cfg.algorithm, p, cfg.nbytes, alpha, beta, gamma)
         except ValueError:  # no textbook formula (the pipelined trees): the walk above is the model's time
             time_cf = None
-    return Walkthrough(cfg, schedule, inputs, frames, closed_form_bytes(cfg), time_cf, final_ok, sim.buffers)
+    bytes_cf = closed_form_bytes(cfg.collective, cfg.algorithm, p, cfg.nbytes, cfg.itemsize)
+    return Walkthrough(cfg, schedule, inputs, frames, bytes_cf, time_cf, final_ok, sim.buffers)
 
 
 def _ending(cfg: CollectiveConfig, rounds: int, ok: bool) -> str:
