@@ -42,10 +42,9 @@ __all__ = ["Interval", "union", "measure", "intersect", "subtract", "COMPUTE_KIN
            "WAIT_KINDS", "RankStats", "rank_stats", "totals", "Straggler", "find_straggler",
            "STRAGGLER_RATIO", "configured_stragglers"]
 
-# A straggler's median step computes this many times the others'. Measured here, 4 ranks on two busy
-# cores (load 5-7), default model, 10 steps, 8 runs each: 1.1-1.4x with none and 3.0-4.7x with a 4x
-# straggler (sync), 1.0-1.1x and 3.9-4.2x (async); 2 ranks, a 8x straggler: 7.5-14.5x. Totals instead of
-# the median step reached 29x with no straggler at all (one step preempted by the operating system will do).
+# A straggler's median step computes this many times the others': above what a busy machine makes of an
+# even run, below a configured 4x straggler (the runs behind it: backends/PERFORMANCE.md). The median
+# step, not totals: one step preempted by the operating system inflates a total.
 STRAGGLER_RATIO = 2.0
 
 

@@ -11,7 +11,7 @@ This file adds what the Communicator contract asks and MPI does not give:
 * Timeouts. ``MPI_Wait`` cannot time out, so every wait polls ``Test``. For the
   first 20 ms a waiting rank only yields its core between polls: messages move only
   while ranks drive MPI's progress engine, and a yield lets a rank that has work run
-  first (measured: with 4 or 8 ranks on 2 cores yielding beats napping). After that
+  first (with more ranks than cores, yielding beats napping: backends/PERFORMANCE.md). After that
   it naps between polls, each nap 1/20 of the time waited so far (20 us to 1 ms),
   so a nap adds at most 5% to a wait and a rank waiting for a dead peer costs
   little. At the timeout the request is cancelled and ``CommTimeout`` names the peer.
@@ -249,8 +249,8 @@ class MpiComm(MpiEngineCalls, Communicator):
     def exchange(self, sends: list[SendSpec], recvs: list[RecvSpec], round: int = -1,
                  algorithm: str = "") -> None:
         """Post every receive, then every send; complete receives in order, adding reduce ones.
-        (Posting the next round's receives early, as the torch backend does, measured slower
-        here: ring at 1 MiB, 4 ranks: 0.55x MPI_Allreduce, not 0.62x.)"""
+        (Receives are not posted a round early, as the torch backend does: on MPI that is slower,
+        see backends/PERFORMANCE.md.)"""
         tr, tag = self.tracer, self._tag if round >= 0 else 0
         traced = tr.enabled  # the hot path builds no events and reads no clocks
         into = self._landing(recvs)

@@ -4,7 +4,7 @@
 work to MPI's own collectives, each polled (``_poll``) so that it can time out: the barrier,
 ``MPI_Allreduce`` (the yardstick for our algorithms), and the pickled all-gather of results
 and ``MPI_Abort`` that the launcher uses. float16 goes to ``MPI_Allreduce`` as MPI_FLOAT16_T
-(MPI 4.1; MPICH 5.0.2 measured here rounds every partial sum to float16, as our schedules do:
+(MPI 4.1; MPICH 5.0.2 rounds every partial sum to float16, as our schedules do:
 1 + 2**-11 + 2**-11 on three ranks is 1.0, not 1.0009765625).
 """
 
@@ -66,8 +66,7 @@ class MpiEngineCalls:
         (n, dtype, -n, -dtype) it has seen to r + 2^k and takes the max with what r - 2^k sends;
         after ceil(log2 p) rounds every rank holds the max over all ranks, and max == -min for n and
         dtype only where every rank agrees. Why not ``MPI_Iallreduce`` of the same 4 integers: MPICH's
-        non-blocking schedule costs more than the messages (p=2, 4 KiB, loaded machine: 41 us a
-        checked all-reduce through it, 30 us through these, 18.5 us unchecked). The messages carry
+        non-blocking schedule costs more than these messages (backends/PERFORMANCE.md). The messages carry
         the native all-reduce's code in their tag, so a peer in another collective is a
         ``CollectiveMismatch`` at the first message, either way round."""
         self._tag = _NATIVE
@@ -82,7 +81,7 @@ class MpiEngineCalls:
                 if not reqs[1].Test():
                     self._poll(reqs[1], None, _TO_JOIN, dst, dst)
                 theirs = _SIGNATURE.unpack_from(into)
-                if theirs != hi:  # (map is 1.6 us: most calls agree and skip it)
+                if theirs != hi:  # most calls agree and skip the map
                     hi = tuple(map(max, hi, theirs))
         except BaseException:  # a request may still be active: keep it (MPI may touch its buffer)
             self._abandoned.append(rounds)
@@ -95,8 +94,8 @@ class MpiEngineCalls:
                 "pass a buffer of the same length and dtype to a collective")
 
     def _agreement_rounds(self) -> list[tuple]:
-        """``_agree``'s rounds as persistent requests, made once per communicator (a started one
-        costs half of a new ``Irecv`` + ``Isend``): per round, ([receive, send], the bytes sent,
+        """``_agree``'s rounds as persistent requests, made once per communicator (starting one
+        is cheaper than a new ``Irecv`` + ``Isend``): per round, ([receive, send], the bytes sent,
         the bytes received, the received array, source, destination)."""
         MPI, p, r = self.MPI, self.world_size, self.rank
         tag, rounds, k = self._mpi_tag(_NATIVE) | _CODE[np.dtype(np.int64)], [], 1

@@ -107,9 +107,9 @@ class TorchPeer(Communicator):
         index = local_rank if local_rank is not None else torch.cuda.current_device() if self.nccl else 0
         self.device = torch.device("cuda", index) if self.nccl else torch.device("cpu")
 
-    # dist.isend/irecv check their arguments and translate ranks on every call, which doubles
-    # what posting a message costs (gloo, 2 ranks: 290 us against 150 us for a send and a
-    # receive); the process group's own send/recv, which they end in, skip that.
+    # dist.isend/irecv check their arguments and translate ranks on every call, which about
+    # doubles what posting a message costs (backends/PERFORMANCE.md); the process group's own
+    # send/recv, which they end in, skip that.
     def _isend(self, t: Any, dst: int, tag: int) -> Any:
         return self._group.send([t], dst, tag)
 
