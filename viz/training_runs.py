@@ -6,7 +6,7 @@ row, what the run itself produced: its trace (the clock of every step or update)
 per-step losses and, for the parameter server, its log. Nothing is re-enacted:
 
     from dplab.viz.training_runs import TrainingGrid, run_grid
-    cells = run_grid(TrainingGrid(world_size=4, steps=20))     # ~2 s here: 10 runs and one more
+    cells = run_grid(TrainingGrid(world_size=4, steps=20))     # 10 runs and one more: seconds
     cells[0].row["final_loss"] == cells[0].losses[-1]           # True: the same number
 
 How each curve is honest, and cheap:
