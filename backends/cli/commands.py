@@ -21,6 +21,7 @@ import os
 import platform
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +51,7 @@ from dplab.reference.trace import merge, save_json, to_chrome
 from dplab.reference.train.single import TrainConfig
 from dplab.reference.train.straggler import Stragglers
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "build_parser", "bench_argv"]
 
 TRAIN_COLUMNS = ["backend", "mode", "algorithm", "world_size", "steps", "final_loss",
                  "max_abs_diff_vs_single", "ranks_identical", "wall_s"]
@@ -132,6 +133,13 @@ def cmd_bench(a: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
+def bench_argv(argv: list[str]) -> list[dict[str, Any]]:
+    """``dplab bench argv``'s rows: parsed and checked as the command line does (``tune``'s bench)."""
+    a = build_parser().parse_args(["bench", *argv])
+    check_args(a, printer=False)
+    return cmd_bench(a)
+
+
 def _columns(command: str, rows: list[dict[str, Any]]) -> list[str]:
     """The table shows what the rows are about: a race, stragglers, a parameter server."""
     if command == "bench":  # an auto row says what auto ran
@@ -168,8 +176,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_memory(args, argv)
     if args.command == "lesson":  # a conversation, not rows: dplab.lessons.terminal renders it
         return run_lesson_command(args)
-    command = {"train": cmd_train, "compare": cmd_compare, "bench": cmd_bench, "tune": cmd_tune,
-               "scaling": cmd_scaling}[args.command]
+    command = {"train": cmd_train, "compare": cmd_compare, "bench": cmd_bench,
+               "tune": partial(cmd_tune, bench=bench_argv), "scaling": cmd_scaling}[args.command]
     if args.device:  # read by the torch backend in every rank it starts
         os.environ["DPLAB_DEVICE"] = args.device
     try:

@@ -5,19 +5,20 @@
     dplab tune --from-json bench.json --out tune.json    # fit rows `dplab bench --json` wrote
     DPLAB_TUNE=tune.json dplab bench --algorithms auto,ring,native
 
-The bench is ``dplab bench`` itself (its parser, checks and runner), every registered all-reduce
-and ``native``. The fit is ``dplab.reference.costfit``: least squares on relative error, per
-backend, per backend and world size, and per backend, world size and algorithm; all three are
-saved and ``algorithm="auto"`` prices each candidate with the most specific one that covers it
-(``dplab.reference.auto``). The table shows how much each finer fit gains (its residuals).
-The fit goes to ``--out``, by default ``$DPLAB_TUNE`` or ``~/.cache/dplab/tune.json``: where auto
-looks.
+The bench is ``dplab bench`` itself (its parser, checks and runner, handed in by ``commands``),
+every registered all-reduce and ``native``. The fit is ``dplab.reference.costfit``: least squares
+on relative error, per backend, per backend and world size, and per backend, world size and
+algorithm; all three are saved and ``algorithm="auto"`` prices each candidate with the most
+specific one that covers it (``dplab.reference.auto``). The table shows how much each finer fit
+gains (its residuals). The fit goes to ``--out``, by default ``$DPLAB_TUNE`` or
+``~/.cache/dplab/tune.json``: where auto looks.
 """
 
 from __future__ import annotations
 
 import argparse
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ import numpy as np
 from dplab.backends.cli import uploads
 from dplab.backends.cli.args_optim import csv_list
 from dplab.backends.cli.bench import parse_size
+from dplab.backends.cli.checks import check_output_file
 from dplab.reference import auto, costfit
 from dplab.reference.algorithms import ALLREDUCE
 from dplab.reference.errors import ConfigError
@@ -35,6 +37,7 @@ __all__ = ["add_tune_parser", "cmd_tune", "tune_fits", "bench_rows", "TUNE_COLUM
 TUNE_COLUMNS = ["backend", "world_size", "algorithm", "rows", "alpha_us", "beta_gbps", "gamma_gbps",
                 "rms_residual_pct", "max_residual_pct"]
 LEVELS = (("backend",), ("backend", "world_size"), ("backend", "world_size", "algorithm"))
+Bench = Callable[[list[str]], list[dict[str, Any]]]  # `dplab bench ARGV` -> its rows
 TUNE_EPILOG = """\
 columns:
   world_size, algorithm  "all": one fit over every world size / every schedule of ours
@@ -76,8 +79,9 @@ def add_tune_parser(sub: Any, formatter_class: type[argparse.HelpFormatter]) -> 
     return t
 
 
-def bench_rows(a: argparse.Namespace) -> list[dict[str, Any]]:
-    """``--from-json``'s rows, or a short ``dplab bench`` run now through the bench's own code."""
+def bench_rows(a: argparse.Namespace, bench: Bench) -> list[dict[str, Any]]:
+    """``--from-json``'s rows, or a short bench run now: ``bench(argv)`` is ``dplab bench argv``
+    (the command line passes its own parser, checks and runner, so tune times what bench times)."""
     if a.from_json:
         try:
             text = Path(a.from_json).read_bytes()
@@ -86,18 +90,12 @@ def bench_rows(a: argparse.Namespace) -> list[dict[str, Any]]:
                               "file") from None
         rows = uploads.bench_rows(text, a.from_json)  # checked whole: sizes, types, ranges
     else:
-        from dplab.backends.cli.args import build_parser  # args imports this module: import late
-        from dplab.backends.cli.checks import check_args
-        from dplab.backends.cli.commands import cmd_bench
-
         algorithms = a.algorithms or [*ALLREDUCE, "native"]
-        argv = ["bench", "--backends", ",".join(a.backends),
+        argv = ["--backends", ",".join(a.backends),
                 "--world-sizes", ",".join(map(str, a.world_sizes)), "--sizes", ",".join(map(str, a.sizes)),
                 "--algorithms", ",".join(algorithms),
                 "--dtype", a.dtype, "--reps", str(a.reps), "--target-seconds", str(a.target_seconds)]
-        bench_args = build_parser().parse_args(argv + (["--device", a.device] if a.device else []))
-        check_args(bench_args, printer=False)
-        rows = cmd_bench(bench_args)
+        rows = bench(argv + (["--device", a.device] if a.device else []))
     if a.device == "cuda":
         rows = [dict(r, backend="torch-nccl") if r["backend"] == "torch" else r for r in rows]
     return rows
@@ -130,10 +128,8 @@ def _gains(fits: list[costfit.CostFit], itemsize: int) -> list[str]:
     return lines
 
 
-def cmd_tune(a: argparse.Namespace) -> list[dict[str, Any]]:
-    """Bench (or read), fit every level, save where auto reads, return one row per fit."""
-    from dplab.backends.cli.checks import check_output_file
-
+def cmd_tune(a: argparse.Namespace, bench: Bench) -> list[dict[str, Any]]:
+    """Bench with ``bench`` (or read), fit every level, save where auto reads, return one row per fit."""
     out = Path(a.out).expanduser() if a.out else auto.tune_path()
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -142,7 +138,7 @@ def cmd_tune(a: argparse.Namespace) -> list[dict[str, Any]]:
                           "choose another path") from None
     check_output_file("--out", str(out))
     itemsize = np.dtype(a.dtype).itemsize
-    rows = bench_rows(a)
+    rows = bench_rows(a, bench)
     fits = tune_fits(rows, itemsize)
     if not fits:
         raise ConfigError("no row to fit: tune needs rows of our schedules or native at world size >= 2")
