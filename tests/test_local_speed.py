@@ -202,22 +202,23 @@ class _Recorder:
                             [(r.buf.tolist(), r.peer, r.reduce) for r in recvs]))
 
 
-def test_the_executor_cuts_a_plans_chunks_once_per_buffer_length(monkeypatch):
+def test_the_engine_cuts_a_plans_chunks_once_per_buffer_length(monkeypatch):
     """Chunk bounds and message spans are worked out once per (plan, length), then reused: the
     executor spent ~1.5 µs a call recomputing them. The slices handed over stay the same."""
-    from dplab.reference import collectives
+    from dplab.backends.fastpath import executor
 
     calls = []
-    bounds = collectives.chunk_bounds
-    monkeypatch.setattr(collectives, "chunk_bounds", lambda n, k: calls.append((n, k)) or bounds(n, k))
+    bounds = executor.chunk_bounds
+    monkeypatch.setattr(executor, "chunk_bounds", lambda n, k: calls.append((n, k)) or bounds(n, k))
+    monkeypatch.setattr(executor, "_ROUNDS", {})
     comm, seen = _Recorder(), []
     for n in (7, 7, 7, 10, 7):
         comm.rounds = []
-        allreduce(comm, np.arange(n, dtype=np.float64), "ring")
+        executor.allreduce(comm, np.arange(n, dtype=np.float64), "ring")
         seen.append(comm.rounds)
     assert calls == [(7, 3), (10, 3)]
     assert seen[0] == seen[1] == seen[4] != seen[3]
-    _, plan = collectives.schedule_plan("allreduce", "ring", 3, 1)
+    _, plan = executor.schedule_plan("allreduce", "ring", 3, 1)
     for n, rounds in ((7, seen[0]), (10, seen[3])):
         assert rounds == _expected_rounds(plan, bounds(n, 3), np.arange(n, dtype=np.float64).tolist())
 

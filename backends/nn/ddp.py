@@ -57,9 +57,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from dplab.backends.fastpath.executor import allreduce, broadcast
 from dplab.backends.nn.flat import dtype_and_device, flat_buffer, flat_layout, sum_batch_sizes
 from dplab.reference.algorithms import ALGORITHMS, has_schedule
-from dplab.reference.collectives import broadcast
 from dplab.reference.communicator import Communicator
 from dplab.reference.errors import ConfigError
 from dplab.reference.train.buckets import Reducer
@@ -144,7 +144,7 @@ class DistributedDataParallel(nn.Module):
         buf, self.flat_grad = flat_buffer(comm, slices[-1].stop if slices else 0, dtype, device)
         self.flat_grad.zero_()
         self.grad_slots = [self.flat_grad[s].view_as(p) for s, p in zip(slices, params)]
-        self.reducer = Reducer(comm, buf, slices, bucket_cap_mb, algorithm)
+        self.reducer = Reducer(comm, buf, slices, bucket_cap_mb, algorithm, allreduce=allreduce)
         self.require_backward_grad_sync = True  # toggled by no_sync(), read by forward()
         self._sync_this_backward = True
         self._pending = False  # a synced backward has started and wait() has not run yet

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from dplab.reference.collectives import allreduce
+from dplab.backends.fastpath.executor import allreduce
 from dplab.reference.communicator import Communicator
 from dplab.reference.errors import ConfigError
 

@@ -40,8 +40,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from dplab.backends.fastpath.executor import allgather, reduce_scatter
 from dplab.backends.nn.flat import flat_layout
-from dplab.reference.collectives import allgather, reduce_scatter
 from dplab.reference.communicator import Communicator
 from dplab.reference.schedule import chunk_bounds
 

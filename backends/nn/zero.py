@@ -57,10 +57,10 @@ from typing import Any
 
 import torch
 
+from dplab.backends.fastpath.executor import allgather, reduce_scatter
 from dplab.backends.nn.flat import dtype_and_device, flat_buffer, flat_layout
 from dplab.backends.nn.zero_state import full_state_dict, gather_state, load_full_state
 from dplab.reference.algorithms import SCATTER_ALGORITHMS, has_schedule
-from dplab.reference.collectives import allgather, reduce_scatter
 from dplab.reference.communicator import Communicator
 from dplab.reference.errors import ConfigError
 from dplab.reference.schedule import chunk_bounds

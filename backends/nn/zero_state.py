@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from dplab.backends.fastpath.executor import allgather
 from dplab.backends.nn.flat import flat_buffer
-from dplab.reference.collectives import allgather
 from dplab.reference.errors import ConfigError
 
 if TYPE_CHECKING:

@@ -31,9 +31,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from dplab.backends.fastpath.executor import Plan, schedule_plan
 from dplab.backends.torchdist.p2p import DTYPES, HEADER_TAG, TorchPeer, code, data_tag
 from dplab.backends.torchdist.setup import torch_modules as _torch
-from dplab.reference.collectives import Plan, schedule_plan
 from dplab.reference.communicator import (
     BufferMismatch,
     Collective,

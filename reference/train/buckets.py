@@ -27,12 +27,13 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
 import numpy as np
 
-from dplab.reference.collectives import allreduce
+from dplab.reference import collectives
+from dplab.reference.auto import chosen
 from dplab.reference.communicator import Communicator
 from dplab.reference.errors import ConfigError
 
@@ -60,11 +61,16 @@ def assign_buckets(slices: Sequence[slice], itemsize: int, bucket_cap_mb: float)
 
 
 class Reducer:
-    """Owns the buckets of one flat gradient buffer and the thread that reduces them."""
+    """Owns the buckets of one flat gradient buffer and the thread that reduces them.
+
+    ``algorithm="auto"`` is resolved per bucket (``auto.chosen``: the cost model's pick for its
+    bytes) before the all-reduce sees it. ``allreduce``: the executor that runs each bucket's
+    all-reduce (the spine's by default; DDP passes the engine's, ``dplab.backends.fastpath``)."""
 
     def __init__(self, comm: Communicator, grad: np.ndarray, slices: Sequence[slice],
-                 bucket_cap_mb: float = 25.0, algorithm: str = "ring") -> None:
-        self.comm, self.grad, self.algorithm = comm, grad, algorithm
+                 bucket_cap_mb: float = 25.0, algorithm: str = "ring", *,
+                 allreduce: Callable[..., object] = collectives.allreduce) -> None:
+        self.comm, self.grad, self.algorithm, self._allreduce = comm, grad, algorithm, allreduce
         self.buckets = assign_buckets(slices, grad.itemsize, bucket_cap_mb)
         self.bucket_of = {i: b for b, params in enumerate(self.buckets) for i in params}
         self.ranges = [(min(slices[i].start for i in ps), max(slices[i].stop for i in ps))
@@ -132,7 +138,9 @@ class Reducer:
             t0 = tracer.now()
             try:
                 if self._error is None:
-                    allreduce(self.comm, self.grad[a:z], self.algorithm)
+                    bucket = self.grad[a:z]
+                    name = chosen(self.comm, bucket) if self.algorithm == "auto" else self.algorithm
+                    self._allreduce(self.comm, bucket, name)
             except BaseException as e:  # handed to the main thread by wait()
                 self._error = e
             tracer.record("bucket", t0, tracer.now(), bytes=(z - a) * self.grad.itemsize,

@@ -1,0 +1,12 @@
+"""The engine's fast paths over the spine's schedules, each proven bitwise equal to the spine.
+
+    executor.py   the collectives with per-call plans compiled once and snapshot scratch reused
+                  (``dplab.reference.collectives`` is the readable executor it must equal:
+                  ``tests/test_spine_equals_engine.py``)
+
+Used where per-call overhead shows: ``dplab bench``, DDP's buckets, the torch wrappers.
+"""
+
+from dplab.backends.fastpath.executor import allgather, allreduce, broadcast, reduce, reduce_scatter
+
+__all__ = ["allreduce", "reduce_scatter", "allgather", "broadcast", "reduce"]
