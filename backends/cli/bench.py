@@ -37,8 +37,8 @@ from typing import Any
 
 import numpy as np
 
+from dplab.backends.fastpath.executor import allreduce, broadcast
 from dplab.reference import auto
-from dplab.reference.collectives import allreduce, broadcast
 
 __all__ = ["bench_rank", "memcpy_times", "summarize", "parse_size", "busbw_factor", "Device"]
 
