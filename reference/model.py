@@ -84,11 +84,17 @@ class MLP:
                 offset += size
         self.num_params = offset
 
-    def layer_slice(self, layer: int) -> slice:
-        """Flat range holding ``W{layer}`` and ``b{layer}`` (contiguous by construction)."""
+    def layer_params(self, layer: int) -> tuple[int, int]:
+        """Indices into ``param_slices`` of ``layer``'s parameters, ``W`` then ``b``: the order
+        ``backward`` fills their gradients in before it yields the layer."""
         if not 0 <= layer < self.num_layers:
             raise ConfigError(f"layer must be in 0..{self.num_layers - 1}, got {layer}")
-        return slice(self.param_slices[2 * layer].start, self.param_slices[2 * layer + 1].stop)
+        return 2 * layer, 2 * layer + 1
+
+    def layer_slice(self, layer: int) -> slice:
+        """Flat range holding ``W{layer}`` and ``b{layer}`` (contiguous by construction)."""
+        w, b = self.layer_params(layer)
+        return slice(self.param_slices[w].start, self.param_slices[b].stop)
 
     def init_params(self, seed: int, dtype: DTypeLike = np.float64) -> np.ndarray:
         """Deterministic flat parameters: Xavier-normal for tanh, He-normal for relu, zero biases.

@@ -23,7 +23,7 @@ __all__ = ["layer_weights", "layer_forward", "output_delta", "layer_grads", "lay
 
 def layer_weights(model: MLP, layer: int, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Views ``(W, b)`` of one layer's flat slice ``w`` (writes go through)."""
-    fan_in, fan_out = model.param_shapes[2 * layer]
+    fan_in, fan_out = model.param_shapes[model.layer_params(layer)[0]]
     return w[: fan_in * fan_out].reshape(fan_in, fan_out), w[fan_in * fan_out:]
 
 

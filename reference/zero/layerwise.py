@@ -33,8 +33,9 @@ __all__ = ["chunk_tensors", "shard_norms"]
 def chunk_tensors(model: MLP, layout: ShardLayout, layer: int, whole: bool) -> list[slice]:
     """The slices of W_l and b_l inside this rank's chunk of ``layer`` (the whole layer if ``whole``),
     relative to that chunk; either may be empty."""
-    start = model.param_slices[2 * layer].start
-    w, b = (slice(s.start - start, s.stop - start) for s in model.param_slices[2 * layer: 2 * layer + 2])
+    tensors = [model.param_slices[i] for i in model.layer_params(layer)]
+    start = tensors[0].start
+    w, b = (slice(s.start - start, s.stop - start) for s in tensors)
     own = slice(0, w.stop + (b.stop - b.start)) if whole else layout.own(layer)
     out = []
     for t in (w, b):
