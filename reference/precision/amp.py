@@ -1,17 +1,12 @@
-"""Mixed precision inside ``train_sync``: the calls its recipe makes, and nothing more.
+"""Mixed precision as a hook of ``train_sync``: float16 compute, float32 masters, a scaled loss.
 
-    amp = Amp(comm, sync, params)                    # params: the float32 masters
-    grad = comm.empty(n, amp.reduce_dtype)           # the buffer the buckets all-reduce
-    weights = amp.weights(params)                    # per step: the float16 compute copy
-    model.backward(weights, acts, y, grad, amp.scale(1 / B))          # the loss times S
-    amp.step(opt, params, grad, step)                # grad / S in float32, or skip on an overflow
+    train_sync(comm, cfg, SyncConfig(precision=MixedPrecision()))   # attaches Amp(comm, sync)
 
-What happens in one step, torch AMP's order: the masters are rounded to a float16 copy; forward
-and backward run on it with the loss multiplied by S; the gradient lands in (and is all-reduced
-in) ``reduce_dtype``; it is divided by S into a float32 buffer and checked for inf/nan; the
-scaler decides (``dplab.reference.precision.scaler``); the optimizer steps the float32 masters.
-Without ``SyncConfig.precision`` every call passes its argument through (S = 1 exactly), so the
-plain run is unchanged, bit for bit.
+One step, torch AMP's order: the masters are rounded to a float16 copy (``compute``); forward and
+backward run on it with the loss multiplied by S; the gradient lands in (and is all-reduced in)
+``reduce_dtype`` (``on_start`` sets it); the optimizer, wrapped as torch's ``scaler.step(opt)``,
+divides it by S into float32, checks it for inf/nan, lets the scaler decide
+(``dplab.reference.precision.scaler``) and steps the float32 masters, or skips the step.
 """
 
 from __future__ import annotations
@@ -21,62 +16,67 @@ from typing import Any
 import numpy as np
 
 from dplab.reference.communicator import Communicator
+from dplab.reference.errors import ConfigError
 from dplab.reference.optim import Optimizer
 from dplab.reference.precision.scaler import LossScaler, compute_copy
+from dplab.reference.train.hooks import Hook, Run
 
 __all__ = ["Amp"]
 
 
-class Amp:
-    """One rank's mixed precision for the synchronous trainer (``sync``: a ``SyncConfig``)."""
+class Amp(Hook):
+    """One rank's mixed precision (``sync``: a ``SyncConfig`` with ``precision``).
 
-    def __init__(self, comm: Communicator, sync: Any, master: np.ndarray) -> None:
+    ``master``: the float32 masters, to size the buffers now; without it ``on_start`` does."""
+
+    def __init__(self, comm: Communicator, sync: Any, master: np.ndarray | None = None) -> None:
+        if sync.precision is None:
+            raise ConfigError("Amp needs SyncConfig.precision: set it, or attach no Amp")
         self.comm, self.precision = comm, sync.precision
-        self.scaler: LossScaler | None = None
-        self.skipped = 0  # steps skipped on an overflow: the optimizer's step count lags by this
-        self.reduce_dtype = master.dtype
-        if self.precision is None:
-            return
-        self.precision.validate(master.dtype)
         self.reduce_dtype = np.dtype(self.precision.reduce_dtype)
         self.scaler = LossScaler(self.precision, comm.tracer)
-        self._weights = np.empty(master.shape, self.precision.compute_dtype)
-        self._master_grad = np.empty_like(master)
+        self.skipped = 0  # steps skipped on an overflow: the optimizer's step count lags by this
+        self.step_now = 0  # the step ``compute`` last prepared: the one the optimizer takes next
         # our schedules leave the same bits on every rank; an engine's all-reduce may not (see scaler),
         # and "auto" may pick the engine's (reference/auto.py)
         self._replicated, self._algorithm = sync.algorithm not in ("native", "auto"), sync.algorithm
+        if master is not None:
+            self._buffers(master)
+
+    def _buffers(self, master: np.ndarray) -> None:
+        self.precision.validate(master.dtype)
+        self._weights = np.empty(master.shape, self.precision.compute_dtype)
+        self._master_grad = np.empty_like(master)
 
     @property
     def loss_scale(self) -> float:
-        return 1.0 if self.scaler is None else self.scaler.loss_scale
+        return self.scaler.loss_scale
+
+    def on_start(self, run: Run) -> None:
+        """Gradients in ``reduce_dtype``; the optimizer unscales, checks and steps (or skips)."""
+        self._buffers(run.params)
+        run.grad_dtype = self.reduce_dtype
+        run.opt = ScaledStep(self, run.opt)
+
+    def compute(self, step: int, params: np.ndarray, scale: float) -> tuple[np.ndarray, float]:
+        """The masters rounded to float16, and the loss's scale times S (torch: scaler.scale(loss))."""
+        self.step_now = step
+        return compute_copy(params, self._weights), scale * self.scaler.loss_scale
 
     def state_dict(self) -> dict[str, Any]:
-        """What a checkpoint keeps so a resumed run scales as an uninterrupted one ({} when off)."""
-        if self.scaler is None:
-            return {}
+        """What a checkpoint keeps so a resumed run scales as an uninterrupted one."""
         return {"loss_scale": self.scaler.state_dict(), "skipped_steps": self.skipped}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what ``state_dict()`` returned (a dict with a ``"loss_scale"`` entry, or without)."""
-        if self.scaler is not None and "loss_scale" in state:
+        if "loss_scale" in state:
             self.scaler.load_state_dict(state["loss_scale"])
             self.skipped = int(state["skipped_steps"])
-
-    def weights(self, master: np.ndarray) -> np.ndarray:
-        """The weights forward and backward use this step: the masters rounded to float16."""
-        return master if self.scaler is None else compute_copy(master, self._weights)
-
-    def scale(self, scale: float) -> float:
-        """The backward's ``scale`` times S: the gradient of the scaled loss (torch: scaler.scale(loss))."""
-        return scale if self.scaler is None else scale * self.scaler.loss_scale
 
     def step(self, opt: Optimizer, master: np.ndarray, grad: np.ndarray, step: int) -> bool:
         """``opt.step`` on the masters, as torch's ``scaler.step(opt)``: with the reduced gradient
         divided by S into float32, unless it holds an inf or nan and the scale is dynamic (then
         nothing moves, optimizer state included; every rank decides alike). True if it stepped."""
-        if self.scaler is None:
-            opt.step(master, grad)
-            return True
         found_inf = self.scaler.unscale_and_check(self.comm, grad, self._master_grad,
                                                   self._replicated, self._algorithm)
         if not self.scaler.update(found_inf, step):
@@ -84,3 +84,19 @@ class Amp:
             return False
         opt.step(master, self._master_grad)
         return True
+
+
+class ScaledStep:
+    """An optimizer that takes the scaled gradient: ``step`` is ``amp.step``; its state is ``opt``'s."""
+
+    def __init__(self, amp: Amp, opt: Optimizer) -> None:
+        self.amp, self.opt = amp, opt
+
+    def step(self, master: np.ndarray, grad: np.ndarray) -> None:
+        self.amp.step(self.opt, master, grad, self.amp.step_now)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.opt.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.opt.load_state_dict(state)

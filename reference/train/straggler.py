@@ -35,14 +35,15 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
-from typing import TypeVar
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any, TypeVar
 
 from dplab.reference.errors import ConfigError
 from dplab.reference.trace import Tracer
+from dplab.reference.train.hooks import Hook
 
 __all__ = ["Stragglers", "parse_stragglers", "check_stragglers", "factor_of", "check_delays", "Slowdown",
-           "Budget", "check_budget"]
+           "Straggle", "Budget", "TimeBudget", "check_budget"]
 
 Stragglers = tuple[tuple[int, float], ...]  # ((rank, factor), ...): each slowed rank once
 T = TypeVar("T")
@@ -146,6 +147,20 @@ class Slowdown:
                     "factor": self.factor, "compute_s": self.compute_s, "slept_s": self.slept_s})
 
 
+class Straggle(Hook):
+    """A slowed rank in ``train_sync``: a fixed ``delay_s`` before each micro-batch, then its forward
+    and each backward layer stretched by ``slow``'s factor, so its buckets leave as late as they would."""
+
+    def __init__(self, slow: Slowdown, delay_s: float = 0.0) -> None:
+        self.slow, self.delay_s = slow, delay_s
+
+    def forward(self, step: int, micro: int) -> AbstractContextManager[Any]:
+        return self.slow.compute(self.delay_s)
+
+    def backward(self, step: int, micro: int, layers: Iterator[int]) -> Iterator[int]:
+        return self.slow.pieces(layers)
+
+
 class Budget:
     """Wall time allowed from construction; ``None`` seconds never runs out."""
 
@@ -155,6 +170,17 @@ class Budget:
 
     def spent(self) -> bool:
         return self.seconds is not None and time.perf_counter() - self.start >= self.seconds
+
+
+class TimeBudget(Hook):
+    """Rank 0's wall-time budget in ``train_sync``: once spent, it asks every rank to stop after the
+    step (at least one step is taken; ``TrainConfig.steps`` stays the upper bound)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.budget = Budget(seconds)  # the clock starts now: set-up counts too
+
+    def wants_to_stop(self, step: int) -> bool:
+        return self.budget.spent()
 
 
 def check_budget(seconds: float | None) -> None:

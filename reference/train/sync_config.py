@@ -1,17 +1,35 @@
-"""The synchronous trainer's configuration: the all-reduce, the buckets, micro-batches, extras.
+"""The synchronous trainer's configuration: the all-reduce, the buckets, micro-batches, and hooks.
 
     SyncConfig("tree", bucket_cap_mb=1, accum_steps=4)    # validated by train_sync, per world size
+
+The fields after ``accum_steps`` each attach a hook to the recipe (``SyncConfig.hooks``); left at
+their defaults they attach none, and ``train_sync`` runs its five steps alone.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from dplab.reference.algorithms import ALGORITHMS, has_schedule
 from dplab.reference.checkpoint.resume import CheckpointConfig
+from dplab.reference.communicator import Communicator
 from dplab.reference.errors import ConfigError
+from dplab.reference.precision.amp import Amp
 from dplab.reference.precision.config import MixedPrecision
-from dplab.reference.train.straggler import Stragglers, check_budget, check_delays, check_stragglers
+from dplab.reference.train.checkpoints import Checkpoints
+from dplab.reference.train.hooks import Hook, Hooks
+from dplab.reference.train.single import TrainConfig
+from dplab.reference.train.spans import Spans
+from dplab.reference.train.straggler import (
+    Slowdown,
+    Straggle,
+    Stragglers,
+    TimeBudget,
+    check_budget,
+    check_delays,
+    check_stragglers,
+)
 
 __all__ = ["SyncConfig"]
 
@@ -40,10 +58,29 @@ class SyncConfig:
             raise ConfigError(f"accum_steps must be >= 1, got {self.accum_steps}")
         if self.bucket_cap_mb <= 0:
             raise ConfigError(f"bucket_cap_mb must be > 0, got {self.bucket_cap_mb}")
-        check_stragglers(self.straggler, world_size)
-        check_delays(self.delays, world_size, "rank")
-        check_budget(self.time_budget_s)
+        if self.straggler:
+            check_stragglers(self.straggler, world_size)
+        if self.delays is not None:
+            check_delays(self.delays, world_size, "rank")
+        if self.time_budget_s is not None:
+            check_budget(self.time_budget_s)
         if self.checkpoint is not None:
             self.checkpoint.validate()
         if self.precision is not None:
             self.precision.validate()
+
+    def hooks(self, comm: Communicator, cfg: TrainConfig, more: Sequence[Hook] = ()) -> Hooks | None:
+        """Rank ``comm.rank``'s hooks for this run, in the order they run, then ``more``; None: no hook."""
+        amp = Amp(comm, self) if self.precision is not None else None  # first: it swaps the optimizer
+        factor = dict(self.straggler).get(comm.rank, 1.0)
+        delay_s = self.delays[comm.rank] if self.delays else 0.0
+        hooks = [
+            amp,
+            Checkpoints(comm, cfg, self, self.checkpoint, amp) if self.checkpoint is not None else None,
+            Spans(comm.tracer) if comm.tracer.enabled else None,  # outside the straggler's sleeps
+            Straggle(Slowdown(factor, comm.tracer), delay_s) if factor > 1 or delay_s > 0 else None,
+            TimeBudget(self.time_budget_s) if self.time_budget_s is not None and comm.rank == 0 else None,
+            *more,
+        ]
+        attached = [hook for hook in hooks if hook is not None]
+        return Hooks(attached) if attached else None

@@ -1,0 +1,107 @@
+"""Hooks: what a real run adds to the synchronous recipe, each at the point its method names.
+
+    train_sync(comm, cfg, SyncConfig(checkpoint=ckpt))    # the hooks a SyncConfig asks for
+    train_sync(comm, cfg, sync, hooks=[MyHook()])         # and your own, after them
+
+A hook overrides the points it needs; ``Hook``'s own methods change nothing. With no hook
+attached the recipe calls none of this: what runs is its five steps alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+__all__ = ["Run", "Hook", "Hooks"]
+
+
+@dataclass
+class Run:
+    """One rank's run as the hooks see it; ``on_start`` may change any field before the first step."""
+
+    params: np.ndarray  # the replicas' parameters, stepped in place (mixed precision: the masters)
+    opt: Any  # what steps them: ``opt.step(params, grad)``, ``state_dict()``, ``load_state_dict()``
+    grad_dtype: np.dtype  # the gradient buffer's dtype: what the buckets all-reduce
+    start: int = 0  # the first step to take (a resumed run: where its checkpoint ends)
+    losses: list[float] = field(default_factory=list)  # the global batch's loss, per step so far
+
+
+class Hook:
+    """One thing a run adds to the recipe. Each method runs where its name says; these do nothing."""
+
+    def on_start(self, run: Run) -> None:
+        """After the broadcast, before the first step (resume; swap the optimizer or gradient dtype)."""
+
+    def compute(self, step: int, params: np.ndarray, scale: float) -> tuple[np.ndarray, float]:
+        """The weights forward and backward use in ``step``, and the scale of the backward's loss."""
+        return params, scale
+
+    def forward(self, step: int, micro: int) -> AbstractContextManager[Any]:
+        """Around micro-batch ``micro``'s forward pass and loss."""
+        return nullcontext()
+
+    def backward(self, step: int, micro: int, layers: Iterator[int]) -> Iterator[int]:
+        """The backward pass's layers, handed on to the reducer (one may time or pace them)."""
+        return layers
+
+    def phase(self, name: str, step: int) -> AbstractContextManager[Any]:
+        """Around the step's ``"wait"`` for the last bucket, and its ``"optimizer"`` step."""
+        return nullcontext()
+
+    def wants_to_stop(self, step: int) -> bool:
+        """True asks every rank to stop after ``step``: it rides on the loss all-reduce, so all agree."""
+        return False
+
+    def after_step(self, run: Run, step: int) -> None:
+        """After ``step``'s update, with its global loss in ``run.losses``."""
+
+
+class Hooks(Hook):
+    """Several hooks as one: each point runs them in order, the first one's context outermost.
+
+    Empty, it is false: the recipe then calls none of its methods."""
+
+    def __init__(self, hooks: Iterable[Hook]) -> None:
+        self.hooks = list(hooks)
+
+    def __bool__(self) -> bool:
+        return bool(self.hooks)
+
+    def on_start(self, run: Run) -> None:
+        for hook in self.hooks:
+            hook.on_start(run)
+
+    def compute(self, step: int, params: np.ndarray, scale: float) -> tuple[np.ndarray, float]:
+        for hook in self.hooks:
+            params, scale = hook.compute(step, params, scale)
+        return params, scale
+
+    @contextmanager
+    def forward(self, step: int, micro: int) -> Iterator[None]:
+        with ExitStack() as inside:
+            for hook in self.hooks:
+                inside.enter_context(hook.forward(step, micro))
+            yield
+
+    def backward(self, step: int, micro: int, layers: Iterator[int]) -> Iterator[int]:
+        for hook in reversed(self.hooks):  # the first hook sees the layers last: it wraps the others
+            layers = hook.backward(step, micro, layers)
+        return layers
+
+    @contextmanager
+    def phase(self, name: str, step: int) -> Iterator[None]:
+        with ExitStack() as inside:
+            for hook in self.hooks:
+                inside.enter_context(hook.phase(name, step))
+            yield
+
+    def wants_to_stop(self, step: int) -> bool:
+        return any([hook.wants_to_stop(step) for hook in self.hooks])  # every hook is asked
+
+    def after_step(self, run: Run, step: int) -> None:
+        for hook in self.hooks:
+            hook.after_step(run, step)
