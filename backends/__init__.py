@@ -20,8 +20,8 @@ Rooms: ``launch/`` (launch, World), ``local/`` ``mpi/`` ``torchdist/`` (one per 
 and the runs it makes).
 """
 
-from dplab.backends.cli.runs import RunSpec, run_train
 from dplab.backends.launch.world import BackendUnavailable, RankError, World, launch
+from dplab.backends.runs.run import RunSpec, run_train
 from dplab.reference.collectives import allgather, allreduce, broadcast, reduce, reduce_scatter
 from dplab.reference.train.single import TrainConfig
 

@@ -13,8 +13,8 @@ import pytest
 from dplab.backends.cli.args import build_parser
 from dplab.backends.cli.args_optim import is_default
 from dplab.backends.cli.commands import main
-from dplab.backends.cli.runs import RunSpec
 from dplab.backends.cli.sweep import Sweep, sweep_specs
+from dplab.backends.runs.run import RunSpec
 from dplab.reference.errors import ConfigError
 from dplab.reference.model import MLPConfig
 from dplab.reference.optim import OptimConfig

@@ -6,7 +6,7 @@ from __future__ import annotations
 import warnings
 
 from dplab.backends import RunSpec, TrainConfig, launch
-from dplab.backends.cli.runs import train_rank
+from dplab.backends.runs.run import train_rank
 from dplab.reference.precision.config import MixedPrecision
 
 

@@ -21,7 +21,7 @@ pytest.importorskip("plotly", reason="the viz extra (plotly) is not installed")
 
 from streamlit.testing.v1 import AppTest  # noqa: E402
 
-from dplab.backends.cli import uploads  # noqa: E402
+from dplab.backends.runs import uploads  # noqa: E402
 from dplab.reference.errors import ConfigError  # noqa: E402
 from dplab.viz import budget  # noqa: E402
 from dplab.viz.budget import Budget, Busy, Limits, Stopped  # noqa: E402

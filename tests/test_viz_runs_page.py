@@ -13,7 +13,7 @@ pytest.importorskip("plotly", reason="the viz extra (plotly) is not installed")
 
 from streamlit.testing.v1 import AppTest  # noqa: E402
 
-from dplab.backends.cli.runs import RunSpec, run_train  # noqa: E402
+from dplab.backends.runs.run import RunSpec, run_train  # noqa: E402
 from dplab.reference.trace import merge  # noqa: E402
 from dplab.reference.train.single import TrainConfig  # noqa: E402
 from dplab.viz.timeline import trace_bytes  # noqa: E402

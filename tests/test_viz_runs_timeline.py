@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("plotly", reason="the viz extra (plotly) is not installed")
 
-from dplab.backends.cli.runs import RunSpec, run_train  # noqa: E402
+from dplab.backends.runs.run import RunSpec, run_train  # noqa: E402
 from dplab.reference.errors import ConfigError  # noqa: E402
 from dplab.reference.trace import Event, merge  # noqa: E402
 from dplab.reference.train.single import TrainConfig  # noqa: E402

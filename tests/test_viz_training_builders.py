@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("plotly", reason="needs plotly: pip install 'dplab[viz]'")
 
-from dplab.backends.cli.compare import compare_specs  # noqa: E402
+from dplab.backends.runs.grid import compare_specs  # noqa: E402
 from dplab.reference.errors import ConfigError  # noqa: E402
 from dplab.reference.ps.replay import replay  # noqa: E402
 from dplab.reference.train.single import evaluate, train_single  # noqa: E402

@@ -11,7 +11,7 @@ span's depth is how many spans of its lane enclose it. Depth 0 is drawn always, 
 spans only with ``detail=True``, thinner, on top of their parent; a straggler's
 ``slowdown`` sleeps are drawn always, inside the compute they stretch.
 
-    from dplab.backends.cli.runs import RunSpec, run_train
+    from dplab.backends.runs import RunSpec, run_train
     from dplab.viz.timeline import timeline_figure
     row, per_rank = run_train(RunSpec(world_size=4), trace=True)
     timeline_figure([e for events in per_rank for e in events]).show()
@@ -28,7 +28,7 @@ from typing import Any
 
 import plotly.graph_objects as go
 
-from dplab.backends.cli import uploads
+from dplab.backends.runs import uploads
 from dplab.reference.trace import Event, save_json, to_chrome
 
 __all__ = ["Span", "lane_of", "lanes", "spans", "timeline_figure", "load_trace", "trace_bytes",
@@ -128,7 +128,7 @@ def timeline_figure(events: Sequence[Event], detail: bool = False, title: str = 
 
 def load_trace(data: bytes) -> tuple[list[Event], dict[str, Any]]:
     """The events and meta of a trace file written by ``dplab train --trace PATH``, checked whole
-    first (``dplab.backends.cli.uploads.trace``: size, types, ranges), since anyone may upload one."""
+    first (``dplab.backends.runs.uploads.trace``: size, types, ranges), since anyone may upload one."""
     return uploads.trace(data)
 
 

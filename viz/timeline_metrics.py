@@ -9,7 +9,7 @@ and their intersection (communication hidden behind compute, the point of bucket
     comm:                    [ bucket 0 ][ bucket 1 ..........]
     overlap:                 [ ........ ]                          exposed: [......]
 
-    from dplab.backends.cli.runs import RunSpec, run_train
+    from dplab.backends.runs.run import RunSpec, run_train
     from dplab.viz.timeline_metrics import rank_stats, find_straggler
     row, per_rank = run_train(RunSpec(world_size=4, straggler=((1, 4.0),)), trace=True)
     stats = rank_stats([e for events in per_rank for e in events])

@@ -38,9 +38,9 @@ from typing import Any
 
 import numpy as np
 
-from dplab.backends.cli.compare import compare_specs
-from dplab.backends.cli.runs import RunSpec, run_train
 from dplab.backends.launch.world import World
+from dplab.backends.runs.grid import compare_specs
+from dplab.backends.runs.run import RunSpec, run_train
 from dplab.reference.checkpoint.resume import CheckpointConfig
 from dplab.reference.checkpoint.store import list_checkpoints, load_checkpoint
 from dplab.reference.errors import ConfigError

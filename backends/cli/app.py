@@ -19,7 +19,7 @@ import socket
 import sys
 from pathlib import Path
 
-from dplab.backends.cli.uploads import TRACE
+from dplab.backends.runs.uploads import TRACE
 from dplab.reference.errors import ConfigError
 
 __all__ = ["app_path", "free_port", "port_number", "streamlit_argv", "missing_viz_extra", "run_app"]

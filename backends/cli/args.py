@@ -21,12 +21,12 @@ from dplab.backends.cli.args_optim import add_optimizer_args, add_sweep_args, po
 from dplab.backends.cli.args_optim import csv_list as _csv
 from dplab.backends.cli.args_zero import add_zero_args, precision_flags_error
 from dplab.backends.cli.bench import parse_size
-from dplab.backends.cli.compare import RACE_DEFAULTS
 from dplab.backends.cli.lesson import add_lesson_parser
 from dplab.backends.cli.memory import add_memory_parser
-from dplab.backends.cli.runs import MODES
 from dplab.backends.cli.scaling import add_scaling_parser
 from dplab.backends.cli.tune import add_tune_parser
+from dplab.backends.runs.grid import RACE_DEFAULTS
+from dplab.backends.runs.run import MODES
 from dplab.reference.algorithms import ALGORITHMS, PARAMETRIC
 from dplab.reference.errors import ConfigError
 from dplab.reference.train.straggler import Stragglers, check_stragglers, parse_stragglers

@@ -31,10 +31,9 @@ from dplab.backends.cli.args import AUTO, build_parser
 from dplab.backends.cli.args_optim import optim_config
 from dplab.backends.cli.args_zero import master_dtype, precision_config
 from dplab.backends.cli.checks import OutputPathError, check_args, stop_launcher_job
-from dplab.backends.cli.compare import EQUIVALENCE_DEFAULTS, RACE_DEFAULTS, compare_specs, run_specs
+from dplab.backends.cli.compare import run_specs
 from dplab.backends.cli.lesson import run_lesson_command
 from dplab.backends.cli.memory import run_memory
-from dplab.backends.cli.runs import MODES, RunSpec, run_train
 from dplab.backends.cli.scaling import cmd_scaling, scaling_columns
 from dplab.backends.cli.sweep import cmd_sweep, sweep_columns, wants_sweep
 from dplab.backends.cli.table import Progress, format_number, format_table
@@ -42,6 +41,8 @@ from dplab.backends.cli.tune import TUNE_COLUMNS, cmd_tune
 from dplab.backends.launch.engine import launcher_env, launcher_rank, under_launcher
 from dplab.backends.launch.interrupt import interruptible
 from dplab.backends.launch.world import BackendUnavailable, RankError, open_world
+from dplab.backends.runs.grid import EQUIVALENCE_DEFAULTS, RACE_DEFAULTS, compare_specs
+from dplab.backends.runs.run import MODES, RunSpec, run_train
 from dplab.reference import auto
 from dplab.reference.checkpoint.resume import CheckpointConfig
 from dplab.reference.checkpoint.store import CheckpointError

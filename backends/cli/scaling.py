@@ -33,10 +33,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from dplab.backends.cli.args_optim import csv_list
-from dplab.backends.cli.runs import RunSpec, train_rank
 from dplab.backends.cli.scaling_ddp import DDP_COLUMNS, DdpBench, run_ddp
 from dplab.backends.cli.table import Progress
 from dplab.backends.launch.world import World, check_backend
+from dplab.backends.runs.run import RunSpec, train_rank
 from dplab.reference.algorithms import ALGORITHMS, has_schedule
 from dplab.reference.errors import ConfigError
 from dplab.reference.model import MLP, MLPConfig

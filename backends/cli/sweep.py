@@ -37,8 +37,8 @@ from typing import Any
 from dplab.backends.cli.args import AUTO
 from dplab.backends.cli.args_optim import SWEEP_DATA, is_default
 from dplab.backends.cli.compare import run_specs
-from dplab.backends.cli.runs import RunSpec
 from dplab.backends.cli.table import Progress
+from dplab.backends.runs.run import RunSpec
 from dplab.reference.errors import ConfigError
 from dplab.reference.lr import scaled_lr
 from dplab.reference.train.single import TrainConfig, evaluate, train_single

@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import streamlit as st
 
-from dplab.backends.cli.uploads import BENCH, bench_rows
+from dplab.backends.runs.uploads import BENCH, bench_rows
 from dplab.reference.algorithms import ALLREDUCE
 from dplab.reference.costmodel import best_regions
 from dplab.reference.errors import ConfigError, DplabError

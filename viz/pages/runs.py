@@ -3,7 +3,7 @@
     dplab app                                   # then the Runs page
     dplab train --world-size 4 --trace run.json # a trace file this page loads
 
-A run goes through ``dplab.backends.cli.runs.run_train`` (what ``dplab train`` calls), cached by
+A run goes through ``dplab.backends.runs.run.run_train`` (what ``dplab train`` calls), cached by
 its configuration. Every bar is a recorded span and every number under the picture is computed
 from those spans by ``dplab.viz.timeline_metrics``. Controls live in the URL (deep links).
 """
@@ -14,7 +14,7 @@ import os
 
 import streamlit as st
 
-from dplab.backends.cli.runs import MODES, RunSpec, run_train
+from dplab.backends.runs.run import MODES, RunSpec, run_train
 from dplab.reference.algorithms import ALGORITHMS
 from dplab.reference.errors import DplabError
 from dplab.reference.model import MLPConfig

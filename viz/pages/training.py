@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import streamlit as st
 
-from dplab.backends.cli.runs import straggler_label
+from dplab.backends.runs.run import straggler_label
 from dplab.reference.errors import DplabError
 from dplab.viz.budget import BUDGET, visitor_hooks
 from dplab.viz.deep_links import MAX_PARAM_CHARS, adopt, url_list

@@ -5,7 +5,7 @@ Each run trains the same model from the same seed on the same global batches as
 from the single-device ones. That difference, ``max_abs_diff_vs_single``, is the
 whole point: it should be at the level of float rounding (1e-16 in float64).
 
-    from dplab.backends.cli.runs import RunSpec, run_train
+    from dplab.backends.runs import RunSpec, run_train
     row, events = run_train(RunSpec(world_size=4, algorithm="ring"))
 
 Three modes: ``sync`` (all-reduce, ``dplab.reference.train.sync``), ``async`` (the parameter server

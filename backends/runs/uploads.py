@@ -1,6 +1,6 @@
 """Files that arrive from someone else: bench rows and traces, checked before anything uses them.
 
-    from dplab.backends.cli.uploads import bench_rows, trace
+    from dplab.backends.runs.uploads import bench_rows, trace
     rows = bench_rows(path.read_bytes(), "bench.json")   # dplab tune --from-json, the app's Cost page
     events, meta = trace(upload.getvalue())              # the app's Runs page
 
