@@ -13,17 +13,32 @@ The common case in one import (a learner's first script; on mpi, keep the ``__ma
     if __name__ == "__main__":
         print(launch(demo, 3))                 # three local ranks, each [6. 6. 6. 6.]
         print(launch(demo, 3, backend="mpi"))  # the same on MPI (mpiexec started for you)
-        row, events = run_train(RunSpec(world_size=4, algorithm="tree"))  # train, checked vs one device
+
+Training runs live in ``runs/``: ``from dplab.backends.runs import RunSpec, run_train``.
 
 Rooms: ``launch/`` (launch, World), ``local/`` ``mpi/`` ``torchdist/`` (one per transport),
-``nn/`` (DistributedDataParallel, ZeroRedundancyOptimizer), ``cli/`` (the ``dplab`` command
-and the runs it makes).
+``nn/`` (DistributedDataParallel, ZeroRedundancyOptimizer), ``runs/`` (training runs and their
+files), ``cli/`` (the ``dplab`` command).
 """
 
+from typing import Any
+
 from dplab.backends.launch.world import BackendUnavailable, RankError, World, launch
-from dplab.backends.runs.run import RunSpec, run_train
 from dplab.reference.collectives import allgather, allreduce, broadcast, reduce, reduce_scatter
-from dplab.reference.train.single import TrainConfig
 
 __all__ = ["launch", "World", "RankError", "BackendUnavailable", "allreduce", "reduce_scatter",
            "allgather", "broadcast", "reduce", "RunSpec", "run_train", "TrainConfig"]
+
+# Names kept importable from here for older scripts; they load the trainers (ZeRO, the parameter
+# server: ~60 modules), so they are resolved on first use (PEP 562), not by every `import launch`.
+# Plain import statements, so ../shared/tools/import_cycles.py and tests/test_layers.py see them.
+_LAZY = ("RunSpec", "run_train", "TrainConfig")
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from dplab.backends.runs.run import RunSpec, run_train
+    from dplab.reference.train.single import TrainConfig
+
+    return {"RunSpec": RunSpec, "run_train": run_train, "TrainConfig": TrainConfig}[name]

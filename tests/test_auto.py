@@ -174,8 +174,8 @@ def test_ranks_that_read_different_fits_are_told_not_left_waiting(tmp_path):
 
 @pytest.mark.parametrize("backend", ["local", pytest.param("mpi", marks=pytest.mark.mpi)])
 def test_training_with_auto_equals_one_device(tune_env, backend):
-    from dplab.backends import RunSpec, run_train
     from dplab.backends.launch.world import BackendUnavailable, check_backend
+    from dplab.backends.runs import RunSpec, run_train
 
     try:
         check_backend(backend)

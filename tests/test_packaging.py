@@ -30,7 +30,8 @@ for name in {folders!r}:
 for name in {folders!r}:
     mod = importlib.import_module("dplab." + name)
     print(name, mod.__file__)
-from dplab.backends import World, allreduce, launch, run_train  # the short import of the README
+from dplab.backends import World, allreduce, launch  # the short import of the README
+from dplab.backends.runs import RunSpec, run_train
 """
 
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import warnings
 
-from dplab.backends import RunSpec, TrainConfig, launch
-from dplab.backends.runs.run import train_rank
+from dplab.backends import launch
+from dplab.backends.runs.run import RunSpec, train_rank
 from dplab.reference.precision.config import MixedPrecision
+from dplab.reference.train.single import TrainConfig
 
 
 def rank_warnings(comm, spec):
