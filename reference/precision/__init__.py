@@ -4,7 +4,7 @@
     SyncConfig(precision=MixedPrecision(reduce_dtype="float16"))   # with TrainConfig(dtype="float32")
 
 ``config.py`` the frozen configuration, ``scaler.py`` the loss scaler (static and dynamic, torch's
-GradScaler rules) and the float16 compute copy, ``amp.py`` the three calls ``train_sync`` makes.
+GradScaler rules) and the float16 compute copy, ``amp.py`` the hook ``train_sync`` attaches.
 Other trainers (ZeRO's stages) use the scaler directly: ``compute_copy(master, out)``,
 ``scaler.loss_scale``, ``scaler.unscale_and_check(comm, grads, out)``, ``scaler.update(found_inf)``.
 """

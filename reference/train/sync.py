@@ -40,15 +40,15 @@ def train_sync(comm: Communicator, cfg: TrainConfig, sync: SyncConfig = _DEFAULT
     1e-10 relative), as the all-reduce adds the shards' gradients in another order. ``hooks`` run
     after those ``sync`` asks for (``SyncConfig.hooks``)."""
     sync.validate(comm.world_size)
-    hooks = sync.hooks(comm, cfg, hooks)  # None unless sync or the caller attaches one
+    hook = sync.hooks(comm, cfg, hooks)  # all attached hooks as one; None: no hook at all
     model, data, params = setup(cfg)
     if comm.rank != 0:  # anything but rank 0's weights: the broadcast must fix it
         params = model.init_params(cfg.seed + 1 + comm.rank, dtype=params.dtype)
     broadcast(comm, params, root=0)  # 1. every replica starts from rank 0's parameters
     opt = make_optimizer(cfg.optimizer, model.num_params, params.dtype, model.param_slices)
     run = Run(params, opt, params.dtype)  # what the hooks see, and may change before the first step
-    if hooks:
-        hooks.on_start(run)  # e.g. resume from a checkpoint
+    if hook:
+        hook.on_start(run)  # e.g. resume from a checkpoint
     grad = comm.empty(model.num_params, run.grad_dtype)  # buckets are slices of it: no packing
     scale = 1 / cfg.global_batch  # the global batch, not the shard: shard gradients sum to its mean
     with closing(Reducer(comm, grad, model.param_slices, sync.bucket_cap_mb, sync.algorithm)) as reducer:
@@ -57,26 +57,26 @@ def train_sync(comm: Communicator, cfg: TrainConfig, sync: SyncConfig = _DEFAULT
             mine = shard(batch, comm.rank, comm.world_size)  # 2. this rank's shard of the batch
             grad[:], loss = 0, 0.0
             reducer.reset()
-            weights, scaled = hooks.compute(step, params, scale) if hooks else (params, scale)
+            weights, scaled = hook.compute(step, params, scale) if hook else (params, scale)
             for j, (a, b) in enumerate(chunk_bounds(len(mine), sync.accum_steps)):  # 3. micro-batches:
                 x, y = data.x[mine[a:b]], data.y[mine[a:b]]
                 with reducer.no_sync() if j < sync.accum_steps - 1 else nullcontext():  # the last reduces
-                    with hooks.forward(step, j) if hooks else nullcontext():
+                    with hook.forward(step, j) if hook else nullcontext():
                         acts = model.forward(weights, x)
                         loss += model.loss(acts, y, scale)
                     layers = model.backward(weights, acts, y, grad, scaled)
-                    for layer in hooks.backward(step, j, layers) if hooks else layers:
+                    for layer in hook.backward(step, j, layers) if hook else layers:
                         for i in model.layer_params(layer):  # 4. a bucket whose gradients are all
                             reducer.mark_param_as_ready(i)  # there is all-reduced at once
-            with hooks.phase("wait", step) if hooks else nullcontext():
+            with hook.phase("wait", step) if hook else nullcontext():
                 reducer.wait()  # 4. ... until the last bucket is summed
-            with hooks.phase("optimizer", step) if hooks else nullcontext():
+            with hook.phase("optimizer", step) if hook else nullcontext():
                 run.opt.step(params, grad)  # 5. the same step on every rank: the replicas stay equal
-            total = np.array([loss, hooks.wants_to_stop(step) if hooks else 0.0])  # a hook may ask to stop
+            total = np.array([loss, hook.wants_to_stop(step) if hook else 0.0])  # a hook may ask to stop
             allreduce(comm, total, sync.algorithm)  # the global batch's loss, and whether any rank asked
             run.losses.append(float(total[0]))
-            if hooks:
-                hooks.after_step(run, step)  # e.g. save a checkpoint
+            if hook:
+                hook.after_step(run, step)  # e.g. save a checkpoint
             if total[1] > 0:  # the same answer on every rank: all stop after the same step
                 break
     check_finite(params, run.losses)  # a run that diverged ends in one line of error, not in nan
