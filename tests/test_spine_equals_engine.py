@@ -1,6 +1,7 @@
 """The engine's executor (``dplab.backends.fastpath``) leaves the same bits as the spine's
 (``dplab.reference.collectives``) in every buffer, for every algorithm of the registry and every
-collective it runs, world sizes 1-16, integer and float buffers, in and out of shared memory.
+collective it runs, world sizes 1-16, integer and float buffers, in and out of shared memory;
+and the engine's array builders give the readable builders' schedules, row for row.
 
 Each example runs, on every rank, every (collective, algorithm) pair twice on the same input:
 once through the spine, once through the engine, and compares the bytes there (shipping
@@ -18,8 +19,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dplab.backends.fastpath import executor as engine
+from dplab.backends.fastpath import rabenseifner as fast_rabenseifner
 from dplab.reference import collectives as spine
-from dplab.reference.algorithms import ALGORITHMS, ROOTED, SCATTER_ALGORITHMS
+from dplab.reference.algorithms import ALGORITHMS, ROOTED, SCATTER_ALGORITHMS, rabenseifner
 
 DTYPES = ("float64", "float32", "float16", "int64", "int32")
 LENGTHS = (0, 1, 2, 3, 5, 7, 13, 17, 31, 97, 1000, 2053)
@@ -86,3 +88,16 @@ def test_the_engine_leaves_the_spines_bits_on_mpi_and_torch(worlds, backend, p, 
     if backend == "local":
         pytest.skip("the local backend has its own test, every p in 1..16")
     _check(worlds(p, backend), data.draw(cases(p)))
+
+
+# -- builders: the engine's array builders equal the readable ones, row for row ---------------
+
+@pytest.mark.parametrize("p", range(1, 65))
+def test_rabenseifner_as_arrays_equals_the_readable_builder(p):
+    """Same rounds, same transfers, same order within each round (the order messages post in)."""
+    for readable, fast in ((rabenseifner.allreduce, fast_rabenseifner.allreduce),
+                           (rabenseifner.reduce_scatter, fast_rabenseifner.reduce_scatter),
+                           (rabenseifner.allgather, fast_rabenseifner.allgather)):
+        want, got = readable(p), fast(p)
+        assert (got.name, got.world_size, got.num_chunks) == (want.name, want.world_size, want.num_chunks)
+        assert got.table.equals(want.table), (want.name, p)

@@ -1,8 +1,10 @@
 """The engine's fast paths over the spine's schedules, each proven bitwise equal to the spine.
 
-    executor.py   the collectives with per-call plans compiled once and snapshot scratch reused
-                  (``dplab.reference.collectives`` is the readable executor it must equal:
-                  ``tests/test_spine_equals_engine.py``)
+    executor.py      the collectives with per-call plans compiled once and snapshot scratch reused
+                     (``dplab.reference.collectives`` is the readable executor it must equal:
+                     ``tests/test_spine_equals_engine.py``)
+    rabenseifner.py  Rabenseifner's schedules built as arrays, to price p = 4096 (the readable builder,
+                     ``dplab.reference.algorithms.rabenseifner``, is the source it must equal)
 
 Used where per-call overhead shows: ``dplab bench``, DDP's buckets, the torch wrappers.
 """

@@ -85,90 +85,89 @@ Otherwise the fold adds a whole-buffer reduce and copy: with p' = 2^floor(lg p),
 
 from __future__ import annotations
 
-import numpy as np
-
 from dplab.reference.algorithms.recursive_doubling import fold
-from dplab.reference.schedule import Op, Round, Schedule
+from dplab.reference.schedule import Op, Schedule, Transfer
 
 __all__ = ["reduce_scatter", "allgather", "allreduce"]
 
-# Every round below is built as arrays (``Round``), in the order its picture draws it: by chunk,
-# then by sender. At p = 4096 that is 33.5 M transfers in a second or two; Transfer by Transfer
-# it was 57 s and 5.6 GB. ``tests/test_alg_arrays.py`` keeps the Transfer version as the oracle.
+# Every round lists its transfers chunk by chunk, senders in rank order: the order the picture
+# above draws them in, and the order the executor posts a rank's messages in.
 
 
-def _owners(start: np.ndarray) -> np.ndarray:
-    """The virtual rank that owns each chunk (``start[v]`` is virtual rank v's first chunk)."""
-    return np.repeat(np.arange(len(start) - 1), np.diff(start))
+def _by_chunk(transfers: list[Transfer]) -> tuple[Transfer, ...]:
+    return tuple(sorted(transfers, key=lambda t: (t.chunk, t.src)))
 
 
-def _round(real: np.ndarray, start: np.ndarray, d: int, base: np.ndarray, op: Op) -> Round:
-    """Chunk c goes from the d virtual ranks ``base[owner(c)] + 0..d-1`` to each one's partner v ^ d
-    (chunk by chunk, senders in rank order: ``real`` is increasing)."""
-    chunks = np.arange(int(start[-1]))
-    v = np.repeat(base[_owners(start)], d) + np.tile(np.arange(d), chunks.size)
-    return Round(real[v], real[v ^ d], np.repeat(chunks, d), op)
+def _halving(pof2: int, real: list[int], start: list[int]) -> list[tuple[Transfer, ...]]:
+    """Recursive halving among the p' virtual ranks, partners d = p'/2, p'/4, ..., 1 apart: virtual
+    rank v sends its partner u = v ^ d the chunks of u's aligned block of d virtual ranks (the
+    half of v's group that u keeps), and u adds them. ``start[w]``: virtual rank w's first chunk."""
+    rounds, d = [], pof2 // 2
+    while d >= 1:
+        sends = []
+        for v in range(pof2):
+            u = v ^ d
+            lo = u & ~(d - 1)  # u's block: virtual ranks lo .. lo + d - 1
+            sends += [Transfer(real[v], real[u], c, "reduce") for c in range(start[lo], start[lo + d])]
+        rounds.append(_by_chunk(sends))
+        d //= 2
+    return rounds
 
 
-def _halving(pof2: int, real: np.ndarray, start: np.ndarray) -> list[Round]:
-    """Recursive halving among the p' virtual ranks: partners d apart, each sends the half of its
-    group its partner keeps, so chunk c of virtual rank w comes from the d ranks whose partners
-    share w's aligned block of d: ``(w & ~(d-1)) ^ d`` and up."""
-    w = np.arange(pof2)
-    ds = [pof2 >> i for i in range(1, pof2.bit_length())]  # p'/2, p'/4, ..., 1
-    return [_round(real, start, d, (w & ~(d - 1)) ^ d, "reduce") for d in ds]
+def _doubling(pof2: int, real: list[int], start: list[int]) -> list[tuple[Transfer, ...]]:
+    """Recursive doubling among the virtual ranks, partners d = 1, 2, ..., p'/2 apart: v sends
+    everything it has gathered so far, the chunks of its own aligned block of d, and v ^ d copies them."""
+    rounds, d = [], 1
+    while d < pof2:
+        sends = []
+        for v in range(pof2):
+            lo = v & ~(d - 1)
+            sends += [Transfer(real[v], real[v ^ d], c, "copy") for c in range(start[lo], start[lo + d])]
+        rounds.append(_by_chunk(sends))
+        d *= 2
+    return rounds
 
 
-def _doubling(pof2: int, real: np.ndarray, start: np.ndarray) -> list[Round]:
-    """Recursive doubling among the virtual ranks: send everything gathered so far, i.e. the
-    chunks of one's own aligned block of d, so chunk c of w comes from that block's d ranks."""
-    w = np.arange(pof2)
-    ds = [1 << i for i in range(pof2.bit_length() - 1)]  # 1, 2, ..., p'/2
-    return [_round(real, start, d, w & ~(d - 1), "copy") for d in ds]
+def _whole(rem: int, chunks: range, op: Op, down: bool) -> tuple[Transfer, ...]:
+    """The fold: odd rank 2i+1 hands ``chunks`` to 2i (``down``), or 2i hands them back."""
+    return _by_chunk([Transfer(2 * i + 1, 2 * i, c, op) if down else Transfer(2 * i, 2 * i + 1, c, op)
+                      for i in range(rem) for c in chunks])
 
 
-def _whole(rem: int, chunks: int, op: Op, down: bool, skip_own: bool = False) -> Round:
-    """The fold: odd rank 2i+1 hands chunks 0..chunks-1 to 2i (``down``), or 2i hands them back
-    (``skip_own``: all but chunk 2i+1, which the partner already has). Chunk by chunk, i inside."""
-    c, i = np.repeat(np.arange(chunks), rem), np.tile(np.arange(rem), chunks)
-    if skip_own:
-        c, i = c[c != 2 * i + 1], i[c != 2 * i + 1]
-    return Round(2 * i + 1, 2 * i, c, op) if down else Round(2 * i, 2 * i + 1, c, op)
-
-
-def _setup(p: int, pairs_own_two: bool) -> tuple[int, int, np.ndarray, np.ndarray]:
-    """(p', rem, real rank of each virtual rank, each virtual rank's first chunk and the end):
-    with ``pairs_own_two`` virtual rank v < rem owns chunks 2v, 2v+1 (its real pair's), the
-    others one each (p chunks: the reduce-scatter's layout); else v owns chunk v (p' chunks)."""
-    pof2, rem, real = fold(p)
-    owned = 1 + (np.arange(pof2) < rem) * pairs_own_two
-    return pof2, rem, np.asarray(real, np.int64), np.concatenate(([0], np.cumsum(owned)))
+def _start(p: int, pairs_own_two: bool) -> list[int]:
+    """Each virtual rank's first chunk, and the end: with ``pairs_own_two`` virtual rank v < rem owns
+    chunks 2v, 2v+1 (its real pair's), the others one each (p chunks: the reduce-scatter's layout);
+    else v owns chunk v (p' chunks)."""
+    pof2, rem, _ = fold(p)
+    return [v + min(v, rem) if pairs_own_two else v for v in range(pof2 + 1)]
 
 
 def reduce_scatter(p: int) -> Schedule:
-    pof2, rem, real, start = _setup(p, pairs_own_two=True)
-    rounds = [_whole(rem, p, "reduce", down=True)] if rem else []
+    pof2, rem, real = fold(p)
+    start = _start(p, pairs_own_two=True)
+    rounds = [_whole(rem, range(p), "reduce", down=True)] if rem else []
     rounds += _halving(pof2, real, start)
-    if rem:
-        i = np.arange(rem)
-        rounds.append(Round(2 * i, 2 * i + 1, 2 * i + 1, "copy"))
-    return Schedule("rabenseifner_reduce_scatter", p, p, rounds)
+    if rem:  # the partner's own chunk goes back to it
+        rounds.append(tuple(Transfer(2 * i, 2 * i + 1, 2 * i + 1, "copy") for i in range(rem)))
+    return Schedule("rabenseifner_reduce_scatter", p, p, tuple(rounds))
 
 
 def allgather(p: int) -> Schedule:
-    pof2, rem, real, start = _setup(p, pairs_own_two=True)
-    i = np.arange(rem)
-    rounds = [Round(2 * i + 1, 2 * i, 2 * i + 1, "copy")] if rem else []
+    pof2, rem, real = fold(p)
+    start = _start(p, pairs_own_two=True)
+    rounds = [tuple(Transfer(2 * i + 1, 2 * i, 2 * i + 1, "copy") for i in range(rem))] if rem else []
     rounds += _doubling(pof2, real, start)
     if rem:  # everything but the partner's own chunk
-        rounds.append(_whole(rem, p, "copy", down=False, skip_own=True))
-    return Schedule("rabenseifner_allgather", p, p, rounds)
+        rounds.append(_by_chunk([Transfer(2 * i, 2 * i + 1, c, "copy")
+                                 for i in range(rem) for c in range(p) if c != 2 * i + 1]))
+    return Schedule("rabenseifner_allgather", p, p, tuple(rounds))
 
 
 def allreduce(p: int) -> Schedule:
-    pof2, rem, real, start = _setup(p, pairs_own_two=False)  # p' even chunks, v owns chunk v
-    rounds = [_whole(rem, pof2, "reduce", down=True)] if rem else []
+    pof2, rem, real = fold(p)
+    start = _start(p, pairs_own_two=False)  # p' even chunks, virtual rank v owns chunk v
+    rounds = [_whole(rem, range(pof2), "reduce", down=True)] if rem else []
     rounds += _halving(pof2, real, start) + _doubling(pof2, real, start)
     if rem:
-        rounds.append(_whole(rem, pof2, "copy", down=False))
-    return Schedule("rabenseifner", p, pof2, rounds)
+        rounds.append(_whole(rem, range(pof2), "copy", down=False))
+    return Schedule("rabenseifner", p, pof2, tuple(rounds))
