@@ -1,6 +1,6 @@
 """Markdown tables from ``dplab bench/compare/scaling --json`` row files.
 
-    python -m dplab.backends.cli.perf_tables stamp ROWS.json       # add the date, load average, cores
+    python -m dplab.backends.cli.perf_tables stamp ROWS.json [LOAD]   # add date, load average, cores
     python -m dplab.backends.cli.perf_tables ROWS.json...          # print each file's table
     python -m dplab.backends.cli.perf_tables --write backends/PERFORMANCE.md   # regenerate its tables
     python -m dplab.backends.cli.perf_tables --check backends/PERFORMANCE.md   # exit 1 if they differ
@@ -51,12 +51,15 @@ TRAIN = [("backend", "backend"), ("mode", "mode"), ("algorithm", "algorithm"), (
          ("wall_s", "wall s")]
 
 
-def stamp(path: Path) -> None:
-    """Record in ``path``'s meta when, and under what load, its rows were measured."""
+def stamp(path: Path, load_before: float | None = None) -> None:
+    """Record in ``path``'s meta when, and under what load, its rows were measured: the 1, 5 and
+    15-minute load averages as the run ended, and the 1-minute one before it began if given."""
     data = json.loads(path.read_text())
     data["meta"]["measured"] = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                                 "load_average": [round(x, 2) for x in os.getloadavg()],
                                 "cpus": os.cpu_count()}
+    if load_before is not None:
+        data["meta"]["measured"]["load_before"] = load_before
     path.write_text(json.dumps(data, indent=1) + "\n")
 
 
@@ -133,8 +136,9 @@ def measured_line(meta: dict[str, Any]) -> str:
     if not m:
         return "Measured: date and load not recorded."
     load = " / ".join(f"{x:g}" for x in m["load_average"])
+    before = f"{m['load_before']:g} (1 min) before the run, " if "load_before" in m else ""
     return (f"Measured {m['date']} on {m['cpus']} cores ({meta.get('machine', '?')}, Python "
-            f"{meta.get('python', '?')}), load average {load} (1, 5, 15 min) when the run ended.")
+            f"{meta.get('python', '?')}), load average {before}{load} (1, 5, 15 min) when it ended.")
 
 
 def render_rows(path: Path, shown_as: str) -> str:
@@ -249,9 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args or args[0] in ("-h", "--help"):
         print(__doc__)
         return 0 if args else 2
-    if args[0] == "stamp":
-        for name in args[1:]:
-            stamp(Path(name))
+    if args[0] == "stamp":  # stamp ROWS.json [the 1-minute load average before the run]
+        stamp(Path(args[1]), float(args[2]) if len(args) > 2 else None)
         return 0
     if args[0] in ("--write", "--check"):
         path = Path(args[1])
