@@ -1,9 +1,9 @@
 """The ideas of data parallelism every learner should meet, and which step teaches each.
 
-    python -m dplab.lessons.coverage      # the README's table, generated from the steps
+    python -m dplab.lessons.coverage      # lessons/README.md's table, generated from the steps
 
 A step names what it teaches (``Step(teaches=("replicas",))``); CI fails when an idea has no
-step, when a step names an idea not listed here, or when the README's table is not this one.
+step, when a step names an idea not listed here, or when lessons/README.md's table is not this one.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def coverage() -> dict[str, list[tuple[int, int, str]]]:
 
 
 def coverage_table() -> str:
-    """The README's concept -> lesson/step table (markdown)."""
+    """lessons/README.md's concept -> lesson/step table (markdown)."""
     lines = ["| idea | taught in (lesson.step) |", "|---|---|"]
     for key, places in coverage().items():
         where = "; ".join(f"{n}.{k} {title}" for n, k, title in places) or "-"

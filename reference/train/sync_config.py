@@ -38,7 +38,7 @@ __all__ = ["SyncConfig"]
 class SyncConfig:
     """How the ranks reduce (algorithm, buckets, micro-batches) and what the run adds around it."""
 
-    algorithm: str = "ring"  # naive | ring | tree | direct | native
+    algorithm: str = "ring"  # any name of the registry (reference/algorithms), "native" or "auto"
     bucket_cap_mb: float = 25.0  # as in torch DDP
     accum_steps: int = 1  # micro-batches per step; all but the last run under no_sync
     straggler: Stragglers = ()  # ((rank, factor), ...): those ranks compute factor times slower
