@@ -16,7 +16,7 @@ parameter of a group, as every shard steps at every step.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
@@ -24,10 +24,19 @@ from dplab.backends.fastpath.executor import allgather
 from dplab.backends.nn.flat import flat_buffer
 from dplab.reference.errors import ConfigError
 
-if TYPE_CHECKING:
-    from dplab.backends.nn.zero import ZeroRedundancyOptimizer
+__all__ = ["gather_state", "full_state_dict", "load_full_state", "per_element", "Sharded"]
 
-__all__ = ["gather_state", "full_state_dict", "load_full_state", "per_element"]
+
+class Sharded(Protocol):
+    """What these functions read of a ZeRO optimizer (``ZeroRedundancyOptimizer`` is one): the
+    communicator and algorithm it gathers with, its flat groups, the inner optimizer stepping the
+    shards, and torch's ``param_groups``."""
+
+    comm: Any
+    algorithm: str
+    groups: list[Any]
+    optim: torch.optim.Optimizer
+    param_groups: list[dict[str, Any]]
 
 PER_TENSOR = ("step", "eta", "mu")  # torch optimizers' per-tensor scalars (Adam*, ASGD)
 _CARRIED = (torch.float32, torch.float64, torch.int32, torch.int64)  # what allgather moves
@@ -38,7 +47,7 @@ def per_element(key: str, value: Any, like: torch.Tensor) -> bool:
     return isinstance(value, torch.Tensor) and key not in PER_TENSOR and value.shape == like.shape
 
 
-def gather_state(zero: ZeroRedundancyOptimizer) -> list[dict[str, Any]]:
+def gather_state(zero: Sharded) -> list[dict[str, Any]]:
     """Per group, its whole flat state: each per-element tensor all-gathered (a collective, the
     same sequence on every rank), each per-tensor value as this rank has it."""
     out = []
@@ -60,13 +69,13 @@ def gather_state(zero: ZeroRedundancyOptimizer) -> list[dict[str, Any]]:
     return out
 
 
-def _indices(zero: ZeroRedundancyOptimizer, groups: list[dict[str, Any]]) -> dict[int, int]:
+def _indices(zero: Sharded, groups: list[dict[str, Any]]) -> dict[int, int]:
     """id(parameter) -> its index in a packed state dict (the numbering ``torch.optim`` uses)."""
     return {id(p): i for ours, packed in zip(zero.param_groups, groups)
             for p, i in zip(ours["params"], packed["params"])}
 
 
-def full_state_dict(zero: ZeroRedundancyOptimizer, gathered: list[dict[str, Any]]) -> dict[str, Any]:
+def full_state_dict(zero: Sharded, gathered: list[dict[str, Any]]) -> dict[str, Any]:
     """The unsharded optimizer's state dict from ``gather_state``'s flat state."""
     packed = torch.optim.Optimizer.state_dict(zero)  # param_groups as torch numbers them; no state
     index = _indices(zero, packed["param_groups"])
@@ -82,7 +91,7 @@ def full_state_dict(zero: ZeroRedundancyOptimizer, gathered: list[dict[str, Any]
     return {"state": dict(sorted(state.items())), "param_groups": packed["param_groups"]}
 
 
-def load_full_state(zero: ZeroRedundancyOptimizer, state_dict: dict[str, Any]) -> None:
+def load_full_state(zero: Sharded, state_dict: dict[str, Any]) -> None:
     """Keep this rank's shards of an unsharded state dict; take its groups' options."""
     saved = state_dict["param_groups"]
     if [len(g["params"]) for g in saved] != [len(g["params"]) for g in zero.param_groups]:
