@@ -24,6 +24,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import cache
 from typing import NamedTuple, Protocol
 
 import numpy as np
@@ -40,10 +41,19 @@ __all__ = [
 ANY_SOURCE = -1
 COLLECTIVE_TAG = 1 << 20  # tags from here on name a collective (Collective.code); below, the user's
 _KINDS = ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce")
-# Every algorithm's slot in a collective's code (up to 32; a parameter after ':' is not encoded).
-_ALGORITHMS = ("naive", "ring", "tree", "direct", "native", "recursive_doubling", "rabenseifner",
-               "double_tree", "pipelined_ring", "pipelined_tree", "hierarchical")
-_SLOTS = 32
+_SLOTS = 32  # algorithms a collective code has room for
+
+
+@cache
+def _algorithms() -> tuple[str, ...]:
+    """The names a collective code can carry, in the one registry's order (``native`` included):
+    every rank imports the same registry, so every rank derives the same codes. Imported on first
+    use: the registry loads every algorithm, which a bare communicator does not need."""
+    from dplab.reference.algorithms import ALGORITHMS
+
+    if len(ALGORITHMS) > _SLOTS:  # pragma: no cover - a registry this long needs a wider code
+        raise ConfigError(f"{len(ALGORITHMS)} algorithms do not fit a collective code's {_SLOTS} slots")
+    return ALGORITHMS
 
 
 class CommError(DplabError):
@@ -76,7 +86,11 @@ class Collective(NamedTuple):
     root: int = -1  # rooted collectives (broadcast, reduce) only
 
     def code(self) -> int:
-        k, a = _KINDS.index(self.kind), _ALGORITHMS.index(self.algorithm.partition(":")[0])
+        name, names = self.algorithm.partition(":")[0], _algorithms()
+        if self.kind not in _KINDS or name not in names:
+            raise ConfigError(f"no collective code for {self}: the kind is one of {', '.join(_KINDS)} "
+                              f"and the algorithm one of {', '.join(names)}")
+        k, a = _KINDS.index(self.kind), names.index(name)
         return COLLECTIVE_TAG + k + 8 * (a + _SLOTS * (self.root + 1))
 
     @classmethod
@@ -85,9 +99,10 @@ class Collective(NamedTuple):
         if code < COLLECTIVE_TAG:
             return None
         k, rest = (code - COLLECTIVE_TAG) % 8, (code - COLLECTIVE_TAG) // 8
-        if k >= len(_KINDS) or rest % _SLOTS >= len(_ALGORITHMS):
+        names = _algorithms()
+        if k >= len(_KINDS) or rest % _SLOTS >= len(names):
             return None
-        return cls(_KINDS[k], _ALGORITHMS[rest % _SLOTS], rest // _SLOTS - 1)
+        return cls(_KINDS[k], names[rest % _SLOTS], rest // _SLOTS - 1)
 
     def __str__(self) -> str:
         return f"{self.kind}({self.algorithm}{'' if self.root < 0 else f', root={self.root}'})"

@@ -15,7 +15,9 @@ import pytest
 
 from dplab.backends.launch.world import RankError, launch
 from dplab.reference import collectives
+from dplab.reference.algorithms import ALGORITHMS, PARAMETRIC, ROOTED, SCATTER
 from dplab.reference.communicator import COLLECTIVE_TAG, Collective, describe_tag
+from dplab.reference.errors import ConfigError
 
 TIMEOUT = 20.0  # a mismatch must be found long before this
 
@@ -92,3 +94,26 @@ def test_collective_codes_round_trip_and_stay_clear_of_user_tags():
     assert Collective.decode(0) is None and Collective.decode(COLLECTIVE_TAG - 1) is None
     assert describe_tag(Collective("broadcast", "tree", 1).code()) == "broadcast(tree, root=1)"
     assert describe_tag(5) == "a point-to-point message or exchange (tag 5)"
+
+
+KINDS = ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce")
+
+
+def test_every_registry_algorithm_has_a_code_that_decodes_to_it():
+    """The codes come from the one registry (reference/algorithms): every algorithm a collective
+    may run, ``native`` included, in every kind and for roots up to 4095, has its own code, and
+    a parametrised name's code is its name's (the parameter does not travel)."""
+    assert "native" in ALGORITHMS and {*SCATTER, *ROOTED} <= set(ALGORITHMS)
+    calls = [Collective(k, a, r) for k in KINDS for a in ALGORITHMS for r in (-1, 0, 3, 4095)]
+    codes = [c.code() for c in calls]
+    assert len(set(codes)) == len(calls) and min(codes) >= COLLECTIVE_TAG
+    assert [Collective.decode(c) for c in codes] == calls
+    for name, default in PARAMETRIC.items():
+        assert Collective("allreduce", f"{name}:{default + 1}").code() == Collective("allreduce", name).code()
+
+
+def test_a_name_outside_the_registry_has_no_code():
+    with pytest.raises(ConfigError, match="no collective code"):
+        Collective("allreduce", "auto").code()
+    with pytest.raises(ConfigError, match="no collective code"):
+        Collective("alltoall", "ring").code()
