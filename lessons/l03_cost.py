@@ -16,7 +16,7 @@ from dataclasses import replace
 import numpy as np
 
 from dplab.backends import allreduce
-from dplab.backends.cli.bench import bench_rank, summarize
+from dplab.backends.bench.timing import bench_rank, summarize
 from dplab.lessons.step import Check, Explore, Lesson, Predict, Step
 from dplab.reference import auto
 from dplab.reference.algorithms import allreduce_schedule

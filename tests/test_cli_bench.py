@@ -7,8 +7,8 @@ import re
 
 import pytest
 
+from dplab.backends.bench.timing import summarize
 from dplab.backends.cli.args import build_parser
-from dplab.backends.cli.bench import summarize
 from dplab.backends.cli.commands import main
 
 
@@ -76,7 +76,7 @@ def test_busbw_is_zero_at_one_rank_as_in_nccl_tests():
 def test_every_clock_read_waits_for_the_device(monkeypatch):
     """On a GPU the kernels run asynchronously: a timed loop synchronizes before both clock reads,
     so it times the device's work, not the launches (checked here with a recording stand-in)."""
-    from dplab.backends.cli import bench
+    from dplab.backends.bench import timing as bench
 
     torch = pytest.importorskip("torch")
     events = []

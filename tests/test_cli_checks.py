@@ -15,8 +15,9 @@ import time
 
 import pytest
 
+from dplab.backends.bench import spec
+from dplab.backends.bench.spec import MemoryNeed, bench_memory_need
 from dplab.backends.cli import checks
-from dplab.backends.cli.checks import MemoryNeed, bench_memory_need
 from dplab.reference.errors import ConfigError
 
 LONG = ["--steps", "1000000"]
@@ -137,12 +138,12 @@ def test_memory_is_checked_against_free_shm_and_mem_available(monkeypatch):
     a = Namespace(command="bench", backends=["local"], world_sizes=[2, 4], algorithms=["ring"],
                   sizes=[64 * M], dtype="float32", reps=1, target_seconds=0.1, warmup=0, max_iters=10,
                   device=None, json=None)
-    monkeypatch.setattr(checks, "shm_free_bytes", lambda: 255 * M)
-    monkeypatch.setattr(checks, "mem_available_bytes", lambda: 10 << 30)
+    monkeypatch.setattr(spec, "shm_free_bytes", lambda: 255 * M)
+    monkeypatch.setattr(spec, "mem_available_bytes", lambda: 10 << 30)
     with pytest.raises(ConfigError, match=r"world size 4 .* 256\.0 MiB of /dev/shm in all, but 255\.0 MiB"):
         checks.check_args(a)
-    monkeypatch.setattr(checks, "shm_free_bytes", lambda: 256 * M)
+    monkeypatch.setattr(spec, "shm_free_bytes", lambda: 256 * M)
     checks.check_args(a)  # exactly enough
-    monkeypatch.setattr(checks, "mem_available_bytes", lambda: 300 * M)  # 256M shm + 128M memcpy
+    monkeypatch.setattr(spec, "mem_available_bytes", lambda: 300 * M)  # 256M shm + 128M memcpy
     with pytest.raises(ConfigError, match="MemAvailable"):
         checks.check_args(a)

@@ -31,11 +31,7 @@ COST_AND_TUNING = {f"dplab.reference.{m}" for m in ("auto", "costfit", "costmode
 CLI = "dplab.backends.cli"
 # Pending on files other people are editing now; each test below names what is left.
 PENDING_CYCLES: list[set[str]] = []
-PENDING_VIZ_CLI = {("dplab.viz.cost", "dplab.backends.cli.bench"),
-                   ("dplab.viz.cost_fit", "dplab.backends.cli"),  # from dplab.backends.cli import bench
-                   ("dplab.viz.cost_fit", "dplab.backends.cli.bench"),
-                   ("dplab.viz.cost_fit", "dplab.backends.cli.args"),
-                   ("dplab.viz.cost_fit", "dplab.backends.cli.checks")}
+PENDING_VIZ_CLI: set[tuple[str, str]] = set()
 
 
 @cache
@@ -177,9 +173,6 @@ def test_viz_imports_no_cli_module_beyond_the_pending_ones():
     assert edges <= PENDING_VIZ_CLI, sorted(edges - PENDING_VIZ_CLI)
 
 
-@pytest.mark.xfail(strict=True, reason="viz/cost.py and viz/cost_fit.py still use backends/cli/bench.py "
-                                       "(busbw_factor, bench_rank, summarize) and the bench's parser and "
-                                       "checks; bench.py is its owner's now: flip when it moves out of cli/")
 def test_viz_reaches_no_cli_module():
     """The app builds on runs, transports and the spine, never on the command line."""
     leaks = sorted(f"{m} -> {n}" for m in modules() if m.startswith("dplab.viz")

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from dplab.backends.cli.bench import busbw_factor
+from dplab.backends.bench.timing import busbw_factor
 from dplab.reference.algorithms import ALLREDUCE, allreduce_schedule
 from dplab.reference.costmodel import cost
 from dplab.reference.errors import ConfigError

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 import plotly.graph_objects as go
 
+from dplab.backends.bench.spec import BenchSpec
 from dplab.backends.launch.world import World
 from dplab.reference import costfit
 from dplab.reference.costfit import BENCH_KEYS, CostFit, load_bench_json
@@ -133,24 +134,10 @@ def run_bench(world_sizes: list[int], sizes: list[int],
               algorithms: tuple[str, ...] = ("ring", "tree", "naive", "native"), backend: str = "local",
               reps: int = 3, target_seconds: float = 0.05, warmup: int = 2,
               world: Callable[[int, str], AbstractContextManager[Any]] = World) -> list[dict[str, Any]]:
-    """A short ``dplab bench`` now: the command line's own parser and checks, then its rank function
-    (``bench_rank``) and rows (``summarize``) on one world per world size, as ``cmd_bench`` runs them.
-
-    ``world(p, backend)``: what starts each world (the app passes its budget's, ``viz.budget``).
-    """
-    from dplab.backends.cli import bench
-    from dplab.backends.cli.args import build_parser
-    from dplab.backends.cli.checks import check_args
-
-    argv = ["bench", "--backends", backend, "--world-sizes", ",".join(map(str, world_sizes)),
-            "--sizes", ",".join(map(str, sizes)), "--algorithms", ",".join(algorithms),
-            "--reps", str(reps), "--target-seconds", str(target_seconds), "--warmup", str(warmup)]
-    a = build_parser().parse_args(argv)
-    check_args(a)
-    rows: list[dict[str, Any]] = []
-    for p in a.world_sizes:
-        with world(p, backend) as w:
-            per_rank = w.run(bench.bench_rank, a.algorithms, a.sizes, a.dtype, a.warmup, a.target_seconds,
-                             a.max_iters, a.reps)
-        rows += bench.summarize(backend, p, per_rank)
-    return rows
+    """A short ``dplab bench`` now: the command's own ``BenchSpec``, checked as the command checks
+    it, run on one world per world size. ``world(p, backend)``: what starts each world (the app
+    passes its budget's, ``viz.budget``)."""
+    spec = BenchSpec((backend,), tuple(world_sizes), tuple(sizes), tuple(algorithms), warmup=warmup,
+                     target_seconds=target_seconds, reps=reps)
+    spec.check()
+    return [row for p in spec.world_sizes for row in spec.run(world, backend, p)]

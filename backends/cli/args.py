@@ -16,11 +16,12 @@ from collections.abc import Callable
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
+from dplab.backends.bench.spec import BenchSpec
+from dplab.backends.bench.timing import parse_size
 from dplab.backends.cli.app import port_number
 from dplab.backends.cli.args_optim import add_optimizer_args, add_sweep_args, positive_float, positive_int
 from dplab.backends.cli.args_optim import csv_list as _csv
 from dplab.backends.cli.args_zero import add_zero_args, precision_flags_error
-from dplab.backends.cli.bench import parse_size
 from dplab.backends.cli.lesson import add_lesson_parser
 from dplab.backends.cli.memory import add_memory_parser
 from dplab.backends.cli.scaling import add_scaling_parser
@@ -257,18 +258,20 @@ def _add_bench(sub: Any) -> None:
                        description=_wrap("Time all-reduce algorithms on every backend x world size x buffer "
                                          "size, nccl-tests style, against the engine's own all-reduce and "
                                          "a memory copy."))
-    b.add_argument("--backends", "--backend", type=_csv(), default=["local"],
+    d = BenchSpec()  # the command's defaults are the spec's: the app's short bench starts from them
+    b.add_argument("--backends", "--backend", type=_csv(), default=list(d.backends),
                    help="local,mpi,torch: several in one run put their rows side by side")
-    b.add_argument("--algorithms", type=_csv(), default=["ring", "tree", "naive", "native"],
+    b.add_argument("--algorithms", type=_csv(), default=list(d.algorithms),
                    help=f"from {', '.join((*ALGORITHMS, 'auto'))} (native: the engine's own all-reduce)")
-    b.add_argument("--world-sizes", type=_csv(int), default=[2], help="ranks per run")
-    b.add_argument("--sizes", type=_csv(_size), default=[4096, 1 << 20, 16 << 20, 64 << 20],
+    b.add_argument("--world-sizes", type=_csv(int), default=list(d.world_sizes), help="ranks per run")
+    b.add_argument("--sizes", type=_csv(_size), default=list(d.sizes),
                    help="bytes per buffer, with K, M or G for KiB, MiB, GiB (default: 4K,1M,16M,64M)")
-    b.add_argument("--dtype", choices=["float32", "float64"], default="float32", help="buffer element type")
-    b.add_argument("--warmup", type=int, default=3, help="untimed calls per cell before timing")
-    b.add_argument("--target-seconds", type=positive_float, default=0.3, help="timed work per cell")
-    b.add_argument("--reps", type=int, default=5, help="timed loops per cell, algorithms interleaved")
-    b.add_argument("--max-iters", type=positive_int, default=2000, help="most calls in one timed loop")
+    b.add_argument("--dtype", choices=["float32", "float64"], default=d.dtype, help="buffer element type")
+    b.add_argument("--warmup", type=int, default=d.warmup, help="untimed calls per cell before timing")
+    b.add_argument("--target-seconds", type=positive_float, default=d.target_seconds,
+                   help="timed work per cell")
+    b.add_argument("--reps", type=int, default=d.reps, help="timed loops per cell, algorithms interleaved")
+    b.add_argument("--max-iters", type=positive_int, default=d.max_iters, help="most calls in one timed loop")
     _add_common_args(b, "torch backend: gloo on CPU or NCCL with one GPU per rank (default: cpu, or "
                         "$DPLAB_DEVICE)")
 

@@ -12,22 +12,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
-from dplab.backends.launch.world import check_backend, launcher_env, under_launcher
-from dplab.reference.algorithms import ALGORITHMS, has_schedule
+from dplab.backends.bench.spec import BenchSpec
+from dplab.backends.launch.world import launcher_env, under_launcher
 from dplab.reference.errors import ConfigError
 
 __all__ = ["check_args", "OutputPathError", "stop_launcher_job", "check_output_file", "check_output_dir",
-           "bench_memory_need", "MemoryNeed", "shm_free_bytes", "mem_available_bytes"]
-
-SHM = "/dev/shm"
-
+           "bench_spec"]
 
 class OutputPathError(ConfigError):
     """An output path is bad. Only the rank that writes (rank 0) checks, so under a launcher the
@@ -62,7 +55,7 @@ def check_args(a: argparse.Namespace, printer: bool = True) -> None:
         if p < 1:
             raise ConfigError(f"world_size must be a positive integer, got {p}")
     if a.command == "bench":
-        _check_bench(a)
+        bench_spec(a).check()
     if printer:
         if a.json:
             check_output_file("--json", a.json)
@@ -129,76 +122,7 @@ def _probe(option: str, path: str, directory: Path) -> None:
     os.unlink(name)
 
 
-def _check_bench(a: argparse.Namespace) -> None:
-    if a.reps < 1 or a.target_seconds <= 0 or a.warmup < 0:
-        raise ConfigError("bench needs --reps >= 1, --target-seconds > 0 and --warmup >= 0")
-    for backend in a.backends:
-        check_backend(backend)
-    unknown = [alg for alg in a.algorithms if not has_schedule(alg)]
-    if unknown:
-        raise ConfigError(f"unknown algorithm {unknown[0]!r}: choose from {', '.join(ALGORITHMS)}")
-    itemsize = np.dtype(a.dtype).itemsize
-    small = [s for s in a.sizes if s < itemsize]
-    if small:
-        raise ConfigError(f"size {small[0]} bytes is less than one {a.dtype} element ({itemsize} bytes): "
-                          f"use --sizes of at least {itemsize}")
-    for backend in a.backends:
-        need = bench_memory_need(backend, max(a.world_sizes), a.sizes)
-        _check_room(need, shm_free_bytes() if need.shm else 0, mem_available_bytes())
-
-
-@dataclass(frozen=True)
-class MemoryNeed:
-    """Peak bytes a bench run of one backend holds: in /dev/shm (local backend) and in RAM."""
-
-    backend: str
-    world_size: int
-    per_rank: int  # buffer bytes one rank holds at its peak
-    shm: int  # of which in /dev/shm, all ranks together
-    ram: int  # all ranks together, /dev/shm included (tmpfs lives in RAM), plus rank 0's memcpy
-
-
-def bench_memory_need(backend: str, world_size: int, sizes: list[int]) -> MemoryNeed:
-    """What ``bench_rank`` allocates: each rank holds the buffer being timed and, while the next
-    size is allocated, the previous one; rank 0's memory-copy row adds a source and a destination
-    of the largest size. The engines' own all-reduces (MPI, gloo) may add a scratch copy of the
-    buffer per rank; the local backend reduces straight out of the peers' shared memory."""
-    pairs = [a + b for a, b in zip(sizes, [0, *sizes[:-1]])]
-    largest = max(sizes)
-    per_rank = max(pairs) + (0 if backend == "local" else largest)
-    shm = world_size * max(pairs) if backend == "local" else 0
-    return MemoryNeed(backend, world_size, per_rank, shm, world_size * per_rank + 2 * largest)
-
-
-def _check_room(need: MemoryNeed, shm_free: int, ram_free: int | None) -> None:
-    what = (f"bench --backend {need.backend} at world size {need.world_size} holds up to "
-            f"{_gib(need.per_rank)} per rank")
-    if need.shm > shm_free:
-        raise ConfigError(f"{what}: {_gib(need.shm)} of {SHM} in all, but {_gib(shm_free)} is free: "
-                          "use smaller --sizes or fewer ranks (or enlarge /dev/shm)")
-    if ram_free is not None and need.ram > ram_free:
-        raise ConfigError(f"{what}: {_gib(need.ram)} of memory in all, but {_gib(ram_free)} is available "
-                          "(MemAvailable): use smaller --sizes or fewer ranks")
-
-
-def shm_free_bytes() -> int:
-    try:
-        return shutil.disk_usage(SHM).free
-    except OSError:  # no /dev/shm here: the local backend will say so itself
-        return 1 << 62
-
-
-def mem_available_bytes() -> int | None:
-    """MemAvailable from /proc/meminfo (Linux); None where there is none to read."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def _gib(n: int) -> str:
-    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+def bench_spec(a: argparse.Namespace) -> BenchSpec:
+    """``dplab bench``'s options as the ``BenchSpec`` the app builds too."""
+    return BenchSpec(tuple(a.backends), tuple(a.world_sizes), tuple(a.sizes), tuple(a.algorithms), a.dtype,
+                     a.warmup, a.target_seconds, a.reps, a.max_iters)

@@ -25,12 +25,11 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from dplab.backends.cli import bench
 from dplab.backends.cli.app import run_app
 from dplab.backends.cli.args import AUTO, build_parser
 from dplab.backends.cli.args_optim import optim_config
 from dplab.backends.cli.args_zero import master_dtype, precision_config
-from dplab.backends.cli.checks import OutputPathError, check_args, stop_launcher_job
+from dplab.backends.cli.checks import OutputPathError, bench_spec, check_args, stop_launcher_job
 from dplab.backends.cli.compare import run_specs
 from dplab.backends.cli.lesson import run_lesson_command
 from dplab.backends.cli.memory import run_memory
@@ -122,13 +121,10 @@ def cmd_compare(a: argparse.Namespace) -> list[dict[str, Any]]:
 
 def cmd_bench(a: argparse.Namespace) -> list[dict[str, Any]]:
     """Every backend x world size is one run with its own memcpy row (``checks`` vetted the rest)."""
-    rows, progress = [], Progress(len(a.world_sizes) * len(a.backends))
-    for backend in a.backends:
-        for p in a.world_sizes:
-            with open_world(p, backend) as world:
-                per_rank = world.run(bench.bench_rank, a.algorithms, a.sizes, a.dtype, a.warmup,
-                                     a.target_seconds, a.max_iters, a.reps)
-            rows += bench.summarize(backend, p, per_rank)
+    spec, rows, progress = bench_spec(a), [], Progress(len(a.world_sizes) * len(a.backends))
+    for backend in spec.backends:
+        for p in spec.world_sizes:
+            rows += spec.run(open_world, backend, p)
             progress.step(f"{backend} world size {p}")
     progress.close()
     return rows

@@ -24,8 +24,8 @@ from typing import Any
 
 import numpy as np
 
+from dplab.backends.bench.timing import parse_size
 from dplab.backends.cli.args_optim import csv_list
-from dplab.backends.cli.bench import parse_size
 from dplab.backends.cli.checks import check_output_file
 from dplab.backends.runs import uploads
 from dplab.reference import auto, costfit
