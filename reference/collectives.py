@@ -42,7 +42,7 @@ from dplab.reference.errors import ConfigError
 from dplab.reference.schedule import Message, Schedule, chunk_bounds, messages_of
 
 __all__ = ["allreduce", "reduce_scatter", "allgather", "broadcast", "reduce", "run_schedule",
-           "schedule_of", "schedule_plan", "flat_view", "DTYPES", "TORCH_DTYPES"]
+           "schedule_of", "schedule_plan", "flat_view", "is_float", "DTYPES", "TORCH_DTYPES"]
 
 DTYPES = ("float16", "float32", "float64", "int32", "int64")  # numpy arrays, on every backend
 TORCH_DTYPES = (*DTYPES, "bfloat16")  # torch tensors, on the torch backend
