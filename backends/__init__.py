@@ -21,24 +21,8 @@ Rooms: ``launch/`` (launch, World), ``local/`` ``mpi/`` ``torchdist/`` (one per 
 files), ``cli/`` (the ``dplab`` command).
 """
 
-from typing import Any
-
 from dplab.backends.launch.world import BackendUnavailable, RankError, World, launch
 from dplab.reference.collectives import allgather, allreduce, broadcast, reduce, reduce_scatter
 
 __all__ = ["launch", "World", "RankError", "BackendUnavailable", "allreduce", "reduce_scatter",
-           "allgather", "broadcast", "reduce", "RunSpec", "run_train", "TrainConfig"]
-
-# Names kept importable from here for older scripts; they load the trainers (ZeRO, the parameter
-# server: ~60 modules), so they are resolved on first use (PEP 562), not by every `import launch`.
-# Plain import statements, so ../shared/tools/import_cycles.py and tests/test_layers.py see them.
-_LAZY = ("RunSpec", "run_train", "TrainConfig")
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _LAZY:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    from dplab.backends.runs.run import RunSpec, run_train
-    from dplab.reference.train.single import TrainConfig
-
-    return {"RunSpec": RunSpec, "run_train": run_train, "TrainConfig": TrainConfig}[name]
+           "allgather", "broadcast", "reduce"]

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from dplab.backends import RunSpec, TrainConfig, allreduce, run_train
+from dplab.backends import allreduce
+from dplab.backends.runs.run import RunSpec, run_train
 from dplab.lessons.step import Check, Explore, Lesson, Predict, Step
 from dplab.reference.data import batch_indices, shard
 from dplab.reference.model import MLP
-from dplab.reference.train.single import setup
+from dplab.reference.train.single import TrainConfig, setup
 
 __all__ = ["LESSON"]
 

@@ -10,12 +10,12 @@ reduces once per step however many micro-batches it takes, and still equals one 
 
 from __future__ import annotations
 
-from dplab.backends import RunSpec, TrainConfig, run_train
+from dplab.backends.runs.run import RunSpec, run_train
 from dplab.lessons.step import Check, Explore, Lesson, Predict, Step
 from dplab.reference.model import MLP, MLPConfig
 from dplab.reference.trace_metrics import COMM_KINDS, COMPUTE_KINDS, intersect, measure
 from dplab.reference.train.buckets import assign_buckets
-from dplab.reference.train.single import train_single
+from dplab.reference.train.single import TrainConfig, train_single
 from dplab.viz.cost import format_bytes
 
 __all__ = ["LESSON"]

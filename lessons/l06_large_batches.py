@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from dplab.backends import RunSpec, TrainConfig, run_train
+from dplab.backends.runs.run import RunSpec, run_train
 from dplab.lessons.step import Check, Lesson, Predict, Step
 from dplab.reference.data import batch_indices
 from dplab.reference.lr import scaled_lr
 from dplab.reference.model import MLPConfig
 from dplab.reference.optim import OptimConfig, make_optimizer
-from dplab.reference.train.single import evaluate, setup, train_single
+from dplab.reference.train.single import TrainConfig, evaluate, setup, train_single
 
 __all__ = ["LESSON"]
 

@@ -14,7 +14,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from dplab.backends import RunSpec
+from dplab.backends.runs.run import RunSpec
 from dplab.lessons.exercises import STUBS, check_file
 from dplab.lessons.step import Check, Explore, Lesson, Predict, Step
 from dplab.reference.model import MLPConfig

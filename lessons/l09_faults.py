@@ -18,8 +18,9 @@ from pathlib import Path
 
 import numpy as np
 
-from dplab.backends import RankError, RunSpec, launch, run_train
+from dplab.backends import RankError, launch
 from dplab.backends.launch.world import RankLost
+from dplab.backends.runs.run import RunSpec, run_train
 from dplab.lessons.step import Check, Lesson, Predict, Step
 from dplab.reference.checkpoint.resume import CheckpointConfig
 from dplab.reference.checkpoint.store import (

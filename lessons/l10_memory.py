@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import math
 
-from dplab.backends import RunSpec, run_train
 from dplab.backends.cli.memory import memory_rows
+from dplab.backends.runs.run import RunSpec, run_train
 from dplab.lessons.exercises import STUBS, check_file
 from dplab.lessons.step import Check, Lesson, Predict, Step
 from dplab.reference.model import MLP, MLPConfig

@@ -13,12 +13,13 @@ from dataclasses import replace
 
 import numpy as np
 
-from dplab.backends import RunSpec, TrainConfig, allreduce, run_train
+from dplab.backends import allreduce
+from dplab.backends.runs.run import RunSpec, run_train
 from dplab.lessons.step import Check, Lesson, Predict, Step
 from dplab.reference.data import batch_indices
 from dplab.reference.optim import OptimConfig
 from dplab.reference.precision.config import MixedPrecision
-from dplab.reference.train.single import setup, train_single
+from dplab.reference.train.single import TrainConfig, setup, train_single
 
 __all__ = ["LESSON"]
 

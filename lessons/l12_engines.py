@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from dplab.backends import TrainConfig, allreduce
+from dplab.backends import allreduce
 from dplab.lessons.step import Check, Explore, Lesson, Predict, Step
+from dplab.reference.train.single import TrainConfig
 from dplab.reference.train.sync import SyncConfig, train_sync
 
 __all__ = ["LESSON"]
