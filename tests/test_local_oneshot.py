@@ -22,9 +22,9 @@ def _rounds_and_sums(comm, n, shm, calls):
     for it in range(calls):
         buf = comm.empty(n, np.float64) if shm else np.empty(n, np.float64)
         buf[:] = np.arange(n) * (comm.rank + 1) + it
-        before, staged = sum(comm._send_seq), comm.bytes_staged
+        before, staged = sum(comm.mailboxes.send_seq), comm.bytes_staged
         allreduce(comm, buf, "native")
-        sent.append((sum(comm._send_seq) - before, comm.bytes_staged - staged))
+        sent.append((sum(comm.mailboxes.send_seq) - before, comm.bytes_staged - staged))
         out.append(buf.copy())
     return sent, out
 
@@ -126,7 +126,7 @@ def _reused_beside_fresh(comm, n, calls):
         buf[:] = comm.rank + 1
         comm.native_allreduce(buf)
         assert (buf == comm.world_size * (comm.world_size + 1) // 2).all()
-    return len(comm._peers)
+    return len(comm.memory._peers)
 
 
 def test_a_peer_segment_evicted_while_its_view_is_held_stays_readable():

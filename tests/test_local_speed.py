@@ -18,7 +18,7 @@ import pytest
 from dplab.backends.launch.world import launch
 from dplab.backends.local import memory
 from dplab.backends.local.shm import Segment
-from dplab.backends.local.waits import Waits
+from dplab.backends.local.waits import Waiter
 from dplab.reference.collectives import allreduce
 
 
@@ -36,7 +36,8 @@ def _wait_cpu(comm, delay):
     cpu = time.thread_time()  # this thread's: not the launcher's watch thread, nor anyone else's
     comm.recv(buf, 0)
     assert buf.tolist() == [float(comm.rank)] * 4
-    return time.thread_time() - cpu, comm._spin, comm._yields
+    waiter = comm.mailboxes.waiter
+    return time.thread_time() - cpu, waiter.spin, waiter.yields
 
 
 @pytest.mark.parametrize("p", [2, 4])
@@ -115,10 +116,10 @@ def _many_segments(comm, count, cache):
         else:
             comm.recv(buf, 0)
             got.append(int(buf[0]))
-            mapped = set(comm._peers)
-            assert len(comm._peers) <= memory.PEER_CACHE
-            assert len(comm._views) <= cache
-            assert all(key[:2] in mapped for key in comm._views), "a view outlived its mapping"
+            mapped = set(comm.memory._peers)
+            assert len(comm.memory._peers) <= memory.PEER_CACHE
+            assert len(comm.memory._views) <= cache
+            assert all(key[:2] in mapped for key in comm.memory._views), "a view outlived its mapping"
         comm.barrier()
     return got
 
@@ -157,31 +158,30 @@ class _Sem:
         return True
 
 
-class _Waiter(Waits):
-    rank, timeout, _tag, _yields = 0, 1.0, 0, 0
-
-    def __init__(self, spin: float) -> None:
-        self._spin, self._budget, self._waits = spin, spin, 0
+def _waiter(spin: float) -> Waiter:
+    w = Waiter(0, 1, 1.0)
+    w.spin, w.budget, w.yields = spin, spin, 0
+    return w
 
 
 def test_the_spin_backs_off_while_waits_sleep_and_comes_back_when_they_do_not():
     """A busy machine (a peer without a core) makes every spin a waste: each wait that ends asleep
     halves the next spin, down to a sixteenth; every eighth wait spins in full, and one quick
     wait restores it."""
-    w, spin = _Waiter(20e-6), 20e-6
+    w, spin = _waiter(20e-6), 20e-6
     budgets = []
     for _ in range(7):
         slow = _Sem(quick=False)
-        w._acquire(slow, "for its message", 1)
+        w.acquire(slow, "for its message", 1)
         assert slow.sleeps == 1 and slow.tries > 0
-        budgets.append(w._budget)
+        budgets.append(w.budget)
     assert budgets == [spin / 2, spin / 4, spin / 8, spin / 16, spin / 16, spin / 16, spin / 16]
     probe = _Sem(quick=False)
-    w._acquire(probe, "for its message", 1)  # the 8th: a full spin, which fails
-    assert w._budget == spin / 2
+    w.acquire(probe, "for its message", 1)  # the 8th: a full spin, which fails
+    assert w.budget == spin / 2
     quick = _Sem(quick=True)
-    w._acquire(quick, "for its message", 1)
-    assert (quick.tries, quick.sleeps, w._budget) == (1, 0, spin)
+    w.acquire(quick, "for its message", 1)
+    assert (quick.tries, quick.sleeps, w.budget) == (1, 0, spin)
 
 
 class _Recorder:

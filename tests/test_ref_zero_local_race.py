@@ -22,13 +22,13 @@ from dplab.reference.collectives import allgather, reduce_scatter
 
 def _late_peek_then_next_collective(comm):
     if comm.rank == 0:
-        peek = comm._peek
+        peek = comm.mailboxes.peek
 
         def late_peek(*args):
             time.sleep(0.2)  # the peer acks and posts its next collective meanwhile
             return peek(*args)
 
-        comm._peek = late_peek
+        comm.mailboxes.peek = late_peek
     else:
         recv_into = comm._recv_into
 

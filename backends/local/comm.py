@@ -1,55 +1,42 @@
 """The local backend: ranks are processes on one machine that talk through shared memory.
 
-No setup, no engine: this is dplab's embedded default. Each rank owns named
-shared-memory segments (``comm.empty`` allocates there, like registered memory in
-NCCL or MPI_Alloc_mem). Sending a buffer that lives in a segment costs no copy at
-all: the sender writes a descriptor (segment, offset, bytes, dtype, tag) into the
-pair's mailbox and posts a semaphore; the receiver reads, or adds, straight out of
-the sender's memory and posts back "done". A buffer outside the segments is first
-copied into a staging segment (one copy of the bytes sent).
+No setup, no engine: this is dplab's embedded default. ``LocalComm`` is three parts, each
+with its own state: ``Memory`` (its segments, staging and views into peers' segments,
+``memory.py``), ``Mailboxes`` (descriptors and semaphores per pair of ranks, ``mailboxes.py``,
+waiting as ``waits.py`` says) and the one-shot native all-reduce (``oneshot.py``). A send
+locates its buffer in shared memory (staging it if need be) and posts a descriptor; the
+receiver reads, or adds, straight out of the sender's memory and posts back "done".
 
-Each ordered pair (src, dst) has its own mailbox of SLOTS descriptors and two
-semaphores, so ranks signal only the peer they talk to (no global barrier per
-round). ``arrival[dst]`` is posted with every message so ANY_SOURCE receives can
-sleep until something comes. Messages between two ranks are matched in order;
-tags are checked, not used to pick a message. A collective's messages are tagged with the
-collective's code (``check_buffer``), so a rank that called another collective, algorithm or
-root is named at the first message it receives; a rank that only sends and waits for a peer
-to take its message looks at the peer's own waiting message (its tag) now and then, which
-catches two ranks that both only send.
-
-A small message's time is Python, not bytes (``dplab bench --backends local,mpi --sizes 4K``), so
-the hot path keeps it short: descriptors go through a flat int64 memoryview of the mailboxes,
-the views into a peer's segment are made once per chunk and kept (``memory.py``), and a wait
-spins briefly before it sleeps (``waits.py``). ``native`` is one round in which each rank
-reduces its chunk in every rank's buffer, writing into peers' memory (``oneshot.py``).
+Mismatches (the contract in ``dplab.reference.communicator``): ``check_buffer`` makes the
+collective's code the tag of its messages, and every descriptor carries length, dtype and tag,
+so a receiver compares all three at every message and raises ``CollectiveMismatch`` (another
+collective, algorithm or root) or ``BufferMismatch`` (another length or dtype) naming both
+ranks; a sender left waiting for its peer peeks at the peer's own waiting message, which names
+two ranks that both only send. ``native`` carries the code of allreduce(native).
 """
 
 from __future__ import annotations
 
 import os
-from collections import Counter, OrderedDict, deque
+from collections import Counter, deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import lru_cache
 
 import numpy as np
 
-from dplab.backends.local.memory import PEER_CACHE, SegmentMemory
-from dplab.backends.local.oneshot import OneShot
-from dplab.backends.local.shm import Segment
-from dplab.backends.local.waits import Waits, wait_policy
-from dplab.backends.local.wiring import CODE, DESC, DTYPES, SLOTS, Wiring, process_alive
+from dplab.backends.local.mailboxes import ANY_TAG, Mailboxes, refusal
+from dplab.backends.local.memory import PEER_CACHE, Memory
+from dplab.backends.local.oneshot import one_shot
+from dplab.backends.local.waits import Waiter
+from dplab.backends.local.wiring import CODE, DTYPES, SLOTS, Wiring, process_alive
 from dplab.reference.communicator import (
     ANY_SOURCE,
-    COLLECTIVE_TAG,
-    BufferMismatch,
     Collective,
     CommError,
     Communicator,
     RecvSpec,
     SendSpec,
-    collective_mismatch,
     require_writable,
 )
 from dplab.reference.errors import ConfigError
@@ -57,8 +44,6 @@ from dplab.reference.trace import Tracer
 
 __all__ = ["Wiring", "LocalComm", "PEER_CACHE"]
 
-ANY_TAG = -1
-_DTYPES, _CODE, _DESC = DTYPES, CODE, DESC  # the mailboxes' descriptor layout (wiring.py)
 _code = lru_cache(maxsize=4096)(Collective.code)  # a collective's tag, once per (kind, algorithm, root)
 _NATIVE = Collective("allreduce", "native")
 
@@ -79,7 +64,7 @@ class _SendRequest:
         self.comm, self.dst, self.seq = comm, dst, seq
 
     def wait(self) -> None:
-        self.comm._wait_ack(self.dst, self.seq)
+        self.comm.mailboxes.wait_ack(self.dst, self.seq)
 
 
 class _RecvRequest:
@@ -92,41 +77,40 @@ class _RecvRequest:
         return self.source
 
 
-class LocalComm(SegmentMemory, Waits, OneShot, Communicator):
+class LocalComm(Communicator):
+    """A rank of the local backend: ``memory`` and ``mailboxes`` do the work, this class the calls."""
+
     backend = "local"
 
     def __init__(self, wiring: Wiring, rank: int) -> None:
         self.w, self.rank, self.world_size = wiring, rank, wiring.world_size
-        self.timeout = wiring.timeout
         self.tracer = Tracer(rank)
-        p = self.world_size
-        self._ctl_seg = Segment(f"{wiring.session}_ctl")
-        # the mailboxes as bytes: message seq from src to dst is the 5 int64 at _slot(src, dst, seq).
-        # One struct call reads or writes them in ~0.1 µs, where numpy's indexing costs a microsecond.
-        self._ctl = self._ctl_seg.bytes[:p * p * SLOTS * _DESC.size].data
-        # this rank's semaphores per peer, looked up once: ready to / from it, done to / from it
-        w, me = wiring, rank
-        self._ready_to = [w.ready[me][d] for d in range(p)]
-        self._ready_from = [w.ready[s][me] for s in range(p)]
-        self._done_to, self._done_from = [w.done[s][me] for s in range(p)], [w.done[me][d] for d in range(p)]
-        self._segments: dict[int, Segment] = {}  # mine, by id (ids are never reused)
-        self._ranges: dict[int, tuple[int, int]] = {}  # id -> (address, size) of each of mine
-        self._last_range: tuple[int, int, int] = (-1, 0, 0)  # (id, address, size) last found by _locate
-        self._peers: OrderedDict[tuple[int, int], Segment] = OrderedDict()  # (rank, id), LRU
-        self._views: dict[tuple, np.ndarray] = {}  # (rank, id, offset, bytes, dtype) -> view
-        self._send_seq, self._acked, self._recv_seq = [0] * p, [0] * p, [0] * p
-        self._staging: tuple[int, int] = (-1, 0)  # (segment id, capacity)
-        self._stage_top = 0  # bump pointer into the staging segment
-        self._staged_seqs: deque[tuple[int, int]] = deque()  # (dst, seq) of staged sends not yet acked
-        self._pending: dict[int, deque[_RecvRequest]] = {s: deque() for s in range(-1, p)}
-        self._any_next = 0
+        self.mailboxes = Mailboxes(wiring, rank, Waiter(rank, wiring.world_size, wiring.timeout))
+        self.memory = Memory(wiring.session, rank, self.mailboxes.acked)
+        self._pending: dict[int, deque[_RecvRequest]] = {s: deque() for s in range(-1, self.world_size)}
         self._tag = 0  # the tag of the running collective's messages (its code; see check_buffer)
-        self._next_id = 0
-        self._spin, self._yields = wait_policy(p)
-        self._budget, self._waits = self._spin, 0  # the spin now (waits.py) and waits so far
-        self.bytes_staged = 0  # copies made because a send buffer was not in shared memory
         if wiring.pids is not None:
             wiring.pids[rank] = os.getpid()  # for peer_alive: dead or merely slow?
+
+    @property
+    def timeout(self) -> float:
+        return self.mailboxes.waiter.timeout
+
+    @timeout.setter
+    def timeout(self, seconds: float) -> None:
+        self.mailboxes.waiter.timeout = seconds
+
+    @property
+    def bytes_staged(self) -> int:
+        """Bytes copied because a send buffer was not in shared memory (the engine adds its own)."""
+        return self.memory.bytes_staged
+
+    @bytes_staged.setter
+    def bytes_staged(self, n: int) -> None:
+        self.memory.bytes_staged = n
+
+    def empty(self, shape: int | tuple[int, ...], dtype: np.dtype | str) -> np.ndarray:
+        return self.memory.empty(shape, dtype)
 
     # -- liveness -----------------------------------------------------------------------------
     def peer_alive(self, rank: int) -> bool:
@@ -149,44 +133,24 @@ class LocalComm(SegmentMemory, Waits, OneShot, Communicator):
 
     def irecv(self, buf: np.ndarray, src: int = ANY_SOURCE, tag: int = 0) -> _RecvRequest:
         self._check_peer(src, any_ok=True)
-
         req = _RecvRequest(self, buf, src, tag)
         self._pending[src].append(req)
         return req
 
     def _post(self, buf: np.ndarray, dst: int, tag: int) -> int:
+        """Locate ``buf`` in shared memory and post its descriptor to ``dst``; returns its seq."""
         if not 0 <= dst < self.world_size or dst == self.rank:
             self._check_peer(dst)
-        code = _CODE.get(buf.dtype)
+        code = CODE.get(buf.dtype)
         if code is None or not buf.flags.c_contiguous:
             raise CommError(f"rank {self.rank}: send needs a contiguous array of one of "
-                            f"{', '.join(map(str, _CODE))}; got {buf.dtype}, "
+                            f"{', '.join(map(str, CODE))}; got {buf.dtype}, "
                             f"contiguous={buf.flags.c_contiguous}")
-        seq = self._send_seq[dst]
-        if seq - self._acked[dst] >= SLOTS:
-            self._wait_ack(dst, seq - SLOTS)
-        seg_id, off, staged = self._locate(buf)
-        i = ((self.rank * self.world_size + dst) * SLOTS + seq % SLOTS) * _DESC.size  # _slot, inlined
-        _DESC.pack_into(self._ctl, i, seg_id, off, buf.nbytes, code, tag)
-        self._send_seq[dst] = seq + 1
+        seg_id, off, staged = self.memory.locate(buf)
+        seq = self.mailboxes.post(dst, seg_id, off, buf.nbytes, code, tag)
         if staged:
-            self._staged_seqs.append((dst, seq))
-        self._ready_to[dst].release()
-        self.w.arrival[dst].release()
+            self.memory.staged_sent(dst, seq)
         return seq
-
-    def _slot(self, src: int, dst: int, seq: int) -> int:
-        """Where the descriptor of message ``seq`` from ``src`` to ``dst`` starts in ``_ctl``."""
-        return ((src * self.world_size + dst) * SLOTS + seq % SLOTS) * _DESC.size
-
-    def _wait_ack(self, dst: int, seq: int, peek: bool = False) -> None:
-        done = self._done_from[dst]
-        while self._acked[dst] <= seq:
-            if not done.acquire(False):
-                self._acquire(done, "to take its message", dst, peek)
-            self._acked[dst] += 1
-        while self._staged_seqs and self._acked[self._staged_seqs[0][0]] > self._staged_seqs[0][1]:
-            self._staged_seqs.popleft()
 
     def _complete_until(self, req: _RecvRequest) -> None:
         queue = self._pending[req.src]
@@ -195,22 +159,19 @@ class LocalComm(SegmentMemory, Waits, OneShot, Communicator):
             head.source = self._recv_into(head.buf, head.src, head.tag, reduce=False)
 
     def _recv_into(self, buf: np.ndarray, src: int, tag: int, reduce: bool) -> int:
-        me = self.rank
+        """Take the next message from ``src``, check it, and copy or add it into ``buf``."""
+        mailboxes = self.mailboxes
         if src == ANY_SOURCE:
-            src = self._wait_any()
-        elif not self._ready_from[src].acquire(False):
-            self._acquire(self._ready_from[src], "for its message", src)
-        seq = self._recv_seq[src]
-        i = ((src * self.world_size + me) * SLOTS + seq % SLOTS) * _DESC.size  # _slot, inlined
-        seg_id, off, nbytes, code, mtag = _DESC.unpack_from(self._ctl, i)
-        self._recv_seq[src] = seq + 1
+            src, (seg_id, off, nbytes, code, mtag) = mailboxes.take_any()
+        else:
+            seg_id, off, nbytes, code, mtag = mailboxes.take(src)
         try:
-            if mtag != tag and tag != ANY_TAG:
-                self._refuse(buf, src, tag, mtag, nbytes, code)
-            if buf.nbytes != nbytes or buf.dtype is not _DTYPES[code] and buf.dtype != _DTYPES[code]:
-                self._refuse(buf, src, tag, mtag, nbytes, code)
+            dtype = DTYPES[code]
+            if mtag != tag and tag != ANY_TAG or buf.nbytes != nbytes or buf.dtype is not dtype \
+                    and buf.dtype != dtype:
+                raise refusal(self.rank, buf, src, tag, mtag, nbytes, code)
             if nbytes:
-                peer = self._peer_view(src, seg_id, off, nbytes, _DTYPES[code])
+                peer = self.memory.peer_view(src, seg_id, off, nbytes, dtype)
                 if buf.ndim != 1:
                     peer = peer.reshape(buf.shape)
                 if reduce:  # buf may be any view, strided or not: numpy writes through it
@@ -218,22 +179,8 @@ class LocalComm(SegmentMemory, Waits, OneShot, Communicator):
                 else:
                     np.copyto(buf, peer)
         finally:
-            self._done_to[src].release()
+            mailboxes.ack(src)
         return src
-
-    def _refuse(self, buf: np.ndarray, src: int, tag: int, mtag: int, nbytes: int, code: int) -> None:
-        """The error for a message that does not fit the receive: another collective, another buffer
-        or another tag, in that order (a rank in another collective may well send another length)."""
-        me, dtype = self.rank, _DTYPES[code]
-        if mtag != tag and tag != ANY_TAG and max(tag, mtag) >= COLLECTIVE_TAG:
-            raise collective_mismatch(me, tag, src, mtag)
-        if buf.nbytes != nbytes or buf.dtype != dtype:
-            raise BufferMismatch(
-                f"rank {me} expected {buf.size} x {buf.dtype} from rank {src} but rank {src} sent "
-                f"{nbytes // dtype.itemsize} x {dtype}: every rank must pass a buffer of the same "
-                "length and dtype to a collective")
-        raise CommError(f"rank {me} expected tag {tag} from rank {src}, got tag {mtag}: "
-                        "messages between two ranks are matched in order")
 
     def _check_peer(self, peer: int, any_ok: bool = False) -> None:
         if any_ok and peer == ANY_SOURCE:
@@ -253,14 +200,14 @@ class LocalComm(SegmentMemory, Waits, OneShot, Communicator):
         if len(sends) > SLOTS:  # every rank posting before it receives: more than SLOTS to one peer deadlock
             _refuse_crowded_round(self.rank, sends, round, algorithm)
         tr, tag = self.tracer, self._tag if round >= 0 else 0
-        peek = tag >= COLLECTIVE_TAG
+        wait_ack = self.mailboxes.wait_ack
         if not tr.enabled:  # the hot path: no clocks, no events, methods looked up once
-            post, recv_into, wait_ack = self._post, self._recv_into, self._wait_ack
+            post, recv_into = self._post, self._recv_into
             seqs = [post(s[0], s[1], tag) for s in sends]
             for r in recvs:
                 recv_into(r[0], r[1], tag, r[3])
             for s, seq in zip(sends, seqs):
-                wait_ack(s[1], seq, peek)
+                wait_ack(s[1], seq, tag)
             return
         posted = [(s, self._post(s.buf, s.peer, tag), tr.now()) for s in sends]
         for r in recvs:
@@ -269,7 +216,7 @@ class LocalComm(SegmentMemory, Waits, OneShot, Communicator):
             tr.record("reduce" if r.reduce else "copy", t0, tr.now(), peer=r.peer,
                       bytes=r.buf.nbytes, chunk=r.chunk, round=round, algorithm=algorithm)
         for s, seq, t0 in posted:
-            self._wait_ack(s.peer, seq, peek)
+            wait_ack(s.peer, seq, tag)
             tr.record("send", t0, tr.now(), peer=s.peer, bytes=s.buf.nbytes, chunk=s.chunk,
                       round=round, algorithm=algorithm)
 
@@ -285,13 +232,10 @@ class LocalComm(SegmentMemory, Waits, OneShot, Communicator):
         flat = buf.reshape(-1)
         self.check_buffer(flat, _NATIVE)
         if self.world_size > 1:
-            self._one_shot(flat)
+            one_shot(self.mailboxes, self.memory, flat, self._tag, self.tracer)
         if op == "mean" and self.world_size > 1:
             flat /= self.world_size
 
     def close(self) -> None:
-        self._views.clear()
-        self._ctl.release()
-        for seg in [*self._peers.values(), *self._segments.values(), self._ctl_seg]:
-            seg.close()
-        self._peers.clear()
+        self.memory.close()
+        self.mailboxes.close()

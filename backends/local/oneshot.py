@@ -9,7 +9,7 @@ Shared memory lets a rank write a peer's buffer, not only read it. Rank d owns c
 (``chunk_bounds(n, p)[d]``): it adds chunk d of every peer's buffer into its own chunk d, then
 copies the sum into every peer's chunk d. No two ranks touch the same bytes (each only its own
 chunk, in every buffer), so the only synchronisation is one round of descriptors ("here is my
-buffer", the mailboxes of ``comm.py``) and one of acknowledgements ("I am done with yours"): a
+buffer", ``mailboxes.py``) and one of acknowledgements ("I am done with yours"): a
 rank returns once every peer has acknowledged, i.e. has finished reading and writing its
 buffer. For p = 2 and chunks a, b:
 
@@ -32,77 +32,63 @@ from __future__ import annotations
 
 import numpy as np
 
-from dplab.backends.local.wiring import CODE, DESC, DTYPES, SLOTS
-from dplab.reference.communicator import COLLECTIVE_TAG, CommError
+from dplab.backends.local.mailboxes import Mailboxes, refusal
+from dplab.backends.local.memory import Memory
+from dplab.backends.local.wiring import CODE, DTYPES
+from dplab.reference.communicator import CommError
+from dplab.reference.trace import Tracer
 
-__all__ = ["OneShot"]
+__all__ = ["one_shot"]
 
 
-class OneShot:
-    """The one-shot all-reduce half of ``LocalComm`` (which holds the mailboxes and segments)."""
-
-    def _one_shot(self, flat: np.ndarray) -> None:
-        """Sum the contiguous 1-D ``flat`` across all ranks in place, under this collective's tag."""
-        me, p, tag = self.rank, self.world_size, self._tag
-        code = CODE.get(flat.dtype)
-        if code is None:
-            raise CommError(f"rank {me}: the local backend moves {', '.join(map(str, CODE))}, "
-                            f"got {flat.dtype}")
-        peers = [*range(me + 1, p), *range(me)]
-        seg_id, off, staged = self._locate(flat)
-        seqs = [self._announce(q, seg_id, off, flat.nbytes, code, tag, staged) for q in peers]
-        views = [self._take(q, flat, tag) for q in peers]  # every peer's buffer, checked first
-        base, extra = divmod(len(flat), p)  # chunk_bounds(n, p)[me], without the other p - 1
-        lo = me * base + min(me, extra)
-        hi = lo + base + (me < extra)
-        tr = self.tracer
-        if hi > lo:
-            mine = flat[lo:hi]
-            t0 = tr.now() if tr.enabled else 0
-            for v in views:
-                if v is not None:
-                    np.add(mine, v[lo:hi], out=mine)
-            t1 = tr.now() if tr.enabled else 0
-            for v in views:
-                if v is not None:
-                    np.copyto(v[lo:hi], mine)
-            if tr.enabled:
-                tr.record("reduce", t0, t1, peer=-1, bytes=mine.nbytes * (p - 1), chunk=me, round=0,
-                          algorithm="native")
-                tr.record("copy", t1, tr.now(), peer=-1, bytes=mine.nbytes * (p - 1), chunk=me,
-                          round=0, algorithm="native")
-        for q in peers:
-            self._done_to[q].release()
+def one_shot(mailboxes: Mailboxes, memory: Memory, flat: np.ndarray, tag: int, tracer: Tracer) -> None:
+    """Sum the contiguous 1-D ``flat`` across all ranks in place; its messages carry ``tag``."""
+    me, p = mailboxes.rank, mailboxes.world_size
+    code = CODE.get(flat.dtype)
+    if code is None:
+        raise CommError(f"rank {me}: the local backend moves {', '.join(map(str, CODE))}, got {flat.dtype}")
+    peers = [*range(me + 1, p), *range(me)]
+    seg_id, off, staged = memory.locate(flat)
+    seqs = [mailboxes.post(q, seg_id, off, flat.nbytes, code, tag) for q in peers]
+    if staged:
         for q, seq in zip(peers, seqs):
-            self._wait_ack(q, seq, tag >= COLLECTIVE_TAG)
-        if staged and flat.nbytes:  # peers wrote their chunks into the staged copy: all but ours
-            copy = self._segments[seg_id].view(off, flat.nbytes, flat.dtype)
-            np.copyto(flat[:lo], copy[:lo])
-            np.copyto(flat[hi:], copy[hi:])
+            memory.staged_sent(q, seq)
+    views = [_take(mailboxes, memory, q, flat, tag) for q in peers]  # every peer's buffer, checked first
+    base, extra = divmod(len(flat), p)  # chunk_bounds(n, p)[me], without the other p - 1
+    lo = me * base + min(me, extra)
+    hi = lo + base + (me < extra)
+    if hi > lo:
+        _reduce_and_spread(flat[lo:hi], [v[lo:hi] for v in views if v is not None], me, p, tracer)
+    for q in peers:
+        mailboxes.ack(q)
+    for q, seq in zip(peers, seqs):
+        mailboxes.wait_ack(q, seq, tag)
+    if staged and flat.nbytes:  # peers wrote their chunks into the staged copy: all but ours
+        copy = memory.view(seg_id, off, flat.nbytes, flat.dtype)
+        np.copyto(flat[:lo], copy[:lo])
+        np.copyto(flat[hi:], copy[hi:])
 
-    def _announce(self, dst: int, seg_id: int, off: int, nbytes: int, code: int, tag: int,
-                  staged: bool) -> int:
-        """Post a descriptor of memory already located (``_post`` without ``_locate``)."""
-        seq = self._send_seq[dst]
-        if seq - self._acked[dst] >= SLOTS:
-            self._wait_ack(dst, seq - SLOTS)
-        DESC.pack_into(self._ctl, self._slot(self.rank, dst, seq), seg_id, off, nbytes, code, tag)
-        self._send_seq[dst] = seq + 1
-        if staged:
-            self._staged_seqs.append((dst, seq))
-        self._ready_to[dst].release()
-        self.w.arrival[dst].release()
-        return seq
 
-    def _take(self, src: int, flat: np.ndarray, tag: int) -> np.ndarray | None:
-        """The next message from ``src``, checked against ``flat`` and ``tag`` like a receive, as a
-        writable view of the peer's memory (None when empty); its ack is the caller's to post."""
-        if not self._ready_from[src].acquire(False):
-            self._acquire(self._ready_from[src], "for its message", src)
-        seq = self._recv_seq[src]
-        seg, off, nbytes, code, mtag = DESC.unpack_from(self._ctl, self._slot(src, self.rank, seq))
-        self._recv_seq[src] = seq + 1
-        if mtag != tag or nbytes != flat.nbytes or DTYPES[code] != flat.dtype:
-            self._done_to[src].release()  # as a receive does: the peer's send is over, ours is refused
-            self._refuse(flat, src, tag, mtag, nbytes, code)
-        return self._peer_view(src, seg, off, nbytes, DTYPES[code]) if nbytes else None
+def _reduce_and_spread(mine: np.ndarray, theirs: list[np.ndarray], me: int, p: int, tracer: Tracer) -> None:
+    """Add every peer's chunk into ``mine``, then write the sum into every peer's chunk."""
+    t0 = tracer.now() if tracer.enabled else 0
+    for v in theirs:
+        np.add(mine, v, out=mine)
+    t1 = tracer.now() if tracer.enabled else 0
+    for v in theirs:
+        np.copyto(v, mine)
+    if tracer.enabled:
+        tracer.record("reduce", t0, t1, peer=-1, bytes=mine.nbytes * (p - 1), chunk=me, round=0,
+                      algorithm="native")
+        tracer.record("copy", t1, tracer.now(), peer=-1, bytes=mine.nbytes * (p - 1), chunk=me, round=0,
+                      algorithm="native")
+
+
+def _take(mailboxes: Mailboxes, memory: Memory, src: int, flat: np.ndarray, tag: int) -> np.ndarray | None:
+    """The next message from ``src``, checked against ``flat`` and ``tag`` like a receive, as a
+    writable view of the peer's memory (None when empty); its ack is the caller's to post."""
+    seg, off, nbytes, code, mtag = mailboxes.take(src)
+    if mtag != tag or nbytes != flat.nbytes or DTYPES[code] != flat.dtype:
+        mailboxes.ack(src)  # as a receive does: the peer's send is over, ours is refused
+        raise refusal(mailboxes.rank, flat, src, tag, mtag, nbytes, code)
+    return memory.peer_view(src, seg, off, nbytes, DTYPES[code]) if nbytes else None

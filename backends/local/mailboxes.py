@@ -1,0 +1,154 @@
+"""The local backend's mailboxes: how one rank tells another "a message waits for you".
+
+Each ordered pair (src, dst) has a mailbox of ``SLOTS`` descriptors (segment id, offset, bytes,
+dtype code, tag) in the world's control segment, and two semaphores: ``ready[src][dst]`` (a
+descriptor waits) and ``done[src][dst]`` (dst has finished with the message). ``arrival[dst]`` is
+posted with every message so a receive from ANY_SOURCE can sleep until something comes. Ranks
+signal only the peer they talk to. Messages between two ranks are taken in order; their tags are
+checked, not used to pick a message (``refusal`` says what was wrong with one).
+
+A sender waiting for a collective's peer to take its message looks now and then at the peer's
+own waiting message (``peek``): a message of another collective means the peer is in that one,
+and both may only be sending, so the sender says so instead of waiting out the timeout.
+"""
+
+from __future__ import annotations
+
+import struct
+import time
+from functools import partial
+from typing import Any
+
+import numpy as np
+
+from dplab.backends.local.shm import Segment
+from dplab.backends.local.waits import Waiter
+from dplab.backends.local.wiring import DESC, DTYPES, SLOTS, Wiring
+from dplab.reference.communicator import (
+    COLLECTIVE_TAG,
+    BufferMismatch,
+    CommError,
+    CommTimeout,
+    collective_mismatch,
+)
+
+__all__ = ["Mailboxes", "ANY_TAG", "refusal"]
+
+ANY_TAG = -1
+_TAG = struct.Struct("q")  # the last of a descriptor's five int64
+_TAG_AT = 4 * 8  # its offset in the descriptor
+
+
+class Mailboxes:
+    """One rank's ends of every mailbox: descriptors, semaphores and sequence numbers.
+    ``send_seq[d]`` messages were posted to d, ``acked[d]`` of them taken; ``recv_seq[s]`` taken from s."""
+
+    def __init__(self, wiring: Wiring, rank: int, waiter: Waiter) -> None:
+        p, me = wiring.world_size, rank
+        self.rank, self.world_size, self.waiter = rank, p, waiter
+        self._seg = Segment(f"{wiring.session}_ctl")
+        # A flat view of the descriptors: one struct call reads or writes one in ~0.1 µs.
+        self._ctl = self._seg.bytes[:p * p * SLOTS * DESC.size].data
+        self._ready_to = [wiring.ready[me][d] for d in range(p)]
+        self._ready_from = [wiring.ready[s][me] for s in range(p)]
+        self._done_to = [wiring.done[s][me] for s in range(p)]
+        self._done_from = [wiring.done[me][d] for d in range(p)]
+        self._arrival = wiring.arrival
+        self.send_seq, self.acked, self.recv_seq = [0] * p, [0] * p, [0] * p
+        self._any_next = 0
+
+    def post(self, dst: int, seg_id: int, off: int, nbytes: int, code: int, tag: int) -> int:
+        """Put a descriptor in ``dst``'s mailbox (waiting for a free slot); returns its sequence number."""
+        seq = self.send_seq[dst]
+        if seq - self.acked[dst] >= SLOTS:
+            self.wait_ack(dst, seq - SLOTS)
+        i = ((self.rank * self.world_size + dst) * SLOTS + seq % SLOTS) * DESC.size
+        DESC.pack_into(self._ctl, i, seg_id, off, nbytes, code, tag)
+        self.send_seq[dst] = seq + 1
+        self._ready_to[dst].release()
+        self._arrival[dst].release()
+        return seq
+
+    def take(self, src: int) -> tuple[int, int, int, int, int]:
+        """Wait for the next message from ``src``: its (segment id, offset, bytes, dtype code, tag).
+        The caller posts ``ack(src)`` once it has finished with the message."""
+        ready = self._ready_from[src]
+        if not ready.acquire(False):
+            self.waiter.acquire(ready, "for its message", src)
+        seq = self.recv_seq[src]
+        self.recv_seq[src] = seq + 1
+        return DESC.unpack_from(self._ctl, ((src * self.world_size + self.rank) * SLOTS + seq % SLOTS)
+                                * DESC.size)
+
+    def take_any(self) -> tuple[int, tuple[int, int, int, int, int]]:
+        """Wait for the next message from any rank: (its source, its descriptor)."""
+        src = self._wait_any()
+        seq = self.recv_seq[src]
+        self.recv_seq[src] = seq + 1
+        return src, DESC.unpack_from(self._ctl, self._slot(src, self.rank, seq))
+
+    def ack(self, src: int) -> None:
+        """Tell ``src`` that its message has been taken."""
+        self._done_to[src].release()
+
+    def wait_ack(self, dst: int, seq: int, tag: int = 0) -> None:
+        """Wait until ``dst`` has taken message ``seq``; ``tag`` >= COLLECTIVE_TAG peeks meanwhile."""
+        done = self._done_from[dst]
+        while self.acked[dst] <= seq:
+            if not done.acquire(False):
+                peek = partial(self.peek, dst, tag, done) if tag >= COLLECTIVE_TAG else None
+                self.waiter.acquire(done, "to take its message", dst, peek)
+            self.acked[dst] += 1
+
+    def peek(self, peer: int, tag: int, done: Any) -> None:
+        """Waiting for ``peer`` to take a message of collective ``tag``: if ``peer`` has posted one
+        of another collective to us, it is in that one (it cannot have finished ours without taking
+        our message, and its earlier ones we took): raise ``CollectiveMismatch``. Unless it took
+        ours since we last looked (``done`` posted, then its next collective's message): then that
+        message is legitimately ahead of us and the ack is the waiter's to take."""
+        if self._ready_from[peer].get_value() > 0:
+            at = self._slot(peer, self.rank, self.recv_seq[peer]) + _TAG_AT
+            mtag = _TAG.unpack_from(self._ctl, at)[0]
+            if mtag != tag and mtag >= COLLECTIVE_TAG:
+                if done.acquire(False):  # taken after all: give the ack back to the waiter
+                    done.release()
+                    return
+                raise collective_mismatch(self.rank, tag, peer, mtag)
+
+    def close(self) -> None:
+        self._ctl.release()
+        self._seg.close()
+
+    def _wait_any(self) -> int:
+        """Take the ready semaphore of whichever peer has a message first, in turn."""
+        me, p, waiter = self.rank, self.world_size, self.waiter
+        deadline = time.monotonic() + waiter.timeout
+        while True:
+            for i in range(p):
+                src = (self._any_next + i) % p
+                if src != me and self._ready_from[src].acquire(False):
+                    self._any_next = src + 1
+                    return src
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._arrival[me].acquire(timeout=left):
+                raise CommTimeout(f"rank {me} waited {waiter.timeout:.0f}s for a message from any "
+                                  "rank: is a peer dead or stuck? (set DPLAB_TIMEOUT to wait longer)")
+
+    def _slot(self, src: int, dst: int, seq: int) -> int:
+        """Where the descriptor of message ``seq`` from ``src`` to ``dst`` starts."""
+        return ((src * self.world_size + dst) * SLOTS + seq % SLOTS) * DESC.size
+
+
+def refusal(rank: int, buf: np.ndarray, src: int, tag: int, mtag: int, nbytes: int, code: int) -> CommError:
+    """The error for a message that does not fit the receive: another collective, another buffer
+    or another tag, in that order (a rank in another collective may well send another length)."""
+    dtype = DTYPES[code]
+    if mtag != tag and tag != ANY_TAG and max(tag, mtag) >= COLLECTIVE_TAG:
+        return collective_mismatch(rank, tag, src, mtag)
+    if buf.nbytes != nbytes or buf.dtype != dtype:
+        return BufferMismatch(
+            f"rank {rank} expected {buf.size} x {buf.dtype} from rank {src} but rank {src} sent "
+            f"{nbytes // dtype.itemsize} x {dtype}: every rank must pass a buffer of the same "
+            "length and dtype to a collective")
+    return CommError(f"rank {rank} expected tag {tag} from rank {src}, got tag {mtag}: "
+                     "messages between two ranks are matched in order")
