@@ -4,12 +4,8 @@ Every backend (shared memory, MPI, torch.distributed) implements these few
 methods; the collectives, the trainers and the parameter server use nothing else.
 Data always moves through buffers (numpy arrays, or tensors viewed as arrays),
 never through pickle. Every blocking call honours ``timeout`` and raises
-``CommTimeout`` naming the peer instead of hanging.
-
-Each collective starts with ``check_buffer(buf, call)``: ``call`` (a ``Collective``: kind,
-algorithm, root) and the buffer's length and dtype travel with the collective's messages, so a
-rank that called another collective, another algorithm or another root, or passed another
-buffer, is told so at the first message it receives instead of waiting out the timeout.
+``CommTimeout`` naming the peer instead of hanging. What every backend guarantees when
+ranks call different collectives or pass different buffers: ``Communicator``'s docstring.
 
 The one composite call is ``exchange``: a round of a schedule posts all its sends
 and receives together and then waits for all of them. Posting them together is
@@ -147,6 +143,29 @@ class RecvSpec(NamedTuple):
 
 
 class Communicator(ABC):
+    """One rank's transport. The mismatch contract, which every backend meets (its module
+    docstring says how) and ``tests/test_comm_mismatch.py`` checks on each:
+
+    Every rank must call the same collectives, in the same order, each with the same kind,
+    algorithm, root, buffer length and dtype. Each collective announces itself first with
+    ``check_buffer(buf, call)``; ``call.code()`` is the integer its messages carry.
+
+    1. Another call: a rank that receives a message of a collective whose kind, algorithm or
+       root differs from its own raises ``CollectiveMismatch`` at that message, naming both
+       ranks and both calls ("rank 0 called allreduce(ring) but rank 1 called allreduce(tree)").
+    2. Another buffer: a rank that receives a message of its own collective with another
+       length or dtype raises ``BufferMismatch`` naming both ranks and both lengths and dtypes.
+       ``native_allreduce(check=True)`` raises it on every rank before the engine sums anything.
+    3. No message to compare (a rank that only sends, or waits inside the engine's own
+       collective): ``CollectiveMismatch`` where the backend can look at the peer's waiting
+       message, else ``CommTimeout`` naming the peer and what it waited for, after ``timeout``.
+       Never a hang, never a result summed from mismatched buffers.
+    4. Everyone else: the launcher stops the other ranks and reports the first failure with
+       its traceback; a rank that meets a connection closed by a failed peer raises ``PeerLost``.
+
+    After any of these errors the buffer's contents are unspecified.
+    """
+
     rank: int
     world_size: int
     timeout: float
@@ -187,15 +206,9 @@ class Communicator(ABC):
 
     def check_buffer(self, buf: np.ndarray, call: Collective | None = None) -> None:
         """Called by every hand-written collective with the whole (flat) buffer, before round 0;
-        the rounds that follow (``exchange`` with ``round >= 0``) belong to ``call``.
-
-        Backends whose every message carries its length, dtype and tag (shared memory, MPI) tag
-        the collective's messages with ``call.code()`` and catch a rank with another buffer or
-        another collective at its first message, for free. gloo cannot tell a receiver that a
-        message has the wrong length without killing the process, so the torch backend records
-        (length, dtype, call) here and sends it along with the collective's first message on
-        each link, where the receiver compares it with its own. The default does nothing.
-        """
+        the rounds that follow (``exchange`` with ``round >= 0``) belong to ``call``. A backend
+        records what its messages must carry to meet the mismatch contract (the class docstring).
+        The default does nothing: a backend that keeps it meets only the timeout clause."""
         return None
 
     def send(self, buf: np.ndarray, dst: int, tag: int = 0) -> None:

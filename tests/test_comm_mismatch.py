@@ -1,9 +1,10 @@
-"""Ranks that call different collectives are told so at the first message, on every backend.
+"""The mismatch contract (``dplab.reference.communicator.Communicator``), checked on every backend.
 
 Every collective's messages carry what the sender called (``Collective``: kind, algorithm,
 root): a tag on shared memory and MPI, the link header on gloo. A rank that receives a
-message of another call raises ``CollectiveMismatch`` naming both, within a round; before,
-both ranks waited out the timeout (and torch blamed a rank that had "died").
+message of another call raises ``CollectiveMismatch`` naming both (clause 1), one of another
+length or dtype ``BufferMismatch`` (clause 2), within a round; a rank with nothing to compare
+times out naming its peer (clause 3: gloo's known limit, asserted below).
 """
 
 from __future__ import annotations
@@ -63,6 +64,37 @@ def test_a_mismatched_collective_is_named_within_a_round(backend, case):
     message = str(err.value)
     assert "CollectiveMismatch" in message, message
     assert named in message and "every rank must call the same collective" in message
+    assert took < 8, f"{backend} {case}: {took:.1f}s, the timeout is {TIMEOUT}s"
+
+
+BUFFER_CASES = {  # name: (what every rank calls, rank 0's (length, dtype), the others')
+    "ring-length": ("allreduce:ring:", (100, "float64"), (101, "float64")),
+    "ring-dtype": ("allreduce:ring:", (100, "float64"), (100, "float32")),
+    "tree-broadcast-length": ("broadcast:tree:0", (1 << 16, "float32"), ((1 << 16) + 1, "float32")),
+    "native-length": ("allreduce:native:", (100, "float64"), (101, "float64")),
+    "native-dtype": ("allreduce:native:", (100, "float64"), (100, "float32")),
+}
+
+
+def job_buffer_mismatch(comm, what: str, mine: tuple, theirs: tuple):
+    n, dtype = mine if comm.rank == 0 else theirs
+    buf = np.ones(n, dtype)
+    kind, algorithm, root = what.split(":")
+    if kind == "broadcast":
+        return collectives.broadcast(comm, buf, root=int(root), algorithm=algorithm)
+    return collectives.allreduce(comm, buf, algorithm=algorithm)
+
+
+@pytest.mark.parametrize("case", BUFFER_CASES)
+def test_a_mismatched_buffer_is_named_within_a_round(backend, case):
+    what, mine, theirs = BUFFER_CASES[case]
+    t0 = time.monotonic()
+    with pytest.raises(RankError) as err:
+        launch(job_buffer_mismatch, 2, backend=backend, args=(what, mine, theirs), timeout=TIMEOUT)
+    took = time.monotonic() - t0
+    message = str(err.value)
+    assert "BufferMismatch" in message, message
+    assert "every rank must pass a buffer of the same length and dtype" in message, message
     assert took < 8, f"{backend} {case}: {took:.1f}s, the timeout is {TIMEOUT}s"
 
 

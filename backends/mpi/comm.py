@@ -15,15 +15,16 @@ This file adds what the Communicator contract asks and MPI does not give:
   it naps between polls, each nap 1/20 of the time waited so far (20 us to 1 ms),
   so a nap adds at most 5% to a wait and a rank waiting for a dead peer costs
   little. At the timeout the request is cancelled and ``CommTimeout`` names the peer.
-* Clear errors for mismatched buffers. An MPI tag carries the user's tag and the
-  sender's dtype (``16 * tag + dtype code``) and receives accept any tag, so, as on
-  the local backend, messages between two ranks are matched in order and tags are
-  checked, not used to pick a message. A longer message (MPI_ERR_TRUNCATE), a
-  shorter one or another dtype all become ``BufferMismatch``. A collective's messages are
-  tagged with its code (``check_buffer``): a message of another collective, algorithm or root
-  is a ``CollectiveMismatch`` naming both calls, and a sender left waiting for a peer to
-  take its message probes the peer's own message (which catches two ranks that both only
-  send large messages; small ones leave eagerly and are caught by the next collective).
+* The mismatch contract (``dplab.reference.communicator.Communicator``). An MPI tag carries
+  the user's tag and the sender's dtype (``16 * tag + dtype code``) and receives accept any
+  tag, so, as on the local backend, messages between two ranks are matched in order and tags
+  are checked, not used to pick a message. (1) A collective's messages are tagged with its
+  code (``check_buffer``): a message of another collective, algorithm or root is a
+  ``CollectiveMismatch`` naming both calls. (2) A longer message (MPI_ERR_TRUNCATE), a shorter
+  one or another dtype is a ``BufferMismatch``; the native all-reduce first agrees on
+  (n, dtype, -n, -dtype) by dissemination (``engine_calls.py``). (3) A sender left waiting for
+  a peer to take its message probes the peer's own message (which catches two ranks that both
+  only send large messages; small ones leave eagerly and are caught by the next collective).
 * Isolation. dplab talks on a duplicate of the communicator it is given, so its
   messages never meet the application's.
 

@@ -10,12 +10,16 @@ else a ``ConfigError`` says to use --device cpu (gloo). Numpy arrays go through
 the GPU, and back after a receive. Device tensors go straight through. Nothing is pickled.
 
 Point-to-point messages, their headers and errors: ``p2p.py``. This file runs the rounds
-of a schedule. gloo cannot check a message's length without killing the process on a longer
-one, so a collective's first message on each link carries the whole buffer's (length, dtype)
-and the collective's code (kind, algorithm, root), and the receiver compares them with its
-own (``check_buffer``): another buffer is a ``BufferMismatch``, another collective a
-``CollectiveMismatch``; later messages on the link are bare data. A bare ``exchange`` before
-any collective carries no header: its messages travel under their shape's tag, so mismatched
+of a schedule. The mismatch contract (``dplab.reference.communicator.Communicator``): gloo
+cannot check a message's length without killing the process on a longer one, so a
+collective's first message on each link carries the whole buffer's (length, dtype) and the
+collective's code (kind, algorithm, root), and the receiver compares them with its own
+(``check_buffer``): another collective is a ``CollectiveMismatch`` (1), another buffer a
+``BufferMismatch`` (2); later messages on the link are bare data. The native all-reduce
+first all-reduces (n, dtype, -n, -dtype) with MAX (2). gloo cannot probe for a waiting
+message, so a rank with none to compare (inside gloo's own all_reduce, or only sending)
+meets clause (3) by ``CommTimeout`` naming the peer. A bare ``exchange`` before any
+collective carries no header: its messages travel under their shape's tag, so mismatched
 shapes time out (``CommTimeout``) instead of killing gloo.
 
 gloo is a rendezvous transport: a send moves only once its receive is posted. So on gloo each
