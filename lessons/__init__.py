@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import importlib
 
-from dplab.lessons.step import Check, Explore, Lesson, Predict, Step
+from dplab.lessons.plain import count, num, size, times
+from dplab.lessons.step import Check, Explore, Lesson, Predict, Step, fill
 from dplab.reference.errors import ConfigError
 
-__all__ = ["MODULES", "numbers", "lessons", "lesson", "Lesson", "Step", "Check", "Predict", "Explore"]
+__all__ = ["MODULES", "numbers", "lessons", "lesson", "Lesson", "Step", "Check", "Predict", "Explore", "fill",
+           "num", "times", "size", "count"]
 
 # In teaching order: each lesson may use what the ones before it taught.
 MODULES = (

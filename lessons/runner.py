@@ -101,16 +101,31 @@ class StepOutcome:
 
 def run_step(step: Step, lab: Lab, figure: bool = True) -> StepOutcome:
     """Run ``step`` on ``lab``'s ranks; fill its text and judge its checks (never raises for a
-    failed check: the caller shows it, CI raises with ``raise_if_failed``)."""
+    failed check: the caller shows it, CI raises with ``raise_if_failed``). The facts are the
+    step's ``inputs`` and what the run returned; a run that contradicts an input is a ConfigError
+    (the question asked before the run would have lied)."""
     t0 = time.perf_counter()
-    facts = step.run(lab)
-    if not isinstance(facts, dict):
+    ran = step.run(lab)
+    if not isinstance(ran, dict):
         raise ConfigError(f"step {step.title!r}: run() must return a dict of facts, "
-                          f"got {type(facts).__name__}")
+                          f"got {type(ran).__name__}")
     seconds = time.perf_counter() - t0
+    differ = [k for k in step.inputs if k in ran and not _same(ran[k], step.inputs[k])]
+    if differ:
+        raise ConfigError(f"step {step.title!r}: the run's {', '.join(f'{k}={ran[k]!r}' for k in differ)} "
+                          f"contradict{'s' if len(differ) == 1 else ''} the step's inputs "
+                          f"({', '.join(f'{k}={step.inputs[k]!r}' for k in differ)})")
+    facts = {**step.inputs, **ran}
     checks = tuple(CheckResult(fill(c.claim, facts), bool(c.holds(facts))) for c in step.checks)
     fig = step.figure(facts) if (figure and step.figure is not None) else None
     return StepOutcome(step, facts, fill(step.text, facts), checks, seconds, fig)
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except (TypeError, ValueError):  # arrays: compared by value, never truth-tested
+        return False
 
 
 def _short(facts: Facts) -> str:

@@ -14,33 +14,77 @@ and its answer. Nothing is typed in twice, so a step whose claim stops being tru
         predict=Predict("How many bytes does rank 0 send at p={p} for {n_bytes:,} bytes?", "sent"),
     )
 
+Predict first: a step with a question is shown question first (nothing of its code, run or figure
+before the answer), then it runs, the reply is judged, and only then come the result and the code.
+A question filled from ``inputs`` alone is asked before the run; otherwise the run happens out of
+sight first. ``hints`` are tiered (``h`` shows the next one, and is never an answer);
+``misconceptions`` name the mistake a wrong reply makes::
+
+    Step(..., inputs={"p": 4, "n_bytes": 1 << 20},          # the question's givens: asked before the run
+         predict=Predict("At p={p}, what does rank 0 send for {n_bytes:size}?", "sent", unit="bytes",
+                         misconceptions=((lambda g, f: g == 3 * f["n_bytes"], "the naive root's share"),)),
+         hints=("Each of the p-1 rounds moves one chunk of n/p.", "Reduce-scatter, then all-gather."),
+         show=(ring.allreduce,),                               # the spine's code, not the harness
+         picture=lambda f: schedule_picture(ring.allreduce(f["p"])))   # drawn in the terminal
+
+Numbers in filled text read as people read them (``lessons/plain.py``): a float is 3 significant
+digits, ``{x:size}`` is ``1.5 MiB``, ``{x:times}`` is ``3.08x``, ``{x:count}`` is ``1,572,864``.
+
 The terminal (``lessons/terminal.py``) and the app's Lessons page render the same steps through
 ``lessons/runner.py``.
 """
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import math
+import string
 import textwrap
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from dplab.lessons.plain import SPECS, readable, times
 from dplab.reference.errors import ConfigError
 
-__all__ = ["Facts", "Check", "Predict", "Verdict", "Explore", "Step", "Lesson", "fill"]
+__all__ = ["Facts", "Check", "Predict", "Verdict", "Explore", "Step", "Lesson", "fill", "can_fill"]
 
 Facts = dict[str, Any]
 
 
+class _Plain(string.Formatter):
+    """``str.format`` whose empty spec reads floats as people do, plus the specs of ``plain.SPECS``."""
+
+    def format_field(self, value: Any, format_spec: str) -> str:
+        if not format_spec:
+            return readable(value)
+        if format_spec in SPECS:
+            return SPECS[format_spec](value)
+        return format(value, format_spec)
+
+
+_FORMATTER = _Plain()
+
+
 def fill(template: str, facts: Mapping[str, Any]) -> str:
-    """``template.format_map(facts)``, with an error that names the missing fact."""
+    """``template`` with its ``{fields}`` filled from ``facts``: floats to 3 significant digits
+    unless the field has a spec (``{x:.6f}``, ``{n:,}``, ``{b:size}``, ``{r:times}``); an error that
+    names a missing fact."""
     try:
-        return template.format_map(facts)
+        return _FORMATTER.vformat(template, (), facts)
     except KeyError as e:
         raise ConfigError(f"the text {template[:60]!r}... needs the fact {e.args[0]!r}, which the step's "
                           f"run did not return (it returned {sorted(facts)})") from None
+
+
+def can_fill(template: str, facts: Mapping[str, Any]) -> bool:
+    """Whether every field of ``template`` is in ``facts`` (a question askable before the run)."""
+    try:
+        _FORMATTER.vformat(template, (), facts)
+    except (KeyError, IndexError, AttributeError, TypeError, ValueError):
+        return False
+    return True
 
 
 @dataclass(frozen=True)
@@ -56,6 +100,7 @@ class Verdict:
     correct: bool
     expected: str                              # the measured answer, as the learner reads it
     message: str                               # one line: right, or how far off and why
+    misconception: str = ""                    # filled: the mistake a wrong reply made, when named
 
 
 @dataclass(frozen=True)
@@ -64,6 +109,10 @@ class Predict:
 
     Numeric answers are right within ``rel_tol`` (0: exactly, after rounding to an integer when
     the fact is one); with ``choices`` the reply is one of them (case and spaces ignored).
+    ``misconceptions`` are ``(what, message)`` pairs tried in order on a wrong reply: ``what`` is a
+    number (matched like the answer), a choice, or a predicate ``guess -> bool`` or
+    ``(guess, facts) -> bool`` (``guess``: the reply's number, or its normalised text with
+    choices); the first that matches adds its ``message`` (filled from the facts) to the verdict.
     """
 
     question: str                              # filled from the facts (only inputs belong here)
@@ -71,6 +120,7 @@ class Predict:
     rel_tol: float = 0.0
     unit: str = ""
     choices: tuple[str, ...] = ()
+    misconceptions: tuple[tuple[Any, str], ...] = ()
 
     def expected(self, facts: Facts) -> Any:
         if self.answer not in facts:
@@ -80,12 +130,14 @@ class Predict:
 
     def judge(self, facts: Facts, reply: str) -> Verdict:
         truth = self.expected(facts)
-        shown = f"{truth:,}" if isinstance(truth, int) else str(truth)
+        shown = f"{truth:,}" if isinstance(truth, int) and not isinstance(truth, bool) else readable(truth)
         shown += f" {self.unit}" if self.unit else ""
         reply = reply.strip()
         if self.choices:
             ok = _norm(reply) == _norm(str(truth))
-            return Verdict(ok, shown, "right" if ok else f"not quite: it is {shown}")
+            if ok:
+                return Verdict(True, shown, "right")
+            return self._wrong(facts, _norm(reply), shown, f"not quite: it is {shown}")
         guess = _number(reply)
         if guess is None:
             said = reply if len(reply) <= 40 else f"{reply[:40]}..."
@@ -94,7 +146,33 @@ class Predict:
         if ok:
             return Verdict(True, shown, f"right: {shown}")
         ratio = guess / float(truth) if truth else math.inf
-        return Verdict(False, shown, f"not quite: it is {shown} (you said {reply}, {ratio:.3g}x that)")
+        said = reply if len(reply) <= 40 else f"{reply[:40]}..."
+        return self._wrong(facts, guess, shown,
+                           f"not quite: it is {shown} (you said {said}, {times(ratio)} that)")
+
+    def _wrong(self, facts: Facts, guess: Any, shown: str, message: str) -> Verdict:
+        """A wrong reply's verdict, naming the first misconception it matches."""
+        for what, why in self.misconceptions:
+            if _matches(what, guess, facts, self.rel_tol):
+                named = fill(why, facts)
+                return Verdict(False, shown, f"{message}: {named}", named)
+        return Verdict(False, shown, message)
+
+
+def _matches(what: Any, guess: Any, facts: Facts, rel_tol: float) -> bool:
+    if callable(what):
+        try:
+            takes_facts = len(inspect.signature(what).parameters) >= 2
+        except (TypeError, ValueError):
+            takes_facts = False
+        return bool(what(guess, facts) if takes_facts else what(guess))
+    if isinstance(guess, str):
+        return _norm(str(what)) == guess
+    if isinstance(what, str):
+        what = _number(what)
+        if what is None:
+            return False
+    return math.isclose(guess, float(what), rel_tol=max(rel_tol, 1e-9), abs_tol=1e-12)
 
 
 def _norm(s: str) -> str:
@@ -145,26 +223,83 @@ class Explore:
 
 @dataclass(frozen=True)
 class Step:
+    """One step. ``show`` names the spine's code to display (functions, methods, classes, or their
+    dotted names such as ``"dplab.reference.algorithms.ring.allreduce"``); without it the step
+    shows its run's own source (``harness``). ``hint`` and ``hints`` are the tiers of help, in
+    order. ``inputs`` are facts known before the run (a question filled from them alone is asked
+    before running); the run's facts must agree with them. ``picture`` draws the step in the
+    terminal (facts -> a rich renderable), as ``figure`` does in the app."""
+
     title: str
     text: str                                  # markdown; {fields} filled from the facts
-    run: Callable[..., Facts]                  # run(lab) -> facts; its source is the code shown
+    run: Callable[..., Facts]                  # run(lab) -> facts
     checks: tuple[Check, ...] = ()
     figure: Callable[[Facts], Any] | None = None   # facts -> plotly figure (a viz/ builder)
     predict: Predict | None = None
-    hint: str = ""
+    hint: str = ""                             # the first tier of help (kept: most steps have one)
     try_this: str = ""                         # a command or a change to explore
     explore: Explore | None = None
     exercise: str = ""                         # the name of an exercise (lessons/exercises) it asks for
     teaches: tuple[str, ...] = ()              # keys of lessons/coverage.py CONCEPTS
+    show: tuple[Any, ...] = ()                 # the spine code shown instead of the run's harness
+    hints: tuple[str, ...] = ()                # further tiers of help, after ``hint``
+    picture: Callable[[Facts], Any] | None = None  # facts -> rich renderable (lessons/pictures_terminal.py)
+    inputs: Mapping[str, Any] = field(default_factory=dict, hash=False, compare=False)
+
+    def all_hints(self) -> tuple[str, ...]:
+        """Every tier of help, in the order ``h`` reveals them."""
+        return tuple(h for h in (self.hint, *self.hints) if h)
+
+    def asks_before_run(self) -> bool:
+        """Whether the question is filled from ``inputs`` alone (else the run happens, unseen, first)."""
+        return self.predict is not None and can_fill(self.predict.question, self.inputs)
 
     def code(self) -> str:
-        """The code the learner sees: the source of ``run`` itself, so it cannot drift, after the
-        public functions of its module that it calls (a rank's job must live at module level)."""
+        """The code the learner sees: the spine's source named by ``show``, else ``harness()``."""
+        if not self.show:
+            return self.harness()
+        return "\n\n\n".join(_source(obj) for obj in self.show)
+
+    def harness(self) -> str:
+        """The source of ``run`` itself, so it cannot drift, after the public functions of its module
+        that it calls (a rank's job must live at module level)."""
         module = inspect.getmodule(self.run)
         called = [getattr(module, name) for name in self.run.__code__.co_names
                   if not name.startswith("_") and inspect.isfunction(getattr(module, name, None))
                   and getattr(module, name).__module__ == self.run.__module__]
         return "\n\n\n".join(textwrap.dedent(inspect.getsource(f)).strip() for f in [*called, self.run])
+
+
+def _resolve(name: str) -> Any:
+    """``"dplab.reference.train.buckets.Reducer.mark_param_as_ready"``: the longest importable module
+    prefix, then attributes."""
+    parts = name.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        try:
+            for attr in parts[cut:]:
+                obj = getattr(obj, attr)
+        except AttributeError:
+            break
+        return obj
+    raise ConfigError(f"show names {name!r}, which does not import: give a dotted path to a function, "
+                      "class or method, e.g. 'dplab.reference.algorithms.ring.allreduce'")
+
+
+def _source(obj: Any) -> str:
+    """``obj``'s source, under a comment saying where it lives (the reader can open the file)."""
+    obj = _resolve(obj) if isinstance(obj, str) else obj
+    target = inspect.unwrap(getattr(obj, "__func__", obj))
+    try:
+        source = textwrap.dedent(inspect.getsource(target)).strip()
+    except (TypeError, OSError) as e:
+        raise ConfigError(f"show names {obj!r}, whose source cannot be read ({e})") from None
+    module = getattr(inspect.getmodule(target), "__name__", "")
+    qual = getattr(target, "__qualname__", getattr(target, "__name__", ""))
+    return f"# {module}.{qual}\n{source}" if module else source
 
 
 @dataclass(frozen=True)

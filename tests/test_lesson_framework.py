@@ -1,0 +1,114 @@
+"""The lesson framework's contracts (issue 22): predict first, the spine's code shown, plain numbers,
+named misconceptions, tiered hints, terminal pictures, progress and score, ``lesson watch``.
+
+    pytest -q -p no:cacheprovider tests/test_lesson_framework.py
+
+Steps here are tiny fakes (no ranks), so each test takes milliseconds unless it says otherwise.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from dplab.lessons import count, fill, num, size, times
+from dplab.lessons.runner import Lab, run_step
+from dplab.lessons.step import Check, Predict, Step
+from dplab.reference.algorithms import ring
+from dplab.reference.errors import ConfigError
+from dplab.reference.train.buckets import Reducer
+
+
+def _ring_facts(lab):
+    p, n = 4, 1 << 20
+    return {"p": p, "n_bytes": n, "sent": 2 * (p - 1) * n // p}
+
+
+RING = Step("Bytes on the wire", "rank 0 sends {sent:size} ({sent:,} bytes)", _ring_facts,
+            checks=(Check("{sent:,} is 2(p-1)/p n", lambda f: f["sent"] == 1_572_864),),
+            predict=Predict("At p={p}, how many bytes does rank 0 send for {n_bytes:size}?", "sent",
+                            unit="bytes", misconceptions=(
+                                (lambda g, f: g == f["n_bytes"] * (f["p"] - 1),
+                                 "that is the naive root's share"),
+                                (1 << 20, "that is one copy of the buffer: it goes in 2(p-1) pieces"))),
+            hint="Each round moves one chunk of n/p.", hints=("There are 2(p-1) rounds.",),
+            inputs={"p": 4, "n_bytes": 1 << 20}, show=(ring.allreduce,))
+
+
+# --- 3. plain words ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("value, want", [
+    (3.0769230769230766, "3.08"), (0.25, "0.25"), (1.0, "1"), (2079.3, "2,080"), (0.000123456, "0.000123"),
+    (1e-7, "1e-07"), (0.0, "0"), (-12.345, "-12.3"), (123456789.0, "123,000,000")])
+def test_num_reads_three_significant_digits(value, want):
+    assert num(value) == want
+
+
+def test_times_size_count_and_fill_specs():
+    assert times(4 / 1.3) == "3.08x"
+    assert size(1_572_864) == "1.5 MiB" and size(512) == "512 bytes" and size(64 << 10) == "64 KiB"
+    assert count(1_572_864) == "1,572,864"
+    facts = {"r": 4 / 1.3, "b": 1_572_864, "loss": 0.123456789, "xs": [0.25, 2079.3], "n": 7, "ok": True}
+    assert fill("{r:times} {b:size} {b:count} {b:,} {loss} {loss:.5f} {xs} {n} {ok}", facts) == \
+        "3.08x 1.5 MiB 1,572,864 1,572,864 0.123 0.12346 [0.25, 2080] 7 True"
+    with pytest.raises(ConfigError, match="needs the fact 'missing'"):
+        fill("{missing}", facts)
+
+
+def test_a_misconception_is_named_and_a_plain_wrong_reply_is_not():
+    facts = {"p": 4, "n_bytes": 1 << 20, "sent": 1_572_864}
+    naive = RING.predict.judge(facts, "3 MiB")
+    assert not naive.correct and naive.misconception == "that is the naive root's share"
+    assert "naive root" in naive.message and "1,572,864" in naive.message
+    assert "one copy" in RING.predict.judge(facts, "1 MiB").misconception
+    assert RING.predict.judge(facts, "7").misconception == ""
+    assert RING.predict.judge(facts, "1.5 MiB").correct
+    # torch's 1/p convention: a number names it, with a tolerance
+    p = Predict("What multiplies the gradient?", "scale", rel_tol=0.01,
+                misconceptions=((0.25, "that is torch's 1/p convention: dplab weights by shard size"),))
+    v = p.judge({"scale": 1.0}, "1/4")
+    assert not v.correct and "torch's 1/p convention" in v.message
+    # choices: a choice names it, so does a one-argument predicate
+    c = Predict("Same?", "same", choices=("identical", "close"),
+                misconceptions=(("close", "floating-point sums can differ, but every rank sums alike"),))
+    assert "every rank sums alike" in c.judge({"same": "identical"}, " Close ").message
+
+
+def test_a_wrong_ratio_reads_plainly():
+    v = Predict("?", "x").judge({"x": 3}, "4")
+    assert "1.33x that" in v.message
+
+
+# --- 2. the spine's code, not the harness ----------------------------------------------------------------
+
+def test_show_displays_the_spine_code_and_code_falls_back_to_the_harness():
+    shown = RING.code()
+    assert shown.startswith("# dplab.reference.algorithms.ring.allreduce\n")
+    assert "def allreduce" in shown and "lab" not in shown.split("\n", 1)[1].split("def ", 1)[0]
+    by_name = Step("t", "", _ring_facts, show=("dplab.reference.train.buckets.Reducer.mark_param_as_ready",))
+    method = Step("t", "", _ring_facts, show=(Reducer.mark_param_as_ready,))
+    assert by_name.code() == method.code() and "def mark_param_as_ready" in method.code()
+    assert "# dplab.reference.train.buckets.Reducer.mark_param_as_ready" in method.code()
+    plain = Step("t", "", _ring_facts)
+    assert plain.code() == plain.harness() and "def _ring_facts(lab)" in plain.code()
+    with pytest.raises(ConfigError, match="does not import"):
+        Step("t", "", _ring_facts, show=("dplab.no_such.thing",)).code()
+
+
+# --- 1. predict before you see: the framework's part ------------------------------------------------------
+
+def test_inputs_let_the_question_be_asked_before_the_run_and_must_agree_with_it():
+    assert RING.asks_before_run()
+    assert fill(RING.predict.question, RING.inputs) == "At p=4, how many bytes does rank 0 send for 1 MiB?"
+    assert not Step("t", "", _ring_facts, predict=Predict("p={p}?", "sent")).asks_before_run()
+    with Lab() as lab:
+        out = run_step(RING, lab)
+        assert out.ok and out.facts["p"] == 4 and out.text == "rank 0 sends 1.5 MiB (1,572,864 bytes)"
+        liar = Step("t", "", _ring_facts, inputs={"p": 8})
+        with pytest.raises(ConfigError, match="contradicts the step's inputs"):
+            run_step(liar, lab)
+
+
+def test_hints_are_tiered_in_order():
+    assert RING.all_hints() == ("Each round moves one chunk of n/p.", "There are 2(p-1) rounds.")
+    assert Step("t", "", _ring_facts).all_hints() == ()
+    assert Step("t", "", _ring_facts, hints=("only",)).all_hints() == ("only",)
