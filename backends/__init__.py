@@ -21,8 +21,8 @@ Rooms: ``launch/`` (launch, World), ``local/`` ``mpi/`` ``torchdist/`` (one per 
 files), ``cli/`` (the ``dplab`` command).
 """
 
+from dplab.backends.fastpath.executor import allgather, allreduce, broadcast, reduce, reduce_scatter
 from dplab.backends.launch.world import BackendUnavailable, RankError, World, launch
-from dplab.reference.collectives import allgather, allreduce, broadcast, reduce, reduce_scatter
 
 __all__ = ["launch", "World", "RankError", "BackendUnavailable", "allreduce", "reduce_scatter",
            "allgather", "broadcast", "reduce"]

@@ -132,14 +132,17 @@ def _run(comm: Communicator, kind: str, buf: Any, algorithm: str, root: int | No
 
 def allreduce(comm: Communicator, buf: np.ndarray, algorithm: str = "ring", op: str = "sum") -> np.ndarray:
     """Sum (or average, ``op="mean"``) ``buf`` across all ranks, in place; returns ``buf``.
-    ``algorithm="native"`` runs the engine's own all-reduce; "auto" the cost model's choice."""
+    ``algorithm="native"`` runs the engine's own all-reduce. "auto" is the caller's to resolve first
+    (``dplab.reference.auto.chosen``): the executor runs schedules, it does not price them."""
     if op not in ("sum", "mean"):
         raise ConfigError(f"op must be 'sum' or 'mean', got {op!r}")
     flat = flat_view(buf, getattr(comm, "backend", ""))
     if op == "mean" and not is_float(buf):
         raise ConfigError(f"op='mean' needs a floating-point buffer, got {buf.dtype}: use op='sum'")
     if algorithm == "auto":
-        algorithm = _auto(comm, flat)
+        raise ConfigError("algorithm 'auto' is chosen before the executor runs: pass "
+                          "dplab.reference.auto.chosen(comm, buf), or call dplab.backends.allreduce, "
+                          "which resolves it")
     if algorithm == "native":
         with comm.tracer.span("allreduce", bytes=flat.nbytes, algorithm="native"):
             comm.native_allreduce(flat, "sum")
@@ -148,14 +151,6 @@ def allreduce(comm: Communicator, buf: np.ndarray, algorithm: str = "ring", op: 
     if op == "mean" and comm.world_size > 1:
         flat /= comm.world_size
     return buf
-
-
-def _auto(comm: Communicator, buf: Any) -> str:
-    """What "auto" runs for ``buf``: a choice made before the executor sees a schedule, by the cost
-    model, which is loaded only for callers that ask for it (the executor itself never prices)."""
-    from dplab.reference.auto import chosen
-
-    return chosen(comm, buf)
 
 
 def reduce_scatter(comm: Communicator, buf: np.ndarray, algorithm: str = "ring") -> np.ndarray:

@@ -22,7 +22,6 @@ from typing import Any
 
 import numpy as np
 
-from dplab.reference import auto
 from dplab.reference import collectives as spine
 from dplab.reference.communicator import Collective, Communicator, RecvSpec, SendSpec, require_writable
 from dplab.reference.errors import ConfigError
@@ -175,8 +174,10 @@ def allreduce(comm: Communicator, buf: np.ndarray, algorithm: str = "ring", op: 
     flat = _flat(buf, getattr(comm, "backend", ""))
     if op == "mean" and not spine.is_float(buf):
         raise ConfigError(f"op='mean' needs a floating-point buffer, got {buf.dtype}: use op='sum'")
-    if algorithm == "auto":
-        algorithm = auto.chosen(comm, buf)
+    if algorithm == "auto":  # the cost model loads for callers that ask for it, not on every import
+        from dplab.reference.auto import chosen
+
+        algorithm = chosen(comm, buf)
     if algorithm == "native":
         with comm.tracer.span("allreduce", bytes=flat.nbytes, algorithm="native"):
             comm.native_allreduce(flat, "sum")

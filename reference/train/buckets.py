@@ -127,6 +127,11 @@ class Reducer:
         if self._error is not None:
             raise self._error
 
+    def algorithm_for(self, buf: np.ndarray) -> str:
+        """The schedule that reduces ``buf``: the configured one, or for "auto" the cost model's pick
+        for its size (every rank prices the same fit, so every rank picks the same)."""
+        return chosen(self.comm, buf) if self.algorithm == "auto" else self.algorithm
+
     def close(self) -> None:
         self._queue.put(None)
         self._thread.join()
@@ -139,7 +144,7 @@ class Reducer:
             try:
                 if self._error is None:
                     bucket = self.grad[a:z]
-                    name = chosen(self.comm, bucket) if self.algorithm == "auto" else self.algorithm
+                    name = self.algorithm_for(bucket)
                     self._allreduce(self.comm, bucket, name)
             except BaseException as e:  # handed to the main thread by wait()
                 self._error = e

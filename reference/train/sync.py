@@ -73,7 +73,7 @@ def train_sync(comm: Communicator, cfg: TrainConfig, sync: SyncConfig = _DEFAULT
             with hook.phase("optimizer", step) if hook else nullcontext():
                 run.opt.step(params, grad)  # 5. the same step on every rank: the replicas stay equal
             total = np.array([loss, hook.wants_to_stop(step) if hook else 0.0])  # a hook may ask to stop
-            allreduce(comm, total, sync.algorithm)  # the global batch's loss, and whether any rank asked
+            allreduce(comm, total, reducer.algorithm_for(total))  # the batch's loss; did any rank ask to stop
             run.losses.append(float(total[0]))
             if hook:
                 hook.after_step(run, step)  # e.g. save a checkpoint
