@@ -202,17 +202,19 @@ def region_algorithms(topology: Topology) -> tuple[str, ...]:
 
 
 def best_regions(topology: Topology, ps: Any, sizes: Any, algorithms: Any = None,
-                 itemsize: int = 4) -> Regions:
+                 itemsize: int = 4, builders: Any = None) -> Regions:
     """Price ``algorithms`` (default ``region_algorithms``) at every p and size on ``topology`` with
     ``curve`` (sizes rounded up to whole chunks). Schedules are built and dropped one at a time,
-    not cached: the ring at p = 4096 alone is 235 MB of columns."""
+    not cached: the ring at p = 4096 alone is 235 MB of columns. ``builders``: name -> p -> Schedule
+    to use instead of the registry's (an engine's array builder, held equal to the readable one)."""
     from dplab.reference.algorithms import ALLREDUCE, lookup
 
     algs = tuple(algorithms or region_algorithms(topology))
     sz = np.asarray(sizes, dtype=np.int64)
     times = np.empty((len(algs), len(ps), sz.size))
     for a, name in enumerate(algs):
-        fn, extra = lookup(ALLREDUCE, name, "all-reduce")
+        fn, extra = ((builders[name], ()) if builders and name in builders
+                     else lookup(ALLREDUCE, name, "all-reduce"))
         for i, p in enumerate(ps):
             times[a, i] = curve(fn(int(p), *extra), sz, topology, itemsize)
     return Regions(topology, algs, tuple(int(p) for p in ps), tuple(int(s) for s in sz), times)

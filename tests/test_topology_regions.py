@@ -65,3 +65,15 @@ def test_cost_page_maps_the_regions_of_the_chosen_topology():
     assert spec["data"][0]["y"] == ["2", "4", "8", "16"]
     assert "hierarchical:8" in spec["data"][0]["colorbar"]["ticktext"]
     assert any("DGX H100" in c.value for c in at.caption)
+
+
+def test_an_engines_array_builder_prices_exactly_as_the_readable_one():
+    """The app prices Rabenseifner with the engine's array builder (the readable one is several times
+    slower at p = 1024): the map must be the same to the bit."""
+    from dplab.backends.fastpath.rabenseifner import allreduce as arrays
+
+    topo = PRESETS["dgx-h100"]
+    readable = best_regions(topo, PS, SIZES, algorithms=("ring", "rabenseifner"))
+    fast = best_regions(topo, PS, SIZES, algorithms=("ring", "rabenseifner"),
+                        builders={"rabenseifner": arrays})
+    assert np.array_equal(readable.times, fast.times)
