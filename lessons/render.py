@@ -13,6 +13,7 @@ Console decides; nothing here writes escape codes itself).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlencode
 
@@ -25,8 +26,9 @@ from rich.text import Text
 from dplab.lessons.runner import StepOutcome
 from dplab.lessons.step import Lesson, Step, Verdict
 
-__all__ = ["marks", "step_rule", "end_rule", "code_block", "question_text", "verdict_text", "outcome_body",
-           "hint_text", "explore_link", "estimate_seconds", "lessons_table", "reports_table", "PIP"]
+__all__ = ["marks", "step_rule", "end_rule", "code_block", "question_text", "question_line", "verdict_text",
+           "outcome_body", "hint_text", "explore_link", "estimate_seconds", "lessons_table", "reports_table",
+           "score_text", "start_here", "Progress", "PIP"]
 
 PIP = {"mpi": "pip install 'dplab[mpi]'", "torch": "pip install 'dplab[torch]'",
        "viz": "pip install 'dplab[viz]'"}
@@ -59,10 +61,15 @@ def code_block(step: Step) -> Syntax:
 
 
 def question_text(outcome: StepOutcome) -> Text:
-    """The "predict first" question, with its choices when it has them."""
-    predict = outcome.step.predict
+    """The "predict first" question of a step that has run, with its choices when it has them."""
+    return question_line(outcome.step, outcome.question() or "")
+
+
+def question_line(step: Step, question: str) -> Text:
+    """``Predict first: <question>`` (already filled), with its choices or unit."""
+    predict = step.predict
     text = Text("Predict first: ", style="bold magenta")
-    text.append(outcome.question() or "")
+    text.append(question)
     if predict is not None and predict.choices:
         text.append(f" ({' / '.join(predict.choices)})", style="magenta")
     elif predict is not None and predict.unit:
@@ -77,6 +84,11 @@ def verdict_text(verdict: Verdict | None, expected: str, encoding: str) -> Text:
         return Text(f"(no answer) the measurement says: {expected}", style="magenta")
     return Text(f"{yes if verdict.correct else no} {verdict.message}",
                 style="bold green" if verdict.correct else "bold red")
+
+
+def score_text(right: int, asked: int) -> Text:
+    """``Predictions: 2 of 3 right.`` at the end of a lesson."""
+    return Text(f"Predictions: {right} of {asked} right.", style="bold")
 
 
 def _checks_table(outcome: StepOutcome, encoding: str) -> Table:
@@ -104,6 +116,8 @@ def outcome_body(outcome: StepOutcome, lesson: Lesson, encoding: str) -> list[An
     step = outcome.step
     parts: list[Any] = [Markdown(outcome.text), Text(f"Checks ({outcome.seconds:.1f} s run):", style="bold"),
                         _checks_table(outcome, encoding)]
+    if step.picture is not None:
+        parts.append(step.picture(outcome.facts))
     if step.figure is not None:
         parts.append(Text.assemble(("figure: ", "bold"), "open the Lessons page in ",
                                    ("dplab app", "cyan"), f" (lesson {lesson.number})"))
@@ -119,8 +133,14 @@ def outcome_body(outcome: StepOutcome, lesson: Lesson, encoding: str) -> list[An
     return parts
 
 
-def hint_text(step: Step) -> Text:
-    return Text.assemble(("hint: ", "bold yellow"), step.hint or "this step has no hint")
+def hint_text(step: Step, tier: int = 0) -> Text:
+    """Hint ``tier`` (from 0) of the step's ``all_hints``, numbered when there are several."""
+    hints = step.all_hints()
+    if not hints:
+        return Text.assemble(("hint: ", "bold yellow"), "this step has no hint")
+    tier = min(max(tier, 0), len(hints) - 1)
+    label = f"hint {tier + 1}/{len(hints)}: " if len(hints) > 1 else "hint: "
+    return Text.assemble((label, "bold yellow"), hints[tier])
 
 
 def estimate_seconds(lesson: Lesson, run_seconds: dict[int, float]) -> float:
@@ -134,24 +154,66 @@ def estimate_seconds(lesson: Lesson, run_seconds: dict[int, float]) -> float:
     return total
 
 
-def lessons_table(rows: Sequence[tuple[Lesson, list[str], float, int | None]]) -> Table:
-    """``dplab lesson``: one row per (lesson, missing extras, estimated seconds, resume step)."""
+@dataclass(frozen=True)
+class Progress:
+    """What the learner did in one lesson (from ``lessons/resume.py``)."""
+
+    resume: int | None = None                  # the step it resumes at; None: not started or finished
+    seen: int = 0                              # the furthest step shown
+    done: bool = False                         # reached the end at least once
+    right: int = 0                             # predictions right ...
+    asked: int = 0                             # ... of those asked
+
+
+def _progress_cell(lesson: Lesson, progress: Progress) -> Text:
+    if progress.done:
+        return Text("done", style="green")
+    if progress.seen:
+        return Text(f"{progress.seen}/{len(lesson.steps)}", style="yellow")
+    return Text("-")
+
+
+def lessons_table(rows: Sequence[tuple[Lesson, list[str], float, Any]]) -> Table:
+    """``dplab lesson``: one row per (lesson, missing extras, estimated seconds, progress); the
+    progress is a ``Progress`` or, as before, the step it resumes at (or None)."""
     table = Table(box=None, padding=(0, 1), pad_edge=False, header_style="bold")
     table.add_column("#", justify="right", no_wrap=True)
     table.add_column("lesson", overflow="fold")
     table.add_column("steps", justify="right", no_wrap=True)
     table.add_column("time", justify="right", no_wrap=True)
+    table.add_column("progress", justify="right", no_wrap=True)
+    table.add_column("score", justify="right", no_wrap=True)
     table.add_column("needs", overflow="fold")
-    for lesson, missing, seconds, resume in rows:
+    for lesson, missing, seconds, progress in rows:
+        if not isinstance(progress, Progress):
+            progress = Progress(resume=progress, seen=progress or 0)
         title = Text(lesson.title)
-        if resume:
-            title.append(f" (resumes at step {resume})", style="yellow")
+        if progress.resume:
+            title.append(f" (resumes at step {progress.resume})", style="yellow")
         needs = Text(", ".join(lesson.needs) or "-")
         for extra in missing:
             needs.append(f"\n{extra} missing: {PIP.get(extra, 'pip install dplab')}", style="red")
+        score = f"{progress.right}/{progress.asked}" if progress.asked else "-"
         table.add_row(str(lesson.number), title, str(len(lesson.steps)),
-                      f"~{max(1, round(seconds / 60))} min", needs)
+                      f"~{max(1, round(seconds / 60))} min", _progress_cell(lesson, progress), score, needs)
     return table
+
+
+def start_here(rows: Sequence[tuple[Lesson, list[str], Progress]]) -> Text:
+    """Where to go next: the lesson in progress, else the first not finished whose extras are here,
+    else the first lesson (all done: start again anywhere)."""
+    started = [(les, p) for les, missing, p in rows if p.resume and not missing]
+    if started:
+        les, p = started[0]
+        return Text.assemble(("Continue: ", "bold"), (f"dplab lesson {les.number}", "cyan"),
+                             f" ({les.title}) resumes at step {p.resume}/{len(les.steps)}.")
+    todo = [les for les, missing, p in rows if not p.done and not missing]
+    if todo:
+        first = all(not p.seen and not p.done for _, _, p in rows)
+        return Text.assemble(("Start here: " if first else "Next: ", "bold"),
+                             (f"dplab lesson {todo[0].number}", "cyan"), f" ({todo[0].title}).")
+    return Text.assemble(("Every lesson done. ", "bold green"), "Run any again, or try the exercises: ",
+                         ("dplab lesson init DIR", "cyan"), ".")
 
 
 def reports_table(reports: Sequence[Any], encoding: str) -> Table:

@@ -4,6 +4,8 @@
     positions.step(1)                     # 3: ``dplab lesson 1`` resumes at step 3; None: from the start
     positions.save(1, step=3, seconds={1: 2.4})
     positions.save(1, step=None)          # finished: the next run starts from the beginning
+    positions.save(1, step=2, answers={1: ("close", False)})   # a reply and whether it was right
+    positions.score(1)                    # (right, asked): (0, 1); positions.done(1), positions.seen(1)
 
 The file is a cache, never a reason to fail or to hang: one that is unreadable, not UTF-8, not
 the expected JSON (too deep, too large, ``1e309``), or not a regular file (a FIFO, a link to
@@ -11,7 +13,9 @@ the expected JSON (too deep, too large, ``1e309``), or not a regular file (a FIF
 save; one that cannot be written is a warning too. A save re-reads the file under a lock
 (``fcntl.flock`` on ``lessons.json.lock``) and changes only its own lesson, then replaces the
 file atomically (a temporary file and ``os.replace``), so two ``dplab lesson`` runs at once keep
-both resume points. The step times feed the progress bar's ETA and the listing's estimated length.
+both resume points. The step times feed the progress bar's ETA and the listing's estimated length;
+the answers (the last reply to each question, right or not; a skipped one is asked, not right), the
+furthest step seen and whether the lesson was finished feed the listing's progress and score.
 """
 
 from __future__ import annotations
@@ -31,11 +35,14 @@ try:
 except ImportError:  # pragma: no cover - not on POSIX: saves are atomic but not merged under a lock
     fcntl = None  # type: ignore[assignment]
 
-__all__ = ["Positions", "store_path", "MAX_BYTES", "MAX_STEP"]
+__all__ = ["Positions", "Answer", "store_path", "MAX_BYTES", "MAX_STEP"]
+
+Answer = tuple[str, bool | None]  # (the reply, right?) - None: skipped, shown without an answer
 
 FILE_NAME = "lessons.json"
 MAX_BYTES = 1 << 20  # a dozen lessons take a few KB
 MAX_STEP = 10_000    # a stored step beyond this is nonsense, not a place to resume
+MAX_REPLY = 100      # characters of a reply kept: what a person types for an answer
 
 
 def store_path() -> Path:
@@ -120,8 +127,29 @@ class Positions:
         """Step number -> how long its run took last time here (what the ETA is made of)."""
         return _seconds(self._entry(lesson))
 
-    def save(self, lesson: int, step: int | None, seconds: dict[int, float] | None = None) -> str | None:
-        """Record the position (None: finished) and step times; a failure is returned as a warning.
+    def answers(self, lesson: int) -> dict[int, Answer]:
+        """Step number -> the learner's last reply to its question and whether it was right."""
+        return _answers(self._entry(lesson))
+
+    def score(self, lesson: int) -> tuple[int, int]:
+        """(right, asked) over the questions of ``lesson`` the learner met (a skipped one is asked)."""
+        answers = self.answers(lesson).values()
+        return sum(ok is True for _, ok in answers), len(answers)
+
+    def done(self, lesson: int) -> bool:
+        """Whether the learner reached the end of ``lesson`` at least once."""
+        return self._entry(lesson).get("done") is True
+
+    def seen(self, lesson: int) -> int:
+        """The furthest step (1-based) of ``lesson`` the learner was shown; 0: never started."""
+        seen = self._entry(lesson).get("seen")
+        ok = isinstance(seen, int) and not isinstance(seen, bool) and 0 <= seen <= MAX_STEP
+        return max(seen if ok else 0, self.step(lesson) or 0)
+
+    def save(self, lesson: int, step: int | None, seconds: dict[int, float] | None = None,
+             answers: dict[int, Answer] | None = None) -> str | None:
+        """Record the position (None: finished), step times and answers; a failure is returned as a
+        warning.
 
         Merged under a lock with what is on disk now: another run's lessons are kept."""
         target = _target(self.path)
@@ -136,8 +164,16 @@ class Positions:
                 entry = dict(disk["lessons"].get(str(lesson), {}))
                 if step is None:
                     entry.pop("step", None)
+                    entry["done"] = True
                 else:
                     entry["step"] = step
+                    seen = entry.get("seen")
+                    ok = isinstance(seen, int) and not isinstance(seen, bool) and 0 <= seen <= MAX_STEP
+                    entry["seen"] = max(step, seen if ok else 0)
+                if answers:
+                    merged_answers = {**_answers(entry), **answers}
+                    entry["answers"] = {str(k): {"reply": r[:MAX_REPLY], "correct": ok}
+                                        for k, (r, ok) in sorted(merged_answers.items())}
                 if seconds:
                     merged = {**_seconds(entry), **seconds}
                     entry["seconds"] = {str(k): round(v, 3) for k, v in sorted(merged.items())}
@@ -154,6 +190,16 @@ class Positions:
                 Path(tmp).unlink(missing_ok=True)
             return f"cannot save the position to {self.path} ({e.strerror or e})"
         return None
+
+
+def _answers(entry: dict[str, Any]) -> dict[int, Answer]:
+    raw = entry.get("answers", {})
+    out: dict[int, Answer] = {}
+    for k, v in (raw.items() if isinstance(raw, dict) else ()):
+        if (str(k).isdigit() and len(str(k)) < 6 and isinstance(v, dict) and isinstance(v.get("reply"), str)
+                and v.get("correct") in (True, False, None)):
+            out[int(k)] = (v["reply"][:MAX_REPLY], v["correct"])
+    return out
 
 
 def _seconds(entry: dict[str, Any]) -> dict[int, float]:

@@ -29,11 +29,11 @@ from dplab.lessons import lesson as lesson_number
 from dplab.lessons import lessons, render
 from dplab.lessons.resume import Positions
 from dplab.lessons.runner import Lab, StepOutcome, missing_needs, run_step
-from dplab.lessons.step import Lesson, Verdict
+from dplab.lessons.step import Lesson, Verdict, fill
 from dplab.lessons.ticker import Ticker
 from dplab.reference.errors import ConfigError, DplabError
 
-__all__ = ["make_console", "list_lessons", "run", "run_lesson", "init", "check", "KEYS"]
+__all__ = ["make_console", "list_lessons", "progress", "run", "run_lesson", "init", "check", "KEYS"]
 
 KEYS = "Enter: next · b: back · h: hint · q: quit"
 
@@ -81,12 +81,25 @@ def list_lessons(console: Console | None = None) -> int:
     positions = Positions.load()
     _warn(console, positions.warning)
     rows = [(les, missing_needs(les), render.estimate_seconds(les, positions.seconds(les.number)),
-             positions.step(les.number)) for les in lessons()]
+             progress(positions, les.number)) for les in lessons()]
     console.print(render.lessons_table(rows))
+    console.print()
+    console.print(render.start_here([(les, missing, p) for les, missing, _, p in rows]))
     console.print(Text.assemble("\n", ("dplab lesson N", "cyan"), " steps through lesson N (",
                                 KEYS, "); ", ("--step K", "cyan"), " starts at step K; ",
                                 ("--no-pause", "cyan"), " runs it straight through."))
     return 0
+
+
+class _Quit(Exception):
+    """``q`` (or the end of input) at the answer prompt: stop here, nothing answered."""
+
+
+def progress(positions: Positions, number: int) -> render.Progress:
+    """Lesson ``number``'s progress and prediction score, from the saved positions."""
+    right, asked = positions.score(number)
+    return render.Progress(positions.step(number), positions.seen(number), positions.done(number),
+                           right, asked)
 
 
 @dataclass
@@ -97,12 +110,16 @@ class _Session:
     positions: Positions
     outcomes: dict[int, StepOutcome] = field(default_factory=dict)
     answers: dict[int, Verdict | None] = field(default_factory=dict)
+    replies: dict[int, str] = field(default_factory=dict)
     seconds: dict[int, float] = field(default_factory=dict)
+    hints_shown: dict[int, int] = field(default_factory=dict)
     at: int = 0                                # the step shown now (0-based): where an interruption leaves
 
     def save(self, step: int | None) -> None:
         if self.pause:  # a script (--no-pause) leaves the learner's place alone
-            _warn(self.console, self.positions.save(self.lesson.number, step, self.seconds))
+            answers = {i + 1: (self.replies.get(i, ""), None if v is None else v.correct)
+                       for i, v in self.answers.items()}
+            _warn(self.console, self.positions.save(self.lesson.number, step, self.seconds, answers))
 
     def outcome(self, index: int, lab: Lab) -> StepOutcome:
         """Run step ``index`` once (going back shows the same run again)."""
@@ -114,29 +131,78 @@ class _Session:
             self.seconds[index + 1] = self.outcomes[index].seconds
         return self.outcomes[index]
 
+    def hint(self, index: int) -> None:
+        """The next tier of help for step ``index`` (the last one again once all are shown)."""
+        step = self.lesson.steps[index]
+        tier = self.hints_shown.get(index, 0)
+        self.console.print(render.hint_text(step, tier))
+        self.hints_shown[index] = min(tier + 1, max(len(step.all_hints()) - 1, 0))
+
+    def ask(self, index: int, question: str) -> str:
+        """Ask step ``index``'s question until it gets a reply: ``h`` is a hint, ``q`` quits, Enter
+        skips (the answer is shown, not judged); neither ``h`` nor ``q`` is ever an answer."""
+        step, console = self.lesson.steps[index], self.console
+        console.print(render.question_line(step, question))
+        tiers = len(step.all_hints())
+        prompt = "your answer (h: hint, Enter: show it, q: quit)> " if tiers else \
+            "your answer (Enter: show it, q: quit)> "
+        while True:
+            try:
+                reply = console.input(prompt).strip()
+            except EOFError:
+                console.print()
+                raise _Quit from None
+            if reply.lower() == "q":
+                raise _Quit
+            if reply.lower() == "h":
+                self.hint(index)
+                continue
+            return reply
+
     def show(self, index: int, lab: Lab) -> None:
+        """Predict first: a step with a question shows nothing but the question until it is answered
+        (asked before the run when its inputs fill it, else after an unseen run); then the verdict,
+        the result and the code. Other steps: the code, then the result."""
         step, console = self.lesson.steps[index], self.console
         console.print()
         console.print(render.step_rule(self.lesson, index))
-        console.print(render.code_block(step))
-        out = self.outcome(index, lab)
-        if step.predict is not None:
-            console.print(render.question_text(out))
-            expected = step.predict.judge(out.facts, "").expected
-            if not self.pause:
-                console.print(Text(f"answer: {expected}", style="magenta"))
+        predicting = step.predict is not None and self.pause
+        if predicting and index not in self.answers:
+            if step.asks_before_run():
+                reply = self.ask(index, fill(step.predict.question, step.inputs))
+                out = self.outcome(index, lab)
             else:
-                if index not in self.answers:
-                    reply = console.input("your answer (Enter: show it)> ").strip()
-                    self.answers[index] = step.predict.judge(out.facts, reply) if reply else None
+                out = self.outcome(index, lab)
+                reply = self.ask(index, out.question() or "")
+            self.replies[index] = reply
+            self.answers[index] = step.predict.judge(out.facts, reply) if reply else None
+        elif predicting:
+            out = self.outcome(index, lab)
+            console.print(render.question_line(step, out.question() or ""))
+        else:
+            if step.predict is None:
+                console.print(render.code_block(step))
+            out = self.outcome(index, lab)
+        if step.predict is not None:
+            expected = step.predict.judge(out.facts, "").expected
+            if predicting:
                 console.print(render.verdict_text(self.answers[index], expected, console.encoding))
+            else:
+                console.print(render.question_line(step, out.question() or ""))
+                console.print(Text(f"answer: {expected}", style="magenta"))
         console.print()
         for part in render.outcome_body(out, self.lesson, console.encoding):
             console.print(part)
+        if step.predict is not None:  # the code after the answer: it may hold it
+            console.print(render.code_block(step))
 
     def failed(self) -> list[str]:
         return [f"step {i + 1} ({o.step.title}): {c.claim!r} did not hold"
                 for i, o in sorted(self.outcomes.items()) for c in o.checks if not c.holds]
+
+    def score(self) -> tuple[int, int]:
+        """(right, asked) over the questions met in this run."""
+        return sum(v is not None and v.correct for v in self.answers.values()), len(self.answers)
 
 
 def run_lesson(lesson: Lesson, step: int | None = None, pause: bool = True,
@@ -178,6 +244,7 @@ def run_lesson(lesson: Lesson, step: int | None = None, pause: bool = True,
             print(f"dplab lesson {lesson.number}: step {session.at + 1} could not run: {e}", file=sys.stderr)
             return 1
     if index < n:  # q or end of input
+        session.save(index + 1)
         console.print(Text(f"Stopped at step {index + 1}/{n}: dplab lesson {lesson.number} resumes there.",
                            style="yellow"))
     else:
@@ -193,7 +260,10 @@ def _loop(session: _Session, index: int, lab: Lab) -> int:
     while index < n:
         session.at = index
         session.save(index + 1)
-        session.show(index, lab)
+        try:
+            session.show(index, lab)
+        except _Quit:
+            return index
         if not session.pause:
             index += 1
             continue
@@ -213,7 +283,7 @@ def _loop(session: _Session, index: int, lab: Lab) -> int:
                 index -= 1
                 break
             if key == "h":
-                console.print(render.hint_text(session.lesson.steps[index]))
+                session.hint(index)
             elif key == "q":
                 return index
             else:
@@ -232,6 +302,9 @@ def _end(session: _Session) -> None:
     console.print(Text(f"{yes if held == len(checks) else no} {held} of {len(checks)} checks held "
                        f"in the {len(session.outcomes)} steps shown.",
                        style="bold green" if held == len(checks) else "bold red"))
+    right, asked = session.score()
+    if asked:
+        console.print(render.score_text(right, asked))
     nxt = [les for les in lessons() if les.number == lesson.number + 1]
     if nxt:
         console.print(Text.assemble("Next: ", (f"dplab lesson {nxt[0].number}", "cyan"),

@@ -12,7 +12,7 @@ import pytest
 
 from dplab.lessons import count, fill, num, size, times
 from dplab.lessons.runner import Lab, run_step
-from dplab.lessons.step import Check, Predict, Step
+from dplab.lessons.step import Check, Lesson, Predict, Step
 from dplab.reference.algorithms import ring
 from dplab.reference.errors import ConfigError
 from dplab.reference.train.buckets import Reducer
@@ -112,3 +112,106 @@ def test_hints_are_tiered_in_order():
     assert RING.all_hints() == ("Each round moves one chunk of n/p.", "There are 2(p-1) rounds.")
     assert Step("t", "", _ring_facts).all_hints() == ()
     assert Step("t", "", _ring_facts, hints=("only",)).all_hints() == ("only",)
+
+
+# --- 1 and 5 in the terminal: question first, tiered hints, q, score, start-here ---------------------------
+
+def _terminal(monkeypatch, tmp_path, keys: str):
+    import io
+
+    from rich.console import Console
+
+    monkeypatch.setenv("DPLAB_HOME", str(tmp_path))
+    monkeypatch.setattr("sys.stdin", io.StringIO(keys))
+    screen = io.StringIO()
+    return screen, Console(file=screen, width=100)
+
+
+def _seen_at_run(screen, log):
+    def run(lab):
+        log.append(screen.getvalue())
+        return {"p": 4, "n_bytes": 1 << 20, "sent": 1_572_864, "secret": "SECRET-RESULT"}
+    return run
+
+
+def _quiz(run, **kw) -> Step:
+    return Step("Quiz", "the result is {secret}: {sent:,}", run, (Check("sent {sent:,}", lambda f: True),),
+                predict=Predict("At p={p}, bytes for {n_bytes:size}?", "sent", misconceptions=(
+                    ((3 << 20), "that is the naive root's share"),)),
+                hint="one chunk a round", hints=("2(p-1) rounds",), **kw)
+
+
+def test_the_question_comes_before_the_run_the_code_and_the_result(monkeypatch, tmp_path):
+    from dplab.lessons.terminal import run_lesson
+
+    screen, console = _terminal(monkeypatch, tmp_path, "h\nh\nh\n3 MiB\n\n")
+    log: list[str] = []
+    step = _quiz(_seen_at_run(screen, log), inputs={"p": 4, "n_bytes": 1 << 20}, show=(ring.allreduce,))
+    les = Lesson(99, "fake", "Fake", "For the tests.", (step,))
+    assert run_lesson(les, console=console) == 0
+    text = screen.getvalue()
+    (before_run,) = log
+    # asked before the run: the question and both hints were on screen, nothing of the result or the code
+    assert "Predict first: At p=4, bytes for 1 MiB?" in before_run
+    assert "hint 1/2: one chunk a round" in before_run and before_run.count("hint 2/2: 2(p-1) rounds") == 2
+    assert "SECRET" not in before_run and "def allreduce" not in before_run and "1,572,864" not in before_run
+    # h was never an answer: the one answer is the misconception, named
+    assert text.count("not quite") == 1 and "that is the naive root's share" in text
+    after = text[len(before_run):]
+    assert after.index("not quite") < after.index("SECRET-RESULT") < after.index("def allreduce")
+    assert "Predictions: 0 of 1 right." in text
+    from dplab.lessons.resume import Positions
+    positions = Positions.load(tmp_path / "lessons.json")
+    assert positions.score(99) == (0, 1) and positions.done(99)
+    assert positions.answers(99) == {1: ("3 MiB", False)}
+
+
+def test_a_question_that_needs_the_run_runs_unseen_first(monkeypatch, tmp_path):
+    from dplab.lessons.terminal import run_lesson
+
+    screen, console = _terminal(monkeypatch, tmp_path, "1.5 MiB\n\n")
+    log: list[str] = []
+    les = Lesson(99, "fake", "Fake", "For the tests.", (_quiz(_seen_at_run(screen, log)),))
+    assert run_lesson(les, console=console) == 0
+    text = screen.getvalue()
+    question = text.index("Predict first: At p=4")
+    assert "Predict first" not in log[0]                    # ran first, out of sight ...
+    assert "SECRET" not in text[:question] and "def run" not in text[:question]   # ... nothing shown
+    assert text.index("✓ right: 1,572,864") < text.index("SECRET-RESULT") < text.index("def run")
+    assert "Predictions: 1 of 1 right." in text
+
+
+def test_q_at_the_answer_prompt_quits_without_answering(monkeypatch, tmp_path):
+    from dplab.lessons.resume import Positions
+    from dplab.lessons.terminal import run_lesson
+
+    screen, console = _terminal(monkeypatch, tmp_path, "q\n")
+    log: list[str] = []
+    step = _quiz(_seen_at_run(screen, log), inputs={"p": 4, "n_bytes": 1 << 20})
+    les = Lesson(99, "fake", "Fake", "For the tests.", (step,))
+    assert run_lesson(les, console=console) == 0
+    text = screen.getvalue()
+    assert log == [] and "not quite" not in text and "SECRET" not in text and "1,572,864" not in text
+    assert "Stopped at step 1/1" in text
+    positions = Positions.load(tmp_path / "lessons.json")
+    assert positions.step(99) == 1 and positions.score(99) == (0, 0)
+
+
+def test_the_list_shows_progress_score_and_where_to_start(monkeypatch, tmp_path, capsys):
+    from dplab.lessons.resume import Positions
+    from dplab.lessons.terminal import list_lessons, make_console
+
+    monkeypatch.setenv("DPLAB_HOME", str(tmp_path))
+    monkeypatch.setenv("COLUMNS", "160")
+    assert list_lessons(make_console()) == 0
+    assert "Start here: dplab lesson 1" in capsys.readouterr().out
+    positions = Positions.load(tmp_path / "lessons.json")
+    positions.save(1, None, answers={1: ("close", False), 2: ("3", True), 4: ("0.1", True)})
+    positions.save(2, 3, answers={1: ("", None)})
+    assert list_lessons(make_console()) == 0
+    out = capsys.readouterr().out
+    row1 = next(line for line in out.splitlines() if line.split()[:1] == ["1"])
+    row2 = next(line for line in out.splitlines() if line.split()[:1] == ["2"])
+    assert "done" in row1 and "2/3" in row1
+    assert "(resumes at step 3)" in row2 and "3/" in row2 and "0/1" in row2
+    assert "Continue: dplab lesson 2" in out and "resumes at step 3/" in out

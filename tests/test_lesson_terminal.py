@@ -201,7 +201,7 @@ def test_the_list_and_a_corrupt_position_file(tmp_path):
     (warning,) = proc.stderr.splitlines()
     assert warning.startswith("dplab lesson: warning: ignoring") and "corrupt" in warning
     header, *rows = proc.stdout.splitlines()
-    assert header.split() == ["#", "lesson", "steps", "time", "needs"]
+    assert header.split() == ["#", "lesson", "steps", "time", "progress", "score", "needs"]
     for les in lessons():
         (row,) = [r for r in rows if r.split()[:1] == [str(les.number)]]
         assert les.title in row and f" {len(les.steps)} " in row and re.search(r"~\d+ min", row)
