@@ -37,7 +37,9 @@ from pathlib import Path
 from dplab.lessons.exercises.buckets import judge_buckets
 from dplab.lessons.exercises.learner import ExerciseReport, judged
 from dplab.lessons.exercises.ring import judge_ring
+from dplab.lessons.exercises.ring_allgather import judge_ring_allgather
 from dplab.lessons.exercises.ssp import judge_ssp
+from dplab.lessons.exercises.tree import judge_tree
 from dplab.lessons.exercises.zero2 import judge_zero2
 from dplab.reference.errors import ConfigError
 
@@ -74,6 +76,11 @@ EXERCISES: dict[str, Exercise] = {
     "ssp_gate": _exercise("ssp_gate", 7, "The SSP staleness gate", judge_ssp),
     "zero2_step": _exercise("zero2_step", 10, "A ZeRO-2 step", judge_zero2),
 }
+# appended: the ladder's lower rungs (lesson 2), each judged by its own module
+EXERCISES["ring_allgather"] = _exercise("ring_allgather", 2, "The ring all-gather as a schedule",
+                                        judge_ring_allgather)
+EXERCISES["tree_broadcast"] = _exercise("tree_broadcast", 2, "A binomial-tree broadcast as a schedule",
+                                        judge_tree)
 
 
 def init_dir(path: str | Path) -> list[Path]:

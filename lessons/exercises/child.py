@@ -48,6 +48,8 @@ COLLECTORS = {
     "ddp_buckets": "dplab.lessons.exercises.buckets:collect_buckets",
     "ssp_gate": "dplab.lessons.exercises.ssp:collect_ssp",
     "zero2_step": "dplab.lessons.exercises.zero2:collect_zero2",
+    "ring_allgather": "dplab.lessons.exercises.schedules:collect_schedules",
+    "tree_broadcast": "dplab.lessons.exercises.schedules:collect_schedules",
 }
 GRACE_S = 3.0            # after the time limit, how long the child has to report before it is killed
 START_S = 60.0           # the child's own start (an interpreter and numpy), before its limit runs

@@ -1,0 +1,19 @@
+"""Solution (lesson 2): the ring all-gather as a schedule.
+
+Round k = 0..p-2: rank r sends chunk (r - k) mod p to rank r + 1, which copies it. Round 0
+sends the chunk the reduce-scatter left complete on rank r; every later round passes on the
+chunk that arrived the round before. Each rank lacks p - 1 chunks and receives one a round, so
+p - 1 rounds. The engine's: dplab/reference/algorithms/ring.py.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from dplab.reference.schedule import Round, Schedule
+
+
+def ring_allgather(p: int) -> Schedule:
+    r = np.arange(p)  # every rank at once: one line per round
+    rounds = [Round(r, (r + 1) % p, (r - k) % p, "copy") for k in range(p - 1)]
+    return Schedule("my_ring_allgather", p, p, rounds)

@@ -1,0 +1,136 @@
+"""Lessons 1-4: their exercises' wrong answers are named, and their claims rest on what is deterministic.
+
+    pytest -q -p no:cacheprovider tests/test_lessons_1_4.py
+
+Each exercise of the ladder's bottom (the ring all-gather, the tree broadcast) has a set of
+plausible wrong answers; every one must fail with a sentence that names its mistake, and the
+template they are made from must pass when filled right (so each differs only where it says).
+"""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from dplab.lessons.exercises import EXERCISES, SOLUTIONS, STUBS, check_file, ring_allgather, tree
+
+
+def _write(tmp_path: Path, name: str, source: str) -> Path:
+    file = tmp_path / f"{name}.py"
+    file.write_text(textwrap.dedent(source))
+    return file
+
+
+ALLGATHER = """
+    import numpy as np
+    from dplab.reference.schedule import Round, Schedule
+
+    def ring_allgather(p):
+        r = np.arange(p)
+        return Schedule("mine", p, p, [Round(r, {dst}, {chunk}, "{op}") for k in range({rounds})])
+"""
+RIGHT_ALLGATHER = {"dst": "(r + 1) % p", "chunk": "(r - k) % p", "op": "copy", "rounds": "p - 1"}
+
+BROADCAST = """
+    import math
+    from dplab.reference.schedule import Schedule, Transfer
+
+    def tree_broadcast(p, root=0):
+        steps = [1 << i for i in range({count})]
+        rounds = []
+        for s in {order}:
+            rounds.append([Transfer({src}, {dst}, 0, "{op}") for v in range(0, {top}, 2 * s)])
+        return Schedule("mine", p, 1, rounds)
+"""
+RIGHT_BROADCAST = {"count": "(p - 1).bit_length()", "order": "reversed(steps)", "src": "(v + root) % p",
+                   "dst": "(v + s + root) % p", "op": "copy", "top": "p - s"}
+
+WRONG = [
+    # the ring all-gather
+    ("ring_allgather", ALLGATHER, {**RIGHT_ALLGATHER, "chunk": "(r - k - 1) % p"},
+     "at p=2: in round 0 rank 0 sends chunk 1, which it does not hold complete (it has rank 0's part only), "
+     "so rank 1 is left with a partial chunk: that is the reduce-scatter's rule, (r - k - 1) mod p"),
+    ("ring_allgather", ALLGATHER, {**RIGHT_ALLGATHER, "chunk": "(r + k) % p"},
+     "at p=3: in round 1 rank 0 sends chunk 1, which it does not hold complete (it has ranks 0 and 2's parts "
+     "only), so rank 1 is left with a partial chunk: pass on what arrived in the round before (chunk 2, from "
+     "rank 2)"),
+    ("ring_allgather", ALLGATHER, {**RIGHT_ALLGATHER, "dst": "(r - 1) % p"},
+     "at p=3: in round 0 rank 0 sends to rank 2: in the ring each rank sends only to its right neighbour, "
+     "(r + 1) mod p = 1"),
+    ("ring_allgather", ALLGATHER, {**RIGHT_ALLGATHER, "rounds": "max(p - 2, 0)"},
+     "at p=2: rank 0 ends without chunk 1 complete with no rounds: it holds 1 of the 2 chunks. A rank lacks "
+     "p - 1 chunks and receives one a round, so the all-gather takes p - 1 = 1 rounds"),
+    ("ring_allgather", ALLGATHER, {**RIGHT_ALLGATHER, "op": "reduce"},
+     "at p=2: in round 0 rank 1 adds chunk 0 from rank 0: in the all-gather every chunk sent is already "
+     "complete, so the receiver copies it ('copy')"),
+    ("ring_allgather", ALLGATHER, {**RIGHT_ALLGATHER, "rounds": "p if p > 1 else 0"},
+     "at p=2: in round 1 rank 0 sends chunk 1 to rank 1, which already holds it complete: a wasted send"),
+    # the tree broadcast
+    ("tree_broadcast", BROADCAST, {**RIGHT_BROADCAST, "order": "steps"},
+     "at p=4, root=0: in round 0 rank 2 sends before it holds the root's buffer: your rounds run in the "
+     "reduce's order (smallest step first)"),
+    ("tree_broadcast", BROADCAST, {**RIGHT_BROADCAST, "src": "v", "dst": "v + s"},
+     "at p=5, root=2: in round 0 rank 0 sends before it holds the root's buffer: your tree broadcasts from "
+     "rank 0, not from root 2; number the ranks from the root, v = (r - root) mod p"),
+    ("tree_broadcast", BROADCAST, {**RIGHT_BROADCAST, "count": "int(math.log2(p))"},
+     "at p=3, root=0: rank 2 never receives the root's buffer (1 of 3 ranks lacks it after the last round "
+     "(round 0)): each round at most doubles the holders (1, 2, 4, ...), so p = 3 needs ceil(lg p) = 2 "
+     "rounds, lg p rounded up"),
+    # written for powers of two: at p = 3 rank 2's partner would be rank 3
+    ("tree_broadcast", BROADCAST, {**RIGHT_BROADCAST, "src": "v", "dst": "v + s", "top": "p"},
+     ("tree_broadcast(3, 0) raised ScheduleError", "is out of range (p=3, k=1)",
+      "a rank whose partner would be p or more sits that round out")),
+    # the same, wrapped round with mod p: the partner past the end is a rank that has it already
+    ("tree_broadcast", BROADCAST, {**RIGHT_BROADCAST, "top": "p"},
+     "at p=3, root=0: in round 1 rank 2 sends to rank 0, which already holds the root's buffer: a wasted "
+     "send"),
+    ("tree_broadcast", BROADCAST, {**RIGHT_BROADCAST, "op": "reduce"},
+     "at p=2, root=0: in round 0 rank 1 adds what rank 0 sends: a broadcast copies the root's buffer"),
+    # the root sends to everyone itself: one round, p - 1 messages through one port
+    ("tree_broadcast", BROADCAST, {**RIGHT_BROADCAST, "count": "1 if p > 1 else 0", "src": "root",
+                                   "dst": "(root + v // 2 + 1) % p", "top": "2 * (p - 1)",
+                                   "order": "[1] if p > 1 else []"},
+     "at p=3, root=0: in round 0 rank 0 sends 2 messages: a rank sends one message a round (one port"),
+    # a chain: each rank passes it to the next, p - 1 rounds
+    ("tree_broadcast", BROADCAST, {**RIGHT_BROADCAST, "order": "range(1, p)", "src": "(s - 1 + root) % p",
+                                   "dst": "(s + root) % p", "top": "1"},
+     "at p=4, root=0: every rank gets the root's buffer, but in 3 rounds: a binomial tree needs ceil(lg p) "
+     "= 2"),
+]
+
+
+@pytest.mark.parametrize("name, template, fill, says", WRONG,
+                         ids=[f"{w[0]}-{i}" for i, w in enumerate(WRONG)])
+def test_a_plausible_wrong_answer_fails_naming_its_mistake(tmp_path, name, template, fill, says):
+    report = check_file(name, _write(tmp_path, name, template.format(**fill)))
+    assert not report.passed, report.message
+    for part in (says,) if isinstance(says, str) else says:
+        assert part in report.message, report.message
+
+
+@pytest.mark.parametrize("name, template, fill", [("ring_allgather", ALLGATHER, RIGHT_ALLGATHER),
+                                                  ("tree_broadcast", BROADCAST, RIGHT_BROADCAST)])
+def test_the_wrong_answers_templates_pass_when_filled_right(tmp_path, name, template, fill):
+    report = check_file(name, _write(tmp_path, name, template.format(**fill)))
+    assert report.passed, report.message
+
+
+@pytest.mark.parametrize("name, says", [
+    ("ring_allgather", "at p=3: rank 0 ends without chunk 1 complete after the last round (round 0)"),
+    ("tree_broadcast", "at p=3, root=0: rank 2 never receives the root's buffer"),
+])
+def test_the_new_stubs_fail_and_solutions_pass(name, says):
+    exercise = EXERCISES[name]
+    assert exercise.lesson == 2 and exercise.stub_path.parent == STUBS
+    stub = check_file(name, exercise.stub_path)
+    assert not stub.passed and says in stub.message, stub.message
+    solved = check_file(name, SOLUTIONS / exercise.stub)
+    assert solved.passed, solved.message
+
+
+def test_the_hints_climb_in_two_or_three_tiers_and_the_last_is_nearly_the_line():
+    for hints, line in ((ring_allgather.HINTS, "(r - k) mod p"), (tree.HINTS, "Transfer((v + root) % p")):
+        assert 2 <= len(hints) <= 3
+        assert line in hints[-1] and not any(line in h for h in hints[:-1])
