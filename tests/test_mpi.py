@@ -496,3 +496,43 @@ def test_a_rank_killed_mid_training_is_the_one_named(victim):
     assert time.monotonic() - t0 < 15
     assert err.value.rank == victim, str(err.value)
     assert _unmapped_mpich_segments() == set()
+
+
+def job_empty_native_then_ring(comm, late):
+    """A checked native all-reduce of nothing, then a ring. Rank ``late`` sends its last round of the
+    buffer check 0.3 s late: rank (late - 1), whose last round waits for it, is still in the check
+    when the others, done with theirs, send it their ring messages."""
+    import time
+    import types
+
+    from dplab.reference.collectives import allreduce
+
+    if comm.rank == late:
+        real, calls = comm.MPI, []
+
+        def startall(reqs):
+            calls.append(1)
+            if len(calls) == 3:  # p = 5: rounds k = 1, 2, 4; the third is the last
+                time.sleep(0.3)
+            return real.Prequest.Startall(reqs)
+
+        class Late:
+            Prequest = types.SimpleNamespace(Startall=startall)
+
+            def __getattr__(self, name):
+                return getattr(real, name)
+
+        comm.MPI = Late()
+    comm.native_allreduce(np.empty(0, np.float64))
+    x = np.full(5, comm.rank + 1.0)
+    allreduce(comm, x, "ring")
+    return x
+
+
+def test_a_checked_native_of_nothing_holds_every_rank_until_all_have_checked():
+    """MPI_Allreduce of 0 elements synchronises no one: a rank out of the native's buffer check
+    early reached a peer still in it, whose peek took the next collective's message for a mismatch
+    (a false CollectiveMismatch, seen under load at p = 5)."""
+    p = 5
+    for got in launch(job_empty_native_then_ring, p, backend="mpi", args=(1,)):
+        assert np.array_equal(got, np.full(5, p * (p + 1) / 2))

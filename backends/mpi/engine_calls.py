@@ -55,6 +55,9 @@ class MpiEngineCalls:
                             f"{', '.join(map(str, self._types))} array; got {buf.dtype}")
         if check and self.world_size > 1:
             self._agree(buf)
+            if buf.size == 0:  # MPI_Allreduce of nothing returns at once, synchronising no one: a rank
+                self.barrier()  # out early would reach a peer still in _agree, which reads its next
+                return  # collective's message as a mismatch
         self._comm.Allreduce(MPI.IN_PLACE, [buf, mpi_type], op=MPI.SUM)
         if op == "mean":
             buf /= self.world_size
