@@ -21,7 +21,8 @@ CONCEPTS = {
     "cost-model": "the α-β-γ cost model against measurements",
     "buckets": "buckets and overlap with backward",
     "accumulation": "gradient accumulation",
-    "amdahl": "Amdahl's law, the communication-to-computation ratio, measured scaling efficiency",
+    "amdahl": ("scaling: T(p) = T_comp/p + T_comm(p), where Amdahl's law misleads, the "
+               "communication-to-computation ratio, measured scaling efficiency"),
     "lr-scaling": "learning-rate scaling, warm-up, LARS/LAMB",
     "sync-async": "synchronous vs asynchronous training",
     "staleness": "staleness and bounded staleness (SSP)",
@@ -32,6 +33,8 @@ CONCEPTS = {
     "dp-vs-ddp": "DataParallel (one process, a master device) vs DistributedDataParallel",
     "engines": "the engines (MPI, NCCL, gloo), their launchers, and running past one machine",
     "beyond-dp": "when data parallelism is not enough: model, pipeline, tensor parallelism",
+    "batch-size": ("batch-size economics: strong vs weak scaling, the gradient noise scale and critical "
+                   "batch, held-out loss, where lr scaling rules break"),
 }
 
 

@@ -1,222 +1,346 @@
-"""Lesson 5: Amdahl's law and the communication-to-computation ratio, measured.
+"""Lesson 5: how a step's time splits as ranks are added, strong and weak scaling, and what to trust.
 
     dplab lesson 5
 
-Four steps: Amdahl's law on paper; strong scaling measured here for a small and a larger model
-at 1, 2 and 4 ranks; where each step's time goes (compute, exposed communication, waiting, the
-rest), from the trace; and Amdahl's bound from the serial fraction the trace measured.
+Four steps. The model T(p) = T_comp/p + T_comm(p) on the cost model: communication is zero on
+one rank and grows with p, so the speedup peaks and falls (Amdahl's law, whose serial part never
+grows, cannot say that). Strong vs weak scaling: compute per byte sent is set by the samples
+each rank computes on, not by the model's size (Gustafson's answer to Amdahl). Where the time
+goes on this machine, measured with its spread. And why a serial share measured here belongs
+to this machine, not to the code.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from dplab.lessons.step import Check, Explore, Lesson, Predict, Step
+from dplab.reference.algorithms import allreduce_schedule
+from dplab.reference.costmodel import cost
 from dplab.reference.model import MLP, MLPConfig
+from dplab.reference.topology import PRESETS
 from dplab.reference.trace_metrics import step_split
 from dplab.reference.train.single import TrainConfig
 from dplab.reference.train.sync import SyncConfig, train_sync
 
-__all__ = ["LESSON"]
+__all__ = ["LESSON", "step_time", "flops_per_sample", "amdahl"]
 
-# the same global batch on every world size (strong scaling); the large model computes ~500x more per step
-MODELS = {"small": TrainConfig(global_batch=32, steps=6),
-          "large": TrainConfig(model=MLPConfig(in_dim=16, hidden=(256, 256), out_dim=4), num_samples=512,
-                               global_batch=256, steps=4)}
-WORLD_SIZES = (1, 2, 4)
-REPS = 5  # world sizes and models interleaved; each cell the fastest (least disturbed) repetition
+SMALL = MLPConfig()                                            # 8 -> 16 -> 16 -> 4: 484 parameters
+LARGE = MLPConfig(in_dim=16, hidden=(256, 256), out_dim=4)     # 71,172 parameters
+FLOPS = 1e10        # an assumed device: 10 GFLOP/s (a CPU core); what matters is the ratio to the link
+LINK = PRESETS["flat-10g"]                                     # 10 Gb/s Ethernet, 5 us a message
+WORLD_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+REPS = 5            # measured cells, interleaved; every repetition is shown, not just the best
+
+
+def flops_per_sample(model):
+    """Forward 2 FLOPs per weight per sample, backward 4: 6 in all."""
+    cfg = model.cfg
+    dims = (cfg.in_dim, *cfg.hidden, cfg.out_dim)
+    return 6 * sum(a * b for a, b in zip(dims[:-1], dims[1:]))
+
+
+def step_time(model, samples_per_rank, p, topology=LINK):
+    """(compute, communication) seconds of one step on p ranks: the
+    rank's share of the FLOPs, and a ring all-reduce of the float32
+    gradient priced by the cost model (zero on one rank)."""
+    compute = flops_per_sample(model) * samples_per_rank / FLOPS
+    ring = allreduce_schedule("ring", p)
+    comm = cost(ring, 4 * model.num_params, topology=topology).time
+    return compute, comm
 
 
 def amdahl(serial, p):
-    """The best speedup on p ranks when a share ``serial`` of the
-    one-rank time cannot be split."""
+    """Amdahl's best speedup when a share ``serial`` cannot be split."""
     return 1 / (serial + (1 - serial) / p)
 
 
-def amdahl_on_paper(lab):
-    f = 0.1
-    return {"f_pct": 100 * f,
-            "s2": amdahl(f, 2),
-            "s4": amdahl(f, 4),
-            "s64": amdahl(f, 64),
-            "ceiling": 1 / f,
-            "grows": [amdahl(f, p) for p in (1, 2, 4, 8, 64)]}
+def peak_and_fall(lab):
+    model, batch = MLP(LARGE), 4096      # strong scaling: the batch is fixed
+    t1 = sum(step_time(model, batch, 1))
+    rows = {}
+    for p in WORLD_SIZES:
+        comp, comm = step_time(model, batch / p, p)
+        rows[p] = (comp, comm, t1 / (comp + comm))
+    # Amdahl, fitted to p = 2: the share f that gives the same T(2)
+    f = 2 * rows[2][1] / t1
+    best = max(rows, key=lambda p: rows[p][2])
+    table = "\n".join(f"| {p} | {c * 1e3:.3g} | {m * 1e3:.3g} | {s:.3g}x "
+                      f"| {amdahl(f, p):.3g}x |"
+                      for p, (c, m, s) in rows.items())
+    return {"batch": batch, "params": model.num_params, "table": table,
+            "gflops": FLOPS / 1e9, "link": LINK.name,
+            "comm_1": rows[1][1], "comms": [r[1] for r in rows.values()],
+            "speedups": [r[2] for r in rows.values()],
+            "amdahls": [amdahl(f, p) for p in WORLD_SIZES],
+            "best_p": best, "best_s": rows[best][2],
+            "last_p": WORLD_SIZES[-1], "last_s": rows[WORLD_SIZES[-1]][2],
+            "f_pct": 100 * f, "amdahl_last": amdahl(f, WORLD_SIZES[-1]),
+            "falls": "yes" if rows[best][2] > rows[WORLD_SIZES[-1]][2]
+            else "no"}
+
+
+def traced_bytes(comm, cfg):
+    comm.tracer.enabled = True
+    train_sync(comm, cfg, SyncConfig("ring"))
+    comm.tracer.enabled = False
+    return sum(e.bytes for e in comm.tracer.take() if e.kind == "send")
+
+
+def per_step_bytes(lab, model_cfg, p):
+    """Bytes rank 0 sends in one training step on the real engine:
+    two steps minus one (the start's broadcast cancels)."""
+    cfg = TrainConfig(model=model_cfg, global_batch=64, num_samples=256,
+                      steps=1)
+    world = lab.world(p)
+    one = world.run(traced_bytes, cfg)[0]
+    two = world.run(traced_bytes, replace(cfg, steps=2))[0]
+    return two - one
+
+
+def strong_and_weak(lab):
+    per_rank = 16                   # weak scaling: each rank's samples fixed
+    global_batch = 256              # strong scaling: the global batch fixed
+    ps = (2, 4, 16, 64, 256)
+
+    def flops_per_byte(model, samples, p):
+        ring = allreduce_schedule("ring", p)
+        sent = cost(ring, 4 * model.num_params, 0, 0, 0).bytes_sent_max
+        return flops_per_sample(model) * samples / sent
+
+    small, large = MLP(SMALL), MLP(LARGE)
+    strong = [flops_per_byte(large, global_batch / p, p) for p in ps]
+    weak = [flops_per_byte(large, per_rank, p) for p in ps]
+    same_b = {m: flops_per_byte(model, per_rank, 4)
+              for m, model in (("small", small), ("large", large))}
+    # the cost model's bytes are the engine's: one real step at p = 4
+    engine = per_step_bytes(lab, LARGE, 4)
+    model_bytes = cost(allreduce_schedule("ring", 4), 8 * large.num_params,
+                       0, 0, 0, itemsize=8).bytes_sent_max
+    # Gustafson: weak scaling's speedup, priced (p ranks do p times the work)
+    one_rank = step_time(large, per_rank, 1)[0]
+    gustafson = [p * one_rank / sum(step_time(large, per_rank, p))
+                 for p in ps]
+    table = "\n".join(f"| {p} | {global_batch / p:g} | {s:.3g} | {w:.3g} "
+                      f"| {g:.3g}x |"
+                      for p, s, w, g in zip(ps, strong, weak, gustafson))
+    ratio = same_b["large"] / same_b["small"]
+    about = "same" if 0.5 < ratio < 2 else "large" if ratio > 1 else "small"
+    return {"table": table, "per_rank": per_rank,
+            "global_batch": global_batch, "ps": list(ps),
+            "strong": strong, "weak": weak, "gustafson": gustafson,
+            "small": same_b["small"], "large": same_b["large"],
+            "model_ratio": ratio, "about": about,
+            "params_ratio": large.num_params / small.num_params,
+            "engine_bytes": engine, "model_bytes": model_bytes,
+            "loss_bytes": engine - model_bytes}
 
 
 def timed_training(comm, cfg):
     comm.tracer.enabled = True
     train_sync(comm, cfg, SyncConfig("ring"))
     comm.tracer.enabled = False
-    events = comm.tracer.take()
     # step 0 is warm-up
-    return step_split(events, first_step=1), events
+    return step_split(comm.tracer.take(), first_step=1)
 
 
-def measure_scaling(lab):
-    """Every (model, world size) cell, interleaved, REPS times; the
-    slowest rank's mean step, the fastest repetition (kept for
-    the lesson's later steps: measuring is the slow part)."""
+MEASURED = LARGE
+BATCHES = {"4 per rank": 8, "512 per rank": 1024}              # global batches at p = 2
+
+
+def measure(lab):
+    """Every cell REPS times, interleaved (a busy spell hits all cells
+    alike); kept for step 4: measuring is the slow part."""
     if "l05" not in lab.scratch:
-        step_ms, splits, traces = {}, {}, {}
+        cells = {}
         for _ in range(REPS):
-            for p in WORLD_SIZES:
-                for name, cfg in MODELS.items():
+            for name, batch in BATCHES.items():
+                cfg = TrainConfig(model=MEASURED, global_batch=batch,
+                                  num_samples=1024, steps=3)
+                for p in (1, 2):
                     ranks = lab.world(p).run(timed_training, cfg)
-                    split0 = ranks[0][0]
-                    slowest = max(r[0].step_ms for r in ranks)
-                    step_ms.setdefault((name, p), []).append(slowest)
-                    splits.setdefault((name, p), []).append(split0)
-                    traces[name, p] = [r[1] for r in ranks]
-        # the least disturbed repetition: a busy machine only adds time
-        fastest = {k: min(v) for k, v in step_ms.items()}
-        lab.scratch["l05"] = (fastest, splits, traces)
+                    cells.setdefault((name, p), []).append(ranks)
+        lab.scratch["l05"] = cells
     return lab.scratch["l05"]
 
 
-def strong_scaling(lab):
-    step_ms, _, _ = measure_scaling(lab)
-    eff = {(m, p): step_ms[m, 1] / (p * step_ms[m, p])
-           for m in MODELS for p in WORLD_SIZES}
-
-    def row(m):
-        params = MLP(MODELS[m].model).num_params
-        cells = [f"{step_ms[m, p]:.2f} ms, E={eff[m, p]:.2f}"
-                 for p in WORLD_SIZES]
-        return f"| {m} ({params:,} params) | " + " | ".join(cells) + " |"
-
-    return {"table": "\n".join(row(m) for m in MODELS),
-            "eff": eff,
-            "batch_small": MODELS["small"].global_batch,
-            "batch_large": MODELS["large"].global_batch,
-            "ratio2": eff["large", 2] / eff["small", 2],
-            "ratio4": eff["large", 4] / eff["small", 4],
-            "better": max(MODELS, key=lambda m: eff[m, 2] + eff[m, 4])}
-
-
 def where_time_goes(lab):
-    _, splits, traces = measure_scaling(lab)
-    out = {"traces": traces["small", 2]}
-    for m in MODELS:
-        # the least disturbed repetition
-        s = min(splits[m, 2], key=lambda x: x.step_ms)
-        parts = (s.compute_ms + s.exposed_comm_ms + s.waiting_ms
-                 + s.other_ms)
-        out[m] = {"step": s.step_ms,
-                  "compute": s.compute_ms,
-                  "comm": s.exposed_comm_ms,
-                  "wait": s.waiting_ms,
-                  "other": s.other_ms,
-                  "ratio": (s.exposed_comm_ms + s.waiting_ms) / s.compute_ms,
-                  "adds_up": abs(parts - s.step_ms) < 1e-6}
+    cells = measure(lab)
+    ratio, parts = {}, {}
+    for name in BATCHES:
+        runs = [ranks[0] for ranks in cells[name, 2]]
+        ratio[name] = sorted((s.exposed_comm_ms + s.waiting_ms) / s.compute_ms
+                             for s in runs)
+        # the median run
+        s = sorted(runs, key=lambda s: s.step_ms)[len(runs) // 2]
+        parts[name] = (s.step_ms, s.compute_ms, s.exposed_comm_ms,
+                       s.waiting_ms, s.other_ms)
+    table = "\n".join(f"| {n} | " + " | ".join(f"{v:.2f}" for v in parts[n])
+                      + f" | {ratio[n][0]:.2g} to {ratio[n][-1]:.2g} |"
+                      for n in BATCHES)
+    few, many = BATCHES
+    # the same ratio priced: one all-reduce, 4 or 512 samples of compute
+    priced = {}
+    for n, batch in BATCHES.items():
+        compute, comm = step_time(MLP(MEASURED), batch / 2, 2)
+        priced[n] = comm / compute
+    carries = ratio[few][0] > ratio[many][-1]
+    return {"table": table, "reps": REPS,
+            "lo": ratio[few], "hi": ratio[many],
+            "priced_few": priced[few], "priced_many": priced[many],
+            "priced_x": priced[few] / priced[many], "carries": carries,
+            "verdict": VERDICT[carries],
+            "adds_up": all(abs(sum(v[1:]) - v[0]) < 1e-6
+                           for v in parts.values())}
 
-    def row(m):
-        o = out[m]
-        return (f"| {m} | {o['step']:.2f} | {o['compute']:.2f} "
-                f"| {o['comm']:.2f} | {o['wait']:.2f} | {o['other']:.2f} "
-                f"| {o['ratio']:.2g} |")
 
-    out["table"] = "\n".join(row(m) for m in MODELS)
-    return out
+VERDICT = {True: "every repetition at 4 per rank is above every one at 512: here the spread is "
+                 "smaller than the effect, and the measurement carries the claim",
+           False: "the two ranges overlap: on these shared cores the spread is as large as the "
+                  "effect, so this measurement cannot carry the claim; the priced ratio does"}
 
 
-def _timeline(facts):
-    from dplab.viz.timeline import timeline_figure
-    return timeline_figure([e for rank in facts["traces"] for e in rank], title="the small model on 2 ranks")
+def karp_flatt(speedup, p):
+    """The serial share that explains a measured speedup on p ranks."""
+    return (1 / speedup - 1 / p) / (1 - 1 / p)
 
 
-def amdahl_measured(lab):
-    _, splits, _ = measure_scaling(lab)
-    out = {}
-    for m in MODELS:
-        s = min(splits[m, 2], key=lambda x: x.step_ms)
-        # what did not shrink: exposed comm, waits, Python
-        serial = s.step_ms - s.compute_ms
-        # its share of the work as one rank would do it
-        f = serial / (serial + 2 * s.compute_ms)
-        out[m] = {"f": f, "f_pct": 100 * f,
-                  "ceiling": 1 / f,
-                  "bound4": amdahl(f, 4)}
-    return out
+def serial_share_is_the_machines(lab):
+    cells = measure(lab)
+    name = "512 per rank"
+    # repetition k: its one-rank time against its two-rank time
+    t1 = [max(r.step_ms for r in ranks) for ranks in cells[name, 1]]
+    t2 = [max(r.step_ms for r in ranks) for ranks in cells[name, 2]]
+    measured = sorted(karp_flatt(a / b, 2) for a, b in zip(t1, t2))
+    model = MLP(MEASURED)
+    priced = {}
+    for machine in ("flat-10g", "dgx-h100"):
+        topo = PRESETS[machine]
+        t_1 = sum(step_time(model, 1024, 1, topo))
+        priced[machine] = {}
+        for p in (2, 64):
+            t_p = sum(step_time(model, 1024 / p, p, topo))
+            priced[machine][p] = karp_flatt(t_1 / t_p, p)
+    eth, nvl = priced["flat-10g"], priced["dgx-h100"]
+    return {"measured": measured, "lo": measured[0], "hi": measured[-1],
+            "reps": len(measured),
+            "eth_2": priced["flat-10g"][2], "eth_64": priced["flat-10g"][64],
+            "nvl_2": priced["dgx-h100"][2], "nvl_64": priced["dgx-h100"][64],
+            "machines": priced["flat-10g"][2] / priced["dgx-h100"][2],
+            "nvl_word": "smaller" if nvl[2] < eth[2] else "larger"}
 
 
 STEPS = (
     Step(
-        title="Amdahl's law",
-        text=("If a share f of one rank's time cannot be split, p ranks can at best run "
-              "1 / (f + (1-f)/p) times faster. With f = {f_pct:g}%: {s2:.2f}x on 2 ranks, {s4:.2f}x on 4, "
-              "{s64:.1f}x on 64, and never more than 1/f = {ceiling:g}x however many. In data parallelism "
-              "the share that does not shrink is the communication (an all-reduce of the whole gradient on "
-              "every rank, whatever p) and the per-step work every rank repeats."),
-        run=amdahl_on_paper,
-        checks=(Check("more ranks never hurt on paper", lambda f: f["grows"] == sorted(f["grows"])),
-                Check("and never pass 1/f", lambda f: max(f["grows"]) < f["ceiling"])),
-        predict=Predict("If {f_pct:g}% of a step cannot be parallelised, what is the best speedup on 4 "
-                        "ranks?",
-                        "s4", rel_tol=0.02, unit="x"),
-        hint="1 / (0.1 + 0.9/4).",
-        try_this="Change f to 1% and to 50% in amdahl_on_paper and compare the 64-rank speedups.",
+        title="Communication is not a serial share: T(p) = T_comp/p + T_comm(p)",
+        text=("**Strong scaling** keeps the global batch ({batch:,} samples) and adds ranks. Each rank "
+              "computes on batch/p samples, so compute shrinks as 1/p; but the all-reduce of the "
+              "{params:,}-parameter gradient is **zero on one rank and grows with p** (a ring sends "
+              "2(p-1)/p of the gradient, in 2(p-1) messages, each paying a latency α). Priced by the cost "
+              "model (lesson 3) on {link} with a {gflops:g} GFLOP/s device, in ms:\n\n"
+              "| p | compute | all-reduce | speedup | Amdahl, fitted at p=2 |\n|---|---|---|---|---|\n"
+              "{table}\n\n"
+              "The speedup peaks at p = {best_p} ({best_s:.3g}x) and **falls** after: at p = {last_p} it "
+              "is {last_s:.3g}x. Amdahl's law (a share f of the one-rank time that cannot be split) fitted "
+              "to the same T(2) gives f = {f_pct:.2g}% and promises {amdahl_last:.3g}x at p = {last_p}: "
+              "it assumes the part that does not shrink stays the same size, while communication grows."),
+        run=peak_and_fall,
+        checks=(Check("one rank communicates nothing", lambda f: f["comm_1"] == 0),
+                Check("the all-reduce's time grows with p", lambda f: f["comms"] == sorted(f["comms"])),
+                Check("the speedup peaks at p = {best_p} and falls after it",
+                      lambda f: 1 < f["best_p"] < f["last_p"] and f["last_s"] < f["best_s"]),
+                Check("Amdahl's curve never falls, and overshoots the model at p = {last_p}",
+                      lambda f: f["amdahls"] == sorted(f["amdahls"]) and f["amdahl_last"] > f["last_s"])),
+        predict=Predict("Global batch {batch:,}, adding ranks from 1 to {last_p}. Does the step ever get "
+                        "slower as ranks are added: 'yes' or 'no'?", "falls", choices=("yes", "no")),
+        hint="Compute falls as 1/p; the ring's 2(p-1) latencies grow as p. Their sum has a minimum.",
+        try_this="Set FLOPS to 1e12 (a GPU) in l05_scaling.py: where does the speedup peak now, and why?",
+        explore=Explore("cost"),
         teaches=("amdahl",),
     ),
     Step(
-        title="Strong scaling, measured: a small and a larger model",
-        text=("The same global batch ({batch_small} for the small model, {batch_large} for the large) on "
-              "1, 2 and 4 local ranks; each cell is the slowest rank's mean step, the fastest of interleaved "
-              "repetitions, and E = T1 / (p Tp) the efficiency:\n\n"
-              "| model | p=1 | p=2 | p=4 |\n|---|---|---|---|\n{table}\n\n"
-              "The larger model keeps {ratio2:.1f}x the small one's efficiency at p=2 and {ratio4:.1f}x at "
-              "p=4: it computes far more per byte it all-reduces, while the small model's step is almost all "
-              "communication and per-step overhead, which more ranks cannot shrink. (This machine has two "
-              "busy cores: four ranks share them, so no model scales to 4 here; on a loaded machine a "
-              "single run can even look superlinear. The claim is the ratio.)"),
-        run=strong_scaling,
-        checks=(Check("the larger model scales better at p=2 (efficiency > 1.5x the small one's)",
-                      lambda f: f["ratio2"] > 1.5),
-                Check("and at p=4", lambda f: f["ratio4"] > 1.5)),
-        predict=Predict("Which scales better from 1 to 4 ranks on the same global batch: 'small' or 'large'?",
-                        "better", choices=("small", "large")),
-        hint="Compute grows with parameters × batch, the all-reduce only with parameters.",
-        try_this="dplab scaling --help   # the same split for any model and world size",
+        title="Strong vs weak scaling: the batch is the lever, not the model",
+        text=("What keeps communication hidden is **compute per byte sent**: FLOPs a rank does per step "
+              "(6 per weight per sample) over the bytes its all-reduce sends (≈ 2 × the gradient). "
+              "Parameters appear in both, so they cancel: at {per_rank} samples per rank the small model "
+              "(484 parameters) does {small:.3g} FLOPs per byte and the large one ({params_ratio:.0f}x the "
+              "parameters) {large:.3g}, {model_ratio:.2f}x. What moves the ratio is the **samples per "
+              "rank**.\n\n"
+              "**Strong scaling** (global batch {global_batch} fixed) divides them by p; **weak scaling** "
+              "({per_rank} per rank fixed, the global batch grows with p) keeps them. FLOPs per byte of "
+              "the large model, and weak scaling's speedup priced as in step 1 (**Gustafson**: p ranks do "
+              "p times the work in about the same time):\n\n"
+              "| p | samples per rank (strong) | strong | weak | weak-scaling speedup |\n"
+              "|---|---|---|---|---|\n{table}\n\n"
+              "The bytes are the engine's: a real step on 4 ranks sent {engine_bytes:,} bytes from rank 0, "
+              "the cost model's {model_bytes:,} for the gradient plus {loss_bytes} for the step's loss. "
+              "Weak scaling is why data parallelism grows the global batch; lessons 6 and 13 are what a "
+              "larger batch costs in learning."),
+        run=strong_and_weak,
+        checks=(Check("at the same samples per rank the two models' FLOPs per byte are within 2x "
+                      "though their sizes differ {params_ratio:.0f}x",
+                      lambda f: 0.5 < f["model_ratio"] < 2 and f["params_ratio"] > 100),
+                Check("strong scaling's FLOPs per byte fall with p",
+                      lambda f: f["strong"] == sorted(f["strong"], reverse=True)),
+                Check("weak scaling's stay within 2x of their p = 2 value",
+                      lambda f: min(f["weak"]) > f["weak"][0] / 2),
+                Check("the engine sends the cost model's bytes plus the loss's two float64s",
+                      lambda f: f["loss_bytes"] == 16)),
+        predict=Predict("At {per_rank} samples per rank, which does more FLOPs per byte it all-reduces: "
+                        "'small', 'large' or about the 'same'?", "about", choices=("small", "large", "same")),
+        hint="FLOPs per sample ≈ 6 × weights; bytes ≈ 2 × 4 × parameters. Divide.",
+        try_this="dplab scaling --help   # strong and weak scaling for any model and world size",
+        teaches=("amdahl", "batch-size"),
+    ),
+    Step(
+        title="Where the time goes here, measured with its spread",
+        text=("Now a measurement on this machine: two ranks, the same model, {reps} interleaved "
+              "repetitions, 4 or 512 samples per rank. Rank 0's trace splits a step (ms, the median run) "
+              "into parts that add up: compute, communication with no compute under it, waiting, and the "
+              "rest (Python between phases). The last column is (communication + waiting) / compute over "
+              "all repetitions, lowest to highest:\n\n"
+              "| per rank | step | compute | exposed comm. | waiting | other | (comm + wait) / compute |\n"
+              "|---|---|---|---|---|---|---|\n{table}\n\n"
+              "The cost model says the ratio at 4 per rank is {priced_x:.0f}x the one at 512 "
+              "({priced_few:.2g} against {priced_many:.2g} on 10 Gb/s Ethernet): the all-reduce is the "
+              "same, the compute is not. Measured: {verdict}."),
+        run=where_time_goes,
+        checks=(Check("the parts add up to the step", lambda f: f["adds_up"]),
+                Check("priced, the ratio at 4 per rank is 128x the one at 512 (same bytes, 1/128 the FLOPs)",
+                      lambda f: abs(f["priced_x"] - 128) < 1e-6),
+                Check("the verdict on the measurement is the data's (no overlap: it carries)",
+                      lambda f: f["carries"] == (f["lo"][0] > f["hi"][-1]))),
+        hint="Exposed communication is comm time minus the compute that overlapped it.",
+        try_this="dplab train --world-size 2 --trace run.json   # the Runs page shows the same split",
         explore=Explore("runs", lambda f: {"world_size": 2, "hidden": 256}),
         teaches=("amdahl",),
     ),
     Step(
-        title="Where the time goes: compute, exposed communication, waiting",
-        text=("The trace of rank 0 at p=2 splits a step (ms) into disjoint parts that add up: compute, "
-              "communication with no compute under it, waiting for the last bucket, and the rest (Python "
-              "between phases):\n\n"
-              "| model | step | compute | exposed comm. | waiting | other | (comm + wait) / compute |\n"
-              "|---|---|---|---|---|---|---|\n{table}\n\n"
-              "The communication-to-computation ratio is the whole story of the step before: a small model "
-              "spends more time talking than computing."),
-        run=where_time_goes,
-        checks=(Check("the parts add up to the step",
-                      lambda f: f["small"]["adds_up"] and f["large"]["adds_up"]),
-                Check("the small model's comm/compute ratio is larger than the large one's",
-                      lambda f: f["small"]["ratio"] > f["large"]["ratio"])),
-        figure=_timeline,
-        hint="Exposed communication is comm time minus the compute that overlapped it.",
-        try_this="dplab train --world-size 2 --trace run.json   # the Runs page shows the same split",
-        explore=Explore("runs", lambda f: {"world_size": 2, "hidden": 16}),
-        teaches=("amdahl",),
-    ),
-    Step(
-        title="Amdahl's bound from the measured serial fraction",
-        text=("Take what did not shrink at p=2 (step minus compute) as the serial part, and the "
-              "compute of both ranks as the parallel part: the small model is **{small[f_pct]:.0f}%** "
-              "serial, the large one **{large[f_pct]:.0f}%**. Amdahl then caps the small model at "
-              "{small[ceiling]:.2g}x however many ranks, the large one at {large[ceiling]:.2g}x; at 4 ranks "
-              "the bounds are {small[bound4]:.2f}x and {large[bound4]:.2f}x: a bound on the code, not on "
-              "this machine, whose two cores four ranks share. To scale, make the serial part small: "
-              "bigger per-rank work, fewer and larger all-reduces, overlap (lesson 4)."),
-        run=amdahl_measured,
-        checks=(Check("the small model has the larger serial fraction",
-                      lambda f: f["small"]["f"] > f["large"]["f"]),
-                Check("so its Amdahl ceiling is lower",
-                      lambda f: f["small"]["ceiling"] < f["large"]["ceiling"])),
-        hint="f = serial / (serial + parallel); ceiling = 1/f.",
-        try_this="Raise the large model's global batch to 1024 in MODELS and watch its serial share fall.",
+        title="A serial share you measure belongs to the machine, not the code",
+        text=("Invert Amdahl on a measured speedup S on p ranks and you get the **Karp-Flatt** serial "
+              "share e = (1/S - 1/p) / (1 - 1/p). For the 512-per-rank runs at p = 2, the {reps} "
+              "repetitions here give e from {lo:.2g} to {hi:.2g}: two ranks share two busy cores, so this "
+              "is a fact about this machine today, not about the code.\n\n"
+              "Price the same code on two clusters instead: e = {eth_2:.2g} on 10 Gb/s Ethernet but "
+              "{nvl_2:.2g} on NVLink ({machines:.0f}x smaller) at p = 2. And it is no constant: on "
+              "Ethernet it grows to {eth_64:.2g} at p = 64, because communication grows with p. A serial "
+              "share, measured or priced, describes one machine at one p."),
+        run=serial_share_is_the_machines,
+        checks=(Check("the same code has a serial share over 10x larger on Ethernet than on NVLink",
+                      lambda f: f["machines"] > 10),
+                Check("and it grows with p (Amdahl's f would stay put)", lambda f: f["eth_64"] > f["eth_2"]),
+                Check("the measured share is shown over all {reps} repetitions",
+                      lambda f: f["reps"] == REPS)),
+        predict=Predict("Priced on NVLink instead of 10 Gb/s Ethernet, is the serial share of the same "
+                        "step 'larger', 'smaller' or the 'same'?", "nvl_word",
+                        choices=("larger", "smaller", "same")),
+        hint="Karp-Flatt: e = (1/S - 1/p) / (1 - 1/p); faster links shrink T_comm, and with it e.",
+        try_this="Price the step on PRESETS['h100-100g'] in serial_share_is_the_machines.",
         teaches=("amdahl",),
     ),
 )
 
 
-LESSON = Lesson(5, "scaling", "Amdahl's law and the communication-to-computation ratio",
-                "Why a larger model scales better, measured, and the ceiling Amdahl's law puts on it.", STEPS)
+LESSON = Lesson(5, "scaling", "Scaling: T(p) = T_comp/p + T_comm(p), strong vs weak",
+                "Why the speedup peaks and falls, why the batch per rank (not the model) sets compute per "
+                "byte, and what a measured serial share means.", STEPS)

@@ -11,70 +11,96 @@ from __future__ import annotations
 
 import numpy as np
 
-from dplab.backends.runs.run import RunSpec, run_train
 from dplab.lessons.step import Check, Lesson, Predict, Step
-from dplab.reference.data import batch_indices
+from dplab.reference.data import batch_indices, make_dataset
 from dplab.reference.lr import scaled_lr
-from dplab.reference.model import MLPConfig
+from dplab.reference.model import MLP, MLPConfig
 from dplab.reference.optim import OptimConfig, make_optimizer
-from dplab.reference.train.single import TrainConfig, evaluate, setup, train_single
+from dplab.reference.train.single import TrainConfig, setup
 
-__all__ = ["LESSON"]
+__all__ = ["LESSON", "split_data", "train_minibatch", "N_TRAIN", "N_HELD_OUT", "BASE_BATCH", "BASE_LR"]
 
 MODEL = MLPConfig(loss="xent")                 # 8 -> 16 -> 16 -> 4 classes
 
 
-def classify(global_batch, steps, lr, warmup_steps=0, optimizer="momentum"):
-    opt = OptimConfig(optimizer, lr=lr, warmup_steps=warmup_steps)
-    return TrainConfig(model=MODEL, dataset="classification",
-                       num_samples=512, global_batch=global_batch,
-                       steps=steps, optimizer=opt)
+N_TRAIN, N_HELD_OUT = 4096, 2048   # the held-out samples are never trained on
+BASE_BATCH, BASE_LR = 32, 0.05       # a small batch and an lr that trains it well
+
+
+def split_data(seed=0):
+    """One labelled data set (one teacher), cut into training and
+    held-out samples."""
+    data = make_dataset("classification", N_TRAIN + N_HELD_OUT, MODEL.in_dim, MODEL.out_dim, seed)
+    return (data.x[:N_TRAIN], data.y[:N_TRAIN]), (data.x[N_TRAIN:], data.y[N_TRAIN:])
+
+
+def train_minibatch(batch, lr, epochs, warmup_steps=0, optimizer="momentum",
+                    seed=0):
+    """Minibatch SGD on the training samples, one device (lesson 1: the
+    same bits as p ranks with a global batch of ``batch``). Returns the
+    loss of every step's batch, and the held-out loss at the end."""
+    model = MLP(MODEL)
+    (x, y), (x_out, y_out) = split_data(seed)
+    params = model.init_params(seed)
+    cfg = OptimConfig(optimizer, lr=lr, warmup_steps=warmup_steps)
+    opt = make_optimizer(cfg, model.num_params, params.dtype,
+                         model.param_slices)
+    grad, losses = np.zeros_like(params), []
+    for step in range(epochs * N_TRAIN // batch):
+        # a fresh shuffle every epoch
+        idx = batch_indices(N_TRAIN, batch, step, seed)
+        grad[:] = 0
+        loss, _ = model.loss_and_grad(params, x[idx], y[idx], 1 / batch, grad)
+        opt.step(params, grad)
+        losses.append(loss)
+    held_out = model.loss(model.forward(params, x_out), y_out, 1 / N_HELD_OUT)
+    return losses, float(held_out)
+
+
+def small_batch(lab):
+    """Batch BASE_BATCH for 10 epochs: what both steps compare with."""
+    if "l06" not in lab.scratch:
+        lab.scratch["l06"] = train_minibatch(BASE_BATCH, BASE_LR, 10)
+    return lab.scratch["l06"]
 
 
 def same_samples_fewer_steps(lab):
-    # one device, 480 steps of 32: 15,360 samples
-    small = classify(global_batch=32, steps=480, lr=0.05)
-    small_loss = evaluate(small, train_single(small).params)
+    epochs, k = 10, 16
+    small = small_batch(lab)
     big = {}
-    # 4 ranks x 128 = 512 a step, 30 steps: the same samples
     for rule in ("none", "sqrt", "linear"):
-        lr = scaled_lr(0.05, base_batch=32, global_batch=512, rule=rule)
-        spec = RunSpec(world_size=4, train=classify(512, 30, lr))
-        row, _ = run_train(spec, world=lab.world(4))
-        big[rule] = (lr, row["final_loss"])
-    return {"small_loss": small_loss,
-            "none": big["none"][1],
-            "sqrt": big["sqrt"][1],
-            "linear": big["linear"][1],
-            "lr_linear": big["linear"][0],
-            "lr_sqrt": big["sqrt"][0],
-            "samples": small.steps * small.global_batch,
-            "small_steps": small.steps, "big_steps": 30,
-            "k": 512 // small.global_batch,
-            "base_lr": small.optimizer.lr,
-            "base_batch": small.global_batch}
+        lr = scaled_lr(BASE_LR, BASE_BATCH, k * BASE_BATCH, rule)
+        big[rule] = (lr, train_minibatch(k * BASE_BATCH, lr, epochs))
+    held = {rule: out[1] for rule, (_, out) in big.items()}
+    best = min(held, key=held.get)
+    return {"small": small[1], "small_steps": len(small[0]),
+            "big_steps": len(big["none"][1][0]), "epochs": epochs,
+            "none": held["none"], "sqrt": held["sqrt"],
+            "linear": held["linear"],
+            "lr_sqrt": big["sqrt"][0], "lr_linear": big["linear"][0],
+            "best": best, "best_loss": held[best], "k": k,
+            "big_batch": k * BASE_BATCH,
+            "base_lr": BASE_LR, "base_batch": BASE_BATCH,
+            "n_train": N_TRAIN, "n_held_out": N_HELD_OUT}
 
 
 def warm_up(lab):
-    curves = {}
-    lr, warmup_steps = 6.4, 10
-    for warmup in (0, warmup_steps):
-        cfg = classify(global_batch=512, steps=30, lr=lr,
-                       warmup_steps=warmup)
-        result = train_single(cfg)
-        curves[warmup] = (result.losses, evaluate(cfg, result.params))
-    cold, cold_end = curves[0]
-    warm, warm_end = curves[warmup_steps]
-    return {"start": cold[0],
-            "cold_peak": max(cold[:10]),
-            "warm_peak": max(warm[:10]),
-            "cold_end": cold_end,
-            "warm_end": warm_end,
-            "lr": lr, "warmup_steps": warmup_steps}
+    k, epochs, warmup_steps = 128, 30, 10
+    batch = k * BASE_BATCH               # every training sample, every step
+    lr = scaled_lr(BASE_LR, BASE_BATCH, batch, "linear")
+    cold, cold_end = train_minibatch(batch, lr, epochs)
+    warm, warm_end = train_minibatch(batch, lr, epochs, warmup_steps)
+    return {"start": cold[0], "k": k, "batch": batch,
+            "cold_peak": max(cold[:10]), "warm_peak": max(warm[:10]),
+            "cold_end": cold_end, "warm_end": warm_end,
+            "small": small_batch(lab)[1], "epochs": epochs,
+            "lr": lr, "warmup_steps": warmup_steps, "steps": len(cold),
+            "base_lr": BASE_LR, "base_batch": BASE_BATCH}
 
 
 def one_lr_per_layer(lab):
-    cfg = classify(global_batch=512, steps=1, lr=1.0)
+    cfg = TrainConfig(model=MODEL, dataset="classification",
+                      num_samples=512, global_batch=512, steps=1)
     B = cfg.global_batch
     model, data, params = setup(cfg)
     idx = batch_indices(cfg.num_samples, B, step=0, seed=cfg.seed)
@@ -103,39 +129,53 @@ def one_lr_per_layer(lab):
 STEPS = (
     Step(
         title="The same samples in fewer steps need a larger lr",
-        text=("One device with batch {base_batch} and lr {base_lr:g} sees {samples:,} samples in "
-              "{small_steps} steps and ends at loss **{small_loss:.4f}**. Four ranks with a global "
-              "batch of 512 see them in {big_steps} steps. With the lr unchanged they end at "
-              "**{none:.4f}**: each step averages more samples, so its gradient is less noisy, but "
-              "there are {k}x fewer steps. The **sqrt rule** (lr × √{k} = {lr_sqrt:g}) reaches "
-              "{sqrt:.4f}; the **linear rule** (lr × {k} = {lr_linear:g}) reaches {linear:.4f}."),
+        text=("{n_train:,} training samples, {n_held_out:,} **held-out** ones the training never sees: "
+              "a loss on them says how well the model does on new data, which a training loss cannot. "
+              "Batch {base_batch} with lr {base_lr:g} (momentum SGD) sees {epochs} epochs in "
+              "{small_steps:,} steps and ends at held-out loss **{small:.3f}**. A global batch of "
+              "{big_batch} ({k} ranks of {base_batch}, or any split of it: lesson 1) sees the same "
+              "samples in {big_steps} steps. With the lr unchanged it ends at **{none:.3f}**: each step's "
+              "gradient is an average over more samples (less noisy), but there are {k}x fewer steps. "
+              "The **sqrt rule** (lr × √{k} = {lr_sqrt:g}) ends at {sqrt:.3f}; the **linear rule** "
+              "(lr × {k} = {lr_linear:g}, Goyal et al. 2017) at {linear:.3f}. Here {best} did best. The "
+              "linear rule is the boldest of the usual rules, and it holds only while k is small against "
+              "the gradient's noise (lesson 13)."),
         run=same_samples_fewer_steps,
-        checks=(Check("with the lr unchanged, the big batch ends behind the small one",
-                      lambda f: f["none"] > f["small_loss"]),
-                Check("the sqrt rule beats no rule, and the linear rule beats sqrt here",
-                      lambda f: f["linear"] < f["sqrt"] < f["none"])),
-        predict=Predict("Batch 32 trains with lr 0.05. By the linear rule, what lr goes with a global "
-                        "batch of 512?", "lr_linear", rel_tol=1e-9),
-        hint="Linear: k times the batch, k times the lr (Goyal et al. 2017). Here k = 512 / 32.",
+        checks=(Check("with the lr unchanged, the big batch ends behind the small one on held-out data",
+                      lambda f: f["none"] > 1.2 * f["small"]),
+                Check("both scaled lrs beat the unchanged one",
+                      lambda f: max(f["sqrt"], f["linear"]) < f["none"]),
+                Check("the best scaled lr comes within 20% of the small batch's held-out loss",
+                      lambda f: f["best_loss"] < 1.2 * f["small"])),
+        predict=Predict("Batch {base_batch} trains with lr {base_lr:g}. By the linear rule, what lr goes "
+                        "with a global batch of {big_batch}?", "lr_linear", rel_tol=1e-9),
+        hint="Linear: k times the batch, k times the lr (Goyal et al. 2017). Here k = {big_batch} / "
+             "{base_batch}.",
         try_this="dplab compare --global-batches 64,256,1024 --lr-rule linear,sqrt,none --optimizer momentum",
         teaches=("lr-scaling", "large-batch-sgd"),
     ),
     Step(
         title="A large lr needs a warm-up",
-        text=("Scale further (lr {lr:g}) and the first steps overshoot: without warm-up the loss climbs from "
-              "{start:.2f} to **{cold_peak:.2f}** within ten steps and ends at {cold_end:.3f}. A linear "
-              "warm-up over the first {warmup_steps} updates (lr/{warmup_steps}, 2·lr/{warmup_steps}, ...) "
-              "keeps the peak at "
+        text=("Push k to {k}: a global batch of {batch:,}, every training sample in every step, and the "
+              "linear rule's lr {base_lr:g} × {k} = **{lr:g}**. Without warm-up the training loss climbs "
+              "from {start:.2f} to **{cold_peak:.2f}** in the first ten steps and the run ends at "
+              "held-out loss {cold_end:.3f} after {steps} steps. A linear warm-up over the first "
+              "{warmup_steps} updates (lr/{warmup_steps}, 2·lr/{warmup_steps}, ...) never climbs above "
               "**{warm_peak:.2f}** and ends at {warm_end:.3f}: early on the gradient changes fast, and "
-              "the linear rule's assumption (k small steps ≈ one big step) does not hold yet."),
+              "the linear rule's assumption (k small steps ≈ one big step) does not hold yet. Still, "
+              "batch {base_batch} reached {small:.3f} in 10 epochs, a third of these {epochs}: at this k "
+              "the linear rule has broken down (lesson 13 measures where)."),
         run=warm_up,
         checks=(Check("without warm-up the loss more than doubles its start in the first ten steps",
                       lambda f: f["cold_peak"] > 2 * f["start"]),
-                Check("with warm-up the early peak is less than half of that",
-                      lambda f: f["warm_peak"] < f["cold_peak"] / 2),
-                Check("and the run ends lower", lambda f: f["warm_end"] < f["cold_end"])),
+                Check("with warm-up it never rises above its start", lambda f: f["warm_peak"] <= f["start"]),
+                Check("and ends lower on held-out data", lambda f: f["warm_end"] < f["cold_end"]),
+                Check("but behind the small batch: the linear rule broke at k = {k}",
+                      lambda f: f["warm_end"] > f["small"])),
+        predict=Predict("Batch {base_batch} trains with lr {base_lr:g}. What lr does the linear rule give "
+                        "a batch of {batch:,}?", "lr", rel_tol=1e-9),
         hint="reference/lr.py: warmup_lr ramps from lr/warmup_steps at update 1 to the full lr.",
-        try_this="dplab train --dataset classification --global-batch 512 --lr 6.4 --warmup-steps 10",
+        try_this="dplab train --dataset classification --global-batch 512 --lr 0.8 --warmup-steps 10",
         teaches=("lr-scaling",),
     ),
     Step(

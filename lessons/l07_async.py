@@ -10,6 +10,7 @@ write the SSP gate yourself (the exercise ``ssp_gate``).
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import replace
 
 import numpy as np
@@ -105,7 +106,11 @@ def delay_histogram(lab):
         return np.array_equal(again, run.params)
 
     exact = all(replays_exactly(s, r) for s, r in runs.items())
-    return {"logs": {s: r.log for s, r in runs.items()},
+    seen = Counter(delays[0])
+    hist = ", ".join(f"{n} at delay {d}" for d, n in sorted(seen.items()))
+    return {"hist_0": hist,
+            "delays_0": sorted(seen),
+            "logs": {s: r.log for s, r in runs.items()},
             "max_delay": {s: max(d) for s, d in delays.items()},
             "max_0": max(delays[0]),
             "max_2": max(delays[2]),
@@ -202,7 +207,7 @@ STEPS = (
               "many other gradients the server applied between the pull a gradient was computed on and its "
               "own update. With W = {workers} workers and staleness S it is at most (W - 1)(2S + 1): "
               "{bound_0} at S = 0, {bound_2} at S = 2. Measured, over {updates} updates per run: largest "
-              "delay {max_0} at S = 0 (every lock-step clock: 0, 1 and 2), {max_2} at S = 2 and "
+              "delay {max_0} at S = 0 (of its gradients, {hist_0}), {max_2} at S = 2 and "
               "{max_none} unbounded.\n\n"
               "No run is reproducible by running it again (the interleaving is timing), but each is "
               "reproducible from its log: every gradient is a pure function of (parameter version, worker, "
@@ -217,7 +222,7 @@ STEPS = (
                       lambda f: f["replay_exact"])),
         figure=_histogram,
         predict=Predict("Lock-step (S = 0), {workers} workers pulling the same version each clock: what is "
-                        "the largest delay, in updates, a gradient can have?", "max_0"),
+                        "the largest delay, in updates, a gradient can have?", "bound_0"),
         hint="In a lock-step clock all three pull the same version; the last of the three to land has seen "
              "the other two applied first.",
         try_this="dplab compare --modes async --staleness-grid 0,2,inf --world-sizes 4 --straggler 3:8",
