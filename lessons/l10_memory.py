@@ -14,6 +14,9 @@ import math
 from dplab.backends.cli.memory import memory_rows
 from dplab.backends.runs.run import RunSpec, run_train
 from dplab.lessons.exercises import STUBS, check_file
+from dplab.lessons.exercises.zero2 import HINTS as ZERO2_HINTS
+from dplab.lessons.exercises.zero2 import MODEL as ZERO2_MODEL
+from dplab.lessons.exercises.zero2 import in_flight_bytes
 from dplab.lessons.step import Check, Lesson, Predict, Step
 from dplab.reference.model import MLP, MLPConfig
 from dplab.reference.optim import OptimConfig
@@ -146,15 +149,19 @@ def beyond_data_parallel(lab):
 
 
 def zero2_exercise(lab):
-    n, p = sum(layer_sizes(MODEL)), 4
-    # rank r owns params[a:b], the r-th chunk
-    owns = chunk_bounds(n, p)
+    sizes = layer_sizes(ZERO2_MODEL)
+    n, p = sum(sizes), 4
+    # rank r owns chunk r of every layer
+    owns = chunk_bounds(sizes[1], p)
     # what `dplab lesson check 10` says of the stub
     stub = check_file("zero2_step", STUBS / "zero2_step.py")
-    return {"n": n, "p": p,
+    return {"n": n, "p": p, "layers": len(sizes),
+            "layer": sizes[1],
             "owns": ", ".join(f"rank {r}: [{a}:{b}]"
                               for r, (a, b) in enumerate(owns)),
             "rank2_start": owns[2][0],
+            "whole_kib": 8 * n / KB,
+            "allowed_kib": in_flight_bytes(sizes) / KB,
             "stub_passed": stub.passed,
             "stub_says": stub.message}
 
@@ -274,21 +281,35 @@ STEPS = (
         teaches=("beyond-dp",),
     ),
     Step(
-        title="Exercise: a ZeRO-2 step",
-        text=("Now write one step of ZeRO-2. `dplab lesson init DIR` copies the exercise stubs into DIR; "
-              "fill in `zero2_step(comm, params, grad, optimizer)` in DIR/zero2_step.py and run "
-              "`dplab lesson check 10 DIR`: it runs your step on 1 to 4 ranks and compares every rank's "
-              "every chunk with one device after every step.\n\n"
-              "Three moves: reduce-scatter the gradient, so rank r holds chunk r of the sum; step the "
-              "optimizer on the chunk this rank owns (here, {n:,} parameters at p={p}: {owns}); all-gather "
-              "the parameters. The stub is plain data parallelism (an all-reduce, then a step on every "
-              "parameter); checking it as shipped says:\n\n> {stub_says}"),
+        title="Exercise: a ZeRO-2 step, during backward",
+        text=("Now write ZeRO-2 as the engine runs it. `dplab lesson init DIR` copies the stubs; fill in "
+              "`zero2_step(comm, backward, params, shard, optimizer)` in DIR/zero2_step.py and run "
+              "`dplab lesson check 10 DIR`. `backward` is the real backward pass of a {layers}-layer model "
+              "({n:,} parameters), one layer at a time, last layer first; each layer's gradient arrives "
+              "in a fresh buffer.\n\n"
+              "ZeRO-2 reduce-scatters each layer's gradient **the moment backward yields it**, keeps its "
+              "own chunk (a layer of {layer:,} parameters at p={p}: {owns}) and drops the buffer, so it "
+              "never holds the whole gradient; after backward it steps its chunks and all-gathers each "
+              "layer's weights. The check runs your step on 1 to 4 ranks and judges three things: every "
+              "rank's weights against one device; the bytes sent (a reduce-scatter and an all-gather per "
+              "layer: an all-reduce in their place trains just as well and sends 1.5x); and the peak "
+              "memory of the step ({whole_kib:.0f} KiB is the whole gradient; the check allows "
+              "{allowed_kib:.0f} KiB, which a few layers in flight never reach). The stub is plain data "
+              "parallelism (every layer all-reduced and kept); checking it as shipped says:\n\n"
+              "> {stub_says}"),
         run=zero2_exercise,
-        checks=(Check("the stub fails its check, in the lesson's words",
-                      lambda f: not f["stub_passed"] and "rank" in f["stub_says"]),),
-        predict=Predict("{n:,} parameters on {p} ranks: at which index does rank 2's chunk start?",
-                        "rank2_start"),
-        hint="chunk_bounds(n, p)[rank] is (start, stop); reduce_scatter and allgather work in place.",
+        checks=(Check("the stub fails its check, naming the whole gradient it held",
+                      lambda f: not f["stub_passed"] and "whole gradient" in f["stub_says"]),),
+        inputs={"layer": 1056, "p": 4},
+        predict=Predict("A layer of {layer:,} parameters on {p} ranks: at which index of the layer does "
+                        "rank 2's chunk start?", "rank2_start",
+                        misconceptions=((lambda g, f: g == f["layer"] // 2 - 1, "off by one: chunks start "
+                                         "at 0, so rank 2's starts after ranks 0 and 1's chunks"),
+                                        (lambda g, f: g == 2, "that is the rank, not the index: each rank's "
+                                         "chunk holds layer / p parameters"))),
+        hint=ZERO2_HINTS[0],
+        hints=ZERO2_HINTS[1:],
+        show=("dplab.reference.zero.layout.ShardLayout",),
         try_this="dplab lesson init ex && dplab lesson check 10 ex   # edit ex/zero2_step.py until it passes",
         exercise="zero2_step",
         teaches=("memory",),

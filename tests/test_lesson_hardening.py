@@ -109,7 +109,7 @@ def test_a_loop_that_swallows_the_stop_is_killed_with_what_it_started(tmp_path, 
 def test_a_zero2_step_that_loops_at_one_rank_is_stopped(tmp_path, monkeypatch):
     monkeypatch.setenv("DPLAB_CHECK_LIMIT_S", "3")
     file = _write(tmp_path, "zero2_step", """
-        def zero2_step(comm, params, grad, optimizer):
+        def zero2_step(comm, backward, params, shard, optimizer):
             while comm.world_size == 1:
                 pass
     """)
@@ -203,13 +203,13 @@ def ring_reduce_scatter(p):
 def test_a_process_a_rank_forked_does_not_outlive_the_world(tmp_path):
     _write(tmp_path, "zero2_step", RIGHT_ZERO2 + f"""
 import os, time
-def zero2_step(comm, params, grad, optimizer):
+def zero2_step(comm, backward, params, shard, optimizer):
     if comm.world_size == 2 and comm.rank == 1 and not os.path.exists({str(tmp_path / 'sleeper')!r}):
         pid = os.fork()
         if pid == 0:
             time.sleep(120)
         open({str(tmp_path / 'sleeper')!r}, "w").write(str(pid))
-    right(comm, params, grad, optimizer)
+    right(comm, backward, params, shard, optimizer)
 """)
     report, took = _timed("zero2_step", tmp_path / "zero2_step.py")
     assert report.passed, report.message
@@ -227,7 +227,7 @@ def test_a_huge_exception_message_is_clipped_at_once(tmp_path):
     assert "(4,999,400 more characters) (line 3 of ring_reduce_scatter.py" in report.message
     assert len(report.message) < 1000 and took < 20
     _write(tmp_path, "zero2_step", """
-        def zero2_step(comm, params, grad, optimizer):
+        def zero2_step(comm, backward, params, shard, optimizer):
             raise ValueError("y" * 5_000_000)
     """)
     report, took = _timed("zero2_step", tmp_path / "zero2_step.py")
