@@ -14,7 +14,6 @@ MPICH segment of its ranks. It runs at most once, and only in the process that s
 
 from __future__ import annotations
 
-import errno
 import multiprocessing as mp
 import os
 import pickle
@@ -29,8 +28,9 @@ from dplab.backends.launch import mainmod
 from dplab.backends.launch.serve import forked_rank
 from dplab.backends.launch.timeouts import start_timeout
 from dplab.backends.launch.watch import launcher_token
-from dplab.backends.local.shm import shm_full, unlink_prefix
+from dplab.backends.local.shm import unlink_prefix
 from dplab.backends.mpi.mpiexec import MpiJob, start_mpiexec
+from dplab.backends.registry import Backend, entry
 from dplab.reference.errors import ConfigError
 
 __all__ = ["Ranks", "start_ranks", "pickle_job"]
@@ -103,32 +103,17 @@ class Ranks:
 
 
 def start_ranks(backend: str, world_size: int, session: str, timeout: float, job: Job | None) -> Ranks:
-    """Start ``world_size`` ranks of ``backend``; with ``job`` each runs it first, unasked."""
-    if backend == "mpi":
-        return _start_mpi(world_size, session, timeout, job)
-    return _start_forked(backend, world_size, session, timeout, job)
+    """Start ``world_size`` ranks of ``backend``, as its registry entry says; with ``job`` each runs
+    it first, unasked."""
+    found = entry(backend)
+    return _STARTS[found.start](found, world_size, session, timeout, job)
 
 
-def _start_forked(backend: str, world_size: int, session: str, timeout: float, job: Job | None) -> Ranks:
+def _start_forked(found: Backend, world_size: int, session: str, timeout: float,
+                  job: Job | None) -> Ranks:
     ctx = mp.get_context("fork")
-    keep = None
-    if backend == "local":
-        from dplab.backends.local.comm import LocalComm, Wiring
-
-        # Kept for the world's lifetime: its pid array lives in multiprocessing's shared heap,
-        # and a block freed here would be handed to the next world while ours still use it.
-        try:
-            keep = Wiring.create(ctx, session, world_size, timeout)
-        except OSError as e:  # the semaphores and the heap live in /dev/shm too
-            unlink_prefix(session)
-            if e.errno != errno.ENOSPC:
-                raise
-            raise shm_full(4096 * (2 * world_size + 1) * world_size, "the ranks' semaphores") from None
-        connect = partial(LocalComm, keep)
-    else:
-        from dplab.backends.torchdist.rendezvous import prepare
-
-        connect = prepare(world_size, timeout)
+    backend = found.name
+    connect, keep = found.prepare(ctx, session, world_size, timeout)
     ranks = Ranks(session, [], [], keep=keep)
     try:
         for rank in range(world_size):
@@ -156,7 +141,8 @@ def pickle_job(fn: Callable[..., Any], args: tuple) -> bytes:
                           "(launch() on local or torch forks, and takes any callable)") from None
 
 
-def _start_mpi(world_size: int, session: str, timeout: float, job: Job | None) -> Ranks:
+def _start_mpi(found: Backend, world_size: int, session: str, timeout: float,
+               job: Job | None) -> Ranks:
     payload = pickle_job(*job) if job is not None else None  # before anything starts
     env = {"DPLAB_LAUNCHER": launcher_token()}
     spec = mainmod.main_spec()
@@ -171,3 +157,6 @@ def _start_mpi(world_size: int, session: str, timeout: float, job: Job | None) -
     if payload is not None:
         ranks.send_all(payload)
     return ranks
+
+
+_STARTS = {"fork": _start_forked, "mpiexec": _start_mpi}  # a registry entry's ``start``

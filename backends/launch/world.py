@@ -20,13 +20,13 @@ world's shared memory before the KeyboardInterrupt comes out (a second Ctrl-C wa
 cleanup); and if the launcher is killed outright, every rank notices within 0.2 s, unlinks what
 it shares and exits (``dplab.backends.launch.watch``).
 
-How ranks start: local and torch ranks are forked (milliseconds; torch ranks then
-rendezvous on loopback); MPI ranks are started by the ``mpiexec`` of the installed
-MPI (the ``mpich`` wheel) and connect back to the launcher over loopback; a function of the
-user's script (``__main__``) reaches them as with multiprocessing's spawn
-(``dplab.backends.launch.mainmod``). Under an
-engine's own launcher (``mpiexec -n 4 dplab train --backend mpi``, ``torchrun``)
-``launch`` runs ``fn`` on the launcher's ranks instead and returns everyone's results.
+How ranks start (each backend's entry in ``dplab.backends.registry`` says): local and torch
+ranks are forked (milliseconds; torch ranks then rendezvous on loopback); MPI ranks are started
+by the ``mpiexec`` of the installed MPI (the ``mpich`` wheel) and connect back to the launcher
+over loopback; a function of the user's script (``__main__``) reaches them as with
+multiprocessing's spawn (``dplab.backends.launch.mainmod``). Under an engine's own launcher
+(``mpiexec -n 4 dplab train --backend mpi``, ``torchrun``) ``launch`` runs ``fn`` on the
+launcher's ranks instead and returns everyone's results.
 """
 
 from __future__ import annotations
@@ -47,12 +47,14 @@ from dplab.backends.launch.interrupt import signals_deferred
 from dplab.backends.launch.ranks import Ranks, pickle_job, start_ranks
 from dplab.backends.launch.timeouts import check_timeout, default_timeout
 from dplab.backends.local.shm import PREFIX, sweep_stale
+from dplab.backends.registry import BACKENDS as _REGISTRY
+from dplab.backends.registry import entry
 from dplab.reference.errors import ConfigError, DplabError
 
 __all__ = ["launch", "World", "open_world", "RankError", "RankLost", "BackendUnavailable", "BACKENDS",
            "check_backend", "default_timeout", "under_launcher", "launcher_env"]
 
-BACKENDS = ("local", "mpi", "torch")
+BACKENDS = tuple(_REGISTRY)  # the registry's names (dplab.backends.registry)
 _STOP = ("died", "error", "lost", "stopped")  # which failure names the cause, first to last
 _UNKNOWN = "the rank's connection closed: the process died (no Python traceback)"
 
@@ -98,15 +100,7 @@ class BackendUnavailable(DplabError):
 
 def check_backend(backend: str) -> None:
     """ConfigError for an unknown backend, BackendUnavailable (saying what to install) for a missing one."""
-    if backend not in BACKENDS:
-        raise ConfigError(f"unknown backend {backend!r}: choose one of {', '.join(BACKENDS)}")
-    if backend == "mpi":
-        from dplab.backends.mpi.comm import available
-    elif backend == "torch":
-        from dplab.backends.torchdist.setup import available
-    else:
-        return
-    reason = available()
+    reason = entry(backend).available()
     if reason:
         raise BackendUnavailable(f"backend {backend!r} is not available: {reason}")
 
@@ -124,15 +118,18 @@ class World:
         if under_launcher(backend):
             raise ConfigError(f"this process is already one rank of a {backend} launcher job: "
                               "call launch(), which runs on the launcher's ranks")
-        if backend == "local" and (why := spans_hosts()):  # shared memory reaches one host's ranks only
-            raise ConfigError(f"the local backend runs on one host, but {why}: use --backend torch or mpi")
+        found = entry(backend)
+        if found.one_host and (why := spans_hosts()):  # shared memory reaches one host's ranks only
+            raise ConfigError(f"the {backend} backend runs on one host, but {why}: "
+                              "use --backend torch or mpi")
         if mainmod.booting():
             raise ConfigError('this script starts a dplab world when it is imported, so every MPI rank '
                               'that loads it would start one too: put the launch under '
                               'if __name__ == "__main__":')
-        if backend == "mpi" and job is not None:
+        if not found.forked and job is not None:  # new interpreters must import the job
             mainmod.check_sendable(job[0])
         self.world_size, self.backend, self.tolerate = world_size, backend, frozenset(tolerate)
+        self._entry = found
         self._ranks: Ranks | None = None
         self._finalizer: weakref.finalize | None = None
         self._start(job)
@@ -147,7 +144,7 @@ class World:
     # -- running ------------------------------------------------------------------------------
     def run(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
         """Run ``fn(comm, *args)`` on every rank; per-rank results in rank order."""
-        if self.backend == "mpi":
+        if not self._entry.forked:
             mainmod.check_sendable(fn)
         payload = pickle_job(fn, args)
         try:
@@ -190,7 +187,7 @@ class World:
                     continue  # its result is waiting in the pipe; read it on the next pass
                 else:
                     status, value = "died", None
-                if status == "died" and rank in self.tolerate and self.backend == "local":
+                if status == "died" and rank in self.tolerate and self._entry.tells_death:
                     status, value = "ok", RankLost(rank, _death_note(ranks, [rank])[rank])  # else: fatal
                 if status == "error" and "PeerLost: " in value.rstrip().rsplit("\n", 1)[-1]:
                     status = "lost"  # a consequence: it lost a peer that failed first; report that one
