@@ -21,7 +21,7 @@ from dplab.backends.cli.app import app_path  # noqa: E402
 from dplab.lessons import lesson, numbers  # noqa: E402
 from dplab.lessons import runner as lesson_runner  # noqa: E402
 from dplab.lessons.runner import CheckResult, StepOutcome  # noqa: E402
-from dplab.lessons.step import Check, Explore, Step  # noqa: E402
+from dplab.lessons.step import Check, Explore, Predict, Step  # noqa: E402
 from dplab.viz import deep_links, lesson_view  # noqa: E402
 
 L1 = lesson(1)
@@ -69,6 +69,8 @@ def test_lesson_one_opens_next_back_move_the_counter_and_it_links_to_training():
         assert _counter(at) == f"step 1 of {len(L1.steps)}"
         assert at.subheader[0].value == f"1. {L1.steps[0].title}"
         assert at.button(key="lesson_back").proto.disabled and not at.button(key="lesson_next").proto.disabled
+        assert not at.code and not at.get("page_link")  # predict first: nothing but the question yet
+        at.button(key="lesson_show_1_0").click().run()
         assert at.code[0].value == L1.steps[0].code()
         # the deep link: the lesson writes world_sizes=4 (its words); the Training page keeps world_size
         link, explore = at.get("page_link")[-1].proto, L1.steps[0].explore
@@ -95,30 +97,71 @@ def test_lesson_one_opens_next_back_move_the_counter_and_it_links_to_training():
 def test_answers_right_and_wrong_show_their_verdicts_and_reveal_the_result():
     at = _app()
     try:
-        # step 1 asks a choice: nothing of the result shows before the answer
-        assert _checks(at) == [] and not at.get("plotly_chart")
+        # step 1 asks a choice: nothing of the result, the code or the hints shows before the answer
+        assert _checks(at) == [] and not at.get("plotly_chart") and not at.code and not at.expander
         at.radio(key="lesson_answer_1_0").set_value("different").run()
         at.button(key="lesson_check_1_0").click().run()
         assert [w.value for w in at.warning] == ["Not quite: it is identical."]
         assert _checks(at) == [f"✅ {c.claim}" for c in L1.steps[0].checks]  # revealed by the answer
         fig = json.loads(at.get("plotly_chart")[0].proto.spec)
         assert len(fig["data"]) > 0  # the live timeline of the run
-        assert "identical to the bit (`True`)" in at.markdown[1].value
-        at.radio(key="lesson_answer_1_0").set_value("identical").run()
-        at.button(key="lesson_check_1_0").click().run()
-        assert [s.value for s in at.success] == ["Right: identical, measured on this run."] and not at.warning
+        assert "identical to the bit (`True`)" in " ".join(m.value for m in at.markdown)
+        assert at.code[0].value == L1.steps[0].code()
+        assert not [r for r in at.radio if r.key == "lesson_answer_1_0"]  # answered: no second guess
+        assert "Predictions in this lesson: 0 of 1 right." in [c.value for c in at.caption]
         # step 2 asks a number: 10 samples on 4 ranks, rank 0 gets 3
         at.button(key="lesson_next").click().run()
         at.button(key="lesson_check_1_1").click().run()  # no answer yet: asked for one, nothing revealed
         assert [i.value for i in at.info] == ["Type or pick an answer first, or press Show me."]
         assert _checks(at) == []
-        at.text_input(key="lesson_answer_1_1").input("2").run()
-        at.button(key="lesson_check_1_1").click().run()
-        assert [w.value for w in at.warning] == ["Not quite: it is 3 (you said 2, 0.667x that)."]
         at.text_input(key="lesson_answer_1_1").input("3").run()
         at.button(key="lesson_check_1_1").click().run()
-        assert [s.value for s in at.success] == ["Right: 3, measured on this run."]
+        assert [s.value for s in at.success] == ["Right: 3, measured on this run."] and not at.warning
         assert len(_checks(at)) == len(L1.steps[1].checks)
+        assert "Predictions in this lesson: 1 of 2 right." in [c.value for c in at.caption]
+    finally:
+        _close(at)
+
+
+RUNS: list[int] = []
+
+
+def _bytes_run(lab):
+    RUNS.append(1)
+    return {"p": 4, "n_bytes": 1 << 20, "sent": 1_572_864, "secret": "SECRET-RESULT"}
+
+
+def test_a_question_from_inputs_is_asked_before_the_run_with_tiered_hints_and_no_answer_in_sight(monkeypatch):
+    import dplab.lessons.l01_replicas as l01
+    from dplab.reference.algorithms import ring
+
+    step = Step("Bytes", "the result: {secret}", _bytes_run, checks=(Check("sent {sent:,}", lambda f: True),),
+                predict=Predict("At p={p}, bytes for {n_bytes:size}?", "sent", unit="bytes",
+                                misconceptions=((3 << 20, "that is the naive root's share"),)),
+                hint="one chunk a round", hints=("2(p-1) rounds",), try_this="dplab train --world-size 4",
+                inputs={"p": 4, "n_bytes": 1 << 20}, show=(ring.allreduce,))
+    monkeypatch.setattr(l01, "LESSON", dataclasses.replace(L1, steps=(step, *L1.steps[1:])))
+    RUNS.clear()
+    at = _app()
+    try:
+        page = " ".join(m.value for m in at.markdown)
+        assert "At p=4, bytes for 1 MiB?" in page and "SECRET" not in page and not at.code
+        assert RUNS == [] and "lesson_lab" not in at.session_state      # asked before anything ran
+        box = at.text_input(key="lesson_answer_1_0")
+        assert box.placeholder == lesson_view.PLACEHOLDER and not any(c.isdigit() for c in box.placeholder)
+        assert at.button(key="lesson_hint_1_0").label == "Hint 1 of 2"
+        at.button(key="lesson_hint_1_0").click().run()
+        assert [i.value for i in at.info] == ["**Hint 1.** one chunk a round"]
+        at.button(key="lesson_hint_1_0").click().run()
+        assert len(at.info) == 2 and not [b for b in at.button if b.key == "lesson_hint_1_0"]
+        assert RUNS == [] and not at.warning and not at.success             # a hint is not an answer
+        at.text_input(key="lesson_answer_1_0").input("3 MiB").run()
+        at.button(key="lesson_check_1_0").click().run()
+        assert RUNS == [1]
+        (warning,) = [w.value for w in at.warning]
+        assert "that is the naive root's share" in warning and "1,572,864" in warning
+        assert "the result: SECRET-RESULT" in " ".join(m.value for m in at.markdown)
+        assert at.code[0].value == step.code() and "def allreduce" in at.code[0].value
     finally:
         _close(at)
 

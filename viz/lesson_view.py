@@ -12,17 +12,27 @@ where a unit test reaches it without a browser.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from dplab.lessons.runner import StepOutcome
-from dplab.lessons.step import Explore, Facts, Predict
+from dplab.lessons.step import Explore, Facts, Predict, Verdict
 from dplab.viz.deep_links import PAGE_FILES, PAGE_TITLES, adopt, unread
 
-__all__ = ["PASS", "FAIL", "position", "check_lines", "answer_kind", "Link", "explore_link", "needs_line",
-           "lessons_link_params", "is_command", "took"]
+__all__ = ["PASS", "FAIL", "PLACEHOLDER", "score_line", "position", "check_lines", "answer_kind", "Link",
+           "explore_link", "needs_line", "lessons_link_params", "is_command", "took"]
 
 PASS, FAIL = "✅", "❌"
+# How to type a number, without a number in it: any example could be some question's answer (2.1's
+# was "1,572,864 or 1.5 MiB", shown in the box before the learner answered).
+PLACEHOLDER = "a number: commas, fractions, exponents, KiB and MiB all work"
+
+
+def score_line(verdicts: Iterable[Verdict | None]) -> str:
+    """``Predictions in this lesson: 2 of 3 right.`` (a question shown without an answer is asked)."""
+    verdicts = list(verdicts)
+    right = sum(v is not None and v.correct for v in verdicts)
+    return f"Predictions in this lesson: {right} of {len(verdicts)} right."
 
 
 def _int(raw: object) -> int | None:

@@ -3,11 +3,15 @@
     dplab app                                  # then Lessons; or open a step directly:
     http://127.0.0.1:8501/lessons?lesson=1&step=2
 
-The same steps as ``dplab lesson N``: each runs through ``dplab.lessons.runner.run_step`` on this
-session's ``Lab`` (one per session, a new one when the lesson changes; its ranks are closed after
-each run, see ``_outcome``) and its outcome is kept per step, so Back and Next do not run it
-again. A step runs after the ones before it, as in CI (a step may use what an earlier one left in
-``lab.scratch``). What the page decides lives in ``dplab.viz.lesson_view``; this file draws it.
+Predict first, as in the terminal: a step with a question shows the question, an answer box, Check,
+Show me and tiered hints, and nothing else (no code, result, figure or "try this": any may hold the
+answer) until it is answered or shown; a question filled from the step's inputs is asked before
+the step even runs. The same steps as ``dplab lesson N``: each runs through
+``dplab.lessons.runner.run_step`` on this session's ``Lab`` (one per session, a new one when the
+lesson changes; its ranks are closed after each run, see ``_outcome``) and its outcome is kept per
+step, so Back and Next do not run it again. A step runs after the ones before it, as in CI (a step
+may use what an earlier one left in ``lab.scratch``). What the page decides lives in
+``dplab.viz.lesson_view``; this file draws it.
 """
 
 from __future__ import annotations
@@ -19,8 +23,9 @@ from streamlit.errors import StreamlitPageNotFoundError
 
 from dplab.lessons import lesson, numbers
 from dplab.lessons.runner import Lab, StepOutcome, missing_needs, run_step
-from dplab.lessons.step import Lesson
+from dplab.lessons.step import Lesson, Step, fill
 from dplab.viz.lesson_view import (
+    PLACEHOLDER,
     answer_kind,
     check_lines,
     explore_link,
@@ -28,12 +33,15 @@ from dplab.viz.lesson_view import (
     lessons_link_params,
     needs_line,
     position,
+    score_line,
     took,
 )
 
 PICK, STEP, AT = "lesson_pick", "lesson_step", "lesson_at"  # widget; step index; where the learner was
 WRITTEN = "_lesson_in_url"  # the (lesson, step) this page last put in the URL
 OUTCOMES, LAB, REVEALED, VERDICTS = "lesson_outcomes", "lesson_lab", "lesson_revealed", "lesson_verdicts"
+# the replies checked; how many hints each step has shown; the steps whose Check found no reply
+REPLIES, HINTS, EMPTY = "lesson_replies", "lesson_hints", "lesson_empty"
 state = st.session_state
 
 
@@ -80,13 +88,21 @@ def _reveal(key: tuple[int, int]) -> None:
 
 
 def _check(key: tuple[int, int], answer_key: str) -> None:
+    """Check: keep the reply and reveal the step (judged where the step's facts are, in ``_step``);
+    nothing typed: say so, reveal nothing."""
     reply = state.get(answer_key)
     if reply is None or not str(reply).strip():
-        state.setdefault(VERDICTS, {})[key] = None
+        state.setdefault(EMPTY, set()).add(key)
         return
-    out = state[OUTCOMES][key[1]]
-    state.setdefault(VERDICTS, {})[key] = out.step.predict.judge(out.facts, str(reply))
+    state.setdefault(EMPTY, set()).discard(key)
+    state.setdefault(REPLIES, {})[key] = str(reply)
+    state.setdefault(VERDICTS, {}).pop(key, None)
     _reveal(key)
+
+
+def _more_hint(key: tuple[int, int], tiers: int) -> None:
+    hints = state.setdefault(HINTS, {})
+    hints[key] = min(hints.get(key, 0) + 1, tiers)
 
 
 def _outcome(les: Lesson, k: int) -> StepOutcome | Exception:
@@ -113,28 +129,49 @@ def _outcome(les: Lesson, k: int) -> StepOutcome | Exception:
     return done[k]
 
 
-def _question(out: StepOutcome, key: tuple[int, int]) -> None:
-    predict = out.step.predict
+def _question(step: Step, question: str, key: tuple[int, int]) -> None:
+    """The question and its controls: an answer box (its placeholder says how to type a number, never
+    a number), Check, Show me, and a hint button that reveals the next tier (never an answer)."""
+    predict = step.predict
     answer_key = f"lesson_answer_{key[0]}_{key[1]}"
-    st.markdown(f"**Predict first.** {out.question()}")
+    st.markdown(f"**Predict first.** {question}")
     if answer_kind(predict) == "choices":
         st.radio("your answer", predict.choices, index=None, key=answer_key, horizontal=True)
     else:
         st.text_input("your answer" + (f" ({predict.unit})" if predict.unit else ""), key=answer_key,
-                      placeholder="a number: 1,572,864 or 1.5 MiB or 3/4 all work", width=360)
-    c = st.columns([1, 1, 6])
+                      placeholder=PLACEHOLDER, width=360)
+    tiers = step.all_hints()
+    shown = state.get(HINTS, {}).get(key, 0)
+    c = st.columns([1, 1, 1, 5])
     c[0].button("Check", key=f"lesson_check_{key[0]}_{key[1]}", on_click=_check, args=(key, answer_key),
                 type="primary")
-    if key not in state.get(REVEALED, set()):
-        c[1].button("Show me", key=f"lesson_show_{key[0]}_{key[1]}", on_click=_reveal, args=(key,))
-    if key in state.get(VERDICTS, {}):
-        verdict = state[VERDICTS][key]
-        if verdict is None:
-            st.info("Type or pick an answer first, or press Show me.")
-        elif verdict.correct:
-            st.success(f"Right: {verdict.expected}, measured on this run.")
-        else:
-            st.warning(verdict.message[:1].upper() + verdict.message[1:] + ".")
+    c[1].button("Show me", key=f"lesson_show_{key[0]}_{key[1]}", on_click=_reveal, args=(key,))
+    if shown < len(tiers):
+        c[2].button(f"Hint {shown + 1} of {len(tiers)}" if len(tiers) > 1 else "Hint",
+                    key=f"lesson_hint_{key[0]}_{key[1]}", on_click=_more_hint, args=(key, len(tiers)))
+    for i in range(shown):
+        st.info(f"**Hint{f' {i + 1}' if len(tiers) > 1 else ''}.** {tiers[i]}")
+    if key in state.get(EMPTY, set()):
+        st.info("Type or pick an answer first, or press Show me.")
+
+
+def _verdict(out: StepOutcome, key: tuple[int, int]) -> None:
+    """The answered question and its verdict, judged on this run's facts."""
+    st.markdown(f"**Predict first.** {out.question()}")
+    reply = state.get(REPLIES, {}).get(key)
+    if reply is None:
+        st.caption(f"Shown without an answer: it is {out.step.predict.judge(out.facts, '').expected}.")
+        return
+    verdicts = state.setdefault(VERDICTS, {})
+    if key not in verdicts:
+        verdicts[key] = out.step.predict.judge(out.facts, reply)
+    verdict = verdicts[key]
+    if verdict.correct:
+        st.success(f"Right: {verdict.expected}, measured on this run.")
+    else:
+        st.warning(verdict.message[:1].upper() + verdict.message[1:] + ".")
+    if len(state.get(REPLIES, {})) > 0:
+        st.caption(score_line(verdicts.values()))
 
 
 def _result(out: StepOutcome, key: tuple[int, int]) -> None:
@@ -157,23 +194,32 @@ def _link(out: StepOutcome) -> None:
 def _step(les: Lesson, k: int) -> None:
     step, key = les.steps[k], (les.number, k)
     st.subheader(f"{k + 1}. {step.title}")
+    if step.predict is not None and key not in state.get(REVEALED, set()):
+        if step.asks_before_run():  # its givens are known: ask before running anything
+            _question(step, fill(step.predict.question, step.inputs), key)
+        else:  # the question needs the run's numbers: run it, show only the question
+            out = _outcome(les, k)
+            if isinstance(out, Exception):
+                st.error(f"This step did not run: {type(out).__name__}: {out}")
+                return
+            _question(step, out.question() or "", key)
+        st.caption("The result, the figure, the code and what the step proves show once you answer "
+                   "(or press Show me).")
+        return
     out = _outcome(les, k)
     if isinstance(out, Exception):
         st.error(f"This step did not run: {type(out).__name__}: {out}")
         return
-    if step.predict is None:
-        _reveal(key)
-    else:
-        _question(out, key)
-    if key in state.get(REVEALED, set()):
-        _result(out, key)
-    else:
-        st.caption("The result, the figure and what the step proves show once you answer (or press Show me).")
-    st.markdown("**The code this step runs**")
+    _reveal(key)
+    if step.predict is not None:
+        _verdict(out, key)
+    _result(out, key)
+    st.markdown("**The code**" + ("" if step.show else " this step runs"))
     st.code(step.code(), language="python")
-    if step.hint:
-        with st.expander("Hint"):
-            st.markdown(step.hint)
+    hints = step.all_hints()
+    if hints:
+        with st.expander("Hints" if len(hints) > 1 else "Hint"):
+            st.markdown("\n\n".join(f"{i + 1}. {h}" if len(hints) > 1 else h for i, h in enumerate(hints)))
     if step.try_this and is_command(step.try_this):
         st.markdown("**Try this** in a terminal:")
         st.code(step.try_this, language="bash")
@@ -181,7 +227,8 @@ def _step(les: Lesson, k: int) -> None:
         st.markdown(f"**Try this:** {step.try_this}")
     if step.exercise:
         st.caption(f"Exercise `{step.exercise}`: `dplab lesson init DIR` copies the stub, "
-                   f"`dplab lesson check {les.number} DIR` checks your code.")
+                   f"`dplab lesson check {les.number} DIR` checks your code; "
+                   f"`dplab lesson watch {les.number} DIR` re-checks it on every save.")
     if step.explore is not None:
         _link(out)
 
