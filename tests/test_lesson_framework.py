@@ -215,3 +215,98 @@ def test_the_list_shows_progress_score_and_where_to_start(monkeypatch, tmp_path,
     assert "done" in row1 and "2/3" in row1
     assert "(resumes at step 3)" in row2 and "3/" in row2 and "0/1" in row2
     assert "Continue: dplab lesson 2" in out and "resumes at step 3/" in out
+
+
+# --- 4. pictures in the terminal ---------------------------------------------------------------------------
+
+def _plain(renderable, width: int = 100) -> str:
+    import io
+
+    from rich.console import Console
+
+    out = io.StringIO()
+    Console(file=out, width=width, color_system=None).print(renderable)
+    return out.getvalue()
+
+
+def test_the_schedule_picture_is_the_spines_own_drawing_and_the_table_lists_every_transfer():
+    from dplab.lessons.pictures_terminal import schedule_picture, schedule_table
+    from dplab.reference.algorithms import tree
+    from dplab.reference.pictures import render_rounds
+
+    schedule = ring.reduce_scatter(4)
+    drawn = _plain(schedule_picture(schedule))
+    for line in render_rounds(schedule).splitlines():  # reused, line for line, not redrawn
+        assert line.rstrip() in drawn
+    big = tree.allreduce(12)  # past the notation's 10 ranks: the table of the same transfers
+    table = _plain(schedule_picture(big), width=200)
+    assert table == _plain(schedule_table(big), width=200)
+    rows = [line.split() for line in table.splitlines()[1:] if line.strip()]
+    assert len(rows) == len(big.rounds)
+    for row, rnd in zip(rows, big.rounds):  # each cell a transfer of the real schedule, and all of them
+        drawn_moves = [f"{a} {b}" for a, b in zip(row[1::2], row[2::2])]
+        assert drawn_moves == [f"r{t.src}→r{t.dst} c{t.chunk}{'+' if t.op == 'reduce' else '='}" for t in rnd]
+
+
+def test_the_bucket_timeline_puts_each_bucket_where_the_trace_has_it():
+    from dplab.lessons.pictures_terminal import bucket_timeline
+    from dplab.reference.trace import Event
+
+    events = [Event(0, "backward", 0, 1000, extra={"step": 0}),
+              Event(0, "bucket", 500, 700, extra={"bucket": 0, "step": 0}),
+              Event(0, "bucket", 1000, 2000, extra={"bucket": 1, "step": 0}),
+              Event(0, "forward", 2000, 3000, extra={"step": 1})]
+    text = _plain(bucket_timeline(events, width=40))
+    back = next(line for line in text.splitlines() if line.strip().startswith("backward"))
+    comm = next(line for line in text.splitlines() if line.strip().startswith("all-reduce"))
+    bar, lane = back.split("│")[1], comm.split("│")[1]
+    assert bar == "█" * 20 + " " * 20                       # backward: the first half of 2,000 ns
+    assert lane.index("0") == 10 and lane.count("0") == 4   # bucket 0 at 500-700 ns: under backward
+    assert lane.index("1") == 20 and lane.count("1") == 20  # bucket 1 after it
+    as_dicts = [{"kind": e.kind, "t_start_ns": e.t_start_ns, "t_end_ns": e.t_end_ns, "extra": e.extra}
+                for e in events]
+    assert _plain(bucket_timeline(as_dicts, width=40)) == text   # a trace read back from JSON draws the same
+    assert "no backward or bucket events" in _plain(bucket_timeline([]))
+
+
+def test_memory_bars_share_one_scale_and_name_their_parts():
+    from dplab.lessons.pictures_terminal import memory_bars
+
+    text = _plain(memory_bars({"replica": {"params": 4 << 20, "grads": 4 << 20, "optimizer": 8 << 20},
+                               "ZeRO-3": {"params": 1 << 20, "grads": 1 << 20, "optimizer": 2 << 20,
+                                          "activations": 0}}, width=40))
+    replica = next(line for line in text.splitlines() if line.startswith("replica"))
+    zero = next(line for line in text.splitlines() if line.startswith("ZeRO-3"))
+    assert replica.count("█") == 10 and replica.count("▓") == 10 and replica.count("▒") == 20
+    assert zero.count("█") == 2 and zero.count("▒") == 5 and "░" not in zero   # 2.5 and 5 columns
+    assert "16 MiB" in replica and "4 MiB" in zero
+    assert "█ params" in text and "activations" not in text                   # only parts that are there
+
+
+def test_a_steps_terminal_picture_is_drawn_after_its_text(monkeypatch, tmp_path):
+    from dplab.lessons.pictures_terminal import schedule_picture
+    from dplab.lessons.terminal import run_lesson
+
+    screen, console = _terminal(monkeypatch, tmp_path, "\n")
+    step = Step("Ring", "the ring at p={p}", lambda lab: {"p": 3}, (Check("ok", lambda f: True),),
+                picture=lambda f: schedule_picture(ring.reduce_scatter(f["p"])))
+    assert run_lesson(Lesson(99, "fake", "Fake", "For the tests.", (step,)), console=console) == 0
+    text = screen.getvalue()
+    assert text.index("the ring at p=3") < text.index("round 0") < text.index("after round 1")
+
+
+@pytest.mark.lessons
+def test_every_steps_terminal_picture_draws_from_its_run():
+    """Content steps that attach a ``picture``: it draws from the step's real facts at 80 columns."""
+    from dplab.lessons import lessons
+    from dplab.lessons.runner import missing_needs
+
+    for les in lessons():
+        drawn = [i for i, s in enumerate(les.steps) if s.picture is not None]
+        if not drawn or missing_needs(les):
+            continue
+        with Lab() as lab:
+            for step in les.steps[:max(drawn) + 1]:
+                out = run_step(step, lab, figure=False)
+                if step.picture is not None:
+                    assert _plain(step.picture(out.facts), width=80).strip(), (les.number, step.title)
