@@ -2,13 +2,15 @@
 
     dplab lesson 11
 
-Four steps: what float16 can hold and where small gradients lose their bits; float16 compute with
+Five steps: what float16 can hold and where small gradients lose their bits; bfloat16's range
+against float16's precision (why bfloat16 needs no loss scaling); float16 compute with
 float32 master weights against plain float16; dynamic loss scaling skipping steps and backing off;
 a float16 all-reduce sends half the bytes and rounds at every partial sum.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 
 import numpy as np
@@ -33,7 +35,9 @@ def worst_tenth(exact, rounded):
     return float(np.percentile(error, 90))
 
 
-def what_float16_holds(lab):
+@functools.lru_cache(maxsize=1)
+def gradient_near_optimum():
+    """A gradient of a model trained 600 steps: small entries."""
     adam = OptimConfig("adam", lr=0.01)
     cfg = TrainConfig(steps=600, global_batch=256, optimizer=adam)
     B = cfg.global_batch
@@ -43,12 +47,18 @@ def what_float16_holds(lab):
     grad = np.zeros_like(params)
     idx = batch_indices(cfg.num_samples, B, step=0, seed=0)
     model.loss_and_grad(params, data.x[idx], data.y[idx], 1 / B, grad)
+    return grad
+
+
+def what_float16_holds(lab):
+    grad = gradient_near_optimum()
     tiny = FP16.smallest_normal
     small = grad[(grad != 0) & (np.abs(grad) < tiny)]
     scale = 2.0**16
     f16, f32 = np.float16, np.float32
     scaled = (small * scale).astype(f16).astype(f32) / scale
-    return {"bits": FP16.nmant + 1,
+    return {"stored": FP16.nmant,
+            "bits": FP16.nmant + 1,
             "max": float(FP16.max),
             "eps": float(FP16.eps),
             "tiny": float(tiny),
@@ -89,6 +99,17 @@ def masters_in_float32(lab):
     return errors | {"steps": cfg.steps}
 
 
+def torch_scaler_defaults():
+    """torch.amp.GradScaler's (init, growth, backoff, interval), or None without torch."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    s = torch.amp.GradScaler("cpu")
+    return (s._init_scale, s._growth_factor,
+            s._backoff_factor, s._growth_interval)
+
+
 def dynamic_scaling(lab):
     precision = MixedPrecision(init_scale=2.0**24, growth_interval=5)
     train = TrainConfig(steps=30, dtype="float32")
@@ -98,7 +119,13 @@ def dynamic_scaling(lab):
     skipped = [e["step"] for e in scales if e["action"] == "skip"]
     first_kept = min(set(range(train.steps)) - set(skipped))
     then = next(e["scale"] for e in scales if e["step"] >= first_kept)
+    defaults = MixedPrecision()
     return {"init": precision.init_scale,
+            "d_init": defaults.init_scale,
+            "d_growth": defaults.growth_factor,
+            "d_backoff": defaults.backoff_factor,
+            "d_interval": defaults.growth_interval,
+            "torch_defaults": torch_scaler_defaults(),
             "skipped": len(skipped),
             "first_kept": first_kept,
             "scale_then": then,
@@ -106,6 +133,60 @@ def dynamic_scaling(lab):
             "loss": row["final_loss"],
             "steps": train.steps,
             "interval": precision.growth_interval}
+
+
+def to_bfloat16(x):
+    """float32 -> bfloat16 -> float32 (numpy has no bfloat16: torch
+    casts; without torch, keep float32's top 16 bits, rounded to
+    nearest even, which is what bfloat16 is)."""
+    try:
+        import torch
+    except ImportError:
+        return bfloat16_by_bits(x)
+    t = torch.from_numpy(np.asarray(x, dtype=np.float32))
+    return t.to(torch.bfloat16).float().numpy()
+
+
+def bfloat16_by_bits(x):
+    bits = np.asarray(x, dtype=np.float32).view(np.uint32)
+    bits = bits.astype(np.uint64)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16 << 16
+    return bits.astype(np.uint32).view(np.float32)
+
+
+def worst(exact, rounded):
+    return float(np.max(np.abs(rounded.astype(np.float64) - exact)
+                        / np.abs(exact)))
+
+
+def bfloat16_against_float16(lab):
+    grad = gradient_near_optimum().astype(np.float32)
+    g = grad[grad != 0]
+    small = np.abs(g) < FP16.smallest_normal
+    # the same gradient 1024x smaller: a larger batch's mean, later
+    # in training (a power of two: bfloat16 rounds it identically)
+    tinier = g / np.float32(1024)
+    exact, exact_t = g.astype(np.float64), tinier.astype(np.float64)
+    as16, as_bf = g.astype(np.float16), to_bfloat16(g)
+    t16, t_bf = tinier.astype(np.float16), to_bfloat16(tinier)
+    return {"exp16": 5, "exp_bf": 8, "frac16": FP16.nmant,
+            "frac_bf": 7,
+            "eps16": float(FP16.eps), "eps_bf": 2.0**-7,
+            "max16": float(FP16.max),
+            "max_bf": float(to_bfloat16(np.float32(3.39e38))),
+            "tiny16": float(FP16.smallest_normal),
+            "tiny_bf": float(np.finfo(np.float32).tiny),
+            "small_share": float(small.mean()),
+            "worst16": worst(exact[small], as16[small]),
+            "worst_bf": worst(exact[small], as_bf[small]),
+            "err16_big": worst_tenth(exact[~small], as16[~small]),
+            "errbf_big": worst_tenth(exact[~small], as_bf[~small]),
+            "zeros16": float(np.mean(t16 == 0)),
+            "zeros_bf": float(np.mean(t_bf == 0)),
+            "worst_bf_tinier": worst(exact_t, t_bf),
+            "scaled_same": bool(np.array_equal(t_bf * 1024, as_bf)),
+            "same_bits": bool(np.array_equal(as_bf, bfloat16_by_bits(g))),
+            "needs_scaling": "float16"}
 
 
 def float16_values(rank, n):
@@ -146,8 +227,10 @@ def half_the_bytes(lab):
 STEPS = (
     Step(
         title="What float16 can hold",
-        text=("float16 has {bits} bits of mantissa: a relative precision of {eps:.1e}, nothing above "
-              "{max:,.0f}, and below {tiny:.1e} numbers lose bits (subnormals) until they flush to zero. "
+        text=("float16 stores {stored} bits of fraction; with the leading 1 that every normal number has "
+              "and does not store, that is {bits} significant bits: a relative step (machine epsilon, "
+              "2^-{stored}) of {eps:.1e}. Its 5 exponent bits allow nothing above {max:,.0f}, and below "
+              "{tiny:.1e} numbers lose bits (subnormals) until they flush to zero. "
               "The gradients of a model near its optimum are small: **{below_normal:.0%}** of this one's "
               "entries lie below {tiny:.1e}; cast to float16, one in ten of those is off by more than "
               "**{err_plain:.1e}** of its value. Multiply the loss by S = {scale:,.0f} first (so every "
@@ -159,10 +242,50 @@ STEPS = (
                 Check("scaling before the cast cuts their worst-tenth relative error more than fivefold",
                       lambda f: f["err_scaled"] < f["err_plain"] / 5),
                 Check("and the scaled gradient still fits float16",
-                      lambda f: f["largest"] * f["scale"] < f["max"])),
+                      lambda f: f["largest"] * f["scale"] < f["max"]),
+                Check("10 stored bits + 1 implicit = 11 significant bits; epsilon is 2^-10",
+                      lambda f: f["stored"] == 10 and f["bits"] == 11 and f["eps"] == 2.0**-10)),
         predict=Predict("What is the largest finite number float16 can hold?", "max", rel_tol=1e-3),
         hint="5 exponent bits: the largest exponent is 15, and 2^15 × (2 - 2^-10) = 65,504.",
         try_this="python -c \"import numpy as np; print(np.finfo(np.float16))\"",
+        teaches=("precision",),
+    ),
+    Step(
+        title="bfloat16: float32's range, fewer bits",
+        text=("bfloat16 spends its 16 bits differently: {exp_bf} exponent bits (float32's) and {frac_bf} "
+              "stored fraction bits, against float16's {exp16} and {frac16}. So its range is float32's "
+              "(largest {max_bf:.2e}, smallest normal {tiny_bf:.1e}, against {max16:,.0f} and {tiny16:.1e}) "
+              "and its precision 8x coarser (epsilon {eps_bf:.1e} against {eps16:.1e}). Cast without any "
+              "loss scale, the same gradient near its optimum: the larger entries keep their value to "
+              "{errbf_big:.1e} in bfloat16 (one in ten worse), {err16_big:.1e} in float16; but of the "
+              "{small_share:.0%} below float16's normal range the worst is off by **{worst16:.1e}** in "
+              "float16 and only {worst_bf:.1e} in bfloat16, which holds every value to half its epsilon. "
+              "Make the gradient 1,024x smaller (a larger batch's mean, later in training): float16 "
+              "flushes **{zeros16:.0%}** of it to zero, bfloat16 {zeros_bf:.0%}, rounding it exactly as "
+              "before (`{scaled_same}`).\n\n"
+              "Range, not precision, is what small gradients need, and a loss scale only moves values along "
+              "the range: so bfloat16 training (TPUs, GPUs since the A100) usually runs with no loss "
+              "scaling, while float16 needs it. numpy has no bfloat16: torch casts here (a float32 with its "
+              "low 16 bits rounded off to nearest even gives the same bits: `{same_bits}`)."),
+        run=bfloat16_against_float16,
+        checks=(Check("unscaled, float16's worst small entry is 5x worse than bfloat16's",
+                      lambda f: f["worst16"] > 5 * f["worst_bf"]),
+                Check("bfloat16 holds every small value to half its epsilon (2^-8)",
+                      lambda f: f["worst_bf"] <= 2.0**-8 and f["worst_bf_tinier"] <= 2.0**-8),
+                Check("1,024x smaller: float16 flushes a tenth or more to zero, bfloat16 nothing",
+                      lambda f: f["zeros16"] >= 0.1 and f["zeros_bf"] == 0 and f["scaled_same"]),
+                Check("on entries float16 holds normally, bfloat16 is coarser",
+                      lambda f: f["errbf_big"] > 2 * f["err16_big"]),
+                Check("torch's cast and the 16-bit rounding agree bit for bit", lambda f: f["same_bits"])),
+        inputs={"exp_bf": 8, "exp16": 5},
+        predict=Predict("bfloat16 has {exp_bf} exponent bits, float16 {exp16}. Which one needs loss scaling "
+                        "to keep small gradients: 'float16' or 'bfloat16'?", "needs_scaling",
+                        choices=("float16", "bfloat16"),
+                        misconceptions=(("bfloat16", "bfloat16 has fewer fraction bits, but loss scaling "
+                                         "fixes range, not precision: multiplying by S cannot add bits"),)),
+        hint="Loss scaling moves values up the exponent range; which format runs out of exponent first?",
+        hints=("float16's smallest normal is 6.1e-5; bfloat16's is float32's, 1.2e-38.",),
+        try_this="python -c \"import torch; print(torch.finfo(torch.bfloat16), torch.finfo(torch.float16))\"",
         teaches=("precision",),
     ),
     Step(
@@ -183,17 +306,26 @@ STEPS = (
     ),
     Step(
         title="Dynamic loss scaling: skip, back off, grow",
-        text=("Start with too large a scale, S = {init:,.0f}: the scaled gradient overflows float16 "
-              "(inf), so the step is **skipped** and S halved. After {skipped} skipped steps in all, "
+        text=("torch's `GradScaler` (and `MixedPrecision()` here) starts at S = 2^16 = {d_init:,.0f}, "
+              "halves it (x{d_backoff}) on every overflow, skipping that step, and doubles it (x{d_growth}) "
+              "after {d_interval:,} steps in a row without one. To see all of it in {steps} steps, this run "
+              "starts with too large a scale, S = {init:,.0f}, and grows every {interval} steps: the "
+              "scaled gradient overflows float16 (inf), so the step is **skipped** and S halved. After "
+              "{skipped} skipped steps in all, "
               "the first step taken is step {first_kept}, at S = {scale_then:,.0f}. Every {interval} "
               "steps without an overflow S doubles again ({grown} times here), probing for the largest "
-              "scale that fits - torch's GradScaler rules. The run still trains: loss {loss:.3f} after "
+              "scale that fits. The run still trains: loss {loss:.3f} after "
               "{steps} steps."),
         run=dynamic_scaling,
         checks=(Check("steps are skipped while the scale is too large", lambda f: f["skipped"] > 0),
                 Check("the first step taken runs at a scale halved once per skip before it",
                       lambda f: f["scale_then"] == f["init"] / 2 ** f["first_kept"]),
-                Check("the scale grows again after clean steps", lambda f: f["grown"] > 0)),
+                Check("the scale grows again after clean steps", lambda f: f["grown"] > 0),
+                Check("the defaults are GradScaler's: 2^16, x2, x0.5, every 2,000 steps (torch's own, "
+                      "where torch is installed)",
+                      lambda f: (f["d_init"], f["d_growth"], f["d_backoff"], f["d_interval"])
+                      == (2.0**16, 2.0, 0.5, 2000)
+                      and f["torch_defaults"] in (None, (2.0**16, 2.0, 0.5, 2000)))),
         hint="The skip decision is one all-reduced flag: every rank skips the same steps.",
         try_this="dplab train --mixed-precision fp16 --dtype float32 --loss-scale 1024   # static",
         teaches=("precision",),
