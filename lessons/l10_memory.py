@@ -93,13 +93,22 @@ def sent_per_stage(lab):
             "ratio": sent[3][0][0] / sent[0][0][0],
             # the last run's: stage 3
             "events": events,
+            "kinds": {e.kind for rank in events for e in rank},
             "table": table}
+
+
+# the timeline draws kinds it has no colour for in one grey: these two must differ
+COLLECTIVE_COLORS = {"allgather": "#4C78A8", "reduce_scatter": "#E45756"}
 
 
 def _timeline(facts):
     from dplab.viz.timeline import timeline_figure
-    return timeline_figure([e for rank in facts["events"] for e in rank],
-                           title=f"ZeRO stage 3 on {facts['p']} ranks: gathers and reduce-scatters per layer")
+    fig = timeline_figure([e for rank in facts["events"] for e in rank],
+                          title=f"ZeRO stage 3 on {facts['p']} ranks: all-gathers (blue) and "
+                                "reduce-scatters (red) per layer")
+    for kind, color in COLLECTIVE_COLORS.items():
+        fig.update_traces(marker_color=color, selector={"name": kind})
+    return fig
 
 
 def seven_billion(lab):
@@ -223,7 +232,9 @@ STEPS = (
                                     for b in r)),
                 Check("stages 1 and 2 send what stage 0 sends",
                       lambda f: f["rank0"][0] == f["rank0"][1] == f["rank0"][2]),
-                Check("stage 3 sends 1.5x", lambda f: f["ratio"] == 1.5)),
+                Check("stage 3 sends 1.5x", lambda f: f["ratio"] == 1.5),
+                Check("the figure draws all-gathers and reduce-scatters in two colours",
+                      lambda f: f["kinds"] >= {"allgather", "reduce_scatter"})),
         predict=Predict("Per step, how many times the bytes of plain data parallelism does ZeRO stage 3 "
                         "send?", "ratio", rel_tol=0.01, unit="x"),
         hint="Count the collectives: all-reduce = reduce-scatter + all-gather; stage 3 adds one all-gather.",

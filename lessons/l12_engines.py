@@ -2,49 +2,36 @@
 
     dplab lesson 12              # needs the torch and mpi extras: pip install -e ".[all]"
 
-Four steps: a master that gathers every gradient and scatters every weight (what torch's
-single-process DataParallel does) against an all-reduce where no rank is special; DDP for a torch
-module, equal to one process on the whole batch; one training run on MPI, gloo and shared memory
-ending in the same bits; and the launchers that take the same code past one machine.
+Four steps: torch's single-process DataParallel (what it costs, and what runs of it without
+GPUs); torch's own DDP over gloo and dplab's, each equal to one process on the whole batch; one
+training run on MPI, gloo and shared memory ending in the same bits; and the launchers that take
+the same code past one machine (the lines the multi-host test runs).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from dplab.backends import allreduce
-from dplab.lessons.step import Check, Explore, Lesson, Predict, Step
+from dplab.lessons.step import Check, Lesson, Predict, Step
 from dplab.reference.train.single import TrainConfig
 from dplab.reference.train.sync import SyncConfig, train_sync
 
 __all__ = ["LESSON"]
 
 
-def bytes_sent(comm, n, algorithm):
-    """(bytes this rank sent, bytes it sent to rank 0) in one
-    all-reduce of n float32 values."""
-    grad = np.ones(n, dtype=np.float32)
-    comm.tracer.enabled = True
-    allreduce(comm, grad, algorithm=algorithm)
-    comm.tracer.enabled = False
-    sends = [e for e in comm.tracer.take() if e.kind == "send"]
-    to_master = [e for e in sends if e.peer == 0]
-    return sum(e.bytes for e in sends), sum(e.bytes for e in to_master)
-
-
-def a_master_against_a_ring(lab):
-    # a million bytes of float32 gradient
-    n, p = 250_000, 4
-    world = lab.world(p)
-    naive = world.run(bytes_sent, n, "naive")
-    master_sent = naive[0][0]
-    master_received = sum(to_master for _, to_master in naive[1:])
-    ring_sent = world.run(bytes_sent, n, "ring")[0][0]
-    return {"n_bytes": 4 * n, "p": p,
-            "master_sent": master_sent,
-            "master_received": master_received,
-            "ring_sent": ring_sent,
-            "ratio": master_sent / ring_sent}
+def data_parallel_here(lab):
+    import torch
+    model = torch_model()
+    dp = torch.nn.DataParallel(model)
+    x = torch.randn(64, 8, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        same = torch.equal(dp(x), model(x))
+    gpus = torch.cuda.device_count()
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    return {"gpus": gpus, "device_ids": dp.device_ids,
+            "plain_call": not dp.device_ids,
+            "same": same, "weights": weights,
+            "copied_8": 7 * weights, "processes": 1}
 
 
 def torch_model():
@@ -80,15 +67,39 @@ def train_torch(comm, steps, batch):
     return torch.cat(flat).numpy()
 
 
+def train_torch_ddp(comm, steps, batch):
+    """torch's own DistributedDataParallel, on the gloo process
+    group the torch backend's ranks joined."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel
+    seeded = torch.Generator().manual_seed(1)
+    x = torch.randn(batch, 8, generator=seeded)
+    y = torch.ones(batch, 1)
+    r = comm.rank
+    half = slice(r * batch // 2, (r + 1) * batch // 2)
+    model = DistributedDataParallel(torch_model())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x[half]), y[half])
+        loss.backward()
+        opt.step()
+    flat = [p.detach().flatten() for p in model.parameters()]
+    return torch.cat(flat).numpy()
+
+
 def ddp_equals_one_process(lab):
     steps, batch = 10, 64
     # (imports torch before the ranks fork)
     alone = train_torch(None, steps, batch)
     replicas = lab.world(2).run(train_torch, steps, batch)
+    theirs = lab.world(2, "torch").run(train_torch_ddp, steps, batch)
     first = replicas[0]
     return {"identical": all(np.array_equal(r, first) for r in replicas),
+            "torch_identical": all(np.array_equal(r, theirs[0]) for r in theirs),
             "steps": steps, "batch": batch,
             "diff": float(np.abs(first - alone).max()),
+            "torch_diff": float(np.abs(theirs[0] - alone).max()),
             "params": len(alone)}
 
 
@@ -130,9 +141,29 @@ def engine_rank(comm):
     return dist.get_rank()
 
 
+def launch_lines(nodes=2, gpus=8):
+    """The lines tests/test_hosts_launchers.py runs across network
+    namespaces, built by the same Cluster methods, for hosts named
+    node0, node1, ... instead of the namespaces' addresses."""
+    from dplab.backends.launch.netns import Cluster
+    cluster = Cluster(hosts=nodes, ranks_per_host=gpus)
+    cluster.addrs = [f"node{i}" for i in range(nodes)]
+    torch = [["DPLAB_DEVICE=cuda", "torchrun",
+              *cluster.torchrun_args(i, "job1"),
+              "-m", "dplab.backends.cli", "train", "--backend", "torch"]
+             for i in range(nodes)]
+    mpi = ["mpiexec", "-hosts", cluster.mpi_hosts(),
+           "-n", str(nodes * gpus), "dplab", "train", "--backend", "mpi"]
+    return torch, mpi
+
+
 def who_numbered_the_ranks(lab):
     mpi, gloo = lab.world(2, "mpi"), lab.world(2, "torch")
-    return {"mpi_engine": mpi.run(engine_name)[0],
+    torch_lines, mpi_line = launch_lines()
+    return {"torch_lines": "\n".join("    " + " ".join(a) for a in torch_lines),
+            "mpi_line": "    " + " ".join(mpi_line),
+            "torch_argv": torch_lines,
+            "mpi_engine": mpi.run(engine_name)[0],
             "torch_engine": gloo.run(engine_name)[0],
             "mpi_ranks": mpi.run(engine_rank),
             "torch_ranks": gloo.run(engine_rank)}
@@ -140,42 +171,52 @@ def who_numbered_the_ranks(lab):
 
 STEPS = (
     Step(
-        title="DataParallel: one process and a master",
-        text=("torch's `nn.DataParallel` runs in one process: each step the master device scatters the "
-              "inputs, copies the weights to every other device, and sums every gradient back onto "
-              "itself. That is the **naive** all-reduce: for {n_bytes:,} bytes of gradient at p={p}, the "
-              "master (rank 0) receives {master_received:,} bytes and sends {master_sent:,}. In a **ring** "
-              "(DistributedDataParallel's default in NCCL) every rank sends {ring_sent:,}: the master "
-              "carries **{ratio:g}x** as much, and the gap grows as p/2 - besides the one Python "
-              "process driving every device."),
-        run=a_master_against_a_ring,
-        checks=(Check("the master sends and receives (p-1)·n bytes",
-                      lambda f: f["master_sent"] == f["master_received"] == (f["p"] - 1) * f["n_bytes"]),
-                Check("a ring rank sends 2(p-1)/p·n bytes",
-                      lambda f: f["ring_sent"] == 2 * (f["p"] - 1) * f["n_bytes"] // f["p"]),
-                Check("the master carries p/2 times a ring rank's bytes",
-                      lambda f: f["ratio"] == f["p"] / 2)),
-        predict=Predict("At p={p}, how many times more bytes does the master send than one rank of a ring?",
-                        "ratio", rel_tol=1e-9),
-        hint="Master: (p-1)·n out. Ring: 2(p-1)/p·n out. Divide.",
-        try_this="dplab compare --algorithms naive,ring --world-sizes 2,4,8",
-        explore=Explore("collectives", lambda f: {"algorithm": "naive", "p": f["p"]}),
-        teaches=("dp-vs-ddp", "allreduce"),
+        title="DataParallel: one process drives every device",
+        text=("torch's `nn.DataParallel` runs in ONE Python process. Each forward it copies the module to "
+              "every GPU (the weights broadcast from GPU 0: with 8 GPUs and this model's {weights:,} bytes "
+              "of weights, {copied_8:,} bytes a step before any work), scatters the batch from GPU 0, runs "
+              "the replicas in threads that share one interpreter and its lock (the GIL), and gathers the "
+              "outputs back on GPU 0; backward sums every gradient onto GPU 0 (`reduce_add`, an NCCL "
+              "reduce), where the one optimizer steps. All of it on one machine. The costs are the "
+              "re-copy every step, the GIL, and GPU 0 as the hub of every scatter, gather and sum.\n\n"
+              "Here, with {gpus} GPUs, DataParallel has nothing to spread over: `device_ids` is "
+              "{device_ids}, and its forward is a plain call of the module, the same outputs to the bit "
+              "(`{same}`). What the copies and the GIL cost cannot be measured without GPUs; on a GPU "
+              "machine `torch.nn.DataParallel(model)` takes every visible one."),
+        run=data_parallel_here,
+        checks=(Check("without GPUs, DataParallel is a plain call of the module",
+                      lambda f: f["gpus"] > 0 or (f["plain_call"] and f["same"])),
+                Check("with GPUs, it spreads over every one of them",
+                      lambda f: f["gpus"] == 0 or len(f["device_ids"]) == f["gpus"])),
+        predict=Predict("DataParallel on a machine with 8 GPUs: how many Python processes drive them?",
+                        "processes", misconceptions=((8, "that is DistributedDataParallel: one process "
+                                                      "per GPU; DataParallel drives all of them from one, "
+                                                      "with a thread each"),)),
+        hint="Its name says parallel, its design says one process: threads, one per GPU.",
+        show=("torch.nn.DataParallel.forward",),
+        try_this="python -c \"import torch; print(torch.nn.DataParallel(torch.nn.Linear(2, 1)).device_ids)\"",
+        teaches=("dp-vs-ddp",),
     ),
     Step(
         title="DistributedDataParallel: a process per rank, nobody in the middle",
-        text=("`DistributedDataParallel` (here dplab's, `backends/nn/ddp.py`, torch's API) wraps a torch "
-              "module in each of 2 processes. Backward hooks all-reduce the gradients in buckets and "
-              "average them, so {steps} SGD steps on each rank's half of a {batch}-sample batch end where "
-              "one process on all {batch} ends: {diff:.1e} apart ({params} parameters, float32), and the two "
-              "replicas are identical (`{identical}`)."),
+        text=("`DistributedDataParallel` wraps a torch module in each of several processes, one per "
+              "device. Nothing is copied each step: the replicas start equal (a broadcast once) and stay "
+              "equal because backward hooks all-reduce the gradients in buckets and average them, so "
+              "every rank takes the same step, and no rank is a hub. torch's own DDP, two processes over "
+              "gloo: {steps} SGD steps on each rank's half of a {batch}-sample batch end where one process "
+              "on all {batch} ends, {torch_diff:.1e} apart ({params} parameters, float32); its replicas "
+              "are identical (`{torch_identical}`). dplab's DDP (`backends/nn/ddp.py`, the same API over "
+              "dplab's own all-reduce, on shared memory): {diff:.1e} apart, replicas identical "
+              "(`{identical}`)."),
         run=ddp_equals_one_process,
-        checks=(Check("the replicas hold the same bits", lambda f: f["identical"]),
-                Check("DDP equals one process on the whole batch to float32 rounding (< 1e-5)",
-                      lambda f: f["diff"] < 1e-5)),
+        checks=(Check("torch's DDP replicas hold the same bits", lambda f: f["torch_identical"]),
+                Check("torch's DDP equals one process on the whole batch to float32 rounding (< 1e-5)",
+                      lambda f: f["torch_diff"] < 1e-5),
+                Check("so do dplab's", lambda f: f["identical"] and f["diff"] < 1e-5)),
         hint="Equal halves: the mean of the two halves' mean gradients is the whole batch's mean gradient.",
+        show=("dplab.backends.nn.ddp.DistributedDataParallel",),
         try_this="torchrun --nproc-per-node 2 -m dplab.backends.cli train --backend torch",
-        teaches=("dp-vs-ddp",),
+        teaches=("dp-vs-ddp", "allreduce"),
     ),
     Step(
         title="Three engines, one answer",
@@ -194,17 +235,23 @@ STEPS = (
     Step(
         title="Past one machine: the engines' own launchers",
         text=("Nothing above needs to know how its ranks started. Under the engines' launchers the same "
-              "command runs on many machines: MPI (here {mpi_engine}) with a host file,\n\n"
-              "    mpiexec -n 16 -f hosts dplab train --backend mpi\n\n"
-              "and torch ({torch_engine}; NCCL on GPUs) with one torchrun per node,\n\n"
-              "    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-endpoint node0:29500 \\\n"
-              "        -m dplab.backends.cli train --backend torch\n\n"
-              "The launcher sets each rank's place (MPI's communicator; torchrun's RANK, WORLD_SIZE, "
-              "MASTER_ADDR); dplab takes its rank from the engine - here MPI numbered the ranks {mpi_ranks} "
-              "and torch.distributed {torch_ranks} - and runs the same schedules."),
+              "command runs on many machines. torch ({torch_engine} here; NCCL on GPUs, which "
+              "`DPLAB_DEVICE=cuda` asks for) with one torchrun per node, meeting at node0's c10d rendezvous "
+              "under one job id:\n\n{torch_lines}\n\n"
+              "and MPI (here {mpi_engine}) from one node, with the hosts and their slots:\n\n{mpi_line}\n\n"
+              "These are the lines tests/test_hosts_launchers.py runs across network namespaces (two "
+              "hosts on one machine), built by the same functions, with node names for the namespaces' "
+              "addresses (`--rdzv-conf is_host` and `--local-addr` are there because every namespace "
+              "shares one hostname; on real nodes they are harmless). The launcher sets each rank's "
+              "place (MPI's communicator; torchrun's RANK, WORLD_SIZE, MASTER_ADDR); dplab takes its rank "
+              "from the engine - here MPI numbered the ranks {mpi_ranks} and torch.distributed "
+              "{torch_ranks} - and runs the same schedules."),
         run=who_numbered_the_ranks,
         checks=(Check("dplab's rank r is MPI's rank r", lambda f: f["mpi_ranks"] == [0, 1]),
-                Check("and torch.distributed's rank r", lambda f: f["torch_ranks"] == [0, 1])),
+                Check("and torch.distributed's rank r", lambda f: f["torch_ranks"] == [0, 1]),
+                Check("every torchrun line names the c10d rendezvous, one job id, node0, and CUDA",
+                      lambda f: all({"--rdzv-backend", "c10d", "--rdzv-id", "job1", "node0:29500",
+                                     "DPLAB_DEVICE=cuda"} <= set(a) for a in f["torch_argv"]))),
         hint="`dplab train --help` lists --backend; README 'Three backends, one API' has the launch lines.",
         try_this="mpiexec -n 4 dplab train --backend mpi",
         teaches=("engines",),
