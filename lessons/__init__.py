@@ -33,6 +33,7 @@ MODULES = (
     "l10_memory",
     "l11_precision",
     "l12_engines",
+    "l13_batch_size",
 )
 
 

@@ -38,7 +38,8 @@ def train_minibatch(batch, lr, epochs, warmup_steps=0, optimizer="momentum",
                     seed=0):
     """Minibatch SGD on the training samples, one device (lesson 1: the
     same bits as p ranks with a global batch of ``batch``). Returns the
-    loss of every step's batch, and the held-out loss at the end."""
+    loss of every step's batch, the held-out loss at the end, and the
+    final parameters."""
     model = MLP(MODEL)
     (x, y), (x_out, y_out) = split_data(seed)
     params = model.init_params(seed)
@@ -54,7 +55,7 @@ def train_minibatch(batch, lr, epochs, warmup_steps=0, optimizer="momentum",
         opt.step(params, grad)
         losses.append(loss)
     held_out = model.loss(model.forward(params, x_out), y_out, 1 / N_HELD_OUT)
-    return losses, float(held_out)
+    return losses, float(held_out), params
 
 
 def small_batch(lab):
@@ -70,7 +71,7 @@ def same_samples_fewer_steps(lab):
     big = {}
     for rule in ("none", "sqrt", "linear"):
         lr = scaled_lr(BASE_LR, BASE_BATCH, k * BASE_BATCH, rule)
-        big[rule] = (lr, train_minibatch(k * BASE_BATCH, lr, epochs))
+        big[rule] = (lr, train_minibatch(k * BASE_BATCH, lr, epochs)[:2])
     held = {rule: out[1] for rule, (_, out) in big.items()}
     best = min(held, key=held.get)
     return {"small": small[1], "small_steps": len(small[0]),
@@ -88,8 +89,8 @@ def warm_up(lab):
     k, epochs, warmup_steps = 128, 30, 10
     batch = k * BASE_BATCH               # every training sample, every step
     lr = scaled_lr(BASE_LR, BASE_BATCH, batch, "linear")
-    cold, cold_end = train_minibatch(batch, lr, epochs)
-    warm, warm_end = train_minibatch(batch, lr, epochs, warmup_steps)
+    cold, cold_end, _ = train_minibatch(batch, lr, epochs)
+    warm, warm_end, _ = train_minibatch(batch, lr, epochs, warmup_steps)
     return {"start": cold[0], "k": k, "batch": batch,
             "cold_peak": max(cold[:10]), "warm_peak": max(warm[:10]),
             "cold_end": cold_end, "warm_end": warm_end,
