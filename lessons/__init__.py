@@ -34,6 +34,7 @@ MODULES = (
     "l11_precision",
     "l12_engines",
     "l13_batch_size",
+    "l14_real_model",
 )
 
 

@@ -38,6 +38,11 @@ CONCEPTS = {
 }
 
 
+# appended: a real model (lesson 14)
+CONCEPTS["real-model"] = ("a real model: a transformer's FLOPs per token (6 N), tokens/s, model FLOPs "
+                          "utilisation and where its step time goes, with DDP and FSDP")
+
+
 def coverage() -> dict[str, list[tuple[int, int, str]]]:
     """concept -> [(lesson number, step number (1-based), step title), ...]."""
     taught: dict[str, list[tuple[int, int, str]]] = {key: [] for key in CONCEPTS}

@@ -100,7 +100,8 @@ def masters_in_float32(lab):
 
 
 def torch_scaler_defaults():
-    """torch.amp.GradScaler's (init, growth, backoff, interval), or None without torch."""
+    """torch.amp.GradScaler's (init, growth, backoff, interval),
+    or None without torch."""
     try:
         import torch
     except ImportError:

@@ -160,7 +160,8 @@ def launch_lines(nodes=2, gpus=8):
 def who_numbered_the_ranks(lab):
     mpi, gloo = lab.world(2, "mpi"), lab.world(2, "torch")
     torch_lines, mpi_line = launch_lines()
-    return {"torch_lines": "\n".join("    " + " ".join(a) for a in torch_lines),
+    shown = ["    " + " ".join(argv) for argv in torch_lines]
+    return {"torch_lines": "\n".join(shown),
             "mpi_line": "    " + " ".join(mpi_line),
             "torch_argv": torch_lines,
             "mpi_engine": mpi.run(engine_name)[0],
