@@ -17,11 +17,13 @@ from __future__ import annotations
 import importlib
 import re
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
 from rich.console import Console
+from rich.rule import Rule
 from rich.text import Text
 
 from dplab.backends.cli.table import styled
@@ -33,7 +35,7 @@ from dplab.lessons.step import Lesson, Verdict, fill
 from dplab.lessons.ticker import Ticker
 from dplab.reference.errors import ConfigError, DplabError
 
-__all__ = ["make_console", "list_lessons", "progress", "run", "run_lesson", "init", "check", "KEYS"]
+__all__ = ["make_console", "list_lessons", "progress", "run", "run_lesson", "init", "check", "watch", "KEYS"]
 
 KEYS = "Enter: next · b: back · h: hint · q: quit"
 
@@ -350,6 +352,30 @@ def check(number: int, path: str | Path | None = None) -> int:
     console.print(Text(f"{passed} of {len(reports)} exercises of lesson {number} pass.",
                        style="bold green" if passed == len(reports) else "bold red"))
     return 0 if passed == len(reports) else 1
+
+
+def watch(number: int, path: str | Path | None = None, poll_s: float | None = None) -> int:
+    """``dplab lesson watch N [DIR]``: check lesson ``number``'s exercises now and again whenever a file
+    in DIR is saved, until Ctrl-C (KeyboardInterrupt: the CLI's exit 130)."""
+    from dplab.lessons import watch as watching
+
+    folder = Path(path if path is not None else ".")
+    if not folder.is_dir():
+        raise ConfigError(f"{folder} is not a folder: dplab lesson init {folder} copies the exercises there")
+    console = make_console()
+    rounds = [0]
+
+    def once() -> int:
+        rounds[0] += 1
+        console.print(Rule(Text(f"check {rounds[0]} · lesson {number} · {time.strftime('%H:%M:%S')}"),
+                           align="left", style="dim"))
+        return check(number, folder)
+
+    def waiting() -> None:
+        console.print(Text.assemble("watching ", (str(folder), "cyan"),
+                                    ": save a file to check again, Ctrl-C to stop", style="dim"))
+
+    return watching.watch(once, folder, poll_s if poll_s is not None else watching.POLL_S, on_wait=waiting)
 
 
 def _warn(console: Console, warning: str | None) -> None:

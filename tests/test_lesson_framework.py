@@ -8,6 +8,8 @@ Steps here are tiny fakes (no ranks), so each test takes milliseconds unless it 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from dplab.lessons import count, fill, num, size, times
@@ -310,3 +312,90 @@ def test_every_steps_terminal_picture_draws_from_its_run():
                 out = run_step(step, lab, figure=False)
                 if step.picture is not None:
                     assert _plain(step.picture(out.facts), width=80).strip(), (les.number, step.title)
+
+
+# --- 6. dplab lesson watch ----------------------------------------------------------------------------------
+
+def test_watch_checks_at_start_and_again_once_per_settled_save(tmp_path):
+    import threading
+    import time
+
+    from dplab.lessons.watch import snapshot, watch
+
+    (tmp_path / "ring.py").write_text("v1")
+    (tmp_path / "__pycache__").mkdir()
+    calls: list[float] = []
+
+    def check() -> int:
+        calls.append(time.monotonic())
+        if len(calls) == 1:  # the learner saves three times in a burst, and a cache file changes
+            def save() -> None:
+                time.sleep(0.15)
+                for text in ("v2", "v22", "v222"):
+                    (tmp_path / "ring.py").write_text(text)
+                    (tmp_path / "__pycache__" / "ring.pyc").write_text(text)
+                    time.sleep(0.02)
+            threading.Thread(target=save, daemon=True).start()
+        return len(calls)
+
+    start = time.monotonic()
+    assert watch(check, tmp_path, poll_s=0.02, debounce_s=0.1, max_checks=2) == 2
+    assert time.monotonic() - start < 5
+    assert calls[1] - calls[0] >= 0.15 + 0.1   # after the save and the quiet, once for the burst
+    assert list(snapshot(tmp_path)) == ["ring.py"]   # caches are not the learner's code
+
+
+def test_dplab_lesson_watch_rechecks_on_save_and_ctrl_c_exits_130(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    work = tmp_path / "work"
+    env = {**os.environ, "DPLAB_HOME": str(tmp_path), "COLUMNS": "100"}
+    env.pop("NO_COLOR", None)
+    dplab = [sys.executable, "-m", "dplab.backends.cli", "lesson"]
+    subprocess.run([*dplab, "init", str(work)], env=env, check=True, capture_output=True, timeout=60)
+    proc = subprocess.Popen([*dplab, "watch", "2", str(work), "--poll", "0.05"], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
+    out = ""
+    try:
+        def wait_for(text: str, count: int) -> None:
+            nonlocal out
+            deadline = time.monotonic() + 90
+            while out.count(text) < count:
+                assert time.monotonic() < deadline and proc.poll() is None, out
+                time.sleep(0.05)
+                out = "".join(lines)
+
+        wait_for("watching", 1)
+        assert "check 1 · lesson 2" in out and "of lesson 2 pass" in out
+        solutions = Path(__file__).parents[1] / "lessons" / "exercises" / "solutions"
+        solution = solutions / "ring_reduce_scatter.py"
+        (work / "ring_reduce_scatter.py").write_text(solution.read_text())
+        wait_for("watching", 2)
+        assert "check 2 · lesson 2" in out
+        second = out[out.index("check 2 · lesson 2"):]
+        assert "ring_reduce_scatter  ✓ passed" in second or "ring_reduce_scatter  ok passed" in second
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 130
+        assert proc.stderr.read().strip().endswith("interrupted")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_watch_requests():
+    from dplab.backends.cli.lesson import parse_request
+
+    assert parse_request(["watch", "2"]).path is None and parse_request(["watch", "2", "d"]).path == "d"
+    assert parse_request(["watch", "2", "d"], poll=0.1).poll == 0.1
+    with pytest.raises(ConfigError, match=r"usage: dplab lesson watch N \[DIR\]"):
+        parse_request(["watch"])
+    with pytest.raises(ConfigError, match="--poll goes with watch"):
+        parse_request(["check", "2"], poll=0.1)

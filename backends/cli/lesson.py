@@ -6,6 +6,7 @@
     dplab lesson 1 --no-pause         # straight through without reading input (scripts, CI)
     dplab lesson init DIR             # copy the exercises' stubs into DIR
     dplab lesson check 2 [DIR]        # run your code for lesson 2's exercises (DIR: default here)
+    dplab lesson watch 2 [DIR]        # check again every time a file in DIR is saved (Ctrl-C stops)
 
 This file only parses and dispatches. Imports run lessons -> backends, so backends never imports
 ``dplab.lessons`` at import time: the command finds ``dplab.lessons.terminal`` with
@@ -29,7 +30,7 @@ from dplab.reference.errors import ConfigError
 
 __all__ = ["add_lesson_parser", "parse_request", "run_lesson_command", "LessonRequest"]
 
-USAGE = "N | init DIR | check N [DIR]"
+USAGE = "N | init DIR | check N [DIR] | watch N [DIR]"
 
 
 def add_lesson_parser(sub: Any, formatter_class: type[argparse.HelpFormatter]) -> argparse.ArgumentParser:
@@ -43,27 +44,42 @@ def add_lesson_parser(sub: Any, formatter_class: type[argparse.HelpFormatter]) -
                            "or ~/.cache/dplab/lessons.json). Without N: the list of lessons.", 88),
                        epilog="examples:\n  dplab lesson\n  dplab lesson 1 --step 2\n"
                               "  dplab lesson 1 --no-pause > lesson1.txt\n"
-                              "  dplab lesson init exercises && dplab lesson check 2 exercises\n\n"
+                              "  dplab lesson init exercises && dplab lesson check 2 exercises\n"
+                              "  dplab lesson watch 2 exercises     # re-checks on every save\n\n"
                               "check runs your code in a child process, stopped after $DPLAB_CHECK_LIMIT_S "
                               "seconds (30)\nand limited to $DPLAB_CHECK_MEMORY_MB MiB (4096)")
     p.add_argument("words", nargs="*", metavar=USAGE,
                    help="a lesson number; 'init DIR' copies the exercise stubs into DIR; 'check N [DIR]' "
-                        "runs your exercises of lesson N (DIR: default the current directory)")
+                        "runs your exercises of lesson N (DIR: default the current directory); "
+                        "'watch N [DIR]' checks them again whenever a file in DIR is saved, until Ctrl-C")
     p.add_argument("--step", type=positive_int, metavar="K",
                    help="start lesson N at step K instead of where you stopped (default: resume)")
     p.add_argument("--no-pause", action="store_true",
                    help="run every step straight through without reading input; exit 1 naming any claim "
                         "that did not hold (default: pause after each step)")
+    p.add_argument("--poll", type=_seconds, metavar="S",
+                   help="with watch: look for saved files every S seconds (default 0.5)")
     return p
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds, got {text!r}") from None
+    if not 0.01 <= value <= 60:
+        raise argparse.ArgumentTypeError(f"must be between 0.01 and 60 seconds, got {text}")
+    return value
 
 
 @dataclass(frozen=True)
 class LessonRequest:
-    action: str                    # "list", "run", "init", "check"
+    action: str                    # "list", "run", "init", "check", "watch"
     number: int | None = None
     path: str | None = None
     step: int | None = None
     pause: bool = True
+    poll: float | None = None
 
 
 def _number(word: str) -> int:
@@ -73,11 +89,19 @@ def _number(word: str) -> int:
         raise ConfigError(f"expected a lesson number, got {word!r} (usage: dplab lesson {USAGE})") from None
 
 
-def parse_request(words: list[str], step: int | None = None, no_pause: bool = False) -> LessonRequest:
+def parse_request(words: list[str], step: int | None = None, no_pause: bool = False,
+                  poll: float | None = None) -> LessonRequest:
     """What ``dplab lesson WORDS...`` asks for; a ConfigError (one line) for what makes no sense."""
-    if words and words[0] in ("init", "check"):
+    if poll is not None and words[:1] != ["watch"]:
+        raise ConfigError("--poll goes with watch: dplab lesson watch N DIR --poll S")
+    if words and words[0] in ("init", "check", "watch"):
         if step is not None or no_pause:
             raise ConfigError(f"--step and --no-pause go with a lesson number, not with {words[0]}")
+        if words[0] == "watch":
+            if len(words) not in (2, 3):
+                raise ConfigError("usage: dplab lesson watch N [DIR] (N: the lesson; DIR: your exercises, "
+                                  "default the current directory)")
+            return LessonRequest("watch", _number(words[1]), words[2] if len(words) == 3 else None, poll=poll)
         if words[0] == "init":
             if len(words) != 2:
                 raise ConfigError("usage: dplab lesson init DIR (the folder to copy the exercise stubs into)")
@@ -98,7 +122,7 @@ def parse_request(words: list[str], step: int | None = None, no_pause: bool = Fa
 def run_lesson_command(a: argparse.Namespace) -> int:
     """Dispatch to ``dplab.lessons.terminal``; ConfigError and a missing extra: one line, exit 2."""
     try:
-        req = parse_request(a.words, a.step, a.no_pause)
+        req = parse_request(a.words, a.step, a.no_pause, getattr(a, "poll", None))
         terminal = importlib.import_module("dplab.lessons.terminal")
         if req.action == "list":
             return terminal.list_lessons()
@@ -106,6 +130,8 @@ def run_lesson_command(a: argparse.Namespace) -> int:
             return terminal.init(req.path)
         if req.action == "check":
             return interruptible("dplab lesson", terminal.check, req.number, req.path)
+        if req.action == "watch":
+            return interruptible("dplab lesson", terminal.watch, req.number, req.path, req.poll)
         return interruptible("dplab lesson", terminal.run, req.number, req.step, req.pause)
     except (ConfigError, BackendUnavailable) as e:
         print(f"dplab lesson: error: {e}", file=sys.stderr, flush=True)
