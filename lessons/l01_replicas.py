@@ -76,22 +76,26 @@ def drift_without_allreduce(lab):
 
 
 def shards_sum_to_one_batch(lab):
-    cfg = TrainConfig()
+    cfg, p, B = TrainConfig(), 4, 10
     model, data, params = setup(cfg)
-    idx = batch_indices(cfg.num_samples, 10, step=0, seed=0)
+    idx = batch_indices(cfg.num_samples, B, step=0, seed=0)
 
     def gradient(samples, scale):
         g = np.zeros_like(params)
         model.loss_and_grad(params, data.x[samples], data.y[samples], scale, g)
         return g
 
-    shards = [shard(idx, r, 4) for r in range(4)]
-    one_device = gradient(idx, 1 / 10)
+    shards = [shard(idx, r, p) for r in range(p)]
+    scale = 1 / len(idx)  # the global batch's size, on every rank
+    one_device = gradient(idx, scale)
     # what the all-reduce adds:
-    summed = sum(gradient(s, 1 / 10) for s in shards)
-    by_shard = sum(gradient(s, 1 / len(s)) for s in shards) / 4
-    return {"diff": float(np.abs(summed - one_device).max()),
-            "scale": 1 / 10,
+    summed = sum(gradient(s, scale) for s in shards)
+    by_shard = sum(gradient(s, 1 / len(s)) for s in shards) / p
+    return {"p": p, "B": B, "last": p - 1,
+            "last_shard": len(shards[-1]),
+            "sizes": ", ".join(str(len(s)) for s in shards),
+            "diff": float(np.abs(summed - one_device).max()),
+            "scale": scale,
             "wrong": float(np.abs(by_shard - one_device).max()),
             "params": MLP(cfg.model).num_params}
 
@@ -99,12 +103,17 @@ def shards_sum_to_one_batch(lab):
 STEPS = (
     Step(
         title="One model, four replicas",
-        text=("Four ranks each hold a full copy of the model (a **replica**) and train it for {steps} steps "
-              "on their part of each batch; after every backward pass a ring all-reduce sums the "
-              "gradients, and every rank takes the same optimizer step.\n\n"
-              "At the end the four replicas are identical to the bit (`{identical}`), and they differ "
-              "from one device trained on the same batches by at most **{diff:.1e}**: float64 rounding, "
-              "because the all-reduce adds in another order than one device does. Final loss {loss:.4f}."),
+        text=("A **rank** is one worker: one process (on a cluster, one GPU), numbered 0 to p-1, where p "
+              "is the world size. Here p = {p} ranks each hold a full copy of the model (a **replica**) and "
+              "train it for {steps} steps, each on its own part of every batch. After every backward pass "
+              "an **all-reduce** runs: every rank puts in its gradient, and every rank gets back the sum of "
+              "all p of them. Then every rank takes the same optimizer step.\n\n"
+              "At the end the four replicas are identical to the bit (`{identical}`): they started from "
+              "rank 0's weights and applied the same summed gradient, bit for bit, every step. Against one "
+              "device trained on the same batches they differ by at most **{diff:.1e}**: float64 rounding, "
+              "because the all-reduce adds in another order than one device does. Final loss {loss:.4f}.\n\n"
+              "The code below is the recipe every rank runs (`reference/train/sync.py`): broadcast, shard, "
+              "forward and backward, all-reduce the gradient bucket by bucket, step."),
         run=four_replicas,
         checks=(Check("every replica holds the same bits", lambda f: f["identical"] is True),
                 Check("the replicas equal one device to float64 rounding (< 1e-12)",
@@ -112,8 +121,17 @@ STEPS = (
         figure=_timeline,
         predict=Predict("After {steps} steps on {p} ranks, are the replicas 'identical', 'close' or "
                         "'different' from each other?", "verdict",
-                        choices=("identical", "close", "different")),
-        hint="Every rank applies the same update (the summed gradient) to the same starting weights.",
+                        choices=("identical", "close", "different"),
+                        misconceptions=(
+                            ("close", "close is how they compare with one device (another order of "
+                                      "additions); with each other they are bitwise equal, because every "
+                                      "rank gets the very same sum from the all-reduce"),
+                            ("different", "each rank sees different samples, but it steps on the summed "
+                                          "gradient of all of them, the same on every rank"))),
+        hint="Every rank starts from rank 0's weights: the first thing the recipe does is broadcast them.",
+        hints=("And every step it applies the same update: the all-reduce hands every rank the same sum.",),
+        show=("dplab.reference.train.sync.train_sync",),
+        inputs={"p": 4, "steps": 50},
         try_this="dplab train --world-size 4 --algorithm tree --trace run.json   # then open it in the app",
         explore=Explore("training", lambda f: {"world_sizes": f["p"], "steps": f["steps"]}),
         teaches=("replicas",),
@@ -129,8 +147,14 @@ STEPS = (
                 Check("shard sizes differ by at most one", lambda f: max(f["sizes"]) - min(f["sizes"]) <= 1),
                 Check("the shard sizes add up to B", lambda f: sum(f["sizes"]) == f["B"])),
         predict=Predict("A global batch of {B} samples on {p} ranks: how many samples does rank 0 get?",
-                        "rank0"),
-        hint="10 = 4 × 2 + 2: two samples are left over, and the first two ranks take one each.",
+                        "rank0", misconceptions=(
+                            (2, "{B} // {p} = 2 is what every rank gets at least; the B mod p samples "
+                                "left over go one each to the first ranks"),
+                            (2.5, "a shard holds whole samples: no rank gets half of one"))),
+        hint="10 = 4 × 2 + 2: how many samples are left over when every rank has taken 2?",
+        hints=("The first B mod p ranks take one sample more than the others.",),
+        show=("dplab.reference.data.shard", "dplab.reference.schedule.chunk_bounds"),
+        inputs={"p": 4, "B": 10},
         try_this="dplab train --world-size 3 --global-batch 10   # uneven shards, still equal to one device",
         teaches=("sharding",),
     ),
@@ -145,12 +169,15 @@ STEPS = (
                       lambda f: f["drift"] > 1e-3),
                 Check("with it they stay bitwise identical", lambda f: f["together"] == 0.0)),
         hint="The all-reduce is the only line that differs between the two runs.",
+        show=(rank_trains_alone,),
         try_this="Change the step's run to all-reduce only every 5th step (local SGD) and compare the drift.",
         teaches=("replicas",),
     ),
     Step(
         title="Data parallelism is large-batch SGD",
-        text=("Each rank scales its loss by 1/B with B the *global* batch ({scale}), not by its shard size. "
+        text=("Each rank scales its loss by 1/B with B the *global* batch (1/{B} = {scale}), not by its "
+              "shard size, nor by 1/p as torch's DistributedDataParallel does (it averages the summed "
+              "gradients over the ranks, which is the same only when every shard has B/p samples). "
               "Then the shard gradients simply **sum** to one device's gradient of the whole batch: "
               "they differ by {diff:.1e}. Averaging per-shard means instead (each scaled by 1/its size) is "
               "off by {wrong:.2g} when the shards are uneven. So p ranks with shards of b samples train "
@@ -160,10 +187,22 @@ STEPS = (
                       lambda f: f["diff"] < 1e-14),
                 Check("averaging per-shard means is wrong for uneven shards (> 1e-6)",
                       lambda f: f["wrong"] > 1e-6)),
-        predict=Predict("A global batch of 10 on 4 ranks: by what factor does rank 3 (2 samples) "
-                        "scale its loss?",
-                        "scale", rel_tol=1e-9),
+        predict=Predict("A global batch of {B} samples on {p} ranks: rank {last} holds {last_shard} of them. "
+                        "By what factor does rank {last} scale its loss, so that the ranks' gradients sum "
+                        "to one device's gradient of the whole batch?",
+                        "scale", rel_tol=1e-9, misconceptions=(
+                            (lambda g, f: abs(g - 1 / f["p"]) < 1e-9,
+                             "1/p is torch DDP's convention: it averages the summed gradients over the p "
+                             "ranks, which equals the batch mean only when every shard is the same size; "
+                             "here they hold {sizes} samples"),
+                            (lambda g, f: abs(g - 1 / f["last_shard"]) < 1e-9,
+                             "1/{last_shard} is rank {last}'s own mean: its samples would weigh more than "
+                             "rank 0's, whose shard is larger"),
+                            (lambda g, f: abs(g - f["B"]) < 1e-9,
+                             "the factor multiplies the loss: a mean over B samples divides by B"))),
         hint="The scale is the same on every rank, whatever its shard size.",
+        hints=("One device would take the mean over the whole batch: it divides the summed loss by B.",),
+        inputs={"p": 4, "B": 10, "last": 3, "last_shard": 2},
         try_this="dplab compare --world-sizes 1,2,3,4   # every row ends within rounding of one device",
         teaches=("large-batch-sgd",),
     ),

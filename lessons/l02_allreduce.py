@@ -2,10 +2,12 @@
 
     dplab lesson 2
 
-Five steps: count the bytes rank 0 really sends in a ring all-reduce (from a real run's trace);
-write the ring's reduce-scatter yourself (the exercise); compare every schedule's rounds and
-bytes; price the trade-off between the two with the alpha-beta model; and see why a cluster
-reduces hierarchically (bytes on the slow links between nodes).
+Seven steps: count the bytes rank 0 really sends in a ring all-reduce (from a real run's trace);
+write the ring's two halves yourself, the reduce-scatter and the all-gather (exercises); compare
+every schedule's rounds and bytes; write a binomial-tree broadcast (exercise); price the
+trade-off between latency and bandwidth with the alpha-beta model; and see how the links of a
+cluster decide where the bytes should go (one ring through two NICs, a ring per NIC, the
+hierarchical all-reduce).
 """
 
 from __future__ import annotations
@@ -13,19 +15,30 @@ from __future__ import annotations
 import numpy as np
 
 from dplab.backends import allreduce
+from dplab.lessons.exercises import ring_allgather as allgather_exercise
+from dplab.lessons.exercises import tree as tree_exercise
 from dplab.lessons.step import Check, Explore, Lesson, Predict, Step
-from dplab.reference.algorithms import allreduce_schedule, ring
+from dplab.reference.algorithms import allreduce_schedule, ring, tree
 from dplab.reference.costfit import terms
 from dplab.reference.costmodel import cost
-from dplab.reference.pictures import render_rounds
+from dplab.reference.pictures import render_arrows, render_rounds
+from dplab.reference.schedule import Schedule, Transfer
 from dplab.reference.simulate import is_allreduce, simulate
 from dplab.reference.topology import PRESETS
 
-__all__ = ["LESSON"]
+__all__ = ["LESSON", "rings_per_nic"]
 
 MIB = 1 << 20
 # what the table compares: the three textbook schedules, then those the engines use
 ALGORITHMS = ("naive", "ring", "tree", "recursive_doubling", "rabenseifner", "double_tree", "hierarchical:4")
+RING_CODE = ("dplab.reference.algorithms.ring.reduce_scatter", "dplab.reference.algorithms.ring.allgather",
+             "dplab.reference.algorithms.ring.allreduce", "dplab.reference.collectives.run_schedule")
+STUB = "dplab.lessons.exercises.stubs"
+
+
+def _picture(facts):
+    from rich.text import Text
+    return Text(facts["picture"])
 
 
 def traced_allreduce(comm, nbytes, algorithm):
@@ -47,11 +60,17 @@ def ring_bytes(lab):
     return {"p": p, "n_bytes": n,
             "sent": ranks[0]["bytes"],
             "messages": ranks[0]["messages"],
-            "formula": 2 * (p - 1) * n // p,
+            "formula": _ring_share(p, n),
             "naive_root": (p - 1) * n,
             "all_sent": [r["bytes"] for r in ranks],
+            "all_sent_text": ", ".join(f"{r['bytes']:,}" for r in ranks),
             "sum": ranks[0]["value"],
             "expected_sum": float(sum(range(1, p + 1)))}
+
+
+def _ring_share(p, n):
+    """2(p-1)/p n: what each rank sends in a ring all-reduce (kept out of the shown code)."""
+    return 2 * (p - 1) * n // p
 
 
 def _ring_figure(facts):
@@ -60,23 +79,36 @@ def _ring_figure(facts):
     return figure(walkthrough(CollectiveConfig("allreduce", "ring", world_size=facts["p"], n=8)))
 
 
-def ring_reduce_scatter_rounds(lab):
+def ring_round_zero(lab):
     p = 4
-    # the engine's own: what your exercise must match
-    schedule = ring.reduce_scatter(p)
-    rounds = schedule.rounds
-    # [rank, chunk, contributor]: times counted
-    end = simulate(schedule).holdings[-1]
-    rule = all(t.chunk == (t.src - k - 1) % p and t.dst == (t.src + 1) % p
-               for k, rnd in enumerate(rounds) for t in rnd)
-    complete = all((end[r, r] == 1).all() for r in range(p))
-    rank0_next = next(t.chunk for t in rounds[1] if t.src == 0)
+    engine = ring.reduce_scatter(p)
+    # the stub writes round 0 only: the picture shows no more than the stub
+    end = simulate(engine).holdings[-1]  # [rank, chunk, contributor]: times counted
+    passes_on = all(t.chunk == u.chunk for k in range(1, p - 1) for t in engine.rounds[k]
+                    for u in engine.rounds[k - 1] if u.dst == t.src)
     return {"p": p, "last": p - 1,
-            "rounds": len(rounds),
-            "picture": render_rounds(schedule),
-            "rule": rule,
-            "own_chunk_complete": complete,
-            "round1_rank0_chunk": rank0_next}
+            "rounds": len(engine.rounds),
+            "picture": render_rounds(engine, rounds=[0]),
+            "passes_on": passes_on,
+            "own_chunk_complete": all((end[r, r] == 1).all() for r in range(p)),
+            "round1_rank0_chunk": next(t.chunk for t in engine.rounds[1] if t.src == 0),
+            "round0_rank0_chunk": next(t.chunk for t in engine.rounds[0] if t.src == 0)}
+
+
+def allgather_round_zero(lab):
+    p = 4
+    whole = ring.allreduce(p)  # reduce-scatter, then all-gather
+    gather = ring.allgather(p)
+    sim = simulate(whole).holdings
+    after_rs = sim[p - 1]
+    return {"p": p,
+            "rounds": len(gather.rounds),
+            # the state the reduce-scatter leaves, and the all-gather's first round: as the stub
+            "picture": render_rounds(whole, rounds=[p - 1]).replace(
+                f"round {p - 1}\n", f"round {p - 1} (the all-gather's round 0)\n", 1),
+            "rs_leaves_own": all((after_rs[r, r] == 1).all() for r in range(p)),
+            "allreduce": is_allreduce(simulate(whole)),
+            "copies": all(t.op == "copy" for rnd in gather.rounds for t in rnd)}
 
 
 def schedules_compared(lab):
@@ -98,13 +130,30 @@ def schedules_compared(lab):
         f"| {r['busiest_sends_n']:.3g} n |" for r in rows)
     fewest = min(rows, key=lambda r: r["alphas"])["algorithm"]
     return {"p": p, "rows": rows, "by": by, "table": table,
-            "fewest_alphas": fewest}
+            "fewest_alphas": fewest,
+            "picture": render_arrows(tree.allreduce(p))}
 
 
 def _tree_figure(facts):
     from dplab.viz.collectives import CollectiveConfig, walkthrough
     from dplab.viz.collectives_figure import figure
     return figure(walkthrough(CollectiveConfig("allreduce", "tree", world_size=facts["p"], n=8)))
+
+
+def tree_holders(lab):
+    out = {"p": 8}
+    for p in (8, 6):
+        schedule = tree.broadcast(p)
+        root_only = np.eye(p, dtype=np.int64)[0]  # rank 0's part and nothing else
+        # holdings[round][rank, chunk 0, contributor]: who holds the root's buffer
+        have = [int((h[:, 0, :] == root_only).all(axis=1).sum())
+                for h in simulate(schedule).holdings]
+        out[p] = {"rounds": len(schedule.rounds), "holders": have}
+    out["rounds"] = out[8]["rounds"]
+    out["doubling"] = out[8]["holders"] == [1, 2, 4, 8]
+    out["picture"] = "ranks holding the root's buffer, round by round:\n" + "\n".join(
+        f"  p = {p}: " + " -> ".join(map(str, out[p]["holders"])) for p in (8, 6))
+    return out
 
 
 def latency_or_bandwidth(lab):
@@ -128,24 +177,46 @@ def latency_or_bandwidth(lab):
             "large_winner": min(("ring", rd), key=lambda a: times[a, large])}
 
 
+def rings_per_nic(p, g):
+    """g ring all-reduces at once, each over 1/g of the buffer (as NCCL's
+    channels): ring j leaves every node through its local rank j, so
+    every GPU's own NIC carries one ring between the nodes."""
+    rs, ag = [[] for _ in range(p - 1)], [[] for _ in range(p - 1)]
+    for j in range(g):
+        order = [node * g + (j + 1 + i) % g
+                 for node in range(p // g) for i in range(g)]
+        for k in range(p - 1):
+            for i, r in enumerate(order):
+                right = order[(i + 1) % p]
+                # ring j owns chunks j p .. j p + p - 1
+                rs[k].append(Transfer(r, right, j * p + (i - k - 1) % p,
+                                      "reduce"))
+                ag[k].append(Transfer(r, right, j * p + (i - k) % p, "copy"))
+    return Schedule("rings_per_nic", p, g * p, rs + ag)
+
+
 def slow_links(lab):
-    # two nodes of 8 GPUs
+    # two nodes of 8 GPUs, every GPU its own NIC
     topo, p, n = PRESETS["dgx-h100"], 16, 256 * MIB
     g = topo.ranks_per_node
-    out = {"p": p, "g": g, "nodes": p // g, "n_mib": n // MIB}
-    for key, name in (("ring", "ring"), ("hier", f"hierarchical:{g}")):
-        schedule = allreduce_schedule(name, p)
-        t, chunk = schedule.table, n // schedule.num_chunks
+    out = {"p": p, "g": g, "nodes": p // g, "nics": p, "n_mib": n // MIB}
+    for key, schedule in (("ring", allreduce_schedule("ring", p)),
+                          ("hier", allreduce_schedule(f"hierarchical:{g}", p)),
+                          ("rpn", rings_per_nic(p, g))):
+        t, chunk = schedule.table, n / schedule.num_chunks
         # this transfer leaves its node:
         between = (t.src // g) != (t.dst // g)
         inter = np.bincount(t.src[between], minlength=p).max()
         total = np.bincount(t.src, minlength=p).max()
-        secs = cost(schedule, n, itemsize=4, topology=topo).time
+        out[f"{key}_nics_used"] = len(set(t.src[between].tolist()))
         out[f"{key}_inter_n"] = int(inter) * chunk / n
         out[f"{key}_total_n"] = int(total) * chunk / n
-        out[f"{key}_ms"] = secs * 1e3
+        out[f"{key}_ms"] = cost(schedule, n, itemsize=4, topology=topo).time * 1e3
+        out[f"{key}_small_us"] = cost(schedule, 64 << 10, itemsize=4, topology=topo).time * 1e6
         out[f"{key}_rounds"] = len(schedule.rounds)
+        out[f"{key}_correct"] = is_allreduce(simulate(schedule))
     out["factor"] = out["ring_inter_n"] / out["hier_inter_n"]
+    out["idle"] = p - out["ring_nics_used"]
     return out
 
 
@@ -153,12 +224,15 @@ STEPS = (
     Step(
         title="Bytes on the wire: a real ring all-reduce",
         text=("Four ranks all-reduce {n_bytes:,} bytes (1 MiB of float32) with the ring, the trace on. "
-              "Rank 0 sent **{sent:,} bytes** in {messages} messages, exactly 2(p-1)/p of the buffer "
-              "({formula:,}), and so did every rank ({all_sent}). The ring cuts the buffer into p chunks: "
-              "p-1 rounds of reduce-scatter, each passing one chunk to the right neighbour, who adds it; "
-              "then p-1 rounds of all-gather, passing the finished chunks on. Every element ends as "
-              "1+2+3+4 = {sum:g}. The naive way (everyone sends to rank 0, which sends the sum back) "
-              "makes rank 0 send {naive_root:,} bytes: p-1 whole buffers."),
+              "Rank 0 sent **{sent:,} bytes** in {messages} messages: 2(p-1)/p of the buffer "
+              "({formula:,}), and so did every rank ({all_sent_text}).\n\n"
+              "The ring cuts the buffer into p chunks. In p-1 rounds of **reduce-scatter** each rank passes "
+              "one chunk to its right neighbour, who adds its own part and passes it on; then rank r holds "
+              "chunk r complete. In p-1 rounds of **all-gather** the finished chunks travel on, copied. "
+              "2(p-1) messages of n/p bytes each. Every element ends as 1+2+3+4 = {sum:g}.\n\n"
+              "The naive way (everyone sends to rank 0, which sends the sum back) makes rank 0 send "
+              "{naive_root:,} bytes: p-1 whole buffers. The code below is the ring's schedule and the "
+              "executor that runs any schedule, round by round, on every backend."),
         run=ring_bytes,
         checks=(Check("rank 0 sends 2(p-1)/p · n bytes ({formula:,})", lambda f: f["sent"] == f["formula"]),
                 Check("in 2(p-1) messages, one chunk per round", lambda f: f["messages"] == 2 * (f["p"] - 1)),
@@ -166,54 +240,121 @@ STEPS = (
                 Check("every element holds the sum 1+...+p", lambda f: f["sum"] == f["expected_sum"])),
         figure=_ring_figure,
         predict=Predict("How many bytes does rank 0 send in a ring all-reduce of {n_bytes:,} bytes "
-                        "(1 MiB) at p={p}?", "sent", unit="bytes"),
-        hint="Two phases, p-1 rounds each, one chunk of n/p bytes per round: 2(p-1) · n/p.",
+                        "(1 MiB) at p={p}?", "sent", unit="bytes", misconceptions=(
+                            (lambda g, f: g == (f["p"] - 1) * f["n_bytes"],
+                             "p-1 whole buffers is what the naive root sends; the ring never sends a whole "
+                             "buffer, only chunks of n/p"),
+                            (lambda g, f: g == f["n_bytes"],
+                             "one copy of the buffer, but the ring sends every chunk twice: once to be "
+                             "summed, once to be shared"),
+                            (lambda g, f: g == (f["p"] - 1) * f["n_bytes"] // f["p"],
+                             "that is one half: the reduce-scatter; the all-gather sends as much again"),
+                            (lambda g, f: g == 2 * f["n_bytes"],
+                             "2n is where 2(p-1)/p n tends as p grows; at p = 4 it is 1.5 n"))),
+        hint="Count rounds and chunk sizes: the buffer is cut into p chunks of n/p bytes.",
+        hints=("Two phases, p-1 rounds each, one chunk sent per round.",
+               "2(p-1) · n/p = 6 · 256 KiB."),
         try_this="dplab train --world-size 4 --algorithm ring --trace run.json   # every send is traced",
         explore=Explore("collectives", lambda f: {"algorithm": "ring", "p": f["p"], "n": 8}),
         teaches=("allreduce",),
+        show=RING_CODE,
+        inputs={"p": 4, "n_bytes": MIB},
     ),
     Step(
         title="Exercise: the ring reduce-scatter, round by round",
-        text=("Now write it yourself. `dplab lesson init DIR` copies the exercise stubs into DIR; fill in "
-              "`ring_reduce_scatter(p) -> Schedule` and run `dplab lesson check 2 DIR`: it runs your "
-              "schedule in the simulator and says what is wrong in the lesson's words (which rank holds "
-              "which chunk counted how many times, after which round).\n\n"
-              "Here is the engine's own ring reduce-scatter at p={p}, drawn by the simulator "
-              "({rounds} rounds; `a01` is chunk a holding rank 0's and rank 1's parts). In round k, rank r "
-              "sends chunk (r-k-1) mod p to rank r+1, which adds it (`{rule}`); after p-1 rounds rank r "
-              "holds chunk r with every rank's part counted exactly once (`{own_chunk_complete}`).\n\n"
-              "```\n{picture}\n```"),
-        run=ring_reduce_scatter_rounds,
-        checks=(Check("every transfer follows the rule: chunk (r-k-1) mod p to rank r+1",
-                      lambda f: f["rule"]),
-                Check("rank r ends holding chunk r, each contribution once",
+        text=("Now write the first half yourself. `dplab lesson init DIR` copies the exercise stubs into "
+              "DIR; fill in `ring_reduce_scatter(p) -> Schedule` and run `dplab lesson check 2 DIR`: it "
+              "runs your schedule in the simulator and says what is wrong in the lesson's words (which rank "
+              "holds which chunk counted how many times, after which round).\n\n"
+              "The stub already writes round 0, drawn here by the simulator at p={p} (`d0` is chunk d "
+              "holding rank 0's part; `c03` holds rank 0's and rank 3's). What must hold when you are "
+              "done: after p-1 rounds rank r holds chunk r, every rank's part in it exactly once "
+              "(`{own_chunk_complete}` for the engine's), and in every round each rank sends one chunk to "
+              "its right neighbour.\n\n```\n{picture}\n```"),
+        run=ring_round_zero,
+        checks=(Check("after p-1 rounds the engine's rank r holds chunk r, each contribution once",
                       lambda f: f["own_chunk_complete"]),
+                Check("in every round after the first, a rank passes on the chunk it received the round "
+                      "before", lambda f: f["passes_on"]),
                 Check("p-1 rounds", lambda f: f["rounds"] == f["p"] - 1)),
-        predict=Predict("At p={p}, which chunk (a number, 0 to {last}) does rank 0 send in round 1, the "
-                        "second round?", "round1_rank0_chunk"),
-        hint="Round k = 1, rank r = 0: (0 - 1 - 1) mod 4. It is the chunk rank 3 sent to rank 0 in round 0.",
+        predict=Predict("At p={p}, in round 0 rank 3 sends chunk 2 to rank 0, which adds its part. Which "
+                        "chunk (a number, 0 to {last}) does rank 0 send in round 1?", "round1_rank0_chunk",
+                        misconceptions=(
+                            (3, "chunk 3 is what rank 0 sent in round 0; in round 1 it passes on what it "
+                                "received"),
+                            (0, "chunk 0 is rank 0's own: it must end there, complete, so rank 0 never "
+                                "sends it in the reduce-scatter"),
+                            (1, "chunk 1 arrives at rank 0 only in round 2"))),
+        hint="Look at the picture: after round 0, which chunk on rank 0 holds two parts?",
+        hints=("A rank passes on the chunk it just received, with its own part added: the chunk grows by "
+               "one part at every rank it passes.",
+               "Round k: rank r sends chunk (r - k - 1) mod p. For round 1, rank 0: (0 - 1 - 1) mod 4."),
         try_this="dplab lesson init ex && dplab lesson check 2 ex   # then edit ex/ until the check passes",
         explore=Explore("collectives", lambda f: {"collective": "reduce_scatter", "algorithm": "ring",
                                                   "p": f["p"], "n": 8}),
         exercise="ring_reduce_scatter",
         teaches=("allreduce",),
+        show=(f"{STUB}.ring_reduce_scatter.ring_reduce_scatter",),
+        picture=_picture,
+        inputs={"p": 4, "last": 3},
+    ),
+    Step(
+        title="Exercise: the ring all-gather, the second half",
+        text=("The reduce-scatter leaves rank r holding chunk r complete (`{rs_leaves_own}`) and only "
+              "pieces of the others. The all-gather shares the finished chunks: the same ring, one chunk a "
+              "round to the right neighbour, but now nothing is added, the receiver copies (`==x==>` in "
+              "the picture). The stub writes round 0, the state the reduce-scatter left and what each "
+              "rank sends first:\n\n```\n{picture}\n```\n\n"
+              "Write `ring_allgather(p)` in the same folder and check it with `dplab lesson check 2 DIR`; "
+              "with your reduce-scatter before it, it is a whole ring all-reduce (`{allreduce}` for the "
+              "engine's)."),
+        run=allgather_round_zero,
+        checks=(Check("the reduce-scatter leaves rank r holding chunk r complete",
+                      lambda f: f["rs_leaves_own"]),
+                Check("the all-gather takes p-1 rounds and only copies",
+                      lambda f: f["rounds"] == f["p"] - 1 and f["copies"]),
+                Check("reduce-scatter then all-gather is an all-reduce (the simulator's counts)",
+                      lambda f: f["allreduce"])),
+        predict=Predict("At p={p}, every rank holds one chunk complete and lacks the others. One new chunk "
+                        "arrives per round: how many rounds does the ring all-gather take?", "rounds",
+                        misconceptions=(
+                            (4, "p rounds would send each rank a chunk it already has: it starts with one"),
+                            (2, "lg p rounds needs a rank to receive more than one chunk a round (recursive "
+                                "doubling's all-gather does, sending twice as much each round)"))),
+        hint=allgather_exercise.HINTS[0],
+        hints=allgather_exercise.HINTS[1:],
+        try_this="dplab lesson check 2 ex   # ring_allgather.py is judged after the engine's reduce-scatter",
+        explore=Explore("collectives", lambda f: {"collective": "allgather", "algorithm": "ring",
+                                                  "p": f["p"], "n": 8}),
+        exercise="ring_allgather",
+        teaches=("allreduce",),
+        show=(f"{STUB}.ring_allgather.ring_allgather",),
+        picture=_picture,
+        inputs={"p": 4},
     ),
     Step(
         title="Naive, ring, tree and the others: rounds against bytes",
-        text=("Every all-reduce in the engine is a schedule, and the simulator proves each one correct "
+        text=("Two prices matter for a message. **α** (alpha) is the latency: the fixed cost of one "
+              "message, however small (a few µs on a network). Then every byte costs time at the link's "
+              "bandwidth. Messages that must happen one after another form the **critical path**: its "
+              "length in messages, times α, is the latency an all-reduce cannot avoid.\n\n"
+              "Every all-reduce in the engine is a schedule, and the simulator proves each one correct "
               "(every chunk on every rank holds each contribution exactly once). At p={p}, per schedule: "
-              "its rounds, the messages on its critical path (each costs a latency α) and the bytes its "
-              "busiest rank sends (n = the buffer):\n\n"
+              "its rounds, the messages on its critical path, and the bytes its busiest rank sends "
+              "(n = the buffer):\n\n"
               "| algorithm | rounds | α on the path | busiest rank sends |\n|---|---|---|---|\n{table}\n\n"
               "No schedule wins both columns. The ring (and Rabenseifner, and the hierarchical ring) send "
-              "the least, 2(p-1)/p n, the minimum for any all-reduce; recursive doubling needs the fewest "
-              "latencies, lg p, but sends the whole buffer in each round. The tree does lg p rounds up and "
-              "lg p down. Naive has only 2 rounds, but its root receives p-1 whole buffers in the first, one "
-              "after the other through its one port: 2(p-1) latencies, like the ring, and the most bytes."),
+              "the least here, 2(p-1)/p n: the least any all-reduce can send when the network only carries "
+              "bytes (Patarasuk & Yuan 2009). A switch that adds (NVIDIA's NVLS on NVSwitch, SHARP on "
+              "InfiniBand) changes that: each rank sends its n once and receives the sum once. Recursive "
+              "doubling needs the fewest latencies, lg p, but sends the whole buffer in each round. The "
+              "tree does lg p rounds up and lg p down (the picture: its arrows, round by round). Naive has "
+              "only 2 rounds, but its root receives p-1 whole buffers in the first, one after the other "
+              "through its one port: 2(p-1) latencies, like the ring, and the most bytes."),
         run=schedules_compared,
         checks=(Check("the simulator proves every schedule an all-reduce",
                       lambda f: all(r["correct"] for r in f["rows"])),
-                Check("the ring sends 2(p-1)/p n, the least of all",
+                Check("the ring sends 2(p-1)/p n, the least of these schedules",
                       lambda f: f["by"]["ring"]["busiest_sends_n"] == 2 * (f["p"] - 1) / f["p"]
                       == min(r["busiest_sends_n"] for r in f["rows"])),
                 Check("no schedule wins both: the one with the fewest latencies sends more than the least",
@@ -228,63 +369,134 @@ STEPS = (
                       lambda f: f["by"]["ring"]["alphas"] == 2 * (f["p"] - 1))),
         figure=_tree_figure,
         predict=Predict("At p={p}, which schedule pays the fewest latencies (α) on its critical path?",
-                        "fewest_alphas", choices=ALGORITHMS),
-        hint="Each round of recursive doubling doubles how many ranks' parts every rank holds.",
+                        "fewest_alphas", choices=ALGORITHMS, misconceptions=(
+                            ("naive", "naive has 2 rounds, but its root takes p-1 messages one after the "
+                                      "other: 2(p-1) latencies"),
+                            ("tree", "the tree needs lg p rounds to reduce and lg p more to broadcast"),
+                            ("ring", "the ring pays 2(p-1): the most rounds of all"))),
+        hint="Count how many ranks' parts a rank holds after each round.",
+        hints=("Each round of recursive doubling doubles how many ranks' parts every rank holds.",),
         try_this="dplab app   # Collectives page: pick an algorithm, press Play, watch the bytes counter",
         explore=Explore("collectives", lambda f: {"algorithm": "tree", "p": f["p"], "n": 8}),
         teaches=("allreduce",),
+        show=("dplab.reference.algorithms.tree._edges", "dplab.reference.algorithms.tree.reduce",
+              "dplab.reference.algorithms.tree.broadcast"),
+        picture=_picture,
+        inputs={"p": 8},
+    ),
+    Step(
+        title="Exercise: a binomial-tree broadcast",
+        text=("The tree's second half is a broadcast: the root's buffer goes to every rank. One rank sends "
+              "one message a round, so the root alone would need p-1 rounds. In a binomial tree every rank "
+              "that already holds the buffer sends it on, and the holders double each round. The engine's, "
+              "counted by the simulator:\n\n```\n{picture}\n```\n\n"
+              "p need not be a power of two: at p = 6 some ranks sit a round out. Write "
+              "`tree_broadcast(p, root)` in the same folder and check it with `dplab lesson check 2 DIR`: "
+              "it is judged for p = 1..9 and for roots other than 0."),
+        run=tree_holders,
+        checks=(Check("the holders double every round at p = 8: 1, 2, 4, 8", lambda f: f["doubling"]),
+                Check("ceil(lg p) rounds: 3 at p = 8 and at p = 6",
+                      lambda f: f[8]["rounds"] == f[6]["rounds"] == 3),
+                Check("every rank ends with the root's buffer", lambda f: f[8]["holders"][-1] == 8
+                      and f[6]["holders"][-1] == 6)),
+        predict=Predict("A binomial-tree broadcast from rank 0 to p={p} ranks: how many rounds?", "rounds",
+                        misconceptions=(
+                            (7, "p-1 rounds is the root sending alone, or a chain; in a tree every rank that "
+                                "holds the buffer sends too"),
+                            (8, "p ranks, but the root holds the buffer from the start, and the holders "
+                                "double each round"))),
+        hint=tree_exercise.HINTS[0],
+        hints=tree_exercise.HINTS[1:],
+        try_this="dplab lesson check 2 ex   # tree_broadcast.py is judged for p = 1..9 and several roots",
+        explore=Explore("collectives", lambda f: {"collective": "broadcast", "algorithm": "tree",
+                                                  "p": f["p"], "n": 8}),
+        exercise="tree_broadcast",
+        teaches=("allreduce",),
+        show=(f"{STUB}.tree_broadcast.tree_broadcast",),
+        picture=_picture,
+        inputs={"p": 8},
     ),
     Step(
         title="The trade-off: latency or bandwidth",
-        text=("Time = α per message on the critical path + β per byte. On 10 Gb/s Ethernet "
-              "(α = {alpha_us:g} µs, {gbps:g} GB/s) at p={p}:\n\n"
+        text=("Time = α per message on the critical path + β per byte, with β = 1/bandwidth. On 10 Gb/s "
+              "Ethernet (α = {alpha_us:g} µs, {gbps:g} GB/s each way) at p={p}, in the model:\n\n"
               "- **{small:,} bytes**: ring {ring_small_us:.1f} µs, recursive doubling {rd_small_us:.1f} µs. "
               "The ring's 2(p-1) latencies are {ring_alpha_share:.0%} of its time: small messages are "
               "latency-bound, and fewer rounds win ({small_winner}).\n"
               "- **{large:,} bytes**: ring {ring_large_ms:.1f} ms, recursive doubling {rd_large_ms:.1f} ms. "
               "Now the bytes dominate, and sending less wins ({large_winner}).\n\n"
-              "That is why NCCL and MPI switch algorithms by message size (lesson 3 measures where)."),
+              "That is why NCCL and MPI switch algorithms by message size (lesson 3 prices where)."),
         run=latency_or_bandwidth,
         checks=(Check("small messages: recursive doubling beats the ring",
                       lambda f: f["rd_small_us"] < f["ring_small_us"]),
                 Check("large messages: the ring beats recursive doubling",
                       lambda f: f["ring_large_ms"] < f["rd_large_ms"]),
                 Check("the ring's small message is mostly latency (> 50%)",
-                      lambda f: f["ring_alpha_share"] > 0.5)),
-        predict=Predict("At p={p} on 10 Gb/s Ethernet, which is faster for a {small:,}-byte all-reduce: "
-                        "'ring' or 'recursive_doubling'?", "small_winner",
-                        choices=("ring", "recursive_doubling")),
-        hint="14 latencies of 5 µs is 70 µs; 4 KiB at 1.25 GB/s is about 3 µs.",
+                      lambda f: f["ring_alpha_share"] > 0.5),
+                Check("the question's α is the link's: 5 µs", lambda f: abs(f["alpha_us"] - 5) < 1e-9)),
+        predict=Predict("At p={p} on 10 Gb/s Ethernet (α = 5 µs), which is faster for a {small:,}-byte "
+                        "all-reduce: 'ring' or 'recursive_doubling'?", "small_winner",
+                        choices=("ring", "recursive_doubling"), misconceptions=(
+                            ("ring", "the ring sends fewer bytes, but 4 KiB take about 3 µs on this link "
+                                     "while each of its 14 messages costs 5 µs"),)),
+        hint="Compare the latencies: the ring pays 2(p-1) of them, recursive doubling lg p.",
+        hints=("14 latencies of 5 µs is 70 µs; 4 KiB at 1.25 GB/s is about 3 µs.",),
         try_this="dplab app   # Cost page: move α and β and watch the crossover move",
-        explore=Explore("cost", lambda f: {"p": f["p"], "alpha_us": f["alpha_us"], "beta_gbps": 1.0}),
+        explore=Explore("cost", lambda f: {"p": f["p"], "alpha_us": f["alpha_us"], "beta_gbps": f["gbps"]}),
         teaches=("bandwidth-latency",),
+        show=("dplab.reference.costmodel.cost",),
+        inputs={"p": 8, "small": 4 << 10},
     ),
     Step(
         title="Topology: keep the bytes off the slow links",
-        text=("A cluster is two kinds of link: GPUs in a node talk over NVLink (450 GB/s each way on a DGX "
-              "H100), nodes over InfiniBand (50 GB/s). At p={p} ({nodes} nodes of {g}), all-reducing "
-              "{n_mib} MiB:\n\n"
-              "- the **ring** crosses a node boundary at two ranks, which send their whole share, "
-              "{ring_inter_n:.3g} n, over the slow link: {ring_ms:.2f} ms in the model;\n"
-              "- the **hierarchical** all-reduce reduce-scatters inside each node, all-reduces across "
-              "nodes only a 1/{g} piece, and all-gathers inside again: its busiest rank sends "
-              "{hier_inter_n:.3g} n between nodes, {factor:.0f}x less, and takes {hier_ms:.2f} ms.\n\n"
-              "Both send {ring_total_n:.3g} n in all; only where the bytes go differs."),
+        text=("A cluster has two kinds of link: GPUs in a node talk over NVLink (450 GB/s each way on a DGX "
+              "H100), nodes over InfiniBand, one 50 GB/s NIC per GPU. At p={p} ({nodes} nodes of {g}, "
+              "{nics} NICs), all-reducing {n_mib} MiB, in the model:\n\n"
+              "- **one ring**: its neighbours sit in the same node except at the two node boundaries, so "
+              "only {ring_nics_used} of the {nics} NICs carry it, each sending {ring_inter_n:.3g} n between "
+              "nodes: {ring_ms:.2f} ms;\n"
+              "- the **hierarchical** all-reduce reduce-scatters inside each node, all-reduces across nodes "
+              "only a 1/{g} piece (every GPU on its own NIC), and all-gathers inside again: "
+              "{hier_inter_n:.3g} n between nodes, {factor:.0f}x less, {hier_ms:.2f} ms;\n"
+              "- **a ring per NIC**, as NCCL runs its rings (one channel per NIC, each leaving the node "
+              "through its own): {rpn_nics_used} NICs busy, {rpn_inter_n:.3g} n each, {rpn_ms:.2f} ms, "
+              "NVLink and the NICs busy in the same rounds. For 64 KiB its {rpn_rounds} rounds cost "
+              "{rpn_small_us:.0f} µs against hierarchical's {hier_small_us:.0f} µs in {hier_rounds} "
+              "rounds.\n\n"
+              "So the single ring is slow because it leaves {idle} NICs idle, not because rings are: "
+              "where the bytes go decides. All three send {ring_total_n:.3g} n per rank in all. NCCL also "
+              "runs trees between nodes, and on NVSwitch systems NVLS, which adds in the switch."),
         run=slow_links,
-        checks=(Check("hierarchical sends 2(N-1)/(N g) n between nodes",
+        checks=(Check("all three schedules are all-reduces (the simulator's counts)",
+                      lambda f: f["ring_correct"] and f["hier_correct"] and f["rpn_correct"]),
+                Check("one ring crosses between nodes through 2 NICs; the other two use all of them",
+                      lambda f: f["ring_nics_used"] == 2 and f["hier_nics_used"] == f["rpn_nics_used"]
+                      == f["nics"]),
+                Check("hierarchical sends 2(N-1)/(N g) n between nodes",
                       lambda f: abs(f["hier_inter_n"] - 2 * (f["nodes"] - 1) / (f["nodes"] * f["g"]))
                       < 1e-12),
-                Check("both send the ring's 2(p-1)/p n in total",
-                      lambda f: f["ring_total_n"] == f["hier_total_n"] == 2 * (f["p"] - 1) / f["p"]),
-                Check("hierarchical is faster on the cluster", lambda f: f["hier_ms"] < f["ring_ms"]),
-                Check("and takes fewer rounds", lambda f: f["hier_rounds"] < f["ring_rounds"])),
-        predict=Predict("p={p} ranks in {nodes} nodes of {g}: how many times fewer bytes does the busiest "
-                        "rank send between nodes with the hierarchical all-reduce than with the ring?",
-                        "factor", rel_tol=0.01),
-        hint="The ring's boundary ranks send 2(p-1)/p n across; hierarchical sends 2(N-1)/N of an n/g piece.",
+                Check("all three send the ring's 2(p-1)/p n in total",
+                      lambda f: f["ring_total_n"] == f["hier_total_n"] == f["rpn_total_n"]
+                      == 2 * (f["p"] - 1) / f["p"]),
+                Check("using every NIC is what matters for large messages: both beat one ring by > 4x",
+                      lambda f: f["ring_ms"] > 4 * max(f["hier_ms"], f["rpn_ms"])),
+                Check("for small messages fewer rounds win: hierarchical beats a ring per NIC",
+                      lambda f: f["hier_small_us"] < f["rpn_small_us"]
+                      and f["hier_rounds"] < f["rpn_rounds"])),
+        predict=Predict("One ring over p={p} GPUs in {nodes} nodes of {g}, every GPU with its own NIC: how "
+                        "many of the {nics} NICs carry the ring's traffic between the nodes?",
+                        "ring_nics_used",
+                        misconceptions=(
+                            (16, "every GPU has a NIC, but a ring's neighbours are in the same node except "
+                                 "where the ring crosses a node boundary"),
+                            (1, "the ring closes: it crosses from node 0 to node 1 and back again"))),
+        hint="Walk the ring 0 -> 1 -> ... -> 15 -> 0 and mark each step that leaves a node.",
+        hints=("Two steps leave a node: 7 -> 8 and 15 -> 0.",),
         try_this="dplab tune --world-sizes 4   # then algorithm='auto' picks per size from what it measured",
-        explore=Explore("cost", lambda f: {"p": 16}),
+        explore=Explore("cost", lambda f: {"p": f["p"]}),
         teaches=("bandwidth-latency",),
+        show=(rings_per_nic, "dplab.reference.algorithms.hierarchical.allreduce"),
+        inputs={"p": 16, "nodes": 2, "g": 8, "nics": 16},
     ),
 )
 

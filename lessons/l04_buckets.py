@@ -23,6 +23,7 @@ __all__ = ["LESSON"]
 # a wide middle layer: its backward is long enough to hide the last layer's all-reduce under it
 MODEL = MLPConfig(in_dim=16, hidden=(512, 512), out_dim=4)
 CAPS = (0.01, 0.1, 25.0)  # bucket_cap_mb: one bucket per layer, two, one for everything
+R = "dplab.reference.train.buckets"  # the reducer: the spine code the steps show
 
 
 def one_device(comm, cfg):
@@ -117,6 +118,7 @@ def count_allreduces(lab):
     out["per_step"] = ", ".join(str(out[c]["per_step"]) for c in CAPS)
     out["caps_text"] = ", ".join(f"{c:g}" for c in CAPS)
     out["one_bucket"] = out[CAPS[-1]]["per_step"]
+    out["big"] = CAPS[-1]
     return out
 
 
@@ -145,8 +147,9 @@ STEPS = (
         title="Buckets: gradients grouped in the order backward makes them",
         text=("Backward produces gradients last layer first. DDP does not all-reduce each parameter "
               "alone (one latency each) nor all of them at the end (the network idle during backward): it "
-              "walks the parameters in reverse and closes a bucket once it holds at least `bucket_cap_mb`. "
-              "A parameter is never split. This model's parameters (float64): {sizes}.\n\n"
+              "walks the parameters in reverse and closes a bucket once it holds at least `bucket_cap_mb` "
+              "(in MiB, as torch reads it: the cap × 1024 × 1024 bytes). A parameter is never split. This "
+              "model's parameters (float64): {sizes}.\n\n"
               "| bucket_cap_mb | buckets, in launch order |\n|---|---|\n{table}\n\n"
               "Each bucket is a contiguous slice of one flat gradient buffer, so it is all-reduced in place. "
               "Your turn: `dplab lesson init DIR` copies the stubs, write the bucket assignment in "
@@ -159,9 +162,16 @@ STEPS = (
                 Check("every bucket but the last holds at least the cap", lambda f: f["full"]),
                 Check("a larger cap never makes more buckets ({counts})",
                       lambda f: f["counts"] == sorted(f["counts"], reverse=True) and f["counts"][-1] == 1)),
-        predict=Predict("With bucket_cap_mb={cap:g} (about 10 KiB), how many buckets does this model get?",
-                        "count"),
-        hint="Walk from b2 backwards: a bucket closes as soon as what it holds reaches the cap.",
+        predict=Predict("With bucket_cap_mb={cap:g} (10.24 KiB), how many buckets does this model get?",
+                        "count", misconceptions=(
+                            (6, "one bucket per parameter would need a cap below the smallest one; a bias "
+                                "of a few KiB stays in the bucket until the cap is reached"),
+                            (1, "one bucket for everything is what a large cap (25) gives"))),
+        hint="Walk the parameters from the last (b2) backwards and add up their sizes.",
+        hints=("A bucket closes as soon as what it holds reaches the cap; the next parameter opens a new "
+               "one.",),
+        show=(f"{R}.assign_buckets",),
+        inputs={"cap": CAPS[0]},
         try_this="dplab lesson init ex && dplab lesson check 4 ex   # then fill in ex/ddp_buckets.py",
         exercise="ddp_buckets",
         teaches=("buckets",),
@@ -172,9 +182,11 @@ STEPS = (
               "**{early} of {steps}** steps, rank 0's first bucket (the last layer's gradients) started its "
               "all-reduce before "
               "backward had finished: the communication thread reduces it while the main thread computes "
-              "the wide middle layer's gradients. Over the run, {hidden_pct:.0f}% of rank 0's communication "
-              "time ran under compute. Overlap changes when things happen, not what is computed: the "
-              "replicas are identical (`{identical}`) and within {diff:.1e} of one device."),
+              "the wide middle layer's gradients. In this run {hidden_pct:.0f}% of rank 0's communication "
+              "time ran under compute; that share is one measurement on a shared machine and moves from run "
+              "to run, so the step claims only that some of it did. Overlap changes when things happen, not "
+              "what is computed: the replicas are identical (`{identical}`) and within {diff:.1e} of one "
+              "device."),
         run=overlap_in_the_trace,
         checks=(Check("the trace shows a bucket's all-reduce starting before backward ended",
                       lambda f: f["early"] >= 1),
@@ -183,6 +195,7 @@ STEPS = (
                       lambda f: f["identical"] and f["diff"] < 1e-12)),
         figure=_timeline,
         hint="In the figure, look for a bucket bar on the comm lane under a backward bar on the main lane.",
+        show=(f"{R}.Reducer.mark_param_as_ready", f"{R}.Reducer._comm_loop"),
         try_this="dplab train --world-size 2 --bucket-cap-mb 0.01 --trace run.json   # open it in the app",
         explore=Explore("runs", lambda f: {"world_size": 2, "bucket_mb": 0.01, "hidden": 512,
                                            "steps": f["steps"]}),
@@ -193,8 +206,9 @@ STEPS = (
         text=("The same run with bucket_cap_mb = {caps_text}: the trace counts {per_step} all-reduces per "
               "step, exactly the buckets planned, and together they carry every gradient every step. Small "
               "buckets start early (more overlap) but each pays a latency; one big bucket ({one_bucket:g} "
-              "all-reduce a step) pays one latency and overlaps nothing. torch DDP's default is 25 MB, with "
-              "the first bucket capped at 1 MB so that something starts early."),
+              "all-reduce a step) pays one latency and overlaps nothing. torch DDP's default is "
+              "bucket_cap_mb=25, which it reads as 25 MiB, with the first bucket capped at 1 MiB so that "
+              "something starts early."),
         run=count_allreduces,
         checks=(Check("the trace's all-reduces per step equal the planned buckets",
                       lambda f: all(f[c]["per_step"] == f[c]["planned"] for c in f["caps"])),
@@ -202,7 +216,12 @@ STEPS = (
                       lambda f: all(f[c]["bytes_per_step"] == 8 * f["params"] for c in f["caps"])),
                 Check("every bucketing trains like one device (< 1e-12)",
                       lambda f: all(f[c]["diff"] < 1e-12 for c in f["caps"]))),
+        predict=Predict("bucket_cap_mb={big:g} holds all of this model's float64 gradients in one bucket. "
+                        "How many all-reduces does a rank run per step?", "one_bucket", misconceptions=(
+                            (6, "six is one per parameter; a bucket holds as many as fit under its cap"),)),
         hint="Bucketing changes how the sum is cut, not the sum: the result is the same bits on every rank.",
+        show=(f"{R}.assign_buckets",),
+        inputs={"big": CAPS[-1]},
         try_this="dplab train --world-size 4 --bucket-cap-mb 0.002 --trace run.json   # many small buckets",
         explore=Explore("runs", lambda f: {"world_size": 2, "bucket_mb": 25.0, "hidden": 512}),
         teaches=("buckets",),
@@ -221,8 +240,12 @@ STEPS = (
                       lambda f: f[4]["allreduces"] == f[1]["allreduces"] == 1),
                 Check("both equal one device (< 1e-12)", lambda f: max(f[1]["diff"], f[4]["diff"]) < 1e-12)),
         predict=Predict("accum_steps=4 and one bucket: how many all-reduces does a rank run per step?",
-                        "allreduces_4"),
-        hint="no_sync() turns mark_param_as_ready into a no-op for all but the last micro-batch.",
+                        "allreduces_4", misconceptions=(
+                            (4, "one per micro-batch is what no_sync avoids: the first three only add into "
+                                "the gradient"),)),
+        hint="Is anything gained by summing across ranks before the last micro-batch has added its part?",
+        hints=("no_sync() turns mark_param_as_ready into a no-op for all but the last micro-batch.",),
+        show=(f"{R}.Reducer.no_sync", f"{R}.Reducer.mark_param_as_ready"),
         try_this="dplab train --world-size 2 --accum-steps 4   # still within rounding of one device",
         teaches=("accumulation",),
     ),

@@ -134,3 +134,92 @@ def test_the_hints_climb_in_two_or_three_tiers_and_the_last_is_nearly_the_line()
     for hints, line in ((ring_allgather.HINTS, "(r - k) mod p"), (tree.HINTS, "Transfer((v + root) % p")):
         assert 2 <= len(hints) <= 3
         assert line in hints[-1] and not any(line in h for h in hints[:-1])
+
+
+# --- the lessons' content: what issue 22 found wrong stays fixed -------------------------------------
+
+def _step(number, title_start):
+    from dplab.lessons import lesson
+    return next(s for s in lesson(number).steps if s.title.startswith(title_start))
+
+
+def _words(step):
+    """Everything a learner reads of a step before it is filled: text, question, checks, hints."""
+    parts = [step.text, *step.all_hints(), *(c.claim for c in step.checks)]
+    if step.predict is not None:
+        parts.append(step.predict.question)
+        parts.extend(why for _, why in step.predict.misconceptions)
+    return "\n".join(parts)
+
+
+def test_the_latency_steps_explore_link_takes_beta_from_the_fact_the_text_shows():
+    from dplab.lessons.runner import Lab, run_step
+    step = _step(2, "The trade-off")
+    with Lab() as lab:
+        out = run_step(step, lab, figure=False)
+    assert out.facts["gbps"] == pytest.approx(1.25)
+    assert float(step.explore.query(out.facts)["beta_gbps"]) == out.facts["gbps"]
+    assert "1.25 GB/s" in out.text
+
+
+def test_the_minimum_bytes_claim_names_in_network_reduction():
+    words = _words(_step(2, "Naive, ring, tree"))
+    assert "the minimum for any all-reduce" not in words
+    assert "only carries bytes" in words and "NVLS" in words and "SHARP" in words
+
+
+def test_the_topology_step_does_not_make_hierarchical_an_artifact_of_one_ring():
+    words = _words(_step(2, "Topology"))
+    assert "ring per NIC" in words and "trees" in words and "NVLS" in words
+    words3 = _words(_step(3, "The cheapest all-reduce per region"))
+    assert "registry" in words3 and "ring per NIC" in words3
+
+
+def test_lessons_1_to_4_say_mib_not_mb():
+    import re
+
+    from dplab.lessons import lesson
+    for number in (1, 2, 3, 4):
+        for step in lesson(number).steps:
+            assert not re.search(r"\bMB\b", _words(step)), (number, step.title)
+
+
+def test_questions_come_first_and_the_shown_code_does_not_hold_the_answer():
+    from dplab.lessons import lesson
+    for number in (1, 2, 3, 4):
+        for step in lesson(number).steps:
+            if step.predict is None:
+                continue
+            assert step.asks_before_run(), (number, step.title)
+    assert "2 * (p - 1) * n // p" not in _step(2, "Bytes on the wire").code()
+    assert "1 / 10" not in _step(1, "Data parallelism is large-batch SGD").code()
+    exercise = _step(2, "Exercise: the ring reduce-scatter")
+    assert "r - k - 1" not in exercise.text and "r-k-1" not in exercise.text
+    assert "r - k - 1" not in exercise.code()  # the stub, not the engine's ring
+
+
+def test_every_exercise_step_shows_its_stub_and_climbs_in_tiers():
+    from dplab.lessons import lesson
+    for number in (2, 4):
+        for step in lesson(number).steps:
+            if step.exercise and step.exercise in ("ring_reduce_scatter", "ring_allgather", "tree_broadcast"):
+                assert f"stubs.{step.exercise}" in step.code(), step.title
+                assert len(step.all_hints()) >= 2, step.title
+
+
+def test_a_reply_of_one_over_p_is_named_torchs_convention():
+    from dplab.lessons.runner import Lab, run_step
+    step = _step(1, "Data parallelism is large-batch SGD")
+    with Lab() as lab:
+        out = run_step(step, lab, figure=False)
+    verdict = step.predict.judge(out.facts, "0.25")
+    assert not verdict.correct and "torch DDP's convention" in verdict.misconception
+    assert step.predict.judge(out.facts, "1/10").correct
+
+
+def test_a_measured_order_is_claimed_only_when_every_paired_repetition_agrees():
+    from dplab.lessons.l03_cost import _measured
+    assert "faster in every repetition" in _measured(1.4, 3.0, 6, 2)
+    assert "the ring was faster" in _measured(0.5, 0.9, 6, 2)
+    said = _measured(0.8, 1.6, 6, 2)
+    assert "disagree" in said and "claims no order" in said
