@@ -1,0 +1,431 @@
+"""Lesson 14: a real model. A character-level GPT trained with dplab's DDP and FSDP on gloo.
+
+    dplab lesson 14              # needs the torch extra: pip install -e ".[torch]"
+
+Five steps: the model and what a token of training costs (6 N FLOPs); DDP and FSDP on two
+forked gloo ranks equal to one process; tokens per second and model FLOPs utilisation against
+this machine's own matmul peak, repeated so that the spread shows; where a step's time goes
+(forward, backward, the all-reduce) from dplab's trace, and FSDP's bytes against DDP's; and
+the same model on a GPU when there is one. The model and its generated text: ``chargpt.py``.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+
+import numpy as np
+
+from dplab.lessons.step import Check, Lesson, Predict, Step
+
+__all__ = ["LESSON"]
+
+N_MATMUL = 338_592      # the model's parameters in matmuls (step 1 checks it against torch's count)
+ROWS = 8                # the global batch: 8 windows of 32 characters = 256 tokens a step
+REPEATS = 3             # timed repeats of a few steps each: the spread is part of the answer
+STEPS_PER_REPEAT = 2
+
+
+def _warm():
+    """Import, in this process, what the ranks will need, before they fork from it: torch's first
+    AdamW pulls in modules that take seconds to import, and each forked rank would pay that again."""
+    import torch
+
+    import dplab.backends.nn.ddp  # noqa: F401
+    import dplab.backends.nn.fsdp  # noqa: F401
+    torch.optim.AdamW([torch.zeros(1, requires_grad=True)])
+
+
+def peak_flops(device="cpu", n=384, reps=5):
+    """This process's best matmul rate, FLOP/s: 2 n³ per n × n matmul,
+    the best of ``reps``."""
+    import torch
+    a = torch.randn(n, n, device=device)
+    best = math.inf
+    for _ in range(reps):
+        _sync(device)
+        t0 = time.perf_counter()
+        for _ in range(4):
+            a @ a
+        _sync(device)
+        best = min(best, (time.perf_counter() - t0) / 4)
+    return 2 * n ** 3 / best
+
+
+def _sync(device):
+    if device != "cpu":
+        import torch
+        torch.cuda.synchronize()
+
+
+def train(comm, wrap, steps, dtype_name="float64", rows=ROWS):
+    """Train ``steps`` steps on this rank's rows of each global batch.
+    ``wrap``: "ddp", "fsdp" or "none" (one process, every row)."""
+    import torch
+
+    from dplab.backends.nn.ddp import DDP
+    from dplab.backends.nn.fsdp import FSDP
+    from dplab.lessons.chargpt import CharGPT, GPTConfig, batch, encode, text
+    torch.set_num_threads(1)  # one core per rank
+    torch.set_default_dtype(getattr(torch, dtype_name))
+    cfg, data = GPTConfig(), encode(text())
+    model = CharGPT(cfg)
+    p, r = (1, 0) if wrap == "none" else (comm.world_size, comm.rank)
+    if wrap == "ddp":
+        model = DDP(model, comm)
+    elif wrap == "fsdp":
+        model = FSDP(model, comm, units=list(model.blocks))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for step in range(steps):
+        x, y = batch(data, rows, cfg.block, step)
+        mine = slice(r * rows // p, (r + 1) * rows // p)
+        opt.zero_grad()
+        loss = model(x[mine], y[mine])
+        loss.backward()  # DDP and FSDP average the gradients in here
+        opt.step()
+        losses.append(loss.item())
+    state = model.full_state_dict() if wrap == "fsdp" else (
+        model.module if wrap == "ddp" else model).state_dict()
+    torch.set_default_dtype(torch.float32)
+    flat = torch.cat([v.detach().reshape(-1).double() for v in state.values()])
+    return flat.numpy(), losses
+
+
+def a_real_model(lab):
+    _warm()
+    import torch
+
+    from dplab.lessons.chargpt import (
+        VOCAB,
+        CharGPT,
+        GPTConfig,
+        attention_flops_per_token,
+        batch,
+        encode,
+        matmul_params,
+        param_formula,
+        text,
+    )
+    cfg = GPTConfig()
+    model = CharGPT(cfg)
+    x, y = batch(encode(text()), ROWS, cfg.block, 0)
+    with torch.no_grad():
+        first = model(x, y).item()
+    n = matmul_params(model)
+    return {"n_total": sum(t.numel() for t in model.parameters()),
+            "formula": param_formula(cfg), "n_matmul": n,
+            "flops_per_token": 6 * n,
+            "attn_share": attention_flops_per_token(cfg) / (6 * n),
+            "layers": cfg.layers, "d": cfg.d, "block": cfg.block,
+            "vocab": len(VOCAB), "chars": len(text()),
+            "first_loss": first, "uniform": math.log(len(VOCAB)),
+            "sample": text()[:60].replace("\n", " ")}
+
+
+def same_as_one_process(lab):
+    _warm()
+    steps = 2
+    alone, alone_losses = lab.world(1).run(train, "none", steps)[0]
+    world = lab.world(2, "torch")
+    out = {"steps": steps, "rows": ROWS, "first": alone_losses[0], "last": alone_losses[-1]}
+    scale = float(np.abs(alone).max())
+    for wrap in ("ddp", "fsdp"):
+        ranks = world.run(train, wrap, steps)
+        out[f"{wrap}_same"] = all(np.array_equal(r[0], ranks[0][0]) for r in ranks)
+        out[wrap] = float(np.abs(ranks[0][0] - alone).max()) / scale
+    return out
+
+
+def throughput(comm, wrap, steps_per_repeat, repeats, rows):
+    """(peak FLOP/s, [seconds per step of each repeat]) on this rank, float32."""
+    import torch
+
+    from dplab.backends.nn.ddp import DDP
+    from dplab.lessons.chargpt import CharGPT, GPTConfig, batch, encode, text
+    torch.set_num_threads(1)
+    peak = peak_flops()
+    cfg, data = GPTConfig(), encode(text())
+    model = CharGPT(cfg)
+    p, r = (1, 0) if wrap == "none" else (comm.world_size, comm.rank)
+    if wrap == "ddp":
+        model = DDP(model, comm)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    times = []
+    for k in range(1 + repeats):       # the first repeat warms up and is not kept
+        t0 = time.perf_counter()
+        for step in range(steps_per_repeat):
+            x, y = batch(data, rows, cfg.block, step)
+            mine = slice(r * rows // p, (r + 1) * rows // p)
+            opt.zero_grad()
+            model(x[mine], y[mine]).backward()
+            opt.step()
+        if k:
+            times.append((time.perf_counter() - t0) / steps_per_repeat)
+    return peak, times
+
+
+def tokens_and_mfu(lab):
+    _warm()
+    block = 32
+    out = {"repeats": REPEATS, "n": N_MATMUL}
+    for p, wrap, world in ((1, "none", lab.world(1)), (2, "ddp", lab.world(2, "torch"))):
+        ranks = world.run(throughput, wrap, STEPS_PER_REPEAT, REPEATS, ROWS)
+        peak = min(r[0] for r in ranks)             # each rank's own, the slower one
+        step_s = [max(r[1][k] for r in ranks) for k in range(REPEATS)]  # a step ends on its last rank
+        tps = [ROWS * block / s for s in step_s]
+        mfu = [6 * N_MATMUL * t / (p * peak) for t in tps]
+        out[p] = {"peak": peak, "tps": tps, "mfu": mfu}
+    one, two = out[1], out[2]
+    out["peak_gflops"] = one["peak"] / 1e9
+    out["flops"] = 6 * N_MATMUL
+    out["ideal_tps"] = one["peak"] / (6 * N_MATMUL)
+    out["tps1"] = statistics.median(one["tps"])
+    out["mfu1"] = 100 * statistics.median(one["mfu"])
+    out["mfu1_lo"], out["mfu1_hi"] = 100 * min(one["mfu"]), 100 * max(one["mfu"])
+    out["tps2"] = statistics.median(two["tps"])
+    out["mfu2"] = 100 * statistics.median(two["mfu"])
+    out["mfu2_lo"], out["mfu2_hi"] = 100 * min(two["mfu"]), 100 * max(two["mfu"])
+    out["speedups"] = ", ".join(f"{b / a:.2f}x" for a, b in zip(one["tps"], two["tps"]))
+    return out
+
+
+def profile(comm, wrap, steps, rows):
+    """Trace ``steps`` float32 steps: forward, backward and optimizer spans
+    beside the collectives' own events (sends, buckets, gathers)."""
+    import torch
+
+    from dplab.backends.nn.ddp import DDP
+    from dplab.backends.nn.fsdp import FSDP
+    from dplab.lessons.chargpt import CharGPT, GPTConfig, batch, encode, text
+    torch.set_num_threads(1)
+    cfg, data = GPTConfig(), encode(text())
+    model = CharGPT(cfg)
+    p, r = comm.world_size, comm.rank
+    if wrap == "ddp":
+        model = DDP(model, comm)
+    else:
+        model = FSDP(model, comm, units=list(model.blocks))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    tr = comm.tracer
+    for step in range(steps):
+        tr.enabled = step > 0          # the first step warms up
+        x, y = batch(data, rows, cfg.block, step)
+        mine = slice(r * rows // p, (r + 1) * rows // p)
+        opt.zero_grad()
+        with tr.span("forward", extra={"step": step}):
+            loss = model(x[mine], y[mine])
+        with tr.span("backward", extra={"step": step}):
+            loss.backward()  # DDP's wait for the last bucket is in here
+        with tr.span("optimizer", extra={"step": step}):
+            opt.step()
+    tr.enabled = False
+    return [(e.kind, e.t_end_ns - e.t_start_ns, e.bytes, e.thread)
+            for e in tr.take()]
+
+
+def where_time_goes(lab):
+    _warm()
+    steps = 4
+    world = lab.world(2, "torch")
+    out = {"steps": steps - 1}
+    for wrap in ("ddp", "fsdp"):
+        events = world.run(profile, wrap, steps, ROWS)[0]
+
+        def per_step(kind, events=events):
+            return [d / 1e6 for k, d, _, _ in events if k == kind]
+
+        fwd, bwd, opt, wait = (per_step(k) for k in ("forward", "backward", "optimizer", "wait"))
+        sent = sum(b for k, _, b, _ in events if k == "send") // (steps - 1)
+        out[wrap] = {"forward": statistics.median(fwd), "backward": statistics.median(bwd),
+                     "optimizer": statistics.median(opt),
+                     "wait": statistics.median(wait) if wait else 0.0,
+                     "comm": sum(d for k, d, _, t in events if t == "comm" and k == "bucket") / 1e6
+                     / (steps - 1),
+                     "bwd_over_fwd": [b / f for f, b in zip(fwd, bwd)], "sent": sent}
+    ddp, fsdp = out["ddp"], out["fsdp"]
+    total = ddp["forward"] + ddp["backward"] + ddp["optimizer"]
+    out.update({"fwd_ms": ddp["forward"], "bwd_ms": ddp["backward"] - ddp["wait"],
+                "wait_ms": ddp["wait"], "opt_ms": ddp["optimizer"], "comm_ms": ddp["comm"],
+                "fwd_pct": 100 * ddp["forward"] / total,
+                "bwd_pct": 100 * (ddp["backward"] - ddp["wait"]) / total,
+                "wait_pct": 100 * ddp["wait"] / total, "opt_pct": 100 * ddp["optimizer"] / total,
+                "ratios": ", ".join(f"{x:.2f}" for x in ddp["bwd_over_fwd"]),
+                "ddp_sent": ddp["sent"], "fsdp_sent": fsdp["sent"],
+                "grad_bytes": 4 * 344_544, "fsdp_over_ddp": fsdp["sent"] / ddp["sent"],
+                "fsdp_fwd_ms": fsdp["forward"], "fsdp_bwd_ms": fsdp["backward"]})
+    return out
+
+
+def _why_no_gpu():
+    import torch
+    if not torch.cuda.is_available():
+        return "no CUDA device here (torch.cuda.is_available() is False)"
+    return ""
+
+
+def on_a_gpu(lab):
+    import torch
+    why = _why_no_gpu()
+    if why:
+        return {"ran": False, "why": why, "said": f"Skipped: {why}.",
+                "mfu_gpu": 0.0}
+    from dplab.lessons.chargpt import CharGPT, GPTConfig, batch, encode, text
+    peak = peak_flops("cuda", n=4096, reps=5)
+    cfg, data = GPTConfig(), encode(text()).cuda()
+    model = CharGPT(cfg).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    rows, times = 256, []
+    for step in range(6):
+        x, y = batch(data, rows, cfg.block, step)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        model(x, y).backward()
+        opt.step()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    tps = rows * cfg.block / statistics.median(times[1:])
+    mfu = 6 * N_MATMUL * tps / peak
+    said = (f"Ran on {torch.cuda.get_device_name()}: {tps:,.0f} tokens/s "
+            f"at {rows} rows, MFU {100 * mfu:.2g}% of its float32 matmul "
+            f"peak ({peak / 1e12:.3g} TFLOP/s, measured): a model this "
+            "small cannot fill a GPU; launch overheads dominate.")
+    return {"ran": True, "why": "", "said": said, "mfu_gpu": mfu}
+
+
+STEPS = (
+    Step(
+        title="A real model: a character-level GPT",
+        text=("The model is a small GPT ({layers} blocks of attention and MLP, width {d}, context {block} "
+              "characters) that reads a text this package generates from a seeded grammar ({chars:,} "
+              "characters, {vocab} different ones: \"{sample}...\"). It has {n_total:,} parameters, "
+              "exactly what counting by hand gives ({formula:,}); {n_matmul:,} of them sit in matmuls "
+              "(the embeddings are lookups).\n\n"
+              "A matmul with a weight of N numbers costs 2 N FLOPs per token forward (a multiply and an "
+              "add), and backward costs twice that (the gradient with respect to the input and to the "
+              "weight). So a token of training costs **6 N = {flops_per_token:,} FLOPs**. Attention "
+              "adds {attn_share:.1%} on top, which 6 N ignores. Untrained, the model guesses every "
+              "character about equally: its first loss is {first_loss:.3f}, against ln({vocab}) = "
+              "{uniform:.3f} for a uniform guess."),
+        run=a_real_model,
+        inputs={"n_matmul": N_MATMUL},
+        checks=(Check("torch counts the parameters the hand formula gives ({n_total:,})",
+                      lambda f: f["n_total"] == f["formula"]),
+                Check("the matmul parameters are the {n_matmul:,} this lesson uses for 6 N",
+                      lambda f: f["n_matmul"] == N_MATMUL),
+                Check("attention's own FLOPs are under 5% of 6 N", lambda f: f["attn_share"] < 0.05),
+                Check("the untrained loss is within 10% of ln(vocab)",
+                      lambda f: abs(f["first_loss"] - f["uniform"]) < 0.1 * f["uniform"])),
+        predict=Predict("The model has N = {n_matmul:,} parameters in matmuls. How many FLOPs does one token "
+                        "of training (forward and backward) cost?", "flops_per_token", rel_tol=0.02,
+                        unit="FLOPs",
+                        misconceptions=((lambda g, f: math.isclose(g, 2 * f["n_matmul"], rel_tol=0.02),
+                                         "2 N is the forward pass alone; backward costs twice as much"),
+                                        (lambda g, f: math.isclose(g, 4 * f["n_matmul"], rel_tol=0.02),
+                                         "4 N is backward alone; add the forward's 2 N"),
+                                        (lambda g, f: math.isclose(g, f["n_matmul"], rel_tol=0.02),
+                                         "a multiply-add is 2 FLOPs, and there are three passes' worth"))),
+        hint="A matmul of an input row with a weight of N numbers: N multiplies and N adds.",
+        hints=("Backward computes two matmuls per weight: one for the input's gradient, one for the "
+               "weight's.",),
+        try_this="python -c 'from dplab.lessons.chargpt import text; print(text()[:300])'",
+        show=("dplab.lessons.chargpt.Block", "dplab.lessons.chargpt.param_formula"),
+        teaches=("real-model",),
+    ),
+    Step(
+        title="DDP and FSDP train it as one process does",
+        text=("Two ranks, forked, talk over torch.distributed's gloo backend. Each takes half of every "
+              "global batch ({rows} windows), and the model trains {steps} AdamW steps wrapped in dplab's "
+              "DDP (gradients all-reduced in buckets during backward) and again in its FSDP (each block's "
+              "weights sharded, gathered only while it runs). In float64 both end within "
+              "{ddp:.1e} (DDP) and {fsdp:.1e} (FSDP) of one process on the whole batch, relative to the "
+              "largest weight, and the loss fell from {first:.3f} to {last:.3f}. The wrappers change "
+              "where the numbers live and when they move, not what is computed."),
+        run=same_as_one_process,
+        checks=(Check("DDP equals one process (relative 1e-10, float64)", lambda f: f["ddp"] < 1e-10),
+                Check("FSDP equals one process (relative 1e-10, float64)", lambda f: f["fsdp"] < 1e-10),
+                Check("every rank ends with the same bits", lambda f: f["ddp_same"] and f["fsdp_same"]),
+                Check("the loss fell", lambda f: f["last"] < f["first"])),
+        hint="Each rank's loss is the mean over its half; averaging two halves' gradients is the mean "
+             "over the whole batch.",
+        try_this="dplab lesson 10   # what FSDP saves in memory, and what it costs in bytes",
+        show=(train,),
+        teaches=("real-model",),
+    ),
+    Step(
+        title="Tokens per second and model FLOPs utilisation",
+        text=("How good is a training speed? Model FLOPs utilisation (MFU) compares the FLOPs the model "
+              "needs, 6 N per token, with what the hardware can do. Each rank first measures its own "
+              "peak: the best of 5 float32 matmuls of 384 × 384 on one thread, **{peak_gflops:.3g} "
+              "GFLOP/s** here, so at most {ideal_tps:,.0f} tokens/s per core.\n\n"
+              "Then it trains, timed {repeats} times (after a warm-up). One process: {tps1:,.0f} tokens/s, "
+              "**MFU {mfu1:.2g}%** (from {mfu1_lo:.2g}% to {mfu1_hi:.2g}% over the repeats). DDP on 2 "
+              "ranks: {tps2:,.0f} tokens/s, MFU {mfu2:.2g}% of two cores' peak ({mfu2_lo:.2g}-"
+              "{mfu2_hi:.2g}%); speed-ups repeat by repeat: {speedups}. These are this run's numbers on "
+              "a machine shared with other work: the spread says how far to trust them. What holds on any "
+              "machine is the shape: MFU stays well below 100%, because small matmuls, attention's "
+              "softmax, LayerNorm, the optimizer and Python all take time that does no model FLOPs."),
+        run=tokens_and_mfu,
+        checks=(Check("MFU is below 100% in every repeat, on 1 and on 2 ranks",
+                      lambda f: all(0 < m < 1 for p in (1, 2) for m in f[p]["mfu"])),
+                Check("tokens/s never exceeds the matmul peak's {ideal_tps:,.0f} per core",
+                      lambda f: all(t < f["ideal_tps"] for t in f[1]["tps"]))),
+        predict=Predict("This core's matmul peak was measured at {peak_gflops:.3g} GFLOP/s. At 6 N = "
+                        "{flops:,} FLOPs a token, how many tokens/s could one core train at most?",
+                        "ideal_tps", rel_tol=0.05, unit="tokens/s",
+                        misconceptions=((lambda g, f: math.isclose(g, 3 * f["ideal_tps"], rel_tol=0.05),
+                                         "that is the forward pass alone (2 N a token)"),
+                                        (lambda g, f: math.isclose(g, 6 * f["ideal_tps"], rel_tol=0.05),
+                                         "divide by 6 N FLOPs a token, not by N"))),
+        hint="Peak FLOP/s divided by FLOPs per token.",
+        hints=("6 N = 6 × 338,592 FLOPs.",),
+        try_this="dplab bench --backend torch --world-size 2   # the all-reduce alone, on gloo",
+        show=(peak_flops,),
+        teaches=("real-model",),
+    ),
+    Step(
+        title="Where the step time goes: forward, backward, the all-reduce",
+        text=("dplab's tracer times every span of rank 0 over {steps} DDP steps (medians): forward "
+              "{fwd_ms:.3g} ms ({fwd_pct:.0f}%), backward {bwd_ms:.3g} ms ({bwd_pct:.0f}%), waiting at "
+              "the end of backward for the last bucket's all-reduce {wait_ms:.2g} ms ({wait_pct:.0f}%), "
+              "the optimizer {opt_ms:.3g} ms ({opt_pct:.0f}%). Backward over forward, step by step: "
+              "{ratios} (about 2, as its FLOPs are). The buckets' all-reduces took {comm_ms:.3g} ms a "
+              "step on the comm thread, most of it under backward.\n\n"
+              "Bytes are not timings: they are exact. DDP's ring all-reduce sends {ddp_sent:size} a step "
+              "from rank 0 (the {grad_bytes:size} of float32 gradients, as 2(p-1)/p says at p = 2). "
+              "FSDP sends {fsdp_sent:size}: {fsdp_over_ddp:.2f}x, for gathering each block's weights "
+              "before forward and again before backward, then reduce-scattering its gradient."),
+        run=where_time_goes,
+        checks=(Check("backward took longer than forward in every step",
+                      lambda f: all(r > 1 for r in f["ddp"]["bwd_over_fwd"])),
+                Check("DDP's ring sends exactly the gradient's bytes at p = 2",
+                      lambda f: f["ddp_sent"] == f["grad_bytes"]),
+                Check("FSDP sends more than DDP and at most 1.5x",
+                      lambda f: 1 < f["fsdp_over_ddp"] <= 1.5 + 1e-9)),
+        hint="Backward does two matmuls for each of forward's one.",
+        hints=("At p = 2 a ring all-reduce sends half the buffer in the reduce-scatter and half in the "
+               "all-gather.",),
+        try_this="dplab train --backend torch --world-size 2 --trace run.json   # open it in the app",
+        show=(profile,),
+        teaches=("real-model",),
+    ),
+    Step(
+        title="On a GPU, when there is one",
+        text=("The same model on a CUDA device, one process (dplab's torch backend puts one rank on each "
+              "GPU: `DPLAB_DEVICE=cuda torchrun --nproc-per-node N ...` with N GPUs). {said}"),
+        run=on_a_gpu,
+        checks=(Check("it ran on the GPU with an MFU below 100%, or it says why not",
+                      lambda f: (f["ran"] and 0 < f["mfu_gpu"] < 1) or (not f["ran"] and f["why"])),),
+        hint="A GPU's peak needs large matmuls: 512 tokens of width 96 are tiny for it.",
+        try_this="dplab lesson 14 --step 5   # on a machine with a CUDA GPU",
+        teaches=("real-model",),
+    ),
+)
+
+
+LESSON = Lesson(14, "real_model", "A real model: a character-level GPT with DDP and FSDP",
+                "What a transformer's training step costs in FLOPs and time, how close it gets to the "
+                "hardware's peak, and where the time goes.",
+                STEPS, needs=("torch",))
