@@ -1,4 +1,4 @@
-"""Running under an engine's own launcher: ``mpiexec -n 4 dplab ...`` or ``torchrun ...``.
+"""Running under an engine's own launcher: ``mpiexec -n 4 dplab ...``, ``torchrun ...`` or Slurm's ``srun``.
 
 There the ranks already exist: this process is one of them. ``launch`` then runs the
 function here, on the launcher's communicator, and gathers every rank's result (a
@@ -7,40 +7,153 @@ traceback and aborts the job, so its peers fail fast instead of waiting for a ti
 ``LauncherWorld`` keeps that communicator for several runs (``dplab compare`` and ``bench``, via
 ``world.open_world``). The local backend's shared memory reaches one host only: ``spans_hosts``
 reads from the launcher's environment whether its job has ranks on other hosts.
+
+Slurm: each task of an ``srun`` step of several tasks is a rank (``slurm_step``, from Slurm's
+documented ``SLURM_*`` variables). MPI gets its world from Slurm's PMI (``srun --mpi=pmi2`` or
+``pmix``; without one every task would be a world of one, so that is refused in one line). torch
+gets it from the step: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` from
+``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_LOCALID`` and the tasks on this node; ``MASTER_ADDR``,
+unless set, is the step's first node (rank 0 runs there) and ``MASTER_PORT`` comes from the job and
+step ids, so every task computes the same (``slurm_torch_env``). torchrun started by ``srun`` (one
+per node) is torchrun: its own variables win.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from dplab.reference.errors import ConfigError
 
-__all__ = ["under_launcher", "launcher_env", "launcher_rank", "spans_hosts", "LauncherWorld", "run_here"]
+__all__ = ["under_launcher", "launcher_env", "launcher_rank", "spans_hosts", "LauncherWorld", "run_here",
+           "SlurmStep", "slurm_step", "slurm_torch_env", "expand_nodelist", "tasks_per_node"]
+
+_TORCHRUN = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+_PMI = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK")
+
+
+# -- Slurm -------------------------------------------------------------------------------------------
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    """Slurm's compressed host list, expanded in order: ``node[01-03,07],login1`` -> node01, node02,
+    node03, node07, login1 (zero padding kept; several bracket groups multiply, as Slurm's do)."""
+    hosts: list[str] = []
+    for item in re.findall(r"(?:[^,\[]|\[[^\]]*\])+", nodelist):
+        hosts += _expand_one(item)
+    return hosts
+
+
+def _expand_one(item: str) -> list[str]:
+    m = re.match(r"^([^\[]*)\[([^\]]*)\](.*)$", item)
+    if not m:
+        return [item]
+    prefix, ranges, rest = m.groups()
+    values = []
+    for part in ranges.split(","):
+        lo, _, hi = part.partition("-")
+        if not (lo.isdigit() and (hi == "" or hi.isdigit())):
+            raise ConfigError(f"Slurm node list {item!r}: {part!r} is not a number or a range like 01-03")
+        values += [str(v).zfill(len(lo)) for v in range(int(lo), int(hi or lo) + 1)]
+    return [prefix + v + tail for v in values for tail in _expand_one(rest)]
+
+
+def tasks_per_node(spec: str) -> list[int]:
+    """Slurm's tasks per node, expanded: ``2(x3),1`` -> [2, 2, 2, 1]."""
+    counts: list[int] = []
+    for part in spec.split(","):
+        m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if not m:
+            raise ConfigError(f"Slurm tasks per node {spec!r}: {part!r} is not N or N(xK)")
+        counts += [int(m[1])] * int(m[2] or 1)
+    return counts
+
+
+@dataclass(frozen=True)
+class SlurmStep:
+    """This task's place in an ``srun`` step: its rank among ``world_size`` tasks, among
+    ``local_world_size`` on its node, the step's nodes in order (``nodes[0]`` holds rank 0)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    nodes: tuple[str, ...]
+    job_id: int
+    step_id: int
+
+
+def _first(env: Mapping[str, str], *keys: str) -> str | None:
+    return next((env[k] for k in keys if env.get(k)), None)
+
+
+def slurm_step(env: Mapping[str, str] | None = None) -> SlurmStep | None:
+    """This process as a task of an ``srun`` step of more than one task, or None (no Slurm, a batch
+    script, a step of one task: then dplab starts its own ranks as anywhere else; a worker of a
+    torchrun that srun started: torchrun's variables say its rank). The step's own
+    variables (``SLURM_STEP_*``) win over the job's: ``srun -n 2`` inside an allocation of 8."""
+    env = os.environ if env is None else env
+    if all(k in env for k in _TORCHRUN):  # a torchrun worker under srun: torchrun's rank, not the task's
+        return None
+    size = _first(env, "SLURM_STEP_NUM_TASKS")  # srun sets it; a batch script has only the job's
+    rank, local = env.get("SLURM_PROCID"), env.get("SLURM_LOCALID")
+    if not (size and rank and local and size.isdigit() and rank.isdigit() and local.isdigit()) \
+            or int(size) < 2:
+        return None
+    nodes = tuple(expand_nodelist(_first(env, "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
+                                  or ""))
+    per_node = _first(env, "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE")
+    node = int(env.get("SLURM_NODEID", "0") or 0)
+    counts = tasks_per_node(per_node) if per_node else [int(size)]
+    local_size = counts[node] if node < len(counts) else int(size)
+    step = _first(env, "SLURM_STEP_ID", "SLURM_STEPID") or "0"
+    return SlurmStep(int(rank), int(size), int(local), local_size, nodes,
+                     int(_first(env, "SLURM_JOB_ID", "SLURM_JOBID") or 0), int(step) if step.isdigit() else 0)
+
+
+def slurm_torch_env(step: SlurmStep, env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """torch.distributed's env:// variables for a task of ``step``; any already set in ``env`` is kept.
+    ``MASTER_PORT`` is the same on every task of a step and differs between the steps of a job."""
+    env = os.environ if env is None else env
+    if not step.nodes and "MASTER_ADDR" not in env:
+        raise ConfigError("srun gave no node list (SLURM_STEP_NODELIST): export MASTER_ADDR=<rank 0's host>")
+    made = {"RANK": str(step.rank), "WORLD_SIZE": str(step.world_size), "LOCAL_RANK": str(step.local_rank),
+            "LOCAL_WORLD_SIZE": str(step.local_world_size),
+            "MASTER_ADDR": step.nodes[0] if step.nodes else "",
+            "MASTER_PORT": str(20000 + (step.job_id * 64 + step.step_id) % 30000)}
+    return {k: env.get(k) or v for k, v in made.items()}
+
 
 
 def under_launcher(backend: str) -> bool:
     """True when this process is one rank of an ``mpiexec`` (mpi) or ``torchrun`` (torch) job."""
     env = os.environ
-    if backend == "mpi":
-        return "DPLAB_AUTHKEY" not in env and any(
-            k in env for k in ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK"))
+    if backend == "mpi":  # a Slurm step without PMI too: launcher_env says what is missing
+        return "DPLAB_AUTHKEY" not in env and (any(k in env for k in _PMI) or slurm_step() is not None)
     if backend == "torch":
-        return all(k in env for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+        return all(k in env for k in _TORCHRUN) or slurm_step() is not None
     return False
 
 
 def launcher_env(backend: str) -> tuple[int, int]:
-    """(rank, world_size) that mpiexec or torchrun gave this process."""
+    """(rank, world_size) that mpiexec, torchrun or srun gave this process."""
     env = os.environ
     keys = {"mpi": [("PMI_RANK", "PMI_SIZE"), ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE")],
             "torch": [("RANK", "WORLD_SIZE")]}.get(backend, [])
     for rank, size in keys:
         if rank in env and size in env:
             return int(env[rank]), int(env[size])
+    step = slurm_step()
+    if step is not None and backend == "torch":
+        return step.rank, step.world_size
+    if step is not None and backend == "mpi" and "PMIX_RANK" not in env:
+        raise ConfigError(f"srun started {step.world_size} tasks but gave MPI no PMI, so each would be a "
+                          "world of one: run srun --mpi=pmi2 (or --mpi=pmix; srun --mpi=list shows "
+                          "what this Slurm has)")
     raise ConfigError(f"not running under a {backend} launcher")
 
 
@@ -48,8 +161,12 @@ def launcher_rank() -> int | None:
     """This process's rank in the job of whichever engine launcher started it, None outside one."""
     for backend in ("mpi", "torch"):
         if under_launcher(backend):
-            return launcher_env(backend)[0]
-    return None
+            try:
+                return launcher_env(backend)[0]
+            except ConfigError:  # srun without PMI: the error comes later, from rank 0 alone
+                break
+    step = slurm_step()
+    return None if step is None else step.rank
 
 
 def spans_hosts() -> str | None:
@@ -61,6 +178,9 @@ def spans_hosts() -> str | None:
                                   ("mpiexec", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE")):
         if env.get(size, "").isdigit() and env.get(local, "").isdigit() and int(env[local]) < int(env[size]):
             return f"this {launcher} job has {env[size]} ranks, {env[local]} of them on this host"
+    step = slurm_step()
+    if step is not None and step.local_world_size < step.world_size:
+        return f"this srun step has {step.world_size} ranks, {step.local_world_size} of them on this host"
     return None
 
 
@@ -69,6 +189,11 @@ class LauncherWorld:
     communicator kept for the world's life, and returns every rank's result (as ``World.run``)."""
 
     def __init__(self, backend: str, timeout: float, world_size: int | None = None) -> None:
+        step = slurm_step()
+        if backend == "torch" and step is not None and not all(k in os.environ for k in _TORCHRUN):
+            os.environ.update(slurm_torch_env(step))  # srun without torchrun: env:// from Slurm's step
+        if backend == "mpi" and step is not None:
+            launcher_env("mpi")  # no PMI from srun: one line, before MPI_Init makes worlds of one
         if backend == "mpi":
             from dplab.backends.mpi.comm import MpiComm as Comm
         else:
