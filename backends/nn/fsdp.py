@@ -4,10 +4,11 @@
     def train(comm):
         model = Net()
         fsdp = FSDP(model, comm, units=list(model.blocks))   # rank 0's weights, then sharded
-        opt = torch.optim.AdamW(fsdp.parameters(), lr=1e-3)   # steps this rank's flat shards only
+        opt = torch.optim.AdamW(fsdp.parameters(), lr=1e-3)   # "blocks.0.weight"...: this rank's pieces
         for x, y in my_shard_of_each_batch:
             opt.zero_grad()
             loss_fn(fsdp(x), y).backward()    # gathers each unit before its forward and backward
+            fsdp.clip_grad_norm_(1.0)         # the global norm, as torch's FSDP.clip_grad_norm_
             opt.step()
         return fsdp.full_state_dict()         # every rank: the plain module's state dict
 
@@ -41,6 +42,12 @@ inside ``with fsdp.no_sync():`` reduce nothing; each unit keeps its full gradien
 the full unit's size per rank: the memory no_sync costs) until the first synced backward, which
 reduce-scatters the sum once per unit. Whether a backward syncs is decided by its forward, as in DDP.
 
+The module keeps its parameters, as torch's FSDP1 with ``use_orig_params=True``: each is a
+1-D view of the part of its unit's flat shard this rank stores, its ``.grad`` the matching view
+of the sharded gradient (``fsdp_flat``), so ``fsdp.named_parameters()`` has the original names
+and optimizers, logging and ``clip_grad_norm_`` (the method: a norm needs every rank) work on
+them; ``state_dict()`` is the plain module's (``fsdp_orig_params``).
+
 Frozen parameters (``requires_grad=False``) get a flat shard of their own that is gathered but
 never reduced and has no gradient, so optimizers skip it. A parameter tied between modules (an
 embedding reused as the output projection) is flattened once, in the unit holding all its uses
@@ -64,6 +71,7 @@ from dplab.backends.nn.ddp import broadcast_module
 from dplab.backends.nn.flat import dtype_and_device, flat_buffer, sum_batch_sizes
 from dplab.backends.nn.fsdp_flat import FlatParam, MemoryMeter
 from dplab.backends.nn.fsdp_full import FullParams
+from dplab.backends.nn.fsdp_orig_params import OrigParams
 from dplab.backends.nn.fsdp_precision import (
     COMPUTE_DTYPES,
     cast_buffers,
@@ -81,7 +89,7 @@ __all__ = ["FullyShardedDataParallel", "FSDP", "COMPUTE_DTYPES"]
 
 
 
-class FullyShardedDataParallel(FullParams, nn.Module):
+class FullyShardedDataParallel(FullParams, OrigParams, nn.Module):
     """Wraps ``module``: its parameters become flat shards, gathered per unit while it runs.
 
     Args:
@@ -122,9 +130,6 @@ class FullyShardedDataParallel(FullParams, nn.Module):
         self._flat_keys: list[list[str]] = []  # per flat: the state-dict key of each of its parameters
         cdt = self.compute_dtype or master
         for plan in plans:
-            for holders in plan.holders:
-                for mod, name in holders:
-                    del mod._parameters[name]  # the module reads a plain attribute from now on
             flats = []
             for trainable in (True, False):
                 idx = [i for i, p in enumerate(plan.params) if p.requires_grad == trainable]
@@ -134,7 +139,6 @@ class FullyShardedDataParallel(FullParams, nn.Module):
                                            self.reduce_dtype))
                     self._flat_keys.append([first_key[id(plan.params[i])] for i in idx])
             self.units.append(flats)
-        self.flat_params = nn.ParameterList([f.shard for flats in self.units for f in flats])
         self._float_buffers = [] if self.compute_dtype is None else [
             (mod, name) for mod in module.modules() for name, b in mod._buffers.items()
             if b is not None and b.is_floating_point()]

@@ -1,10 +1,22 @@
 """One FSDP unit's parameters as a flat shard, gathered into a full flat tensor only while needed.
 
     flat = FlatParam(comm, [w, b], holders, compute_dtype=None, trainable=True)
-    flat.shard           # nn.Parameter: this rank's chunk_bounds(n, p)[rank] of [ w | b ] (fp32/fp64)
-    flat.gather()        # leaf = the whole [ w | b ] in the compute dtype; module attributes = its views
-    flat.free()          # leaf's storage resized to 0 bytes; module attributes = empty placeholders
-    flat.reduce_grad(weight)   # leaf.grad -> reduce-scatter -> shard.grad += this rank's chunk
+    flat.shard           # this rank's chunk_bounds(n, p)[rank] of [ w | b ] (fp32/fp64)
+    w.data, b.data       # 1-D views into flat.shard: the part of w (of b) this rank stores, maybe empty
+    flat.gather()        # leaf = the whole [ w | b ] in the compute dtype
+    flat.use_views()     # module attributes (module.weight) = full views of the leaf, for the forward
+    flat.free()          # leaf's storage resized to 0 bytes; module attributes = w and b again
+    flat.reduce_grad(weight)   # leaf.grad -> reduce-scatter -> w.grad, b.grad = views of shard.grad
+
+The original parameters stay the module's parameters, as torch's FSDP1 with ``use_orig_params``
+does: each keeps its name, its object and ``requires_grad``, but its ``.data`` becomes the piece
+of this rank's flat shard that it covers (1-D; empty when it lies in other ranks' chunks), and its
+``.grad`` the matching piece of the sharded gradient. So an optimizer built from
+``model.parameters()`` steps the shard in place, with no copy and no second parameter to keep in
+step, and ``named_parameters()`` logs original names. The module's ``_parameters`` are never
+changed: while a unit runs, the full views *shadow* them as plain instance attributes
+(``object.__setattr__``, which nn.Module's own ``__setattr__`` refuses for a parameter's name),
+and ``free`` removes the shadow. Names and order of ``named_parameters()`` stay the module's.
 
 Why the storage is resized instead of the tensor dropped: autograd keeps the views of ``leaf``
 that forward used (a linear layer saves its weight for backward). Resizing the storage to zero
@@ -33,6 +45,7 @@ the torch backend can: FSDP refuses ``reduce_dtype=torch.bfloat16`` elsewhere (`
 from __future__ import annotations
 
 import ctypes
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -45,21 +58,36 @@ from dplab.backends.nn.flat import flat_layout
 from dplab.reference.communicator import Communicator
 from dplab.reference.schedule import chunk_bounds
 
-__all__ = ["FlatParam", "Holder", "MemoryMeter"]
+__all__ = ["FlatParam", "Holder", "MemoryMeter", "show", "unshow"]
 
 Holder = tuple[nn.Module, str]  # (module, attribute name): where a parameter is read from
 
 
+def show(holders: Sequence[Holder], tensor: torch.Tensor) -> None:
+    """Make ``module.name`` read ``tensor`` for every holder, over the registered parameter."""
+    for mod, name in holders:
+        object.__setattr__(mod, name, tensor)  # the instance dict, found before nn.Module.__getattr__
+
+
+def unshow(holders: Sequence[Holder]) -> None:
+    """Undo ``show``: ``module.name`` is the registered (sharded) parameter again."""
+    for mod, name in holders:
+        mod.__dict__.pop(name, None)
+
+
 class MemoryMeter:
-    """Bytes of gathered (unsharded) parameter storage alive now, and the most seen at once."""
+    """Bytes of gathered (unsharded) parameter storage alive now, and the most seen at once.
+    Thread-safe: with prefetch, gathers fill leaves on the comm thread while frees run on the main."""
 
     def __init__(self) -> None:
         self.now = 0
         self.peak = 0
+        self._lock = threading.Lock()
 
     def add(self, nbytes: int) -> None:
-        self.now += nbytes
-        self.peak = max(self.peak, self.now)
+        with self._lock:
+            self.now += nbytes
+            self.peak = max(self.peak, self.now)
 
     def reset_peak(self) -> None:
         self.peak = self.now
@@ -80,13 +108,17 @@ class FlatParam:
         self.reduce_dtype = reduce_dtype or self.master_dtype
         self.held: torch.Tensor | None = None  # no_sync's accumulated full gradient (master dtype)
         self.bounds = chunk_bounds(self.n, comm.world_size)[comm.rank]
+        self.params = list(params)
+        self.pieces = [_piece(s, self.bounds) for s in self.slices]
         with torch.no_grad():
             full = torch.cat([p.detach().reshape(-1) for p in params])
             self.shard = nn.Parameter(full[slice(*self.bounds)].clone(), requires_grad=trainable)
+        for p, (a, b) in zip(self.params, self.pieces):
+            p.data = self.shard.detach()[a:b]  # the same Parameter object: optimizers built earlier still fit
+            p.grad = None
         self.leaf = torch.empty(self.n, dtype=compute_dtype, device=device)
         self.leaf.untyped_storage().resize_(0)
         self.leaf.requires_grad_(trainable)
-        self.placeholders = [torch.empty(0, dtype=compute_dtype, device=device) for _ in params]
         self.gathered = False
         self.free()
 
@@ -114,9 +146,7 @@ class FlatParam:
     def use_views(self) -> None:
         """Point the module attributes at views of the leaf, recorded by autograd when grad is on."""
         for s, shape, holders in zip(self.slices, self.shapes, self.holders):
-            view = self.leaf[s].view(shape)
-            for mod, name in holders:
-                setattr(mod, name, view)
+            show(holders, self.leaf[s].view(shape))
 
     def full_master(self) -> torch.Tensor:
         """The full flat parameter in the master dtype, a new tensor (a collective: every rank)."""
@@ -125,14 +155,14 @@ class FlatParam:
         return full
 
     def free(self) -> None:
-        """Drop the full parameters: the leaf's storage goes to 0 bytes, attributes to placeholders."""
+        """Drop the full parameters: the leaf's storage goes to 0 bytes, the module's attributes
+        are its (sharded) parameters again."""
         if self.gathered:
             self.leaf.untyped_storage().resize_(0)
             self.meter.add(-self.leaf_bytes)
             self.gathered = False
-        for holders, empty in zip(self.holders, self.placeholders):
-            for mod, name in holders:
-                setattr(mod, name, empty)
+        for holders in self.holders:
+            unshow(holders)
 
     @torch.no_grad()
     def hold_grad(self) -> None:
@@ -167,16 +197,31 @@ class FlatParam:
                 g = mine if g is None else g.add_(mine)
             g = g.contiguous().mul_(weight).to(self.reduce_dtype)
         reduce_scatter(self.comm, _buf(g), self.algorithm)
-        mine = g[slice(*self.bounds)].to(self.master_dtype, copy=True)
-        if self.shard.grad is None:
-            self.shard.grad = mine
-        else:
-            self.shard.grad.add_(mine)
+        self.set_shard_grad(g[slice(*self.bounds)].to(self.master_dtype, copy=True))
+
+    def set_shard_grad(self, mine: torch.Tensor) -> None:
+        """``shard.grad`` = ``mine`` plus what the parameters' ``.grad`` hold (a backward without
+        ``zero_grad`` before it accumulates), and each parameter's ``.grad`` its view of it. Read from
+        the parameters, not from ``shard.grad``: ``zero_grad`` only sees the parameters."""
+        for p, (a, b) in zip(self.params, self.pieces):
+            if p.grad is not None:
+                mine[a:b].add_(p.grad.reshape(-1))
+        self.shard.grad = mine
+        for p, (a, b) in zip(self.params, self.pieces):
+            p.grad = mine[a:b]
 
     def load_full(self, full: torch.Tensor) -> None:
         """Keep this rank's chunk of a full flat parameter (no communication)."""
         with torch.no_grad():
             self.shard.copy_(full[slice(*self.bounds)])
+
+
+def _piece(s: slice, bounds: tuple[int, int]) -> tuple[int, int]:
+    """Where a parameter's slice ``s`` of the flat lies in the shard ``bounds``, as shard offsets;
+    an empty range when it lies in other ranks' chunks."""
+    lo, hi = bounds
+    a, b = max(s.start, lo), min(s.stop, hi)
+    return (a - lo, b - lo) if a < b else (0, 0)
 
 
 def _buf(t: torch.Tensor, copy_only: bool = False) -> Any:

@@ -19,7 +19,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from dplab.backends.nn.fsdp_flat import FlatParam, MemoryMeter
+from dplab.backends.nn.fsdp_flat import FlatParam, MemoryMeter, show
 from dplab.reference.errors import ConfigError
 
 __all__ = ["FullParams"]
@@ -53,8 +53,7 @@ class FullParams:
                 full = flat.full_master()
                 fulls.append(full)
                 for s, shape, holders in zip(flat.slices, flat.shapes, flat.holders):
-                    for mod, name in holders:
-                        setattr(mod, name, full[s].view(shape))
+                    show(holders, full[s].view(shape))
             self._summoned = True
             yield
             if writeback:
