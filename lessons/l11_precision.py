@@ -17,6 +17,8 @@ import numpy as np
 
 from dplab.backends import allreduce
 from dplab.backends.runs.run import RunSpec, run_train
+from dplab.lessons.exercises import STUBS, check_file
+from dplab.lessons.exercises.scaler import HINTS as SCALER_HINTS
 from dplab.lessons.step import Check, Lesson, Predict, Step
 from dplab.reference.data import batch_indices
 from dplab.reference.optim import OptimConfig
@@ -225,6 +227,13 @@ def half_the_bytes(lab):
             "within": bool(np.all(err16 <= bound))}
 
 
+def scaler_exercise(lab):
+    # what `dplab lesson check 11` says of the stub
+    stub = check_file("loss_scaler", STUBS / "loss_scaler.py")
+    return {"stub_passed": stub.passed, "stub_says": stub.message,
+            "interval": 3, "after": 1.0}
+
+
 STEPS = (
     Step(
         title="What float16 can hold",
@@ -348,6 +357,34 @@ STEPS = (
         hint="The ring sends 2(p-1)/p of the buffer from every rank, whatever the dtype; float16 is 2 bytes.",
         try_this="dplab train --world-size 4 --mixed-precision fp16 --dtype float32 --reduce-dtype float16",
         teaches=("precision", "allreduce"),
+    ),
+    Step(
+        title="Exercise: the dynamic loss scaler's rule",
+        text=("Write the rule of step 4 yourself. `dplab lesson init DIR` copies the stubs; fill in "
+              "`update(scale, good_steps, found_inf, growth_factor, backoff_factor, growth_interval)` in "
+              "DIR/loss_scaler.py, returning `(new_scale, new_good_steps, take_step)`, and run "
+              "`dplab lesson check 11 DIR`. It runs your rule through scripted overflows and through runs "
+              "whose overflows come from the scale itself (a gradient overflows float16 once its largest "
+              "entry times S passes 65,504), GradScaler's defaults over 4,100 steps among them, and holds "
+              "every step to the engine's `LossScaler`. The stub never changes the scale and takes every "
+              "step; checked as shipped it says:\n\n> {stub_says}"),
+        run=scaler_exercise,
+        checks=(Check("the stub fails its check, naming the growth it missed",
+                      lambda f: not f["stub_passed"] and "should grow" in f["stub_says"]),),
+        inputs={"interval": 3},
+        predict=Predict("growth_interval {interval}: the scale grows, then the very next step overflows, "
+                        "then two clean steps follow. By what factor has the scale changed after those "
+                        "four steps, from where it started?", "after", rel_tol=1e-9, unit="x",
+                        misconceptions=((2.0, "the overflow halves the grown scale: x2, then x0.5"),
+                                        (4.0, "two clean steps after an overflow are not three: the "
+                                         "count restarts at 0, so no growth yet"),
+                                        (0.5, "the growth came first: x2, then x0.5"))),
+        hint=SCALER_HINTS[0],
+        hints=SCALER_HINTS[1:],
+        show=("dplab.reference.precision.config.MixedPrecision",),
+        try_this="dplab lesson init ex && dplab lesson check 11 ex   # edit ex/loss_scaler.py till it passes",
+        exercise="loss_scaler",
+        teaches=("precision",),
     ),
 )
 

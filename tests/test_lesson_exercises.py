@@ -29,7 +29,7 @@ def _write(tmp_path: Path, name: str, source: str) -> Path:
 def test_the_four_exercises_their_lessons_and_files():
     assert {n: e.lesson for n, e in EXERCISES.items()} == {
         "ring_reduce_scatter": 2, "ddp_buckets": 4, "ssp_gate": 7, "zero2_step": 10,
-        "ring_allgather": 2, "tree_broadcast": 2}
+        "ring_allgather": 2, "tree_broadcast": 2, "loss_scaler": 11}
     for name, e in EXERCISES.items():
         assert e.stub == f"{name}.py" and e.stub_path.parent == STUBS and e.solution.parent == SOLUTIONS
         assert e.stub_path.is_file() and e.solution.is_file()
@@ -40,6 +40,8 @@ STUB_SAYS = {
     "ring_allgather": [re.escape("at p=3: rank 0 ends without chunk 1 complete after the last round "
                                  "(round 0)")],
     "tree_broadcast": [re.escape("at p=3, root=0: rank 2 never receives the root's buffer")],
+    "loss_scaler": [re.escape("clean steps (growth_interval 3): the scale should grow at step 2 "
+                              "(S = 1,024)")],
     "ring_reduce_scatter": [re.escape("at p=3: rank 0 ends with chunk 0 missing ranks 1 and 2's parts after "
                                       "the last round (round 0)")],
     "ddp_buckets": [re.escape("bucket 0 holds parameter 0 but parameter 5's gradient arrives first: buckets "
@@ -73,10 +75,11 @@ SOLUTION_SAYS = {
                   r"parameters in 16 layers\)",
     "ring_allgather": r"right for p = 1\.\.8: .* \(7 rounds, 56 chunk transfers at p=8\)",
     "tree_broadcast": r"right for p = 1\.\.9 and roots 0, 2, 3, 4, 5: .* \(4 at p=9\)",
+    "loss_scaler": r"right on 6 runs: .* \(21 steps skipped, 13 growths",
 }
 
 
-@pytest.mark.parametrize("lesson", [2, 4, 7, 10])
+@pytest.mark.parametrize("lesson", [2, 4, 7, 10, 11])
 def test_every_solution_passes(lesson):
     for report in check(lesson, SOLUTIONS):  # the solutions folder is laid out as a learner's folder
         assert EXERCISES[report.name].lesson == lesson

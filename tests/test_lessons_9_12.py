@@ -109,3 +109,58 @@ def test_zero2_wrong_answers_fail_naming_the_mistake(tmp_path, name):
     assert not report.passed
     for phrase in says:
         assert phrase in report.message, report.message
+
+
+SCALER = """
+    def update(scale, good_steps, found_inf, growth_factor, backoff_factor, growth_interval):
+        if found_inf:
+            return {over}
+        good = good_steps + 1
+        if {cond}:
+            return {grow}
+        return scale, good, True
+"""
+SCALER_RIGHT = {"over": "scale * backoff_factor, 0, False", "cond": "good == growth_interval",
+                "grow": "scale * growth_factor, 0, True"}
+SCALER_WRONG = {
+    "takes-the-overflowed-step": ({"over": "scale * backoff_factor, 0, True"},
+                                  "step 0 (S = 1,024) overflowed, but your rule takes the step"),
+    "no-backoff": ({"over": "scale, 0, False"},
+                   "after the overflow at step 0 (S = 1,024) the scale stayed 1,024: it must back off to "
+                   "512"),
+    "count-not-reset-on-overflow": ({"over": "scale * backoff_factor, good_steps, False"},
+                                    "the count of clean steps restarts at 0 after an overflow"),
+    "overflow-counted-clean": ({"over": "scale * backoff_factor, good_steps + 1, False"},
+                               "after 2 clean steps since an overflow, but growth_interval is 3"),
+    "grows-a-step-late": ({"cond": "good > growth_interval"},
+                          "the scale should grow at step 2 (S = 1,024), clean step 3 in a row since the "
+                          "start"),
+    "count-not-reset-on-growth": ({"cond": "good >= growth_interval",
+                                   "grow": "scale * growth_factor, good, True"},
+                                  "after 1 clean step since a growth, but growth_interval is 3: the count "
+                                  "restarts at 0 after each growth"),
+}
+
+
+def test_loss_scaler_solution_passes_and_stub_fails():
+    report = check_file("loss_scaler", SOLUTIONS / "loss_scaler.py")
+    assert report.passed, report.message
+    assert "GradScaler's defaults included" in report.message
+    stub = check_file("loss_scaler", EXERCISES["loss_scaler"].stub_path)
+    assert not stub.passed and "the scale should grow at step 2" in stub.message, stub.message
+
+
+@pytest.mark.parametrize("name", sorted(SCALER_WRONG))
+def test_loss_scaler_wrong_rules_fail_naming_the_mistake(tmp_path, name):
+    change, says = SCALER_WRONG[name]
+    file = tmp_path / "loss_scaler.py"
+    file.write_text(textwrap.dedent(SCALER.format(**(SCALER_RIGHT | change))))
+    report = check_file("loss_scaler", file)
+    assert not report.passed
+    assert says in report.message, report.message
+
+
+def test_loss_scaler_right_template_passes(tmp_path):
+    file = tmp_path / "loss_scaler.py"
+    file.write_text(textwrap.dedent(SCALER.format(**SCALER_RIGHT)))
+    assert check_file("loss_scaler", file).passed

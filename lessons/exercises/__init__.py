@@ -83,6 +83,12 @@ EXERCISES["tree_broadcast"] = _exercise("tree_broadcast", 2, "A binomial-tree br
                                         judge_tree)
 
 
+# appended: lesson 11's dynamic loss scaler
+from dplab.lessons.exercises.scaler import judge_scaler  # noqa: E402
+
+EXERCISES["loss_scaler"] = _exercise("loss_scaler", 11, "The dynamic loss scaler's rule", judge_scaler)
+
+
 def init_dir(path: str | Path) -> list[Path]:
     """Copy every stub into ``path`` (created if need be); returns the files written.
 

@@ -50,6 +50,7 @@ COLLECTORS = {
     "zero2_step": "dplab.lessons.exercises.zero2:collect_zero2",
     "ring_allgather": "dplab.lessons.exercises.schedules:collect_schedules",
     "tree_broadcast": "dplab.lessons.exercises.schedules:collect_schedules",
+    "loss_scaler": "dplab.lessons.exercises.scaler:collect_scaler",
 }
 GRACE_S = 3.0            # after the time limit, how long the child has to report before it is killed
 START_S = 60.0           # the child's own start (an interpreter and numpy), before its limit runs
