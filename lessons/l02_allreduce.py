@@ -31,8 +31,8 @@ __all__ = ["LESSON", "rings_per_nic"]
 MIB = 1 << 20
 # what the table compares: the three textbook schedules, then those the engines use
 ALGORITHMS = ("naive", "ring", "tree", "recursive_doubling", "rabenseifner", "double_tree", "hierarchical:4")
-RING_CODE = ("dplab.reference.algorithms.ring.reduce_scatter", "dplab.reference.algorithms.ring.allgather",
-             "dplab.reference.algorithms.ring.allreduce", "dplab.reference.collectives.run_schedule")
+# the ring's two halves are the next two exercises: shown is how they are joined and run, not written
+RING_CODE = ("dplab.reference.algorithms.ring.allreduce", "dplab.reference.collectives.run_schedule")
 STUB = "dplab.lessons.exercises.stubs"
 
 
@@ -231,8 +231,9 @@ STEPS = (
               "chunk r complete. In p-1 rounds of **all-gather** the finished chunks travel on, copied. "
               "2(p-1) messages of n/p bytes each. Every element ends as 1+2+3+4 = {sum:g}.\n\n"
               "The naive way (everyone sends to rank 0, which sends the sum back) makes rank 0 send "
-              "{naive_root:,} bytes: p-1 whole buffers. The code below is the ring's schedule and the "
-              "executor that runs any schedule, round by round, on every backend."),
+              "{naive_root:,} bytes: p-1 whole buffers. The code below joins the ring's two halves (you "
+              "write each of them in the next two steps) and is the executor that runs any schedule, round "
+              "by round, on every backend."),
         run=ring_bytes,
         checks=(Check("rank 0 sends 2(p-1)/p · n bytes ({formula:,})", lambda f: f["sent"] == f["formula"]),
                 Check("in 2(p-1) messages, one chunk per round", lambda f: f["messages"] == 2 * (f["p"] - 1)),
@@ -295,7 +296,6 @@ STEPS = (
         exercise="ring_reduce_scatter",
         teaches=("allreduce",),
         show=(f"{STUB}.ring_reduce_scatter.ring_reduce_scatter",),
-        picture=_picture,
         inputs={"p": 4, "last": 3},
     ),
     Step(
@@ -329,7 +329,6 @@ STEPS = (
         exercise="ring_allgather",
         teaches=("allreduce",),
         show=(f"{STUB}.ring_allgather.ring_allgather",),
-        picture=_picture,
         inputs={"p": 4},
     ),
     Step(
@@ -379,8 +378,8 @@ STEPS = (
         try_this="dplab app   # Collectives page: pick an algorithm, press Play, watch the bytes counter",
         explore=Explore("collectives", lambda f: {"algorithm": "tree", "p": f["p"], "n": 8}),
         teaches=("allreduce",),
-        show=("dplab.reference.algorithms.tree._edges", "dplab.reference.algorithms.tree.reduce",
-              "dplab.reference.algorithms.tree.broadcast"),
+        # the simulator that proves every row; the tree's own code would answer the next exercise
+        show=("dplab.reference.simulate.simulate", "dplab.reference.simulate.is_allreduce"),
         picture=_picture,
         inputs={"p": 8},
     ),
@@ -413,7 +412,6 @@ STEPS = (
         exercise="tree_broadcast",
         teaches=("allreduce",),
         show=(f"{STUB}.tree_broadcast.tree_broadcast",),
-        picture=_picture,
         inputs={"p": 8},
     ),
     Step(

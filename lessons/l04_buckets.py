@@ -98,6 +98,15 @@ def _timeline(facts):
     return timeline_figure(events, title="2 ranks: buckets under backward")
 
 
+def _bucket_lanes(facts):
+    """Rank 0's last step in the terminal: backward on one lane, the buckets' all-reduces on the next
+    (bucket events carry no step: they are taken by time, from the step's first event on)."""
+    from dplab.lessons.pictures_terminal import bucket_timeline
+    events = facts["events"][0]
+    begin = min(e.t_start_ns for e in events if e.extra.get("step") == facts["steps"] - 1)
+    return bucket_timeline([e for e in events if e.t_start_ns >= begin])
+
+
 def count_allreduces(lab):
     cfg = TrainConfig(model=MODEL, num_samples=256,
                       global_batch=128, steps=2)
@@ -194,6 +203,7 @@ STEPS = (
                 Check("and the result is one device's, to rounding (< 1e-12)",
                       lambda f: f["identical"] and f["diff"] < 1e-12)),
         figure=_timeline,
+        picture=_bucket_lanes,
         hint="In the figure, look for a bucket bar on the comm lane under a backward bar on the main lane.",
         show=(f"{R}.Reducer.mark_param_as_ready", f"{R}.Reducer._comm_loop"),
         try_this="dplab train --world-size 2 --bucket-cap-mb 0.01 --trace run.json   # open it in the app",

@@ -223,3 +223,18 @@ def test_a_measured_order_is_claimed_only_when_every_paired_repetition_agrees():
     assert "the ring was faster" in _measured(0.5, 0.9, 6, 2)
     said = _measured(0.8, 1.6, 6, 2)
     assert "disagree" in said and "claims no order" in said
+
+
+def test_no_step_shows_an_exercises_answer_before_the_exercise():
+    """The code a step shows, and the code of every step before it, holds no exercise's solution."""
+    from dplab.lessons import lesson
+    from dplab.lessons.exercises import EXERCISES, SOLUTIONS
+    answers = {"ring_reduce_scatter": "(r - k - 1) % p", "ring_allgather": "(r - k) % p",
+               "tree_broadcast": "reversed(_edges"}
+    for number in (1, 2, 3, 4):
+        steps = lesson(number).steps
+        for i, step in enumerate(steps):
+            later = {s.exercise for s in steps[i:] if s.exercise in answers}
+            for name in later:
+                assert answers[name] not in step.code(), (number, step.title, name)
+                assert (SOLUTIONS / EXERCISES[name].stub).read_text() not in step.code()
