@@ -17,6 +17,7 @@ import numpy as np
 
 from dplab.backends.runs.run import RunSpec
 from dplab.lessons.exercises import STUBS, check_file
+from dplab.lessons.exercises.ssp import HINTS as SSP_HINTS
 from dplab.lessons.step import Check, Explore, Lesson, Predict, Step
 from dplab.reference.model import MLPConfig
 from dplab.reference.ps.gate import gate_open
@@ -247,9 +248,11 @@ STEPS = (
                       lambda f: not f["stub_passed"] and "may_proceed(" in f["stub_says"])),
         predict=Predict("Workers have finished [3, 1, 2] clocks; staleness 1. Which is the first clock a "
                         "worker must wait for (1, 2 or 3)?", "first_held", choices=("1", "2", "3")),
-        hint="Compare the slowest worker's finished clocks with clock - staleness.",
+        hint=SSP_HINTS[0],
+        hints=SSP_HINTS[1:],
         try_this="dplab lesson init ex && dplab lesson check 7 ex   # edit ex/ssp_gate.py until it passes",
         exercise="ssp_gate",
+        show=("dplab.lessons.exercises.stubs.ssp_gate.may_proceed",),
         teaches=("staleness",),
     ),
 )

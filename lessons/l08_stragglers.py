@@ -13,6 +13,8 @@ from collections import Counter, defaultdict
 
 import numpy as np
 
+from dplab.lessons.exercises import STUBS, check_file
+from dplab.lessons.exercises.backup import HINTS as BACKUP_HINTS
 from dplab.lessons.step import Check, Explore, Lesson, Predict, Step
 from dplab.reference.model import MLPConfig
 from dplab.reference.ps.replay import replay
@@ -119,6 +121,22 @@ def backup_in_the_engine(lab):
             "dropped_text": in_words(dropped)}
 
 
+def _example(arrivals, n):
+    """The dropped worker and the step's end (kept out of the shown code: it is the exercise)."""
+    order = sorted(range(len(arrivals)), key=lambda w: (arrivals[w], w))
+    return order[-1], arrivals[order[n - 1]]
+
+
+def the_backup_step(lab):
+    # one step: 4 workers, 3 gradients make the update
+    arrivals = [0.4, 0.1, 0.3, 0.2]
+    dropped, t_end = _example(arrivals, 3)
+    # what `dplab lesson check 8` says of the stub as shipped
+    stub = check_file("backup_step", STUBS / "backup_step.py")
+    return {"arrivals": arrivals, "dropped": str(dropped), "t_end": t_end,
+            "stub_passed": stub.passed, "stub_says": stub.message}
+
+
 STEPS = (
     Step(
         title="A straggler sets everyone's pace",
@@ -185,6 +203,31 @@ STEPS = (
                 Check("but it is not single-device SGD any more (> 1e-6 apart)", lambda f: f["diff"] > 1e-6)),
         hint="mode backup is synchronous SGD with b gradients dropped per step (dplab train --mode backup).",
         try_this="dplab train --mode backup --backup-workers 1 --world-size 4 --straggler 1:8",
+        teaches=("stragglers",),
+    ),
+    Step(
+        title="Exercise: the first n of N + b",
+        text=("Now write the server's side of a step. `dplab lesson init DIR` copies the exercise stubs "
+              "into DIR; fill in `backup_step(arrivals, grads, n)` in DIR/backup_step.py: the mean of the "
+              "first n gradients to arrive (added in worker order, so the bits never depend on the order "
+              "they came in) and the time the step ends. `dplab lesson check 8 DIR` tries it on 200 cases "
+              "(ties, no backups, a single gradient), names the mistake if it knows it, and then runs your "
+              "function on step 2's simulated clock.\n\n"
+              "For example, gradients arriving at {arrivals} with n = 3: worker {dropped} is the backup "
+              "that is dropped, and the step ends at {t_end}. The stub waits for everyone; checking it as "
+              "shipped says:\n\n> {stub_says}"),
+        run=the_backup_step,
+        checks=(Check("the stub fails its check, naming the mistake",
+                      lambda f: not f["stub_passed"] and "plain synchronous SGD" in f["stub_says"]),),
+        predict=Predict("Gradients arrive at [0.4, 0.1, 0.3, 0.2] (workers 0-3) and n = 3. Which worker's "
+                        "gradient is dropped?", "dropped", choices=("0", "1", "2", "3"),
+                        misconceptions=(("3", "worker 3 is the last by NUMBER; the backup dropped is the "
+                                              "last to ARRIVE"),)),
+        hint=BACKUP_HINTS[0],
+        hints=BACKUP_HINTS[1:],
+        try_this="dplab lesson init ex && dplab lesson check 8 ex   # edit ex/backup_step.py until it passes",
+        exercise="backup_step",
+        show=("dplab.lessons.exercises.stubs.backup_step.backup_step",),
         teaches=("stragglers",),
     ),
 )

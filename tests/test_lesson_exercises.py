@@ -29,7 +29,7 @@ def _write(tmp_path: Path, name: str, source: str) -> Path:
 def test_the_four_exercises_their_lessons_and_files():
     assert {n: e.lesson for n, e in EXERCISES.items()} == {
         "ring_reduce_scatter": 2, "ddp_buckets": 4, "ssp_gate": 7, "zero2_step": 10,
-        "ring_allgather": 2, "tree_broadcast": 2, "loss_scaler": 11}
+        "ring_allgather": 2, "tree_broadcast": 2, "loss_scaler": 11, "backup_step": 8}
     for name, e in EXERCISES.items():
         assert e.stub == f"{name}.py" and e.stub_path.parent == STUBS and e.solution.parent == SOLUTIONS
         assert e.stub_path.is_file() and e.solution.is_file()
@@ -50,6 +50,7 @@ STUB_SAYS = {
     "ssp_gate": [r"worker [23] ran [2-5] clocks ahead of the slowest with staleness 1",
                  re.escape("may_proceed(clock=2, slowest=0, staleness=1) is True, but with staleness 1 "
                            "clock 2 must wait until the slowest has finished 1")],
+    "backup_step": [re.escape("your update averages all the gradients: that is plain synchronous SGD")],
     "zero2_step": [r"at p=1: in step 0 rank 0 held [\d.]+ KiB at its peak, 1\d\d% of the whole gradient",
                    "ZeRO-1's pattern"],
 }
@@ -76,6 +77,7 @@ SOLUTION_SAYS = {
     "ring_allgather": r"right for p = 1\.\.8: .* \(7 rounds, 56 chunk transfers at p=8\)",
     "tree_broadcast": r"right for p = 1\.\.9 and roots 0, 2, 3, 4, 5: .* \(4 at p=9\)",
     "loss_scaler": r"right on 6 runs: .* \(21 steps skipped, 13 growths",
+    "backup_step": r"right on all 200 cases .* your steps average 1\.\d\d units",
 }
 
 

@@ -30,13 +30,13 @@ def _late_peek_then_next_collective(comm):
 
         comm.mailboxes.peek = late_peek
     else:
-        recv_into = comm._recv_into
+        receive = comm.mailboxes.receive
 
         def late_recv(*args, **kwargs):
             time.sleep(0.05)  # rank 0 is waiting for the ack by now, peeking
-            return recv_into(*args, **kwargs)
+            return receive(*args, **kwargs)
 
-        comm._recv_into = late_recv
+        comm.mailboxes.receive = late_recv
     gathered = allgather(comm, np.full(4, float(comm.rank)), "ring")
     summed = reduce_scatter(comm, np.arange(4.0), "ring")
     return gathered.tolist(), summed.tolist()

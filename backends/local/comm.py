@@ -1,11 +1,12 @@
 """The local backend: ranks are processes on one machine that talk through shared memory.
 
-No setup, no engine: this is dplab's embedded default. ``LocalComm`` is three parts, each
-with its own state: ``Memory`` (its segments, staging and views into peers' segments,
-``memory.py``), ``Mailboxes`` (descriptors and semaphores per pair of ranks, ``mailboxes.py``,
-waiting as ``waits.py`` says) and the one-shot native all-reduce (``oneshot.py``). A send
-locates its buffer in shared memory (staging it if need be) and posts a descriptor; the
-receiver reads, or adds, straight out of the sender's memory and posts back "done".
+No setup, no engine: this is dplab's embedded default. ``LocalComm`` holds the calls; the work
+is done by parts that each own their state: ``Mailboxes`` (descriptors and semaphores per pair
+of ranks, ``mailboxes.py``, waiting as ``waits.py`` says) over the rank's ``Memory`` (its
+segments, staging and views into peers' segments, ``memory.py``), and the one-shot native
+all-reduce (``oneshot.py``). A send locates its buffer in shared memory (staging it if need be)
+and posts a descriptor; the receiver reads, or adds, straight out of the sender's memory and
+posts back "done".
 
 Mismatches (the contract in ``dplab.reference.communicator``): ``check_buffer`` makes the
 collective's code the tag of its messages, and every descriptor carries length, dtype and tag,
@@ -25,15 +26,14 @@ from functools import lru_cache
 
 import numpy as np
 
-from dplab.backends.local.mailboxes import ANY_TAG, Mailboxes, refusal
-from dplab.backends.local.memory import PEER_CACHE, Memory
+from dplab.backends.local.mailboxes import Mailboxes
+from dplab.backends.local.memory import PEER_CACHE
 from dplab.backends.local.oneshot import one_shot
 from dplab.backends.local.waits import Waiter
-from dplab.backends.local.wiring import CODE, DTYPES, SLOTS, Wiring, process_alive
+from dplab.backends.local.wiring import SLOTS, Wiring, process_alive
 from dplab.reference.communicator import (
     ANY_SOURCE,
     Collective,
-    CommError,
     Communicator,
     RecvSpec,
     SendSpec,
@@ -78,7 +78,7 @@ class _RecvRequest:
 
 
 class LocalComm(Communicator):
-    """A rank of the local backend: ``memory`` and ``mailboxes`` do the work, this class the calls."""
+    """A rank of the local backend: ``mailboxes`` (over ``memory``) do the work, this class the calls."""
 
     backend = "local"
 
@@ -86,7 +86,7 @@ class LocalComm(Communicator):
         self.w, self.rank, self.world_size = wiring, rank, wiring.world_size
         self.tracer = Tracer(rank)
         self.mailboxes = Mailboxes(wiring, rank, Waiter(rank, wiring.world_size, wiring.timeout))
-        self.memory = Memory(wiring.session, rank, self.mailboxes.acked)
+        self.memory = self.mailboxes.memory
         self._pending: dict[int, deque[_RecvRequest]] = {s: deque() for s in range(-1, self.world_size)}
         self._tag = 0  # the tag of the running collective's messages (its code; see check_buffer)
         if wiring.pids is not None:
@@ -129,65 +129,19 @@ class LocalComm(Communicator):
 
     # -- point to point -----------------------------------------------------------------------
     def isend(self, buf: np.ndarray, dst: int, tag: int = 0) -> _SendRequest:
-        return _SendRequest(self, dst, self._post(buf, dst, tag))
+        return _SendRequest(self, dst, self.mailboxes.send(buf, dst, tag))
 
     def irecv(self, buf: np.ndarray, src: int = ANY_SOURCE, tag: int = 0) -> _RecvRequest:
-        self._check_peer(src, any_ok=True)
+        self.mailboxes.check_peer(src, any_ok=True)
         req = _RecvRequest(self, buf, src, tag)
         self._pending[src].append(req)
         return req
-
-    def _post(self, buf: np.ndarray, dst: int, tag: int) -> int:
-        """Locate ``buf`` in shared memory and post its descriptor to ``dst``; returns its seq."""
-        if not 0 <= dst < self.world_size or dst == self.rank:
-            self._check_peer(dst)
-        code = CODE.get(buf.dtype)
-        if code is None or not buf.flags.c_contiguous:
-            raise CommError(f"rank {self.rank}: send needs a contiguous array of one of "
-                            f"{', '.join(map(str, CODE))}; got {buf.dtype}, "
-                            f"contiguous={buf.flags.c_contiguous}")
-        seg_id, off, staged = self.memory.locate(buf)
-        seq = self.mailboxes.post(dst, seg_id, off, buf.nbytes, code, tag)
-        if staged:
-            self.memory.staged_sent(dst, seq)
-        return seq
 
     def _complete_until(self, req: _RecvRequest) -> None:
         queue = self._pending[req.src]
         while req.source is None:
             head = queue.popleft()
-            head.source = self._recv_into(head.buf, head.src, head.tag, reduce=False)
-
-    def _recv_into(self, buf: np.ndarray, src: int, tag: int, reduce: bool) -> int:
-        """Take the next message from ``src``, check it, and copy or add it into ``buf``."""
-        mailboxes = self.mailboxes
-        if src == ANY_SOURCE:
-            src, (seg_id, off, nbytes, code, mtag) = mailboxes.take_any()
-        else:
-            seg_id, off, nbytes, code, mtag = mailboxes.take(src)
-        try:
-            dtype = DTYPES[code]
-            if mtag != tag and tag != ANY_TAG or buf.nbytes != nbytes or buf.dtype is not dtype \
-                    and buf.dtype != dtype:
-                raise refusal(self.rank, buf, src, tag, mtag, nbytes, code)
-            if nbytes:
-                peer = self.memory.peer_view(src, seg_id, off, nbytes, dtype)
-                if buf.ndim != 1:
-                    peer = peer.reshape(buf.shape)
-                if reduce:  # buf may be any view, strided or not: numpy writes through it
-                    np.add(buf, peer, out=buf)
-                else:
-                    np.copyto(buf, peer)
-        finally:
-            mailboxes.ack(src)
-        return src
-
-    def _check_peer(self, peer: int, any_ok: bool = False) -> None:
-        if any_ok and peer == ANY_SOURCE:
-            return
-        if not 0 <= peer < self.world_size or peer == self.rank:
-            raise CommError(f"rank {self.rank}: peer {peer} is not another rank of a world of "
-                            f"size {self.world_size}")
+            head.source = self.mailboxes.receive(head.buf, head.src, head.tag, reduce=False)
 
     # -- rounds and collectives ---------------------------------------------------------------
     def check_buffer(self, buf: np.ndarray, call: Collective | None = None) -> None:
@@ -200,19 +154,19 @@ class LocalComm(Communicator):
         if len(sends) > SLOTS:  # every rank posting before it receives: more than SLOTS to one peer deadlock
             _refuse_crowded_round(self.rank, sends, round, algorithm)
         tr, tag = self.tracer, self._tag if round >= 0 else 0
-        wait_ack = self.mailboxes.wait_ack
+        mailboxes = self.mailboxes
+        send, receive, wait_ack = mailboxes.send, mailboxes.receive, mailboxes.wait_ack
         if not tr.enabled:  # the hot path: no clocks, no events, methods looked up once
-            post, recv_into = self._post, self._recv_into
-            seqs = [post(s[0], s[1], tag) for s in sends]
+            seqs = [send(s[0], s[1], tag) for s in sends]
             for r in recvs:
-                recv_into(r[0], r[1], tag, r[3])
+                receive(r[0], r[1], tag, r[3])
             for s, seq in zip(sends, seqs):
                 wait_ack(s[1], seq, tag)
             return
-        posted = [(s, self._post(s.buf, s.peer, tag), tr.now()) for s in sends]
+        posted = [(s, send(s.buf, s.peer, tag), tr.now()) for s in sends]
         for r in recvs:
             t0 = tr.now()
-            self._recv_into(r.buf, r.peer, tag, r.reduce)
+            receive(r.buf, r.peer, tag, r.reduce)
             tr.record("reduce" if r.reduce else "copy", t0, tr.now(), peer=r.peer,
                       bytes=r.buf.nbytes, chunk=r.chunk, round=round, algorithm=algorithm)
         for s, seq, t0 in posted:
@@ -237,5 +191,4 @@ class LocalComm(Communicator):
             flat /= self.world_size
 
     def close(self) -> None:
-        self.memory.close()
         self.mailboxes.close()

@@ -1,11 +1,13 @@
-"""The local backend's mailboxes: how one rank tells another "a message waits for you".
+"""The local backend's mailboxes: how a rank's messages reach a peer and are taken.
 
 Each ordered pair (src, dst) has a mailbox of ``SLOTS`` descriptors (segment id, offset, bytes,
 dtype code, tag) in the world's control segment, and two semaphores: ``ready[src][dst]`` (a
 descriptor waits) and ``done[src][dst]`` (dst has finished with the message). ``arrival[dst]`` is
 posted with every message so a receive from ANY_SOURCE can sleep until something comes. Ranks
-signal only the peer they talk to. Messages between two ranks are taken in order; their tags are
-checked, not used to pick a message (``refusal`` says what was wrong with one).
+signal only the peer they talk to. A send names its buffer where ``Memory`` located it; a receive
+copies or adds straight out of the sender's memory. Messages between two ranks are taken in
+order; their tags, lengths and dtypes are checked, not used to pick a message (``refusal`` says
+what was wrong with one).
 
 A sender waiting for a collective's peer to take its message looks now and then at the peer's
 own waiting message (``peek``): a message of another collective means the peer is in that one,
@@ -21,10 +23,12 @@ from typing import Any
 
 import numpy as np
 
+from dplab.backends.local.memory import Memory
 from dplab.backends.local.shm import Segment
 from dplab.backends.local.waits import Waiter
-from dplab.backends.local.wiring import DESC, DTYPES, SLOTS, Wiring
+from dplab.backends.local.wiring import CODE, DESC, DTYPES, SLOTS, Wiring
 from dplab.reference.communicator import (
+    ANY_SOURCE,
     COLLECTIVE_TAG,
     BufferMismatch,
     CommError,
@@ -40,8 +44,9 @@ _TAG_AT = 4 * 8  # its offset in the descriptor
 
 
 class Mailboxes:
-    """One rank's ends of every mailbox: descriptors, semaphores and sequence numbers.
-    ``send_seq[d]`` messages were posted to d, ``acked[d]`` of them taken; ``recv_seq[s]`` taken from s."""
+    """One rank's ends of every mailbox: descriptors, semaphores and sequence numbers, over the
+    rank's ``memory``. ``send_seq[d]`` messages were posted to d, ``acked[d]`` of them taken;
+    ``recv_seq[s]`` taken from s."""
 
     def __init__(self, wiring: Wiring, rank: int, waiter: Waiter) -> None:
         p, me = wiring.world_size, rank
@@ -56,6 +61,52 @@ class Mailboxes:
         self._arrival = wiring.arrival
         self.send_seq, self.acked, self.recv_seq = [0] * p, [0] * p, [0] * p
         self._any_next = 0
+        self.memory = Memory(wiring.session, rank, self.acked)
+
+    def send(self, buf: np.ndarray, dst: int, tag: int) -> int:
+        """Post ``buf`` (located in shared memory, staged if need be) to ``dst``; returns its seq."""
+        if not 0 <= dst < self.world_size or dst == self.rank:
+            self.check_peer(dst)
+        code = CODE.get(buf.dtype)
+        if code is None or not buf.flags.c_contiguous:
+            raise CommError(f"rank {self.rank}: send needs a contiguous array of one of "
+                            f"{', '.join(map(str, CODE))}; got {buf.dtype}, "
+                            f"contiguous={buf.flags.c_contiguous}")
+        seg_id, off, staged = self.memory.locate(buf)
+        seq = self.post(dst, seg_id, off, buf.nbytes, code, tag)
+        if staged:
+            self.memory.staged_sent(dst, seq)
+        return seq
+
+    def receive(self, buf: np.ndarray, src: int, tag: int, reduce: bool) -> int:
+        """Take the next message from ``src`` (or ANY_SOURCE), check it against ``buf`` and ``tag``,
+        and copy or add it into ``buf`` straight out of the sender's memory; returns the source."""
+        if src == ANY_SOURCE:
+            src = self._wait_any()
+        else:
+            ready = self._ready_from[src]
+            if not ready.acquire(False):
+                self.waiter.acquire(ready, "for its message", src)
+        seq = self.recv_seq[src]
+        self.recv_seq[src] = seq + 1
+        i = ((src * self.world_size + self.rank) * SLOTS + seq % SLOTS) * DESC.size  # _slot, inlined
+        seg_id, off, nbytes, code, mtag = DESC.unpack_from(self._ctl, i)
+        try:
+            dtype = DTYPES[code]
+            if mtag != tag and tag != ANY_TAG or buf.nbytes != nbytes or buf.dtype is not dtype \
+                    and buf.dtype != dtype:
+                raise refusal(self.rank, buf, src, tag, mtag, nbytes, code)
+            if nbytes:
+                peer = self.memory.peer_view(src, seg_id, off, nbytes, dtype)
+                if buf.ndim != 1:
+                    peer = peer.reshape(buf.shape)
+                if reduce:  # buf may be any view, strided or not: numpy writes through it
+                    np.add(buf, peer, out=buf)
+                else:
+                    np.copyto(buf, peer)
+        finally:
+            self._done_to[src].release()
+        return src
 
     def post(self, dst: int, seg_id: int, off: int, nbytes: int, code: int, tag: int) -> int:
         """Put a descriptor in ``dst``'s mailbox (waiting for a free slot); returns its sequence number."""
@@ -79,13 +130,6 @@ class Mailboxes:
         self.recv_seq[src] = seq + 1
         return DESC.unpack_from(self._ctl, ((src * self.world_size + self.rank) * SLOTS + seq % SLOTS)
                                 * DESC.size)
-
-    def take_any(self) -> tuple[int, tuple[int, int, int, int, int]]:
-        """Wait for the next message from any rank: (its source, its descriptor)."""
-        src = self._wait_any()
-        seq = self.recv_seq[src]
-        self.recv_seq[src] = seq + 1
-        return src, DESC.unpack_from(self._ctl, self._slot(src, self.rank, seq))
 
     def ack(self, src: int) -> None:
         """Tell ``src`` that its message has been taken."""
@@ -115,7 +159,16 @@ class Mailboxes:
                     return
                 raise collective_mismatch(self.rank, tag, peer, mtag)
 
+    def check_peer(self, peer: int, any_ok: bool = False) -> None:
+        """CommError unless ``peer`` is another rank (or, with ``any_ok``, ANY_SOURCE)."""
+        if any_ok and peer == ANY_SOURCE:
+            return
+        if not 0 <= peer < self.world_size or peer == self.rank:
+            raise CommError(f"rank {self.rank}: peer {peer} is not another rank of a world of "
+                            f"size {self.world_size}")
+
     def close(self) -> None:
+        self.memory.close()
         self._ctl.release()
         self._seg.close()
 

@@ -88,6 +88,12 @@ from dplab.lessons.exercises.scaler import judge_scaler  # noqa: E402
 
 EXERCISES["loss_scaler"] = _exercise("loss_scaler", 11, "The dynamic loss scaler's rule", judge_scaler)
 
+# appended: lesson 8's backup workers, the first n of N + b gradients
+from dplab.lessons.exercises.backup import judge_backup  # noqa: E402
+
+EXERCISES["backup_step"] = _exercise("backup_step", 8, "Backup workers: the first n of N + b gradients",
+                                     judge_backup)
+
 
 def init_dir(path: str | Path) -> list[Path]:
     """Copy every stub into ``path`` (created if need be); returns the files written.

@@ -32,12 +32,43 @@ from dplab.reference.ps.trainer import work
 from dplab.reference.train.single import TrainConfig
 
 __all__ = ["judge_ssp", "collect_ssp", "GRID_CLOCKS", "STALENESS", "RUN_STALENESS", "RUN_CLOCKS",
-           "RUN_WORKERS"]
+           "RUN_WORKERS", "HINTS", "MISTAKES"]
 
 GRID_CLOCKS = range(9)
 STALENESS = (0, 1, 2, 3, None)
 RUN_STALENESS, RUN_CLOCKS, RUN_WORKERS = 1, 6, 3
 _SLOW_S = 0.03  # worker 1 sleeps this long before each clock's compute: the others run ahead
+
+HINTS = (
+    "Staleness s bounds how far a worker may be AHEAD of the slowest: at clock c it is c - slowest "
+    "clocks ahead. And None is no bound at all.",
+    "A worker may start clock c once the slowest has finished enough clocks that c - slowest is at most "
+    "s. Write that as a comparison of slowest with c - s; mind whether equality is allowed (s = 0 is "
+    "lock-step: everyone starts clock 0 at once).",
+    "return staleness is None or slowest >= clock - staleness",
+)
+
+# plausible wrong gates (what each does with staleness None: most check for it first), and what is wrong
+MISTAKES: dict[str, tuple[Any, str]] = {
+    "never_waits": (lambda c, d, s: True,
+                    "your gate never makes anyone wait: every bound behaves like staleness None (fully "
+                    "asynchronous)"),
+    "one_loose": (lambda c, d, s: s is None or d >= c - s - 1,
+                  "off by one, too loose: your gate lets a worker start clock c when the slowest has "
+                  "finished c - s - 1 clocks, so it runs s + 1 clocks ahead; SSP's bound is s"),
+    "one_strict": (lambda c, d, s: s is None or d > c - s,
+                   "off by one, too strict: your gate holds a worker that is exactly s clocks ahead, which "
+                   "SSP allows; with staleness 0 nobody could even start clock 0"),
+    "reversed": (lambda c, d, s: s is None or d <= c - s,
+                 "your comparison is reversed: it holds the workers close to the slowest and lets the ones "
+                 "far ahead go"),
+    "ignores_slowest": (lambda c, d, s: s is None or c <= s,
+                        "your gate ignores the slowest worker: it compares the clock with the staleness "
+                        "alone, so after clock s everyone waits forever"),
+    "none_lockstep": (lambda c, d, s: d >= c - (s or 0),
+                      "staleness None means unbounded (nobody ever waits); your gate treats it as 0, "
+                      "lock-step"),
+}
 
 
 def judge_ssp(file: Path, output: list[str]) -> str:
@@ -47,6 +78,22 @@ def judge_ssp(file: Path, output: list[str]) -> str:
     if answer["fail"]:
         raise Fail(answer["fail"])
     replies = {tuple(k): v for k, v in zip(keys, answer["data"].get("replies", []))}
+    named = _named(replies)
+    try:
+        return _judge_replies(replies, file)
+    except Fail as e:
+        raise Fail(f"{e}. The mistake: {named}" if named else str(e)) from None
+
+
+def _named(replies: dict[tuple, bool]) -> str:
+    """The known mistake the replies match exactly, if any."""
+    for gate, meaning in MISTAKES.values():
+        if all(bool(gate(*k)) == v for k, v in replies.items()):
+            return meaning
+    return ""
+
+
+def _judge_replies(replies: dict[tuple, bool], file: Path) -> str:
     strict = [k for k, v in replies.items() if not v and gate_open([k[1]], k[0], k[2])]
     loose = [k for k, v in replies.items() if v and not gate_open([k[1]], k[0], k[2])]
     if strict:
@@ -83,8 +130,14 @@ def collect_ssp(file: Path, inputs: dict[str, Any], out: dict[str, Any], deadlin
     out["replies"] = replies = []
     for clock, slowest, s in inputs["keys"]:
         what = f"may_proceed(clock={clock}, slowest={slowest}, staleness={s})"
-        with learner_call(file, what):
-            got = fn(clock, slowest, s)
+        try:
+            with learner_call(file, what):
+                got = fn(clock, slowest, s)
+        except Fail as e:
+            if s is None and "TypeError" in str(e):  # c - None: the unbounded case was not handled
+                raise Fail(f"{e}: staleness None means unbounded, so test `staleness is None` first and "
+                           "let the worker go") from None
+            raise
         if not isinstance(got, (bool, np.bool_)):  # numpy's comparisons give np.bool_
             raise Fail(f"{what} returned {short_repr(got)}: return True (the worker may start) or False "
                        "(it waits)")

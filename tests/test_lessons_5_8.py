@@ -1,0 +1,190 @@
+"""Lessons 5-8 and 13: what issue 22 found wrong stays fixed, and their exercises name each mistake.
+
+    pytest -q tests/test_lessons_5_8.py
+
+The lessons' own claims run under ``pytest -m lessons`` (tests/test_lessons.py); here are the
+fast, deterministic pieces those claims rest on, and the exercises' stubs, solutions and
+plausible wrong answers.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dplab.lessons import lesson
+from dplab.lessons.exercises import EXERCISES, check_file
+from dplab.lessons.exercises import backup as backup_ex
+from dplab.lessons.exercises import ssp as ssp_ex
+from dplab.lessons.l05_scaling import LARGE, SMALL, amdahl, flops_per_sample, step_time
+from dplab.lessons.l08_stragglers import simulated_clock
+from dplab.reference.model import MLP
+
+
+# lesson 5: communication is zero on one rank and grows; Amdahl's curve never falls; the model's peaks
+def test_communication_is_zero_on_one_rank_and_grows_with_p():
+    model = MLP(LARGE)
+    comms = [step_time(model, 64, p)[1] for p in (1, 2, 4, 16, 64, 256)]
+    assert comms[0] == 0 and comms == sorted(comms) and comms[-1] > comms[1]
+
+
+def test_the_priced_speedup_peaks_and_falls_where_amdahl_keeps_rising():
+    model, batch = MLP(LARGE), 4096
+    t1 = sum(step_time(model, batch, 1))
+    ps = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+    speedup = [t1 / sum(step_time(model, batch / p, p)) for p in ps]
+    best = int(np.argmax(speedup))
+    assert 0 < best < len(ps) - 1 and speedup[-1] < speedup[best]
+    f = 2 * step_time(model, batch / 2, 2)[1] / t1
+    assert [amdahl(f, p) for p in ps] == sorted(amdahl(f, p) for p in ps)
+
+
+def test_flops_per_byte_depend_on_samples_per_rank_not_on_parameters():
+    small, large = MLP(SMALL), MLP(LARGE)
+    per_byte = {m: flops_per_sample(m) * 16 / (8 * m.num_params) for m in (small, large)}
+    assert large.num_params > 100 * small.num_params
+    assert 0.5 < per_byte[large] / per_byte[small] < 2
+    assert flops_per_sample(large) * 64 / flops_per_sample(large) / 16 == 4  # 4x the samples, 4x per byte
+
+
+def test_lesson_5_no_longer_calls_communication_amdahls_serial_part():
+    texts = " ".join(s.text for s in lesson(5).steps)
+    assert "a bound on the code, not on this machine" not in texts
+    assert "T(p) = T_comp/p + T_comm(p)" in lesson(5).steps[0].title
+    assert "weak" in lesson(5).steps[1].title
+
+
+def test_lesson_6_judges_on_held_out_data_and_warms_up_at_the_linear_rules_lr():
+    source = inspect.getsource(lesson(6).steps[1].run)
+    assert "6.4" not in source and 'scaled_lr(BASE_LR, BASE_BATCH, batch, "linear")' in source
+    assert "held-out" in lesson(6).steps[0].text
+
+
+def test_lesson_7_fills_the_lock_step_delays_from_the_run():
+    step = lesson(7).steps[2]
+    assert "0, 1 and 2" not in step.text and "{hist_0}" in step.text
+
+
+def test_lesson_8_backup_workers_are_chen_et_al_and_the_loss_is_filled():
+    texts = [s.text for s in lesson(8).steps]
+    assert "loses most of them" not in " ".join(texts)
+    assert "N + b" in texts[1] and "first N" in texts[1] and "**{lost_1}**" in texts[2]
+
+
+def test_the_simulated_clock_ends_a_step_at_the_nth_arrival():
+    compute = np.array([[3.0, 1.0, 2.0, 9.0]])
+    assert simulated_clock(compute, needed=4).tolist() == [9.0]
+    assert simulated_clock(compute, needed=3).tolist() == [3.0]
+    assert simulated_clock(compute, needed=1).tolist() == [1.0]
+
+
+def test_lesson_13_is_registered_and_teaches_batch_size():
+    les = lesson(13)
+    assert les.slug == "batch_size" and len(les.steps) == 5
+    assert all("batch-size" in s.teaches for s in les.steps)
+
+
+def test_the_noise_scale_is_trace_over_squared_mean():
+    from dplab.lessons.l13_batch_size import noise_scale
+    grads = np.array([[1.0, 0.0], [3.0, 0.0], [2.0, 2.0], [2.0, -2.0]])  # mean (2, 0); variance 0.5 + 2
+    b_noise, trace, mean = noise_scale(grads)
+    assert mean.tolist() == [2.0, 0.0] and trace == 2.5 and b_noise == 2.5 / 4
+
+
+# the exercises: tiered hints, shown stubs, a stub that fails, a solution that passes, wrong answers named
+@pytest.mark.parametrize("number, name", [(7, "ssp_gate"), (8, "backup_step")])
+def test_exercise_steps_have_three_tiers_of_hints_and_show_the_stub(number, name):
+    step = next(s for s in lesson(number).steps if s.exercise == name)
+    hints = step.all_hints()
+    assert len(hints) == 3 and len(set(hints)) == 3
+    assert "stubs" in step.code() and "TODO" in step.code()
+    solution = EXERCISES[name].solution.read_text()
+    body = solution.split("def ", 1)[1].split("\n", 1)[1].strip()
+    assert body.splitlines()[0].strip() not in step.code()   # no solution shown before the exercise
+
+
+def test_backup_stub_fails_as_plain_sync_and_the_solution_passes():
+    stub = check_file("backup_step", EXERCISES["backup_step"].stub_path)
+    assert not stub.passed and "plain synchronous SGD" in stub.message
+    solution = check_file("backup_step", EXERCISES["backup_step"].solution)
+    assert solution.passed, solution.message
+    assert re.search(r"right on all 200 cases .* your steps average 1\.\d\d units, against 2\.\d\d for 8 "
+                     r"workers without backups", solution.message), solution.message
+
+
+BACKUP = """
+import numpy as np
+def backup_step(arrivals, grads, n):
+    first = sorted(range(len(arrivals)), key=lambda w: {key})[{sl}]
+    total = np.zeros_like(grads[0])
+    for w in {order}:
+        total += grads[w]
+    return total / {div}, {tend}
+"""
+RIGHT_BACKUP = {"key": "(arrivals[w], w)", "sl": ":n", "order": "sorted(first)", "div": "n",
+                "tend": "arrivals[first[-1]]"}
+BACKUP_WRONG = [
+    ({"sl": "-n:", "tend": "max(arrivals)"}, "your update uses the LAST n gradients to arrive"),
+    ({"key": "w"}, "your update uses workers 0..n-1 by number"),
+    ({"div": "len(arrivals)"}, "divides by N + b, the number of workers"),
+    ({"sl": ":n + 1", "div": "(n + 1)", "tend": "arrivals[first[n - 1]]"},
+     "off by one: your update uses n + 1"),
+    ({"key": "(arrivals[w], -w)"}, "with a tie for the n-th place your update takes the higher worker"),
+    ({"order": "first"}, "right to rounding but not bit for bit: add the n gradients in worker order"),
+    ({"tend": "max(arrivals)"}, "t_end is when the LAST gradient arrives"),
+    ({"tend": "arrivals[first[0]]"}, "t_end is when the FIRST gradient arrives"),
+]
+
+
+def _write(tmp_path: Path, name: str, source: str) -> Path:
+    file = tmp_path / f"{name}.py"
+    file.write_text(source)
+    return file
+
+
+def test_the_backup_template_filled_right_passes(tmp_path):
+    report = check_file("backup_step", _write(tmp_path, "backup_step", BACKUP.format(**RIGHT_BACKUP)))
+    assert report.passed, report.message
+
+
+@pytest.mark.parametrize("change, says", BACKUP_WRONG, ids=[s.split(":")[0][:30] for _, s in BACKUP_WRONG])
+def test_a_wrong_backup_step_is_named(tmp_path, change, says):
+    report = check_file("backup_step", _write(tmp_path, "backup_step", BACKUP.format(**{**RIGHT_BACKUP,
+                                                                                         **change})))
+    assert not report.passed and says in report.message, report.message
+
+
+def test_every_named_backup_mistake_is_wrong_somewhere():
+    tests = backup_ex.cases()
+    for name, (fn, _) in backup_ex.MISTAKES.items():
+        assert any(fn(a, g, n) is not None and not np.allclose(fn(a, g, n), backup_ex.right(a, g, n)[0])
+                   for a, g, n in tests), name
+
+
+SSP_WRONG = [
+    ("staleness is None or slowest >= clock - staleness - 1", "off by one, too loose"),
+    ("staleness is None or slowest > clock - staleness", "off by one, too strict"),
+    ("staleness is None or slowest <= clock - staleness", "your comparison is reversed"),
+    ("staleness is None or clock <= staleness", "your gate ignores the slowest worker"),
+    ("slowest >= clock - (staleness or 0)", "your gate treats it as 0, lock-step"),
+    ("slowest >= clock - staleness", "staleness None means unbounded, so test `staleness is None` first"),
+    ("True", "your gate never makes anyone wait"),
+]
+
+
+@pytest.mark.parametrize("rule, says", SSP_WRONG, ids=[s[:25] for _, s in SSP_WRONG])
+def test_a_wrong_ssp_gate_is_named(tmp_path, rule, says):
+    source = f"def may_proceed(clock, slowest, staleness):\n    return {rule}\n"
+    report = check_file("ssp_gate", _write(tmp_path, "ssp_gate", source))
+    assert not report.passed and says in report.message, report.message
+
+
+def test_every_named_ssp_mistake_differs_from_the_gate():
+    from dplab.reference.ps.gate import gate_open
+    keys = [(c, d, s) for s in ssp_ex.STALENESS for c in ssp_ex.GRID_CLOCKS for d in ssp_ex.GRID_CLOCKS]
+    for name, (gate, _) in ssp_ex.MISTAKES.items():
+        assert any(bool(gate(*k)) != gate_open([k[1]], k[0], k[2]) for k in keys), name
