@@ -98,17 +98,25 @@ class Terminal:
 
 
 def test_a_learner_steps_through_lesson_1_in_a_terminal(tmp_path):
+    first_step = lessons()[0].steps[0]
+    hints = first_step.all_hints()
     t = Terminal(DPLAB + ["1"], _env(tmp_path))
     t.expect(r"Lesson 1 · step 1/4 · One model, four replicas")
-    t.expect(r"'identical', 'close'\s+or\s+'different' from each other\? \(identical / close / different\)")
+    asked = t.expect(r"'identical', 'close'\s+or\s+'different' from each other\?"
+                     r" \(identical / close / different\)")
+    t.expect("your answer")
+    assert "def " not in asked and "✓ holds" not in asked      # predict first: no code, no result yet
+    t.type("h\r")                                        # a hint before answering, not an answer
+    t.expect(r"hint( 1/\d+)?: " + r"\s+".join(map(re.escape, hints[0].split()[:6])))
     t.expect("your answer")
     t.type("close\r")                                    # wrong: they are identical
     t.expect(r"✗ not quite: it is identical")
     first = t.expect(PROMPT)
     assert "✓ holds  every replica holds the same bits" in first
     assert "explore: dplab app, page /training?world_sizes=4&steps=50" in first
-    t.type("h\r")
-    t.expect(r"hint: Every rank applies the same update")
+    assert first.index("✓ holds") < first.index("def ")       # the code comes after the result
+    t.type("h\r")                                        # the next tier (or the only one again)
+    t.expect(r"hint( \d+/\d+)?: " + r"\s+".join(map(re.escape, hints[min(1, len(hints) - 1)].split()[:6])))
     t.expect(PROMPT)
     t.type("\r")
     t.expect(r"step 2/4 · Sharding the global batch")

@@ -53,6 +53,14 @@ def _checks(at: AppTest) -> list[str]:
     return [m.value for m in at.markdown if m.value[:1] in (lesson_view.PASS, lesson_view.FAIL)]
 
 
+def _show(at: AppTest) -> None:
+    """Press Show me when the step asks first (a question its inputs fill is asked before it runs)."""
+    for button in at.button:
+        if button.key and button.key.startswith("lesson_show_"):
+            button.click().run()
+            return
+
+
 def _close(at: AppTest) -> None:
     held = at.session_state["lesson_lab"] if "lesson_lab" in at.session_state else None
     if held is not None:
@@ -101,7 +109,10 @@ def test_answers_right_and_wrong_show_their_verdicts_and_reveal_the_result():
         assert _checks(at) == [] and not at.get("plotly_chart") and not at.code and not at.expander
         at.radio(key="lesson_answer_1_0").set_value("different").run()
         at.button(key="lesson_check_1_0").click().run()
-        assert [w.value for w in at.warning] == ["Not quite: it is identical."]
+        facts = at.session_state["lesson_outcomes"][0].facts  # its question was asked before it ran
+        said = L1.steps[0].predict.judge(facts, "different").message
+        assert said.startswith("not quite: it is identical")
+        assert [w.value for w in at.warning] == [said[:1].upper() + said[1:] + "."]
         assert _checks(at) == [f"✅ {c.claim}" for c in L1.steps[0].checks]  # revealed by the answer
         fig = json.loads(at.get("plotly_chart")[0].proto.spec)
         assert len(fig["data"]) > 0  # the live timeline of the run
@@ -170,10 +181,10 @@ def test_query_params_open_a_step_and_show_me_reveals_it():
     at = _app(lesson="1", step="2")
     try:
         assert _counter(at) == f"step 2 of {len(L1.steps)}" and at.subheader[0].value.startswith("2. ")
-        # step 2 ran after step 1, on the same Lab, as in CI
-        assert sorted(at.session_state["lesson_outcomes"]) == [0, 1]
         assert _checks(at) == [] and at.button(key="lesson_show_1_1")
         at.button(key="lesson_show_1_1").click().run()
+        # step 2 ran after step 1, on the same Lab, as in CI
+        assert sorted(at.session_state["lesson_outcomes"]) == [0, 1]
         assert _checks(at) == [f"✅ {c.claim}" for c in L1.steps[1].checks]
         assert "Shard sizes: [3, 3, 2, 2]" in " ".join(m.value for m in at.markdown)
         assert not [b for b in at.button if b.key == "lesson_show_1_1"]  # shown: the button is gone
@@ -192,10 +203,12 @@ def test_no_rank_outlives_the_run_that_needed_it():
     script after Check) hung for ever. The Lab (and its scratch) stays; its worlds do not."""
     at = _app()
     try:
+        at.button(key="lesson_show_1_0").click().run()
         lab = at.session_state["lesson_lab"][1]
         assert 0 in at.session_state["lesson_outcomes"]  # step 1 ran on a world of 4 ranks ...
         assert lab._worlds == {}  # ... closed before the page was sent
         at.button(key="lesson_next").click().run()
+        at.button(key="lesson_show_1_1").click().run()
         assert at.session_state["lesson_lab"][1] is lab and lab._worlds == {}
     finally:
         _close(at)
@@ -208,10 +221,12 @@ def test_picking_another_lesson_starts_it_on_a_new_lab():
     at = _app()
     try:
         at.button(key="lesson_next").click().run()
+        _show(at)
         lab = at.session_state["lesson_lab"][1]
         lab.scratch["left"] = "by lesson 1"
         at.selectbox(key="lesson_pick").set_value(other).run()
         assert not at.exception
+        _show(at)
         fresh = at.session_state["lesson_lab"][1]
         assert fresh is not lab and "left" not in fresh.scratch
         assert at.query_params["lesson"] == str(other) and at.query_params["step"] == "1"
