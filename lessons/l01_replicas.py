@@ -103,7 +103,9 @@ def shards_sum_to_one_batch(lab):
 STEPS = (
     Step(
         title="One model, four replicas",
-        text=("A **rank** is one worker: one process (on a cluster, one GPU), numbered 0 to p-1, where p "
+        text=("Can {p} workers, each seeing only a quarter of every batch, train the very model one "
+              "device would? A **rank** is one worker: one process (on a cluster, one GPU), numbered 0 to "
+              "p-1, where p "
               "is the world size. Here p = {p} ranks each hold a full copy of the model (a **replica**) and "
               "train it for {steps} steps, each on its own part of every batch. After every backward pass "
               "an **all-reduce** runs: every rank puts in its gradient, and every rank gets back the sum of "

@@ -285,7 +285,8 @@ STEPS = (
                                 "received"),
                             (0, "chunk 0 is rank 0's own: it must end there, complete, so rank 0 never "
                                 "sends it in the reduce-scatter"),
-                            (1, "chunk 1 arrives at rank 0 only in round 2"))),
+                            (1, "chunk 1 is what rank 0 sends in round 2: it arrives from rank 3 in "
+                                "round 1"))),
         hint="Look at the picture: after round 0, which chunk on rank 0 holds two parts?",
         hints=("A rank passes on the chunk it just received, with its own part added: the chunk grows by "
                "one part at every rank it passes.",
