@@ -114,8 +114,10 @@ def explore_link(step: Step, facts: dict[str, Any]) -> str | None:
 def outcome_body(outcome: StepOutcome, lesson: Lesson, encoding: str) -> list[Any]:
     """What the step showed and proved: its text, the checks with a mark each, then where to go next."""
     step = outcome.step
-    parts: list[Any] = [Markdown(outcome.text), Text(f"Checks ({outcome.seconds:.1f} s run):", style="bold"),
-                        _checks_table(outcome, encoding)]
+    parts: list[Any] = [Markdown(outcome.text)]
+    if outcome.printed.strip():
+        parts += [Text("The run printed:", style="dim"), Text(outcome.printed.rstrip())]
+    parts += [Text(f"Checks ({outcome.seconds:.1f} s run):", style="bold"), _checks_table(outcome, encoding)]
     if step.picture is not None:
         parts.append(step.picture(outcome.facts))
     if step.figure is not None:

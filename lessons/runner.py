@@ -14,7 +14,9 @@ ranks is the slow part), and closes them at the end.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import io
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -84,6 +86,7 @@ class StepOutcome:
     checks: tuple[CheckResult, ...]
     seconds: float
     figure: Any = field(default=None)          # the plotly figure, when the step has one
+    printed: str = ""                          # what the run printed: shown with the result, never before
 
     @property
     def ok(self) -> bool:
@@ -103,9 +106,11 @@ def run_step(step: Step, lab: Lab, figure: bool = True) -> StepOutcome:
     """Run ``step`` on ``lab``'s ranks; fill its text and judge its checks (never raises for a
     failed check: the caller shows it, CI raises with ``raise_if_failed``). The facts are the
     step's ``inputs`` and what the run returned; a run that contradicts an input is a ConfigError
-    (the question asked before the run would have lied)."""
+    (the question asked before the run would have lied). What the run prints is kept in ``printed``
+    (it may hold the answer, and a question can be asked after the run)."""
     t0 = time.perf_counter()
-    ran = step.run(lab)
+    with contextlib.redirect_stdout(io.StringIO()) as printed:
+        ran = step.run(lab)
     if not isinstance(ran, dict):
         raise ConfigError(f"step {step.title!r}: run() must return a dict of facts, "
                           f"got {type(ran).__name__}")
@@ -118,7 +123,7 @@ def run_step(step: Step, lab: Lab, figure: bool = True) -> StepOutcome:
     facts = {**step.inputs, **ran}
     checks = tuple(CheckResult(fill(c.claim, facts), bool(c.holds(facts))) for c in step.checks)
     fig = step.figure(facts) if (figure and step.figure is not None) else None
-    return StepOutcome(step, facts, fill(step.text, facts), checks, seconds, fig)
+    return StepOutcome(step, facts, fill(step.text, facts), checks, seconds, fig, printed.getvalue())
 
 
 def _same(a: Any, b: Any) -> bool:

@@ -399,3 +399,19 @@ def test_watch_requests():
         parse_request(["watch"])
     with pytest.raises(ConfigError, match="--poll goes with watch"):
         parse_request(["check", "2"], poll=0.1)
+
+
+def test_what_a_run_prints_is_shown_with_the_result_never_before_the_answer(monkeypatch, tmp_path):
+    from dplab.lessons.terminal import run_lesson
+
+    def noisy(lab):
+        print("rank 0 sent 1,572,864 bytes")   # the answer, printed by the run asked about
+        return {"p": 4, "n_bytes": 1 << 20, "sent": 1_572_864, "secret": "SECRET-RESULT"}
+
+    screen, console = _terminal(monkeypatch, tmp_path, "2\n\n")
+    les = Lesson(99, "fake", "Fake", "For the tests.", (_quiz(noisy),))   # asked after its run
+    assert run_lesson(les, console=console) == 0
+    text = screen.getvalue()
+    assert text.index("Predict first") < text.index("not quite") < text.index("rank 0 sent 1,572,864 bytes")
+    with Lab() as lab:
+        assert run_step(_quiz(noisy), lab).printed == "rank 0 sent 1,572,864 bytes\n"

@@ -176,6 +176,9 @@ def _verdict(out: StepOutcome, key: tuple[int, int]) -> None:
 
 def _result(out: StepOutcome, key: tuple[int, int]) -> None:
     st.markdown(out.text)
+    if out.printed.strip():
+        with st.expander("What the run printed"):
+            st.code(out.printed, language="text")
     if out.figure is not None:
         st.plotly_chart(out.figure, key=f"lesson_fig_{key[0]}_{key[1]}")
     st.markdown(f"**What this step proves** (checked on this run: {took(out.seconds)} on the real engine)")
