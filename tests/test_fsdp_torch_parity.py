@@ -11,6 +11,9 @@ and the norms it returns are torch's.
 
 from __future__ import annotations
 
+import copy
+from functools import partial
+
 import numpy as np
 import pytest
 
@@ -115,3 +118,141 @@ def test_a_plain_clip_sees_one_rank_the_method_sees_all(worlds):
     assert globals_[0] == globals_[1]
     assert abs(np.hypot(*locals_) - globals_[0]) <= 1e-12 * globals_[0]
     assert all(loc < globals_[0] for loc in locals_)
+
+
+# -- a mixed-precision policy per unit, norms kept in float32 ----------------------------------
+
+F32, F16 = torch.float32, torch.float16
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.norm = nn.Linear(8, 8), nn.LayerNorm(8)
+
+    def forward(self, x):
+        return self.norm(torch.tanh(self.lin(x)))
+
+
+class Net(nn.Module):
+    """A root-owned input layer and head around two blocks (one unit each) with a LayerNorm."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.head = nn.Linear(5, 8), nn.Linear(8, 3)
+        self.blocks = nn.ModuleList([Block(), Block()])
+
+    def forward(self, x):
+        x = self.inp(x)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def make_net(seed: int) -> Net:
+    torch.manual_seed(seed)
+    net = Net()
+    with torch.no_grad():  # LayerNorm starts at 1 and 0: make its float32 weights matter
+        for b in net.blocks:
+            b.norm.weight.uniform_(0.5, 1.5)
+            b.norm.bias.uniform_(-0.5, 0.5)
+    return net
+
+
+def net_batch(step: int) -> tuple:
+    g = torch.Generator().manual_seed(700 + step)
+    return torch.randn(B, 5, generator=g), torch.randn(B, 3, generator=g)
+
+
+def _cast_in(dtype, _m, args, kwargs):
+    return tuple(a.to(dtype) for a in args), kwargs
+
+
+def low_copy(master: Net, units: dict[str, torch.dtype], keep: tuple) -> Net:
+    """The casts the policy promises, by hand: each unit's parameters and inputs in its dtype (the
+    root's in float32 here), kept modules in float32 with their output back in their unit's dtype."""
+    low = copy.deepcopy(master)
+    for name, dtype in units.items():
+        unit = low.get_submodule(name).to(dtype)
+        unit.register_forward_pre_hook(partial(_cast_in, dtype), with_kwargs=True)
+        for path, m in unit.named_modules():
+            if isinstance(m, keep):  # the master's float32 values, not a float16 round trip
+                m.float().load_state_dict(master.get_submodule(name).get_submodule(path).state_dict())
+                m.register_forward_pre_hook(partial(_cast_in, F32), with_kwargs=True)
+                m.register_forward_hook(lambda _m, _a, out, d=dtype: out.to(d))
+    return low
+
+
+def same_casts(p: int, units: dict[str, torch.dtype], keep: tuple) -> dict:
+    """One process, float32 masters and SGD; per rank's shard a low copy computes the gradient,
+    cast to float32 (the reduce dtype) and averaged over the shards."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the ranks: the same kernels, the same roundings
+    try:
+        master = make_net(SEED)
+        opt = torch.optim.SGD(master.parameters(), lr=0.1, momentum=0.9)
+        for step in range(STEPS):
+            x, y = net_batch(step)
+            opt.zero_grad()
+            for lo, hi in chunk_bounds(B, p):
+                low = low_copy(master, units, keep)
+                (((low(x[lo:hi]).float() - y[lo:hi]) ** 2).sum() / (3 * (hi - lo))).backward()
+                for m, q in zip(master.parameters(), low.parameters()):
+                    g = q.grad.to(F32) * (1 / p)
+                    m.grad = g if m.grad is None else m.grad + g
+            opt.step()
+        return state(master.state_dict())
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _mixed(comm, per_unit: bool) -> dict:
+    from dplab.backends.nn.fsdp import FSDP, MixedPrecision
+
+    torch.set_num_threads(1)
+    model = make_net(SEED + comm.rank)
+    mp = MixedPrecision(param_dtype=F16, reduce_dtype=F32)
+    if per_unit:  # the first block in float16 (its norm too), the second and the root in float32
+        fsdp = FSDP(model, comm, units=list(model.blocks), mixed_precision={model.blocks[0]: mp})
+    else:
+        fsdp = FSDP(model, comm, units=list(model.blocks), mixed_precision=mp, keep_float32=(nn.LayerNorm,))
+    seen = {}
+
+    def look(name, mod, _args, out) -> None:  # what each layer computed in: (weight, output) dtypes
+        seen.setdefault(name, (str(mod.weight.dtype), str(out.dtype)))
+
+    for name, m in model.named_modules():
+        if isinstance(m, (nn.Linear, nn.LayerNorm)):
+            m.register_forward_hook(partial(look, name))
+    opt = torch.optim.SGD(fsdp.parameters(), lr=0.1, momentum=0.9)
+    lo, hi = chunk_bounds(B, comm.world_size)[comm.rank]
+    for step in range(STEPS):
+        x, y = net_batch(step)
+        opt.zero_grad()
+        (((fsdp(x[lo:hi]).float() - y[lo:hi]) ** 2).sum() / (3 * (hi - lo))).backward()
+        opt.step()
+    return {"state": state(fsdp.state_dict()), "seen": seen,
+            "masters": sorted({str(q.dtype) for q in fsdp.parameters()})}
+
+
+@pytest.mark.parametrize("per_unit", [False, True])
+def test_mixed_precision_policy_equals_one_process_with_the_same_casts(worlds, per_unit):
+    p = 2
+    if per_unit:
+        units, keep = {"blocks.0": F16, "blocks.1": F32}, ()
+        want_seen = {"inp": ("torch.float32",) * 2, "blocks.0.lin": ("torch.float16",) * 2,
+                     "blocks.0.norm": ("torch.float16",) * 2, "blocks.1.lin": ("torch.float32",) * 2,
+                     "blocks.1.norm": ("torch.float32",) * 2, "head": ("torch.float32",) * 2}
+    else:
+        units, keep = {"": F16}, (nn.LayerNorm,)
+        half, kept = ("torch.float16",) * 2, ("torch.float32", "torch.float16")  # LN: fp32 weights, fp16 out
+        want_seen = {"inp": half, "blocks.0.lin": half, "blocks.0.norm": kept, "blocks.1.lin": half,
+                     "blocks.1.norm": kept, "head": half}
+    want = same_casts(p, units, keep)
+    plain = same_casts(p, {}, ())  # all float32: the casts must matter
+    for r in worlds(p).run(_mixed, per_unit):
+        assert r["seen"] == want_seen and r["masters"] == ["torch.float32"]
+        # bitwise: each shard's forward and backward are the same kernels on the same numbers, and
+        # a sum of two float32 gradients does not depend on its order
+        assert all(np.array_equal(r["state"][k], v) for k, v in want.items())
+        assert max(rel(r["state"][k], v) for k, v in plain.items()) > 1e-4

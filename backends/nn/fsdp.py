@@ -72,11 +72,18 @@ from dplab.backends.nn.flat import dtype_and_device, flat_buffer, sum_batch_size
 from dplab.backends.nn.fsdp_flat import FlatParam, MemoryMeter
 from dplab.backends.nn.fsdp_full import FullParams
 from dplab.backends.nn.fsdp_orig_params import OrigParams
+from dplab.backends.nn.fsdp_policy import (
+    MixedPrecision,
+    Policy,
+    cast_kept_modules,
+    cast_unit_inputs,
+    is_kept,
+    unit_precisions,
+)
 from dplab.backends.nn.fsdp_precision import (
     COMPUTE_DTYPES,
     cast_buffers,
     cast_floats,
-    check_dtypes,
     restore_buffers,
     tensors_in,
 )
@@ -85,7 +92,7 @@ from dplab.reference.algorithms import SCATTER_ALGORITHMS, has_schedule
 from dplab.reference.communicator import Communicator
 from dplab.reference.errors import ConfigError
 
-__all__ = ["FullyShardedDataParallel", "FSDP", "COMPUTE_DTYPES"]
+__all__ = ["FullyShardedDataParallel", "FSDP", "COMPUTE_DTYPES", "MixedPrecision"]
 
 
 
@@ -98,12 +105,19 @@ class FullyShardedDataParallel(FullParams, OrigParams, nn.Module):
         compute_dtype: dtype of the gather, forward and backward (float16, bfloat16); masters and
             optimizer stay in the module's dtype. ``None``: the module's dtype.
         reduce_dtype: dtype of the gradients' reduce-scatter. ``None``: the module's dtype.
+            (These two are the short form of ``mixed_precision=MixedPrecision(compute_dtype,
+            reduce_dtype, buffer_dtype=compute_dtype)``.)
+        mixed_precision: a ``MixedPrecision`` for every unit, or a mapping unit -> policy
+            (``fsdp_policy``); units left out run in the module's dtype.
+        keep_float32: module classes (``nn.LayerNorm``) whose parameters and buffers stay in the
+            module's dtype in every unit; they compute in it and hand their unit's dtype on.
         algorithm: ``ring`` or ``direct`` (the schedules with a reduce-scatter and all-gather).
         local_batch_size: this rank's shard size, for uneven shards (as in ``DDP``).
     """
 
     def __init__(self, module: nn.Module, comm: Communicator, *, units: Sequence[nn.Module] | None = None,
                  compute_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
+                 mixed_precision: Policy = None, keep_float32: tuple[type, ...] = (),
                  algorithm: str = "ring", local_batch_size: int | None = None) -> None:
         super().__init__()
         if not has_schedule(algorithm, "scatter"):
@@ -111,8 +125,13 @@ class FullyShardedDataParallel(FullParams, OrigParams, nn.Module):
                               f"{', '.join(SCATTER_ALGORITHMS)}, got {algorithm!r}")
         plans = plan_units(module, units)  # checked before any collective: a bad unit fails alone
         master, device = dtype_and_device(list(module.parameters()))
-        dtypes = check_dtypes(compute_dtype, reduce_dtype, master, comm, device)
-        self.compute_dtype, self.reduce_dtype = dtypes
+        if mixed_precision is not None and (compute_dtype or reduce_dtype):
+            raise ConfigError("give either mixed_precision or compute_dtype/reduce_dtype, not both")
+        if mixed_precision is None and (compute_dtype or reduce_dtype):  # the short form: one policy
+            mixed_precision = MixedPrecision(compute_dtype, reduce_dtype, compute_dtype)
+        self.precisions = unit_precisions(mixed_precision, [q.module for q in plans], master, comm, device)
+        self.compute_dtype, self.reduce_dtype = self.precisions[0].compute, self.precisions[0].reduce
+        self.keep_float32 = tuple(keep_float32)
         if device.type != "cpu":
             flat_buffer(comm, 0, master, device)  # raises unless the communicator moves that device's memory
         self.module, self.comm, self.algorithm, self.device = module, comm, algorithm, device
@@ -121,34 +140,17 @@ class FullyShardedDataParallel(FullParams, OrigParams, nn.Module):
         self._param_keys = param_keys(module)
         self._buffer_dtypes = {k: module.get_buffer(k).dtype for k in self._state_keys
                                if k not in self._param_keys}
-        first_key = {}
-        for key, pid in self._param_keys.items():
-            first_key.setdefault(pid, key)
         self.meter = MemoryMeter()
-        self.unit_names = [p.name for p in plans]
-        self.units: list[list[FlatParam]] = []
-        self._flat_keys: list[list[str]] = []  # per flat: the state-dict key of each of its parameters
-        cdt = self.compute_dtype or master
-        for plan in plans:
-            flats = []
-            for trainable in (True, False):
-                idx = [i for i, p in enumerate(plan.params) if p.requires_grad == trainable]
-                if idx:
-                    params, holders = [plan.params[i] for i in idx], [plan.holders[i] for i in idx]
-                    flats.append(FlatParam(comm, params, holders, cdt, trainable, self.meter, algorithm,
-                                           self.reduce_dtype))
-                    self._flat_keys.append([first_key[id(plan.params[i])] for i in idx])
-            self.units.append(flats)
-        self._float_buffers = [] if self.compute_dtype is None else [
-            (mod, name) for mod in module.modules() for name, b in mod._buffers.items()
-            if b is not None and b.is_floating_point()]
-        for k, flats in enumerate(self.units):
-            for f in flats:
-                if f.trainable:
-                    f.leaf.register_post_accumulate_grad_hook(partial(self._grad_ready, f))
-            if k:
-                plans[k].module.register_forward_pre_hook(partial(self._pre_forward, k))
-                plans[k].module.register_forward_hook(partial(self._post_forward, k))
+        self.unit_names = [q.name for q in plans]
+        self._build_flats(plans, master)
+        unit_of = {id(m): k for k, q in enumerate(plans) if k for m in q.module.modules()}
+        self._float_buffers = [(mod, name, dtype) for mod in module.modules()
+                               if (dtype := self._buffer_dtype(mod, unit_of)) is not None
+                               for name, b in mod._buffers.items() if b is not None and b.is_floating_point()]
+        mixed = any(u.compute is not None for u in self.precisions)
+        self._input_dtypes = [u.compute or master for u in self.precisions] if mixed else None
+        cast_kept_modules(module, self.keep_float32, unit_of, self.precisions, master)
+        self._register_hooks(plans)
         self._pending: list[FlatParam] = []  # trainable flats used in forward, not reduced yet
         self._callback_queued = False
         self._summoned = False
@@ -158,6 +160,46 @@ class FullyShardedDataParallel(FullParams, OrigParams, nn.Module):
         self.global_batch_size: int | None = None
         if local_batch_size is not None:
             self.set_local_batch_size(local_batch_size)
+
+    def _build_flats(self, plans: list, master: torch.dtype) -> None:
+        """Per unit, a flat per (trainable, kept in float32) group of its parameters: a flat has one
+        gather dtype and one reduce dtype."""
+        first_key: dict[int, str] = {}
+        for key, pid in self._param_keys.items():
+            first_key.setdefault(pid, key)
+        self.units: list[list[FlatParam]] = []
+        self._flat_keys: list[list[str]] = []  # per flat: the state-dict key of each of its parameters
+        for plan, prec in zip(plans, self.precisions):
+            flats = []
+            for trainable, kept in ((True, False), (True, True), (False, False), (False, True)):
+                idx = [i for i, q in enumerate(plan.params) if q.requires_grad == trainable
+                       and is_kept(plan.holders[i], self.keep_float32) == kept]
+                if idx:
+                    gather, reduce = (master, master) if kept else (prec.compute or master, prec.reduce)
+                    params, holders = [plan.params[i] for i in idx], [plan.holders[i] for i in idx]
+                    flats.append(FlatParam(self.comm, params, holders, gather, trainable, self.meter,
+                                           self.algorithm, reduce))
+                    self._flat_keys.append([first_key[id(plan.params[i])] for i in idx])
+            self.units.append(flats)
+
+    def _buffer_dtype(self, mod: nn.Module, unit_of: dict[int, int]) -> torch.dtype | None:
+        """The dtype ``mod``'s floating buffers are cast to per forward: its unit's ``buffer_dtype``,
+        none for a kept (float32) module."""
+        if self.keep_float32 and isinstance(mod, self.keep_float32):
+            return None
+        return self.precisions[unit_of.get(id(mod), 0)].buffer
+
+    def _register_hooks(self, plans: list) -> None:
+        for k, flats in enumerate(self.units):
+            for f in flats:
+                if f.trainable:
+                    f.leaf.register_post_accumulate_grad_hook(partial(self._grad_ready, f))
+            if k:
+                if self._input_dtypes is not None:
+                    cast = partial(cast_unit_inputs, self._input_dtypes[k])
+                    plans[k].module.register_forward_pre_hook(cast, with_kwargs=True)
+                plans[k].module.register_forward_pre_hook(partial(self._pre_forward, k))
+                plans[k].module.register_forward_hook(partial(self._post_forward, k))
 
     def _flats(self) -> list[FlatParam]:
         return [f for flats in self.units for f in flats]
@@ -169,10 +211,10 @@ class FullyShardedDataParallel(FullParams, OrigParams, nn.Module):
             raise ConfigError("forward inside summon_full_params(): leave the context first")
         self._pending.clear()  # a forward whose backward never ran (evaluation) leaves nothing behind
         self._sync_this_backward = self.require_backward_grad_sync
-        if self.compute_dtype is not None:
-            args, kwargs = cast_floats((args, kwargs), self.compute_dtype)
+        if self._input_dtypes is not None:
+            args, kwargs = cast_floats((args, kwargs), self._input_dtypes[0])
         self._pre_forward(0)
-        masters = cast_buffers(self._float_buffers, self.compute_dtype)
+        masters = cast_buffers(self._float_buffers)
         try:
             output = self.module(*args, **kwargs)
         finally:

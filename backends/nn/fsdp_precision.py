@@ -2,7 +2,7 @@
 
     compute, reduce = check_dtypes(torch.bfloat16, None, torch.float32, comm)  # (bf16, fp32)
     args, kwargs = cast_floats((args, kwargs), torch.bfloat16)   # floating tensors only
-    masters = cast_buffers(float_buffers, torch.bfloat16)        # the module sees bf16 copies
+    masters = cast_buffers(float_buffers)   # (module, name, dtype): the module sees bf16 copies
     out = module(*args, **kwargs)
     restore_buffers(float_buffers, masters)                      # its own fp32 buffers back
 
@@ -76,20 +76,20 @@ def tensors_in(obj: Any) -> Iterator[torch.Tensor]:
             yield from tensors_in(o)
 
 
-def cast_buffers(buffers: list[tuple[nn.Module, str]], dtype: torch.dtype) -> Masters:
-    """Give each (module, name) a ``dtype`` copy of its buffer for one forward."""
+def cast_buffers(buffers: list[tuple[nn.Module, str, torch.dtype]]) -> Masters:
+    """Give each (module, name, dtype) a ``dtype`` copy of its buffer for one forward."""
     out = []
-    for mod, name in buffers:
+    for mod, name, dtype in buffers:
         master = mod._buffers[name]
         low = mod._buffers[name] = master.to(dtype)
         out.append((master, low, low._version))
     return out
 
 
-def restore_buffers(buffers: list[tuple[nn.Module, str]], masters: Masters) -> None:
+def restore_buffers(buffers: list[tuple[nn.Module, str, torch.dtype]], masters: Masters) -> None:
     """The module's own buffers back; one that forward changed in place takes the change (the
     version counter catches Python's in-place ops, the comparison with a fresh cast the kernels')."""
-    for (mod, name), (master, low, version) in zip(buffers, masters):
+    for (mod, name, _), (master, low, version) in zip(buffers, masters):
         mod._buffers[name] = master
         if low._version != version or not torch.equal(low, master.to(low.dtype)):
             with torch.no_grad():
