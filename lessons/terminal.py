@@ -91,7 +91,8 @@ def list_lessons(console: Console | None = None) -> int:
                                 KEYS, "); ", ("--step K", "cyan"), " starts at step K; ",
                                 ("--no-pause", "cyan"), " runs it straight through."))
     console.print(Text.assemble("Exercises: ", ("dplab lesson init DIR", "cyan"), " copies them; ",
-                                ("dplab lesson watch N DIR", "cyan"), " checks lesson N's again on every save."))
+                                ("dplab lesson watch N DIR", "cyan"),
+                                " checks lesson N's again on every save."))
     return 0
 
 
