@@ -251,9 +251,14 @@ STEPS = (
                       lambda f: 1 < f["best_p"] < f["last_p"] and f["last_s"] < f["best_s"]),
                 Check("Amdahl's curve never falls, and overshoots the model at p = {last_p}",
                       lambda f: f["amdahls"] == sorted(f["amdahls"]) and f["amdahl_last"] > f["last_s"])),
+        inputs={"batch": 4096, "last_p": WORLD_SIZES[-1]},
         predict=Predict("Global batch {batch:,}, adding ranks from 1 to {last_p}. Does the step ever get "
-                        "slower as ranks are added: 'yes' or 'no'?", "falls", choices=("yes", "no")),
+                        "slower as ranks are added: 'yes' or 'no'?", "falls", choices=("yes", "no"),
+                        misconceptions=(("no", "that is Amdahl's picture, where the part that does not "
+                                               "shrink stays the same size; communication grows with p"),)),
         hint="Compute falls as 1/p; the ring's 2(p-1) latencies grow as p. Their sum has a minimum.",
+        hints=("T(p) = T_comp/p + 2(p-1)α + 2(p-1)/p · n β: which term wins at large p?",),
+        show=(flops_per_sample, step_time, amdahl),
         try_this="Set FLOPS to 1e12 (a GPU) in l05_scaling.py: where does the speedup peak now, and why?",
         explore=Explore("cost"),
         teaches=("amdahl",),
@@ -286,9 +291,14 @@ STEPS = (
                       lambda f: min(f["weak"]) > f["weak"][0] / 2),
                 Check("the engine sends the cost model's bytes plus the loss's two float64s",
                       lambda f: f["loss_bytes"] == 16)),
+        inputs={"per_rank": 16},
         predict=Predict("At {per_rank} samples per rank, which does more FLOPs per byte it all-reduces: "
-                        "'small', 'large' or about the 'same'?", "about", choices=("small", "large", "same")),
+                        "'small', 'large' or about the 'same'?", "about", choices=("small", "large", "same"),
+                        misconceptions=(("large", "a larger model computes more per sample, but it also "
+                                                  "all-reduces more bytes: the parameters cancel"),)),
         hint="FLOPs per sample ≈ 6 × weights; bytes ≈ 2 × 4 × parameters. Divide.",
+        hints=("Per byte sent, what is left after the parameters cancel is the samples per rank.",),
+        show=(flops_per_sample, step_time),
         try_this="dplab scaling --help   # strong and weak scaling for any model and world size",
         teaches=("amdahl", "batch-size"),
     ),
@@ -333,8 +343,11 @@ STEPS = (
                       lambda f: f["reps"] == REPS)),
         predict=Predict("Priced on NVLink instead of 10 Gb/s Ethernet, is the serial share of the same "
                         "step 'larger', 'smaller' or the 'same'?", "nvl_word",
-                        choices=("larger", "smaller", "same")),
+                        choices=("larger", "smaller", "same"),
+                        misconceptions=(("same", "the serial share is not a property of the code: it is "
+                                                 "T_comm against T_comp on one machine"),)),
         hint="Karp-Flatt: e = (1/S - 1/p) / (1 - 1/p); faster links shrink T_comm, and with it e.",
+        show=(karp_flatt, step_time),
         try_this="Price the step on PRESETS['h100-100g'] in serial_share_is_the_machines.",
         teaches=("amdahl",),
     ),

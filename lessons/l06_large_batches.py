@@ -148,10 +148,14 @@ STEPS = (
                       lambda f: max(f["sqrt"], f["linear"]) < f["none"]),
                 Check("the best scaled lr comes within 20% of the small batch's held-out loss",
                       lambda f: f["best_loss"] < 1.2 * f["small"])),
+        inputs={"base_batch": BASE_BATCH, "base_lr": BASE_LR, "big_batch": 16 * BASE_BATCH},
         predict=Predict("Batch {base_batch} trains with lr {base_lr:g}. By the linear rule, what lr goes "
-                        "with a global batch of {big_batch}?", "lr_linear", rel_tol=1e-9),
-        hint="Linear: k times the batch, k times the lr (Goyal et al. 2017). Here k = {big_batch} / "
-             "{base_batch}.",
+                        "with a global batch of {big_batch}?", "lr_linear", rel_tol=1e-9,
+                        misconceptions=((0.2, "that is the sqrt rule (lr × √16); the linear one is lr × 16"),
+                                        (0.05, "that leaves the lr unchanged: 16x the batch, 16x the lr"))),
+        hint="Linear: k times the batch, k times the lr (Goyal et al. 2017).",
+        hints=("Here k = 512 / 32 = 16.",),
+        show=(train_minibatch,),
         try_this="dplab compare --global-batches 64,256,1024 --lr-rule linear,sqrt,none --optimizer momentum",
         teaches=("lr-scaling", "large-batch-sgd"),
     ),
@@ -173,8 +177,11 @@ STEPS = (
                 Check("and ends lower on held-out data", lambda f: f["warm_end"] < f["cold_end"]),
                 Check("but behind the small batch: the linear rule broke at k = {k}",
                       lambda f: f["warm_end"] > f["small"])),
+        inputs={"base_batch": BASE_BATCH, "base_lr": BASE_LR, "batch": 128 * BASE_BATCH},
         predict=Predict("Batch {base_batch} trains with lr {base_lr:g}. What lr does the linear rule give "
-                        "a batch of {batch:,}?", "lr", rel_tol=1e-9),
+                        "a batch of {batch:,}?", "lr", rel_tol=1e-9,
+                        misconceptions=((0.05, "that leaves the lr unchanged: the linear rule multiplies it "
+                                               "by k = 128"),)),
         hint="reference/lr.py: warmup_lr ramps from lr/warmup_steps at update 1 to the full lr.",
         try_this="dplab train --dataset classification --global-batch 512 --lr 0.8 --warmup-steps 10",
         teaches=("lr-scaling",),

@@ -170,6 +170,7 @@ STEPS = (
                       lambda f: f["late_share"] < 1 / 3),
                 Check("sync stays single-device SGD (< 1e-12)", lambda f: f["sync_vs_single"] < 1e-12),
                 Check("the async run replays exactly from its log", lambda f: f["replay_exact"])),
+        inputs={"late_ms": LATE * 1e3, "budget": BUDGET},
         predict=Predict("Rank 3 starts every batch {late_ms:.0f} ms late. In {budget:g} s, which applies "
                         "more samples: 'sync' or 'async'?", "more", choices=("sync", "async")),
         hint="A synchronous step needs every rank's gradient; a parameter server applies each as it comes.",
@@ -195,6 +196,7 @@ STEPS = (
                       lambda f: f["ahead_2"] == 2),
                 Check("unbounded, they run further ahead than any bound shown",
                       lambda f: f["ahead_none"] > 2)),
+        inputs={"late_ms": SSP_LATE * 1e3},
         predict=Predict("Worker 1 is {late_ms:.0f} ms late every clock; the staleness is 2. How many clocks "
                         "ahead of it does the fastest worker get, at most?", "ahead_2"),
         hint="The gate opens clock c once the slowest has finished c - S clocks: c - (c - S) = S.",
@@ -222,8 +224,12 @@ STEPS = (
                 Check("every log replays to the server's parameters, bit for bit",
                       lambda f: f["replay_exact"])),
         figure=_histogram,
+        inputs={"workers": WORKERS},
         predict=Predict("Lock-step (S = 0), {workers} workers pulling the same version each clock: what is "
-                        "the largest delay, in updates, a gradient can have?", "bound_0"),
+                        "the largest delay, in updates, a gradient can have?", "bound_0",
+                        misconceptions=((0, "all three pull the same version, but the server applies their "
+                                            "gradients one at a time: the last to land has seen two others "
+                                            "applied since its pull"),)),
         hint="In a lock-step clock all three pull the same version; the last of the three to land has seen "
              "the other two applied first.",
         try_this="dplab compare --modes async --staleness-grid 0,2,inf --world-sizes 4 --straggler 3:8",

@@ -155,7 +155,9 @@ STEPS = (
                 Check("the parameters are the same bits as without a straggler", lambda f: f["same_bits"])),
         figure=_timeline,
         predict=Predict("Rank 1 starts every batch late; ranks 0, 2 and 3 are on time. Which rank spends "
-                        "the least time waiting?", "least_waiting", choices=("0", "1", "2", "3")),
+                        "the least time waiting?", "least_waiting", choices=("0", "1", "2", "3"),
+                        misconceptions=(("0", "an all-reduce has no master: rank 0 waits for the late rank "
+                                              "like everyone else"),)),
         hint="Waiting happens where a rank needs a message that is not there yet.",
         try_this="dplab compare --modes sync,async --world-sizes 4 --straggler 1:4",
         explore=Explore("runs"),
@@ -178,10 +180,16 @@ STEPS = (
         run=backup_on_the_clock,
         checks=(Check("one backup worker shortens the mean step", lambda f: f["speedup_1"] > 1),
                 Check("two shorten it more", lambda f: f["speedup_2"] > f["speedup_1"])),
+        inputs={"n": 8},
         predict=Predict("Each of N = {n} workers is slow in 5% of steps, independently. In what percentage "
-                        "of steps is at least one of them slow?", "slow_pct", rel_tol=0.1, unit="%"),
+                        "of steps is at least one of them slow?", "slow_pct", rel_tol=0.1, unit="%",
+                        misconceptions=((5, "5% is one worker's chance; a step waits if ANY of the 8 "
+                                            "is slow: 1 - 0.95^8"),
+                                        (40, "8 × 5% counts the steps where two are slow twice: "
+                                             "1 - 0.95^8"))),
         hint="With 8 workers, the chance that none is slow in a step is 0.95^8.",
         try_this="Change the 5% in backup_on_the_clock to 1% and to 20%: when do backups pay?",
+        show=(simulated_clock,),
         teaches=("stragglers",),
     ),
     Step(

@@ -262,8 +262,13 @@ STEPS = (
                       lambda f: abs(f["rel"] - 1) < 0.15),
                 Check("B_noise grows as training proceeds", lambda f: f["b_noise"] > 2 * f["b_start"])),
         predict=Predict("As training lowers the loss, does B_noise get 'larger' or 'smaller'?", "grows",
-                        choices=("larger", "smaller")),
-        hint="Near a minimum the mean gradient G goes to zero, but single samples still disagree.",
+                        choices=("larger", "smaller"),
+                        misconceptions=(("smaller", "near a minimum the mean gradient G shrinks toward "
+                                                    "0, but single samples still disagree: tr(Σ)/|G|² "
+                                                    "grows"),)),
+        hint="B_noise = tr(Σ)/|G|²: what happens to each part near a minimum?",
+        hints=("Near a minimum the mean gradient G goes to zero, but single samples still disagree.",),
+        show=(per_sample_grads, noise_scale),
         try_this="Print noise_scale at steps 0, 50, 200 and 800 of trained(): when does it level off?",
         teaches=("batch-size",),
     ),
@@ -286,8 +291,11 @@ STEPS = (
                       lambda f: f["first_gain"] > 2 * f["last_gain"]),
                 Check("the fitted B_crit is within 4x of the measured B_noise",
                       lambda f: 0.25 < f["ratio"] < 4)),
+        inputs={"b_before": BATCHES[-2], "b_last": BATCHES[-1]},
         predict=Predict("From batch {b_before:,} to {b_last:,}, are the steps to the target '4x fewer' or "
-                        "'about the same'?", "fewer", choices=("4x fewer", "about the same")),
+                        "'about the same'?", "fewer", choices=("4x fewer", "about the same"),
+                        misconceptions=(("4x fewer", "that is perfect scaling, which holds only far "
+                                                     "below the critical batch"),)),
         hint="Far above B_noise the gradient is almost exact: a larger batch cannot make a step better.",
         try_this="Set TARGET to 0.12 in l13_batch_size.py: B_noise is larger later on; does B_crit follow?",
         teaches=("batch-size",),
@@ -324,8 +332,11 @@ STEPS = (
                       <= f["target"]),
                 Check("the large batch's held-out gap is over twice the small one's",
                       lambda f: f["gap_x"] > 2)),
+        inputs={"small": BASE_BATCH, "large": 32 * BASE_BATCH},
         predict=Predict("At the same training loss, which has the higher held-out loss: batch {small} or "
-                        "{large}?", "worse", choices=("32", "1024")),
+                        "{large}?", "worse", choices=("32", "1024"),
+                        misconceptions=(("32", "the small batch's noisier steps are what keeps it out of "
+                                               "minima that fit only the training set"),)),
         hint="Small batches' noise keeps them out of sharp minima that fit the training set only.",
         try_this="Change 32 to 8 in generalisation_gap (batch 256): is the gap between the two?",
         teaches=("batch-size",),
@@ -342,7 +353,9 @@ STEPS = (
         run=adam_sqrt,
         checks=(Check("Adam's sqrt rule beats its linear rule at k = 16 and 64", lambda f: f["sqrt_wins"]),),
         predict=Predict("Adam trains batch 32 at lr {lr0:g}. By the sqrt rule, what lr goes with batch 512?",
-                        "lr_sqrt_16", rel_tol=1e-9),
+                        "lr_sqrt_16", rel_tol=1e-9,
+                        misconceptions=((lambda g, f: abs(g - 16 * f["lr0"]) < 1e-9,
+                                         "that is the linear rule (× 16); the sqrt rule is × √16 = × 4"),)),
         hint="k = 512 / 32 = 16; √16 = 4.",
         try_this="Try LAMB (optimizer='lamb') at k = 64 with the sqrt rule (lesson 6's trust ratio).",
         teaches=("batch-size", "lr-scaling"),
