@@ -188,3 +188,18 @@ def test_every_named_ssp_mistake_differs_from_the_gate():
     keys = [(c, d, s) for s in ssp_ex.STALENESS for c in ssp_ex.GRID_CLOCKS for d in ssp_ex.GRID_CLOCKS]
     for name, (gate, _) in ssp_ex.MISTAKES.items():
         assert any(bool(gate(*k)) != gate_open([k[1]], k[0], k[2]) for k in keys), name
+
+
+# wrong predictions name their misconception (judged on the facts alone: no run needed)
+@pytest.mark.parametrize("number, index, facts, reply, says", [
+    (5, 0, {"falls": "yes"}, "no", "Amdahl's picture"),
+    (5, 1, {"about": "same"}, "large", "the parameters cancel"),
+    (6, 0, {"lr_linear": 0.8}, "0.2", "the sqrt rule"),
+    (6, 0, {"lr_linear": 0.8}, "0.05", "leaves the lr unchanged"),
+    (8, 1, {"slow_pct": 33.7}, "5", "one worker's chance"),
+    (8, 3, {"dropped": "0"}, "3", "last to ARRIVE"),
+    (13, 4, {"lr_sqrt_16": 0.04, "lr0": 0.01}, "0.16", "that is the linear rule"),
+])
+def test_a_wrong_prediction_names_its_misconception(number, index, facts, reply, says):
+    verdict = lesson(number).steps[index].predict.judge(facts, reply)
+    assert not verdict.correct and says in verdict.message + verdict.misconception, verdict

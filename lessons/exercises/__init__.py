@@ -88,6 +88,11 @@ from dplab.lessons.exercises.scaler import judge_scaler  # noqa: E402
 
 EXERCISES["loss_scaler"] = _exercise("loss_scaler", 11, "The dynamic loss scaler's rule", judge_scaler)
 
+# appended: lesson 10's FSDP unit
+from dplab.lessons.exercises.fsdp_unit import judge_fsdp  # noqa: E402
+
+EXERCISES["fsdp_unit"] = _exercise("fsdp_unit", 10, "An FSDP unit's gather and free", judge_fsdp)
+
 # appended: lesson 8's backup workers, the first n of N + b gradients
 from dplab.lessons.exercises.backup import judge_backup  # noqa: E402
 
