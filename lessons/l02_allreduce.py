@@ -24,7 +24,7 @@ from dplab.reference.costmodel import cost
 from dplab.reference.pictures import render_arrows, render_rounds
 from dplab.reference.schedule import Schedule, Transfer
 from dplab.reference.simulate import is_allreduce, simulate
-from dplab.reference.topology import PRESETS
+from dplab.reference.topology import PRESETS, Topology
 
 __all__ = ["LESSON", "rings_per_nic"]
 
@@ -157,8 +157,8 @@ def tree_holders(lab):
 
 
 def latency_or_bandwidth(lab):
-    # 10 Gb/s Ethernet, 5 us a message
-    p, net = 8, PRESETS["flat-10g"]
+    # 100 Gb/s Ethernet, 5 us a message: one link for every message
+    p, net = 8, Topology.flat(5e-6, 1 / 12.5e9, 0.0, "100g")
     small, large = 4 << 10, 64 * MIB
     rd = "recursive_doubling"
     times = {(a, n): cost(allreduce_schedule(a, p), n, itemsize=4,
@@ -167,7 +167,7 @@ def latency_or_bandwidth(lab):
     alpha = net.intra.alpha
     return {"p": p, "small": small, "large": large,
             "alpha_us": alpha * 1e6,
-            "gbps": 1e-9 / net.intra.beta,
+            "gbps": round(1e-9 / net.intra.beta, 6),  # 12.5, as the Cost page offers it
             "ring_small_us": times["ring", small] * 1e6,
             "rd_small_us": times[rd, small] * 1e6,
             "ring_large_ms": times["ring", large] * 1e3,
@@ -417,7 +417,7 @@ STEPS = (
     ),
     Step(
         title="The trade-off: latency or bandwidth",
-        text=("Time = α per message on the critical path + β per byte, with β = 1/bandwidth. On 10 Gb/s "
+        text=("Time = α per message on the critical path + β per byte, with β = 1/bandwidth. On 100 Gb/s "
               "Ethernet (α = {alpha_us:g} µs, {gbps:g} GB/s each way) at p={p}, in the model:\n\n"
               "- **{small:,} bytes**: ring {ring_small_us:.1f} µs, recursive doubling {rd_small_us:.1f} µs. "
               "The ring's 2(p-1) latencies are {ring_alpha_share:.0%} of its time: small messages are "
@@ -433,13 +433,13 @@ STEPS = (
                 Check("the ring's small message is mostly latency (> 50%)",
                       lambda f: f["ring_alpha_share"] > 0.5),
                 Check("the question's α is the link's: 5 µs", lambda f: abs(f["alpha_us"] - 5) < 1e-9)),
-        predict=Predict("At p={p} on 10 Gb/s Ethernet (α = 5 µs), which is faster for a {small:,}-byte "
+        predict=Predict("At p={p} on 100 Gb/s Ethernet (α = 5 µs), which is faster for a {small:,}-byte "
                         "all-reduce: 'ring' or 'recursive_doubling'?", "small_winner",
                         choices=("ring", "recursive_doubling"), misconceptions=(
-                            ("ring", "the ring sends fewer bytes, but 4 KiB take about 3 µs on this link "
+                            ("ring", "the ring sends fewer bytes, but 4 KiB take about 0.3 µs on this link "
                                      "while each of its 14 messages costs 5 µs"),)),
         hint="Compare the latencies: the ring pays 2(p-1) of them, recursive doubling lg p.",
-        hints=("14 latencies of 5 µs is 70 µs; 4 KiB at 1.25 GB/s is about 3 µs.",),
+        hints=("14 latencies of 5 µs is 70 µs; 4 KiB at 12.5 GB/s is about 0.3 µs.",),
         try_this="dplab app   # Cost page: move α and β and watch the crossover move",
         explore=Explore("cost", lambda f: {"p": f["p"], "alpha_us": f["alpha_us"], "beta_gbps": f["gbps"]}),
         teaches=("bandwidth-latency",),

@@ -157,9 +157,17 @@ def test_the_latency_steps_explore_link_takes_beta_from_the_fact_the_text_shows(
     step = _step(2, "The trade-off")
     with Lab() as lab:
         out = run_step(step, lab, figure=False)
-    assert out.facts["gbps"] == pytest.approx(1.25)
+    assert out.facts["gbps"] == pytest.approx(12.5)
     assert float(step.explore.query(out.facts)["beta_gbps"]) == out.facts["gbps"]
-    assert "1.25 GB/s" in out.text
+    assert "12.5 GB/s" in out.text
+    # and the Cost page offers that β: a value off its slider would open the page at its default
+    import ast
+
+    import dplab.viz
+    page = (Path(dplab.viz.__file__).parent / "pages" / "cost.py").read_text()
+    offered = next(ast.literal_eval(node.value) for node in ast.parse(page).body
+                   if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "BETA_GBPS")
+    assert out.facts["gbps"] in offered
 
 
 def test_the_minimum_bytes_claim_names_in_network_reduction():
