@@ -14,6 +14,7 @@ import math
 from dplab.backends.cli.memory import memory_rows
 from dplab.backends.runs.run import RunSpec, run_train
 from dplab.lessons.exercises import STUBS, check_file
+from dplab.lessons.exercises.fsdp_unit import HINTS as FSDP_HINTS
 from dplab.lessons.exercises.zero2 import HINTS as ZERO2_HINTS
 from dplab.lessons.exercises.zero2 import MODEL as ZERO2_MODEL
 from dplab.lessons.exercises.zero2 import in_flight_bytes
@@ -175,6 +176,13 @@ def zero2_exercise(lab):
             "stub_says": stub.message}
 
 
+def fsdp_exercise(lab):
+    # what `dplab lesson check 10` says of the FSDP stub
+    stub = check_file("fsdp_unit", STUBS / "fsdp_unit.py")
+    return {"stub_passed": stub.passed, "stub_says": stub.message,
+            "collectives": 3}
+
+
 STEPS = (
     Step(
         title="What each rank holds: replicas vs ZeRO-1, 2, 3",
@@ -323,6 +331,35 @@ STEPS = (
         show=("dplab.reference.zero.layout.ShardLayout",),
         try_this="dplab lesson init ex && dplab lesson check 10 ex   # edit ex/zero2_step.py until it passes",
         exercise="zero2_step",
+        teaches=("memory",),
+    ),
+    Step(
+        title="Exercise: an FSDP unit's gather and free",
+        text=("Stage 3 (FSDP) keeps only a shard of every unit's weights. Write the two moves around one "
+              "unit in DIR/fsdp_unit.py: `unit_forward(comm, shard, n, forward)` all-gathers the unit's "
+              "weights, runs `forward(w)` and lets `w` go; `unit_backward(comm, shard, n, backward, "
+              "grad_shard)` gathers them again, takes the unit's gradient from `backward(w)`, "
+              "reduce-scatters it and keeps only this rank's chunk. `dplab lesson check 10 DIR` runs a "
+              "model of 8 units on 1 to 4 ranks and judges every call: its output and gradient chunk "
+              "against the true ones, the bytes it sent (forward: one all-gather; backward: an all-gather "
+              "and a reduce-scatter), and what it left allocated when it returned: weights kept from "
+              "forward for backward save a gather and cost a whole unit per rank, which is what FSDP "
+              "exists to free. The stub does not gather at all; checked as shipped it says:\n\n"
+              "> {stub_says}"),
+        run=fsdp_exercise,
+        checks=(Check("the stub fails its check, naming the wrong weights its forward ran with",
+                      lambda f: not f["stub_passed"] and "whole weights" in f["stub_says"]),),
+        inputs={},
+        predict=Predict("How many collectives does one unit take per training step under FSDP (forward and "
+                        "backward together)?", "collectives",
+                        misconceptions=((2, "backward gathers the weights again: forward freed them"),
+                                        (4, "the gradient needs one reduce-scatter, not an all-reduce "
+                                         "plus a scatter"))),
+        hint=FSDP_HINTS[0],
+        hints=FSDP_HINTS[1:],
+        show=("dplab.reference.zero.traffic.sent_closed_form",),
+        try_this="dplab lesson check 10 ex   # judges ex/zero2_step.py and ex/fsdp_unit.py",
+        exercise="fsdp_unit",
         teaches=("memory",),
     ),
 )

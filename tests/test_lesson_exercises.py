@@ -40,6 +40,8 @@ STUB_SAYS = {
     "ring_allgather": [re.escape("at p=3: rank 0 ends without chunk 1 complete after the last round "
                                  "(round 0)")],
     "tree_broadcast": [re.escape("at p=3, root=0: rank 2 never receives the root's buffer")],
+    "fsdp_unit": [re.escape("at p=2: rank 0's forward of unit 0 returned something other than the unit run "
+                            "with its whole weights")],
     "loss_scaler": [re.escape("clean steps (growth_interval 3): the scale should grow at step 2 "
                               "(S = 1,024)")],
     "ring_reduce_scatter": [re.escape("at p=3: rank 0 ends with chunk 0 missing ranks 1 and 2's parts after "
@@ -76,6 +78,7 @@ SOLUTION_SAYS = {
                   r"parameters in 16 layers\)",
     "ring_allgather": r"right for p = 1\.\.8: .* \(7 rounds, 56 chunk transfers at p=8\)",
     "tree_broadcast": r"right for p = 1\.\.9 and roots 0, 2, 3, 4, 5: .* \(4 at p=9\)",
+    "fsdp_unit": r"right on 1\.\.4 ranks: .* \(8 units, 7,012 weights\), 3 collectives a unit a step",
     "loss_scaler": r"right on 6 runs: .* \(21 steps skipped, 13 growths",
     "backup_step": r"right on all 200 cases .* your steps average 1\.\d\d units",
 }

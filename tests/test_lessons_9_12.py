@@ -164,3 +164,75 @@ def test_loss_scaler_right_template_passes(tmp_path):
     file = tmp_path / "loss_scaler.py"
     file.write_text(textwrap.dedent(SCALER.format(**SCALER_RIGHT)))
     assert check_file("loss_scaler", file).passed
+
+
+FSDP_GATHER = """
+    import numpy as np
+    from dplab.reference.collectives import allgather, allreduce, reduce_scatter
+    from dplab.reference.schedule import chunk_bounds
+
+    CACHE = {}
+
+    def gather(comm, shard, n):
+        a, b = chunk_bounds(n, comm.world_size)[comm.rank]
+        w = np.zeros(n, dtype=shard.dtype)
+        w[a:b] = shard
+        %s
+        return w
+
+    def unit_forward(comm, shard, n, forward):
+        %s
+
+    def unit_backward(comm, shard, n, backward, grad_shard):
+        a, b = chunk_bounds(n, comm.world_size)[comm.rank]
+        %s
+"""
+FSDP_RIGHT = ("allgather(comm, w)", "return forward(gather(comm, shard, n))",
+              "g = backward(gather(comm, shard, n))\n        reduce_scatter(comm, g)\n"
+              "        grad_shard[:] = g[a:b]")
+FSDP_WRONG = {
+    # the gathered weights kept from forward for backward: no second gather, but a whole unit held
+    "weights-kept": ({1: "CACHE[n, len(shard)] = w = gather(comm, shard, n)\n        return forward(w)",
+                      2: "g = backward(CACHE[n, len(shard)])\n        reduce_scatter(comm, g)\n"
+                         "        grad_shard[:] = g[a:b]"},
+                     ["forward of unit", "the gathered weights are still held after the unit's forward"]),
+    "allreduce-gradient": ({2: "g = backward(gather(comm, shard, n))\n        allreduce(comm, g)\n"
+                               "        grad_shard[:] = g[a:b]"},
+                           ["backward sent 1.50x the bytes", "allreduce", "reduce_scatter sends half"]),
+    "allreduce-gather": ({0: "allreduce(comm, w)"},
+                         ["forward sent 2.00x the bytes", "all-reduce of zero-padded weights"]),
+    "gradient-kept": ({2: "CACHE[n] = g = backward(gather(comm, shard, n))\n        reduce_scatter(comm, g)\n"
+                          "        grad_shard[:] = g[a:b]"},
+                      ["backward of unit", "a whole weight or gradient buffer is still held"]),
+    "not-reduced": ({2: "g = backward(gather(comm, shard, n))\n        grad_shard[:] = g[a:b]"},
+                    ["is this rank's own gradient, not the sum over the ranks"]),
+    "averaged": ({2: "g = backward(gather(comm, shard, n))\n        reduce_scatter(comm, g)\n"
+                     "        grad_shard[:] = g[a:b] / comm.world_size"},
+                 ["is 1/2 of the summed gradient: it was averaged"]),
+}
+
+
+def _fsdp(tmp_path: Path, change: dict) -> Path:
+    parts = [change.get(i, part) for i, part in enumerate(FSDP_RIGHT)]
+    file = tmp_path / "fsdp_unit.py"
+    file.write_text(textwrap.dedent(FSDP_GATHER % tuple(parts)))
+    return file
+
+
+def test_fsdp_unit_solution_and_right_template_pass_and_stub_fails(tmp_path):
+    report = check_file("fsdp_unit", SOLUTIONS / "fsdp_unit.py")
+    assert report.passed, report.message
+    assert "3 collectives a unit a step" in report.message
+    assert check_file("fsdp_unit", _fsdp(tmp_path, {})).passed
+    stub = check_file("fsdp_unit", EXERCISES["fsdp_unit"].stub_path)
+    assert not stub.passed and "forward of unit 0 returned something other than the unit run with its " \
+        "whole weights" in stub.message, stub.message
+
+
+@pytest.mark.parametrize("name", sorted(FSDP_WRONG))
+def test_fsdp_unit_wrong_answers_fail_naming_the_mistake(tmp_path, name):
+    change, says = FSDP_WRONG[name]
+    report = check_file("fsdp_unit", _fsdp(tmp_path, change))
+    assert not report.passed
+    for phrase in says:
+        assert phrase in report.message, report.message

@@ -51,6 +51,7 @@ COLLECTORS = {
     "ring_allgather": "dplab.lessons.exercises.schedules:collect_schedules",
     "tree_broadcast": "dplab.lessons.exercises.schedules:collect_schedules",
     "loss_scaler": "dplab.lessons.exercises.scaler:collect_scaler",
+    "fsdp_unit": "dplab.lessons.exercises.fsdp_unit:collect_fsdp",
     "backup_step": "dplab.lessons.exercises.backup:collect_backup",
 }
 GRACE_S = 3.0            # after the time limit, how long the child has to report before it is killed
