@@ -29,7 +29,8 @@ def _write(tmp_path: Path, name: str, source: str) -> Path:
 def test_the_four_exercises_their_lessons_and_files():
     assert {n: e.lesson for n, e in EXERCISES.items()} == {
         "ring_reduce_scatter": 2, "ddp_buckets": 4, "ssp_gate": 7, "zero2_step": 10,
-        "ring_allgather": 2, "tree_broadcast": 2, "loss_scaler": 11, "backup_step": 8}
+        "ring_allgather": 2, "tree_broadcast": 2, "loss_scaler": 11, "backup_step": 8,
+        "fsdp_unit": 10}
     for name, e in EXERCISES.items():
         assert e.stub == f"{name}.py" and e.stub_path.parent == STUBS and e.solution.parent == SOLUTIONS
         assert e.stub_path.is_file() and e.solution.is_file()
