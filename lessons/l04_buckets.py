@@ -179,7 +179,8 @@ STEPS = (
         hint="Walk the parameters from the last (b2) backwards and add up their sizes.",
         hints=("A bucket closes as soon as what it holds reaches the cap; the next parameter opens a new "
                "one.",),
-        show=(f"{R}.assign_buckets",),
+        # the exercise's stub: the engine's assign_buckets is its answer (shown in step 3, after it)
+        show=("dplab.lessons.exercises.stubs.ddp_buckets.ddp_buckets",),
         inputs={"cap": CAPS[0]},
         try_this="dplab lesson init ex && dplab lesson check 4 ex   # then fill in ex/ddp_buckets.py",
         exercise="ddp_buckets",

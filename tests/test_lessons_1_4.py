@@ -210,7 +210,7 @@ def test_every_exercise_step_shows_its_stub_and_climbs_in_tiers():
     from dplab.lessons import lesson
     for number in (2, 4):
         for step in lesson(number).steps:
-            if step.exercise and step.exercise in ("ring_reduce_scatter", "ring_allgather", "tree_broadcast"):
+            if step.exercise in ("ring_reduce_scatter", "ring_allgather", "tree_broadcast", "ddp_buckets"):
                 assert f"stubs.{step.exercise}" in step.code(), step.title
                 assert len(step.all_hints()) >= 2, step.title
 
@@ -238,7 +238,7 @@ def test_no_step_shows_an_exercises_answer_before_the_exercise():
     from dplab.lessons import lesson
     from dplab.lessons.exercises import EXERCISES, SOLUTIONS
     answers = {"ring_reduce_scatter": "(r - k - 1) % p", "ring_allgather": "(r - k) % p",
-               "tree_broadcast": "reversed(_edges"}
+               "tree_broadcast": "reversed(_edges", "ddp_buckets": "size >= cap"}
     for number in (1, 2, 3, 4):
         steps = lesson(number).steps
         for i, step in enumerate(steps):
