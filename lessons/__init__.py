@@ -35,6 +35,7 @@ MODULES = (
     "l12_engines",
     "l13_batch_size",
     "l14_real_model",
+    "l15_torch_stack",
 )
 
 

@@ -30,7 +30,7 @@ def test_the_four_exercises_their_lessons_and_files():
     assert {n: e.lesson for n, e in EXERCISES.items()} == {
         "ring_reduce_scatter": 2, "ddp_buckets": 4, "ssp_gate": 7, "zero2_step": 10,
         "ring_allgather": 2, "tree_broadcast": 2, "loss_scaler": 11, "backup_step": 8,
-        "fsdp_unit": 10}
+        "fsdp_unit": 10, "ddp_hooks": 15}
     for name, e in EXERCISES.items():
         assert e.stub == f"{name}.py" and e.stub_path.parent == STUBS and e.solution.parent == SOLUTIONS
         assert e.stub_path.is_file() and e.solution.is_file()
@@ -294,3 +294,10 @@ def test_a_report_is_printed_as_written_even_with_brackets():
     message = "line 3: `grad[lo:hi] = params[bold]`"
     console.print(reports_table([ExerciseReport("ring_reduce_scatter", False, message)], "utf-8"))
     assert message in console.export_text()
+
+
+# appended: lesson 15's DDP from hooks (its wrong answers: tests/test_lessons_14_15.py)
+STUB_SAYS["ddp_hooks"] = [re.escape("no all-reduce was launched: each rank stepped on the gradient of its "
+                                    "own half alone")]
+SOLUTION_SAYS["ddp_hooks"] = (r"right: on 2 gloo ranks every parameter's gradient was all-reduced from its "
+                              r"hook while backward ran, waited for in finish\(\)")

@@ -63,3 +63,94 @@ def test_lesson_14s_gpu_step_says_why_it_did_not_run():
     facts = on_a_gpu(None)
     assert not facts["ran"] and "CUDA" in facts["why"]
     assert math.isclose(facts["mfu_gpu"], 0.0)
+
+
+# --- lesson 15's exercise: DDP from hooks on torch tensors ------------------------------------------
+
+HOOKS = """
+    import torch
+    import torch.distributed as dist
+
+    def attach_ddp_hooks(model):
+        world = dist.get_world_size()
+        handles = []
+
+        def hook(param):
+{hook}
+
+        for param in model.parameters():
+            if {which}:
+                param.register_post_accumulate_grad_hook(hook)
+
+        def finish():
+{finish}
+
+        return finish
+"""
+RIGHT_HOOK = """            param.grad.div_(world)
+            handles.append(dist.all_reduce(param.grad, async_op=True))"""
+RIGHT_FINISH = """            for h in handles:
+                h.wait()
+            handles.clear()"""
+ALL = "param.requires_grad"
+
+# a plausible wrong answer -> (hook, which, finish) and what the report must say
+HOOKS_WRONG = {
+    "no-divide": (("            handles.append(dist.all_reduce(param.grad, async_op=True))", ALL,
+                   RIGHT_FINISH),
+                  ["moved 2 times as far as one process's", "summed, not averaged",
+                   "divide each gradient by the world size (2)"]),
+    "divide-twice": (("            param.grad.div_(world)\n"
+                      "            handles.append(dist.all_reduce(param.grad, async_op=True))", ALL,
+                      "            for h in handles:\n                h.wait()\n            handles.clear()\n"
+                      "            for p in model.parameters():\n                p.grad.div_(world)"),
+                     ["moved 1/2 as far", "divided by the world size twice"]),
+    "wait-in-hook": (("            param.grad.div_(world)\n"
+                      "            dist.all_reduce(param.grad, async_op=True).wait()", ALL,
+                      "            pass"),
+                     ["waited for each all-reduce inside its hook, before the next one was launched"]),
+    "blocking": (("            param.grad.div_(world)\n            dist.all_reduce(param.grad)", ALL,
+                  "            pass"),
+                 ["blocking (async_op=False)", "no communication overlapped the backward"]),
+    "data-not-grad": (("            handles.append(dist.all_reduce(param.data, async_op=True))", ALL,
+                       RIGHT_FINISH),
+                      ["all-reduced 4.bias (2,)'s values (param.data), not its gradient (param.grad)"]),
+    "a-copy": (("            g = param.grad / world\n"
+                "            handles.append(dist.all_reduce(g, async_op=True))", ALL, RIGHT_FINISH),
+               ["not any parameter's .grad (a copy", "All-reduce param.grad itself"]),
+    "weights-only": ((RIGHT_HOOK, "param.dim() > 1", RIGHT_FINISH),
+                     ["in step 0 0.bias (16,)'s gradient was never all-reduced (3 of 6 parameters were not)",
+                      "Register the hook on every parameter"]),
+    "never-waits": ((RIGHT_HOOK, ALL, "            handles.clear()"),
+                    ["finish() waited for 0 of the 6 all-reduces launched in step 0",
+                     "Wait for every handle in finish()"]),
+}
+
+
+def _hooks_file(tmp_path, hook, which, finish):
+    import textwrap
+
+    file = tmp_path / "ddp_hooks.py"
+    filled = HOOKS.replace("{hook}", hook).replace("{which}", which).replace("{finish}", finish)
+    file.write_text(textwrap.dedent(filled))
+    return file
+
+
+def test_the_hooks_template_filled_right_passes_and_so_does_the_shipped_solution(tmp_path):
+    from dplab.lessons.exercises import SOLUTIONS, check_file
+
+    for file in (_hooks_file(tmp_path, RIGHT_HOOK, ALL, RIGHT_FINISH), SOLUTIONS / "ddp_hooks.py"):
+        report = check_file("ddp_hooks", file)
+        assert report.passed, report.message
+        assert "waited for in finish()" in report.message
+
+
+@pytest.mark.parametrize("name", sorted(HOOKS_WRONG))
+def test_a_plausible_wrong_ddp_from_hooks_fails_naming_its_mistake(tmp_path, name):
+    from dplab.lessons.exercises import check_file
+
+    (hook, which, finish), says = HOOKS_WRONG[name]
+    report = check_file("ddp_hooks", _hooks_file(tmp_path, hook, which, finish))
+    assert not report.passed, name
+    for phrase in says:
+        assert phrase in report.message, (name, report.message)

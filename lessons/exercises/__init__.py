@@ -99,6 +99,11 @@ from dplab.lessons.exercises.backup import judge_backup  # noqa: E402
 EXERCISES["backup_step"] = _exercise("backup_step", 8, "Backup workers: the first n of N + b gradients",
                                      judge_backup)
 
+# appended: lesson 15's DDP from hooks on torch tensors (CS336's exercise)
+from dplab.lessons.exercises.ddp_hooks import judge_ddp_hooks  # noqa: E402
+
+EXERCISES["ddp_hooks"] = _exercise("ddp_hooks", 15, "DDP from hooks on torch tensors", judge_ddp_hooks)
+
 
 def init_dir(path: str | Path) -> list[Path]:
     """Copy every stub into ``path`` (created if need be); returns the files written.
