@@ -33,6 +33,18 @@ WORLD_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 REPS = 5            # measured cells, interleaved; every repetition is shown, not just the best
 
 
+def _bars(rows, unit="", width=40, title=""):
+    """A terminal picture: one bar per (label, value), on one scale."""
+    from rich.text import Text
+    top = max(v for _, v in rows) or 1
+    text = Text(f"{title}\n" if title else "")
+    for label, value in rows:
+        text.append(f"{label:>10} ")
+        text.append("█" * max(1, round(width * value / top)), style="cyan")
+        text.append(f" {value:.3g}{unit}\n")
+    return text
+
+
 def flops_per_sample(model):
     """Forward 2 FLOPs per weight per sample, backward 4: 6 in all."""
     cfg = model.cfg
@@ -259,6 +271,8 @@ STEPS = (
         hint="Compute falls as 1/p; the ring's 2(p-1) latencies grow as p. Their sum has a minimum.",
         hints=("T(p) = T_comp/p + 2(p-1)α + 2(p-1)/p · n β: which term wins at large p?",),
         show=(flops_per_sample, step_time, amdahl),
+        picture=lambda f: _bars([(f"p={p}", s) for p, s in zip(WORLD_SIZES, f["speedups"])], "x",
+                                title="speedup on the cost model (peaks, then falls)"),
         try_this="Set FLOPS to 1e12 (a GPU) in l05_scaling.py: where does the speedup peak now, and why?",
         explore=Explore("cost"),
         teaches=("amdahl",),

@@ -15,6 +15,7 @@ import numpy as np
 
 from dplab.lessons.exercises import STUBS, check_file
 from dplab.lessons.exercises.backup import HINTS as BACKUP_HINTS
+from dplab.lessons.l05_scaling import _bars
 from dplab.lessons.step import Check, Explore, Lesson, Predict, Step
 from dplab.reference.model import MLPConfig
 from dplab.reference.ps.replay import replay
@@ -95,6 +96,7 @@ def backup_on_the_clock(lab):
                        for b, (m, p99, used) in rows.items())
     return {"n": n, "steps": steps, "table": table,
             "mean": {b: r[0] for b, r in rows.items()},
+            "p99": {b: r[1] for b, r in rows.items()},
             "speedup_1": rows[0][0] / rows[1][0],
             "speedup_2": rows[0][0] / rows[2][0],
             "slow_pct": 100 * slow_share}
@@ -190,6 +192,9 @@ STEPS = (
         hint="With 8 workers, the chance that none is slow in a step is 0.95^8.",
         try_this="Change the 5% in backup_on_the_clock to 1% and to 20%: when do backups pay?",
         show=(simulated_clock,),
+        picture=lambda f: _bars([(f"b={b} mean", m) for b, m in f["mean"].items()]
+                                + [(f"b={b} p99", m) for b, m in f["p99"].items()], " units",
+                                title="simulated step time, N = 8"),
         teaches=("stragglers",),
     ),
     Step(

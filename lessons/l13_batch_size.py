@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from dplab.lessons.l05_scaling import _bars
 from dplab.lessons.l06_large_batches import BASE_BATCH, BASE_LR, MODEL, N_TRAIN, split_data, train_minibatch
 from dplab.lessons.step import Check, Lesson, Predict, Step
 from dplab.reference.data import batch_indices
@@ -154,7 +155,7 @@ def critical_batch(lab):
     b_noise = _b_noise(lab)
     last, before = rows[BATCHES[-1]][0], rows[BATCHES[-2]][0]
     return {"table": table, "target": TARGET, "steps": steps.tolist(),
-            "samples": [rows[b][0] * b for b in BATCHES],
+            "samples": [rows[b][0] * b for b in BATCHES], "batches": list(BATCHES),
             "s_min": s_min, "b_crit": b_crit, "b_noise": b_noise,
             "ratio": b_crit / b_noise, "last_gain": before / max(last, 1),
             "first_gain": rows[BATCHES[0]][0] / rows[BATCHES[1]][0],
@@ -297,6 +298,8 @@ STEPS = (
                         misconceptions=(("4x fewer", "that is perfect scaling, which holds only far "
                                                      "below the critical batch"),)),
         hint="Far above B_noise the gradient is almost exact: a larger batch cannot make a step better.",
+        picture=lambda f: _bars([(f"B={b:,}", s) for b, s in zip(f["batches"], f["steps"])], " steps",
+                                title=f"steps to held-out loss {f['target']}"),
         try_this="Set TARGET to 0.12 in l13_batch_size.py: B_noise is larger later on; does B_crit follow?",
         teaches=("batch-size",),
     ),
