@@ -188,6 +188,7 @@ def test_query_params_open_a_step_and_show_me_reveals_it():
         assert _checks(at) == [f"✅ {c.claim}" for c in L1.steps[1].checks]
         assert "Shard sizes: [3, 3, 2, 2]" in " ".join(m.value for m in at.markdown)
         assert not [b for b in at.button if b.key == "lesson_show_1_1"]  # shown: the button is gone
+        assert "Predictions in this lesson: 0 of 1 right." in [c.value for c in at.caption]  # asked
         at.query_params["step"] = "4"  # a link to another step, followed in the same session
         at.run()
         assert _counter(at) == f"step 4 of {len(L1.steps)}" and at.subheader[0].value.startswith("4. ")

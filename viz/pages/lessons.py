@@ -159,19 +159,17 @@ def _verdict(out: StepOutcome, key: tuple[int, int]) -> None:
     """The answered question and its verdict, judged on this run's facts."""
     st.markdown(f"**Predict first.** {out.question()}")
     reply = state.get(REPLIES, {}).get(key)
-    if reply is None:
-        st.caption(f"Shown without an answer: it is {out.step.predict.judge(out.facts, '').expected}.")
-        return
-    verdicts = state.setdefault(VERDICTS, {})
+    verdicts = state.setdefault(VERDICTS, {})  # None: shown without an answer (asked, not right)
     if key not in verdicts:
-        verdicts[key] = out.step.predict.judge(out.facts, reply)
+        verdicts[key] = None if reply is None else out.step.predict.judge(out.facts, reply)
     verdict = verdicts[key]
-    if verdict.correct:
+    if verdict is None:
+        st.caption(f"Shown without an answer: it is {out.step.predict.judge(out.facts, '').expected}.")
+    elif verdict.correct:
         st.success(f"Right: {verdict.expected}, measured on this run.")
     else:
         st.warning(verdict.message[:1].upper() + verdict.message[1:] + ".")
-    if len(state.get(REPLIES, {})) > 0:
-        st.caption(score_line(verdicts.values()))
+    st.caption(score_line(v for (number, _), v in verdicts.items() if number == key[0]))
 
 
 def _result(out: StepOutcome, key: tuple[int, int]) -> None:
