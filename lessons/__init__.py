@@ -1,7 +1,8 @@
 """Step-through lessons: every idea of data parallelism taught on the real engine.
 
-    dplab lesson                 # the list, with each lesson's length and what it needs
+    dplab lesson                 # the list: length, needs, your progress and prediction score; where to start
     dplab lesson 1               # step through lesson 1 (Enter: next, b: back, h: hint, q: quit)
+    dplab lesson watch 2 DIR     # re-check lesson 2's exercises in DIR on every save
     dplab app                    # the same steps on the app's Lessons page
 
 A lesson is a module ``lessons/lNN_<slug>.py`` that defines ``LESSON`` (``lessons/step.py``
