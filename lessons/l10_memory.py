@@ -2,14 +2,18 @@
 
     dplab lesson 10
 
-Five steps: what each rank holds under ZeRO stages 0-3 against the closed forms; the bytes each
-stage sends per step; the 7B example of ``dplab memory``; a model data parallelism alone cannot
-fit, and what model, pipeline and tensor parallelism would need per rank; a ZeRO-2 step to write.
+Seven steps: what each rank holds under ZeRO stages 0-3 against the closed forms; the bytes each
+stage sends per step; activations, which ZeRO does not shard, and checkpointing, which trades a
+recompute for them; the 7B example of ``dplab memory``; a model data parallelism alone cannot
+fit; and two exercises: a ZeRO-2 step during backward, and an FSDP unit's gather and free.
 """
 
 from __future__ import annotations
 
 import math
+import tracemalloc
+
+import numpy as np
 
 from dplab.backends.cli.memory import memory_rows
 from dplab.backends.runs.run import RunSpec, run_train
@@ -23,6 +27,7 @@ from dplab.reference.model import MLP, MLPConfig
 from dplab.reference.optim import OptimConfig
 from dplab.reference.schedule import chunk_bounds
 from dplab.reference.train.single import TrainConfig
+from dplab.reference.zero.layers import layer_delta, layer_forward, layer_grads, output_delta
 from dplab.reference.zero.memory import GB, model_state_bytes
 from dplab.reference.zero.traffic import sent_closed_form, sent_per_step
 
@@ -31,7 +36,9 @@ __all__ = ["LESSON"]
 # Seven layers (544, 6 x 1056, 132 parameters), each divisible by 4: every rank owns exactly 1/4
 MODEL = MLPConfig(in_dim=16, hidden=(32,) * 6, out_dim=4)
 TRAIN = TrainConfig(model=MODEL, steps=2, optimizer=OptimConfig("adam", lr=0.01))
-KB, DEVICE_GB = 1024, 80                       # one 80 GB accelerator (GB = 1e9 bytes, as the calculator)
+KB, MIB, DEVICE_GB = 1024, 2**20, 80          # one 80 GB accelerator (GB = 1e9 bytes, as the calculator)
+# activations: 16 layers 64 wide at a micro-batch of 1,024 (float64)
+ACT_MODEL, ACT_BATCH = MLPConfig(in_dim=64, hidden=(64,) * 15, out_dim=64), 1024
 
 
 def layer_sizes(model):
@@ -158,6 +165,95 @@ def beyond_data_parallel(lab):
             "share": psi / (tensor * pipeline) / 1e9}
 
 
+def _stage_bars(facts):
+    from dplab.lessons.pictures_terminal import memory_bars
+    return memory_bars({f"stage {s}": {k: r[k] for k in ("params", "grads", "optimizer")}
+                        for s, r in facts["rows"].items()})
+
+
+def _activation_bars(facts):
+    from dplab.lessons.pictures_terminal import memory_bars
+    states = {"params": facts["param_bytes"], "grads": facts["param_bytes"],
+              "optimizer": 2 * facts["param_bytes"]}
+    plain, ckpt = facts["peak_plain_mib"] * MIB, facts["peak_ckpt_mib"] * MIB
+    return memory_bars({"all inputs kept": states | {"activations": plain},
+                        f"every {facts['every']}th kept": states | {"activations": ckpt}})
+
+
+def train_step(model, w, x, y, every, grads):
+    """One forward and backward, layer by layer, keeping the input of
+    every ``every``-th layer (1: all of them); the others are
+    recomputed from the last kept one when backward needs them.
+    Adds into ``grads`` (a view per layer); returns how many layer
+    forwards ran."""
+    L, runs = model.num_layers, 0
+    kept, a = {}, x
+    for layer in range(L):
+        if layer % every == 0:
+            kept[layer] = a
+        a = layer_forward(model, layer, w[layer], a)
+        runs += 1
+    delta = output_delta(model, a, y, 1 / len(x))
+    for start in reversed(range(0, L, every)):
+        # recompute the segment's inputs from its checkpoint
+        seg = [kept.pop(start)]
+        for layer in range(start, min(start + every, L) - 1):
+            seg.append(layer_forward(model, layer, w[layer], seg[-1]))
+            runs += 1
+        for layer in reversed(range(start, start + len(seg))):
+            a = seg.pop()
+            layer_grads(model, layer, a, delta, grads[layer])
+            if layer:
+                delta = layer_delta(model, layer, w[layer], a, delta)
+    return runs
+
+
+def measured(model, w, x, y, every):
+    """The step's peak allocation beyond the weights and gradient,
+    which exist before it: its activations and their scratch."""
+    flat = np.zeros(model.num_params)
+    grads = [flat[model.layer_slice(i)] for i in range(len(w))]
+    tracemalloc.start()
+    runs = train_step(model, w, x, y, every, grads)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    return flat, runs, peak
+
+
+def activations_and_checkpoints(lab):
+    model = MLP(ACT_MODEL)
+    flat = model.init_params(seed=0)
+    w = [flat[model.layer_slice(i)] for i in range(model.num_layers)]
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((ACT_BATCH, ACT_MODEL.in_dim))
+    y = rng.standard_normal((ACT_BATCH, ACT_MODEL.out_dim))
+    plain, runs_plain, peak_plain = measured(model, w, x, y, 1)
+    every = 4
+    ckpt, runs_ckpt, peak_ckpt = measured(model, w, x, y, every)
+    L, width = model.num_layers, ACT_MODEL.hidden[0]
+    act = ACT_BATCH * width * 8
+    # Adam in float64: weights, gradient, two moments
+    states = model.num_params * 8 * 4
+    return {"L": L, "batch": ACT_BATCH, "width": width,
+            "act_kib": act / KB, "every": every,
+            "param_bytes": model.num_params * 8,
+            "acts_mib": L * act / MIB,
+            "states_mib": states / MIB,
+            "peak_plain_mib": peak_plain / MIB,
+            "peak_ckpt_mib": peak_ckpt / MIB,
+            "saving": peak_plain / peak_ckpt,
+            "runs_plain": runs_plain, "runs_ckpt": runs_ckpt,
+            "extra": runs_ckpt - runs_plain,
+            "same": bool(np.array_equal(plain, ckpt)),
+            "right": bool(np.allclose(plain, reference_grad(model, flat, x, y), rtol=1e-12, atol=0))}
+
+
+def reference_grad(model, flat, x, y):
+    grad = np.zeros_like(flat)
+    model.loss_and_grad(flat, x, y, 1 / len(x), grad)
+    return grad
+
+
 def zero2_exercise(lab):
     sizes = layer_sizes(ZERO2_MODEL)
     n, p = sum(sizes), 4
@@ -200,6 +296,7 @@ STEPS = (
               "a large share; two of a hundred equal layers would be 2% of the weights. Every stage "
               "trains the same model as one device; stage 3 holds {saving:.1f}x less than stage 0."),
         run=measured_memory,
+        picture=_stage_bars,
         checks=(Check("stage 0 holds exactly the closed form",
                       lambda f: (f["rows"][0]["params"], f["rows"][0]["grads"], f["rows"][0]["optimizer"])
                       == (f["rows"][0]["form"].params, f["rows"][0]["form"].grads,
@@ -248,6 +345,44 @@ STEPS = (
         hint="Count the collectives: all-reduce = reduce-scatter + all-gather; stage 3 adds one all-gather.",
         try_this="dplab train --zero-stage 3 --world-size 4 --trace z3.json   # every send is in the trace",
         teaches=("memory",),
+    ),
+    Step(
+        title="Activations, the part ZeRO does not shard, and checkpointing",
+        text=("A rank holds four things: weights, gradients and optimizer state (the model states ZeRO "
+              "shards) and the **activations** its backward needs: every layer's input, kept from forward. "
+              "They grow with the micro-batch and the depth, not the parameter count, and sharding the "
+              "model states leaves them where they are. Here {L} layers {width} wide at a micro-batch of "
+              "{batch:,}: each layer's input is {act_kib:.0f} KiB, {acts_mib:.1f} MiB in all, against "
+              "{states_mib:.1f} MiB of model states (Adam, float64). Measured (tracemalloc, one forward and "
+              "backward, beyond the weights and gradient already there): the step's peak is "
+              "**{peak_plain_mib:.1f} MiB**.\n\n"
+              "**Activation checkpointing** keeps only every {every}th layer's input and recomputes the "
+              "others from it, one segment at a time, when backward reaches them: the peak falls to "
+              "**{peak_ckpt_mib:.1f} MiB** (about half: {saving:.2f}x less), for {extra} more layer forwards "
+              "({runs_ckpt} instead of {runs_plain}: most of a second forward pass), and the gradient is "
+              "the same to the bit (`{same}`). A checkpoint every sqrt(L) layers is the classic balance "
+              "(Chen et al. 2016); torch's `torch.utils.checkpoint` does this to any module."),
+        run=activations_and_checkpoints,
+        picture=_activation_bars,
+        checks=(Check("the gradient is the model's (loss_and_grad) to 1e-12", lambda f: f["right"]),
+                Check("checkpointing changes no bit of the gradient", lambda f: f["same"]),
+                Check("and about halves the step's peak memory (more than 1.8x less)",
+                      lambda f: f["saving"] > 1.8),
+                Check("at the price of recomputing every layer but one in each segment's first",
+                      lambda f: f["extra"] == f["L"] - f["L"] // f["every"]),
+                Check("the activations outweigh the model states here",
+                      lambda f: f["acts_mib"] > f["states_mib"])),
+        inputs={"L": 16, "every": 4},
+        predict=Predict("{L} layers, a checkpoint every {every} layers: how many layer forwards does one "
+                        "step run, recomputation included (without checkpoints: {L})?", "runs_ckpt",
+                        misconceptions=((32, "the first layer of each segment need not be recomputed: its "
+                                         "input is the checkpoint"),
+                                        (20, "each segment recomputes the inputs of all its layers but "
+                                         "the first, not one layer"))),
+        hint="Each segment of 4 layers keeps its first input; backward recomputes the other 3.",
+        show=("dplab.reference.zero.layers.layer_forward",),
+        try_this="python -c \"import torch.utils.checkpoint as c; help(c.checkpoint)\"",
+        teaches=("memory", "activations"),
     ),
     Step(
         title="The 7B example",

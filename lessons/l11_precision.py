@@ -296,7 +296,7 @@ STEPS = (
         hint="Loss scaling moves values up the exponent range; which format runs out of exponent first?",
         hints=("float16's smallest normal is 6.1e-5; bfloat16's is float32's, 1.2e-38.",),
         try_this="python -c \"import torch; print(torch.finfo(torch.bfloat16), torch.finfo(torch.float16))\"",
-        teaches=("precision",),
+        teaches=("precision", "bf16"),
     ),
     Step(
         title="Compute in float16, keep float32 masters",

@@ -249,3 +249,12 @@ def test_the_coverage_table_is_complete_and_current():
 
     assert [idea for idea, places in coverage().items() if not places] == []
     assert coverage_table() in (ROOT / "lessons" / "README.md").read_text()
+
+
+def test_the_multi_host_lines_are_the_ones_the_hosts_tests_run():
+    """The README prints lesson 12's launch lines, which Cluster builds as test_hosts_launchers runs them."""
+    from dplab.lessons.l12_engines import launch_lines
+
+    torch_lines, mpi_line = launch_lines()
+    for argv in [*torch_lines, mpi_line]:
+        assert " ".join(argv) in README, " ".join(argv)
