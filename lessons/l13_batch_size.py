@@ -155,7 +155,8 @@ def critical_batch(lab):
     b_noise = _b_noise(lab)
     last, before = rows[BATCHES[-1]][0], rows[BATCHES[-2]][0]
     return {"table": table, "target": TARGET, "steps": steps.tolist(),
-            "samples": [rows[b][0] * b for b in BATCHES], "batches": list(BATCHES),
+            "samples": [rows[b][0] * b for b in BATCHES],
+            "batches": list(BATCHES),
             "s_min": s_min, "b_crit": b_crit, "b_noise": b_noise,
             "ratio": b_crit / b_noise, "last_gain": before / max(last, 1),
             "first_gain": rows[BATCHES[0]][0] / rows[BATCHES[1]][0],
