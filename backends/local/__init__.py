@@ -1,8 +1,8 @@
 """The local backend: NumPy processes on shared memory (the default, no engine needed).
 
     comm.py       LocalComm: the Communicator, delegating to the parts below
+    mailboxes.py  Mailboxes: send and receive over Memory, a descriptor and semaphores per message
     memory.py     Memory: a rank's segments, staging, and the (kept) views into peers' segments
-    mailboxes.py  Mailboxes: descriptors and semaphores per pair of ranks; mismatch checks
     waits.py      Waiter: how a rank waits (a bounded spin while ranks have a core each, then sleep)
     oneshot.py    one_shot: the native all-reduce, each rank reducing its chunk in every buffer
     wiring.py     the semaphores and slots a world shares, made before the ranks fork
