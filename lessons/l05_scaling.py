@@ -152,8 +152,9 @@ def timed_training(comm, cfg):
     comm.tracer.enabled = True
     train_sync(comm, cfg, SyncConfig("ring"))
     comm.tracer.enabled = False
+    events = comm.tracer.take()
     # step 0 is warm-up
-    return step_split(comm.tracer.take(), first_step=1)
+    return step_split(events, first_step=1), events
 
 
 MEASURED = LARGE
@@ -171,7 +172,10 @@ def measure(lab):
                                   num_samples=1024, steps=3)
                 for p in (1, 2):
                     ranks = lab.world(p).run(timed_training, cfg)
-                    cells.setdefault((name, p), []).append(ranks)
+                    splits = [split for split, _ in ranks]
+                    cells.setdefault((name, p), []).append(splits)
+                    # the last traces of each cell, for the figure
+                    lab.scratch["l05_trace", name, p] = [e for _, e in ranks]
         lab.scratch["l05"] = cells
     return lab.scratch["l05"]
 
@@ -198,12 +202,19 @@ def where_time_goes(lab):
         priced[n] = comm / compute
     carries = ratio[few][0] > ratio[many][-1]
     return {"table": table, "reps": REPS,
+            "traces": lab.scratch["l05_trace", few, 2],
             "lo": ratio[few], "hi": ratio[many],
             "priced_few": priced[few], "priced_many": priced[many],
             "priced_x": priced[few] / priced[many], "carries": carries,
             "verdict": VERDICT[carries],
             "adds_up": all(abs(sum(v[1:]) - v[0]) < 1e-6
                            for v in parts.values())}
+
+
+def _timeline(facts):
+    from dplab.viz.timeline import timeline_figure
+    events = [e for rank in facts["traces"] for e in rank]
+    return timeline_figure(events, title="4 samples per rank, 2 ranks")
 
 
 VERDICT = {True: "every repetition at 4 per rank is above every one at 512: here the spread is "
@@ -329,6 +340,7 @@ STEPS = (
               "({priced_few:.2g} against {priced_many:.2g} on 10 Gb/s Ethernet): the all-reduce is the "
               "same, the compute is not. Measured: {verdict}."),
         run=where_time_goes,
+        figure=_timeline,
         checks=(Check("the parts add up to the step", lambda f: f["adds_up"]),
                 Check("priced, the ratio at 4 per rank is 128x the one at 512 (same bytes, 1/128 the FLOPs)",
                       lambda f: abs(f["priced_x"] - 128) < 1e-6),

@@ -132,7 +132,8 @@ STEPS = (
         title="The same samples in fewer steps need a larger lr",
         text=("{n_train:,} training samples, {n_held_out:,} **held-out** ones the training never sees: "
               "a loss on them says how well the model does on new data, which a training loss cannot. "
-              "Batch {base_batch} with lr {base_lr:g} (momentum SGD) sees {epochs} epochs in "
+              "Batch {base_batch} with lr {base_lr:g} (SGD with momentum) sees {epochs} epochs (passes "
+              "over the training samples) in "
               "{small_steps:,} steps and ends at held-out loss **{small:.3f}**. A global batch of "
               "{big_batch} ({k} ranks of {base_batch}, or any split of it: lesson 1) sees the same "
               "samples in {big_steps} steps. With the lr unchanged it ends at **{none:.3f}**: each step's "
