@@ -202,6 +202,7 @@ STEPS = (
                         "stopped: 'identical', 'close' or 'different'?", "verdict",
                         choices=("identical", "close", "different")),
         hint="What could differ? Only what the checkpoint failed to bring back.",
+        show=("dplab.reference.checkpoint.resume.save_state",),
         try_this=("dplab train --steps 10 --checkpoint-every 5 --checkpoint-dir ck && "
                   "dplab train --steps 20 --checkpoint-every 5 --checkpoint-dir ck --resume ck"),
         teaches=("faults",),
@@ -227,7 +228,12 @@ STEPS = (
                       lambda f: f["forgot_diff"] > 1e-6),
                 Check("a checkpoint with one flipped bit is refused", lambda f: "checksum" in f["refused"])),
         predict=Predict("Adam's state: how many arrays, each the size of the weights, must a checkpoint "
-                        "keep for it?", "n_opt_arrays"),
+                        "keep for it?", "n_opt_arrays",
+                        misconceptions=((1, "Adam keeps two running means: of the gradient and of its "
+                                         "square"),
+                                        (0, "the weights alone resume a plain SGD run, not an Adam one: "
+                                         "see what forgetting them costs below"))),
+        show=("dplab.reference.checkpoint.store.save_checkpoint",),
         hint="Adam's update divides a running mean of the gradient by a running mean of its square.",
         try_this="python -c \"import numpy as np; print(np.load('ck/ckpt-00000010.npz').files)\"",
         teaches=("faults",),
@@ -251,6 +257,7 @@ STEPS = (
         predict=Predict("Worker 2 dies as it starts clock 4 (clocks count from 0). How many of its gradients "
                         "did the server apply?", "applied_2"),
         hint="Clocks 0, 1, 2 and 3 were pushed before it died.",
+        show=("dplab.reference.ps.server.Server.lose", "dplab.reference.ps.gate.Gate.forget"),
         try_this="dplab train --mode async --world-size 4 --staleness 1   # then kill -9 one worker's pid",
         teaches=("faults",),
     ),
@@ -269,8 +276,13 @@ STEPS = (
                 Check("the resumed run starts from the last checkpoint before the crash",
                       lambda f: f["last"] == f["after"] // f["every"] * f["every"]),
                 Check("and ends bitwise equal to an uninterrupted run", lambda f: f["identical"])),
+        inputs={"every": 5, "after": 13},
         predict=Predict("Checkpoints every {every} steps; rank 1 dies after step {after}. From which step "
-                        "does the resumed run go on?", "last"),
+                        "does the resumed run go on?", "last",
+                        misconceptions=((13, "only what a checkpoint holds survives a crash: the steps "
+                                         "after the last one are done again"),
+                                        (15, "the checkpoint of step 15 was never written: the run died "
+                                         "at 13"))),
         hint="Only complete checkpoints count, and they are written at multiples of the interval.",
         try_this="dplab train --world-size 4 --steps 200 --checkpoint-every 20 --checkpoint-dir ck   "
                  "# kill -9 a rank, then add --resume ck",

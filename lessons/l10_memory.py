@@ -313,8 +313,12 @@ STEPS = (
                       > f["rows"][3]["total"]),
                 Check("and every stage trains as one device does (< 1e-12)",
                       lambda f: all(r["diff"] < 1e-12 for r in f["rows"].values()))),
+        inputs={"p": 4},
         predict=Predict("At ZeRO stage 1 on {p} ranks, what fraction of stage 0's optimizer state does a "
-                        "rank hold?", "opt_fraction", rel_tol=0.01),
+                        "rank hold?", "opt_fraction", rel_tol=0.01,
+                        misconceptions=((1.0, "stage 1 shards exactly the optimizer state: each rank keeps "
+                                         "its own 1/p"),)),
+        show=("dplab.reference.zero.memory.model_state_bytes",),
         hint="Stage 1: rank r updates only the r-th 1/p of the parameters, so it keeps state for those.",
         try_this="dplab train --zero-stage 3 --world-size 4 --optimizer adam   # rows carry peak_*_bytes",
         teaches=("memory",),
@@ -341,7 +345,12 @@ STEPS = (
                 Check("the figure draws all-gathers and reduce-scatters in two colours",
                       lambda f: f["kinds"] >= {"allgather", "reduce_scatter"})),
         predict=Predict("Per step, how many times the bytes of plain data parallelism does ZeRO stage 3 "
-                        "send?", "ratio", rel_tol=0.01, unit="x"),
+                        "send?", "ratio", rel_tol=0.01, unit="x",
+                        misconceptions=((1.0, "stage 3 must gather the weights before backward too: one "
+                                         "more all-gather than an all-reduce's halves"),
+                                        (2.0, "an all-reduce is already a reduce-scatter plus an all-gather; "
+                                         "stage 3 adds one all-gather, half an all-reduce"))),
+        show=("dplab.reference.zero.traffic.sent_closed_form",),
         hint="Count the collectives: all-reduce = reduce-scatter + all-gather; stage 3 adds one all-gather.",
         try_this="dplab train --zero-stage 3 --world-size 4 --trace z3.json   # every send is in the trace",
         teaches=("memory",),
@@ -380,7 +389,7 @@ STEPS = (
                                         (20, "each segment recomputes the inputs of all its layers but "
                                          "the first, not one layer"))),
         hint="Each segment of 4 layers keeps its first input; backward recomputes the other 3.",
-        show=("dplab.reference.zero.layers.layer_forward",),
+        show=(train_step,),
         try_this="python -c \"import torch.utils.checkpoint as c; help(c.checkpoint)\"",
         teaches=("memory", "activations"),
     ),
@@ -405,6 +414,7 @@ STEPS = (
                         "parallelism: how many GB of model states per rank?", "replicated", rel_tol=0.01,
                         unit="GB"),
         hint="Data parallelism replicates: the number of ranks does not enter.",
+        show=("dplab.reference.zero.memory.model_state_bytes",),
         try_this="dplab memory --params 7.5B --world-sizes 64   # the ZeRO paper's Figure 1",
         teaches=("memory",),
     ),
@@ -428,8 +438,11 @@ STEPS = (
                 Check("ZeRO-3 alone needs hundreds of ranks to fit", lambda f: f["need"] >= 100),
                 Check("split 128 ways by tensor x pipeline parallelism, ZeRO-1 over 8 fits",
                       lambda f: f["three_d_gb"] < f["device"])),
+        inputs={"psi_t": 1, "device": DEVICE_GB},
         predict=Predict("{psi_t:g} trillion parameters at 16 bytes each: how many ranks does ZeRO-3 alone "
-                        "need to fit the model states in {device} GB per rank?", "need"),
+                        "need to fit the model states in {device} GB per rank?", "need",
+                        misconceptions=((13, "that fits the weights alone (2 bytes each); gradients and "
+                                         "Adam's float32 state are 14 more bytes a parameter"),)),
         hint="Stage 3 divides all of it (weights, gradients, state) by the number of ranks: total / device.",
         try_this="dplab memory --params 1T --world-sizes 8,200 --stages 0,3",
         teaches=("beyond-dp",),

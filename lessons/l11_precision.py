@@ -255,7 +255,11 @@ STEPS = (
                       lambda f: f["largest"] * f["scale"] < f["max"]),
                 Check("10 stored bits + 1 implicit = 11 significant bits; epsilon is 2^-10",
                       lambda f: f["stored"] == 10 and f["bits"] == 11 and f["eps"] == 2.0**-10)),
-        predict=Predict("What is the largest finite number float16 can hold?", "max", rel_tol=1e-3),
+        predict=Predict("What is the largest finite number float16 can hold?", "max", rel_tol=1e-3,
+                        misconceptions=((65536, "2^16 would need one more exponent or fraction bit: the "
+                                         "largest is (2 - 2^-10) x 2^15"),
+                                        (32768, "the top exponent is 15, but the fraction adds almost "
+                                         "another factor of two"))),
         hint="5 exponent bits: the largest exponent is 15, and 2^15 × (2 - 2^-10) = 65,504.",
         try_this="python -c \"import numpy as np; print(np.finfo(np.float16))\"",
         teaches=("precision",),
@@ -311,6 +315,7 @@ STEPS = (
                       lambda f: f["mixed"] * 10 < f["float16"]),
                 Check("and float32 closer still", lambda f: f["float32"] < f["mixed"])),
         hint="reference/precision/amp.py: the five calls mixed precision adds to train_sync.",
+        show=("dplab.reference.precision.scaler.compute_copy",),
         try_this="dplab train --world-size 4 --mixed-precision fp16 --dtype float32",
         teaches=("precision",),
     ),
@@ -337,6 +342,7 @@ STEPS = (
                       == (2.0**16, 2.0, 0.5, 2000)
                       and f["torch_defaults"] in (None, (2.0**16, 2.0, 0.5, 2000)))),
         hint="The skip decision is one all-reduced flag: every rank skips the same steps.",
+        show=("dplab.reference.precision.scaler.LossScaler.unscale_and_check",),
         try_this="dplab train --mixed-precision fp16 --dtype float32 --loss-scale 1024   # static",
         teaches=("precision",),
     ),
@@ -352,8 +358,15 @@ STEPS = (
                 Check("every element's error stays within the rounding bound", lambda f: f["within"]),
                 Check("and float16's error is far larger than float32's",
                       lambda f: f["err16"] > 100 * f["err32"])),
+        inputs={"n": 1_000_000, "p": 4},
         predict=Predict("A ring all-reduce of {n:,} float16 values at p={p}: how many bytes does rank 0 "
-                        "send?", "sent16"),
+                        "send?", "sent16",
+                        misconceptions=((1_500_000, "that is the reduce-scatter alone; the all-gather "
+                                         "sends as much again"),
+                                        (6_000_000, "that is float32: 4 bytes a value; float16 is 2"),
+                                        (2_000_000, "that is the whole buffer once; the ring sends "
+                                         "2(p-1)/p of it"))),
+        show=("dplab.reference.algorithms.ring.allreduce",),
         hint="The ring sends 2(p-1)/p of the buffer from every rank, whatever the dtype; float16 is 2 bytes.",
         try_this="dplab train --world-size 4 --mixed-precision fp16 --dtype float32 --reduce-dtype float16",
         teaches=("precision", "allreduce"),

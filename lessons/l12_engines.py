@@ -230,6 +230,7 @@ STEPS = (
         predict=Predict("Will the three engines end with 'identical' parameters, 'close' ones, or "
                         "'different' ones?", "verdict", choices=("identical", "close", "different")),
         hint="A schedule says who adds which chunk in which round; every engine performs the same adds.",
+        show=("dplab.reference.collectives.run_schedule",),
         try_this="dplab compare --backends local,mpi,torch --algorithms ring,native --world-sizes 2,4",
         teaches=("engines",),
     ),
@@ -254,6 +255,7 @@ STEPS = (
                       lambda f: all({"--rdzv-backend", "c10d", "--rdzv-id", "job1", "node0:29500",
                                      "DPLAB_DEVICE=cuda"} <= set(a) for a in f["torch_argv"]))),
         hint="`dplab train --help` lists --backend; README 'Three backends, one API' has the launch lines.",
+        show=(launch_lines,),
         try_this="mpiexec -n 4 dplab train --backend mpi",
         teaches=("engines",),
     ),
