@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from dplab.lessons.exercises.ddp_hooks import HINTS as HOOK_HINTS
 from dplab.lessons.step import Check, Lesson, Predict, Step
 
 __all__ = ["LESSON"]
@@ -339,11 +340,8 @@ STEPS = (
                                             "tensor"),
                                         (3, "a hook belongs to a tensor, not a layer: weights and biases "
                                             "each get one"))),
-        hint="A post-accumulate-grad hook gets the parameter once its .grad is complete for this backward.",
-        hints=("In the hook: dist.all_reduce(param.grad, async_op=True) returns a handle; keep it. "
-               "all_reduce sums: divide by the world size.",
-               "finish() waits on every handle, then forgets them. Waiting inside the hook waits for each "
-               "all-reduce before the next can start."),
+        hint=HOOK_HINTS[0],
+        hints=HOOK_HINTS[1:],
         try_this="dplab lesson init ex && dplab lesson check 15 ex   # then fill in ex/ddp_hooks.py",
         exercise="ddp_hooks",
         show=("dplab.lessons.exercises.stubs.ddp_hooks.attach_ddp_hooks",),
