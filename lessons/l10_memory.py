@@ -397,7 +397,8 @@ STEPS = (
         title="The 7B example",
         text=("Scale it up with the same formulas: `dplab memory` for 7 billion parameters, Adam in mixed "
               "precision: {per_param} bytes per parameter (2 for fp16 weights, 2 for gradients, K = {k} for "
-              "the fp32 master copy and Adam's two moments). Per rank, GB (1e9 bytes), model states only:\n\n"
+              "the fp32 master copy and Adam's two moments). Per rank, model states only, in GB as the paper "
+              "prints them (10^9 bytes; the sizes measured above are KiB and MiB, 2^10 and 2^20):\n\n"
               "| ranks | stage 0 | stage 1 | stage 2 | stage 3 |\n|---|---|---|---|---|\n{table}\n\n"
               "Replicated, every rank needs **{replicated:.0f} GB** before a single activation, which no "
               "{device} GB accelerator holds, however many of them there are: the weights are only "

@@ -236,3 +236,59 @@ def test_fsdp_unit_wrong_answers_fail_naming_the_mistake(tmp_path, name):
     assert not report.passed
     for phrase in says:
         assert phrase in report.message, report.message
+
+
+def test_the_multi_node_lines_are_the_hosts_tests_own():
+    """12.4 prints what Cluster.torchrun_args and mpi_hosts build (tests/hosts.py runs them across
+    namespaces): c10d rendezvous with one job id on every node, CUDA asked for, mpiexec's host list."""
+    from dplab.backends.launch.netns import Cluster
+    from dplab.lessons.l12_engines import launch_lines
+
+    torch_lines, mpi = launch_lines(nodes=2, gpus=8)
+    cluster = Cluster(hosts=2, ranks_per_host=8)
+    cluster.addrs = ["node0", "node1"]
+    for host, argv in enumerate(torch_lines):
+        assert argv[:2] == ["DPLAB_DEVICE=cuda", "torchrun"]
+        assert argv[2:-5] == cluster.torchrun_args(host, "job1")
+        assert argv[-5:] == ["-m", "dplab.backends.cli", "train", "--backend", "torch"]
+        joined = " ".join(argv)
+        assert "--rdzv-backend c10d" in joined and "--rdzv-id job1" in joined
+        assert "--rdzv-endpoint node0:29500" in joined and "--nnodes 2 --nproc-per-node 8" in joined
+    assert mpi == ["mpiexec", "-hosts", "node0:8,node1:8", "-n", "16", "dplab", "train", "--backend", "mpi"]
+
+
+def test_bfloat16_by_its_bits_is_torchs_cast():
+    """11.2's numpy fallback rounds float32 to its top 16 bits to nearest even, as torch does."""
+    import numpy as np
+
+    from dplab.lessons.l11_precision import bfloat16_by_bits
+
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(0)
+    x = np.concatenate([rng.standard_normal(10_000), rng.standard_normal(1_000) * 1e-30,
+                        [0.0, -0.0, 1.0, 65504.0, 3.3e38, 1 + 2**-8, 1 + 3 * 2**-8]]).astype(np.float32)
+    ours = bfloat16_by_bits(x)
+    theirs = torch.from_numpy(x).to(torch.bfloat16).float().numpy()
+    assert np.array_equal(ours.view(np.uint32), theirs.view(np.uint32))
+
+
+@pytest.mark.parametrize("every", [1, 2, 3, 4, 16])
+def test_checkpointed_backward_is_the_models_gradient(every):
+    """10.3's checkpointing recomputes every layer but each segment's first, and changes no bit."""
+    import numpy as np
+
+    from dplab.lessons.l10_memory import train_step
+    from dplab.reference.model import MLP, MLPConfig
+
+    model = MLP(MLPConfig(in_dim=4, hidden=(8,) * 6, out_dim=3))
+    flat = model.init_params(seed=1)
+    w = [flat[model.layer_slice(i)] for i in range(model.num_layers)]
+    rng = np.random.default_rng(1)
+    x, y = rng.standard_normal((5, 4)), rng.standard_normal((5, 3))
+    want = np.zeros_like(flat)
+    model.loss_and_grad(flat, x, y, 1 / 5, want)
+    got = np.zeros_like(flat)
+    runs = train_step(model, w, x, y, every, [got[model.layer_slice(i)] for i in range(model.num_layers)])
+    L = model.num_layers
+    assert runs == L + sum(min(every, L - s) - 1 for s in range(0, L, every))
+    assert np.allclose(got, want, rtol=1e-12, atol=0)
