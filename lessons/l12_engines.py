@@ -21,16 +21,28 @@ __all__ = ["LESSON"]
 
 def data_parallel_here(lab):
     import torch
-    model = torch_model()
+    gpus = torch.cuda.device_count()
+    # DataParallel wants the module and batch on its first device
+    dev = "cuda:0" if gpus else "cpu"
+    model = torch_model().to(dev)
     dp = torch.nn.DataParallel(model)
     x = torch.randn(64, 8, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        same = torch.equal(dp(x), model(x))
-    gpus = torch.cuda.device_count()
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+        spread, alone = dp(x.to(dev)), model(x.to(dev))
+    # one device: the same call; several: slices of the batch, so
+    # another matrix shape, and rounding may differ
+    same = (torch.equal(spread, alone) if gpus <= 1
+            else torch.allclose(spread, alone, rtol=1e-5, atol=1e-6))
+    weights = sum(p.numel() * p.element_size()
+                  for p in model.parameters())
+    here = ("DataParallel has nothing to spread over: `device_ids` is "
+            f"{dp.device_ids}, and its forward is a plain call of the "
+            "module, the same outputs to the bit" if not gpus else
+            f"`device_ids` is {dp.device_ids}, and its outputs match "
+            "the module's")
     return {"gpus": gpus, "device_ids": dp.device_ids,
-            "plain_call": not dp.device_ids,
-            "same": same, "weights": weights,
+            "plain_call": not dp.device_ids, "here": here,
+            "same": bool(same), "weights": weights,
             "copied_8": 7 * weights, "processes": 1}
 
 
@@ -180,15 +192,13 @@ STEPS = (
               "outputs back on GPU 0; backward sums every gradient onto GPU 0 (`reduce_add`, an NCCL "
               "reduce), where the one optimizer steps. All of it on one machine. The costs are the "
               "re-copy every step, the GIL, and GPU 0 as the hub of every scatter, gather and sum.\n\n"
-              "Here, with {gpus} GPUs, DataParallel has nothing to spread over: `device_ids` is "
-              "{device_ids}, and its forward is a plain call of the module, the same outputs to the bit "
-              "(`{same}`). What the copies and the GIL cost cannot be measured without GPUs; on a GPU "
-              "machine `torch.nn.DataParallel(model)` takes every visible one."),
+              "Here, with {gpus} GPUs, {here} (`{same}`). What the copies and the GIL cost needs "
+              "several GPUs to measure; `torch.nn.DataParallel(model)` takes every visible one."),
         run=data_parallel_here,
         checks=(Check("without GPUs, DataParallel is a plain call of the module",
                       lambda f: f["gpus"] > 0 or (f["plain_call"] and f["same"])),
-                Check("with GPUs, it spreads over every one of them",
-                      lambda f: f["gpus"] == 0 or len(f["device_ids"]) == f["gpus"])),
+                Check("with GPUs, it spreads over every one of them, with the module's outputs",
+                      lambda f: f["gpus"] == 0 or (len(f["device_ids"]) == f["gpus"] and f["same"]))),
         predict=Predict("DataParallel on a machine with 8 GPUs: how many Python processes drive them?",
                         "processes", misconceptions=((8, "that is DistributedDataParallel: one process "
                                                       "per GPU; DataParallel drives all of them from one, "
