@@ -37,8 +37,8 @@ __all__ = ["LESSON"]
 MODEL = MLPConfig(in_dim=16, hidden=(32,) * 6, out_dim=4)
 TRAIN = TrainConfig(model=MODEL, steps=2, optimizer=OptimConfig("adam", lr=0.01))
 KB, MIB, DEVICE_GB = 1024, 2**20, 80          # one 80 GB accelerator (GB = 1e9 bytes, as the calculator)
-# activations: 16 layers 64 wide at a micro-batch of 1,024 (float64)
-ACT_MODEL, ACT_BATCH = MLPConfig(in_dim=64, hidden=(64,) * 15, out_dim=64), 1024
+# activations: 16 layers 32 wide at a micro-batch of 1,024 (float64)
+ACT_MODEL, ACT_BATCH = MLPConfig(in_dim=32, hidden=(32,) * 15, out_dim=32), 1024
 
 
 def layer_sizes(model):
