@@ -171,6 +171,25 @@ class Communicator(ABC):
     timeout: float
     tracer: Tracer
     backend: str = ""  # the transport, as --backend names it ("local", "mpi", "torch"): checkpoints record it
+    _hosts: tuple[int, ...] | None = None  # set by a backend at connect time (the ``hosts`` setter)
+
+    @property
+    def hosts(self) -> tuple[int, ...]:
+        """Each rank's host index, the same tuple on every rank: ``(0, 0, 1, 1)`` is 2 hosts x 2
+        ranks, hosts numbered in the order of their first rank. Which ranks share a host comes from
+        the launcher (torchrun's LOCAL_WORLD_SIZE, MPI's shared-memory split, Slurm's tasks per
+        node); the default, every rank on one host, is dplab's own launch. ``hierarchical`` and
+        ``auto`` read it (``dplab.reference.algorithms.layout``)."""
+        return self._hosts if self._hosts is not None else (0,) * self.world_size
+
+    @hosts.setter
+    def hosts(self, value: tuple[int, ...]) -> None:
+        """Any per-rank host keys (a node id, a host's first rank); renumbered from 0 in rank order."""
+        order: dict[int, int] = {}
+        value = tuple(order.setdefault(int(h), len(order)) for h in value)
+        if len(value) != self.world_size:
+            raise ConfigError(f"hosts names {len(value)} ranks' hosts, the world has {self.world_size}")
+        self._hosts = value
 
     @abstractmethod
     def isend(self, buf: np.ndarray, dst: int, tag: int = 0) -> Request: ...

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from dplab.reference import collectives as spine
+from dplab.reference.algorithms.layout import resolve
 from dplab.reference.communicator import Collective, Communicator, RecvSpec, SendSpec, require_writable
 from dplab.reference.errors import ConfigError
 from dplab.reference.schedule import Message, Schedule, chunk_bounds, messages_of
@@ -168,7 +169,8 @@ def _run(comm: Communicator, kind: str, buf: Any, algorithm: str, root: int | No
 
 
 def allreduce(comm: Communicator, buf: np.ndarray, algorithm: str = "ring", op: str = "sum") -> np.ndarray:
-    """``dplab.reference.collectives.allreduce``; "auto" is resolved here by ``auto.chosen``."""
+    """``dplab.reference.collectives.allreduce``; "auto" is resolved here by ``auto.chosen`` and
+    ``hierarchical`` on the hosts by ``layout.resolve`` (the spine's executor takes names as given)."""
     if op not in ("sum", "mean"):
         raise ConfigError(f"op must be 'sum' or 'mean', got {op!r}")
     flat = _flat(buf, getattr(comm, "backend", ""))
@@ -178,6 +180,7 @@ def allreduce(comm: Communicator, buf: np.ndarray, algorithm: str = "ring", op: 
         from dplab.reference.auto import chosen
 
         algorithm = chosen(comm, buf)
+    algorithm = resolve(algorithm, getattr(comm, "hosts", ()))
     if algorithm == "native":
         with comm.tracer.span("allreduce", bytes=flat.nbytes, algorithm="native"):
             comm.native_allreduce(flat, "sum")

@@ -33,6 +33,7 @@ from contextlib import contextmanager
 import numpy as np
 
 from dplab.reference import collectives
+from dplab.reference.algorithms.layout import resolve
 from dplab.reference.auto import chosen
 from dplab.reference.communicator import Communicator
 from dplab.reference.errors import ConfigError
@@ -128,9 +129,12 @@ class Reducer:
             raise self._error
 
     def algorithm_for(self, buf: np.ndarray) -> str:
-        """The schedule that reduces ``buf``: the configured one, or for "auto" the cost model's pick
-        for its size (every rank prices the same fit, so every rank picks the same)."""
-        return chosen(self.comm, buf) if self.algorithm == "auto" else self.algorithm
+        """The schedule that reduces ``buf``: the configured one resolved on the hosts (``hierarchical``
+        takes g from ``comm.hosts``; ``layout.resolve``), or for "auto" the cost model's pick for its
+        size and hosts (every rank prices the same fit and layout, so every rank picks the same)."""
+        if self.algorithm == "auto":
+            return chosen(self.comm, buf)
+        return resolve(self.algorithm, self.comm.hosts)
 
     def close(self) -> None:
         self._queue.put(None)

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from dplab.reference.algorithms import ALGORITHMS, has_schedule
+from dplab.reference.algorithms.layout import resolve
 from dplab.reference.checkpoint.resume import CheckpointConfig
 from dplab.reference.communicator import Communicator
 from dplab.reference.errors import ConfigError
@@ -51,9 +52,13 @@ class SyncConfig:
         if self.delays is not None:
             object.__setattr__(self, "delays", tuple(float(d) for d in self.delays))
 
-    def validate(self, world_size: int | None = None) -> None:
+    def validate(self, world_size: int | None = None, hosts: Sequence[int] | None = None) -> None:
+        """Refuse what cannot run on ``world_size`` ranks placed on ``hosts`` (``comm.hosts``; e.g. a
+        ``hierarchical:g`` whose g is not the ranks per host: ``layout.resolve``)."""
         if not has_schedule(self.algorithm):
             raise ConfigError(f"unknown algorithm {self.algorithm!r}: choose one of {', '.join(ALGORITHMS)}")
+        if hosts is not None:
+            resolve(self.algorithm, hosts)
         if self.accum_steps < 1:
             raise ConfigError(f"accum_steps must be >= 1, got {self.accum_steps}")
         if self.bucket_cap_mb <= 0:
