@@ -26,7 +26,7 @@ from dplab.reference.train.sync import SyncConfig, train_sync
 __all__ = ["LESSON"]
 
 TRAIN = TrainConfig(model=MLPConfig(hidden=(64, 64)), global_batch=128, num_samples=512, steps=20)
-SLOW = 0.01                                    # seconds rank 1 sleeps before each batch: a slower device
+SLOW = 0.05                                    # seconds rank 1 sleeps before each batch: a slower device
 
 
 def milliseconds(events, kind):
