@@ -25,6 +25,14 @@ same arithmetic); ranks that disagree (different files) are caught by the collec
 (``communicator.Collective``) at the first message. The choice is cached per (backend, world
 size, bytes, itemsize): after the first call of a size, auto costs one dictionary lookup.
 The fit is read once per process; ``reset()`` reads it again (``dplab tune`` calls it).
+
+Several hosts (``comm.hosts``, the launcher's layout): ``hierarchical`` is a candidate only as
+``hierarchical:<ranks per host>``, the schedule that matches the hosts (none where the ranks of a
+host are not consecutive), and where the tune file holds a two-level fit for the backend (its
+``links``: alpha, beta of the links inside a host and between hosts, gamma) every schedule of ours
+is priced on that ``Topology`` by the cost model's walk instead (``native`` is left out there: it has
+no schedule to walk, and its one-host fit would price the slow link at shared-memory speed). The
+layout is the same tuple on every rank, so the choice still is.
 """
 
 from __future__ import annotations
@@ -37,18 +45,23 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from dplab.reference.algorithms import ALLREDUCE
+from dplab.reference.algorithms import ALLREDUCE, allreduce_schedule
+from dplab.reference.algorithms.layout import node_size
 from dplab.reference.costfit import CostFit
 from dplab.reference.errors import ConfigError, DplabError
+from dplab.reference.topology import Link, Topology
 
 __all__ = ["TUNE_ENV", "DEFAULT_TUNE_PATH", "DEFAULT_FITS", "NATIVE_CHECK", "Tuning", "tune_path",
-           "load_tuning", "save_tuning", "current", "choose", "chosen", "backend_key", "reset"]
+           "load_tuning", "save_tuning", "current", "choose", "chosen", "backend_key", "node_key", "reset",
+           "LEVELS"]
 
 TUNE_ENV = "DPLAB_TUNE"
 DEFAULT_TUNE_PATH = "~/.cache/dplab/tune.json"
 _ALL = "all"
 REDO = "run `dplab tune` again to rewrite it"  # ends every bad-file line
 _VALUES = ("alpha_s", "beta_s_per_byte", "gamma_s_per_byte")  # a saved fit's numbers
+LEVELS = ("intra", "inter")  # a two-level fit's links: inside a host, between hosts
+ONE_HOST, SCATTERED = 0, -1  # node_key's layouts other than g consecutive ranks per host
 # dplab's native all-reduce first checks every rank's (length, dtype) where the engine cannot carry our
 # check (the local backend's is a tag): on MPI ceil(log2 p) rounds of 32-byte messages, on gloo and NCCL
 # a MAX all-reduce of 4 int64s. auto pays it, so prices it as a native all-reduce of 32 bytes
@@ -78,6 +91,18 @@ class Tuning:
     source: str = "built-in defaults"
     # (backend, world size, algorithm, bytes, seconds): what `dplab tune` measured; None: its fits' rows
     measured: tuple[tuple[str, int, str, int, float], ...] | None = None
+    # (backend, level in LEVELS, alpha s, beta s/B, gamma s/B): a two-level fit, where one was made
+    links: tuple[tuple[str, str, float, float, float], ...] = ()
+
+    def topology(self, backend: str, ranks_per_node: int) -> Topology | None:
+        """The two-level topology of ``backend``'s links for hosts of ``ranks_per_node``, or None
+        (no intra and inter fit for it). gamma: the inter fit's (reductions run on the same cores)."""
+        got = {level: (a, b, c) for be, level, a, b, c in self.links if be == backend}
+        if set(LEVELS) - set(got):
+            return None
+        (ia, ib, _), (xa, xb, gamma) = got["intra"], got["inter"]
+        return Topology(f"{backend}-tuned", ranks_per_node, Link(ia, ib), Link(xa, xb), gamma,
+                        f"two-level fit of {self.source}")
 
     def cells(self) -> tuple[tuple[str, int, str, int, float], ...]:
         """The measured cells (``measured``, else read off the per-algorithm fits' rows)."""
@@ -133,21 +158,30 @@ class Tuning:
             object.__setattr__(self, "_cells_cache", cached)
         return cached
 
-    def candidates(self, backend: str) -> list[str]:
+    def candidates(self, backend: str, node: int = ONE_HOST) -> list[str]:
         """The registered all-reduces, then ``native`` if this backend has a fit for it. Where some
         were measured (a fit of their own), only those: the others would be priced by the coarse
         fit alone, 25-35% rms off on the machine this was written on, against measured rivals
         (``dplab tune`` benches every registered one, so a new algorithm joins at the next tune)."""
         mine = {f.algorithm for f in self.fits if f.backend == backend and f.alpha is not None}
-        measured = [a for a in ALLREDUCE if a in mine]
-        return [*(measured or ALLREDUCE), *(["native"] if "native" in mine else [])]
+        ours = [a for a in ALLREDUCE if a in mine] or list(ALLREDUCE)
+        if node != ONE_HOST:  # several hosts: hierarchical only as the schedule that matches them
+            ours = [f"{a}:{node}" if a == "hierarchical" else a for a in ours
+                    if a != "hierarchical" or node > 0]
+        return [*ours, *(["native"] if "native" in mine else [])]
 
-    def choose(self, backend: str, world_size: int, nbytes: int, itemsize: int = 4) -> str:
-        """The candidate with the least predicted time; ``native`` where nothing is fitted."""
+    def choose(self, backend: str, world_size: int, nbytes: int, itemsize: int = 4,
+               node: int = ONE_HOST) -> str:
+        """The candidate with the least predicted time; ``native`` where nothing is fitted. ``node``:
+        the hosts (``node_key``); with several and a two-level fit, priced on its topology."""
         best: tuple[float, int, str] | None = None
-        for i, alg in enumerate(self.candidates(backend)):
+        topo = self.topology(backend, node) if node > 0 else None
+        for i, alg in enumerate(self.candidates(backend, node)):
+            if topo is not None and alg == "native":
+                continue
             try:
-                t = self.predict_s(backend, alg, world_size, nbytes, itemsize)
+                t = (self.predict_s(backend, alg, world_size, nbytes, itemsize) if topo is None else
+                     _walk(allreduce_schedule(alg, world_size), nbytes, itemsize, topo))
             except DplabError:  # a schedule that cannot be built at this world size is no candidate
                 continue
             if t is not None and (best is None or (t, i) < best[:2]):
@@ -155,8 +189,11 @@ class Tuning:
         return "native" if best is None else best[2]
 
     def to_json(self) -> dict[str, Any]:
-        return {"version": 1, "fits": [f.to_json() for f in self.fits],
-                "measured": [list(c) for c in self.cells()]}
+        out = {"version": 1, "fits": [f.to_json() for f in self.fits],
+               "measured": [list(c) for c in self.cells()]}
+        if self.links:
+            out["links"] = [dict(zip(("backend", "level", *_VALUES), link)) for link in self.links]
+        return out
 
     @classmethod
     def from_json(cls, data: Any, source: str) -> Tuning:
@@ -173,8 +210,12 @@ class Tuning:
                 _check_fit(f, f"{source}: fits[{i}]")
             for i, m in enumerate(measured):
                 _check_cell(m, f"{source}: measured[{i}]")
+            links = data.get("links", [])
+            for i, link in enumerate(links if isinstance(links, list) else [links]):
+                _check_link(link, f"{source}: links[{i}]")
             return cls(tuple(CostFit.from_json(f) for f in fits), source,
-                       tuple((b, p, a, n, float(t)) for b, p, a, n, t in measured))
+                       tuple((b, p, a, n, float(t)) for b, p, a, n, t in measured),
+                       tuple((k["backend"], k["level"], *(float(k[v]) for v in _VALUES)) for k in links))
         except (AttributeError, KeyError, TypeError, ValueError) as e:
             if isinstance(e, ConfigError):
                 raise
@@ -210,6 +251,28 @@ def _check_fit(f: Any, where: str) -> None:
     if f["alpha_s"] is not None and not any(f[key] for key in _VALUES):
         raise ConfigError(f"{where}: alpha_s, beta_s_per_byte and gamma_s_per_byte are all 0, which prices "
                           f"every all-reduce at 0 s: {REDO}")
+
+
+def _check_link(link: Any, where: str) -> None:
+    """One link of a two-level fit: a backend, a level of LEVELS, three finite numbers >= 0."""
+    if not isinstance(link, dict):
+        raise _bad(where, link, "a link (an object)")
+    if not isinstance(link["backend"], str):
+        raise _bad(f"{where}.backend", link["backend"], "a name")
+    if link["level"] not in LEVELS:
+        raise _bad(f"{where}.level", link["level"], " or ".join(map(repr, LEVELS)))
+    for key in _VALUES:
+        v = link[key]
+        if not (_real(v) and math.isfinite(v) and v >= 0):
+            raise _bad(f"{where}.{key}", v, "a finite number >= 0")
+
+
+def _walk(schedule: Any, nbytes: int, itemsize: int, topo: Topology) -> float:
+    """Seconds the cost model gives ``schedule`` on ``topo`` (imported here: only a multi-host
+    choice with a two-level fit walks schedules)."""
+    from dplab.reference.costmodel import cost
+
+    return cost(schedule, nbytes, itemsize=itemsize, topology=topo).time
 
 
 def _check_cell(m: Any, where: str) -> None:
@@ -270,9 +333,19 @@ def current() -> Tuning:
 
 
 @lru_cache(maxsize=4096)
-def choose(backend: str, world_size: int, nbytes: int, itemsize: int = 4) -> str:
-    """What ``algorithm="auto"`` runs for one all-reduce of ``nbytes`` on ``world_size`` ranks."""
-    return current().choose(backend, world_size, nbytes, itemsize)
+def choose(backend: str, world_size: int, nbytes: int, itemsize: int = 4, node: int = ONE_HOST) -> str:
+    """What ``algorithm="auto"`` runs for one all-reduce of ``nbytes`` on ``world_size`` ranks
+    placed as ``node`` says (``node_key``)."""
+    return current().choose(backend, world_size, nbytes, itemsize, node)
+
+
+@lru_cache(maxsize=64)
+def node_key(hosts: tuple[int, ...] | None) -> int:
+    """The layout as auto's cache key: ``ONE_HOST`` (0), g (several hosts of g consecutive ranks, the
+    last possibly smaller), or ``SCATTERED`` (-1: several hosts, ranks not in blocks)."""
+    if not hosts or max(hosts) == 0:
+        return ONE_HOST
+    return node_size(hosts) or SCATTERED
 
 
 def backend_key(comm: Any) -> str:
@@ -283,7 +356,8 @@ def backend_key(comm: Any) -> str:
 
 def chosen(comm: Any, buf: Any) -> str:
     """What auto runs for ``buf`` (a numpy array or torch tensor, any shape) on ``comm``."""
-    return choose(backend_key(comm), comm.world_size, int(buf.nbytes), int(buf.itemsize))
+    return choose(backend_key(comm), comm.world_size, int(buf.nbytes), int(buf.itemsize),
+                  node_key(getattr(comm, "hosts", None)))
 
 
 def reset() -> None:

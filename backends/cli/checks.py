@@ -16,7 +16,9 @@ import tempfile
 from pathlib import Path
 
 from dplab.backends.bench.spec import BenchSpec
+from dplab.backends.launch.engine import launcher_hosts, local_ranks
 from dplab.backends.launch.world import launcher_env, under_launcher
+from dplab.reference.algorithms.layout import resolve
 from dplab.reference.errors import ConfigError
 
 __all__ = ["check_args", "OutputPathError", "stop_launcher_job", "check_output_file", "check_output_dir",
@@ -51,6 +53,8 @@ def check_args(a: argparse.Namespace, printer: bool = True) -> None:
         _check_launcher_world(a)
     if a.command in ("compare", "bench"):
         _check_launcher_grid(a)
+    if a.command in ("train", "compare", "bench"):
+        _check_hosts(a, backends)
     for p in (a.world_sizes or ()) if a.command in ("compare", "bench") else ():  # before any cell runs
         if p < 1:
             raise ConfigError(f"world_size must be a positive integer, got {p}")
@@ -84,6 +88,22 @@ def _check_launcher_grid(a: argparse.Namespace) -> None:
             if a.world_sizes != [started]:
                 raise ConfigError(f"the launcher started {started} ranks: give --world-sizes {started} "
                                   f"(not {','.join(map(str, a.world_sizes or ['the default 1,2,3,4']))})")
+
+
+def _check_hosts(a: argparse.Namespace, backends: list[str]) -> None:
+    """A ``hierarchical:g`` whose g is not the launcher's ranks per host: one line from rank 0
+    before any rank starts (every rank reads the same launcher's environment, so every rank refuses).
+    The layout: the launcher's own (torchrun, Slurm), else consecutive blocks of this host's count
+    (hydra's placement from -hosts); the communicator's ``hosts`` checks the real one again."""
+    names = [a.algorithm] if a.command == "train" else (a.algorithms or [])
+    for backend in backends:
+        counts = local_ranks(backend) if under_launcher(backend) else None
+        if counts is None or not names:
+            continue
+        local, size = counts
+        hosts = launcher_hosts(size) or (tuple(r // local for r in range(size)) if local else None)
+        for name in names if hosts is not None else ():
+            resolve(name, hosts)
 
 
 def check_output_file(option: str, path: str) -> None:

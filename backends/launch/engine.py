@@ -16,6 +16,12 @@ gets it from the step: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_S
 unless set, is the step's first node (rank 0 runs there) and ``MASTER_PORT`` comes from the job and
 step ids, so every task computes the same (``slurm_torch_env``). torchrun started by ``srun`` (one
 per node) is torchrun: its own variables win.
+
+Which ranks share a host (``Communicator.hosts``): ``launcher_hosts`` reads it from torchrun's
+``LOCAL_WORLD_SIZE`` / ``GROUP_RANK`` and from Slurm's tasks per node (block placement: a node's
+tasks are consecutive ranks), where the environment says it for every rank; MPI asks MPI
+(``MPI_Comm_split_type(MPI_COMM_TYPE_SHARED)``, ``backends/mpi/comm.py``). ``local_ranks`` is
+this host's count alone, which the command line checks before any rank starts.
 """
 
 from __future__ import annotations
@@ -25,13 +31,14 @@ import re
 import sys
 import traceback
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from dplab.reference.errors import ConfigError
 
 __all__ = ["under_launcher", "launcher_env", "launcher_rank", "spans_hosts", "LauncherWorld", "run_here",
-           "SlurmStep", "slurm_step", "slurm_torch_env", "expand_nodelist", "tasks_per_node"]
+           "SlurmStep", "slurm_step", "slurm_torch_env", "expand_nodelist", "tasks_per_node",
+           "launcher_hosts", "local_ranks"]
 
 _TORCHRUN = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 _PMI = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK")
@@ -85,6 +92,9 @@ class SlurmStep:
     nodes: tuple[str, ...]
     job_id: int
     step_id: int
+    # where the task sits, for the node layout (``launcher_hosts``); left out of ==, which is about the rank
+    node: int = field(default=0, compare=False)  # SLURM_NODEID: an index into ``nodes``
+    counts: tuple[int, ...] = field(default=(), compare=False)  # tasks on each node of the step
 
 
 def _first(env: Mapping[str, str], *keys: str) -> str | None:
@@ -112,7 +122,8 @@ def slurm_step(env: Mapping[str, str] | None = None) -> SlurmStep | None:
     local_size = counts[node] if node < len(counts) else int(size)
     step = _first(env, "SLURM_STEP_ID", "SLURM_STEPID") or "0"
     return SlurmStep(int(rank), int(size), int(local), local_size, nodes,
-                     int(_first(env, "SLURM_JOB_ID", "SLURM_JOBID") or 0), int(step) if step.isdigit() else 0)
+                     int(_first(env, "SLURM_JOB_ID", "SLURM_JOBID") or 0), int(step) if step.isdigit() else 0,
+                     node, tuple(counts))
 
 
 def slurm_torch_env(step: SlurmStep, env: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -122,7 +133,7 @@ def slurm_torch_env(step: SlurmStep, env: Mapping[str, str] | None = None) -> di
     if not step.nodes and "MASTER_ADDR" not in env:
         raise ConfigError("srun gave no node list (SLURM_STEP_NODELIST): export MASTER_ADDR=<rank 0's host>")
     made = {"RANK": str(step.rank), "WORLD_SIZE": str(step.world_size), "LOCAL_RANK": str(step.local_rank),
-            "LOCAL_WORLD_SIZE": str(step.local_world_size),
+            "LOCAL_WORLD_SIZE": str(step.local_world_size), "GROUP_RANK": str(step.node),
             "MASTER_ADDR": step.nodes[0] if step.nodes else "",
             "MASTER_PORT": str(20000 + (step.job_id * 64 + step.step_id) % 30000)}
     return {k: env.get(k) or v for k, v in made.items()}
@@ -182,6 +193,41 @@ def spans_hosts() -> str | None:
     if step is not None and step.local_world_size < step.world_size:
         return f"this srun step has {step.world_size} ranks, {step.local_world_size} of them on this host"
     return None
+
+
+def launcher_hosts(world_size: int, env: Mapping[str, str] | None = None) -> tuple[int, ...] | None:
+    """Each rank's host index as this launcher's environment gives it for a world of ``world_size``,
+    or None: no launcher, a world other than the launcher's, or a layout the environment does not
+    tell (torchrun with another number of ranks on some host; Slurm's cyclic or arbitrary placement).
+
+    torchrun numbers ranks host by host (group rank g holds ranks g L .. g L + L - 1 when every host
+    runs L = LOCAL_WORLD_SIZE); a Slurm step with block placement gives node i the next counts[i]."""
+    env = os.environ if env is None else env
+    size, local = env.get("WORLD_SIZE", ""), env.get("LOCAL_WORLD_SIZE", "")
+    if all(k in env for k in _TORCHRUN) and size.isdigit() and local.isdigit():
+        w, n, rank = int(size), int(local), int(env["RANK"])
+        group = env.get("GROUP_RANK", "")
+        if w != world_size or n < 1 or w % n or (group.isdigit() and int(group) != rank // n):
+            return None
+        return tuple(r // n for r in range(w))
+    step = slurm_step(env)
+    if step is None or step.world_size != world_size or sum(step.counts) != world_size:
+        return None
+    if not env.get("SLURM_DISTRIBUTION", "block").startswith("block"):
+        return None  # cyclic, plane or arbitrary: a node's tasks are not consecutive ranks
+    return tuple(i for i, c in enumerate(step.counts) for _ in range(c))
+
+
+def local_ranks(backend: str, env: Mapping[str, str] | None = None) -> tuple[int, int] | None:
+    """(ranks on this host, ranks in all) from this process's launcher, or None outside one."""
+    env = os.environ if env is None else env
+    pairs = {"torch": [("LOCAL_WORLD_SIZE", "WORLD_SIZE")],
+             "mpi": [("MPI_LOCALNRANKS", "PMI_SIZE"), ("OMPI_COMM_WORLD_LOCAL_SIZE", "OMPI_COMM_WORLD_SIZE")]}
+    for local, size in pairs.get(backend, []):
+        if env.get(local, "").isdigit() and env.get(size, "").isdigit():
+            return int(env[local]), int(env[size])
+    step = slurm_step(env)
+    return None if step is None else (step.local_world_size, step.world_size)
 
 
 class LauncherWorld:

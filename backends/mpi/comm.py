@@ -27,6 +27,9 @@ This file adds what the Communicator contract asks and MPI does not give:
   only send large messages; small ones leave eagerly and are caught by the next collective).
 * Isolation. dplab talks on a duplicate of the communicator it is given, so its
   messages never meet the application's.
+* The node layout (``Communicator.hosts``): MPI knows which ranks share memory
+  (``Split_type(COMM_TYPE_SHARED)``); under hydra that is the ranks of one ``-hosts`` entry,
+  checked across namespace hosts (``tests/test_hosts_layout.py``).
 
 MPI's own collectives (the barrier, ``MPI_Allreduce``, the launcher's control path) are in
 ``engine_calls.py``. Importing this module does not start MPI: ``mpi4py.MPI`` (whose import calls
@@ -113,6 +116,7 @@ class MpiComm(MpiEngineCalls, Communicator):
         self._comm = (comm if comm is not None else MPI.COMM_WORLD).Dup()
         self.rank, self.world_size = self._comm.Get_rank(), self._comm.Get_size()
         self.timeout, self.tracer = timeout, Tracer(self.rank)
+        self.hosts = self._host_keys()
         self._max_tag = self._comm.Get_attr(MPI.TAG_UB) >> _TAG_BITS
         self._types = {np.dtype("float32"): MPI.FLOAT, np.dtype("float64"): MPI.DOUBLE,
                        np.dtype("int32"): MPI.INT32_T, np.dtype("int64"): MPI.INT64_T}
@@ -123,6 +127,21 @@ class MpiComm(MpiEngineCalls, Communicator):
         self._abandoned: list[Any] = []  # timed-out requests MPI may still touch: keep their buffers
         self._tag = 0  # the tag of the running collective's messages (its code; see check_buffer)
         self._agreement: list | None = None  # the native all-reduce's check, as persistent requests
+
+    def _host_keys(self) -> np.ndarray:
+        """Each rank's host, as MPI knows it: the ranks that can share memory (MPI_Comm_split_type
+        with MPI_COMM_TYPE_SHARED; under hydra, the ranks one proxy, i.e. one -hosts entry, started)
+        name their host by its lowest rank, and every rank gathers every rank's name."""
+        MPI = self.MPI
+        local = self._comm.Split_type(MPI.COMM_TYPE_SHARED)
+        try:
+            first = np.array([self.rank], np.int64)
+            local.Allreduce(MPI.IN_PLACE, first, op=MPI.MIN)
+        finally:
+            local.Free()
+        keys = np.empty(self.world_size, np.int64)
+        self._comm.Allgather(first, keys)
+        return keys
 
     @classmethod
     def from_launcher(cls, timeout: float) -> MpiComm:
