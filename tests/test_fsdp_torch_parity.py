@@ -12,6 +12,7 @@ and the norms it returns are torch's.
 from __future__ import annotations
 
 import copy
+import time
 from functools import partial
 
 import numpy as np
@@ -256,3 +257,112 @@ def test_mixed_precision_policy_equals_one_process_with_the_same_casts(worlds, p
         # a sum of two float32 gradients does not depend on its order
         assert all(np.array_equal(r["state"][k], v) for k, v in want.items())
         assert max(rel(r["state"][k], v) for k, v in plain.items()) > 1e-4
+
+
+# -- gathers prefetched on the comm thread, overlapped with compute ----------------------------
+
+def _prefetch_states(comm, prefetch: bool) -> list:
+    """A few configurations from test_fsdp, three steps each, the middle one accumulated under
+    no_sync: every state dict, to compare bit for bit with and without prefetch."""
+    from test_fsdp import batch, loss_sum, make_model, make_opt, numpy_state, units_of
+
+    from dplab.backends.nn.fsdp import FSDP
+
+    torch.set_num_threads(1)
+    more = {"forward_prefetch": True, "backward_prefetch": "BACKWARD_PRE"} if prefetch else {}
+    lo, hi = chunk_bounds(B, comm.world_size)[comm.rank]
+    out = []
+    for kind, config in [("stack", "stack"), ("tied", "tied_head"), ("frozen", "frozen3")]:
+        model = make_model(kind, SEED)
+        fsdp = FSDP(model, comm, units=units_of(model, config), **more)
+        opt = make_opt(fsdp.parameters())
+        for step in range(STEPS):
+            x, y = batch(kind, step, B)
+            opt.zero_grad()
+            if step == 1:
+                with fsdp.no_sync():
+                    (loss_sum(kind, fsdp(x[lo:hi]), y[lo:hi]) / (hi - lo)).backward()
+            (loss_sum(kind, fsdp(x[lo:hi]), y[lo:hi]) / (hi - lo)).backward()
+            opt.step()
+            out.append(numpy_state(fsdp.state_dict()))
+    return out
+
+
+def same_with_and_without_prefetch(world) -> None:
+    plain, ahead = world.run(_prefetch_states, False), world.run(_prefetch_states, True)
+    for mine, theirs in zip(ahead, plain):
+        for a, b in zip(mine, theirs):
+            assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+
+
+def test_prefetch_is_bitwise_the_same_training(worlds):
+    same_with_and_without_prefetch(worlds(3))
+
+
+def test_prefetch_from_the_comm_thread_on_every_backend(worlds, backend):
+    same_with_and_without_prefetch(worlds(2, backend))
+
+
+NAP = 0.05  # seconds of "compute" per unit, forward and backward: long beside a gather of 8x8 floats
+
+
+class Nap(torch.autograd.Function):
+    """Compute that takes time (and lets the GIL go, as real kernels do), forward and backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        time.sleep(NAP)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        time.sleep(NAP)
+        return g
+
+
+class NapBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8, dtype=F64)
+
+    def forward(self, x):
+        return torch.tanh(Nap.apply(self.lin(x)))  # the nap inside the unit's backward, before lin's
+
+
+def _trace(comm, prefetch: bool) -> list:
+    from dplab.backends.nn.fsdp import FSDP
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*(NapBlock() for _ in range(3)))
+    more = {"forward_prefetch": True, "backward_prefetch": "BACKWARD_PRE"} if prefetch else {}
+    fsdp = FSDP(model, comm, units=list(model), **more)
+    x = torch.randn(4, 8, dtype=F64)
+    comm.tracer.take()
+    comm.tracer.enabled = True
+    try:
+        for _ in range(2):  # the first forward learns the order; the second prefetches by it
+            fsdp(x).sum().backward()
+    finally:
+        comm.tracer.enabled = False
+    return [(e.kind, e.thread, e.extra.get("unit"), e.t_start_ns, e.t_end_ns) for e in comm.tracer.take()
+            if e.kind in ("gather", "forward", "backward")]
+
+
+def overlaps(events: list, phase: str) -> set:
+    """(computing unit, gathering unit) pairs: a comm-thread gather of one unit while another computed."""
+    gathers = [e for e in events if e[0] == "gather" and e[1] == "comm"]
+    return {(k, j) for kind, thread, k, a, b in events if kind == phase and thread == "main"
+            for _, _, j, c, d in gathers if j != k and c < b and a < d}
+
+
+def test_prefetched_gathers_overlap_compute_in_the_trace(worlds):
+    for rank, (ahead, plain) in enumerate(zip(worlds(2).run(_trace, True), worlds(2).run(_trace, False))):
+        # units 1..3 (the root, 0, holds nothing and spans the whole forward): unit k+1 gathers
+        # while unit k runs forward, unit k-1 while unit k runs backward. Each pair overlaps
+        # unless the loaded machine starts the comm thread a whole nap late: ask for one each
+        forward = {(k, j) for k, j in overlaps(ahead, "forward") if k}
+        backward = overlaps(ahead, "backward")
+        assert forward and forward <= {(1, 2), (2, 3)}, (rank, ahead)
+        assert backward and backward <= {(3, 2), (2, 1)}, (rank, ahead)
+        assert not overlaps(plain, "forward") and not overlaps(plain, "backward")
+        assert {e[1] for e in plain if e[0] == "gather"} == {"main"}  # without prefetch: no comm thread

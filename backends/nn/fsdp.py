@@ -54,7 +54,13 @@ embedding reused as the output projection) is flattened once, in the unit holdin
 (``fsdp_units``). ``summon_full_params()`` puts the full fp32 parameters back into the module for
 a while (a collective); ``full_state_dict()`` returns the plain module's state dict on every
 rank, ``load_full_state_dict`` takes one (``fsdp_full``). ``param_memory()`` counts parameter bytes per rank.
-Gathers and reductions run on the autograd thread (no overlap with compute, unlike ``ddp.py``).
+Gathers and reductions run on the autograd thread unless prefetch is asked for:
+``forward_prefetch=True`` and ``backward_prefetch="BACKWARD_PRE"`` (torch's names) put every
+collective on a comm thread and start the next unit's gather while this one computes, forward
+and backward; reduce-scatters then overlap the backward too (``fsdp_prefetch``). Bitwise the same.
+
+Mixed precision per unit, as torch's ``MixedPrecision(param_dtype, reduce_dtype, buffer_dtype)``,
+with norm layers kept in float32 (``keep_float32``): ``fsdp_policy``.
 """
 
 from __future__ import annotations
@@ -87,6 +93,7 @@ from dplab.backends.nn.fsdp_precision import (
     restore_buffers,
     tensors_in,
 )
+from dplab.backends.nn.fsdp_prefetch import CommRunner, Gathers, UnitOrder, backward_pre
 from dplab.backends.nn.fsdp_units import param_keys, plan_units
 from dplab.reference.algorithms import SCATTER_ALGORITHMS, has_schedule
 from dplab.reference.communicator import Communicator
@@ -111,6 +118,10 @@ class FullyShardedDataParallel(FullParams, OrigParams, nn.Module):
             (``fsdp_policy``); units left out run in the module's dtype.
         keep_float32: module classes (``nn.LayerNorm``) whose parameters and buffers stay in the
             module's dtype in every unit; they compute in it and hand their unit's dtype on.
+        forward_prefetch: gather the next unit (the previous forward's order) while one computes.
+        backward_prefetch: ``"BACKWARD_PRE"`` (or torch's enum): gather the unit whose backward is
+            next while one's backward runs. Either puts FSDP's collectives on a comm thread
+            (``fsdp_prefetch``); the results are bitwise the same.
         algorithm: ``ring`` or ``direct`` (the schedules with a reduce-scatter and all-gather).
         local_batch_size: this rank's shard size, for uneven shards (as in ``DDP``).
     """
@@ -118,12 +129,15 @@ class FullyShardedDataParallel(FullParams, OrigParams, nn.Module):
     def __init__(self, module: nn.Module, comm: Communicator, *, units: Sequence[nn.Module] | None = None,
                  compute_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
                  mixed_precision: Policy = None, keep_float32: tuple[type, ...] = (),
+                 forward_prefetch: bool = False, backward_prefetch: Any = None,
                  algorithm: str = "ring", local_batch_size: int | None = None) -> None:
         super().__init__()
         if not has_schedule(algorithm, "scatter"):
             raise ConfigError(f"FSDP needs a reduce-scatter and an all-gather: algorithm must be one of "
                               f"{', '.join(SCATTER_ALGORITHMS)}, got {algorithm!r}")
         plans = plan_units(module, units)  # checked before any collective: a bad unit fails alone
+        self.forward_prefetch = bool(forward_prefetch)
+        self.backward_prefetch = backward_pre(backward_prefetch)
         master, device = dtype_and_device(list(module.parameters()))
         if mixed_precision is not None and (compute_dtype or reduce_dtype):
             raise ConfigError("give either mixed_precision or compute_dtype/reduce_dtype, not both")
@@ -150,8 +164,11 @@ class FullyShardedDataParallel(FullParams, OrigParams, nn.Module):
         mixed = any(u.compute is not None for u in self.precisions)
         self._input_dtypes = [u.compute or master for u in self.precisions] if mixed else None
         cast_kept_modules(module, self.keep_float32, unit_of, self.precisions, master)
+        runner = CommRunner(threaded=self.forward_prefetch or self.backward_prefetch)
+        self._gathers, self._order = Gathers(self.units, runner, comm.tracer), UnitOrder()
         self._register_hooks(plans)
         self._pending: list[FlatParam] = []  # trainable flats used in forward, not reduced yet
+        self._reduced: list[FlatParam] = []  # flats whose reduction this backward submitted
         self._callback_queued = False
         self._summoned = False
         self.require_backward_grad_sync = True  # toggled by no_sync(), read by forward()
@@ -193,7 +210,7 @@ class FullyShardedDataParallel(FullParams, OrigParams, nn.Module):
         for k, flats in enumerate(self.units):
             for f in flats:
                 if f.trainable:
-                    f.leaf.register_post_accumulate_grad_hook(partial(self._grad_ready, f))
+                    f.leaf.register_post_accumulate_grad_hook(partial(self._grad_ready, k, f))
             if k:
                 if self._input_dtypes is not None:
                     cast = partial(cast_unit_inputs, self._input_dtypes[k])
@@ -211,6 +228,7 @@ class FullyShardedDataParallel(FullParams, OrigParams, nn.Module):
             raise ConfigError("forward inside summon_full_params(): leave the context first")
         self._pending.clear()  # a forward whose backward never ran (evaluation) leaves nothing behind
         self._sync_this_backward = self.require_backward_grad_sync
+        self._order.start_forward()
         if self._input_dtypes is not None:
             args, kwargs = cast_floats((args, kwargs), self._input_dtypes[0])
         self._pre_forward(0)
@@ -219,18 +237,26 @@ class FullyShardedDataParallel(FullParams, OrigParams, nn.Module):
             output = self.module(*args, **kwargs)
         finally:
             restore_buffers(self._float_buffers, masters)
-        return self._post_forward(0, None, None, output)
+        output = self._post_forward(0, None, None, output)
+        for f in self._flats():  # a prefetch whose unit did not run: never keep stale parameters
+            self._gathers.free(f)
+        return output
 
     def _pre_forward(self, k: int, *_: Any) -> None:
+        self._gathers.gather(k)
         for f in self.units[k]:
-            f.gather()
             f.use_views()
             if f.trainable and torch.is_grad_enabled() and f not in self._pending:
                 self._pending.append(f)
+        nxt = self._order.forward_next(k)
+        if self.forward_prefetch:
+            self._gathers.prefetch(nxt)  # travels while unit k computes
+        self._gathers.start("forward", k)
 
     def _post_forward(self, k: int, _module: Any, _args: Any, output: Any) -> Any:
+        self._gathers.end("forward", k)
         for f in self.units[k]:
-            f.free()
+            self._gathers.free(f)
         if torch.is_grad_enabled() and self.units[k]:
             for t in tensors_in(output):
                 if t.requires_grad:
@@ -238,33 +264,41 @@ class FullyShardedDataParallel(FullParams, OrigParams, nn.Module):
         return output
 
     def _pre_backward(self, k: int, _grad: torch.Tensor) -> None:
-        """The gradient of unit k's output exists: its backward is next, gather its parameters."""
+        """The gradient of unit k's output exists: its backward is next, gather its parameters
+        (and, with BACKWARD_PRE, start gathering the unit whose backward follows)."""
         if not self._callback_queued:
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
-        for f in self.units[k]:
-            f.gather()
+        self._gathers.gather(k)
+        if self.backward_prefetch:
+            self._gathers.prefetch(self._order.backward_next(k))
+        self._gathers.start("backward", k)
 
-    def _grad_ready(self, flat: FlatParam, _leaf: torch.Tensor) -> None:
+    def _grad_ready(self, k: int, flat: FlatParam, _leaf: torch.Tensor) -> None:
         """Autograd's word that the flat's full gradient is complete: reduce-scatter it (or, under
         no_sync, keep it), free the parameters."""
+        self._gathers.end("backward", k)
         if self._sync_this_backward:
-            flat.reduce_grad(self._weight())
+            self._gathers.reduce(flat, self._weight())  # with prefetch, on the comm thread: overlaps too
+            self._reduced.append(flat)
         else:
             flat.hold_grad()
-        flat.free()
+        self._gathers.free(flat)
         if flat in self._pending:
             self._pending.remove(flat)
 
     def _end_backward(self) -> None:
         """After a synced backward: flats that got no gradient reduce what they hold from no_sync,
-        or zeros (every rank runs the same collectives, none waits). Gathered flats are freed."""
+        or zeros (every rank runs the same collectives, none waits). Every job is waited for, so
+        the gradients are in place when backward returns; gathered flats are freed."""
         self._callback_queued = False
         pending, self._pending = self._pending, []
-        if self._sync_this_backward:
-            held = [f for f in self._flats() if f.held is not None and f not in pending]
+        reduced, self._reduced = self._reduced, []
+        if self._sync_this_backward:  # not f.held alone: a reduction on the comm thread may not have run yet
+            held = [f for f in self._flats() if f.held is not None and f not in pending and f not in reduced]
             for f in pending + held:
-                f.reduce_grad(self._weight())
+                self._gathers.reduce(f, self._weight())
+        self._gathers.drain()
         for f in self._flats():
             f.free()
 
