@@ -80,7 +80,6 @@ def ddp_from_hooks(lab):
 # --- 2. DistributedSampler against weighted uneven shards ----------------------------------------
 
 def sampler_against_shards(lab):
-    _warm()
     import torch
     from torch.utils.data.distributed import DistributedSampler
 
