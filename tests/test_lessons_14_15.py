@@ -154,3 +154,21 @@ def test_a_plausible_wrong_ddp_from_hooks_fails_naming_its_mistake(tmp_path, nam
     assert not report.passed, name
     for phrase in says:
         assert phrase in report.message, (name, report.message)
+
+
+def test_lesson_15s_questions_name_their_misconceptions_and_no_step_shows_the_hooks_answer():
+    from dplab.lessons.exercises import SOLUTIONS
+
+    steps = lesson(15).steps
+    hooks, sampler, bn, local = steps[0], steps[1], steps[2], steps[4]
+    assert "single bucket" in hooks.predict.judge({"tensors": 6, "per_backward": 6}, "1").message
+    assert "pads to a multiple" in sampler.predict.judge({"n": 10, "p": 4, "handed": 12}, "10").message
+    assert "drop_last=True" in sampler.predict.judge({"n": 10, "p": 4, "handed": 12}, "8").message
+    assert "rank 0's own mean" in bn.predict.judge({"m0": -2.0, "m1": 2.0, "global_mean": 0.0}, "-2").message
+    assert "only how often" in local.predict.judge({"h": 4, "ratio": 0.25}, "0.5").message
+    assert all(s.asks_before_run() for s in (hooks, sampler, bn, local))
+    answer = (SOLUTIONS / "ddp_hooks.py").read_text()
+    assert "handles.append(dist.all_reduce(param.grad, async_op=True))" in answer
+    for step in steps:
+        assert "dist.all_reduce(param.grad, async_op=True))" not in step.code(), step.title
+    assert len(hooks.all_hints()) == 3
