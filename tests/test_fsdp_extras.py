@@ -195,12 +195,17 @@ def test_peak_parameter_memory_is_shards_plus_units_in_flight(worlds, p):
 # -- configuration errors -------------------------------------------------------------------
 
 def _bad(comm, what: str) -> str:
-    from dplab.backends.nn.fsdp import FSDP
+    from dplab.backends.nn.fsdp import FSDP, MixedPrecision
 
     model = make_model("stack", 0)
     args = {"outside": {"units": [nn.Linear(2, 2)]}, "twice": {"units": [model.blocks[0], model.blocks[0]]},
             "nested": {"units": [model.blocks, model.blocks[1]]}, "root": {"units": [model]},
-            "algorithm": {"algorithm": "tree"}, "dtype": {"compute_dtype": torch.int8}}[what]
+            "algorithm": {"algorithm": "tree"}, "dtype": {"compute_dtype": torch.int8},
+            "prefetch": {"backward_prefetch": "BACKWARD_POST"},
+            "policy_key": {"units": [model.blocks[0]],
+                           "mixed_precision": {model.blocks[1]: MixedPrecision()}},
+            "both": {"compute_dtype": torch.bfloat16, "mixed_precision": MixedPrecision()},
+            "buffer": {"mixed_precision": MixedPrecision(buffer_dtype=torch.int8)}}[what]
     try:
         FSDP(model, comm, **args)
     except ConfigError as e:
@@ -211,7 +216,10 @@ def _bad(comm, what: str) -> str:
 @pytest.mark.parametrize("what, needle", [("outside", "not inside the wrapped module"),
                                           ("twice", "listed twice"), ("nested", "inside unit 'blocks'"),
                                           ("root", "always the root unit"), ("algorithm", "ring, direct"),
-                                          ("dtype", "compute_dtype must be")])
+                                          ("dtype", "compute_dtype must be"),
+                                          ("prefetch", "must be None or 'BACKWARD_PRE'"),
+                                          ("policy_key", "not a unit"), ("both", "not both"),
+                                          ("buffer", "buffer_dtype must be")])
 def test_bad_configurations_say_what_to_do(worlds, what, needle):
     assert needle in worlds(1).run(_bad, what)[0]
 
