@@ -157,6 +157,22 @@ def bfloat16_by_bits(x):
     return bits.astype(np.uint32).view(np.float32)
 
 
+def _bit_layout(facts):
+    """Sign, exponent and fraction bits of the three formats, to scale."""
+    from rich.text import Text
+    out = Text()
+    for name, exp, frac in (("float16", facts["exp16"], facts["frac16"]),
+                            ("bfloat16", facts["exp_bf"], facts["frac_bf"]),
+                            ("float32", 8, 23)):
+        out.append(f"{name:>9} ", style="bold")
+        out.append("S", style="magenta")
+        out.append("E" * exp, style="cyan")
+        out.append("F" * frac, style="yellow")
+        out.append(f"  {exp} exponent, {frac} fraction bits\n")
+    out.append("          S sign  E exponent: range  F fraction: precision", style="dim")
+    return out
+
+
 def worst(exact, rounded):
     return float(np.max(np.abs(rounded.astype(np.float64) - exact)
                         / np.abs(exact)))
@@ -282,6 +298,7 @@ STEPS = (
               "scaling, while float16 needs it. numpy has no bfloat16: torch casts here (a float32 with its "
               "low 16 bits rounded off to nearest even gives the same bits: `{same_bits}`)."),
         run=bfloat16_against_float16,
+        picture=_bit_layout,
         checks=(Check("unscaled, float16's worst small entry is 5x worse than bfloat16's",
                       lambda f: f["worst16"] > 5 * f["worst_bf"]),
                 Check("bfloat16 holds every small value to half its epsilon (2^-8)",
