@@ -41,6 +41,11 @@ CONCEPTS = {
 # appended: a real model (lesson 14)
 CONCEPTS["real-model"] = ("a real model: a transformer's FLOPs per token (6 N), tokens/s, model FLOPs "
                           "utilisation and where its step time goes, with DDP and FSDP")
+# appended: the real PyTorch stack and cutting communication (lesson 15)
+CONCEPTS["torch-stack"] = ("the real PyTorch stack: DDP from hooks on torch tensors, DistributedSampler "
+                           "(set_epoch, padding) against weighted uneven shards, SyncBatchNorm")
+CONCEPTS["compression"] = ("cutting communication: gradient compression (fp16, bf16, PowerSGD hooks) and "
+                           "local SGD, in bytes and loss")
 # appended: activations and bfloat16 (lessons 10 and 11)
 CONCEPTS["activations"] = ("activation memory beside the model states, and activation checkpointing "
                            "(recompute for memory)")
