@@ -23,7 +23,7 @@ chunk of every layer and all-gather the layer's weights. Each rank's loss is alr
 
 The check measures three things on 1..4 ranks: every rank's weights against one device, the
 bytes each rank sends (a reduce-scatter and an all-gather of every layer), and the peak memory
-the step allocates (about two layers' gradients in flight, never the whole gradient).
+the step allocates (a few layers in flight: the check allows half the gradient, never the whole).
 
 The body below is plain data parallelism. Turn it into ZeRO-2:
 
