@@ -35,7 +35,8 @@ and backward run in bf16 (the root's floating inputs and, per forward, the buffe
 gradient is cast to fp32, weighted, cast to ``reduce_dtype`` and reduce-scattered in it: fp32 by
 default (exact masters' sums), float16 or bfloat16 to halve those bytes too (each partial sum
 rounded to it, ``reference.collectives``; bfloat16 on the torch backend only). The optimizer
-steps fp32 masters. No loss scaling here: float16 gradients may underflow.
+steps fp32 masters. No loss scaling here: float16 gradients may underflow. The full policy, per
+unit, with norm layers kept in float32 (``mixed_precision=``, ``keep_float32=``): ``fsdp_policy``.
 
 Gradient accumulation without communication, as torch's FSDP: forwards (and their backwards)
 inside ``with fsdp.no_sync():`` reduce nothing; each unit keeps its full gradient (master dtype,
@@ -53,14 +54,13 @@ never reduced and has no gradient, so optimizers skip it. A parameter tied betwe
 embedding reused as the output projection) is flattened once, in the unit holding all its uses
 (``fsdp_units``). ``summon_full_params()`` puts the full fp32 parameters back into the module for
 a while (a collective); ``full_state_dict()`` returns the plain module's state dict on every
-rank, ``load_full_state_dict`` takes one (``fsdp_full``). ``param_memory()`` counts parameter bytes per rank.
+rank, ``load_full_state_dict`` takes one (``fsdp_full``). ``param_memory()`` counts parameter
+bytes per rank.
+
 Gathers and reductions run on the autograd thread unless prefetch is asked for:
 ``forward_prefetch=True`` and ``backward_prefetch="BACKWARD_PRE"`` (torch's names) put every
 collective on a comm thread and start the next unit's gather while this one computes, forward
 and backward; reduce-scatters then overlap the backward too (``fsdp_prefetch``). Bitwise the same.
-
-Mixed precision per unit, as torch's ``MixedPrecision(param_dtype, reduce_dtype, buffer_dtype)``,
-with norm layers kept in float32 (``keep_float32``): ``fsdp_policy``.
 """
 
 from __future__ import annotations
