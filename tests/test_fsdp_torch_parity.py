@@ -345,12 +345,12 @@ def _trace(comm, prefetch: bool) -> list:
     finally:
         comm.tracer.enabled = False
     return [(e.kind, e.thread, e.extra.get("unit"), e.t_start_ns, e.t_end_ns) for e in comm.tracer.take()
-            if e.kind in ("gather", "forward", "backward")]
+            if e.kind in ("unit_gather", "unit_forward", "unit_backward")]
 
 
 def overlaps(events: list, phase: str) -> set:
     """(computing unit, gathering unit) pairs: a comm-thread gather of one unit while another computed."""
-    gathers = [e for e in events if e[0] == "gather" and e[1] == "comm"]
+    gathers = [e for e in events if e[0] == "unit_gather" and e[1] == "comm"]
     return {(k, j) for kind, thread, k, a, b in events if kind == phase and thread == "main"
             for _, _, j, c, d in gathers if j != k and c < b and a < d}
 
@@ -360,9 +360,9 @@ def test_prefetched_gathers_overlap_compute_in_the_trace(worlds):
         # units 1..3 (the root, 0, holds nothing and spans the whole forward): unit k+1 gathers
         # while unit k runs forward, unit k-1 while unit k runs backward. Each pair overlaps
         # unless the loaded machine starts the comm thread a whole nap late: ask for one each
-        forward = {(k, j) for k, j in overlaps(ahead, "forward") if k}
-        backward = overlaps(ahead, "backward")
+        forward = {(k, j) for k, j in overlaps(ahead, "unit_forward") if k}
+        backward = overlaps(ahead, "unit_backward")
         assert forward and forward <= {(1, 2), (2, 3)}, (rank, ahead)
         assert backward and backward <= {(3, 2), (2, 1)}, (rank, ahead)
-        assert not overlaps(plain, "forward") and not overlaps(plain, "backward")
-        assert {e[1] for e in plain if e[0] == "gather"} == {"main"}  # without prefetch: no comm thread
+        assert not overlaps(plain, "unit_forward") and not overlaps(plain, "unit_backward")
+        assert {e[1] for e in plain if e[0] == "unit_gather"} == {"main"}  # without prefetch: no comm thread

@@ -102,7 +102,9 @@ def backward_pre(value: Any) -> bool:
 class Gathers:
     """The flats' gathers, frees and reductions, each collective through one ``CommRunner``;
     gathers may run ahead (``prefetch``) and are waited for when their unit runs (``gather``).
-    Also the units' compute spans for the trace (``start``, ``end``: kind forward or backward)."""
+    Trace spans, ``extra={"unit": k}``: ``unit_gather`` (on the thread that gathered) and the
+    units' compute, ``unit_forward`` and ``unit_backward`` (``start``, ``end``); not ``forward``
+    and ``backward``, which name a whole step's phases (a trainer's or a lesson's own spans)."""
 
     def __init__(self, units: list[list[Any]], runner: CommRunner, tracer: Any) -> None:
         self.units, self.runner, self.tracer = units, runner, tracer
@@ -126,7 +128,7 @@ class Gathers:
                 self._inflight[f] = self.runner.submit(self._gather, f, k)
 
     def _gather(self, flat: Any, k: int) -> None:
-        with self.tracer.span("gather", bytes=flat.leaf_bytes, extra={"unit": k}):
+        with self.tracer.span("unit_gather", bytes=flat.leaf_bytes, extra={"unit": k}):
             flat.gather()
 
     def free(self, flat: Any) -> None:
@@ -152,11 +154,11 @@ class Gathers:
         if errors:
             raise errors[0]
 
-    def start(self, kind: str, k: int) -> None:
+    def start(self, phase: str, k: int) -> None:
         if self.tracer.enabled:
-            self._t0[(kind, k)] = self.tracer.now()
+            self._t0[(phase, k)] = self.tracer.now()
 
-    def end(self, kind: str, k: int) -> None:
-        t0 = self._t0.pop((kind, k), None)
+    def end(self, phase: str, k: int) -> None:
+        t0 = self._t0.pop((phase, k), None)
         if t0 is not None:
-            self.tracer.record(kind, t0, self.tracer.now(), extra={"unit": k})
+            self.tracer.record(f"unit_{phase}", t0, self.tracer.now(), extra={"unit": k})
