@@ -93,13 +93,19 @@ def test_every_clock_read_waits_for_the_device(monkeypatch):
     assert not bench.Device(object()).cuda  # a host communicator: numpy buffers, no waiting
 
 
-def test_a_cuda_bench_without_a_gpu_is_one_line(capsys):
+def test_a_cuda_bench_without_a_gpu_is_one_line(capsys, monkeypatch):
     pytest.importorskip("torch")
+    import os
+
     import torch
 
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
+    monkeypatch.delenv("DPLAB_DEVICE", raising=False)
     assert main(["bench", "--backends", "torch", "--device", "cuda", "--world-sizes", "1",
                  "--sizes", "1M"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "GPU" in err and "--device cpu" in err
+    # --device is the command's: called in-process, it must not set the device of every later one
+    # (it did, and every torch test after this one asked for GPUs)
+    assert "DPLAB_DEVICE" not in os.environ

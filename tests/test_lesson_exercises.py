@@ -251,18 +251,18 @@ def test_init_dir_copies_the_stubs_and_never_overwrites(tmp_path):
 
 def test_check_reads_the_learners_folder(tmp_path, monkeypatch):
     init_dir(tmp_path / "work")
-    (report,) = check(2, tmp_path / "work")
+    report = next(r for r in check(2, tmp_path / "work") if r.name == "ring_reduce_scatter")
     assert report.name == "ring_reduce_scatter" and not report.passed and "missing ranks 1 and 2's parts" in \
         report.message
     monkeypatch.chdir(tmp_path / "work")
-    assert check(2) == [report]  # the current directory by default
+    assert report in check(2)  # the current directory by default
 
-    (empty,) = check(2, tmp_path)
+    empty = check(2, tmp_path)[0]
     assert not empty.passed
     assert empty.message == (f"there is no ring_reduce_scatter.py in {tmp_path}: run `dplab lesson init "
                              f"{tmp_path}` to get the stubs, then write your answer in "
                              "ring_reduce_scatter.py")
-    with pytest.raises(ConfigError, match="lesson 3 has no exercise: lessons 2, 4, 7, 10 have one each"):
+    with pytest.raises(ConfigError, match="lesson 3 has no exercise: lessons 2, 4, 7, 8, 10, 11, 15 have"):
         check(3, tmp_path)
     with pytest.raises(ConfigError, match="there is no exercise 'ring'"):
         check_file("ring", tmp_path)

@@ -173,10 +173,23 @@ def main(argv: list[str] | None = None) -> int:
         return run_memory(args, argv)
     if args.command == "lesson":  # a conversation, not rows: dplab.lessons.terminal renders it
         return run_lesson_command(args)
+    if not args.device:
+        return _run(args, argv)
+    saved = os.environ.get("DPLAB_DEVICE")
+    os.environ["DPLAB_DEVICE"] = args.device  # read by the torch backend in every rank it starts
+    try:
+        return _run(args, argv)
+    finally:  # called in-process (tests, scripts), the device of one command is not the next one's
+        if saved is None:
+            os.environ.pop("DPLAB_DEVICE", None)
+        else:
+            os.environ["DPLAB_DEVICE"] = saved
+
+
+def _run(args: argparse.Namespace, argv: list[str] | None) -> int:
+    """One command of train, compare, bench, tune, scaling: its rows, printed, or one line of error."""
     command = {"train": cmd_train, "compare": cmd_compare, "bench": cmd_bench,
                "tune": partial(cmd_tune, bench=bench_argv), "scaling": cmd_scaling}[args.command]
-    if args.device:  # read by the torch backend in every rank it starts
-        os.environ["DPLAB_DEVICE"] = args.device
     try:
         check_args(args, _is_printer(args))
         if "auto" in [getattr(args, "algorithm", None), *(getattr(args, "algorithms", None) or [])]:

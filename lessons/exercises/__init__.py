@@ -163,8 +163,8 @@ def check(lesson: int, path: Path | None = None) -> list[ExerciseReport]:
     """Judge the learner's file for each exercise of ``lesson`` (in ``path``, default: cwd): a report each."""
     chosen = [e for e in EXERCISES.values() if e.lesson == lesson]
     if not chosen:
-        which = ", ".join(str(e.lesson) for e in EXERCISES.values())
-        raise ConfigError(f"lesson {lesson} has no exercise: lessons {which} have one each "
+        which = ", ".join(str(n) for n in sorted({e.lesson for e in EXERCISES.values()}))
+        raise ConfigError(f"lesson {lesson} has no exercise: lessons {which} have exercises "
                           "(dplab lesson check N DIR)")
     folder = Path.cwd() if path is None else Path(path)
     return [e.checker(folder / e.stub) for e in chosen]
