@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dplab.backends import World
+from dplab.backends.launch.serve import one_thread_per_rank
 from dplab.lessons.step import Facts, Lesson, Step, fill
 from dplab.reference.errors import ConfigError, DplabError
 
@@ -51,6 +52,9 @@ class Lab:
     """The ranks a lesson's steps run on, kept between steps."""
 
     def __init__(self) -> None:
+        # A step's own NumPy work shares the cores with the ranks it starts: one BLAS thread, as each
+        # rank has (two OpenBLAS threads against busy ranks made lesson 10's matmuls many times slower).
+        one_thread_per_rank()
         self._worlds: dict[tuple[int, str], World] = {}
         self.scratch: dict[str, Any] = {}      # what one step leaves for the next (a checkpoint path)
 
