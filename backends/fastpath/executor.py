@@ -23,7 +23,6 @@ from typing import Any
 import numpy as np
 
 from dplab.reference import collectives as spine
-from dplab.reference.algorithms.layout import resolve
 from dplab.reference.communicator import Collective, Communicator, RecvSpec, SendSpec, require_writable
 from dplab.reference.errors import ConfigError
 from dplab.reference.schedule import Message, Schedule, chunk_bounds, messages_of
@@ -180,7 +179,10 @@ def allreduce(comm: Communicator, buf: np.ndarray, algorithm: str = "ring", op: 
         from dplab.reference.auto import chosen
 
         algorithm = chosen(comm, buf)
-    algorithm = resolve(algorithm, getattr(comm, "hosts", ()))
+    if algorithm.startswith("hierarchical"):  # the layout loads with the registry: not on every import
+        from dplab.reference.algorithms.layout import resolve
+
+        algorithm = resolve(algorithm, getattr(comm, "hosts", ()))
     if algorithm == "native":
         with comm.tracer.span("allreduce", bytes=flat.nbytes, algorithm="native"):
             comm.native_allreduce(flat, "sum")

@@ -17,9 +17,10 @@ unless set, is the step's first node (rank 0 runs there) and ``MASTER_PORT`` com
 step ids, so every task computes the same (``slurm_torch_env``). torchrun started by ``srun`` (one
 per node) is torchrun: its own variables win.
 
-Which ranks share a host (``Communicator.hosts``): ``launcher_hosts`` reads it from torchrun's
-``LOCAL_WORLD_SIZE`` / ``GROUP_RANK`` and from Slurm's tasks per node (block placement: a node's
-tasks are consecutive ranks), where the environment says it for every rank; MPI asks MPI
+Which ranks share a host (``Communicator.hosts``, set here for torch when the world connects):
+``launcher_hosts`` reads it from torchrun's ``LOCAL_WORLD_SIZE`` / ``GROUP_RANK`` and from Slurm's
+tasks per node (block placement: a node's tasks are consecutive ranks), where the environment says
+it for every rank; else the ranks gather their node's name. MPI asks MPI
 (``MPI_Comm_split_type(MPI_COMM_TYPE_SHARED)``, ``backends/mpi/comm.py``). ``local_ranks`` is
 this host's count alone, which the command line checks before any rank starts.
 """
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import sys
 import traceback
 from collections.abc import Callable, Mapping
@@ -246,9 +248,24 @@ class LauncherWorld:
             from dplab.backends.torchdist.comm import TorchComm as Comm
         self.backend, self.comm = backend, Comm.from_launcher(timeout)
         self.world_size = self.comm.world_size
+        if backend == "torch":  # MPI asked MPI when it connected (MpiComm: its shared-memory split)
+            self.comm.hosts = self._torch_hosts()
         if world_size is not None and world_size != self.world_size:
             self._failed(ConfigError(f"the launcher started {self.world_size} ranks but world_size is "
                                      f"{world_size}: drop --world-size or make them agree"))
+
+    def _torch_hosts(self) -> tuple[int, ...]:
+        """Each rank's host under torchrun or srun: from the environment where it tells every rank's
+        (``launcher_hosts``), else every rank's GROUP_RANK (or SLURM_NODEID, or host name) gathered
+        on the control path, once."""
+        known = launcher_hosts(self.world_size)
+        if known is not None:
+            return known
+        env = os.environ
+        mine = env.get("GROUP_RANK") or env.get("SLURM_NODEID") or socket.gethostname()
+        keys = self.comm.allgather_object(mine)
+        names: dict[str, int] = {}
+        return tuple(names.setdefault(str(k), len(names)) for k in keys)
 
     def _failed(self, error: BaseException | None = None) -> None:
         """Say why on stderr and abort the job, so the peers fail fast instead of waiting."""

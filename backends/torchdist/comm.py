@@ -37,7 +37,6 @@ import numpy as np
 
 from dplab.backends.fastpath.executor import Plan, schedule_plan
 from dplab.backends.torchdist.p2p import DTYPES, HEADER_TAG, TorchPeer, code, data_tag
-from dplab.backends.torchdist.setup import host_layout
 from dplab.backends.torchdist.setup import torch_modules as _torch
 from dplab.reference.communicator import (
     BufferMismatch,
@@ -75,9 +74,6 @@ class TorchComm(TorchPeer):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        layout = host_layout(self.world_size, self._group, kwargs.get("store") is not None)
-        if layout is not None:  # else every rank on this host, the Communicator's default
-            self.hosts = layout
         self._scratch: dict[Any, Any] = {}  # (dtype, slot) -> where a reduce lands
         self._early: dict[int, dict] = {}  # round -> receives posted for it a round early
         self._buffer: tuple[int, int, int] | None = None  # (length, dtype code, call code) of this collective

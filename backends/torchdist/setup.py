@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import importlib
 import os
-import socket
 from datetime import timedelta
 from functools import cache
 from typing import Any
 
 from dplab.reference.errors import ConfigError
 
-__all__ = ["available", "wants_cuda", "startup_timeout", "torch_modules", "host_layout"]
+__all__ = ["available", "wants_cuda", "startup_timeout", "torch_modules"]
 
 
 @cache
@@ -50,26 +49,3 @@ def wants_cuda(device: str | None, local_ranks: int) -> bool:
         raise ConfigError(f"{local_ranks} ranks need {local_ranks} GPUs, this machine has {have}: "
                           "use --device cpu (gloo), i.e. DPLAB_DEVICE=cpu")
     return kind == "cuda"
-
-
-def host_layout(world_size: int, group: Any, own_launch: bool) -> tuple[int, ...] | None:
-    """Each rank's host key for ``Communicator.hosts``; None: every rank on this host.
-
-    dplab's own launch forks its ranks here (one host). Under torchrun (or srun's torch env)
-    ``launcher_hosts`` reads the layout from LOCAL_WORLD_SIZE / GROUP_RANK; where the environment
-    cannot tell it for every rank (hosts of different sizes, a subgroup), the ranks all-gather
-    their GROUP_RANK (else SLURM_NODEID, else the host name) over ``group``: one control-path
-    message at connect time."""
-    from dplab.backends.launch.engine import launcher_hosts  # launch imports this backend lazily too
-
-    env = os.environ
-    if own_launch or not all(k in env for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
-        return None
-    known = launcher_hosts(world_size, env)
-    if known is not None:
-        return known
-    mine = env.get("GROUP_RANK") or env.get("SLURM_NODEID") or socket.gethostname()
-    keys: list[Any] = [None] * world_size
-    torch_modules()[1].all_gather_object(keys, mine, group=group)
-    names: dict[str, int] = {}
-    return tuple(names.setdefault(str(k), len(names)) for k in keys)

@@ -2,6 +2,9 @@
 
 Every large cluster reduces this way. Ranks are grouped into nodes of g consecutive ranks
 (``"hierarchical:<g>"``; rank r is on node r // g, local index r % g), N = ceil(p / g) nodes.
+Which g: on several hosts (``comm.hosts``, from the launcher) ``"hierarchical"`` is
+``"hierarchical:<ranks per host>"`` and another g is refused; on one host the nodes are simulated,
+``NODE_SIZE`` of them by default (``layout.py`` resolves the name before any executor runs).
 The buffer is cut into g pieces, and each piece into N sub-chunks (g N chunks; chunk
 c N + j is sub-chunk j of piece c):
 
