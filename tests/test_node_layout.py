@@ -61,6 +61,22 @@ def test_slurm_layout_from_tasks_per_node_with_block_placement():
     assert launcher_hosts(4, {}) is None and local_ranks("mpi", {}) is None
 
 
+def test_torch_hosts_the_environment_cannot_tell_are_gathered(monkeypatch):
+    """torchrun with 3 ranks on one host and 2 on the other: each rank's GROUP_RANK, gathered."""
+    from types import SimpleNamespace
+
+    from dplab.backends.launch.engine import LauncherWorld
+
+    for k, v in (TORCHRUN | {"WORLD_SIZE": "5", "LOCAL_WORLD_SIZE": "3", "GROUP_RANK": "0"}).items():
+        monkeypatch.setenv(k, v)
+    gathered = SimpleNamespace(allgather_object=lambda mine: [mine] * 3 + ["1"] * 2)  # rank 0's view
+    world = SimpleNamespace(world_size=5, comm=gathered)
+    assert LauncherWorld._torch_hosts(world) == (0, 0, 0, 1, 1)
+    monkeypatch.setenv("WORLD_SIZE", "6")  # 2 hosts of 3: the environment says it, nothing is gathered
+    monkeypatch.setenv("GROUP_RANK", "1")  # rank 3 is the second host's first
+    assert LauncherWorld._torch_hosts(SimpleNamespace(world_size=6, comm=None)) == (0, 0, 0, 1, 1, 1)
+
+
 def test_hydra_local_counts():
     assert local_ranks("mpi", {"PMI_SIZE": "4", "MPI_LOCALNRANKS": "2"}) == (2, 4)
 
