@@ -26,9 +26,10 @@ adding in different orders, may not. The error of a float16 sum over p ranks is 
 the dtype's largest value is inf on every rank (how loss scaling sees an overflow).
 
 ``algorithm="auto"`` is not an algorithm: it names the fitted cost model's choice for a buffer.
-Resolve it before calling (``dplab.reference.auto.chosen(comm, buf)``); ``allreduce`` still
-accepts it, and asks the cost model then. The engine's faster executor over the same schedules
-is ``dplab.backends.fastpath`` (proven bitwise equal to this one).
+Resolve it before calling (``dplab.reference.auto.chosen(comm, buf)``); this ``allreduce`` refuses
+it in one line. The engine's faster executor over the same schedules, ``dplab.backends.fastpath``
+(what ``from dplab.backends import allreduce`` gives), resolves "auto" itself and is proven bitwise
+equal to this one.
 """
 
 from __future__ import annotations

@@ -198,7 +198,8 @@ def _add_train(sub: Any) -> None:
                    help=" | ".join(f"{a}[:N]" if a in PARAMETRIC else a for a in (*ALGORITHMS, "auto")))
     t.add_argument("--mode", choices=MODES, default="sync",
                    help="sync: all-reduce; async: parameter server; backup: synchronous through the "
-                        "parameter server, each step from the first W - b gradients")
+                        "parameter server, each step from the first W - b of its W workers' gradients "
+                        "(b: --backup-workers)")
     t.add_argument("--staleness", type=_staleness, default=None,
                    help="async: clocks a worker may run ahead of the slowest (0 = lock-step; "
                         "default inf = fully asynchronous)")

@@ -91,8 +91,9 @@ def add_optimizer_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--optimizer", choices=OPTIMIZERS, default="adam",
                    help="optimizer; lars and lamb keep one trust ratio per weight and bias tensor")
     g.add_argument("--lr", type=positive_float, default=0.01,
-                   help="learning rate (in a --global-batches sweep: the lr at --base-batch); lars "
-                        "moves each tensor by about lr x --trust-coef of its norm, so it wants lr ~ 1-10")
+                   help="learning rate (dplab compare's --global-batches sweep: the lr at its "
+                        "--base-batch); lars moves each tensor by about lr x --trust-coef of its norm, so "
+                        "it wants lr ~ 1-10")
     g.add_argument("--warmup-steps", type=_nonneg_int, default=0,
                    help="ramp the lr linearly over the first N updates (0: none)")
     g.add_argument("--trust-coef", type=positive_float, default=OptimConfig().trust_coef,

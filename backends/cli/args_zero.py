@@ -41,7 +41,8 @@ def add_zero_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], default=None,
                    help="ZeRO: shard optimizer state (1), + gradients (2), + weights (3) across the "
                         "ranks; 0 = replicas through the same trainer; needs --algorithm ring or "
-                        "direct for 1-3 and an element-wise optimizer (default: none, train_sync)")
+                        "direct for 1-3 and an element-wise optimizer (default: none: plain data "
+                        "parallelism)")
     g.add_argument("--mixed-precision", choices=["no", "fp16"], default="no",
                    help="fp16: forward and backward on float16 copies of float32 master weights, "
                         "the loss scaled (default: no)")

@@ -3,7 +3,7 @@
 Round k = 0..p-2: rank r sends chunk (r - k) mod p to rank r + 1, which copies it. Round 0
 sends the chunk the reduce-scatter left complete on rank r; every later round passes on the
 chunk that arrived the round before. Each rank lacks p - 1 chunks and receives one a round, so
-p - 1 rounds. The engine's: dplab/reference/algorithms/ring.py.
+p - 1 rounds. The engine's: reference/algorithms/ring.py (dplab.reference.algorithms.ring).
 """
 
 from __future__ import annotations
