@@ -39,7 +39,7 @@ def train_sync(comm: Communicator, cfg: TrainConfig, sync: SyncConfig = _DEFAULT
     The replicas end bitwise identical; against ``train_single`` they agree to rounding (float64:
     1e-10 relative), as the all-reduce adds the shards' gradients in another order. ``hooks`` run
     after those ``sync`` asks for (``SyncConfig.hooks``)."""
-    sync.validate(comm.world_size)
+    sync.validate(comm.world_size, comm.hosts)  # e.g. hierarchical:g against the hosts: one line
     hook = sync.hooks(comm, cfg, hooks)  # all attached hooks as one; None: no hook at all
     model, data, params = setup(cfg)
     if comm.rank != 0:  # anything but rank 0's weights: the broadcast must fix it
