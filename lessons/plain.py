@@ -16,7 +16,7 @@ import numbers
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["num", "times", "size", "count", "readable", "SPECS"]
+__all__ = ["num", "times", "size", "count", "readable", "answer", "SPECS"]
 
 _UNITS = ("bytes", "KiB", "MiB", "GiB", "TiB", "PiB")
 
@@ -34,7 +34,8 @@ def num(x: float, digits: int = 3, commas: bool = True) -> str:
         return f"{x:.{digits}g}"
     if 1e3 <= abs(x) < 1e15:
         magnitude = math.floor(math.log10(abs(x)))
-        return f"{round(x, digits - 1 - magnitude):{',' if commas else ''}.0f}"
+        decimals = max(digits - 1 - magnitude, 0)  # more digits than the integer part: decimals
+        return f"{round(x, digits - 1 - magnitude):{',' if commas else ''}.{decimals}f}"
     return f"{x:.{digits}g}"
 
 
@@ -55,6 +56,29 @@ def size(n: float) -> str:
 def count(n: float) -> str:
     """A whole number with commas: ``1,572,864``."""
     return f"{round(float(n)):,}"
+
+
+def answer(x: Any, rel_tol: float = 0.0) -> str:
+    """A question's answer exactly as it is judged: an integer in full with commas (65,504); a
+    float with every digit of its integer part and as many decimals as it takes to sit within a
+    tenth of the tolerance it is judged to (``rel_tol`` 0: the judge's own 1e-12), so the number
+    printed is the number a right reply must match: 96,695 not 96,700, 0.337 not 0.34."""
+    if isinstance(x, bool) or not isinstance(x, numbers.Real):
+        return str(x)
+    if isinstance(x, numbers.Integral):
+        return f"{int(x):,}"
+    x = float(x)
+    if not math.isfinite(x):
+        return str(x)
+    if x == float(round(x)) and abs(x) < 1e15:
+        return f"{round(x):,}"
+    allowed = max(abs(x) * rel_tol / 10, 1e-12)
+    whole = math.floor(math.log10(abs(x))) + 1 if abs(x) >= 1 else 1  # the integer part is never rounded
+    for digits in range(max(3, whole), 18):
+        shown = num(x, digits)
+        if abs(float(shown.replace(",", "")) - x) <= allowed:
+            return shown
+    return repr(x)
 
 
 SPECS: dict[str, Callable[[Any], str]] = {"num": num, "times": times, "size": size, "count": count}

@@ -43,11 +43,27 @@ def marks(encoding: str) -> tuple[str, str]:
     return ("✓", "✗") if encoding.lower().replace("-", "").startswith("utf") else ("ok", "X")
 
 
-def step_rule(lesson: Lesson, index: int) -> Rule:
-    """``Lesson 1 · step 2/4 · Sharding the global batch`` as a rule across the screen."""
+def step_rule(lesson: Lesson, index: int) -> Any:
+    """``Lesson 1 · step 2/4 · Sharding the global batch`` as a rule across the screen; a title too
+    long for the rule is printed whole (folded) above a plain rule, never cut short."""
     step = lesson.steps[index]
-    return Rule(Text(f"Lesson {lesson.number} · step {index + 1}/{len(lesson.steps)} · {step.title}",
-                     style="bold"), align="left", style="cyan")
+    title = Text(f"Lesson {lesson.number} · step {index + 1}/{len(lesson.steps)} · {step.title}",
+                 style="bold")
+    return _TitleRule(title)
+
+
+class _TitleRule:
+    """A rule with its title in it when the title fits the width, else the title's lines then a rule."""
+
+    def __init__(self, title: Text) -> None:
+        self.title = title
+
+    def __rich_console__(self, console: Any, options: Any) -> Any:
+        if len(self.title.plain) + 6 <= options.max_width:
+            yield Rule(self.title, align="left", style="cyan")
+        else:
+            yield Text(self.title.plain, style="bold cyan", overflow="fold")
+            yield Rule(style="cyan")
 
 
 def end_rule(lesson: Lesson) -> Rule:
@@ -55,9 +71,13 @@ def end_rule(lesson: Lesson) -> Rule:
                 style="cyan")
 
 
-def code_block(step: Step) -> Syntax:
-    """The code the step runs (``Step.code``), highlighted in the terminal's own colours, wrapped."""
-    return Syntax(step.code(), "python", theme="ansi_dark", background_color="default", word_wrap=True)
+def code_block(step: Step, width: int = 80, encoding: str = "utf-8") -> Syntax:
+    """The code the step runs (``Step.code``), highlighted in the terminal's own colours. Never
+    wrapped (a wrapped comment lands unindented, as if it were code): a line wider than ``width``
+    is cut, ending in an ellipsis."""
+    more = "…" if encoding.lower().replace("-", "").startswith("utf") else "~"
+    lines = [line if len(line) <= width else line[:width - 1] + more for line in step.code().splitlines()]
+    return Syntax("\n".join(lines), "python", theme="ansi_dark", background_color="default", word_wrap=False)
 
 
 def question_text(outcome: StepOutcome) -> Text:

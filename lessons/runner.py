@@ -17,7 +17,11 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import io
+import os
+import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,17 +61,49 @@ class Lab:
         one_thread_per_rank()
         self._worlds: dict[tuple[int, str], World] = {}
         self.scratch: dict[str, Any] = {}      # what one step leaves for the next (a checkpoint path)
+        # What the ranks write to stderr (a server's warning) lands here, not on the learner's
+        # screen above the question: ranks are forked processes and keep the stderr they are born
+        # with, so they are born (and steps run) with this file as theirs; ``stderr_since`` reads it.
+        self._stderr = tempfile.TemporaryFile()
+        self._read = 0
+
+    @contextlib.contextmanager
+    def capturing_stderr(self) -> Iterator[None]:
+        """Point file descriptor 2 (and ``sys.stderr``) at the lab's file while the body runs."""
+        sys.stderr.flush()
+        saved = os.dup(2)
+        os.dup2(self._stderr.fileno(), 2)
+        try:
+            with contextlib.redirect_stderr(io.TextIOWrapper(os.fdopen(os.dup(2), "wb"),
+                                                             write_through=True)) as err:
+                try:
+                    yield
+                finally:
+                    err.close()
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+
+    def stderr_since(self) -> str:
+        """What was written to the lab's stderr file since the last call."""
+        self._stderr.seek(self._read)
+        data = self._stderr.read()
+        self._read += len(data)
+        self._stderr.seek(0, os.SEEK_END)
+        return data.decode("utf-8", "replace")
 
     def world(self, world_size: int, backend: str = "local") -> World:
         key = (world_size, backend)
         if key not in self._worlds:
-            self._worlds[key] = World(world_size, backend)
+            with self.capturing_stderr():
+                self._worlds[key] = World(world_size, backend)
         return self._worlds[key]
 
     def close(self) -> None:
         for world in self._worlds.values():
             world.close()
         self._worlds.clear()
+        self._stderr.close()
 
     def __enter__(self) -> Lab:
         return self
@@ -111,10 +147,12 @@ def run_step(step: Step, lab: Lab, figure: bool = True) -> StepOutcome:
     failed check: the caller shows it, CI raises with ``raise_if_failed``). The facts are the
     step's ``inputs`` and what the run returned; a run that contradicts an input is a ConfigError
     (the question asked before the run would have lied). What the run prints is kept in ``printed``
-    (it may hold the answer, and a question can be asked after the run)."""
+    (it may hold the answer, and a question can be asked after the run), and so is what the run and
+    its ranks write to stderr (a parameter server's warning), never printed above the question."""
     t0 = time.perf_counter()
-    with contextlib.redirect_stdout(io.StringIO()) as printed:
+    with contextlib.redirect_stdout(io.StringIO()) as printed, lab.capturing_stderr():
         ran = step.run(lab)
+    said = printed.getvalue() + lab.stderr_since()  # stdout and stderr alike: shown with the result
     if not isinstance(ran, dict):
         raise ConfigError(f"step {step.title!r}: run() must return a dict of facts, "
                           f"got {type(ran).__name__}")
@@ -127,7 +165,7 @@ def run_step(step: Step, lab: Lab, figure: bool = True) -> StepOutcome:
     facts = {**step.inputs, **ran}
     checks = tuple(CheckResult(fill(c.claim, facts), bool(c.holds(facts))) for c in step.checks)
     fig = step.figure(facts) if (figure and step.figure is not None) else None
-    return StepOutcome(step, facts, fill(step.text, facts), checks, seconds, fig, printed.getvalue())
+    return StepOutcome(step, facts, fill(step.text, facts), checks, seconds, fig, said)
 
 
 def _same(a: Any, b: Any) -> bool:

@@ -28,7 +28,9 @@ sight first. ``hints`` are tiered (``h`` shows the next one, and is never an ans
          picture=lambda f: schedule_picture(ring.allreduce(f["p"])))   # drawn in the terminal
 
 Numbers in filled text read as people read them (``lessons/plain.py``): a float is 3 significant
-digits, ``{x:size}`` is ``1.5 MiB``, ``{x:times}`` is ``3.08x``, ``{x:count}`` is ``1,572,864``.
+digits, ``{x:size}`` is ``1.5 MiB``, ``{x:times}`` is ``3.08x``, ``{x:count}`` is ``1,572,864``;
+a boolean is ``checked`` (``{ok:yesno}``: ``yes``/``no``);
+``{d:diff}`` is ``1.4e-16`` or ``0 (exactly)``.
 
 The terminal (``lessons/terminal.py``) and the app's Lessons page render the same steps through
 ``lessons/runner.py``.
@@ -45,7 +47,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from dplab.lessons.plain import SPECS, readable, times
+from dplab.lessons.plain import SPECS, answer, readable, times
 from dplab.reference.errors import ConfigError
 
 __all__ = ["Facts", "Check", "Predict", "Verdict", "Explore", "Step", "Lesson", "fill", "can_fill"]
@@ -57,8 +59,15 @@ class _Plain(string.Formatter):
     """``str.format`` whose empty spec reads floats as people do, plus the specs of ``plain.SPECS``."""
 
     def format_field(self, value: Any, format_spec: str) -> str:
+        if isinstance(value, bool) and not format_spec:
+            # a claim's truth in prose reads as a word, never as Python's True/False
+            return "checked" if value else "checked: false"
         if not format_spec:
             return readable(value)
+        if format_spec == "diff":  # a distance: 0 reads as exact, not as 0.0e+00
+            return "0 (exactly)" if value == 0 else f"{value:.1e}"
+        if format_spec == "yesno":
+            return "yes" if value else "no"
         if format_spec in SPECS:
             return SPECS[format_spec](value)
         return format(value, format_spec)
@@ -130,7 +139,7 @@ class Predict:
 
     def judge(self, facts: Facts, reply: str) -> Verdict:
         truth = self.expected(facts)
-        shown = f"{truth:,}" if isinstance(truth, int) and not isinstance(truth, bool) else readable(truth)
+        shown = answer(truth, self.rel_tol)  # printed exactly as judged: never rounded past the tolerance
         shown += f" {self.unit}" if self.unit else ""
         reply = reply.strip()
         if self.choices:
@@ -289,6 +298,19 @@ def _resolve(name: str) -> Any:
                       "class or method, e.g. 'dplab.reference.algorithms.ring.allreduce'")
 
 
+CLASS_LINES = 30  # a class longer than this is shown up to its first method: a listing, not a module
+
+
+def _class_head(source: str) -> str:
+    """A long class's docstring and fields, cut before its first method, saying what was left out."""
+    lines = source.splitlines()
+    for i, line in enumerate(lines[1:], 1):
+        if line.startswith(("    def ", "    @", "    async def ")):
+            left_out = "    ...  # its methods are left out here: the module named above has them"
+            return "\n".join([*lines[:i], left_out])
+    return source
+
+
 def _source(obj: Any) -> str:
     """``obj``'s source, under a comment saying where it lives (the reader can open the file)."""
     obj = _resolve(obj) if isinstance(obj, str) else obj
@@ -297,6 +319,8 @@ def _source(obj: Any) -> str:
         source = textwrap.dedent(inspect.getsource(target)).strip()
     except (TypeError, OSError) as e:
         raise ConfigError(f"show names {obj!r}, whose source cannot be read ({e})") from None
+    if inspect.isclass(target) and len(source.splitlines()) > CLASS_LINES:
+        source = _class_head(source)
     module = getattr(inspect.getmodule(target), "__name__", "")
     qual = getattr(target, "__qualname__", getattr(target, "__name__", ""))
     return f"# {module}.{qual}\n{source}" if module else source

@@ -167,7 +167,7 @@ class _Session:
     def show(self, index: int, lab: Lab) -> None:
         """Predict first: a step with a question shows nothing but the question until it is answered
         (asked before the run when its inputs fill it, else after an unseen run); then the verdict,
-        the result and the code. Other steps: the code, then the result."""
+        the result and the code. Other steps: the result (prose first), then the code."""
         step, console = self.lesson.steps[index], self.console
         console.print()
         console.print(render.step_rule(self.lesson, index))
@@ -185,8 +185,6 @@ class _Session:
             out = self.outcome(index, lab)
             console.print(render.question_line(step, out.question() or ""))
         else:
-            if step.predict is None:
-                console.print(render.code_block(step))
             out = self.outcome(index, lab)
         if step.predict is not None:
             expected = step.predict.judge(out.facts, "").expected
@@ -198,8 +196,8 @@ class _Session:
         console.print()
         for part in render.outcome_body(out, self.lesson, console.encoding):
             console.print(part)
-        if step.predict is not None:  # the code after the answer: it may hold it
-            console.print(render.code_block(step))
+        # the code last: after the answer (it may hold it), and after the prose that says what it does
+        console.print(render.code_block(step, console.width, console.encoding))
 
     def failed(self) -> list[str]:
         return [f"step {i + 1} ({o.step.title}): {c.claim!r} did not hold"

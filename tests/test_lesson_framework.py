@@ -51,7 +51,7 @@ def test_times_size_count_and_fill_specs():
     assert count(1_572_864) == "1,572,864"
     facts = {"r": 4 / 1.3, "b": 1_572_864, "loss": 0.123456789, "xs": [0.25, 2079.3], "n": 7, "ok": True}
     assert fill("{r:times} {b:size} {b:count} {b:,} {loss} {loss:.5f} {xs} {n} {ok}", facts) == \
-        "3.08x 1.5 MiB 1,572,864 1,572,864 0.123 0.12346 [0.25, 2080] 7 True"
+        "3.08x 1.5 MiB 1,572,864 1,572,864 0.123 0.12346 [0.25, 2080] 7 checked"
     with pytest.raises(ConfigError, match="needs the fact 'missing'"):
         fill("{missing}", facts)
 
@@ -415,3 +415,60 @@ def test_what_a_run_prints_is_shown_with_the_result_never_before_the_answer(monk
     assert text.index("Predict first") < text.index("not quite") < text.index("rank 0 sent 1,572,864 bytes")
     with Lab() as lab:
         assert run_step(_quiz(noisy), lab).printed == "rank 0 sent 1,572,864 bytes\n"
+
+
+@pytest.mark.parametrize(("value", "rel_tol", "want"), [
+    (65504.0, 1e-3, "65,504"),          # float16's max: not 65,500
+    (96695.3, 0.05, "96,695"),          # the integer part is never rounded
+    (2_031_552, 0.02, "2,031,552"),     # an int in full, with separators
+    (0.33658, 0.1, "0.337"),
+    (0.1, 0.0, "0.1"),
+    (1 / 3, 0.0, "0.333333333333"),     # exact: within the judge's own 1e-12
+])
+def test_the_answer_is_printed_exactly_as_it_is_judged(value, rel_tol, want):
+    step = Predict("?", "x", rel_tol=rel_tol)
+    verdict = step.judge({"x": value}, "")
+    assert verdict.expected == want
+    assert step.judge({"x": value}, want).correct   # the printed answer is itself a right reply
+
+
+def test_booleans_and_zero_distances_read_as_words():
+    facts = {"ok": True, "no": False, "d": 0.0, "e": 1.4e-16}
+    assert fill("identical ({ok}), {no:yesno}/{ok:yesno}, within {d:diff} and {e:diff}", facts) == \
+        "identical (checked), no/yes, within 0 (exactly) and 1.4e-16"
+
+
+def _long_lines(lab):
+    x = 1  # a comment long enough that a terminal of eighty columns would have to wrap it onto the next line
+    return {"x": x}
+
+
+def test_prose_comes_first_then_code_never_wrapped_and_the_title_whole(monkeypatch, tmp_path):
+    from dplab.lessons.terminal import run_lesson
+
+    screen, console = _terminal(monkeypatch, tmp_path, "")
+    title = ("A title far too long to fit in the rule of a terminal that is only one hundred columns wide, "
+             "kept whole")
+    les = Lesson(99, "fake", "Fake", "For the tests.", (Step(title, "PROSE {x}", _long_lines),))
+    assert run_lesson(les, pause=False, console=console) == 0
+    text = screen.getvalue()
+    assert "kept whole" in text
+    assert text.index("PROSE 1") < text.index("def _long_lines")
+    (line,) = [ln for ln in text.splitlines() if "a comment long enough" in ln]
+    assert line.startswith("    x = 1") and line.rstrip().endswith("…") and len(line.rstrip()) == 100
+    assert "next line" not in text   # cut, not wrapped onto an unindented line
+
+
+def _warns(lab):
+    import os
+    import sys
+    print("on stderr", file=sys.stderr)
+    os.write(2, b"from a rank\n")           # what a forked rank writes goes to file descriptor 2
+    return {"n": 1}
+
+
+def test_what_a_step_writes_to_stderr_is_kept_with_its_result(capfd):
+    with Lab() as lab:
+        out = run_step(Step("Noisy", "n={n}", _warns), lab)
+    assert "on stderr" in out.printed and "from a rank" in out.printed
+    assert "from a rank" not in capfd.readouterr().err

@@ -3,7 +3,8 @@
 Round k = 0..p-2: rank r sends chunk (r - k - 1) mod p to rank r + 1, which adds it. The chunk
 rank r sends in round k is the one it received in round k - 1 plus its own part, so a chunk
 travels around the ring gathering one part per rank, and after p - 1 rounds it arrives, complete,
-at the rank that owns it: rank r ends holding chunk r. The engine's: reference/algorithms/ring.py (dplab.reference.algorithms.ring).
+at the rank that owns it: rank r ends holding chunk r. The engine's: reference/algorithms/ring.py
+(dplab.reference.algorithms.ring).
 """
 
 from __future__ import annotations
