@@ -110,7 +110,7 @@ STEPS = (
               "train it for {steps} steps, each on its own part of every batch. After every backward pass "
               "an **all-reduce** runs: every rank puts in its gradient, and every rank gets back the sum of "
               "all p of them. Then every rank takes the same optimizer step.\n\n"
-              "At the end the four replicas are identical to the bit (`{identical}`): they started from "
+              "At the end the four replicas are identical to the bit ({identical}): they started from "
               "rank 0's weights and applied the same summed gradient, bit for bit, every step. Against one "
               "device trained on the same batches they differ by at most **{diff:.1e}**: float64 rounding, "
               "because the all-reduce adds in another order than one device does. Final loss {loss:.4f}.\n\n"
@@ -142,7 +142,7 @@ STEPS = (
         title="Sharding the global batch",
         text=("A global batch of B={B} samples on p={p} ranks: each rank takes a contiguous shard, "
               "the first B mod p ranks one sample more. Shard sizes: {sizes}. Together they are "
-              "exactly the global batch (`{covers}`): global batch = micro-batch × N when B divides "
+              "exactly the global batch ({covers}): global batch = micro-batch × N when B divides "
               "evenly, and uneven shards are fine."),
         run=cut_the_batch,
         checks=(Check("the shards together are the global batch", lambda f: f["covers"]),

@@ -270,7 +270,7 @@ STEPS = (
               "The stub already writes round 0, drawn here by the simulator at p={p} (`d0` is chunk d "
               "holding rank 0's part; `c03` holds rank 0's and rank 3's). What must hold when you are "
               "done: after p-1 rounds rank r holds chunk r, every rank's part in it exactly once "
-              "(`{own_chunk_complete}` for the engine's), and in every round each rank sends one chunk to "
+              "({own_chunk_complete} for the engine's), and in every round each rank sends one chunk to "
               "its right neighbour.\n\n```\n{picture}\n```"),
         run=ring_round_zero,
         checks=(Check("after p-1 rounds the engine's rank r holds chunk r, each contribution once",
@@ -301,13 +301,13 @@ STEPS = (
     ),
     Step(
         title="Exercise: the ring all-gather, the second half",
-        text=("The reduce-scatter leaves rank r holding chunk r complete (`{rs_leaves_own}`) and only "
+        text=("The reduce-scatter leaves rank r holding chunk r complete ({rs_leaves_own}) and only "
               "pieces of the others. The all-gather shares the finished chunks: the same ring, one chunk a "
               "round to the right neighbour, but now nothing is added, the receiver copies (`==x==>` in "
               "the picture). The stub writes round 0, the state the reduce-scatter left and what each "
               "rank sends first:\n\n```\n{picture}\n```\n\n"
               "Write `ring_allgather(p)` in the same folder and check it with `dplab lesson check 2 DIR`; "
-              "with your reduce-scatter before it, it is a whole ring all-reduce (`{allreduce}` for the "
+              "with your reduce-scatter before it, it is a whole ring all-reduce ({allreduce} for the "
               "engine's)."),
         run=allgather_round_zero,
         checks=(Check("the reduce-scatter leaves rank r holding chunk r complete",

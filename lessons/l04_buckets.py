@@ -195,7 +195,7 @@ STEPS = (
               "the wide middle layer's gradients. In this run {hidden_pct:.0f}% of rank 0's communication "
               "time ran under compute; that share is one measurement on a shared machine and moves from run "
               "to run, so the step claims only that some of it did. Overlap changes when things happen, not "
-              "what is computed: the replicas are identical (`{identical}`) and within {diff:.1e} of one "
+              "what is computed: the replicas are identical ({identical}) and within {diff:.1e} of one "
               "device."),
         run=overlap_in_the_trace,
         checks=(Check("the trace shows a bucket's all-reduce starting before backward ended",

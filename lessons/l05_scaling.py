@@ -347,6 +347,7 @@ STEPS = (
                 Check("the verdict on the measurement is the data's (no overlap: it carries)",
                       lambda f: f["carries"] == (f["lo"][0] > f["hi"][-1]))),
         hint="Exposed communication is comm time minus the compute that overlapped it.",
+        show=(where_time_goes,),  # the split itself; the measuring loop is in the file
         try_this="dplab train --world-size 2 --trace run.json   # the Runs page shows the same split",
         explore=Explore("runs", lambda f: {"world_size": 2, "hidden": 256}),
         teaches=("amdahl",),

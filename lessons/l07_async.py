@@ -87,7 +87,7 @@ def ssp_runs(lab, bounds):
 def staleness_bound(lab):
     runs = ssp_runs(lab, (0, 1, 2, None))
     ahead = {s: clocks_ahead(r.log) for s, r in runs.items()}
-    table = "\n".join(f"| {'None' if s is None else s} | {a} |"
+    table = "\n".join(f"| {'inf' if s is None else s} | {a} |"
                       for s, a in ahead.items())
     return {"late_ms": SSP_LATE * 1e3, "clocks": TRAIN.steps,
             "ahead": ahead,
@@ -156,14 +156,15 @@ STEPS = (
               "last gradient arrives: it managed {sync_steps} steps, {sync_samples:,} samples, and it is "
               "still one device's SGD (parameters {sync_vs_single:.1e} from it). **Asynchronous** training "
               "through a parameter server (rank 0 serves, ranks 1-3 pull, compute, push; nobody waits: "
-              "staleness None) applied **{async_samples:,} samples, {ratio:.1f}x as many**, and reached a "
+              "staleness inf, `--staleness inf`) applied "
+              "**{async_samples:,} samples, {ratio:.1f}x as many**, and reached a "
               "loss of {async_loss:.4f} against sync's {sync_loss:.4f}. (A sync step took "
               "{sync_step_ms:.0f} ms, {late_ms:.0f} of them the late rank's sleep: the race is decided "
               "by the handicap, not by the noise of these shared cores.)\n\n"
               "The price: the late worker's gradients are only {late_share:.0%} of those applied (its shard "
               "of each batch is seen rarely), and every gradient was computed on parameters that others "
               "had already moved. The run is not any one device's SGD, but it is exactly what its log "
-              "says: replaying the log on one device gives the same bits (`{replay_exact}`)."),
+              "says: replaying the log on one device gives the same bits ({replay_exact})."),
         run=same_wall_time,
         checks=(Check("in the same wall time async applies more than twice the samples",
                       lambda f: f["ratio"] > 2),
@@ -187,7 +188,8 @@ STEPS = (
         text=("A worker's **clock** is how many pull-compute-push rounds it has finished. Unbounded, a fast "
               "worker races ahead of a slow one; **stale synchronous parallel** (SSP, Ho et al. 2013) lets "
               "it run at most S clocks ahead: the server holds a pull for clock c until the slowest worker "
-              "has finished c - S clocks. S = 0 is lock-step, S = None never waits.\n\n"
+              "has finished c - S clocks. S = 0 is lock-step, S = inf never waits "
+              "(`--staleness inf`; `None` in the code).\n\n"
               "Worker 1 starts each of its {clocks} clocks {late_ms:.0f} ms late. From each run's log, the "
               "furthest any worker ran ahead of the slowest (clock - slowest's finished clocks):\n\n"
               "| staleness S | most clocks ahead |\n|---|---|\n{table}\n\n"
@@ -219,7 +221,7 @@ STEPS = (
               "No run is reproducible by running it again (the interleaving is timing), but each is "
               "reproducible from its log: every gradient is a pure function of (parameter version, worker, "
               "clock). Replaying each log on one device gives the server's final parameters, bit for bit "
-              "(`{replay_exact}`)."),
+              "({replay_exact})."),
         run=delay_histogram,
         checks=(Check("delays stay within (W - 1)(2S + 1) for S = 0 and S = 2",
                       lambda f: f["max_0"] <= f["bound_0"] and f["max_2"] <= f["bound_2"]),
@@ -248,8 +250,9 @@ STEPS = (
               "parameter server (3 workers, worker 1 slow) whose server asks your gate before answering "
               "each pull, and reads the log for a worker that ran too far ahead.\n\n"
               "The engine's gate, on an example: workers have finished {done} clocks, so the slowest has "
-              "finished {slowest}; with staleness 1, clock 2 opens (`{open_2}`), clock 3 does not "
-              "(`{open_3}`). The stub lets everyone through; checking it as shipped says:\n\n"
+              "finished {slowest}; with staleness 1 the gate opens clock 2 ({open_2:yesno}) and holds "
+              "clock 3 (opens: {open_3:yesno}). The stub lets everyone through; checking it as shipped "
+              "says:\n\n"
               "> {stub_says}"),
         run=the_gate,
         checks=(Check("the engine's gate opens clock 2 and holds clock 3",

@@ -99,7 +99,8 @@ def backup_on_the_clock(lab):
             "p99": {b: r[1] for b, r in rows.items()},
             "speedup_1": rows[0][0] / rows[1][0],
             "speedup_2": rows[0][0] / rows[2][0],
-            "slow_pct": 100 * slow_share}
+            "slow_pct": 100 * slow_share,
+            "exact_pct": 100 * (1 - 0.95 ** n)}
 
 
 def backup_in_the_engine(lab):
@@ -109,6 +110,7 @@ def backup_in_the_engine(lab):
     server = lab.world(4).run(train_async, TRAIN, cfg)[0]
     dropped = Counter(worker for worker, _ in server.dropped)
     applied = Counter(entry.worker for entry in server.log)
+    applied = {w: applied[w] for w in (1, 2, 3)}  # a worker with none applied is named too
     again = replay(TRAIN, cfg, server.log, 3)
     single = train_single(TRAIN).params
     lost = {w: dropped[w] / max(dropped[w] + applied[w], 1) for w in (1, 2, 3)}
@@ -118,7 +120,10 @@ def backup_in_the_engine(lab):
             "diff": float(np.abs(server.params - single).max()),
             "lost": lost,
             "lost_1": "all" if lost[1] == 1 else f"{lost[1]:.0%}",
-            "applied": dict(applied),
+            "applied": applied,
+            "applied_1": applied[1],
+            "dropped_1": dropped[1],
+            "pushed_1": applied[1] + dropped[1],
             "applied_text": in_words(applied),
             "dropped_text": in_words(dropped)}
 
@@ -148,7 +153,7 @@ STEPS = (
               "every step: a synchronous step ends when the last gradient arrives. (A {slow_ms:.0f} ms "
               "sleep dwarfs the noise of these shared cores, so the measurement carries this claim; a "
               "handicap as small as the compute would not.) The parameters are the same bits as without "
-              "the straggler (`{same_bits}`): a straggler changes when things happen, never what is "
+              "the straggler ({same_bits}): a straggler changes when things happen, never what is "
               "computed."),
         run=one_slow_rank,
         checks=(Check("each fast rank waits more than twice as long as the straggler",
@@ -175,7 +180,8 @@ STEPS = (
               "and in 5% of steps 4 units), N = {n}, over {steps:,} steps:\n\n"
               "| b | workers | mean step | 99th percentile | compute used |\n"
               "|---|---|---|---|---|\n{table}\n\n"
-              "Waiting for all {n}, {slow_pct:.0f}% of steps have a slow worker. One backup worker makes "
+              "Waiting for all {n}, {slow_pct:.1f}% of the simulated steps have a slow worker (the "
+              "chance is 1 - 0.95^{n} = {exact_pct:.1f}%). One backup worker makes "
               "the mean step {speedup_1:.2f}x faster, two {speedup_2:.2f}x: the "
               "step no longer waits for the rare slow worker, at the price of the dropped workers' "
               "compute."),
@@ -185,6 +191,8 @@ STEPS = (
         inputs={"n": 8},
         predict=Predict("Each of N = {n} workers is slow in 5% of steps, independently. In what percentage "
                         "of steps is at least one of them slow?", "slow_pct", rel_tol=0.1, unit="%",
+                        label="the share in {steps:,} simulated steps; exactly, 1 - 0.95^{n} = "
+                              "{exact_pct:.1f}%",
                         misconceptions=((5, "5% is one worker's chance; a step waits if ANY of the 8 "
                                             "is slow: 1 - 0.95^8"),
                                         (40, "8 × 5% counts the steps where two are slow twice: "
@@ -203,13 +211,19 @@ STEPS = (
               "takes the first 2 gradients of a clock. But here every worker owns a fixed **shard** of "
               "the clock's batch, so the dropped gradient takes its shard's samples with it. Worker 1 "
               "starts each clock {slow_ms:.0f} ms late. Gradients applied in the {steps} updates: "
-              "{applied_text}; dropped: {dropped_text}. The late worker lost **{lost_1}** of its "
-              "gradients, and with them its shard of every batch: a bias toward the fast workers' data "
+              "{applied_text}; dropped: {dropped_text}. Worker 1 pushed only **{pushed_1} of a possible "
+              "{steps}** gradients ({applied_1} applied): each update needs only the first 2, so the fast "
+              "workers never wait for it. They ran through the clocks while it sat out its late starts; a "
+              "gradient of its that came after its clock had its 2 was dropped, and the {steps} updates "
+              "were done before it could push more. So its shard made it into only {applied_1} of the "
+              "{steps} batches: a bias toward the fast workers' data "
               "that Chen et al.'s random minibatches avoid. The run is still exactly what its log says "
-              "(replay: `{replay_exact}`), but not one device's SGD: the parameters end {diff:.2g} away."),
+              "(replay: {replay_exact}), but not one device's SGD: the parameters end {diff:.2g} away."),
         run=backup_in_the_engine,
         checks=(Check("the late worker loses a larger share of its gradients than either fast worker",
                       lambda f: f["lost"][1] > max(f["lost"][2], f["lost"][3])),
+                Check("the late worker pushed fewer gradients than there were updates",
+                      lambda f: f["pushed_1"] < f["steps"]),
                 Check("every update went ahead with 2 of the 3 gradients",
                       lambda f: sum(f["applied"].values()) == 2 * f["steps"]),
                 Check("the run replays exactly from its log", lambda f: f["replay_exact"]),

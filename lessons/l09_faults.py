@@ -108,6 +108,7 @@ def inside_a_checkpoint(lab):
             "position": ckpt.data_position["step"],
             "losses": len(ckpt.data_position["losses"]),
             "rng": repr(ckpt.rng_state),
+            "rng_said": "the file's RNG slot is empty" if ckpt.rng_state is None else "it holds one",
             "same_batch": bool(np.array_equal(batch, again)),
             "forgot_diff": float(np.abs(right - wrong).max()),
             "refused": refused,
@@ -194,7 +195,7 @@ STEPS = (
         text=("Four ranks train with Adam, checkpointing every 5 steps; the run stops after step 10. A new "
               "run of 20 steps resumes from the directory ({saved}): it loads the latest checkpoint on every "
               "rank and goes on from step 10. Its final parameters are **{verdict}** to a run that never "
-              "stopped: max difference {diff:g}, the same bits (`{identical}`). Not close: identical, "
+              "stopped: max difference {diff:g}, the same bits ({identical}). Not close: identical, "
               "because the resumed steps do the same operations on the same bits."),
         run=stop_and_resume,
         checks=(Check("the resumed run equals the uninterrupted run bit for bit", lambda f: f["identical"]),),
@@ -212,9 +213,9 @@ STEPS = (
         text=("The checkpoint of step {step}: the {n_params:,} parameters ({param_bytes:,} bytes), Adam's "
               "state ({opt_arrays}: {opt_bytes:,} bytes, twice the weights, and its step count "
               "{opt_step}), the data position (step {position}, and the {losses} losses so far, so that "
-              "the resumed run reports the whole run), and the RNG state: `{rng}`. None, because nothing "
+              "the resumed run reports the whole run), and no RNG state ({rng_said}), because nothing "
               "here draws from a running generator: the batch of step t is a pure function of (seed, t), "
-              "the same every time it is asked for (`{same_batch}`). A trainer that shuffles or drops out "
+              "the same every time it is asked for ({same_batch}). A trainer that shuffles or drops out "
               "with a stateful generator must save its state too.\n\n"
               "Forget the optimizer state (the same file with Adam's moments zeroed) and the resumed run "
               "ends **{forgot_diff:.2g}** away from the right one. And the file is checksummed: one "
@@ -244,9 +245,9 @@ STEPS = (
               "starts clock 4 of {clocks}. The launcher reports rank 2 lost, not failed (*{how}*); the "
               "server notices the silence, asks the transport who is alive, records worker 2 as lost "
               "after {lost_clocks} clocks, and stops counting it in the SSP gate, so nobody waits for the "
-              "dead. Gradients applied: {applied_text}. The gate held over the living (`{gate_held}`), "
+              "dead. Gradients applied: {applied_text}. The gate held over the living ({gate_held}), "
               "and the log still replays on one device to the server's parameters, bit for bit "
-              "(`{replay_exact}`)."),
+              "({replay_exact})."),
         run=worker_dies,
         checks=(Check("the dead worker is a RankLost, not a failed run", lambda f: f["rank_lost"]),
                 Check("the server records worker 2 lost after 4 clocks", lambda f: f["lost"] == [(2, 4)]),
@@ -269,7 +270,7 @@ STEPS = (
               "process gone, stops them, and raises one error naming it (rank {failed_rank}):\n\n"
               "> {error}\n\n"
               "Nothing is lost but the steps after the last checkpoint: the new run resumes from step "
-              "{last} and ends on the same bits as a run that never crashed (`{identical}`)."),
+              "{last} and ends on the same bits as a run that never crashed ({identical})."),
         run=crash_and_resume,
         checks=(Check("the crashed run fails, naming rank 1",
                       lambda f: f["failed"] and f["failed_rank"] == 1),

@@ -369,7 +369,7 @@ STEPS = (
               "others from it, one segment at a time, when backward reaches them: the peak falls to "
               "**{peak_ckpt_mib:.1f} MiB** (about half: {saving:.2f}x less), for {extra} more layer forwards "
               "({runs_ckpt} instead of {runs_plain}: most of a second forward pass), and the gradient is "
-              "the same to the bit (`{same}`). A checkpoint every sqrt(L) layers is the classic balance "
+              "the same to the bit ({same}). A checkpoint every sqrt(L) layers is the classic balance "
               "(Chen et al. 2016); torch's `torch.utils.checkpoint` does this to any module."),
         run=activations_and_checkpoints,
         picture=_activation_bars,

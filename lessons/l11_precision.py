@@ -292,11 +292,11 @@ STEPS = (
               "float16 and only {worst_bf:.1e} in bfloat16, which holds every value to half its epsilon. "
               "Make the gradient 1,024x smaller (a larger batch's mean, later in training): float16 "
               "flushes **{zeros16:.0%}** of it to zero, bfloat16 {zeros_bf:.0%}, rounding it exactly as "
-              "before (`{scaled_same}`).\n\n"
+              "before ({scaled_same}).\n\n"
               "Range, not precision, is what small gradients need, and a loss scale only moves values along "
               "the range: so bfloat16 training (TPUs, GPUs since the A100) usually runs with no loss "
               "scaling, while float16 needs it. numpy has no bfloat16: torch casts here (a float32 with its "
-              "low 16 bits rounded off to nearest even gives the same bits: `{same_bits}`)."),
+              "low 16 bits rounded off to nearest even gives the same bits: {same_bits})."),
         run=bfloat16_against_float16,
         picture=_bit_layout,
         checks=(Check("unscaled, float16's worst small entry is 5x worse than bfloat16's",
@@ -368,7 +368,7 @@ STEPS = (
         text=("A ring all-reduce of {n:,} values on {p} ranks: rank 0 sends **{sent16:,}** bytes in "
               "float16 against {sent32:,} in float32. The price: each of the p-1 partial sums is rounded "
               "to float16, so the result is up to {err16:.2g} from the exact sum (float32: {err32:.1g}), "
-              "every element within the bound (p-1)·u·Σ|x| with u = 2^-11: `{within}`."),
+              "every element within the bound (p-1)·u·Σ|x| with u = 2^-11: {within}."),
         run=half_the_bytes,
         checks=(Check("float16 sends exactly half the bytes of float32",
                       lambda f: 2 * f["sent16"] == f["sent32"]),

@@ -192,7 +192,7 @@ STEPS = (
               "outputs back on GPU 0; backward sums every gradient onto GPU 0 (`reduce_add`, an NCCL "
               "reduce), where the one optimizer steps. All of it on one machine. The costs are the "
               "re-copy every step, the GIL, and GPU 0 as the hub of every scatter, gather and sum.\n\n"
-              "Here, with {gpus} GPUs, {here} (`{same}`). What the copies and the GIL cost needs "
+              "Here, with {gpus} GPUs, {here} ({same}). What the copies and the GIL cost needs "
               "several GPUs to measure; `torch.nn.DataParallel(model)` takes every visible one."),
         run=data_parallel_here,
         checks=(Check("without GPUs, DataParallel is a plain call of the module",
@@ -216,23 +216,23 @@ STEPS = (
               "every rank takes the same step, and no rank is a hub. torch's own DDP, two processes over "
               "gloo: {steps} SGD steps on each rank's half of a {batch}-sample batch end where one process "
               "on all {batch} ends, {torch_diff:.1e} apart ({params} parameters, float32); its replicas "
-              "are identical (`{torch_identical}`). dplab's DDP (`backends/nn/ddp.py`, the same API over "
+              "are identical ({torch_identical}). dplab's DDP (`backends/nn/ddp.py`, the same API over "
               "dplab's own all-reduce, on shared memory): {diff:.1e} apart, replicas identical "
-              "(`{identical}`)."),
+              "({identical})."),
         run=ddp_equals_one_process,
         checks=(Check("torch's DDP replicas hold the same bits", lambda f: f["torch_identical"]),
                 Check("torch's DDP equals one process on the whole batch to float32 rounding (< 1e-5)",
                       lambda f: f["torch_diff"] < 1e-5),
                 Check("so do dplab's", lambda f: f["identical"] and f["diff"] < 1e-5)),
         hint="Equal halves: the mean of the two halves' mean gradients is the whole batch's mean gradient.",
-        show=("dplab.backends.nn.ddp.DistributedDataParallel",),
+        show=("dplab.backends.nn.ddp.DistributedDataParallel.mark_param_as_ready",),
         try_this="torchrun --nproc-per-node 2 -m dplab.backends.cli train --backend torch",
         teaches=("dp-vs-ddp", "allreduce"),
     ),
     Step(
         title="Three engines, one answer",
         text=("The same {steps} steps of ring all-reduce training on two ranks, over three engines - "
-              "{engines} - end with the same parameters to the bit (`{same_bits}`): the schedule fixes "
+              "{engines} - end with the same parameters to the bit ({same_bits}): the schedule fixes "
               "the order of every addition, and the engine only moves bytes. MPI's ranks were started "
               "by mpiexec, gloo's by a fork and a TCP rendezvous, shared memory's by a fork."),
         run=three_engines,

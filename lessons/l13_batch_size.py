@@ -176,9 +176,13 @@ def linear_rule_breaks(lab):
     table = "\n".join(f"| {k} | {b:,} | {lr:g} | {s} | {h:.3f} |"
                       for k, (b, lr, s, h) in rows.items())
     one = rows[1][3]
+    b_noise = _b_noise(lab)
     return {"table": table, "epochs": epochs, "one": one,
             "x16": rows[16][3] / one, "x64": rows[64][3] / one,
-            "x128": rows[128][3] / one, "b_noise": _b_noise(lab)}
+            "x128": rows[128][3] / one, "b_noise": b_noise,
+            "b16": rows[16][0], "b64": rows[64][0],
+            "past16": rows[16][0] / b_noise,
+            "past64": rows[64][0] / b_noise}
 
 
 def training_loss(model, params, x, y):
@@ -206,19 +210,20 @@ def to_training_loss(batch, lr, target, warmup, seed=0):
 
 def generalisation_gap(lab):
     target, out = 0.1, {}
-    for k in (1, 32):
+    k_large = 32                 # the large run's batch is k_large × BASE_BATCH
+    for k in (1, k_large):
         batch = k * BASE_BATCH
         lr = scaled_lr(BASE_LR, BASE_BATCH, batch, "linear")
         warmup = 0 if k == 1 else 10
         out[k] = to_training_loss(batch, lr, target, warmup)
     gap = {k: held - train for k, (_, train, held) in out.items()}
-    return {"target": target, "small": BASE_BATCH, "large": 32 * BASE_BATCH,
-            "steps_small": out[1][0], "steps_large": out[32][0],
-            "train_small": out[1][1], "train_large": out[32][1],
-            "held_small": out[1][2], "held_large": out[32][2],
-            "gap_small": gap[1], "gap_large": gap[32],
-            "gap_x": gap[32] / gap[1],
-            "worse": str(32 * BASE_BATCH if out[32][2] > out[1][2]
+    return {"target": target, "small": BASE_BATCH, "large": k_large * BASE_BATCH,
+            "steps_small": out[1][0], "steps_large": out[k_large][0],
+            "train_small": out[1][1], "train_large": out[k_large][1],
+            "held_small": out[1][2], "held_large": out[k_large][2],
+            "gap_small": gap[1], "gap_large": gap[k_large],
+            "gap_x": gap[k_large] / gap[1],
+            "worse": str(k_large * BASE_BATCH if out[k_large][2] > out[1][2]
                          else BASE_BATCH)}
 
 
@@ -263,7 +268,10 @@ STEPS = (
         checks=(Check("a minibatch misses the mean gradient by tr(Σ)/B, within 15%",
                       lambda f: abs(f["rel"] - 1) < 0.15),
                 Check("B_noise grows as training proceeds", lambda f: f["b_noise"] > 2 * f["b_start"])),
-        predict=Predict("As training lowers the loss, does B_noise get 'larger' or 'smaller'?", "grows",
+        predict=Predict("The noise scale B_noise = tr(Σ)/|G|² is the batch size at which a minibatch "
+                        "gradient's noise (the spread of single samples' gradients, tr(Σ), over B) is as "
+                        "large as the mean gradient G itself. As training lowers the loss, does B_noise get "
+                        "'larger' or 'smaller'?", "grows",
                         choices=("larger", "smaller"),
                         misconceptions=(("smaller", "near a minimum the mean gradient G shrinks toward "
                                                     "0, but single samples still disagree: tr(Σ)/|G|² "
@@ -311,9 +319,12 @@ STEPS = (
               "over 5% of the steps:\n\n| k | batch | lr | steps | held-out loss |\n|---|---|---|---|---|\n"
               "{table}\n\n"
               "Up to k = 16 the held-out loss stays within {x16:.2f}x of batch 32's; at k = 64 it is "
-              "{x64:.1f}x, at k = 128 {x128:.1f}x. The rule assumes k small steps ≈ one big step, which "
-              "holds while the batch is below the noise scale (B_noise ≈ {b_noise:.0f} here): past it, "
-              "a bigger batch no longer removes noise, and a k-times larger lr only overshoots."),
+              "{x64:.1f}x, at k = 128 {x128:.1f}x. The rule assumes k small steps ≈ one big step: that the "
+              "k gradients a big batch averages would have moved the parameters about as far one after "
+              "another. That holds while the steps are small, and the noise scale is only a rough guide "
+              "to where it ends: here the rule still held at batch {b16:,}, {past16:.1f}x the B_noise of "
+              "{b_noise:.0f} measured in step 1, and had broken by batch {b64:,} ({past64:.0f}x it), "
+              "where a bigger batch removes little more noise and the k-times larger lr overshoots."),
         run=linear_rule_breaks,
         checks=(Check("up to k = 16 the linear rule keeps the held-out loss within 1.3x",
                       lambda f: f["x16"] < 1.3),
@@ -325,8 +336,9 @@ STEPS = (
     Step(
         title="The generalisation gap, on held-out data",
         text=("Train batch {small} and batch {large:,} (linear rule, warm-up) until the loss on the "
-              "training set reaches {target}: {steps_small} and {steps_large} steps. Their held-out "
-              "losses: **{held_small:.3f}** and **{held_large:.3f}**. The gap between held-out and "
+              "training set reaches {target}: {steps_small} and {steps_large} steps, ending at training "
+              "losses of {train_small:.3f} and {train_large:.3f}. Their held-out losses: "
+              "**{held_small:.3f}** and **{held_large:.3f}**. The gap between held-out and "
               "training loss is {gap_small:.3f} for the small batch and {gap_large:.3f} for the large one, "
               "{gap_x:.1f}x: at the same fit to the training data, the large batch does worse on data it "
               "has not seen (Keskar et al. 2017 saw the same on real networks). A training loss alone "
@@ -342,7 +354,8 @@ STEPS = (
                         misconceptions=(("32", "the small batch's noisier steps are what keeps it out of "
                                                "minima that fit only the training set"),)),
         hint="Small batches' noise keeps them out of sharp minima that fit the training set only.",
-        try_this="Change 32 to 8 in generalisation_gap (batch 256): is the gap between the two?",
+        try_this=("In generalisation_gap, set k_large = 8 (batch 8 × 32 = 256, not 1,024): is its gap "
+                  "between the two?"),
         teaches=("batch-size",),
     ),
     Step(

@@ -321,7 +321,7 @@ STEPS = (
               "steps, wait on every handle.\n\n"
               "The shipped answer, on two gloo ranks: each backward launched {per_backward} all-reduces, "
               "one per parameter tensor, all waited for in `finish()`, and after {steps} steps the ranks "
-              "hold one process's parameters (within {diff:.1e}). One all-reduce per tensor pays one "
+              "hold one process's parameters (within {diff:diff}). One all-reduce per tensor pays one "
               "latency each: that is why DDP gathers them into buckets (lesson 4). Your turn: "
               "`dplab lesson init DIR`, write `attach_ddp_hooks` in `ddp_hooks.py`, then "
               "`dplab lesson check 15 DIR`: it trains with your hooks and names what went wrong."),
@@ -388,7 +388,7 @@ STEPS = (
               "{per_rank_diff:.3g} away from one device's (the sample {x_k:g} becomes {rank_k:.3f} "
               "on its rank, {one_k:.3f} on one device). SyncBatchNorm all-reduces each rank's sum, "
               "sum of squares and count, and every rank normalises with the whole batch's statistics: "
-              "within {synced_diff:.1e} of one device. torch's own `nn.SyncBatchNorm` does this on "
+              "within {synced_diff:diff} of one device. torch's own `nn.SyncBatchNorm` does this on "
               "GPUs; on this CPU it says: \"{torch_says}\"."),
         run=batchnorm_statistics,
         inputs={"m0": -2.0, "m1": 2.0},
@@ -411,13 +411,15 @@ STEPS = (
               "all_reduce, per step, on two gloo ranks ({params:,} float32 parameters): plain "
               "{f32_bytes:size}; `fp16_compress_hook` {fp16_ratio:.2f}x that (each gradient cast to "
               "float16, summed, cast back); `bf16_compress_hook` {bf16_said}; `powerSGD_hook` at "
-              "rank 1 {powersgd_ratio:.3f}x ({ps_bytes:size}): each weight matrix M is sent as two thin "
+              "matrix rank 1 (`matrix_approximation_rank=1`; not a process rank) "
+              "{powersgd_ratio:.3f}x ({ps_bytes:size}): each weight matrix M is sent as two thin "
               "factors P and Q with M ≈ P Qᵀ, and what the approximation missed is kept and added to the "
               "next step's gradient (error feedback). Its first step sends all {ps_first:size}: "
               "PowerSGD starts after a plain warm-up.\n\n"
               "After {steps} SGD steps the loss on the whole data set, relative to uncompressed "
               "({loss32:.4f}): fp16 {fp16_loss:.4f}x, PowerSGD "
-              "{powersgd_loss:.3f}x. Fewer bytes are not free: a rank-1 gradient changes the path."),
+              "{powersgd_loss:.3f}x. Fewer bytes are not free: a gradient cut to matrix rank 1 changes "
+              "the path."),
         run=compression,
         checks=(Check("fp16 hands all_reduce exactly half the bytes (bf16 too, where NCCL runs it)",
                       lambda f: f["fp16_ratio"] == 0.5 and (f["bf16_refused"] or "0.50x" in f["bf16_said"])),
@@ -427,7 +429,7 @@ STEPS = (
                       lambda f: abs(f["fp16_loss"] - 1) < 0.01),
                 Check("PowerSGD still trains: its loss within 2x of uncompressed",
                       lambda f: f["powersgd"]["loss"] < 2 * f["loss32"])),
-        hint="A 128 × 128 weight at rank 1 becomes 128 + 128 numbers.",
+        hint="A 128 × 128 weight at matrix rank 1 becomes 128 + 128 numbers.",
         try_this=("python -c 'import torch.distributed.algorithms.ddp_comm_hooks as h; "
                   "print(list(h.DDPCommHookType))'"),
         show=(compressed_training,),

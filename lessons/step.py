@@ -130,6 +130,7 @@ class Predict:
     unit: str = ""
     choices: tuple[str, ...] = ()
     misconceptions: tuple[tuple[Any, str], ...] = ()
+    label: str = ""                            # what the answer is, when not plain: "simulated: ..."
 
     def expected(self, facts: Facts) -> Any:
         if self.answer not in facts:
@@ -141,6 +142,7 @@ class Predict:
         truth = self.expected(facts)
         shown = answer(truth, self.rel_tol)  # printed exactly as judged: never rounded past the tolerance
         shown += f" {self.unit}" if self.unit else ""
+        shown += f" ({fill(self.label, facts)})" if self.label else ""
         reply = reply.strip()
         if self.choices:
             ok = _norm(reply) == _norm(str(truth))

@@ -80,8 +80,8 @@ def right(arrivals: list[float], grads: list[list[float]], n: int) -> tuple[np.n
 MISTAKES: dict[str, tuple[Any, str]] = {
     "all": (lambda a, g, n: _mean(g, list(range(len(a))), len(a)),
             "your update averages all the gradients: that is plain synchronous SGD, which waits for the "
-            "slowest worker; with backups the first n make the update and the b = N + b - n latecomers are "
-            "dropped"),
+            "slowest worker; with backups the first n of the N + b gradients make the update and the b "
+            "latecomers are dropped"),
     "last": (lambda a, g, n: _mean(g, sorted(sorted(range(len(a)), key=lambda w: (a[w], w))[-n:]), n),
              "your update uses the LAST n gradients to arrive: the backups to drop are the slowest b, so "
              "the first n make the update"),
