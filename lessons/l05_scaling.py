@@ -137,6 +137,9 @@ def strong_and_weak(lab):
                       f"| {g:.3g}x |"
                       for p, s, w, g in zip(ps, strong, weak, gustafson))
     ratio = same_b["large"] / same_b["small"]
+    # weak scaling's FLOPs per byte fall only by the ring's 2(p-1)/p: 1 at p = 2, nearly 2 at 256
+    ring_factor = (2 * (ps[-1] - 1) / ps[-1]) / (2 * (ps[0] - 1) / ps[0])
+    compute_last, comm_last = step_time(large, per_rank, ps[-1])
     about = "same" if 0.5 < ratio < 2 else "large" if ratio > 1 else "small"
     return {"table": table, "per_rank": per_rank,
             "global_batch": global_batch, "ps": list(ps),
@@ -145,7 +148,11 @@ def strong_and_weak(lab):
             "model_ratio": ratio, "about": about,
             "params_ratio": large.num_params / small.num_params,
             "engine_bytes": engine, "model_bytes": model_bytes,
-            "loss_bytes": engine - model_bytes}
+            "loss_bytes": engine - model_bytes,
+            "weak_fall": weak[0] / weak[-1], "ring_factor": ring_factor,
+            "p_last": ps[-1], "g_last": gustafson[-1],
+            "g_eff": gustafson[-1] / ps[-1],
+            "comm_share": comm_last / (compute_last + comm_last)}
 
 
 def timed_training(comm, cfg):
@@ -234,7 +241,8 @@ def serial_share_is_the_machines(lab):
     # repetition k: its one-rank time against its two-rank time
     t1 = [max(r.step_ms for r in ranks) for ranks in cells[name, 1]]
     t2 = [max(r.step_ms for r in ranks) for ranks in cells[name, 2]]
-    measured = sorted(karp_flatt(a / b, 2) for a, b in zip(t1, t2))
+    speedups = sorted(a / b for a, b in zip(t1, t2))
+    measured = sorted(karp_flatt(s, 2) for s in speedups)
     model = MLP(MEASURED)
     priced = {}
     for machine in ("flat-10g", "dgx-h100"):
@@ -246,7 +254,7 @@ def serial_share_is_the_machines(lab):
             priced[machine][p] = karp_flatt(t_1 / t_p, p)
     eth, nvl = priced["flat-10g"], priced["dgx-h100"]
     return {"measured": measured, "lo": measured[0], "hi": measured[-1],
-            "reps": len(measured),
+            "reps": len(measured), "s_lo": speedups[0], "s_hi": speedups[-1],
             "eth_2": priced["flat-10g"][2], "eth_64": priced["flat-10g"][64],
             "nvl_2": priced["dgx-h100"][2], "nvl_64": priced["dgx-h100"][64],
             "machines": priced["flat-10g"][2] / priced["dgx-h100"][2],
@@ -260,7 +268,8 @@ STEPS = (
               "computes on batch/p samples, so compute shrinks as 1/p; but the all-reduce of the "
               "{params:,}-parameter gradient is **zero on one rank and grows with p** (a ring sends "
               "2(p-1)/p of the gradient, in 2(p-1) messages, each paying a latency α). Priced by the cost "
-              "model (lesson 3) on {link} with a {gflops:g} GFLOP/s device, in ms:\n\n"
+              "model (lesson 3) on the preset `{link}` (10 Gb/s Ethernet: 1.25 GB/s each way, 5 µs a "
+              "message) with a {gflops:g} GFLOP/s device, in ms:\n\n"
               "| p | compute | all-reduce | speedup | Amdahl, fitted at p=2 |\n|---|---|---|---|---|\n"
               "{table}\n\n"
               "The speedup peaks at p = {best_p} ({best_s:.3g}x) and **falls** after: at p = {last_p} it "
@@ -269,6 +278,8 @@ STEPS = (
               "it assumes the part that does not shrink stays the same size, while communication grows."),
         run=peak_and_fall,
         checks=(Check("one rank communicates nothing", lambda f: f["comm_1"] == 0),
+                Check("the preset is 10 Gb/s Ethernet, 5 µs a message",
+                      lambda f: f["link"] == "flat-10g"),
                 Check("the all-reduce's time grows with p", lambda f: f["comms"] == sorted(f["comms"])),
                 Check("the speedup peaks at p = {best_p} and falls after it",
                       lambda f: 1 < f["best_p"] < f["last_p"] and f["last_s"] < f["best_s"]),
@@ -291,18 +302,24 @@ STEPS = (
     Step(
         title="Strong vs weak scaling: the batch is the lever, not the model",
         text=("What keeps communication hidden is **compute per byte sent**: FLOPs a rank does per step "
-              "(6 per weight per sample) over the bytes its all-reduce sends (≈ 2 × the gradient). "
+              "(6 per weight per sample) over the bytes its ring all-reduce sends (2(p-1)/p × the "
+              "gradient: 1x at p = 2, nearly 2x at large p). "
               "Parameters appear in both, so they cancel: at {per_rank} samples per rank the small model "
-              "(484 parameters) does {small:.3g} FLOPs per byte and the large one ({params_ratio:.0f}x the "
-              "parameters) {large:.3g}, {model_ratio:.2f}x. What moves the ratio is the **samples per "
-              "rank**.\n\n"
+              "({small_params:,} parameters) does {small:.3g} FLOPs per byte and the large one "
+              "({params_ratio:.0f}x the parameters) {large:.3g}, {model_ratio:.2f}x. What moves the ratio "
+              "is the **samples per rank**.\n\n"
               "**Strong scaling** (global batch {global_batch} fixed) divides them by p; **weak scaling** "
-              "({per_rank} per rank fixed, the global batch grows with p) keeps them. FLOPs per byte of "
-              "the large model, and weak scaling's speedup priced as in step 1 (**Gustafson**: p ranks do "
-              "p times the work in about the same time):\n\n"
+              "({per_rank} per rank fixed, the global batch grows with p) keeps them, so its FLOPs per "
+              "byte fall only by the ring's 2(p-1)/p: {weak_fall:.2f}x from p = 2 to {p_last}, and never "
+              "past 2x. FLOPs per byte of the large model, and weak scaling's speedup priced as in step 1 "
+              "(**Gustafson**: p ranks do p times the work, ideally in the same time):\n\n"
               "| p | samples per rank (strong) | strong | weak | weak-scaling speedup |\n"
               "|---|---|---|---|---|\n{table}\n\n"
-              "The bytes are the engine's: a real step on 4 ranks sent {engine_bytes:,} bytes from rank 0, "
+              "Gustafson's p is an ideal: priced, {p_last} ranks reach {g_last:.3g}x, {g_eff:.0%} of it. "
+              "The work per rank is fixed, but the all-reduce's time still grows with p (its 2(p-1) "
+              "latencies), and at {per_rank} samples per rank it is {comm_share:.0%} of the step at "
+              "p = {p_last}. The bytes are the engine's: a real step on 4 ranks sent {engine_bytes:,} bytes "
+              "from rank 0, "
               "the cost model's {model_bytes:,} for the gradient plus {loss_bytes} for the step's loss. "
               "Weak scaling is why data parallelism grows the global batch; lessons 6 and 13 are what a "
               "larger batch costs in learning."),
@@ -314,10 +331,15 @@ STEPS = (
                       lambda f: f["strong"] == sorted(f["strong"], reverse=True)),
                 Check("weak scaling's stay within 2x of their p = 2 value",
                       lambda f: min(f["weak"]) > f["weak"][0] / 2),
+                Check("weak scaling's FLOPs per byte fall by the ring's 2(p-1)/p factor (within 1%: "
+                      "chunks round up)", lambda f: abs(f["weak_fall"] / f["ring_factor"] - 1) < 0.01),
+                Check("weak scaling's priced speedup falls short of Gustafson's p",
+                      lambda f: f["g_last"] < f["p_last"]),
                 Check("the engine sends the cost model's bytes plus the loss's two float64s",
                       lambda f: f["loss_bytes"] == 16)),
-        inputs={"per_rank": 16},
-        predict=Predict("At {per_rank} samples per rank, which does more FLOPs per byte it all-reduces: "
+        inputs={"per_rank": 16, "small_params": MLP(SMALL).num_params, "large_params": MLP(LARGE).num_params},
+        predict=Predict("Two MLPs: 'small' ({small_params:,} parameters) and 'large' ({large_params:,}). At "
+                        "{per_rank} samples per rank, which does more FLOPs per byte it all-reduces: "
                         "'small', 'large' or about the 'same'?", "about", choices=("small", "large", "same"),
                         misconceptions=(("large", "a larger model computes more per sample, but it also "
                                                   "all-reduces more bytes: the parameters cancel"),)),
@@ -356,8 +378,10 @@ STEPS = (
         title="A serial share you measure belongs to the machine, not the code",
         text=("Invert Amdahl on a measured speedup S on p ranks and you get the **Karp-Flatt** serial "
               "share e = (1/S - 1/p) / (1 - 1/p). For the 512-per-rank runs at p = 2, the {reps} "
-              "repetitions here give e from {lo:.2g} to {hi:.2g}: two ranks share two busy cores, so this "
-              "is a fact about this machine today, not about the code.\n\n"
+              "repetitions here measured speedups S from {s_lo:.2f} to {s_hi:.2f}, so e from {lo:.2g} to "
+              "{hi:.2g}. An e below 0 means S > p, better than perfect: no code does that, so there it is "
+              "noise. Two ranks share two busy cores here: the spread is a fact about this machine today, "
+              "not about the code.\n\n"
               "Price the same code on two clusters instead: e = {eth_2:.2g} on 10 Gb/s Ethernet but "
               "{nvl_2:.2g} on NVLink ({machines:.0f}x smaller) at p = 2. And it is no constant: on "
               "Ethernet it grows to {eth_64:.2g} at p = 64, because communication grows with p. A serial "
