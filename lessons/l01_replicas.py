@@ -142,7 +142,7 @@ STEPS = (
         title="Sharding the global batch",
         text=("A global batch of B={B} samples on p={p} ranks: each rank takes a contiguous shard, "
               "the first B mod p ranks one sample more. Shard sizes: {sizes}. Together they are "
-              "exactly the global batch ({covers}): global batch = micro-batch × N when B divides "
+              "exactly the global batch ({covers}): global batch = per-rank batch × p when B divides "
               "evenly, and uneven shards are fine."),
         run=cut_the_batch,
         checks=(Check("the shards together are the global batch", lambda f: f["covers"]),

@@ -12,6 +12,8 @@ hierarchical all-reduce).
 
 from __future__ import annotations
 
+from collections import Counter
+
 import numpy as np
 
 from dplab.backends import allreduce
@@ -19,6 +21,7 @@ from dplab.lessons.exercises import ring_allgather as allgather_exercise
 from dplab.lessons.exercises import tree as tree_exercise
 from dplab.lessons.step import Check, Explore, Lesson, Predict, Step
 from dplab.reference.algorithms import allreduce_schedule, ring, tree
+from dplab.reference.algorithms.double_tree import TREE_PIECES
 from dplab.reference.costfit import terms
 from dplab.reference.costmodel import cost
 from dplab.reference.pictures import render_arrows, render_rounds
@@ -129,8 +132,13 @@ def schedules_compared(lab):
         f"| {r['algorithm']} | {r['rounds']} | {r['alphas']} "
         f"| {r['busiest_sends_n']:.3g} n |" for r in rows)
     fewest = min(rows, key=lambda r: r["alphas"])["algorithm"]
+    # the path's α: per round, the most messages one rank sends or receives (one port, one at a time)
+    dt = allreduce_schedule("double_tree", p)
+    dt_path = sum(max(max(Counter(t.src for t in rnd).values()), max(Counter(t.dst for t in rnd).values()))
+                  for rnd in dt.rounds)
     return {"p": p, "rows": rows, "by": by, "table": table,
-            "fewest_alphas": fewest,
+            "fewest_alphas": fewest, "dt_path": dt_path,
+            "dt_pieces": TREE_PIECES,
             "picture": render_arrows(tree.allreduce(p))}
 
 
@@ -350,7 +358,13 @@ STEPS = (
               "doubling needs the fewest latencies, lg p, but sends the whole buffer in each round. The "
               "tree does lg p rounds up and lg p down (the picture: its arrows, round by round). Naive has "
               "only 2 rounds, but its root receives p-1 whole buffers in the first, one after the other "
-              "through its one port: 2(p-1) latencies, like the ring, and the most bytes."),
+              "through its one port: 2(p-1) latencies, like the ring, and the most bytes. double_tree "
+              "(NCCL's: two binary trees, each reducing and broadcasting half the buffer, cut into "
+              "{dt_pieces} pieces that flow one behind the other) has few rounds for its pieces, but in "
+              "most of them a rank sends or receives 2 to 4 pieces (two trees, a parent and children) one "
+              "after another through its one port; the path counts, round by round, the most messages one "
+              "rank handles: {dt_path} α. hierarchical:4 is a ring inside groups of 4 ranks, then between "
+              "the groups (step 7)."),
         run=schedules_compared,
         checks=(Check("the simulator proves every schedule an all-reduce",
                       lambda f: all(r["correct"] for r in f["rows"])),
@@ -365,10 +379,14 @@ STEPS = (
                 Check("recursive doubling takes lg p rounds, fewer than tree (2 lg p) and ring (2(p-1))",
                       lambda f: f["by"]["recursive_doubling"]["rounds"] == f["p"].bit_length() - 1
                       < f["by"]["tree"]["rounds"] < f["by"]["ring"]["rounds"]),
+                Check("double_tree's α on the path is, round by round, the most messages one rank handles",
+                      lambda f: f["by"]["double_tree"]["alphas"] == f["dt_path"]),
                 Check("the latency count of the ring is 2(p-1)",
                       lambda f: f["by"]["ring"]["alphas"] == 2 * (f["p"] - 1))),
         figure=_tree_figure,
-        predict=Predict("At p={p}, which schedule pays the fewest latencies (α) on its critical path?",
+        predict=Predict("At p={p}, which schedule pays the fewest latencies (α) on its critical path? "
+                        "(double_tree: NCCL's two binary trees, each carrying half the buffer in pieces; "
+                        "hierarchical:4: a ring inside groups of 4 ranks, then between the groups)",
                         "fewest_alphas", choices=ALGORITHMS, misconceptions=(
                             ("naive", "naive has 2 rounds, but its root takes p-1 messages one after the "
                                       "other: 2(p-1) latencies"),

@@ -88,9 +88,9 @@ def measure_and_fit(lab):
     (model,) = fit(rows)
     spread = {(r["algorithm"], r["bytes"]): r["spread_pct"] for r in rows}
     table = "\n".join(
-        f"| {r['algorithm']} | {r['bytes']:,} | {r['measured_us']:.0f} | "
+        f"| {r['algorithm']} | {r['bytes']:,} | {r['measured_us']:,.0f} | "
         f"{spread[r['algorithm'], r['bytes']]:.0f}% | "
-        f"{r['fitted_us']:.0f} | {r['residual_pct']:+.0f}% |"
+        f"{r['fitted_us']:,.0f} | {r['residual_pct']:+.0f}% |"
         for r in model.residuals())
     rms = model.summary()["rms_residual_pct"]
     # each fitted value 10% off
@@ -343,7 +343,8 @@ STEPS = (
         title="Crossover: latency-bound below, bandwidth-bound above",
         text=("In the model at p={p} (α = {alpha_us} µs, {gbps} GB/s, free adds), the tree beats the ring "
               "below **{tree_below_kib:.1f} KiB** and recursive doubling beats it below "
-              "**{rd_below_kib:.0f} KiB**: few rounds win while the message is small (latency-bound), few "
+              "**{rd_below_bytes:,.0f} bytes ({rd_below_kib:.0f} KiB)**: few rounds win while the message is "
+              "small (latency-bound), few "
               "bytes win once it is large (bandwidth-bound; at 64 MiB recursive doubling takes "
               "{model_ratio_64m:.1f}x the ring's time).\n\n"
               "Measured here at 4 KiB on 4 local ranks, {reps} repetitions with the two interleaved (so each "
@@ -401,7 +402,11 @@ STEPS = (
                       lambda f: f["rpn_64_ms"] < f["best_64_ms"])),
         figure=_regions_figure,
         predict=Predict("On DGX H100 nodes, which of dplab's schedules does the model pick for a 1 GiB "
-                        "all-reduce on 64 GPUs?", "large_64", choices=CLUSTER_ALGORITHMS, misconceptions=(
+                        "all-reduce on 64 GPUs? (new here: direct, every rank sends each chunk straight to "
+                        "its owner, then the owners send the sums to all; pipelined_tree and "
+                        "pipelined_ring cut the buffer into pieces that follow one another through a "
+                        "tree or a ring; hierarchical:8, lesson 2's two-level ring, with groups of 8)",
+                        "large_64", choices=CLUSTER_ALGORITHMS, misconceptions=(
                             ("ring", "the ring sends the fewest bytes, but one ring crosses between nodes "
                                      "through one NIC per node boundary while the others idle (lesson 2, "
                                      "step 7)"),)),

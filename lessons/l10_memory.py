@@ -175,9 +175,18 @@ def _activation_bars(facts):
     from dplab.lessons.pictures_terminal import memory_bars
     states = {"params": facts["param_bytes"], "grads": facts["param_bytes"],
               "optimizer": 2 * facts["param_bytes"]}
+    from rich.console import Group
+    from rich.text import Text
+
+    from dplab.lessons.plain import size
     plain, ckpt = facts["peak_plain_mib"] * MIB, facts["peak_ckpt_mib"] * MIB
-    return memory_bars({"all inputs kept": states | {"activations": plain},
+    bars = memory_bars({"all inputs kept": states | {"activations": plain},
                         f"every {facts['every']}th kept": states | {"activations": ckpt}})
+    # the text's peaks are the activations alone: say why the bars are longer
+    said = Text(f"Each bar adds the model states ({size(sum(states.values()))}: weights, gradient and "
+                f"Adam's two moments) to the activation peak in the text ({size(plain)} and {size(ckpt)}).",
+                style="dim")
+    return Group(said, bars)
 
 
 def train_step(model, w, x, y, every, grads):
@@ -396,8 +405,9 @@ STEPS = (
     Step(
         title="The 7B example",
         text=("Scale it up with the same formulas: `dplab memory` for 7 billion parameters, Adam in mixed "
-              "precision: {per_param} bytes per parameter (2 for fp16 weights, 2 for gradients, K = {k} for "
-              "the fp32 master copy and Adam's two moments). Per rank, model states only, in GB as the paper "
+              "precision: {per_param} bytes per parameter (2 for fp16 weights, 2 for gradients, and what the "
+              "ZeRO paper calls K, the optimizer's bytes per parameter: K = {k} for the fp32 master copy "
+              "(4) and Adam's two moments (4 + 4)). Per rank, model states only, in GB as the paper "
               "prints them (10^9 bytes; the sizes measured above are KiB and MiB, 2^10 and 2^20):\n\n"
               "| ranks | stage 0 | stage 1 | stage 2 | stage 3 |\n|---|---|---|---|---|\n{table}\n\n"
               "Replicated, every rank needs **{replicated:.0f} GB** before a single activation, which no "

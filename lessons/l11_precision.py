@@ -121,6 +121,8 @@ def dynamic_scaling(lab):
     scales = [e.extra for e in events[0] if e.kind == "loss_scale"]
     skipped = [e["step"] for e in scales if e["action"] == "skip"]
     first_kept = min(set(range(train.steps)) - set(skipped))
+    later = [s for s in skipped if s > first_kept]   # overflows after a growth went too far
+    grew_at = [e["step"] for e in scales if e["action"] == "growth"]
     then = next(e["scale"] for e in scales if e["step"] >= first_kept)
     defaults = MixedPrecision()
     return {"init": precision.init_scale,
@@ -130,6 +132,11 @@ def dynamic_scaling(lab):
             "d_interval": defaults.growth_interval,
             "torch_defaults": torch_scaler_defaults(),
             "skipped": len(skipped),
+            "skipped_first": first_kept,
+            "last_skip": first_kept - 1,
+            "skipped_later": len(later),
+            "later_after_growth": all(any(g < s for g in grew_at) for s in later),
+            "later_steps": ", ".join(map(str, later)) or "none",
             "first_kept": first_kept,
             "scale_then": then,
             "grown": sum(e["action"] == "growth" for e in scales),
@@ -342,17 +349,21 @@ STEPS = (
               "halves it (x{d_backoff}) on every overflow, skipping that step, and doubles it (x{d_growth}) "
               "after {d_interval:,} steps in a row without one. To see all of it in {steps} steps, this run "
               "starts with too large a scale, S = {init:,.0f}, and grows every {interval} steps: the "
-              "scaled gradient overflows float16 (inf), so the step is **skipped** and S halved. After "
-              "{skipped} skipped steps in all, "
-              "the first step taken is step {first_kept}, at S = {scale_then:,.0f}. Every {interval} "
-              "steps without an overflow S doubles again ({grown} times here), probing for the largest "
-              "scale that fits. The run still trains: loss {loss:.3f} after "
+              "scaled gradient overflows float16 (inf), so the step is **skipped** and S halved. Steps "
+              "0 to {last_skip} are skipped, {skipped_first} halvings, and the first step taken is step "
+              "{first_kept}, at S = {scale_then:,.0f}. Every {interval} steps without an overflow S doubles "
+              "again ({grown} times here), probing for the largest scale that fits; a doubling that goes "
+              "too far overflows and is skipped too (steps {later_steps}), so {skipped} steps were skipped "
+              "in all. The run still trains: loss {loss:.3f} after "
               "{steps} steps."),
         run=dynamic_scaling,
         checks=(Check("steps are skipped while the scale is too large", lambda f: f["skipped"] > 0),
                 Check("the first step taken runs at a scale halved once per skip before it",
                       lambda f: f["scale_then"] == f["init"] / 2 ** f["first_kept"]),
                 Check("the scale grows again after clean steps", lambda f: f["grown"] > 0),
+                Check("the later skips come after a doubling, and with the first ones make all of them",
+                      lambda f: f["later_after_growth"]
+                      and f["skipped"] == f["skipped_first"] + f["skipped_later"]),
                 Check("the defaults are GradScaler's: 2^16, x2, x0.5, every 2,000 steps (torch's own, "
                       "where torch is installed)",
                       lambda f: (f["d_init"], f["d_growth"], f["d_backoff"], f["d_interval"])
