@@ -142,7 +142,8 @@ class Predict:
         truth = self.expected(facts)
         shown = answer(truth, self.rel_tol)  # printed exactly as judged: never rounded past the tolerance
         shown += f" {self.unit}" if self.unit else ""
-        shown += f" ({fill(self.label, facts)})" if self.label else ""
+        # the label says what the number is; facts judged without the run's others (a test's) go without it
+        shown += f" ({fill(self.label, facts)})" if self.label and can_fill(self.label, facts) else ""
         reply = reply.strip()
         if self.choices:
             ok = _norm(reply) == _norm(str(truth))

@@ -172,3 +172,11 @@ def test_lesson_15s_questions_name_their_misconceptions_and_no_step_shows_the_ho
     for step in steps:
         assert "dist.all_reduce(param.grad, async_op=True))" not in step.code(), step.title
     assert len(hooks.all_hints()) == 3
+
+
+# the fresh reader's report: PowerSGD's rank is a matrix's, and a distance of 0 reads as exact
+def test_lesson_15_says_matrix_rank_and_exactly():
+    steps = lesson(15).steps
+    assert "matrix rank 1" in steps[3].text and "at rank 1" not in steps[3].text
+    assert "matrix rank 1" in steps[3].hint
+    assert "{synced_diff:diff}" in steps[2].text

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from dplab.lessons import lesson
 from dplab.lessons.exercises import EXERCISES, SOLUTIONS, STUBS, check_file, ring_allgather, tree
 
 
@@ -246,3 +247,27 @@ def test_no_step_shows_an_exercises_answer_before_the_exercise():
             for name in later:
                 assert answers[name] not in step.code(), (number, step.title, name)
                 assert (SOLUTIONS / EXERCISES[name].stub).read_text() not in step.code()
+
+
+# the fresh reader's report: terms defined before they are asked about, one way to say a number
+def test_lesson_1_says_per_rank_batch_times_p():
+    text = lesson(1).steps[1].text
+    assert "micro-batch" not in text and "per-rank batch × p" in text
+
+
+def test_lesson_2_and_3_questions_define_the_schedules_they_offer():
+    q2 = lesson(2).steps[3].predict.question
+    assert "double_tree: NCCL's two binary trees" in q2 and "hierarchical:4: a ring inside groups" in q2
+    assert "{dt_path} α" in lesson(2).steps[3].text
+    q3 = lesson(3).steps[3].predict.question
+    assert all(name in q3 for name in ("direct", "pipelined_tree", "pipelined_ring", "hierarchical:8"))
+
+
+def test_lesson_2_double_trees_path_sums_each_rounds_busiest_port():
+    from dplab.lessons.l02_allreduce import schedules_compared
+    facts = schedules_compared(None)
+    assert facts["by"]["double_tree"]["alphas"] == facts["dt_path"] == 38
+
+
+def test_lesson_3_gives_the_crossover_in_bytes_and_kib():
+    assert "{rd_below_bytes:,.0f} bytes ({rd_below_kib:.0f} KiB)" in lesson(3).steps[2].text

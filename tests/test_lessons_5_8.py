@@ -72,7 +72,8 @@ def test_lesson_7_fills_the_lock_step_delays_from_the_run():
 def test_lesson_8_backup_workers_are_chen_et_al_and_the_loss_is_filled():
     texts = [s.text for s in lesson(8).steps]
     assert "loses most of them" not in " ".join(texts)
-    assert "N + b" in texts[1] and "first N" in texts[1] and "**{lost_1}**" in texts[2]
+    assert "N + b" in texts[1] and "first N" in texts[1]
+    assert "**{pushed_1} of a possible" in texts[2] and "{applied_1}" in texts[2]
 
 
 def test_the_simulated_clock_ends_a_step_at_the_nth_arrival():
@@ -203,3 +204,41 @@ def test_every_named_ssp_mistake_differs_from_the_gate():
 def test_a_wrong_prediction_names_its_misconception(number, index, facts, reply, says):
     verdict = lesson(number).steps[index].predict.judge(facts, reply)
     assert not verdict.correct and says in verdict.message + verdict.misconception, verdict
+
+
+# the fresh reader's report: the prose says what its own numbers show
+def test_lesson_5_explains_weak_scalings_fall_and_gustafsons_ideal():
+    steps = lesson(5).steps
+    text = steps[1].text
+    assert "≈ 2 × the gradient" not in text and "2(p-1)/p × the gradient" in text
+    assert "{weak_fall:.2f}x" in text and "{g_last:.3g}x, {g_eff:.0%}" in text and "{comm_share:.0%}" in text
+    assert "{small_params:,}" in steps[1].predict.question and "{large_params:,}" in steps[1].predict.question
+    assert "10 Gb/s Ethernet" in steps[0].text                          # flat-10g in words
+    assert "{s_lo:.2f}" in steps[3].text and "S > p" in steps[3].text   # e < 0: S > p, noise
+
+
+def test_lesson_8_labels_the_simulated_share_beside_the_exact_chance():
+    predict = lesson(8).steps[1].predict
+    facts = {"slow_pct": 100 / 3, "steps": 10_000, "n": 8, "exact_pct": 100 * (1 - 0.95 ** 8)}
+    verdict = predict.judge(facts, "")
+    assert verdict.expected == "33.3 % (the share in 10,000 simulated steps; exactly, 1 - 0.95^8 = 33.7%)"
+
+
+def test_lesson_8_says_why_the_late_worker_pushed_so_few():
+    text = lesson(8).steps[2].text
+    assert "lost **{lost_1}**" not in text and "({applied_1} applied)" in text
+    assert all("N + b - n" not in why for _, why in backup_ex.MISTAKES.values())
+
+
+def test_lesson_7_says_inf_for_unbounded_staleness():
+    texts = " ".join(s.text for s in lesson(7).steps)
+    assert "staleness None" not in texts and "S = None" not in texts and "`{open_2}`" not in texts
+
+
+def test_lesson_13_defines_b_noise_in_its_question_and_relates_the_linear_rule_to_its_numbers():
+    steps = lesson(13).steps
+    question = steps[0].predict.question
+    assert question.index("B_noise = tr(Σ)/|G|²") < question.index("does B_noise get")
+    assert "below the noise scale" not in steps[2].text and "{b16:,}, {past16:.1f}x" in steps[2].text
+    assert "{train_small:.3f} and {train_large:.3f}" in steps[3].text
+    assert "Change 32 to 8" not in steps[3].try_this and "k_large = 8" in steps[3].try_this

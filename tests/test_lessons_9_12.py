@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from dplab.lessons import lesson
 from dplab.lessons.exercises import EXERCISES, SOLUTIONS, check_file
 
 ZERO2_HEAD = """
@@ -292,3 +293,44 @@ def test_checkpointed_backward_is_the_models_gradient(every):
     L = model.num_layers
     assert runs == L + sum(min(every, L - s) - 1 for s in range(0, L, every))
     assert np.allclose(got, want, rtol=1e-12, atol=0)
+
+
+# the fresh reader's report: no Python values in prose, pictures that say what they add, short listings
+def test_lesson_9_says_no_rng_state_in_words():
+    text = lesson(9).steps[1].text
+    assert "`{rng}`" not in text and "None, because" not in text and "{rng_said}" in text
+
+
+def test_lesson_10_bars_say_they_add_the_model_states_and_k_is_named():
+    from rich.console import Console
+
+    from dplab.lessons.l10_memory import _activation_bars
+    console = Console(width=100, record=True)
+    console.print(_activation_bars({"param_bytes": 1 << 17, "peak_plain_mib": 4.5, "peak_ckpt_mib": 2.3,
+                                    "every": 4}))
+    said = console.export_text()
+    assert "adds the model states (512 KiB" in said and "(4.5 MiB and 2.3 MiB)" in said
+    assert "calls K, the optimizer's bytes per parameter" in lesson(10).steps[3].text
+
+
+def test_lesson_11_counts_its_skips_from_the_run():
+    text = lesson(11).steps[3].text
+    assert "After {skipped} skipped steps in all" not in text
+    assert "{skipped_first} halvings" in text and "(steps {later_steps})" in text
+
+
+@pytest.mark.parametrize("number, index", [(11, 5), (12, 1)])
+def test_long_listings_are_cut_to_what_the_step_is_about(number, index):
+    code = lesson(number).steps[index].code()
+    assert len(code.splitlines()) <= 30
+    if number == 12:
+        assert "def mark_param_as_ready" in code
+    else:
+        assert "growth_interval: int" in code and "def validate" not in code
+
+
+def test_no_listing_is_a_whole_module():
+    from dplab.lessons import lessons
+    long = [(les.number, i + 1) for les in lessons() for i, s in enumerate(les.steps)
+            if len(s.code().splitlines()) > 60]
+    assert long == []

@@ -51,8 +51,8 @@ HINTS = (
 # plausible wrong gates (what each does with staleness None: most check for it first), and what is wrong
 MISTAKES: dict[str, tuple[Any, str]] = {
     "never_waits": (lambda c, d, s: True,
-                    "your gate never makes anyone wait: every bound behaves like staleness None (fully "
-                    "asynchronous)"),
+                    "your gate never makes anyone wait: every bound behaves like staleness=None, "
+                    "inf on the command line (fully asynchronous)"),
     "one_loose": (lambda c, d, s: s is None or d >= c - s - 1,
                   "off by one, too loose: your gate lets a worker start clock c when the slowest has "
                   "finished c - s - 1 clocks, so it runs s + 1 clocks ahead; SSP's bound is s"),
