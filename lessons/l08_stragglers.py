@@ -110,7 +110,8 @@ def backup_in_the_engine(lab):
     server = lab.world(4).run(train_async, TRAIN, cfg)[0]
     dropped = Counter(worker for worker, _ in server.dropped)
     applied = Counter(entry.worker for entry in server.log)
-    applied = {w: applied[w] for w in (1, 2, 3)}  # a worker with none applied is named too
+    # every worker named, one with none applied too
+    applied = {w: applied[w] for w in (1, 2, 3)}
     again = replay(TRAIN, cfg, server.log, 3)
     single = train_single(TRAIN).params
     lost = {w: dropped[w] / max(dropped[w] + applied[w], 1) for w in (1, 2, 3)}

@@ -210,14 +210,15 @@ def to_training_loss(batch, lr, target, warmup, seed=0):
 
 def generalisation_gap(lab):
     target, out = 0.1, {}
-    k_large = 32                 # the large run's batch is k_large × BASE_BATCH
+    k_large = 32          # the large run's batch: k_large × BASE_BATCH
     for k in (1, k_large):
         batch = k * BASE_BATCH
         lr = scaled_lr(BASE_LR, BASE_BATCH, batch, "linear")
         warmup = 0 if k == 1 else 10
         out[k] = to_training_loss(batch, lr, target, warmup)
     gap = {k: held - train for k, (_, train, held) in out.items()}
-    return {"target": target, "small": BASE_BATCH, "large": k_large * BASE_BATCH,
+    return {"target": target, "small": BASE_BATCH,
+            "large": k_large * BASE_BATCH,
             "steps_small": out[1][0], "steps_large": out[k_large][0],
             "train_small": out[1][1], "train_large": out[k_large][1],
             "held_small": out[1][2], "held_large": out[k_large][2],
