@@ -3,7 +3,7 @@
     from rich.console import Console
     from dplab.lessons.render import step_rule, code_block, outcome_body
     console = Console()
-    console.print(step_rule(lesson, 0), code_block(step), *outcome_body(outcome, lesson))
+    console.print(step_rule(lesson, 0), *outcome_body(outcome, lesson, "utf-8"), code_block(step))
 
 Pure functions, no input and no I/O: the interaction (keys, questions, resume) is in
 ``lessons/terminal.py``. Everything is readable at 80 columns and as plain text when piped (the

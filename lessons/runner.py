@@ -64,15 +64,20 @@ class Lab:
         # What the ranks write to stderr (a server's warning) lands here, not on the learner's
         # screen above the question: ranks are forked processes and keep the stderr they are born
         # with, so they are born (and steps run) with this file as theirs; ``stderr_since`` reads it.
-        self._stderr = tempfile.TemporaryFile()
+        self._stderr: Any = None               # opened at first use, again after close(): a Lab is reusable
         self._read = 0
+
+    def _file(self) -> Any:
+        if self._stderr is None:
+            self._stderr, self._read = tempfile.TemporaryFile(), 0
+        return self._stderr
 
     @contextlib.contextmanager
     def capturing_stderr(self) -> Iterator[None]:
         """Point file descriptor 2 (and ``sys.stderr``) at the lab's file while the body runs."""
         sys.stderr.flush()
         saved = os.dup(2)
-        os.dup2(self._stderr.fileno(), 2)
+        os.dup2(self._file().fileno(), 2)
         try:
             with contextlib.redirect_stderr(io.TextIOWrapper(os.fdopen(os.dup(2), "wb"),
                                                              write_through=True)) as err:
@@ -86,10 +91,11 @@ class Lab:
 
     def stderr_since(self) -> str:
         """What was written to the lab's stderr file since the last call."""
-        self._stderr.seek(self._read)
-        data = self._stderr.read()
+        file = self._file()
+        file.seek(self._read)
+        data = file.read()
         self._read += len(data)
-        self._stderr.seek(0, os.SEEK_END)
+        file.seek(0, os.SEEK_END)
         return data.decode("utf-8", "replace")
 
     def world(self, world_size: int, backend: str = "local") -> World:
@@ -103,7 +109,9 @@ class Lab:
         for world in self._worlds.values():
             world.close()
         self._worlds.clear()
-        self._stderr.close()
+        if self._stderr is not None:
+            self._stderr.close()
+            self._stderr = None
 
     def __enter__(self) -> Lab:
         return self

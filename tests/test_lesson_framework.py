@@ -472,3 +472,12 @@ def test_what_a_step_writes_to_stderr_is_kept_with_its_result(capfd):
         out = run_step(Step("Noisy", "n={n}", _warns), lab)
     assert "on stderr" in out.printed and "from a rank" in out.printed
     assert "from a rank" not in capfd.readouterr().err
+
+
+def test_a_closed_lab_runs_steps_again(capfd):
+    lab = Lab()
+    lab.close()                             # the app closes a lesson's lab and may use it again
+    try:
+        assert "from a rank" in run_step(Step("Noisy", "n={n}", _warns), lab).printed
+    finally:
+        lab.close()
