@@ -158,8 +158,12 @@ def run_step(step: Step, lab: Lab, figure: bool = True) -> StepOutcome:
     (it may hold the answer, and a question can be asked after the run), and so is what the run and
     its ranks write to stderr (a parameter server's warning), never printed above the question."""
     t0 = time.perf_counter()
-    with contextlib.redirect_stdout(io.StringIO()) as printed, lab.capturing_stderr():
-        ran = step.run(lab)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()) as printed, lab.capturing_stderr():
+            ran = step.run(lab)
+    except BaseException:
+        sys.stderr.write(lab.stderr_since())  # a failed step's ranks said why: not kept from the reader
+        raise
     said = printed.getvalue() + lab.stderr_since()  # stdout and stderr alike: shown with the result
     if not isinstance(ran, dict):
         raise ConfigError(f"step {step.title!r}: run() must return a dict of facts, "

@@ -481,3 +481,15 @@ def test_a_closed_lab_runs_steps_again(capfd):
         assert "from a rank" in run_step(Step("Noisy", "n={n}", _warns), lab).printed
     finally:
         lab.close()
+
+
+def _fails(lab):
+    import os
+    os.write(2, b"rank 1: Traceback ... ValueError\n")
+    raise ValueError("the step broke")
+
+
+def test_a_failed_steps_stderr_is_not_swallowed(capfd):
+    with Lab() as lab, pytest.raises(ValueError, match="the step broke"):
+        run_step(Step("Broken", "x", _fails), lab)
+    assert "rank 1: Traceback" in capfd.readouterr().err
