@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 from dplab.backends.fastpath import executor as engine
 from dplab.backends.fastpath import rabenseifner as fast_rabenseifner
+from dplab.backends.launch.world import BackendUnavailable, check_backend
 from dplab.reference import collectives as spine
 from dplab.reference.algorithms import ALGORITHMS, ROOTED, SCATTER_ALGORITHMS, rabenseifner
 
@@ -76,13 +77,17 @@ def test_the_engine_leaves_the_spines_bits_on_the_local_backend(worlds, p, data)
     _check(worlds(p), data.draw(cases(p)))
 
 
+@pytest.mark.parametrize("transport", [pytest.param("mpi", marks=pytest.mark.mpi),
+                                       pytest.param("torch", marks=pytest.mark.torch)])
 @pytest.mark.parametrize("p", [2, 3, 5])
 @settings(max_examples=2)
 @given(data=st.data())
-def test_the_engine_leaves_the_spines_bits_on_mpi_and_torch(worlds, backend, p, data):
-    if backend == "local":
-        pytest.skip("the local backend has its own test, every p in 1..16")
-    _check(worlds(p, backend), data.draw(cases(p)))
+def test_the_engine_leaves_the_spines_bits_on_mpi_and_torch(worlds, transport, p, data):
+    try:
+        check_backend(transport)
+    except BackendUnavailable as e:
+        pytest.skip(str(e))
+    _check(worlds(p, transport), data.draw(cases(p)))
 
 
 # -- builders: the engine's array builders equal the readable ones, row for row ---------------
