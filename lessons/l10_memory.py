@@ -184,7 +184,8 @@ def _activation_bars(facts):
                         f"every {facts['every']}th kept": states | {"activations": ckpt}})
     # the text's peaks are the activations alone: say why the bars are longer
     said = Text(f"Each bar adds the model states ({size(sum(states.values()))}: weights, gradient and "
-                f"Adam's two moments) to the activation peak in the text ({size(plain)} and {size(ckpt)}).",
+                f"Adam's two moments) to the activation peak in the text ({facts['peak_plain_mib']:.1f} MiB "
+                f"and {facts['peak_ckpt_mib']:.1f} MiB).",
                 style="dim")
     return Group(said, bars)
 
