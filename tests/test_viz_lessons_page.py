@@ -116,7 +116,7 @@ def test_answers_right_and_wrong_show_their_verdicts_and_reveal_the_result():
         assert _checks(at) == [f"✅ {c.claim}" for c in L1.steps[0].checks]  # revealed by the answer
         fig = json.loads(at.get("plotly_chart")[0].proto.spec)
         assert len(fig["data"]) > 0  # the live timeline of the run
-        assert "identical to the bit (`True`)" in " ".join(m.value for m in at.markdown)
+        assert "identical to the bit (checked)" in " ".join(m.value for m in at.markdown)
         assert at.code[0].value == L1.steps[0].code()
         assert not [r for r in at.radio if r.key == "lesson_answer_1_0"]  # answered: no second guess
         assert "Predictions in this lesson: 0 of 1 right." in [c.value for c in at.caption]
