@@ -44,6 +44,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from dplab.backends.launch.interrupt import signals_deferred
+from dplab.backends.local.wiring import process_alive
 
 __all__ = ["Cluster", "ClusterError", "IFACE", "TORCH_ENV", "MPI_ENV", "available", "sweep_stale",
            "leftovers", "main"]
@@ -137,16 +138,6 @@ def _links() -> list[str]:
     return [line.split(":")[1].strip().split("@")[0] for line in out.splitlines() if ":" in line]
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def leftovers(pid: int | None = None) -> list[str]:
     """Every dplab namespace, link and temp folder that exists (of ``pid``'s clusters, if given)."""
     mine = (lambda owner: True) if pid is None else (lambda owner: owner == pid)
@@ -166,7 +157,7 @@ def sweep_stale() -> list[str]:
                if (m := re.match(r"dplab-netns-(\d+)-", p.name))}
     gone = []
     for pid in sorted(owners):
-        if not _alive(pid):
+        if not process_alive(pid):
             gone += leftovers(pid)
             _remove(pid, None)
     return gone
