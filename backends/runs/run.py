@@ -23,7 +23,7 @@ import time
 import warnings
 from collections import Counter
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -31,13 +31,14 @@ from dplab.backends.launch.world import RankLost, World, check_backend, launch
 from dplab.reference.checkpoint.resume import CheckpointConfig, Expect, load_resume
 from dplab.reference.errors import ConfigError
 from dplab.reference.precision.config import MixedPrecision
-from dplab.reference.ps.replay import replay
-from dplab.reference.ps.trainer import AsyncConfig, train_async, worker_batch
 from dplab.reference.trace import Event
 from dplab.reference.train.single import TrainConfig, evaluate, train_single
 from dplab.reference.train.straggler import Stragglers
 from dplab.reference.train.sync import SyncConfig, train_sync
 from dplab.reference.zero.train import ZeroConfig, train_zero
+
+if TYPE_CHECKING:  # the parameter server is imported where a run asks for it: sync runs never load it
+    from dplab.reference.ps.trainer import AsyncConfig
 
 __all__ = ["RunSpec", "run_train", "train_rank", "MODES", "straggler_label"]
 
@@ -99,6 +100,8 @@ class RunSpec:
         return ZeroConfig(stage, self.algorithm, self.accum_steps, precision=self.precision)
 
     def async_config(self) -> AsyncConfig:
+        from dplab.reference.ps.trainer import AsyncConfig
+
         if self.mode == "backup":
             return AsyncConfig(staleness=0, aggregate=True, backup_workers=self.backup_workers,
                                straggler=self.straggler, time_budget_s=self.time_budget_s,
@@ -108,11 +111,10 @@ class RunSpec:
 
     def check_resume(self) -> None:
         """Refuse a corrupt or foreign checkpoint here, in the launcher, before any rank starts."""
-        if self.checkpoint is not None and self.checkpoint.resume is not None:
-            sync = self.mode == "sync"
-            rules = self.sync_config() if sync else self.async_config()
-            load_resume(self.checkpoint, Expect.of("sync" if sync else "async", self.train, rules,
-                                                   self.world_size, self.backend))
+        sync = self.mode == "sync"
+        rules = self.sync_config() if sync else self.async_config()
+        load_resume(self.checkpoint, Expect.of("sync" if sync else "async", self.train, rules,
+                                               self.world_size, self.backend))
 
     def label(self) -> str:
         """The row's ``algorithm``: the all-reduce, or the parameter server's rule."""
@@ -153,6 +155,8 @@ def _train(comm: Any, spec: RunSpec) -> tuple[Any, Any]:
         result = train_sync(comm, spec.train, spec.sync_config())
         extra = result.losses, None
     else:
+        from dplab.reference.ps.trainer import train_async
+
         result = train_async(comm, spec.train, spec.async_config())
         extra = (result.log, result.dropped, result.lost)
     return result, extra
@@ -166,7 +170,8 @@ def run_train(spec: RunSpec, world: World | None = None, trace: bool = False,
     ``save_params``: also write rank 0's final parameters there (``np.save``), bit for bit.
     """
     spec.validate()
-    spec.check_resume()
+    if spec.checkpoint is not None and spec.checkpoint.resume is not None:
+        spec.check_resume()
     if world is not None and world.world_size != spec.world_size:
         raise ConfigError(f"world has {world.world_size} ranks but the spec asks for {spec.world_size}")
     if world is not None:
@@ -202,11 +207,14 @@ def sync_facts(spec: RunSpec, results: list, single: np.ndarray | None) -> dict[
     if single is None or steps != spec.train.steps:
         single = train_single(replace(spec.train, steps=steps)).params
     params = results[0][0]
-    return {
+    facts = {
         "updates": steps, "samples": steps * spec.train.global_batch,
         "max_abs_diff_vs_single": float(max(np.max(np.abs(r[0] - single), initial=0.0) for r in results)),
         "ranks_identical": all(np.array_equal(r[0], params) for r in results),
-    } | _peak_memory(results)
+    }
+    if spec.zero_stage is not None:  # only ZeRO measures its memory
+        facts |= _peak_memory(results)
+    return facts
 
 
 def _peak_memory(results: list) -> dict[str, int]:
@@ -219,6 +227,9 @@ def _peak_memory(results: list) -> dict[str, int]:
 
 def server_facts(spec: RunSpec, results: list, single: np.ndarray | None) -> dict[str, Any]:
     """The proof of a parameter-server run: its log replays to the same bits; who contributed what."""
+    from dplab.reference.ps.replay import replay
+    from dplab.reference.ps.trainer import worker_batch
+
     params, (log, dropped, lost) = results[0][0], results[0][1]
     workers, cfg, acfg = spec.world_size - 1, spec.train, spec.async_config()
     facts: dict[str, Any] = {
