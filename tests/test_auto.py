@@ -15,7 +15,7 @@ from dplab.reference import auto
 from dplab.reference.algorithms import ALLREDUCE, has_schedule, ring
 from dplab.reference.costfit import CostFit
 from dplab.reference.errors import ConfigError
-from dplab.reference.train.sync_config import SyncConfig
+from dplab.reference.train.sync import SyncConfig
 
 SMALL, LARGE = 4096, 16 << 20
 

@@ -24,7 +24,7 @@ from dplab.reference.costmodel import cost
 from dplab.reference.errors import ConfigError
 from dplab.reference.topology import Link, Topology
 from dplab.reference.train.buckets import Reducer
-from dplab.reference.train.sync_config import SyncConfig
+from dplab.reference.train.sync import SyncConfig
 
 TWO_BY_TWO = (0, 0, 1, 1)
 REFUSED = ("hierarchical:3 puts 3 ranks in a node, but the launcher put 2 hosts of 2 ranks: use --algorithm "

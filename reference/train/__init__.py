@@ -1,14 +1,14 @@
 """The trainers: one device (the oracle), synchronous data parallelism, and what they share.
 
-    single.py       TrainConfig, train_single: the single-device run every other run is checked against
-    sync.py         train_sync: the data-parallel recipe (broadcast, shard, backward, all-reduce, step)
-    sync_config.py  SyncConfig: the all-reduce algorithm, bucket size, micro-batches, and the hooks
+    single.py       TrainConfig, train_single: the single-device run every other run is checked against;
+                    check_finite: a run whose weights or last loss are inf or nan ends in one line of error
+    sync.py         train_sync: the data-parallel recipe (broadcast, shard, backward, all-reduce, step);
+                    SyncConfig: the all-reduce algorithm, bucket size, micro-batches, and the hooks
     buckets.py      Reducer: gradients in buckets, each all-reduced as soon as it is complete
     hooks.py        Hook: what a real run attaches to the recipe, at the points its methods name
     checkpoints.py  the checkpoint hook: resume at the start, save every k steps
     spans.py        the trace hook: forward, backward, wait and optimizer spans
     straggler.py    slow a rank down on purpose; the wall-time budget both trainers can stop on
-    diverged.py     a run whose weights or last loss are inf or nan ends in one line of error
 
 What "equal" means here, as the tests check it: the replicas of a synchronous run are
 BITWISE identical to each other, and a resumed run is bitwise identical to an

@@ -87,12 +87,11 @@ class Reducer:
         self.reset()
 
     def reset(self) -> None:
-        """Start a new step: nothing ready, nothing launched."""
+        """Start a new step: nothing ready, nothing launched (``wait`` calls it once a step is reduced)."""
         self._missing = [len(ps) for ps in self.buckets]
         self._ready: set[int] = set()
         self._next_launch = 0
         self._done = threading.Semaphore(0)
-        self._launched = 0
         self._error: BaseException | None = None
 
     @contextmanager
@@ -108,25 +107,25 @@ class Reducer:
         if not self._sync:
             return
         if i in self._ready:
-            raise ConfigError(f"parameter {i} was marked ready twice in one step: call reset() per step")
+            raise ConfigError(f"parameter {i} was marked ready twice in one step: mark each once per step")
         self._ready.add(i)
         b = self.bucket_of[i]
         self._missing[b] -= 1
         while self._next_launch < len(self.buckets) and self._missing[self._next_launch] == 0:
             self._queue.put(self._next_launch)
             self._next_launch += 1
-            self._launched += 1
 
     def wait(self) -> None:
-        """Block until every launched bucket is reduced; afterwards ``grad`` holds the sum."""
+        """Block until every bucket is reduced (``grad`` holds the sum); then reset for the next step."""
         if self._next_launch != len(self.buckets):
             raise ConfigError(f"only {self._next_launch} of {len(self.buckets)} buckets were ready: "
                               "every parameter must get a gradient before wait()")
-        for _ in range(self._launched):
+        for _ in self.buckets:
             self._done.acquire()
-        self._launched = 0
-        if self._error is not None:
-            raise self._error
+        error = self._error
+        self.reset()
+        if error is not None:
+            raise error
 
     def algorithm_for(self, buf: np.ndarray) -> str:
         """The schedule that reduces ``buf``: the configured one resolved on the hosts (``hierarchical``

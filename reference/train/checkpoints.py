@@ -10,9 +10,8 @@ from typing import Any
 
 from dplab.reference.checkpoint.resume import CheckpointConfig, Expect, load_resume, save_state
 from dplab.reference.communicator import Communicator
-from dplab.reference.train.diverged import check_finite
 from dplab.reference.train.hooks import Hook, Run
-from dplab.reference.train.single import TrainConfig
+from dplab.reference.train.single import TrainConfig, check_finite
 
 __all__ = ["Checkpoints"]
 

@@ -18,6 +18,7 @@ or from Python::
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -28,7 +29,7 @@ from dplab.reference.errors import ConfigError
 from dplab.reference.model import MLP, MLPConfig
 from dplab.reference.optim import OptimConfig, make_optimizer
 
-__all__ = ["TrainConfig", "TrainResult", "setup", "train_single", "evaluate"]
+__all__ = ["TrainConfig", "TrainResult", "setup", "train_single", "evaluate", "check_finite"]
 
 _LOSS_OF = {"regression": "mse", "classification": "xent"}
 
@@ -119,6 +120,21 @@ def evaluate(cfg: TrainConfig, params: np.ndarray) -> float:
     """Mean per-sample loss of ``params`` over the whole data set."""
     model, data, _ = setup(cfg)
     return model.loss(model.forward(params, data.x), data.y, scale=1 / cfg.num_samples)
+
+
+def check_finite(params: np.ndarray, losses: list[float], ended: bool = True) -> None:
+    """ConfigError if ``params`` hold inf or nan, or the run ``ended`` on a non-finite loss (only the last
+    counts: a step that loss scaling skipped did not move the weights, and torch's GradScaler goes on)."""
+    step = len(losses) - 1
+    if not np.isfinite(params).all():
+        first = next((i for i, v in enumerate(losses) if not math.isfinite(v)), None)  # where it showed
+        when = f"the loss was {losses[step]:.3g}" if first is None else f"the loss turned {losses[first]} " \
+            f"at step {first}"
+        raise ConfigError(f"step {step}: the parameters are inf or nan after the update ({when}): the run "
+                          "diverged; lower the learning rate")
+    if ended and losses and not math.isfinite(losses[-1]):
+        raise ConfigError(f"step {step}: the loss of the last step is {losses[-1]}: the run "
+                          "diverged; lower the learning rate")
 
 
 if __name__ == "__main__":
