@@ -29,8 +29,9 @@ Connect = Callable[[int], Communicator]
 class Backend:
     """One transport, as the launcher sees it.
 
-    ``start``: "fork" (ranks are forked from the launcher and take any callable) or "mpiexec"
-    (ranks are new interpreters: a job must be importable there). ``prepare``, for forked
+    ``start``: "fork" (ranks are forked from the launcher and take any callable), "threads" (one
+    forked process holds every rank as a thread) or "mpiexec" (ranks are new interpreters: a job
+    must be importable there). ``prepare``, for forked
     ranks, runs in the launcher before the fork and returns (connect(rank), an object to keep
     alive while the ranks run). ``one_host``: its ranks must share a machine. ``tells_death``:
     a rank can tell a dead peer from a slow one, so ``launch(tolerate=...)`` can go on without it.
@@ -45,7 +46,7 @@ class Backend:
 
     @property
     def forked(self) -> bool:
-        return self.start == "fork"
+        return self.start in ("fork", "threads")
 
 
 def _always() -> None:
@@ -81,6 +82,18 @@ def _local_prepare(ctx: BaseContext, session: str, world_size: int, timeout: flo
     return partial(LocalComm, wiring), wiring
 
 
+def _cuda_available() -> str | None:
+    from dplab.backends.cuda.setup import available
+
+    return available()
+
+
+def _cuda_prepare(ctx: BaseContext, session: str, world_size: int, timeout: float) -> tuple[Connect, Any]:
+    from dplab.backends.cuda.setup import prepare
+
+    return prepare(ctx, session, world_size, timeout)
+
+
 def _torch_prepare(ctx: BaseContext, session: str, world_size: int, timeout: float) -> tuple[Connect, Any]:
     """The loopback rendezvous, bound in the launcher before it forks."""
     from dplab.backends.torchdist.rendezvous import prepare
@@ -92,6 +105,7 @@ BACKENDS: dict[str, Backend] = {
     "local": Backend("local", _always, "fork", _local_prepare, one_host=True, tells_death=True),
     "mpi": Backend("mpi", _mpi_available, "mpiexec"),
     "torch": Backend("torch", _torch_available, "fork", _torch_prepare),
+    "cuda": Backend("cuda", _cuda_available, "threads", _cuda_prepare, one_host=True),
 }
 
 

@@ -6,7 +6,7 @@
     ranks.kill()                     # SIGKILL now, unlink the world's shared memory
 
 Local and torch ranks are forked (``multiprocessing``, fork context), each with a pipe back to the
-launcher; MPI ranks are started by mpiexec (``dplab.backends.mpi.mpiexec``) and dial back over
+launcher; cuda ranks are threads of one forked process, each with its own pipe; MPI ranks are started by mpiexec (``dplab.backends.mpi.mpiexec``) and dial back over
 loopback. Either way ``kill`` leaves nothing: no process, no segment with the world's prefix, no
 MPICH segment of its ranks. It runs at most once, and only in the process that started the ranks
 (a forked child that inherited this object must not kill its parent's world).
@@ -25,7 +25,7 @@ from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from dplab.backends.launch import mainmod
-from dplab.backends.launch.serve import forked_rank
+from dplab.backends.launch.serve import forked_rank, threaded_ranks
 from dplab.backends.launch.timeouts import start_timeout
 from dplab.backends.launch.watch import launcher_token
 from dplab.backends.local.shm import unlink_prefix
@@ -159,4 +159,20 @@ def _start_mpi(found: Backend, world_size: int, session: str, timeout: float,
     return ranks
 
 
-_STARTS = {"fork": _start_forked, "mpiexec": _start_mpi}  # a registry entry's ``start``
+def _start_threads(found: Backend, world_size: int, session: str, timeout: float,
+                   job: Job | None) -> Ranks:
+    """One forked process holding every rank as a thread, each with its own pipe to the launcher:
+    the launcher sees ``world_size`` ranks that share one process (and die together)."""
+    ctx = mp.get_context("fork")
+    connect, keep = found.prepare(ctx, session, world_size, timeout)
+    pipes = [ctx.Pipe() for _ in range(world_size)]
+    proc = ctx.Process(target=threaded_ranks, daemon=True, name=f"dplab-{found.name}-ranks",
+                       args=(connect, [child for _, child in pipes], job, os.getpid(),
+                             partial(unlink_prefix, session)))
+    proc.start()
+    for _, child in pipes:
+        child.close()
+    return Ranks(session, [parent for parent, _ in pipes], [proc] * world_size, keep=keep)
+
+
+_STARTS = {"fork": _start_forked, "threads": _start_threads, "mpiexec": _start_mpi}  # a registry entry's ``start``

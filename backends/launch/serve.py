@@ -17,8 +17,10 @@ import os
 import pickle
 import signal
 import sys
+import threading
 import traceback
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from dplab.backends.launch import mainmod
@@ -30,7 +32,7 @@ from dplab.backends.launch.watch import (
     watch_launcher,
 )
 
-__all__ = ["serve", "forked_rank", "receive", "main"]
+__all__ = ["serve", "forked_rank", "threaded_ranks", "receive", "main"]
 
 Job = tuple[Callable[..., Any], tuple]
 
@@ -48,7 +50,8 @@ def receive(conn: Any) -> Any:
 
 def serve(connect: Callable[[], Any], conn: Any, job: Job | None = None) -> None:
     """A rank's life: ``connect()`` builds the communicator, then each job is run and answered."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the launcher's to handle
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the launcher's to handle
     try:
         comm = connect()
     except BaseException:
@@ -88,6 +91,20 @@ def forked_rank(connect: Callable[[], Any], conn: Any, job: Job | None, launcher
     watch_launcher(forked_from(launcher_pid), cleanup)
     one_thread_per_rank()
     serve(connect, conn, job)
+
+
+def threaded_ranks(connect: Callable[[int], Any], conns: list[Any], job: Job | None, launcher_pid: int,
+                   cleanup: Callable[[], object]) -> None:
+    """Entry of a process whose ranks are threads (cuda): each thread serves its own pipe."""
+    watch_launcher(forked_from(launcher_pid), cleanup)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the launcher's to handle
+    one_thread_per_rank()
+    threads = [threading.Thread(target=serve, args=(partial(connect, rank), conn, job), daemon=True,
+                                name=f"dplab-rank-{rank}") for rank, conn in enumerate(conns)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
 
 
 def one_thread_per_rank() -> None:

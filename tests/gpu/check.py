@@ -2,12 +2,15 @@
 
 Rows: the ``gpu``-marked tests; ``dplab train`` on the torch backend with NCCL against one device;
 ``dplab bench`` on CUDA (the device copy row, NCCL's all_reduce, our ring) and a plain
-``Tensor.copy_`` timed beside it, which the copy row must match within 10%.
+``Tensor.copy_`` timed beside it, which the copy row must match within 10%; the cuda backend's
+rows (``cuda_rows.py``: train on 1-8 ranks of one GPU, the ring against the memory floor, DDP
+against torch's over gloo). A speed target missed is ``MISS``, a wrong result ``FAIL``.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -29,10 +32,15 @@ def dplab(*argv: str, json_rows: bool = True) -> tuple[int, list[dict], str]:
 
 
 def pytest_gpu() -> None:
-    files = ["tests/test_gpu_nn.py", "tests/test_torch_backend.py", "tests/test_precision_collectives.py"]
+    """The ``gpu`` tests, and the conformance suite on the cuda backend (marker ``cuda``)."""
+    files = ["tests/test_gpu_nn.py", "tests/test_torch_backend.py", "tests/test_precision_collectives.py",
+             "tests/test_cuda_backend.py", "tests/test_collectives.py", "tests/test_comm_mismatch.py"]
     t0 = time.monotonic()
-    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", *files]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=200)
+    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu or cuda", "-p", "no:cacheprovider", *files]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=200,
+                          env={**os.environ, "DPLAB_EXAMPLES": "10"})
+    if done.returncode not in (0, 5):
+        print(done.stdout[-3000:], done.stderr[-1000:])  # what failed, above the table
     last = (done.stdout.strip().splitlines() or ["no output"])[-1]
     verdict = "ok" if done.returncode in (0, 5) and DEVICE == "cpu" or done.returncode == 0 else "FAIL"
     ROWS.append(("pytest -m gpu", f"{last} ({time.monotonic() - t0:.0f} s)", verdict))
@@ -47,6 +55,18 @@ def train_nccl() -> None:
         return
     diff = rows[0]["max_abs_diff_vs_single"]
     ROWS.append((label, f"max |diff| {diff:.2e}", "ok" if diff <= 1e-10 else "FAIL"))
+
+
+def cuda_rows() -> None:
+    """The cuda backend: train p = 1-8 vs one device, ring against the memory floor, DDP vs gloo."""
+    cmd = [sys.executable, "tests/gpu/cuda_rows.py", *(["--cpu"] if DEVICE == "cpu" else [])]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    for line in done.stdout.splitlines():
+        if line.startswith("{"):
+            r = json.loads(line)
+            ROWS.append((r["check"], r["result"], "ok" if r["ok"] else "MISS"))
+    if done.returncode:
+        ROWS.append(("cuda rows", (done.stderr or "no output").strip()[-300:], "FAIL"))
 
 
 def copy_seconds(nbytes: int, iters: int = 50) -> float:
@@ -98,7 +118,7 @@ def main() -> int:
     name = torch.cuda.get_device_name(0) if DEVICE == "cuda" else "CPU (--cpu)"
     nccl = ".".join(map(str, torch.cuda.nccl.version())) if DEVICE == "cuda" else "-"
     t0 = time.monotonic()
-    for check in (pytest_gpu, train_nccl, bench_cuda):
+    for check in (pytest_gpu, train_nccl, cuda_rows, bench_cuda):
         try:
             check()
         except Exception as e:  # one row per failed check, and go on with the others
@@ -107,7 +127,7 @@ def main() -> int:
     print(f"\n{name}, torch {torch.__version__}, NCCL {nccl}, {time.monotonic() - t0:.0f} s")
     for check, result, verdict in ROWS:
         print(f"{check:<{width}}  {verdict:<6}  {result}")
-    return 0 if all(v == "ok" for _, _, v in ROWS) else 1
+    return 0 if all(v in ("ok", "MISS") for _, _, v in ROWS) else 1
 
 
 if __name__ == "__main__":

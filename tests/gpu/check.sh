@@ -10,4 +10,4 @@ trap 'rm -rf "$pkg"' EXIT
 mkdir -p "$pkg/dplab"
 for d in reference backends viz lessons; do ln -s "$PWD/$d" "$pkg/dplab/$d"; done
 export PYTHONPATH="$pkg${PYTHONPATH:+:$PYTHONPATH}"
-exec timeout 290 python tests/gpu/check.py "$@"
+exec timeout 540 python tests/gpu/check.py "$@"

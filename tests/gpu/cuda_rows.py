@@ -1,0 +1,195 @@
+"""The cuda backend's rows of the GPU check (``tests/gpu/check.py`` runs this in a fresh process:
+CUDA must not start in a process before it forks a world). One JSON row per line on stdout.
+
+- train: ``train_sync`` on p = 1, 2, 4, 8 ranks of one GPU, every algorithm, against one device;
+- bench: ring at 256 MiB against the device-memory floor (the bytes the schedule reads and writes
+  over the device copy's bandwidth, both measured here), and 4 KiB all-reduces per round;
+- ddp: our DDP on the cuda backend against torch's DDP over gloo with CUDA tensors (processes),
+  the same model (3 x 2048 x 2048, 12.6 M parameters), batch and steps.
+
+    python tests/gpu/cuda_rows.py [--cpu]      # --cpu: the script itself, tried on the CPU
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+CPU = "--cpu" in sys.argv[1:]
+
+
+def row(**fields) -> None:
+    print(json.dumps(fields), flush=True)
+
+
+def on_cpu() -> None:
+    """Put the cuda backend's ranks on the CPU (as tests/test_cuda_backend.py does)."""
+    import dataclasses
+
+    import torch
+
+    from dplab.backends import registry
+    from dplab.backends.cuda import setup
+
+    registry.BACKENDS["cuda"] = dataclasses.replace(registry.BACKENDS["cuda"], available=lambda: None)
+    setup._DEVICE_OF = lambda rank: torch.device("cpu")
+
+
+def job_train(comm, algorithm: str):
+    from dplab.reference.train.single import TrainConfig
+    from dplab.reference.train.sync import SyncConfig, train_sync
+
+    return train_sync(comm, TrainConfig(steps=5), SyncConfig(algorithm, bucket_cap_mb=0.002)).params
+
+
+def train_rows() -> None:
+    from dplab.backends.launch.world import World
+    from dplab.reference.algorithms import ALGORITHMS
+    from dplab.reference.train.single import TrainConfig, train_single
+
+    want = train_single(TrainConfig(steps=5)).params
+    for p in (1, 2, 4, 8):
+        worst, bad = 0.0, []
+        with World(p, "cuda", timeout=60) as world:
+            for algorithm in ALGORITHMS:
+                got = world.run(job_train, algorithm)
+                diff = float(np.max(np.abs(got[0] - want)))
+                same = all(g.tobytes() == got[0].tobytes() for g in got)
+                worst = max(worst, diff)
+                if diff > 1e-10 or not same:
+                    bad.append(algorithm)
+        row(check=f"train cuda p={p}, {len(ALGORITHMS)} algorithms vs one device",
+            result=f"max |diff| {worst:.1e}" + (f"; off: {bad}" if bad else ""), ok=not bad)
+
+
+def job_bench(comm, nbytes: int, algorithm: str, iters: int):
+    import torch
+
+    n = nbytes // 4
+    dev = comm.device
+    buf = torch.zeros(n, dtype=torch.float32, device=dev)
+    src, dst = torch.ones(nbytes, dtype=torch.uint8, device=dev), torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    from dplab.backends import allreduce
+
+    def sync():
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
+    def loop(fn, k, together=True):
+        fn()
+        if together:
+            comm.barrier()
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(k):
+            fn()
+        sync()
+        return (time.perf_counter() - t0) / k
+
+    reduce = (lambda: comm.native_allreduce(buf, check=False)) if algorithm == "native" \
+        else (lambda: allreduce(comm, buf, algorithm))
+    times = [loop(reduce, iters) for _ in range(3)]
+    copy = loop(lambda: dst.copy_(src), iters, together=False) if comm.rank == 0 else 0.0
+    return float(np.median(times)), copy
+
+
+def bench_rows() -> None:
+    from dplab.backends.launch.world import World
+
+    big = (1 << 20) if CPU else (256 << 20)
+    for p in (2, 4, 8):
+        with World(p, "cuda", timeout=120) as world:
+            for algorithm in ("ring", "native"):
+                res = world.run(job_bench, big, algorithm, 3 if CPU else 10)
+                t = max(r[0] for r in res)
+                copy_bw = 2 * big / res[0][1]  # read + write, bytes per second
+                traffic = 5 * big * (p - 1)  # ring and one-shot alike: (p - 1) adds (read 2, write 1) and (p - 1) copies per chunk
+                floor = traffic / copy_bw
+                limit = 2.0 if p == 2 else 3.0
+                row(check=f"bench cuda {algorithm} p={p} {big >> 20} MiB fp32",
+                    result=f"{t * 1e6:,.0f} us; floor {floor * 1e6:,.0f} us ({traffic / big:.0f}n bytes at "
+                           f"{copy_bw / 1e12:.2f} TB/s copy) = {t / floor:.2f}x",
+                    ok=algorithm != "ring" or t / floor <= limit)
+            for algorithm in ("ring", "native"):
+                res = world.run(job_bench, 4096, algorithm, 20 if CPU else 200)
+                t = max(r[0] for r in res)
+                rounds = 2 * (p - 1) if algorithm == "ring" else 1
+                row(check=f"bench cuda {algorithm} p={p} 4 KiB",
+                    result=f"{t * 1e6:,.1f} us, {t * 1e6 / rounds:,.1f} us per round ({rounds} rounds)",
+                    ok=algorithm != "ring" or t / rounds <= 20e-6)
+
+
+DDP_STEPS, DDP_BATCH, WIDTH = 10, 256, 2048
+
+
+def job_ddp(comm, impl: str):
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    dev = comm.device if impl != "torch_ddp" else torch.device("cpu" if CPU else "cuda", 0)
+    model = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.ReLU(), nn.Linear(WIDTH, WIDTH), nn.ReLU(),
+                          nn.Linear(WIDTH, WIDTH)).to(dev)
+    if impl == "dplab":
+        from dplab.backends.nn.ddp import DDP
+
+        model = DDP(model, comm, bucket_cap_mb=25, algorithm="ring")
+    elif impl == "torch_ddp":
+        model = nn.parallel.DistributedDataParallel(model, process_group=comm._group, bucket_cap_mb=25)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    local = DDP_BATCH // comm.world_size
+    x, y = torch.randn(local, WIDTH, device=dev), torch.randn(local, WIDTH, device=dev)
+
+    def step():
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+
+    def sync():
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
+    for _ in range(3):
+        step()
+    comm.barrier()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(DDP_STEPS):
+        step()
+    sync()
+    took = (time.perf_counter() - t0) / DDP_STEPS
+    if impl == "dplab":
+        model.close()
+    return took
+
+
+def ddp_rows() -> None:
+    from dplab.backends.launch.world import launch
+
+    single = launch(job_ddp, 1, backend="cuda", args=("single",), timeout=120)[0]
+    row(check="ddp single process, full batch", result=f"{single * 1e3:.2f} ms/step", ok=True)
+    for p in (2, 4):
+        ours = max(launch(job_ddp, p, backend="cuda", args=("dplab",), timeout=120))
+        os.environ["DPLAB_DEVICE"] = "cpu"  # gloo: torch's only way to put several ranks on one GPU
+        theirs = max(launch(job_ddp, p, backend="torch", args=("torch_ddp",), timeout=120))
+        row(check=f"ddp p={p} on one GPU: ours (cuda) vs torch DDP over gloo",
+            result=f"{ours * 1e3:.2f} vs {theirs * 1e3:.2f} ms/step = {theirs / ours:.1f}x faster",
+            ok=ours < theirs)
+
+
+def main() -> None:
+    if CPU:
+        on_cpu()
+    for rows in [globals()[a + "_rows"] for a in sys.argv[1:] if not a.startswith("-")] or (train_rows, bench_rows, ddp_rows):
+        try:
+            rows()
+        except Exception as e:  # one failed row, and go on with the others
+            row(check=rows.__name__, result=f"{type(e).__name__}: {e}"[-300:], ok=False)
+
+
+if __name__ == "__main__":
+    main()
