@@ -104,12 +104,9 @@ def has_schedule(algorithm: str, kind: str = "allreduce") -> bool:
 @lru_cache(maxsize=256)
 def allreduce_schedule(algorithm: str, world_size: int) -> Schedule:
     """The all-reduce schedule of ``algorithm`` for ``world_size`` ranks (cached: schedules are immutable)."""
-    if algorithm == "native":
-        raise ConfigError("'native' is the engine's own all-reduce: it has no schedule; choose one of "
-                          f"{', '.join(ALLREDUCE)}")
-    if split_name(algorithm)[0] not in ALLREDUCE:
+    if split_name(algorithm)[0] not in ALLREDUCE:  # 'native' too: the engine's own has no schedule
         raise ConfigError(f"no schedule for all-reduce algorithm {algorithm!r}: choose one of "
-                          f"{', '.join(ALLREDUCE)} ('native' is the engine's own, it has no schedule)")
+                          f"{', '.join(ALLREDUCE)} ('native' is the engine's own all-reduce: no schedule)")
     fn, extra = lookup(ALLREDUCE, algorithm, "all-reduce")
     if world_size < 1:
         raise ConfigError(f"world_size must be >= 1, got {world_size}")

@@ -140,17 +140,14 @@ class Reducer:
         self._thread.join()
 
     def _comm_loop(self) -> None:
-        tracer = self.comm.tracer
         while (b := self._queue.get()) is not None:
             a, z = self.ranges[b]
-            t0 = tracer.now()
-            try:
-                if self._error is None:
-                    bucket = self.grad[a:z]
-                    name = self.algorithm_for(bucket)
-                    self._allreduce(self.comm, bucket, name)
-            except BaseException as e:  # handed to the main thread by wait()
-                self._error = e
-            tracer.record("bucket", t0, tracer.now(), bytes=(z - a) * self.grad.itemsize,
-                          algorithm=self.algorithm, thread="comm", extra={"bucket": b})
+            with self.comm.tracer.span("bucket", bytes=(z - a) * self.grad.itemsize, algorithm=self.algorithm,
+                                       thread="comm", extra={"bucket": b}):
+                try:
+                    if self._error is None:
+                        bucket = self.grad[a:z]
+                        self._allreduce(self.comm, bucket, self.algorithm_for(bucket))
+                except BaseException as e:  # handed to the main thread by wait()
+                    self._error = e
             self._done.release()

@@ -65,14 +65,9 @@ class TrainConfig:
             )
         if self.dataset == "classification" and self.model.out_dim < 2:
             raise ConfigError("classification needs model.out_dim >= 2 (the number of classes)")
-        if self.num_samples < 1:
-            raise ConfigError(f"num_samples must be >= 1, got {self.num_samples}")
-        if self.global_batch < 1:
-            raise ConfigError(f"global_batch must be >= 1, got {self.global_batch}")
-        if self.steps < 0:
-            raise ConfigError(f"steps must be >= 0, got {self.steps}")
-        if self.seed < 0:
-            raise ConfigError(f"seed must be >= 0, got {self.seed}")
+        for name, least in (("num_samples", 1), ("global_batch", 1), ("steps", 0), ("seed", 0)):
+            if getattr(self, name) < least:
+                raise ConfigError(f"{name} must be >= {least}, got {getattr(self, name)}")
         if self.dtype not in ("float64", "float32"):
             raise ConfigError(f"dtype must be 'float64' or 'float32', not {self.dtype!r}")
 
