@@ -159,15 +159,27 @@ def test_the_trainer_on_cuda_equals_one_device(device):
     assert np.max(np.abs(got[0] - want)) < 1e-12
 
 
-def job_wrapper(comm, wrapper: str):
+def _net():
     from torch import nn
 
+    return nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4)).double()
+
+
+def _start_weights() -> dict[str, np.ndarray]:
+    """Made here and sent: ranks that are threads share torch's one global generator, so a
+    ``torch.manual_seed`` in each of them would race with the others' draws."""
+    torch.manual_seed(0)
+    return {k: v.numpy() for k, v in _net().state_dict().items()}
+
+
+def job_wrapper(comm, wrapper: str, weights: dict):
     from dplab.backends.nn.ddp import DistributedDataParallel
     from dplab.backends.nn.fsdp import FSDP
     from dplab.backends.nn.zero import ZeroRedundancyOptimizer
 
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4)).double().to(comm.device)
+    model = _net()
+    model.load_state_dict({k: torch.from_numpy(v) for k, v in weights.items()})
+    model = model.to(comm.device)
     if wrapper == "ddp":
         net, opt = DistributedDataParallel(model, comm), None
     elif wrapper == "zero":
@@ -188,10 +200,8 @@ def job_wrapper(comm, wrapper: str):
 
 
 def _one_process(world_size: int) -> dict[str, np.ndarray]:
-    from torch import nn
-
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4)).double()
+    model = _net()
+    model.load_state_dict({k: torch.from_numpy(v) for k, v in _start_weights().items()})
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     g = torch.Generator().manual_seed(1)
     for _ in range(3):
@@ -205,7 +215,7 @@ def _one_process(world_size: int) -> dict[str, np.ndarray]:
 @pytest.mark.parametrize("wrapper", ["ddp", "zero", "fsdp"])
 def test_the_torch_wrappers_on_cuda_train_like_one_process(device, wrapper):
     want = _one_process(4)
-    got = launch(job_wrapper, 4, backend="cuda", args=(wrapper,), timeout=60)
+    got = launch(job_wrapper, 4, backend="cuda", args=(wrapper, _start_weights()), timeout=60)
     for params in got:
         for k, v in want.items():
             assert np.max(np.abs(params[k] - v)) < 1e-12, (wrapper, k)

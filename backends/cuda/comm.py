@@ -91,12 +91,16 @@ class CudaComm(Communicator):
             posted = [self.hub.post(Message(self.rank, s.peer, (tag, round, s.chunk), s.buf, ready, facts))
                       for s in sends]
             for r in recvs:
+                t0 = self.tracer.now()
                 msg = self.hub.take(self.rank, r.peer, (tag, round, r.chunk))
                 self._check(msg, r.buf, facts)
                 self._apply(r.buf, msg.data, msg.ready, r.reduce)
                 self.hub.ack(msg, self._event())
-            for msg in posted:
+                self._trace("reduce" if r.reduce else "copy", t0, r, round, algorithm)
+            for msg, s in zip(posted, sends):
+                t0 = self.tracer.now()
                 self._after(self.hub.wait_ack(self.rank, msg))
+                self._trace("send", t0, s, round, algorithm)
 
     def native_allreduce(self, buf: Any, op: str = "sum", check: bool = True) -> None:
         """One round: rank d sums chunk d of every buffer and writes it back into every buffer."""
@@ -147,6 +151,13 @@ class CudaComm(Communicator):
     def close(self) -> None:
         if self.cuda:
             self.stream.synchronize()
+
+    def _trace(self, kind: str, t0: int, spec: Any, round: int, algorithm: str) -> None:
+        """A transfer in the trace, as every backend records it (host time: the device runs later)."""
+        if self.tracer.enabled:
+            nbytes = spec.buf.nbytes if isinstance(spec.buf, np.ndarray) else spec.buf.numel() * spec.buf.element_size()
+            self.tracer.record(kind, t0, self.tracer.now(), peer=spec.peer, bytes=nbytes, chunk=spec.chunk,
+                               round=round, algorithm=algorithm)
 
     # -- device work --------------------------------------------------------------------------------
     def _on_stream(self) -> Any:

@@ -40,7 +40,7 @@ def pytest_gpu() -> None:
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=200,
                           env={**os.environ, "DPLAB_EXAMPLES": "10"})
     if done.returncode not in (0, 5):
-        print(done.stdout[-3000:], done.stderr[-1000:])  # what failed, above the table
+        print(done.stdout[-12000:], done.stderr[-1000:])  # what failed, above the table
     last = (done.stdout.strip().splitlines() or ["no output"])[-1]
     verdict = "ok" if done.returncode in (0, 5) and DEVICE == "cpu" or done.returncode == 0 else "FAIL"
     ROWS.append(("pytest -m gpu", f"{last} ({time.monotonic() - t0:.0f} s)", verdict))
