@@ -166,10 +166,11 @@ def _net():
 
 
 def _start_weights() -> dict[str, np.ndarray]:
-    """Made here and sent: ranks that are threads share torch's one global generator, so a
-    ``torch.manual_seed`` in each of them would race with the others' draws."""
-    torch.manual_seed(0)
-    return {k: v.numpy() for k, v in _net().state_dict().items()}
+    """Drawn here with NumPy and sent: ranks that are threads share torch's one global generator
+    (a ``torch.manual_seed`` in each would race with the others' draws), and ``torch.manual_seed``
+    here would start CUDA in this process, which a forked cuda world cannot survive."""
+    rng = np.random.default_rng(0)
+    return {k: rng.uniform(-0.3, 0.3, tuple(v.shape)) for k, v in _net().state_dict().items()}
 
 
 def job_wrapper(comm, wrapper: str, weights: dict):

@@ -67,7 +67,15 @@ class CudaComm(Communicator):
         self.cuda = device.type == "cuda"
         self.stream = None
         if self.cuda:
-            torch.cuda.set_device(device)
+            try:
+                torch.cuda.set_device(device)
+            except RuntimeError as e:
+                if "initialization error" not in str(e):
+                    raise
+                raise ConfigError("CUDA cannot start in the cuda world's process: the process that started "
+                                  "it had started CUDA before forking (torch.manual_seed, "
+                                  "torch.cuda.is_available() and any GPU tensor do): start the world "
+                                  "first, and seed with a torch.Generator") from None
             self.stream = torch.cuda.Stream(device)
             torch.cuda.set_stream(self.stream)  # this thread's work runs on the rank's stream
         # Backward runs in this thread, not in autograd's one worker thread per GPU that all ranks
