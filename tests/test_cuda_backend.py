@@ -165,6 +165,10 @@ def _net():
     return nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4)).double()
 
 
+def _batch(g, n: int) -> tuple:
+    return torch.randn(n, 16, generator=g).double(), torch.randn(n, 4, generator=g).double()
+
+
 def _start_weights() -> dict[str, np.ndarray]:
     """Drawn here with NumPy and sent: ranks that are threads share torch's one global generator
     (a ``torch.manual_seed`` in each would race with the others' draws), and ``torch.manual_seed``
@@ -191,7 +195,7 @@ def job_wrapper(comm, wrapper: str, weights: dict):
     opt = opt or torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
     g = torch.Generator().manual_seed(1)
     for _ in range(3):
-        x, y = torch.randn(8 * comm.world_size, 16, generator=g).double(), torch.randn(8 * comm.world_size, 4, generator=g).double()
+        x, y = _batch(g, 8 * comm.world_size)
         mine = slice(8 * comm.rank, 8 * comm.rank + 8)
         opt.zero_grad()
         ((net(x[mine].to(comm.device)) - y[mine].to(comm.device)) ** 2).mean().backward()
@@ -206,7 +210,7 @@ def _one_process(world_size: int) -> dict[str, np.ndarray]:
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     g = torch.Generator().manual_seed(1)
     for _ in range(3):
-        x, y = torch.randn(8 * world_size, 16, generator=g).double(), torch.randn(8 * world_size, 4, generator=g).double()
+        x, y = _batch(g, 8 * world_size)
         opt.zero_grad()
         ((model(x) - y) ** 2).mean().backward()
         opt.step()

@@ -9,6 +9,7 @@ in the test process; the ranks return their parameters after each step.
 
 from __future__ import annotations
 
+import threading
 from functools import cache
 
 import numpy as np
@@ -87,9 +88,13 @@ class Unused(nn.Module):
 MODELS = {"frozen": Frozen, "tied": Tied, "deep": Deep, "unused": Unused}
 
 
+_SEEDING = threading.Lock()  # ranks that are threads (cuda) share torch's one generator
+
+
 def make_model(kind: str, seed: int) -> nn.Module:
-    torch.manual_seed(seed)
-    return MODELS[kind]()
+    with _SEEDING:  # the seed and the draws that follow it, together
+        torch.manual_seed(seed)
+        return MODELS[kind]()
 
 
 def batch(kind: str, step: int, n: int = B) -> tuple:

@@ -1,15 +1,20 @@
-"""The cuda backend: ranks are threads of one process, each with its own CUDA stream.
+"""The cuda backend: ranks are threads of one process, on one GPU or several.
 
     dplab train --backend cuda --world-size 4       # four ranks on one GPU (or one per GPU)
     dplab bench --backends cuda --world-sizes 2,4 --sizes 4K,256M
 
 Rank r computes on GPU ``r % device_count``: any number of ranks per GPU, or one per GPU. Why
 threads, not processes: handing a GPU from one process to another is a context switch (156-221 us
-per hand-off measured on an H200), while streams of one process hand off through events. A
-receive reads straight from the sender's tensor (same GPU, or a peer GPU) on the receiver's
-stream, after the sender's ``ready`` event; the host passes only events (``hub.py``), never
-waits for the device. Torch tensors on the rank's GPU stay there; numpy arrays travel in host
-memory, added with NumPy by the rank's thread.
+per hand-off measured on an H200). A receive reads straight from the sender's tensor; the host
+passes each message's view and, in return, an acknowledgement (``hub.py``), and never waits for
+the device. Ranks on one GPU share its stream, so the order in which their threads enqueue is the
+order the kernels run: a receive is enqueued after the sender's writes (it had to take the
+message), the sender's next writes after the receive (it had to take the acknowledgement), and no
+CUDA event is needed. Ranks on different GPUs pass events: the receiver's stream waits on the
+sender's ``ready`` event, the sender's on the receiver's ``consumed`` one. Measured on an H200,
+a CUDA event recorded and waited on per message cost ~135 us of host time per hand-off, the
+thread hand-off itself ~11 us. Torch tensors on the rank's GPU stay there; numpy arrays travel in
+host memory, added with NumPy by the rank's thread.
 
 ``native`` is a one-shot on device memory, as the local backend's: rank d adds chunk d of every
 rank's buffer (in the order d, d+1, ..., d-1) and writes the sum into every buffer's chunk d.
@@ -55,17 +60,19 @@ class _Request:
 
 
 class CudaComm(Communicator):
-    """One rank thread; ``device``: its GPU (a CPU device only in the CPU tests of this transport)."""
+    """One rank thread; ``devices``: every rank's GPU (the CPU only in this transport's CPU tests)."""
 
     backend = "cuda"
 
-    def __init__(self, hub: Hub, device: Any, rank: int) -> None:
+    def __init__(self, hub: Hub, devices: list[Any], rank: int) -> None:
         import torch
 
         self.torch, self.hub, self.rank, self.world_size = torch, hub, rank, hub.world_size
+        device = devices[rank]
         self.timeout, self.tracer, self.device = hub.timeout, Tracer(rank), device
         self.cuda = device.type == "cuda"
         self.stream = None
+        self.events = False  # CUDA events between ranks: only when some rank is on another GPU
         if self.cuda:
             try:
                 torch.cuda.set_device(device)
@@ -76,8 +83,8 @@ class CudaComm(Communicator):
                                   "it had started CUDA before forking (torch.manual_seed, "
                                   "torch.cuda.is_available() and any GPU tensor do): start the world "
                                   "first, and seed with a torch.Generator") from None
-            self.stream = torch.cuda.Stream(device)
-            torch.cuda.set_stream(self.stream)  # this thread's work runs on the rank's stream
+            self.stream = torch.cuda.default_stream(device)  # shared by every rank on this GPU
+            self.events = any(d != device for d in devices)
         # Backward runs in this thread, not in autograd's one worker thread per GPU that all ranks
         # share: DDP and FSDP wait for their peers inside backward, which would block that worker
         # (and so every other rank's backward) for good.
@@ -87,7 +94,7 @@ class CudaComm(Communicator):
     # -- the collective being run -----------------------------------------------------------------
     def check_buffer(self, buf: Any, call: Collective | None = None) -> None:
         self._code = 0 if call is None else call.code()
-        self._facts = (len(buf), str(buf.dtype).removeprefix("torch."))
+        self._facts = _facts(buf)
 
     def exchange(self, sends: list[SendSpec], recvs: list[RecvSpec], round: int = -1,
                  algorithm: str = "") -> None:
@@ -117,7 +124,7 @@ class CudaComm(Communicator):
         flat = buf.reshape(-1) if isinstance(buf, np.ndarray) else buf.view(-1)
         require_writable(flat)
         me, p = self.rank, self.world_size
-        facts = (len(flat), str(flat.dtype).removeprefix("torch.")) if check else None
+        facts = _facts(flat) if check else None
         key = (_NATIVE.code(), 0, -1)
         with self._on_stream():
             ready = self._event()
@@ -163,7 +170,8 @@ class CudaComm(Communicator):
     def _trace(self, kind: str, t0: int, spec: Any, round: int, algorithm: str) -> None:
         """A transfer in the trace, as every backend records it (host time: the device runs later)."""
         if self.tracer.enabled:
-            nbytes = spec.buf.nbytes if isinstance(spec.buf, np.ndarray) else spec.buf.numel() * spec.buf.element_size()
+            buf = spec.buf
+            nbytes = buf.nbytes if isinstance(buf, np.ndarray) else buf.numel() * buf.element_size()
             self.tracer.record(kind, t0, self.tracer.now(), peer=spec.peer, bytes=nbytes, chunk=spec.chunk,
                                round=round, algorithm=algorithm)
 
@@ -173,8 +181,9 @@ class CudaComm(Communicator):
         return _Stream(self)
 
     def _event(self) -> Any:
-        """An event at this point of the rank's stream; None in host memory (nothing is pending)."""
-        if not self.cuda:
+        """An event at this point of the rank's stream; None where the stream's order is enough
+        (every rank on one GPU) or there is nothing to wait for (host memory)."""
+        if not self.events:
             return None
         event = self.torch.cuda.Event()
         event.record(self.stream)
@@ -203,17 +212,23 @@ class CudaComm(Communicator):
 
     def _check(self, msg: Message, buf: Any, facts: Any) -> None:
         """Clause 2 of the mismatch contract: the same buffer (length, dtype) on both ranks."""
-        theirs = msg.facts if facts is not None else (len(msg.data), str(msg.data.dtype).removeprefix("torch."))
-        mine = facts if facts is not None else (len(buf), str(buf.dtype).removeprefix("torch."))
+        theirs = msg.facts if facts is not None else _facts(msg.data)
+        mine = facts if facts is not None else _facts(buf)
         if theirs != mine or len(msg.data) != len(buf):
             raise BufferMismatch(
-                f"rank {self.rank} expected {mine[0]} x {mine[1]} from rank {msg.src} but rank {msg.src} sent "
-                f"{theirs[0]} x {theirs[1]}: every rank must pass a buffer of the same length and dtype "
+                f"rank {self.rank} expected {mine[0]} x {mine[1]} from rank {msg.src} but rank {msg.src} "
+                f"sent {theirs[0]} x {theirs[1]}: every rank must pass a buffer of the same length and dtype "
                 "to a collective")
 
 
+def _facts(buf: Any) -> tuple[int, str]:
+    """(length, dtype) of a numpy array or torch tensor: what two ranks' buffers must agree on."""
+    return len(buf), str(buf.dtype).removeprefix("torch.")
+
+
 class _Stream:
-    """``with comm._on_stream():`` the rank's stream is current, after the caller's stream."""
+    """``with comm._on_stream():`` the GPU's shared stream is current, after the caller's stream
+    (a rank computing on a stream of its own: FSDP's prefetch)."""
 
     def __init__(self, comm: CudaComm) -> None:
         self.comm, self.caller, self.ctx = comm, None, None

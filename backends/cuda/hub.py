@@ -1,14 +1,15 @@
 """What the rank threads of one process share: an inbox per rank, and how a rank waits on it.
 
-A message is a view of the sender's own buffer plus a CUDA event recorded on the sender's stream
-when the view was ready; nothing is copied to send it. The receiver's stream waits on that event,
-reads the view (adding it into its buffer or copying it over), records a ``consumed`` event and
-hands the message back; the sender's stream waits on ``consumed`` before it touches the buffer
-again. So the order between rounds is kept on the device, and the host only passes events:
+A message is a view of the sender's own buffer; nothing is copied to send it. The receiver reads
+the view (adding it into its buffer or copying it over) and hands the message back; the sender
+touches the buffer again only after that. Ranks on one GPU enqueue onto its one stream, so this
+order of the host's hand-offs is the order of the kernels; ranks on different GPUs add CUDA events
+(``ready`` on the sender's stream, ``consumed`` on the receiver's), and the host never waits for
+the device either way:
 
     sender                              receiver
-    post(view, ready) ----------------> take(): stream waits ready; buf += view
-    wait_acks(): stream waits consumed <-- ack(consumed)
+    post(view, ready) ----------------> take(): buf += view   (after ready)
+    wait_acks()        <---------------- ack(consumed)
 
 Waits are bounded by the communicator's timeout (``CommTimeout`` naming the peer). A rank waiting
 on a peer whose pending message belongs to another collective raises ``CollectiveMismatch`` at
@@ -84,7 +85,7 @@ class Hub:
         return msg.consumed
 
     def _check_peer(self, me: int, peer: int, tag: int) -> None:
-        """Inside a collective, a pending message of ``peer`` under another collective's code is a mismatch."""
+        """Inside a collective, a pending message of ``peer`` under another collective's code: a mismatch."""
         if tag < COLLECTIVE_TAG:
             return
         for m in self.inbox[me]:

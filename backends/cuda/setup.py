@@ -44,7 +44,8 @@ def prepare(ctx: BaseContext, session: str, world_size: int, timeout: float) -> 
         raise ConfigError("this process has used CUDA already, and CUDA does not survive the fork that "
                           "starts a cuda world: start the world (launch, World) before touching the GPU")
     hub = Hub(world_size, timeout)
-    return (lambda rank: CudaComm(hub, _DEVICE_OF(rank), rank)), None
+    devices = [_DEVICE_OF(rank) for rank in range(world_size)]
+    return (lambda rank: CudaComm(hub, devices, rank)), None
 
 
 _DEVICE_OF = device_of  # the CPU tests of this transport put its ranks on the CPU here

@@ -6,9 +6,10 @@
     ranks.kill()                     # SIGKILL now, unlink the world's shared memory
 
 Local and torch ranks are forked (``multiprocessing``, fork context), each with a pipe back to the
-launcher; cuda ranks are threads of one forked process, each with its own pipe; MPI ranks are started by mpiexec (``dplab.backends.mpi.mpiexec``) and dial back over
-loopback. Either way ``kill`` leaves nothing: no process, no segment with the world's prefix, no
-MPICH segment of its ranks. It runs at most once, and only in the process that started the ranks
+launcher; cuda ranks are threads of one forked process, each with its own pipe; MPI ranks are
+started by mpiexec (``dplab.backends.mpi.mpiexec``) and dial back over loopback. Either way
+``kill`` leaves nothing: no process, no segment with the world's prefix, no MPICH segment of its
+ranks. It runs at most once, and only in the process that started the ranks
 (a forked child that inherited this object must not kill its parent's world).
 """
 
@@ -175,4 +176,4 @@ def _start_threads(found: Backend, world_size: int, session: str, timeout: float
     return Ranks(session, [parent for parent, _ in pipes], [proc] * world_size, keep=keep)
 
 
-_STARTS = {"fork": _start_forked, "threads": _start_threads, "mpiexec": _start_mpi}  # a registry entry's ``start``
+_STARTS = {"fork": _start_forked, "threads": _start_threads, "mpiexec": _start_mpi}  # an entry's ``start``

@@ -69,8 +69,9 @@ def cuda_rows() -> None:
         ROWS.append(("cuda rows", (done.stderr or "no output").strip()[-300:], "FAIL"))
 
 
-def copy_seconds(nbytes: int, iters: int = 50) -> float:
+def copy_seconds(nbytes: int, iters: int = 0) -> float:
     """A plain device-to-device ``Tensor.copy_``, synchronised around the loop, per call."""
+    iters = iters or (2000 if nbytes < 16 << 20 else 50)  # a small copy takes microseconds: many of them
     src = torch.ones(nbytes, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
     for _ in range(5):

@@ -66,14 +66,14 @@ def train_rows() -> None:
             result=f"max |diff| {worst:.1e}" + (f"; off: {bad}" if bad else ""), ok=not bad)
 
 
-def job_bench(comm, nbytes: int, algorithm: str, iters: int, switch_s: float = 0.005):
+def job_bench(comm, nbytes: int, algorithm: str, iters: int):
     import torch
 
-    sys.setswitchinterval(switch_s)  # how long a thread waiting for the GIL lets the holder run on
     n = nbytes // 4
     dev = comm.device
     buf = torch.zeros(n, dtype=torch.float32, device=dev)
-    src, dst = torch.ones(nbytes, dtype=torch.uint8, device=dev), torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    src = torch.ones(nbytes, dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
     from dplab.backends import allreduce
 
     def sync():
@@ -109,7 +109,8 @@ def bench_rows() -> None:
                 res = world.run(job_bench, big, algorithm, 3 if CPU else 10)
                 t = max(r[0] for r in res)
                 copy_bw = 2 * big / res[0][1]  # read + write, bytes per second
-                traffic = 5 * big * (p - 1)  # ring and one-shot alike: (p - 1) adds (read 2, write 1) and (p - 1) copies per chunk
+                # ring and one-shot alike: per chunk, (p - 1) adds (read 2, write 1) and (p - 1) copies
+                traffic = 5 * big * (p - 1)
                 floor = traffic / copy_bw
                 limit = 2.0 if p == 2 else 3.0
                 row(check=f"bench cuda {algorithm} p={p} {big >> 20} MiB fp32",
@@ -123,10 +124,32 @@ def bench_rows() -> None:
                 row(check=f"bench cuda {algorithm} p={p} 4 KiB",
                     result=f"{t * 1e6:,.1f} us, {t * 1e6 / rounds:,.1f} us per round ({rounds} rounds)",
                     ok=algorithm != "ring" or t / rounds <= 20e-6)
-            res = world.run(job_bench, 4096, "ring", 20 if CPU else 200, 5e-5)  # the GIL handed on sooner
-            t = max(r[0] for r in res)
-            row(check=f"bench cuda ring p={p} 4 KiB, switch interval 50 us",
-                result=f"{t * 1e6:,.1f} us, {t * 1e6 / (2 * (p - 1)):,.1f} us per round", ok=True)
+
+
+def handoff_rows() -> None:
+    """The floor of a round when ranks are threads: one thread waking another through a
+    ``threading.Condition`` and back, as the hub's inboxes do (no CUDA: the host's part alone)."""
+    import threading
+
+    n, turn, conds = 2000, [0], [threading.Condition(), threading.Condition()]
+
+    def side(me: int) -> None:
+        for _ in range(n):
+            with conds[me]:
+                while turn[0] != me:
+                    conds[me].wait()
+            with conds[1 - me]:
+                turn[0] = 1 - me
+                conds[1 - me].notify()
+
+    threads = [threading.Thread(target=side, args=(i,)) for i in (0, 1)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    row(check="thread hand-off (Condition), beside",
+        result=f"{(time.perf_counter() - t0) / (2 * n) * 1e6:.1f} us", ok=True)
 
 
 DDP_STEPS, DDP_BATCH, WIDTH = 10, 256, 2048
@@ -190,7 +213,8 @@ def ddp_rows() -> None:
 def main() -> None:
     if CPU:
         on_cpu()
-    for rows in [globals()[a + "_rows"] for a in sys.argv[1:] if not a.startswith("-")] or (train_rows, bench_rows, ddp_rows):
+    asked = [globals()[a + "_rows"] for a in sys.argv[1:] if not a.startswith("-")]  # e.g. "bench"
+    for rows in asked or (handoff_rows, train_rows, bench_rows, ddp_rows):
         try:
             rows()
         except Exception as e:  # one failed row, and go on with the others
