@@ -1,6 +1,10 @@
-"""Hypothesis strategies shared by the training property tests (sync, async)."""
+"""Hypothesis strategies shared by the training property tests (sync, async), and
+``one_at_a_time`` for the builders that seed torch."""
 
 from __future__ import annotations
+
+import functools
+import threading
 
 from hypothesis import strategies as st
 
@@ -8,7 +12,20 @@ from dplab.reference.model import MLPConfig
 from dplab.reference.optim import OptimConfig
 from dplab.reference.train.single import TrainConfig
 
-__all__ = ["train_configs"]
+__all__ = ["train_configs", "one_at_a_time"]
+
+_TORCH_RNG = threading.Lock()
+
+
+def one_at_a_time(make):
+    """For a builder that seeds torch's global generator and draws from it: ranks that are threads
+    (the cuda backend) share that one generator, so they build one at a time."""
+    @functools.wraps(make)
+    def build(*args, **kwargs):
+        with _TORCH_RNG:
+            return make(*args, **kwargs)
+
+    return build
 
 
 @st.composite

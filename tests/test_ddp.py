@@ -9,13 +9,13 @@ in the test process; the ranks return their parameters after each step.
 
 from __future__ import annotations
 
-import threading
 from functools import cache
 
 import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
+from strategies import one_at_a_time  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
 
@@ -88,13 +88,10 @@ class Unused(nn.Module):
 MODELS = {"frozen": Frozen, "tied": Tied, "deep": Deep, "unused": Unused}
 
 
-_SEEDING = threading.Lock()  # ranks that are threads (cuda) share torch's one generator
-
-
+@one_at_a_time
 def make_model(kind: str, seed: int) -> nn.Module:
-    with _SEEDING:  # the seed and the draws that follow it, together
-        torch.manual_seed(seed)
-        return MODELS[kind]()
+    torch.manual_seed(seed)
+    return MODELS[kind]()
 
 
 def batch(kind: str, step: int, n: int = B) -> tuple:

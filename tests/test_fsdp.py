@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
+from strategies import one_at_a_time  # noqa: E402
 from torch import nn  # noqa: E402
 
 from dplab.reference.schedule import chunk_bounds  # noqa: E402
@@ -85,6 +86,7 @@ def kind_of(name: str) -> str:
     return name.split("_")[0]
 
 
+@one_at_a_time
 def make_model(kind: str, seed: int, dtype: torch.dtype = F64) -> nn.Module:
     torch.manual_seed(seed)
     return MODELS[kind_of(kind)](dtype)

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
+from strategies import one_at_a_time  # noqa: E402
 from torch import nn  # noqa: E402
 
 from dplab.reference.schedule import chunk_bounds  # noqa: E402
@@ -27,6 +28,7 @@ pytestmark = pytest.mark.torch
 F64, B, STEPS, SEED, MAX_NORM = torch.float64, 12, 3, 11, 0.05  # MAX_NORM: every step clips
 
 
+@one_at_a_time
 def make_seq(seed: int) -> nn.Sequential:
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(5, 8, dtype=F64), nn.Tanh(), nn.Linear(8, 8, dtype=F64), nn.Tanh(),
@@ -150,6 +152,7 @@ class Net(nn.Module):
         return self.head(x)
 
 
+@one_at_a_time
 def make_net(seed: int) -> Net:
     torch.manual_seed(seed)
     net = Net()

@@ -9,12 +9,12 @@ process on the whole batch, float64, relative 1e-10 after every step.
 from __future__ import annotations
 
 import math
-import threading
 
 import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
+from strategies import one_at_a_time  # noqa: E402
 from torch import nn  # noqa: E402
 
 from dplab.reference.errors import ConfigError  # noqa: E402
@@ -26,13 +26,10 @@ torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)  # torch._dynamo o
 F64, SEED, STEPS = torch.float64, 7, 3
 
 
-_SEEDING = threading.Lock()  # ranks that are threads (cuda) share torch's one generator
-
-
+@one_at_a_time
 def make_model(seed: int) -> nn.Module:
-    with _SEEDING:  # the seed and the draws that follow it, together
-        torch.manual_seed(seed)
-        return nn.Sequential(nn.Linear(4, 6, dtype=F64), nn.Tanh(), nn.Linear(6, 2, dtype=F64))
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 6, dtype=F64), nn.Tanh(), nn.Linear(6, 2, dtype=F64))
 
 
 def batch(step: int, n: int) -> tuple:

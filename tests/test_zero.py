@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
+from strategies import one_at_a_time  # noqa: E402
 from torch import nn  # noqa: E402
 
 from dplab.reference.errors import ConfigError  # noqa: E402
@@ -32,6 +33,7 @@ PER_TENSOR = {"adamw": 4, "sgd": 0}  # AdamW's step counter: a float32 scalar pe
 SHAPES = {"mlp": (5, 7, 3), "tiny": (2, 1), "wide": (64, 64, 8)}  # trainable n: 63, 2, 4680
 
 
+@one_at_a_time
 def make_model(kind: str, seed: int) -> nn.Module:
     """An MLP of SHAPES[kind]; in "mlp" the last bias is frozen (it must not move)."""
     torch.manual_seed(seed)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -33,11 +34,13 @@ def dplab(*argv: str, json_rows: bool = True) -> tuple[int, list[dict], str]:
 
 def pytest_gpu() -> None:
     """The ``gpu`` tests, and the conformance suite on the cuda backend (marker ``cuda``)."""
-    files = ["tests/test_gpu_nn.py", "tests/test_torch_backend.py", "tests/test_precision_collectives.py",
-             "tests/test_cuda_backend.py", "tests/test_collectives.py", "tests/test_comm_mismatch.py"]
+    conformance = sorted(str(f) for f in Path("tests").glob("test_*.py")
+                         if re.search(r"def test\w*\([^)]*\bbackend\b", f.read_text()))
+    files = sorted({"tests/test_gpu_nn.py", "tests/test_torch_backend.py", "tests/test_cuda_backend.py",
+                    *conformance})
     t0 = time.monotonic()
     cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu or cuda", "-p", "no:cacheprovider", *files]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=200,
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240,
                           env={**os.environ, "DPLAB_EXAMPLES": "10"})
     if done.returncode not in (0, 5):
         print(done.stdout[-12000:], done.stderr[-1000:])  # what failed, above the table
@@ -120,10 +123,13 @@ def main() -> int:
     nccl = ".".join(map(str, torch.cuda.nccl.version())) if DEVICE == "cuda" else "-"
     t0 = time.monotonic()
     for check in (pytest_gpu, train_nccl, cuda_rows, bench_cuda):
+        done = len(ROWS)
         try:
             check()
         except Exception as e:  # one row per failed check, and go on with the others
             ROWS.append((check.__name__, f"{type(e).__name__}: {e}"[:200], "FAIL"))
+        for row in ROWS[done:]:  # as they come, too: a run cut short still shows what it measured
+            print(" | ".join(row), flush=True)
     width = max(len(c) for c, _, _ in ROWS)
     print(f"\n{name}, torch {torch.__version__}, NCCL {nccl}, {time.monotonic() - t0:.0f} s")
     for check, result, verdict in ROWS:
