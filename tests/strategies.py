@@ -12,9 +12,18 @@ from dplab.reference.model import MLPConfig
 from dplab.reference.optim import OptimConfig
 from dplab.reference.train.single import TrainConfig
 
-__all__ = ["train_configs", "one_at_a_time"]
+__all__ = ["train_configs", "one_at_a_time", "seed_torch"]
 
 _TORCH_RNG = threading.Lock()
+
+
+def seed_torch(seed: int) -> None:
+    """``torch.manual_seed`` for the CPU's generator alone. ``torch.manual_seed`` seeds CUDA's too,
+    which on a GPU machine starts CUDA in the test process (seen with torch 2.11 on an H200), and
+    then no world forked after it can use the GPU."""
+    import torch
+
+    torch.default_generator.manual_seed(seed)
 
 
 def one_at_a_time(make):

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
-from strategies import one_at_a_time  # noqa: E402
+from strategies import one_at_a_time, seed_torch  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
 
@@ -90,7 +90,7 @@ MODELS = {"frozen": Frozen, "tied": Tied, "deep": Deep, "unused": Unused}
 
 @one_at_a_time
 def make_model(kind: str, seed: int) -> nn.Module:
-    torch.manual_seed(seed)
+    seed_torch(seed)
     return MODELS[kind]()
 
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
-from strategies import one_at_a_time  # noqa: E402
+from strategies import one_at_a_time, seed_torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from dplab.reference.schedule import chunk_bounds  # noqa: E402
@@ -88,7 +88,7 @@ def kind_of(name: str) -> str:
 
 @one_at_a_time
 def make_model(kind: str, seed: int, dtype: torch.dtype = F64) -> nn.Module:
-    torch.manual_seed(seed)
+    seed_torch(seed)
     return MODELS[kind_of(kind)](dtype)
 
 

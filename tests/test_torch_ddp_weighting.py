@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
-from strategies import one_at_a_time  # noqa: E402
+from strategies import one_at_a_time, seed_torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from dplab.reference.errors import ConfigError  # noqa: E402
@@ -28,7 +28,7 @@ F64, SEED, STEPS = torch.float64, 7, 3
 
 @one_at_a_time
 def make_model(seed: int) -> nn.Module:
-    torch.manual_seed(seed)
+    seed_torch(seed)
     return nn.Sequential(nn.Linear(4, 6, dtype=F64), nn.Tanh(), nn.Linear(6, 2, dtype=F64))
 
 

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
-from strategies import one_at_a_time  # noqa: E402
+from strategies import one_at_a_time, seed_torch  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.optim.lr_scheduler import StepLR  # noqa: E402
 
@@ -32,7 +32,7 @@ BEFORE, AFTER, UNFREEZE = 3, 2, 2  # steps before the state is saved, after; the
 
 @one_at_a_time
 def make_model(seed: int) -> nn.Module:
-    torch.manual_seed(seed)
+    seed_torch(seed)
     model = nn.Sequential(nn.Linear(5, 7, dtype=F64), nn.Tanh(), nn.Linear(7, 3, dtype=F64))
     model[2].bias.requires_grad_(False)  # unfrozen at step UNFREEZE
     return model

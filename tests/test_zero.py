@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
-from strategies import one_at_a_time  # noqa: E402
+from strategies import one_at_a_time, seed_torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from dplab.reference.errors import ConfigError  # noqa: E402
@@ -36,7 +36,7 @@ SHAPES = {"mlp": (5, 7, 3), "tiny": (2, 1), "wide": (64, 64, 8)}  # trainable n:
 @one_at_a_time
 def make_model(kind: str, seed: int) -> nn.Module:
     """An MLP of SHAPES[kind]; in "mlp" the last bias is frozen (it must not move)."""
-    torch.manual_seed(seed)
+    seed_torch(seed)
     dims = SHAPES[kind]
     layers = [nn.Linear(a, b, bias=kind != "tiny", dtype=F64) for a, b in zip(dims[:-1], dims[1:])]
     if kind == "mlp":

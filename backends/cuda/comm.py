@@ -77,12 +77,13 @@ class CudaComm(Communicator):
             try:
                 torch.cuda.set_device(device)
             except RuntimeError as e:
-                if "initialization error" not in str(e):
+                if "initialization error" not in str(e) and "re-initialize CUDA in forked" not in str(e):
                     raise
                 raise ConfigError("CUDA cannot start in the cuda world's process: the process that started "
                                   "it had started CUDA before forking (torch.manual_seed, "
                                   "torch.cuda.is_available() and any GPU tensor do): start the world "
-                                  "first, and seed with a torch.Generator") from None
+                                  "first, and seed with torch.default_generator.manual_seed or a "
+                                  "torch.Generator") from None
             self.stream = torch.cuda.default_stream(device)  # shared by every rank on this GPU
             self.events = any(d != device for d in devices)
         # Backward runs in this thread, not in autograd's one worker thread per GPU that all ranks
