@@ -42,7 +42,6 @@ from dplab.backends.launch.interrupt import interruptible
 from dplab.backends.launch.world import BackendUnavailable, RankError, open_world
 from dplab.backends.runs.grid import EQUIVALENCE_DEFAULTS, RACE_DEFAULTS, compare_specs
 from dplab.backends.runs.run import MODES, RunSpec, run_train
-from dplab.reference import auto
 from dplab.reference.checkpoint.resume import CheckpointConfig
 from dplab.reference.checkpoint.store import CheckpointError
 from dplab.reference.errors import ConfigError
@@ -193,6 +192,8 @@ def _run(args: argparse.Namespace, argv: list[str] | None) -> int:
     try:
         check_args(args, _is_printer(args))
         if "auto" in [getattr(args, "algorithm", None), *(getattr(args, "algorithms", None) or [])]:
+            from dplab.reference import auto  # the cost model loads for commands that ask for it
+
             auto.current()  # a bad $DPLAB_TUNE is one line here, not a traceback from every rank
         rows = interruptible(f"dplab {args.command}", command, args)  # Ctrl-C: one line, exit 130
     except (ConfigError, BackendUnavailable, CheckpointError) as e:

@@ -36,7 +36,6 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from dplab.reference.auto import chosen
 from dplab.reference.collectives import allreduce
 from dplab.reference.communicator import Communicator
 from dplab.reference.errors import ConfigError
@@ -103,7 +102,11 @@ class LossScaler:
         if self._flag is None:
             self._flag = comm.empty(1, "float32")
         self._flag[0] = 1.0 if found else 0.0
-        allreduce(comm, self._flag, chosen(comm, self._flag) if algorithm == "auto" else algorithm)
+        if algorithm == "auto":  # the cost model loads for runs that ask for it
+            from dplab.reference.auto import chosen
+
+            algorithm = chosen(comm, self._flag)
+        allreduce(comm, self._flag, algorithm)
         return bool(self._flag[0] > 0)
 
     def update(self, found_inf: bool, step: int = -1) -> bool:

@@ -34,7 +34,6 @@ import numpy as np
 
 from dplab.reference import collectives
 from dplab.reference.algorithms.layout import resolve
-from dplab.reference.auto import chosen
 from dplab.reference.communicator import Communicator
 from dplab.reference.errors import ConfigError
 
@@ -131,7 +130,9 @@ class Reducer:
         """The schedule that reduces ``buf``: the configured one resolved on the hosts (``hierarchical``
         takes g from ``comm.hosts``; ``layout.resolve``), or for "auto" the cost model's pick for its
         size and hosts (every rank prices the same fit and layout, so every rank picks the same)."""
-        if self.algorithm == "auto":
+        if self.algorithm == "auto":  # the cost model loads for runs that ask for it
+            from dplab.reference.auto import chosen
+
             return chosen(self.comm, buf)
         return resolve(self.algorithm, self.comm.hosts)
 
