@@ -8,8 +8,6 @@ each rank sends 65 slices to its right neighbour in round 64).
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import pytest
 
@@ -34,11 +32,11 @@ def _ring(comm, k: int) -> list[float]:
 
 def test_a_round_with_more_messages_to_one_peer_than_slots_is_refused_not_waited_out():
     _warm(SLOTS + 1)
-    t0 = time.monotonic()
+    # Refused, not waited out: before, every rank timed out on the mailbox (a CommTimeout, which
+    # this match would not take). No clock: on a loaded machine starting the world alone took 13 s.
     with pytest.raises(RankError, match=rf"posts {SLOTS + 1} messages to rank \d+, more than the local "
                                         rf"backend's {SLOTS} mailbox slots.*'pipelined_ring:{SLOTS}'"):
-        launch(_ring, P, args=(SLOTS + 1,), timeout=10.0)
-    assert time.monotonic() - t0 < 10.0  # refused at once: before, every rank timed out on the mailbox
+        launch(_ring, P, args=(SLOTS + 1,), timeout=60.0)
 
 
 def test_exactly_slots_messages_to_one_peer_still_run():
