@@ -1,19 +1,20 @@
 """The backends, one entry each: what the launcher needs to know to start a world of one.
 
     BACKENDS["local"].available()      # None, or what to install
-    entry("mpi").start               # "fork" or "mpiexec": how its ranks start
+    entry("mpi").start               # "fork", "threads" or "mpiexec": how its ranks start
     entry("torch").prepare(ctx, session, world_size, timeout)   # (connect(rank), what to keep)
 
-A backend's module is imported only when one of its functions is called: listing the
-backends, or launching a local world, loads no MPI and no torch.
+Every backend is a folder of the same shape: ``setup.py`` (``available()``, and for ranks the
+launcher starts itself, ``prepare()``; torch binds its rendezvous in ``rendezvous.py``) and
+``comm.py`` (its Communicator). A backend's module is imported only when one of its functions is
+called: listing the backends, or launching a local world, loads no MPI and no torch.
 """
 
 from __future__ import annotations
 
-import errno
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
 from multiprocessing.context import BaseContext
 from typing import Any
 
@@ -49,63 +50,27 @@ class Backend:
         return self.start in ("fork", "threads")
 
 
-def _always() -> None:
-    return None
+def _lazy(module: str, name: str) -> Callable[..., Any]:
+    """``module.name``, imported when first called: listing the backends loads none of them."""
+    def call(*args: Any) -> Any:
+        return getattr(importlib.import_module(module), name)(*args)
+
+    call.__qualname__ = f"{module}.{name}"
+    return call
 
 
-def _mpi_available() -> str | None:
-    from dplab.backends.mpi.comm import available
-
-    return available()
-
-
-def _torch_available() -> str | None:
-    from dplab.backends.torchdist.setup import available
-
-    return available()
-
-
-def _local_prepare(ctx: BaseContext, session: str, world_size: int, timeout: float) -> tuple[Connect, Any]:
-    """The semaphores and control segment the ranks share; kept for the world's lifetime: its pid
-    array lives in multiprocessing's shared heap, and a block freed early would be handed to the
-    next world while ours still use it."""
-    from dplab.backends.local.comm import LocalComm, Wiring
-    from dplab.backends.local.shm import shm_full, unlink_prefix
-
-    try:
-        wiring = Wiring.create(ctx, session, world_size, timeout)
-    except OSError as e:  # the semaphores and the heap live in /dev/shm too
-        unlink_prefix(session)
-        if e.errno != errno.ENOSPC:
-            raise
-        raise shm_full(4096 * (2 * world_size + 1) * world_size, "the ranks' semaphores") from None
-    return partial(LocalComm, wiring), wiring
-
-
-def _cuda_available() -> str | None:
-    from dplab.backends.cuda.setup import available
-
-    return available()
-
-
-def _cuda_prepare(ctx: BaseContext, session: str, world_size: int, timeout: float) -> tuple[Connect, Any]:
-    from dplab.backends.cuda.setup import prepare
-
-    return prepare(ctx, session, world_size, timeout)
-
-
-def _torch_prepare(ctx: BaseContext, session: str, world_size: int, timeout: float) -> tuple[Connect, Any]:
-    """The loopback rendezvous, bound in the launcher before it forks."""
-    from dplab.backends.torchdist.rendezvous import prepare
-
-    return prepare(world_size, timeout), None
+def _setup(backend: str, name: str) -> Callable[..., Any]:
+    """A function of ``dplab.backends.<backend>.setup``: every backend folder has one."""
+    return _lazy(f"dplab.backends.{backend}.setup", name)
 
 
 BACKENDS: dict[str, Backend] = {
-    "local": Backend("local", _always, "fork", _local_prepare, one_host=True, tells_death=True),
-    "mpi": Backend("mpi", _mpi_available, "mpiexec"),
-    "torch": Backend("torch", _torch_available, "fork", _torch_prepare),
-    "cuda": Backend("cuda", _cuda_available, "threads", _cuda_prepare, one_host=True),
+    "local": Backend("local", _setup("local", "available"), "fork", _setup("local", "prepare"),
+                     one_host=True, tells_death=True),
+    "mpi": Backend("mpi", _setup("mpi", "available"), "mpiexec"),
+    "torch": Backend("torch", _setup("torchdist", "available"), "fork",
+                     _lazy("dplab.backends.torchdist.rendezvous", "prepare")),  # bound before the fork
+    "cuda": Backend("cuda", _setup("cuda", "available"), "threads", _setup("cuda", "prepare"), one_host=True),
 }
 
 

@@ -467,7 +467,7 @@ def test_bad_world_size_is_a_config_error(bad):
         launch(lambda comm: None, bad)
 
 
-@pytest.mark.parametrize("backend, module", [("mpi", "dplab.backends.mpi.comm"),
+@pytest.mark.parametrize("backend, module", [("mpi", "dplab.backends.mpi.setup"),
                                              ("torch", "dplab.backends.torchdist.setup")])
 def test_a_missing_engine_is_unavailable_with_its_reason(backend, module, monkeypatch):
     """When mpi4py/torch is not installed, launching says so and what to install."""

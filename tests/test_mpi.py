@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from dplab.backends.launch.world import RankError, World, launch
-from dplab.backends.mpi import comm as mpi
+from dplab.backends.mpi.setup import available
 from dplab.reference import collectives
 from dplab.reference.communicator import ANY_SOURCE, CommError, CommTimeout
 from dplab.reference.errors import ConfigError
@@ -29,7 +29,7 @@ from dplab.reference.schedule import chunk_bounds
 from dplab.reference.train.single import TrainConfig, train_single
 from dplab.reference.train.sync import SyncConfig, train_sync
 
-REASON = mpi.available()
+REASON = available()
 if REASON:
     pytest.skip(f"MPI backend unavailable: {REASON}", allow_module_level=True)
 
@@ -234,7 +234,8 @@ def job_recv_forever(comm):
 
 def test_importing_the_backend_does_not_start_mpi():
     """Importing mpi4py.MPI calls MPI_Init: the launcher (and pytest) must never do that."""
-    code = "import sys, dplab.backends.mpi.comm as m; print(m.available(), 'mpi4py.MPI' in sys.modules)"
+    code = ("import sys, dplab.backends.mpi.comm, dplab.backends.mpi.setup as m; "
+            "print(m.available(), 'mpi4py.MPI' in sys.modules)")
     run = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
     assert run.stdout.split() == ["None", "False"], run.stderr
 

@@ -27,7 +27,7 @@ pytestmark = pytest.mark.mpi
 @pytest.fixture(scope="module")
 def world(worlds):
     """``world(p)``: the session's persistent MPI world of ``p`` ranks (skips without MPI)."""
-    from dplab.backends.mpi.comm import available
+    from dplab.backends.mpi.setup import available
 
     if (why := available()) is not None:
         pytest.skip(why)

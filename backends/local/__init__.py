@@ -1,5 +1,6 @@
 """The local backend: NumPy processes on shared memory (the default, no engine needed).
 
+    setup.py      nothing to install; the semaphores and control segment, made before the fork
     comm.py       LocalComm: the Communicator, delegating to the parts below
     mailboxes.py  Mailboxes: send and receive over Memory, a descriptor and semaphores per message
     memory.py     Memory: a rank's segments, staging, and the (kept) views into peers' segments

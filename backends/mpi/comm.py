@@ -39,11 +39,8 @@ MPI_Init) is imported when a communicator is built, never in the launcher.
 from __future__ import annotations
 
 import os
-import shutil
-import sys
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -64,7 +61,7 @@ from dplab.reference.communicator import (
 from dplab.reference.errors import ConfigError
 from dplab.reference.trace import Tracer
 
-__all__ = ["available", "MpiComm", "ANY_TAG"]
+__all__ = ["MpiComm", "ANY_TAG"]
 
 ANY_TAG = -1
 _TAG_BITS = 4  # the low bits of an MPI tag hold the sender's dtype code
@@ -72,17 +69,6 @@ _SPIN_S = 0.02  # poll without sleeping this long, only yielding the core betwee
 _NAP_S = (20e-6, 1e-3)  # then nap 1/20 of the time waited so far, within these bounds
 _ALIGN = 64
 _TO_TAKE = "rank {peer} to take its message"
-
-
-def available() -> str | None:
-    """None when the MPI backend can run here, otherwise what to install."""
-    try:
-        import mpi4py  # noqa: F401  (the package only: importing mpi4py.MPI would start MPI)
-    except ImportError:
-        return "mpi4py is not installed: pip install 'dplab[mpi]' (mpi4py + the mpich wheel)"
-    if not (Path(sys.executable).parent / "mpiexec").exists() and not shutil.which("mpiexec"):
-        return "no mpiexec beside python or on PATH: pip install 'dplab[mpi]' (the mpich wheel)"
-    return None
 
 
 class _Request:
