@@ -89,9 +89,10 @@ def schedule_plan(kind: str, algorithm: str, p: int, rank: int, root: int = 0
     return schedule, messages_of(schedule, rank)
 
 
-def flat_view(buf: Any, backend: str = "") -> Any:
-    """A 1-D view of ``buf``, a numpy array or torch tensor the collectives can work on in place;
-    a ``ConfigError`` saying what to pass instead otherwise (on every rank, before any message)."""
+def flat_view(buf: Any, comm: Communicator | None = None) -> Any:
+    """A 1-D view of ``buf``, a numpy array or torch tensor the collectives can work on in place
+    (over ``comm``, when given: a tensor needs one that ``moves_tensors``); a ``ConfigError`` saying
+    what to pass instead otherwise (on every rank, before any message)."""
     if isinstance(buf, np.ndarray):
         require_writable(buf)
         if buf.dtype.name not in DTYPES:
@@ -103,9 +104,9 @@ def flat_view(buf: Any, backend: str = "") -> Any:
     if type(buf).__module__.startswith("torch"):
         if str(buf.dtype).removeprefix("torch.") not in TORCH_DTYPES:
             raise ConfigError(f"dtype {buf.dtype} not supported: use {', '.join(TORCH_DTYPES)}")
-        if backend in ("local", "mpi"):
-            raise ConfigError(f"torch tensors travel on the torch backend; the {backend} backend moves "
-                              "numpy arrays: pass t.numpy() (a CPU tensor shares its memory) or use "
+        if comm is not None and not comm.moves_tensors:
+            raise ConfigError(f"torch tensors travel on the torch backend; the {comm.backend} backend "
+                              "moves numpy arrays: pass t.numpy() (a CPU tensor shares its memory) or use "
                               "backend='torch' (bfloat16 only there: numpy has no bfloat16)")
         if not buf.is_contiguous():
             raise ConfigError("collectives work in place on contiguous tensors: pass t.contiguous()")
@@ -121,7 +122,7 @@ def is_float(buf: Any) -> bool:
 
 def _run(comm: Communicator, kind: str, buf: Any, algorithm: str, root: int | None = None) -> Any:
     """Check ``buf``, announce the call to the backend and run its schedule; returns the flat view."""
-    flat = flat_view(buf, getattr(comm, "backend", ""))
+    flat = flat_view(buf, comm)
     if root is not None and not 0 <= root < comm.world_size:
         raise ConfigError(f"root {root} is not a rank of a world of size {comm.world_size}")
     schedule = schedule_of(kind, algorithm, comm.world_size, root or 0)
@@ -137,7 +138,7 @@ def allreduce(comm: Communicator, buf: np.ndarray, algorithm: str = "ring", op: 
     (``dplab.reference.auto.chosen``): the executor runs schedules, it does not price them."""
     if op not in ("sum", "mean"):
         raise ConfigError(f"op must be 'sum' or 'mean', got {op!r}")
-    flat = flat_view(buf, getattr(comm, "backend", ""))
+    flat = flat_view(buf, comm)
     if op == "mean" and not is_float(buf):
         raise ConfigError(f"op='mean' needs a floating-point buffer, got {buf.dtype}: use op='sum'")
     if algorithm == "auto":

@@ -171,6 +171,7 @@ class Communicator(ABC):
     timeout: float
     tracer: Tracer
     backend: str = ""  # the transport, as --backend names it ("local", "mpi", "torch"): checkpoints record it
+    moves_tensors: bool = False  # torch tensors travel as they are (torch, cuda); else numpy arrays only
     _hosts: tuple[int, ...] | None = None  # set by a backend at connect time (the ``hosts`` setter)
 
     @property

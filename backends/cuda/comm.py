@@ -62,7 +62,7 @@ class _Request:
 class CudaComm(Communicator):
     """One rank thread; ``devices``: every rank's GPU (the CPU only in this transport's CPU tests)."""
 
-    backend = "cuda"
+    backend, moves_tensors = "cuda", True
 
     def __init__(self, hub: Hub, devices: list[Any], rank: int) -> None:
         import torch

@@ -127,7 +127,7 @@ def _scratch(comm: Communicator, buf: Any, n: int) -> Any:
     return have
 
 
-def _flat(buf: Any, backend: str = "") -> Any:
+def _flat(buf: Any, comm: Communicator) -> Any:
     """``spine.flat_view`` with the common case (a writable, contiguous numpy array of a known
     dtype) decided from one flags object and a set look-up; anything else goes to the spine's."""
     if isinstance(buf, np.ndarray):
@@ -135,7 +135,7 @@ def _flat(buf: Any, backend: str = "") -> Any:
         if flags.writeable and flags.c_contiguous and buf.dtype in _NUMPY_DTYPES:
             return buf.reshape(-1)
         require_writable(buf)
-    return spine.flat_view(buf, backend)
+    return spine.flat_view(buf, comm)
 
 
 _CALLS: dict[tuple, tuple[Schedule, Plan, Collective]] = {}  # (kind, algorithm, p, rank, root) -> ...
@@ -145,7 +145,7 @@ def _run(comm: Communicator, kind: str, buf: Any, algorithm: str, root: int | No
          flat: Any = None) -> Any:
     """Run one collective on ``buf`` (``flat``: its 1-D view, when the caller has checked it already)."""
     if flat is None:
-        flat = _flat(buf, getattr(comm, "backend", ""))
+        flat = _flat(buf, comm)
     p, rank = comm.world_size, comm.rank
     if root is not None and not 0 <= root < p:
         raise ConfigError(f"root {root} is not a rank of a world of size {p}")
@@ -172,7 +172,7 @@ def allreduce(comm: Communicator, buf: np.ndarray, algorithm: str = "ring", op: 
     ``hierarchical`` on the hosts by ``layout.resolve`` (the spine's executor takes names as given)."""
     if op not in ("sum", "mean"):
         raise ConfigError(f"op must be 'sum' or 'mean', got {op!r}")
-    flat = _flat(buf, getattr(comm, "backend", ""))
+    flat = _flat(buf, comm)
     if op == "mean" and not spine.is_float(buf):
         raise ConfigError(f"op='mean' needs a floating-point buffer, got {buf.dtype}: use op='sum'")
     if algorithm == "auto":  # the cost model loads for callers that ask for it, not on every import
