@@ -1,4 +1,4 @@
-"""A NumPy MLP with a hand-written backward that hands out gradients layer by layer.
+"""An MLP with a hand-written backward that hands out gradients layer by layer, in NumPy or torch.
 
 All parameters live in ONE flat vector, laid out in layer order ``[W0, b0, W1, b1, ...]``.
 A flat vector is what optimizers step, what all-reduce sums and what buckets slice, and
@@ -20,21 +20,34 @@ The backward is a generator, so communication can overlap computation::
     acts = model.forward(params, x)
     for layer in model.backward(params, acts, y, grad, scale=1 / global_batch):
         launch_allreduce(grad[model.layer_slice(layer)])   # layers L-1, ..., 0
+
+The same lines run on torch tensors (on a GPU, say): every method does its arithmetic with
+``xp = array_namespace(params)``, numpy for numpy arrays and torch for torch tensors, and calls
+only functions the two libraries share (``xp.tanh``, ``xp.sum(a, axis=1)``, ...).
 """
 
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Literal
+from types import ModuleType
+from typing import Any, Literal
 
 import numpy as np
 from numpy.typing import DTypeLike
 
 from dplab.reference.errors import ConfigError
 
-__all__ = ["MLPConfig", "MLP"]
+__all__ = ["MLPConfig", "MLP", "array_namespace"]
+
+
+def array_namespace(a: Any) -> ModuleType:
+    """The library ``a`` comes from: ``numpy`` for a numpy array, ``torch`` for a torch tensor.
+
+    Read off the type's module, so this file never imports torch itself."""
+    return sys.modules[type(a).__module__.partition(".")[0]]
 
 
 @dataclass(frozen=True)
@@ -128,15 +141,16 @@ class MLP:
         The inputs of every layer are exactly what the backward needs (for tanh and relu
         the derivative can be read off the activation itself), so that is the cache.
         """
-        x = np.asarray(x)
+        xp = array_namespace(params)
+        x = xp.asarray(x)
         if x.ndim != 2 or x.shape[1] != self.cfg.in_dim:
             raise ConfigError(f"x must have shape (batch, {self.cfg.in_dim}), got {x.shape}")
         p = self.views(params)
-        acts = [x.astype(params.dtype, copy=False)]
+        acts = [xp.asarray(x, dtype=params.dtype)]
         for layer in range(self.num_layers):
             z = acts[-1] @ p[2 * layer] + p[2 * layer + 1]
             if layer < self.num_layers - 1:
-                z = np.tanh(z) if self.cfg.activation == "tanh" else np.maximum(z, 0)
+                z = xp.tanh(z) if self.cfg.activation == "tanh" else z.clip(min=0)  # relu
             acts.append(z)
         return acts
 
@@ -149,12 +163,12 @@ class MLP:
         unevenly the batch was split (even an empty shard contributes a correct zero).
         """
         out = acts[-1]
-        y = self._targets(y, out)
+        xp, y = array_namespace(out), self._targets(y, out)
         if self.cfg.loss == "mse":
-            per_sample = 0.5 * np.sum((out - y) ** 2, axis=1)
-        else:
-            per_sample = -_log_softmax(out)[np.arange(len(y)), y]
-        return float(scale * np.sum(per_sample))
+            per_sample = 0.5 * xp.sum((out - y) ** 2, axis=1)
+        else:  # row i's log-probability of its label y[i]
+            per_sample = -_log_softmax(out)[range(len(y)), y]
+        return float(scale * xp.sum(per_sample))
 
     def backward(
         self, params: np.ndarray, acts: list[np.ndarray], y: np.ndarray, grad: np.ndarray,
@@ -170,22 +184,22 @@ class MLP:
         zero ``grad`` at the start of a step. Stop iterating early and the gradient is
         incomplete: drain the generator (``loss_and_grad`` does).
         """
-        p, g = self.views(params), self.views(grad)
+        xp, p, g = array_namespace(params), self.views(params), self.views(grad)
         out = acts[-1]
         y = self._targets(y, out)
         if self.cfg.loss == "mse":
             delta = out - y
         else:  # d(-log softmax[label]) / d logits = softmax - onehot
-            delta = np.exp(_log_softmax(out))
-            delta[np.arange(len(y)), y] -= 1
-        delta *= params.dtype.type(scale)  # d (scaled loss) / d output logits
+            delta = xp.exp(_log_softmax(out))
+            delta[range(len(y)), y] -= 1
+        delta *= scale  # d (scaled loss) / d output logits (scale is rounded to delta's dtype)
         for layer in reversed(range(self.num_layers)):
             g[2 * layer] += acts[layer].T @ delta
             g[2 * layer + 1] += delta.sum(axis=0)
             yield layer
             if layer > 0:  # push delta through W, then through the activation of acts[layer]
                 a = acts[layer]
-                dact = 1 - a * a if self.cfg.activation == "tanh" else (a > 0).astype(a.dtype)
+                dact = 1 - a * a if self.cfg.activation == "tanh" else a > 0  # True, False: 1, 0
                 delta = (delta @ p[2 * layer].T) * dact
 
     def loss_and_grad(
@@ -194,7 +208,7 @@ class MLP:
     ) -> tuple[float, np.ndarray]:
         """Forward, loss and the whole backward. Accumulates into ``grad`` if given."""
         if grad is None:
-            grad = np.zeros_like(params)
+            grad = array_namespace(params).zeros_like(params)
         if grad.dtype != params.dtype:
             raise ConfigError(f"grad dtype {grad.dtype} != params dtype {params.dtype}: match them")
         acts = self.forward(params, x)
@@ -205,20 +219,23 @@ class MLP:
 
     def _targets(self, y: np.ndarray, out: np.ndarray) -> np.ndarray:
         """Check ``y`` against the loss; float targets take the dtype of the logits."""
-        y = np.asarray(y)
+        xp = array_namespace(out)
+        y = xp.asarray(y)
         if self.cfg.loss == "mse":
             if y.shape != out.shape:
-                raise ConfigError(f"mse targets must have shape {out.shape}, got {y.shape}")
-            return y.astype(out.dtype, copy=False)
-        if y.shape != out.shape[:1] or (y.size and not np.issubdtype(y.dtype, np.integer)):
-            raise ConfigError(f"xent targets must be integer labels of shape {out.shape[:1]}, "
-                              f"got {y.dtype} {y.shape}")
-        if y.size and (y.min() < 0 or y.max() >= self.cfg.out_dim):
+                raise ConfigError(f"mse targets must have shape {tuple(out.shape)}, got {tuple(y.shape)}")
+            return xp.asarray(y, dtype=out.dtype)
+        integers = str(y.dtype).removeprefix("torch.").startswith(("int", "uint"))  # int64, torch.int64
+        if y.shape != out.shape[:1] or (len(y) and not integers):
+            raise ConfigError(f"xent targets must be integer labels of shape {tuple(out.shape[:1])}, "
+                              f"got {y.dtype} {tuple(y.shape)}")
+        if len(y) and (y.min() < 0 or y.max() >= self.cfg.out_dim):
             raise ConfigError(f"labels must be in 0..{self.cfg.out_dim - 1}")
-        return y.astype(np.intp, copy=False)
+        return xp.asarray(y, dtype=xp.int64)
 
 
 def _log_softmax(z: np.ndarray) -> np.ndarray:
     """Stable log-softmax over rows: subtracting the row max keeps exp() from overflowing."""
-    z = z - z.max(axis=1, keepdims=True)
-    return z - np.log(np.sum(np.exp(z), axis=1, keepdims=True))
+    xp = array_namespace(z)
+    z = z - xp.amax(z, axis=1, keepdims=True)
+    return z - xp.log(xp.sum(xp.exp(z), axis=1, keepdims=True))

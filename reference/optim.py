@@ -1,5 +1,5 @@
-"""SGD, momentum, Adam, LARS and LAMB on flat NumPy arrays, formula for formula like the papers
-and torch.optim; ``make_optimizer`` builds any of the five from an ``OptimConfig``.
+"""SGD, momentum, Adam, LARS and LAMB on flat NumPy arrays (or torch tensors), formula for formula like
+the papers and torch.optim; ``make_optimizer`` builds any of the five from an ``OptimConfig``.
 
 LARS and LAMB need the model's tensors (one trust ratio each: ``layers=``). Every optimizer takes
 the lr of update t from ``cfg.lr`` and ``cfg.warmup_steps`` (``dplab.reference.lr.warmup_lr``).
@@ -7,6 +7,9 @@ the lr of update t from ``cfg.lr`` and ``cfg.warmup_steps`` (``dplab.reference.l
 Optimizers update the one flat parameter vector in place. In synchronous data parallelism
 every rank runs the same optimizer on the same all-reduced gradient, so the states stay
 identical without ever being communicated; the parameter server runs one on its own.
+
+``device=`` keeps the state as torch tensors there (a GPU): the updates are written with
+``xp = array_namespace(params)``, so the same lines step numpy arrays or torch tensors.
 
     >>> import numpy as np
     >>> from dplab.reference.optim import OptimConfig, make_optimizer
@@ -21,13 +24,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 from numpy.typing import DTypeLike
 
 from dplab.reference.errors import ConfigError
 from dplab.reference.lr import warmup_lr
+from dplab.reference.model import array_namespace
 
 __all__ = ["OptimConfig", "Optimizer", "SGD", "Momentum", "Adam", "LARS", "LAMB", "make_optimizer",
            "OPTIMIZERS", "LAYERWISE", "check_layers", "trust_ratio", "local_norms"]
@@ -78,25 +82,34 @@ class Optimizer:
     Subclasses list their state arrays in ``_state_names`` and implement ``_update``, which
     reads the lr of this update from ``self.lr`` (warm-up applied). ``layers``: the model's
     tensors as slices of the flat vector (``MLP.param_slices``), for the layer-wise ones.
+    ``device``: None keeps the state in numpy arrays; a torch device (``dtype`` a torch dtype,
+    e.g. ``params.dtype``) keeps it in torch tensors there, for parameters that live there.
     """
 
     _state_names: tuple[str, ...] = ()
     _l2_in_grad = True  # add weight_decay * params to the gradient before _update
 
     def __init__(self, cfg: OptimConfig, num_params: int, dtype: DTypeLike = np.float64,
-                 layers: list[slice] | None = None):
-        self.cfg, self.num_params, self.dtype = cfg, num_params, np.dtype(dtype)
-        self.layers = layers
+                 layers: list[slice] | None = None, device: Any = None):
+        self.cfg, self.num_params, self.layers = cfg, num_params, layers
         self.t = 0  # number of steps taken (Adam's bias correction and the warm-up need it)
-        for name in self._state_names:
-            setattr(self, name, np.zeros(num_params, dtype=self.dtype))
+        if device is None:  # numpy arrays on the host
+            self.dtype = np.dtype(dtype)
+            state = [np.zeros(num_params, dtype=self.dtype) for _ in self._state_names]
+        else:  # torch tensors on ``device``
+            import torch
+
+            self.dtype = dtype
+            state = [torch.zeros(num_params, dtype=dtype, device=device) for _ in self._state_names]
+        for name, zeros in zip(self._state_names, state, strict=True):
+            setattr(self, name, zeros)
 
     def step(self, params: np.ndarray, grad: np.ndarray) -> None:
         """One update of ``params`` in place from ``grad`` (which is left untouched)."""
         for name, a in (("params", params), ("grad", grad)):
             if a.shape != (self.num_params,) or a.dtype != self.dtype:
                 raise ConfigError(f"{name} must be {self.dtype} of shape ({self.num_params},), "
-                                  f"got {a.dtype} {a.shape}: build the optimizer to match")
+                                  f"got {a.dtype} {tuple(a.shape)}: build the optimizer to match")
         self.t += 1
         wd = self.cfg.weight_decay if self._l2_in_grad else 0.0
         self._update(params, grad + wd * params if wd else grad)
@@ -168,7 +181,7 @@ class Adam(Optimizer):
         m += (1 - b1) * g
         v *= b2
         v += (1 - b2) * g * g
-        denom = np.sqrt(v) / math.sqrt(1 - b2**t) + self.cfg.eps
+        denom = array_namespace(v).sqrt(v) / math.sqrt(1 - b2**t) + self.cfg.eps
         params -= (self.lr / (1 - b1**t)) * m / denom
 
 
@@ -192,7 +205,7 @@ class Adam(Optimizer):
 
 def local_norms(arrays: list[np.ndarray]) -> list[float]:
     """The 2-norm of each array (the whole tensors are here: one device, or a replica)."""
-    return [float(np.linalg.norm(a)) for a in arrays]
+    return [float(array_namespace(a).linalg.norm(a)) for a in arrays]
 
 
 def check_layers(layers: list[slice] | None, num_params: int, who: str) -> tuple[slice, ...]:
@@ -238,8 +251,8 @@ class LARS(Optimizer):
     _l2_in_grad = False  # weight decay enters local_lr and the update, not the gradient norm
 
     def __init__(self, cfg: OptimConfig, num_params: int, dtype: DTypeLike = np.float64,
-                 layers: list[slice] | None = None):
-        super().__init__(cfg, num_params, dtype, check_layers(layers, num_params, "LARS"))
+                 layers: list[slice] | None = None, device: Any = None):
+        super().__init__(cfg, num_params, dtype, check_layers(layers, num_params, "LARS"), device)
         self.norms = local_norms
 
     def _update(self, params: np.ndarray, g: np.ndarray) -> None:
@@ -272,8 +285,8 @@ class LAMB(Optimizer):
     _l2_in_grad = False  # decoupled: lambda w joins Adam's direction, not the gradient
 
     def __init__(self, cfg: OptimConfig, num_params: int, dtype: DTypeLike = np.float64,
-                 layers: list[slice] | None = None):
-        super().__init__(cfg, num_params, dtype, check_layers(layers, num_params, "LAMB"))
+                 layers: list[slice] | None = None, device: Any = None):
+        super().__init__(cfg, num_params, dtype, check_layers(layers, num_params, "LAMB"), device)
         self.norms = local_norms
 
     def _update(self, params: np.ndarray, g: np.ndarray) -> None:
@@ -283,7 +296,7 @@ class LAMB(Optimizer):
         m += (1 - b1) * g
         v *= b2
         v += (1 - b2) * g * g
-        u = (m / (1 - b1**t)) / (np.sqrt(v) / math.sqrt(1 - b2**t) + cfg.eps)
+        u = (m / (1 - b1**t)) / (array_namespace(v).sqrt(v) / math.sqrt(1 - b2**t) + cfg.eps)
         if cfg.weight_decay:
             u += cfg.weight_decay * params
         lr, k = self.lr, len(self.layers)
@@ -293,10 +306,11 @@ class LAMB(Optimizer):
 
 
 def make_optimizer(cfg: OptimConfig, num_params: int, dtype: DTypeLike = np.float64,
-                   layers: list[slice] | None = None) -> Optimizer:
+                   layers: list[slice] | None = None, device: Any = None) -> Optimizer:
     """The optimizer named by ``cfg.name``, with zeroed state of ``num_params`` in ``dtype``.
 
     ``layers`` (the model's ``param_slices``) is required by LARS and LAMB, ignored by the others.
+    ``device``: None, numpy state; a torch device, torch state there (``dtype`` then a torch dtype).
     """
     cls = {"sgd": SGD, "momentum": Momentum, "adam": Adam, "lars": LARS, "lamb": LAMB}[cfg.name]
-    return cls(cfg, num_params, dtype, layers)
+    return cls(cfg, num_params, dtype, layers, device)

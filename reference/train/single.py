@@ -14,22 +14,26 @@ or from Python::
     >>> result = train_single(TrainConfig(steps=3))
     >>> len(result.losses)
     3
+
+``train_single(cfg, device=torch.device("cuda"))`` computes with torch tensors on that device
+(``on_device``); the result's parameters come back as a NumPy array all the same.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
 from dplab.reference.data import Dataset, batch_indices, make_dataset
 from dplab.reference.errors import ConfigError
-from dplab.reference.model import MLP, MLPConfig
+from dplab.reference.model import MLP, MLPConfig, array_namespace
 from dplab.reference.optim import OptimConfig, make_optimizer
 
-__all__ = ["TrainConfig", "TrainResult", "setup", "train_single", "evaluate", "check_finite"]
+__all__ = ["TrainConfig", "TrainResult", "setup", "on_device", "on_host", "train_single", "evaluate",
+           "check_finite"]
 
 _LOSS_OF = {"regression": "mse", "classification": "xent"}
 
@@ -78,29 +82,48 @@ class TrainResult:
     losses: list[float] = field(default_factory=list)  # each step's global-batch loss, pre-update
 
 
-def setup(cfg: TrainConfig) -> tuple[MLP, Dataset, np.ndarray]:
+def setup(cfg: TrainConfig, device: Any = None, rank: int = 0) -> tuple[MLP, Dataset, Any]:
     """Model, data set and initial parameters: shared by every trainer so all start identically.
 
     The data set and the initial weights both come from ``cfg.seed`` but from independent
     random streams (see ``dplab.reference.data``), so the student does not start aligned with
-    the teacher that made the data.
+    the teacher that made the data. ``rank`` > 0 draws other weights (``cfg.seed + 1 + rank``):
+    a data-parallel run must broadcast rank 0's. ``device``: the data set and the weights as
+    torch tensors there, copied once (``on_device``); None: NumPy arrays on the host.
     """
     cfg.validate()
     model = MLP(cfg.model)
     m = cfg.model
     data = make_dataset(cfg.dataset, cfg.num_samples, m.in_dim, m.out_dim, cfg.seed, cfg.dtype)
-    return model, data, model.init_params(cfg.seed, dtype=cfg.dtype)
+    params = model.init_params(cfg.seed if rank == 0 else cfg.seed + 1 + rank, dtype=cfg.dtype)
+    return model, Dataset(on_device(device, data.x), on_device(device, data.y)), on_device(device, params)
 
 
-def train_single(cfg: TrainConfig) -> TrainResult:
+def on_device(device: Any, a: np.ndarray) -> Any:
+    """``a`` as a torch tensor on ``device`` (a copy; on the CPU, one that shares ``a``'s memory);
+    with None, ``a`` itself. The model and the optimizers compute wherever their arrays live."""
+    if device is None:
+        return a
+    import torch
+
+    return torch.from_numpy(a).to(device)
+
+
+def on_host(params: Any) -> np.ndarray:
+    """``params`` as a NumPy array (a torch tensor is copied back from its device)."""
+    return params if isinstance(params, np.ndarray) else params.cpu().numpy()
+
+
+def train_single(cfg: TrainConfig, device: Any = None) -> TrainResult:
     """The single-device oracle: per step, one global batch, one gradient, one update.
 
     ``scale = 1 / global_batch`` makes the loss the mean over the batch; data-parallel
     ranks use the same scale on their shards, so their gradients sum to this one.
+    ``device``: None computes in NumPy; a torch device, with torch tensors there.
     """
-    model, data, params = setup(cfg)
-    opt = make_optimizer(cfg.optimizer, model.num_params, params.dtype, model.param_slices)
-    grad = np.zeros_like(params)
+    model, data, params = setup(cfg, device)
+    opt = make_optimizer(cfg.optimizer, model.num_params, params.dtype, model.param_slices, device)
+    grad = array_namespace(params).zeros_like(params)
     losses = []
     for step in range(cfg.steps):
         idx = batch_indices(cfg.num_samples, cfg.global_batch, step, cfg.seed)
@@ -108,7 +131,7 @@ def train_single(cfg: TrainConfig) -> TrainResult:
         loss, _ = model.loss_and_grad(params, data.x[idx], data.y[idx], 1 / cfg.global_batch, grad)
         opt.step(params, grad)
         losses.append(loss)
-    return TrainResult(params, losses)
+    return TrainResult(on_host(params), losses)
 
 
 def evaluate(cfg: TrainConfig, params: np.ndarray) -> float:
@@ -121,7 +144,7 @@ def check_finite(params: np.ndarray, losses: list[float], ended: bool = True) ->
     """ConfigError if ``params`` hold inf or nan, or the run ``ended`` on a non-finite loss (only the last
     counts: a step that loss scaling skipped did not move the weights, and torch's GradScaler goes on)."""
     step = len(losses) - 1
-    if not np.isfinite(params).all():
+    if not array_namespace(params).isfinite(params).all():
         first = next((i for i, v in enumerate(losses) if not math.isfinite(v)), None)  # where it showed
         when = f"the loss was {losses[step]:.3g}" if first is None else f"the loss turned {losses[first]} " \
             f"at step {first}"

@@ -10,6 +10,10 @@ precision attach to the recipe as hooks (``dplab.reference.train.hooks``, ``Sync
 none, the recipe's lines are all that runs.
 
     SyncConfig("tree", bucket_cap_mb=1, accum_steps=4)    # validated by train_sync, per world size
+
+Where it computes: on a communicator whose buffers live on a CUDA device (the cuda backend, the torch
+backend with NCCL), on that GPU with torch tensors (``compute_device``); everywhere else in NumPy on the
+host. The same lines run either way (``dplab.reference.model.array_namespace``).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from contextlib import closing, nullcontext
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -27,6 +32,7 @@ from dplab.reference.collectives import allreduce, broadcast
 from dplab.reference.communicator import Communicator
 from dplab.reference.data import batch_indices, shard
 from dplab.reference.errors import ConfigError
+from dplab.reference.model import array_namespace
 from dplab.reference.optim import make_optimizer
 from dplab.reference.precision.amp import Amp
 from dplab.reference.precision.config import MixedPrecision
@@ -34,7 +40,7 @@ from dplab.reference.schedule import chunk_bounds
 from dplab.reference.train.buckets import Reducer
 from dplab.reference.train.checkpoints import Checkpoints
 from dplab.reference.train.hooks import Hook, Hooks, Run
-from dplab.reference.train.single import TrainConfig, TrainResult, check_finite, setup
+from dplab.reference.train.single import TrainConfig, TrainResult, check_finite, on_host, setup
 from dplab.reference.train.spans import Spans
 from dplab.reference.train.straggler import (
     Slowdown,
@@ -46,28 +52,29 @@ from dplab.reference.train.straggler import (
     check_stragglers,
 )
 
-__all__ = ["SyncConfig", "train_sync"]
+__all__ = ["SyncConfig", "train_sync", "compute_device"]
 
 
 def train_sync(comm: Communicator, cfg: TrainConfig, sync: SyncConfig | None = None,
-               hooks: Sequence[Hook] = ()) -> TrainResult:
+               hooks: Sequence[Hook] = (), device: Any = None) -> TrainResult:
     """Run on every rank; returns this rank's final parameters and the global batch's loss per step.
 
     The replicas end bitwise identical; against ``train_single`` they agree to rounding (float64:
     1e-10 relative), as the all-reduce adds the shards' gradients in another order. ``sync`` defaults
-    to ``SyncConfig()``; ``hooks`` run after those it asks for (``SyncConfig.hooks``)."""
+    to ``SyncConfig()``; ``hooks`` run after those it asks for (``SyncConfig.hooks``). ``device``: a
+    torch device to compute on (the tests' CPU); None: ``compute_device`` picks."""
     sync = sync or SyncConfig()
     sync.validate(comm.world_size, comm.hosts)  # e.g. hierarchical:g against the hosts: one line
+    device = compute_device(comm, sync, device)  # the comm's GPU: torch computes there; None: NumPy, host
     hook = sync.hooks(comm, cfg, hooks)  # all attached hooks as one; None: no hook at all
-    model, data, params = setup(cfg)
-    if comm.rank != 0:  # anything but rank 0's weights: the broadcast must fix it
-        params = model.init_params(cfg.seed + 1 + comm.rank, dtype=params.dtype)
+    model, data, params = setup(cfg, device, comm.rank)  # not rank 0's weights: the broadcast must fix them
     broadcast(comm, params, root=0)  # 1. every replica starts from rank 0's parameters
-    opt = make_optimizer(cfg.optimizer, model.num_params, params.dtype, model.param_slices)
+    opt = make_optimizer(cfg.optimizer, model.num_params, params.dtype, model.param_slices, device)
     run = Run(params, opt, params.dtype)  # what the hooks see, and may change before the first step
     if hook:
         hook.on_start(run)  # e.g. resume from a checkpoint
-    grad = comm.empty(model.num_params, run.grad_dtype)  # buckets are slices of it: no packing
+    grad = (comm.empty(model.num_params, run.grad_dtype) if device is None  # buckets are slices of it:
+            else array_namespace(params).empty_like(params))  # no packing (on a GPU: next to the weights)
     scale = 1 / cfg.global_batch  # the global batch, not the shard: shard gradients sum to its mean
     with closing(Reducer(comm, grad, model.param_slices, sync.bucket_cap_mb, sync.algorithm)) as reducer:
         for step in range(run.start, cfg.steps):
@@ -97,7 +104,7 @@ def train_sync(comm: Communicator, cfg: TrainConfig, sync: SyncConfig | None = N
             if total[1] > 0:  # the same answer on every rank: all stop after the same step
                 break
     check_finite(params, run.losses)  # a run that diverged ends in one line of error, not in nan
-    return TrainResult(params, run.losses)
+    return TrainResult(on_host(params), run.losses)  # NumPy on every backend: callers compare and pickle it
 
 
 @dataclass(frozen=True)
@@ -154,3 +161,15 @@ class SyncConfig:
         ]
         attached = [hook for hook in hooks if hook is not None]
         return Hooks(attached) if attached else None
+
+
+def compute_device(comm: Communicator, sync: SyncConfig, device: Any = None) -> Any:
+    """Where ``train_sync`` computes: ``device`` if given, else the communicator's device if it is a
+    CUDA GPU (the cuda backend, the torch backend with NCCL), with torch tensors there; None: in NumPy
+    on the host (every other backend). Checkpoints and mixed precision stay NumPy's: refused on a device."""
+    if device is None and getattr(getattr(comm, "device", None), "type", None) == "cuda":
+        device = comm.device
+    if device is not None and (sync.checkpoint is not None or sync.precision is not None):
+        raise ConfigError(f"on {device} the recipe computes with torch tensors, but checkpoints and mixed "
+                          "precision work on NumPy arrays on the host: drop them, or use --backend local")
+    return device
