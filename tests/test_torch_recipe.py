@@ -118,6 +118,17 @@ def test_sync_on_torch_equals_the_numpy_path_on_the_cuda_backend(cuda_on_cpu, p)
                 np.testing.assert_allclose(got[0][1], want[0][1], rtol=1e-12)
 
 
+@pytest.mark.parametrize("p, global_batch, accum_steps", [(5, 3, 1), (4, 2, 3), (8, 1, 4)])
+def test_empty_shards_and_micro_batches_on_torch(cuda_on_cpu, p, global_batch, accum_steps):
+    sync = SyncConfig("ring", bucket_cap_mb=1e-6, accum_steps=accum_steps)
+    with World(p, "cuda", timeout=60) as world:
+        for loss, activation in (("mse", "tanh"), ("xent", "relu")):
+            cfg = dataclasses.replace(_cfg(loss, activation, "momentum"), global_batch=global_batch)
+            got = world.run(job_train, cfg, sync, True)
+            assert all(params.tobytes() == got[0][0].tobytes() for params, _ in got)
+            assert _relative(got[0][0], train_single(cfg).params) < 1e-12
+
+
 def job_refused(comm, sync: SyncConfig):
     train_sync(comm, TrainConfig(steps=1, dtype="float32"), sync, device=CPU)
 
@@ -126,6 +137,20 @@ def test_checkpoints_and_mixed_precision_are_refused_on_torch():
     with World(1, "local", timeout=30) as world:
         with pytest.raises(RankError, match="checkpoints and mixed precision work on NumPy"):
             world.run(job_refused, SyncConfig(precision=MixedPrecision()))
+
+
+def test_a_run_on_the_gpu_refuses_checkpoints_and_mixed_precision_before_any_rank(monkeypatch):
+    from dplab.backends.runs.run import RunSpec
+    from dplab.reference.checkpoint.resume import CheckpointConfig
+
+    monkeypatch.setenv("DPLAB_DEVICE", "cuda")
+    assert RunSpec(backend="torch").on_gpu() and RunSpec(backend="cuda").on_gpu()
+    assert not RunSpec(backend="local").on_gpu() and not RunSpec(backend="mpi").on_gpu()
+    with pytest.raises(Exception, match="checkpoints and mixed precision work on NumPy"):
+        RunSpec(backend="torch", checkpoint=CheckpointConfig(2, "ckpt")).check_gpu()
+    RunSpec(backend="torch").check_gpu()  # nothing NumPy's asked for: fine
+    monkeypatch.setenv("DPLAB_DEVICE", "cpu")
+    assert not RunSpec(backend="torch").on_gpu()  # gloo: NumPy on the host
 
 
 def job_on_gpu(comm, cfg: TrainConfig):

@@ -191,7 +191,9 @@ def _add_train(sub: Any) -> None:
                        formatter_class=_Formatter,
                        description=_wrap("Train one MLP on N ranks and report how far every rank's "
                                          "parameters end from single-device training on the same batches."))
-    t.add_argument("--backend", default="local", help="local | mpi | torch")
+    t.add_argument("--backend", default="local",
+                   help="local | mpi | torch | cuda (cuda, and torch with --device cuda: the recipe "
+                        "computes on the GPU with torch tensors; elsewhere in NumPy on the host)")
     t.add_argument("--world-size", type=int, default=None,
                    help="ranks to start (default 4; under mpiexec/torchrun: the launcher's)")
     t.add_argument("--algorithm", default="ring",
@@ -234,7 +236,7 @@ def _add_compare(sub: Any) -> None:
                        description=_wrap("The same training run over a grid of backends x algorithms x world "
                                          "sizes (x modes): an equivalence table, or a race for the same "
                                          "wall time."))
-    c.add_argument("--backends", type=_csv(), default=["local"], help="comma-separated: local,mpi,torch")
+    c.add_argument("--backends", type=_csv(), default=["local"], help="comma-separated: local,mpi,torch,cuda")
     c.add_argument("--algorithms", type=_csv(), default=None,
                    help=f"all-reduce algorithms, from {', '.join((*ALGORITHMS, 'auto'))}; "
                         "default naive,ring,tree,native (ring in a race)")

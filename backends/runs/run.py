@@ -15,10 +15,15 @@ each step from the first W - b gradients). Any of them may carry stragglers, and
 ``train.steps`` (then the upper bound): the row then says how far it got (``updates``,
 ``samples_per_s``) and the loss it reached, and sync rows are checked against a
 single-device run of as many steps.
+
+Where a sync run computes: on the cuda backend, and on the torch backend with ``--device cuda``, each
+rank's recipe computes on its GPU with torch tensors (``dplab.reference.train.sync.compute_device``);
+everywhere else in NumPy on the host. The row's parameters come back as NumPy arrays either way.
 """
 
 from __future__ import annotations
 
+import os
 import time
 import warnings
 from collections import Counter
@@ -75,11 +80,24 @@ class RunSpec:
             self.check_zero()
         elif self.mode == "sync":
             self.sync_config().validate(self.world_size)
+            self.check_gpu()
         else:
             if self.precision is not None:
                 raise ConfigError(f"mixed precision is for synchronous training: drop it, or use --mode sync "
                                   f"(not {self.mode})")
             self.async_config().validate(self.world_size)
+
+    def on_gpu(self) -> bool:
+        """Does the sync recipe compute on GPUs (torch tensors) in this run's ranks?"""
+        device = os.environ.get("DPLAB_DEVICE") or "cpu"  # --device: the torch backend's (cpu: gloo)
+        return self.backend == "cuda" or (self.backend == "torch" and device.startswith("cuda"))
+
+    def check_gpu(self) -> None:
+        """What works on NumPy arrays only is refused here for a run on GPUs, before any rank starts."""
+        if self.on_gpu() and (self.checkpoint is not None or self.precision is not None):
+            raise ConfigError(f"on the GPU (--backend {self.backend}) the recipe computes with torch tensors,"
+                              " but checkpoints and mixed precision work on NumPy arrays on the host: drop "
+                              "them, or use --backend local")
 
     def check_zero(self) -> None:
         """ZeRO runs the plain synchronous recipe: what only train_sync has is refused, with the fix."""
