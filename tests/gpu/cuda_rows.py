@@ -39,30 +39,42 @@ def on_cpu() -> None:
     setup._DEVICE_OF = lambda rank: torch.device("cpu")
 
 
-def job_train(comm, algorithm: str):
+def job_train(comm, algorithm: str, cfg=None):
+    """``train_sync`` on this rank: its parameters, and whether it computed where its communicator lives
+    (on a GPU the recipe's weights, data and gradients are torch tensors there: memory was allocated)."""
+    import torch
+
     from dplab.reference.train.single import TrainConfig
     from dplab.reference.train.sync import SyncConfig, train_sync
 
-    return train_sync(comm, TrainConfig(steps=5), SyncConfig(algorithm, bucket_cap_mb=0.002)).params
+    params = train_sync(comm, cfg or TrainConfig(steps=5), SyncConfig(algorithm, bucket_cap_mb=0.002)).params
+    return params, comm.device.type != "cuda" or torch.cuda.max_memory_allocated(comm.device) > 0
 
 
 def train_rows() -> None:
     from dplab.backends.launch.world import World
     from dplab.reference.algorithms import ALGORITHMS
+    from dplab.reference.model import MLPConfig
+    from dplab.reference.optim import OptimConfig
     from dplab.reference.train.single import TrainConfig, train_single
 
-    want = train_single(TrainConfig(steps=5)).params
+    want = train_single(TrainConfig(steps=5)).params  # NumPy on the host: no CUDA before the fork
+    xent = TrainConfig(steps=5, dataset="classification", optimizer=OptimConfig("adam"),
+                       model=MLPConfig(activation="relu", loss="xent"))
+    want_xent = train_single(xent).params
     for p in (1, 2, 4, 8):
         worst, bad = 0.0, []
         with World(p, "cuda", timeout=60) as world:
-            for algorithm in ALGORITHMS:
-                got = world.run(job_train, algorithm)
-                diff = float(np.max(np.abs(got[0] - want)))
-                same = all(g.tobytes() == got[0].tobytes() for g in got)
+            runs = [(a, None, want) for a in ALGORITHMS] + [("ring xent/relu/adam", xent, want_xent)]
+            for name, cfg, reference in runs:
+                got = world.run(job_train, name.split()[0], cfg)
+                diff = float(np.max(np.abs(got[0][0] - reference)))
+                same = all(g.tobytes() == got[0][0].tobytes() for g, _ in got)
                 worst = max(worst, diff)
-                if diff > 1e-10 or not same:
-                    bad.append(algorithm)
-        row(check=f"train cuda p={p}, {len(ALGORITHMS)} algorithms vs one device",
+                if diff > 1e-10 or not same or not all(on_gpu for _, on_gpu in got):
+                    bad.append(name)
+        where = "NumPy: --cpu" if CPU else "torch on the GPU"
+        row(check=f"train cuda p={p}, {len(runs)} runs ({where}) vs one device",
             result=f"max |diff| {worst:.1e}" + (f"; off: {bad}" if bad else ""), ok=not bad)
 
 
