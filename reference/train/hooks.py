@@ -23,7 +23,8 @@ __all__ = ["Run", "Hook", "Hooks"]
 class Run:
     """One rank's run as the hooks see it; ``on_start`` may change any field before the first step."""
 
-    params: np.ndarray  # the replicas' parameters, stepped in place (mixed precision: the masters)
+    params: np.ndarray  # the replicas' parameters, stepped in place (mixed precision: the masters; on a GPU,
+    # a torch tensor there: ``dplab.reference.train.sync.compute_device``)
     opt: Any  # what steps them: ``opt.step(params, grad)``, ``state_dict()``, ``load_state_dict()``
     grad_dtype: np.dtype  # the gradient buffer's dtype: what the buckets all-reduce
     start: int = 0  # the first step to take (a resumed run: where its checkpoint ends)
