@@ -86,6 +86,7 @@ def test_a_writable_place_passes_and_leaves_no_probe_behind(tmp_path):
     (["bench", "--sizes", "1024G"], "of /dev/shm in all, but"),
     (["bench", "--device", "cuda"], "--device cuda picks the torch backend's device"),
     (["train", *LONG, "--device", "cuda"], "backend local has no device choice"),
+    (["train", *LONG, "--backend", "cuda", "--device", "cpu"], "backend cuda has no device choice"),
     (["compare", *LONG, "--device", "cpu", "--backends", "local,mpi"], "drop --device"),
     (["train", *LONG, "--bucket-cap-mb", "nan"], "--bucket-cap-mb: must be a finite number > 0, got nan"),
     (["train", *LONG, "--bucket-cap-mb", "inf"], "must be a finite number > 0, got inf"),
@@ -113,6 +114,16 @@ def test_refused_up_front_by_the_module_as_run(argv, message):
     t0 = time.perf_counter()
     _refused(_dplab(*argv), argv[0], message)
     assert time.perf_counter() - t0 < 30  # refused, not run
+
+
+def test_the_cuda_backend_takes_device_cuda_as_said(cli_here):
+    """Its ranks are on the GPU anyway: --device cuda is no error (here the missing GPU is)."""
+    from dplab.backends.cuda.setup import available
+
+    if available() is None:
+        pytest.skip("this machine has a GPU: the command would start ranks")
+    err = cli_here("train", "--backend", "cuda", "--device", "cuda", "--world-size", "2").stderr
+    assert "no device choice" not in err and "no CUDA GPU" in err, err
 
 
 def test_an_empty_hidden_list_is_a_linear_model_not_an_error(tmp_path):

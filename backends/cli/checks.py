@@ -45,7 +45,9 @@ def check_args(a: argparse.Namespace, printer: bool = True) -> None:
     """Everything about ``a`` that can be known before any work. ``printer``: this process writes
     the outputs (under mpiexec/torchrun only rank 0 does, so only rank 0 checks the paths)."""
     backends = [a.backend] if a.command == "train" else a.backends
-    if a.device is not None and "torch" not in backends:
+    if a.device == "cuda" and set(backends) == {"cuda"}:
+        pass  # the cuda backend's ranks are on the GPU anyway: --device cuda only says so
+    elif a.device is not None and "torch" not in backends:
         raise ConfigError(f"--device {a.device} picks the torch backend's device (cpu: gloo, cuda: NCCL); "
                           f"backend {', '.join(backends)} has no device choice: drop --device or use "
                           "--backend torch")
