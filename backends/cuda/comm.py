@@ -4,17 +4,16 @@
     dplab bench --backends cuda --world-sizes 2,4 --sizes 4K,256M
 
 Rank r computes on GPU ``r % device_count``: any number of ranks per GPU, or one per GPU. Why
-threads, not processes: handing a GPU from one process to another is a context switch (156-221 us
-per hand-off measured on an H200). A receive reads straight from the sender's tensor; the host
-passes each message's view and, in return, an acknowledgement (``hub.py``), and never waits for
-the device. Ranks on one GPU share its stream, so the order in which their threads enqueue is the
-order the kernels run: a receive is enqueued after the sender's writes (it had to take the
-message), the sender's next writes after the receive (it had to take the acknowledgement), and no
-CUDA event is needed. Ranks on different GPUs pass events: the receiver's stream waits on the
-sender's ``ready`` event, the sender's on the receiver's ``consumed`` one. Measured on an H200,
-a CUDA event recorded and waited on per message cost ~135 us of host time per hand-off, the
-thread hand-off itself ~11 us. Torch tensors on the rank's GPU stay there; numpy arrays travel in
-host memory, added with NumPy by the rank's thread.
+threads, not processes: handing a GPU from one process to another is a context switch, far dearer
+than a hand-off between threads (backends/PERFORMANCE.md). A receive reads straight from the
+sender's tensor; the host passes each message's view and, in return, an acknowledgement
+(``hub.py``), and never waits for the device. Ranks on one GPU share its stream, so the order in
+which their threads enqueue is the order the kernels run: a receive is enqueued after the sender's
+writes (it had to take the message), the sender's next writes after the receive (it had to take the
+acknowledgement), and no CUDA event (each costs host time) is needed. Ranks on different GPUs pass
+events: the receiver's stream waits on the sender's ``ready`` event, the sender's on the receiver's
+``consumed`` one. Torch tensors on the rank's GPU stay there; numpy arrays travel in host memory,
+added with NumPy by the rank's thread.
 
 ``native`` is a one-shot on device memory, as the local backend's: rank d adds chunk d of every
 rank's buffer (in the order d, d+1, ..., d-1) and writes the sum into every buffer's chunk d.
