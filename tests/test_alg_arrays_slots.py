@@ -1,5 +1,5 @@
 """The local backend refuses a round that posts more messages to one peer than its mailbox holds
-(``backends/local/wiring.py`` SLOTS = 64) at once, with a ConfigError that says what to lower,
+(``backends/local/mailboxes.py`` SLOTS = 64) at once, with a ConfigError that says what to lower,
 instead of every rank waiting for a slot until the timeout (``pipelined_ring:65`` at p = 34:
 each rank sends 65 slices to its right neighbour in round 64).
 
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from dplab.backends import RankError, allreduce, launch
-from dplab.backends.local.wiring import SLOTS
+from dplab.backends.local.mailboxes import SLOTS
 from dplab.reference.algorithms import allreduce_schedule
 
 P = 34  # 2 (p - 1) = 66 ring steps: up to 66 slices in flight, so k = SLOTS + 1 is reached

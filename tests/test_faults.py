@@ -19,7 +19,7 @@ import pytest
 
 from dplab.backends.launch.world import RankError, RankLost, launch
 from dplab.backends.local import shm
-from dplab.backends.local.wiring import process_alive
+from dplab.backends.local.shm import process_alive
 from dplab.reference.ps.replay import replay
 from dplab.reference.ps.trainer import AsyncConfig, train_async
 from dplab.reference.train.single import TrainConfig

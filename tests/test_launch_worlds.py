@@ -25,7 +25,7 @@ def test_launch_a_stale_segment_we_may_not_remove_is_skipped(monkeypatch):
     """Simulated: unlinking a stale segment raises PermissionError; the sweep goes on without it."""
     stale = SHM / f"{shm.PREFIX}1_0badc0de_ctl"
     stale.write_bytes(b"x")
-    real_unlink, real_alive = Path.unlink, shm._alive
+    real_unlink, real_alive = Path.unlink, shm.process_alive
 
     def unlink(self: Path, missing_ok: bool = False) -> None:
         if self.name == stale.name:
@@ -33,7 +33,7 @@ def test_launch_a_stale_segment_we_may_not_remove_is_skipped(monkeypatch):
         real_unlink(self, missing_ok)
 
     monkeypatch.setattr(Path, "unlink", unlink)
-    monkeypatch.setattr(shm, "_alive", lambda pid: pid != 1 and real_alive(pid))
+    monkeypatch.setattr(shm, "process_alive", lambda pid: pid != 1 and real_alive(pid))
     try:
         assert shm.sweep_stale() >= 0  # no PermissionError
         assert shm.unlink_prefix(stale.name) == 0
@@ -54,8 +54,8 @@ def test_launch_another_users_stale_segment_does_not_block_a_launch():
         if pid == 0:  # the child: another user, launching as usual
             code = 3
             try:
-                real_alive = shm._alive
-                shm._alive = lambda pid: pid != 1 and real_alive(pid)  # "its launcher is dead"
+                real_alive = shm.process_alive
+                shm.process_alive = lambda pid: pid != 1 and real_alive(pid)  # "its launcher is dead"
                 os.setgid(65534)
                 os.setuid(65534)
                 code = 0 if launch(lambda comm: comm.rank, 2) == [0, 1] else 2

@@ -17,8 +17,8 @@ import pytest
 
 from dplab.backends.launch.world import launch
 from dplab.backends.local import memory
+from dplab.backends.local.mailboxes import Waiter
 from dplab.backends.local.shm import Segment
-from dplab.backends.local.waits import Waiter
 from dplab.reference.collectives import allreduce
 
 

@@ -44,7 +44,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from dplab.backends.launch.interrupt import signals_deferred
-from dplab.backends.local.wiring import process_alive
+from dplab.backends.local.shm import process_alive
 
 __all__ = ["Cluster", "ClusterError", "IFACE", "TORCH_ENV", "MPI_ENV", "available", "sweep_stale",
            "leftovers", "main"]

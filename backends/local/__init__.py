@@ -2,10 +2,9 @@
 
     setup.py      nothing to install; the semaphores and control segment, made before the fork
     comm.py       LocalComm: the Communicator, delegating to the parts below
-    mailboxes.py  Mailboxes: send and receive over Memory, a descriptor and semaphores per message
+    mailboxes.py  Mailboxes: send and receive over Memory, a descriptor and semaphores per message;
+                  the Wiring the ranks share (made before they fork); the Waiter (spin, then sleep)
     memory.py     Memory: a rank's segments, staging, and the (kept) views into peers' segments
-    waits.py      Waiter: how a rank waits (a bounded spin while ranks have a core each, then sleep)
     oneshot.py    one_shot: the native all-reduce, each rank reducing its chunk in every buffer
-    wiring.py     the semaphores and slots a world shares, made before the ranks fork
     shm.py        shared-memory segments, named per world, swept when a world ends
 """

@@ -2,7 +2,7 @@
 
 No setup, no engine: this is dplab's embedded default. ``LocalComm`` holds the calls; the work
 is done by parts that each own their state: ``Mailboxes`` (descriptors and semaphores per pair
-of ranks, ``mailboxes.py``, waiting as ``waits.py`` says) over the rank's ``Memory`` (its
+of ranks, and how a rank waits for them: ``mailboxes.py``) over the rank's ``Memory`` (its
 segments, staging and views into peers' segments, ``memory.py``), and the one-shot native
 all-reduce (``oneshot.py``). A send locates its buffer in shared memory (staging it if need be)
 and posts a descriptor; the receiver reads, or adds, straight out of the sender's memory and
@@ -26,11 +26,9 @@ from functools import lru_cache
 
 import numpy as np
 
-from dplab.backends.local.mailboxes import Mailboxes
-from dplab.backends.local.memory import PEER_CACHE
+from dplab.backends.local.mailboxes import SLOTS, Mailboxes, Waiter, Wiring
 from dplab.backends.local.oneshot import one_shot
-from dplab.backends.local.waits import Waiter
-from dplab.backends.local.wiring import SLOTS, Wiring, process_alive
+from dplab.backends.local.shm import process_alive
 from dplab.reference.communicator import (
     ANY_SOURCE,
     Collective,
@@ -42,7 +40,7 @@ from dplab.reference.communicator import (
 from dplab.reference.errors import ConfigError
 from dplab.reference.trace import Tracer
 
-__all__ = ["Wiring", "LocalComm", "PEER_CACHE"]
+__all__ = ["LocalComm"]
 
 _code = lru_cache(maxsize=4096)(Collective.code)  # a collective's tag, once per (kind, algorithm, root)
 _NATIVE = Collective("allreduce", "native")

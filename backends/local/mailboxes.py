@@ -12,21 +12,38 @@ what was wrong with one).
 A sender waiting for a collective's peer to take its message looks now and then at the peer's
 own waiting message (``peek``): a message of another collective means the peer is in that one,
 and both may only be sending, so the sender says so instead of waiting out the timeout.
+
+What the ranks share is made by the launcher before it forks them (``Wiring``): the semaphores, the
+control segment, and each rank's process id, written by the rank when it connects: a receive from
+ANY_SOURCE hears nothing from a dead rank, ever, and only a look at the process tells dead from slow
+(``LocalComm.peer_alive``; the parameter server goes on without a worker killed mid-run).
+
+How a rank waits (``Waiter``): spin, then sleep, never past its timeout. A semaphore post that finds
+its waiter asleep costs a futex wake-up, and the waiter tens of microseconds to be scheduled again:
+more than a whole round of a small all-reduce. So a waiting rank first tries the semaphore for up to
+``SPIN_US`` (``DPLAB_SPIN_US``), which catches a peer a few microseconds behind, and only then
+sleeps. The spin is bounded and adapts: a wait that ends asleep anyway halves the next spin, down
+to a sixteenth; every eighth wait spins in full, and one that succeeds restores it. Spinning only
+pays while every rank has a core of its own: when ranks outnumber cores a spinning rank takes the
+core from the very peer it waits for, so there it sleeps at once (``DPLAB_YIELDS`` > 0 gives the
+core away with ``sched_yield`` that many times first).
 """
 
 from __future__ import annotations
 
+import os
 import struct
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
+from multiprocessing.context import BaseContext
 from typing import Any
 
 import numpy as np
 
 from dplab.backends.local.memory import Memory
 from dplab.backends.local.shm import Segment
-from dplab.backends.local.waits import Waiter
-from dplab.backends.local.wiring import CODE, DESC, DTYPES, SLOTS, Wiring
 from dplab.reference.communicator import (
     ANY_SOURCE,
     COLLECTIVE_TAG,
@@ -36,11 +53,97 @@ from dplab.reference.communicator import (
     collective_mismatch,
 )
 
-__all__ = ["Mailboxes", "ANY_TAG", "refusal"]
+__all__ = ["Mailboxes", "Wiring", "Waiter", "wait_policy", "refusal", "ANY_TAG", "SLOTS", "DESC", "DTYPES",
+           "CODE", "SPIN_US", "PEEK_S"]
+
+SLOTS = 64  # descriptors in each (src, dst) mailbox
+DESC = struct.Struct("5q")  # a message's descriptor: segment id, offset, bytes, dtype code, tag
+DTYPES = [np.dtype(t) for t in ("uint8", "float32", "float64", "int32", "int64", "float16")]
+CODE = {dt: i for i, dt in enumerate(DTYPES)}  # a dtype's code in a descriptor
+SPIN_US = 20  # how long a wait spins at most before it sleeps, when every rank has a core
+PEEK_S = (1e-3, 0.25)  # a waiter with a peek sleeps this long first, then doubles up to the second
 
 ANY_TAG = -1
 _TAG = struct.Struct("q")  # the last of a descriptor's five int64
 _TAG_AT = 4 * 8  # its offset in the descriptor
+
+
+@dataclass
+class Wiring:
+    """Semaphores, the control segment's name, and the ranks' pids (0 until a rank connects)."""
+
+    session: str
+    world_size: int
+    timeout: float
+    ready: list  # ready[src][dst]: a descriptor from src waits in dst's mailbox
+    done: list  # done[src][dst]: dst has finished reading a message of src
+    arrival: list  # arrival[dst]: some message waits for dst
+    pids: Any = None  # shared int64 array: pids[r] is rank r's process id
+
+    @classmethod
+    def create(cls, ctx: BaseContext, session: str, p: int, timeout: float) -> Wiring:
+        ctl = Segment(f"{session}_ctl", p * p * SLOTS * DESC.size, create=True)
+        ctl.close()
+        sems = [[ctx.Semaphore(0) for _ in range(p)] for _ in range(2 * p)]
+        return cls(session, p, timeout, sems[:p], sems[p:], [ctx.Semaphore(0) for _ in range(p)],
+                   ctx.Array("q", p, lock=False))
+
+
+def wait_policy(world_size: int) -> tuple[float, int]:
+    """(seconds of spin, yields) before a wait sleeps: spin with a core per rank, else neither."""
+    own_core = world_size <= len(os.sched_getaffinity(0))
+    spin = float(os.environ.get("DPLAB_SPIN_US", SPIN_US)) * 1e-6 if own_core else 0.0
+    return spin, 0 if own_core else int(os.environ.get("DPLAB_YIELDS", "0"))
+
+
+class Waiter:
+    """One rank's way of waiting on a semaphore: its spin budget, its yields and its timeout."""
+
+    def __init__(self, rank: int, world_size: int, timeout: float) -> None:
+        self.rank, self.timeout = rank, timeout
+        self.spin, self.yields = wait_policy(world_size)
+        self.budget, self.waits = self.spin, 0  # the spin now, and waits so far
+
+    def acquire(self, sem: Any, what: str, peer: int, peek: Callable[[], None] | None = None) -> None:
+        """Take ``sem`` (``peer`` is to post it, ``what`` says what for) or raise ``CommTimeout``.
+        ``peek``, if given, is called between sleeps and may raise to stop the wait."""
+        if self.spin and self._spin_for(sem):
+            return
+        for _ in range(self.yields):
+            if sem.acquire(False):
+                return
+            os.sched_yield()
+        if self._sleep_for(sem, peek):
+            return
+        raise CommTimeout(f"rank {self.rank} waited {self.timeout:.0f}s for rank {peer} {what}: "
+                          "is that rank dead or stuck? (set DPLAB_TIMEOUT to wait longer)")
+
+    def _spin_for(self, sem: Any) -> bool:
+        """Try ``sem`` for the spin budget; a spin that fails halves the next one."""
+        self.waits += 1  # every 8th wait spins in full: is the peer quick again?
+        budget, clock = self.spin if self.waits % 8 == 0 else self.budget, time.perf_counter
+        end = clock() + budget
+        while clock() < end:
+            for _ in range(8):  # a try costs about as much as a clock read
+                if sem.acquire(False):
+                    self.budget = self.spin
+                    return True
+        self.budget = max(budget / 2, self.spin / 16)  # the peer is slow, or has no core: back off
+        return False
+
+    def _sleep_for(self, sem: Any, peek: Callable[[], None] | None) -> bool:
+        """Sleep on ``sem`` until the timeout, in doubling slices with ``peek`` between them."""
+        if peek is None:
+            return sem.acquire(timeout=self.timeout)
+        deadline, nap = time.monotonic() + self.timeout, PEEK_S[0]
+        while True:
+            left = deadline - time.monotonic()
+            if sem.acquire(timeout=max(min(nap, left), 0)):
+                return True
+            if left <= nap:
+                return False
+            peek()
+            nap = min(2 * nap, PEEK_S[1])
 
 
 class Mailboxes:

@@ -32,9 +32,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from dplab.backends.local.mailboxes import Mailboxes, refusal
+from dplab.backends.local.mailboxes import CODE, DTYPES, Mailboxes, refusal
 from dplab.backends.local.memory import Memory
-from dplab.backends.local.wiring import CODE, DTYPES
 from dplab.reference.communicator import CommError
 from dplab.reference.trace import Tracer
 

@@ -8,7 +8,8 @@ from functools import partial
 from multiprocessing.context import BaseContext
 from typing import Any
 
-from dplab.backends.local.comm import LocalComm, Wiring
+from dplab.backends.local.comm import LocalComm
+from dplab.backends.local.mailboxes import Wiring
 from dplab.backends.local.shm import shm_full, unlink_prefix
 
 __all__ = ["available", "prepare"]

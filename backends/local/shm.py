@@ -23,7 +23,7 @@ import numpy as np
 from dplab.reference.errors import ConfigError
 
 __all__ = ["PREFIX", "Segment", "ShmFull", "shm_full", "unlink_prefix", "sweep_stale", "leftovers",
-           "mine"]
+           "mine", "process_alive"]
 
 PREFIX = "dplab_"
 SHM_DIR = Path("/dev/shm")
@@ -119,7 +119,7 @@ def sweep_stale() -> int:
     n = 0
     for path in SHM_DIR.glob(PREFIX + "*"):
         pid = path.name[len(PREFIX):].split("_", 1)[0]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not process_alive(int(pid)):
             n += unlink_prefix(f"{PREFIX}{pid}_")
     return n
 
@@ -135,11 +135,12 @@ def mine() -> str:
     return f"{PREFIX}{os.getpid()}_"
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Is ``pid`` a live process? A killed child the launcher has not reaped yet is a zombie:
+    it still "exists" for ``os.kill(pid, 0)``, so read its state from /proc instead."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
         return False
-    except PermissionError:
-        return True
-    return True
+    return state not in (b"Z", b"X")
