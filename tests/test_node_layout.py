@@ -65,16 +65,15 @@ def test_torch_hosts_the_environment_cannot_tell_are_gathered(monkeypatch):
     """torchrun with 3 ranks on one host and 2 on the other: each rank's GROUP_RANK, gathered."""
     from types import SimpleNamespace
 
-    from dplab.backends.launch.engine import LauncherWorld
+    from dplab.backends.launch.engine import torch_hosts
 
     for k, v in (TORCHRUN | {"WORLD_SIZE": "5", "LOCAL_WORLD_SIZE": "3", "GROUP_RANK": "0"}).items():
         monkeypatch.setenv(k, v)
-    gathered = SimpleNamespace(allgather_object=lambda mine: [mine] * 3 + ["1"] * 2)  # rank 0's view
-    world = SimpleNamespace(world_size=5, comm=gathered)
-    assert LauncherWorld._torch_hosts(world) == (0, 0, 0, 1, 1)
+    comm = SimpleNamespace(world_size=5, allgather_object=lambda mine: [mine] * 3 + ["1"] * 2)  # as rank 0
+    assert torch_hosts(comm) == (0, 0, 0, 1, 1)
     monkeypatch.setenv("WORLD_SIZE", "6")  # 2 hosts of 3: the environment says it, nothing is gathered
     monkeypatch.setenv("GROUP_RANK", "1")  # rank 3 is the second host's first
-    assert LauncherWorld._torch_hosts(SimpleNamespace(world_size=6, comm=None)) == (0, 0, 0, 1, 1, 1)
+    assert torch_hosts(SimpleNamespace(world_size=6)) == (0, 0, 0, 1, 1, 1)
 
 
 def test_hydra_local_counts():

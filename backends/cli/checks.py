@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 
 from dplab.backends.bench.spec import BenchSpec
-from dplab.backends.launch.engine import launcher_hosts, local_ranks
+from dplab.backends.launch.engine import LAUNCHERS, launcher_hosts, local_ranks
 from dplab.backends.launch.world import launcher_env, under_launcher
 from dplab.reference.algorithms.layout import resolve
 from dplab.reference.errors import ConfigError
@@ -30,15 +30,10 @@ class OutputPathError(ConfigError):
 
 
 def stop_launcher_job(backend: str, code: int) -> None:
-    """Rank 0 alone failed a check under ``mpiexec``: the other ranks would wait for it in MPI_Init
-    for ever, so abort the job (torchrun stops the other ranks itself once one exits). MPICH's own
-    "Abort(2) on node 0" line goes to /dev/null: ours was printed already."""
-    if backend == "mpi" and under_launcher("mpi"):
-        from mpi4py import MPI
-
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, 2)
-        MPI.COMM_WORLD.Abort(code)
+    """Rank 0 alone failed a check under a launcher: the other ranks may wait for it for ever
+    (in MPI_Init, under mpiexec), so its launcher stops them (``Launcher.abort``)."""
+    if under_launcher(backend):
+        LAUNCHERS[backend].abort(code)
 
 
 def check_args(a: argparse.Namespace, printer: bool = True) -> None:

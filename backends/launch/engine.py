@@ -8,6 +8,10 @@ traceback and aborts the job, so its peers fail fast instead of waiting for a ti
 ``world.open_world``). The local backend's shared memory reaches one host only: ``spans_hosts``
 reads from the launcher's environment whether its job has ranks on other hosts.
 
+Each engine's launcher is one small class, found by backend in ``LAUNCHERS`` (``Mpiexec`` for mpi,
+``Torchrun`` for torch): which variables make this process a rank, its rank and the world's size,
+the ranks on its host, how it joins the others, and how a rank that failed alone stops the job.
+
 Slurm: each task of an ``srun`` step of several tasks is a rank (``slurm_step``, from Slurm's
 documented ``SLURM_*`` variables). MPI gets its world from Slurm's PMI (``srun --mpi=pmi2`` or
 ``pmix``; without one every task would be a world of one, so that is refused in one line). torch
@@ -40,7 +44,7 @@ from dplab.reference.errors import ConfigError
 
 __all__ = ["under_launcher", "launcher_env", "launcher_rank", "spans_hosts", "LauncherWorld", "run_here",
            "SlurmStep", "slurm_step", "slurm_torch_env", "expand_nodelist", "tasks_per_node",
-           "launcher_hosts", "local_ranks"]
+           "launcher_hosts", "local_ranks", "Launcher", "LAUNCHERS", "torch_hosts"]
 
 _TORCHRUN = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 _PMI = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK")
@@ -142,40 +146,123 @@ def slurm_torch_env(step: SlurmStep, env: Mapping[str, str] | None = None) -> di
 
 
 
+class Launcher:
+    """An engine's own launcher, whose ranks exist already: is this process one of them, its rank
+    and the world's size, how many ranks share its host, and how it joins the others."""
+
+    name = ""
+    rank_keys: tuple[tuple[str, str], ...] = ()  # (rank, world size) variables, in order of preference
+    local_keys: tuple[tuple[str, str], ...] = ()  # (ranks on this host, ranks in all) variables
+
+    def started(self, env: Mapping[str, str]) -> bool:
+        raise NotImplementedError
+
+    def rank_and_size(self, env: Mapping[str, str]) -> tuple[int, int]:
+        for rank, size in self.rank_keys:
+            if rank in env and size in env:
+                return int(env[rank]), int(env[size])
+        step = slurm_step(env)
+        if step is not None:
+            return self.slurm_rank(step, env)
+        raise ConfigError(f"not running under {self.name}")
+
+    def slurm_rank(self, step: SlurmStep, env: Mapping[str, str]) -> tuple[int, int]:
+        return step.rank, step.world_size
+
+    def local_ranks(self, env: Mapping[str, str]) -> tuple[int, int] | None:
+        for local, size in self.local_keys:
+            if env.get(local, "").isdigit() and env.get(size, "").isdigit():
+                return int(env[local]), int(env[size])
+        step = slurm_step(env)
+        return None if step is None else (step.local_world_size, step.world_size)
+
+    def join(self, timeout: float) -> Any:
+        raise NotImplementedError
+
+    def abort(self, code: int) -> None:
+        """This rank alone failed a check before joining: stop the job's other ranks, if they would
+        wait for it for ever (torchrun stops them itself once one exits)."""
+
+
+class Mpiexec(Launcher):
+    """mpiexec (MPICH's hydra, Open MPI), or srun with PMI: MPI's own world, COMM_WORLD."""
+
+    name = "mpiexec"
+    rank_keys = (("PMI_RANK", "PMI_SIZE"), ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"))
+    local_keys = (("MPI_LOCALNRANKS", "PMI_SIZE"), ("OMPI_COMM_WORLD_LOCAL_SIZE", "OMPI_COMM_WORLD_SIZE"))
+
+    def started(self, env: Mapping[str, str]) -> bool:
+        """A Slurm step without PMI counts too: ``rank_and_size`` says what is missing."""
+        return "DPLAB_AUTHKEY" not in env and (any(k in env for k in _PMI) or slurm_step(env) is not None)
+
+    def slurm_rank(self, step: SlurmStep, env: Mapping[str, str]) -> tuple[int, int]:
+        if "PMIX_RANK" not in env:
+            raise ConfigError(f"srun started {step.world_size} tasks but gave MPI no PMI, so each would be a "
+                              "world of one: run srun --mpi=pmi2 (or --mpi=pmix; srun --mpi=list shows "
+                              "what this Slurm has)")
+        raise ConfigError(f"not running under {self.name}")
+
+    def join(self, timeout: float) -> Any:
+        """MPI asks MPI which ranks share a host when it connects (``MpiComm``: its shared-memory split)."""
+        if slurm_step() is not None:
+            self.rank_and_size(os.environ)  # no PMI from srun: one line, before MPI_Init makes worlds of one
+        from dplab.backends.mpi.comm import MpiComm
+
+        return MpiComm.from_launcher(timeout)
+
+    def abort(self, code: int) -> None:
+        """The other ranks would wait for this one in MPI_Init for ever. MPICH's own "Abort(2) on
+        node 0" line goes to /dev/null: ours was printed already."""
+        from mpi4py import MPI
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
+        MPI.COMM_WORLD.Abort(code)
+
+
+class Torchrun(Launcher):
+    """torchrun (env://), or srun without it: torch's variables made from Slurm's (``slurm_torch_env``)."""
+
+    name = "torchrun"
+    rank_keys = (("RANK", "WORLD_SIZE"),)
+    local_keys = (("LOCAL_WORLD_SIZE", "WORLD_SIZE"),)
+
+    def started(self, env: Mapping[str, str]) -> bool:
+        return all(k in env for k in _TORCHRUN) or slurm_step(env) is not None
+
+    def join(self, timeout: float) -> Any:
+        step = slurm_step()
+        if step is not None and not all(k in os.environ for k in _TORCHRUN):
+            os.environ.update(slurm_torch_env(step))  # srun without torchrun: env:// from Slurm's step
+        from dplab.backends.torchdist.comm import TorchComm
+
+        comm = TorchComm.from_launcher(timeout)
+        comm.hosts = torch_hosts(comm)
+        return comm
+
+
+LAUNCHERS: dict[str, Launcher] = {"mpi": Mpiexec(), "torch": Torchrun()}  # backend -> its engine's launcher
+
+
 def under_launcher(backend: str) -> bool:
     """True when this process is one rank of an ``mpiexec`` (mpi) or ``torchrun`` (torch) job."""
-    env = os.environ
-    if backend == "mpi":  # a Slurm step without PMI too: launcher_env says what is missing
-        return "DPLAB_AUTHKEY" not in env and (any(k in env for k in _PMI) or slurm_step() is not None)
-    if backend == "torch":
-        return all(k in env for k in _TORCHRUN) or slurm_step() is not None
-    return False
+    launcher = LAUNCHERS.get(backend)
+    return launcher is not None and launcher.started(os.environ)
 
 
 def launcher_env(backend: str) -> tuple[int, int]:
     """(rank, world_size) that mpiexec, torchrun or srun gave this process."""
-    env = os.environ
-    keys = {"mpi": [("PMI_RANK", "PMI_SIZE"), ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE")],
-            "torch": [("RANK", "WORLD_SIZE")]}.get(backend, [])
-    for rank, size in keys:
-        if rank in env and size in env:
-            return int(env[rank]), int(env[size])
-    step = slurm_step()
-    if step is not None and backend == "torch":
-        return step.rank, step.world_size
-    if step is not None and backend == "mpi" and "PMIX_RANK" not in env:
-        raise ConfigError(f"srun started {step.world_size} tasks but gave MPI no PMI, so each would be a "
-                          "world of one: run srun --mpi=pmi2 (or --mpi=pmix; srun --mpi=list shows "
-                          "what this Slurm has)")
-    raise ConfigError(f"not running under a {backend} launcher")
+    launcher = LAUNCHERS.get(backend)
+    if launcher is None:
+        raise ConfigError(f"not running under a {backend} launcher")
+    return launcher.rank_and_size(os.environ)
 
 
 def launcher_rank() -> int | None:
     """This process's rank in the job of whichever engine launcher started it, None outside one."""
-    for backend in ("mpi", "torch"):
-        if under_launcher(backend):
+    for launcher in LAUNCHERS.values():
+        if launcher.started(os.environ):
             try:
-                return launcher_env(backend)[0]
+                return launcher.rank_and_size(os.environ)[0]
             except ConfigError:  # srun without PMI: the error comes later, from rank 0 alone
                 break
     step = slurm_step()
@@ -186,11 +273,11 @@ def spans_hosts() -> str | None:
     """Why this process is one rank of a launcher job across several hosts (its launcher's own
     count of the ranks on this host), or None: one host, or no launcher."""
     env = os.environ
-    for launcher, size, local in (("torchrun", "WORLD_SIZE", "LOCAL_WORLD_SIZE"),
-                                  ("mpiexec", "PMI_SIZE", "MPI_LOCALNRANKS"),  # MPICH's hydra
-                                  ("mpiexec", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE")):
-        if env.get(size, "").isdigit() and env.get(local, "").isdigit() and int(env[local]) < int(env[size]):
-            return f"this {launcher} job has {env[size]} ranks, {env[local]} of them on this host"
+    for launcher in LAUNCHERS.values():
+        for local, size in launcher.local_keys:
+            here, ranks = env.get(local, ""), env.get(size, "")
+            if here.isdigit() and ranks.isdigit() and int(here) < int(ranks):
+                return f"this {launcher.name} job has {ranks} ranks, {here} of them on this host"
     step = slurm_step()
     if step is not None and step.local_world_size < step.world_size:
         return f"this srun step has {step.world_size} ranks, {step.local_world_size} of them on this host"
@@ -222,14 +309,21 @@ def launcher_hosts(world_size: int, env: Mapping[str, str] | None = None) -> tup
 
 def local_ranks(backend: str, env: Mapping[str, str] | None = None) -> tuple[int, int] | None:
     """(ranks on this host, ranks in all) from this process's launcher, or None outside one."""
-    env = os.environ if env is None else env
-    pairs = {"torch": [("LOCAL_WORLD_SIZE", "WORLD_SIZE")],
-             "mpi": [("MPI_LOCALNRANKS", "PMI_SIZE"), ("OMPI_COMM_WORLD_LOCAL_SIZE", "OMPI_COMM_WORLD_SIZE")]}
-    for local, size in pairs.get(backend, []):
-        if env.get(local, "").isdigit() and env.get(size, "").isdigit():
-            return int(env[local]), int(env[size])
-    step = slurm_step(env)
-    return None if step is None else (step.local_world_size, step.world_size)
+    launcher = LAUNCHERS.get(backend)
+    return None if launcher is None else launcher.local_ranks(os.environ if env is None else env)
+
+
+def torch_hosts(comm: Any) -> tuple[int, ...]:
+    """Each rank's host under torchrun or srun: from the environment where it tells every rank's
+    (``launcher_hosts``), else every rank's GROUP_RANK (or SLURM_NODEID, or host name) gathered
+    on the control path, once."""
+    known = launcher_hosts(comm.world_size)
+    if known is not None:
+        return known
+    env = os.environ
+    mine = env.get("GROUP_RANK") or env.get("SLURM_NODEID") or socket.gethostname()
+    names: dict[str, int] = {}
+    return tuple(names.setdefault(str(k), len(names)) for k in comm.allgather_object(mine))
 
 
 class LauncherWorld:
@@ -237,35 +331,11 @@ class LauncherWorld:
     communicator kept for the world's life, and returns every rank's result (as ``World.run``)."""
 
     def __init__(self, backend: str, timeout: float, world_size: int | None = None) -> None:
-        step = slurm_step()
-        if backend == "torch" and step is not None and not all(k in os.environ for k in _TORCHRUN):
-            os.environ.update(slurm_torch_env(step))  # srun without torchrun: env:// from Slurm's step
-        if backend == "mpi" and step is not None:
-            launcher_env("mpi")  # no PMI from srun: one line, before MPI_Init makes worlds of one
-        if backend == "mpi":
-            from dplab.backends.mpi.comm import MpiComm as Comm
-        else:
-            from dplab.backends.torchdist.comm import TorchComm as Comm
-        self.backend, self.comm = backend, Comm.from_launcher(timeout)
+        self.backend, self.comm = backend, LAUNCHERS[backend].join(timeout)
         self.world_size = self.comm.world_size
-        if backend == "torch":  # MPI asked MPI when it connected (MpiComm: its shared-memory split)
-            self.comm.hosts = self._torch_hosts()
         if world_size is not None and world_size != self.world_size:
             self._failed(ConfigError(f"the launcher started {self.world_size} ranks but world_size is "
                                      f"{world_size}: drop --world-size or make them agree"))
-
-    def _torch_hosts(self) -> tuple[int, ...]:
-        """Each rank's host under torchrun or srun: from the environment where it tells every rank's
-        (``launcher_hosts``), else every rank's GROUP_RANK (or SLURM_NODEID, or host name) gathered
-        on the control path, once."""
-        known = launcher_hosts(self.world_size)
-        if known is not None:
-            return known
-        env = os.environ
-        mine = env.get("GROUP_RANK") or env.get("SLURM_NODEID") or socket.gethostname()
-        keys = self.comm.allgather_object(mine)
-        names: dict[str, int] = {}
-        return tuple(names.setdefault(str(k), len(names)) for k in keys)
 
     def _failed(self, error: BaseException | None = None) -> None:
         """Say why on stderr and abort the job, so the peers fail fast instead of waiting."""
