@@ -1,22 +1,11 @@
 """Double binary tree all-reduce: two complementary trees, each carrying half of the buffer (NCCL).
 
-A pipelined binary tree (``pipelined``) has one weakness: its interior ranks carry 3n bytes
-each way (n up to the parent, n down to each of two children) while its leaves, half the
-ranks, carry only n: the busy half sets the time. NCCL's fix (Sanders, Speck & Traff 2009,
-"Two-tree algorithms for full bandwidth broadcast, reduction and scan"; NCCL 2.4) is a second
-tree in which the leaves of the first are the interior ranks, and the first tree's interior
-ranks are leaves. Each tree reduces and broadcasts half of the buffer, pipelined. A rank is
-interior in one tree (3 x n/2 each way) and a leaf in the other (n/2 each way): 2n bytes
-each way per rank, like the ring's 2(p-1)/p n, in 2H + k - 1 rounds of depth H = ceil(lg p)
-instead of the ring's 2(p-1). Logarithmic latency with bandwidth-optimal traffic: NCCL's
-choice at scale.
-
-NCCL's construction (``ncclGetDtree`` in src/graph/trees.cc): tree 0 is ``ncclGetBtree``'s
-binary tree, whose odd ranks are leaves; for even p, tree 1 is its mirror image, rank r in
-the place of p - 1 - r, so the odd ranks of tree 0 land on even places: interior. For p = 8,
-one line per leaf, its path to the root (``dplab.reference.pictures.render_tree`` of
-``one_tree(8, 0)`` and ``one_tree(8, 1)``), tree 0 first; its leaves 1 3 5 7 are tree 1's
-interior ranks and the other way round:
+A pipelined binary tree's interior ranks move 3n bytes each way, its leaves n. A second tree
+whose interior ranks are the first one's leaves (Sanders, Speck & Traff 2009; NCCL's
+``ncclGetDtree``), each tree reducing and broadcasting half of the buffer pipelined, gives
+every rank 2n bytes each way in 2H + k - 1 rounds, H = ceil(lg p). For even p tree 1 is tree 0
+mirrored (rank r in the place of p - 1 - r). For p = 8, each leaf's path to the root, tree 0
+then tree 1:
 
     0 <- 4 <- 2 <- 1
     0 <- 4 <- 2 <- 3
@@ -28,11 +17,8 @@ interior ranks and the other way round:
     7 <- 3 <- 5 <- 4
     7 <- 3 <- 5 <- 6
 
-For odd p NCCL shifts tree 0 by one rank instead; that leaves rank 0 interior in both trees
-(tree 0's root, and in tree 1 in the place of tree 0's rank p - 1) for every odd p, so we do not
-follow it: we build NCCL's even double tree over ranks 0..p-2 and hang rank p-1 under both
-roots, which have one child each. Rank p-1 is a leaf in both, each root gains its second
-child, and every rank is still interior in at most one tree. For p = 7, tree 0 then tree 1:
+For odd p NCCL's shift leaves rank 0 interior in both trees, so dplab builds the even double
+tree over ranks 0..p-2 and hangs rank p-1 under both roots. For p = 7, tree 0 then tree 1:
 
     0 <- 4 <- 2 <- 1
     0 <- 4 <- 2 <- 3
@@ -44,17 +30,8 @@ child, and every rank is still interior in at most one tree. For p = 7, tree 0 t
     5 <- 1 <- 3 <- 4
     5 <- 6
 
-Rounds: 2H + k - 1 with k pieces per half (pipelined), where H is the trees' height:
-ceil(lg p) for even p, ceil(lg(p-1)) for odd p. In the cost model a rank is in at most four
-messages each way per round (three of its interior tree, one of its leaf tree), each n/(2k),
-and adds at most two of them:
-
-    time <= (2H + k - 1) (4 alpha + 2 beta n/k + gamma n/k),   about 4k alpha + 2n beta + n gamma
-    for k >> H: bytes per rank 2n each way, the ring's 2(p-1)/p n, in lg p rounds, not p
-
-The ring still wins the model at small p (4 alpha per round against its 2, and 2n against
-2(p-1)/p n); the double tree takes over as p grows: at 16 MiB, alpha 5 us, 10 GB/s, gamma at
-20 GB/s, with its best k, it is 1.3x the ring's time at p = 8 and 0.86x at p = 256.
+Cost: time <= (2H + k - 1) (4 alpha + 2 beta n/k + gamma n/k), H = ceil(lg p) for even p,
+ceil(lg(p-1)) for odd p.
 
     ALLREDUCE["double_tree"](8, 4)       # or allreduce_schedule("double_tree:4", 8)
 """

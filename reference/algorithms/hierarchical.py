@@ -1,29 +1,18 @@
 """Hierarchical (two-level) all-reduce: inside each node, then across nodes, then inside again.
 
-Every large cluster reduces this way. Ranks are grouped into nodes of g consecutive ranks
-(``"hierarchical:<g>"``; rank r is on node r // g, local index r % g), N = ceil(p / g) nodes.
-Which g: on several hosts (``comm.hosts``, from the launcher) ``"hierarchical"`` is
-``"hierarchical:<ranks per host>"`` and another g is refused; on one host the nodes are simulated,
-``NODE_SIZE`` of them by default (``layout.py`` resolves the name before any executor runs).
-The buffer is cut into g pieces, and each piece into N sub-chunks (g N chunks; chunk
-c N + j is sub-chunk j of piece c):
+Nodes are g consecutive ranks (``"hierarchical:<g>"``), N = ceil(p / g) of them. On several
+hosts ``"hierarchical"`` means g = ranks per host (``comm.hosts``) and another g is refused;
+on one host the nodes are simulated, ``NODE_SIZE`` by default (``layout.py`` resolves the name).
+The buffer is cut into g pieces of N sub-chunks (chunk c N + j is sub-chunk j of piece c):
 
-1. reduce-scatter inside each node (a ring over the node's ranks): local rank i ends with
-   piece i summed over its node;
-2. all-reduce across nodes, one ring per piece: the ranks that hold piece c (one per node, the
-   ranks with the same local index) run a ring all-reduce of its N sub-chunks; all g rings at
-   once, each on its own rank's inter-node link (a DGX has one NIC per GPU);
-3. all-gather inside each node (a ring): every rank ends with every piece.
+1. reduce-scatter inside each node (a ring): local rank i ends with piece i of its node's sum;
+2. all-reduce across nodes, one ring per piece, all g rings at once, each on its own link;
+3. all-gather inside each node (a ring).
 
-Each rank sends 2(g-1)/g n bytes inside its node and 2(N-1)/(N g) n across: 2(p-1)/p n in all,
-as the ring, but only a g-th of it on the slow links, and in 2(g-1) + 2(N-1) rounds instead of
-2(p-1). g = 1 (every rank its own node) and g >= p (one node) are the plain ring.
-
-A last node with fewer ranks (p not a multiple of g, s = p mod g ranks there): its local rank i
-holds every piece c with c mod s = i, so it runs several inter-node rings at once (pieces
-i, i + s, ...) and its intra-node ring moves those pieces together; it finishes its intra rounds
-early and waits. p = 4, g = 2 (nodes {0, 1} and {2, 3}; piece 0 is chunks a b, piece 1 is c d), drawn by
-``dplab.reference.pictures.render_rounds`` from the schedule below:
+Each rank sends 2(p-1)/p n bytes, as the ring, but only a g-th of it across nodes, in
+2(g-1) + 2(N-1) rounds. g = 1 and g >= p are the plain ring. A smaller last node (s = p mod g
+ranks): its local rank i holds every piece c with c mod s = i and runs those rings at once.
+p = 4, g = 2 (nodes {0, 1} and {2, 3}; piece 0 is chunks a b, piece 1 is c d):
 
     p = 4, chunks a b c d; "a01" holds rank 0's and rank 1's parts of chunk a
     --x--> the receiver adds x, ==x==> it copies x
@@ -53,8 +42,7 @@ early and waits. p = 4, g = 2 (nodes {0, 1} and {2, 3}; piece 0 is chunks a b, p
       r2 [a0123 b0123 c0123 d0123]
       r3 [a0123 b0123 c0123 d0123]
 
-Rounds 0 and 3 are inside the nodes: each rank sends a whole piece, two consecutive chunks,
-as one message. Rounds 1 and 2 are the rings across nodes (two nodes: one round each way).
+Rounds 0 and 3 are inside the nodes, 1 and 2 the rings across them.
 """
 
 from __future__ import annotations

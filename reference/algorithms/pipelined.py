@@ -1,34 +1,17 @@
 """Pipelined all-reduce: cut the buffer into k pieces that flow one behind the other (NCCL).
 
-A tree that moves the whole buffer as one chunk makes every level wait for the level below
-to finish all of it: 2H rounds of (alpha + n beta) for a tree of height H, so the bandwidth
-term grows with the depth. Cut the buffer into k pieces and send piece j one round behind
-piece j-1: while piece j is reduced at one level, piece j+1 travels below it. A rank of
-height h (a leaf has h = 0) sends piece j up in round h + j; the root holds piece j summed
-after round H - 1 + j and starts broadcasting it at once, so the reduce and the broadcast
-overlap and a rank at depth d sends piece j down in round H + d + j:
-
-    rounds = 2H + k - 1      (not 2H * k one piece after another, nor 2(H + k - 1) phase by phase)
-
-Each round moves n/k bytes per message, so for large n the depth stops multiplying the bytes:
-the pipeline's bandwidth term tends to what the busiest rank moves, not to H times it. The
-price is alpha per piece: more pieces, more messages; the best k grows like sqrt(n beta / alpha).
-
-The tree is NCCL's binary tree (``ncclGetBtree`` in src/graph/trees.cc), rooted at rank 0,
-which alternates leaves and interior ranks: an odd rank is a leaf, an even one has up to two
-children (rank 0, the root, has one), height ceil(lg p) for any p. For p = 8, one line per
-leaf, its path to the root (``dplab.reference.pictures.render_tree`` of the schedule below):
+A rank of height h (a leaf has h = 0) sends piece j up in round h + j; the root starts
+broadcasting piece j at once, and a rank at depth d sends it down in round H + d + j:
+2H + k - 1 rounds of n/k bytes, so the tree's depth stops multiplying the bytes; each piece
+costs an alpha (the best k grows like sqrt(n beta / alpha)). The tree is NCCL's binary tree
+(``ncclGetBtree``): odd ranks are leaves, height ceil(lg p). For p = 8, each leaf's path:
 
     0 <- 4 <- 2 <- 1
     0 <- 4 <- 2 <- 3
     0 <- 4 <- 6 <- 5
     0 <- 4 <- 6 <- 7
 
-Its binary shape is what lets pipelining pay: a rank takes at most two pieces in per round
-while reducing (a binomial tree's root takes lg p), so an interior rank moves 3n bytes each
-way in all (n up, 2n down, against the ring's 2(p-1)/p n: ``double_tree`` fixes that). The
-all-reduce for p = 4 and k = 2 pieces (a, b), one line per round (``render_arrows``): piece b
-runs one round behind piece a, and rank 0 sends a back down (round 2) while b still climbs:
+The all-reduce for p = 4, k = 2 pieces (a, b): b runs one round behind a:
 
     round 0 (adds):  1-a->2   3-a->2
     round 1 (adds):  2-a->0   1-b->2   3-b->2
@@ -36,21 +19,10 @@ runs one round behind piece a, and rank 0 sends a back down (round 2) while b st
     round 3 (copies):  2-a->1   2-a->3   0-b->2
     round 4 (copies):  2-b->1   2-b->3
 
-The ring, pipelined: each of the ring's p chunks is cut into k slices (chunk c's slice j is
-chunk c k + j), and slice j of ring step s is sent in round s + j, as soon as slice j of step
-s - 1 has arrived: 2(p-1) + k - 1 rounds. In our round-synchronous alpha-beta-gamma model this
-buys NOTHING, and we say so: the ring already keeps every link busy in every round, so there
-is no pipeline to fill; the bytes per rank stay 2(p-1)/p n and the messages grow k-fold, so
-the model prices it at exactly the ring's time plus 2(p-1)(k-1) alpha (n a multiple of pk;
-``tests/test_alg_pipelined_cost.py`` checks it). What it models is real, but outside rounds:
-NCCL cuts each ring step into slices so a rank forwards slice j as soon as it has arrived and
-been reduced, while slice j+1 is still on the wire. The reduction (gamma) then hides behind the
-transfer and a step needs only a slice-sized buffer. ``sliced_ring_time`` prices that (one
-rank's link and its adder as two resources, slice by slice); at k = 1 it is the ring's model
-time; a few slices hide the reduction, and more only add alpha (5 us, 10 GB/s links, 20 GB/s
-adds, 16 MiB at p = 8: 2 slices take 0.82x the ring's time, 16 slices 1.08x). The data flows the
-ring's way; p = 3, k = 2 (a b are ring chunk 0's two slices, c d chunk 1's, e f chunk 2's):
-slice b follows a one round behind, and from round 1 every rank sends two slices per round:
+``pipelined_ring``: slice j of ring step s goes in round s + j, 2(p-1) + k - 1 rounds. The
+round model prices it at the ring's time plus 2(p-1)(k-1) alpha; ``sliced_ring_time`` prices
+what NCCL gains, the reduction hidden behind the wire (reference/README.md, "The algorithms").
+p = 3, k = 2 (a b are ring chunk 0's two slices, c d chunk 1's, e f chunk 2's):
 
     round 0 (adds):  1-a->2   2-c->0   0-e->1
     round 1 (adds):  2-a->0   1-b->2   0-c->1   2-d->0   1-e->2   0-f->1

@@ -1,18 +1,10 @@
 """Rabenseifner's all-reduce: recursive-halving reduce-scatter, then recursive-doubling all-gather.
 
-MPICH's choice for medium and long messages (Thakur, Rabenseifner & Gropp 2005, "Optimization
-of Collective Communication Operations in MPICH", section 4.4; MPICH's
-``allreduce_intra_reduce_scatter_allgather.c`` and ``reduce_scatter_intra_recursive_halving.c``).
-It moves the ring's bytes, 2 (p-1)/p n per rank, in 2 lg p rounds instead of 2 (p-1).
-
-Recursive halving (the reduce-scatter), p = 2^m ranks: in the first round each rank pairs with
-the rank p/2 away; the lower one sends the upper half of the buffer (the half its partner's
-side will own) and adds the lower half it receives, the upper one the reverse. Next round the
-same inside each half, with partners p/4 away and quarters of the buffer, and so on: after
-lg p rounds rank r holds chunk r summed over everyone, having sent n/2 + n/4 + ... = (p-1)/p n.
-Recursive doubling (the all-gather) runs it backwards with copies: partners 1, 2, 4, ... away,
-each round sending everything gathered so far. For p = 4 (drawn by ``dplab.reference.pictures``
-from the schedule below, through the simulator):
+MPICH's choice for medium and long messages: the ring's bytes, 2 (p-1)/p n per rank, in 2 lg p
+rounds. Halving: each rank pairs with the rank p/2 away, sends the half its partner will own
+and adds the half it receives; then the same inside each half, p/4 away, and so on, until rank
+r holds chunk r summed. Doubling runs it backwards with copies. A round's chunks to one peer
+travel as one message (``schedule.messages_of``). For p = 4:
 
     p = 4, chunks a b c d; "a01" holds rank 0's and rank 1's parts of chunk a
     --x--> the receiver adds x, ==x==> it copies x
@@ -42,20 +34,10 @@ from the schedule below, through the simulator):
       r2 [a0123 b0123 c0123 d0123]
       r3 [a0123 b0123 c0123 d0123]
 
-A round's chunks to one peer are consecutive, so they travel as ONE message (the executor and
-the cost model coalesce them: ``schedule.messages_of``): lg p messages per phase, not p - 1.
-
-Any p: with p' = 2^floor(lg p) and rem = p - p', the first 2 rem ranks pair up; each odd one
-adds its whole buffer into the even one below and sits out (MPICH's code: the mirror image),
-the p' ranks left run the rounds above, and the sitting-out ranks get their part back at the
-end. The all-reduce cuts the buffer into p' chunks (even halves, MPICH's allreduce) and copies
-the whole result back: 2 floor(lg p) + 2 rounds. The reduce-scatter (``SCATTER``, what ZeRO and
-FSDP call) must leave chunk r of ``chunk_bounds(n, p)`` on rank r for every r, so it keeps p
-chunks: virtual rank v < rem owns chunks 2v and 2v+1 (its own and its partner's), the others
-one each (MPICH's ``newcnts``), and a last round copies chunk 2v+1 to the partner. Those
-halves are uneven (a virtual rank with two chunks weighs double), the price of the fold. The
-all-gather is the mirror: partners first copy their chunk in, recursive doubling, and the
-whole result goes back out. The reduce-scatter for p = 3:
+Any p: with p' = 2^floor(lg p), the first 2 (p - p') ranks pair up, each odd one adds its buffer
+into the even one below and sits out until a last round copies its part back. The
+reduce-scatter (``SCATTER``) must leave chunk r of ``chunk_bounds(n, p)`` on rank r, so it
+keeps p chunks (a folded virtual rank owns two, MPICH's ``newcnts``); for p = 3:
 
     p = 3, chunks a b c; "a01" holds rank 0's and rank 1's parts of chunk a
     --x--> the receiver adds x, ==x==> it copies x
@@ -76,11 +58,8 @@ whole result goes back out. The reduce-scatter for p = 3:
       r1 [a1   b012 c1]
       r2 [a2   b2   c012]
 
-Cost for p = 2^m (alpha per message, beta per byte, gamma per byte added):
-2 lg p alpha + 2 (p-1)/p n beta + (p-1)/p n gamma, the ring's bytes with the tree's latency.
-Otherwise the fold adds a whole-buffer reduce and copy: with p' = 2^floor(lg p),
-(2 lg p' + 2) alpha + (2 (p'-1)/p' + 2) n beta + ((p'-1)/p' + 1) n gamma
-(``costmodel.closed_form``; ``tests/test_alg_rabenseifner.py`` checks the walk against it).
+Cost (``costmodel.closed_form``): 2 lg p alpha + 2 (p-1)/p n beta + (p-1)/p n gamma for p = 2^m;
+the fold adds a whole-buffer reduce and copy. Sources: reference/README.md, "The algorithms".
 """
 
 from __future__ import annotations

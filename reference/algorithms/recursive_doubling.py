@@ -1,20 +1,11 @@
 """Recursive doubling all-reduce: lg p rounds of pairwise exchanges of the whole buffer.
 
-MPICH's choice for short messages (Thakur, Rabenseifner & Gropp 2005, "Optimization of
-Collective Communication Operations in MPICH", section 4.4). The buffer travels whole, as one
-chunk. In round k every rank exchanges its buffer with the rank 2^k away (its virtual rank
-with bit k flipped) and both add what they receive: after round k each rank holds the sum
-over its aligned group of 2^(k+1) ranks, so after lg p rounds everyone holds everything.
-It is the only schedule here where two ranks send each other the SAME chunk in the same
-round, each adding the other's into its own: a send carries the value the chunk had at the
-start of the round, so the executor sends a snapshot of it (``schedule.messages_of``).
-
-Any p: with p' = 2^floor(lg p) and rem = p - p', the first 2 rem ranks pair up first; each
-odd one sends its buffer to the even one below it, which adds it, and sits out (MPICH's code
-does the mirror image: even ranks send). The p' ranks left (virtual rank v is real rank 2v
-for v < rem, v + rem after) run the exchanges, and a last round copies the result back to
-the ranks that sat out. The all-reduce for p = 6 (drawn by ``dplab.reference.pictures``
-from the schedule below, through the simulator):
+MPICH's choice for short messages. In round k every rank exchanges its whole buffer with the
+rank 2^k away (virtual rank with bit k flipped) and both add what they receive: after lg p
+rounds everyone holds the sum. Both partners send the SAME chunk in one round, so a send
+carries a snapshot of the chunk as the round began (``schedule.messages_of``). Any p: the
+first 2 (p - p') ranks (p' = 2^floor(lg p)) fold pairwise first, the odd one sitting out until
+a last round copies the result back. For p = 6:
 
     p = 6, chunk a; "a01" holds rank 0's and rank 1's parts of chunk a
     --x--> the receiver adds x, ==x==> it copies x
@@ -54,10 +45,8 @@ from the schedule below, through the simulator):
       r4 [a012345]
       r5 [a012345]
 
-Rounds: lg p for a power of two, floor(lg p) + 2 otherwise. Every round moves the whole
-buffer: (alpha + n beta + n gamma) lg p for p = 2^m, the least latency of any all-reduce
-here (one message per round, no chunking) and the most bytes: lg p times the ring's
-2 (p-1)/p n for large p. So engines use it for small messages only.
+Rounds: lg p for a power of two, floor(lg p) + 2 otherwise; (alpha + n beta + n gamma) lg p
+for p = 2^m: the least latency here and the most bytes, so engines use it for small messages.
 """
 
 from __future__ import annotations
