@@ -1,23 +1,10 @@
 """Replay a parameter server's log on one device: the proof that the log tells the whole story.
 
-An asynchronous run is not reproducible by re-running it (the interleaving of workers
-depends on timing), but it is reproducible from its log. Every gradient is a pure
-function of (parameter version, worker, clock): the version fixes the parameters, the
-worker and clock fix the micro-batch. So, on one device:
-
-    versions = [initial params]
-    for each update in log order (one log entry, or a clock's entries when aggregating):
-        recompute each entry's gradient at versions[entry.version], on its micro-batch
-        apply them (summed in log order, rescaled as the server did when it had
-        backup workers) with ONE optimizer, started fresh
-        versions.append(copy of params)          # the version this update produced
-
-With backup workers an update is made of W - b entries; the dropped gradients changed
-nothing, so the log of applied ones is all the replay needs. Under a time budget the
-log simply ends where the server stopped.
-
-The same functions as the server and the workers (``worker_batch``, ``compute_gradient``,
-``combine``, the optimizer's ``step``) on the same inputs give the same bits:
+Every gradient is a pure function of (parameter version, worker, clock), so replaying the
+applied updates in log order, each recomputed at its version with the same functions as the
+server and workers (``worker_batch``, ``compute_gradient``, ``combine``, the optimizer's ``step``),
+gives the same bits. Dropped backup gradients changed nothing; under a budget the log ends
+where the server stopped.
 
     >>> from dplab.reference.ps.replay import replay
     >>> np.array_equal(replay(cfg, acfg, result.log), result.params)   # doctest: +SKIP

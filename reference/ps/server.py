@@ -1,29 +1,16 @@
 """The parameter server's side (rank 0): answer pulls at the gate, apply pushes, keep the log.
 
-How it behaves is explained in ``dplab.reference.ps.trainer``; this file is the loop, and
-each rule it follows is a piece of its own:
+The behaviour is explained in ``dplab.reference.ps.trainer``; the rules are in ``gate.py``,
+``aggregate.py``, ``lost.py`` and ``snapshot.py``. Each header from ANY worker is handled (a PULL
+held, a PUSH applied or held for its clock), then the held pulls that may go are answered:
 
-    gate.py        SSP: a pull for clock c waits until the slowest live worker did c - s clocks
-    aggregate.py   aggregate=True: one update per clock from the first W - b gradients
-    lost.py        listening without hanging; telling a dead worker from a slow one
-    snapshot.py    checkpoints of the server's state, and resuming from one
+    SSP (aggregate=False)   clock c once the gate opens for it
+    aggregate=True          once version >= c, with the CURRENT clock (a dropped worker skips ahead)
+    budget spent / done     STOP: SSP at once; aggregate after the clock in progress
 
-Every message is a header from ANY worker; the server reacts (a PULL is held, a PUSH is
-applied or held for its clock), then answers whichever held pulls may now go:
-
-    SSP (aggregate=False)   answer clock c once the gate opens for it
-    aggregate=True          answer once the parameters of the clock asked for exist
-                            (version >= c), and hand out the CURRENT clock, version:
-                            with no backups that is c itself; with backups a worker
-                            whose gradient was dropped skips ahead to the running step
-    budget spent / done     answer STOP: SSP at once; aggregate after the clock in progress
-
-A worker leaves after pushing its last clock or on receiving STOP; the loop ends when
-every worker has left, so no worker is ever left waiting for an answer. A worker that
-DIES is lost, not waited for: it leaves the gate, its held pull is forgotten, and
-everything it pushed before dying stays applied and logged, so the replay property holds
-unchanged. With ``aggregate=True`` every clock needs every worker, so there a lost worker
-is an error naming it.
+The loop ends when every worker has left, so no worker waits forever. A dead worker is
+dropped from the gate and what it pushed stays logged; with ``aggregate=True`` it is an error
+naming it.
 """
 
 from __future__ import annotations

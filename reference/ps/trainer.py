@@ -6,50 +6,20 @@
     results = launch(train_async, 4, args=(TrainConfig(), AsyncConfig(staleness=2)))
     results[0].params, results[0].log     # the server's final parameters and its log
 
-Rank 0 is the server, it owns the parameters; ranks 1..W (W = world_size - 1) are
-workers. A worker repeats, for clock c = 0, 1, ..., clocks - 1:
-
-    PULL     ask for the parameters, receive them and their VERSION (updates applied so far)
-    COMPUTE  the gradient of its shard of global batch c, at that version
-    PUSH     send the gradient, with the clock and the version it was computed on
-
-The server applies every gradient the moment it arrives, so a gradient computed on
-version v may land on version v + k: its DELAY is k, counted in UPDATES
-(``LogEntry.delay``). Unbounded, a fast worker races ahead of a slow one and delays pile
-up. Stale Synchronous Parallel (Ho et al., 2013) bounds the gap in CLOCKS instead, with one
-rule, enforced by the server when it answers a pull (s = ``staleness``, in clocks):
-
-    a pull for clock c is answered only once every worker has finished clock c - s - 1,
-    i.e.  min over workers of clocks_done  >=  c - s
-
-otherwise the reply waits until a push opens the gate. A fast worker (4 time units per
-clock) beside a slow one (12 units per clock), with s = 1 (drawn by
-``dplab.reference.pictures.render_timeline`` from events the SSP ``Gate`` decides:
-``tests/test_pictures_docs.py``):
+Rank 0 serves the parameters; worker w = 1..W repeats PULL (parameters and their version),
+COMPUTE (the gradient of shard w - 1 of global batch c, loss scale 1 / global_batch), PUSH
+(with clock c). Contract: a pull for clock c is answered once every worker has finished clock
+c - s - 1 (s = ``staleness``; 0 lock-step, None never waits); ``aggregate=True`` (s = 0) makes
+one update per clock, within rounding of synchronous training; ``backup_workers=b`` makes it
+from the first W - b gradients and drops the late ones (``AsyncResult.dropped``); after
+``time_budget_s`` pulls get STOP; naming the server in ``straggler`` is a ConfigError; the
+log replays bit for bit (``replay``). A fast and a slow worker, s = 1:
 
     time ->      0   4   8   12  16  20  24  28  32  36  40  44
     fast worker  [c0][c1]    [c2]        [c3]
     slow worker  [    c0    ][    c1    ][    c2    ][    c3    ]
-                             ^           ^
-                             |           slow has done 2 clocks: clock 3 may start
-                             slow has done 1 clock: clock 2 may start (2 - 1 <= s)
 
-s = 0 is lock-step (bulk synchronous), s = None never waits (fully asynchronous).
-With ``aggregate=True`` (only with s = 0) the server sums the W gradients of a clock,
-in worker order, and applies ONE update: synchronous data parallelism, equal to
-``train_sync`` and ``train_single`` to rounding (1e-10 relative in float64), not to the
-bit, since each adds the same gradients in its own order.
-
-Backup workers (Chen et al., 2016, "Revisiting Distributed Synchronous SGD"): with
-``aggregate=True, backup_workers=b`` the update of clock c is made from the FIRST W - b
-gradients of clock c to arrive (summed in worker order); the b late ones are dropped
-when they come (``AsyncResult.dropped``). Everyone's next pull is answered as soon as
-clock c is applied, with the parameters of the current clock, so a worker whose
-gradient was dropped skips straight to the step in progress: nobody waits for the
-slowest, which is the point. b = 0 is plain aggregation, i.e. synchronous training.
-W = 3 workers, b = 1, 8 clocks; worker 1 takes 13 time units per clock, workers 2 and 3
-take 4 (drawn by ``dplab.reference.pictures.render_timeline`` from events built by the
-server's own rules, ``Aggregator`` and ``decide``: ``tests/test_pictures_docs.py``):
+Backup workers, W = 3, b = 1, worker 1 at 13 time units per clock (^ an update, x a drop):
 
     time ->   0         10        20        30
     worker 1  [     c0    ][     c3    ][     c6    ]
@@ -57,46 +27,9 @@ server's own rules, ``Aggregator`` and ``decide``: ``tests/test_pictures_docs.py
     worker 3  [c0][c1][c2][c3][c4][c5][c6][c7]
     server        ^   ^   ^x  ^   ^   ^ x ^   ^      x
 
-    ^  the second gradient of a clock arrives: its update is applied (the version grows)
-    x  a gradient arrives after its clock's update: dropped. Worker 1's c0 lands at 13,
-       after c2's update: its next pull is answered at once with the clock in progress, c3
-
-Workers 2 and 3 never wait for worker 1: 8 updates by time 32, where waiting for it
-would take 104. Worker 1 computes c0, c3 and c6, and all three are dropped.
-
-Scaling: the surviving gradients are summed and multiplied by global_batch / (samples
-they cover), W / (W - b) for even shards: every step is a mean gradient, the step size
-of synchronous training. The BIAS: the gradients dropped are systematically those of
-the slowest workers, i.e. of their shards (worker w always trains on shard w - 1 of
-each batch). With a persistent straggler its shard is never seen: the expected update
-is the mean gradient over the fast workers' part of the data, not the full-batch
-gradient, and data that only the straggler holds is under-represented. The log names
-the workers of every update, so the replay reproduces this exactly.
-
-Stragglers and budgets (``dplab.reference.train.straggler``): ``straggler=((w, f),)`` stretches worker
-w's compute f times; rank 0 is the server and computes nothing, so naming it is a
-ConfigError. With ``time_budget_s`` the server answers every pull after the budget with
-STOP (with aggregation, after the clock in progress, whose update needs its pushes);
-pushes already on their way are still applied and logged, and each worker leaves its
-loop on STOP, so no rank waits forever. ``clocks`` remains the upper bound.
-
-Data and learning rate: worker w at clock c trains on ``shard(batch c, w - 1, W)``, the
-shard sync DP gives rank w - 1 at step c, with loss scale 1 / global_batch. Its gradient
-is thus 1/W of a full-batch mean gradient (for even shards), and applying each push
-right away with the configured optimizer is the classic "lr / workers" rule: per clock,
-the W pushes together move the parameters about as far as one synchronous step.
-
-The server logs every applied gradient (worker, clock, version computed on, version it
-produced, the slowest worker's finished clocks when that pull was answered);
-``dplab.reference.ps.replay`` recomputes the run from that log alone, bit for bit. The server's
-loop is ``dplab.reference.ps.server``; the config, messages and shared arithmetic are in
-``dplab.reference.ps.protocol``.
-
-Protocol: every message between two ranks is received in the order it was sent (the
-shared-memory backend matches strictly in order; MPI and torch match by tag, but no
-tag here ever skips over an earlier message). A worker's push is a header and then its
-gradient, and the server reads the gradient right after the header, so whenever the
-server receives from ANY_SOURCE, the next message of every worker is a header.
+Why it works, and the backups' bias: reference/README.md, "Asynchronous training". Every
+message between two ranks arrives in the order it was sent, and a push's gradient is read
+right after its header, so a receive from ANY_SOURCE always finds a header.
 """
 
 from __future__ import annotations
