@@ -7,17 +7,10 @@
     grads.wait()                 # before the optimizer: every reduction done
     grads.of(layer)              # the summed gradient the optimizer takes (all of it, or my chunk)
 
-Stages 0 and 1 keep one full gradient vector: micro-batches accumulate into it locally and only
-the last one's backward reduces, layer by layer as the backward yields (stage 0 all-reduces,
-stage 1 reduce-scatters: it only needs its own chunk summed, for its shard of the optimizer).
-
-Stages 2 and 3 keep only the summed chunks. Each micro-batch's backward writes layer l into a
-fresh full-layer buffer, reduce-scatters it at once, adds the chunk it owns into its gradient
-shard and frees the buffer. A reduction is retired (waited for, added, freed) right after the
-NEXT layer's gradient is computed and launched, so it overlaps that compute; at most two
-layer buffers exist at once (layer l reducing while layer l-1 is computed), and none outlives
-its micro-batch. Accumulating over micro-batches therefore costs one reduce-scatter per
-micro-batch: the price of never holding a full gradient.
+Stages 0-1 accumulate micro-batches into one full vector and reduce the last one's layers as
+backward yields them (all-reduce, or reduce-scatter in stage 1). Stages 2-3 reduce-scatter each
+micro-batch's layer at once into a fresh buffer, add the owned chunk and free it: at most two
+layer buffers exist at once, one reduce-scatter per micro-batch.
 """
 
 from __future__ import annotations

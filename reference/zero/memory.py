@@ -6,41 +6,14 @@
     >>> k, round(b.total / 1e9, 1)
     (12, 31.4)
 
-or from the command line: ``dplab memory --params 7B --world-sizes 1,8,64``.
+or ``dplab memory --params 7B --world-sizes 1,8,64``. Psi parameters, N ranks, per parameter P
+bytes of weights, G of gradient, K of optimizer state (mixed-precision Adam: 2, 2, 12); the
+paper's Figure 1 (Rajbhandari et al. 2020), Psi = 7.5e9, N = 64, GB = 1e9 bytes, model states only:
 
-The formulas (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion
-Parameter Models", section 5 and Figure 1). Psi parameters, N ranks; per parameter, P bytes
-of weights, G bytes of gradient and K bytes of optimizer state (mixed-precision Adam: P = G = 2
-for fp16, K = 4 + 4 + 4 = 12 for the fp32 master copy, momentum and variance)::
-
-    stage 0  (plain data parallelism)   (P + G + K) Psi          mixed Adam: (2 + 2 + 12) Psi = 16 Psi
-    stage 1  (optimizer states sharded) (P + G) Psi + K Psi / N              (2 + 2 + K/N) Psi
-    stage 2  (... and gradients)        P Psi + (G + K) Psi / N              (2 + (2 + K)/N) Psi
-    stage 3  (... and parameters)       (P + G + K) Psi / N                  (2 + 2 + K) Psi / N
-
-Why each stage has its shape. Data parallelism replicates everything: every rank holds all the
-weights, all the gradients and the whole optimizer state, so N ranks hold N copies and none of
-them is smaller than one device's training run. But each rank only *needs* the optimizer state
-of the parameters it updates: stage 1 gives rank r the r-th 1/N of the flat parameter vector to
-update and all-gathers the updated weights after the step, so K shrinks by N. Rank r then needs
-only its own shard of the averaged gradient: stage 2 reduce-scatters instead of all-reducing and
-frees the other shards as soon as they are sent, so G shrinks by N too. Stage 3 shards the
-weights themselves: each layer's weights are all-gathered just before its forward and backward
-and dropped after, so everything shrinks by N, for 1.5x the communication of plain data
-parallelism (stages 1 and 2 move the same bytes as an all-reduce). What stays replicated is what
-every rank's forward and backward touch whole: the weights, and until stage 2 the gradients.
-
-Worked example, the paper's Figure 1: Psi = 7.5e9, N = 64, Adam in mixed precision (K = 12)::
-
-    stage 0   16 x 7.5e9                    = 120   GB per rank
-    stage 1   (4 + 12/64) x 7.5e9           =  31.4 GB
-    stage 2   (2 + 14/64) x 7.5e9           =  16.6 GB
-    stage 3   16 x 7.5e9 / 64               =   1.9 GB
-
-GB here is 1e9 bytes, as in the paper. These are model states only: activations, temporary
-buffers and fragmentation come on top. A 7B model in fp16 needs 14 GB for its weights alone;
-with mixed-precision Adam, 16 bytes per parameter, 112 GB before activations, which no single
-80 GB GPU holds, and stage 3 on 8 GPUs makes 14 GB per rank of it.
+    stage 0   (P + G + K) Psi:  16 x 7.5e9            = 120   GB per rank
+    stage 1   (P + G) Psi + K Psi / N:  (4 + 12/64) x 7.5e9  =  31.4 GB
+    stage 2   P Psi + (G + K) Psi / N:  (2 + 14/64) x 7.5e9  =  16.6 GB
+    stage 3   (P + G + K) Psi / N:  16 x 7.5e9 / 64   =   1.9 GB
 """
 
 from __future__ import annotations

@@ -6,17 +6,10 @@
     h.wait()                                               # buf is complete now
     comm_thread.close()
 
-Why one thread and a queue, as in ``dplab.reference.train.buckets``: every rank must issue its
-collectives in the same order, or ranks wait on different calls. The main thread submits them
-in program order, the same on every rank, and the thread runs them strictly in that order, so
-the order holds however the compute of different ranks interleaves with it. The main thread
-itself issues no collective while the thread has work (the trainer waits for everything
-before its own loss all-reduce).
-
-Nothing hangs: each collective already times out inside the transport (``comm.timeout``), so
-the thread always moves on; ``wait`` gives up when the thread has made no progress for that
-long plus a margin, and a collective's error reaches the caller through ``wait``. After an
-error the thread skips the rest of the queue (the world is broken; the caller raises).
+Every rank submits its collectives in program order and the thread runs them in that order,
+so the ranks agree whatever the compute's timing (why: ``dplab.reference.train.buckets``). A
+collective's error, or no progress for ``comm.timeout`` plus a margin, reaches the caller
+through ``wait``; after an error the rest of the queue is skipped.
 """
 
 from __future__ import annotations

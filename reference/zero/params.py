@@ -1,24 +1,13 @@
 """Where a rank's parameters live: replicated (stages 0-2) or sharded and gathered (stage 3).
 
-Both holders answer the trainer's three questions the same way, so ``train_zero`` reads alike
-for every stage:
-
     w = params.acquire(layer)    # layer's flat weights [W, b] to compute with (stage 3: gathered)
     params.release(w); del w     # done with them (stage 3: freed, for real: drop the reference)
     params.master(layer)         # what the optimizer steps: this rank's chunk, or all of it
 
-Two names on purpose: the weights the model *computes with* and the *master* the optimizer
-updates. In float64 or float32 they are the same memory (the master is a view of the weights).
-In mixed precision (``compute_dtype`` float16) they are not: the compute weights are float16
-("params": 2 bytes a parameter) and the masters float32 arrays of what this rank updates (the
-whole model in stage 0, its chunks in stages 1-3), counted as optimizer state ("optimizer"),
-as the paper counts them; ``after_step`` rounds the updated masters into the compute weights.
-
-Stage 3 and prefetch. In one step the layers are used in a known order: forward 0..L-1, then
-backward L-1..0, once per micro-batch. ``acquire`` waits for the gather of the current use and,
-with ``prefetch``, hands the gather of the NEXT use to the comm thread before returning, so it
-runs while this layer computes. So at most two gathered layers are held at once (with
-prefetch: the one computing and the one arriving; without: one):
+The master is a view of the weights in float64 or float32; with ``compute_dtype`` float16 it is
+a float32 array of what this rank updates, counted as optimizer state, and ``after_step`` rounds
+it into the compute weights. Stage 3 with ``prefetch``: ``acquire`` hands the NEXT use's gather
+to the comm thread, so at most two gathered layers are held at once:
 
     main   [fwd 0][fwd 1][fwd 2][bwd 2][bwd 1][bwd 0]
     comm   [g0]   [g1]   [g2]   [g2]   [g1]   [g0]        g = all-gather of that layer

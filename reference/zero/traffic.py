@@ -5,9 +5,8 @@
     sent_per_step(comm.tracer.take(), comm.rank)     # [bytes of step 0, step 1, ...], this rank
     sent_closed_form(3, num_params, p) * itemsize    # their mean over the ranks, exactly
 
-A reduce-scatter or an all-gather of n elements sends (p-1)/p * n elements per rank on average
-(ring: every chunk but one, once; direct: the same bytes in one round), and an all-reduce is the
-two in a row. Per step and rank, with Psi parameters and ``accum_steps`` = a micro-batches:
+Per step and rank, Psi parameters, ``accum_steps`` = a micro-batches (stage 3 gathers layer 0
+for backward too, as the paper counts and FSDP does):
 
     stage 0   all-reduce of the gradient (once, after the last micro-batch)     2 (p-1)/p Psi
     stage 1   reduce-scatter of the gradient + all-gather of the new weights    2 (p-1)/p Psi
@@ -15,14 +14,7 @@ two in a row. Per step and rank, with Psi parameters and ``accum_steps`` = a mic
     stage 3   per micro-batch: gather for forward, again for backward,
               reduce-scatter of the gradient                                  3a (p-1)/p Psi
 
-So with one micro-batch, stages 1 and 2 cost exactly what plain data parallelism costs (the
-paper's 2 Psi), and stage 3 1.5 times that (3 Psi): the price of not keeping the weights.
-Stage 2 pays for accumulation, since it never keeps a full gradient to accumulate into.
-Stage 3 could skip layer 0's backward gather (its gradient needs only the activations, and
-there is no layer below to pass a delta to); this trainer gathers it anyway, as the paper
-counts and as FSDP does, so the 3 Psi holds. Individual ranks differ from the mean when
-chunks are uneven (a rank sends every chunk but its own), so ``collective_sent`` gives one
-rank's exact count from the schedule itself.
+Ranks differ from the mean when chunks are uneven; ``collective_sent`` gives one rank's count.
 """
 
 from __future__ import annotations

@@ -7,10 +7,8 @@
     results[0].params      # within 1e-10 (relative, float64) of train_single(TrainConfig()).params
     results[r].memory      # rank r's peak bytes of params, grads, optimizer state during a step
 
-Plain data parallelism (``train_sync``, stage 0 here) keeps on every rank all the weights, all
-the gradients and the whole optimizer state: N ranks, N copies. ZeRO (Rajbhandari et al. 2020)
-keeps only what each rank needs, and moves the rest when it is needed. Every layer's flat
-slice is cut into N chunks; rank r owns chunk r of each layer (``layout.py``). Then:
+Rank r owns chunk r of every layer's flat slice (``layout.py``); what each stage keeps whole,
+and the elements moved per step and rank ((p-1)/p of that many, Psi parameters):
 
     stage  weights          gradients                           optimizer state   moved per step
     0      all              all, all-reduced                    all               2 Psi
@@ -20,24 +18,8 @@ slice is cut into N chunks; rank r owns chunk r of each layer (``layout.py``). T
     3      my chunks: gather a layer before its forward and     my chunks         3 Psi
            again before its backward, free after
 
-(Psi: the number of parameters; "moved" is (p-1)/p of that many elements sent per rank, for
-ring and direct.) Stages 1-3 all-gather the updated weights: stages 1-2 right after the
-optimizer step (``params.after_step``), stage 3 lazily, layer by layer in the next step.
-
-One step, on every rank (the same recipe as ``dplab.reference.train.sync``):
-
-1. This rank's shard of the global batch, cut into ``accum_steps`` micro-batches; the loss is
-   scaled by 1/global_batch so the ranks' gradients sum to the full batch's.
-2. Forward, one layer at a time: ``params.acquire(l)`` hands the layer's weights (stage 3
-   gathers them, and prefetches the next layer's on the comm thread).
-3. Backward, last layer first: the layer's gradient goes into ``grads.buffer(l)`` and
-   ``grads.ready`` launches its reduction on the comm thread while earlier layers compute.
-4. Wait for the reductions; each rank steps the optimizer on what it owns (``params.master``
-   with ``grads.of``): the whole model in stage 0, its chunks in stages 1-3.
-5. Stages 1-2 all-gather the updated chunks; the loss is all-reduced for the log.
-
-Every array of model state goes through a ``MemoryLedger`` (``ledger.py``), so the peaks are
-measured, not computed; ``traffic.py`` counts the bytes each rank sent from the trace.
+One step is ``dplab.reference.train.sync``'s recipe, a layer at a time (``params.py``, ``grads.py``);
+why it works: reference/README.md, "Beyond replicas: ZeRO, mixed precision, large batches".
 """
 
 from __future__ import annotations
