@@ -4,35 +4,14 @@
     dplab tune --backends local,mpi             # measure, fit and save what auto reads
     choose("mpi", 4, 1 << 20)                   # what auto runs for 1 MiB on 4 MPI ranks
 
-The choice: every registered all-reduce (``ALLREDUCE``, parametric ones at their default; only
-those with a fit of their own where ``dplab tune`` measured some), and ``native`` where the fit
-has a native row, priced for (backend, world size, bytes) by the most
-specific fit that covers it, the cheapest taken (ties: registry order). Most specific first:
-this algorithm at this world size, this algorithm at any world size, every schedule of ours at
-this world size, every schedule of ours (``native`` only from its own rows: it is not our schedule).
-Where ``dplab tune`` measured this algorithm at this world size, the fit's time is scaled by
-measured / fitted at the nearest measured size: at a benchmarked size auto goes by the measurement.
-
-Where the fit comes from, in order: ``$DPLAB_TUNE`` (a path), ``~/.cache/dplab/tune.json``
-(``dplab tune`` writes there by default), else ``DEFAULT_FITS``: ``dplab tune --backends
-local,mpi,torch --world-sizes 2,4`` on the machine dplab was written on (two cores, shared),
-per backend only.
-A backend with no fit at all (NCCL, ``torch-nccl``, unless tuned) runs ``native``: the engine
-tuned its own all-reduce for the hardware and we have no measurement to beat it with.
-
-Every rank computes the same choice from the same inputs (the same file, the same registry, the
-same arithmetic); ranks that disagree (different files) are caught by the collective's code check
-(``communicator.Collective``) at the first message. The choice is cached per (backend, world
-size, bytes, itemsize): after the first call of a size, auto costs one dictionary lookup.
-The fit is read once per process; ``reset()`` reads it again (``dplab tune`` calls it).
-
-Several hosts (``comm.hosts``, the launcher's layout): ``hierarchical`` is a candidate only as
-``hierarchical:<ranks per host>``, the schedule that matches the hosts (none where the ranks of a
-host are not consecutive), and where the tune file holds a two-level fit for the backend (its
-``links``: alpha, beta of the links inside a host and between hosts, gamma) every schedule of ours
-is priced on that ``Topology`` by the cost model's walk instead (``native`` is left out there: it has
-no schedule to walk, and its one-host fit would price the slow link at shared-memory speed). The
-layout is the same tuple on every rank, so the choice still is.
+Candidates are the registered all-reduces (``ALLREDUCE``) and ``native`` where the fit has native
+rows, priced by the most specific fit for (backend, world size, bytes) and scaled to the
+measurement at benchmarked sizes; ties go by registry order. The fit is read once from
+``$DPLAB_TUNE``, else ``~/.cache/dplab/tune.json``, else ``DEFAULT_FITS`` (``reset()`` rereads); a
+backend with no fit runs ``native``. On several hosts ``hierarchical`` is a candidate only as
+``hierarchical:<ranks per host>``, and a two-level fit prices schedules on its ``Topology``.
+Every rank computes the same choice from the same inputs (ranks that disagree get a
+``CollectiveMismatch``), cached per (backend, world size, bytes, itemsize).
 """
 
 from __future__ import annotations

@@ -3,33 +3,14 @@
     from dplab.reference.collectives import allreduce
     allreduce(comm, grads, algorithm="ring", op="mean")   # every rank, same buffer shape
 
-The executor knows nothing about rings or trees. It cuts the flat buffer into the schedule's
-chunks and, round by round, hands this rank's sends and receives to ``comm.exchange``:
-
-    round k:   sends    [chunks ...] --> peer        (this rank's messages of round k)
-               receives [chunks ...] <-- peer, added into the buffer or copied over it
-
-A round's chunks to one peer that are consecutive go as one message (``messages_of``). A
-chunk that this rank sends and also receives into in the same round (recursive doubling's
-exchange) is sent from a copy taken before the round: a send carries the chunk as the round
-found it.
-
-Before round 0, ``comm.check_buffer(buf, call)`` tells the backend what this rank called, so a
-rank with another buffer gets a ``BufferMismatch`` and one that called another collective,
-algorithm or root a ``CollectiveMismatch``, not a hang.
-
-Dtypes: float16, float32, float64, int32, int64 everywhere; torch.bfloat16 tensors on the torch
-backend (numpy has no bfloat16). Half types add in their own precision, as NCCL does: every
-partial sum is rounded to the buffer's dtype, so ranks agree bit for bit but two algorithms,
-adding in different orders, may not. The error of a float16 sum over p ranks is at most
-``(p-1) u / (1 - (p-1) u) * sum_r |x_r|`` per element (u = 2**-11; bfloat16 2**-8), and a sum past
-the dtype's largest value is inf on every rank (how loss scaling sees an overflow).
-
-``algorithm="auto"`` is not an algorithm: it names the fitted cost model's choice for a buffer.
-Resolve it before calling (``dplab.reference.auto.chosen(comm, buf)``); this ``allreduce`` refuses
-it in one line. The engine's faster executor over the same schedules, ``dplab.backends.fastpath``
-(what ``from dplab.backends import allreduce`` gives), resolves "auto" itself and is proven bitwise
-equal to this one.
+Round by round it hands this rank's sends and receives (added into the buffer or copied over
+it) to ``comm.exchange``; a round's consecutive chunks to one peer go as one message
+(``messages_of``), and a chunk sent and received into in one round is sent as the round found
+it. ``comm.check_buffer`` first, so a mismatched buffer or call raises ``BufferMismatch`` or
+``CollectiveMismatch``, not a hang. Dtypes: float16/32/64, int32/64 (torch.bfloat16 on torch);
+partial sums are rounded to the buffer's dtype, as NCCL does, so ranks agree bit for bit but two
+algorithms may not. ``algorithm="auto"`` is refused: resolve it first
+(``dplab.reference.auto.chosen(comm, buf)``).
 """
 
 from __future__ import annotations

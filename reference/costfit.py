@@ -1,24 +1,15 @@
 """Fit alpha, beta, gamma to measured all-reduce times: least squares against the cost model.
 
-A bench row ``{backend, algorithm, world_size, bytes, time_us}`` (``dplab bench --json``) is one
-all-reduce's measured time. The cost model (``costmodel.cost``) walks that row's schedule and
-charges each round's slowest rank alpha per message, beta per byte and gamma per reduced byte.
-For one schedule and size that is linear, ``time = a alpha + b beta + c gamma``, with (a, b, c)
-the slowest ranks' counts summed over the rounds (``terms``, read off ``cost()`` itself, so a
-change to the model is a change to the fit), and a set of rows is a linear
-system and alpha, beta, gamma are its least-squares solution.
-
     from dplab.reference.costfit import fit, load_bench_json
     rows = load_bench_json(open("bench.json").read())
     for f in fit(rows): print(f.summary())                          # one fit per backend
     for f in fit(rows, by=("backend", "world_size")): print(f.summary())
 
-gamma can only be told apart from beta when the rows mix schedules that reduce different shares
-of what they send: naive, ring, tree and direct all reduce exactly half the bytes on their
-critical path, so with those alone gamma is folded into beta (the fit says so in ``note``);
-recursive doubling (reduces all it receives) separates them. ``native`` rows (the engine's own
-all-reduce, no schedule of ours) are fitted on their own, priced as a ring of the same size
-(the bandwidth-optimal form every engine reaches on large buffers); ``memcpy`` rows are not fitted.
+Each bench row (``dplab bench --json``) is linear in the unknowns, time = a alpha + b beta +
+c gamma, with (a, b, c) read off ``cost()`` for that row's schedule (``terms``). gamma is told
+apart from beta only by rows of schedules that reduce different shares (the fit's ``note`` says
+when it folded them); ``native`` rows are fitted on their own, priced as a ring; ``memcpy`` rows
+are not fitted.
 """
 
 from __future__ import annotations

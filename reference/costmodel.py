@@ -1,28 +1,18 @@
 """Alpha-beta-gamma cost of any schedule, computed from the schedule itself, on any topology.
 
-The model (Hockney, extended with gamma by Thakur, Rabenseifner & Gropp 2005): sending a
-message of m bytes costs alpha + m beta; reducing m bytes costs m gamma. A message is what the
-executor sends: a round's consecutive chunks from one rank to one peer with one op
-(``dplab.reference.schedule.messages``), so Rabenseifner's half-buffer is one alpha.
-
-Ports are full duplex, one per kind of link (``dplab.reference.topology``): in one round a
-rank pays, on each port, alpha per message and beta per byte for the *larger* of what it sends
-and what it receives there; its two ports (inside the node, between nodes) work at once, so
-its round takes the slower port, plus gamma for every byte it reduces. A round lasts as long
-as its slowest rank. With one level (``Topology.flat(alpha, beta, gamma)``, what
-``cost(schedule, n, alpha, beta, gamma)`` prices) that is the classic single-port model.
+A message (a round's consecutive chunks from one rank to one peer, ``schedule.messages``) of m
+bytes costs alpha + m beta, reducing m bytes m gamma. Per round a rank pays, on each full-duplex
+port (``dplab.reference.topology``), for the larger of what it sends and receives there; its
+ports work at once; a round lasts as long as its slowest rank. ``Topology.flat`` is the classic
+single-port model.
 
     cost(allreduce_schedule("ring", 8), 1 << 20, 5e-6, 1e-10, 0.0).time
     cost(allreduce_schedule("hierarchical:8", 64), 1 << 20, topology=PRESETS["dgx-h100"]).time
     curve(allreduce_schedule("ring", 4096), [1 << 10, 1 << 20, 1 << 30], PRESETS["dgx-h100"], 4)
 
-How it stays fast at p = 4096: the schedule is summarised once per topology (``cost_cells``:
-per round, the distinct (messages, chunks, reductions) a rank can have), then any number of
-sizes is priced from that summary. A size whose chunks are not all the same number of
-elements is priced exactly by ``cost`` (a second pass over the columns); ``curve`` prices it as
-the next multiple of the chunk count (every chunk its largest size, an upper bound).
-
-The closed forms from the literature are here too; tests check the walk against them.
+``curve`` prices many sizes from one per-round summary (``cost_cells``), chunks rounded up to
+equal sizes (an upper bound); ``cost`` prices uneven chunks exactly. The closed forms from the
+literature are here too, and tests check the walk against them.
 """
 
 from __future__ import annotations

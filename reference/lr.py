@@ -1,17 +1,7 @@
 """Learning rates for large global batches: the scaling rules and linear warm-up.
 
-Data parallelism makes the global batch grow with the number of ranks. A k-times larger
-batch averages k times as many per-sample gradients, so its gradient noise shrinks, and
-one step of it should go further than one small step. Two rules say how much further:
-
-    linear (Goyal et al. 2017, "Accurate, Large Minibatch SGD"):  lr = base_lr * k
-        k small steps of SGD move about as far as one step of k times the batch, as long
-        as the gradient changes little over those k steps: true early in training only
-        after a warm-up, and only up to a "critical" batch beyond which it breaks.
-    sqrt   (Krizhevsky 2014, "One weird trick"; Hoffer et al. 2017):  lr = base_lr * sqrt(k)
-        keeps the variance of the update (lr^2 * noise / batch) unchanged; the usual
-        choice for Adam-like optimizers, whose steps are already normalised per element.
-    none:  lr = base_lr whatever the batch (the baseline that shows why a rule is needed).
+For a global batch k times ``base_batch``: ``"linear"`` lr = base_lr * k, ``"sqrt"``
+lr = base_lr * sqrt(k), ``"none"`` lr = base_lr (why each: reference/README.md, "Beyond replicas").
 
     >>> from dplab.reference.lr import scaled_lr, warmup_lr
     >>> scaled_lr(0.1, base_batch=256, global_batch=1024, rule="linear")
@@ -21,12 +11,8 @@ one step of it should go further than one small step. Two rules say how much fur
     >>> [warmup_lr(1.0, warmup_steps=4, step=t) for t in (1, 2, 3, 4, 5)]
     [0.25, 0.5, 0.75, 1.0, 1.0]
 
-Warm-up: a scaled lr is too large for the first steps, where the gradient still changes
-fast. ``warmup_lr`` ramps it linearly over the first ``warmup_steps`` updates, from
-lr / warmup_steps at update 1 to the full lr at update ``warmup_steps`` (no update is
-wasted at lr 0; Goyal et al. start the ramp at the small batch's lr instead, which differs
-only in the first point). The step is the optimizer's own count of updates taken, so
-every trainer (sync, parameter server, single device) and every resume gets it for free.
+``warmup_lr`` ramps linearly from lr / warmup_steps at update 1 to lr at update ``warmup_steps``;
+the step is the optimizer's own count of updates, so every trainer and every resume gets it.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """An MLP with a hand-written backward that hands out gradients layer by layer, in NumPy or torch.
 
-All parameters live in ONE flat vector, laid out in layer order ``[W0, b0, W1, b1, ...]``.
-A flat vector is what optimizers step, what all-reduce sums and what buckets slice, and
-because layer l's ``W`` and ``b`` sit next to each other, ``layer_slice(l)`` is one
-contiguous range: a data-parallel trainer can ship it as soon as it is ready.
+All parameters live in ONE flat vector ``[W0, b0, W1, b1, ...]``, so ``layer_slice(l)`` is one
+contiguous range a trainer can ship as soon as it is ready.
 
     >>> import numpy as np
     >>> from dplab.reference.model import MLP, MLPConfig
@@ -21,9 +19,7 @@ The backward is a generator, so communication can overlap computation::
     for layer in model.backward(params, acts, y, grad, scale=1 / global_batch):
         launch_allreduce(grad[model.layer_slice(layer)])   # layers L-1, ..., 0
 
-The same lines run on torch tensors (on a GPU, say): every method does its arithmetic with
-``xp = array_namespace(params)``, numpy for numpy arrays and torch for torch tensors, and calls
-only functions the two libraries share (``xp.tanh``, ``xp.sum(a, axis=1)``, ...).
+Every method computes with ``xp = array_namespace(params)``: numpy arrays or torch tensors alike.
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
 """SGD, momentum, Adam, LARS and LAMB on flat NumPy arrays (or torch tensors), formula for formula like
 the papers and torch.optim; ``make_optimizer`` builds any of the five from an ``OptimConfig``.
 
-LARS and LAMB need the model's tensors (one trust ratio each: ``layers=``). Every optimizer takes
-the lr of update t from ``cfg.lr`` and ``cfg.warmup_steps`` (``dplab.reference.lr.warmup_lr``).
-
-Optimizers update the one flat parameter vector in place. In synchronous data parallelism
-every rank runs the same optimizer on the same all-reduced gradient, so the states stay
-identical without ever being communicated; the parameter server runs one on its own.
-
-``device=`` keeps the state as torch tensors there (a GPU): the updates are written with
-``xp = array_namespace(params)``, so the same lines step numpy arrays or torch tensors.
+LARS and LAMB take the model's tensors (``layers=``, one trust ratio each); the lr of update t
+comes from ``cfg.lr`` and ``cfg.warmup_steps``. Updates are in place, with
+``xp = array_namespace(params)`` (``device=`` keeps the state as torch tensors there).
 
     >>> import numpy as np
     >>> from dplab.reference.optim import OptimConfig, make_optimizer

@@ -1,9 +1,7 @@
 """Text pictures drawn from the code that runs: schedules (through the simulator) and traces.
 
-The ASCII drawings in the algorithm files are what a learner reads first, so they are not
-drawn by hand: they are these renderings, pasted, and ``tests/test_pictures_docs.py`` fails
-when a docstring's picture differs from what the code draws today. The output depends only
-on the input (no clock, no randomness), so a picture can be compared character for character.
+The docstrings' pictures are these renderings, pasted; the output depends only on the input, and
+``tests/test_pictures_docs.py`` fails when a docstring's picture differs from it.
 
     >>> from dplab.reference.algorithms import ring
     >>> print(render_rounds(ring.reduce_scatter(2)))

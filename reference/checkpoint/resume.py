@@ -1,45 +1,16 @@
-"""Checkpoint and resume for the data-parallel trainers: stop anywhere, go on exactly.
+"""Checkpoint and resume for the data-parallel trainers: what a trainer saves, and what must agree.
 
     from dplab.reference.checkpoint.resume import CheckpointConfig
     ckpt = CheckpointConfig(every=2, directory="ckpts")            # write every 2 steps
     launch(train_sync, 4, args=(cfg, SyncConfig(checkpoint=ckpt)))
     again = CheckpointConfig(every=2, directory="ckpts", resume="ckpts")   # after a crash
 
-Storage is ``dplab.reference.checkpoint.store`` (atomic, checksummed, no pickle); this file decides
-WHAT a trainer saves, and what a checkpoint must agree on before a run picks up from it.
-
-Synchronous (``dplab.reference.train.sync``): every replica is identical, so rank 0 alone writes,
-after step t: the parameters, the optimizer state, the data position (steps done, and
-the losses so far so that the resumed run reports the whole run) and the step. On
-resume EVERY rank loads the same file, so all replicas start equal again. There is no
-RNG state to keep: the batch of step t is a pure function of (seed, t), and that is
-what makes the resumed run's final parameters BITWISE identical to an uninterrupted run's
-(the same operations on the same bits; both are within rounding, 1e-10 relative in
-float64, of one device).
-
-Asynchronous (``dplab.reference.ps.snapshot``): the server writes, every ``every`` updates, its
-parameters, optimizer state, version, each worker's finished clocks, the log so far and
-the dropped pushes. On resume it restores them and hands each worker, whatever clock it
-asks for, its next unfinished clock; gradients that were in flight at the crash are
-simply computed again. An asynchronous run is not reproducible by re-running it (the
-interleaving depends on timing), so "exactly" means what it means for any async run:
-the COMBINED log (the checkpoint's prefix, then what the resumed run appended) replays
-on one device to the final parameters, bit for bit (``dplab.reference.ps.replay``).
-
-What a resumed run must share with the checkpoint (``Expect``), one rule for all of it:
-REFUSE, with one line naming the field, never a silent approximation. The rule covers
-the arithmetic (model, data, seed, optimizer, dtype, staleness ...) AND where it ran: the
-backend, the world size and the all-reduce algorithm. Another world size cuts other
-shards, another algorithm or backend adds in another order; the result would still be
-within rounding of one device, but no longer bitwise the uninterrupted run, which is what
-a checkpoint promises. To change them, start afresh (or train on from the saved
-parameters as a new run). Left out are steps, clocks, stragglers, delays and time
-budgets: they change how far or how fast a run goes, not a step's arithmetic, so a run
-may be resumed to train LONGER, never shorter: a checkpoint past this run's last step is
-refused (it would hand back later parameters under a smaller step count). A time budget
-starts afresh in the resumed run. A file that passes its checksum must still agree with
-itself (parameters against the model and dtype, optimizer state against the parameters,
-step against optimizer and data position): otherwise it is refused too.
+Storage is ``store.py``. Sync: rank 0 saves parameters, optimizer state, data position and step;
+every rank loads the same file, and the resumed run equals the uninterrupted one bitwise.
+Async (``dplab.reference.ps.snapshot``): the server saves its state, clocks and log; the combined
+log replays bit for bit. Contract (``Expect``): a resumed run must share the arithmetic (model,
+data, seed, optimizer, dtype, staleness ...), the backend, world size and algorithm, and may only
+train longer; a file must agree with itself. Anything else is refused in one line naming the field.
 """
 
 from __future__ import annotations

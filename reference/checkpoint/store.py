@@ -1,31 +1,14 @@
 """Checkpoints: a training run's whole state in one file, saved atomically, loaded bit for bit.
 
-A checkpoint holds what a resumed run needs to go on exactly as if it had never stopped:
-parameters, optimizer state (arrays and step counter), data position (the step, or each
-worker's clock), RNG states, and metadata (the TrainConfig, so that a run refuses a
-checkpoint written under another configuration)::
-
     save_checkpoint("ckpts", step, params, opt.state_dict(), step, None, {"config": cfg})
     ckpt = load_checkpoint("ckpts", expect_meta={"config": cfg})  # a directory: its latest
     params[:] = ckpt.params; opt.load_state_dict(ckpt.optimizer_state)
 
-Three rules make it safe to resume from:
-
-1. Atomic. A crash mid-save (SIGKILL, power cut) must never leave half a file under a
-   checkpoint's name. So a save writes a temporary file in the same directory, fsyncs it,
-   ``os.replace``s it onto ``ckpt-<step>.npz`` (a rename within one file system is atomic),
-   then fsyncs the directory so that the rename itself is on disk. Only complete files
-   carry a checkpoint's name, so "latest" is just the highest step among them: there is no
-   pointer file that could disagree. A crash leaves at most a ``.ckpt-*.tmp`` file, never loaded.
-2. Verified. Files get truncated and bits flip. The file's last 64 bytes are the SHA-256
-   (hex) of every byte before them, checked before anything is parsed: a file cut short or
-   one flipped bit anywhere is refused with ``CheckpointError``, never half loaded. (This
-   catches accidents, not attackers: anyone can recompute a checksum.)
-3. Inert. No pickle: arrays are .npy members read with ``allow_pickle=False``, the rest is
-   one JSON member, so loading a checkpoint can never run code.
-
-The file is a plain .npz whose archive comment is the checksum, so ``np.load(path)`` opens
-it for a look inside (``np.load(path)["manifest.json"]`` is the JSON).
+Contract: ATOMIC (a temporary file, fsynced, ``os.replace``d onto ``ckpt-<step>.npz``, then the
+directory fsynced: the latest is the highest complete step); VERIFIED (the last 64 bytes are the
+SHA-256 of the rest, checked before parsing: a truncated or altered file raises
+``CheckpointError``; accidents, not attackers); INERT (no pickle: .npy members and one JSON
+member). ``np.load(path)`` opens it for a look (``["manifest.json"]`` is the JSON).
 """
 
 from __future__ import annotations

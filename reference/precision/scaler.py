@@ -7,27 +7,12 @@
     if scaler.update(found_inf, step):                                          # False: skip this step
         opt.step(master, master_grad)
 
-float16 keeps 11 significant bits and nothing below 6e-8, so gradients of 1e-8 vanish. Multiplying
-the loss by S multiplies every gradient by S (the chain rule is linear): they land in float16's
-range, and dividing by S afterwards, in float32, gives the true gradient back. Too large an S
-overflows to inf; an inf or nan anywhere then says "this S was too large".
-
-Dynamic scaling (torch.amp.GradScaler, rule for rule): on an overflow skip the optimizer step and
-multiply S by ``backoff_factor``; after ``growth_interval`` steps in a row without one, multiply it
-by ``growth_factor`` (unless that is no longer a finite float32). One bound GradScaler lacks: a
-backoff below float32's smallest normal number (``SCALE_RANGE``) raises ``ConfigError``. By then
-every step for ~140 in a row held an inf or nan at every scale tried, so it is the loss or the
-weights that are not finite, not the scale; GradScaler would skip every remaining step in silence.
-
-A static S never changes and never skips. torch has no static mode to copy (GradScaler refuses
-growth_factor <= 1 and backoff_factor >= 1); a static scale in torch is the hand-written
-``(loss * S).backward(); p.grad /= S; opt.step()``, whose step takes the inf (as apex amp's static
-scale does) and leaves every weight inf or nan from then on, with no word. Here an overflow at a
-static S raises ``ConfigError`` instead, before that step: the run stops with the weights intact
-and a line that says to lower S or make it dynamic.
-
-Every skip, backoff, growth and static overflow is a trace event of kind ``"loss_scale"``
-(extra: step, action, scale, new_scale) and a row of ``scaler.history``.
+Dynamic scaling follows torch.amp.GradScaler rule for rule (on an overflow skip the step and
+multiply S by ``backoff_factor``; after ``growth_interval`` clean steps multiply by
+``growth_factor``), except that a scale below float32's smallest normal (``SCALE_RANGE``) raises
+``ConfigError``. A static S never changes; an overflow at it raises ``ConfigError`` before the
+step, weights intact. Every skip, backoff, growth and static overflow is a ``"loss_scale"`` trace
+event and a row of ``scaler.history``. Why scaling works: reference/README.md, "Beyond replicas".
 """
 
 from __future__ import annotations

@@ -1,20 +1,9 @@
 """The trainers: one device (the oracle), synchronous data parallelism, and what they share.
 
-    single.py       TrainConfig, train_single: the single-device run every other run is checked against;
-                    check_finite: a run whose weights or last loss are inf or nan ends in one line of error
-    sync.py         train_sync: the data-parallel recipe (broadcast, shard, backward, all-reduce, step);
-                    SyncConfig: the all-reduce algorithm, bucket size, micro-batches, and the hooks
-    buckets.py      Reducer: gradients in buckets, each all-reduced as soon as it is complete
-    hooks.py        Hook: what a real run attaches to the recipe, at the points its methods name
-    checkpoints.py  the checkpoint hook: resume at the start, save every k steps
-    spans.py        the trace hook: forward, backward, wait and optimizer spans
-    straggler.py    slow a rank down on purpose; the wall-time budget both trainers can stop on
-
-What "equal" means here, as the tests check it: the replicas of a synchronous run are
-BITWISE identical to each other, and a resumed run is bitwise identical to an
-uninterrupted one; against one device (``train_single``) a data-parallel run agrees to
-ROUNDING: relative 1e-10 in float64, 1e-5 in float32 (measured ~1e-16 in float64),
-because the all-reduce adds the shards' gradients in another order than one device does.
+reference/README.md maps the files. What "equal" means, as the tests check it: replicas of a
+synchronous run are BITWISE identical, and so is a resumed run to an uninterrupted one; against
+one device (``train_single``) a data-parallel run agrees to ROUNDING (relative 1e-10 in float64,
+1e-5 in float32), because the all-reduce adds the shards' gradients in another order.
 
 Glossary (the words as dplab uses them; the parameter server's are in ``dplab.reference.ps``):
 

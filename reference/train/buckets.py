@@ -1,26 +1,13 @@
 """Bucketed gradient all-reduce that overlaps the backward pass (the DDP reducer).
 
-Gradients appear last layer first. Reducing each parameter on its own would pay
-one latency per parameter; reducing everything after backward would leave the
-network idle while we compute. So, like PyTorch DDP, parameters are grouped in
-reverse order into buckets of about ``bucket_cap_mb``; the moment every gradient
-of a bucket is ready, the bucket is handed to a communication thread that
-all-reduces it while the main thread keeps computing earlier layers.
-
-Four layers, two per bucket: bucket 0 starts when layer 2's backward ENDS (its last
-gradient exists only then) and overlaps layer 1 and most of layer 0; bucket 1 can start
-only after layer 0, so ``wait()`` pays for all of it. Drawn by
-``dplab.reference.pictures.render_timeline`` from ``assign_buckets`` and the launch rule
-below, in made-up time units (the events: ``tests/test_pictures_docs.py``):
+Parameters are grouped in reverse order into buckets of about ``bucket_cap_mb``; once every
+gradient of a bucket is ready, the comm thread all-reduces it in place (a contiguous slice of
+the flat gradient) while backward goes on. Buckets are launched strictly in order, so every rank
+runs the same collectives. Four layers, two per bucket, in made-up time units:
 
     time ->  0         10        20        30        40        50        60
     main     [ layer 3 ][ layer 2 ][ layer 1 ][ layer 0 ][      wait      ]
     comm                           [ bucket 0 = 3,2 ]    [ bucket 1 = 1,0 ]
-
-Buckets are launched strictly in order (bucket 1 never starts before bucket 0), so
-every rank runs the same sequence of collectives even if gradients arrive in a
-different order. Each bucket is a contiguous slice of one flat gradient buffer,
-so the all-reduce runs in place with no packing copy.
 """
 
 from __future__ import annotations

@@ -1,22 +1,17 @@
 """Training configuration and the single-device trainer: the ground truth.
 
-Every data-parallel run (sync or async, any backend, any algorithm) is judged by how close
-its parameters come to ``train_single`` on the same ``TrainConfig``. So this file is kept
-as plain as possible: one model, one flat parameter vector, one batch per step.
-
-Run it::
+Every data-parallel run is judged by how close its parameters come to ``train_single`` on the
+same ``TrainConfig``, so this file is kept plain: one model, one flat vector, one batch a step.
 
     python -m dplab.reference.train.single          # trains the default config, prints the loss per step
-
-or from Python::
 
     >>> from dplab.reference.train.single import TrainConfig, train_single, evaluate
     >>> result = train_single(TrainConfig(steps=3))
     >>> len(result.losses)
     3
 
-``train_single(cfg, device=torch.device("cuda"))`` computes with torch tensors on that device
-(``on_device``); the result's parameters come back as a NumPy array all the same.
+``train_single(cfg, device=torch.device("cuda"))`` computes on that device; the parameters come
+back as a NumPy array.
 """
 
 from __future__ import annotations

@@ -1,33 +1,12 @@
 """Time as an experimental variable: slowed ranks (stragglers) and wall-time budgets.
 
-A STRAGGLER is a rank whose compute is FACTOR times slower than the others' (a slower or
-busier device, thermal throttling, a noisy neighbour). dplab models it on the real
-machine, with no simulated clock:
-
-    after each piece of compute, the rank sleeps (FACTOR - 1) x the time that piece took
-
-so a micro-batch's forward and backward take FACTOR times their measured compute time,
-and its gradients appear FACTOR times later. The pieces are the forward pass and each
-layer of the backward pass (not the whole micro-batch at once), so a slowed rank's
-gradient buckets still leave as they are completed, as on a slow device: the overlap of
-communication with the backward pass stays honest. Sleeps of a few microseconds overshoot,
-so the sleep owed is kept as a running balance: an overshoot is a credit paid back by the
-next pieces, and over a run the rank sleeps (FACTOR - 1) x its compute time to within one
-sleep's overshoot. Sleeping, not spinning, leaves the core to the other ranks, so the
-straggler slows only itself (what a slow device does). Communication is not slowed.
-Each sleep is a ``slowdown`` trace event inside the rank's compute spans, so the
-timeline shows where the time went.
-
-Stragglers change WHEN things happen, never WHAT is computed: synchronous training with a
-straggler gives the same bits as without one (so it stays within rounding, 1e-10 relative
-in float64, of single-device training), and an asynchronous run still replays bit for bit
-from its log. A factor multiplies measured time, and measured time is
-noisy on a busy machine; for a fixed, compute-independent handicap (deterministic tests)
-both trainers also take ``delays``: seconds a rank sleeps before each (micro-)batch.
-
-A BUDGET stops training after a fixed wall time instead of a fixed number of steps. Only
-one rank decides (rank 0 in sync, the server in async) and tells the others, so every
-rank stops at the same step and none waits for a message that never comes.
+A STRAGGLER of FACTOR sleeps (FACTOR - 1) x each piece of compute it measured (the forward, each
+layer of the backward), kept as a running balance, so its buckets still leave as completed;
+communication is not slowed, and each sleep is a ``slowdown`` trace event. ``delays`` are fixed
+seconds a rank sleeps before each (micro-)batch, for deterministic tests. A BUDGET stops after a
+wall time: one rank decides (rank 0 in sync, the server in async) and tells the others, so all
+stop at the same step. Stragglers change when, not what: a sync run stays within rounding of
+one device, and an async run still replays from its log.
 """
 
 from __future__ import annotations
