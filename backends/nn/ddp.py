@@ -1,49 +1,21 @@
 """Data-parallel training of any torch module: torch's DistributedDataParallel, written small.
 
-    from dplab.backends.nn.ddp import DDP
-    from dplab.backends.launch.world import launch
     def train(comm):
-        model = DDP(Net(), comm, bucket_cap_mb=25, algorithm="ring")  # rank 0's weights everywhere
+        model = DDP(Net(), comm, bucket_cap_mb=25)     # rank 0's weights everywhere
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        for x, y in my_shard_of_each_batch:       # equal-size shards (else: local_batch_size=)
+        for x, y in my_shard_of_each_batch:           # equal-size shards (else: local_batch_size=)
             opt.zero_grad()
-            loss_fn(model(x), y).backward()        # mean loss; buckets all-reduced while backward runs
-            opt.step()                             # every rank steps on the same averaged gradient
-        return model.module.state_dict()
+            loss_fn(model(x), y).backward()            # buckets all-reduced while backward runs
+            opt.step()                                 # the same averaged gradient on every rank
+    launch(train, 4)                                   # backend="mpi" or "torch" too
 
-    launch(train, 4)                               # backend="mpi" or "torch" too
-
-How: every trainable parameter gets a slot in one flat gradient buffer, laid out in
-``named_parameters()`` order, and ``param.grad`` *is* that slot (a view, like DDP's
-``gradient_as_bucket_view=True``): autograd accumulates straight into it. When a parameter's
-gradient is complete, its post-accumulate-grad hook divides it by the world size (or weights
-it by its shard, see below) and tells the ``Reducer`` (``dplab.reference.train.buckets``),
-which all-reduces each bucket (a contiguous slice, parameters in reverse order) on its comm
-thread as soon as it is complete, while backward goes on with earlier layers. A callback
-queued on the autograd engine waits for the last bucket: ``loss.backward(); opt.step()`` works.
-
-    flat grad:  [ emb | layer 1 | layer 2 | head ]      named_parameters() order
+    flat grad:  [ emb | layer 1 | layer 2 | head ]      named_parameters() order; param.grad is a view
     buckets:    [   bucket 1    ][  bucket 0      ]     reverse: head's bucket goes first
 
-Copies per step: none. The averaged gradient is computed in place in the slot that
-``param.grad`` already is, which on the local backend lies in shared memory, so the all-reduce
-moves it without staging. The one exception is a gradient autograd made afresh because
-``param.grad`` was None (the first backward, or ``zero_grad(set_to_none=True)``, torch's
-default): the hook writes it, already scaled by 1/p, into its slot (one pass: the copy and
-the averaging fused) and makes ``param.grad`` the slot again, as DDP does. With
-``opt.zero_grad(set_to_none=False)`` autograd adds into the slot itself and the hook scales it
-in place: also one pass.
-
-Uneven shards. Like torch's DDP, the gradient is averaged over ranks, (g_0 + ... + g_p-1) / p,
-which is the full batch's mean gradient only when every rank's shard has the same size. With
-shards of n_r samples (a global batch of 10 on 4 ranks: 3, 3, 2, 2) each rank's mean gradient
-must count n_r / N instead (N = sum of n_r), as the reference trainer does. Tell DDP the local
-batch size and it does exactly that:
-
-    model = DDP(Net(), comm, local_batch_size=len(my_shard))   # one int64 all-reduce: N
-    model.set_local_batch_size(n)                              # when the shard size changes
-
-A rank with an empty shard (N < p) contributes zeros, whatever its (NaN) mean loss says.
+Each complete bucket is all-reduced by the ``Reducer`` (``reference.train.buckets``) on a comm
+thread; ``loss.backward()`` returns with every bucket reduced. The gradient is the mean over ranks
+(sum / p); with uneven shards pass ``local_batch_size=len(my_shard)`` (or ``set_local_batch_size``)
+and rank r counts n_r / N, as the reference trainer does (an empty shard contributes zeros).
 """
 
 from __future__ import annotations

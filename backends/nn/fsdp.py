@@ -1,66 +1,21 @@
 """Fully sharded data parallelism (ZeRO stage 3) for torch modules, over our collectives.
 
-    from dplab.backends.nn.fsdp import FSDP
-    def train(comm):
-        model = Net()
-        fsdp = FSDP(model, comm, units=list(model.blocks))   # rank 0's weights, then sharded
-        opt = torch.optim.AdamW(fsdp.parameters(), lr=1e-3)   # "blocks.0.weight"...: this rank's pieces
-        for x, y in my_shard_of_each_batch:
-            opt.zero_grad()
-            loss_fn(fsdp(x), y).backward()    # gathers each unit before its forward and backward
-            fsdp.clip_grad_norm_(1.0)         # the global norm, as torch's FSDP.clip_grad_norm_
-            opt.step()
-        return fsdp.full_state_dict()         # every rank: the plain module's state dict
+    fsdp = FSDP(model, comm, units=list(model.blocks))   # rank 0's weights, then sharded
+    opt = torch.optim.AdamW(fsdp.parameters(), lr=1e-3)   # "blocks.0.weight"...: this rank's pieces
+    loss_fn(fsdp(x), y).backward()    # gathers each unit before its forward and backward
+    fsdp.clip_grad_norm_(1.0)         # the global norm, as torch's FSDP.clip_grad_norm_
+    opt.step()
+    fsdp.full_state_dict()            # every rank: the plain module's state dict
 
-    launch(train, 4)                          # backend="mpi" or "torch" too
-
-Data parallelism keeps every weight on every rank; ZeRO-1 (``zero.py``) shards the optimizer
-state. FSDP shards the weights too: each *unit* (a submodule you list; the root, the wrapped
-module, holds every parameter no listed unit holds) keeps its parameters as one flat tensor of
-which each rank stores only its chunk, ``chunk_bounds(n, p)[rank]``. A unit's full parameters
-exist only while it runs:
+Each unit (a listed submodule; the root holds every other parameter) keeps its parameters as one
+flat tensor of which rank r stores ``chunk_bounds(n, p)[r]``; its full parameters exist only while it runs:
 
     forward,  unit k:  all-gather flat k -> run unit k -> free flat k
     backward, unit k:  all-gather flat k -> unit k's backward -> reduce-scatter grad k -> free both
 
-so a rank holds its shards plus the units in flight, not the model: with U units of equal size,
-about n/p + (1 or 2) n/U instead of n. The price is communication: a gather in forward, one in
-backward and a reduce-scatter, 1.5x the bytes of DDP's all-reduce. Gradients are averaged as
-DDP does (sum / p, or each rank's weighted by ``local_batch_size`` / global batch).
-
-Mixed precision, as torch's ``MixedPrecision(param_dtype, reduce_dtype)``: with
-``compute_dtype=torch.bfloat16`` (or float16) each rank casts its fp32 shard to bf16 and the
-gather moves bf16 (half the bytes; the same bits as gathering fp32 and casting after); forward
-and backward run in bf16 (the root's floating inputs and, per forward, the buffers too). Each
-gradient is cast to fp32, weighted, cast to ``reduce_dtype`` and reduce-scattered in it: fp32 by
-default (exact masters' sums), float16 or bfloat16 to halve those bytes too (each partial sum
-rounded to it, ``reference.collectives``; bfloat16 on the torch backend only). The optimizer
-steps fp32 masters. No loss scaling here: float16 gradients may underflow. The full policy, per
-unit, with norm layers kept in float32 (``mixed_precision=``, ``keep_float32=``): ``fsdp_policy``.
-
-Gradient accumulation without communication, as torch's FSDP: forwards (and their backwards)
-inside ``with fsdp.no_sync():`` reduce nothing; each unit keeps its full gradient (master dtype,
-the full unit's size per rank: the memory no_sync costs) until the first synced backward, which
-reduce-scatters the sum once per unit. Whether a backward syncs is decided by its forward, as in DDP.
-
-The module keeps its parameters, as torch's FSDP1 with ``use_orig_params=True``: each is a
-1-D view of the part of its unit's flat shard this rank stores, its ``.grad`` the matching view
-of the sharded gradient (``fsdp_flat``), so ``fsdp.named_parameters()`` has the original names
-and optimizers, logging and ``clip_grad_norm_`` (the method: a norm needs every rank) work on
-them; ``state_dict()`` is the plain module's (``fsdp_orig_params``).
-
-Frozen parameters (``requires_grad=False``) get a flat shard of their own that is gathered but
-never reduced and has no gradient, so optimizers skip it. A parameter tied between modules (an
-embedding reused as the output projection) is flattened once, in the unit holding all its uses
-(``fsdp_units``). ``summon_full_params()`` puts the full fp32 parameters back into the module for
-a while (a collective); ``full_state_dict()`` returns the plain module's state dict on every
-rank, ``load_full_state_dict`` takes one (``fsdp_full``). ``param_memory()`` counts parameter
-bytes per rank.
-
-Gathers and reductions run on the autograd thread unless prefetch is asked for:
-``forward_prefetch=True`` and ``backward_prefetch="BACKWARD_PRE"`` (torch's names) put every
-collective on a comm thread and start the next unit's gather while this one computes, forward
-and backward; reduce-scatters then overlap the backward too (``fsdp_prefetch``). Bitwise the same.
+Gradients are averaged as DDP's (sum / p, or weighted by ``local_batch_size``); ``no_sync()``
+reduce-scatters once per unit per step; ``compute_dtype``, ``reduce_dtype`` and ``mixed_precision=``
+are torch's MixedPrecision (no loss scaling); prefetch changes no bit. Design: backends/nn/README.md.
 """
 
 from __future__ import annotations

@@ -7,39 +7,13 @@
     flat.use_views()     # module attributes (module.weight) = full views of the leaf, for the forward
     flat.free()          # leaf's storage resized to 0 bytes; module attributes = w and b again
     flat.reduce_grad(weight)   # leaf.grad -> reduce-scatter -> w.grad, b.grad = views of shard.grad
+    flat.hold_grad()     # no_sync: leaf.grad added into ``held`` (full, master dtype), sent by reduce_grad
 
-The original parameters stay the module's parameters, as torch's FSDP1 with ``use_orig_params``
-does: each keeps its name, its object and ``requires_grad``, but its ``.data`` becomes the piece
-of this rank's flat shard that it covers (1-D; empty when it lies in other ranks' chunks), and its
-``.grad`` the matching piece of the sharded gradient. So an optimizer built from
-``model.parameters()`` steps the shard in place, with no copy and no second parameter to keep in
-step, and ``named_parameters()`` logs original names. The module's ``_parameters`` are never
-changed: while a unit runs, the full views *shadow* them as plain instance attributes
-(``object.__setattr__``, which nn.Module's own ``__setattr__`` refuses for a parameter's name),
-and ``free`` removes the shadow. Names and order of ``named_parameters()`` stay the module's.
-
-Why the storage is resized instead of the tensor dropped: autograd keeps the views of ``leaf``
-that forward used (a linear layer saves its weight for backward). Resizing the storage to zero
-frees the memory but keeps those saved tensors pointing at the same storage; ``gather`` before
-the unit's backward resizes it back and fills it again, so the saved views see the weights
-again. That is how torch's FSDP frees its flat parameter. Writes go through ``leaf.data``,
-whose version counter is not the leaf's, so autograd does not object to the refill.
-
-The all-gather writes straight into the leaf's storage, in the compute dtype: this rank's fp32
-chunk is cast into its place in the leaf and the leaf is all-gathered, so a bf16 gather moves
-half the bytes of an fp32 one. It is the same bits as gathering fp32 and casting after (a cast
-acts element by element; where it happens does not matter). The reduce-scatter runs in place on
-the full gradient in ``reduce_dtype``: on MPI and torch.distributed nothing is copied. These
-buffers are torch's, not ``comm.empty`` shared memory (that cannot be resized), so on the local
-backend each send is staged (copied once; ``comm.bytes_staged`` counts it).
-
-bfloat16 on the local and MPI backends, which move numpy arrays (numpy has no bfloat16): an
-all-gather only copies, never adds, so the bf16 leaf travels as a float16 array over the same
-bytes (``_buf``), bit for bit, on every backend. A *reduction* in bfloat16 must add, which only
-the torch backend can: FSDP refuses ``reduce_dtype=torch.bfloat16`` elsewhere (``fsdp_precision``).
-
-    flat.hold_grad()     # no_sync: leaf.grad (any dtype) added into ``held``, a master-dtype full
-                         # gradient, instead of being reduced; the next reduce_grad sends held + grad
+The module's ``_parameters`` never change (names, objects, order); while a unit runs, the full
+views shadow them as instance attributes. ``free`` resizes the storage instead of dropping the
+tensor, so the views autograd saved for backward see the weights again after the next ``gather``,
+as in torch's FSDP. A bf16 gather gives the bits of an fp32 gather cast after; on the local and MPI
+backends it travels as float16 bytes, and a bf16 *reduction* needs the torch backend.
 """
 
 from __future__ import annotations

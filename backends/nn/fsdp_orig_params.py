@@ -6,20 +6,11 @@
     fsdp.clip_grad_norm_(1.0)         # the global norm over every rank's pieces (a collective)
     fsdp.state_dict()                 # the plain module's keys and full values (a collective)
 
-The design is torch's FSDP1 with ``use_orig_params=True`` (``fsdp_flat``): every original
-parameter stays registered where it was, and its data and gradient are views into its unit's
-flat shard. Why views rather than DTensor-like shard objects: the flat shard is what the
-all-gather sends and the reduce-scatter fills, so an optimizer that writes the views writes the
-shard with no copy back; AdamW, SGD and the rest are elementwise, so stepping pieces equals
-stepping the flat; and plain tensors need no tensor subclass for optimizers, hooks or logging.
-The price, as in FSDP1: a parameter's shape on a rank is its 1-D piece (maybe empty), so code
-that reads shapes (``p.shape``) sees pieces; ``summon_full_params`` shows the full ones.
-
-A norm over pieces is a norm over this rank's part only: ``torch.nn.utils.clip_grad_norm_``
-called on ``fsdp.parameters()`` would clip each rank by its own norm. ``clip_grad_norm_`` here
-all-gathers every rank's local norm and combines them with torch's own formula (the p-norm of
-the per-rank p-norms is the p-norm of all, the max of maxima the inf-norm), as torch's FSDP's
-method of the same name does.
+As torch's FSDP1 with ``use_orig_params=True``: every parameter stays registered where it was, its
+data and gradient views into its unit's flat shard (``fsdp_flat``), so shapes read outside
+``summon_full_params`` are the 1-D pieces (maybe empty). ``clip_grad_norm_`` combines every rank's
+local norm with torch's formula; ``torch.nn.utils.clip_grad_norm_`` on the pieces would clip each
+rank by its own part. Why views and not shard objects: backends/nn/README.md.
 """
 
 from __future__ import annotations

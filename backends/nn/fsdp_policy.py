@@ -4,22 +4,12 @@
     FSDP(model, comm, units=list(model.blocks), mixed_precision=mp, keep_float32=(nn.LayerNorm,))
     FSDP(model, comm, units=[a, b], mixed_precision={a: mp})   # per unit: b and the root stay fp32
 
-A policy says, for one unit: the dtype its parameters are gathered and computed in
-(``param_dtype``), the dtype its gradients are reduce-scattered in (``reduce_dtype``), the dtype
-its floating buffers are cast to for each forward (``buffer_dtype``; ``None`` leaves them, as in
-torch). ``None`` everywhere is the master dtype: no cast. One policy applies to every unit; a
-mapping from unit (the wrapped module for the root) to policy gives each its own, and units
-missing from it run in full precision. With any policy on, each unit's floating inputs are cast
-to its ``param_dtype`` on entry (torch FSDP2's ``cast_forward_inputs``), so units of different
-dtypes chain.
-
-``keep_float32``: modules of these classes (norm layers, whose statistics lose most in half
-precision) keep their parameters and buffers in the master dtype whatever their unit's policy.
-Torch's FSDP1 does this by wrapping each such module in a unit of its own with mixed precision
-off (``_module_classes_to_ignore``); here their parameters are a separate flat of the same unit
-(one more gather, at the same moment, and no extra unit with hooks), and each such module casts
-its floating inputs to the master dtype and its outputs back to the unit's ``param_dtype``, so
-the next layer gets what it computes in (as FSDP2's ``output_dtype``).
+A policy gives one unit the dtype its parameters are gathered and computed in (``param_dtype``),
+its gradients reduce-scattered in (``reduce_dtype``) and its floating buffers cast to per forward
+(``buffer_dtype``); ``None`` is the master dtype, no cast. Units missing from a mapping run in full
+precision; each unit casts its floating inputs to its ``param_dtype``, so units of different dtypes
+chain. ``keep_float32`` modules keep parameters and buffers in the master dtype (a separate flat of
+the same unit) and cast their output back to the unit's ``param_dtype``. See backends/nn/README.md.
 """
 
 from __future__ import annotations

@@ -5,23 +5,11 @@
     ...                                  # the main thread computes the current unit meanwhile
     job.result()                         # before the unit runs: its parameters are there
 
-Without prefetch a unit's all-gather starts when the unit is about to run, and the compute
-waits for it. With prefetch (torch's ``forward_prefetch`` and ``backward_prefetch=BACKWARD_PRE``)
-the next unit's gather is submitted as the current one starts, so it travels while this one
-computes: forward, unit k computes while unit k+1 gathers; backward, unit k's backward runs while
-the unit before it gathers. On CPU the gather runs on a comm thread, as DDP's bucket reducer
-(``reference/train/buckets.py``) reduces buckets (on a GPU it would be a second CUDA stream).
-
-Every collective FSDP issues then goes through the one thread, reduce-scatters included, in
-the order the hooks submit them: the hooks fire in the same order on every rank, so every rank
-runs the same collectives in the same order, and never two at once on one communicator. The
-data are the same, so results are bitwise those without prefetch; only the timing changes.
-
-Which unit is next: forward, the order the previous forward ran the units in (torch records the
-first iteration's order the same way; the first forward prefetches nothing); backward, this
-forward's order reversed (the root's hook fires first, then the last unit's). A wrong guess (a
-forward that takes another path) costs memory for a while, never correctness: a gathered unit
-is freed at the end of forward and of backward, and gathered again when it runs.
+With prefetch every FSDP collective, reduce-scatters included, runs on the one comm thread in the
+order the hooks submit them, the same on every rank, never two at once on one communicator:
+results are bitwise those without prefetch. The next unit is the previous forward's order (the
+first forward prefetches nothing), reversed for backward; a wrong guess costs memory for a while,
+never correctness. Why and how it overlaps: backends/nn/README.md.
 """
 
 from __future__ import annotations

@@ -1,53 +1,20 @@
 """ZeRO stage 1: every rank keeps the optimizer state of only its 1/p of the parameters.
 
-    from dplab.backends.nn.ddp import broadcast_module
-    from dplab.backends.nn.zero import ZeroRedundancyOptimizer
-
-    def train(comm):
-        model = Net()
-        broadcast_module(model, comm)                 # replicas must start equal
-        opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, comm, lr=1e-3)
-        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=10)   # a torch.optim.Optimizer
-        for x, y in my_shard_of_each_batch:
-            opt.zero_grad()
-            loss_fn(model(x), y).backward()           # a plain module: no DDP wrapper
-            opt.step()                                # the same parameters on every rank after it
-            sched.step()
-        opt.consolidate_state_dict(to=0)              # every rank: gathers the shards' state
-        if comm.rank == 0:
-            torch.save(opt.state_dict(), "opt.pt")    # torch.optim.AdamW's format: loads in either
-
-Adam keeps two numbers per parameter, twice the memory of the model itself, and plain
-data parallelism keeps all of it on every rank. ZeRO (Rajbhandari et al., 2020) notices
-that each rank only needs the state of the parameters it updates, and that an all-reduce
-is a reduce-scatter followed by an all-gather: put the optimizer step in between.
+    broadcast_module(model, comm)                 # replicas must start equal (nn.ddp)
+    opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, comm, lr=1e-3)
+    loss_fn(model(x), y).backward()               # a plain module: no DDP wrapper
+    opt.step()                                    # the same parameters on every rank after it
+    opt.consolidate_state_dict(to=0)              # then opt.state_dict() on rank 0: torch.optim's format
 
     flat grad:   [ g0 | g1 | g2 | g3 ]   reduce_scatter: rank r holds the sum of shard r
     rank r:           step(shard r)      the inner optimizer sees one flat tensor: shard r
     flat param:  [ p0 | p1 | p2 | p3 ]   all_gather: every rank gets every updated shard
 
-The same bytes move as in the all-reduce of data parallelism; the optimizer state and
-its arithmetic shrink to 1/p. Shard r is ``chunk_bounds(n, p)[r]``, the chunk a ring
-reduce-scatter leaves on rank r, so any n works, also n < p (some shards are empty).
-
-Like ``torch.distributed.optim.ZeroRedundancyOptimizer`` this is a ``torch.optim.Optimizer``:
-``param_groups`` hold the module's parameters with per-group options (lr, weight_decay, ...)
-that LR schedulers change and ``step()`` hands to the inner optimizer; ``add_param_group``
-works (on every rank); ``state_dict()`` after ``consolidate_state_dict(to)`` is the unsharded
-optimizer's. Each parameter group is flattened and sharded on its own, so a group's shard is
-one tensor of the inner optimizer, with that group's options. This is exact for optimizers
-that act element by element (SGD, Adam, AdamW, RMSprop, ...), not for those that look at a
-whole tensor (LAMB's trust ratio, Adafactor's factored moments, LBFGS).
-
-Copies per step: none. The module's parameters and gradients become views into two flat
-buffers per group (like FSDP's flat parameter), the shard the inner optimizer steps is a
-view of the parameter buffer, and both collectives run in place. A gradient that autograd
-made afresh (``param.grad`` was None: the first backward, or ``module.zero_grad()``) is copied
-into its slot once at ``step()``. After ``step()`` the flat gradient outside this rank's
-shard is reduce-scatter scratch: call ``zero_grad()`` before the next backward, as every
-training loop does. So a parameter belongs to one ZeRO at a time: one built later over the same
-parameters takes them over (a fresh optimizer for the same model works), and the earlier one's
-``step()`` raises rather than stepping a buffer the module no longer reads.
+A ``torch.optim.Optimizer`` (param groups, LR schedulers, ``add_param_group`` on every rank), exact
+for element-wise optimizers (SGD, Adam, AdamW, ...), not LAMB, Adafactor or LBFGS. Shard r is
+``chunk_bounds(n, p)[r]`` (any n; shards may be empty). Call ``zero_grad()`` before each backward:
+after ``step()`` the gradient outside this rank's shard is scratch. A parameter belongs to one ZeRO
+at a time: a later one over it takes it over, and the earlier one's ``step()`` raises.
 """
 
 from __future__ import annotations
