@@ -36,6 +36,8 @@ class Backend:
     ranks, runs in the launcher before the fork and returns (connect(rank), an object to keep
     alive while the ranks run). ``one_host``: its ranks must share a machine. ``tells_death``:
     a rank can tell a dead peer from a slow one, so ``launch(tolerate=...)`` can go on without it.
+    ``shared_memory``: its buffers live in /dev/shm, and a receive reduces straight out of the
+    peer's buffer (the engines' own all-reduces may add a scratch copy per rank instead).
     """
 
     name: str
@@ -44,6 +46,7 @@ class Backend:
     prepare: Callable[[BaseContext, str, int, float], tuple[Connect, Any]] | None = None
     one_host: bool = False
     tells_death: bool = False
+    shared_memory: bool = False
 
     @property
     def forked(self) -> bool:
@@ -66,7 +69,7 @@ def _setup(backend: str, name: str) -> Callable[..., Any]:
 
 BACKENDS: dict[str, Backend] = {
     "local": Backend("local", _setup("local", "available"), "fork", _setup("local", "prepare"),
-                     one_host=True, tells_death=True),
+                     one_host=True, tells_death=True, shared_memory=True),
     "mpi": Backend("mpi", _setup("mpi", "available"), "mpiexec"),
     "torch": Backend("torch", _setup("torchdist", "available"), "fork",
                      _lazy("dplab.backends.torchdist.rendezvous", "prepare")),  # bound before the fork

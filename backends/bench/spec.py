@@ -17,6 +17,7 @@ import numpy as np
 
 from dplab.backends.bench.timing import bench_rank, summarize
 from dplab.backends.launch.world import check_backend
+from dplab.backends.registry import entry
 from dplab.reference.algorithms import ALGORITHMS, has_schedule
 from dplab.reference.errors import ConfigError
 
@@ -88,8 +89,9 @@ def bench_memory_need(backend: str, world_size: int, sizes: list[int]) -> Memory
     buffer per rank; the local backend reduces straight out of the peers' shared memory."""
     pairs = [a + b for a, b in zip(sizes, [0, *sizes[:-1]])]
     largest = max(sizes)
-    per_rank = max(pairs) + (0 if backend == "local" else largest)
-    shm = world_size * max(pairs) if backend == "local" else 0
+    in_shm = entry(backend).shared_memory
+    per_rank = max(pairs) + (0 if in_shm else largest)
+    shm = world_size * max(pairs) if in_shm else 0
     return MemoryNeed(backend, world_size, per_rank, shm, world_size * per_rank + 2 * largest)
 
 
