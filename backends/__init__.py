@@ -14,11 +14,7 @@ The common case in one import (a learner's first script; on mpi, keep the ``__ma
         print(launch(demo, 3))                 # three local ranks, each [6. 6. 6. 6.]
         print(launch(demo, 3, backend="mpi"))  # the same on MPI (mpiexec started for you)
 
-Training runs live in ``runs/``: ``from dplab.backends.runs import RunSpec, run_train``.
-
-Rooms: ``launch/`` (launch, World), ``local/`` ``mpi/`` ``torchdist/`` (one per transport),
-``nn/`` (DistributedDataParallel, ZeroRedundancyOptimizer), ``runs/`` (training runs and their
-files), ``cli/`` (the ``dplab`` command).
+Training runs: ``from dplab.backends.runs import RunSpec, run_train``. The map: backends/README.md.
 """
 
 from dplab.backends.fastpath.executor import allgather, allreduce, broadcast, reduce, reduce_scatter

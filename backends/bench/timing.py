@@ -2,32 +2,18 @@
 
     dplab bench --world-sizes 2 --sizes 4K,16M,64M
 
-As in nccl-tests, each rank times a loop of ``n`` back-to-back all-reduces and divides
-by ``n``; a cell's time is the mean over ranks (nccl-tests' default ``-a 1``). The loop
-runs ``reps`` times with the algorithms interleaved (ring, native, ring, native, ...),
-so a busy moment of a shared machine hits every algorithm alike, and the row reports
-the median repetition. ``native`` is the engine's all-reduce as its users call it
-(``MPI_Allreduce``, ``dist.all_reduce``), without the shape check that dplab's ``native``
-algorithm runs first in training; our algorithms' rows include whatever check they need.
-``n`` is sized from one timed call so that a cell's loops take about ``target_s``. As in nccl-tests:
+Each rank times a loop of ``n`` back-to-back all-reduces (``n`` sized so a loop takes about
+``target_s``) and divides by ``n``; a cell's time is the mean over ranks, the median of ``reps``
+repetitions with the algorithms interleaved. ``native`` is the engine's all-reduce as its users
+call it (``MPI_Allreduce``, ``dist.all_reduce``, no shape check). As in nccl-tests:
 
     algbw = bytes / time            busbw = algbw * 2 (p - 1) / p     (0 at p = 1)
 
-busbw is what each rank's link carried, so it is comparable across world sizes
-and with the memory-copy bandwidth (bytes / time of one ``np.copyto``), measured
-by rank 0 inside every backend x world-size run and printed as that run's ``memcpy``
-row: the ceiling for any shared-memory transport, and what the run's ``vs_memcpy``
-divides by. ``vs_native`` divides busbw by that of the engine's own all-reduce
-(``native``) of the same bytes in the same run.
-
-Buffers come from ``comm.empty`` (shared memory on the local backend: the ring
-then makes no copy beyond the algorithm's own reduce and copy of each chunk);
-``staged_bytes`` counts the bytes a rank had to copy into shared memory first.
-
-On GPUs (``--backends torch --device cuda``) the buffers are device tensors, every clock read
-waits for the device first (``torch.cuda.synchronize``: kernels run asynchronously, so a clock
-read alone times their launch), the memcpy row is a device-to-device ``Tensor.copy_``, and
-``native`` is NCCL's ``all_reduce``.
+``vs_memcpy`` divides busbw by the bandwidth of one ``np.copyto`` (rank 0's ``memcpy`` row in
+every run), ``vs_native`` by the engine's all-reduce of the same bytes. Buffers come from
+``comm.empty``; ``staged_bytes`` counts what a rank copied into shared memory first. On GPUs the
+buffers are device tensors, every clock read waits for the device (``torch.cuda.synchronize``),
+the memcpy row is a device-to-device ``Tensor.copy_`` and ``native`` is NCCL's ``all_reduce``.
 """
 
 from __future__ import annotations

@@ -4,24 +4,15 @@
     dplab scaling --backends local,mpi --models 4M --world-sizes 1,2 --json scaling.json
     dplab scaling --ddp --backends local,mpi,torch  # DDP p=2 vs one process on the half batch, torch's DDP
 
-Strong scaling: the global batch stays the same (64) and is split over p ranks, so a step on p
-ranks should take 1/p of a step on one:
+The global batch (64) is split over p ranks, so a step on p ranks should take 1/p of one on one:
 
     speedup = T1 / Tp        efficiency = T1 / (p Tp)      (1: perfect; at p = 1 it is 1 by definition)
 
-Each cell trains ``train_sync`` (the reference trainer: NumPy, one thread per rank, as ``launch``
-sets it up) with tracing on, and splits every rank's mean step, from its trace, into four
-disjoint parts that add up to it (``dplab.reference.trace_metrics.step_split``): compute
-(forward, backward, optimizer), exposed communication (reductions with no compute under them),
-waiting (blocked on the last bucket while nothing moved) and other (Python between phases). A
-row's parts are the mean over ranks of the median repetition. The cells are interleaved (every
-model and world size once per repetition, in worlds kept alive for the whole run), so a busy
-moment of a shared machine hits every cell alike; compare ratios within one run. The first
-``--warmup`` steps of every run are left out (first-touch page faults, caches).
-
-Why a command of its own and not a mode of ``dplab bench``: bench's rows are messages (bytes,
-busbw), these are training steps (a model, a step time, its split); no option of one applies to
-the other. ``--ddp`` is ``scaling_ddp.py``.
+Each cell trains ``train_sync`` with tracing on and splits every rank's mean step into four
+disjoint parts that add up to it (``dplab.reference.trace_metrics.step_split``): compute, exposed
+communication, waiting and other. A row's parts are the mean over ranks of the median repetition;
+cells are interleaved in worlds kept alive for the run, so compare ratios within one run. The
+first ``--warmup`` steps of every run are left out. ``--ddp`` is ``scaling_ddp.py``.
 """
 
 from __future__ import annotations

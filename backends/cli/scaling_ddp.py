@@ -2,21 +2,13 @@
 
     dplab scaling --ddp --backends local,mpi,torch --reps 3
 
-One step of data-parallel training on p ranks should cost what one process's step on the
-1/p-th batch costs, plus the all-reduce it cannot hide. The ratio
-
     ratio = step(DDP, p ranks, B/p each) / step(1 process, B/p)
 
-is that price: 1.0 is free, and the reduction's own memory traffic is its floor. The cells
-of one run are interleaved (single, ours on each backend, torch's DDP over gloo, single, ...)
-in worlds that stay alive for the whole run, and each cell reports the median of its
-repetitions, so a busy moment of a shared machine hits every cell alike; the ratios are
-always taken within one run.
-
-Each rank runs one thread (``one_thread_per_rank`` when it starts and ``torch.set_num_threads(1)``
-here, for MPI ranks that import torch only now). A cell's time is the slowest rank's mean step
-over a loop of ``steps`` steps (after ``warmup`` untimed ones): no barrier inside the loop, as
-in a real training loop, where the all-reduce itself keeps the ranks in step.
+is the price of data parallelism: 1.0 is free. Cells (single, ours on each backend, torch's DDP
+over gloo, single, ...) are interleaved in worlds alive for the whole run and report the median
+repetition, so ratios are taken within one run. Each rank runs one thread; a cell's time is the
+slowest rank's mean step over ``steps`` steps after ``warmup`` untimed ones, with no barrier
+inside the loop.
 """
 
 from __future__ import annotations

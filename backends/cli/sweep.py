@@ -3,27 +3,19 @@
     dplab compare --global-batches 64,256,1024,4096 --lr-rule linear,sqrt --optimizer momentum --lr 0.05
     dplab compare --global-batches 64,4096 --lr-rule sqrt --warmup-steps 5 --json sweep.json
 
-Data parallelism over more ranks means a bigger global batch. Each cell of the sweep is a
-real synchronous data-parallel run (``--backends`` x ``--world-sizes``, default local x 2,
-all-reduce ``--algorithms``, default ring) at one global batch B, with the lr of one rule
-(``dplab.reference.lr.scaled_lr``: ``--lr`` is right at ``--base-batch``). Every cell sees
-the same number of samples, S = ``--steps`` x the largest batch, so a cell of batch B takes
-ceil(S / B) steps. The row reports the full data set's loss
+Each cell is a real synchronous data-parallel run (``--backends`` x ``--world-sizes`` x
+``--algorithms``) at one global batch B, with the lr of one rule (``dplab.reference.lr.scaled_lr``:
+``--lr`` is right at ``--base-batch``). Every cell sees S = ``--steps`` x the largest batch samples
+(ceil(S / B) steps), and the row reports the full data set's loss
 
     loss@<k>steps     after k steps                      (bigger batches win here ...)
     loss@<s>samples   after the first step with >= s samples seen   (... and lose here, beyond
-                                                          the "critical batch" where more samples
-                                                          per step stop buying a better step)
+                                                          the "critical batch")
 
-Intermediate losses come from the single-device oracle (``train_single``) stopped at that step:
-the row's ``max_abs_diff_vs_single`` shows the data-parallel run IS that run (to rounding); the
-last one, ``final_loss``, is the data-parallel run's own. A cell whose lr is too large for its
-batch trains unstably, and instability amplifies rounding exponentially: its diff then grows
-far past 1e-10 although both runs are right (measured: LAMB at lr 0.128, batch 4096, the
-single-device run with its gradients perturbed by 1e-16 ends 19 away after 50 steps; at lr
-0.016, 2e-16). A large diff in a sweep row means "unstable", not "wrong".
-
-The sweep's data, unless given: the classification set of 8192 samples (``args_optim.SWEEP_DATA``).
+Intermediate losses come from the single-device oracle (``train_single``) stopped at that step;
+``max_abs_diff_vs_single`` shows the data-parallel run is that run to rounding, and ``final_loss``
+is its own. An lr too large for its batch trains unstably and amplifies rounding: a large diff in
+a sweep row means "unstable", not "wrong". Data, unless given: ``args_optim.SWEEP_DATA`` (8192 samples).
 """
 
 from __future__ import annotations

@@ -3,24 +3,15 @@
     dplab train --backend cuda --world-size 4       # four ranks on one GPU (or one per GPU)
     dplab bench --backends cuda --world-sizes 2,4 --sizes 4K,256M
 
-Rank r computes on GPU ``r % device_count``: any number of ranks per GPU, or one per GPU. Why
-threads, not processes: handing a GPU from one process to another is a context switch, far dearer
-than a hand-off between threads (backends/PERFORMANCE.md). A receive reads straight from the
-sender's tensor; the host passes each message's view and, in return, an acknowledgement
-(``hub.py``), and never waits for the device. Ranks on one GPU share its stream, so the order in
-which their threads enqueue is the order the kernels run: a receive is enqueued after the sender's
-writes (it had to take the message), the sender's next writes after the receive (it had to take the
-acknowledgement), and no CUDA event (each costs host time) is needed. Ranks on different GPUs pass
-events: the receiver's stream waits on the sender's ``ready`` event, the sender's on the receiver's
-``consumed`` one. Torch tensors on the rank's GPU stay there; numpy arrays travel in host memory,
-added with NumPy by the rank's thread.
-
-``native`` is a one-shot on device memory, as the local backend's: rank d adds chunk d of every
-rank's buffer (in the order d, d+1, ..., d-1) and writes the sum into every buffer's chunk d.
-
-The mismatch contract (``dplab.reference.communicator.Communicator``): every message carries its
-collective's code and the whole buffer's (length, dtype); a receiver compares both with its own
-(1, 2), and a rank waiting on a peer sees the peer's pending message of another collective (3).
+Rank r computes on GPU ``r % device_count``. A receive reads straight from the sender's tensor: the
+host passes each message's view and an acknowledgement back (``hub.py``) and never waits for the
+device. Ranks on one GPU share its stream, so enqueue order is kernel order and no CUDA event is
+needed; across GPUs the receiver waits on the sender's ``ready`` event, the sender on the receiver's
+``consumed`` one. Torch tensors stay on the rank's GPU; numpy arrays travel in host memory.
+``native`` is a one-shot on device memory: rank d adds chunk d of every rank's buffer (in the order
+d, d+1, ..., d-1) and writes the sum into every buffer's chunk d. Mismatch contract: each message
+carries its collective's code and the buffer's (length, dtype), compared by the receiver (1, 2); a
+waiting rank sees a peer's pending message of another collective (3). Why threads: backends/README.md.
 """
 
 from __future__ import annotations

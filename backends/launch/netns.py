@@ -7,22 +7,13 @@
 
     python -m dplab.backends.launch.netns --hosts 2 --rate 1gbit   # up until Ctrl-C; prints how to use it
 
-Each host is a namespace with ``lo`` and one interface, ``IFACE``, holding ``10.213.0.<i+1>/24``; its
-peer end sits on a bridge in this machine's own namespace. The bridge has no address and the
-namespaces have no default route, so their traffic can only reach each other: nothing leaves the
-machine, and two clusters side by side (each on its own bridge) may use the same subnet. ``rate``
-puts a ``tbf`` on both ends of every host's link, as on a full-duplex NIC: ranks on one host talk
-over ``lo`` at memory speed, ranks on different hosts through the limited link.
-
-Cleanup: leaving the ``with`` block (normally, by an exception, Ctrl-C, or SIGTERM where the script
-turned it into an exception) kills every process in the namespaces, then deletes the veths
-(which takes both ends, at once), the namespaces, the bridge and the temp folder, with SIGINT and
-SIGTERM held meanwhile. If the owner dies without a word (SIGKILL), a guard process started with
-the cluster does the same within a second. Names carry the owner's pid, so whatever still
-survived (the guard killed too) is removed by the next ``Cluster`` (``sweep_stale``).
-
-``enter_script`` is what MPICH's hydra needs to reach a host: ``mpiexec -launcher ssh
--launcher-exec <it> -hosts 10.213.0.1:2,10.213.0.2:2`` runs each proxy in that host's namespace.
+Host i is a namespace with ``lo`` and ``IFACE`` at ``10.213.0.<i+1>/24``, its peer end on a bridge
+with no address and no route out: nothing leaves the machine, and clusters side by side may share
+the subnet. ``rate`` puts a ``tbf`` on both ends of every host's link. Leaving the ``with`` block
+(also by an exception or Ctrl-C) removes everything, signals held meanwhile; a guard process does
+it within a second if the owner is SIGKILLed, and ``sweep_stale`` in the next ``Cluster`` removes
+what survived. ``enter_script`` lets MPICH's hydra reach a host: ``mpiexec -launcher ssh
+-launcher-exec <it> -hosts 10.213.0.1:2,10.213.0.2:2``.
 """
 
 from __future__ import annotations

@@ -5,28 +5,14 @@
     python -m dplab.backends.launch.two_level control --sizes 1M,4M --reps 3 \
         --out backends/launch/two_level_1gbit.json       # adds: the same with no rate limit
 
-Two namespace hosts (``dplab.backends.launch.netns``) of g ranks; ranks on one host share memory
-(MPICH's shm), ranks on different hosts talk over TCP (MPICH ch4 over ofi/tcp) through links a
-``tbf`` limits to ``--rate``. Two networks (``PORTS``): ``rank``, every rank its own link (each rank
-enters a namespace of its own, its hydra proxy stays the host's: what the two-level model
-assumes, one NIC per GPU), and ``host``, one link per host shared by its ranks. It runs, with the
-engine's own launcher:
-
-1. ``dplab bench`` + ``dplab tune`` on 2 hosts x 1 rank: every byte crosses the link, so its alpha
-   and beta are the inter-host link's;
-2. the same on 1 host x g ranks, on both hosts at once: the intra-host link's alpha and beta for
-   each layout, under the load it carries in hierarchical's intra-host rounds (the hosts share
-   this machine's cores: one host alone is up to twice as fast, which the model would then miss);
-3. flat ring, Rabenseifner and ``hierarchical:g`` on 2 hosts x g ranks at every size, on both
-   networks: per repetition the slowest rank's time after a barrier, algorithms interleaved; the
-   cell's time is the fastest repetition (the one the machine's other users disturbed least).
-
-It writes one JSON file: the measurements with the exact command, machine and load average, the
-fits with the bench rows they were fitted to, and what ``costmodel.cost`` predicts on
-``Topology(g, intra, inter)`` for every cell. The fits fold gamma into beta (ring rows only): ring,
-Rabenseifner and hierarchical all reduce half of what they send on their critical path, so a
-folded gamma prices all three alike. ``model(data, cell)`` re-prices a cell from the file, as the
-tests do; ``measure`` runs one measurement in a cluster of its own.
+Two namespace hosts (``netns``) of g ranks, shared memory within a host and TCP through a ``tbf``
+limited to ``--rate`` between them, on two networks (``PORTS``): ``rank``, a link per rank (the
+model's one NIC per GPU), and ``host``, one link per host. It fits the inter-host link on 2 x 1
+ranks and the intra-host link on 1 x g (both hosts at once), then times flat ring, Rabenseifner
+and ``hierarchical:g`` on 2 x g at every size (fastest repetition of the slowest rank). The JSON
+file holds the measurements with command, machine and load, the fits with their bench rows, and
+``costmodel.cost``'s prediction per cell; ``model(data, cell)`` re-prices a cell, as the tests
+do; ``measure`` runs one measurement in a cluster of its own. Results: backends/README.md.
 """
 
 from __future__ import annotations

@@ -2,24 +2,11 @@
 
     stop = watch_launcher(forked_from(launcher_pid), cleanup=lambda: unlink_prefix(session))
 
-A launcher can die without a word: SIGKILL, the OOM killer, a closed terminal. Its ranks must not
-train on at full CPU for ever, nor leave their shared memory in /dev/shm. Each rank therefore runs
-a small daemon thread that looks at the launcher five times a second; when it is gone the thread
-runs ``cleanup`` (unlink the world's segments, and on MPI the MPICH segments this rank maps) and
-ends the process with ``os._exit``.
-
-Why not the usual tools:
-
-* ``PR_SET_PDEATHSIG`` fires when the *thread* that forked the rank exits, not the process: a
-  ``World`` made in a helper thread would lose its ranks when that thread ends. And SIGKILL leaves
-  no chance to clean /dev/shm.
-* EOF on the launcher's pipe never comes while another process holds a copy of the write end,
-  and every rank forked later (of this world or the next) inherits one.
-
-So the thread asks the kernel: a forked rank compares ``getppid()`` with the launcher's pid (a
-child is reparented when its parent process dies, not when a thread does); an MPI rank, whose
-parent is mpiexec's proxy, checks that the launcher's pid still names a live process with the
-start time it had (so a recycled pid does not fool it).
+A daemon thread looks at the launcher five times a second; once it is gone (SIGKILL, the OOM
+killer, a closed terminal) the thread runs ``cleanup`` (the world's segments, and on MPI the MPICH
+segments this rank maps) and ends the process with ``os._exit``. A forked rank compares
+``getppid()`` with the launcher's pid; an MPI rank checks that the pid still names a live process
+with the start time it had. Why not ``PR_SET_PDEATHSIG`` or EOF on a pipe: backends/README.md.
 """
 
 from __future__ import annotations

@@ -5,28 +5,16 @@
         return comm.rank
     launch(hello, world_size=4)            # -> [0, 1, 2, 3]; backend="mpi" or "torch" too
 
-``launch`` returns the per-rank results, or raises one ``RankError`` naming the
-first rank that failed, with its traceback. The other ranks are then killed and
-every shared-memory segment of the world is unlinked, also when a rank was killed
-by a signal. A persistent ``World`` keeps its ranks alive between calls, so tests
-can run hundreds of examples without paying process start-up each time:
-
-    with World(4, backend="local") as world:
+    with World(4, backend="local") as world:   # ranks kept alive between calls
         world.run(fn, *args)               # fn must be a module-level function (it is pickled)
 
-Nothing outlives the launcher: an unclosed ``World`` is ended when it is garbage-collected or the
-interpreter exits; Ctrl-C inside ``launch`` or ``run`` kills the ranks at once and unlinks the
-world's shared memory before the KeyboardInterrupt comes out (a second Ctrl-C waits for that
-cleanup); and if the launcher is killed outright, every rank notices within 0.2 s, unlinks what
-it shares and exits (``dplab.backends.launch.watch``).
-
-How ranks start (each backend's entry in ``dplab.backends.registry`` says): local and torch
-ranks are forked (milliseconds; torch ranks then rendezvous on loopback); MPI ranks are started
-by the ``mpiexec`` of the installed MPI (the ``mpich`` wheel) and connect back to the launcher
-over loopback; a function of the user's script (``__main__``) reaches them as with
-multiprocessing's spawn (``dplab.backends.launch.mainmod``). Under an engine's own launcher
-(``mpiexec -n 4 dplab train --backend mpi``, ``torchrun``) ``launch`` runs ``fn`` on the
-launcher's ranks instead and returns everyone's results.
+``launch`` returns the per-rank results, or raises one ``RankError`` naming the first rank that
+failed; the other ranks are then killed and the world's shared memory unlinked. Nothing outlives
+the launcher: an unclosed ``World`` ends at garbage collection or interpreter exit, Ctrl-C kills
+the ranks before KeyboardInterrupt comes out, and ranks of a killed launcher end themselves
+(``watch``). How each backend starts its ranks: ``dplab.backends.registry``; a function of the
+user's ``__main__`` reaches MPI ranks through ``mainmod``. Under ``mpiexec`` or ``torchrun``,
+``launch`` runs ``fn`` on the engine's ranks and returns everyone's results.
 """
 
 from __future__ import annotations

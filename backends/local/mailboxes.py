@@ -2,31 +2,14 @@
 
 Each ordered pair (src, dst) has a mailbox of ``SLOTS`` descriptors (segment id, offset, bytes,
 dtype code, tag) in the world's control segment, and two semaphores: ``ready[src][dst]`` (a
-descriptor waits) and ``done[src][dst]`` (dst has finished with the message). ``arrival[dst]`` is
-posted with every message so a receive from ANY_SOURCE can sleep until something comes. Ranks
-signal only the peer they talk to. A send names its buffer where ``Memory`` located it; a receive
-copies or adds straight out of the sender's memory. Messages between two ranks are taken in
-order; their tags, lengths and dtypes are checked, not used to pick a message (``refusal`` says
-what was wrong with one).
-
-A sender waiting for a collective's peer to take its message looks now and then at the peer's
-own waiting message (``peek``): a message of another collective means the peer is in that one,
-and both may only be sending, so the sender says so instead of waiting out the timeout.
-
-What the ranks share is made by the launcher before it forks them (``Wiring``): the semaphores, the
-control segment, and each rank's process id, written by the rank when it connects: a receive from
-ANY_SOURCE hears nothing from a dead rank, ever, and only a look at the process tells dead from slow
-(``LocalComm.peer_alive``; the parameter server goes on without a worker killed mid-run).
-
-How a rank waits (``Waiter``): spin, then sleep, never past its timeout. A semaphore post that finds
-its waiter asleep costs a futex wake-up, and the waiter tens of microseconds to be scheduled again:
-more than a whole round of a small all-reduce. So a waiting rank first tries the semaphore for up to
-``SPIN_US`` (``DPLAB_SPIN_US``), which catches a peer a few microseconds behind, and only then
-sleeps. The spin is bounded and adapts: a wait that ends asleep anyway halves the next spin, down
-to a sixteenth; every eighth wait spins in full, and one that succeeds restores it. Spinning only
-pays while every rank has a core of its own: when ranks outnumber cores a spinning rank takes the
-core from the very peer it waits for, so there it sleeps at once (``DPLAB_YIELDS`` > 0 gives the
-core away with ``sched_yield`` that many times first).
+descriptor waits) and ``done[src][dst]`` (dst has finished with the message); ``arrival[dst]`` is
+posted with every message for receives from ANY_SOURCE. A receive copies or adds straight out of
+the sender's memory. Messages between two ranks are taken in order; tags, lengths and dtypes are
+checked, not used to pick a message (``refusal``), and a waiting sender ``peek``s at its peer's
+message to report a mismatch instead of timing out. The launcher makes what ranks share before
+the fork (``Wiring``), with each rank's pid, so ``LocalComm.peer_alive`` tells dead from slow.
+A rank waits (``Waiter``) by a bounded, adaptive spin (``DPLAB_SPIN_US``), then sleep, never past
+its timeout; when ranks outnumber cores it sleeps at once (``DPLAB_YIELDS`` > 0: yield first).
 """
 
 from __future__ import annotations

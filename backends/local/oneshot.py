@@ -5,27 +5,17 @@ in every rank's buffer.
     launch(lambda comm: comm.native_allreduce(comm.empty(1024, "float32")), 2)
     dplab bench --world-sizes 2 --sizes 4K,1M --algorithms ring,native    # measured against ring
 
-Shared memory lets a rank write a peer's buffer, not only read it. Rank d owns chunk d
-(``chunk_bounds(n, p)[d]``): it adds chunk d of every peer's buffer into its own chunk d, then
-copies the sum into every peer's chunk d. No two ranks touch the same bytes (each only its own
-chunk, in every buffer), so the only synchronisation is one round of descriptors ("here is my
-buffer", ``mailboxes.py``) and one of acknowledgements ("I am done with yours"): a
-rank returns once every peer has acknowledged, i.e. has finished reading and writing its
-buffer. For p = 2 and chunks a, b:
+Rank d owns chunk d (``chunk_bounds(n, p)[d]``): it adds chunk d of every peer's buffer into its
+own, in the order d, d + 1, ..., d - 1, then writes the sum into every peer's chunk d, so every
+rank ends bitwise equal. No two ranks touch the same bytes; one round of descriptors
+(``mailboxes.py``) and one of acknowledgements suffice, and a rank returns once every peer is
+done with its buffer. For p = 2 and chunks a, b:
 
     r0 [a0 b0]   r0 adds a1 into a0 and writes a01 into r1's a   |  r0 [a01 b01]
     r1 [a1 b1]   r1 adds b0 into b1 and writes b01 into r0's b   |  r1 [a01 b01]
 
-The same bytes as ``direct`` (each rank reads (p-1) n/p of peers' memory and writes as much
-instead of reading it a second time) in one round instead of two, and no snapshot: the one
-round that ``recursive_doubling`` needs at p = 2 copies the whole buffer first. A buffer
-outside shared memory goes out as a staged copy (``memory.py``): peers write their chunks into
-that copy, so those are copied back once every peer is done. Rank d alone adds chunk d, in the
-order d, d + 1, ..., p - 1, 0, ..., d - 1: every rank ends bitwise equal.
-
-It is not a schedule of ``dplab.reference.algorithms``: a schedule's transfers move a chunk
-to the rank that holds the result, and here the rank that computes a result writes it into
-memory that another rank owns, which only shared memory can do.
+Not a schedule of ``dplab.reference.algorithms``: it writes into memory another rank owns, which
+only shared memory allows. A buffer outside shared memory is staged and copied back after.
 """
 
 from __future__ import annotations

@@ -4,36 +4,15 @@
     launch(fn, 4, backend="mpi")                            # mpiexec started for you
     dplab bench --backend mpi --world-sizes 2,4 --algorithms ring,native
 
-MPI already does what the shared-memory backend builds by hand: ordered
-point-to-point messages between ranks, and a native all-reduce (the yardstick).
-This file adds what the Communicator contract asks and MPI does not give:
-
-* Timeouts. ``MPI_Wait`` cannot time out, so every wait polls ``Test``. For the
-  first 20 ms a waiting rank only yields its core between polls: messages move only
-  while ranks drive MPI's progress engine, and a yield lets a rank that has work run
-  first (with more ranks than cores, yielding beats napping: backends/PERFORMANCE.md). After that
-  it naps between polls, each nap 1/20 of the time waited so far (20 us to 1 ms),
-  so a nap adds at most 5% to a wait and a rank waiting for a dead peer costs
-  little. At the timeout the request is cancelled and ``CommTimeout`` names the peer.
-* The mismatch contract (``dplab.reference.communicator.Communicator``). An MPI tag carries
-  the user's tag and the sender's dtype (``16 * tag + dtype code``) and receives accept any
-  tag, so, as on the local backend, messages between two ranks are matched in order and tags
-  are checked, not used to pick a message. (1) A collective's messages are tagged with its
-  code (``check_buffer``): a message of another collective, algorithm or root is a
-  ``CollectiveMismatch`` naming both calls. (2) A longer message (MPI_ERR_TRUNCATE), a shorter
-  one or another dtype is a ``BufferMismatch``; the native all-reduce first agrees on
-  (n, dtype, -n, -dtype) by dissemination (``engine_calls.py``). (3) A sender left waiting for
-  a peer to take its message probes the peer's own message (which catches two ranks that both
-  only send large messages; small ones leave eagerly and are caught by the next collective).
-* Isolation. dplab talks on a duplicate of the communicator it is given, so its
-  messages never meet the application's.
-* The node layout (``Communicator.hosts``): MPI knows which ranks share memory
-  (``Split_type(COMM_TYPE_SHARED)``); under hydra that is the ranks of one ``-hosts`` entry,
-  checked across namespace hosts (``tests/test_hosts_layout.py``).
-
-MPI's own collectives (the barrier, ``MPI_Allreduce``, the launcher's control path) are in
-``engine_calls.py``. Importing this module does not start MPI: ``mpi4py.MPI`` (whose import calls
-MPI_Init) is imported when a communicator is built, never in the launcher.
+What this file adds to MPI's ordered point-to-point messages, for the Communicator contract: every
+wait polls ``Test`` and ends in ``CommTimeout`` naming the peer (how it waits: backends/README.md);
+an MPI tag is ``16 * tag + dtype code`` and receives accept any tag, so messages between two ranks
+match in order and a collective's code, length and dtype are checked: another collective,
+algorithm or root is a ``CollectiveMismatch`` (1), another buffer a ``BufferMismatch`` (2), and a
+sender left waiting probes its peer's message (3). dplab talks on a duplicate of the communicator
+it is given; ``hosts`` comes from ``Split_type(COMM_TYPE_SHARED)``. MPI's own collectives are in
+``engine_calls.py``. Importing this module does not start MPI: ``mpi4py.MPI`` (MPI_Init) is
+imported when a communicator is built, never in the launcher.
 """
 
 from __future__ import annotations

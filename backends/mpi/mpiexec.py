@@ -1,24 +1,11 @@
 """Start an MPI world with the installed ``mpiexec``, connect its ranks back to us, end it cleanly.
 
-``World(p, backend="mpi")`` runs ``mpiexec -n p python -c RANK_MAIN HOST:PORT``. Each rank (a fresh
-interpreter) initialises MPI, connects to a listener on loopback, authenticated by a random key
-passed in its environment, and says who it is: rank, pid, process group, and the MPICH
-shared-memory segments it maps. That is what ending the job needs:
-
-* mpiexec runs in a session of its own, and its proxy (``hydra_pmi_proxy``) makes another one for
-  the ranks, so one signal to mpiexec's group does not reach them: ``kill`` signals both groups.
-* MPICH unlinks its segments in ``MPI_Finalize``; killed ranks never get there, so ``kill`` unlinks
-  the segments the ranks reported, then any of this user's that no live process maps.
-* How a rank ended. mpiexec cannot say (its exit status is the worst of all ranks, and it SIGKILLs
-  the others as soon as one exits), and the rank is not our child, so no ``waitpid`` of ours sees
-  it. So what mpiexec starts is a small keeper that forks the rank and waits for it: the rank
-  dies with its keeper (PR_SET_PDEATHSIG, safe in a single-threaded keeper), SIGTERM is passed
-  on, and when the rank ends abnormally the keeper writes its wait status to
-  ``/dev/shm/<session>_exit_<pid>`` (unlinked with the world) and ends the same way, so mpiexec
-  sees what it would have seen. ``death_note`` reads it: "process exited with code 3", as the
-  local backend says it.
-
-Start-up has its own allowance (``DPLAB_START_TIMEOUT``), separate from the collectives' timeout.
+``World(p, backend="mpi")`` runs ``mpiexec -n p python -c RANK_MAIN HOST:PORT``; each rank connects
+to a listener on loopback (authenticated by a random key in its environment) and reports its rank,
+pid, process group and MPICH shared-memory segments. ``kill`` signals both mpiexec's and the ranks'
+process groups and unlinks the segments killed ranks leave; ``death_note`` says how a rank ended
+("process exited with code 3"), as the keeper process that mpiexec starts for each rank recorded it
+(why a keeper: backends/README.md). Start-up has its own allowance, ``DPLAB_START_TIMEOUT``.
 """
 
 from __future__ import annotations

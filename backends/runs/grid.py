@@ -1,27 +1,18 @@
 """The grids behind ``dplab compare`` and the app's Training page: an equivalence table, or a race
 against the clock.
 
-Without a time budget (the default for ``--modes sync``) every cell trains the same
-number of steps and the table shows that each all-reduce algorithm lands on the
-single-device parameters. With a budget (the default once ``async`` is in ``--modes``)
-every cell trains for the same WALL TIME and the table shows what that time bought:
+Without a time budget (the default for ``--modes sync``) every cell trains the same number of
+steps and the table shows each all-reduce algorithm landing on the single-device parameters. With
+a budget (the default once ``async`` is in ``--modes``) every cell trains for the same WALL TIME:
 
     sync      all-reduce data parallelism, one row per algorithm (default ring)
     backup    synchronous SGD through the parameter server, each step from the first
               W - b gradients (one row per ``--backup-workers``; with ``sync`` in a race)
     async     the parameter server with each staleness bound of ``--staleness-grid``
 
-Throughput is ``samples_per_s``: samples whose gradients reached the parameters, per
-second (a dropped backup gradient counts for nothing), comparable across modes even
-though an async update is one worker's shard and a sync step the whole batch. The
-quality is ``final_loss`` over the whole data set. A parameter-server world of p
-ranks has p - 1 workers (rank 0 serves), an all-reduce world p.
-
-Reading the numbers: a straggler costs sync its full factor only where compute dominates
-the step (a small model is mostly messaging), and on a machine with fewer cores than
-ranks a sleeping straggler hands its core to the others, which then run faster. Backup
-workers waste b / W of the compute when nobody straggles and win when someone does; the
-loss they reach hides their bias on i.i.d. synthetic data (see ``dplab.reference.ps.trainer``).
+Throughput is ``samples_per_s``: samples whose gradients reached the parameters, per second (a
+dropped backup gradient counts for nothing); quality is ``final_loss`` over the whole data set. A
+parameter-server world of p ranks has p - 1 workers (rank 0 serves), an all-reduce world p.
 """
 
 from __future__ import annotations

@@ -4,28 +4,15 @@
     torchrun --nproc-per-node 4 -m dplab.backends.cli train --backend torch            # torchrun's ranks
     DPLAB_DEVICE=cuda torchrun --nproc-per-node 4 -m dplab.backends.cli train --backend torch    # NCCL
 
-``DPLAB_DEVICE=cuda`` picks NCCL and GPU ``LOCAL_RANK``: N ranks on one machine need N GPUs,
-else a ``ConfigError`` says to use --device cpu (gloo). Numpy arrays go through
-``torch.from_numpy`` (no copy); NCCL moves only GPU memory, so there a host buffer is copied to
-the GPU, and back after a receive. Device tensors go straight through. Nothing is pickled.
-
-Point-to-point messages, their headers and errors: ``p2p.py``. This file runs the rounds
-of a schedule. The mismatch contract (``dplab.reference.communicator.Communicator``): gloo
-cannot check a message's length without killing the process on a longer one, so a
-collective's first message on each link carries the whole buffer's (length, dtype) and the
-collective's code (kind, algorithm, root), and the receiver compares them with its own
-(``check_buffer``): another collective is a ``CollectiveMismatch`` (1), another buffer a
-``BufferMismatch`` (2); later messages on the link are bare data. The native all-reduce
-first all-reduces (n, dtype, -n, -dtype) with MAX (2). gloo cannot probe for a waiting
-message, so a rank with none to compare (inside gloo's own all_reduce, or only sending)
-meets clause (3) by ``CommTimeout`` naming the peer. A bare ``exchange`` before any
-collective carries no header: its messages travel under their shape's tag, so mismatched
-shapes time out (``CommTimeout``) instead of killing gloo.
-
-gloo is a rendezvous transport: a send moves only once its receive is posted. So on gloo each
-round also posts the next round's receives that the round cannot disturb (``early_receives``,
-worked out from the collective's plan in ``check_buffer``): the neighbour's send then goes at
-once instead of waiting for a round trip.
+``DPLAB_DEVICE=cuda`` picks NCCL and GPU ``LOCAL_RANK`` (N ranks need N GPUs, else a ``ConfigError``).
+Numpy arrays go through ``torch.from_numpy``; under NCCL a host buffer is copied to the GPU and back.
+This file runs a schedule's rounds (messages: ``p2p.py``). Mismatch contract: a collective's first
+message on each link carries the buffer's (length, dtype) and the collective's code, checked by
+``check_buffer``: another collective is a ``CollectiveMismatch`` (1), another buffer a
+``BufferMismatch`` (2); the native all-reduce first all-reduces (n, dtype, -n, -dtype) with MAX.
+gloo cannot probe, so a rank with nothing to compare meets (3) by ``CommTimeout`` naming the peer,
+and a bare ``exchange`` with mismatched shapes times out. On gloo each round posts the next round's
+receives it cannot disturb (``early_receives``; why: backends/README.md).
 """
 
 from __future__ import annotations
