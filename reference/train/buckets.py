@@ -1,9 +1,12 @@
 """Bucketed gradient all-reduce that overlaps the backward pass (the DDP reducer).
 
-Parameters are grouped in reverse order into buckets of about ``bucket_cap_mb``; once every
-gradient of a bucket is ready, the comm thread all-reduces it in place (a contiguous slice of
-the flat gradient) while backward goes on. Buckets are launched strictly in order, so every rank
-runs the same collectives. Four layers, two per bucket, in made-up time units:
+Gradients appear last layer first. One all-reduce per parameter would pay one latency each; one
+after backward would leave the network idle while we compute. So, as PyTorch DDP does, parameters
+are grouped in reverse order into buckets of about ``bucket_cap_mb``, and once every gradient of a
+bucket is ready the comm thread all-reduces it in place (a contiguous slice of the flat gradient)
+while backward goes on. Buckets launch strictly in order, so every rank runs the same collectives.
+Four layers, two per bucket (made-up time units): bucket 0 starts when layer 2's backward ends and
+hides behind layers 1 and 0; bucket 1 can start only after layer 0, so ``wait()`` pays for it all.
 
     time ->  0         10        20        30        40        50        60
     main     [ layer 3 ][ layer 2 ][ layer 1 ][ layer 0 ][      wait      ]
