@@ -5,18 +5,13 @@
     with BUDGET.world(4, stop=stop, check=check) as world:
         world.run(fn)                                # at most BUDGET.limits.ranks ranks at once
 
-The app is a server: every visitor's real run (a short bench, a training grid, a traced run)
-forks ranks in this one process's machine. Without a bound, six visitors of an 8-rank page
-start 48 ranks on two cores, and a run keeps going after its visitor closed the tab. So:
-
 * ranks: a run waits, first come first served, until its ranks fit in ``Limits.ranks`` (the
   cores this process may use); a run larger than that waits for the whole budget and runs alone;
 * waiting: at most ``Limits.queue`` runs wait, each at most ``Limits.wait_s`` (``Busy``, one line);
 * time: a world lives at most ``Limits.run_s`` seconds, then its ranks are killed (``Stopped``);
-* leaving: a watchdog kills the ranks as soon as the page's script is asked to stop (its
-  visitor left, or changed a control, which reruns it); the page then ends as Streamlit ends it.
+* leaving: a watchdog kills the ranks as soon as the page's script is asked to stop.
 
-Pure threading: no Streamlit here except in ``visitor_hooks``, which imports it when called.
+Why a budget: viz/README.md. Pure threading: Streamlit is imported only by ``visitor_hooks``.
 """
 
 from __future__ import annotations

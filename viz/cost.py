@@ -1,11 +1,5 @@
 """The alpha-beta-gamma model as curves: one per algorithm, in time, algbw or busbw.
 
-Every number here is ``dplab.reference.costmodel.cost`` over the same schedule the executor
-runs (``allreduce_schedule``): nothing is a closed form typed in twice. A crossover is where
-two algorithms' times change order; it is found on the curve's size grid and then pinned
-down to a whole element by bisection on the cost model itself, so "tree beats ring below
-91.9 KiB at p=8" is the model's answer, not a reading of the plot.
-
     from dplab.viz.cost import CostParams
     from dplab.viz.cost_crossovers import crossovers, merged_crossovers
     from dplab.viz.cost_figure import cost_figure
@@ -14,13 +8,11 @@ down to a whole element by bisection on the cost model itself, so "tree beats ri
     [m.sentence() for m in merged_crossovers(params)]  # ['tree beats ring and direct below 91.9 KiB at p=8']
     cost_figure(params).show()
 
-Algorithms whose curves tie at every size (ring and direct cost the same on paper) are
-``coinciding``: the figure dashes all but the first of them so the first stays visible, and
-their crossovers with a third algorithm are one marker and one sentence (``merged_crossovers``).
-The crossovers are ``cost_crossovers.py``, the figure ``cost_figure.py``.
-
-The page (``viz/pages/cost.py``) only wires controls to these functions; the measured side
-(bench rows, the alpha/beta fit) is ``dplab.viz.cost_fit``.
+Every number is ``dplab.reference.costmodel.cost`` over the schedule the executor runs
+(``allreduce_schedule``). A crossover (``cost_crossovers.py``) is found on the size grid, then
+pinned to a whole element by bisection on the model. Algorithms that tie at every size (ring and
+direct) are ``coinciding``: one marker and one sentence, all but the first dashed in the figure
+(``cost_figure.py``). The measured side (bench rows, the alpha/beta fit) is ``dplab.viz.cost_fit``.
 """
 
 from __future__ import annotations

@@ -1,22 +1,17 @@
 """Measured all-reduce times against the model: bench rows, a least-squares alpha/beta, residuals.
 
-A bench row (``dplab bench --json``) is one algorithm's time for one buffer at one world size.
-Its schedule says how many latencies and how many bytes lie on the critical path
-(``dplab.reference.costfit.terms``), so every row is one linear equation
-
-    time = a(algorithm, p, n) * alpha + b(algorithm, p, n) * beta
-
-and alpha, beta per backend (or per backend and algorithm) are a least-squares solution. The
-fit itself is ``dplab.reference.costfit`` (``dplab tune`` uses the same one); this page keeps
-gamma folded into beta: naive, ring, tree and direct all add half the bytes they move
-(b = 2 x bytes reduced), so gamma hides inside the fitted beta as gamma / 2.
-
     from dplab.viz.cost_fit import run_bench, fit_alpha_beta
     rows = run_bench([2], [4096, 1 << 16, 1 << 20])   # the same path as `dplab bench`
     for f in fit_alpha_beta(rows): print(f.backend, f.alpha_s, f.beta_gbps)
 
-``native`` (the engine's own all-reduce) and ``memcpy`` rows have no schedule of ours and are
-not fitted; they stay on the page's figure as measured points.
+Each bench row is one linear equation, its terms from the schedule's critical path
+(``dplab.reference.costfit.terms``), solved by least squares per backend (or backend and
+algorithm), as ``dplab tune`` does:
+
+    time = a(algorithm, p, n) * alpha + b(algorithm, p, n) * beta
+
+gamma is folded into beta (as gamma / 2: these algorithms add half the bytes they move).
+``native`` and ``memcpy`` rows have no schedule of ours: not fitted, drawn as measured points.
 """
 
 from __future__ import annotations

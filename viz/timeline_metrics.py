@@ -1,9 +1,9 @@
 """Where a real run's time went, per rank: compute, communication, how much of it was hidden.
 
-The numbers under the Runs page's timeline are computed here from the trace events, never
-read off the picture. Everything is interval arithmetic on ``[start, end)`` spans in
-nanoseconds: the union of a rank's compute spans, the union of its communication spans,
-and their intersection (communication hidden behind compute, the point of bucketing):
+The Runs page's numbers, computed from the trace events by interval arithmetic on ``[start, end)``
+spans in nanoseconds: unions of a rank's compute and communication spans and their intersection.
+Spans nest (a bucket holds its all-reduce, a straggler's sleeps sit inside ``backward``), so
+every total is the measure of a union: nothing is counted twice.
 
     compute:  [ forward ][ backward ..........]           [opt]
     comm:                    [ bucket 0 ][ bucket 1 ..........]
@@ -14,10 +14,6 @@ and their intersection (communication hidden behind compute, the point of bucket
     row, per_rank = run_train(RunSpec(world_size=4, straggler=((1, 4.0),)), trace=True)
     stats = rank_stats([e for events in per_rank for e in events])
     find_straggler(stats, configured=(1,)).sentence     # "rank 1 is the straggler: ..."
-
-Spans nest (a bucket holds its all-reduce, which holds its sends; a straggler's
-``slowdown`` sleeps sit inside ``forward``/``backward``/``compute``), so every total is
-the measure of a union: nothing is counted twice.
 """
 
 from __future__ import annotations

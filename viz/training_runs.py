@@ -1,32 +1,17 @@
 """The Training page's runs: ``dplab compare``'s grid, made now, with what each run knew on the way.
 
-A row of ``dplab compare`` says where a run ENDED (final loss, samples/s, max delay). The
-page also draws how it got there, so for every cell of the grid this keeps, beside the
-row, what the run itself produced: its trace (the clock of every step or update), its
-per-step losses and, for the parameter server, its log. Nothing is re-enacted:
-
     from dplab.viz.training_runs import TrainingGrid, run_grid
-    cells = run_grid(TrainingGrid(world_size=4, steps=20))     # 10 runs and one more: seconds
+    cells = run_grid(TrainingGrid(world_size=4, steps=20))     # 10 runs and one more
     cells[0].row["final_loss"] == cells[0].losses[-1]           # True: the same number
 
-How each curve is honest, and cheap:
-
-* every cell is a ``RunSpec`` from ``compare_specs`` (the same function as ``dplab compare``)
-  trained by ``run_train`` on one persistent local ``World``: the row is ``run_train``'s own.
-  ``run_train`` hands back rows and traces only, so a thin stand-in for the World
-  (``_Recorder``) keeps the per-rank results it already computed (losses, the server's log);
-* a synchronous step's parameters: the run does not return them per step, so ONE more run
-  of the same spec writes a checkpoint after every step (rank 0; the replicas are bitwise
-  identical). Its last checkpoint must equal every timed sync cell's final parameters bit for
-  bit (stragglers change when, not what), else ``ConfigError``. Per step k the page shows
-  ``max |params_k - train_single(steps=k).params|``: the row's ``max_abs_diff_vs_single``,
-  step by step (rank 0's replica; the row's is over all ranks, which are bitwise equal);
-* a parameter-server version's parameters: ``dplab.reference.ps.replay.replay`` on the first
-  updates of the log (the replay is bit-exact: the row's ``replay_exact``), at up to
-  ``points`` versions, the last one the whole log;
-* losses are ``evaluate`` (mean over the whole data set), the row's ``final_loss`` measure;
-  times are the trace's: the end of a sync step's optimizer span (latest rank) or of the
-  server's ``apply`` span, from the run's first traced event.
+Beside each cell's ``dplab compare`` row (from ``compare_specs`` and ``run_train`` on one
+persistent local ``World``) this keeps what the run itself produced: its trace, its per-step
+losses and, for the parameter server, its log. Nothing is re-enacted: a sync step's parameters
+come from ONE more run of the same spec that checkpoints every step, which must end bit for bit
+on every timed sync cell's final parameters (else ``ConfigError``), shown per step k as
+``max |params_k - train_single(steps=k).params|``; a server version's parameters come from
+``dplab.reference.ps.replay.replay`` of the log, at up to ``points`` versions. Losses are
+``evaluate`` over the whole data set; times are the trace's, from the run's first traced event.
 """
 
 from __future__ import annotations
