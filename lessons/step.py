@@ -1,10 +1,8 @@
 """What a lesson is made of: steps that run the real engine and prove what they say.
 
-A step is data. ``run(lab)`` runs a small piece of the real engine and returns its *facts* (a
-dict: byte counts, losses, times, schedules, traces). Everything the learner reads is filled
-from those facts: the text (``"rank 0 sends {sent:,} bytes"``), the checks (each a sentence and a
-predicate over the facts), the figure (a builder from ``viz/``), the "predict first" question
-and its answer. Nothing is typed in twice, so a step whose claim stops being true fails CI::
+A step is data. ``run(lab)`` runs a small piece of the real engine and returns its *facts* (a dict);
+the text, the checks (a sentence and a predicate over the facts), the figure and the "predict
+first" question are all filled from those facts, so a step whose claim stops being true fails CI::
 
     Step(
         title="Bytes on the wire",
@@ -14,26 +12,10 @@ and its answer. Nothing is typed in twice, so a step whose claim stops being tru
         predict=Predict("How many bytes does rank 0 send at p={p} for {n_bytes:,} bytes?", "sent"),
     )
 
-Predict first: a step with a question is shown question first (nothing of its code, run or figure
-before the answer), then it runs, the reply is judged, and only then come the result and the code.
-A question filled from ``inputs`` alone is asked before the run; otherwise the run happens out of
-sight first. ``hints`` are tiered (``h`` shows the next one, and is never an answer);
-``misconceptions`` name the mistake a wrong reply makes::
-
-    Step(..., inputs={"p": 4, "n_bytes": 1 << 20},          # the question's givens: asked before the run
-         predict=Predict("At p={p}, what does rank 0 send for {n_bytes:size}?", "sent", unit="bytes",
-                         misconceptions=((lambda g, f: g == 3 * f["n_bytes"], "the naive root's share"),)),
-         hints=("Each of the p-1 rounds moves one chunk of n/p.", "Reduce-scatter, then all-gather."),
-         show=(ring.allreduce,),                               # the spine's code, not the harness
-         picture=lambda f: schedule_picture(ring.allreduce(f["p"])))   # drawn in the terminal
-
-Numbers in filled text read as people read them (``lessons/plain.py``): a float is 3 significant
-digits, ``{x:size}`` is ``1.5 MiB``, ``{x:times}`` is ``3.08x``, ``{x:count}`` is ``1,572,864``;
-a boolean is ``checked`` (``{ok:yesno}``: ``yes``/``no``);
-``{d:diff}`` is ``1.4e-16`` or ``0 (exactly)``.
-
-The terminal (``lessons/terminal.py``) and the app's Lessons page render the same steps through
-``lessons/runner.py``.
+A step with a question shows nothing of its code, run or figure before the answer (asked before
+the run when ``inputs`` alone fill it); ``hints`` are tiered, ``misconceptions`` name a wrong
+reply's mistake. Numbers read as people read them (``{x:size}``, ``{x:times}``, ``{x:count}``,
+``{ok:yesno}``, ``{d:diff}``: ``plain.py``); the terminal and the app render the same steps (``runner.py``).
 """
 
 from __future__ import annotations

@@ -1,29 +1,18 @@
-"""Exercises: four steps of the lessons ask the learner to write the code, and the engine judges it.
+"""Exercises: steps of the lessons ask the learner to write the code, and the engine judges it.
 
-    dplab lesson init work            # copies the four stubs into ./work (never over your files)
+    dplab lesson init work            # copies the stubs into ./work (never over your files)
     dplab lesson check 2 work         # runs work/ring_reduce_scatter.py against the simulator
-
-or from Python::
 
     from dplab.lessons.exercises import check, init_dir
     init_dir(Path("work"))
     for report in check(2, Path("work")):
         print(report.name, report.passed, report.message)
 
-    exercise              lesson  file                    judged by
-    ring_reduce_scatter   2       ring_reduce_scatter.py  the simulator's counts, p = 1..8
-    ddp_buckets           4       ddp_buckets.py          assign_buckets, and training vs one device
-    ssp_gate              7       ssp_gate.py             the server's gate, and a parameter-server run
-    zero2_step            10      zero2_step.py           1..4 ranks against one device, every step
-
-A stub is a file with the function's signature, a docstring that explains the task, and a body
-that is deliberately wrong, so checking a fresh stub already says something in the lesson's
-words. The shipped answers are in ``solutions/``; CI proves every stub fails and every
-solution passes (``tests/test_lesson_exercises.py``).
-
-The learner's code runs in a child process with a time and a memory limit, and only plain data
-comes back; the verdict is reached here (``child.py``). ``$DPLAB_CHECK_LIMIT_S`` (default 30)
-and ``$DPLAB_CHECK_MEMORY_MB`` (default 4096) set the limits.
+A stub (``stubs/``) has the function's signature, a docstring that explains the task and a body
+that is deliberately wrong, so checking a fresh stub already speaks in the lesson's words; the
+answers are in ``solutions/``, and CI proves every stub fails and every solution passes. The
+learner's code runs in a child process under a time and a memory limit (``$DPLAB_CHECK_LIMIT_S``,
+default 30; ``$DPLAB_CHECK_MEMORY_MB``, default 4096); only plain data comes back (``child.py``).
 """
 
 from __future__ import annotations

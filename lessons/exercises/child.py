@@ -2,21 +2,15 @@
 
     data = run_learner("ring_reduce_scatter", file, {"world_sizes": [1, 2, 3]}, output)   # the parent
 
-The parent starts a fresh interpreter in its own session (``python -c ... child.main``) and gives
-it a job file: which exercise, the learner's file, the inputs. The child sets its limits (memory:
-``RLIMIT_AS``; time: a ``SIGALRM`` that raises ``TooLong`` where the learner's code is), imports
-the learner's file, calls their function through the exercise's *collector*
-(``COLLECTORS``: e.g. ``ring.collect_ring``), and writes what came back as JSON: lists and
-numbers, bounded in size. The parent then judges that data with its own, untouched checker, so
-a learner's file that patches the checker changes nothing (and the child says that it tried).
-
-Every way the child can end is one line: an answer, a ``Fail`` naming the learner's line, a
-``sys.exit``/``os._exit``, a signal, the time limit (the child's own ``TooLong`` first; a hard
-kill of its whole process group ``GRACE_S`` later if the learner's code swallows it), a patching
-attempt. Whatever the learner's code forked dies with the group, and the segments of a world it
-left in /dev/shm are unlinked. What it prints is kept up to ``OUTPUT_CHARS`` and shown with the
-report. This is the learner's own code on their own machine: honest verdicts and no hangs, not a
-sandbox against an attacker.
+The parent starts a fresh interpreter in its own session with a job file (exercise, learner's
+file, inputs). The child sets its limits (``RLIMIT_AS``; a ``SIGALRM`` that raises ``TooLong``),
+calls the learner's function through the exercise's collector (``COLLECTORS``) and writes JSON:
+lists and numbers, bounded in size. The parent judges that data with its own, untouched checker.
+Every way the child can end is one line: an answer, a ``Fail`` naming the learner's line, an exit,
+a signal, the time limit (its process group killed ``GRACE_S`` later if ``TooLong`` is swallowed),
+a patching attempt. What it forked dies with the group, its /dev/shm segments are unlinked, and
+its output is kept up to ``OUTPUT_CHARS``. Honest verdicts and no hangs, not a sandbox against an
+attacker.
 """
 
 from __future__ import annotations

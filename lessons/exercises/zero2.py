@@ -3,23 +3,17 @@
     dplab lesson check 10 DIR         # runs DIR/zero2_step.py on local worlds of 1..4 ranks
 
 The learner's ``zero2_step(comm, backward, params, shard, optimizer)`` runs on every rank for one
-step. ``backward`` is the real backward pass, layer by layer (``reference/zero/layers.py``): it
-yields ``(layer, g)``, last layer first, each ``g`` a fresh buffer holding that layer's gradient
-of this rank's samples. ZeRO-2 reduce-scatters each layer's gradient the moment backward yields
-it, keeps its own chunk in ``shard[layer]``, and drops the buffer; after backward it steps its
-chunk of every layer and all-gathers the layer's weights.
+step. ``backward`` (``reference/zero/layers.py``) yields ``(layer, g)``, last layer first, each
+``g`` a fresh buffer of this rank's gradient; ZeRO-2 reduce-scatters it at once, keeps its chunk
+in ``shard[layer]`` and drops the buffer, and after backward steps its chunks and all-gathers each
+layer's weights. Judged on every rank, every step, at p = 1..4:
 
-Three things are measured on every rank, every step, at p = 1..4:
+- values: every chunk against one device (``train_single``, the oracle);
+- bytes: the collectives called and bytes sent, against a reduce-scatter and an all-gather per layer;
+- memory: the step's peak allocation (``tracemalloc``), against ZeRO-2's two layers in flight.
 
-- values: every rank's every chunk against one device (``train_single``, the oracle);
-- bytes: the collectives it called (the tracer's spans) and the bytes it sent, against a
-  reduce-scatter and an all-gather of every layer (2(p-1)/p of the gradient);
-- memory: the peak bytes the step allocated on top of what it started with (``tracemalloc``
-  sees every numpy buffer), against ZeRO-2's two layers in flight.
-
-An all-reduce in place of the reduce-scatter trains right and sends 1.5x the bytes; collecting
-every layer's gradient first and reducing after backward (ZeRO-1's pattern) trains right and
-holds the whole gradient: both fail, named.
+An all-reduce instead of the reduce-scatter (1.5x the bytes) and ZeRO-1's reduce-after-backward
+(the whole gradient held) both train right, and both fail, named.
 """
 
 from __future__ import annotations
