@@ -172,6 +172,7 @@ class Communicator(ABC):
     tracer: Tracer
     backend: str = ""  # the transport, as --backend names it ("local", "mpi", "torch"): checkpoints record it
     moves_tensors: bool = False  # torch tensors travel as they are (torch, cuda); else numpy arrays only
+    host_tensors: bool = False  # tensors in host memory travel as tensors too (torch, gloo): bfloat16 too
     _hosts: tuple[int, ...] | None = None  # set by a backend at connect time (the ``hosts`` setter)
 
     @property

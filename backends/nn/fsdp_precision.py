@@ -46,8 +46,8 @@ def check_dtypes(compute: torch.dtype | None, reduce: torch.dtype | None, master
             raise ConfigError(f"{name} must be one of {', '.join(map(str, COMPUTE_DTYPES))} or None, "
                               f"got {dtype!r}")
     backend = getattr(comm, "backend", "")
-    host = device is None or device.type == "cpu"  # numpy carries host tensors on these backends
-    if reduce == torch.bfloat16 and backend in ("local", "mpi", "cuda") and host:
+    host = device is None or device.type == "cpu"
+    if reduce == torch.bfloat16 and host and not getattr(comm, "host_tensors", False):  # numpy carries them
         raise ConfigError(f"reduce_dtype=torch.bfloat16 cannot be reduced on the {backend} backend (it "
                           "moves numpy arrays; numpy has no bfloat16): use reduce_dtype=torch.float16 or "
                           "torch.float32, or backend='torch'")

@@ -48,7 +48,7 @@ class TorchPeer(Communicator):
     """One rank of a torch.distributed process group: its point-to-point messages, errors and
     control path. ``TorchComm`` (comm.py) adds the rounds and collectives."""
 
-    backend, moves_tensors = "torch", True
+    backend, moves_tensors, host_tensors = "torch", True, True
 
     def __init__(self, rank: int | None, world_size: int | None, timeout: float = 60.0,
                  init_method: str = "env://", device: str | None = None, local_rank: int | None = None,
