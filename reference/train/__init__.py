@@ -17,6 +17,7 @@ Glossary (the words as dplab uses them; the parameter server's are in ``dplab.re
     delay         in UPDATES: how many updates landed between a gradient's pull and its own
                   update (``LogEntry.delay``); synchronous training's delay is always 0
     two-shot      an all-reduce in two rounds, reduce-scatter then all-gather, each rank
-                  sending to every other directly: ``direct``, the local backend's ``native``
-                  (same bytes as the ring, 2 rounds instead of 2(p - 1))
+                  sending to every other directly: ``direct`` (the ring's bytes in 2 rounds
+                  instead of 2(p - 1)); the local backend's ``native`` is one-shot: one round,
+                  each rank reducing its chunk in every rank's shared buffer
 """
