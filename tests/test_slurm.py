@@ -127,6 +127,8 @@ def test_engine_sees_the_step(monkeypatch):
         engine.launcher_env("mpi")
     _only(monkeypatch, SRUN_TASK3 | {"PMI_RANK": "3", "PMI_SIZE": "4", "PMI_FD": "9"})  # --mpi=pmi2
     assert engine.launcher_env("mpi") == (3, 4)
+    _only(monkeypatch, SRUN_TASK3 | {"PMIX_RANK": "3", "PMIX_NAMESPACE": "slurm.pmix.7.0"})  # --mpi=pmix
+    assert engine.launcher_env("mpi") == (3, 4) and engine.launcher_rank() == 3
     _only(monkeypatch, SRUN_TASK3 | {"RANK": "0", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4",
                                      "MASTER_ADDR": "node07", "MASTER_PORT": "29500"})  # torchrun's worker
     assert engine.launcher_env("torch") == (0, 8) and engine.launcher_rank() == 0  # not SLURM_PROCID 3

@@ -196,11 +196,13 @@ class Mpiexec(Launcher):
         return "DPLAB_AUTHKEY" not in env and (any(k in env for k in _PMI) or slurm_step(env) is not None)
 
     def slurm_rank(self, step: SlurmStep, env: Mapping[str, str]) -> tuple[int, int]:
-        if "PMIX_RANK" not in env:
-            raise ConfigError(f"srun started {step.world_size} tasks but gave MPI no PMI, so each would be a "
-                              "world of one: run srun --mpi=pmi2 (or --mpi=pmix; srun --mpi=list shows "
-                              "what this Slurm has)")
-        raise ConfigError(f"not running under {self.name}")
+        """Under srun, MPI's world is the step's only through PMI (``--mpi=pmi2`` sets PMI_RANK and
+        PMI_SIZE, read above; ``--mpi=pmix`` sets PMIX_RANK, and the step says the size)."""
+        if "PMIX_RANK" in env:
+            return step.rank, step.world_size
+        raise ConfigError(f"srun started {step.world_size} tasks but gave MPI no PMI, so each would be a "
+                          "world of one: run srun --mpi=pmi2 (or --mpi=pmix; srun --mpi=list shows "
+                          "what this Slurm has)")
 
     def join(self, timeout: float) -> Any:
         """MPI asks MPI which ranks share a host when it connects (``MpiComm``: its shared-memory split)."""
