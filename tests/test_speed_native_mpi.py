@@ -3,7 +3,7 @@
 dplab's ``native`` (what ``algorithm="auto"`` runs where MPICH is fastest) must first learn that
 every rank passed the same length and dtype: MPI sums garbage or waits forever otherwise. The check
 was an ``MPI_Iallreduce`` of four integers, which cost more than the all-reduce it guarded at small
-sizes; it is now a dissemination over persistent requests (``MpiEngineCalls._agree``). These tests
+sizes; it is now a dissemination over persistent requests (``MpiComm._agree``). These tests
 hold the structure (no engine collective but the data's own, ceil(log2 p) messages a rank, requests
 made once) and the behaviour (every rank raises ``BufferMismatch``, and the world stays usable).
 """
