@@ -6,6 +6,8 @@
     fsdp.clip_grad_norm_(1.0)         # the global norm, as torch's FSDP.clip_grad_norm_
     opt.step()
     fsdp.full_state_dict()            # every rank: the plain module's state dict
+    with fsdp.summon_full_params():   # the module's attributes: full parameters, written back at exit
+        fsdp.module.head.weight.mul_(2)
 
 Each unit (a listed submodule; the root holds every other parameter) keeps its parameters as one
 flat tensor of which rank r stores ``chunk_bounds(n, p)[r]``; its full parameters exist only while it runs:
@@ -13,13 +15,13 @@ flat tensor of which rank r stores ``chunk_bounds(n, p)[r]``; its full parameter
     forward,  unit k:  all-gather flat k -> run unit k -> free flat k
     backward, unit k:  all-gather flat k -> unit k's backward -> reduce-scatter grad k -> free both
 
-Gradients are averaged as DDP's (sum / p, or weighted by ``local_batch_size``); ``no_sync()``
-reduce-scatters once per unit per step; ``compute_dtype``, ``reduce_dtype`` and ``mixed_precision=``
-are torch's MixedPrecision (no loss scaling); prefetch changes no bit. Design: backends/nn/README.md.
+Gradients are averaged as DDP's (sum / p, or by ``local_batch_size``); ``no_sync()`` reduce-scatters
+once per unit per step; the dtypes are torch's MixedPrecision; prefetch changes no bit (nn/README.md).
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from functools import partial
@@ -28,11 +30,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from dplab.backends.fastpath.executor import allgather
 from dplab.backends.nn.ddp import broadcast_module
 from dplab.backends.nn.flat import dtype_and_device, flat_buffer, sum_batch_sizes
-from dplab.backends.nn.fsdp_flat import FlatParam, MemoryMeter
-from dplab.backends.nn.fsdp_full import FullParams
-from dplab.backends.nn.fsdp_orig_params import OrigParams
+from dplab.backends.nn.fsdp_flat import FlatParam, MemoryMeter, show
 from dplab.backends.nn.fsdp_policy import (
     MixedPrecision,
     Policy,
@@ -58,7 +59,7 @@ __all__ = ["FullyShardedDataParallel", "FSDP", "COMPUTE_DTYPES", "MixedPrecision
 
 
 
-class FullyShardedDataParallel(FullParams, OrigParams, nn.Module):
+class FullyShardedDataParallel(nn.Module):
     """Wraps ``module``: its parameters become flat shards, gathered per unit while it runs.
 
     Args:
@@ -296,6 +297,106 @@ class FullyShardedDataParallel(FullParams, OrigParams, nn.Module):
     def reset_peak_memory(self) -> None:
         self.meter.reset_peak()
 
+    # -- full parameters: summoned into the module for a while, or as a plain state dict --------
+    @contextmanager
+    def summon_full_params(self, writeback: bool = True) -> Iterator[None]:
+        """Inside, the module's attributes are the full parameters in the master dtype, on every
+        rank; with ``writeback`` each rank's chunk of what they hold at exit goes back to its shard.
+        A collective: call it on every rank, outside forward and backward."""
+        if self._summoned or any(f.gathered for f in self._flats()):
+            raise ConfigError("summon_full_params() inside forward, backward or another summon: "
+                              "call it between steps")
+        fulls = []
+        try:
+            for flat in self._flats():
+                full = flat.full_master()
+                fulls.append(full)
+                for s, shape, holders in zip(flat.slices, flat.shapes, flat.holders):
+                    show(holders, full[s].view(shape))
+            self._summoned = True
+            yield
+            if writeback:
+                for flat, full in zip(self._flats(), fulls):
+                    flat.load_full(full)
+        finally:
+            self._summoned = False
+            for flat, full in zip(self._flats(), fulls):
+                flat.free()
+                self.meter.add(-full.numel() * full.element_size())
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The wrapped module's ``state_dict()`` as if it were never wrapped, the same on every rank:
+        full parameters in the master dtype, buffers in their original dtype. A collective."""
+        out = {}
+        with self.summon_full_params(writeback=False):
+            for key in self._state_keys:
+                if key in self._param_keys:
+                    prefix, _, name = key.rpartition(".")
+                    value = getattr(self.module.get_submodule(prefix), name)
+                else:
+                    value = self.module.get_buffer(key).to(self._buffer_dtypes[key])
+                out[key] = value.detach().clone()
+        return out
+
+    def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Load a plain module's state dict: each rank keeps its chunks (no communication; pass
+        the same dict on every rank)."""
+        missing = [k for k in self._state_keys if k not in state_dict]
+        unexpected = [k for k in state_dict if k not in self._state_keys]
+        if missing or unexpected:
+            raise ConfigError(f"state dict does not fit the wrapped module: missing {missing}, "
+                              f"unexpected {unexpected}")
+        for flat, keys in zip(self._flats(), self._flat_keys):
+            flat.load_full(torch.cat([state_dict[k].reshape(-1).to(flat.master_dtype) for k in keys]))
+        with torch.no_grad():
+            for key in self._buffer_dtypes:
+                buf = self.module.get_buffer(key)
+                buf.copy_(state_dict[key].to(buf.dtype))
+
+    # -- the parameters as torch code sees them: original names, sharded values, a global clip -
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
+        """The wrapped module's parameters under its own names ("0.weight", not "module.0.weight"),
+        each this rank's piece of it. ``parameters()`` yields the same tensors."""
+        return self.module.named_parameters(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
+
+    def state_dict(self, *args: Any, destination: dict | None = None, prefix: str = "",
+                   keep_vars: bool = False) -> dict[str, torch.Tensor]:
+        """The plain module's state dict (full values, original keys), as torch's FSDP1 gives by
+        default (FULL_STATE_DICT): ``full_state_dict()``, a collective."""
+        out = OrderedDict() if destination is None else destination
+        for key, value in self.full_state_dict().items():
+            out[prefix + key] = value
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True,
+                        assign: bool = False) -> Any:
+        """Load a plain module's state dict (``load_full_state_dict``: every key, no communication)."""
+        self.load_full_state_dict(dict(state_dict))
+        return nn.modules.module._IncompatibleKeys([], [])
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Scale every rank's gradient pieces so that the *global* norm is at most ``max_norm``;
+        returns the global norm (the same on every rank). A collective: call it on every rank."""
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        grads = [p.grad for p in params]
+        dtype = grads[0].dtype if grads else torch.float64
+        local = torch.nn.utils.get_total_norm([g for g in grads if g.numel()],  # an empty piece has no
+                                              norm_type).to(torch.float64)      # inf-norm in torch
+        total = _combine(self.comm, local, float(norm_type), self.algorithm, self.device).to(dtype)
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        return total
+
+
+def _combine(comm: Communicator, local: torch.Tensor, norm_type: float, algorithm: str,
+             device: torch.device) -> torch.Tensor:
+    """The norm of every rank's ``local`` norm (one all-gather of a value per rank)."""
+    buf, norms = flat_buffer(comm, comm.world_size, torch.float64, device)
+    norms.zero_()
+    norms[comm.rank] = local
+    allgather(comm, buf, algorithm)
+    return torch.linalg.vector_norm(norms.clone(), norm_type)
+
 
 FSDP = FullyShardedDataParallel
-
