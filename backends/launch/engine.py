@@ -1,32 +1,21 @@
 """Running under an engine's own launcher: ``mpiexec -n 4 dplab ...``, ``torchrun ...`` or Slurm's ``srun``.
 
-There the ranks already exist: this process is one of them. ``launch`` then runs the
-function here, on the launcher's communicator, and gathers every rank's result (a
-control-path pickle; data never goes that way). A rank that raises prints its
-traceback and aborts the job, so its peers fail fast instead of waiting for a timeout.
-``LauncherWorld`` keeps that communicator for several runs (``dplab compare`` and ``bench``, via
-``world.open_world``). The local backend's shared memory reaches one host only: ``spans_hosts``
-reads from the launcher's environment whether its job has ranks on other hosts.
+There the ranks already exist and this process is one of them: ``launch`` runs the function here, on
+the launcher's communicator, and gathers every rank's result (a control-path pickle). A rank that
+raises prints its traceback and aborts the job, so its peers fail fast. ``LauncherWorld`` keeps that
+communicator for several runs (``dplab compare`` and ``bench``).
 
-Each engine's launcher is one small class, found by backend in ``LAUNCHERS`` (``Mpiexec`` for mpi,
-``Torchrun`` for torch): which variables make this process a rank, its rank and the world's size,
-the ranks on its host, how it joins the others, and how a rank that failed alone stops the job.
+Each engine's launcher is one small class, found by backend in ``LAUNCHERS`` (``Mpiexec``, ``Torchrun``):
+which variables make this process a rank, its rank and the world's size, the ranks on its host, how it
+joins the others, and how a rank that failed alone stops the job. Under ``srun`` each task of a step of
+several is a rank (``slurm_step``): MPI gets its world from Slurm's PMI (``--mpi=pmi2`` or ``pmix``;
+without one each task would be a world of one: refused in one line), torch from the step's variables
+(``slurm_torch_env``; MASTER_ADDR is the step's first node). torchrun started by srun is torchrun.
 
-Slurm: each task of an ``srun`` step of several tasks is a rank (``slurm_step``, from Slurm's
-documented ``SLURM_*`` variables). MPI gets its world from Slurm's PMI (``srun --mpi=pmi2`` or
-``pmix``; without one every task would be a world of one, so that is refused in one line). torch
-gets it from the step: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` from
-``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_LOCALID`` and the tasks on this node; ``MASTER_ADDR``,
-unless set, is the step's first node (rank 0 runs there) and ``MASTER_PORT`` comes from the job and
-step ids, so every task computes the same (``slurm_torch_env``). torchrun started by ``srun`` (one
-per node) is torchrun: its own variables win.
-
-Which ranks share a host (``Communicator.hosts``, set here for torch when the world connects):
-``launcher_hosts`` reads it from torchrun's ``LOCAL_WORLD_SIZE`` / ``GROUP_RANK`` and from Slurm's
-tasks per node (block placement: a node's tasks are consecutive ranks), where the environment says
-it for every rank; else the ranks gather their node's name. MPI asks MPI
-(``MPI_Comm_split_type(MPI_COMM_TYPE_SHARED)``, ``backends/mpi/comm.py``). ``local_ranks`` is
-this host's count alone, which the command line checks before any rank starts.
+Which ranks share a host (``Communicator.hosts``): ``launcher_hosts`` reads it from torchrun's or
+Slurm's variables where they tell every rank's, else the ranks gather their node's name; MPI asks MPI
+(``backends/mpi/comm.py``). ``spans_hosts`` says whether a job reaches past this host, which the local
+backend's shared memory cannot.
 """
 
 from __future__ import annotations

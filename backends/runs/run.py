@@ -1,24 +1,18 @@
 """Training runs behind ``dplab train`` and ``dplab compare``: data parallel vs single device.
 
 Each run trains the same model from the same seed on the same global batches as
-``dplab.reference.train.single.train_single`` and reports how far every rank's parameters end
-from the single-device ones. That difference, ``max_abs_diff_vs_single``, is the
-whole point: it should be at the level of float rounding (1e-16 in float64).
+``dplab.reference.train.single.train_single`` and reports how far every rank's parameters end from
+the single-device ones: ``max_abs_diff_vs_single``, float rounding (1e-16 in float64).
 
     from dplab.backends.runs import RunSpec, run_train
     row, events = run_train(RunSpec(world_size=4, algorithm="ring"))
 
 Three modes: ``sync`` (all-reduce, ``dplab.reference.train.sync``), ``async`` (the parameter server
-with bounded staleness) and ``backup`` (synchronous SGD through the parameter server,
-each step from the first W - b gradients). Any of them may carry stragglers, and a
-``time_budget_s`` that stops training after that much wall time instead of after
-``train.steps`` (then the upper bound): the row then says how far it got (``updates``,
-``samples_per_s``) and the loss it reached, and sync rows are checked against a
-single-device run of as many steps.
-
-Where a sync run computes: on the cuda backend, and on the torch backend with ``--device cuda``, each
-rank's recipe computes on its GPU with torch tensors (``dplab.reference.train.sync.compute_device``);
-everywhere else in NumPy on the host. The row's parameters come back as NumPy arrays either way.
+with bounded staleness) and ``backup`` (synchronous SGD through the parameter server, each step from
+the first W - b gradients). Any of them may carry stragglers and a ``time_budget_s`` (train until it
+is spent; ``train.steps`` is then the upper bound, and sync rows are checked against one device run
+for as many steps). On the cuda backend, and on torch with ``--device cuda``, the sync recipe computes
+on the rank's GPU with torch tensors (``compute_device``); elsewhere in NumPy. Rows hold NumPy arrays.
 """
 
 from __future__ import annotations
