@@ -19,6 +19,8 @@ import time
 
 import numpy as np
 
+from dplab.backends.bench.timing import _time_loop
+
 CPU = "--cpu" in sys.argv[1:]
 
 
@@ -96,12 +98,7 @@ def job_bench(comm, nbytes: int, algorithm: str, iters: int):
         fn()
         if together:
             comm.barrier()
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(k):
-            fn()
-        sync()
-        return (time.perf_counter() - t0) / k
+        return _time_loop(fn, k, sync)  # the bench's own clock: synchronised, mean over k calls
 
     reduce = (lambda: comm.native_allreduce(buf, check=False)) if algorithm == "native" \
         else (lambda: allreduce(comm, buf, algorithm))
@@ -197,12 +194,7 @@ def job_ddp(comm, impl: str):
     for _ in range(3):
         step()
     comm.barrier()
-    sync()
-    t0 = time.perf_counter()
-    for _ in range(DDP_STEPS):
-        step()
-    sync()
-    took = (time.perf_counter() - t0) / DDP_STEPS
+    took = _time_loop(step, DDP_STEPS, sync)
     if impl == "dplab":
         model.close()
     return took
