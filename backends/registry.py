@@ -38,6 +38,8 @@ class Backend:
     a rank can tell a dead peer from a slow one, so ``launch(tolerate=...)`` can go on without it.
     ``shared_memory``: its buffers live in /dev/shm, and a receive reduces straight out of the
     peer's buffer (the engines' own all-reduces may add a scratch copy per rank instead).
+    ``gpu``: where its ranks compute: "never" (host arrays), "always" (cuda) or "device" (on a GPU
+    when ``--device`` names one: torch, whose ``--device cpu`` runs gloo).
     """
 
     name: str
@@ -47,6 +49,7 @@ class Backend:
     one_host: bool = False
     tells_death: bool = False
     shared_memory: bool = False
+    gpu: str = "never"
 
     @property
     def forked(self) -> bool:
@@ -72,8 +75,9 @@ BACKENDS: dict[str, Backend] = {
                      one_host=True, tells_death=True, shared_memory=True),
     "mpi": Backend("mpi", _setup("mpi", "available"), "mpiexec"),
     "torch": Backend("torch", _setup("torchdist", "available"), "fork",
-                     _lazy("dplab.backends.torchdist.rendezvous", "prepare")),  # bound before the fork
-    "cuda": Backend("cuda", _setup("cuda", "available"), "threads", _setup("cuda", "prepare"), one_host=True),
+                     _lazy("dplab.backends.torchdist.rendezvous", "prepare"), gpu="device"),  # bound pre-fork
+    "cuda": Backend("cuda", _setup("cuda", "available"), "threads", _setup("cuda", "prepare"), one_host=True,
+                    gpu="always"),
 }
 
 

@@ -37,6 +37,7 @@ def test_every_entry_says_how_its_ranks_start():
         assert entry.name == name and entry.start in ranks._STARTS
         assert (entry.prepare is not None) == entry.forked, name
         assert entry.available() is None or isinstance(entry.available(), str)
+        assert entry.gpu in ("never", "always", "device"), name
     assert registry.entry("local").available() is None
 
 
@@ -59,3 +60,13 @@ def test_the_registry_loads_no_engine():
 def test_the_launcher_branches_on_entries_not_on_names(path):
     source = (ROOT / path).read_text()
     assert not re.findall(r"backend\s*[!=]=\s*[\"']", source), path
+
+
+def test_launch_cli_runs_bench_and_nn_ask_the_registry_not_the_name():
+    """No ``backend == "..."`` branch outside the backends' own folders: a new backend is an entry."""
+    branch = re.compile(r"""backend\s*(==|!=|in|not in)\s*[(\["']""")
+    hits = [f"{path.relative_to(ROOT)}:{i}: {line.strip()}"
+            for folder in ("launch", "cli", "runs", "bench", "nn", "fastpath")
+            for path in sorted((ROOT / "backends" / folder).rglob("*.py"))
+            for i, line in enumerate(path.read_text().splitlines(), 1) if branch.search(line)]
+    assert not hits, hits

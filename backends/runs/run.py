@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from dplab.backends.launch.world import RankLost, World, check_backend, launch
+from dplab.backends.registry import entry
 from dplab.reference.checkpoint.resume import CheckpointConfig, Expect, load_resume
 from dplab.reference.errors import ConfigError
 from dplab.reference.precision.config import MixedPrecision
@@ -84,7 +85,8 @@ class RunSpec:
     def on_gpu(self) -> bool:
         """Does the sync recipe compute on GPUs (torch tensors) in this run's ranks?"""
         device = os.environ.get("DPLAB_DEVICE") or "cpu"  # --device: the torch backend's (cpu: gloo)
-        return self.backend == "cuda" or (self.backend == "torch" and device.startswith("cuda"))
+        gpu = entry(self.backend).gpu
+        return gpu == "always" or (gpu == "device" and device.startswith("cuda"))
 
     def check_gpu(self) -> None:
         """What works on NumPy arrays only is refused here for a run on GPUs, before any rank starts."""
