@@ -22,6 +22,7 @@ from dplab.lessons.exercises import tree as tree_exercise
 from dplab.lessons.step import Check, Explore, Lesson, Predict, Step
 from dplab.reference.algorithms import allreduce_schedule, ring, tree
 from dplab.reference.algorithms.double_tree import TREE_PIECES
+from dplab.reference.columns import columns
 from dplab.reference.costfit import terms
 from dplab.reference.costmodel import cost
 from dplab.reference.pictures import render_arrows, render_rounds
@@ -211,7 +212,7 @@ def slow_links(lab):
     for key, schedule in (("ring", allreduce_schedule("ring", p)),
                           ("hier", allreduce_schedule(f"hierarchical:{g}", p)),
                           ("rpn", rings_per_nic(p, g))):
-        t, chunk = schedule.table, n / schedule.num_chunks
+        t, chunk = columns(schedule), n / schedule.num_chunks
         # this transfer leaves its node:
         between = (t.src // g) != (t.dst // g)
         inter = np.bincount(t.src[between], minlength=p).max()

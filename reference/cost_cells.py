@@ -6,7 +6,7 @@ bytes) it sends and receives there, and, over both links, the chunks it reduces.
 what the executor sends (``dplab.reference.schedule.messages``): a round's transfers from one
 rank to one peer with one op and consecutive chunks go as one message.
 
-Everything here is vectorised over the schedule's columns (``Schedule.table``), a block of
+Everything here is vectorised over the schedule's columns (``dplab.reference.columns``), a block of
 rounds at a time, so the ring at p = 4096 (33.5 M transfers) is summarised in seconds.
 
     from dplab.reference.cost_cells import cell_blocks
@@ -20,7 +20,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from dplab.reference.rounds import RoundTable
+from dplab.reference.columns import RoundTable, columns
 from dplab.reference.schedule import Schedule
 
 __all__ = ["FIELDS", "cell_blocks", "message_heads"]
@@ -54,12 +54,12 @@ def message_heads(t: RoundTable, r0: int, r1: int, p: int) -> np.ndarray:
     return heads
 
 
-def cell_blocks(schedule: Schedule, ranks_per_node: int, chunk_bytes: np.ndarray | None = None,
+def cell_blocks(schedule: Schedule | RoundTable, ranks_per_node: int, chunk_bytes: np.ndarray | None = None,
                 max_rows: int = 1 << 20) -> Iterator[tuple[int, int, dict[str, np.ndarray]]]:
     """Per block of rounds [r0, r1): the fields of every cell as (r1 - r0, p) arrays.
 
     ``chunk_bytes`` None counts chunks (x_*, red in chunks); else it gives each chunk's bytes."""
-    t, p = schedule.table, schedule.world_size
+    t, p = columns(schedule), schedule.world_size
     for r0, r1 in t.blocks(max_rows=max_rows, max_rounds=max(1, (1 << 21) // p)):
         a, b = int(t.starts[r0]), int(t.starts[r1])
         ncell = (r1 - r0) * p

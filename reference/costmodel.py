@@ -8,7 +8,10 @@ single-port model.
 
     cost(allreduce_schedule("ring", 8), 1 << 20, 5e-6, 1e-10, 0.0).time
     cost(allreduce_schedule("hierarchical:8", 64), 1 << 20, topology=PRESETS["dgx-h100"]).time
-    curve(allreduce_schedule("ring", 4096), [1 << 10, 1 << 20, 1 << 30], PRESETS["dgx-h100"], 4)
+    curve(allreduce_schedule("ring", 256), [1 << 10, 1 << 20, 1 << 30], PRESETS["dgx-h100"], 4)
+
+At p = 4096 build the p^2 schedules with the engine's array builders (``best_regions(...,
+builders=dplab.backends.fastpath.arrays.ALLREDUCE)``): the readable ones take minutes there.
 
 ``curve`` prices many sizes from one per-round summary (``cost_cells``), chunks rounded up to
 equal sizes (an upper bound); ``cost`` prices uneven chunks exactly. The closed forms from the
@@ -23,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from dplab.reference.columns import RoundTable, columns
 from dplab.reference.cost_cells import FIELDS, cell_blocks
 from dplab.reference.errors import ConfigError
 from dplab.reference.schedule import Schedule, chunk_bounds
@@ -55,14 +59,14 @@ class Summary:
     recv_chunks: np.ndarray
 
 
-def summarize(schedule: Schedule, ranks_per_node: int) -> Summary:
+def summarize(schedule: Schedule | RoundTable, ranks_per_node: int) -> Summary:
     """The summary of ``schedule`` (computed once per schedule and node size, then kept)."""
     g = min(max(ranks_per_node, 1), schedule.world_size)
     return schedule.memo(("cost-summary", g), lambda: _summarize(schedule, g))
 
 
-def _summarize(schedule: Schedule, g: int) -> Summary:
-    t, p = schedule.table, schedule.world_size
+def _summarize(schedule: Schedule | RoundTable, g: int) -> Summary:
+    t, p = columns(schedule), schedule.world_size
     rounds, fields = [], []
     for r0, _, cells in cell_blocks(schedule, g):
         r, u = _distinct_per_round([cells[name] for name in FIELDS])
@@ -116,7 +120,7 @@ def _topology(alpha: Any, beta: Any, gamma: Any, topology: Topology | None) -> T
     return Topology.flat(alpha, beta, gamma)
 
 
-def cost(schedule: Schedule, nbytes: int, alpha: float | None = None, beta: float | None = None,
+def cost(schedule: Schedule | RoundTable, nbytes: int, alpha: float | None = None, beta: float | None = None,
          gamma: float | None = None, itemsize: int = 1, *, topology: Topology | None = None) -> Cost:
     """Price ``schedule`` for a buffer of ``nbytes`` (cut into chunks of whole ``itemsize`` elements),
     on one level (alpha, beta, gamma) or on ``topology``. Exact for every size."""
@@ -133,13 +137,13 @@ def cost(schedule: Schedule, nbytes: int, alpha: float | None = None, beta: floa
         intra = topo.intra.alpha * c["m_intra"] + topo.intra.beta * c["x_intra"]
         inter = topo.inter.alpha * c["m_inter"] + topo.inter.beta * c["x_inter"]
         time += float((np.maximum(intra, inter) + topo.gamma * c["red"]).max(axis=1).sum())
-    t, p = schedule.table, schedule.world_size
+    t, p = columns(schedule), schedule.world_size
     sent = np.bincount(t.src, chunk_bytes[t.chunk], minlength=p)
     recv = np.bincount(t.dst, chunk_bytes[t.chunk], minlength=p)
     return Cost(time, s.rounds, int(sent.max()), int(recv.max()))
 
 
-def curve(schedule: Schedule, sizes: Any, topology: Topology, itemsize: int = 1) -> np.ndarray:
+def curve(schedule: Schedule | RoundTable, sizes: Any, topology: Topology, itemsize: int = 1) -> np.ndarray:
     """Seconds for each of ``sizes`` (bytes) at once. A size whose element count is not a multiple of
     the chunk count is priced as the next multiple (every chunk at its largest): exact for the
     others, an upper bound within one element per chunk for these (``cost`` is exact for all)."""
@@ -195,16 +199,16 @@ def best_regions(topology: Topology, ps: Any, sizes: Any, algorithms: Any = None
                  itemsize: int = 4, builders: Any = None) -> Regions:
     """Price ``algorithms`` (default ``region_algorithms``) at every p and size on ``topology`` with
     ``curve`` (sizes rounded up to whole chunks). Schedules are built and dropped one at a time,
-    not cached: the ring at p = 4096 alone is 235 MB of columns. ``builders``: name -> p -> Schedule
-    to use instead of the registry's (an engine's array builder, held equal to the readable one)."""
-    from dplab.reference.algorithms import ALLREDUCE, lookup
+    not cached: the ring at p = 4096 alone is 235 MB of columns. ``builders``: name -> builder to use
+    instead of the registry's, same arguments (an engine's array builder, held equal to the readable one)."""
+    from dplab.reference.algorithms import ALLREDUCE, lookup, split_name
 
     algs = tuple(algorithms or region_algorithms(topology))
     sz = np.asarray(sizes, dtype=np.int64)
     times = np.empty((len(algs), len(ps), sz.size))
     for a, name in enumerate(algs):
-        fn, extra = ((builders[name], ()) if builders and name in builders
-                     else lookup(ALLREDUCE, name, "all-reduce"))
+        fn, extra = lookup(ALLREDUCE, name, "all-reduce")
+        fn = (builders or {}).get(split_name(name)[0], fn)
         for i, p in enumerate(ps):
             times[a, i] = curve(fn(int(p), *extra), sz, topology, itemsize)
     return Regions(topology, algs, tuple(int(p) for p in ps), tuple(int(s) for s in sz), times)

@@ -20,127 +20,97 @@ value the chunk had at the start of the round.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any, NamedTuple
+from dataclasses import dataclass, field
+from typing import Any, Literal, NamedTuple
 
-import numpy as np
+from dplab.reference.errors import DplabError
 
-from dplab.reference.rounds import Op, Round, RoundTable, ScheduleError, Transfer, _transfer
-
-__all__ = ["Op", "Transfer", "Round", "Schedule", "chunk_bounds", "concat", "ScheduleError", "Message",
+__all__ = ["Op", "Transfer", "Schedule", "ScheduleError", "validate", "chunk_bounds", "concat", "Message",
            "messages", "messages_of"]
 
+Op = Literal["reduce", "copy"]
 
+
+class ScheduleError(DplabError, ValueError):
+    """A schedule that cannot be executed as written."""
+
+
+@dataclass(frozen=True)
+class Transfer:
+    src: int
+    dst: int
+    chunk: int
+    op: Op
+
+
+@dataclass(frozen=True, eq=False)
 class Schedule:
-    """``rounds[k]`` lists the transfers of round k; all of them may run concurrently.
+    """``rounds[k]`` lists the transfers of round k; all of them may run at once. Immutable, and
+    checked when made (``validate``)."""
 
-    ``Schedule(name, world_size, num_chunks, rounds)`` takes rounds as tuples of ``Transfer`` or as
-    ``Round`` arrays. It keeps them once, as columns (``table``: ``dplab.reference.rounds``), and
-    builds the ``Transfer`` tuples of ``rounds`` from them the first time they are read. Immutable."""
+    name: str
+    world_size: int
+    num_chunks: int
+    rounds: tuple[tuple[Transfer, ...], ...]
+    _memo: dict[Any, Any] = field(default_factory=dict, init=False, repr=False)
 
-    __slots__ = ("name", "world_size", "num_chunks", "table", "_rounds", "_memo")
-
-    def __init__(self, name: str, world_size: int, num_chunks: int, rounds: Iterable[Any] | RoundTable,
-                 _checked: bool = False) -> None:
-        put = object.__setattr__
-        put(self, "name", name)
-        put(self, "world_size", int(world_size))
-        put(self, "num_chunks", int(num_chunks))
-        try:
-            put(self, "table", RoundTable.build(rounds, max(world_size, 0), max(num_chunks, 0)))
-        except ScheduleError as e:
-            raise ScheduleError(f"{name} {e}") from None
-        put(self, "_rounds", None)
-        put(self, "_memo", {})
-        if not _checked:
-            validate(self)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        raise AttributeError(f"a Schedule is immutable: cannot set {name!r}")
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        """Pickled as its columns (``st.cache_data`` and persistent worlds pickle schedules)."""
-        return (Schedule, (self.name, self.world_size, self.num_chunks, self.table, True))
-
-    @property
-    def rounds(self) -> tuple[tuple[Transfer, ...], ...]:
-        if self._rounds is None:
-            object.__setattr__(self, "_rounds", tuple(map(self.table.transfers, range(len(self.table)))))
-        return self._rounds
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "rounds", tuple(tuple(rnd) for rnd in self.rounds))
+        validate(self)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Schedule):
             return NotImplemented
-        key = lambda s: (s.name, s.world_size, s.num_chunks)  # noqa: E731
-        return key(self) == key(other) and self.table.equals(other.table)
+        key = lambda s: (s.name, s.world_size, s.num_chunks, s.rounds)  # noqa: E731
+        return key(self) == key(other)
 
     def __hash__(self) -> int:
-        return hash((self.name, self.world_size, self.num_chunks, len(self.table), self.table.num_transfers))
+        return hash((self.name, self.world_size, self.num_chunks, len(self.rounds)))
 
     def __repr__(self) -> str:
         return (f"Schedule({self.name!r}, world_size={self.world_size}, num_chunks={self.num_chunks}, "
-                f"{len(self.table)} rounds, {self.table.num_transfers} transfers)")
+                f"{len(self.rounds)} rounds, {sum(map(len, self.rounds))} transfers)")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled without what ``memo`` keeps (``st.cache_data`` and persistent worlds pickle schedules)."""
+        return (Schedule, (self.name, self.world_size, self.num_chunks, self.rounds))
 
     def memo(self, key: Any, compute: Callable[[], Any]) -> Any:
-        """``compute()`` once per schedule and key (the cost model keeps its summaries here)."""
+        """``compute()`` once per schedule and key (the cost model keeps its columns and summaries here)."""
         if key not in self._memo:
             self._memo[key] = compute()
         return self._memo[key]
 
     def transfers_of(self, rank: int) -> list[tuple[list[Transfer], list[Transfer]]]:
         """Per round, the (sends, receives) that ``rank`` takes part in, in schedule order."""
-        t = self.table
-        rows = np.flatnonzero((t.src == rank) | (t.dst == rank))
-        out: list[tuple[list[Transfer], list[Transfer]]] = [([], []) for _ in range(len(t))]
-        for row, i in zip(rows.tolist(), (np.searchsorted(t.starts, rows, side="right") - 1).tolist()):
-            tr = _transfer(t.src[row], t.dst[row], t.chunk[row], t.reduce[row])
-            out[i][tr.src != rank].append(tr)
-        return out
+        return [([t for t in rnd if t.src == rank], [t for t in rnd if t.dst == rank]) for rnd in self.rounds]
 
 
 def validate(s: Schedule) -> None:
-    """Refuse what cannot run as written. Rows out of range and unknown ops are refused while the
-    table is built (``RoundTable.build``); the rest is checked here, on the columns, per block."""
-    p, k, t = s.world_size, s.num_chunks, s.table
+    """Refuse what cannot run as written: a rank or chunk out of range, an unknown op, a send to
+    oneself, and two receives into one chunk in one round when one of them is a copy (a copy
+    overwrites: which lands last would be undefined). A rank may send a chunk it also receives
+    into (recursive doubling's exchange): the send carries the chunk as the round found it."""
+    p, k = s.world_size, s.num_chunks
     if p < 1 or k < 1:
         raise ScheduleError(f"{s.name}: world_size and num_chunks must be >= 1, got {p}, {k}")
-    selfs = np.flatnonzero(t.src == t.dst)
-    if selfs.size:
-        row = int(selfs[0])
-        bad = _transfer(t.src[row], t.dst[row], t.chunk[row], t.reduce[row])
-        raise ScheduleError(f"{s.name} round {_round_of(t, row)}: {bad} sends to itself")
-    # A rank may send a chunk it also receives into (recursive doubling's exchange): the send
-    # carries the chunk as the round found it (the executor sends a snapshot, messages_of).
-    # But a copy overwrites: two receives into one chunk in one round, one of them a copy,
-    # would depend on the order they land in.
-    for r0, r1 in t.blocks(max_rows=1 << 20, max_rounds=max(1, (1 << 22) // p)):
-        a, b = int(t.starts[r0]), int(t.starts[r1])
-        if t.reduce[a:b].all():
-            continue  # only a copy can land in a chunk ambiguously
-        rid = t.round_ids(r0, r1)
-        if np.bincount(rid * p + t.dst[a:b], minlength=1).max() <= 1:
-            continue  # no rank receives twice in one round of this block
-        if (r1 - r0) * k <= 1 << 24 and np.bincount(rid * k + t.chunk[a:b], minlength=1).max() <= 1:
-            continue  # no chunk moves twice in one round (the pipelined ring's slices): cheap, no isin
-        key, copy = (rid * p + t.dst[a:b]) * k + t.chunk[a:b], ~t.reduce[a:b]
-        space = (r1 - r0) * p * k
-        if space <= 4 * (b - a):  # dense: the keys (round, rank, chunk) that break the rule, by counting
-            twice = np.bincount(key, minlength=space)[key] > 1
-            rows = np.flatnonzero(twice & (np.bincount(key[copy], minlength=space)[key] > 0))
-        else:
-            rows = np.flatnonzero(np.isin(key, key[copy]))
-        if not rows.size:
-            continue
-        order = np.argsort(key[rows], kind="stable")
-        ks = key[rows][order]
-        bad = rows[order[np.r_[False, ks[1:] == ks[:-1]]]]  # a later receive into a chunk received into
-        if bad.size:
-            row = a + int(bad.min())
-            raise ScheduleError(f"{s.name} round {_round_of(t, row)}: rank {int(t.dst[row])} receives chunk "
-                                f"{int(t.chunk[row])} twice, once as a copy: which lands last is undefined")
-
-
-def _round_of(t: RoundTable, row: int) -> int:
-    return int(np.searchsorted(t.starts, row, side="right") - 1)
+    for i, rnd in enumerate(s.rounds):
+        into: dict[tuple[int, int], list[str]] = {}  # (rank, chunk) -> the ops received into it
+        for t in rnd:
+            if not isinstance(t, Transfer):
+                raise ScheduleError(f"{s.name} round {i}: {t!r} is not a Transfer(src, dst, chunk, op)")
+            if t.op not in ("reduce", "copy"):
+                raise ScheduleError(f"{s.name} round {i}: unknown op {t.op!r} in {t}: a transfer either "
+                                    "'reduce's or 'copy's")
+            if not (0 <= t.src < p and 0 <= t.dst < p and 0 <= t.chunk < k):
+                raise ScheduleError(f"{s.name} round {i}: {t} is out of range (p={p}, k={k})")
+            if t.src == t.dst:
+                raise ScheduleError(f"{s.name} round {i}: {t} sends to itself")
+            ops = into.setdefault((t.dst, t.chunk), [])
+            ops.append(t.op)
+            if len(ops) > 1 and "copy" in ops:
+                raise ScheduleError(f"{s.name} round {i}: rank {t.dst} receives chunk {t.chunk} twice, "
+                                    "once as a copy: which lands last is undefined")
 
 
 def chunk_bounds(n: int, k: int) -> list[tuple[int, int]]:
@@ -168,8 +138,7 @@ def concat(name: str, *parts: Schedule) -> Schedule:
     p, k = parts[0].world_size, parts[0].num_chunks
     if any(s.world_size != p or s.num_chunks != k for s in parts):
         raise ScheduleError(f"{name}: parts disagree on world_size or num_chunks")
-    # every rule is per round, so parts that passed make a whole that passes: no second check
-    return Schedule(name, p, k, RoundTable.concat(s.table for s in parts), _checked=True)
+    return Schedule(name, p, k, tuple(rnd for s in parts for rnd in s.rounds))
 
 
 class Message(NamedTuple):

@@ -9,6 +9,7 @@ import pytest
 
 from dplab.reference import collectives
 from dplab.reference.algorithms import PARAMETRIC, allreduce_schedule, hierarchical, ring
+from dplab.reference.columns import columns
 from dplab.reference.costmodel import cost
 from dplab.reference.pictures import render_rounds
 from dplab.reference.simulate import is_allreduce, simulate
@@ -43,7 +44,7 @@ def test_one_rank_per_node_and_one_node_are_the_ring(p):
 
 def _bytes_across(s, g, n):
     """Per rank: bytes sent to another node, for n bytes cut into the schedule's chunks (divisible)."""
-    t, b = s.table, n // s.num_chunks
+    t, b = columns(s), n // s.num_chunks
     across = (t.src // g) != (t.dst // g)
     return np.bincount(t.src[across].astype(int), minlength=s.world_size) * b
 

@@ -94,12 +94,11 @@ def test_every_solution_passes(lesson):
 
 
 RING = """
-    import numpy as np
-    from dplab.reference.schedule import Round, Schedule
+    from dplab.reference.schedule import Schedule, Transfer
 
     def ring_reduce_scatter(p):
-        r = np.arange(p)
-        return Schedule("mine", p, p, [Round(r, {dst}, {chunk}, "reduce") for k in range({rounds})])
+        return Schedule("mine", p, p, [tuple(Transfer(r, {dst}, {chunk}, "reduce") for r in range(p))
+                                       for k in range({rounds})])
 """
 BUCKETS = """
     def ddp_buckets(sizes, cap):

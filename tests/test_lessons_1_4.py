@@ -25,12 +25,11 @@ def _write(tmp_path: Path, name: str, source: str) -> Path:
 
 
 ALLGATHER = """
-    import numpy as np
-    from dplab.reference.schedule import Round, Schedule
+    from dplab.reference.schedule import Schedule, Transfer
 
     def ring_allgather(p):
-        r = np.arange(p)
-        return Schedule("mine", p, p, [Round(r, {dst}, {chunk}, "{op}") for k in range({rounds})])
+        return Schedule("mine", p, p, [tuple(Transfer(r, {dst}, {chunk}, "{op}") for r in range(p))
+                                       for k in range({rounds})])
 """
 RIGHT_ALLGATHER = {"dst": "(r + 1) % p", "chunk": "(r - k) % p", "op": "copy", "rounds": "p - 1"}
 

@@ -28,8 +28,8 @@ import time
 import numpy as np
 import pytest
 
-from dplab.backends.fastpath import rabenseifner as fast_rabenseifner
-from dplab.reference.algorithms import ALLREDUCE, PARAMETRIC, lookup, ring
+from dplab.backends.fastpath import arrays
+from dplab.reference.algorithms import ALLREDUCE, PARAMETRIC, lookup, split_name
 from dplab.reference.costmodel import closed_form, cost, curve
 from dplab.reference.schedule import Schedule
 from dplab.reference.topology import PRESETS, Link, Topology
@@ -41,12 +41,11 @@ QUADRATIC = {"direct": 60, "rabenseifner": 60, "hierarchical": 60, "hierarchical
 LIGHT = 10  # CPU seconds for the rest, build and price
 
 
-FAST = {"rabenseifner": fast_rabenseifner.allreduce}  # the engine's array builders (equal to the readable)
 
 
 def price(name: str) -> tuple[float, np.ndarray, Schedule]:
     fn, extra = lookup(ALLREDUCE, name, "all-reduce")
-    fn = FAST.get(name, fn)
+    fn = arrays.ALLREDUCE.get(split_name(name)[0], fn)  # the engine's array builder where there is one
     t0 = time.process_time()
     s = fn(P, *extra)
     times = curve(s, SIZES, PRESETS["dgx-h100"], 4)
@@ -88,7 +87,7 @@ def test_every_registered_allreduce_prices_at_4096_in_seconds(name):
 def test_exact_cost_of_an_uneven_size_walks_the_columns_once():
     p = 1024  # 2 M transfers: the exact path is one pass over them per size
     t0 = time.process_time()
-    c = cost(ring.allreduce(p), 4 * (p * 100 + 7), topology=PRESETS["dgx-h100"], itemsize=4)
+    c = cost(arrays.ring_allreduce(p), 4 * (p * 100 + 7), topology=PRESETS["dgx-h100"], itemsize=4)
     assert time.process_time() - t0 < 10
     # chunks 0..6 hold 101 elements, the rest 100; a rank sends all but one chunk in each half
     assert c.rounds == 2 * (p - 1) and c.bytes_sent_max == (2 * (p - 1) * 100 + 2 * 7) * 4

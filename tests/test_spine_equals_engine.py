@@ -18,11 +18,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dplab.backends.fastpath import arrays
 from dplab.backends.fastpath import executor as engine
-from dplab.backends.fastpath import rabenseifner as fast_rabenseifner
 from dplab.backends.launch.world import BackendUnavailable, check_backend
 from dplab.reference import collectives as spine
-from dplab.reference.algorithms import ALGORITHMS, ROOTED, SCATTER_ALGORITHMS, rabenseifner
+from dplab.reference.algorithms import ALGORITHMS, ALLREDUCE, ROOTED, SCATTER, SCATTER_ALGORITHMS
+from dplab.reference.columns import RoundTable, columns
+from dplab.reference.schedule import Schedule
 
 DTYPES = ("float64", "float32", "float16", "int64", "int32")
 LENGTHS = (0, 1, 2, 3, 5, 7, 13, 17, 31, 97, 1000, 2053)
@@ -92,12 +94,24 @@ def test_the_engine_leaves_the_spines_bits_on_mpi_and_torch(worlds, transport, p
 
 # -- builders: the engine's array builders equal the readable ones, row for row ---------------
 
+def _pairs(p: int) -> list[tuple[Schedule, RoundTable]]:
+    """(readable, arrays) for every array builder, with a few parameters for the parametric ones."""
+    params = {"pipelined_ring": (1, 2, 5) + ((16,) if p % 16 == 1 or p < 5 else ()),
+              "hierarchical": (1, 2, 3, 4, 5, 8, 64)}
+    out = [(ALLREDUCE[name](p, *args), fast(p, *args)) for name, fast in arrays.ALLREDUCE.items()
+           for args in ([(x,) for x in params[name]] if name in params else [()])]
+    out += [(SCATTER[name][i](p), fast[i](p)) for name, fast in arrays.SCATTER.items() for i in (0, 1)]
+    return out
+
+
 @pytest.mark.parametrize("p", range(1, 65))
-def test_rabenseifner_as_arrays_equals_the_readable_builder(p):
+def test_the_array_builders_equal_the_readable_builders(p):
     """Same rounds, same transfers, same order within each round (the order messages post in)."""
-    for readable, fast in ((rabenseifner.allreduce, fast_rabenseifner.allreduce),
-                           (rabenseifner.reduce_scatter, fast_rabenseifner.reduce_scatter),
-                           (rabenseifner.allgather, fast_rabenseifner.allgather)):
-        want, got = readable(p), fast(p)
-        assert (got.name, got.world_size, got.num_chunks) == (want.name, want.world_size, want.num_chunks)
-        assert got.table.equals(want.table), (want.name, p)
+    for want, got in _pairs(p):
+        assert got.equals(columns(want)), (want.name, p)  # name, sizes, and every column
+        if p <= 8:
+            assert tuple(map(got.transfers, range(len(got)))) == want.rounds
+
+
+def test_every_array_builder_is_one_of_the_registry():
+    assert set(arrays.ALLREDUCE) <= set(ALLREDUCE) and set(arrays.SCATTER) <= set(SCATTER)

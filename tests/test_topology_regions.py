@@ -67,13 +67,13 @@ def test_cost_page_maps_the_regions_of_the_chosen_topology():
     assert any("DGX H100" in c.value for c in at.caption)
 
 
-def test_an_engines_array_builder_prices_exactly_as_the_readable_one():
-    """The app prices Rabenseifner with the engine's array builder (the readable one is several times
-    slower at p = 1024): the map must be the same to the bit."""
-    from dplab.backends.fastpath.rabenseifner import allreduce as arrays
+def test_the_engines_array_builders_price_exactly_as_the_readable_ones():
+    """The app prices the p^2 schedules with the engine's array builders (the readable ones take
+    seconds at p = 1024): the map must be the same to the bit."""
+    from dplab.backends.fastpath.arrays import ALLREDUCE as arrays
 
     topo = PRESETS["dgx-h100"]
-    readable = best_regions(topo, PS, SIZES, algorithms=("ring", "rabenseifner"))
-    fast = best_regions(topo, PS, SIZES, algorithms=("ring", "rabenseifner"),
-                        builders={"rabenseifner": arrays})
+    algorithms = ("ring", "direct", "rabenseifner", "pipelined_ring", "hierarchical:8", "tree")
+    readable = best_regions(topo, PS, SIZES, algorithms=algorithms)
+    fast = best_regions(topo, PS, SIZES, algorithms=algorithms, builders=arrays)
     assert np.array_equal(readable.times, fast.times)

@@ -18,8 +18,9 @@ from typing import Any
 import numpy as np
 
 from dplab.lessons.exercises.child import run_learner
-from dplab.lessons.exercises.learner import Fail, learner_call, load_function, short_repr
-from dplab.reference.schedule import Round, Schedule, ScheduleError
+from dplab.lessons.exercises.learner import Fail, learner_call, load_function
+from dplab.lessons.exercises.schedules import plain, rebuild
+from dplab.reference.schedule import Schedule
 from dplab.reference.simulate import simulate
 
 __all__ = ["WORLD_SIZES", "MAX_TRANSFERS", "judge_ring", "collect_ring", "ring_problem"]
@@ -31,8 +32,8 @@ MAX_TRANSFERS = 100_000  # per schedule: the ring needs p(p - 1), 56 at p = 8
 def judge_ring(file: Path, output: list[str]) -> str:
     """Run the learner's ring_reduce_scatter for p = 1..8 through the simulator."""
     answer = run_learner("ring_reduce_scatter", file, {"world_sizes": list(WORLD_SIZES)}, output)
-    for p, plain in zip(WORLD_SIZES, answer["data"].get("schedules", [])):
-        problem = ring_problem(_schedule(plain, p), p)
+    for p, returned in zip(WORLD_SIZES, answer["data"].get("schedules", [])):
+        problem = ring_problem(_schedule(returned, p), p)
         if problem:
             raise Fail(f"at p={p}: {problem}")
     if answer["fail"]:
@@ -44,41 +45,23 @@ def judge_ring(file: Path, output: list[str]) -> str:
 
 
 def collect_ring(file: Path, inputs: dict[str, Any], out: dict[str, Any], deadline: float) -> None:
-    """In the child: each p's schedule as plain columns (``out["schedules"]``), or what it was instead."""
+    """In the child: each p's schedule as plain lists (``out["schedules"]``), or what it was instead."""
     fn = load_function(file, "ring_reduce_scatter")
     out["schedules"] = schedules = []
     for p in inputs["world_sizes"]:
         with learner_call(file, f"ring_reduce_scatter({p})"):
             schedule = fn(p)
-        if not isinstance(schedule, Schedule):
-            schedules.append({"type": type(schedule).__name__, "repr": short_repr(schedule)})
-            continue
-        t = schedule.table
-        if t.num_transfers > MAX_TRANSFERS:
-            raise Fail(f"ring_reduce_scatter({p}) returned a schedule of {t.num_transfers:,} transfers: the "
-                       f"ring's reduce-scatter needs p(p - 1) = {p * (p - 1)}")
-        schedules.append({"type": "Schedule", "name": str(schedule.name)[:200],
-                          "world_size": schedule.world_size, "num_chunks": schedule.num_chunks,
-                          "src": t.src.tolist(), "dst": t.dst.tolist(), "chunk": t.chunk.tolist(),
-                          "reduce": t.reduce.tolist(), "starts": t.starts.tolist()})
+        schedules.append(plain(schedule, f"ring_reduce_scatter({p})", MAX_TRANSFERS,
+                               f"the ring's reduce-scatter needs p(p - 1) = {p * (p - 1)}"))
 
 
-def _schedule(plain: dict[str, Any], p: int) -> object:
-    """The learner's schedule rebuilt here from its columns (checked again), or a stand-in for what
+def _schedule(returned: dict[str, Any], p: int) -> object:
+    """The learner's schedule rebuilt here from its lists (checked again), or a stand-in for what
     they returned instead (``ring_problem`` names its type)."""
-    if plain["type"] != "Schedule":
-        return type(plain["type"], (), {})()
-    name, size, chunks = plain["name"], plain["world_size"], plain["num_chunks"]
-    if (size, chunks) != (p, p):  # refused before simulating: say which, without building it
-        return Schedule(name, max(size, 1), max(chunks, 1), [])
-    starts = plain["starts"]
-    cols = [np.asarray(plain[k], np.int64) for k in ("src", "dst", "chunk")]
-    ops = np.where(np.asarray(plain["reduce"], bool), "reduce", "copy")
-    try:
-        rounds = [Round(*(c[a:b] for c in cols), ops[a:b]) for a, b in zip(starts, starts[1:])]
-        return Schedule(name, p, p, rounds)
-    except ScheduleError as e:
-        raise Fail(f"at p={p}: ring_reduce_scatter returned a schedule that cannot run: {e}") from None
+    sizes = returned.get("world_size"), returned.get("num_chunks")
+    if returned["type"] == "Schedule" and sizes != (p, p):  # refused before simulating: say which
+        return Schedule(returned["name"], max(sizes[0], 1), max(sizes[1], 1), [])
+    return rebuild(returned, f"at p={p}: ring_reduce_scatter returned a schedule that")
 
 
 def ring_problem(schedule: object, p: int) -> str | None:

@@ -29,28 +29,19 @@ native all-reduce.
 
 from __future__ import annotations
 
-import numpy as np
-
-from dplab.reference.schedule import Round, Schedule, concat
+from dplab.reference.schedule import Schedule, Transfer, concat
 
 __all__ = ["reduce_scatter", "allgather", "allreduce"]
 
 
-def _pairs(p: int) -> tuple[np.ndarray, np.ndarray]:
-    """(d, r) for every d, then every r != d: the order the transfers are listed in."""
-    d, r = np.divmod(np.arange(p * p, dtype=np.int32), p)
-    keep = r != d
-    return d[keep], r[keep]
-
-
 def reduce_scatter(p: int) -> Schedule:
-    d, r = _pairs(p)  # rank r sends chunk d to its owner d
-    return Schedule("direct_reduce_scatter", p, p, [Round(r, d, d, "reduce")] if p > 1 else [])
+    sends = tuple(Transfer(r, d, d, "reduce") for d in range(p) for r in range(p) if r != d)  # to owner d
+    return Schedule("direct_reduce_scatter", p, p, (sends,) if p > 1 else ())
 
 
 def allgather(p: int) -> Schedule:
-    d, r = _pairs(p)  # owner d sends its chunk d to every r
-    return Schedule("direct_allgather", p, p, [Round(d, r, d, "copy")] if p > 1 else [])
+    sends = tuple(Transfer(d, r, d, "copy") for d in range(p) for r in range(p) if r != d)  # owner d to all
+    return Schedule("direct_allgather", p, p, (sends,) if p > 1 else ())
 
 
 def allreduce(p: int) -> Schedule:

@@ -47,10 +47,8 @@ Rounds 0 and 3 are inside the nodes, 1 and 2 the rings across them.
 
 from __future__ import annotations
 
-import numpy as np
-
 from dplab.reference.errors import ConfigError
-from dplab.reference.schedule import Round, Schedule
+from dplab.reference.schedule import Op, Schedule, Transfer
 
 __all__ = ["allreduce", "NODE_SIZE", "layout"]
 
@@ -66,35 +64,23 @@ def layout(p: int, g: int) -> tuple[int, int, list[int]]:
     return g, n, [min(g, p - x * g) for x in range(n)]
 
 
-def _intra(g: int, n: int, sizes: list[int], k: int, shift: int, op: str) -> Round:
-    """Round k of a ring inside every node: local rank i sends the pieces c with c mod s = (i - k
-    - shift) mod s (s its node's size; c = that one in a full node), all N sub-chunks of each (one
-    message: sub-chunks c N .. c N + N - 1 are consecutive), to local rank i + 1."""
-    full = sum(1 for s in sizes if s == g) if g > 1 and k < g - 1 else 0
-    r = np.arange(full * g)
-    i = r % g
-    parts = [(np.repeat(r, n), np.repeat(r - i + (i + 1) % g, n),
-              np.repeat((i - k - shift) % g * n, n) + np.tile(np.arange(n), r.size))]
-    s = sizes[-1]
-    if s < g and k < s - 1:  # the smaller last node: each rank sends all the pieces it holds
-        base = (len(sizes) - 1) * g
-        for i in range(s):
-            pieces = [c for c in range(g) if c % s == (i - k - shift) % s]
-            chunks = np.concatenate([c * n + np.arange(n) for c in pieces])
-            parts.append((np.full(chunks.size, base + i), np.full(chunks.size, base + (i + 1) % s), chunks))
-    return Round(*(np.concatenate(cols) for cols in zip(*parts)), op)
+def _intra(g: int, n: int, sizes: list[int], k: int, shift: int, op: Op) -> tuple[Transfer, ...]:
+    """Round k of a ring inside every node of s ranks: local rank i sends local rank i + 1 the pieces
+    c with c mod s = (i - k - shift) mod s (one piece in a full node), all N sub-chunks of each (one
+    message: sub-chunks c N .. c N + N - 1 are consecutive)."""
+    return tuple(Transfer(x * g + i, x * g + (i + 1) % s, c * n + j, op)
+                 for x, s in enumerate(sizes) if k < s - 1 for i in range(s)
+                 for c in range(g) if c % s == (i - k - shift) % s for j in range(n))
 
 
-def _inter(g: int, n: int, sizes: list[int], k: int, shift: int, op: str) -> Round:
-    """Round k of the g rings across nodes: on piece c's ring, node x's holder sends sub-chunk
-    (x - k - shift) mod N to node x + 1's holder."""
-    c, x = np.meshgrid(np.arange(g), np.arange(n), indexing="ij")  # (piece, node)
-    size = np.asarray(sizes)[x]
-    holder = x * g + c % size
-    nxt = (x + 1) % n
-    to = nxt * g + c % np.asarray(sizes)[nxt]
-    sub = (x - k - shift) % n
-    return Round(holder.ravel(), to.ravel(), (c * n + sub).ravel(), op)
+def _inter(g: int, n: int, sizes: list[int], k: int, shift: int, op: Op) -> tuple[Transfer, ...]:
+    """Round k of the g rings across nodes: on piece c's ring, node x's holder of c (its local rank
+    c mod s) sends sub-chunk (x - k - shift) mod N to node x + 1's holder."""
+    def holder(x: int, c: int) -> int:
+        return x * g + c % sizes[x]
+
+    return tuple(Transfer(holder(x, c), holder((x + 1) % n, c), c * n + (x - k - shift) % n, op)
+                 for c in range(g) for x in range(n))
 
 
 def allreduce(p: int, g: int = NODE_SIZE) -> Schedule:

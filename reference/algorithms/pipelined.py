@@ -37,19 +37,20 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numpy as np
-
+from dplab.reference.algorithms.ring import allgather as ring_allgather
+from dplab.reference.algorithms.ring import reduce_scatter as ring_reduce_scatter
 from dplab.reference.errors import ConfigError
-from dplab.reference.schedule import Round, Schedule, Transfer
+from dplab.reference.schedule import Schedule, Transfer
 
-__all__ = ["TREE_PIECES", "RING_SLICES", "btree", "children_of", "heights", "depths", "over_trees",
-           "pipelined_tree", "pipelined_ring", "tree_busiest", "ring_busiest", "sliced_ring_time"]
+__all__ = ["TREE_PIECES", "RING_SLICES", "check_pieces", "btree", "children_of", "heights", "depths",
+           "over_trees", "pipelined_tree", "pipelined_ring", "tree_busiest", "ring_busiest",
+           "sliced_ring_time"]
 
 TREE_PIECES = 8  # default pieces per tree: the model's best k at 1 MiB for double_tree at p = 64 (module doc)
 RING_SLICES = 4  # default slices per ring step: buys nothing in the round model, hides gamma in real links
 
 
-def _check(p: int, k: int, name: str) -> None:
+def check_pieces(p: int, k: int, name: str) -> None:
     if p < 1 or k < 1:
         raise ConfigError(f"{name}: world_size and the piece count must be >= 1, got p={p}, k={k} "
                           f"(write e.g. '{name}:4')")
@@ -130,31 +131,20 @@ def over_trees(name: str, p: int, num_chunks: int, trees: Sequence[tuple[Sequenc
 
 def pipelined_tree(p: int, k: int = TREE_PIECES) -> Schedule:
     """All-reduce over NCCL's binary tree, the buffer in ``k`` pieces: 2 ceil(lg p) + k - 1 rounds."""
-    _check(p, k, "pipelined_tree")
+    check_pieces(p, k, "pipelined_tree")
     return over_trees("pipelined_tree", p, k, [(btree(p), range(k))])
 
 
 def pipelined_ring(p: int, k: int = RING_SLICES) -> Schedule:
-    """The ring all-reduce with each step cut into ``k`` slices, slice j one round behind slice j-1.
-
-    Built as arrays, one ``Round`` per round (at p = 4096, k = 4: 134 M transfers; Transfer by
-    Transfer it ran out of memory under 8 GB). Round i carries slice j = i - s of ring step s for
-    every step s in flight; in chunk order (ring chunk c, then slice j), the sender of ring chunk c
-    in step s is rank c + s + 1 in the reduce-scatter (s < p - 1) and c + s - (p - 1) in the
-    all-gather (``ring.py``'s formulas solved for the rank), always to its right neighbour."""
-    _check(p, k, "pipelined_ring")
-    steps = 2 * (p - 1)
-    rounds = []
-    for i in range(steps + k - 1 if p > 1 else 0):
-        js = np.arange(max(0, i - steps + 1), min(i, k - 1) + 1)  # the slices in flight
-        c, j = np.repeat(np.arange(p), js.size), np.tile(js, p)
-        s = i - j
-        gather = s >= p - 1
-        src = (c + s + 1 - gather * p) % p
-        mixed = gather[0] != gather[-1]  # only the k - 1 rounds where the two phases meet
-        op = np.where(gather, "copy", "reduce") if mixed else ("copy" if gather[0] else "reduce")
-        rounds.append(Round(src, (src + 1) % p, c * k + j, op))
-    return Schedule("pipelined_ring", p, p * k, rounds)
+    """The ring all-reduce with each step cut into ``k`` slices, slice j one round behind slice j-1:
+    ring chunk c is chunks c k .. c k + k - 1, and slice j of ring step s goes in round s + j."""
+    check_pieces(p, k, "pipelined_ring")
+    steps = ring_reduce_scatter(p).rounds + ring_allgather(p).rounds
+    timed: dict[int, list[Transfer]] = {}
+    for s, step in enumerate(steps):
+        for j in range(k):
+            timed.setdefault(s + j, []).extend(Transfer(t.src, t.dst, t.chunk * k + j, t.op) for t in step)
+    return Schedule("pipelined_ring", p, p * k, _by_chunk(timed))
 
 
 def tree_busiest(p: int, n: int) -> int:
@@ -182,7 +172,7 @@ def sliced_ring_time(p: int, nbytes: float, alpha: float, beta: float, gamma: fl
     s + 1 leaves once slice j of step s has been reduced (reduce-scatter) or arrived
     (all-gather). Every rank does the same at the same times, so one rank's timeline is the
     ring's. k = 1 gives exactly the round model's ring time."""
-    _check(p, k, "sliced_ring_time")
+    check_pieces(p, k, "sliced_ring_time")
     if p == 1:
         return 0.0
     send, add = alpha + beta * nbytes / (p * k), gamma * nbytes / (p * k)

@@ -35,22 +35,19 @@ arrived in the previous round, so after p-1 rounds everyone has every chunk.
 
 from __future__ import annotations
 
-import numpy as np
-
-from dplab.reference.schedule import Round, Schedule, concat
+from dplab.reference.schedule import Schedule, Transfer, concat
 
 __all__ = ["reduce_scatter", "allgather", "allreduce"]
 
 
 def reduce_scatter(p: int) -> Schedule:
-    r = np.arange(p)  # every rank at once: round k is one line, the formula above
-    rounds = [Round(r, (r + 1) % p, (r - k - 1) % p, "reduce") for k in range(p - 1)]
+    rounds = [tuple(Transfer(r, (r + 1) % p, (r - k - 1) % p, "reduce") for r in range(p))  # round k
+              for k in range(p - 1)]
     return Schedule("ring_reduce_scatter", p, p, rounds)
 
 
 def allgather(p: int) -> Schedule:
-    r = np.arange(p)
-    rounds = [Round(r, (r + 1) % p, (r - k) % p, "copy") for k in range(p - 1)]
+    rounds = [tuple(Transfer(r, (r + 1) % p, (r - k) % p, "copy") for r in range(p)) for k in range(p - 1)]
     return Schedule("ring_allgather", p, p, rounds)
 
 

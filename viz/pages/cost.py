@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import streamlit as st
 
-from dplab.backends.fastpath.rabenseifner import allreduce as rabenseifner_arrays
+from dplab.backends.fastpath.arrays import ALLREDUCE as ARRAY_BUILDERS
 from dplab.backends.runs.uploads import BENCH, bench_rows
 from dplab.reference.algorithms import ALLREDUCE
 from dplab.reference.costmodel import best_regions
@@ -246,7 +246,7 @@ with figure_slot:
 @st.cache_data(show_spinner="pricing every schedule at every world size ...", max_entries=32)
 def _regions(preset: str, max_p: int):  # noqa: ANN202 - a cached Regions
     return best_regions(PRESETS[preset], [p for p in WORLD_SIZES if p <= max_p], REGION_SIZES,
-                        builders={"rabenseifner": rabenseifner_arrays})  # the array builder: same rows
+                        builders=ARRAY_BUILDERS)  # the array builders: same rows
 
 
 st.subheader("Which all-reduce wins where")

@@ -8,12 +8,10 @@ p - 1 rounds. The engine's: reference/algorithms/ring.py (dplab.reference.algori
 
 from __future__ import annotations
 
-import numpy as np
-
-from dplab.reference.schedule import Round, Schedule
+from dplab.reference.schedule import Schedule, Transfer
 
 
 def ring_allgather(p: int) -> Schedule:
-    r = np.arange(p)  # every rank at once: one line per round
-    rounds = [Round(r, (r + 1) % p, (r - k) % p, "copy") for k in range(p - 1)]
+    rounds = [tuple(Transfer(r, (r + 1) % p, (r - k) % p, "copy") for r in range(p))  # round k
+              for k in range(p - 1)]
     return Schedule("my_ring_allgather", p, p, rounds)

@@ -9,12 +9,10 @@ at the rank that owns it: rank r ends holding chunk r. The engine's: reference/a
 
 from __future__ import annotations
 
-import numpy as np
-
-from dplab.reference.schedule import Round, Schedule
+from dplab.reference.schedule import Schedule, Transfer
 
 
 def ring_reduce_scatter(p: int) -> Schedule:
-    r = np.arange(p)  # every rank at once: one line per round
-    rounds = [Round(r, (r + 1) % p, (r - k - 1) % p, "reduce") for k in range(p - 1)]
+    rounds = [tuple(Transfer(r, (r + 1) % p, (r - k - 1) % p, "reduce") for r in range(p))  # round k
+              for k in range(p - 1)]
     return Schedule("my_ring_reduce_scatter", p, p, rounds)

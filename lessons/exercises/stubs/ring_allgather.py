@@ -6,8 +6,8 @@ and only pieces of the other chunks. Write ``ring_allgather(p)``: the rounds aft
 rank holds every chunk complete, where in every round each rank sends one chunk to its right
 neighbour, rank (r + 1) mod p.
 
-    Round(src, dst, chunk, "copy")      # src[i] sends chunk[i] to dst[i], which overwrites its own
-    Round(src, dst, chunk, "reduce")    # ... which adds it to its own
+    Transfer(src, dst, chunk, "copy")      # src sends its chunk to dst, which overwrites its own
+    Transfer(src, dst, chunk, "reduce")    # ... which adds it to its own; a round is a tuple of these
 
 A send carries the chunk as it was at the start of the round. The body below writes round 0
 only. Which chunk does rank r pass on in round k, does the receiver add or copy, and how many
@@ -23,15 +23,12 @@ Stuck? The lesson's step has hints, one at a time: dplab lesson 2, then h.
 
 from __future__ import annotations
 
-import numpy as np
-
-from dplab.reference.schedule import Round, Schedule
+from dplab.reference.schedule import Schedule, Transfer
 
 
 def ring_allgather(p: int) -> Schedule:
-    r = np.arange(p)  # every rank at once: one line per round
     rounds = []
-    if p > 1:
-        rounds.append(Round(r, (r + 1) % p, r, "copy"))  # round 0: rank r sends the chunk it owns
+    if p > 1:  # round 0: every rank r sends the chunk it owns to its right neighbour
+        rounds.append(tuple(Transfer(r, (r + 1) % p, r, "copy") for r in range(p)))
     # TODO: the rounds after round 0
     return Schedule("my_ring_allgather", p, p, rounds)

@@ -5,11 +5,11 @@ chunk c). Write ``ring_reduce_scatter(p)``: the rounds after which rank r holds 
 over all ranks, every rank's part counted exactly once, where in every round each rank sends one
 chunk to its right neighbour, rank (r + 1) mod p, which adds it to its own copy of that chunk.
 
-A schedule is data (read dplab/reference/schedule.py and dplab/reference/rounds.py):
+A schedule is data (read dplab/reference/schedule.py):
 
     Schedule(name, world_size, num_chunks, rounds)     # rounds: a list of rounds
-    Round(src, dst, chunk, "reduce")                   # one round, as arrays: src[i] sends chunk[i]
-                                                       # to dst[i], which adds it to its own
+    Transfer(src, dst, chunk, "reduce")                # src sends its chunk to dst, which adds it
+                                                       # to its own; a round is a tuple of these
 
 A send carries the chunk as it was at the start of the round, including everything added into
 it in earlier rounds. The body below writes round 0 only. Which chunk does rank r pass on in
@@ -22,15 +22,12 @@ Check it (the simulator counts each rank's part in each chunk after every round)
 
 from __future__ import annotations
 
-import numpy as np
-
-from dplab.reference.schedule import Round, Schedule
+from dplab.reference.schedule import Schedule, Transfer
 
 
 def ring_reduce_scatter(p: int) -> Schedule:
-    r = np.arange(p)  # every rank at once: one line per round
     rounds = []
-    if p > 1:
-        rounds.append(Round(r, (r + 1) % p, (r - 1) % p, "reduce"))  # round 0: rank r sends chunk r - 1
+    if p > 1:  # round 0: every rank r sends chunk r - 1 to its right neighbour
+        rounds.append(tuple(Transfer(r, (r + 1) % p, (r - 1) % p, "reduce") for r in range(p)))
     # TODO: the rounds after round 0
     return Schedule("my_ring_reduce_scatter", p, p, rounds)

@@ -1,45 +1,29 @@
-"""A schedule's rounds stored as columns of small integers: the storage that reaches p = 4096.
+"""A schedule as columns of small integers: what the cost model prices, up to p = 4096.
 
 The ring at p = 4096 has 2 (p - 1) rounds of p transfers: 33.5 million. As ``Transfer`` objects
-that is minutes and gigabytes; as four columns (src, dst, chunk, reduce) it is about 235 MB
-built in a second or two, and the cost model (``dplab.reference.costmodel``) prices it with
-vectorised numpy. The ``Transfer`` tuples that the executor, the simulator and the pictures
-read are built from these columns when asked (``Schedule.rounds``, at the small p they run at):
-the schedule is stored once, in one form.
+that is minutes and gigabytes; as four columns (src, dst, chunk, reduce) it is about 235 MB, and
+the cost model (``dplab.reference.costmodel``) prices it with vectorised numpy, a block of rounds
+at a time. ``columns(schedule)`` makes the columns of a readable ``Schedule`` (once per schedule);
+at large p the engine builds them directly, a ``Round`` of arrays per round
+(``dplab.backends.fastpath.arrays``, held equal to the readable builders row for row):
 
-Algorithms build rounds either way; both give the same table:
-
-    Schedule("t", 3, 1, ((Transfer(1, 0, 0, "reduce"), Transfer(2, 0, 0, "reduce")),))
-    r = np.arange(p)                             # the ring's reduce-scatter, one line per round
-    Schedule("ring_reduce_scatter", p, p, [Round(r, (r + 1) % p, (r - k - 1) % p, "reduce")
-                                           for k in range(p - 1)])
+    columns(ring.allreduce(8))                                   # from the readable schedule
+    r = np.arange(p)                                             # the ring's reduce-scatter as arrays
+    RoundTable.build("ring_reduce_scatter", p, p, [Round(r, (r + 1) % p, (r - k - 1) % p, "reduce")
+                                                   for k in range(p - 1)])
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
-from typing import Any, Literal
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
-from dplab.reference.errors import DplabError
+from dplab.reference.schedule import Schedule, ScheduleError, Transfer
 
-__all__ = ["Op", "Transfer", "Round", "RoundTable", "ScheduleError"]
-
-Op = Literal["reduce", "copy"]
-
-
-class ScheduleError(DplabError, ValueError):
-    """A schedule that cannot be executed as written."""
-
-
-@dataclass(frozen=True)
-class Transfer:
-    src: int
-    dst: int
-    chunk: int
-    op: Op
+__all__ = ["Round", "RoundTable", "columns"]
 
 
 class Round:
@@ -76,23 +60,38 @@ class Round:
         return cls(src, dst, chunk, np.array([t.op for t in ts], dtype=object).astype(str) if ts else "copy")
 
 
+def columns(schedule: Schedule | RoundTable) -> RoundTable:
+    """The schedule's columns (made once per schedule, then kept); a RoundTable is its own."""
+    if isinstance(schedule, RoundTable):
+        return schedule
+    s = schedule
+    return s.memo("columns", lambda: RoundTable.build(s.name, s.world_size, s.num_chunks, s.rounds))
+
+
 @dataclass(frozen=True, eq=False)
 class RoundTable:
-    """All rounds' transfers one after another; round i is rows ``starts[i]:starts[i + 1]``.
+    """A schedule's rounds one after another; round i is rows ``starts[i]:starts[i + 1]``.
 
-    Columns are int16 when the world and the chunk count fit (p, k < 32768), else int32."""
+    Columns are int16 when the world and the chunk count fit (p, k < 32768), else int32. Built from
+    ``Round`` arrays it is range-checked only: the engine's builders are held equal to the readable
+    ones, which ``Schedule`` checks in full."""
 
+    name: str
+    world_size: int
+    num_chunks: int
     src: np.ndarray
     dst: np.ndarray
     chunk: np.ndarray
     reduce: np.ndarray  # bool: True for op 'reduce', False for 'copy'
     starts: np.ndarray  # int64, len(rounds) + 1
+    _memo: dict[Any, Any] = field(default_factory=dict, init=False, repr=False)
 
     @staticmethod
-    def build(rounds: Iterable[Any], world_size: int, num_chunks: int) -> RoundTable:
+    def build(name: str, world_size: int, num_chunks: int, rounds: Iterable[Any]) -> RoundTable:
         """From Rounds or tuples of Transfers (mixed is fine); the rows are range-checked here."""
-        if isinstance(rounds, RoundTable):
-            return rounds
+        if world_size < 1 or num_chunks < 1:
+            raise ScheduleError(f"{name}: world_size and num_chunks must be >= 1, got {world_size}, "
+                                f"{num_chunks}")
         dtype = np.int16 if max(world_size, num_chunks) < 2**15 else np.int32
         cols: list[list[np.ndarray]] = [[], [], [], []]
         counts = [0]
@@ -104,14 +103,16 @@ class RoundTable:
                            | (r.chunk < 0) | (r.chunk >= num_chunks))
                     j = int(np.flatnonzero(out)[0])
                     bad = _transfer(r.src[j], r.dst[j], r.chunk[j], r.reduce[j])
-                    raise ScheduleError(f"round {i}: {bad} is out of range (p={world_size}, k={num_chunks})")
+                    raise ScheduleError(f"{name} round {i}: {bad} is out of range "
+                                        f"(p={world_size}, k={num_chunks})")
             for col, a in zip(cols, (r.src, r.dst, r.chunk)):
                 col.append(a.astype(dtype))
             cols[3].append(r.reduce)
             counts.append(len(r.reduce))
         src, dst, chunk = (np.concatenate(c) if c else np.zeros(0, dtype) for c in cols[:3])
         reduce = np.concatenate(cols[3]) if cols[3] else np.zeros(0, bool)
-        return RoundTable(src, dst, chunk, reduce, np.cumsum(counts, dtype=np.int64))
+        starts = np.cumsum(counts, dtype=np.int64)
+        return RoundTable(name, world_size, num_chunks, src, dst, chunk, reduce, starts)
 
     def __len__(self) -> int:
         return len(self.starts) - 1
@@ -139,17 +140,27 @@ class RoundTable:
             yield r0, min(r1, n)
             r0 = min(r1, n)
 
+    def memo(self, key: Any, compute: Callable[[], Any]) -> Any:
+        """``compute()`` once per table and key (the cost model keeps its summaries here)."""
+        if key not in self._memo:
+            self._memo[key] = compute()
+        return self._memo[key]
+
     def equals(self, other: RoundTable) -> bool:
-        return all(np.array_equal(getattr(self, f), getattr(other, f))
-                   for f in ("starts", "src", "dst", "chunk", "reduce"))
+        sizes = lambda t: (t.name, t.world_size, t.num_chunks)  # noqa: E731
+        return sizes(self) == sizes(other) and all(np.array_equal(getattr(self, f), getattr(other, f))
+                                                   for f in ("starts", "src", "dst", "chunk", "reduce"))
 
     @staticmethod
-    def concat(tables: Iterable[RoundTable]) -> RoundTable:
-        ts = list(tables)
-        offsets = np.cumsum([0] + [t.num_transfers for t in ts])
-        starts = np.concatenate([np.zeros(1, np.int64)] + [t.starts[1:] + o for t, o in zip(ts, offsets)])
-        return RoundTable(*(np.concatenate([getattr(t, f) for t in ts])
-                            for f in ("src", "dst", "chunk", "reduce")), starts)
+    def concat(name: str, *parts: RoundTable) -> RoundTable:
+        """``schedule.concat`` for tables: one after another over the same chunking."""
+        p, k = parts[0].world_size, parts[0].num_chunks
+        if any(t.world_size != p or t.num_chunks != k for t in parts):
+            raise ScheduleError(f"{name}: parts disagree on world_size or num_chunks")
+        offsets = np.cumsum([0] + [t.num_transfers for t in parts])
+        starts = np.concatenate([np.zeros(1, np.int64)] + [t.starts[1:] + o for t, o in zip(parts, offsets)])
+        return RoundTable(name, p, k, *(np.concatenate([getattr(t, f) for t in parts])
+                                        for f in ("src", "dst", "chunk", "reduce")), starts)
 
 
 def _transfer(src: Any, dst: Any, chunk: Any, reduce: Any) -> Transfer:
