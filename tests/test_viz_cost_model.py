@@ -150,7 +150,6 @@ def test_crossovers_of_coinciding_curves_merge_into_one_sentence():
     assert (m.faster_below, m.faster_above, m.world_size) == (("tree",), ("ring", "direct"), 8)
     assert m.nbytes == min(x.nbytes for x in pairs) and set(m.parts) == set(pairs)
     assert m.sentence() == "tree beats ring and direct below 91.9 KiB at p=8"
-    assert m.label() == "tree|ring=direct"
     # without the tie there is nothing to merge: the pair's own crossover, same size and words
     (alone,) = merged_crossovers(CostParams(world_size=8, algorithms=("ring", "tree")))
     assert alone.sentence() == "tree beats ring below 91.9 KiB at p=8" and len(alone.parts) == 1
@@ -164,7 +163,7 @@ def test_figure_dashes_the_coinciding_curve_and_draws_one_marker():
     assert ring.line.dash == "solid" and direct.line.dash == "dash"
     assert list(direct.y) == pytest.approx(list(ring.y), rel=1e-3)  # the same curve, both visible
     marks = by_name["crossovers"]
-    assert marks.text == ("tree|ring=direct",) and marks.hovertext == (
+    assert marks.text == ("<b>1</b>",) and marks.hovertext == (
         "tree beats ring and direct below 91.9 KiB at p=8",)
     assert marks.y[0] == pytest.approx(model_time("tree", marks.x[0], params) * 1e6)
     assert fig.layout.legend.y > 1 and fig.layout.legend.yanchor == "bottom"  # above the plot

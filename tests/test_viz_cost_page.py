@@ -44,8 +44,8 @@ def test_first_render_names_the_crossovers_and_draws_the_model():
     # ring and direct cross tree at one size: one sentence, one marker, one caption for the tie; and the
     # size where MPICH switches from recursive doubling to Rabenseifner (every registered algorithm is drawn)
     crossings = [c for c in captions(at) if c.startswith("Crossover")]
-    assert "Crossover: tree beats ring and direct below 91.9 KiB at p=8." in crossings
-    assert "Crossover: recursive_doubling beats rabenseifner below 117 KiB at p=8." in crossings
+    assert crossings[:2] == ["Crossover 1: tree beats ring and direct below 91.9 KiB at p=8.",
+                             "Crossover 2: recursive_doubling beats rabenseifner below 117 KiB at p=8."]
     assert ("ring and direct cost the same at every size at p=8 (within one element per message), so their "
             "curves coincide: direct is drawn dashed over ring.") in captions(at)
     fig = figure(at)
@@ -53,7 +53,7 @@ def test_first_render_names_the_crossovers_and_draws_the_model():
     assert names[:4] == ["naive (model)", "ring (model)", "tree (model)", "direct = ring (model)"]
     assert names[-1] == "crossovers" and {"recursive_doubling (model)", "rabenseifner (model)"} <= set(names)
     assert fig["data"][3]["line"]["dash"] == "dash" and fig["data"][1]["line"]["dash"] == "solid"
-    assert "tree|ring=direct" in fig["data"][-1]["text"]
+    assert fig["data"][-1]["text"] == [f"<b>{i}</b>" for i in range(1, len(crossings) + 1)]  # as the captions
     assert fig["layout"]["legend"]["y"] > 1  # above the plot, off the x axis' title
     ring = fig["data"][1]
     params = CostParams()
@@ -74,7 +74,7 @@ def test_controls_move_the_crossover_and_the_url():
     want = crossovers(CostParams(alpha_s=20e-6, beta_gbps=25, gamma_gbps=10, world_size=16,
                                  algorithms=("ring", "tree")))
     assert len(want) == 1
-    assert f"Crossover: {want[0].sentence()}." in captions(at)
+    assert f"Crossover 1: {want[0].sentence()}." in captions(at)
     assert want[0].sentence().startswith("tree beats ring below ") and want[0].sentence().endswith(" at p=16")
     assert any(c.startswith("busbw = algbw × 2(p-1)/p = algbw × 1.88 at p=16") for c in captions(at))
     fig = figure(at)
@@ -156,4 +156,4 @@ def test_the_app_lists_the_cost_page_and_reaches_it():
     at.switch_page("pages/cost.py").run()
     assert not at.exception
     assert at.title[0].value == "Cost: α, β, γ against message size"
-    assert "Crossover: tree beats ring and direct below 91.9 KiB at p=8." in captions(at)
+    assert "Crossover 1: tree beats ring and direct below 91.9 KiB at p=8." in captions(at)

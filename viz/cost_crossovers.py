@@ -61,10 +61,6 @@ class MergedCrossover:
         return f"{_and(self.faster_below)} {verb} {_and(self.faster_above)} below " \
                f"{format_bytes(self.nbytes)} at p={self.world_size}"
 
-    def label(self) -> str:
-        """The marker's text: winners below | winners above, coinciding ones joined by '='."""
-        return f"{'='.join(self.faster_below)}|{'='.join(self.faster_above)}"
-
 
 def _sign(x: float) -> int:
     return (x > 0) - (x < 0)

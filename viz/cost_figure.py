@@ -48,8 +48,10 @@ def cost_figure(params: CostParams, y: str = "time", points: int = 97,
         t = [model_time(x.faster_below[0], x.nbytes, params) for x in xs]
         fig.add_trace(go.Scatter(x=n, y=to_y(n, t, p, y).tolist(), mode="markers+text",
                                  name="crossovers", marker={"symbol": "x", "size": 11, "color": "black"},
-                                 text=[x.label() for x in xs],
-                                 textposition="top center", hovertext=[x.sentence() for x in xs],
+                                 text=[f"<b>{i}</b>" for i in range(1, len(xs) + 1)],  # as the captions
+                                 textfont={"size": 15, "color": "black"},  # alternate sides: they bunch up
+                                 textposition=[("top center", "bottom center")[i % 2] for i in range(len(n))],
+                                 hovertext=[x.sentence() for x in xs],
                                  hoverinfo="text"))
     symbols = ["circle", "square", "diamond", "triangle-up", "cross"]
     rows = [r for r in measured or [] if r.get("world_size") == p and r.get("algorithm") != "memcpy"]

@@ -220,8 +220,8 @@ except DplabError as e:
     st.stop()
 xs = merged_crossovers(params)
 if xs:
-    for x in xs:
-        st.caption(f"Crossover: {x.sentence()}.")
+    for i, x in enumerate(xs, 1):  # numbered as the figure's markers: names overlap where they bunch up
+        st.caption(f"Crossover {i}: {x.sentence()}.")
 else:
     st.caption(f"No crossover between {', '.join(params.algorithms)} from {format_bytes(params.min_bytes)} "
                f"to {format_bytes(params.max_bytes)} at p={params.world_size}.")
