@@ -104,7 +104,7 @@ def _pairs(p: int) -> list[tuple[Schedule, RoundTable]]:
     return out
 
 
-@pytest.mark.parametrize("p", range(1, 65))
+@pytest.mark.parametrize("p", [*range(1, 21), 24, 31, 32, 33, 48, 64])  # small p, 2^k and neighbours
 def test_the_array_builders_equal_the_readable_builders(p):
     """Same rounds, same transfers, same order within each round (the order messages post in)."""
     for want, got in _pairs(p):
