@@ -103,7 +103,8 @@ def validate(s: Schedule) -> None:
                 raise ScheduleError(f"{s.name} round {i}: unknown op {t.op!r} in {t}: a transfer either "
                                     "'reduce's or 'copy's")
             if not all(hasattr(v, "__index__") for v in (t.src, t.dst, t.chunk)):  # ints, numpy ints
-                raise ScheduleError(f"{s.name} round {i}: {t}: src, dst and chunk are integers")
+                raise ScheduleError(f"{s.name} round {i}: {t}: src, dst and chunk must be integers "
+                                    "(p // 2, not p / 2)")
             if not (0 <= t.src < p and 0 <= t.dst < p and 0 <= t.chunk < k):
                 raise ScheduleError(f"{s.name} round {i}: {t} is out of range (p={p}, k={k})")
             if t.src == t.dst:

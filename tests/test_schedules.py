@@ -243,7 +243,7 @@ def test_schedule_rejects_self_sends_unknown_ops_and_empty_worlds():
         make(3, 1, (Transfer(1, 1, 0, "copy"),))
     with pytest.raises(ScheduleError, match="unknown op"):
         make(3, 1, (Transfer(0, 1, 0, "max"),))  # type: ignore[arg-type]
-    with pytest.raises(ScheduleError, match="src, dst and chunk are integers"):
+    with pytest.raises(ScheduleError, match=r"src, dst and chunk must be integers \(p // 2, not p / 2\)"):
         make(3, 2, (Transfer(0, 1, 1.0, "copy"),))  # a chunk p / 2 would be cut short, not refused
     with pytest.raises(ScheduleError, match="is not a Transfer"):
         make(3, 2, ((0, 1, 1, "copy"),))  # type: ignore[arg-type]
