@@ -181,6 +181,19 @@ def test_the_planted_templates_are_right_when_filled_right(tmp_path):
         assert report.passed, report.message
 
 
+def test_a_ring_written_with_numpy_ranks_is_judged_like_one_with_ints(tmp_path):
+    """``for r in np.arange(p)`` gives numpy integers: the schedule still travels back to be judged."""
+    report = check_file("ring_reduce_scatter", _write(tmp_path, "ring_reduce_scatter", """
+        import numpy as np
+        from dplab.reference.schedule import Schedule, Transfer
+
+        def ring_reduce_scatter(p):
+            return Schedule("mine", p, p, [tuple(Transfer(r, (r + 1) % p, (r - k - 1) % p, "reduce")
+                                                 for r in np.arange(p)) for k in range(p - 1)])
+    """))
+    assert report.passed, report.message
+
+
 def test_the_learners_exceptions_are_reports_that_name_their_line(tmp_path):
     raising = _write(tmp_path, "ring_reduce_scatter", """
         def ring_reduce_scatter(p):

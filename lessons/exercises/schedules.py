@@ -44,17 +44,18 @@ def plain(schedule: object, call: str, limit: int, need: str) -> dict[str, Any]:
         raise Fail(f"{call} returned a schedule of {count:,} transfers: {need}")
     return {"type": "Schedule", "name": str(schedule.name)[:200], "world_size": schedule.world_size,
             "num_chunks": schedule.num_chunks,
-            "rounds": [[[t.src, t.dst, t.chunk, t.op] for t in rnd] for rnd in schedule.rounds]}
+            "rounds": [[[int(t.src), int(t.dst), int(t.chunk), str(t.op)] for t in rnd]  # numpy ints too
+                       for rnd in schedule.rounds]}
 
 
-def rebuild(plain: dict[str, Any], said: str = "the schedule") -> object:
+def rebuild(returned: dict[str, Any], said: str = "the schedule") -> object:
     """The learner's schedule rebuilt from its lists (and so checked again), or an empty object
     of the type's name they returned instead. ``said``: how a refusal names the schedule."""
-    if plain["type"] != "Schedule":
-        return type(plain["type"], (), {})()
-    rounds = [tuple(Transfer(*t) for t in rnd) for rnd in plain["rounds"]]
+    if returned["type"] != "Schedule":
+        return type(returned["type"], (), {})()
+    rounds = [tuple(Transfer(*t) for t in rnd) for rnd in returned["rounds"]]
     try:
-        return Schedule(plain["name"], plain["world_size"], plain["num_chunks"], rounds)
+        return Schedule(returned["name"], returned["world_size"], returned["num_chunks"], rounds)
     except ScheduleError as e:
         raise Fail(f"{said} cannot run: {e}") from None
 
