@@ -21,7 +21,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import cache
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
@@ -174,6 +174,19 @@ class Communicator(ABC):
     moves_tensors: bool = False  # torch tensors travel as they are (torch, cuda); else numpy arrays only
     host_tensors: bool = False  # tensors in host memory travel as tensors too (torch, gloo): bfloat16 too
     _hosts: tuple[int, ...] | None = None  # set by a backend at connect time (the ``hosts`` setter)
+    device: Any = None  # the torch device this rank's buffers live on, as its launcher placed it (the
+    # cuda backend's GPU, the torch backend's --device); None: host memory
+
+    @property
+    def compute_device(self) -> Any:
+        """Where a trainer on this rank computes unless its caller says otherwise (``train_sync``).
+
+        Returns:
+            ``device`` if it is a CUDA GPU (torch tensors there); None otherwise: NumPy arrays on
+            the host (the local and MPI transports, and the cuda and torch ones on the CPU).
+        """
+        device = getattr(self, "device", None)  # any object with a device: compute_device's callers
+        return device if getattr(device, "type", None) == "cuda" else None
 
     @property
     def hosts(self) -> tuple[int, ...]:

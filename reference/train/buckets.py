@@ -69,7 +69,7 @@ class Reducer:
             if b - a != sum(slices[i].stop - slices[i].start for i in ps):
                 raise ConfigError("bucket parameters must be contiguous in the flat gradient, "
                                   "in reverse order: lay parameters out in forward order")
-        self._sync = True
+        self.require_backward_grad_sync = True  # False: gradients accumulate, nothing is reduced
         self._queue: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._comm_loop, daemon=True, name="dplab-comm")
         self._thread.start()
@@ -85,15 +85,26 @@ class Reducer:
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Accumulate gradients locally: backward passes inside this block launch no reduction."""
-        self._sync = False
+        """Accumulate gradients locally: backward passes inside this block launch no reduction.
+
+        The same as setting ``require_backward_grad_sync`` False for the block (torch DDP's
+        attribute, the one flag per micro-batch nanoGPT sets)."""
+        self.require_backward_grad_sync = False
         try:
             yield
         finally:
-            self._sync = True
+            self.require_backward_grad_sync = True
 
     def mark_param_as_ready(self, i: int) -> None:
-        if not self._sync:
+        """Parameter ``i``'s gradient is final for this step: launch every bucket now complete, in order.
+
+        Args:
+            i: an index into the ``slices`` the reducer was made with.
+
+        Raises:
+            ConfigError: ``i`` was marked twice in one step.
+        """
+        if not self.require_backward_grad_sync:
             return
         if i in self._ready:
             raise ConfigError(f"parameter {i} was marked ready twice in one step: mark each once per step")

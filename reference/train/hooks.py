@@ -3,8 +3,9 @@
     train_sync(comm, cfg, SyncConfig(checkpoint=ckpt))    # the hooks a SyncConfig asks for
     train_sync(comm, cfg, sync, hooks=[MyHook()])         # and your own, after them
 
-A hook overrides the points it needs; ``Hook``'s own methods change nothing. With no hook
-attached the recipe calls none of this: what runs is its five steps alone.
+A hook overrides the points it needs; ``Hook``'s own methods change nothing. The recipe calls
+every point on every step through ``Hooks``, all the attached hooks as one: with none attached
+(``Hooks([])``) each call does nothing, and what runs is the recipe's five steps alone.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ class Run:
     """One rank's run as the hooks see it; ``on_start`` may change any field before the first step."""
 
     params: np.ndarray  # the replicas' parameters, stepped in place (mixed precision: the masters; on a GPU,
-    # a torch tensor there: ``dplab.reference.train.sync.compute_device``)
+    # a torch tensor there: ``Communicator.compute_device``)
     opt: Any  # what steps them: ``opt.step(params, grad)``, ``state_dict()``, ``load_state_dict()``
     grad_dtype: np.dtype  # the gradient buffer's dtype: what the buckets all-reduce
     start: int = 0  # the first step to take (a resumed run: where its checkpoint ends)
@@ -54,7 +55,8 @@ class Hook:
         return nullcontext()
 
     def wants_to_stop(self, step: int) -> bool:
-        """True asks every rank to stop after ``step``: it rides on the loss all-reduce, so all agree."""
+        """True asks every rank to stop after ``step`` (a time budget ran out). One rank asking is
+        enough: the recipe sums the requests with the loss (``sync.loss_and_stop``), so all agree."""
         return False
 
     def after_step(self, run: Run, step: int) -> None:
@@ -64,7 +66,8 @@ class Hook:
 class Hooks(Hook):
     """Several hooks as one: each point runs them in order, the first one's context outermost.
 
-    Empty, it is false: the recipe then calls none of its methods."""
+    Empty (``Hooks([])``), every point does nothing and hands back what it was given; it is then
+    false, for a caller that wants to know."""
 
     def __init__(self, hooks: Iterable[Hook]) -> None:
         self.hooks = list(hooks)
