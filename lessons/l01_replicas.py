@@ -115,7 +115,8 @@ STEPS = (
               "device trained on the same batches they differ by at most **{diff:.1e}**: float64 rounding, "
               "because the all-reduce adds in another order than one device does. Final loss {loss:.4f}.\n\n"
               "The code below is the recipe every rank runs (`reference/train/sync.py`): broadcast, shard, "
-              "forward and backward, all-reduce the gradient bucket by bucket, step."),
+              "forward and backward, all-reduce the gradient bucket by bucket, step. Its plainest form, "
+              "one all-reduce of the whole gradient after backward, is `reference/train/naive.py`."),
         run=four_replicas,
         checks=(Check("every replica holds the same bits", lambda f: f["identical"] is True),
                 Check("the replicas equal one device to float64 rounding (< 1e-12)",

@@ -1,10 +1,12 @@
-"""Run a schedule in one process over p arrays: the oracle for every algorithm.
+"""Run a schedule in one process over p arrays: the executor's twin, and every algorithm's oracle.
 
-Besides the values, the simulator tracks *provenance*: for every rank and chunk,
-how many times each rank's contribution has been added into it. A correct
-all-reduce ends with every chunk on every rank holding each contribution exactly
-once; counting (not just comparing sums) catches double counting that a lucky sum
-would hide. The per-round snapshots are what the visualizer animates.
+What the executor (``collectives.run_schedule``) does with bytes, one rank per process over a
+``Communicator``, this does for all p ranks at once: the same rounds, the same transfers, a send
+carrying its chunk as the round found it. Besides the values, the simulator tracks *provenance*:
+for every rank and chunk, how many times each rank's contribution has been added into it. A
+correct all-reduce ends with every chunk on every rank holding each contribution exactly once;
+counting (not just comparing sums) catches double counting that a lucky sum would hide. The
+per-round snapshots are what the visualizer animates.
 
     >>> from dplab.reference.algorithms import allreduce_schedule
     >>> sim = simulate(allreduce_schedule("ring", 4))
