@@ -38,7 +38,7 @@ def app_path() -> Path:
     spec = importlib.util.find_spec("dplab.viz")
     locations = list(spec.submodule_search_locations or []) if spec is not None else []
     for folder in locations:
-        path = Path(folder) / "app.py"
+        path = Path(folder).resolve() / "app.py"  # the checkout's file, not its link in src/dplab
         if path.is_file():
             return path
     raise ConfigError(f"dplab's app file (viz/app.py) is not installed (looked in {locations or 'nowhere'}): "
