@@ -1,4 +1,4 @@
-"""An editor can follow the imports: ``dplab.*`` resolves statically, as a newcomer's editor reads it.
+"""An editor can follow the imports: ``dplab.*`` resolves statically, as a newcomer's editor reads.
 
 Editors and type checkers (jedi, pyright, Pylance, PyCharm) find modules on the paths that
 ``.pth`` files list; they do not run an import hook. The folders install under ``dplab`` through
@@ -34,7 +34,8 @@ def _definition(script: Path) -> tuple[Path, int]:
 
 @pytest.mark.parametrize("where", ["a user's script", "a test"])
 def test_go_to_definition_finds_the_executor(tmp_path: Path, where: str) -> None:
-    script = tmp_path / "train.py" if where == "a user's script" else ROOT / "tests" / "test_mine.py"
+    mine = ROOT / "tests" / "test_mine.py"
+    script = tmp_path / "train.py" if where == "a user's script" else mine
     path, line = _definition(script)  # the script need not exist: an editor's unsaved buffer
     assert path == Path(collectives.__file__).resolve()
     assert line == inspect.getsourcelines(collectives.allreduce)[1]
