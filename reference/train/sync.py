@@ -245,6 +245,6 @@ def compute_device(comm: Any, sync: SyncConfig, device: Any = None) -> Any:
     Raises:
         ConfigError: ``sync`` asks for checkpoints or mixed precision, which stay on the host.
     """
-    device = device or Communicator.compute_device.fget(comm)
+    device = device or Communicator.compute_device.fget(comm)  # the contract's rule, on any comm
     sync.validate(device=device)
     return device
