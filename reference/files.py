@@ -1,8 +1,8 @@
 """The files a user names: read only regular files, only as many bytes as make sense; write whole
 files or none.
 
-    data = read_regular("run.ckpt", limit=1 << 20, what="checkpoint")   # bytes, or one ConfigError
-    write_atomic("rows.json", text.encode(), what="--json")              # all of it, or a WriteError
+    data = read_regular("run.ckpt", limit=1 << 20, what="checkpoint")  # bytes, or a ConfigError
+    write_atomic("rows.json", text.encode(), what="--json")        # all of it, or a WriteError
 
 A path a user gives may be a link to ``/dev/zero`` (endless), a FIFO (a read that never returns)
 or a 30 GB sparse file: ``read_regular`` opens without blocking, refuses anything but a regular
@@ -57,9 +57,10 @@ def open_regular(path: str | os.PathLike, limit: int, what: str):
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            kind = ("a FIFO" if stat.S_ISFIFO(st.st_mode) else "a device" if stat.S_ISCHR(st.st_mode)
-                    or stat.S_ISBLK(st.st_mode) else "a socket" if stat.S_ISSOCK(st.st_mode)
-                    else "not a regular file")
+            mode = st.st_mode
+            kind = ("a FIFO" if stat.S_ISFIFO(mode) else "a device" if stat.S_ISCHR(mode)
+                    or stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode)
+                    else "a directory" if stat.S_ISDIR(mode) else "not a regular file")
             raise ConfigError(f"{what} {path} is {kind}, not a regular file: give the file itself")
         if st.st_size > limit:
             raise ConfigError(f"{what} {path} is {size_text(st.st_size)}, more than the "
@@ -95,8 +96,8 @@ def real_target(path: str | os.PathLike, what: str = "output") -> Path:
     except FileNotFoundError:
         return Path(os.path.realpath(p))
     except OSError as e:
-        raise ConfigError(f"{what} {path} is a symbolic link that cannot be followed ({e.strerror}): "
-                          "remove the link or choose another path") from None
+        raise ConfigError(f"{what} {path} is a symbolic link that cannot be followed "
+                          f"({e.strerror}): remove the link or choose another path") from None
 
 
 def write_atomic(path: str | os.PathLike, data: bytes | Callable[[IO[bytes]], object],

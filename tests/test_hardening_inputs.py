@@ -28,8 +28,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from dplab.backends.fastpath.arrays import ALLREDUCE as ARRAYS
+from dplab.reference.algorithms import ALLREDUCE, PARAMETER_MAX, has_schedule
 from dplab.reference.checkpoint import store
+from dplab.reference.columns import columns
 from dplab.reference.checkpoint.store import CheckpointError, load_checkpoint, save_checkpoint
+from dplab.reference.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 AS_LIMIT = 3 << 30  # bytes of address space each process of a hostile command may map
@@ -41,7 +45,7 @@ def _limited() -> None:
 
 
 def dplab(*argv: str, timeout: float = 60, env: dict | None = None) -> subprocess.CompletedProcess:
-    """``dplab ARGV`` as a user runs it, under ``AS_LIMIT`` and ``timeout`` (a hang fails the test)."""
+    """``dplab ARGV`` as a user runs it, under ``AS_LIMIT`` and ``timeout`` (a hang fails)."""
     t0 = time.monotonic()
     done = subprocess.run([sys.executable, "-m", "dplab.backends.cli", *argv], capture_output=True,
                           text=True, timeout=timeout, preexec_fn=_limited, cwd=ROOT,
@@ -116,3 +120,47 @@ def test_an_array_header_larger_than_its_data_is_refused_unallocated(tmp_path):
     (tmp_path / "ckpt-00000001.npz").write_bytes(_resign(members))
     with pytest.raises(CheckpointError, match=r"array header of \[1000000000000\] float64 over 32"):
         load_checkpoint(tmp_path)
+
+
+# -- 3. algorithm parameters have a stated maximum, the same in every builder ----------------------
+
+@pytest.mark.parametrize("algorithm", ["pipelined_ring:1000000", "double_tree:99999999999",
+                                       "pipelined_ring:99999999999", "pipelined_tree:1025",
+                                       "hierarchical:99999999999"])
+def test_a_parameter_past_its_maximum_is_refused_before_any_rank(algorithm):
+    name = algorithm.split(":")[0]
+    top = PARAMETER_MAX[name][0]
+    done = dplab("train", *SMALL, "--algorithm", algorithm, timeout=60)
+    assert done.seconds < 30
+    refused(done, f"at most {top}", algorithm)
+
+
+@pytest.mark.parametrize("name", sorted(PARAMETER_MAX))
+def test_every_builder_takes_the_maximum_and_refuses_one_more(name):
+    top = PARAMETER_MAX[name][0]
+    readable = ALLREDUCE[name]
+    with pytest.raises(ConfigError, match=str(top)):
+        readable(3, top + 1)
+    with pytest.raises(ConfigError, match=f"at most {top}"):
+        has_schedule(f"{name}:{top + 1}")
+    assert has_schedule(f"{name}:{top}")
+    built = readable(3, top)
+    if name in ARRAYS:  # the engine's array builders: the same bound, the same schedule
+        with pytest.raises(ConfigError, match=str(top)):
+            ARRAYS[name](3, top + 1)
+        assert ARRAYS[name](3, top).equals(columns(built))
+
+
+def _huge_slices(comm):
+    from dplab.backends import allreduce
+
+    return allreduce(comm, np.ones(4), algorithm="pipelined_ring:100000000")
+
+
+@pytest.mark.timeout(60)
+def test_the_python_api_refuses_a_huge_parameter_in_one_line():
+    from dplab.backends.launch.world import RankError, launch
+
+    with pytest.raises(RankError) as e:
+        launch(_huge_slices, 2)
+    assert "at most 1024" in (e.value.config_error() or "")

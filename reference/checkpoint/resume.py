@@ -89,7 +89,8 @@ class Expect:
     def bounds(self) -> Bounds:
         """The most this run's checkpoint can hold: arrays of the model's size, and a manifest of
         the metadata plus, per step (sync) or per update of the server (async, at most clocks x
-        workers), one loss or one log entry with its drop record. A larger file is not of this run."""
+        workers), one loss or one log entry with its drop record. A larger file is not this
+        run's."""
         itemsize = np.dtype(self.cfg.dtype).itemsize
         per_step = _LOSS_BYTES if self.mode == "sync" else _LOG_BYTES * max(self.world_size - 1, 1)
         manifest = _MANIFEST_BASE + len(json.dumps(self.meta, default=str)) + per_step * self.steps

@@ -30,8 +30,8 @@ import numpy as np
 from dplab.reference.errors import ConfigError, DplabError
 from dplab.reference.files import WriteError, open_regular, size_text, write_atomic
 
-__all__ = ["CheckpointError", "Checkpoint", "Listing", "Bounds", "FORMAT", "FORMAT_VERSION", "MAX_MEMBERS",
-           "save_checkpoint", "load_checkpoint", "list_checkpoints"]
+__all__ = ["CheckpointError", "Checkpoint", "Listing", "Bounds", "FORMAT", "FORMAT_VERSION",
+           "MAX_MEMBERS", "save_checkpoint", "load_checkpoint", "list_checkpoints"]
 
 FORMAT, FORMAT_VERSION = "dplab-checkpoint", 1
 _NAME = re.compile(r"ckpt-(\d{8,})\.npz")  # complete checkpoints; temporaries start with "."
@@ -144,7 +144,8 @@ def load_checkpoint(path: str | os.PathLike, *, expect_meta: dict | None = None,
     is refused with an error naming the differing fields. ``bounds``: the most this run's
     checkpoint can hold; a file or a member larger than that is refused before it is read.
     Only a regular file is read, in pieces (a FIFO, a device or a link to one is refused), and
-    only uncompressed members (what ``save_checkpoint`` writes): memory stays within the file's size.
+    only uncompressed members (what ``save_checkpoint`` writes): memory stays within the file's
+    size.
 
     Raises:
         CheckpointError: in one line, why this file must not be resumed from.
@@ -160,14 +161,16 @@ def load_checkpoint(path: str | os.PathLike, *, expect_meta: dict | None = None,
                                   f"{len(listing.strays)} unfinished temporaries ignored): "
                                   "start without resuming, or point at the right directory")
         p = listing.latest
+    limit = _UNBOUNDED if bounds is None else bounds.file_bytes()
     try:
-        with open_regular(p, _UNBOUNDED if bounds is None else bounds.file_bytes(), "checkpoint") as f:
+        with open_regular(p, limit, "checkpoint") as f:
             if not _checksum_ok(f):
                 raise CheckpointError(f"checkpoint {p} is corrupt (checksum mismatch: truncated or "
                                       "altered): delete it or resume from an earlier one")
             ckpt = _decode(p, f, bounds or Bounds(_UNBOUNDED, _UNBOUNDED))
     except OSError as e:  # the file changed or vanished under us
-        raise CheckpointError(f"cannot read checkpoint {p} ({e.strerror or e}): check the path") from None
+        raise CheckpointError(f"cannot read checkpoint {p} ({e.strerror or e}): "
+                              "check the path") from None
     except CheckpointError:
         raise
     except ConfigError as e:  # open_regular's: not a regular file, or too large for this run
@@ -251,12 +254,13 @@ def _decode(path: Path, f: BinaryIO, bounds: Bounds) -> Checkpoint:
             if len(infos) > MAX_MEMBERS:
                 raise bad(f"{len(infos)} members; dplab writes at most {MAX_MEMBERS}")
             for name, info in infos.items():
-                cap = bounds.manifest_bytes if name == _MANIFEST else bounds.array_bytes + _NPY_HEADER
+                cap = bounds.manifest_bytes if name == _MANIFEST else \
+                    bounds.array_bytes + _NPY_HEADER
                 if info.compress_type != zipfile.ZIP_STORED or info.compress_size != info.file_size:
                     raise bad(f"member {name} is compressed; dplab stores members as they are")
                 if info.file_size > cap:
-                    raise bad(f"member {name} holds {size_text(info.file_size)}, more than this run's "
-                              f"model can fill ({size_text(cap)})")
+                    raise bad(f"member {name} holds {size_text(info.file_size)}, more than "
+                              f"this run's model can fill ({size_text(cap)})")
 
             def member(name: str) -> bytes:
                 if name not in infos:
