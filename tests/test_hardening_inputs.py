@@ -29,9 +29,11 @@ import numpy as np
 import pytest
 
 from dplab.backends.fastpath.arrays import ALLREDUCE as ARRAYS
+from dplab.reference import auto
 from dplab.reference.algorithms import ALLREDUCE, PARAMETER_MAX, has_schedule
 from dplab.reference.checkpoint import store
 from dplab.reference.columns import columns
+from dplab.reference.costfit import CostFit
 from dplab.reference.checkpoint.store import CheckpointError, load_checkpoint, save_checkpoint
 from dplab.reference.errors import ConfigError
 
@@ -164,3 +166,29 @@ def test_the_python_api_refuses_a_huge_parameter_in_one_line():
     with pytest.raises(RankError) as e:
         launch(_huge_slices, 2)
     assert "at most 1024" in (e.value.config_error() or "")
+
+
+# -- 5. a tune file whose fields are finite but whose prices are not -------------------------------
+
+def _tune(tmp_path, alpha: float) -> Path:
+    fits = (CostFit("local", "all", "all", alpha, 0.0, 1 / 5.8e9),
+            CostFit("local", "all", "native", 95e-6, 1 / 5.2e9, None))
+    return auto.save_tuning(auto.Tuning(fits, "test"), tmp_path / "tune.json")
+
+
+def test_a_tune_file_pricing_at_inf_is_refused_before_any_rank(tmp_path, cli_here, monkeypatch):
+    monkeypatch.setenv("DPLAB_TUNE", str(_tune(tmp_path, 1e308)))
+    auto.reset()
+    try:
+        done = cli_here("train", *SMALL, "--algorithm", "auto")
+    finally:
+        monkeypatch.delenv("DPLAB_TUNE")
+        auto.reset()
+    refused(done, "tune.json", "no finite time", "dplab tune")
+
+
+def test_a_price_that_overflows_at_a_larger_world_is_refused_where_it_is_priced(tmp_path):
+    tuning = auto.load_tuning(_tune(tmp_path, 1e307))  # 2 ranks: 2 messages, 2e307 s: finite
+    assert tuning.choose("local", 2, 1 << 20) in (*ALLREDUCE, "native")
+    with pytest.raises(ConfigError, match="prices .* on 16 ranks at (inf|nan) s"):
+        tuning.choose("local", 16, 1 << 20)  # 30 rounds of 1e307 s
