@@ -30,6 +30,7 @@ from dplab.reference.algorithms import ALLREDUCE, allreduce_schedule
 from dplab.reference.algorithms.layout import node_size
 from dplab.reference.costfit import CostFit
 from dplab.reference.errors import ConfigError, DplabError
+from dplab.reference.files import read_regular, write_atomic
 from dplab.reference.topology import Link, Topology
 
 __all__ = ["TUNE_ENV", "DEFAULT_TUNE_PATH", "DEFAULT_FITS", "NATIVE_CHECK", "Tuning", "tune_path",
@@ -37,6 +38,7 @@ __all__ = ["TUNE_ENV", "DEFAULT_TUNE_PATH", "DEFAULT_FITS", "NATIVE_CHECK", "Tun
            "LEVELS"]
 
 TUNE_ENV = "DPLAB_TUNE"
+TUNE_MAX_BYTES = 64 << 20  # a fit of every cell of a large bench is well under a megabyte
 DEFAULT_TUNE_PATH = "~/.cache/dplab/tune.json"
 _ALL = "all"
 REDO = "run `dplab tune` again to rewrite it"  # ends every bad-file line
@@ -345,7 +347,9 @@ def load_tuning(path: str | Path | None = None) -> Tuning:
     if not where.is_file():  # a FIFO or a device would block or never end
         raise ConfigError(f"the tune file {where} is not a regular file: {REDO}")
     try:
-        data = json.loads(where.read_text())
+        data = json.loads(read_regular(where, TUNE_MAX_BYTES, "the tune file"))
+    except ConfigError as e:  # grew or changed kind since the check above
+        raise ConfigError(f"{e}: {REDO}") from None
     except (OSError, ValueError, RecursionError) as e:  # ValueError: bad JSON, or not UTF-8
         raise ConfigError(f"cannot read the tune file {where} ({e}): {REDO}") from None
     return Tuning.from_json(data, str(where))
@@ -355,9 +359,7 @@ def save_tuning(tuning: Tuning, path: str | Path | None = None) -> Path:
     """Write ``tuning`` where auto reads it (default ``tune_path()``), atomically; returns the path."""
     where = Path(path).expanduser() if path is not None else tune_path()
     where.parent.mkdir(parents=True, exist_ok=True)
-    tmp = where.with_name(f".{where.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(tuning.to_json(), indent=1))
-    os.replace(tmp, where)
+    write_atomic(where, json.dumps(tuning.to_json(), indent=1).encode(), "the tune file")
     return where
 
 

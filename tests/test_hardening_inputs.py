@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import io
-import json
 import os
 import resource
 import subprocess
@@ -32,9 +31,9 @@ from dplab.backends.fastpath.arrays import ALLREDUCE as ARRAYS
 from dplab.reference import auto
 from dplab.reference.algorithms import ALLREDUCE, PARAMETER_MAX, has_schedule
 from dplab.reference.checkpoint import store
+from dplab.reference.checkpoint.store import CheckpointError, load_checkpoint, save_checkpoint
 from dplab.reference.columns import columns
 from dplab.reference.costfit import CostFit
-from dplab.reference.checkpoint.store import CheckpointError, load_checkpoint, save_checkpoint
 from dplab.reference.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -192,3 +191,91 @@ def test_a_price_that_overflows_at_a_larger_world_is_refused_where_it_is_priced(
     assert tuning.choose("local", 2, 1 << 20) in (*ALLREDUCE, "native")
     with pytest.raises(ConfigError, match="prices .* on 16 ranks at (inf|nan) s"):
         tuning.choose("local", 16, 1 << 20)  # 30 rounds of 1e307 s
+
+
+# -- 6, 7. outputs: checked up front where they can be, written whole or not at all ---------------
+
+def test_a_checkpoint_dir_that_is_a_loop_of_links_is_refused_up_front(tmp_path, cli_here):
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    refused(cli_here("train", *SMALL, "--checkpoint-every", "1", "--checkpoint-dir",
+                     str(tmp_path / "a")), "symbolic link", "--checkpoint-dir")
+
+
+def test_an_output_file_that_is_a_loop_of_links_is_refused_up_front(tmp_path, cli_here):
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    refused(cli_here("train", *SMALL, "--json", str(tmp_path / "a")), "symbolic link", "--json")
+
+
+def test_a_directory_where_the_chrome_trace_goes_is_refused_up_front(tmp_path, cli_here):
+    (tmp_path / "run.chrome.json").mkdir()
+    refused(cli_here("train", *SMALL, "--trace", str(tmp_path / "run.json")),
+            "run.chrome.json is a directory")
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """``mount(kib)``: a tmpfs of that many KiB at a fresh directory, unmounted afterwards. A full
+    disk for real: the writes fail with ENOSPC where a user's would."""
+    if os.geteuid() != 0:
+        pytest.skip("a full disk is a small tmpfs, and mounting one needs root (or run pytest "
+                    "inside `unshare --user --map-root-user --mount`)")
+    mounted: list[Path] = []
+
+    def mount(kib: int) -> Path:
+        d = tmp_path / f"disk{len(mounted)}"
+        d.mkdir()
+        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={kib}k", "tmpfs", str(d)], check=True)
+        mounted.append(d)
+        return d
+
+    yield mount
+    for d in mounted:
+        subprocess.run(["umount", "-l", str(d)], check=False)
+
+
+def _left(d: Path) -> list[str]:
+    return sorted(p.name for p in d.rglob("*"))
+
+
+@pytest.mark.parametrize("option, name", [("--json", "rows.json"), ("--trace", "run.json"),
+                                          ("--save-params", "params.npy")])
+def test_a_full_disk_at_the_end_of_a_run_is_one_line_and_the_old_file_stays(small_disk, option,
+                                                                          name):
+    d = small_disk(4)  # one page: the old file fills it
+    (d / name).write_text("the good old file")
+    err = refused(dplab("train", *SMALL, option, str(d / name)), "No space left on device",
+                  f"{option}", "nothing was left half-written")
+    assert str(d / name) in err
+    assert (d / name).read_text() == "the good old file" and _left(d) == [name]
+
+
+def test_a_checkpoint_dir_that_fills_mid_run_stops_the_run_in_one_line(small_disk):
+    d = small_disk(64)  # room for the first checkpoint of the default model (43 KB), not a second
+    err = refused(dplab("train", *SMALL, "--steps", "5", "--checkpoint-every", "1",
+                        "--checkpoint-dir", str(d / "ck")), "rank 0: checkpoint", "No space left")
+    assert "ckpt-00000002.npz" in err
+    assert _left(d) == ["ck", "ckpt-00000001.npz"]  # the one that fitted, whole; no temporary
+    assert load_checkpoint(d / "ck").step == 1
+
+
+def test_a_checkpoint_dir_that_turns_read_only_mid_run_stops_the_run_in_one_line(small_disk):
+    d = small_disk(1 << 20)  # 1 GiB of room: only the remount can stop the run
+    cmd = [sys.executable, "-m", "dplab.backends.cli", "train", "--world-size", "2", "--steps",
+           "100000", "--checkpoint-every", "1", "--checkpoint-dir", str(d / "ck")]
+    run = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                           cwd=ROOT)
+    try:
+        while not (d / "ck" / "ckpt-00000001.npz").exists():
+            assert run.poll() is None, run.stderr.read()
+            time.sleep(0.01)
+        subprocess.run(["mount", "-o", "remount,ro", str(d)], check=True)
+        err = run.communicate(timeout=60)[1]
+    finally:
+        run.kill()
+        run.wait()
+    done = subprocess.CompletedProcess(cmd, run.returncode, "", err)
+    refused(done, "rank 0: checkpoint", "Read-only file system")
+    assert not [n for n in _left(d) if n.endswith(".tmp")]
+    assert load_checkpoint(d / "ck").step >= 1
