@@ -22,12 +22,15 @@ import subprocess
 import sys
 import time
 import zipfile
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from dplab.backends.fastpath.arrays import ALLREDUCE as ARRAYS
+from dplab.backends.runs.memory import check_run, train_bytes
+from dplab.backends.runs.run import RunSpec
 from dplab.reference import auto
 from dplab.reference.algorithms import ALLREDUCE, PARAMETER_MAX, has_schedule
 from dplab.reference.checkpoint import store
@@ -35,6 +38,9 @@ from dplab.reference.checkpoint.store import CheckpointError, load_checkpoint, s
 from dplab.reference.columns import columns
 from dplab.reference.costfit import CostFit
 from dplab.reference.errors import ConfigError
+from dplab.reference.model import MLPConfig
+from dplab.reference.optim import OptimConfig
+from dplab.reference.train.single import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 AS_LIMIT = 3 << 30  # bytes of address space each process of a hostile command may map
@@ -279,3 +285,40 @@ def test_a_checkpoint_dir_that_turns_read_only_mid_run_stops_the_run_in_one_line
     refused(done, "rank 0: checkpoint", "Read-only file system")
     assert not [n for n in _left(d) if n.endswith(".tmp")]
     assert load_checkpoint(d / "ck").step >= 1
+
+
+# -- 4. sizes that cannot fit in memory are refused, with how much too much ------------------------
+
+@pytest.mark.parametrize("argv, words", [
+    (["--hidden", "100000000"], "use a smaller model (--hidden, --in-dim)"),
+    (["--global-batch", "1000000000"], "use a smaller --global-batch or more --accum-steps"),
+    (["--num-samples", "1000000000"], "use a smaller --num-samples"),
+    (["--hidden", "20000,20000", "--zero-stage", "3"], "use a smaller model"),
+    (["--hidden", "20000,20000", "--mode", "async"], "use a smaller model"),
+])
+def test_a_run_that_cannot_fit_in_memory_is_refused_before_any_rank(cli_here, argv, words):
+    err = refused(cli_here("train", *SMALL, *argv), "too much", words)
+    assert "of memory" in err or "of /dev/shm" in err
+
+
+def _spec(**train) -> RunSpec:
+    return RunSpec("local", 4, train=replace(TrainConfig(), **train))
+
+
+def test_the_estimate_grows_with_the_model_the_batch_and_the_data():
+    base = train_bytes(_spec(), 4)
+    wide = train_bytes(_spec(model=MLPConfig(8, (4096,), 4)), 4)
+    batch = train_bytes(_spec(global_batch=1 << 20), 4)
+    data = train_bytes(_spec(num_samples=1 << 20), 4)
+    assert wide.replica > 100 * base.replica and batch.step > 100 * base.step
+    assert data.data > 100 * base.data
+    # ZeRO-3 shards Adam's model state: a quarter per rank on 4 ranks, plus one gathered layer
+    # (and the first weights, which every rank draws whole)
+    big = replace(_spec(model=MLPConfig(8, (1024,) * 8, 4), optimizer=OptimConfig("adam")),
+                  zero_stage=3)
+    assert train_bytes(big, 4).replica < 0.5 * train_bytes(replace(big, zero_stage=None), 4).replica
+
+
+def test_runs_that_fit_are_let_through(monkeypatch):
+    for spec in (_spec(), _spec(model=MLPConfig(16, (512, 512), 4), global_batch=4096)):
+        check_run(spec)  # no error on this machine: a few MiB each

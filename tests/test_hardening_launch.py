@@ -10,7 +10,9 @@ start ends with it, and what goes wrong in a rank is said in one line.
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -20,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from dplab.backends.launch import limits
 from dplab.backends.launch.world import RankError, World, check_backend, launch
 from dplab.backends.local.shm import process_alive
 
@@ -152,3 +155,83 @@ def test_an_mpi_rank_killed_by_sigkill_is_named_without_a_keeper_traceback(tmp_p
                           timeout=120, cwd=tmp_path, env={**os.environ, "DPLAB_TIMEOUT": "10"})
     assert "rank 0 failed:\nprocess died from signal SIGKILL" in done.stdout, done.stdout
     assert "Traceback" not in done.stderr and "Errno 22" not in done.stderr, done.stderr
+
+
+# -- a world this machine cannot hold is refused before any rank starts ---------------------------
+
+@pytest.mark.parametrize("argv, words", [
+    (["--backend", "torch", "--world-size", "2000"], "a world of 2000 torch ranks"),
+    (["--backend", "torch", "--world-size", "10000"], "a world of 10000 torch ranks"),
+    (["--backend", "mpi", "--world-size", "10000"], "a world of 10000 mpi ranks"),
+    (["--world-size", "100000"], "a world of 100000 local ranks"),
+])
+def test_a_world_too_large_for_this_machine_is_one_line_before_any_rank(cli_here, argv, words):
+    _available(argv[1] if argv[0] == "--backend" else "local")
+    done = cli_here("train", *argv, "--steps", "1")
+    err = done.stderr.strip()
+    assert done.returncode == 2 and "\n" not in err and words in err, err
+    assert "use at most" in err
+
+
+def _fake(**changes) -> limits.Machine:
+    """This machine as it is now, with some limits set by hand."""
+    return dataclasses.replace(limits.machine(), **changes)
+
+
+def test_two_hundred_local_ranks_pass_no_default_map_count(monkeypatch):
+    """The tester's numbers: 128 local ranks worked, 200 died 41 s in on ENOMEM from a semaphore
+    (2p^2 of them, each a memory map in every rank). Under the default vm.max_map_count both are
+    known before the fork."""
+    here = _fake(max_maps=65530, maps=300, ram=None, shm=None, nofile=None, tasks=None)
+    monkeypatch.setattr(limits, "machine", lambda: here)
+    limits.check_world("local", 128)
+    with pytest.raises(limits.WorldTooLarge) as e:
+        limits.check_world("local", 200)
+    assert re.search(r"200 local ranks needs 80,[0-9]{3} memory maps .* vm.max_map_count is "
+                     r"65,530; use at most 1[3-9][0-9] ranks", str(e.value)), str(e.value)
+
+
+@pytest.mark.parametrize("limit, words", [
+    ({"nofile": 1024}, "open files in one process, but the limit is 1,024"),
+    ({"tasks": 100}, "processes and threads, but only 100 more may run"),
+    ({"shm": 64 << 20}, "of /dev/shm (the ranks' semaphores, mailboxes and staging buffers)"),
+    ({"ram": 1 << 30}, "of memory (")])
+def test_each_limit_refuses_in_one_line_with_the_largest_world_that_fits(monkeypatch, limit, words):
+    here = _fake(**{"max_maps": None, "nofile": None, "tasks": None, "shm": None, "ram": None,
+                    **limit})
+    monkeypatch.setattr(limits, "machine", lambda: here)
+    with pytest.raises(limits.WorldTooLarge, match=re.escape(words)) as e:
+        limits.check_world("local", 4000)
+    best = limits.largest_world("local", here, below=4000)
+    assert f"use at most {best} rank" in str(e.value) and "\n" not in str(e.value)
+    assert best >= 1 and limits.need("local", best, here).world_size == best
+    limits.check_world("local", best)  # the largest that fits does, and one more does not
+    with pytest.raises(limits.WorldTooLarge):
+        limits.check_world("local", best + 1)
+
+
+@pytest.mark.parametrize("backend", ["local", "torch", "mpi", "cuda"])
+def test_what_a_world_needs_grows_with_its_size_on_every_backend(backend):
+    here = limits.machine()
+    small, large = limits.need(backend, 4, here), limits.need(backend, 400, here)
+    for field in ("tasks", "ram", "fds"):
+        assert getattr(large, field) > getattr(small, field) > 0, field
+    assert large.maps >= small.maps and large.shm >= small.shm
+
+
+def _one(comm) -> int:
+    return comm.rank
+
+
+@pytest.mark.parametrize("make", ["launch", "World"])
+def test_the_python_api_refuses_a_world_too_large_before_it_forks(monkeypatch, make):
+    from dplab.backends.launch import world as world_module
+
+    def no_ranks(*args, **kwargs):
+        raise AssertionError("ranks were started")
+
+    monkeypatch.setattr(world_module, "start_ranks", no_ranks)
+    here = _fake(nofile=1024, max_maps=None)
+    monkeypatch.setattr(limits, "machine", lambda: here)
+    with pytest.raises(limits.WorldTooLarge, match="open files in one process"):
+        launch(_one, 5000) if make == "launch" else World(5000)

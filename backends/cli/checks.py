@@ -17,7 +17,8 @@ from pathlib import Path
 
 from dplab.backends.bench.spec import BenchSpec
 from dplab.backends.launch.engine import LAUNCHERS, launcher_hosts, local_ranks
-from dplab.backends.launch.world import launcher_env, under_launcher
+from dplab.backends.launch.limits import check_world
+from dplab.backends.launch.world import check_backend, launcher_env, under_launcher
 from dplab.reference.algorithms.layout import resolve
 from dplab.reference.errors import ConfigError
 from dplab.reference.files import real_target
@@ -56,6 +57,11 @@ def check_args(a: argparse.Namespace, printer: bool = True) -> None:
     for p in (a.world_sizes or ()) if a.command in ("compare", "bench") else ():  # before any cell runs
         if p < 1:
             raise ConfigError(f"world_size must be a positive integer, got {p}")
+    if a.command in ("compare", "bench") and a.world_sizes:  # the largest world, before the first
+        for backend in backends:                             # cell runs (train: run_train checks)
+            if not under_launcher(backend):
+                check_backend(backend)
+                check_world(backend, max(a.world_sizes))
     if a.command == "bench":
         bench_spec(a).check()
     if printer:

@@ -27,7 +27,7 @@ from typing import Any
 
 from dplab.backends.launch import mainmod
 from dplab.backends.launch.group import adopt, kill_group
-from dplab.backends.launch.serve import forked_rank, threaded_ranks
+from dplab.backends.launch.serve import GO, forked_rank, threaded_ranks
 from dplab.backends.launch.timeouts import start_timeout
 from dplab.backends.launch.watch import launcher_token
 from dplab.backends.local.shm import unlink_prefix
@@ -134,6 +134,8 @@ def _start_forked(found: Backend, world_size: int, session: str, timeout: float,
     except BaseException:
         ranks.kill()
         raise
+    if job is not None:
+        ranks.send_all(GO)  # every rank is forked: the job may start (serve.forked_rank)
     return ranks
 
 

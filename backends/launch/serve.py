@@ -33,9 +33,10 @@ from dplab.backends.launch.watch import (
     watch_launcher,
 )
 
-__all__ = ["serve", "forked_rank", "threaded_ranks", "receive", "main", "in_rank"]
+__all__ = ["serve", "forked_rank", "threaded_ranks", "receive", "main", "in_rank", "GO"]
 
 Job = tuple[Callable[..., Any], tuple]
+GO = b"go"  # the launcher has started every rank: a job given at the fork may begin
 _RANK = {"here": False}  # set in a rank's process: a world started from it would be nested
 
 
@@ -106,7 +107,12 @@ def forked_rank(connect: Callable[[], Any], conn: Any, job: Job | None, launcher
     watch_launcher(forked_from(launcher_pid), cleanup)
     one_thread_per_rank()
     try:
-        serve(connect, conn, job)
+        # A job given at the fork waits until every rank exists: forking a large world takes
+        # seconds, which its first collective's timeout must not be spent on.
+        if job is None or conn.recv_bytes() == GO:
+            serve(connect, conn, job)
+    except (EOFError, OSError):  # the launcher closed the pipe before GO: it is ending the world
+        pass
     finally:
         end_group()
 

@@ -26,8 +26,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from dplab.backends.launch.world import RankLost, World, check_backend, launch
+from dplab.backends.launch.world import RankLost, World, check_backend, launch, under_launcher
 from dplab.backends.registry import entry
+from dplab.backends.runs.memory import check_run
 from dplab.reference.checkpoint.resume import CheckpointConfig, Expect, load_resume
 from dplab.reference.errors import ConfigError
 from dplab.reference.files import write_atomic
@@ -186,6 +187,8 @@ def run_train(spec: RunSpec, world: World | None = None, trace: bool = False,
     to a name without it), bit for bit, whole or not at all (``WriteError``).
     """
     spec.validate()
+    if not under_launcher(spec.backend):  # a launcher's ranks may span hosts: theirs to size
+        check_run(spec)  # the world and its arrays fit in this host's memory, or one line
     if spec.checkpoint is not None and spec.checkpoint.resume is not None:
         spec.check_resume()
     if world is not None and world.world_size != spec.world_size:
