@@ -322,3 +322,11 @@ def test_the_estimate_grows_with_the_model_the_batch_and_the_data():
 def test_runs_that_fit_are_let_through(monkeypatch):
     for spec in (_spec(), _spec(model=MLPConfig(16, (512, 512), 4), global_batch=4096)):
         check_run(spec)  # no error on this machine: a few MiB each
+
+
+def test_tune_from_a_fifo_or_a_device_is_refused_not_read(tmp_path):
+    os.mkfifo(tmp_path / "rows.json")
+    refused(dplab("tune", "--from-json", str(tmp_path / "rows.json"), "--out",
+                  str(tmp_path / "tune.json"), timeout=30), "is a FIFO")
+    refused(dplab("tune", "--from-json", "/dev/zero", "--out", str(tmp_path / "tune.json")),
+            "is a device")
