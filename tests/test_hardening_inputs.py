@@ -29,6 +29,7 @@ import numpy as np
 import pytest
 
 from dplab.backends.fastpath.arrays import ALLREDUCE as ARRAYS
+from dplab.backends.local.shm import leftovers
 from dplab.backends.runs.memory import check_run, train_bytes
 from dplab.backends.runs.run import RunSpec
 from dplab.reference import auto
@@ -54,16 +55,25 @@ def _limited() -> None:
 def dplab(*argv: str, timeout: float = 60, env: dict | None = None) -> subprocess.CompletedProcess:
     """``dplab ARGV`` as a user runs it, under ``AS_LIMIT`` and ``timeout`` (a hang fails)."""
     t0 = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "dplab.backends.cli", *argv], capture_output=True,
-                          text=True, timeout=timeout, preexec_fn=_limited, cwd=ROOT,
-                          env={**os.environ, **(env or {})})
-    done.seconds = time.monotonic() - t0
+    cmd = [sys.executable, "-m", "dplab.backends.cli", *argv]
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          preexec_fn=_limited, cwd=ROOT, env={**os.environ, **(env or {})}) as run:
+        try:
+            out, err = run.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            run.kill()
+            raise
+    done = subprocess.CompletedProcess(cmd, run.returncode, out, err)
+    done.seconds, done.pid = time.monotonic() - t0, run.pid
     return done
 
 
 def refused(done: subprocess.CompletedProcess, *words: str) -> str:
-    """The command ended in exit 2 and one line on stderr that says ``words``; returns that line."""
+    """The command ended in exit 2 and one line on stderr that says ``words``, leaving no segment
+    in /dev/shm; returns that line."""
     err = done.stderr.strip()
+    if hasattr(done, "pid"):  # its worlds' segments are named after it
+        assert leftovers(f"dplab_{done.pid}_") == []
     assert done.returncode == 2, (done.returncode, done.stderr[-3000:])
     assert "\n" not in err and "Traceback" not in err, err
     for w in words:
@@ -282,6 +292,7 @@ def test_a_checkpoint_dir_that_turns_read_only_mid_run_stops_the_run_in_one_line
         run.kill()
         run.wait()
     done = subprocess.CompletedProcess(cmd, run.returncode, "", err)
+    done.pid = run.pid
     refused(done, "rank 0: checkpoint", "Read-only file system")
     assert not [n for n in _left(d) if n.endswith(".tmp")]
     assert load_checkpoint(d / "ck").step >= 1
