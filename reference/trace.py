@@ -22,8 +22,6 @@ from typing import Any
 
 import numpy as np
 
-from dplab.reference.files import write_atomic
-
 __all__ = ["Event", "Tracer", "align_clock", "merge", "save_json", "load_json", "to_chrome"]
 
 _OFF = nullcontext()  # every disabled tracer's span
@@ -115,6 +113,8 @@ def merge(per_rank: Iterable[Iterable[Event]]) -> list[Event]:
 def save_json(path: str | Path, events: Iterable[Event], meta: dict[str, Any] | None = None,
               what: str = "trace") -> None:
     """Write the events (and ``meta``) as JSON, whole or not at all (``WriteError`` in one line)."""
+    from dplab.reference.files import write_atomic  # loaded by the runs that write a trace
+
     doc = {"meta": meta or {}, "events": [asdict(e) for e in events]}
     write_atomic(path, json.dumps(doc).encode(), what)
 

@@ -32,7 +32,6 @@ from typing import Any
 from dplab.backends.launch import mainmod
 from dplab.backends.launch.engine import LauncherWorld, launcher_env, run_here, spans_hosts, under_launcher
 from dplab.backends.launch.interrupt import signals_deferred
-from dplab.backends.launch.limits import check_world
 from dplab.backends.launch.ranks import Ranks, pickle_job, start_ranks
 from dplab.backends.launch.serve import in_rank
 from dplab.backends.launch.timeouts import check_timeout, default_timeout
@@ -123,6 +122,8 @@ class World:
                               "that started the world")
         if not found.forked and job is not None:  # new interpreters must import the job
             mainmod.check_sendable(job[0])
+        from dplab.backends.launch.limits import check_world  # (not in the short import)
+
         check_world(backend, world_size)  # processes, memory, maps, descriptors: refused up front
         self.world_size, self.backend, self.tolerate = world_size, backend, frozenset(tolerate)
         self._entry = found
