@@ -19,9 +19,9 @@ import errno
 import os
 import stat
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import IO
+from typing import IO, BinaryIO
 
 from dplab.reference.errors import ConfigError
 
@@ -43,7 +43,7 @@ def size_text(n: int) -> str:
 
 
 @contextlib.contextmanager
-def open_regular(path: str | os.PathLike, limit: int, what: str):
+def open_regular(path: str | os.PathLike, limit: int, what: str) -> Iterator[BinaryIO]:
     """A binary file object of ``path``, a regular file of at most ``limit`` bytes, else one
     ``ConfigError`` naming ``what``. Opened with O_NONBLOCK, so a FIFO is refused, not waited on.
 

@@ -106,13 +106,15 @@ def forked_rank(connect: Callable[[], Any], conn: Any, job: Job | None, launcher
     _become_rank()
     watch_launcher(forked_from(launcher_pid), cleanup)
     one_thread_per_rank()
+    # A job given at the fork waits until every rank exists: forking a large world takes
+    # seconds, which its first collective's timeout must not be spent on.
     try:
-        # A job given at the fork waits until every rank exists: forking a large world takes
-        # seconds, which its first collective's timeout must not be spent on.
-        if job is None or conn.recv_bytes() == GO:
-            serve(connect, conn, job)
+        go = job is None or conn.recv_bytes() == GO
     except (EOFError, OSError):  # the launcher closed the pipe before GO: it is ending the world
-        pass
+        go = False
+    try:
+        if go:
+            serve(connect, conn, job)
     finally:
         end_group()
 
