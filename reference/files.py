@@ -51,20 +51,12 @@ def open_regular(path: str | os.PathLike, limit: int, what: str) -> Iterator[Bin
         ConfigError: the path cannot be opened, is not a regular file, or is larger than ``limit``.
     """
     try:
+        _check_kind(os.stat(path), path, limit, what)  # a device is refused without opening it
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except OSError as e:
         raise ConfigError(f"cannot read {what} {path} ({e.strerror}): check the path") from None
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            mode = st.st_mode
-            kind = ("a FIFO" if stat.S_ISFIFO(mode) else "a device" if stat.S_ISCHR(mode)
-                    or stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode)
-                    else "a directory" if stat.S_ISDIR(mode) else "not a regular file")
-            raise ConfigError(f"{what} {path} is {kind}, not a regular file: give the file itself")
-        if st.st_size > limit:
-            raise ConfigError(f"{what} {path} is {size_text(st.st_size)}, more than the "
-                              f"{size_text(limit)} one can be here: give the right file")
+        _check_kind(os.fstat(fd), path, limit, what)  # the file opened is the file checked
         os.set_blocking(fd, True)
         f = os.fdopen(fd, "rb")
     except BaseException:
@@ -72,6 +64,18 @@ def open_regular(path: str | os.PathLike, limit: int, what: str) -> Iterator[Bin
         raise
     with f:
         yield f
+
+
+def _check_kind(st: os.stat_result, path: str | os.PathLike, limit: int, what: str) -> None:
+    mode = st.st_mode
+    if not stat.S_ISREG(mode):
+        kind = ("a FIFO" if stat.S_ISFIFO(mode) else "a device" if stat.S_ISCHR(mode)
+                or stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode)
+                else "a directory" if stat.S_ISDIR(mode) else "not a regular file")
+        raise ConfigError(f"{what} {path} is {kind}, not a regular file: give the file itself")
+    if st.st_size > limit:
+        raise ConfigError(f"{what} {path} is {size_text(st.st_size)}, more than the "
+                          f"{size_text(limit)} one can be here: give the right file")
 
 
 def read_regular(path: str | os.PathLike, limit: int, what: str) -> bytes:
