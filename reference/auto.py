@@ -24,10 +24,13 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from dplab.reference.algorithms import ALLREDUCE, allreduce_schedule
 from dplab.reference.algorithms.layout import node_size
 from dplab.reference.costfit import CostFit
 from dplab.reference.errors import ConfigError, DplabError
+from dplab.reference.files import read_regular, write_atomic
 from dplab.reference.topology import Link, Topology
 
 __all__ = ["TUNE_ENV", "DEFAULT_TUNE_PATH", "DEFAULT_FITS", "NATIVE_CHECK", "Tuning", "tune_path",
@@ -35,6 +38,7 @@ __all__ = ["TUNE_ENV", "DEFAULT_TUNE_PATH", "DEFAULT_FITS", "NATIVE_CHECK", "Tun
            "LEVELS"]
 
 TUNE_ENV = "DPLAB_TUNE"
+TUNE_MAX_BYTES = 64 << 20  # a fit of every cell of a large bench is well under a megabyte
 DEFAULT_TUNE_PATH = "~/.cache/dplab/tune.json"
 _ALL = "all"
 REDO = "run `dplab tune` again to rewrite it"  # ends every bad-file line
@@ -159,10 +163,16 @@ class Tuning:
             if topo is not None and alg == "native":
                 continue
             try:
-                t = (self.predict_s(backend, alg, world_size, nbytes, itemsize) if topo is None else
-                     _walk(allreduce_schedule(alg, world_size), nbytes, itemsize, topo))
+                with np.errstate(over="ignore", invalid="ignore"):  # an overflow is refused below
+                    t = (self.predict_s(backend, alg, world_size, nbytes, itemsize) if topo is None
+                         else _walk(allreduce_schedule(alg, world_size), nbytes, itemsize, topo))
             except DplabError:  # a schedule that cannot be built at this world size is no candidate
                 continue
+            except (ArithmeticError, ValueError):  # inf - inf inside the model: a nan price
+                t = math.nan
+            if t is not None and not math.isfinite(t):
+                raise ConfigError(f"{self.source}: the fit for {backend} prices {alg} on "
+                                  f"{world_size} ranks at {t} s for {nbytes} bytes: {REDO}")
             if t is not None and (best is None or (t, i) < best[:2]):
                 best = (t, i, alg)
         return "native" if best is None else best[2]
@@ -192,9 +202,12 @@ class Tuning:
             links = data.get("links", [])
             for i, link in enumerate(links if isinstance(links, list) else [links]):
                 _check_link(link, f"{source}: links[{i}]")
-            return cls(tuple(CostFit.from_json(f) for f in fits), source,
-                       tuple((b, p, a, n, float(t)) for b, p, a, n, t in measured),
-                       tuple((k["backend"], k["level"], *(float(k[v]) for v in _VALUES)) for k in links))
+            tuning = cls(tuple(CostFit.from_json(f) for f in fits), source,
+                         tuple((b, p, a, n, float(t)) for b, p, a, n, t in measured),
+                         tuple((k["backend"], k["level"], *(float(k[v]) for v in _VALUES))
+                               for k in links))
+            _check_prices(tuning)
+            return tuning
         except (AttributeError, KeyError, TypeError, ValueError) as e:
             if isinstance(e, ConfigError):
                 raise
@@ -246,6 +259,51 @@ def _check_link(link: Any, where: str) -> None:
             raise _bad(f"{where}.{key}", v, "a finite number >= 0")
 
 
+PROBE_BYTES = 1 << 20  # the all-reduce every fit must price at a finite time when the file is read
+
+
+def _check_prices(t: Tuning) -> None:
+    """Fields that are finite can still price nothing finite: alpha_s 1e308 times two messages is
+    inf, and the fit's own slope then inf - inf. Every price the file derives is checked here: each
+    fit's at one all-reduce of ``PROBE_BYTES`` on the most ranks it was measured on, the fitted
+    time of every measured cell and the scale factor taken from it, each link's ring on two
+    hosts. A price at a world size no file can foresee ``choose`` checks when it prices."""
+    def finite(price: Any, *args: Any) -> float:
+        try:
+            with np.errstate(over="ignore", invalid="ignore"):  # the overflow is the finding
+                value = float(price(*args))
+        except DplabError:  # an algorithm this dplab does not have: never a candidate, never priced
+            return 1.0
+        except (ArithmeticError, ValueError):
+            value = math.nan
+        return value if math.isfinite(value) else math.nan
+
+    for f in t.fits:
+        if f.alpha is None:
+            continue
+        sizes = [p for b, p, *_ in t.cells() if b == f.backend] or [2]
+        p = max(sizes) if str(f.world_size) == _ALL else int(f.world_size)
+        alg = "ring" if f.algorithm == _ALL else f.algorithm
+        value = finite(f.predict_s, alg, p, PROBE_BYTES)
+        if math.isnan(value):
+            raise ConfigError(f"{t.source}: the fit ({f.backend}, {f.world_size}, {f.algorithm}) "
+                              f"prices a {PROBE_BYTES >> 20} MiB {alg} on {p} ranks at no finite "
+                              f"time (alpha_s {f.alpha:g}, beta {f.beta}, gamma {f.gamma}): {REDO}")
+    for b, p, a, n, s in t.cells():
+        f = t.fit_for(b, a, p)
+        fitted = finite(f.predict_s, a, p, n) if f is not None else 1.0
+        if math.isnan(fitted) or (fitted > 0 and not math.isfinite(s / fitted)):
+            raise ConfigError(f"{t.source}: the measured cell ({b}, {p}, {a}, {n} B) takes "
+                              f"{s:g} s, the fit prices it at {fitted:g} s: no finite scale "
+                              f"between them: {REDO}")
+    for backend in {link[0] for link in t.links}:
+        topo = t.topology(backend, 2)
+        if topo is not None and math.isnan(finite(_walk, allreduce_schedule("ring", 4),
+                                                  PROBE_BYTES, 4, topo)):
+            raise ConfigError(f"{t.source}: the two-level fit of {backend} prices a ring on two "
+                              f"hosts at no finite time: {REDO}")
+
+
 def _walk(schedule: Any, nbytes: int, itemsize: int, topo: Topology) -> float:
     """Seconds the cost model gives ``schedule`` on ``topo`` (imported here: only a multi-host
     choice with a two-level fit walks schedules)."""
@@ -289,7 +347,9 @@ def load_tuning(path: str | Path | None = None) -> Tuning:
     if not where.is_file():  # a FIFO or a device would block or never end
         raise ConfigError(f"the tune file {where} is not a regular file: {REDO}")
     try:
-        data = json.loads(where.read_text())
+        data = json.loads(read_regular(where, TUNE_MAX_BYTES, "the tune file"))
+    except ConfigError as e:  # grew or changed kind since the check above
+        raise ConfigError(f"{e}: {REDO}") from None
     except (OSError, ValueError, RecursionError) as e:  # ValueError: bad JSON, or not UTF-8
         raise ConfigError(f"cannot read the tune file {where} ({e}): {REDO}") from None
     return Tuning.from_json(data, str(where))
@@ -299,9 +359,7 @@ def save_tuning(tuning: Tuning, path: str | Path | None = None) -> Path:
     """Write ``tuning`` where auto reads it (default ``tune_path()``), atomically; returns the path."""
     where = Path(path).expanduser() if path is not None else tune_path()
     where.parent.mkdir(parents=True, exist_ok=True)
-    tmp = where.with_name(f".{where.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(tuning.to_json(), indent=1))
-    os.replace(tmp, where)
+    write_atomic(where, json.dumps(tuning.to_json(), indent=1).encode(), "the tune file")
     return where
 
 

@@ -110,9 +110,13 @@ def merge(per_rank: Iterable[Iterable[Event]]) -> list[Event]:
     return sorted((e for events in per_rank for e in events), key=lambda e: (e.t_start_ns, e.rank))
 
 
-def save_json(path: str | Path, events: Iterable[Event], meta: dict[str, Any] | None = None) -> None:
+def save_json(path: str | Path, events: Iterable[Event], meta: dict[str, Any] | None = None,
+              what: str = "trace") -> None:
+    """Write the events (and ``meta``) as JSON, whole or not at all (``WriteError`` in one line)."""
+    from dplab.reference.files import write_atomic  # loaded by the runs that write a trace
+
     doc = {"meta": meta or {}, "events": [asdict(e) for e in events]}
-    Path(path).write_text(json.dumps(doc))
+    write_atomic(path, json.dumps(doc).encode(), what)
 
 
 def load_json(path: str | Path) -> tuple[list[Event], dict[str, Any]]:

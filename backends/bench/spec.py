@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from dplab.backends.bench.timing import bench_rank, summarize
+from dplab.backends.launch.limits import mem_available_bytes  # within this process's cgroup too
 from dplab.backends.launch.world import check_backend
 from dplab.backends.registry import entry
 from dplab.reference.algorithms import ALGORITHMS, has_schedule
@@ -112,18 +113,6 @@ def shm_free_bytes() -> int:
         return shutil.disk_usage(SHM).free
     except OSError:  # no /dev/shm here: the local backend will say so itself
         return 1 << 62
-
-
-def mem_available_bytes() -> int | None:
-    """MemAvailable from /proc/meminfo (Linux); None where there is none to read."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
 
 
 def _gib(n: int) -> str:

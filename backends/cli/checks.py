@@ -17,9 +17,11 @@ from pathlib import Path
 
 from dplab.backends.bench.spec import BenchSpec
 from dplab.backends.launch.engine import LAUNCHERS, launcher_hosts, local_ranks
-from dplab.backends.launch.world import launcher_env, under_launcher
+from dplab.backends.launch.limits import check_world
+from dplab.backends.launch.world import check_backend, launcher_env, under_launcher
 from dplab.reference.algorithms.layout import resolve
 from dplab.reference.errors import ConfigError
+from dplab.reference.files import real_target
 
 __all__ = ["check_args", "OutputPathError", "stop_launcher_job", "check_output_file", "check_output_dir",
            "bench_spec"]
@@ -55,13 +57,20 @@ def check_args(a: argparse.Namespace, printer: bool = True) -> None:
     for p in (a.world_sizes or ()) if a.command in ("compare", "bench") else ():  # before any cell runs
         if p < 1:
             raise ConfigError(f"world_size must be a positive integer, got {p}")
+    if a.command in ("compare", "bench") and a.world_sizes:  # the largest world, before the first
+        for backend in backends:                             # cell runs (train: run_train checks)
+            if not under_launcher(backend):
+                check_backend(backend)
+                check_world(backend, max(a.world_sizes))
     if a.command == "bench":
         bench_spec(a).check()
     if printer:
         if a.json:
             check_output_file("--json", a.json)
         if a.command == "train":
-            for option, path in (("--trace", a.trace), ("--save-params", a.save_params)):
+            chrome = str(Path(a.trace).with_suffix(".chrome.json")) if a.trace else None
+            for option, path in (("--trace", a.trace), ("--trace", chrome),
+                                 ("--save-params", a.save_params)):
                 if path:
                     check_output_file(option, path)
             if a.checkpoint_dir:
@@ -104,8 +113,12 @@ def _check_hosts(a: argparse.Namespace, backends: list[str]) -> None:
 
 
 def check_output_file(option: str, path: str) -> None:
-    """``path`` can be written: its directory exists and takes a new file (or the file is writable)."""
-    p = Path(path)
+    """``path`` can be written: its directory exists and takes a new file (or the file is writable).
+    A link is judged by its target (a loop of links is refused)."""
+    try:
+        p = real_target(path, option)
+    except ConfigError as e:
+        raise OutputPathError(str(e)) from None
     if p.is_dir():
         raise OutputPathError(f"{option} {path} is a directory: give a file name")
     parent = p.parent
@@ -119,8 +132,13 @@ def check_output_file(option: str, path: str) -> None:
 
 
 def check_output_dir(option: str, path: str) -> None:
-    """``path`` is a writable directory, or one that can be made in an existing writable parent."""
+    """``path`` is a writable directory, or one that can be made in an existing writable parent.
+    A link must lead to a directory: a loop, or a link to nowhere, cannot become one."""
     p = Path(path)
+    if p.is_symlink() and not p.exists():  # exists() follows the link: a loop or a missing target
+        raise OutputPathError(f"{option} {path} is a symbolic link that leads to no directory "
+                              "(a loop of links, or a missing target): remove it or choose "
+                              "another path")
     if p.exists() and not p.is_dir():
         raise OutputPathError(f"{option} {path} is a file, not a directory: choose another path")
     where = p if p.is_dir() else p.parent

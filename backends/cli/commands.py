@@ -45,6 +45,7 @@ from dplab.backends.runs.run import MODES, RunSpec, run_train
 from dplab.reference.checkpoint.resume import CheckpointConfig
 from dplab.reference.checkpoint.store import CheckpointError
 from dplab.reference.errors import ConfigError
+from dplab.reference.files import WriteError, write_atomic
 from dplab.reference.model import MLPConfig
 from dplab.reference.trace import merge, save_json, to_chrome
 from dplab.reference.train.single import TrainConfig
@@ -87,9 +88,9 @@ def cmd_train(a: argparse.Namespace) -> list[dict[str, Any]]:
     row, events = run_train(spec, trace=bool(a.trace), save_params=a.save_params if _is_printer(a) else None)
     if a.trace and _is_printer(a):
         merged = merge(events)
-        save_json(a.trace, merged, meta={"row": row})
+        save_json(a.trace, merged, meta={"row": row}, what="--trace")
         chrome = Path(a.trace).with_suffix(".chrome.json")
-        chrome.write_text(json.dumps(to_chrome(merged)))
+        write_atomic(chrome, json.dumps(to_chrome(merged)).encode(), "--trace (Chrome trace)")
         _say(f"trace: {a.trace} ({format_number(len(merged))} events); Perfetto/chrome://tracing: {chrome}")
     return [row]
 
@@ -217,7 +218,12 @@ def _run(args: argparse.Namespace, argv: list[str] | None) -> int:
     if args.json:
         meta = {"command": args.command, "argv": sys.argv[1:] if argv is None else argv,
                 "python": platform.python_version(), "machine": platform.machine()}
-        Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        try:
+            write_atomic(args.json, json.dumps({"meta": meta, "rows": rows}, indent=1).encode(),
+                         "--json")
+        except WriteError as e:  # the disk filled during the run: the table above still stands
+            _say(f"dplab {args.command}: error: {e}", sys.stderr)
+            return 2
         _say(f"rows written to {args.json}")
     return 0
 

@@ -18,13 +18,13 @@ import platform
 import sys
 import textwrap
 from decimal import Decimal, InvalidOperation
-from pathlib import Path
 from typing import Any
 
 from dplab.backends.cli.args_optim import csv_list
 from dplab.backends.cli.checks import check_output_file
 from dplab.backends.cli.table import format_table
 from dplab.reference.errors import ConfigError
+from dplab.reference.files import WriteError, write_atomic
 from dplab.reference.zero.memory import (
     GB,
     OPTIMIZER_STATES,
@@ -162,6 +162,11 @@ def run_memory(a: argparse.Namespace, argv: list[str] | None = None) -> int:
     if a.json:
         meta = {"command": "memory", "argv": sys.argv[1:] if argv is None else argv,
                 "python": platform.python_version(), "machine": platform.machine()}
-        Path(a.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        try:
+            text = json.dumps({"meta": meta, "rows": rows}, indent=1)
+            write_atomic(a.json, text.encode(), "--json")
+        except WriteError as e:
+            print(f"dplab memory: error: {e}", file=sys.stderr)
+            return 2
         print(f"rows written to {a.json}")
     return 0

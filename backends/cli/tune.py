@@ -31,6 +31,7 @@ from dplab.backends.runs import uploads
 from dplab.reference import auto, costfit
 from dplab.reference.algorithms import ALLREDUCE
 from dplab.reference.errors import ConfigError
+from dplab.reference.files import read_regular
 
 __all__ = ["add_tune_parser", "cmd_tune", "tune_fits", "bench_rows", "TUNE_COLUMNS", "LEVELS"]
 
@@ -82,12 +83,8 @@ def add_tune_parser(sub: Any, formatter_class: type[argparse.HelpFormatter]) -> 
 def bench_rows(a: argparse.Namespace, bench: Bench) -> list[dict[str, Any]]:
     """``--from-json``'s rows, or a short bench run now: ``bench(argv)`` is ``dplab bench argv``
     (the command line passes its own parser, checks and runner, so tune times what bench times)."""
-    if a.from_json:
-        try:
-            text = Path(a.from_json).read_bytes()
-        except OSError as e:
-            raise ConfigError(f"--from-json {a.from_json}: {e.strerror}: give a `dplab bench --json` "
-                              "file") from None
+    if a.from_json:  # a regular file within the uploads' size bound, or one line (a FIFO: not read)
+        text = read_regular(a.from_json, uploads.BENCH.max_bytes, "--from-json")
         rows = uploads.bench_rows(text, a.from_json)  # checked whole: sizes, types, ranges
     else:
         algorithms = a.algorithms or [*ALLREDUCE, "native"]

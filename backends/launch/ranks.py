@@ -26,7 +26,8 @@ from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from dplab.backends.launch import mainmod
-from dplab.backends.launch.serve import forked_rank, threaded_ranks
+from dplab.backends.launch.group import adopt, kill_group
+from dplab.backends.launch.serve import GO, forked_rank, threaded_ranks
 from dplab.backends.launch.timeouts import start_timeout
 from dplab.backends.launch.watch import launcher_token
 from dplab.backends.local.shm import unlink_prefix
@@ -87,10 +88,13 @@ class Ranks:
         self.kill()
 
     def kill(self) -> None:
-        """SIGKILL every rank now and unlink the world's shared memory (once, in the owner only)."""
+        """SIGKILL every rank now, with whatever it forked (its process group: ``group``), and
+        unlink the world's shared memory (once, in the owner only)."""
         if self._killed or os.getpid() != self._owner:
             return
         self._killed = True
+        for pid in dict.fromkeys(proc.pid for proc in self.procs):  # cuda: one process, many ranks
+            kill_group(pid)  # a rank that ended already may have left children in its group
         for proc in self.procs:
             if proc.exitcode is None:
                 proc.kill()
@@ -123,12 +127,15 @@ def _start_forked(found: Backend, world_size: int, session: str, timeout: float,
                                args=(partial(connect, rank), child, job, os.getpid(),
                                      partial(unlink_prefix, session)))
             proc.start()
+            adopt(proc.pid)  # its own process group, so that the world's end takes its children too
             child.close()
             ranks.conns.append(parent)
             ranks.procs.append(proc)
     except BaseException:
         ranks.kill()
         raise
+    if job is not None:
+        ranks.send_all(GO)  # every rank is forked: the job may start (serve.forked_rank)
     return ranks
 
 
@@ -171,6 +178,7 @@ def _start_threads(found: Backend, world_size: int, session: str, timeout: float
                        args=(connect, [child for _, child in pipes], job, os.getpid(),
                              partial(unlink_prefix, session)))
     proc.start()
+    adopt(proc.pid)
     for _, child in pipes:
         child.close()
     return Ranks(session, [parent for parent, _ in pipes], [proc] * world_size, keep=keep)

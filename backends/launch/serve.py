@@ -24,6 +24,7 @@ from functools import partial
 from typing import Any
 
 from dplab.backends.launch import mainmod
+from dplab.backends.launch.group import end_group, lead_group
 from dplab.backends.launch.watch import (
     alive_by_token,
     forked_from,
@@ -32,9 +33,22 @@ from dplab.backends.launch.watch import (
     watch_launcher,
 )
 
-__all__ = ["serve", "forked_rank", "threaded_ranks", "receive", "main"]
+__all__ = ["serve", "forked_rank", "threaded_ranks", "receive", "main", "in_rank", "GO"]
 
 Job = tuple[Callable[..., Any], tuple]
+GO = b"go"  # the launcher has started every rank: a job given at the fork may begin
+_RANK = {"here": False}  # set in a rank's process: a world started from it would be nested
+
+
+def in_rank() -> bool:
+    """Is this process (one of) a world's rank(s)? Then it must not start a world of its own."""
+    return _RANK["here"]
+
+
+def _become_rank() -> None:
+    """A rank's first steps: it knows it is one, and it leads a process group of its own."""
+    _RANK["here"] = True
+    lead_group()
 
 
 def receive(conn: Any) -> Any:
@@ -87,15 +101,28 @@ def serve(connect: Callable[[], Any], conn: Any, job: Job | None = None) -> None
 
 def forked_rank(connect: Callable[[], Any], conn: Any, job: Job | None, launcher_pid: int,
                 cleanup: Callable[[], object]) -> None:
-    """Entry of a forked (local, torch) rank: watch the launcher, then serve."""
+    """Entry of a forked (local, torch) rank: watch the launcher, then serve; on the way out, end
+    whatever the jobs forked."""
+    _become_rank()
     watch_launcher(forked_from(launcher_pid), cleanup)
     one_thread_per_rank()
-    serve(connect, conn, job)
+    # A job given at the fork waits until every rank exists: forking a large world takes
+    # seconds, which its first collective's timeout must not be spent on.
+    try:
+        go = job is None or conn.recv_bytes() == GO
+    except (EOFError, OSError):  # the launcher closed the pipe before GO: it is ending the world
+        go = False
+    try:
+        if go:
+            serve(connect, conn, job)
+    finally:
+        end_group()
 
 
 def threaded_ranks(connect: Callable[[int], Any], conns: list[Any], job: Job | None, launcher_pid: int,
                    cleanup: Callable[[], object]) -> None:
     """Entry of a process whose ranks are threads (cuda): each thread serves its own pipe."""
+    _become_rank()
     watch_launcher(forked_from(launcher_pid), cleanup)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the launcher's to handle
     one_thread_per_rank()
@@ -105,6 +132,7 @@ def threaded_ranks(connect: Callable[[int], Any], conns: list[Any], job: Job | N
         t.start()
     for t in threads:
         t.join()
+    end_group()
 
 
 def one_thread_per_rank() -> None:
@@ -148,6 +176,7 @@ def main(argv: list[str]) -> None:
     """Entry of an MPI rank started by ``World(..., backend="mpi")``."""
     from multiprocessing.connection import Client
 
+    _become_rank()
     watch_launcher(alive_by_token(os.environ["DPLAB_LAUNCHER"]), unlink_mapped_mpich_segments)
     one_thread_per_rank()
     host, port = argv[0].rsplit(":", 1)
@@ -171,7 +200,10 @@ def main(argv: list[str]) -> None:
             os._exit(128 + signum)
 
     signal.signal(signal.SIGTERM, stopped_by_mpiexec)
-    serve(lambda: comm, conn)
+    try:
+        serve(lambda: comm, conn)
+    finally:
+        end_group()
 
 
 if __name__ == "__main__":

@@ -17,6 +17,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from dplab.backends.launch.group import end_group
+
 __all__ = ["POLL_S", "process_start", "launcher_token", "forked_from", "alive_by_token",
            "watch_launcher", "mapped_mpich_segments", "unlink_mapped_mpich_segments"]
 
@@ -59,6 +61,7 @@ def watch_launcher(alive: Callable[[], bool], cleanup: Callable[[], object] = la
         try:
             cleanup()
         finally:
+            end_group()  # what the rank's jobs forked goes with it
             os._exit(code)
 
     if not alive():  # the launcher died while we started: do not even begin

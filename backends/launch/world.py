@@ -33,6 +33,7 @@ from dplab.backends.launch import mainmod
 from dplab.backends.launch.engine import LauncherWorld, launcher_env, run_here, spans_hosts, under_launcher
 from dplab.backends.launch.interrupt import signals_deferred
 from dplab.backends.launch.ranks import Ranks, pickle_job, start_ranks
+from dplab.backends.launch.serve import in_rank
 from dplab.backends.launch.timeouts import check_timeout, default_timeout
 from dplab.backends.local.shm import PREFIX, sweep_stale
 from dplab.backends.registry import BACKENDS as _REGISTRY
@@ -114,8 +115,16 @@ class World:
             raise ConfigError('this script starts a dplab world when it is imported, so every MPI rank '
                               'that loads it would start one too: put the launch under '
                               'if __name__ == "__main__":')
+        if in_rank():
+            raise ConfigError("launch() was called inside a rank of a running world, which cannot "
+                              "start ranks of its own: use the comm your function was given (its "
+                              "collectives run on this world's ranks), or launch from the script "
+                              "that started the world")
         if not found.forked and job is not None:  # new interpreters must import the job
             mainmod.check_sendable(job[0])
+        from dplab.backends.launch.limits import check_world  # (not in the short import)
+
+        check_world(backend, world_size)  # processes, memory, maps, descriptors: refused up front
         self.world_size, self.backend, self.tolerate = world_size, backend, frozenset(tolerate)
         self._entry = found
         self._ranks: Ranks | None = None

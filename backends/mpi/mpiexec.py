@@ -54,8 +54,10 @@ if status != 0 and launcher[0] not in ("Z", "X") and launcher[19] == start:  # s
     with open(os.environ["DPLAB_EXIT_PREFIX"] + str(rank), "w") as f:
         f.write(str(status))
 if os.WIFSIGNALED(status):
-    signal.signal(os.WTERMSIG(status), signal.SIG_DFL)
-    os.kill(keeper, os.WTERMSIG(status))
+    sig = os.WTERMSIG(status)
+    if sig not in (signal.SIGKILL, signal.SIGSTOP):  # those two have no handler to reset
+        signal.signal(sig, signal.SIG_DFL)
+    os.kill(keeper, sig)
 os._exit(os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 1)
 """
 

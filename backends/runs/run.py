@@ -26,10 +26,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from dplab.backends.launch.world import RankLost, World, check_backend, launch
+from dplab.backends.launch.world import RankLost, World, check_backend, launch, under_launcher
 from dplab.backends.registry import entry
+from dplab.backends.runs.memory import check_run
 from dplab.reference.checkpoint.resume import CheckpointConfig, Expect, load_resume
 from dplab.reference.errors import ConfigError
+from dplab.reference.files import write_atomic
 from dplab.reference.precision.config import MixedPrecision
 from dplab.reference.trace import Event
 from dplab.reference.train.single import TrainConfig, evaluate, train_single
@@ -181,9 +183,12 @@ def run_train(spec: RunSpec, world: World | None = None, trace: bool = False,
               save_params: str | None = None) -> tuple[dict[str, Any], list[list[Event]]]:
     """Train on ``spec.world_size`` ranks; returns the result row and every rank's trace events.
 
-    ``save_params``: also write rank 0's final parameters there (``np.save``), bit for bit.
+    ``save_params``: also write rank 0's final parameters there (``np.save``, which adds ``.npy``
+    to a name without it), bit for bit, whole or not at all (``WriteError``).
     """
     spec.validate()
+    if not under_launcher(spec.backend):  # a launcher's ranks may span hosts: theirs to size
+        check_run(spec)  # the world and its arrays fit in this host's memory, or one line
     if spec.checkpoint is not None and spec.checkpoint.resume is not None:
         spec.check_resume()
     if world is not None and world.world_size != spec.world_size:
@@ -196,7 +201,8 @@ def run_train(spec: RunSpec, world: World | None = None, trace: bool = False,
     results = [r for r in results if not isinstance(r, RankLost)]  # async: the server went on
     params = results[0][0]  # rank 0: a replica (sync) or the server (parameter server)
     if save_params:
-        np.save(save_params, params)
+        target = save_params if str(save_params).endswith(".npy") else f"{save_params}.npy"
+        write_atomic(target, lambda f: np.save(f, params), "--save-params")
     wall = max(r[2] for r in results)
     row = {
         "backend": spec.backend, "mode": spec.mode, "algorithm": spec.label(),

@@ -7,7 +7,9 @@
 
 An algorithm that takes an integer parameter (a pipeline's chunk count, a node's size) is
 named ``"<name>:<int>"``, e.g. ``"pipelined_tree:8"``; its function is ``(world_size, param)``
-and ``PARAMETRIC`` gives the default used when the name comes without one. ``split_name``
+and ``PARAMETRIC`` gives the default used when the name comes without one, ``PARAMETER_MAX``
+the largest it takes (a schedule of a million pieces would take minutes to build and mean
+nothing). ``split_name``
 parses such a name; every table lookup goes through ``lookup``.
 
 ``native`` is not here on purpose: it names the engine's own all-reduce (MPI_Allreduce,
@@ -34,9 +36,10 @@ from dplab.reference.algorithms import (
 from dplab.reference.errors import ConfigError
 from dplab.reference.schedule import Schedule
 
-__all__ = ["ALLREDUCE", "SCATTER", "ROOTED", "PARAMETRIC", "ALGORITHMS", "SCATTER_ALGORITHMS",
-           "allreduce_schedule", "split_name", "lookup", "has_schedule", "direct", "naive", "ring", "tree",
-           "recursive_doubling", "rabenseifner", "double_tree", "pipelined", "hierarchical"]
+__all__ = ["ALLREDUCE", "SCATTER", "ROOTED", "PARAMETRIC", "PARAMETER_MAX", "ALGORITHMS",
+           "SCATTER_ALGORITHMS", "allreduce_schedule", "split_name", "lookup", "has_schedule",
+           "direct", "naive", "ring", "tree", "recursive_doubling", "rabenseifner", "double_tree",
+           "pipelined", "hierarchical"]
 
 ALLREDUCE: dict[str, Callable[..., Schedule]] = {
     "naive": naive.allreduce, "ring": ring.allreduce, "tree": tree.allreduce, "direct": direct.allreduce,
@@ -57,6 +60,12 @@ PARAMETRIC: dict[str, int] = {
     "pipelined_ring": pipelined.RING_SLICES,
     "hierarchical": hierarchical.NODE_SIZE,
 }  # name -> the default of its integer parameter
+PARAMETER_MAX: dict[str, tuple[int, str]] = {
+    "double_tree": (pipelined.MAX_PIECES, "pieces per tree"),
+    "pipelined_tree": (pipelined.MAX_PIECES, "pieces"),
+    "pipelined_ring": (pipelined.MAX_PIECES, "slices"),
+    "hierarchical": (hierarchical.MAX_NODE_SIZE, "ranks per node"),
+}  # name -> (the largest parameter it takes, what it counts); the builders check the same bound
 ALGORITHMS = (*ALLREDUCE, "native")  # what an all-reduce may be asked to run
 SCATTER_ALGORITHMS = tuple(SCATTER)  # what reduce-scatter, all-gather (and so ZeRO, FSDP) may run
 
@@ -74,8 +83,10 @@ def split_name(algorithm: str) -> tuple[str, int | None]:
     except ValueError:
         raise ConfigError(f"algorithm {algorithm!r}: the part after ':' must be an integer, "
                           f"e.g. '{name}:{PARAMETRIC[name]}'") from None
-    if value < 1:
-        raise ConfigError(f"algorithm {algorithm!r}: the parameter must be >= 1")
+    top, what = PARAMETER_MAX[name]
+    if not 1 <= value <= top:
+        raise ConfigError(f"algorithm {algorithm!r}: the parameter ({what}) must be >= 1 and at "
+                          f"most {top}, e.g. '{name}:{PARAMETRIC[name]}'")
     return name, value
 
 
@@ -91,9 +102,17 @@ def lookup(table: dict[str, Any], algorithm: str, what: str) -> tuple[Any, tuple
 
 def has_schedule(algorithm: str, kind: str = "allreduce") -> bool:
     """Can ``algorithm`` run collective ``kind``: "allreduce" (``native`` included) or "scatter"
-    (reduce-scatter and all-gather, which ZeRO and FSDP need)?"""
+    (reduce-scatter and all-gather, which ZeRO and FSDP need)?
+
+    Raises:
+        ConfigError: a parametric algorithm whose parameter is not an integer in its range
+            (``PARAMETER_MAX``): the error says the range, where False would say "unknown".
+    """
     if algorithm == "auto":  # an all-reduce chosen per call by the fitted cost model (reference/auto.py)
         return kind == "allreduce"
+    name, sep, _ = algorithm.partition(":") if isinstance(algorithm, str) else ("", "", "")
+    if sep and name in PARAMETRIC:
+        split_name(algorithm)
     try:
         name = split_name(algorithm)[0]
     except (ConfigError, AttributeError):

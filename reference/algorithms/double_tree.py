@@ -38,7 +38,13 @@ ceil(lg(p-1)) for odd p.
 
 from __future__ import annotations
 
-from dplab.reference.algorithms.pipelined import TREE_PIECES, btree, children_of, over_trees
+from dplab.reference.algorithms.pipelined import (
+    TREE_PIECES,
+    btree,
+    check_pieces,
+    children_of,
+    over_trees,
+)
 from dplab.reference.errors import ConfigError
 from dplab.reference.schedule import Schedule
 
@@ -69,9 +75,7 @@ def roles(p: int) -> list[tuple[str, str]]:
 
 
 def _check(p: int, k: int) -> None:
-    if p < 1 or k < 1:
-        raise ConfigError(f"double_tree: world_size and the piece count must be >= 1, got p={p}, k={k} "
-                          "(write e.g. 'double_tree:4')")
+    check_pieces(p, k, "double_tree")
 
 
 def one_tree(p: int, which: int, k: int = 1) -> Schedule:

@@ -50,15 +50,16 @@ from __future__ import annotations
 from dplab.reference.errors import ConfigError
 from dplab.reference.schedule import Op, Schedule, Transfer
 
-__all__ = ["allreduce", "NODE_SIZE", "layout"]
+__all__ = ["allreduce", "NODE_SIZE", "MAX_NODE_SIZE", "layout"]
 
 NODE_SIZE = 2  # the default g: at the small world sizes tests run, two levels show up from p = 3
+MAX_NODE_SIZE = 4096  # the largest g taken: the largest world the cost model prices (g >= p: ring)
 
 
 def layout(p: int, g: int) -> tuple[int, int, list[int]]:
     """(g, N, node sizes) with g clipped to p: g ranks per node, the last node possibly smaller."""
-    if g < 1:
-        raise ConfigError(f"hierarchical:{g}: a node holds at least one rank")
+    if not 1 <= g <= MAX_NODE_SIZE:
+        raise ConfigError(f"hierarchical:{g}: a node holds between 1 and {MAX_NODE_SIZE} ranks")
     g = min(g, p)
     n = -(-p // g)
     return g, n, [min(g, p - x * g) for x in range(n)]

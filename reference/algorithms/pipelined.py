@@ -42,18 +42,24 @@ from dplab.reference.algorithms.ring import reduce_scatter as ring_reduce_scatte
 from dplab.reference.errors import ConfigError
 from dplab.reference.schedule import Schedule, Transfer
 
-__all__ = ["TREE_PIECES", "RING_SLICES", "check_pieces", "btree", "children_of", "heights", "depths",
-           "over_trees", "pipelined_tree", "pipelined_ring", "tree_busiest", "ring_busiest",
-           "sliced_ring_time"]
+__all__ = ["TREE_PIECES", "RING_SLICES", "MAX_PIECES", "check_pieces", "btree", "children_of",
+           "heights", "depths", "over_trees", "pipelined_tree", "pipelined_ring", "tree_busiest",
+           "ring_busiest", "sliced_ring_time"]
 
 TREE_PIECES = 8  # default pieces per tree: the model's best k at 1 MiB for double_tree at p = 64 (module doc)
 RING_SLICES = 4  # default slices per ring step: buys nothing in the round model, hides gamma in real links
+# The most pieces a pipeline takes. The best k grows like sqrt(n beta / alpha): about 150 for
+# 1 GiB on a 10 GB/s link with 5 us per message; beyond a thousand each piece is mostly alpha,
+# and a pipelined ring of 64 ranks is already 8 M transfers to build.
+MAX_PIECES = 1024
 
 
 def check_pieces(p: int, k: int, name: str) -> None:
-    if p < 1 or k < 1:
-        raise ConfigError(f"{name}: world_size and the piece count must be >= 1, got p={p}, k={k} "
-                          f"(write e.g. '{name}:4')")
+    """ConfigError unless p >= 1 and 1 <= k <= ``MAX_PIECES``: every pipelined builder, readable
+    or arrays (``backends/fastpath/arrays.py``), checks with this one function."""
+    if p < 1 or not 1 <= k <= MAX_PIECES:
+        raise ConfigError(f"{name}: world_size must be >= 1 and the piece count between 1 and "
+                          f"{MAX_PIECES}, got p={p}, k={k} (write e.g. '{name}:4')")
 
 
 def btree(p: int) -> list[int]:

@@ -16,12 +16,19 @@ train longer; a file must agree with itself. Anything else is refused in one lin
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from dplab.reference.checkpoint.store import Checkpoint, CheckpointError, load_checkpoint, save_checkpoint
+from dplab.reference.checkpoint.store import (
+    Bounds,
+    Checkpoint,
+    CheckpointError,
+    load_checkpoint,
+    save_checkpoint,
+)
 from dplab.reference.errors import ConfigError
 from dplab.reference.model import MLP
 from dplab.reference.optim import make_optimizer
@@ -29,6 +36,11 @@ from dplab.reference.train.single import TrainConfig
 
 __all__ = ["CheckpointConfig", "Expect", "run_meta", "load_resume", "save_state"]
 
+# A manifest's bytes (json.dumps(indent=1)): a loss is one float on its line (at most ~30 bytes), a
+# server update one log entry of five integers and perhaps one dropped push (~150 bytes in all).
+_LOSS_BYTES, _LOG_BYTES = 64, 256
+_MANIFEST_BASE = 1 << 16  # the manifest's own keys, the optimizer's scalars, the loss scale
+_MANIFEST_MAX = 1 << 30  # a manifest beyond 1 GiB is not one dplab writes, whatever --steps says
 _SPEED_FIELDS = ("straggler", "delays", "time_budget_s", "max_delay_s", "delay_seed", "clocks",
                  "kill_at", "checkpoint")
 
@@ -74,6 +86,16 @@ class Expect:
     cfg: TrainConfig
     world_size: int
 
+    def bounds(self) -> Bounds:
+        """The most this run's checkpoint can hold: arrays of the model's size, and a manifest of
+        the metadata plus, per step (sync) or per update of the server (async, at most clocks x
+        workers), one loss or one log entry with its drop record. A larger file is not this
+        run's."""
+        itemsize = np.dtype(self.cfg.dtype).itemsize
+        per_step = _LOSS_BYTES if self.mode == "sync" else _LOG_BYTES * max(self.world_size - 1, 1)
+        manifest = _MANIFEST_BASE + len(json.dumps(self.meta, default=str)) + per_step * self.steps
+        return Bounds(MLP(self.cfg.model).num_params * itemsize, min(manifest, _MANIFEST_MAX))
+
     @classmethod
     def of(cls, mode: str, cfg: TrainConfig, mode_cfg: Any, world_size: int, backend: str = "") -> Expect:
         clocks = getattr(mode_cfg, "clocks", None)
@@ -86,7 +108,7 @@ def load_resume(ckpt: CheckpointConfig | None, expect: Expect) -> Checkpoint | N
     start afresh. Every refusal is a one-line ``CheckpointError`` saying what to do."""
     if ckpt is None or ckpt.resume is None:
         return None
-    state = load_checkpoint(ckpt.resume, expect_meta=expect.meta)
+    state = load_checkpoint(ckpt.resume, expect_meta=expect.meta, bounds=expect.bounds())
     check_consistent(state, expect)
     reached = _reached(state, expect.mode)
     if reached > expect.steps:

@@ -13,31 +13,36 @@ member). ``np.load(path)`` opens it for a look (``["manifest.json"]`` is the JSO
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import io
 import json
 import logging
+import math
 import os
 import re
-import tempfile
 import zipfile
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, BinaryIO
 
 import numpy as np
 
 from dplab.reference.errors import ConfigError, DplabError
+from dplab.reference.files import WriteError, open_regular, size_text, write_atomic
 
-__all__ = ["CheckpointError", "Checkpoint", "Listing", "FORMAT", "FORMAT_VERSION",
-           "save_checkpoint", "load_checkpoint", "list_checkpoints"]
+__all__ = ["CheckpointError", "Checkpoint", "Listing", "Bounds", "FORMAT", "FORMAT_VERSION",
+           "MAX_MEMBERS", "save_checkpoint", "load_checkpoint", "list_checkpoints"]
 
 FORMAT, FORMAT_VERSION = "dplab-checkpoint", 1
 _NAME = re.compile(r"ckpt-(\d{8,})\.npz")  # complete checkpoints; temporaries start with "."
 _DIGEST_LEN = 64  # hex SHA-256, stored as the zip's archive comment: the file's last bytes
 _MANIFEST = "manifest.json"
 _EPOCH = (1980, 1, 1, 0, 0, 0)  # fixed member timestamps: the same state gives the same bytes
+MAX_MEMBERS = 16  # the parameters, the optimizer's arrays and the manifest: dplab writes no more
+_NPY_HEADER = 4096  # a .npy header of one array, with room to spare (numpy pads it to 64 bytes)
+_ZIP_ENTRY = 1024  # a member's local and central zip headers: names are short
+_PIECE = 1 << 20  # the checksum reads the file in pieces this large
+_UNBOUNDED = 1 << 62  # no bounds given: the file system's own limit
 log = logging.getLogger(__name__)
 
 
@@ -70,6 +75,21 @@ class Listing:
         return self.checkpoints[-1] if self.checkpoints else None
 
 
+@dataclasses.dataclass(frozen=True)
+class Bounds:
+    """The most one run's checkpoint can hold: each array at most ``array_bytes`` (the parameters,
+    n x itemsize; optimizer states are the same size), the JSON manifest at most ``manifest_bytes``
+    (meta, the data position, the parameter server's log). ``load_checkpoint`` checks the file's
+    size and every member's against them before reading."""
+
+    array_bytes: int
+    manifest_bytes: int
+
+    def file_bytes(self) -> int:
+        members = (MAX_MEMBERS - 1) * (self.array_bytes + _NPY_HEADER + _ZIP_ENTRY)
+        return members + self.manifest_bytes + _ZIP_ENTRY + _DIGEST_LEN
+
+
 def list_checkpoints(directory: str | os.PathLike) -> Listing:
     """The complete checkpoints of ``directory`` by step, and the stray temporaries beside them."""
     d = Path(directory)
@@ -88,37 +108,47 @@ def save_checkpoint(directory: str | os.PathLike, step: int, params: np.ndarray,
     strings, None, lists, tuples (they come back as lists), dicts with str keys, dataclasses
     (stored as dicts) and numpy arrays (as in MT19937's RNG state). ``keep_last=k`` then
     deletes all but the k highest-step checkpoints (never the one just written).
+
+    Raises:
+        ConfigError: a value a checkpoint cannot store, before anything is written.
+        WriteError: the directory cannot take the file (full, read-only, not a directory); the
+            checkpoints already there are untouched.
     """
     if keep_last is not None and keep_last < 1:
         raise ConfigError(f"keep_last must be >= 1 or None (keep all), got {keep_last}")
     data = _encode(step, params, optimizer_state, data_position, rng_state, meta)  # checks first
     d = Path(directory)
-    d.mkdir(parents=True, exist_ok=True)
-    final = d / f"ckpt-{step:08d}.npz"
-    fd, tmp = tempfile.mkstemp(dir=d, prefix=f".{final.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())  # the bytes are on disk before the name points at them
-        os.replace(tmp, final)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    _fsync_dir(d)
-    if keep_last is not None:
-        for old in list_checkpoints(d).checkpoints[:-keep_last]:
-            if old != final:
-                old.unlink(missing_ok=True)
+        d.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # read-only, full, or a link to nowhere where the directory should be
+        raise WriteError(f"checkpoint directory {d}: cannot create it ({e.strerror or e}): choose "
+                         "another --checkpoint-dir") from None
+    final = write_atomic(d / f"ckpt-{step:08d}.npz", data, what="checkpoint")  # temp, fsync, rename
+    try:
+        _fsync_dir(d)
+        if keep_last is not None:
+            for old in list_checkpoints(d).checkpoints[:-keep_last]:
+                if old != final:
+                    old.unlink(missing_ok=True)
+    except OSError as e:
+        raise WriteError(f"checkpoint directory {d}: {e.strerror or e} after writing {final.name}: "
+                         "check the directory") from None
     return final
 
 
-def load_checkpoint(path: str | os.PathLike, *, expect_meta: dict | None = None) -> Checkpoint:
+def load_checkpoint(path: str | os.PathLike, *, expect_meta: dict | None = None,
+                    bounds: Bounds | None = None) -> Checkpoint:
     """Load a checkpoint file, or the latest complete one of a directory, verified whole.
 
     ``expect_meta``: the metadata this run would write; a checkpoint whose metadata differs
-    is refused with an error naming the differing fields.
+    is refused with an error naming the differing fields. ``bounds``: the most this run's
+    checkpoint can hold; a file or a member larger than that is refused before it is read.
+    Only a regular file is read, in pieces (a FIFO, a device or a link to one is refused), and
+    only uncompressed members (what ``save_checkpoint`` writes): memory stays within the file's
+    size.
+
+    Raises:
+        CheckpointError: in one line, why this file must not be resumed from.
     """
     p = Path(path)
     if p.is_dir():
@@ -131,15 +161,20 @@ def load_checkpoint(path: str | os.PathLike, *, expect_meta: dict | None = None)
                                   f"{len(listing.strays)} unfinished temporaries ignored): "
                                   "start without resuming, or point at the right directory")
         p = listing.latest
+    limit = _UNBOUNDED if bounds is None else bounds.file_bytes()
     try:
-        raw = p.read_bytes()
-    except OSError as e:
-        raise CheckpointError(f"cannot read checkpoint {p} ({e.strerror}): check the path") from e
-    body, digest = raw[:-_DIGEST_LEN], raw[-_DIGEST_LEN:]
-    if len(raw) <= _DIGEST_LEN or hashlib.sha256(body).hexdigest().encode() != digest:
-        raise CheckpointError(f"checkpoint {p} is corrupt (checksum mismatch: truncated or "
-                              "altered): delete it or resume from an earlier one")
-    ckpt = _decode(p, raw)
+        with open_regular(p, limit, "checkpoint") as f:
+            if not _checksum_ok(f):
+                raise CheckpointError(f"checkpoint {p} is corrupt (checksum mismatch: truncated or "
+                                      "altered): delete it or resume from an earlier one")
+            ckpt = _decode(p, f, bounds or Bounds(_UNBOUNDED, _UNBOUNDED))
+    except OSError as e:  # the file changed or vanished under us
+        raise CheckpointError(f"cannot read checkpoint {p} ({e.strerror or e}): "
+                              "check the path") from None
+    except CheckpointError:
+        raise
+    except ConfigError as e:  # open_regular's: not a regular file, or too large for this run
+        raise CheckpointError(str(e)) from None
     m = _NAME.fullmatch(p.name)
     if m and int(m.group(1)) != ckpt.step:
         raise CheckpointError(f"checkpoint {p} holds step {ckpt.step}, not the step in its name: "
@@ -152,6 +187,21 @@ def load_checkpoint(path: str | os.PathLike, *, expect_meta: dict | None = None)
                                   f"({shown}{'; ...' if len(diffs) > 5 else ''}): resume with the "
                                   "same configuration, or checkpoint into a fresh directory")
     return ckpt
+
+
+def _checksum_ok(f: BinaryIO) -> bool:
+    """Do the last 64 bytes of ``f`` hold the SHA-256 of the rest? Read in pieces, not whole."""
+    size = os.fstat(f.fileno()).st_size
+    if size <= _DIGEST_LEN:
+        return False
+    h, left = hashlib.sha256(), size - _DIGEST_LEN
+    while left > 0:
+        piece = f.read(min(left, _PIECE))
+        if not piece:
+            return False
+        h.update(piece)
+        left -= len(piece)
+    return h.hexdigest().encode() == f.read(_DIGEST_LEN)
 
 
 # -- the file format ----------------------------------------------------------------------------
@@ -190,16 +240,30 @@ def _encode(step: int, params: np.ndarray, optimizer_state: dict, data_position:
     return body + hashlib.sha256(body).hexdigest().encode()
 
 
-def _decode(path: Path, raw: bytes) -> Checkpoint:
-    """Parse a file whose checksum has been verified; anything unexpected is a CheckpointError."""
+def _decode(path: Path, f: BinaryIO, bounds: Bounds) -> Checkpoint:
+    """Parse a file whose checksum has been verified; anything unexpected is a CheckpointError.
+    Every member's size is checked against ``bounds`` before it is read."""
     def bad(why: str) -> CheckpointError:
         return CheckpointError(f"checkpoint {path} is unreadable ({why}): delete it or resume "
                                "from an earlier one")
 
     try:
-        with zipfile.ZipFile(io.BytesIO(raw)) as zf:
+        f.seek(0)
+        with zipfile.ZipFile(f) as zf:
+            infos = {i.filename: i for i in zf.infolist()}
+            if len(infos) > MAX_MEMBERS:
+                raise bad(f"{len(infos)} members; dplab writes at most {MAX_MEMBERS}")
+            for name, info in infos.items():
+                cap = bounds.manifest_bytes if name == _MANIFEST else \
+                    bounds.array_bytes + _NPY_HEADER
+                if info.compress_type != zipfile.ZIP_STORED or info.compress_size != info.file_size:
+                    raise bad(f"member {name} is compressed; dplab stores members as they are")
+                if info.file_size > cap:
+                    raise bad(f"member {name} holds {size_text(info.file_size)}, more than "
+                              f"this run's model can fill ({size_text(cap)})")
+
             def member(name: str) -> bytes:
-                if name not in zf.namelist():
+                if name not in infos:
                     raise bad(f"missing member {name}")
                 return zf.read(name)
 
@@ -212,7 +276,10 @@ def _decode(path: Path, raw: bytes) -> Checkpoint:
                     f"version {FORMAT_VERSION}: load it with the dplab that wrote it, or start afresh")
 
             def array(name: str) -> np.ndarray:
-                return np.lib.format.read_array(io.BytesIO(member(f"{name}.npy")), allow_pickle=False)
+                if f"{name}.npy" not in infos:
+                    raise bad(f"missing member {name}.npy")
+                with zf.open(f"{name}.npy") as a:
+                    return _read_npy(a, infos[f"{name}.npy"].file_size, bad)
 
             params, opt = array("params"), _decode_json(m["optimizer_values"])
             opt.update({k: array(f"optimizer/{k}") for k in m["optimizer_arrays"]})
@@ -222,6 +289,25 @@ def _decode(path: Path, raw: bytes) -> Checkpoint:
         raise
     except Exception as e:  # a verified file that still does not parse: refuse it, whatever broke
         raise bad(f"{type(e).__name__}: {e}") from e
+
+
+def _read_npy(f: IO[bytes], size: int, bad: Any) -> np.ndarray:
+    """One .npy member of ``size`` bytes: its header must describe exactly the bytes that follow
+    (a header claiming 10^12 elements would otherwise be allocated before the data runs out)."""
+    version = np.lib.format.read_magic(f)
+    read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else \
+        np.lib.format.read_array_header_2_0
+    shape, fortran, dtype = read_header(f)
+    if dtype.hasobject:
+        raise bad("an object array: it would need pickle, which a checkpoint never holds")
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes != size - f.tell():
+        raise bad(f"an array header of {list(shape)} {dtype} over {size - f.tell()} bytes of data")
+    buf = bytearray(nbytes)
+    if f.readinto(buf) != nbytes:
+        raise bad("an array cut short")
+    a = np.frombuffer(buf, dtype)
+    return a.reshape(shape[::-1]).transpose() if fortran else a.reshape(shape)
 
 
 def _plain(x: Any, where: str) -> Any:
