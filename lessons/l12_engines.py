@@ -157,7 +157,7 @@ def launch_lines(nodes=2, gpus=8):
     """The lines tests/test_hosts_launchers.py runs across network
     namespaces, built by the same Cluster methods, for hosts named
     node0, node1, ... instead of the namespaces' addresses."""
-    from dplab.backends.launch.netns import Cluster
+    from dplab.backends.hosts.netns import Cluster
     cluster = Cluster(hosts=nodes, ranks_per_host=gpus)
     cluster.addrs = [f"node{i}" for i in range(nodes)]
     torch = [["DPLAB_DEVICE=cuda", "torchrun",

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from dplab.backends.launch.netns import MPI_ENV, TORCH_ENV, Cluster, available, leftovers
+from dplab.backends.hosts.netns import MPI_ENV, TORCH_ENV, Cluster, available, leftovers
 from dplab.backends.launch.world import BackendUnavailable, check_backend
 
 __all__ = ["cluster", "hosts_env", "torchrun", "mpiexec", "finish", "needs_hosts", "DPLAB", "REPO"]

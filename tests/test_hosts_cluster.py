@@ -14,7 +14,7 @@ import hosts
 import pytest
 from hosts import hosts_env
 
-from dplab.backends.launch.netns import Cluster, leftovers
+from dplab.backends.hosts.netns import Cluster, leftovers
 
 pytestmark = pytest.mark.hosts
 cluster = hosts.cluster  # the fixture: 2 hosts x 2 ranks
@@ -91,7 +91,7 @@ def test_an_exception_in_the_block_leaves_nothing():
 
 
 def _script(tmp_path, *args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "dplab.backends.launch.netns", "--hosts", "2", *args],
+    return subprocess.Popen([sys.executable, "-m", "dplab.backends.hosts.netns", "--hosts", "2", *args],
                             env=hosts_env({}), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
 

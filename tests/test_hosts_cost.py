@@ -1,7 +1,7 @@
 """The two-level cost model against a real slow link (issue 21, item 4).
 
-The shipped file ``backends/launch/two_level_1gbit.json`` is one run of
-``python -m dplab.backends.launch.two_level``: 2 namespace hosts x 2 and x 4 ranks, 1 Gbit/s between
+The shipped file ``backends/bench/two_level_1gbit.json`` is one run of
+``python -m dplab.backends.bench.two_level``: 2 namespace hosts x 2 and x 4 ranks, 1 Gbit/s between
 hosts, MPICH (shm inside a host, ofi/tcp between), flat ring, Rabenseifner and hierarchical at
 1-64 MiB, with alpha and beta of each link fitted by ``dplab tune``. Two networks:
 
@@ -27,7 +27,7 @@ from pathlib import Path
 import hosts
 import pytest
 
-from dplab.backends.launch import two_level
+from dplab.backends.bench import two_level
 from dplab.reference.costfit import fit
 from dplab.reference.topology import Link, Topology
 
@@ -50,7 +50,7 @@ def _ratio(ports: str, g: int, key: str) -> float:
 
 def test_the_file_is_one_real_run():
     meta = DATA["meta"]
-    assert meta["command"].startswith("python -m dplab.backends.launch.two_level --rate 1gbit")
+    assert meta["command"].startswith("python -m dplab.backends.bench.two_level --rate 1gbit")
     assert meta["rate"] == "1gbit" and meta["machine"]["cores"] >= 1 and len(meta["loadavg_1_5_15"]) >= 2
     grid = {(c["ports"], c["ranks_per_host"], c["algorithm"], c["bytes"]) for c in DATA["cells"]}
     assert grid == {(p, g, a, s * MIB) for p in ("rank", "host") for g in (2, 4)

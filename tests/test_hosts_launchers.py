@@ -19,7 +19,7 @@ from hosts import finish, mpiexec, torchrun
 
 from dplab.backends.cli.args import build_parser
 from dplab.backends.cli.commands import _train_config
-from dplab.backends.launch.netns import Cluster
+from dplab.backends.hosts.netns import Cluster
 from dplab.reference.train.single import train_single
 
 pytestmark = [pytest.mark.hosts, pytest.mark.mpi, pytest.mark.torch]

@@ -242,7 +242,7 @@ def test_fsdp_unit_wrong_answers_fail_naming_the_mistake(tmp_path, name):
 def test_the_multi_node_lines_are_the_hosts_tests_own():
     """12.4 prints what Cluster.torchrun_args and mpi_hosts build (tests/hosts.py runs them across
     namespaces): c10d rendezvous with one job id on every node, CUDA asked for, mpiexec's host list."""
-    from dplab.backends.launch.netns import Cluster
+    from dplab.backends.hosts.netns import Cluster
     from dplab.lessons.l12_engines import launch_lines
 
     torch_lines, mpi = launch_lines(nodes=2, gpus=8)

@@ -1,7 +1,7 @@
 """backends/PERFORMANCE.md's tables are what its shipped ``--json`` rows give, exactly.
 
 A number typed into a table by hand drifts from the run it came from; these tables are made by
-``python -m dplab.backends.cli.perf_tables --write backends/PERFORMANCE.md`` and checked here.
+``python -m dplab.backends.perf.tables --write backends/PERFORMANCE.md`` and checked here.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import json
 import re
 from pathlib import Path
 
-from dplab.backends.cli import perf_tables
+from dplab.backends.perf import tables as perf_tables
 
 ROOT = Path(__file__).resolve().parents[1]
 PERFORMANCE = ROOT / "backends" / "PERFORMANCE.md"
@@ -18,7 +18,7 @@ PERFORMANCE = ROOT / "backends" / "PERFORMANCE.md"
 
 def test_the_tables_are_regenerated_from_the_shipped_rows():
     assert perf_tables.regenerate(PERFORMANCE) == PERFORMANCE.read_text(), (
-        "run: python -m dplab.backends.cli.perf_tables --write backends/PERFORMANCE.md")
+        "run: python -m dplab.backends.perf.tables --write backends/PERFORMANCE.md")
 
 
 def test_every_shipped_row_file_has_a_table_its_command_and_its_load():

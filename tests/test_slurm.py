@@ -38,7 +38,7 @@ from dplab.backends.launch.engine import (
     slurm_torch_env,
     tasks_per_node,
 )
-from dplab.backends.launch.netns import MPI_ENV, TORCH_ENV, Cluster
+from dplab.backends.hosts.netns import MPI_ENV, TORCH_ENV, Cluster
 from dplab.reference.errors import ConfigError
 from dplab.reference.train.single import train_single
 

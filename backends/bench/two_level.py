@@ -1,9 +1,9 @@
 """The two-level cost model against a real slow link: measure, fit with ``dplab tune``, compare (root only).
 
-    python -m dplab.backends.launch.two_level --rate 1gbit --reps 5 --tune-reps 5 \
-        --out backends/launch/two_level_1gbit.json
-    python -m dplab.backends.launch.two_level control --sizes 1M,4M --reps 3 \
-        --out backends/launch/two_level_1gbit.json       # adds: the same with no rate limit
+    python -m dplab.backends.bench.two_level --rate 1gbit --reps 5 --tune-reps 5 \
+        --out backends/bench/two_level_1gbit.json
+    python -m dplab.backends.bench.two_level control --sizes 1M,4M --reps 3 \
+        --out backends/bench/two_level_1gbit.json       # adds: the same with no rate limit
 
 Two namespace hosts (``netns``) of g ranks, shared memory within a host and TCP through a ``tbf``
 limited to ``--rate`` between them, on two networks (``PORTS``): ``rank``, a link per rank (the
@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from dplab.backends.launch.netns import IFACE, MPI_ENV, Cluster, ClusterError
+from dplab.backends.hosts.netns import IFACE, MPI_ENV, Cluster, ClusterError
 
 __all__ = ["ALGORITHMS", "PORTS", "topology", "model", "algorithm_name", "measure", "measure_rank", "run",
            "main"]
@@ -202,7 +202,7 @@ def _cells(h: _Hosts, port: str, g: int, algorithms: Sequence[str], sizes: list[
     """One measurement on 2 hosts x ``g`` ranks: a cell per algorithm and size."""
     names = [algorithm_name(a, g) for a in algorithms]
     out = tmp / f"measure-{port}-{g}.json"
-    h.mpiexec([0, 1], g, port, [sys.executable, "-m", "dplab.backends.launch.two_level", "rank",
+    h.mpiexec([0, 1], g, port, [sys.executable, "-m", "dplab.backends.bench.two_level", "rank",
                                 "--algorithms", ",".join(names), "--sizes", ",".join(map(str, sizes)),
                                 "--reps", str(reps), "--out", str(out)])
     per_rank = json.loads(out.read_text())
@@ -255,7 +255,7 @@ def run(rate: str, layouts: list[int], sizes: list[int], reps: int, tune_reps: i
             for g in layouts:
                 cells += _cells(h, port, g, ALGORITHMS, sizes, reps, tmp)
                 load.append(os.getloadavg())
-    command = shlex.join(["python", "-m", "dplab.backends.launch.two_level", *sys.argv[1:]])
+    command = shlex.join(["python", "-m", "dplab.backends.bench.two_level", *sys.argv[1:]])
     data = {"meta": {"command": command,
                      "started": started, "rate": rate, "tbf_burst_bytes": _burst_of(rate), "backend": "mpi",
                      "transport": "MPICH ch4 ofi/tcp between hosts, shm inside a host", "dtype": "float32",
@@ -269,7 +269,7 @@ def run(rate: str, layouts: list[int], sizes: list[int], reps: int, tune_reps: i
 
 
 def _burst_of(rate: str) -> int:
-    from dplab.backends.launch.netns import _burst
+    from dplab.backends.hosts.netns import _burst
 
     return _burst(rate)
 
@@ -285,7 +285,7 @@ def control(data: dict[str, Any], sizes: list[int], reps: int) -> dict[str, Any]
             for c in measure(rate, "rank", g, sizes, reps, ("ring", "hierarchical")):
                 cells.append(c | {"rate": rate})
         load.append(os.getloadavg())
-    command = shlex.join(["python", "-m", "dplab.backends.launch.two_level", *sys.argv[1:]])
+    command = shlex.join(["python", "-m", "dplab.backends.bench.two_level", *sys.argv[1:]])
     return {"command": command, "reps": reps,
             "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "loadavg_1_5_15": [[round(x, 2) for x in row] for row in load], "cells": cells}
@@ -299,7 +299,7 @@ def parse_size(text: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m dplab.backends.launch.two_level",
+    p = argparse.ArgumentParser(prog="python -m dplab.backends.bench.two_level",
                                 description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="part")
     r = sub.add_parser("rank", help="(internal) one rank of the measurement, under mpiexec")

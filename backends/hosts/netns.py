@@ -5,7 +5,7 @@
         cluster.popen(1, ["torchrun", ...])          # runs inside host 1's namespace
     # gone: every process in the namespaces, the namespaces, veths, bridge and the temp folder
 
-    python -m dplab.backends.launch.netns --hosts 2 --rate 1gbit   # up until Ctrl-C; prints how to use it
+    python -m dplab.backends.hosts.netns --hosts 2 --rate 1gbit   # up until Ctrl-C; prints how to use it
 
 Host i is a namespace with ``lo`` and ``IFACE`` at ``10.213.0.<i+1>/24``, its peer end on a bridge
 with no address and no route out: nothing leaves the machine, and clusters side by side may share
@@ -374,7 +374,7 @@ def _usage(c: Cluster) -> str:
 def main(argv: list[str] | None = None) -> int:
     """The by-hand script: bring a cluster up, print how to use it, keep it until Ctrl-C or SIGTERM;
     with ``-- COMMAND`` run that instead (in this namespace, with $DPLAB_NETNS_* set) and take it down."""
-    p = argparse.ArgumentParser(prog="python -m dplab.backends.launch.netns", description=main.__doc__)
+    p = argparse.ArgumentParser(prog="python -m dplab.backends.hosts.netns", description=main.__doc__)
     p.add_argument("--hosts", type=int, default=2)
     p.add_argument("--ranks-per-host", type=int, default=2)
     p.add_argument("--rate", help="limit each host's link, as tc writes it: 1gbit, 100mbit")

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Re-measure the rows behind backends/PERFORMANCE.md, then regenerate its tables:
-#   bash backends/perf/measure.sh && python -m dplab.backends.cli.perf_tables --write backends/PERFORMANCE.md
-# Each command writes its rows with --json; `perf_tables stamp` adds the date, the load average
+#   bash backends/perf/measure.sh && python -m dplab.backends.perf.tables --write backends/PERFORMANCE.md
+# Each command writes its rows with --json; `perf/tables.py stamp` adds the date, the load average
 # before and after the run and the core count: on a shared machine a number means little without
 # its load.
 set -euo pipefail
@@ -10,7 +10,7 @@ run() {  # run OUT.json dplab ARGS...: the rows, then the stamp (with the load b
   local out=$1 before; shift
   before=$(cut -d' ' -f1 /proc/loadavg)
   "$@" --json "$out"
-  python -m dplab.backends.cli.perf_tables stamp "$out" "$before"
+  python -m dplab.backends.perf.tables stamp "$out" "$before"
 }
 run bench_local.json dplab bench --backends local --world-sizes 2 --sizes 4K,1M,16M,64M \
     --algorithms ring,tree,direct,native --reps 3 --target-seconds 0.2

@@ -1,9 +1,9 @@
 """Markdown tables from ``dplab bench/compare/scaling --json`` row files.
 
-    python -m dplab.backends.cli.perf_tables stamp ROWS.json [LOAD]   # add date, load average, cores
-    python -m dplab.backends.cli.perf_tables ROWS.json...          # print each file's table
-    python -m dplab.backends.cli.perf_tables --write backends/PERFORMANCE.md   # regenerate its tables
-    python -m dplab.backends.cli.perf_tables --check backends/PERFORMANCE.md   # exit 1 if they differ
+    python -m dplab.backends.perf.tables stamp ROWS.json [LOAD]   # add date, load average, cores
+    python -m dplab.backends.perf.tables ROWS.json...          # print each file's table
+    python -m dplab.backends.perf.tables --write backends/PERFORMANCE.md   # regenerate its tables
+    python -m dplab.backends.perf.tables --check backends/PERFORMANCE.md   # exit 1 if they differ
 
 A markdown file names its tables with markers; everything between a marker and ``<!-- end -->``
 is generated, everything else is prose that people write::
