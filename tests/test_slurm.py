@@ -30,6 +30,7 @@ import pytest
 
 from dplab.backends.cli.args import build_parser
 from dplab.backends.cli.commands import _train_config
+from dplab.backends.hosts.netns import MPI_ENV, TORCH_ENV, Cluster
 from dplab.backends.launch import engine
 from dplab.backends.launch.engine import (
     SlurmStep,
@@ -38,7 +39,6 @@ from dplab.backends.launch.engine import (
     slurm_torch_env,
     tasks_per_node,
 )
-from dplab.backends.hosts.netns import MPI_ENV, TORCH_ENV, Cluster
 from dplab.reference.errors import ConfigError
 from dplab.reference.train.single import train_single
 
