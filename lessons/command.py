@@ -8,16 +8,16 @@
     dplab lesson check 2 [DIR]        # run your code for lesson 2's exercises (DIR: default here)
     dplab lesson watch 2 [DIR]        # check again every time a file in DIR is saved (Ctrl-C stops)
 
-This file only parses and dispatches. Imports run lessons -> backends, so backends never imports
-``dplab.lessons`` at import time: the command finds ``dplab.lessons.terminal`` with
-``importlib.import_module`` when it runs (as ``app.py`` finds the app). Bad arguments are one
-line on stderr and exit code 2, like every ``dplab`` command.
+This file only parses and dispatches; ``dplab.lessons.terminal`` renders. Imports run down the
+house (backends < lessons), so the command line finds ``add_lesson_parser`` by its entry point
+(``dplab.commands`` in pyproject.toml) instead of importing it, and the terminal's modules load
+only when a lesson runs. Bad arguments are one line on stderr and exit code 2, like every
+``dplab`` command.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 import textwrap
 from dataclasses import dataclass
@@ -34,7 +34,16 @@ USAGE = "N | init DIR | check N [DIR] | watch N [DIR]"
 
 
 def add_lesson_parser(sub: Any, formatter_class: type[argparse.HelpFormatter]) -> argparse.ArgumentParser:
-    """Register ``dplab lesson`` on the subparsers ``sub`` (args.py passes its formatter)."""
+    """Register ``dplab lesson`` on the subparsers ``sub``; the command line finds this function by
+    its entry point (``dplab.commands``).
+
+    Args:
+        sub: the ``add_subparsers()`` of dplab's parser.
+        formatter_class: the command line's help formatter (every command's help, one style).
+
+    Returns:
+        The command's parser; a namespace it parses carries ``run``: ``run_lesson_command``.
+    """
     p = sub.add_parser("lesson", help="step through a lesson on the real engine (no N: list them)",
                        formatter_class=formatter_class,
                        description=textwrap.fill(
@@ -59,6 +68,7 @@ def add_lesson_parser(sub: Any, formatter_class: type[argparse.HelpFormatter]) -
                         "that did not hold (default: pause after each step)")
     p.add_argument("--poll", type=_seconds, metavar="S",
                    help="with watch: look for saved files every S seconds (default 0.5)")
+    p.set_defaults(run=run_lesson_command)
     return p
 
 
@@ -123,7 +133,7 @@ def run_lesson_command(a: argparse.Namespace) -> int:
     """Dispatch to ``dplab.lessons.terminal``; ConfigError and a missing extra: one line, exit 2."""
     try:
         req = parse_request(a.words, a.step, a.no_pause, getattr(a, "poll", None))
-        terminal = importlib.import_module("dplab.lessons.terminal")
+        from dplab.lessons import terminal  # rich, the lessons' runner: loaded when one runs
         if req.action == "list":
             return terminal.list_lessons()
         if req.action == "init":

@@ -391,7 +391,7 @@ def test_dplab_lesson_watch_rechecks_on_save_and_ctrl_c_exits_130(tmp_path):
 
 
 def test_watch_requests():
-    from dplab.backends.cli.lesson import parse_request
+    from dplab.lessons.command import parse_request
 
     assert parse_request(["watch", "2"]).path is None and parse_request(["watch", "2", "d"]).path == "d"
     assert parse_request(["watch", "2", "d"], poll=0.1).poll == 0.1

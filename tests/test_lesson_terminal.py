@@ -26,8 +26,8 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from dplab.backends.cli.lesson import parse_request
 from dplab.lessons import Check, Lesson, Predict, Step, lessons
+from dplab.lessons.command import parse_request
 from dplab.lessons.resume import Positions
 from dplab.reference.errors import ConfigError
 

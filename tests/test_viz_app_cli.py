@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from dplab.backends.cli import app as cli_app
 from dplab.backends.cli.commands import main
+from dplab.viz import serve
 
 ROOT = Path(__file__).resolve().parents[1]
 DPLAB = [sys.executable, "-m", "dplab.backends.cli"]
@@ -24,20 +24,22 @@ def test_help_names_port_and_host():
     assert "--port" in proc.stdout and "--host" in proc.stdout and "(default: 127.0.0.1)" in proc.stdout
 
 
-def test_app_path_is_the_packaged_file_and_viz_is_not_imported():
-    """backends must not import viz: the file is located, not loaded."""
-    code = ("import sys; from dplab.backends.cli.app import app_path; print(app_path()); "
-            "print(sorted(m for m in sys.modules if m.startswith('dplab.viz')))")
+def test_app_path_is_the_packaged_file_and_other_commands_load_no_viz():
+    """The command line finds ``dplab app`` by its entry point: parsing train loads no viz module."""
+    code = ("import sys; from dplab.backends.cli.args import build_parser; "
+            "build_parser('train').parse_args(['train']); "
+            "print(sorted(m for m in sys.modules if m.startswith(('dplab.viz', 'dplab.lessons')))); "
+            "from dplab.viz.serve import app_path; print(app_path())")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                           cwd="/")
     assert proc.returncode == 0, proc.stderr
-    path, imported = proc.stdout.splitlines()
+    imported, path = proc.stdout.splitlines()
     assert Path(path) == ROOT / "viz" / "app.py"
     assert imported == "[]"
 
 
 def test_streamlit_argv_is_headless_on_the_given_address():
-    argv = cli_app.streamlit_argv(Path("/x/app.py"), "127.0.0.1", 8123)
+    argv = serve.streamlit_argv(Path("/x/app.py"), "127.0.0.1", 8123)
     assert argv[1] == "-c" and "uses_pages_directory = False" in argv[2] and argv[3:5] == ["run", "/x/app.py"]
     flags = dict(zip(argv[5::2], argv[6::2]))
     assert flags["--server.headless"] == "true"

@@ -8,7 +8,7 @@ st = pytest.importorskip("streamlit", reason="the viz extra is not installed: pi
 pytest.importorskip("plotly", reason="the viz extra is not installed: pip install 'dplab[viz]'")
 from streamlit.testing.v1 import AppTest  # noqa: E402
 
-from dplab.backends.cli.app import app_path  # noqa: E402
+from dplab.viz.serve import app_path  # noqa: E402
 
 
 def test_home_is_the_default_page_and_links_to_collectives():

@@ -11,9 +11,9 @@ st = pytest.importorskip("streamlit", reason="the viz extra is not installed: pi
 pytest.importorskip("plotly", reason="the viz extra is not installed: pip install 'dplab[viz]'")
 from streamlit.testing.v1 import AppTest  # noqa: E402
 
-from dplab.backends.cli.app import app_path  # noqa: E402
 from dplab.reference.algorithms import allreduce_schedule  # noqa: E402
 from dplab.viz.collectives_figure import arrows  # noqa: E402
+from dplab.viz.serve import app_path  # noqa: E402
 
 
 def _page(**params: str) -> AppTest:

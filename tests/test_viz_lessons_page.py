@@ -17,12 +17,12 @@ st = pytest.importorskip("streamlit", reason="the viz extra is not installed: pi
 pytest.importorskip("plotly", reason="the viz extra is not installed: pip install 'dplab[viz]'")
 from streamlit.testing.v1 import AppTest  # noqa: E402
 
-from dplab.backends.cli.app import app_path  # noqa: E402
 from dplab.lessons import lesson, numbers  # noqa: E402
 from dplab.lessons import runner as lesson_runner  # noqa: E402
 from dplab.lessons.runner import CheckResult, StepOutcome  # noqa: E402
 from dplab.lessons.step import Check, Explore, Predict, Step  # noqa: E402
 from dplab.viz import deep_links, lesson_view  # noqa: E402
+from dplab.viz.serve import app_path  # noqa: E402
 
 L1 = lesson(1)
 

@@ -4,10 +4,10 @@
     dplab app --port 8501          # a fixed port (refused at once if it is taken)
     dplab app --host 0.0.0.0       # reachable from other machines: only where you mean it
 
-backends never imports viz (imports run viz -> backends): the app's file is found through
-``importlib.util.find_spec``, which locates the ``dplab.viz`` package without running it.
-The process becomes streamlit (``os.execv``), so Ctrl-C and SIGTERM reach the server itself
-and nothing is left behind.
+The command lives here, beside the app it serves: imports run down the house (backends < viz),
+so the command line finds ``add_app_parser`` by its entry point (``dplab.commands`` in
+pyproject.toml) instead of importing it. The process becomes streamlit (``os.execv``), so Ctrl-C
+and SIGTERM reach the server itself and nothing is left behind.
 """
 
 from __future__ import annotations
@@ -17,12 +17,15 @@ import importlib.util
 import os
 import socket
 import sys
+import textwrap
 from pathlib import Path
+from typing import Any
 
 from dplab.backends.runs.uploads import TRACE
 from dplab.reference.errors import ConfigError
 
-__all__ = ["app_path", "free_port", "port_number", "streamlit_argv", "missing_viz_extra", "run_app"]
+__all__ = ["add_app_parser", "app_path", "free_port", "port_number", "streamlit_argv", "missing_viz_extra",
+           "run_app"]
 
 VIZ_EXTRA = ("streamlit", "plotly")
 MAX_UPLOAD_MB = -(-TRACE.max_bytes // (1 << 20))  # megabytes, as streamlit's option counts them
@@ -34,15 +37,42 @@ def missing_viz_extra() -> list[str]:
 
 
 def app_path() -> Path:
-    """``viz/app.py`` of the installed dplab, wherever the install put it (editable or wheel)."""
-    spec = importlib.util.find_spec("dplab.viz")
-    locations = list(spec.submodule_search_locations or []) if spec is not None else []
-    for folder in locations:
-        path = Path(folder).resolve() / "app.py"  # the checkout's file, not its link in src/dplab
-        if path.is_file():
-            return path
-    raise ConfigError(f"dplab's app file (viz/app.py) is not installed (looked in {locations or 'nowhere'}): "
-                      "reinstall dplab with pip install -e '.[viz]'")
+    """``viz/app.py`` of the installed dplab, wherever the install put it (editable or wheel).
+
+    Returns:
+        The app's file, resolved: the checkout's file, not its link in ``src/dplab``.
+
+    Raises:
+        ConfigError: the file is missing from the install, with how to reinstall.
+    """
+    path = Path(__file__).resolve().with_name("app.py")
+    if not path.is_file():
+        raise ConfigError(f"dplab's app file (viz/app.py) is not installed (no {path}): "
+                          "reinstall dplab with pip install -e '.[viz]'")
+    return path
+
+
+def add_app_parser(sub: Any, formatter_class: type[argparse.HelpFormatter]) -> argparse.ArgumentParser:
+    """Register ``dplab app`` on the subparsers ``sub``; the command line finds this function by its
+    entry point (``dplab.commands``).
+
+    Args:
+        sub: the ``add_subparsers()`` of dplab's parser.
+        formatter_class: the command line's help formatter (every command's help, one style).
+
+    Returns:
+        The command's parser; a namespace it parses carries ``run``: ``run_app``.
+    """
+    a = sub.add_parser("app", help="open the visualizer (Streamlit) in your browser",
+                       formatter_class=formatter_class,
+                       description=textwrap.fill("Serve the dplab app (streamlit run on the packaged "
+                                                 "viz/app.py, headless) and print its URL; Ctrl-C stops "
+                                                 "it. Needs the viz extra: pip install 'dplab[viz]'.", 88))
+    a.add_argument("--port", type=port_number, default=0, help="port to serve on; 0 picks a free one")
+    a.add_argument("--host", default="127.0.0.1",
+                   help="address to bind; loopback keeps the app on this machine (0.0.0.0 shares it)")
+    a.set_defaults(run=run_app)
+    return a
 
 
 def port_number(text: str) -> int:

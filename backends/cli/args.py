@@ -6,6 +6,12 @@
 Values are checked as they are parsed where one value alone can be wrong (a NaN bucket
 cap, an empty list); checks that need several values, the file system or the machine's
 memory live in ``checks.py``. Both end in one line on stderr and exit code 2.
+
+``build_parser(command)`` builds the parser of the command about to run and imports nothing of
+the others: ``dplab train`` pays neither for ``bench``'s spec nor for ``tune``'s cost model.
+The commands whose code lives above backends/ (``dplab app`` in viz/, ``dplab lesson`` in
+lessons/) are entry points of the group ``dplab.commands`` (pyproject.toml): imports run down
+the house, so the command line looks them up instead of importing them.
 """
 
 from __future__ import annotations
@@ -13,26 +19,21 @@ from __future__ import annotations
 import argparse
 import textwrap
 from collections.abc import Callable
-from importlib.metadata import PackageNotFoundError, version
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from dplab.backends.bench.spec import BenchSpec
-from dplab.backends.bench.timing import parse_size
-from dplab.backends.cli.app import port_number
 from dplab.backends.cli.args_optim import add_optimizer_args, add_sweep_args, positive_float, positive_int
 from dplab.backends.cli.args_optim import csv_list as _csv
 from dplab.backends.cli.args_zero import add_zero_args, precision_flags_error
-from dplab.backends.cli.lesson import add_lesson_parser
-from dplab.backends.cli.memory import add_memory_parser
-from dplab.backends.cli.scaling import add_scaling_parser
-from dplab.backends.cli.tune import add_tune_parser
-from dplab.backends.runs.grid import RACE_DEFAULTS
 from dplab.backends.runs.run import MODES
 from dplab.reference.algorithms import ALGORITHMS, PARAMETRIC
 from dplab.reference.errors import ConfigError
 from dplab.reference.train.straggler import Stragglers, check_stragglers, parse_stragglers
 
-__all__ = ["build_parser", "dplab_version", "AUTO", "TRAIN_BUCKET_CAP_MB", "BENCH_EPILOG"]
+if TYPE_CHECKING:
+    from importlib.metadata import EntryPoint
+
+__all__ = ["build_parser", "upper_commands", "dplab_version", "AUTO", "TRAIN_BUCKET_CAP_MB",
+           "BENCH_EPILOG", "COMMANDS", "UPPER_COMMANDS"]
 
 AUTO = object()  # --time-budget not given: compare picks by --modes
 # The default MLP (16-32-32-4, float64 or float32) has per-layer gradients of 1-8 KiB: DDP's 25 MB
@@ -60,6 +61,8 @@ columns:
 
 def dplab_version() -> str:
     """The installed distribution's version (importlib.metadata), as ``pip show dplab`` says."""
+    from importlib.metadata import PackageNotFoundError, version  # slow to import: --version only
+
     try:
         return version("dplab")
     except PackageNotFoundError:  # running from a source tree that was never installed
@@ -109,6 +112,8 @@ class _Formatter(argparse.RawDescriptionHelpFormatter):
 
 
 def _size(text: str) -> int:
+    from dplab.backends.bench.timing import parse_size
+
     try:
         value = parse_size(text)
     except ValueError:
@@ -186,7 +191,7 @@ def _add_common_args(p: argparse.ArgumentParser, device_help: str) -> None:
                    help="also write the rows, with full precision, as JSON (default: not written)")
 
 
-def _add_train(sub: Any) -> None:
+def _add_train(sub: Any) -> None:  # run by commands.cmd_train
     t = sub.add_parser("train", help="train on N ranks and compare with one device",
                        formatter_class=_Formatter,
                        description=_wrap("Train one MLP on N ranks and report how far every rank's "
@@ -230,7 +235,9 @@ def _add_train(sub: Any) -> None:
                     "make it one bucket, reduced after backward ends")
 
 
-def _add_compare(sub: Any) -> None:
+def _add_compare(sub: Any) -> None:  # run by commands.cmd_compare
+    from dplab.backends.runs.grid import RACE_DEFAULTS
+
     c = sub.add_parser("compare", help="the same run over backends x algorithms x world sizes",
                        formatter_class=_Formatter,
                        description=_wrap("The same training run over a grid of backends x algorithms x world "
@@ -255,7 +262,9 @@ def _add_compare(sub: Any) -> None:
     add_sweep_args(c)
 
 
-def _add_bench(sub: Any) -> None:
+def _add_bench(sub: Any) -> None:  # run by commands.cmd_bench
+    from dplab.backends.bench.spec import BenchSpec
+
     b = sub.add_parser("bench", help="nccl-tests-style all-reduce bandwidth, memcpy as the ceiling",
                        formatter_class=_Formatter, epilog=BENCH_EPILOG,
                        description=_wrap("Time all-reduce algorithms on every backend x world size x buffer "
@@ -279,29 +288,80 @@ def _add_bench(sub: Any) -> None:
                         "$DPLAB_DEVICE)")
 
 
-def _add_app(sub: Any) -> None:
-    a = sub.add_parser("app", help="open the visualizer (Streamlit) in your browser",
-                       formatter_class=_Formatter,
-                       description=_wrap("Serve the dplab app (streamlit run on the packaged viz/app.py, "
-                                         "headless) and print its URL; Ctrl-C stops it. Needs the viz "
-                                         "extra: pip install 'dplab[viz]'."))
-    a.add_argument("--port", type=port_number, default=0, help="port to serve on; 0 picks a free one")
-    a.add_argument("--host", default="127.0.0.1",
-                   help="address to bind; loopback keeps the app on this machine (0.0.0.0 shares it)")
+def _add_memory(sub: Any) -> None:  # runs itself: memory.run_memory
+    from dplab.backends.cli.memory import add_memory_parser  # the ZeRO formulas
+
+    add_memory_parser(sub, _Formatter)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _add_tune(sub: Any) -> None:  # run by tune.cmd_tune
+    from dplab.backends.cli.tune import add_tune_parser  # the cost model and its fit
+
+    add_tune_parser(sub, _Formatter)
+
+
+def _add_scaling(sub: Any) -> None:  # run by scaling.cmd_scaling
+    from dplab.backends.cli.scaling import add_scaling_parser  # the traces' metrics, DDP's bench
+
+    add_scaling_parser(sub, _Formatter)
+
+
+# backends/' own commands, in the order ``dplab --help`` lists them: name -> what adds its parser
+COMMANDS: dict[str, Callable[[Any], None]] = {
+    "train": _add_train, "compare": _add_compare, "bench": _add_bench, "memory": _add_memory,
+    "tune": _add_tune, "scaling": _add_scaling,
+}
+UPPER_COMMANDS = "dplab.commands"  # the entry-point group of the commands of viz/ and lessons/
+
+
+class _Version(argparse.Action):
+    """``--version``: the installed version, looked up only when asked for."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any) -> None:
+        print(f"dplab {dplab_version()}")
+        parser.exit()
+
+
+def upper_commands() -> dict[str, EntryPoint]:
+    """The commands whose code lives above backends/, by name, as the installed dplab declares them.
+
+    Returns:
+        name -> its entry point of the group ``dplab.commands``; loaded, it is a function
+        ``add(sub, formatter_class)`` that registers the command with ``run`` as its default.
+    """
+    from importlib.metadata import entry_points  # slow to import: only these commands pay for it
+
+    return {ep.name: ep for ep in entry_points(group=UPPER_COMMANDS)}
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """dplab's argument parser, with the options of ``command`` or of every command.
+
+    Args:
+        command: the command about to run: only its parser is built, and the modules of the others
+            are not imported. None, or a word that names no command, builds every command's
+            parser, so ``dplab --help`` lists them all and a mistyped command's error names them.
+
+    Returns:
+        The parser. What it parses has ``command``; a command from above backends/ adds ``run``,
+        the function that runs it.
+    """
     parser = _Parser(prog="dplab", description="Data-Parallel Lab: data parallelism written by hand.",
                      formatter_class=_Formatter)
-    parser.add_argument("--version", action="version", version=f"dplab {dplab_version()}",
-                        help="print the installed version and exit")
+    parser.add_argument("--version", action=_Version, help="print the installed version and exit")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    _add_train(sub)
-    _add_compare(sub)
-    _add_bench(sub)
-    _add_app(sub)
-    add_memory_parser(sub, _Formatter)
-    add_tune_parser(sub, _Formatter)
-    add_scaling_parser(sub, _Formatter)
-    add_lesson_parser(sub, _Formatter)
+    if command in COMMANDS:
+        COMMANDS[command](sub)
+        return parser
+    upper = upper_commands()
+    if command in upper:
+        upper[command].load()(sub, _Formatter)
+        return parser
+    for add in COMMANDS.values():
+        add(sub)
+    for entry in upper.values():
+        entry.load()(sub, _Formatter)
     return parser

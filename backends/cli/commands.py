@@ -1,4 +1,4 @@
-"""The ``dplab`` command line: train, compare, bench, app, memory, tune, scaling.
+"""The ``dplab`` command line: train, compare, bench, memory, tune, scaling (and app, lesson).
 
     dplab train --world-size 4 --algorithm ring --steps 50 --trace run.json
     dplab compare                                   # naive/ring/tree/native x 1..4 ranks
@@ -10,7 +10,9 @@
     dplab tune --backends local,mpi                 # fit alpha, beta, gamma; --algorithm auto uses it
 
 Every command prints a table; ``--json PATH`` writes the same rows as JSON.
-Bad arguments get a one-line error and exit code 2.
+Bad arguments get a one-line error and exit code 2. A command loads what it runs and no more
+(``args.build_parser``); ``dplab app`` and ``dplab lesson`` come from viz/ and lessons/ by their
+entry points and run themselves.
 """
 
 from __future__ import annotations
@@ -21,26 +23,19 @@ import os
 import platform
 import sys
 import time
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
 
-from dplab.backends.cli.app import run_app
 from dplab.backends.cli.args import AUTO, build_parser
 from dplab.backends.cli.args_optim import optim_config
 from dplab.backends.cli.args_zero import master_dtype, precision_config
-from dplab.backends.cli.checks import OutputPathError, bench_spec, check_args, stop_launcher_job
-from dplab.backends.cli.compare import run_specs
-from dplab.backends.cli.lesson import run_lesson_command
-from dplab.backends.cli.memory import run_memory
-from dplab.backends.cli.scaling import cmd_scaling, scaling_columns
-from dplab.backends.cli.sweep import cmd_sweep, sweep_columns, wants_sweep
-from dplab.backends.cli.table import Progress, format_number, format_table
-from dplab.backends.cli.tune import TUNE_COLUMNS, cmd_tune
+from dplab.backends.cli.checks import OutputPathError, check_args, stop_launcher_job
+from dplab.backends.cli.table import format_number, format_table
 from dplab.backends.launch.engine import launcher_env, launcher_rank, under_launcher
 from dplab.backends.launch.interrupt import interruptible
-from dplab.backends.launch.world import BackendUnavailable, RankError, open_world
-from dplab.backends.runs.grid import EQUIVALENCE_DEFAULTS, RACE_DEFAULTS, compare_specs
+from dplab.backends.launch.world import BackendUnavailable, RankError
 from dplab.backends.runs.run import MODES, RunSpec, run_train
 from dplab.reference.checkpoint.resume import CheckpointConfig
 from dplab.reference.checkpoint.store import CheckpointError
@@ -103,6 +98,10 @@ def _checkpoint(a: argparse.Namespace) -> CheckpointConfig | None:
 
 def cmd_compare(a: argparse.Namespace) -> list[dict[str, Any]]:
     """The equivalence table (fixed steps), or, under a time budget, the race of sync and async."""
+    from dplab.backends.cli.compare import run_specs
+    from dplab.backends.cli.sweep import cmd_sweep, wants_sweep
+    from dplab.backends.runs.grid import EQUIVALENCE_DEFAULTS, RACE_DEFAULTS, compare_specs
+
     if wants_sweep(a):  # --global-batches: the large-batch sweep (sweep.py)
         return cmd_sweep(a, _train_config)
     for mode in a.modes:
@@ -121,6 +120,10 @@ def cmd_compare(a: argparse.Namespace) -> list[dict[str, Any]]:
 
 def cmd_bench(a: argparse.Namespace) -> list[dict[str, Any]]:
     """Every backend x world size is one run with its own memcpy row (``checks`` vetted the rest)."""
+    from dplab.backends.cli.checks import bench_spec
+    from dplab.backends.cli.table import Progress
+    from dplab.backends.launch.world import open_world
+
     spec, rows, progress = bench_spec(a), [], Progress(len(a.world_sizes) * len(a.backends))
     for backend in spec.backends:
         for p in spec.world_sizes:
@@ -132,7 +135,7 @@ def cmd_bench(a: argparse.Namespace) -> list[dict[str, Any]]:
 
 def bench_argv(argv: list[str]) -> list[dict[str, Any]]:
     """``dplab bench argv``'s rows: parsed and checked as the command line does (``tune``'s bench)."""
-    a = build_parser().parse_args(["bench", *argv])
+    a = build_parser("bench").parse_args(["bench", *argv])
     check_args(a, printer=False)
     return cmd_bench(a)
 
@@ -143,10 +146,16 @@ def _columns(command: str, rows: list[dict[str, Any]]) -> list[str]:
         return [*BENCH_COLUMNS[:2], "ran", *BENCH_COLUMNS[2:]] if any("ran" in r for r in rows) \
             else BENCH_COLUMNS
     if command == "tune":
+        from dplab.backends.cli.tune import TUNE_COLUMNS
+
         return TUNE_COLUMNS
     if command == "scaling":
+        from dplab.backends.cli.scaling import scaling_columns
+
         return scaling_columns(rows)
     if rows and "lr_rule" in rows[0]:
+        from dplab.backends.cli.sweep import sweep_columns
+
         return sweep_columns(rows)
     if any(r.get("time_budget_s") is not None for r in rows):
         return RACE_COLUMNS
@@ -166,13 +175,22 @@ def _is_printer(a: argparse.Namespace) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.command == "app":  # a server, not rows: it prints its URL and becomes streamlit
-        return run_app(args)
+    """Run the dplab command ``argv`` (default: the process's arguments) and return its exit code.
+
+    Args:
+        argv: the words after ``dplab``, e.g. ``["train", "--world-size", "4"]``.
+
+    Returns:
+        0, 2 for bad input (one line on stderr), 1 for a rank that failed, 130 for Ctrl-C;
+        argparse exits 2 itself for options it cannot parse.
+    """
+    args = build_parser(_command_in(sys.argv[1:] if argv is None else argv)).parse_args(argv)
+    if "run" in args:  # a command from above backends/: the app's server, a lesson
+        return args.run(args)
     if args.command == "memory":  # formulas, not a run: no backend, no ranks, no device
+        from dplab.backends.cli.memory import run_memory
+
         return run_memory(args, argv)
-    if args.command == "lesson":  # a conversation, not rows: dplab.lessons.terminal renders it
-        return run_lesson_command(args)
     if not args.device:
         return _run(args, argv)
     saved = os.environ.get("DPLAB_DEVICE")
@@ -186,10 +204,28 @@ def main(argv: list[str] | None = None) -> int:
             os.environ["DPLAB_DEVICE"] = saved
 
 
+def _command_in(words: list[str]) -> str | None:
+    """The command ``words`` name: the first word that is not an option (dplab's own options,
+    ``--version`` and ``--help``, take no value), or None."""
+    return next((w for w in words if not w.startswith("-")), None)
+
+
+def _rows_of(command: str) -> Callable[[argparse.Namespace], list[dict[str, Any]]]:
+    """The function that makes ``command``'s rows (tune and scaling load their modules now)."""
+    if command == "tune":
+        from dplab.backends.cli.tune import cmd_tune
+
+        return partial(cmd_tune, bench=bench_argv)
+    if command == "scaling":
+        from dplab.backends.cli.scaling import cmd_scaling
+
+        return cmd_scaling
+    return {"train": cmd_train, "compare": cmd_compare, "bench": cmd_bench}[command]
+
+
 def _run(args: argparse.Namespace, argv: list[str] | None) -> int:
     """One command of train, compare, bench, tune, scaling: its rows, printed, or one line of error."""
-    command = {"train": cmd_train, "compare": cmd_compare, "bench": cmd_bench,
-               "tune": partial(cmd_tune, bench=bench_argv), "scaling": cmd_scaling}[args.command]
+    command = _rows_of(args.command)
     try:
         check_args(args, _is_printer(args))
         if "auto" in [getattr(args, "algorithm", None), *(getattr(args, "algorithms", None) or [])]:
