@@ -11,7 +11,8 @@ the step even runs. The same steps as ``dplab lesson N``: each runs through
 lesson changes; its ranks are closed after each run, see ``_outcome``) and its outcome is kept per
 step, so Back and Next do not run it again. A step runs after the ones before it, as in CI (a step
 may use what an earlier one left in ``lab.scratch``). What the page decides lives in
-``dplab.viz.lesson_view``; this file draws it.
+``dplab.lessons.page_view``; this file draws it. The app (viz/app.py) finds this file by the
+entry point ``dplab.app_pages``, so it runs as one of the app's pages without viz importing it.
 """
 
 from __future__ import annotations
@@ -22,9 +23,7 @@ import streamlit as st
 from streamlit.errors import StreamlitPageNotFoundError
 
 from dplab.lessons import lesson, numbers
-from dplab.lessons.runner import Lab, StepOutcome, missing_needs, run_step
-from dplab.lessons.step import Lesson, Step, fill
-from dplab.viz.lesson_view import (
+from dplab.lessons.page_view import (
     PLACEHOLDER,
     answer_kind,
     check_lines,
@@ -36,6 +35,8 @@ from dplab.viz.lesson_view import (
     score_line,
     took,
 )
+from dplab.lessons.runner import Lab, StepOutcome, missing_needs, run_step
+from dplab.lessons.step import Lesson, Step, fill
 
 PICK, STEP, AT = "lesson_pick", "lesson_step", "lesson_at"  # widget; step index; where the learner was
 WRITTEN = "_lesson_in_url"  # the (lesson, step) this page last put in the URL

@@ -1,27 +1,34 @@
-"""What the Lessons page shows of a step, worked out without Streamlit (``viz/pages/lessons.py`` draws it).
+"""What the Lessons page shows of a step, worked out without Streamlit (``lessons/page.py`` draws it).
 
-    from dplab.viz.lesson_view import check_lines, explore_link, position
+    from dplab.lessons.page_view import check_lines, explore_link, position
     position({"lesson": "1", "step": "2"}, [1, 6], {1: 4, 6: 5}.get)   # -> (1, 1): lesson 1, second step
     check_lines(outcome)                       # ["✅ every replica holds the same bits", ...]
     explore_link(step.explore, outcome.facts)  # the page file, its label, the page's own URL parameters
 
 The page is thin wiring; what it decides (which lesson and step a URL opens, what a check line
 says, where a deep link goes and with which parameters, what a missing extra needs) lives here,
-where a unit test reaches it without a browser.
+where a unit test reaches it without a browser. ``PAGE`` is how the app lists the page: the
+entry point ``dplab.app_pages`` names it (the app, in viz/, does not import the lessons).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 from dplab.lessons.runner import StepOutcome
 from dplab.lessons.step import Explore, Facts, Predict, Verdict
+from dplab.viz.added_pages import AddedPage
 from dplab.viz.deep_links import PAGE_FILES, PAGE_TITLES, adopt, unread
 
-__all__ = ["PASS", "FAIL", "PLACEHOLDER", "score_line", "position", "check_lines", "answer_kind", "Link",
-           "explore_link", "needs_line", "lessons_link_params", "is_command", "took"]
+__all__ = ["PAGE", "PASS", "FAIL", "PLACEHOLDER", "score_line", "position", "check_lines",
+           "answer_kind", "Link", "explore_link", "needs_line", "lessons_link_params", "is_command", "took"]
 
+PAGE = AddedPage(
+    "lessons", Path(__file__).resolve().with_name("page.py"), "Lessons", ":material/school:",
+    "step through the ideas of data parallelism on the real engine: predict each result, then see it "
+    "measured, with the checks that prove it and a link to the page that explores it further.")
 PASS, FAIL = "✅", "❌"
 # How to type a number, without a number in it: any example could be some question's answer (2.1's
 # was "1,572,864 or 1.5 MiB", shown in the box before the learner answered).

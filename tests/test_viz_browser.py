@@ -37,10 +37,14 @@ from browser_helpers import (
     wait_rendered,
 )
 
+from dplab.viz.added_pages import added_pages
+
 pytestmark = pytest.mark.browser
 
 PAGES_DIR = Path(__file__).resolve().parent.parent / "viz" / "pages"
-PAGE_FILES = sorted(p.stem for p in PAGES_DIR.glob("*.py") if not p.stem.startswith("_"))
+# viz/pages/ and the pages from above viz/ (the Lessons page, in lessons/), by their URL names
+PAGE_FILES = sorted([*(p.stem for p in PAGES_DIR.glob("*.py") if not p.stem.startswith("_")),
+                     *(p.name for p in added_pages())])
 COLD_TIMEOUT_S = 120.0  # a first visit may train or bench before it draws
 WARM_TIMEOUT_S = 30.0
 VIEWPORT = {"width": 1400, "height": 900}
@@ -288,7 +292,7 @@ def test_viz_browser_runs_chrome_trace_downloads(visit: Any, artifacts: Path) ->
     assert {"forward", "backward"} <= {e["name"] for e in spans}, sorted({e["name"] for e in spans})[:20]
 
 
-@pytest.mark.skipif("lessons" not in PAGE_FILES, reason="viz/pages/lessons.py is not written yet")
+@pytest.mark.skipif("lessons" not in PAGE_FILES, reason="the Lessons page's entry point is not installed")
 def test_viz_browser_lessons_answer_then_next(visit: Any, artifacts: Path) -> None:
     """Lesson 1: answer the first question (a choice) rightly, Next, the second (a number) wrongly."""
     v = visit("lessons?lesson=1&step=1")

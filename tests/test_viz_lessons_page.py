@@ -17,11 +17,11 @@ st = pytest.importorskip("streamlit", reason="the viz extra is not installed: pi
 pytest.importorskip("plotly", reason="the viz extra is not installed: pip install 'dplab[viz]'")
 from streamlit.testing.v1 import AppTest  # noqa: E402
 
-from dplab.lessons import lesson, numbers  # noqa: E402
+from dplab.lessons import lesson, numbers, page_view  # noqa: E402
 from dplab.lessons import runner as lesson_runner  # noqa: E402
 from dplab.lessons.runner import CheckResult, StepOutcome  # noqa: E402
 from dplab.lessons.step import Check, Explore, Predict, Step  # noqa: E402
-from dplab.viz import deep_links, lesson_view  # noqa: E402
+from dplab.viz import deep_links  # noqa: E402
 from dplab.viz.serve import app_path  # noqa: E402
 
 L1 = lesson(1)
@@ -35,7 +35,7 @@ def _fresh_caches():
     st.cache_data.clear()
 
 
-def _app(page: str = "pages/lessons.py", **params: str) -> AppTest:
+def _app(page: str = str(page_view.PAGE.file), **params: str) -> AppTest:
     at = AppTest.from_file(str(app_path()), default_timeout=60)
     for name, value in params.items():
         at.query_params[name] = value
@@ -50,7 +50,7 @@ def _counter(at: AppTest) -> str:
 
 
 def _checks(at: AppTest) -> list[str]:
-    return [m.value for m in at.markdown if m.value[:1] in (lesson_view.PASS, lesson_view.FAIL)]
+    return [m.value for m in at.markdown if m.value[:1] in (page_view.PASS, page_view.FAIL)]
 
 
 def _show(at: AppTest) -> None:
@@ -159,7 +159,7 @@ def test_a_question_from_inputs_is_asked_before_the_run_with_tiered_hints_and_no
         assert "At p=4, bytes for 1 MiB?" in page and "SECRET" not in page and not at.code
         assert RUNS == [] and "lesson_lab" not in at.session_state      # asked before anything ran
         box = at.text_input(key="lesson_answer_1_0")
-        assert box.placeholder == lesson_view.PLACEHOLDER and not any(c.isdigit() for c in box.placeholder)
+        assert box.placeholder == page_view.PLACEHOLDER and not any(c.isdigit() for c in box.placeholder)
         assert at.button(key="lesson_hint_1_0").label == "Hint 1 of 2"
         at.button(key="lesson_hint_1_0").click().run()
         assert [i.value for i in at.info] == ["**Hint 1.** one chunk a round"]
@@ -308,28 +308,28 @@ def test_a_deep_link_with_short_names_sets_the_cost_controls():
 
 def test_position_reads_lesson_and_step_and_clamps():
     lengths = {1: 4, 6: 3}.get
-    assert lesson_view.position({"lesson": "6", "step": "2"}, [1, 6], lengths) == (6, 1)
-    assert lesson_view.position({"lesson": "6", "step": "9"}, [1, 6], lengths) == (6, 2)
-    assert lesson_view.position({"lesson": "2", "step": "0"}, [1, 6], lengths) == (1, 0)
-    assert lesson_view.position({}, [1, 6], lengths) == (1, 0)
-    assert lesson_view.position({"lesson": "x", "step": "y"}, [1, 6], lengths) == (1, 0)
-    assert lesson_view.lessons_link_params(6, 1) == {"lesson": "6", "step": "2"}
+    assert page_view.position({"lesson": "6", "step": "2"}, [1, 6], lengths) == (6, 1)
+    assert page_view.position({"lesson": "6", "step": "9"}, [1, 6], lengths) == (6, 2)
+    assert page_view.position({"lesson": "2", "step": "0"}, [1, 6], lengths) == (1, 0)
+    assert page_view.position({}, [1, 6], lengths) == (1, 0)
+    assert page_view.position({"lesson": "x", "step": "y"}, [1, 6], lengths) == (1, 0)
+    assert page_view.lessons_link_params(6, 1) == {"lesson": "6", "step": "2"}
 
 
 def test_check_lines_mark_each_claim():
     out = StepOutcome(L1.steps[1], {}, "", (CheckResult("holds", True), CheckResult("fails", False)), 0.0)
-    assert lesson_view.check_lines(out) == ["✅ holds", "❌ fails"]
+    assert page_view.check_lines(out) == ["✅ holds", "❌ fails"]
 
 
 def test_explore_link_translates_short_names_and_names_what_a_page_ignores():
-    link = lesson_view.explore_link(Explore("collectives", lambda f: {"algorithm": "ring", "p": f["p"],
+    link = page_view.explore_link(Explore("collectives", lambda f: {"algorithm": "ring", "p": f["p"],
                                                                     "bogus": 1}), {"p": 8})
     assert link.file == "pages/collectives.py" and link.label == "Explore this on the Collectives page"
     assert link.params == {"coll_algorithm": "ring", "coll_p": "8", "bogus": "1"}
     assert link.unread == ("bogus",)
-    assert lesson_view.explore_link(Explore("memory", lambda f: {"x": 1}), {}).unread == ()  # unknown page
+    assert page_view.explore_link(Explore("memory", lambda f: {"x": 1}), {}).unread == ()  # unknown page
     with pytest.raises(ValueError, match="no app page"):
-        lesson_view.explore_link(Explore("nowhere"), {})
+        page_view.explore_link(Explore("nowhere"), {})
 
 
 def test_adopt_prefers_the_pages_own_name_and_takes_the_first_of_a_list():
@@ -342,11 +342,11 @@ def test_adopt_prefers_the_pages_own_name_and_takes_the_first_of_a_list():
 
 
 def test_took_reads_at_every_scale():
-    assert [lesson_view.took(s) for s in (1.234, 0.0456, 0.0003)] == ["1.23 s", "46 ms", "0.3 ms"]
+    assert [page_view.took(s) for s in (1.234, 0.0456, 0.0003)] == ["1.23 s", "46 ms", "0.3 ms"]
 
 
 def test_is_command_and_needs_line():
-    assert lesson_view.is_command("dplab train --world-size 4")
-    assert not lesson_view.is_command("Change the step's run to all-reduce every 5th step.")
-    assert lesson_view.needs_line(12, ["torch", "mpi"]).startswith(
+    assert page_view.is_command("dplab train --world-size 4")
+    assert not page_view.is_command("Change the step's run to all-reduce every 5th step.")
+    assert page_view.needs_line(12, ["torch", "mpi"]).startswith(
         "Lesson 12 needs the torch and mpi extras, not installed here: `pip install -e '.[torch,mpi]'`")

@@ -4,7 +4,9 @@
     streamlit run viz/app.py        # the same, from a checkout
 
 Adding a page is one line in ``PAGES`` (its file under ``viz/pages/``): pages are files, so
-``st.switch_page`` and ``AppTest.switch_page("pages/<name>.py")`` reach them.
+``st.switch_page`` and ``AppTest.switch_page("pages/<name>.py")`` reach them. A page whose code
+lives above viz/ (the Lessons page, in lessons/) comes after them, from its entry point
+(``dplab.viz.added_pages``): the app does not import it.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import streamlit as st
+
+from dplab.viz.added_pages import added_pages
 
 PAGES_DIR = Path(__file__).resolve().parent / "pages"
 
@@ -23,7 +27,7 @@ PAGES = [
     st.Page(PAGES_DIR / "runs.py", title="Runs", icon=":material/timeline:"),
     st.Page(PAGES_DIR / "cost.py", title="Cost", icon="📈"),
     st.Page(PAGES_DIR / "training.py", title="Training", icon=":material/model_training:"),
-    st.Page(PAGES_DIR / "lessons.py", title="Lessons", icon=":material/school:"),
+    *(st.Page(p.file, title=p.title, icon=p.icon, url_path=p.name) for p in added_pages()),
 ]
 
 st.navigation(PAGES).run()

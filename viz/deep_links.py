@@ -22,10 +22,9 @@ __all__ = ["PAGE_FILES", "PAGE_TITLES", "ALIASES", "READS", "MAX_PARAM_CHARS", "
 MAX_PARAM_CHARS = 512
 
 # page name (as Explore names it) -> its file, as st.page_link and AppTest.switch_page take it
-PAGE_FILES = {name: f"pages/{name}.py" for name in ("collectives", "cost", "training", "runs", "memory",
-                                                    "lessons")}
+PAGE_FILES = {name: f"pages/{name}.py" for name in ("collectives", "cost", "training", "runs", "memory")}
 PAGE_TITLES = {"collectives": "Collectives", "cost": "Cost", "training": "Training", "runs": "Runs",
-               "memory": "Memory", "lessons": "Lessons"}
+               "memory": "Memory"}
 
 # The URL parameters each page reads for its controls (its own names). None: not known here.
 READS: dict[str, frozenset[str] | None] = {
@@ -36,7 +35,6 @@ READS: dict[str, frozenset[str] | None] = {
     "training": frozenset({"world_size", "steps", "staleness", "backup", "factor", "hidden"}),
     "runs": frozenset({"source", "world_size", "mode", "algorithm", "bucket_mb", "hidden", "steps",
                        "staleness", "backup", "straggler", "factor", "detail"}),
-    "lessons": frozenset({"lesson", "step"}),
     "memory": None,
 }
 

@@ -1,7 +1,8 @@
 """Home: what the app shows, with a link to each page the app has.
 
 A page gets its link here once ``viz/app.py`` lists it; one still being written is left out
-(its link would have nowhere to go).
+(its link would have nowhere to go). The pages from above viz/ (the Lessons page) come first,
+with the sentence their entry point gives (``dplab.viz.added_pages``).
 """
 
 from __future__ import annotations
@@ -9,11 +10,10 @@ from __future__ import annotations
 import streamlit as st
 from streamlit.errors import StreamlitPageNotFoundError
 
+from dplab.viz.added_pages import added_pages
+
 # (file under viz/pages/, link text, what it shows)
 LINKS = [
-    ("pages/lessons.py", "Lessons",
-     "step through the ideas of data parallelism on the real engine: predict each result, then see it "
-     "measured, with the checks that prove it and a link to the page that explores it further."),
     ("pages/collectives.py", "Collectives",
      "watch all-reduce, reduce-scatter, all-gather, broadcast and reduce move round by round: a rank x "
      "chunk grid labelled with whose contributions each cell holds, the round's transfers as arrows, "
@@ -35,7 +35,7 @@ st.markdown(
     "by hand: every grid, arrow, timeline and curve is computed from the same schedule the executor "
     "runs, the simulator's provenance, the cost model, or real runs and benchmarks."
 )
-for page, label, blurb in LINKS:
+for page, label, blurb in [*((str(p.file), p.title, p.blurb) for p in added_pages()), *LINKS]:
     try:
         st.page_link(page, label=label)
     except StreamlitPageNotFoundError:  # not in app.py's PAGES yet
