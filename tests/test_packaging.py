@@ -76,3 +76,20 @@ def test_a_wheel_installs_everything_under_dplab(tmp_path):
     files = _probe(run_dir, env)
     for name in FOLDERS:
         assert Path(files[name]).resolve().is_relative_to(site / "dplab" / name), files[name]
+
+
+def test_the_installed_entry_points_are_the_declared_ones():
+    """``dplab app``, ``dplab lesson`` and the app's Lessons page live above the code that starts
+    them and are found by entry points: the install must declare what pyproject.toml does, and
+    each must load (a stale install: pip install -e . again)."""
+    from importlib.metadata import entry_points
+
+    tomllib = pytest.importorskip("tomllib", reason="Python 3.11 reads TOML")
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]
+    assert set(declared) == {"dplab.commands", "dplab.app_pages"}, declared
+    for group, entries in declared.items():
+        installed = {ep.name: ep for ep in entry_points(group=group)}
+        assert {name: ep.value for name, ep in installed.items()} == entries, \
+            f"the installed dplab declares other {group} entry points: pip install -e ."
+        for ep in installed.values():
+            assert ep.load() is not None, ep
