@@ -14,14 +14,17 @@ import argparse
 import os
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from dplab.backends.bench.spec import BenchSpec
 from dplab.backends.launch.engine import LAUNCHERS, launcher_hosts, local_ranks
 from dplab.backends.launch.limits import check_world
 from dplab.backends.launch.world import check_backend, launcher_env, under_launcher
 from dplab.reference.algorithms.layout import resolve
 from dplab.reference.errors import ConfigError
 from dplab.reference.files import real_target
+
+if TYPE_CHECKING:  # bench's spec loads the cost model (for auto): imported by bench_spec, for bench
+    from dplab.backends.bench.spec import BenchSpec
 
 __all__ = ["check_args", "OutputPathError", "stop_launcher_job", "check_output_file", "check_output_dir",
            "bench_spec"]
@@ -159,5 +162,7 @@ def _probe(option: str, path: str, directory: Path) -> None:
 
 def bench_spec(a: argparse.Namespace) -> BenchSpec:
     """``dplab bench``'s options as the ``BenchSpec`` the app builds too."""
+    from dplab.backends.bench.spec import BenchSpec
+
     return BenchSpec(tuple(a.backends), tuple(a.world_sizes), tuple(a.sizes), tuple(a.algorithms), a.dtype,
                      a.warmup, a.target_seconds, a.reps, a.max_iters)

@@ -4,9 +4,11 @@
     progress = Progress(len(cells)); ...; progress.step("local p=4"); progress.close()
 
 Piped (``dplab compare | head``, the tests, ``NO_COLOR=1``) a table is plain text that scripts can
-split on whitespace: a header, a row of dashes, right-aligned cells two spaces apart. In a terminal
-the same layout gains a bold header and coloured booleans. The progress bar (with an ETA) is drawn
-on stderr only when stderr is a terminal, so piped output never holds cursor codes.
+split on whitespace: a header, a row of dashes, right-aligned cells two spaces apart, written
+without rich (a pipe needs no terminal library, and the command starts sooner without it). In a
+terminal rich draws the same layout with a bold header and coloured booleans. The progress bar
+(with an ETA) is drawn on stderr only when stderr is a terminal, so piped output never holds
+cursor codes.
 """
 
 from __future__ import annotations
@@ -68,27 +70,41 @@ _CELL_STYLE = {"True": "green", "False": "bold red", "-": "dim"}
 def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[str], colour: bool | None = None) -> str:
     """The rows as a table, one line per row (never wrapped: a wide table stays one line per row).
 
-    ``colour`` None: colour when stdout is a terminal (``styled``). Plain text is stable: the
-    layout the tests and the README show, whatever rich version draws it.
+    Args:
+        rows: the command's rows; a column a row lacks shows as empty.
+        columns: the keys to show, in order, each the header of its column.
+        colour: a bold header and coloured booleans (drawn by rich); None: when stdout is a
+            terminal (``styled``).
+
+    Returns:
+        The lines, joined. Plain text is stable: the layout the tests and the README show.
     """
+    colour = styled() if colour is None else colour
+    lines = [list(columns), *([format_number(r.get(c, "")) for c in columns] for r in rows)]
+    widths = [max(len(line[i]) for line in lines) for i in range(len(columns))]
+    lines.insert(1, ["-" * w for w in widths])
+    if colour:
+        return _rich_table(lines, widths)
+    return "\n".join("  ".join(v.rjust(w) for v, w in zip(line, widths)).rstrip()
+                     for line in lines if columns)
+
+
+def _rich_table(lines: list[list[str]], widths: list[int]) -> str:
+    """``lines`` (the header, the dashes, the rows) as rich draws them on a terminal, in colour."""
     from rich.console import Console
     from rich.table import Table
     from rich.text import Text
 
-    colour = styled() if colour is None else colour
-    cells = [[format_number(r.get(c, "")) for c in columns] for r in rows]
-    widths = [max([len(c), *(len(row[i]) for row in cells)]) for i, c in enumerate(columns)]
     table = Table(box=None, padding=(0, 1), pad_edge=False, show_edge=False, collapse_padding=False,
-                  header_style="bold" if colour else "", show_header=True)
-    for c, w in zip(columns, widths):
+                  header_style="bold", show_header=True)
+    for c, w in zip(lines[0], widths):
         table.add_column(c, justify="right", no_wrap=True, min_width=w, max_width=w)
-    table.add_row(*(Text("-" * w, style="dim" if colour else "") for w in widths))
-    for row in cells:
-        table.add_row(*(Text(v, style=_CELL_STYLE.get(v, "") if colour else "") for v in row))
-    width = sum(widths) + 2 * max(len(widths) - 1, 0)
+    table.add_row(*(Text(v, style="dim") for v in lines[1]))
+    for row in lines[2:]:
+        table.add_row(*(Text(v, style=_CELL_STYLE.get(v, "")) for v in row))
     out = io.StringIO()
-    console = Console(file=out, width=max(width, 1), force_terminal=colour, no_color=not colour,
-                      color_system="auto" if colour else None, highlight=False, emoji=False,
+    console = Console(file=out, width=max(sum(widths) + 2 * max(len(widths) - 1, 0), 1),
+                      force_terminal=True, color_system="auto", highlight=False, emoji=False,
                       legacy_windows=False)
     console.print(table, crop=False, overflow="ignore", soft_wrap=False)
     return "\n".join(line.rstrip() for line in out.getvalue().splitlines())
