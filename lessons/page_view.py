@@ -1,4 +1,4 @@
-"""What the Lessons page shows of a step, worked out without Streamlit (``lessons/page.py`` draws it).
+"""What the Lessons page shows of a step, worked out without Streamlit (``page.py`` draws it).
 
     from dplab.lessons.page_view import check_lines, explore_link, position
     position({"lesson": "1", "step": "2"}, [1, 6], {1: 4, 6: 5}.get)   # -> (1, 1): lesson 1, second step
@@ -23,12 +23,13 @@ from dplab.viz.added_pages import AddedPage
 from dplab.viz.deep_links import PAGE_FILES, PAGE_TITLES, adopt, unread
 
 __all__ = ["PAGE", "PASS", "FAIL", "PLACEHOLDER", "score_line", "position", "check_lines",
-           "answer_kind", "Link", "explore_link", "needs_line", "lessons_link_params", "is_command", "took"]
+           "answer_kind", "Link", "explore_link", "needs_line", "lessons_link_params", "is_command",
+           "took"]
 
 PAGE = AddedPage(
     "lessons", Path(__file__).resolve().with_name("page.py"), "Lessons", ":material/school:",
-    "step through the ideas of data parallelism on the real engine: predict each result, then see it "
-    "measured, with the checks that prove it and a link to the page that explores it further.")
+    "step through the ideas of data parallelism on the real engine: predict each result, then see "
+    "it measured, with the checks that prove it and a link to the page that explores it further.")
 PASS, FAIL = "✅", "❌"
 # How to type a number, without a number in it: any example could be some question's answer (2.1's
 # was "1,572,864 or 1.5 MiB", shown in the box before the learner answered).

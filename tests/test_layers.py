@@ -139,7 +139,7 @@ def test_the_graph_is_read_from_the_files():
     g = graph()
     assert "dplab.backends.fastpath.executor" in g["dplab.backends"]  # module level
     assert "dplab.backends.nn.ddp" in g["dplab.backends.cli.scaling_ddp"]  # inside a function
-    assert "dplab.lessons.exercises" in g["dplab.lessons.terminal"]  # importlib.import_module("...")
+    assert "dplab.lessons.exercises" in g["dplab.lessons.terminal"]  # import_module("...")
 
 
 def test_the_reader_sees_every_way_up():

@@ -25,10 +25,11 @@ def test_help_names_port_and_host():
 
 
 def test_app_path_is_the_packaged_file_and_other_commands_load_no_viz():
-    """The command line finds ``dplab app`` by its entry point: parsing train loads no viz module."""
+    """The command line finds ``dplab app`` by its entry point: parsing train loads no viz."""
     code = ("import sys; from dplab.backends.cli.args import build_parser; "
             "build_parser('train').parse_args(['train']); "
-            "print(sorted(m for m in sys.modules if m.startswith(('dplab.viz', 'dplab.lessons')))); "
+            "up = ('dplab.viz', 'dplab.lessons'); print(sorted(m for m in sys.modules "
+            "if m.startswith(up))); "
             "from dplab.viz.serve import app_path; print(app_path())")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                           cwd="/")

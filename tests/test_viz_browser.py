@@ -292,7 +292,7 @@ def test_viz_browser_runs_chrome_trace_downloads(visit: Any, artifacts: Path) ->
     assert {"forward", "backward"} <= {e["name"] for e in spans}, sorted({e["name"] for e in spans})[:20]
 
 
-@pytest.mark.skipif("lessons" not in PAGE_FILES, reason="the Lessons page's entry point is not installed")
+@pytest.mark.skipif("lessons" not in PAGE_FILES, reason="the Lessons page is not installed")
 def test_viz_browser_lessons_answer_then_next(visit: Any, artifacts: Path) -> None:
     """Lesson 1: answer the first question (a choice) rightly, Next, the second (a number) wrongly."""
     v = visit("lessons?lesson=1&step=1")

@@ -22,7 +22,8 @@ __all__ = ["PAGE_FILES", "PAGE_TITLES", "ALIASES", "READS", "MAX_PARAM_CHARS", "
 MAX_PARAM_CHARS = 512
 
 # page name (as Explore names it) -> its file, as st.page_link and AppTest.switch_page take it
-PAGE_FILES = {name: f"pages/{name}.py" for name in ("collectives", "cost", "training", "runs", "memory")}
+PAGE_FILES = {name: f"pages/{name}.py"
+              for name in ("collectives", "cost", "training", "runs", "memory")}
 PAGE_TITLES = {"collectives": "Collectives", "cost": "Cost", "training": "Training", "runs": "Runs",
                "memory": "Memory"}
 

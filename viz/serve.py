@@ -24,8 +24,8 @@ from typing import Any
 from dplab.backends.runs.uploads import TRACE
 from dplab.reference.errors import ConfigError
 
-__all__ = ["add_app_parser", "app_path", "free_port", "port_number", "streamlit_argv", "missing_viz_extra",
-           "run_app"]
+__all__ = ["add_app_parser", "app_path", "free_port", "port_number", "streamlit_argv",
+           "missing_viz_extra", "run_app"]
 
 VIZ_EXTRA = ("streamlit", "plotly")
 MAX_UPLOAD_MB = -(-TRACE.max_bytes // (1 << 20))  # megabytes, as streamlit's option counts them
@@ -52,7 +52,8 @@ def app_path() -> Path:
     return path
 
 
-def add_app_parser(sub: Any, formatter_class: type[argparse.HelpFormatter]) -> argparse.ArgumentParser:
+def add_app_parser(sub: Any,
+                   formatter_class: type[argparse.HelpFormatter]) -> argparse.ArgumentParser:
     """Register ``dplab app`` on the subparsers ``sub``; the command line finds this function by its
     entry point (``dplab.commands``).
 
@@ -63,14 +64,15 @@ def add_app_parser(sub: Any, formatter_class: type[argparse.HelpFormatter]) -> a
     Returns:
         The command's parser; a namespace it parses carries ``run``: ``run_app``.
     """
+    description = ("Serve the dplab app (streamlit run on the packaged viz/app.py, headless) and "
+                   "print its URL; Ctrl-C stops it. Needs the viz extra: pip install 'dplab[viz]'.")
     a = sub.add_parser("app", help="open the visualizer (Streamlit) in your browser",
-                       formatter_class=formatter_class,
-                       description=textwrap.fill("Serve the dplab app (streamlit run on the packaged "
-                                                 "viz/app.py, headless) and print its URL; Ctrl-C stops "
-                                                 "it. Needs the viz extra: pip install 'dplab[viz]'.", 88))
-    a.add_argument("--port", type=port_number, default=0, help="port to serve on; 0 picks a free one")
+                       formatter_class=formatter_class, description=textwrap.fill(description, 88))
+    a.add_argument("--port", type=port_number, default=0,
+                   help="port to serve on; 0 picks a free one")
     a.add_argument("--host", default="127.0.0.1",
-                   help="address to bind; loopback keeps the app on this machine (0.0.0.0 shares it)")
+                   help="address to bind; loopback keeps the app on this machine "
+                        "(0.0.0.0 shares it)")
     a.set_defaults(run=run_app)
     return a
 

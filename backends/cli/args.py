@@ -288,20 +288,28 @@ def _add_bench(sub: Any) -> None:  # run by commands.cmd_bench
                         "$DPLAB_DEVICE)")
 
 
-def _add_memory(sub: Any) -> None:  # runs itself: memory.run_memory
-    from dplab.backends.cli.memory import add_memory_parser  # the ZeRO formulas
+def _add_memory(sub: Any) -> None:
+    """Add ``dplab memory`` (run by ``memory.run_memory``), loading its module, the ZeRO formulas.
+
+    Args:
+        sub: the ``add_subparsers()`` of dplab's parser; so for ``_add_tune`` and ``_add_scaling``.
+    """
+    from dplab.backends.cli.memory import add_memory_parser
 
     add_memory_parser(sub, _Formatter)
 
 
-def _add_tune(sub: Any) -> None:  # run by tune.cmd_tune
-    from dplab.backends.cli.tune import add_tune_parser  # the cost model and its fit
+def _add_tune(sub: Any) -> None:
+    """Add ``dplab tune`` (run by ``tune.cmd_tune``), loading its module: the cost model's fit."""
+    from dplab.backends.cli.tune import add_tune_parser
 
     add_tune_parser(sub, _Formatter)
 
 
-def _add_scaling(sub: Any) -> None:  # run by scaling.cmd_scaling
-    from dplab.backends.cli.scaling import add_scaling_parser  # the traces' metrics, DDP's bench
+def _add_scaling(sub: Any) -> None:
+    """Add ``dplab scaling`` (run by ``scaling.cmd_scaling``), loading its module: the traces'
+    metrics and DDP's bench."""
+    from dplab.backends.cli.scaling import add_scaling_parser
 
     add_scaling_parser(sub, _Formatter)
 
@@ -315,12 +323,26 @@ UPPER_COMMANDS = "dplab.commands"  # the entry-point group of the commands of vi
 
 
 class _Version(argparse.Action):
-    """``--version``: the installed version, looked up only when asked for."""
+    """``--version``: the installed version, looked up only when asked for (argparse's own
+    version action takes the text when the parser is built, and importlib.metadata is slow)."""
 
     def __init__(self, option_strings: list[str], dest: str, **kwargs: Any) -> None:
+        """An option that takes no value.
+
+        Args:
+            option_strings: ``["--version"]``.
+            dest: unused: the option stores nothing.
+            **kwargs: ``help``, as argparse passes it.
+        """
         super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
 
     def __call__(self, parser: argparse.ArgumentParser, *args: Any) -> None:
+        """Print ``dplab <version>`` on stdout and exit 0, as argparse's version action does.
+
+        Args:
+            parser: the parser that met ``--version``.
+            *args: the namespace, values and option string argparse passes (unused).
+        """
         print(f"dplab {dplab_version()}")
         parser.exit()
 

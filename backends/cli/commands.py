@@ -205,13 +205,27 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _command_in(words: list[str]) -> str | None:
-    """The command ``words`` name: the first word that is not an option (dplab's own options,
-    ``--version`` and ``--help``, take no value), or None."""
+    """The command ``words`` name, so that only its parser is built.
+
+    Args:
+        words: the words after ``dplab``.
+
+    Returns:
+        The first word that is not an option (dplab's own options, ``--version`` and ``--help``,
+        take no value), or None.
+    """
     return next((w for w in words if not w.startswith("-")), None)
 
 
 def _rows_of(command: str) -> Callable[[argparse.Namespace], list[dict[str, Any]]]:
-    """The function that makes ``command``'s rows (tune and scaling load their modules now)."""
+    """The function that makes ``command``'s rows; tune and scaling load their modules now.
+
+    Args:
+        command: one of train, compare, bench, tune, scaling.
+
+    Returns:
+        A function of the parsed options that returns the rows to print.
+    """
     if command == "tune":
         from dplab.backends.cli.tune import cmd_tune
 

@@ -90,7 +90,15 @@ def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[str], colour:
 
 
 def _rich_table(lines: list[list[str]], widths: list[int]) -> str:
-    """``lines`` (the header, the dashes, the rows) as rich draws them on a terminal, in colour."""
+    """The table as rich draws it on a terminal, in colour.
+
+    Args:
+        lines: the header, the dashes, then the rows, each a list of cell texts.
+        widths: each column's width, its widest cell's.
+
+    Returns:
+        The lines, joined, with a bold header, dim dashes and coloured booleans.
+    """
     from rich.console import Console
     from rich.table import Table
     from rich.text import Text
