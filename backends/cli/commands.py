@@ -23,8 +23,6 @@ import os
 import platform
 import sys
 import time
-from collections.abc import Callable
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -217,29 +215,42 @@ def _command_in(words: list[str]) -> str | None:
     return next((w for w in words if not w.startswith("-")), None)
 
 
-def _rows_of(command: str) -> Callable[[argparse.Namespace], list[dict[str, Any]]]:
-    """The function that makes ``command``'s rows; tune and scaling load their modules now.
+def cmd_tune(a: argparse.Namespace) -> list[dict[str, Any]]:
+    """``dplab tune``: ``tune.cmd_tune`` (loaded now, with the cost model's fit) on ``dplab bench``.
 
     Args:
-        command: one of train, compare, bench, tune, scaling.
+        a: the parsed options of ``dplab tune``.
 
     Returns:
-        A function of the parsed options that returns the rows to print.
+        One row per fit: per backend, per backend and world size, per backend, world size
+        and algorithm (``tune.LEVELS``).
     """
-    if command == "tune":
-        from dplab.backends.cli.tune import cmd_tune
+    from dplab.backends.cli.tune import cmd_tune as tune
 
-        return partial(cmd_tune, bench=bench_argv)
-    if command == "scaling":
-        from dplab.backends.cli.scaling import cmd_scaling
+    return tune(a, bench=bench_argv)
 
-        return cmd_scaling
-    return {"train": cmd_train, "compare": cmd_compare, "bench": cmd_bench}[command]
+
+def cmd_scaling(a: argparse.Namespace) -> list[dict[str, Any]]:
+    """``dplab scaling``: ``scaling.cmd_scaling``, loaded now (the traces' metrics, DDP's bench).
+
+    Args:
+        a: the parsed options of ``dplab scaling``.
+
+    Returns:
+        One row per backend, model and world size (with ``--ddp``: per implementation).
+    """
+    from dplab.backends.cli.scaling import cmd_scaling as scaling
+
+    return scaling(a)
+
+
+ROWS = {"train": cmd_train, "compare": cmd_compare, "bench": cmd_bench, "tune": cmd_tune,
+        "scaling": cmd_scaling}  # the commands that make rows: the function that makes them
 
 
 def _run(args: argparse.Namespace, argv: list[str] | None) -> int:
     """One command of train, compare, bench, tune, scaling: its rows, printed, or one line of error."""
-    command = _rows_of(args.command)
+    command = ROWS[args.command]
     try:
         check_args(args, _is_printer(args))
         if "auto" in [getattr(args, "algorithm", None), *(getattr(args, "algorithms", None) or [])]:
