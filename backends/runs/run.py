@@ -37,10 +37,10 @@ from dplab.reference.trace import Event
 from dplab.reference.train.single import TrainConfig, evaluate, train_single
 from dplab.reference.train.straggler import Stragglers
 from dplab.reference.train.sync import SyncConfig, train_sync
-from dplab.reference.zero.train import ZeroConfig, train_zero
 
-if TYPE_CHECKING:  # the parameter server is imported where a run asks for it: sync runs never load it
+if TYPE_CHECKING:  # the parameter server and ZeRO are imported where a run asks for them
     from dplab.reference.ps.trainer import AsyncConfig
+    from dplab.reference.zero.train import ZeroConfig
 
 __all__ = ["RunSpec", "run_train", "train_rank", "MODES", "straggler_label"]
 
@@ -112,6 +112,8 @@ class RunSpec:
                           self.time_budget_s, checkpoint=self.checkpoint, precision=self.precision)
 
     def zero_config(self) -> ZeroConfig:
+        from dplab.reference.zero.train import ZeroConfig
+
         stage = 0 if self.zero_stage is None else self.zero_stage
         return ZeroConfig(stage, self.algorithm, self.accum_steps, precision=self.precision)
 
@@ -165,6 +167,8 @@ def train_rank(comm: Any, spec: RunSpec, trace: bool) -> tuple[np.ndarray, Any, 
 
 def _train(comm: Any, spec: RunSpec) -> tuple[Any, Any]:
     if spec.zero_stage is not None:
+        from dplab.reference.zero.train import train_zero
+
         result = train_zero(comm, spec.train, spec.zero_config())
         extra = result.losses, result.memory
     elif spec.mode == "sync":
