@@ -65,6 +65,9 @@ def test_a_wheel_installs_everything_under_dplab(tmp_path):
     for name in FOLDERS:
         assert f"dplab/{name}/__init__.py" in names
     assert "dplab/reference/algorithms/ring.py" in names and "dplab/backends/cli/commands.py" in names
+    packages = {f"dplab/{init.relative_to(ROOT).as_posix()}" for name in FOLDERS
+                for init in (ROOT / name).rglob("__init__.py")}
+    assert packages <= set(names), f"packages left out of the wheel: {sorted(packages - set(names))}"
 
     site = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site),
