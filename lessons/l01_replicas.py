@@ -114,9 +114,11 @@ STEPS = (
               "rank 0's weights and applied the same summed gradient, bit for bit, every step. Against one "
               "device trained on the same batches they differ by at most **{diff:.1e}**: float64 rounding, "
               "because the all-reduce adds in another order than one device does. Final loss {loss:.4f}.\n\n"
-              "The code below is the recipe every rank runs (`reference/train/sync.py`): broadcast, shard, "
-              "forward and backward, all-reduce the gradient bucket by bucket, step. Its plainest form, "
-              "one all-reduce of the whole gradient after backward, is `reference/train/naive.py`."),
+              "The code below is the recipe at its plainest (`reference/train/naive.py`): broadcast, "
+              "shard, forward and backward, one all-reduce of the whole gradient, step. The run above is "
+              "its bucketed form (`reference/train/sync.py`, what `dplab train` runs), which all-reduces "
+              "the gradient bucket by bucket while backward still runs, and steps to the same bits "
+              "when it has one bucket."),
         run=four_replicas,
         checks=(Check("every replica holds the same bits", lambda f: f["identical"] is True),
                 Check("the replicas equal one device to float64 rounding (< 1e-12)",
@@ -133,7 +135,7 @@ STEPS = (
                                           "gradient of all of them, the same on every rank"))),
         hint="Every rank starts from rank 0's weights: the first thing the recipe does is broadcast them.",
         hints=("And every step it applies the same update: the all-reduce hands every rank the same sum.",),
-        show=("dplab.reference.train.sync.train_sync",),
+        show=("dplab.reference.train.naive.train_naive",),
         inputs={"p": 4, "steps": 50},
         try_this="dplab train --world-size 4 --algorithm tree --trace run.json   # then open it in the app",
         explore=Explore("training", lambda f: {"world_sizes": f["p"], "steps": f["steps"]}),
