@@ -56,6 +56,7 @@ class RankCost:
     world_processes: int = 0  # processes per world besides the ranks (mpiexec, its proxy)
     world_ram: int = 0  # private memory of those
     shm_what: str = "its shared memory"  # what the /dev/shm is for, in words ({p}: the world size)
+    maps_what: str = ""  # why its maps grow with the ranks, in words
 
 
 COSTS: dict[str, RankCost] = {
@@ -65,7 +66,8 @@ COSTS: dict[str, RankCost] = {
     # a 1 MiB staging segment each rank makes for what it sends from outside /dev/shm
     "local": RankCost(16 * MiB, 1, 3, 32, 3, 3, maps_per_pair=2, maps_per_rank=1, maps=256,
                       shm=4096 + MiB, shm_per_pair=2 * 4096 + 2560,
-                      shm_what="the ranks' semaphores, mailboxes and staging buffers"),
+                      shm_what="the ranks' semaphores, mailboxes and staging buffers",
+                      maps_what="two semaphores per pair of ranks, each mapped in every rank"),
     "torch": RankCost(32 * MiB, 1, 8, 40, 5, 3),
     "mpi": RankCost(64 * MiB, 2, 6, 40, 2, 5, shm=1100 * 1024, world_processes=2,
                     world_ram=32 * MiB,  # the rank and its keeper; mpiexec and its proxy
@@ -73,6 +75,11 @@ COSTS: dict[str, RankCost] = {
     "cuda": RankCost(4 * MiB, 0, 2, 2, 0, 2, world_processes=1, world_ram=512 * MiB),
 }
 _BY_START = {"fork": "torch", "threads": "cuda", "mpiexec": "mpi"}  # a backend not in COSTS
+
+
+def _cost(backend: str) -> RankCost:
+    """``backend``'s costs; a backend not in COSTS costs what one that starts its ranks alike does."""
+    return COSTS.get(backend) or COSTS[_BY_START.get(entry(backend).start, "torch")]
 
 @dataclass(frozen=True)
 class WorldNeed:
@@ -116,8 +123,7 @@ def need(backend: str, world_size: int, here: Machine | None = None, extra: Extr
     """What a world of ``world_size`` ranks of ``backend`` takes (``here``: the launcher's state,
     which forked ranks inherit; ``extra``: the job's arrays at this world size)."""
     here = here or machine()
-    found = entry(backend)
-    c = COSTS.get(backend) or COSTS[_BY_START.get(found.start, "torch")]
+    found, c = entry(backend), _cost(backend)
     p = world_size
     # forked ranks inherit the launcher's descriptors and maps; a fresh interpreter has its own
     inherited_fds, inherited_maps = (here.open_fds, here.maps) if found.forked else (0, 512)
@@ -140,8 +146,8 @@ def _fits(n: WorldNeed, here: Machine) -> tuple[str, str, bool] | None:
     a smaller job would), or None when it fits."""
     what = f"a world of {n.world_size} {n.backend} ranks"
     if here.max_maps is not None and n.maps > here.max_maps:
-        why = " (two semaphores per pair of ranks, each mapped in every rank)" \
-            if n.backend == "local" else ""
+        maps_what = _cost(n.backend).maps_what
+        why = f" ({maps_what})" if maps_what else ""
         return (f"{what} needs {n.maps:,} memory maps per process{why}, but vm.max_map_count is "
                 f"{here.max_maps:,}", "raise vm.max_map_count (sysctl -w vm.max_map_count=...)",
                 False)
