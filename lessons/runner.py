@@ -27,6 +27,7 @@ from typing import Any
 
 from dplab.backends import World
 from dplab.backends.launch.serve import one_thread_per_rank
+from dplab.lessons.printable import printable
 from dplab.lessons.step import Facts, Lesson, Step, fill
 from dplab.reference.errors import ConfigError, DplabError
 
@@ -164,7 +165,8 @@ def run_step(step: Step, lab: Lab, figure: bool = True) -> StepOutcome:
     except BaseException:
         sys.stderr.write(lab.stderr_since())  # a failed step's ranks said why: not kept from the reader
         raise
-    said = printed.getvalue() + lab.stderr_since()  # stdout and stderr alike: shown with the result
+    # stdout and stderr alike, shown with the result, as text: no escape sequence acts on the screen
+    said = printable(printed.getvalue() + lab.stderr_since())
     if not isinstance(ran, dict):
         raise ConfigError(f"step {step.title!r}: run() must return a dict of facts, "
                           f"got {type(ran).__name__}")

@@ -155,3 +155,21 @@ def test_a_learner_that_stops_its_own_process_is_told_so(tmp_path, monkeypatch):
         "ssp_gate.py stopped the check's process (SIGSTOP) and nothing let it go on: an exercise "
         "must not send signals to its own processes. It was killed at the check's time limit of "
         "1 s, with everything it started")
+
+
+# --- what the learner's code prints or raises is text ---------------------------------------
+
+def test_escape_sequences_from_the_learner_are_shown_as_text(tmp_path):
+    _write(tmp_path, "ssp_gate", r"""
+        def may_proceed(clock, slowest, staleness):
+            print("\x1b[2J\x1b[31mred\x1b[0m \x1b]0;a title\x07then a bell\x07 and\rback")
+            raise ValueError("\x1b[1mloud\x1b[0m")
+    """)
+    report = check_file("ssp_gate", tmp_path / "ssp_gate.py")
+    assert not report.passed
+    assert report.output == "red then a bell\\x07 and\\x0dback\n"
+    said = "may_proceed(clock=0, slowest=0, staleness=0) raised ValueError: loud (line 4 of"
+    assert report.message.startswith(said), report.message
+    proc = _lesson("check", "7", str(tmp_path))
+    assert "\x1b" not in proc.stdout and "\x07" not in proc.stdout and "\r" not in proc.stdout
+    assert "red then a bell\\x07 and\\x0dback" in proc.stdout
