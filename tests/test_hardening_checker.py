@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from dplab.lessons.exercises import check_file, child
+from dplab.lessons.exercises import SOLUTIONS, check_file, child
 from dplab.lessons.exercises.learner import CheckUnavailable
 
 DPLAB = [sys.executable, "-m", "dplab.backends.cli", "lesson"]
@@ -173,3 +173,63 @@ def test_escape_sequences_from_the_learner_are_shown_as_text(tmp_path):
     proc = _lesson("check", "7", str(tmp_path))
     assert "\x1b" not in proc.stdout and "\x07" not in proc.stdout and "\r" not in proc.stdout
     assert "red then a bell\\x07 and\\x0dback" in proc.stdout
+
+
+# --- counts the learner cannot reset ---------------------------------------------------------
+
+ZERO2_ALLREDUCE = """
+    from dplab.reference.collectives import allgather, allreduce
+    from dplab.reference.schedule import chunk_bounds
+    from dplab.reference.trace import Tracer
+
+    def zero2_step(comm, backward, params, shard, optimizer):
+        p, rank = comm.world_size, comm.rank
+        {before}
+        for layer, g in backward:
+            allreduce(comm, g)  # 1.5x a reduce-scatter's bytes
+            a, b = chunk_bounds(len(g), p)[rank]
+            shard[layer][:] = g[a:b]
+            del g
+        for layer, w in enumerate(params):
+            a, b = chunk_bounds(len(w), p)[rank]
+            optimizer.step(layer, w[a:b], shard[layer])
+            allgather(comm, w)
+        {after}
+"""
+CANNOT_SET = ("at p=1: zero2_step raised on rank 0: AttributeError: comm.tracer is the check's, "
+              "counting the bytes your collectives send: its {what} cannot be set (line {line} of "
+              "zero2_step.py: `{code}`)")
+ZERO2_CHEATS = [
+    ("pass", "comm.tracer.sent = 0",
+     CANNOT_SET.format(what="sent", line=18, code="comm.tracer.sent = 0")),
+    ("comm.tracer.enabled = False", "pass",
+     CANNOT_SET.format(what="enabled", line=8, code="comm.tracer.enabled = False")),
+    ("comm.tracer = Tracer(rank)", "pass",
+     "at p=1: zero2_step replaced comm.tracer, through which the check counts the bytes your "
+     "collectives send: leave comm.tracer as it is"),
+    ("import tracemalloc; tracemalloc.stop()", "pass",
+     "at p=1: zero2_step stopped tracemalloc, with which the check measures the memory a step "
+     "holds: leave tracemalloc alone"),
+]
+
+
+@pytest.mark.parametrize("before, after, says", ZERO2_CHEATS,
+                         ids=["sent=0", "enabled=False", "new-tracer", "tracemalloc.stop"])
+def test_zero2_counts_what_the_learners_code_cannot_reset(tmp_path, before, after, says):
+    file = _write(tmp_path, "zero2_step", ZERO2_ALLREDUCE.format(before=before, after=after))
+    report = check_file("zero2_step", file)
+    assert not report.passed and report.message == says, report.message
+    honest = _write(tmp_path, "zero2_step", ZERO2_ALLREDUCE.format(before="pass", after="pass"))
+    assert "the ranks sent 1.50x the bytes of ZeRO-2" in check_file("zero2_step", honest).message
+
+
+def test_fsdp_unit_counts_what_the_learners_code_cannot_reset(tmp_path):
+    source = (SOLUTIONS / "fsdp_unit.py").read_text().replace(
+        "    reduce_scatter(comm, g)  # my chunk of g is now the sum over the ranks\n",
+        "    allreduce(comm, g)\n    comm.tracer.sent = 0\n").replace(
+        "import allgather, reduce_scatter", "import allgather, allreduce, reduce_scatter")
+    assert "comm.tracer.sent = 0" in source and "import allgather, allreduce" in source
+    report = check_file("fsdp_unit", _write(tmp_path, "fsdp_unit", source))
+    assert not report.passed
+    assert ("AttributeError: comm.tracer is the check's, counting the bytes your collectives send: "
+            "its sent cannot be set") in report.message, report.message
