@@ -21,8 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from dplab.lessons.exercises import SOLUTIONS, check_file, child
+from dplab.lessons.exercises import SOLUTIONS, check_file, child, ssp
 from dplab.lessons.exercises.learner import CheckUnavailable
+from dplab.reference.ps.protocol import AsyncConfig
 
 DPLAB = [sys.executable, "-m", "dplab.backends.cli", "lesson"]
 GATE = ("def may_proceed(clock, slowest, staleness):\n"
@@ -233,3 +234,22 @@ def test_fsdp_unit_counts_what_the_learners_code_cannot_reset(tmp_path):
     assert not report.passed
     assert ("AttributeError: comm.tracer is the check's, counting the bytes your collectives send: "
             "its sent cannot be set") in report.message, report.message
+
+
+# --- SSP: the same run at any load ------------------------------------------------------------
+
+def test_ssp_run_names_the_same_worker_whoever_runs_first(tmp_path, monkeypatch):
+    """The never-waiting gate, with the timing turned against the verdict: workers 2 and 3 sleep and
+    worker 1 does not (as a loaded machine may arrange). The server still holds worker 1 back, so
+    worker 2 (the lowest of the two that run ahead) runs 5 clocks ahead, as on a quiet machine."""
+    def slow_others(**kw):
+        return AsyncConfig(**{**kw, "delays": (0.0, 0.05, 0.05)})
+
+    monkeypatch.setattr(ssp, "AsyncConfig", slow_others)
+    table = {(c, d): True for c in ssp.GRID_CLOCKS for d in ssp.GRID_CLOCKS}
+    for _ in range(2):
+        log = ssp._run(table, tmp_path / "ssp_gate.py")
+        worst = max(log, key=lambda e: (e.clock - e.slowest_done, -e.clock, -e.worker))
+        assert (worst.worker, worst.clock - worst.slowest_done) == (2, 5)
+        every = [(w, c) for w in (1, 2, 3) for c in range(6)]
+        assert sorted((e.worker, e.clock) for e in log) == every
