@@ -166,7 +166,7 @@ def _is_printer(a: argparse.Namespace) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command == "app":  # a server, not rows: it prints its URL and becomes streamlit
+    if args.command == "app":  # a server, not rows: it prints its URL once serving, until Ctrl-C
         return run_app(args)
     if args.command == "memory":  # formulas, not a run: no backend, no ranks, no device
         return run_memory(args, argv)
