@@ -9,9 +9,7 @@ its visitor uploaded stay in the upload manager and its session state stays in m
 Watched (``watch``), the storage queues every session it lets go of, and a sweep shuts them down
 (which drops their files and state), collects, and asks the C allocator to give free memory back
 to the system (``malloc_trim``): parsing a trace makes many small objects, and the freed heap
-otherwise stays the process's. Four visitors
-who each loaded a 25 MB trace left the server at 790 MB for good; swept, it returns to about
-what it started with.
+otherwise stays the process's.
 
 This reaches into Streamlit's session manager (``_session_mgr._session_storage._cache``, a
 TTLCache): where a version of Streamlit has no such thing, a sweep only collects and trims.

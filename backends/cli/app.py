@@ -176,8 +176,7 @@ def _serve(argv: list[str], address: str) -> int:
     """Run the server (its stdout to our stderr); print ``address`` when it is ready; wait."""
     # glibc gives each thread that allocates its own arena, and Streamlit runs every session's
     # script in a thread of its own: memory freed in one arena serves no other, so the server kept
-    # growing visitor after visitor (8 visitors who each loaded a 25 MB trace: 686 MB, 588 MB with
-    # two arenas). The user's own MALLOC_ARENA_MAX wins.
+    # growing visitor after visitor. The user's own MALLOC_ARENA_MAX wins.
     env = {"MALLOC_ARENA_MAX": "2", **os.environ, _PARENT_ENV: str(os.getpid())}
     proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=sys.stderr.fileno(), env=env)
     try:
