@@ -37,6 +37,7 @@ from dplab.lessons.page_view import (
 )
 from dplab.lessons.runner import Lab, StepOutcome, missing_needs, run_step
 from dplab.lessons.step import Lesson, Step, fill
+from dplab.viz.budget import BUDGET
 
 PICK, STEP, AT = "lesson_pick", "lesson_step", "lesson_at"  # widget; step index; where the learner was
 WRITTEN = "_lesson_in_url"  # the (lesson, step) this page last put in the URL
@@ -107,27 +108,36 @@ def _more_hint(key: tuple[int, int], tiers: int) -> None:
 
 
 def _outcome(les: Lesson, k: int) -> StepOutcome | Exception:
-    """Step ``k``'s outcome, running it (and any step before it not yet run) on this session's Lab."""
+    """Step ``k``'s outcome, running it (and any step before it not yet run) on this session's Lab.
+    Its worlds go through the server's rank budget, as every other page's runs do (a lease: a
+    step may hold two worlds at once)."""
     held = state.get(LAB)
     if held is None or held[0] != les.number:
         _close_lab()
-        state[LAB] = (les.number, Lab())
+        state[LAB] = (les.number, Lab(open_world=BUDGET.lease().world))
     lab, done = state[LAB][1], state.setdefault(OUTCOMES, {})
     try:
         for i in range(k + 1):
             if i not in done:
                 with st.spinner(f"running step {i + 1} of lesson {les.number} on the real engine ..."):
                     try:
-                        done[i] = run_step(les.steps[i], lab)
+                        done[i] = _run(les.steps[i], lab)
                     except Exception as e:  # noqa: BLE001 - shown on the page, in one box
                         done[i] = e
     finally:
-        # Ranks are forked from the app's server and hold copies of its sockets: a browser connection
-        # the server closed stayed open in them, and the next request on it (the plotly chart's
-        # script) hung until they exited. So no rank outlives the run that needed it (a world of 4
-        # starts in ~0.3 s); the Lab and its scratch stay for the next step.
         lab.close()
     return done[k]
+
+
+def _run(step: Step, lab: Lab) -> StepOutcome:
+    """One step on the lab, whose worlds are closed after it: ranks are forked from the app's
+    server and hold copies of its sockets (a browser connection the server closed stayed open in
+    them, and the next request on it hung until they exited), and held ranks are the budget's.
+    A world of 4 starts in ~0.3 s; the Lab and its scratch stay for the next step."""
+    try:
+        return run_step(step, lab)
+    finally:
+        lab.close()
 
 
 def _question(step: Step, question: str, key: tuple[int, int]) -> None:

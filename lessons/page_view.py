@@ -26,10 +26,29 @@ __all__ = ["PAGE", "PASS", "FAIL", "PLACEHOLDER", "score_line", "position", "che
            "answer_kind", "Link", "explore_link", "needs_line", "lessons_link_params", "is_command",
            "took"]
 
+
+
+def preload_lessons() -> None:
+    """Import every module of ``dplab.lessons`` but the page script and the exercises' stubs and
+    solutions (learners' files): ``dplab app``'s server does it once, before sessions' threads
+    could import them at the same time."""
+    import importlib
+    import pkgutil
+
+    import dplab.lessons
+
+    skip = ("dplab.lessons.page", ".stubs", ".solutions")
+    for found in pkgutil.walk_packages(dplab.lessons.__path__, "dplab.lessons.",
+                                       onerror=lambda name: None):
+        if not any(found.name == s or (s.startswith(".") and s in found.name) for s in skip):
+            importlib.import_module(found.name)
+
+
 PAGE = AddedPage(
     "lessons", Path(__file__).resolve().with_name("page.py"), "Lessons", ":material/school:",
     "step through the ideas of data parallelism on the real engine: predict each result, then see "
-    "it measured, with the checks that prove it and a link to the page that explores it further.")
+    "it measured, with the checks that prove it and a link to the page that explores it further.",
+    preload_lessons)
 PASS, FAIL = "✅", "❌"
 # How to type a number, without a number in it: any example could be some question's answer (2.1's
 # was "1,572,864 or 1.5 MiB", shown in the box before the learner answered).

@@ -17,16 +17,19 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import io
-import os
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from dplab.backends import World
 from dplab.backends.launch.serve import one_thread_per_rank
+from dplab.lessons.capture import capturing, stderr_to
+from dplab.lessons.printable import printable
 from dplab.lessons.step import Facts, Lesson, Step, fill
 from dplab.reference.errors import ConfigError, DplabError
 
@@ -52,66 +55,73 @@ def missing_needs(lesson: Lesson) -> list[str]:
     return missing
 
 
-class Lab:
-    """The ranks a lesson's steps run on, kept between steps."""
+OpenWorld = Callable[[int, str], AbstractContextManager[World]]  # (world_size, backend) -> a world
 
-    def __init__(self) -> None:
+
+class Lab:
+    """The ranks a lesson's steps run on, kept between steps.
+
+    Args:
+        open_world: how a world is opened, ``open_world(world_size, backend)`` -> a context
+            manager of a ``World``; None: ``World`` itself. The app passes its rank budget's
+            (``dplab.viz.budget``), so lesson runs wait their turn with every other run.
+    """
+
+    def __init__(self, open_world: OpenWorld | None = None) -> None:
         # A step's own NumPy work shares the cores with the ranks it starts: one BLAS thread, as each
         # rank has (two OpenBLAS threads against busy ranks made lesson 10's matmuls many times slower).
         one_thread_per_rank()
+        self._open = open_world or World
         self._worlds: dict[tuple[int, str], World] = {}
+        self._held = contextlib.ExitStack()    # the open worlds' contexts, closed by close()
         self.scratch: dict[str, Any] = {}      # what one step leaves for the next (a checkpoint path)
-        # What the ranks write to stderr (a server's warning) lands here, not on the learner's
-        # screen above the question: ranks are forked processes and keep the stderr they are born
-        # with, so they are born (and steps run) with this file as theirs; ``stderr_since`` reads it.
-        self._stderr: Any = None               # opened at first use, again after close(): a Lab is reusable
+        # What the ranks write to stderr (a server's warning) lands in a file of the lab's, not on
+        # the learner's screen above the question: each rank points its own fd 2 there (capture.py),
+        # and what a step writes to sys.stderr goes there too; ``stderr_since`` reads it.
+        self._dir: tempfile.TemporaryDirectory | None = None  # made at first use and after close()
         self._read = 0
 
-    def _file(self) -> Any:
-        if self._stderr is None:
-            self._stderr, self._read = tempfile.TemporaryFile(), 0
-        return self._stderr
+    def _path(self) -> Path:
+        if self._dir is None:
+            self._dir, self._read = tempfile.TemporaryDirectory(prefix="dplab-lab-"), 0
+            (Path(self._dir.name) / "stderr").touch()
+        return Path(self._dir.name) / "stderr"
 
     @contextlib.contextmanager
     def capturing_stderr(self) -> Iterator[None]:
-        """Point file descriptor 2 (and ``sys.stderr``) at the lab's file while the body runs."""
-        sys.stderr.flush()
-        saved = os.dup(2)
-        os.dup2(self._file().fileno(), 2)
-        try:
-            with contextlib.redirect_stderr(io.TextIOWrapper(os.fdopen(os.dup(2), "wb"),
-                                                             write_through=True)) as err:
-                try:
-                    yield
-                finally:
-                    err.close()
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
+        """What this thread writes to ``sys.stderr`` while the body runs goes to the lab's file
+        (the process's own stderr, and other threads' writes, are left alone)."""
+        with open(self._path(), "a", encoding="utf-8", errors="replace") as err:
+            with capturing(stderr=err):
+                yield
 
     def stderr_since(self) -> str:
         """What was written to the lab's stderr file since the last call."""
-        file = self._file()
-        file.seek(self._read)
-        data = file.read()
+        with open(self._path(), "rb") as file:
+            file.seek(self._read)
+            data = file.read()
         self._read += len(data)
-        file.seek(0, os.SEEK_END)
         return data.decode("utf-8", "replace")
 
     def world(self, world_size: int, backend: str = "local") -> World:
         key = (world_size, backend)
         if key not in self._worlds:
             with self.capturing_stderr():
-                self._worlds[key] = World(world_size, backend)
+                world = self._held.enter_context(self._open(world_size, backend))
+                world.run(stderr_to, str(self._path()))
+            self._worlds[key] = world
         return self._worlds[key]
 
     def close(self) -> None:
-        for world in self._worlds.values():
-            world.close()
+        """Close the worlds (giving their ranks back) and the stderr file; the lab can run again."""
+        held, self._held = self._held, contextlib.ExitStack()
         self._worlds.clear()
-        if self._stderr is not None:
-            self._stderr.close()
-            self._stderr = None
+        try:
+            held.close()
+        finally:
+            if self._dir is not None:
+                self._dir.cleanup()
+                self._dir = None
 
     def __enter__(self) -> Lab:
         return self
@@ -159,12 +169,14 @@ def run_step(step: Step, lab: Lab, figure: bool = True) -> StepOutcome:
     its ranks write to stderr (a parameter server's warning), never printed above the question."""
     t0 = time.perf_counter()
     try:
-        with contextlib.redirect_stdout(io.StringIO()) as printed, lab.capturing_stderr():
+        printed = io.StringIO()
+        with capturing(stdout=printed), lab.capturing_stderr():  # this session's thread only
             ran = step.run(lab)
     except BaseException:
         sys.stderr.write(lab.stderr_since())  # a failed step's ranks said why: not kept from the reader
         raise
-    said = printed.getvalue() + lab.stderr_since()  # stdout and stderr alike: shown with the result
+    # stdout and stderr alike, shown with the result, as text: no escape sequence acts on the screen
+    said = printable(printed.getvalue() + lab.stderr_since())
     if not isinstance(ran, dict):
         raise ConfigError(f"step {step.title!r}: run() must return a dict of facts, "
                           f"got {type(ran).__name__}")

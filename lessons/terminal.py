@@ -360,9 +360,9 @@ def watch(number: int, path: str | Path | None = None, poll_s: float | None = No
     in DIR is saved, until Ctrl-C (KeyboardInterrupt: the CLI's exit 130)."""
     from dplab.lessons import watch as watching
 
-    folder = Path(path if path is not None else ".")
-    if not folder.is_dir():
-        raise ConfigError(f"{folder} is not a folder: dplab lesson init {folder} copies the exercises there")
+    exercises = _exercises()
+    folder = exercises.exercise_folder(path if path is not None else ".")
+    exercises.check_settings()  # before the first check's header: a bad setting is one line, exit 2
     console = make_console()
     rounds = [0]
 

@@ -102,6 +102,13 @@ class AppServer:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    @property
+    def server_pid(self) -> int:
+        """The streamlit server: ``dplab app``'s one child (it prints the URL and waits for it)."""
+        kids = [int(c) for task in Path(f"/proc/{self.proc.pid}/task").iterdir()
+                for c in (task / "children").read_text().split()]
+        return kids[0] if kids else self.proc.pid
+
     def start(self) -> AppServer:
         dplab = Path(sys.executable).with_name("dplab")
         argv = [str(dplab) if dplab.is_file() else "dplab", "app", "--port", str(self.port)]

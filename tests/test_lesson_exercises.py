@@ -49,8 +49,9 @@ STUB_SAYS = {
                                       "the last round (round 0)")],
     "ddp_buckets": [re.escape("bucket 0 holds parameter 0 but parameter 5's gradient arrives first: buckets "
                               "follow the reverse order of the parameters")],
-    # worker 1 sleeps 30 ms per clock while the others never wait: they run 2-5 clocks ahead
-    "ssp_gate": [r"worker [23] ran [2-5] clocks ahead of the slowest with staleness 1",
+    # the server answers worker 1 only when the others wait or are done: they run all 5 clocks ahead
+    "ssp_gate": [re.escape("worker 2 ran 5 clocks ahead of the slowest with staleness 1: it "
+                           "started clock 5 when the slowest had finished 0"),
                  re.escape("may_proceed(clock=2, slowest=0, staleness=1) is True, but with staleness 1 "
                            "clock 2 must wait until the slowest has finished 1")],
     "backup_step": [re.escape("your update averages all the gradients: that is plain synchronous SGD")],

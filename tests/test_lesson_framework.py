@@ -459,11 +459,15 @@ def test_prose_comes_first_then_code_never_wrapped_and_the_title_whole(monkeypat
     assert "next line" not in text   # cut, not wrapped onto an unindented line
 
 
-def _warns(lab):
+def _rank_writes(comm, text):
     import os
+    os.write(2, text)                       # a rank's own file descriptor 2, as a library's warning
+
+
+def _warns(lab):
     import sys
     print("on stderr", file=sys.stderr)
-    os.write(2, b"from a rank\n")           # what a forked rank writes goes to file descriptor 2
+    lab.world(1).run(_rank_writes, b"from a rank\n")
     return {"n": 1}
 
 
@@ -484,8 +488,7 @@ def test_a_closed_lab_runs_steps_again(capfd):
 
 
 def _fails(lab):
-    import os
-    os.write(2, b"rank 1: Traceback ... ValueError\n")
+    lab.world(1).run(_rank_writes, b"rank 1: Traceback ... ValueError\n")
     raise ValueError("the step broke")
 
 

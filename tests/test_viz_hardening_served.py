@@ -6,7 +6,8 @@ One ``dplab app`` on a free loopback port, one headless Chromium: a bounded burs
 the URLs issue 18 found (thousands of repeated algorithms, a gibibyte vector, repeated 8-rank bench
 worlds, 8-rank runs, a training grid of repeats), the visitors leave after a moment, and a normal
 visitor must then get a rendered page in a bounded time; the server's ranks, all children of its
-process, must be gone soon after the hostile visitors left. Nothing here reaches past 127.0.0.1.
+process (``dplab app``'s child), must be gone soon after the hostile visitors left. Nothing here
+reaches past 127.0.0.1.
 """
 
 from __future__ import annotations
@@ -100,7 +101,7 @@ def test_a_burst_of_hostile_visitors_leaves_the_app_answering_and_no_ranks(app: 
         hostile.append(context)
     most, deadline = 0, time.perf_counter() + START_S
     while time.perf_counter() < deadline:  # until their work has started, and a moment more
-        most = max(most, len(descendants(app.proc.pid)))
+        most = max(most, len(descendants(app.server_pid)))
         if most:
             deadline = min(deadline, time.perf_counter() + LINGER_S)
         time.sleep(0.1)
@@ -121,10 +122,10 @@ def test_a_burst_of_hostile_visitors_leaves_the_app_answering_and_no_ranks(app: 
     finally:
         context.close()
 
-    while descendants(app.proc.pid) and time.perf_counter() - left < RANKS_GONE_S:
+    while descendants(app.server_pid) and time.perf_counter() - left < RANKS_GONE_S:
         time.sleep(0.2)
     gone = time.perf_counter() - left
-    still = descendants(app.proc.pid)
+    still = descendants(app.server_pid)
     print(f"\nburst: at most {most} processes under the server while it lasted; a normal page rendered in "
           f"{took:.1f} s after the visitors left; their ranks gone {gone:.1f} s after")
     assert not still, f"ranks still running {RANKS_GONE_S:.0f} s after their visitors left: {sorted(still)}"

@@ -11,6 +11,7 @@ app lists it. ``viz/app.py`` puts these pages after its own; Home links to them 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -29,6 +30,7 @@ class AddedPage:
     title: str  # in the sidebar and on Home
     icon: str  # in the sidebar (a material icon or an emoji)
     blurb: str  # Home's sentence about what it shows
+    preload: Callable[[], None] = lambda: None  # imports its sessions share, before the server serves
 
 
 @cache

@@ -11,6 +11,11 @@
 * time: a world lives at most ``Limits.run_s`` seconds, then its ranks are killed (``Stopped``);
 * leaving: a watchdog kills the ranks as soon as the page's script is asked to stop.
 
+A visitor whose runs hold several worlds at once (a lesson's ``Lab``: a world of 1 beside a world
+of 2) opens them through one ``Lease``: ``Lab(open_world=BUDGET.lease().world)``. A lease never
+waits while it holds ranks (to open one more world it gives its ranks back and asks for the
+total), so two visitors who each hold some can never wait for each other, nor a visitor for itself.
+
 Why a budget: viz/README.md. Pure threading: Streamlit is imported only by ``visitor_hooks``.
 """
 
@@ -27,7 +32,7 @@ from typing import Any
 from dplab.backends.launch.world import World
 from dplab.reference.errors import DplabError
 
-__all__ = ["Limits", "Budget", "Busy", "Stopped", "BUDGET", "cores", "visitor_hooks"]
+__all__ = ["Limits", "Budget", "Lease", "Busy", "Stopped", "BUDGET", "cores", "visitor_hooks"]
 
 
 def cores() -> int:
@@ -154,27 +159,82 @@ class Budget:
         ``stop()`` (``visitor_hooks``); then ``check()`` ends the page, else ``Stopped`` says why."""
         return _Held(self, world_size, backend, tolerate, stop, check)
 
+    def lease(self) -> Lease:
+        """Ranks for several worlds open at once, for one visitor (see the module)."""
+        return Lease(self)
+
+
+class Lease:
+    """The ranks of one visitor's open worlds, held as one amount: ``min(their ranks,
+    Limits.ranks)``.
+
+    ``lease.world(p, backend)`` is ``Budget.world`` for the page running in the calling thread
+    (its ``visitor_hooks``), counted with the lease's other open worlds. Growing gives every rank
+    back first and asks for the total: a lease never waits while it holds ranks."""
+
+    def __init__(self, budget: Budget) -> None:
+        self.budget = budget
+        self.held = 0  # ranks taken from the budget
+        self.open = 0  # ranks of the lease's open worlds
+        self._lock = threading.Lock()
+
+    def world(self, world_size: int, backend: str = "local") -> _Held:
+        stop, check = visitor_hooks()
+        return _Held(self.budget, world_size, backend, frozenset(), stop, check, lease=self)
+
+    def grow(self, world_size: int, stop: Callable[[], bool]) -> None:
+        """Hold enough ranks for one more open world of ``world_size``."""
+        with self._lock:
+            need = min(self.open + world_size, self.budget.limits.ranks)
+            if need > self.held:
+                self.budget.release(self.held)
+                self.held = 0
+                self.held = self.budget.acquire(need, stop)
+            self.open += world_size
+
+    def shrink(self, world_size: int) -> None:
+        """A world of ``world_size`` closed: give back what the others no longer need."""
+        with self._lock:
+            self.open -= world_size
+            keep = min(self.open, self.budget.limits.ranks)
+            if keep < self.held:
+                self.budget.release(self.held - keep)
+                self.held = keep
+
 
 class _Held:
     """``with budget.world(p) as world``: the ranks are released and the world closed on the way out."""
 
     def __init__(self, budget: Budget, world_size: int, backend: str, tolerate: frozenset[int],
-                 stop: Callable[[], bool], check: Callable[[], None]) -> None:
-        self.budget, self.args = budget, (world_size, backend, tolerate)
+                 stop: Callable[[], bool], check: Callable[[], None],
+                 lease: Lease | None = None) -> None:
+        self.budget, self.args, self.lease = budget, (world_size, backend, tolerate), lease
         self.stop, self.check = stop, check
         self.held, self.world, self.dog = 0, None, None
+
+    def _take(self) -> None:
+        if self.lease is not None:
+            self.lease.grow(self.args[0], self.stop)
+        else:
+            self.held = self.budget.acquire(self.args[0], self.stop)
+
+    def _give_back(self) -> None:
+        if self.lease is not None:
+            self.lease.shrink(self.args[0])
+        else:
+            self.budget.release(self.held)
 
     def __enter__(self) -> World:
         world_size, backend, tolerate = self.args
         try:
-            self.held = self.budget.acquire(world_size, self.stop)
+            self._take()
         except Stopped:
             self.check()
             raise
         try:
             self.world = World(world_size, backend, tolerate=tolerate)
         except BaseException:
-            self.budget.release(self.held)
+            self._give_back()
             raise
         self.dog = _Watchdog(self.world, self.stop, time.monotonic() + self.budget.limits.run_s)
         self.dog.start()
@@ -189,7 +249,7 @@ class _Held:
             else:
                 self.world.abort()
         finally:
-            self.budget.release(self.held)
+            self._give_back()
         if self.dog.reason == "left":
             self.check()  # Streamlit's own stop or rerun: the page ends quietly
             raise Stopped("stopped: the page was left or changed while it ran") from None

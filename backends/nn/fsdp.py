@@ -299,10 +299,17 @@ class FullyShardedDataParallel(nn.Module):
 
     # -- full parameters: summoned into the module for a while, or as a plain state dict --------
     @contextmanager
-    def summon_full_params(self, writeback: bool = True) -> Iterator[None]:
+    def summon_full_params(self, writeback: bool = True,
+                           with_grads: bool = False) -> Iterator[None]:
         """Inside, the module's attributes are the full parameters in the master dtype, on every
         rank; with ``writeback`` each rank's chunk of what they hold at exit goes back to its shard.
-        A collective: call it on every rank, outside forward and backward."""
+        With ``with_grads`` (torch's name) each one's ``.grad`` is its full gradient, the same on
+        every rank (a copy: nothing goes back). A collective: call it on every rank, outside
+        forward and backward.
+
+        A parameter's own ``.grad`` outside is this rank's piece, of another size on each rank
+        (maybe empty): a torch collective over it, as over a DDP replica's, hangs. Compare or
+        gather full gradients in here."""
         if self._summoned or any(f.gathered for f in self._flats()):
             raise ConfigError("summon_full_params() inside forward, backward or another summon: "
                               "call it between steps")
@@ -311,8 +318,12 @@ class FullyShardedDataParallel(nn.Module):
             for flat in self._flats():
                 full = flat.full_master()
                 fulls.append(full)
+                grad = flat.full_grad() if with_grads and flat.trainable else None
                 for s, shape, holders in zip(flat.slices, flat.shapes, flat.holders):
-                    show(holders, full[s].view(shape))
+                    view = full[s].view(shape)
+                    if grad is not None:
+                        view.grad = grad[s].view(shape)
+                    show(holders, view)
             self._summoned = True
             yield
             if writeback:

@@ -128,6 +128,18 @@ class FlatParam:
         self.meter.add(full.nbytes)
         return full
 
+    @torch.no_grad()
+    def full_grad(self) -> torch.Tensor:
+        """The full flat gradient in the master dtype, from every rank's pieces (zeros where a
+        piece has none), a new tensor (a collective: every rank)."""
+        full = torch.zeros(self.n, dtype=self.master_dtype, device=self.shard.device)
+        mine = full[slice(*self.bounds)]
+        for p, (a, b) in zip(self.params, self.pieces):
+            if p.grad is not None:
+                mine[a:b] = p.grad.reshape(-1)
+        allgather(self.comm, _buf(full, copy_only=True), self.algorithm)
+        return full
+
     def free(self) -> None:
         """Drop the full parameters: the leaf's storage goes to 0 bytes, the module's attributes
         are its (sharded) parameters again."""

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dplab.lessons.exercises.buckets import judge_buckets
+from dplab.lessons.exercises.child import check_settings
 from dplab.lessons.exercises.learner import ExerciseReport, judged
 from dplab.lessons.exercises.ring import judge_ring
 from dplab.lessons.exercises.ring_allgather import judge_ring_allgather
@@ -32,7 +33,8 @@ from dplab.lessons.exercises.tree import judge_tree
 from dplab.lessons.exercises.zero2 import judge_zero2
 from dplab.reference.errors import ConfigError
 
-__all__ = ["Exercise", "ExerciseReport", "EXERCISES", "STUBS", "SOLUTIONS", "init_dir", "check", "check_file"]
+__all__ = ["Exercise", "ExerciseReport", "EXERCISES", "STUBS", "SOLUTIONS", "init_dir", "check",
+           "check_file", "exercise_folder", "check_settings"]
 
 STUBS = Path(__file__).parent / "stubs"
 SOLUTIONS = Path(__file__).parent / "solutions"
@@ -155,12 +157,23 @@ def check(lesson: int, path: Path | None = None) -> list[ExerciseReport]:
         which = ", ".join(str(n) for n in sorted({e.lesson for e in EXERCISES.values()}))
         raise ConfigError(f"lesson {lesson} has no exercise: lessons {which} have exercises "
                           "(dplab lesson check N DIR)")
-    folder = Path.cwd() if path is None else Path(path)
+    folder = Path.cwd() if path is None else exercise_folder(path)
+    check_settings()  # a bad $DPLAB_CHECK_* is one line before any child starts, not a verdict
     return [e.checker(folder / e.stub) for e in chosen]
+
+
+def exercise_folder(path: str | Path) -> Path:
+    """``path`` as the learner's folder of exercises; a ConfigError (one line) if it is none."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise ConfigError(f"{folder} is not a folder: dplab lesson init {folder} copies the "
+                          "exercises there")
+    return folder
 
 
 def check_file(name: str, file: Path) -> ExerciseReport:
     """Judge one file as the answer to exercise ``name`` (e.g. a solution kept under another name)."""
     if name not in EXERCISES:
         raise ConfigError(f"there is no exercise {name!r}: choose one of {', '.join(EXERCISES)}")
+    check_settings()
     return EXERCISES[name].checker(Path(file))

@@ -3,14 +3,16 @@
     data = run_learner("ring_reduce_scatter", file, {"world_sizes": [1, 2, 3]}, output)   # the parent
 
 The parent starts a fresh interpreter in its own session with a job file (exercise, learner's
-file, inputs). The child sets its limits (``RLIMIT_AS``; a ``SIGALRM`` that raises ``TooLong``),
+file, inputs): the supervisor (``supervise``), a child subreaper that forks the child proper and
+outlives it. The child sets its limits (``RLIMIT_AS``; a ``SIGALRM`` that raises ``TooLong``),
 calls the learner's function through the exercise's collector (``COLLECTORS``) and writes JSON:
 lists and numbers, bounded in size. The parent judges that data with its own, untouched checker.
 Every way the child can end is one line: an answer, a ``Fail`` naming the learner's line, an exit,
-a signal, the time limit (its process group killed ``GRACE_S`` later if ``TooLong`` is swallowed),
-a patching attempt. What it forked dies with the group, its /dev/shm segments are unlinked, and
-its output is kept up to ``OUTPUT_CHARS``. Honest verdicts and no hangs, not a sandbox against an
-attacker.
+a signal, a stop (SIGSTOP), the time limit (everything killed ``GRACE_S`` later if ``TooLong`` is
+swallowed), a patching attempt. What it started dies with it, even past ``setsid()``
+(``reaper.py``), its /dev/shm segments are unlinked, and its output is kept up to
+``OUTPUT_CHARS``. The learner's ``os.getppid()`` is the supervisor, so stopping "the parent" stops
+no dplab process. Honest verdicts and no hangs, not a sandbox against an attacker.
 """
 
 from __future__ import annotations
@@ -31,10 +33,11 @@ from pathlib import Path
 from typing import Any
 
 from dplab.lessons.exercises.learner import CheckUnavailable, Fail, TooLong, clip, describe, limit_s
+from dplab.lessons.exercises.reaper import become_subreaper, kill_below, stopped_below
 from dplab.reference.errors import ConfigError
 
 __all__ = ["COLLECTORS", "Patched", "GRACE_S", "OUTPUT_CHARS", "RESULT_BYTES", "MEMORY_MB", "memory_mb",
-           "run_learner", "main", "patched_since", "dplab_functions"]
+           "check_settings", "run_learner", "supervise", "main", "patched_since", "dplab_functions"]
 
 # exercise -> "module:function": collector(file, inputs, out, deadline) fills ``out`` with plain data
 COLLECTORS = {
@@ -62,16 +65,45 @@ class Patched(Exception):
 
 
 def memory_mb() -> int:
-    """The child's memory limit in MiB: ``$DPLAB_CHECK_MEMORY_MB`` when set, else ``MEMORY_MB``."""
+    """The child's memory limit in MiB: ``$DPLAB_CHECK_MEMORY_MB`` when set, else ``MEMORY_MB``.
+
+    Raises:
+        ConfigError: not a whole number from 256 to the most ``setrlimit`` takes here (its C long,
+            or this process's own hard limit): the child would fail to set it, before any
+            learner's line ran."""
     text = os.environ.get("DPLAB_CHECK_MEMORY_MB", "")
+    most = _most_memory_mb()
     try:
         value = int(text) if text else MEMORY_MB
     except ValueError:
         value = 0
-    if value < 256:
-        raise ConfigError(f"DPLAB_CHECK_MEMORY_MB={text!r} must be a whole number of MiB >= 256: unset it "
-                          f"or give e.g. {MEMORY_MB}")
+    if not 256 <= value <= most:
+        raise ConfigError(f"DPLAB_CHECK_MEMORY_MB={text!r} must be a whole number of MiB from 256 "
+                          f"to {most:,}: unset it or give e.g. {MEMORY_MB}")
     return value
+
+
+def _most_memory_mb() -> int:
+    """The largest RLIMIT_AS, in MiB, a child of this process can set."""
+    hard = resource.getrlimit(resource.RLIMIT_AS)[1]
+    most = (1 << 63) - 1  # setrlimit takes a C long
+    if hard != resource.RLIM_INFINITY:
+        most = min(most, hard)
+    return most >> 20
+
+
+def check_settings() -> tuple[float, int]:
+    """Every ``$DPLAB_CHECK_*`` setting, checked here in the parent before a child starts:
+    (time limit in s, memory limit in MiB).
+
+    Raises:
+        ConfigError: one line naming the setting (a bad value, or a name no check reads)."""
+    known = ("DPLAB_CHECK_LIMIT_S", "DPLAB_CHECK_MEMORY_MB")
+    unknown = sorted(k for k in os.environ if k.startswith("DPLAB_CHECK_") and k not in known)
+    if unknown:
+        raise ConfigError(f"{unknown[0]} is not a setting of dplab lesson check: the settings are "
+                          f"{' and '.join(known)}; unset it")
+    return limit_s(), memory_mb()
 
 
 def run_learner(exercise: str, file: Path, inputs: dict[str, Any], output: list[str]) -> dict[str, Any]:
@@ -83,14 +115,16 @@ def run_learner(exercise: str, file: Path, inputs: dict[str, Any], output: list[
     if not file.is_file():
         raise Fail(f"there is no {file.name} in {file.parent}: run `dplab lesson init {file.parent}` to get "
                    f"the stubs, then write your answer in {file.name}")
-    limit, memory = limit_s(), memory_mb()
+    limit, memory = check_settings()
     with tempfile.TemporaryDirectory(prefix="dplab-check-") as tmp:
         job = Path(tmp) / "job.json"
         result = Path(tmp) / "result.json"
         job.write_text(json.dumps({"exercise": exercise, "file": str(file.resolve()), "inputs": inputs,
                                    "result": str(result), "started": str(Path(tmp) / _STARTED),
+                                   "status": str(Path(tmp) / "status.json"),
+                                   "worker": str(Path(tmp) / "worker"),
                                    "limit_s": limit, "memory_mb": memory}))
-        ended, code, printed = _run_child(job, Path(tmp) / _STARTED, limit)
+        ended, code, printed, stopped = _run_child(job, Path(tmp), limit)
         if code == _CANNOT_ANSWER and not result.exists():
             last = printed.strip().splitlines()[-1] if printed.strip() else "no reason given"
             raise CheckUnavailable(f"cannot check {file.name} on this machine: {clip(last)}")
@@ -101,7 +135,7 @@ def run_learner(exercise: str, file: Path, inputs: dict[str, Any], output: list[
                        "asks for")
         answer = json.loads(result.read_text()) if size >= 0 else None
     if answer is None:
-        raise Fail(_no_answer(file, ended, code, limit))
+        raise Fail(_no_answer(file, ended, code, limit, stopped))
     if answer.get("patched"):
         raise Fail(f"{file.name} replaced {', '.join(answer['patched'][:3])}: an answer is judged by what "
                    "its function returns, in another process, so patching dplab changes nothing; remove that "
@@ -112,8 +146,12 @@ def run_learner(exercise: str, file: Path, inputs: dict[str, Any], output: list[
     return answer
 
 
-def _no_answer(file: Path, ended: bool, code: int, limit: float) -> str:
+def _no_answer(file: Path, ended: bool, code: int, limit: float, stopped: bool = False) -> str:
     """Why the child gave no answer, in one line."""
+    if stopped:
+        return (f"{file.name} stopped the check's process (SIGSTOP) and nothing let it go on: an "
+                "exercise must not send signals to its own processes. It was killed at the check's "
+                f"time limit of {limit:g} s, with everything it started")
     if not ended:
         return (f"{file.name} was still running {limit + GRACE_S:g} s in, {GRACE_S:g} s after the check's "
                 f"time limit of {limit:g} s asked it to stop: does a loop catch every exception (a bare "
@@ -130,12 +168,12 @@ def _no_answer(file: Path, ended: bool, code: int, limit: float) -> str:
     return f"{file.name} ended the check's process with {name}{why} before answering"
 
 
-def _run_child(job: Path, started: Path, limit: float) -> tuple[bool, int, str]:
-    """(ended by itself, exit code, what it printed): the child and everything it forked are gone
-    when this returns, however it returns (a Ctrl-C here included)."""
+def _run_child(job: Path, tmp: Path, limit: float) -> tuple[bool, int, str, bool]:
+    """(ended by itself, the child's exit code, what it printed, stopped by a signal): the child and
+    everything it started are gone when this returns, however it returns (a Ctrl-C here too)."""
     # sys.path[0] is the current folder under -c: a learner's numpy.py there must not shadow numpy
     code = ("import sys; sys.path.pop(0)\n"
-            "from dplab.lessons.exercises.child import main; main(sys.argv[1])")
+            "from dplab.lessons.exercises.child import supervise; supervise(sys.argv[1])")
     env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1", "PYTHONIOENCODING": "utf-8",
            # one BLAS thread: the exercises are tiny, and each thread's buffers count against RLIMIT_AS
            "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
@@ -148,15 +186,20 @@ def _run_child(job: Path, started: Path, limit: float) -> tuple[bool, int, str]:
     kept: list[bytes] = []
     reader = threading.Thread(target=_drain, args=(proc.stdout, kept), daemon=True)
     reader.start()
-    ended = False
+    ended = stopped = False
     try:
-        ended = _wait_unreaped(proc, started, limit)
+        ended = _wait_unreaped(proc, tmp / _STARTED, limit)
+        stopped = not ended and stopped_below(proc.pid)
     finally:
-        _kill_group(proc.pid)  # the child is not reaped yet: its group id cannot belong to another
+        _kill_all(proc.pid, tmp / "worker")  # the supervisor is not reaped yet: its ids are its own
         proc.wait()
         reader.join(timeout=2.0)
     printed = b"".join(kept).decode("utf-8", "replace")
-    return ended, proc.returncode, printed
+    try:  # the child's own end, as the supervisor saw it; else the supervisor's (killed, likely)
+        code = int(json.loads((tmp / "status.json").read_text())["code"])
+    except (OSError, ValueError, KeyError, TypeError):
+        code = proc.returncode
+    return ended, code, printed, stopped
 
 
 def _drain(stream: Any, kept: list[bytes]) -> None:
@@ -197,18 +240,53 @@ def _ended(proc: subprocess.Popen) -> bool:
         return True
 
 
-def _kill_group(pid: int) -> None:
-    """SIGKILL the child's session (it leads it), and unlink the /dev/shm segments of its worlds."""
+def _kill_all(pid: int, worker: Path) -> None:
+    """SIGKILL the supervisor ``pid``, what is below it (setsid or not: it is their subreaper) and
+    its session, and unlink the /dev/shm segments of the child's worlds."""
+    kill_below(pid)  # the supervisor first stays: orphans of what is killed come back to it
     try:
         os.killpg(pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
     try:
+        launchers = {pid, int(worker.read_text())}
+    except (OSError, ValueError):
+        launchers = {pid}
+    for launcher in launchers:
+        _unlink_worlds(launcher)
+
+
+def _unlink_worlds(launcher: int) -> None:
+    try:
         from dplab.backends.local.shm import PREFIX, unlink_prefix
 
-        unlink_prefix(f"{PREFIX}{pid}_")  # a world's session is dplab_<launcher pid>_...
+        unlink_prefix(f"{PREFIX}{launcher}_")  # a world's session is dplab_<launcher pid>_...
     except (ImportError, OSError):
         pass
+
+
+# --- the supervisor -------------------------------------------------------------------------------
+
+def supervise(job_path: str) -> None:
+    """The check's first process: a child subreaper that forks the child (``main``), waits for it,
+    then kills whatever it left behind and writes how it ended; never returns. An orphan of the
+    learner's, in any session, comes back to this process, so it dies here and not at init."""
+    job = json.loads(Path(job_path).read_text())
+    become_subreaper()
+    pid = os.fork()
+    if pid == 0:
+        main(job_path)  # never returns
+    Path(job["worker"]).write_text(str(pid))
+    while True:
+        try:
+            status = os.waitpid(pid, 0)[1]
+            break
+        except InterruptedError:
+            continue
+    kill_below(os.getpid())
+    _unlink_worlds(pid)
+    Path(job["status"]).write_text(json.dumps({"code": os.waitstatus_to_exitcode(status)}))
+    os._exit(0)
 
 
 # --- in the child ---------------------------------------------------------------------------------
@@ -218,9 +296,14 @@ def main(job_path: str) -> None:
     job = json.loads(Path(job_path).read_text())
     file, limit = Path(job["file"]), float(job["limit_s"])
     memory = int(job["memory_mb"]) << 20
-    resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
-    module, name = COLLECTORS[job["exercise"]].split(":")
-    collector: Callable[..., None] = getattr(importlib.import_module(module), name)
+    try:  # the machine's part, before any line of the learner's: a failure here is no verdict
+        resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
+        module, name = COLLECTORS[job["exercise"]].split(":")
+        collector: Callable[..., None] = getattr(importlib.import_module(module), name)
+    except (ValueError, OverflowError, OSError, ImportError) as e:
+        said = f"{type(e).__name__}: {clip(str(e))}"
+        _answer(job, {"unavailable": f"cannot check {file.name} on this machine: the check's "
+                                     f"process could not set up ({said})"})
     before = dplab_functions()
     me, out = os.getpid(), {}
     answer: dict[str, Any] = {"data": out}
@@ -252,6 +335,11 @@ def main(job_path: str) -> None:
     if os.getpid() != me:  # a fork of the learner's got here: only the child answers
         os._exit(0)
     answer["patched"] = sorted({*answer.get("patched", ()), *patched_since(before, file)})
+    _answer(job, answer)
+
+
+def _answer(job: dict[str, Any], answer: dict[str, Any]) -> None:
+    """Write the answer where the parent reads it, and end the child (never returns)."""
     tmp = Path(job["result"] + ".tmp")
     try:
         tmp.write_text(json.dumps(answer))

@@ -42,12 +42,12 @@ from dplab.lessons.exercises.learner import (
     rank_failure,
     same_process,
 )
+from dplab.lessons.exercises.traffic import Traffic
 from dplab.reference.collectives import allgather, allreduce
 from dplab.reference.data import batch_indices, shard
 from dplab.reference.model import MLP, MLPConfig
 from dplab.reference.optim import OptimConfig, make_optimizer
 from dplab.reference.schedule import chunk_bounds
-from dplab.reference.trace import Tracer
 from dplab.reference.train.single import TrainConfig, setup, train_single
 from dplab.reference.zero.layers import layer_delta, layer_forward, layer_grads, output_delta
 from dplab.reference.zero.traffic import collective_sent
@@ -75,22 +75,6 @@ HINTS = (
     "Backward: gather w the same way; g = backward(w); del w; reduce_scatter(comm, g); "
     "grad_shard[:] = g[a:b]. The summed chunk is all the optimizer needs: keep no g, no w.",
 )
-
-
-class _CountingTracer(Tracer):
-    """Keeps no events: the bytes sent and the collectives called, so memory is the learner's."""
-
-    def start(self) -> None:  # every key made now: a dict growing during a call would count as kept
-        self.sent, self.enabled = 0, True
-        self.called = Counter(dict.fromkeys(("allreduce", "reduce_scatter", "allgather", "broadcast"), 0))
-
-    def record(self, kind: str, t_start_ns: int, t_end_ns: int, **fields: Any) -> None:
-        if not self.enabled:
-            return
-        if kind == "send":
-            self.sent += int(fields.get("bytes", 0))
-        elif kind in ("allreduce", "reduce_scatter", "allgather", "broadcast"):
-            self.called[kind] += 1
 
 
 def judge_fsdp(file: Path, output: list[str]) -> str:
@@ -206,24 +190,26 @@ def _rank(comm: Any, file: str, cfg: TrainConfig, deadline: float) -> dict[str, 
     own = [chunk_bounds(n, p)[r] for n in sizes]
     shards = [init[s][a:b].copy() for s, (a, b) in zip(slices, own)]
     opts = [make_optimizer(cfg.optimizer, b - a, init.dtype) for a, b in own]
-    comm.tracer = counted = _CountingTracer(r)
+    traffic = Traffic.install(comm)
     calls: list[dict[str, Any]] = []
     after: list[str] = []
     problem = ""
 
     def measured(phase: str, unit: int, fn: Any, *args: Any) -> Any:
-        counted.start()
+        nonlocal problem
+        traffic.start()
         tracemalloc.start()  # only this call's allocations: what is still traced at its end, it kept
         try:
             with same_process():
                 result = fn(comm, *args)
             held = result.nbytes if isinstance(result, np.ndarray) else 0
             kept = tracemalloc.get_traced_memory()[0] - held
+            problem = problem or traffic.tampered(comm, f"unit_{phase}")
         finally:
             tracemalloc.stop()
-        counted.enabled = False
-        calls.append({"phase": phase, "unit": unit, "sent": counted.sent,
-                      "called": {k: v for k, v in counted.called.items() if v},
+        traffic.stop()
+        calls.append({"phase": phase, "unit": unit, "sent": traffic.sent,
+                      "called": {k: v for k, v in traffic.called.items() if v},
                       "kept": kept})
         return result
 

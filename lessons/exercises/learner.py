@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dplab.lessons.printable import printable
 from dplab.reference.errors import ConfigError, DplabError
 
 __all__ = ["ExerciseReport", "Fail", "CheckUnavailable", "TooLong", "LIMIT_S", "MESSAGE_CHARS", "limit_s",
@@ -257,22 +258,26 @@ def judged(name: str, judge: Callable[[Path], str]) -> Callable[[Path], Exercise
     """``judge(file)`` returns what a right answer proved, or raises ``Fail``: as a report, always.
     ``CheckUnavailable`` (and any error of the machine's) is raised: it is no verdict."""
 
+    def report(passed: bool, message: str, output: list[str]) -> ExerciseReport:
+        # what the learner's code printed or raised is quoted: never an escape sequence that acts
+        return ExerciseReport(name, passed, printable(clip(message, 4 * MESSAGE_CHARS)),
+                              printable("".join(output)))
+
     def checker(file: Path) -> ExerciseReport:
         output: list[str] = []
         try:
-            return ExerciseReport(name, True, clip(judge(Path(file), output), 4 * MESSAGE_CHARS),
-                                  "".join(output))
+            return report(True, judge(Path(file), output), output)
         except Fail as e:
-            return ExerciseReport(name, False, clip(str(e), 4 * MESSAGE_CHARS), "".join(output))
-        except CheckUnavailable:
-            raise
+            return report(False, str(e), output)
+        except CheckUnavailable as e:
+            raise CheckUnavailable(printable(str(e))) from None
         except (ConfigError, OSError) as e:  # a full /dev/shm, a world that could not start
             raise CheckUnavailable(f"cannot check {Path(file).name} on this machine: "
-                                   f"{clip(str(e))}") from None
+                                   f"{printable(clip(str(e)))}") from None
         except Exception as e:  # the learner's answer broke the checker itself: still a report
-            return ExerciseReport(name, False, describe(e, Path(file), f"checking {Path(file).name}")
-                                  + " (the checker could not judge this answer: report it if it looks right)",
-                                  "".join(output))
+            said = describe(e, Path(file), f"checking {Path(file).name}")
+            return report(False, said + " (the checker could not judge this answer: report it if "
+                                        "it looks right)", output)
 
     checker.__name__ = f"check_{name}"
     checker.__doc__ = judge.__doc__

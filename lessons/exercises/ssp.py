@@ -11,6 +11,10 @@ server's log records, for every gradient, the clock it was for and how many cloc
 worker had finished when its pull was answered; SSP's promise is that the gap never exceeds
 the staleness: "worker 2 ran 5 clocks ahead of the slowest with staleness 1".
 
+Worker 1 is slow by the server's choice, not by a sleep: its pull is answered only once every
+other worker waits at the gate or has finished. So the others always run as far ahead as the gate
+lets them, and the run, its log and the verdict are the same at any load, whoever runs first.
+
 A gate stricter than the server's could hold every worker forever, so the run happens only
 when the learner's gate opens at least wherever the server's does.
 """
@@ -37,7 +41,7 @@ __all__ = ["judge_ssp", "collect_ssp", "GRID_CLOCKS", "STALENESS", "RUN_STALENES
 GRID_CLOCKS = range(9)
 STALENESS = (0, 1, 2, 3, None)
 RUN_STALENESS, RUN_CLOCKS, RUN_WORKERS = 1, 6, 3
-_SLOW_S = 0.03  # worker 1 sleeps this long before each clock's compute: the others run ahead
+SLOW_WORKER = 1  # the server answers it last: the others run as far ahead as the gate allows
 
 HINTS = (
     "Staleness s bounds how far a worker may be AHEAD of the slowest: at clock c it is c - slowest "
@@ -105,7 +109,8 @@ def _judge_replies(replies: dict[tuple, bool], file: Path) -> str:
                    "gate holds back a worker that may go (too strict a gate can stall the whole run)")
     table = {(c, d): replies[c, d, RUN_STALENESS] for c in GRID_CLOCKS for d in GRID_CLOCKS}
     log = _run(table, file)
-    worst = max(log, key=lambda e: (e.clock - e.slowest_done, -e.clock))
+    # the worst gap; among ties the earliest clock, then the lowest worker
+    worst = max(log, key=lambda e: (e.clock - e.slowest_done, -e.clock, -e.worker))
     ahead = worst.clock - worst.slowest_done
     if ahead > RUN_STALENESS or loose:
         if ahead > RUN_STALENESS:
@@ -146,7 +151,7 @@ def collect_ssp(file: Path, inputs: dict[str, Any], out: dict[str, Any], deadlin
 
 def _run(table: dict[tuple[int, int], bool], file: Path) -> list[LogEntry]:
     cfg = TrainConfig(steps=RUN_CLOCKS)
-    acfg = AsyncConfig(staleness=RUN_STALENESS, delays=(_SLOW_S,) + (0.0,) * (RUN_WORKERS - 1))
+    acfg = AsyncConfig(staleness=RUN_STALENESS)
     try:
         return launch(_server_or_worker, RUN_WORKERS + 1, args=(cfg, acfg, table), timeout=20)[0]
     except RankError as e:
@@ -172,6 +177,24 @@ def _server_or_worker(comm: Any, cfg: TrainConfig, acfg: AsyncConfig,
     if comm.rank != 0:
         work(comm, cfg, acfg, clocks)
         return []
-    server = Server(comm, cfg, acfg, clocks)
+    server = _SlowLastServer(comm, cfg, acfg, clocks)
     server.gate = _TableGate(server.workers, acfg.staleness, table)
     return server.run()[1]
+
+
+class _SlowLastServer(Server):
+    """The engine's server, except that ``SLOW_WORKER``'s held pull is answered only when every
+    other worker waits at the gate or has finished: the slowest worker by schedule, not by timing.
+    It never deadlocks: once the others are held, the slowest worker's pull is one the gate opens
+    for (the learner's gate opens wherever SSP's does, checked before the run)."""
+
+    def release(self) -> None:
+        slow = [(w, c) for w, c in self.waiting if w == SLOW_WORKER]
+        self.waiting = [(w, c) for w, c in self.waiting if w != SLOW_WORKER]
+        super().release()
+        held = {w for w, _ in self.waiting}
+        settled = all(w in held or w not in self.roster.active
+                      for w in range(1, self.workers + 1) if w != SLOW_WORKER)
+        self.waiting += slow
+        if slow and settled:
+            super().release()

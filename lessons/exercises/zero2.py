@@ -41,12 +41,12 @@ from dplab.lessons.exercises.learner import (
     rank_failure,
     same_process,
 )
+from dplab.lessons.exercises.traffic import Traffic
 from dplab.reference.data import batch_indices, shard
 from dplab.reference.errors import DplabError
 from dplab.reference.model import MLP, MLPConfig
 from dplab.reference.optim import OptimConfig, make_optimizer
 from dplab.reference.schedule import chunk_bounds
-from dplab.reference.trace import Tracer
 from dplab.reference.train.single import TrainConfig, setup, train_single
 from dplab.reference.zero.layers import layer_delta, layer_forward, layer_grads, output_delta
 from dplab.reference.zero.traffic import collective_sent
@@ -239,6 +239,9 @@ def collect_zero2(file: Path, inputs: dict[str, Any], out: dict[str, Any], deadl
         patched = sorted({name for rank in done for name in rank["patched"]})
         if patched:
             raise Patched(patched)
+        tampered = next((rank["tampered"] for rank in done if rank["tampered"]), "")
+        if tampered:
+            raise Fail(f"at p={p}: {tampered}")
         runs.append([{"after": [base64.b64encode(a.tobytes()).decode() for a in rank["after"]],
                       "sent": rank["sent"], "called": rank["called"], "peak": rank["peak"],
                       "views": rank["views"]} for rank in done])
@@ -261,7 +264,8 @@ def _rank(comm: Any, file: str, cfg: TrainConfig, deadline: float) -> dict[str, 
     shards = [np.zeros(b - a, dtype=init.dtype) for a, b in own]
     optimizer = ShardOptimizer(cfg.optimizer, sizes, comm.rank, comm.world_size, init.dtype)
     after, sent, called, peak, views = [], [], [], [], []
-    comm.tracer = counted = _CountingTracer(comm.rank)
+    traffic = Traffic.install(comm)
+    tampered = ""
     tracemalloc.start()
     for step in range(cfg.steps):
         batch = batch_indices(cfg.num_samples, cfg.global_batch, step, cfg.seed)
@@ -271,15 +275,16 @@ def _rank(comm: Any, file: str, cfg: TrainConfig, deadline: float) -> dict[str, 
         for s in shard_list:
             s[:] = 0
         backward = backward_layers(model, params, x, y, 1 / cfg.global_batch)
-        counted.start()
+        traffic.start()
         base = tracemalloc.get_traced_memory()[0]
         tracemalloc.reset_peak()
         with same_process():
             zero2_step(comm, backward, params, shard_list, optimizer)
         peak.append(tracemalloc.get_traced_memory()[1] - base)
-        counted.enabled = False
-        sent.append(counted.sent)
-        called.append(dict(counted.called))
+        traffic.stop()
+        tampered = tampered or traffic.tampered(comm, "zero2_step")
+        sent.append(traffic.sent)
+        called.append(dict(traffic.called))
         views.extend(i for i, s in enumerate(shard_list)
                      if s is not shards[i] and isinstance(s, np.ndarray) and s.base is not None)
         del backward, shard_list
@@ -287,23 +292,7 @@ def _rank(comm: Any, file: str, cfg: TrainConfig, deadline: float) -> dict[str, 
     tracemalloc.stop()
     signal.setitimer(signal.ITIMER_REAL, 0)
     return {"after": after, "sent": sent, "called": called, "peak": peak, "views": sorted(set(views)),
-            "patched": patched_since(before, Path(file))}
-
-
-class _CountingTracer(Tracer):
-    """A tracer that keeps no events, only the bytes sent and the collectives called: so that
-    the memory measured is the step's, not the trace's."""
-
-    def start(self) -> None:
-        self.sent, self.called, self.enabled = 0, Counter(), True
-
-    def record(self, kind: str, t_start_ns: int, t_end_ns: int, **fields: Any) -> None:
-        if not self.enabled:
-            return
-        if kind == "send":
-            self.sent += int(fields.get("bytes", 0))
-        elif kind in ("allreduce", "reduce_scatter", "allgather", "broadcast"):
-            self.called[kind] += 1
+            "patched": patched_since(before, Path(file)), "tampered": tampered}
 
 
 def _stop(signum: int, frame: Any) -> None:
