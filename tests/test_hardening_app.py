@@ -160,8 +160,8 @@ def test_the_lessons_page_runs_its_worlds_through_the_servers_budget(monkeypatch
     from streamlit.testing.v1 import AppTest
 
     from dplab.lessons import page_view
-    from dplab.viz.serve import app_path
     from dplab.viz import budget as budget_module
+    from dplab.viz.serve import app_path
 
     budget = Budget(Limits(ranks=2))
     asked = []
