@@ -242,16 +242,14 @@ class Cluster:
     def describe(self) -> str:
         """One line: what the cluster is."""
         d = self.device
-        rate = max(v for _, v in d.flop_s) / 1e12
-        two = (
-            f", {self.inter.name or 'inter'} {1 / self.inter.beta / 1e9:g} GB/s between"
-            if self.nodes > 1
-            else ""
-        )
+        rates = ", ".join(f"{k} {v / 1e12:g}" for k, v in d.flop_s)
+        link = lambda k: f"{k.name or 'a link'} {1 / k.beta / 1e9:g} GB/s each way"  # noqa: E731
+        two = f", {link(self.inter)} between nodes" if self.nodes > 1 else ""
         return (
-            f"{self.name}: {self.nodes} x {self.ranks_per_node} ranks on {d.name} "
-            f"({rate:g} TFLOP/s, {d.memory_bytes / 1e9:g} GB), "
-            f"{self.intra.name or 'intra'} {1 / self.intra.beta / 1e9:g} GB/s inside a node{two}"
+            f"{self.name}: {self.nodes} x {self.ranks_per_node} ranks on {d.name} ({rates} "
+            "TFLOP/s; "
+            f"{d.memory_bytes / 1e9:g} GB at {d.memory_bytes_s / 1e9:g} GB/s), "
+            f"{link(self.intra)} inside a node{two}"
         )
 
 
@@ -315,7 +313,7 @@ def _device(where: str, d: Any) -> Device:
 
 
 def _link(where: str, k: Any) -> Link:
-    k = _table(where, k, _LINK, ("alpha_us", "bandwidth_gb_s"))
+    k = _table(where, k, _LINK, ("alpha_us",))  # a missing bandwidth: _number says what it must be
     ports = k.get("ranks_per_port", 1)
     if type(ports) is not int or ports < 1:
         raise ConfigError(f"{where}.ranks_per_port is {ports!r}: it must be an integer >= 1")

@@ -21,6 +21,7 @@ from dplab.backends.bench.timing import parse_size
 from dplab.backends.cli.app import port_number
 from dplab.backends.cli.args_optim import add_optimizer_args, add_sweep_args, positive_float, positive_int
 from dplab.backends.cli.args_optim import csv_list as _csv
+from dplab.backends.cli.args_sim import add_cluster_arg
 from dplab.backends.cli.args_zero import add_zero_args, precision_flags_error
 from dplab.backends.cli.lesson import add_lesson_parser
 from dplab.backends.cli.memory import add_memory_parser
@@ -184,6 +185,7 @@ def _add_common_args(p: argparse.ArgumentParser, device_help: str) -> None:
     g.add_argument("--device", choices=["cpu", "cuda"], default=None, help=device_help)
     g.add_argument("--json", metavar="PATH",
                    help="also write the rows, with full precision, as JSON (default: not written)")
+    add_cluster_arg(g)
 
 
 def _add_train(sub: Any) -> None:
@@ -192,8 +194,9 @@ def _add_train(sub: Any) -> None:
                        description=_wrap("Train one MLP on N ranks and report how far every rank's "
                                          "parameters end from single-device training on the same batches."))
     t.add_argument("--backend", default="local",
-                   help="local | mpi | torch | cuda (cuda, and torch with --device cuda: the recipe "
-                        "computes on the GPU with torch tensors; elsewhere in NumPy on the host)")
+                   help="local | mpi | torch | cuda | sim (cuda, and torch with --device cuda: the "
+                        "recipe computes on the GPU with torch tensors; elsewhere in NumPy on the "
+                        "host; sim: on a simulated --cluster, its time)")
     t.add_argument("--world-size", type=int, default=None,
                    help="ranks to start (default 4; under mpiexec/torchrun: the launcher's)")
     t.add_argument("--algorithm", default="ring",

@@ -142,4 +142,4 @@ def _probe(option: str, path: str, directory: Path) -> None:
 def bench_spec(a: argparse.Namespace) -> BenchSpec:
     """``dplab bench``'s options as the ``BenchSpec`` the app builds too."""
     return BenchSpec(tuple(a.backends), tuple(a.world_sizes), tuple(a.sizes), tuple(a.algorithms), a.dtype,
-                     a.warmup, a.target_seconds, a.reps, a.max_iters)
+                     a.warmup, a.target_seconds, a.reps, a.max_iters, getattr(a, "cluster", None))

@@ -24,9 +24,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from dplab.backends.cli.args_optim import csv_list
+from dplab.backends.cli.args_sim import add_cluster_arg
 from dplab.backends.cli.scaling_ddp import DDP_COLUMNS, DdpBench, run_ddp
 from dplab.backends.cli.table import Progress
 from dplab.backends.launch.world import World, check_backend
+from dplab.backends.registry import entry
 from dplab.backends.runs.run import RunSpec, train_rank
 from dplab.reference.algorithms import ALGORITHMS, has_schedule
 from dplab.reference.errors import ConfigError
@@ -79,6 +81,7 @@ class ScalingRun:
     algorithm: str = "ring"
     bucket_cap_mb: float = 25.0
     dtype: str = "float64"
+    cluster: str | None = None  # backend "sim": the simulated cluster
 
     def validate(self, world_sizes: list[int]) -> None:
         unknown = [m for m in self.models if m not in MODELS]
@@ -98,7 +101,9 @@ class ScalingRun:
     def spec(self, backend: str, model: str, world_size: int) -> RunSpec:
         train = TrainConfig(MODELS[model], "regression", max(256, self.global_batch), self.global_batch,
                             self.steps, seed=0, dtype=self.dtype)
-        return RunSpec(backend, world_size, self.algorithm, train=train, bucket_cap_mb=self.bucket_cap_mb)
+        return RunSpec(backend, world_size, self.algorithm, train=train,
+                       bucket_cap_mb=self.bucket_cap_mb,
+                       cluster=self.cluster if entry(backend).simulated else None)
 
 
 def split_rows(per_rank: list[Any], warmup: int) -> dict[str, float]:
@@ -107,15 +112,17 @@ def split_rows(per_rank: list[Any], warmup: int) -> dict[str, float]:
     return {k: statistics.fmean(getattr(s, k) for s in splits) for k in SPLIT}
 
 
-def scaling_rows(cells: dict[tuple[str, str, int], list[dict[str, float]]]) -> list[dict[str, Any]]:
+def scaling_rows(cells: dict[tuple[str, str, int], list[dict[str, float]]],
+                 clusters: dict[str, dict[str, str]] | None = None) -> list[dict[str, Any]]:
     """Rows from ``{(backend, model, p): [split per repetition]}``: the median repetition's split,
-    speedup and efficiency against the same backend and model at p = 1 (None without one)."""
-    rows = []
+    speedup and efficiency against the same backend and model at p = 1 (None without one).
+    ``clusters``: a simulated backend's cluster fields, added to its rows."""
+    rows, clusters = [], clusters or {}
     for (backend, model, p), reps in cells.items():
         ordered = sorted(reps, key=lambda s: s["step_ms"])
         rows.append({"backend": backend, "model": model, "params": MLP(MODELS[model]).num_params,
                      "world_size": p, **ordered[(len(ordered) - 1) // 2], "reps": len(reps),
-                     "step_ms_each": [s["step_ms"] for s in reps]})
+                     "step_ms_each": [s["step_ms"] for s in reps], **clusters.get(backend, {})})
     one = {(r["backend"], r["model"]): r["step_ms"] for r in rows if r["world_size"] == 1}
     for r in rows:
         t1 = one.get((r["backend"], r["model"]))
@@ -133,9 +140,14 @@ def run_scaling(run: ScalingRun, backends: list[str], world_sizes: list[int]) ->
     try:
         for b in backends:
             for p in world_sizes:
-                worlds[b, p] = World(p, b)
-        for _ in range(run.reps):
+                simulated = entry(b).simulated
+                worlds[b, p] = World(p, b, cluster=run.spec(b, run.models[0], p).simulated_cluster()
+                                     if simulated else None)
+        for rep in range(run.reps):
             for b, m, p in keys:
+                if rep and entry(b).simulated:  # a simulated cell is the same every time
+                    progress.step(f"{b} {m} p={p}")
+                    continue
                 per_rank = worlds[b, p].run(train_rank, run.spec(b, m, p), True)
                 cells[b, m, p].append(split_rows(per_rank, run.warmup))
                 progress.step(f"{b} {m} p={p}")
@@ -143,7 +155,12 @@ def run_scaling(run: ScalingRun, backends: list[str], world_sizes: list[int]) ->
         for w in worlds.values():
             w.close()
         progress.close()
-    return scaling_rows(cells)
+    return scaling_rows(cells, {b: _about(run.spec(b, run.models[0], 1).simulated_cluster())
+                                for b in backends if entry(b).simulated})
+
+
+def _about(c: Any) -> dict[str, str]:
+    return {"cluster": c.name, "clock": "simulated", "cluster_about": c.describe()}
 
 
 def _dims(m: MLPConfig) -> str:
@@ -180,6 +197,7 @@ def add_scaling_parser(sub: Any, formatter_class: type[argparse.HelpFormatter]) 
     s.add_argument("--device", choices=["cpu"], default=None,
                    help="torch backend: gloo on the CPU (default: cpu)")
     s.add_argument("--json", metavar="PATH", help="also write the rows as JSON (default: not written)")
+    add_cluster_arg(s)
     return s
 
 
@@ -197,9 +215,13 @@ def cmd_scaling(a: argparse.Namespace) -> list[dict[str, Any]]:
                    algorithm=a.algorithm).validate(world_sizes)
         return run_ddp(cfg, a.backends, world_sizes, a.reps)
     run = ScalingRun(tuple(a.models), a.global_batch, a.steps, a.warmup, a.reps, a.algorithm,
-                     a.bucket_cap_mb, a.dtype)
+                     a.bucket_cap_mb, a.dtype, a.cluster)
     world_sizes = a.world_sizes or [1, 2, 4]
     run.validate(world_sizes)
+    for b in a.backends:  # every cell's run checked first: a bad cluster or world is one line now
+        for p in world_sizes:
+            for m in run.models:
+                run.spec(b, m, p).validate()
     return run_scaling(run, a.backends, world_sizes)
 
 

@@ -21,6 +21,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import numpy as np
 
@@ -33,6 +34,7 @@ from dplab.reference.cluster import Cluster
 from dplab.reference.columns import RoundTable, columns
 from dplab.reference.errors import ConfigError
 from dplab.reference.schedule import chunk_bounds
+from dplab.reference.topology import Topology
 
 __all__ = ["TimingResult", "collective_time", "table_of", "NATIVE"]
 
@@ -179,6 +181,36 @@ def collective_time(
     finally:
         gc.enable()
     return TimingResult(max(ends), engine.tasks_done, time.perf_counter() - t0)
+
+
+def bench_rows(
+    c: Cluster, world_size: int, algorithms: list[str], sizes: list[int], dtype: str = "float32"
+) -> list[dict[str, Any]]:
+    """``dplab bench``'s rows on a simulated cluster: each algorithm's time at each size from its
+    schedule (``native``: the one-shot; ``auto``: what the cost model picks on this cluster), and
+    the memory-copy row a device's copy gives (n bytes read, n written at its memory bandwidth)."""
+    from dplab.backends.bench.timing import summarize
+    from dplab.reference.auto import choose_on
+
+    itemsize, topology = np.dtype(dtype).itemsize, Topology.of(c)
+    cells, copies = [], []
+    for nbytes in sizes:
+        for alg in algorithms:
+            ran = choose_on(topology, world_size, nbytes, itemsize) if alg == "auto" else alg
+            seconds = collective_time(c, world_size, ran, nbytes, itemsize).seconds
+            cells.append(
+                {"algorithm": alg, "bytes": nbytes, "times": np.array([seconds]), "staged_bytes": 0}
+                | ({"ran": ran} if alg == "auto" else {})
+            )
+        copy = 2 * nbytes / c.device.memory_bytes_s
+        copies.append(
+            {"algorithm": "memcpy", "bytes": nbytes, "times": np.array([copy]), "staged_bytes": 0}
+        )
+    about = {"cluster": c.name, "clock": "simulated", "cluster_about": c.describe()}
+    return [
+        row | about
+        for row in summarize("sim", world_size, [{"allreduce": cells, "memcpy": copies}])
+    ]
 
 
 def _advance(program: Iterator[None], actor: Actor) -> None:
