@@ -149,18 +149,21 @@ class Budget:
             self._cond.notify_all()
 
     def world(self, world_size: int, backend: str = "local", tolerate: frozenset[int] = frozenset(),
-              stop: Callable[[], bool] = _never, check: Callable[[], None] = _nothing) -> _Held:
+              stop: Callable[[], bool] = _never, check: Callable[[], None] = _nothing,
+              cluster: str | None = None) -> _Held:
         """A ``World`` under this budget: waits its turn, and is killed past ``Limits.run_s`` or once
-        ``stop()`` (``visitor_hooks``); then ``check()`` ends the page, else ``Stopped`` says why."""
-        return _Held(self, world_size, backend, tolerate, stop, check)
+        ``stop()`` (``visitor_hooks``); then ``check()`` ends the page, else ``Stopped`` says why.
+        ``cluster``: backend "sim"'s simulated cluster."""
+        return _Held(self, world_size, backend, tolerate, stop, check, cluster)
 
 
 class _Held:
     """``with budget.world(p) as world``: the ranks are released and the world closed on the way out."""
 
     def __init__(self, budget: Budget, world_size: int, backend: str, tolerate: frozenset[int],
-                 stop: Callable[[], bool], check: Callable[[], None]) -> None:
-        self.budget, self.args = budget, (world_size, backend, tolerate)
+                 stop: Callable[[], bool], check: Callable[[], None],
+                 cluster: str | None = None) -> None:
+        self.budget, self.args, self.cluster = budget, (world_size, backend, tolerate), cluster
         self.stop, self.check = stop, check
         self.held, self.world, self.dog = 0, None, None
 
@@ -172,7 +175,7 @@ class _Held:
             self.check()
             raise
         try:
-            self.world = World(world_size, backend, tolerate=tolerate)
+            self.world = World(world_size, backend, tolerate=tolerate, cluster=self.cluster)
         except BaseException:
             self.budget.release(self.held)
             raise

@@ -90,7 +90,7 @@ def cmd_train(a: argparse.Namespace) -> list[dict[str, Any]]:
         simulated = {"clock": "simulated", "cluster": row["cluster"]} if "cluster" in row else {}
         save_json(a.trace, merged, meta={"row": row, **simulated})
         chrome = Path(a.trace).with_suffix(".chrome.json")
-        chrome.write_text(json.dumps(to_chrome(merged)))
+        chrome.write_text(json.dumps(to_chrome(merged, row.get("cluster", ""))))
         _say(f"trace: {a.trace} ({format_number(len(merged))} events); Perfetto/chrome://tracing: {chrome}")
     return [row]
 

@@ -210,7 +210,7 @@ def cmd_scaling(a: argparse.Namespace) -> list[dict[str, Any]]:
     if a.ddp:
         world_sizes = a.world_sizes or [2]
         cfg = DdpBench(global_batch=a.global_batch, steps=a.steps - a.warmup, warmup=a.warmup,
-                       bucket_cap_mb=a.bucket_cap_mb, algorithm=a.algorithm)
+                       bucket_cap_mb=a.bucket_cap_mb, algorithm=a.algorithm, cluster=a.cluster)
         ScalingRun(reps=a.reps, steps=a.steps, warmup=a.warmup, global_batch=a.global_batch,
                    algorithm=a.algorithm).validate(world_sizes)
         return run_ddp(cfg, a.backends, world_sizes, a.reps)

@@ -257,9 +257,7 @@ def run_train(spec: RunSpec, world: World | None = None, trace: bool = False,
     row["wall_s"] = wall
     row["samples_per_s"] = row["samples"] / wall if wall > 0 else 0.0
     if entry(spec.backend).simulated:  # every time above is a simulated cluster's: say which
-        cluster = world.cluster if world is not None and world.cluster is not None \
-            else spec.simulated_cluster()
-        cluster = resolve_cluster(cluster)
+        cluster = spec.simulated_cluster()
         row |= {"cluster": cluster.name, "clock": "simulated", "cluster_about": cluster.describe(),
                 "step_ms": wall / max(row["updates"], 1) * 1e3, "sim_s": wall}
     return row, [r[3] for r in results]  # (lost workers have no trace: they died)

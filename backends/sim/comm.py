@@ -149,6 +149,7 @@ class SimComm(Communicator):
             engine.leave(self.actor, error)
 
     def _start_clock(self) -> None:
+        """Price this thread's torch operations from now on, once torch is loaded."""
         if self._clock is None and "torch" in sys.modules:
             from dplab.backends.sim.compute import TorchClock
 
@@ -169,8 +170,7 @@ class SimComm(Communicator):
                 "a sim rank's communicator is used outside its job's threads: call it from "
                 "the function launch() runs, or a thread that function started"
             )
-        if self._clock is None and actor.main:
-            self._start_clock()  # torch was imported during this job: charge its ops from now
+        self.world.engine.contact(actor)  # torch imported during this job: charge its ops from now
         return actor
 
     def _ready(self) -> Actor:

@@ -159,6 +159,7 @@ class Engine:
         self._entry = threading.Lock()  # ranks enter a job from their own threads, before any baton
         self.tasks_done = 0  # tasks finished so far: the simulator's events, for events per second
         self.diagnose: Callable[[Actor], BaseException | None] = lambda actor: None  # at a deadlock
+        self.contact: Callable[[Actor], None] = lambda actor: None  # it reads a clock, waits, ...
 
     # -- actors --------------------------------------------------------------------------------
     def add(self, actor: Actor) -> Actor:

@@ -85,8 +85,17 @@ def prepare(
 
     world = SimWorld(resolve_cluster(cluster), world_size, timeout)
 
+    comms: list[SimComm | None] = [None] * world_size
+
+    def contact(actor: Actor) -> None:  # a rank's main thread touched the simulation
+        comm = comms[actor.rank]
+        if actor.main and comm is not None and comm._clock is None:
+            comm._start_clock()
+
     def connect(rank: int) -> SimComm:
         install(world.engine)  # in the forked process only: the launcher's threads stay real
-        return SimComm(world, rank)
+        world.engine.contact = contact
+        comms[rank] = SimComm(world, rank)
+        return comms[rank]
 
     return connect, None

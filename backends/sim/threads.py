@@ -47,7 +47,10 @@ def engine() -> Engine | None:
 def _actor() -> Any:
     if _ENGINE is None or getattr(_PLAIN, "depth", 0):
         return None
-    return _ENGINE.current()
+    actor = _ENGINE.current()
+    if actor is not None:
+        _ENGINE.contact(actor)  # e.g. torch was imported since the job began: price its operations
+    return actor
 
 
 @contextmanager
