@@ -29,6 +29,9 @@ A file is JSON (or TOML on Python >= 3.11); every number carries its unit in its
     [links.inter]                      # between nodes (required when nodes > 1)
     alpha_us = 30
     bandwidth_gb_s = 3.125
+    [host]                             # optional: the ranks of a node are threads of one process
+    threads = true                     # (the cuda backend): alpha and launches take turns there,
+    per_thread_us = 12                 # each costing this much more per rank thread it holds
     [[stragglers]]                     # optional: a slower device or link is part of the cluster
     rank = 3
     compute = 4.0                      # rank 3 computes 4 times slower
@@ -147,7 +150,13 @@ class Cluster:
     """``nodes`` nodes of ``ranks_per_node`` rank slots; rank r runs on node r // ranks_per_node and
     on device (r % ranks_per_node) % devices_per_node of it. ``intra`` links join ranks of one node,
     ``inter`` links join nodes; ``gamma`` is seconds per byte reduced. ``sources`` says where every
-    number comes from."""
+    number comes from.
+
+    ``threads``: a node's ranks are threads of one process (the cuda backend): their host work, a
+    message's alpha and an operation's launch, takes turns in that one interpreter, each costing
+    ``per_thread`` seconds more for every rank thread there (they contend for its lock), while the
+    device's work (a message's bytes, a reduction, an operation's FLOPs) runs behind, on its
+    stream."""
 
     name: str
     nodes: int
@@ -160,6 +169,8 @@ class Cluster:
     sources: tuple[str, ...] = ()
     stragglers: tuple[Straggler, ...] = ()
     note: str = ""
+    threads: bool = False
+    per_thread: float = 0.0
     _slow: dict[int, Straggler] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -265,7 +276,9 @@ _TOP = {
     "stragglers",
     "sources",
     "note",
+    "host",
 }
+_HOST = {"threads", "per_thread_us"}
 _DEVICE = {"name", "tflop_s", "memory_gb", "memory_gb_s", "op_overhead_us"}
 _LINK = {"name", "alpha_us", "bandwidth_gb_s", "ranks_per_port", "on_device"}
 _STRAGGLER = {"rank", "compute", "link"}
@@ -373,6 +386,12 @@ def cluster_from_dict(data: Any, source: str = "the cluster") -> Cluster:
         raise ConfigError(
             f"{source}: sources must be a list of strings (where each number comes from)"
         )
+    host = _table(f"{source}: host", d.get("host", {}), _HOST, ())
+    if not isinstance(host.get("threads", False), bool):
+        raise ConfigError(f"{source}: host.threads is {host['threads']!r}: "
+                          "it must be true or false")
+    per_thread = _number(f"{source}: host.per_thread_us", host.get("per_thread_us", 0),
+                         positive=False)
     return Cluster(
         str(d["name"]),
         d["nodes"],
@@ -385,6 +404,8 @@ def cluster_from_dict(data: Any, source: str = "the cluster") -> Cluster:
         tuple(sources),
         tuple(stragglers),
         str(d.get("note", "")),
+        host.get("threads", False),
+        per_thread / 1e6,
     )
 
 
@@ -416,11 +437,10 @@ def load_cluster(path: str | Path) -> Cluster:
 
 
 @cache
-def _presets() -> dict[str, Cluster]:
-    return {
-        f.stem: cluster_from_dict(json.loads(f.read_text()), f"preset {f.stem}")
-        for f in sorted(PRESET_DIR.glob("*.json"))
-    }
+def _preset(name: str) -> Cluster:
+    """The shipped preset ``name``, read and checked on first use (one bad file spoils itself)."""
+    path = PRESET_DIR / f"{name}.json"
+    return cluster_from_dict(json.loads(path.read_text()), f"preset {name}")
 
 
 def cluster(name: str | Cluster) -> Cluster:
@@ -428,23 +448,19 @@ def cluster(name: str | Cluster) -> Cluster:
     preset's nodes, 1..128), or a file path; a Cluster is returned as it is."""
     if isinstance(name, Cluster):
         return name
-    presets = _presets()
-    if name in presets:
-        return presets[name]
+    if name in CLUSTERS:
+        return _preset(name)
     family = _FAMILY.match(name)
-    if family and family["base"] in presets:
+    if family and family["base"] in CLUSTERS:
         nodes = int(family["nodes"])
         if not 1 <= nodes <= MAX_NODES:
-            raise ConfigError(
-                f"cluster {name!r}: {family['base']}x<nodes> takes 1 to {MAX_NODES} nodes"
-            )
-        return presets[family["base"]].with_nodes(nodes)
+            raise ConfigError(f"cluster {name!r}: {family['base']}x<nodes> takes "
+                              f"1 to {MAX_NODES} nodes")
+        return _preset(family["base"]).with_nodes(nodes)
     if name.endswith((".json", ".toml")) or "/" in name:
         return load_cluster(name)
-    raise ConfigError(
-        f"unknown cluster {name!r}: choose one of {', '.join(CLUSTERS)} (or <preset>x<nodes>, "
-        "e.g. dgx-h100x8), or give a JSON/TOML file"
-    )
+    raise ConfigError(f"unknown cluster {name!r}: choose one of {', '.join(CLUSTERS)} (or "
+                      "<preset>x<nodes>, e.g. dgx-h100x8), or give a JSON/TOML file")
 
 
 CLUSTERS = tuple(sorted(f.stem for f in PRESET_DIR.glob("*.json")))  # the shipped presets' names

@@ -30,6 +30,7 @@ from dplab.backends.cli.table import Progress
 from dplab.backends.launch.world import World, check_backend
 from dplab.backends.registry import entry
 from dplab.backends.runs.run import RunSpec, train_rank
+from dplab.backends.sim.setup import resolve_cluster
 from dplab.reference.algorithms import ALGORITHMS, has_schedule
 from dplab.reference.errors import ConfigError
 from dplab.reference.model import MLP, MLPConfig
@@ -182,7 +183,8 @@ def add_scaling_parser(sub: Any, formatter_class: type[argparse.HelpFormatter]) 
     s.add_argument("--models", type=csv_list(str, what="model"), default=list(MODELS),
                    help="MLPs to train: " + ", ".join(f"{k} {_dims(v)}" for k, v in MODELS.items()))
     s.add_argument("--world-sizes", type=csv_list(int, what="world size"), default=None,
-                   help="ranks per run (default: 1,2,4; with --ddp: 2)")
+                   help="ranks per run (default: 1,2,4; on a simulated --cluster, its powers "
+                        "of two up to 64; with --ddp: 2)")
     s.add_argument("--global-batch", type=int, default=64, help="samples per step, split over the ranks")
     s.add_argument("--steps", type=int, default=12, help="steps per run, warm-up included")
     s.add_argument("--warmup", type=int, default=2, help="first steps of each run left out of the timing")
@@ -216,13 +218,21 @@ def cmd_scaling(a: argparse.Namespace) -> list[dict[str, Any]]:
         return run_ddp(cfg, a.backends, world_sizes, a.reps)
     run = ScalingRun(tuple(a.models), a.global_batch, a.steps, a.warmup, a.reps, a.algorithm,
                      a.bucket_cap_mb, a.dtype, a.cluster)
-    world_sizes = a.world_sizes or [1, 2, 4]
+    world_sizes = a.world_sizes or _default_world_sizes(a.backends, a.cluster)
     run.validate(world_sizes)
     for b in a.backends:  # every cell's run checked first: a bad cluster or world is one line now
         for p in world_sizes:
             for m in run.models:
                 run.spec(b, m, p).validate()
     return run_scaling(run, a.backends, world_sizes)
+
+
+def _default_world_sizes(backends: list[str], cluster: str | None) -> list[int]:
+    """1, 2, 4; on a simulated cluster alone, every power of two it holds (up to 64)."""
+    if not all(entry(b).simulated for b in backends):
+        return [1, 2, 4]
+    size = min(resolve_cluster(cluster).size, 64)
+    return [1 << k for k in range(size.bit_length()) if 1 << k <= size]
 
 
 def scaling_columns(rows: list[dict[str, Any]]) -> list[str]:

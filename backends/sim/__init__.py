@@ -18,6 +18,11 @@
     threads.py    a world's threads, queues and clocks on virtual time, in its own process only
     timing.py     timing-only runs from the schedules alone (messages carry sizes): up to p = 1,024
     setup.py      the cluster (dplab.reference.cluster) and the world, made before the fork
+    machine.py    this machine as a cluster (the ``this-machine`` preset), measured here
+    validate.py   PERFORMANCE.md's validation rows: the simulator against measurements
+
+Timing only (sizes, no bytes), from Python: ``timing.collective_time("dgx-h100x128", 1024,
+"ring", 1 << 30).seconds``; ``timing.bench_rows(cluster, p, algorithms, sizes)``.
 
 A rank's trace (``comm.tracer``) records virtual nanoseconds; every printed row names its cluster.
 The model and its validation: backends/README.md ("The sim backend") and backends/PERFORMANCE.md.

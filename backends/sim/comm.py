@@ -110,23 +110,29 @@ class SimComm(Communicator):
     def now(self) -> float:
         """This rank's virtual time, seconds since the world started (its compute so far spent)."""
         actor = self.world.engine.current()
-        return self.actor.time if actor is None else self.world.engine.later(actor)
+        if actor is None:
+            return self.actor.time
+        self.world.engine.settle(actor)  # its compute so far, queued on its device, is spent
+        return actor.time
 
     def compute(self, ops: Iterable[tuple[float, float]], dtype: str = "float64") -> float:
         """Spend the time ``ops`` [(flops, bytes), ...] take on this rank's device, each at the
         roofline (the slower of its FLOPs at the device's rate for ``dtype`` and its bytes at the
         memory bandwidth, and at least the device's least time per operation); returns the
         seconds."""
-        world, rank = self.world, self.rank
-        seconds = sum(world.compute_seconds(rank, f, n, dtype) for f, n in ops)
-        self.work(seconds)
-        return seconds
+        return self.world.spend(self._me(), self.rank, ops, dtype)
 
     def work(self, seconds: float) -> None:
         """Keep this rank's device busy for ``seconds``, queued behind whatever it is doing (spent
         at the rank's next message, wait or clock read: ``Engine.owe``)."""
         if seconds > 0:
             self.world.engine.owe(self._me(), seconds, self.world.devices[self.rank])
+
+    def synchronize(self) -> None:
+        """Wait until this rank's device has done what was queued on it (as torch.cuda.synchronize):
+        where ranks are threads of one process, the device runs behind the host."""
+        me, engine = self._ready(), self.world.engine
+        engine.hold(me, [(self.world.devices[self.rank], 0.0)])
 
     def sleep(self, seconds: float) -> None:
         """Let ``seconds`` of virtual time pass, holding nothing."""
@@ -209,10 +215,8 @@ class SimComm(Communicator):
             else:
                 _assign(spec.buf, post.data)
             post.data = None
-        if reduced:  # gamma per reduced byte, spent on the device before this rank's next step
-            self.world.engine.owe(
-                me, reduced * self.world.gamma[self.rank], self.world.devices[self.rank]
-            )
+        if reduced:  # gamma per reduced byte, on the device before this rank's next step
+            self.world.reduced(me, self.rank, reduced)
         if self.tracer.enabled:
             for spec, post in zip(recvs, into):
                 self._trace_post(

@@ -341,9 +341,9 @@ class Engine:
         for task in due:
             for r, _ in task.holds:
                 insort(r.queue, task, key=_key)
-        candidates = due
+        candidates = list(due)
         for r in self._freed:
-            candidates = candidates + r.queue
+            candidates.extend(r.queue)
         self._freed.clear()
         if len(candidates) > 1:
             candidates.sort(key=_key)

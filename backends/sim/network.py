@@ -24,6 +24,7 @@ bitwise those of the local backend. Timing-only posts carry a byte count and no 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -99,17 +100,16 @@ class Post:
 class Network:
     """The links of ``cluster`` between ``world_size`` ranks; ``devices[r]`` is rank r's device."""
 
-    def __init__(
-        self, engine: Engine, cluster: Cluster, world_size: int, devices: list[Resource]
-    ) -> None:
+    def __init__(self, engine: Engine, cluster: Cluster, world_size: int,
+                 devices: list[Resource], hosts: list[Resource] | None = None,
+                 host_alpha: list[float] | None = None) -> None:
+        """``hosts``: each rank's host, where the ranks are threads of one process (the cluster's
+        ``threads``); ``host_alpha``: what a message's alpha costs there (contention included)."""
         self.engine, self.cluster, self.p, self.devices = engine, cluster, world_size, devices
+        self.hosts, self.host_alpha = hosts, host_alpha
         self._ports: dict[tuple, Resource] = {}
-        self._routes: dict[
-            tuple[int, int], tuple[float, float, list[Resource]]
-        ] = {}  # made on first use
-        self._sends: dict[
-            tuple[int, int], list[Post]
-        ] = {}  # (dst, tag) -> unmatched sends, oldest first
+        self._routes: dict[tuple[int, int], tuple] = {}  # (src, dst) -> _route's, on first use
+        self._sends: dict[tuple[int, int], list[Post]] = {}  # (dst, tag) -> unmatched, oldest first
         self._recvs: dict[tuple[int, int], list[Post]] = {}  # (dst, tag) -> unmatched receives
         self.bytes_moved = 0
 
@@ -194,29 +194,48 @@ class Network:
         return None
 
     # -- transfers -------------------------------------------------------------------------------
+    def transfer(self, src: int, dst: int, nbytes: int, at: float, distance: int,
+                 on_end: Callable[[float], None]) -> Task:
+        """Queue a message's transfer, eligible from ``at``; ``on_end(t)`` once it is through.
+        Where ranks are threads of one process and the link is a copy on the device, the message is
+        through once its host work (alpha) is done, and its bytes follow on the device, behind."""
+        route = self._routes.get((src, dst)) or self._route(src, dst)
+        alpha, beta, resources, hosted = route
+        order = self.engine.order(distance, src)
+        if hosted:
+            device, copy_s = self.devices[dst], nbytes * beta
+
+            def through(end: float) -> None:
+                on_end(end)
+                self.engine.submit(Task([(device, copy_s)], _nothing, (end, order)), end)
+
+            task = Task([(self.hosts[dst], self.host_alpha[dst])], through, (at, order))
+        else:
+            seconds = alpha + nbytes * beta
+            task = Task([(r, seconds) for r in resources], on_end, (at, order))
+        self.engine.submit(task, at)
+        return task
+
     def holds(self, src: int, dst: int, nbytes: int) -> list[tuple[Resource, float]]:
-        """What a message of ``nbytes`` from ``src`` to ``dst`` holds, and for how long."""
-        route = self._routes.get((src, dst))
-        if route is None:
-            route = self._routes[(src, dst)] = self._route(src, dst)
-        alpha, beta, resources = route
+        """What a message of ``nbytes`` from ``src`` to ``dst`` holds, and for how long (on a
+        cluster of threads, a copy on the device holds its host for alpha, then the device)."""
+        alpha, beta, resources, _ = self._routes.get((src, dst)) or self._route(src, dst)
         seconds = alpha + nbytes * beta
         return [(r, seconds) for r in resources]
 
-    def _route(self, src: int, dst: int) -> tuple[float, float, list[Resource]]:
-        """The link between two ranks (alpha, beta) and the resources a message on it holds."""
+    def _route(self, src: int, dst: int) -> tuple[float, float, list[Resource], bool]:
+        """The link between two ranks (alpha, beta), the resources a message on it holds, and
+        whether its host work runs ahead of the device (ranks as threads): made once per pair."""
         link = self.cluster.link(src, dst)
-        if link.on_device:
-            return link.alpha, link.beta, [self.devices[dst]]
         level = "intra" if self.cluster.node_of(src) == self.cluster.node_of(dst) else "inter"
-        return (
-            link.alpha,
-            link.beta,
-            [
-                self._port(level, "tx", src, link.ranks_per_port),
-                self._port(level, "rx", dst, link.ranks_per_port),
-            ],
-        )
+        if link.on_device:
+            resources = [self.devices[dst]]
+        else:
+            resources = [self._port(level, "tx", src, link.ranks_per_port),
+                         self._port(level, "rx", dst, link.ranks_per_port)]
+        route = (link.alpha, link.beta, resources, link.on_device and self.hosts is not None)
+        self._routes[(src, dst)] = route
+        return route
 
     def _port(self, level: str, way: str, rank: int, share: int) -> Resource:
         node, slot = divmod(rank, self.cluster.ranks_per_node)
@@ -238,14 +257,9 @@ class Network:
                 r.actor.error = error
                 self.engine.wake(r.actor, self.engine.now)
             return
-        t = max(s.t, r.t)
         distance = (r.rank - s.rank) % self.p  # rotated: rank r serves r+1, r+2, ... first
-        task = Task(
-            self.holds(s.rank, r.rank, s.nbytes),
-            lambda end: self._done(s, r, task),
-            (t, self.engine.order(distance, s.rank)),
-        )
-        self.engine.submit(task, t)
+        task = self.transfer(s.rank, r.rank, s.nbytes, max(s.t, r.t), distance,
+                             lambda end: self._done(s, r, task))
 
     def _done(self, s: Post, r: Post, task: Task) -> None:
         s.start = r.start = task.start
@@ -262,6 +276,10 @@ class Network:
                 post.actor.pending -= 1
                 if post.actor.pending == 0:
                     self.engine.wake(post.actor, task.end)
+
+
+def _nothing(end: float) -> None:
+    """A task nobody waits for (a copy the device runs behind its host)."""
 
 
 def _mismatch(s: Post, r: Post) -> Exception | None:

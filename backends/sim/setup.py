@@ -11,7 +11,7 @@ import os
 from multiprocessing.context import BaseContext
 from typing import Any
 
-from dplab.backends.sim.engine import Actor, Engine, Resource
+from dplab.backends.sim.engine import Actor, Engine, Resource, Task
 from dplab.backends.sim.network import Network
 from dplab.reference.cluster import Cluster, cluster
 from dplab.reference.topology import Topology
@@ -53,7 +53,15 @@ class SimWorld:
             c.gamma * max(1.0, s.compute) if (s := c._slow.get(r)) else c.gamma
             for r in range(world_size)
         ]
-        self.network = Network(self.engine, c, world_size, self.devices)
+        self.hosts, host_alpha = None, None
+        if c.threads:  # a node's ranks are threads of one process: its host work takes turns
+            per_node = [sum(1 for q in range(world_size) if c.node_of(q) == n)
+                        for n in range(c.nodes)]
+            hosts = [Resource(f"node {n} host") for n in range(c.nodes)]
+            self.hosts = [hosts[c.node_of(r)] for r in range(world_size)]
+            self.host_extra = [c.per_thread * per_node[c.node_of(r)] for r in range(world_size)]
+            host_alpha = [c.link(r, r).alpha + self.host_extra[r] for r in range(world_size)]
+        self.network = Network(self.engine, c, world_size, self.devices, self.hosts, host_alpha)
         self.engine.diagnose = lambda actor: self.network.diagnose(actor.rank)
         self.topology = Topology.of(c)  # what the cost model (and auto) price on this cluster
         copies = c.intra.on_device or (
@@ -63,13 +71,41 @@ class SimWorld:
         for r in range(world_size if ranks else 0):
             self.engine.add(Actor((r, 0), main=True, name=f"rank {r}"))
 
-    def compute_seconds(
-        self, rank: int, flops: float, nbytes: float, dtype: str, ops: int = 1
-    ) -> float:
+    def compute_seconds(self, rank: int, flops: float, nbytes: float, dtype: str,
+                        ops: int = 1) -> float:
         """The roofline time of ``ops`` operations doing ``flops`` and moving ``nbytes`` on
-        ``rank``'s device."""
+        ``rank``'s device (at least the device's least time per operation)."""
         d = self.device_of[rank]
         return max(flops / d.rate(dtype), nbytes / d.memory_bytes_s, ops * d.op_overhead_s)
+
+    def spend(self, actor: Actor, rank: int, ops: Any, dtype: str) -> float:
+        """``actor`` (of ``rank``) computed ``ops`` [(flops, bytes)]: their time owed on its device;
+        where ranks are threads of one process, each operation's launch owed on the host and its
+        roofline queued on the device behind it. Returns the seconds owed."""
+        ops = list(ops)
+        if self.hosts is None:
+            seconds = sum(self.compute_seconds(rank, f, n, dtype) for f, n in ops)
+            self.engine.owe(actor, seconds, self.devices[rank])
+            return seconds
+        d = self.device_of[rank]
+        host = len(ops) * (d.op_overhead_s + self.host_extra[rank])
+        self.engine.owe(actor, host, self.hosts[rank])  # launched first, then run on the device
+        self.behind(actor, rank, sum(max(f / d.rate(dtype), n / d.memory_bytes_s) for f, n in ops))
+        return host
+
+    def reduced(self, actor: Actor, rank: int, nbytes: int) -> None:
+        """``actor`` reduced ``nbytes``: gamma each, on its device (behind the host if threads)."""
+        if self.hosts is None:
+            self.engine.owe(actor, nbytes * self.gamma[rank], self.devices[rank])
+        else:
+            self.behind(actor, rank, nbytes * self.gamma[rank])
+
+    def behind(self, actor: Actor, rank: int, seconds: float) -> None:
+        """Device work queued on rank's device when the actor's host gets there; none waits."""
+        if seconds > 0:
+            at = self.engine.later(actor)
+            self.engine.submit(Task([(self.devices[rank], seconds)], lambda end: None,
+                                    (at, self.engine.order(0, rank))), at)
 
 
 def prepare(

@@ -11,8 +11,9 @@ SimGrid's SMPI runs unmodified MPI programs on a simulated platform):
 - a wait on a ``threading.Condition`` (under every Queue, Semaphore, Event and Future) by an actor
   gives the baton away until another actor notifies it, which wakes it at the notifier's time; a
   timeout is virtual time too; ``queue.SimpleQueue`` (C code, no Condition) becomes a Queue;
-- ``time.perf_counter``, ``perf_counter_ns`` and ``process_time`` read the actor's virtual clock,
-  and ``time.sleep`` spends virtual time: the host's load never reaches a simulated time.
+- ``time.perf_counter``, ``perf_counter_ns`` and ``process_time`` read the actor's virtual clock
+  (its compute so far spent first, queued on its device), and ``time.sleep`` spends virtual time:
+  the host's load never reaches a simulated time.
 
 Outside an actor (the launcher's pipes, the watchdog thread) everything behaves as it always does.
 """
@@ -146,19 +147,28 @@ def _join(self: threading.Thread, timeout: float | None = None) -> None:
         _ORIGINAL["join"](self, timeout)
 
 
+def _clock() -> Any:
+    """The calling actor with its compute spent (queued on its device, as a clock read would see
+    it), or None outside the simulation."""
+    actor = _actor()
+    if actor is not None:
+        _ENGINE.settle(actor)
+    return actor
+
+
 def _perf_counter() -> float:
-    actor = _actor()  # its time once its compute so far is spent: a read never hands the baton over
-    return _ORIGINAL["perf_counter"]() if actor is None else _ENGINE.later(actor)
+    actor = _clock()
+    return _ORIGINAL["perf_counter"]() if actor is None else actor.time
 
 
 def _perf_counter_ns() -> int:
-    actor = _actor()
-    return _ORIGINAL["perf_counter_ns"]() if actor is None else round(_ENGINE.later(actor) * 1e9)
+    actor = _clock()
+    return _ORIGINAL["perf_counter_ns"]() if actor is None else round(actor.time * 1e9)
 
 
 def _process_time() -> float:
-    actor = _actor()
-    return _ORIGINAL["process_time"]() if actor is None else _ENGINE.later(actor)
+    actor = _clock()
+    return _ORIGINAL["process_time"]() if actor is None else actor.time
 
 
 def _sleep(seconds: float) -> None:

@@ -18,15 +18,16 @@ from __future__ import annotations
 
 import gc
 import time
+from array import array
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
 
 import numpy as np
 
 from dplab.backends.fastpath.arrays import ALLREDUCE as ARRAY_BUILDERS
-from dplab.backends.sim.engine import BLOCKED, Actor, Task
+from dplab.backends.sim.engine import BLOCKED, Actor
 from dplab.backends.sim.setup import SimWorld, resolve_cluster
 from dplab.reference.algorithms import ALLREDUCE as READABLE
 from dplab.reference.algorithms import allreduce_schedule, lookup, split_name
@@ -35,8 +36,9 @@ from dplab.reference.columns import RoundTable, columns
 from dplab.reference.errors import ConfigError
 from dplab.reference.schedule import chunk_bounds
 from dplab.reference.topology import Topology
+from dplab.reference.train.buckets import assign_buckets
 
-__all__ = ["TimingResult", "collective_time", "table_of", "NATIVE"]
+__all__ = ["TimingResult", "collective_time", "ddp_step_time", "bench_rows", "table_of", "NATIVE"]
 
 NATIVE = "direct"  # the sim's native all-reduce is the one-shot: the direct schedule's two rounds
 
@@ -102,85 +104,169 @@ def _by(keys: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
     return order, np.searchsorted(keys[order], np.arange(n + 1))
 
 
-def collective_time(
-    c: Cluster | str, world_size: int, algorithm: str, nbytes: int, itemsize: int = 4
-) -> TimingResult:
-    """Simulated seconds of one all-reduce of ``nbytes`` (``nbytes // itemsize`` elements) by
-    ``algorithm`` on ``world_size`` ranks of cluster ``c``, from its schedule alone."""
-    world = SimWorld(resolve_cluster(c), world_size, 60.0, ranks=False)
-    t0 = time.perf_counter()
-    table = table_of(algorithm, world_size)
-    n = nbytes // itemsize
-    chunk_bytes = np.array(
-        [(hi - lo) * itemsize for lo, hi in chunk_bounds(n, table.num_chunks)], np.int64
-    )
-    rnd, src_a, dst_a, size_a, red_a = _messages(table, chunk_bytes)
-    p, rounds = world_size, len(table)
-    s_order, s_at = (a.tolist() for a in _by(rnd * p + src_a, rounds * p))
-    r_order, r_at = (a.tolist() for a in _by(rnd * p + dst_a, rounds * p))
-    src, dst, size, red = src_a.tolist(), dst_a.tolist(), size_a.tolist(), red_a.tolist()
-    engine, net, exclusive = world.engine, world.network, world.exclusive
-    actors = [engine.add(Actor((r, 0), main=False)) for r in range(p)]
-    posted: list[float | None] = [None] * len(src)  # the first side's post time, per message
-    ends = [0.0] * p
+class _Collective:
+    """One all-reduce of ``nbytes`` from its schedule: every message, and each rank's rounds to post
+    (``rounds``). ``actors[r]``: the actor that runs rank r's part (woken when its messages are
+    through)."""
 
-    def done(m: int, end: float) -> None:  # message m is through: both its ranks may go on
-        for r in (src[m], dst[m]):
-            a = actors[r]
+    def __init__(self, world: SimWorld, table: RoundTable, nbytes: int, itemsize: int,
+                 actors: list[Actor]) -> None:
+        bounds = chunk_bounds(nbytes // itemsize, table.num_chunks)
+        chunk_bytes = np.array([(hi - lo) * itemsize for lo, hi in bounds], np.int64)
+        rnd, src, dst, size, red = _messages(table, chunk_bytes)
+        p, self.count = table.world_size, len(table)
+        # compact arrays, not lists: 2 M messages at p = 1,024 stay in tens of MB (and in cache)
+        self.s_order, self.s_at = (array("q", a) for a in _by(rnd * p + src, self.count * p))
+        self.r_order, self.r_at = (array("q", a) for a in _by(rnd * p + dst, self.count * p))
+        self.src, self.dst, self.size = array("q", src), array("q", dst), array("q", size)
+        self.red = array("b", red.astype(np.int8))
+        self.world, self.actors, self.p = world, actors, p
+        self.posted = array("d", [-1.0]) * len(self.src)  # each message's first post time, or -1
+
+    def _done(self, m: int, end: float) -> None:  # message m is through: both ranks may go on
+        for r in (self.src[m], self.dst[m]):
+            a = self.actors[r]
             a.pending -= 1
             if a.pending == 0:
-                engine.wake(a, end)
+                self.world.engine.wake(a, end)
 
-    def post(m: int, t: float) -> None:  # one side of message m: the second one queues its transfer
-        first = posted[m]
-        if first is None:
-            posted[m] = t
+    def _post(self, m: int, t: float) -> None:  # one side of message m; the second queues it
+        first = self.posted[m]
+        if first < 0:
+            self.posted[m] = t
             return
-        at = max(first, t)
-        engine.submit(
-            Task(
-                net.holds(src[m], dst[m], size[m]),
-                partial(done, m),
-                (at, engine.order((dst[m] - src[m]) % p, src[m])),
-            ),
-            at,
-        )
+        src, dst = self.src[m], self.dst[m]
+        self.world.network.transfer(src, dst, self.size[m], max(first, t), (dst - src) % self.p,
+                                    partial(self._done, m))
 
-    def program(actor: Actor) -> Iterator[None]:
-        r, device, gamma = actor.rank, world.devices[actor.rank], world.gamma[actor.rank]
-        for k in range(rounds):
+    def rounds(self, actor: Actor) -> Iterator[None]:
+        """Rank ``actor.rank``'s part, round by round; yields while it waits."""
+        world, r, p, post = self.world, actor.rank, self.p, self._post
+        s_order, s_at, r_order, r_at, size, red = (self.s_order, self.s_at, self.r_order, self.r_at,
+                                                   self.size, self.red)
+        for k in range(self.count):
             if actor.debt:
-                if exclusive[r]:  # nobody else uses this device: no queue to wait in
-                    actor.time += actor.debt
-                    actor.debt = 0.0
-                else:
-                    engine.flush(actor)
-                    if actor.busy is not None:
-                        actor.wake_at, actor.state = actor.time, BLOCKED
-                        yield
+                yield from _spend(world, actor)
             i, t = k * p + r, actor.time
-            mine = s_order[s_at[i] : s_at[i + 1]] + r_order[r_at[i] : r_at[i + 1]]
+            into = r_order[r_at[i]:r_at[i + 1]]
+            mine = s_order[s_at[i]:s_at[i + 1]] + into
             if not mine:
                 continue
             actor.pending = len(mine)
             for m in mine:
                 post(m, t)
             actor.state = BLOCKED
-            yield  # woken by done() when the last of them is through
-            reduced = sum(size[m] for m in r_order[r_at[i] : r_at[i + 1]] if red[m])
+            yield  # woken by _done when the last of them is through
+            reduced = sum(size[m] for m in into if red[m])
             if reduced:
-                engine.owe(actor, reduced * gamma, device)
-        ends[r] = actor.time + actor.debt
+                world.reduced(actor, r, reduced)
+        if actor.debt:
+            yield from _spend(world, actor)
 
-    for actor in actors:
-        actor.step = partial(_advance, program(actor))  # one round per call, run in place
-        engine.ready(actor, 0.0)
+
+def _spend(world: SimWorld, actor: Actor) -> Iterator[None]:
+    """A step actor spends its compute debt (on a device of its own: at once, no queue)."""
+    if not actor.debt:
+        return
+    if world.exclusive[actor.rank] and actor.key[1] == 0:
+        actor.time += actor.debt
+        actor.debt = 0.0
+        return
+    world.engine.flush(actor)
+    if actor.busy is not None:
+        actor.wake_at, actor.state = actor.time, BLOCKED
+        yield
+
+
+def _run(world: SimWorld, programs: dict[Actor, Iterator[None]], t0: float) -> TimingResult:
+    """Drive ``programs`` (one per step actor) to their ends; the result's seconds are set later."""
+    for actor, program in programs.items():
+        actor.step = partial(_advance, program)  # one round per call, run in place
+        world.engine.ready(actor, 0.0)
     gc.disable()  # millions of short-lived tasks: the cycle collector would rescan the big tables
     try:
-        engine.run()
+        world.engine.run()
     finally:
         gc.enable()
-    return TimingResult(max(ends), engine.tasks_done, time.perf_counter() - t0)
+    return TimingResult(0.0, world.engine.tasks_done, time.perf_counter() - t0)
+
+
+def collective_time(c: Cluster | str, world_size: int, algorithm: str, nbytes: int,
+                    itemsize: int = 4) -> TimingResult:
+    """Simulated seconds of one all-reduce of ``nbytes`` (``nbytes // itemsize`` elements) by
+    ``algorithm`` on ``world_size`` ranks of cluster ``c``, from its schedule alone."""
+    world = SimWorld(resolve_cluster(c), world_size, 60.0, ranks=False)
+    t0 = time.perf_counter()
+    actors = [world.engine.add(Actor((r, 0), main=False)) for r in range(world_size)]
+    plan = _Collective(world, table_of(algorithm, world_size), nbytes, itemsize, actors)
+    result = _run(world, {a: plan.rounds(a) for a in actors}, t0)
+    return replace(result, seconds=max(max(a.time for a in actors), world.engine.now))
+
+
+def ddp_step_time(c: Cluster | str, world_size: int, layers: list[tuple[int, float, float]],
+                  bucket_cap_mb: float = 25.0, algorithm: str = "ring", itemsize: int = 4,
+                  optimizer_s: float = 0.0) -> TimingResult:
+    """Simulated seconds of one data-parallel step, timing only: the forward, then each layer's
+    backward (``layers``: (parameters, forward seconds, backward seconds), in forward order), each
+    bucket of gradients (``assign_buckets``, DDP's rule) all-reduced by a comm actor as soon as its
+    layers are done, overlapping the rest of the backward; then the optimizer. For models too large
+    to hold p replicas of in this machine's memory (the 256 GPUs of a published scaling result)."""
+    world = SimWorld(resolve_cluster(c), world_size, 60.0, ranks=False)
+    t0 = time.perf_counter()
+    engine = world.engine
+    mains = [engine.add(Actor((r, 0), main=False)) for r in range(world_size)]
+    comms = [engine.add(Actor((r, 1), main=False)) for r in range(world_size)]
+    offsets = np.cumsum([0] + [n for n, _, _ in layers])
+    slices = [slice(int(a), int(b)) for a, b in zip(offsets, offsets[1:])]
+    buckets = assign_buckets(slices, itemsize, bucket_cap_mb)
+    table = table_of(algorithm, world_size)
+    plans = [_Collective(world, table, itemsize * sum(layers[i][0] for i in b), itemsize, comms)
+             for b in buckets]
+    bucket_of = {i: k for k, b in enumerate(buckets) for i in b}
+    ready = [0] * world_size  # buckets ready to reduce, per rank (they launch in order)
+    reduced = [0] * world_size  # buckets reduced
+    waiting = [False] * world_size  # the main actor waits for its last bucket
+
+    def main(actor: Actor) -> Iterator[None]:
+        r = actor.rank
+        engine.owe(actor, sum(f for _, f, _ in layers), world.devices[r])
+        missing = [len(b) for b in buckets]
+        for i in reversed(range(len(layers))):
+            engine.owe(actor, layers[i][2], world.devices[r])
+            yield from _wait_compute(engine, actor)
+            missing[bucket_of[i]] -= 1
+            while ready[r] < len(buckets) and missing[ready[r]] == 0:
+                ready[r] += 1
+                engine.wake(comms[r], actor.time)
+        while reduced[r] < len(buckets):
+            waiting[r], actor.state = True, BLOCKED
+            yield
+        waiting[r] = False
+        engine.owe(actor, optimizer_s, world.devices[r])
+        yield from _wait_compute(engine, actor)
+
+    def comm(actor: Actor) -> Iterator[None]:
+        r = actor.rank
+        for k, plan in enumerate(plans):
+            while ready[r] <= k:
+                actor.state = BLOCKED
+                yield
+            yield from plan.rounds(actor)
+            reduced[r] += 1
+            if waiting[r]:
+                engine.wake(mains[r], actor.time)
+
+    programs = {a: main(a) for a in mains} | {a: comm(a) for a in comms}
+    result = _run(world, programs, t0)
+    return replace(result, seconds=max(max(a.time for a in mains), world.engine.now))
+
+
+def _wait_compute(engine: Any, actor: Actor) -> Iterator[None]:
+    """A step actor spends its debt on its device, queued with its rank's comm actor, and waits."""
+    engine.flush(actor)
+    if actor.busy is not None:
+        actor.wake_at, actor.state = actor.time, BLOCKED
+        yield
 
 
 def bench_rows(
