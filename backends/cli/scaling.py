@@ -188,7 +188,9 @@ def add_scaling_parser(sub: Any, formatter_class: type[argparse.HelpFormatter]) 
     s.add_argument("--global-batch", type=int, default=64, help="samples per step, split over the ranks")
     s.add_argument("--steps", type=int, default=12, help="steps per run, warm-up included")
     s.add_argument("--warmup", type=int, default=2, help="first steps of each run left out of the timing")
-    s.add_argument("--reps", type=int, default=3, help="repetitions of every cell, interleaved; the median")
+    s.add_argument("--reps", type=int, default=None,
+                   help="repetitions of every cell, interleaved; the median (default: 3; on a "
+                        "simulated cluster alone, 1: every repetition gives the same time)")
     s.add_argument("--algorithm", default="ring", help="the all-reduce of the gradient buckets")
     s.add_argument("--bucket-cap-mb", type=float, default=25.0, metavar="MiB", help="gradient bucket size")
     s.add_argument("--dtype", choices=["float64", "float32"], default="float64",
@@ -209,6 +211,8 @@ def cmd_scaling(a: argparse.Namespace) -> list[dict[str, Any]]:
         check_backend(b)
     if not a.bucket_cap_mb > 0:
         raise ConfigError(f"--bucket-cap-mb must be > 0, got {a.bucket_cap_mb}")
+    if a.reps is None:  # a simulated clock is deterministic: a second repetition adds nothing
+        a.reps = 1 if all(entry(b).simulated for b in a.backends) else 3
     if a.ddp:
         world_sizes = a.world_sizes or [2]
         cfg = DdpBench(global_batch=a.global_batch, steps=a.steps - a.warmup, warmup=a.warmup,
