@@ -39,7 +39,8 @@ class Backend:
     ``shared_memory``: its buffers live in /dev/shm, and a receive reduces straight out of the
     peer's buffer (the engines' own all-reduces may add a scratch copy per rank instead).
     ``gpu``: where its ranks compute: "never" (host arrays), "always" (cuda) or "device" (on a GPU
-    when ``--device`` names one: torch, whose ``--device cpu`` runs gloo).
+    when ``--device`` names one: torch, whose ``--device cpu`` runs gloo). ``simulated``: its
+    time is a simulated cluster's (``prepare`` takes the cluster as ``cluster=``; sim).
     """
 
     name: str
@@ -50,6 +51,7 @@ class Backend:
     tells_death: bool = False
     shared_memory: bool = False
     gpu: str = "never"
+    simulated: bool = False
 
     @property
     def forked(self) -> bool:
@@ -58,8 +60,8 @@ class Backend:
 
 def _lazy(module: str, name: str) -> Callable[..., Any]:
     """``module.name``, imported when first called: listing the backends loads none of them."""
-    def call(*args: Any) -> Any:
-        return getattr(importlib.import_module(module), name)(*args)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return getattr(importlib.import_module(module), name)(*args, **kwargs)
 
     call.__qualname__ = f"{module}.{name}"
     return call
@@ -78,6 +80,8 @@ BACKENDS: dict[str, Backend] = {
                      _lazy("dplab.backends.torchdist.rendezvous", "prepare"), gpu="device"),  # bound pre-fork
     "cuda": Backend("cuda", _setup("cuda", "available"), "threads", _setup("cuda", "prepare"), one_host=True,
                     gpu="always"),
+    "sim": Backend("sim", _setup("sim", "available"), "threads", _setup("sim", "prepare"),
+                   one_host=True, simulated=True),
 }
 
 

@@ -34,8 +34,8 @@ from dplab.reference.files import read_regular, write_atomic
 from dplab.reference.topology import Link, Topology
 
 __all__ = ["TUNE_ENV", "DEFAULT_TUNE_PATH", "DEFAULT_FITS", "NATIVE_CHECK", "Tuning", "tune_path",
-           "load_tuning", "save_tuning", "current", "choose", "chosen", "backend_key", "node_key", "reset",
-           "LEVELS"]
+           "load_tuning", "save_tuning", "current", "choose", "chosen", "choose_on", "backend_key",
+           "node_key", "reset", "LEVELS"]
 
 TUNE_ENV = "DPLAB_TUNE"
 TUNE_MAX_BYTES = 64 << 20  # a fit of every cell of a large bench is well under a megabyte
@@ -392,12 +392,34 @@ def backend_key(comm: Any) -> str:
 
 
 def chosen(comm: Any, buf: Any) -> str:
-    """What auto runs for ``buf`` (a numpy array or torch tensor, any shape) on ``comm``."""
-    return choose(backend_key(comm), comm.world_size, int(buf.nbytes), int(buf.itemsize),
+    """What auto runs for ``buf`` (a numpy array or torch tensor, any shape) on ``comm``; on a
+    simulated cluster with no fit of its own, the schedule its cost model prices cheapest there."""
+    key = backend_key(comm)
+    if getattr(comm, "simulated", False) and not any(f.backend == key for f in current().fits):
+        return choose_on(comm.topology, comm.world_size, int(buf.nbytes), int(buf.itemsize))
+    return choose(key, comm.world_size, int(buf.nbytes), int(buf.itemsize),
                   node_key(getattr(comm, "hosts", None)))
+
+
+@lru_cache(maxsize=4096)
+def choose_on(topology: Topology, world_size: int, nbytes: int, itemsize: int = 4) -> str:
+    """The registered all-reduce that the cost model prices cheapest on ``topology`` (ties: registry
+    order); a schedule that cannot be built at this world size is no candidate."""
+    from dplab.reference.costmodel import region_algorithms
+
+    best: tuple[float, str] | None = None
+    for alg in region_algorithms(topology):
+        try:
+            t = _walk(allreduce_schedule(alg, world_size), nbytes, itemsize, topology)
+        except DplabError:
+            continue
+        if best is None or t < best[0]:
+            best = (t, alg)
+    return "ring" if best is None else best[1]
 
 
 def reset() -> None:
     """Forget the fit and the cached choices (after writing a new fit, or changing $DPLAB_TUNE)."""
     current.cache_clear()
     choose.cache_clear()
+    choose_on.cache_clear()

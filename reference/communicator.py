@@ -17,8 +17,9 @@ of the peer's memory.
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from functools import cache
 from typing import Any, NamedTuple, Protocol
@@ -173,6 +174,7 @@ class Communicator(ABC):
     backend: str = ""  # the transport, as --backend names it ("local", "mpi", "torch"): checkpoints record it
     moves_tensors: bool = False  # torch tensors travel as they are (torch, cuda); else numpy arrays only
     host_tensors: bool = False  # tensors in host memory travel as tensors too (torch, gloo): bfloat16 too
+    simulated: bool = False  # time is a simulated cluster's (the sim backend's), not the wall's
     _hosts: tuple[int, ...] | None = None  # set by a backend at connect time (the ``hosts`` setter)
     device: Any = None  # the torch device this rank's buffers live on, as its launcher placed it (the
     # cuda backend's GPU, the torch backend's --device); None: host memory
@@ -230,6 +232,24 @@ class Communicator(ABC):
         of the call that used it.
         """
         return True
+
+    def now(self) -> float:
+        """Seconds on this rank's clock: the wall's (``time.perf_counter``); the sim backend's
+        virtual clock there (``simulated``)."""
+        return time.perf_counter()
+
+    def compute(self, ops: Iterable[tuple[float, float]], dtype: str = "float64") -> float:
+        """Operations [(flops, bytes), ...] this rank just computed: nothing to do here (they took
+        the time they took); the sim backend spends their modelled time on its virtual clock
+        (``dplab.reference.flops`` says what the reference MLP's cost). Returns the seconds
+        charged."""
+        return 0.0
+
+    @contextmanager
+    def job(self) -> Iterator[None]:
+        """Around each job a launcher runs on this rank (``launch``, ``World.run``): nothing here;
+        the sim backend's ranks enter virtual time and leave it."""
+        yield
 
     @contextmanager
     def patience(self, seconds: float) -> Iterator[None]:

@@ -22,22 +22,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dplab.reference.cluster import Cluster, Link, cluster
 from dplab.reference.errors import ConfigError
 
 __all__ = ["Link", "Topology", "PRESETS"]
-
-
-@dataclass(frozen=True)
-class Link:
-    """One kind of link: ``alpha`` seconds per message, ``beta`` seconds per byte (1 / bandwidth)."""
-
-    alpha: float
-    beta: float
-
-    def __post_init__(self) -> None:
-        if not (self.alpha >= 0 and self.beta >= 0):
-            raise ConfigError(f"a link needs alpha >= 0 s and beta >= 0 s/byte, got {self.alpha}, "
-                              f"{self.beta}")
 
 
 @dataclass(frozen=True)
@@ -65,24 +53,23 @@ class Topology:
         link = Link(alpha, beta)
         return Topology(name, 1, link, link, gamma, "one alpha, beta, gamma for every message")
 
+    @staticmethod
+    def of(c: Cluster | str) -> Topology:
+        """What the cost model prices on cluster ``c`` (or a preset's name): its nodes and its two
+        links' alpha and beta, its gamma. Contention-free: a port per rank and no queueing on a
+        shared port or device (the simulator, ``--backend sim``, has those)."""
+        c = cluster(c)
+        return Topology(c.name, c.ranks_per_node, c.intra, c.inter, c.gamma, c.source)
+
     @property
     def one_level(self) -> bool:
-        return self.ranks_per_node == 1 or self.intra == self.inter
+        return self.ranks_per_node == 1 or (self.intra.alpha, self.intra.beta) == (self.inter.alpha,
+                                                                                  self.inter.beta)
 
 
-_H100_GAMMA = 3 / 3.35e12  # a reduce reads two bytes and writes one per byte; HBM3 3.35 TB/s
-PRESETS: dict[str, Topology] = {
+PRESETS: dict[str, Topology] = {  # one level, and two clusters' (dplab.reference.cluster)
     "flat-10g": Topology("flat-10g", 1, Link(5e-6, 1 / 1.25e9), Link(5e-6, 1 / 1.25e9), 0.0,
                          "one level: 10 Gb/s Ethernet (1.25 GB/s each way), 5 us a message, free reduction"),
-    "dgx-h100": Topology(
-        "dgx-h100", 8, Link(2e-6, 1 / 450e9), Link(5e-6, 1 / 50e9), _H100_GAMMA,
-        "NVIDIA DGX H100 datasheet: 8 H100 SXM per node, NVLink4 900 GB/s bidirectional per GPU "
-        "(450 GB/s each way), 8 ConnectX-7 400 Gb/s NDR InfiniBand ports, one per GPU (50 GB/s each "
-        "way); H100 SXM datasheet: HBM3 3.35 TB/s (gamma: 3 bytes moved per byte reduced). alpha: "
-        "NCCL's src/graph/tuning.cc prices an NVLink ring hop at 0.5-3.4 us by protocol and a network "
-        "hop at several us; we take 2 us inside a node and 5 us between nodes."),
-    "h100-100g": Topology(
-        "h100-100g", 8, Link(2e-6, 1 / 450e9), Link(10e-6, 1 / 12.5e9), _H100_GAMMA,
-        "as dgx-h100, with one 100 Gb/s port per GPU between nodes (12.5 GB/s each way) and 10 us "
-        "network latency: a commodity Ethernet cluster"),
+    "dgx-h100": Topology.of("dgx-h100"),
+    "h100-100g": Topology.of("h100-100g"),
 }

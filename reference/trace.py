@@ -124,15 +124,17 @@ def load_json(path: str | Path) -> tuple[list[Event], dict[str, Any]]:
     return [Event(**e) for e in doc["events"]], doc.get("meta", {})
 
 
-def to_chrome(events: Iterable[Event]) -> dict[str, Any]:
-    """Chrome-trace JSON: one process per rank, one thread row per rank thread."""
+def to_chrome(events: Iterable[Event], cluster: str = "") -> dict[str, Any]:
+    """Chrome-trace JSON: one process per rank, one thread row per rank thread. ``cluster``: the
+    events are a simulated cluster's virtual time (the sim backend), and every rank says so."""
     events = list(events)
     t0 = min((e.t_start_ns for e in events), default=0)
     threads = sorted({(e.rank, e.thread) for e in events})
     tid = {key: i for i, key in enumerate(threads)}
     out: list[dict[str, Any]] = []
     for rank in sorted({r for r, _ in threads}):
-        out.append({"ph": "M", "name": "process_name", "pid": rank, "args": {"name": f"rank {rank}"}})
+        name = f"rank {rank}" + (f" (simulated: {cluster})" if cluster else "")
+        out.append({"ph": "M", "name": "process_name", "pid": rank, "args": {"name": name}})
     for (rank, thread), i in tid.items():
         out.append({"ph": "M", "name": "thread_name", "pid": rank, "tid": i, "args": {"name": thread}})
     for e in events:
@@ -142,4 +144,7 @@ def to_chrome(events: Iterable[Event]) -> dict[str, Any]:
             "cat": e.algorithm or e.kind, "ph": "X", "pid": e.rank, "tid": tid[(e.rank, e.thread)],
             "ts": (e.t_start_ns - t0) / 1e3, "dur": max(e.t_end_ns - e.t_start_ns, 0) / 1e3, "args": args,
         })
-    return {"traceEvents": out, "displayTimeUnit": "ns"}
+    doc = {"traceEvents": out, "displayTimeUnit": "ns"}
+    if cluster:
+        doc["otherData"] = {"clock": f"simulated time on {cluster}"}
+    return doc

@@ -150,7 +150,7 @@ def _auto_sum(comm, sizes):
 
 def test_auto_runs_the_chosen_schedule_on_every_rank_and_the_trace_names_it(tune_env, backend):
     # tree is cheap per message, ring per byte: small buffers go to tree, large ones to ring
-    tune_env(*[f for b in ("local", "mpi", "torch", "cuda") for f in (
+    tune_env(*[f for b in ("local", "mpi", "torch", "cuda", "sim") for f in (
         (b, 3, "tree", 1e-6, 1e-9, None), (b, 3, "ring", 1e-4, 1e-11, None),
         (b, "all", "all", 1.0, 1.0, None))])
     results = launch(_auto_sum, 3, backend=backend, args=((10, 1 << 18),))

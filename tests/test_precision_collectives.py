@@ -173,7 +173,7 @@ def test_bfloat16_tensors_on_the_torch_backend(worlds, algorithm):
 def test_refusals_say_what_to_do(worlds, backend):
     name, message = worlds(2, backend).run(job_refused, "complex64")[0]
     assert name == "ConfigError" and "float16" in message and "numpy has no bfloat16" in message
-    if backend not in ("torch", "cuda"):  # the backends that move torch tensors
+    if backend not in ("torch", "cuda", "sim"):  # the backends that move torch tensors
         pytest.importorskip("torch")
         name, message = worlds(2, backend).run(job_refused, "torch-on-numpy-backend")[0]
         assert name == "ConfigError" and "t.numpy()" in message and "backend='torch'" in message

@@ -106,6 +106,6 @@ def test_every_option_shows_its_default():
     (sub,) = [a for a in parser._actions if a.choices and hasattr(a, "_name_parser_map")]
     options = sub.choices["scaling"].format_help().split("options:", 1)[1].split("columns (", 1)[0]
     blocks = re.split(r"\n  (?=--)", options)[1:]  # one block per option, its help lines included
-    assert len(blocks) == 13
+    assert len(blocks) == 14  # --cluster included
     for block in blocks:
         assert "default" in block, block

@@ -154,10 +154,12 @@ class Budget:
             self._cond.notify_all()
 
     def world(self, world_size: int, backend: str = "local", tolerate: frozenset[int] = frozenset(),
-              stop: Callable[[], bool] = _never, check: Callable[[], None] = _nothing) -> _Held:
+              stop: Callable[[], bool] = _never, check: Callable[[], None] = _nothing,
+              cluster: str | None = None) -> _Held:
         """A ``World`` under this budget: waits its turn, and is killed past ``Limits.run_s`` or once
-        ``stop()`` (``visitor_hooks``); then ``check()`` ends the page, else ``Stopped`` says why."""
-        return _Held(self, world_size, backend, tolerate, stop, check)
+        ``stop()`` (``visitor_hooks``); then ``check()`` ends the page, else ``Stopped`` says why.
+        ``cluster``: backend "sim"'s simulated cluster."""
+        return _Held(self, world_size, backend, tolerate, stop, check, cluster)
 
     def lease(self) -> Lease:
         """Ranks for several worlds open at once, for one visitor (see the module)."""
@@ -178,9 +180,9 @@ class Lease:
         self.open = 0  # ranks of the lease's open worlds
         self._lock = threading.Lock()
 
-    def world(self, world_size: int, backend: str = "local") -> _Held:
+    def world(self, world_size: int, backend: str = "local", cluster: str | None = None) -> _Held:
         stop, check = visitor_hooks()
-        return _Held(self.budget, world_size, backend, frozenset(), stop, check, lease=self)
+        return _Held(self.budget, world_size, backend, frozenset(), stop, check, cluster, lease=self)
 
     def grow(self, world_size: int, stop: Callable[[], bool]) -> None:
         """Hold enough ranks for one more open world of ``world_size``."""
@@ -207,8 +209,9 @@ class _Held:
 
     def __init__(self, budget: Budget, world_size: int, backend: str, tolerate: frozenset[int],
                  stop: Callable[[], bool], check: Callable[[], None],
-                 lease: Lease | None = None) -> None:
+                 cluster: str | None = None, lease: Lease | None = None) -> None:
         self.budget, self.args, self.lease = budget, (world_size, backend, tolerate), lease
+        self.cluster = cluster
         self.stop, self.check = stop, check
         self.held, self.world, self.dog = 0, None, None
 
@@ -232,7 +235,7 @@ class _Held:
             self.check()
             raise
         try:
-            self.world = World(world_size, backend, tolerate=tolerate)
+            self.world = World(world_size, backend, tolerate=tolerate, cluster=self.cluster)
         except BaseException:
             self._give_back()
             raise

@@ -140,6 +140,7 @@ def trace_bytes(events: Iterable[Event], meta: dict[str, Any] | None = None) -> 
         return path.read_bytes()
 
 
-def chrome_bytes(events: Iterable[Event]) -> bytes:
-    """The Chrome-trace JSON of ``events`` (open it in ui.perfetto.dev or chrome://tracing)."""
-    return json.dumps(to_chrome(events)).encode()
+def chrome_bytes(events: Iterable[Event], cluster: str = "") -> bytes:
+    """The Chrome-trace JSON of ``events`` (open it in ui.perfetto.dev or chrome://tracing);
+    ``cluster``: they are that simulated cluster's time, and the trace says so."""
+    return json.dumps(to_chrome(events, cluster)).encode()

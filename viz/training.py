@@ -65,8 +65,12 @@ def loss_figure(cells: Sequence[Cell], x: str = "step") -> go.Figure:
             legendgroup=c.label, marker={"size": 4},
             line={"color": colour[c.label], "dash": "solid" if c.straggler == "none" else "dot"},
             hovertemplate="%{x:.3g}, loss %{y:.5g}<extra>" + _name(c) + "</extra>"))
-    fig.update_layout(title=f"loss against {'steps' if x == 'step' else 'wall time'}",
-                      xaxis_title=X_TITLES[x], yaxis_title="loss (mean over the data set)",
+    clock = "wall time"
+    x_title = X_TITLES[x]
+    if x == "time" and cells and cells[0].row.get("clock") == "simulated":  # a simulated cluster's
+        clock, x_title = "simulated time", f"simulated time on {cells[0].row['cluster']} (s)"
+    fig.update_layout(title=f"loss against {'steps' if x == 'step' else clock}",
+                      xaxis_title=x_title, yaxis_title="loss (mean over the data set)",
                       legend={"orientation": "h", "y": -0.25}, margin={"t": 40})
     return fig
 
@@ -79,7 +83,9 @@ def throughput_figure(cells: Sequence[Cell]) -> go.Figure:
         fig.add_trace(go.Bar(x=[c.label for c in group], y=[c.row["samples_per_s"] for c in group],
                              name="no straggler" if straggler == "none" else f"straggler {straggler}",
                              text=[f"{c.row['samples_per_s']:,.0f}" for c in group], textposition="outside"))
-    fig.update_layout(barmode="group", title="throughput (samples applied per second)",
+    simulated = bool(cells) and cells[0].row.get("clock") == "simulated"
+    fig.update_layout(barmode="group", title="throughput (samples applied per second"
+                      + (f" of simulated time on {cells[0].row['cluster']})" if simulated else ")"),
                       yaxis_title="samples / s", margin={"t": 40})
     return fig
 

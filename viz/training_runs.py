@@ -56,6 +56,11 @@ class TrainingGrid:
     global_batch: int = 512
     seed: int = 0
     points: int = 20  # most loss points per parameter-server curve (each is one replay of a prefix)
+    cluster: str | None = None  # None: the local backend, measured; a name: the sim backend on it
+
+    @property
+    def backend(self) -> str:
+        return "local" if self.cluster is None else "sim"
 
     def train_config(self) -> TrainConfig:
         return TrainConfig(model=MLPConfig(hidden=self.hidden), num_samples=self.num_samples,
@@ -72,10 +77,11 @@ class TrainingGrid:
                               f"one can straggle), got {self.world_size}")
         if self.straggler_factor < 1:
             raise ConfigError(f"straggler_factor must be >= 1, got {self.straggler_factor}")
-        base = RunSpec(world_size=self.world_size, algorithm=self.algorithm, train=self.train_config())
+        base = RunSpec(world_size=self.world_size, algorithm=self.algorithm,
+                       train=self.train_config(), cluster=self.cluster)
         out = []
         for strag in ((), self.straggler()):
-            out += compare_specs(replace(base, straggler=strag), ["local"], [self.world_size],
+            out += compare_specs(replace(base, straggler=strag), [self.backend], [self.world_size],
                                  ["sync", "backup", "async"], [self.algorithm], list(self.staleness),
                                  list(self.backup_workers))
         return out
@@ -170,7 +176,7 @@ def sync_steps(spec: RunSpec, world: World | None = None) -> list[np.ndarray]:
     ``world``: a World of ``spec.world_size`` ranks to run on; None starts one for this run.
     """
     if world is None:
-        with World(spec.world_size, spec.backend) as fresh:
+        with World(spec.world_size, spec.backend, cluster=spec.cluster) as fresh:
             return sync_steps(spec, fresh)
     with tempfile.TemporaryDirectory(prefix="dplab-viz-") as d:
         ckpt = CheckpointConfig(every=1, directory=d)
@@ -179,13 +185,14 @@ def sync_steps(spec: RunSpec, world: World | None = None) -> list[np.ndarray]:
 
 
 def run_grid(grid: TrainingGrid, on_progress: Progress | None = None) -> list[Cell]:
-    """Every cell of ``grid`` on one local World, then the sync cells' per-step equivalence."""
+    """Every cell of ``grid`` on one World (local, or sim on its cluster), then the sync cells'
+    per-step equivalence."""
     specs = grid.specs()
     for spec in specs:
         spec.validate()  # bad input fails before any work
     cells: list[Cell] = []
     total = len(specs) + 1
-    with World(grid.world_size, "local") as world:
+    with World(grid.world_size, grid.backend, cluster=grid.cluster) as world:
         for spec in specs:
             cells.append(run_cell(spec, world, grid.points))
             if on_progress:

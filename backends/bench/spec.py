@@ -19,6 +19,7 @@ from dplab.backends.bench.timing import bench_rank, summarize
 from dplab.backends.launch.limits import mem_available_bytes  # within this process's cgroup too
 from dplab.backends.launch.world import check_backend
 from dplab.backends.registry import entry
+from dplab.backends.sim.setup import resolve_cluster
 from dplab.reference.algorithms import ALGORITHMS, has_schedule
 from dplab.reference.errors import ConfigError
 
@@ -41,6 +42,7 @@ class BenchSpec:
     target_seconds: float = 0.3  # timed work per cell
     reps: int = 5  # timed loops per cell, algorithms interleaved
     max_iters: int = 2000  # most calls in one timed loop
+    cluster: str | None = None  # backend "sim": the simulated cluster (timing-only runs, any p)
 
     def check(self) -> None:
         """ConfigError, in one line, for anything that cannot run here."""
@@ -61,11 +63,23 @@ class BenchSpec:
             raise ConfigError(f"size {small[0]} bytes is less than one {self.dtype} element ({itemsize} "
                               f"bytes): use --sizes of at least {itemsize}")
         for backend in self.backends:
+            if entry(backend).simulated:  # timing-only: sizes, no bytes; the cluster must hold them
+                resolve_cluster(self.cluster).check_world(max(self.world_sizes))
+                continue
             need = bench_memory_need(backend, max(self.world_sizes), list(self.sizes))
             check_room(need, shm_free_bytes() if need.shm else 0, mem_available_bytes())
+        if self.cluster is not None and not any(entry(b).simulated for b in self.backends):
+            raise ConfigError("--cluster names a simulated cluster: add --backends sim, or drop "
+                              "--cluster")
 
     def run(self, world: World, backend: str, world_size: int) -> list[dict[str, Any]]:
-        """The rows of one backend x world size, on a world from ``world(world_size, backend)``."""
+        """The rows of one backend x world size, on a world from ``world(world_size, backend)``; on
+        a simulated cluster, from the schedules alone (``dplab.backends.sim.timing``: any p)."""
+        if entry(backend).simulated:
+            from dplab.backends.sim.timing import bench_rows
+
+            return bench_rows(resolve_cluster(self.cluster), world_size, list(self.algorithms),
+                              list(self.sizes), self.dtype)
         with world(world_size, backend) as w:
             per_rank = w.run(bench_rank, list(self.algorithms), list(self.sizes), self.dtype, self.warmup,
                              self.target_seconds, self.max_iters, self.reps)

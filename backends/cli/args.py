@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from dplab.backends.cli.args_optim import add_optimizer_args, add_sweep_args, positive_float, positive_int
 from dplab.backends.cli.args_optim import csv_list as _csv
+from dplab.backends.cli.args_sim import add_cluster_arg
 from dplab.backends.cli.args_zero import add_zero_args, precision_flags_error
 from dplab.backends.runs.run import MODES
 from dplab.reference.algorithms import ALGORITHMS, PARAMETRIC
@@ -189,6 +190,7 @@ def _add_common_args(p: argparse.ArgumentParser, device_help: str) -> None:
     g.add_argument("--device", choices=["cpu", "cuda"], default=None, help=device_help)
     g.add_argument("--json", metavar="PATH",
                    help="also write the rows, with full precision, as JSON (default: not written)")
+    add_cluster_arg(g)
 
 
 def _add_train(sub: Any) -> None:  # run by commands.cmd_train
@@ -197,8 +199,9 @@ def _add_train(sub: Any) -> None:  # run by commands.cmd_train
                        description=_wrap("Train one MLP on N ranks and report how far every rank's "
                                          "parameters end from single-device training on the same batches."))
     t.add_argument("--backend", default="local",
-                   help="local | mpi | torch | cuda (cuda, and torch with --device cuda: the recipe "
-                        "computes on the GPU with torch tensors; elsewhere in NumPy on the host)")
+                   help="local | mpi | torch | cuda | sim (cuda, and torch with --device cuda: the "
+                        "recipe computes on the GPU with torch tensors; elsewhere in NumPy on the "
+                        "host; sim: on a simulated --cluster, its time)")
     t.add_argument("--world-size", type=int, default=None,
                    help="ranks to start (default 4; under mpiexec/torchrun: the launcher's)")
     t.add_argument("--algorithm", default="ring",

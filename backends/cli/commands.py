@@ -77,13 +77,15 @@ def cmd_train(a: argparse.Namespace) -> list[dict[str, Any]]:
     budget = None if a.time_budget is AUTO else a.time_budget
     spec = RunSpec(a.backend, world_size, a.algorithm, a.mode, a.staleness, _train_config(a, budget),
                    a.bucket_cap_mb, a.accum_steps, _stragglers(a), budget, a.backup_workers,
-                   _checkpoint(a), a.zero_stage, precision_config(a))
+                   _checkpoint(a), a.zero_stage, precision_config(a), a.cluster)
     row, events = run_train(spec, trace=bool(a.trace), save_params=a.save_params if _is_printer(a) else None)
     if a.trace and _is_printer(a):
         merged = merge(events)
-        save_json(a.trace, merged, meta={"row": row}, what="--trace")
+        simulated = {"clock": "simulated", "cluster": row["cluster"]} if "cluster" in row else {}
+        save_json(a.trace, merged, meta={"row": row, **simulated}, what="--trace")
         chrome = Path(a.trace).with_suffix(".chrome.json")
-        write_atomic(chrome, json.dumps(to_chrome(merged)).encode(), "--trace (Chrome trace)")
+        write_atomic(chrome, json.dumps(to_chrome(merged, row.get("cluster", ""))).encode(),
+                     "--trace (Chrome trace)")
         _say(f"trace: {a.trace} ({format_number(len(merged))} events); Perfetto/chrome://tracing: {chrome}")
     return [row]
 
@@ -110,7 +112,8 @@ def cmd_compare(a: argparse.Namespace) -> list[dict[str, Any]]:
         budget = RACE_DEFAULTS["time_budget_s"] if "async" in a.modes else None
     defaults = RACE_DEFAULTS if budget is not None else EQUIVALENCE_DEFAULTS
     base = RunSpec(train=_train_config(a, budget), bucket_cap_mb=a.bucket_cap_mb,
-                   accum_steps=a.accum_steps, straggler=_stragglers(a), time_budget_s=budget)
+                   accum_steps=a.accum_steps, straggler=_stragglers(a), time_budget_s=budget,
+                   cluster=a.cluster)
     return run_specs(compare_specs(base, a.backends, a.world_sizes or defaults["world_sizes"], a.modes,
                                    a.algorithms or defaults["algorithms"], a.staleness_grid,
                                    a.backup_workers))
@@ -141,8 +144,8 @@ def bench_argv(argv: list[str]) -> list[dict[str, Any]]:
 def _columns(command: str, rows: list[dict[str, Any]]) -> list[str]:
     """The table shows what the rows are about: a race, stragglers, a parameter server."""
     if command == "bench":  # an auto row says what auto ran
-        return [*BENCH_COLUMNS[:2], "ran", *BENCH_COLUMNS[2:]] if any("ran" in r for r in rows) \
-            else BENCH_COLUMNS
+        return _simulated(rows, [*BENCH_COLUMNS[:2], "ran", *BENCH_COLUMNS[2:]]
+                          if any("ran" in r for r in rows) else BENCH_COLUMNS)
     if command == "tune":
         from dplab.backends.cli.tune import TUNE_COLUMNS
 
@@ -150,11 +153,28 @@ def _columns(command: str, rows: list[dict[str, Any]]) -> list[str]:
     if command == "scaling":
         from dplab.backends.cli.scaling import scaling_columns
 
-        return scaling_columns(rows)
+        return _simulated(rows, scaling_columns(rows))
     if rows and "lr_rule" in rows[0]:
         from dplab.backends.cli.sweep import sweep_columns
 
         return sweep_columns(rows)
+    return _simulated(rows, _train_columns(rows))
+
+
+def _simulated(rows: list[dict[str, Any]], columns: list[str]) -> list[str]:
+    """Rows of a simulated cluster name it, and their times are its: step_ms and sim_s."""
+    sim = [r.get("clock") == "simulated" for r in rows]
+    if not any(sim):
+        return columns
+    columns = list(columns)
+    columns.insert(columns.index("backend") + 1, "cluster")
+    if "wall_s" in columns:  # beside a real backend's rows, both clocks
+        i = columns.index("wall_s")
+        columns[i:i + 1] = ["step_ms", "sim_s"] if all(sim) else ["wall_s", "step_ms", "sim_s"]
+    return columns
+
+
+def _train_columns(rows: list[dict[str, Any]]) -> list[str]:
     if any(r.get("time_budget_s") is not None for r in rows):
         return RACE_COLUMNS
     columns = list(ASYNC_COLUMNS if any(r["mode"] != "sync" for r in rows) else TRAIN_COLUMNS)
@@ -276,6 +296,8 @@ def _run(args: argparse.Namespace, argv: list[str] | None) -> int:
     if not _is_printer(args):
         return 0
     _say(format_table(rows, _columns(args.command, rows)))
+    for about in dict.fromkeys(r["cluster_about"] for r in rows if r.get("clock") == "simulated"):
+        _say(f"simulated time, not measured: {about}")
     if args.json:
         meta = {"command": args.command, "argv": sys.argv[1:] if argv is None else argv,
                 "python": platform.python_version(), "machine": platform.machine()}

@@ -12,6 +12,7 @@ import numpy as np
 
 from dplab.backends.cli.table import Progress
 from dplab.backends.launch.world import open_world
+from dplab.backends.registry import entry
 from dplab.backends.runs.run import RunSpec, run_train
 from dplab.reference.train.single import train_single
 
@@ -25,7 +26,9 @@ def run_specs(specs: Sequence[RunSpec]) -> list[dict[str, Any]]:
     singles: dict[Any, np.ndarray] = {}  # the single-device oracle, once per training config
     rows, progress = [], Progress(len(specs))
     for (backend, p), group in groupby(specs, key=lambda s: (s.backend, s.world_size)):
-        with open_world(p, backend) as world:  # under mpiexec/torchrun: its ranks
+        group = list(group)
+        cluster = group[0].simulated_cluster() if entry(backend).simulated else None
+        with open_world(p, backend, cluster=cluster) as world:  # under mpiexec/torchrun: its ranks
             for spec in group:
                 single = None
                 if spec.time_budget_s is None:

@@ -24,10 +24,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from dplab.backends.cli.args_optim import csv_list
+from dplab.backends.cli.args_sim import add_cluster_arg
 from dplab.backends.cli.scaling_ddp import DDP_COLUMNS, DdpBench, run_ddp
 from dplab.backends.cli.table import Progress
 from dplab.backends.launch.world import World, check_backend
+from dplab.backends.registry import entry
 from dplab.backends.runs.run import RunSpec, train_rank
+from dplab.backends.sim.setup import resolve_cluster
 from dplab.reference.algorithms import ALGORITHMS, has_schedule
 from dplab.reference.errors import ConfigError
 from dplab.reference.model import MLP, MLPConfig
@@ -79,6 +82,7 @@ class ScalingRun:
     algorithm: str = "ring"
     bucket_cap_mb: float = 25.0
     dtype: str = "float64"
+    cluster: str | None = None  # backend "sim": the simulated cluster
 
     def validate(self, world_sizes: list[int]) -> None:
         unknown = [m for m in self.models if m not in MODELS]
@@ -98,7 +102,9 @@ class ScalingRun:
     def spec(self, backend: str, model: str, world_size: int) -> RunSpec:
         train = TrainConfig(MODELS[model], "regression", max(256, self.global_batch), self.global_batch,
                             self.steps, seed=0, dtype=self.dtype)
-        return RunSpec(backend, world_size, self.algorithm, train=train, bucket_cap_mb=self.bucket_cap_mb)
+        return RunSpec(backend, world_size, self.algorithm, train=train,
+                       bucket_cap_mb=self.bucket_cap_mb,
+                       cluster=self.cluster if entry(backend).simulated else None)
 
 
 def split_rows(per_rank: list[Any], warmup: int) -> dict[str, float]:
@@ -107,15 +113,17 @@ def split_rows(per_rank: list[Any], warmup: int) -> dict[str, float]:
     return {k: statistics.fmean(getattr(s, k) for s in splits) for k in SPLIT}
 
 
-def scaling_rows(cells: dict[tuple[str, str, int], list[dict[str, float]]]) -> list[dict[str, Any]]:
+def scaling_rows(cells: dict[tuple[str, str, int], list[dict[str, float]]],
+                 clusters: dict[str, dict[str, str]] | None = None) -> list[dict[str, Any]]:
     """Rows from ``{(backend, model, p): [split per repetition]}``: the median repetition's split,
-    speedup and efficiency against the same backend and model at p = 1 (None without one)."""
-    rows = []
+    speedup and efficiency against the same backend and model at p = 1 (None without one).
+    ``clusters``: a simulated backend's cluster fields, added to its rows."""
+    rows, clusters = [], clusters or {}
     for (backend, model, p), reps in cells.items():
         ordered = sorted(reps, key=lambda s: s["step_ms"])
         rows.append({"backend": backend, "model": model, "params": MLP(MODELS[model]).num_params,
                      "world_size": p, **ordered[(len(ordered) - 1) // 2], "reps": len(reps),
-                     "step_ms_each": [s["step_ms"] for s in reps]})
+                     "step_ms_each": [s["step_ms"] for s in reps], **clusters.get(backend, {})})
     one = {(r["backend"], r["model"]): r["step_ms"] for r in rows if r["world_size"] == 1}
     for r in rows:
         t1 = one.get((r["backend"], r["model"]))
@@ -133,9 +141,14 @@ def run_scaling(run: ScalingRun, backends: list[str], world_sizes: list[int]) ->
     try:
         for b in backends:
             for p in world_sizes:
-                worlds[b, p] = World(p, b)
-        for _ in range(run.reps):
+                simulated = entry(b).simulated
+                worlds[b, p] = World(p, b, cluster=run.spec(b, run.models[0], p).simulated_cluster()
+                                     if simulated else None)
+        for rep in range(run.reps):
             for b, m, p in keys:
+                if rep and entry(b).simulated:  # a simulated cell is the same every time
+                    progress.step(f"{b} {m} p={p}")
+                    continue
                 per_rank = worlds[b, p].run(train_rank, run.spec(b, m, p), True)
                 cells[b, m, p].append(split_rows(per_rank, run.warmup))
                 progress.step(f"{b} {m} p={p}")
@@ -143,7 +156,12 @@ def run_scaling(run: ScalingRun, backends: list[str], world_sizes: list[int]) ->
         for w in worlds.values():
             w.close()
         progress.close()
-    return scaling_rows(cells)
+    return scaling_rows(cells, {b: _about(run.spec(b, run.models[0], 1).simulated_cluster())
+                                for b in backends if entry(b).simulated})
+
+
+def _about(c: Any) -> dict[str, str]:
+    return {"cluster": c.name, "clock": "simulated", "cluster_about": c.describe()}
 
 
 def _dims(m: MLPConfig) -> str:
@@ -165,11 +183,14 @@ def add_scaling_parser(sub: Any, formatter_class: type[argparse.HelpFormatter]) 
     s.add_argument("--models", type=csv_list(str, what="model"), default=list(MODELS),
                    help="MLPs to train: " + ", ".join(f"{k} {_dims(v)}" for k, v in MODELS.items()))
     s.add_argument("--world-sizes", type=csv_list(int, what="world size"), default=None,
-                   help="ranks per run (default: 1,2,4; with --ddp: 2)")
+                   help="ranks per run (default: 1,2,4; on a simulated --cluster, its powers "
+                        "of two up to 64; with --ddp: 2)")
     s.add_argument("--global-batch", type=int, default=64, help="samples per step, split over the ranks")
     s.add_argument("--steps", type=int, default=12, help="steps per run, warm-up included")
     s.add_argument("--warmup", type=int, default=2, help="first steps of each run left out of the timing")
-    s.add_argument("--reps", type=int, default=3, help="repetitions of every cell, interleaved; the median")
+    s.add_argument("--reps", type=int, default=None,
+                   help="repetitions of every cell, interleaved; the median (default: 3; on a "
+                        "simulated cluster alone, 1: every repetition gives the same time)")
     s.add_argument("--algorithm", default="ring", help="the all-reduce of the gradient buckets")
     s.add_argument("--bucket-cap-mb", type=float, default=25.0, metavar="MiB", help="gradient bucket size")
     s.add_argument("--dtype", choices=["float64", "float32"], default="float64",
@@ -180,6 +201,7 @@ def add_scaling_parser(sub: Any, formatter_class: type[argparse.HelpFormatter]) 
     s.add_argument("--device", choices=["cpu"], default=None,
                    help="torch backend: gloo on the CPU (default: cpu)")
     s.add_argument("--json", metavar="PATH", help="also write the rows as JSON (default: not written)")
+    add_cluster_arg(s)
     return s
 
 
@@ -189,18 +211,32 @@ def cmd_scaling(a: argparse.Namespace) -> list[dict[str, Any]]:
         check_backend(b)
     if not a.bucket_cap_mb > 0:
         raise ConfigError(f"--bucket-cap-mb must be > 0, got {a.bucket_cap_mb}")
+    if a.reps is None:  # a simulated clock is deterministic: a second repetition adds nothing
+        a.reps = 1 if all(entry(b).simulated for b in a.backends) else 3
     if a.ddp:
         world_sizes = a.world_sizes or [2]
         cfg = DdpBench(global_batch=a.global_batch, steps=a.steps - a.warmup, warmup=a.warmup,
-                       bucket_cap_mb=a.bucket_cap_mb, algorithm=a.algorithm)
+                       bucket_cap_mb=a.bucket_cap_mb, algorithm=a.algorithm, cluster=a.cluster)
         ScalingRun(reps=a.reps, steps=a.steps, warmup=a.warmup, global_batch=a.global_batch,
                    algorithm=a.algorithm).validate(world_sizes)
         return run_ddp(cfg, a.backends, world_sizes, a.reps)
     run = ScalingRun(tuple(a.models), a.global_batch, a.steps, a.warmup, a.reps, a.algorithm,
-                     a.bucket_cap_mb, a.dtype)
-    world_sizes = a.world_sizes or [1, 2, 4]
+                     a.bucket_cap_mb, a.dtype, a.cluster)
+    world_sizes = a.world_sizes or _default_world_sizes(a.backends, a.cluster)
     run.validate(world_sizes)
+    for b in a.backends:  # every cell's run checked first: a bad cluster or world is one line now
+        for p in world_sizes:
+            for m in run.models:
+                run.spec(b, m, p).validate()
     return run_scaling(run, a.backends, world_sizes)
+
+
+def _default_world_sizes(backends: list[str], cluster: str | None) -> list[int]:
+    """1, 2, 4; on a simulated cluster alone, every power of two it holds (up to 64)."""
+    if not all(entry(b).simulated for b in backends):
+        return [1, 2, 4]
+    size = min(resolve_cluster(cluster).size, 64)
+    return [1 << k for k in range(size.bit_length()) if 1 << k <= size]
 
 
 def scaling_columns(rows: list[dict[str, Any]]) -> list[str]:

@@ -19,6 +19,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from dplab.backends.registry import entry
+from dplab.backends.sim.setup import resolve_cluster
 from dplab.reference.errors import ConfigError
 
 __all__ = ["DdpBench", "ddp_rank", "ddp_model", "DDP_COLUMNS", "ddp_rows", "run_ddp"]
@@ -41,6 +43,7 @@ class DdpBench:
     bucket_cap_mb: float = 25.0  # torch DDP's default
     algorithm: str = "ring"
     lr: float = 0.01
+    cluster: str | None = None  # backend "sim": the simulated cluster its worlds run on
 
     def validate(self, world_size: int) -> None:
         if self.global_batch < world_size:
@@ -160,7 +163,8 @@ def run_ddp(cfg: DdpBench, backends: list[str], world_sizes: list[int], reps: in
         loads = []
         try:
             for b in backends:
-                worlds[b] = World(p, b)
+                simulated = entry(b).simulated
+                worlds[b] = World(p, b, cluster=resolve_cluster(cfg.cluster) if simulated else None)
             for _ in range(reps):
                 for impl, b in cells:
                     per_rank = worlds[b].run(ddp_rank, cfg, impl)
@@ -173,4 +177,8 @@ def run_ddp(cfg: DdpBench, backends: list[str], world_sizes: list[int], reps: in
                 w.close()
         rows += ddp_rows(times, cfg, p, statistics.fmean(loads))
     progress.close()
+    for r in rows:  # a simulated cell's time is its cluster's: say which
+        if r["backend"] != "-" and entry(r["backend"]).simulated:
+            c = resolve_cluster(cfg.cluster)
+            r |= {"cluster": c.name, "clock": "simulated", "cluster_about": c.describe()}
     return rows

@@ -21,6 +21,7 @@ import pickle
 import signal
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from functools import partial
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
@@ -107,10 +108,13 @@ class Ranks:
         unlink_prefix(self.session)
 
 
-def start_ranks(backend: str, world_size: int, session: str, timeout: float, job: Job | None) -> Ranks:
+def start_ranks(backend: str, world_size: int, session: str, timeout: float, job: Job | None,
+                cluster: Any = None) -> Ranks:
     """Start ``world_size`` ranks of ``backend``, as its registry entry says; with ``job`` each runs
-    it first, unasked."""
+    it first, unasked. ``cluster``: the simulated cluster of a ``simulated`` backend (sim)."""
     found = entry(backend)
+    if found.simulated:
+        found = replace(found, prepare=partial(found.prepare, cluster=cluster))
     return _STARTS[found.start](found, world_size, session, timeout, job)
 
 

@@ -87,7 +87,8 @@ def serve(connect: Callable[[], Any], conn: Any, job: Job | None = None) -> None
             fn, args = job
             job = None
             try:
-                reply = ("ok", fn(comm, *args))
+                with comm.job():  # the sim backend: the job's rank enters virtual time
+                    reply = ("ok", fn(comm, *args))
             except BaseException:
                 reply = ("error", traceback.format_exc())
             try:

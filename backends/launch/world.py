@@ -98,8 +98,10 @@ class World:
     """``world_size`` ranks of one backend, kept alive between ``run`` calls."""
 
     def __init__(self, world_size: int, backend: str = "local", timeout: float | None = None,
-                 job: tuple[Callable, tuple] | None = None, tolerate: frozenset[int] = frozenset()) -> None:
-        """``tolerate``: ranks whose death (not an exception) gives a ``RankLost``, not a failure."""
+                 job: tuple[Callable, tuple] | None = None, tolerate: frozenset[int] = frozenset(),
+                 cluster: Any = None) -> None:
+        """``tolerate``: ranks whose death (not an exception) gives a ``RankLost``, not a failure.
+        ``cluster``: the simulated cluster of backend "sim" (a preset's name, a file, a Cluster)."""
         check_backend(backend)
         if type(world_size) is not int or world_size < 1:
             raise ConfigError(f"world_size must be a positive integer, got {world_size!r}")
@@ -108,6 +110,9 @@ class World:
             raise ConfigError(f"this process is already one rank of a {backend} launcher job: "
                               "call launch(), which runs on the launcher's ranks")
         found = entry(backend)
+        if cluster is not None and not found.simulated:
+            raise ConfigError(f"cluster= names a simulated cluster: use backend='sim', not "
+                              f"{backend!r}")
         if found.one_host and (why := spans_hosts()):  # shared memory reaches one host's ranks only
             raise ConfigError(f"the {backend} backend runs on one host, but {why}: "
                               "use --backend torch or mpi")
@@ -126,6 +131,7 @@ class World:
 
         check_world(backend, world_size)  # processes, memory, maps, descriptors: refused up front
         self.world_size, self.backend, self.tolerate = world_size, backend, frozenset(tolerate)
+        self.cluster = cluster
         self._entry = found
         self._ranks: Ranks | None = None
         self._finalizer: weakref.finalize | None = None
@@ -134,7 +140,8 @@ class World:
     def _start(self, job: tuple[Callable, tuple] | None) -> None:
         sweep_stale()
         self.session = f"{PREFIX}{os.getpid()}_{secrets.token_hex(4)}"
-        ranks = start_ranks(self.backend, self.world_size, self.session, self.timeout, job)
+        ranks = start_ranks(self.backend, self.world_size, self.session, self.timeout, job,
+                            self.cluster)
         # An unclosed world ends with its last reference or with the interpreter, never later.
         self._ranks, self._finalizer = ranks, weakref.finalize(self, ranks.kill)
 
@@ -230,18 +237,18 @@ class World:
             self.abort()  # an error or Ctrl-C in the block: the ranks' state is unknown, end them now
 
 
-def open_world(world_size: int, backend: str = "local",
-               timeout: float | None = None) -> World | LauncherWorld:
+def open_world(world_size: int, backend: str = "local", timeout: float | None = None,
+               cluster: Any = None) -> World | LauncherWorld:
     """A ``World`` of fresh ranks; under ``backend``'s own launcher (mpiexec, torchrun), its ranks."""
     if under_launcher(backend):
         return LauncherWorld(backend, check_timeout(timeout) if timeout is not None else default_timeout(),
                              world_size)
-    return World(world_size, backend, timeout)
+    return World(world_size, backend, timeout, cluster=cluster)
 
 
 def launch(fn: Callable[..., Any], world_size: int | None = None, backend: str = "local",
            args: tuple = (), timeout: float | None = None,
-           tolerate: frozenset[int] = frozenset()) -> list[Any]:
+           tolerate: frozenset[int] = frozenset(), cluster: Any = None) -> list[Any]:
     """Run ``fn(comm, *args)`` on every rank; returns the per-rank results in rank order.
 
     Fresh ranks are started unless this process already is a rank of an engine
@@ -253,6 +260,7 @@ def launch(fn: Callable[..., Any], world_size: int | None = None, backend: str =
     the others make of it is ``fn``'s business (the parameter server: ``dplab.reference.ps.server``).
     Only on the local backend: on mpi (MPI's failure model) and torch (gloo cannot tell a dead
     peer from a slow one) a tolerated rank's death still fails the world, naming that rank.
+    ``backend="sim"`` runs the ranks on a simulated ``cluster`` (``dplab.backends.sim``).
     """
     check_backend(backend)
     if under_launcher(backend):
@@ -260,7 +268,8 @@ def launch(fn: Callable[..., Any], world_size: int | None = None, backend: str =
                         check_timeout(timeout) if timeout is not None else default_timeout())
     if world_size is None:
         raise ConfigError("world_size is required outside mpiexec/torchrun")
-    world = World(world_size, backend, timeout, job=(fn, tuple(args)), tolerate=tolerate)
+    world = World(world_size, backend, timeout, job=(fn, tuple(args)), tolerate=tolerate,
+                  cluster=cluster)
     try:
         results = world._collect()
     except BaseException:

@@ -10,6 +10,7 @@ is generated, everything else is prose that people write::
 
     <!-- rows: perf/bench_local.json -->            one file's command, machine, load and table
     <!-- targets: perf/a.json perf/b.json -->       the targets of issue 19, measured in those rows
+    <!-- validation: perf/validation_gpu.json -->   the simulator's predictions beside measurements
 
 Paths in markers are relative to the markdown file. Numbers keep four significant digits, so
 the same rows always give the same text.
@@ -27,10 +28,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["stamp", "render_rows", "render_targets", "regenerate", "main"]
+__all__ = ["stamp", "render_rows", "render_targets", "render_validation", "geomean_error",
+           "regenerate", "main"]
 
 Rows = list[dict[str, Any]]
-MARKER = re.compile(r"<!-- (rows|targets): ([^>]*?) -->\n(.*?)<!-- end -->", re.S)
+MARKER = re.compile(r"<!-- (rows|targets|validation): ([^>]*?) -->\n(.*?)<!-- end -->", re.S)
 
 # Columns per kind of row file: (key in the rows, header). Rows without a key show "-".
 BENCH = [("backend", "backend"), ("algorithm", "algorithm"), ("world_size", "p"), ("bytes", "bytes"),
@@ -233,6 +235,40 @@ def render_targets(paths: Sequence[Path]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def geomean_error(rows: Rows) -> float:
+    """The geometric mean of each prediction's error: exp(mean |log(predicted / measured)|) - 1."""
+    logs = [abs(math.log(r["predicted"] / r["measured"])) for r in rows]
+    return math.exp(sum(logs) / len(logs)) - 1 if logs else 0.0
+
+
+SPEED = [("what", "run"), ("wall_s", "wall s"), ("events", "events"),
+         ("events_per_s", "events / s"), ("simulated_s", "simulated s")]
+
+
+def render_validation(path: Path, shown_as: str) -> str:
+    """A validation file (``dplab.backends.sim.validate``): its command, when and under what load,
+    every prediction beside its measurement with the error and the source, and the errors'
+    geometric mean."""
+    data = json.loads(path.read_text())
+    meta, rows = data["meta"], data["rows"]
+    argv = " ".join(a if a != meta["argv"][-1] or "--out" not in meta["argv"] else shown_as
+                    for a in meta["argv"])
+    head = (f"```bash\npython -m dplab.backends.sim.validate {argv}\n```\n\n"
+            f"{measured_line(meta)}\n\n")
+    if meta["what"] == "speed":
+        return head + table(rows, SPEED) + "\n"
+    lines = ["| check | cluster | predicted | measured | unit | error | source |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        error = r["predicted"] / r["measured"] - 1
+        lines.append(f"| {r['check']} | {r['cluster']} | {number(r['predicted'])} | "
+                     f"{number(r['measured'])} | {r['unit'] or '-'} | {error:+.1%} | "
+                     f"{r['source']} |")
+    mean = geomean_error(rows)
+    return (head + "\n".join(lines) + f"\n\nGeometric mean of the errors: {mean:.1%} over "
+            f"{len(rows)} row{'s' * (len(rows) != 1)}.\n")
+
+
 def regenerate(markdown: Path) -> str:
     """``markdown``'s text with every marked table made again from its rows."""
     base = markdown.parent
@@ -241,6 +277,8 @@ def regenerate(markdown: Path) -> str:
         kind, names = m.group(1), m.group(2).split()
         if kind == "rows":
             body = render_rows(base / names[0], f"{base.name}/{names[0]}")
+        elif kind == "validation":
+            body = render_validation(base / names[0], f"{base.name}/{names[0]}")
         else:
             body = render_targets([base / n for n in names])
         return f"<!-- {kind}: {m.group(2)} -->\n{body}<!-- end -->"

@@ -18,7 +18,6 @@ on the rank's GPU with torch tensors (``compute_device``); elsewhere in NumPy. R
 from __future__ import annotations
 
 import os
-import time
 import warnings
 from collections import Counter
 from dataclasses import dataclass, field, replace
@@ -29,9 +28,11 @@ import numpy as np
 from dplab.backends.launch.world import RankLost, World, check_backend, launch, under_launcher
 from dplab.backends.registry import entry
 from dplab.backends.runs.memory import check_run
+from dplab.backends.sim.setup import resolve_cluster
 from dplab.reference.checkpoint.resume import CheckpointConfig, Expect, load_resume
 from dplab.reference.errors import ConfigError
 from dplab.reference.files import write_atomic
+from dplab.reference.flops import ComputeHook
 from dplab.reference.precision.config import MixedPrecision
 from dplab.reference.trace import Event
 from dplab.reference.train.single import TrainConfig, evaluate, train_single
@@ -65,9 +66,15 @@ class RunSpec:
     checkpoint: CheckpointConfig | None = None  # checkpoint every K steps / resume (checkpoint/resume.py)
     zero_stage: int | None = None  # sync only: train with ZeRO stage 0-3 (reference/zero) instead
     precision: MixedPrecision | None = None  # sync only: float16 compute, float32 masters, loss scaling
+    cluster: str | None = None  # backend "sim": its cluster (a preset, <preset>xN, a file)
 
     def validate(self) -> None:
         check_backend(self.backend)
+        if entry(self.backend).simulated:
+            self.check_cluster()
+        elif self.cluster is not None:
+            raise ConfigError(f"--cluster names a simulated cluster: use --backend sim (not "
+                              f"{self.backend}), or drop --cluster")
         if self.mode not in MODES:
             raise ConfigError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         self.train.validate()
@@ -83,6 +90,41 @@ class RunSpec:
                 raise ConfigError(f"mixed precision is for synchronous training: drop it, or use --mode sync "
                                   f"(not {self.mode})")
             self.async_config().validate(self.world_size)
+
+    def simulated_cluster(self) -> Any:
+        """The cluster a sim run runs on (``--cluster``, ``$DPLAB_CLUSTER``, or the default)."""
+        return resolve_cluster(self.cluster)
+
+    def check_cluster(self) -> None:
+        """The world fits the cluster, and each rank's model state fits its simulated device (the
+        memory ledger's categories, by ``zero.memory``'s closed forms); activations are not
+        counted."""
+        from dplab.reference.model import MLP
+        from dplab.reference.zero.memory import (
+            model_state_bytes,
+            precision_bytes,
+            state_bytes_per_param,
+        )
+
+        c = self.simulated_cluster()
+        c.check_world(self.world_size)
+        precision = "mixed" if self.precision is not None else self.train.dtype
+        b = precision_bytes(precision)
+        stage = 0 if self.zero_stage is None else self.zero_stage
+        state = state_bytes_per_param(self.train.optimizer.name, precision)
+        need = model_state_bytes(MLP(self.train.model).num_params, stage, self.world_size,
+                                 param_bytes=b.param_bytes, grad_bytes=b.grad_bytes,
+                                 state_bytes=state)
+        have = min(c.device_for(r).memory_bytes / c.ranks_sharing_device(self.world_size)
+                   for r in range(self.world_size))
+        if need.total > have:
+            what = "replica" if stage == 0 else f"ZeRO-{stage} shard"
+            gb = lambda x: f"{x / 1e9:.3g}"  # noqa: E731
+            raise ConfigError(
+                f"each rank's model {what} needs {gb(need.total)} GB (weights {gb(need.params)}, "
+                f"gradients {gb(need.grads)}, optimizer {gb(need.optimizer)}) but a rank of "
+                f"{c.name} has {gb(have)} GB of {c.device.name}: {gb(need.total - have)} GB too "
+                "many: use a higher --zero-stage, more ranks, a smaller model or a larger device")
 
     def on_gpu(self) -> bool:
         """Does the sync recipe compute on GPUs (torch tensors) in this run's ranks?"""
@@ -155,12 +197,12 @@ def train_rank(comm: Any, spec: RunSpec, trace: bool) -> tuple[np.ndarray, Any, 
     """
     comm.tracer.enabled = trace
     comm.barrier()
-    t0 = time.perf_counter()
+    t0 = comm.now()  # the wall's clock; on a simulated cluster, its virtual one
     with warnings.catch_warnings():
         if spec.precision is not None:  # float16 overflows are expected: the loss scaler skips that step
             warnings.simplefilter("ignore", RuntimeWarning)
         result, extra = _train(comm, spec)
-    wall = time.perf_counter() - t0
+    wall = comm.now() - t0
     comm.tracer.enabled = False
     return result.params, extra, wall, comm.tracer.take()
 
@@ -172,7 +214,8 @@ def _train(comm: Any, spec: RunSpec) -> tuple[Any, Any]:
         result = train_zero(comm, spec.train, spec.zero_config())
         extra = result.losses, result.memory
     elif spec.mode == "sync":
-        result = train_sync(comm, spec.train, spec.sync_config())
+        hooks = [ComputeHook(comm, spec.train, spec.accum_steps)] if comm.simulated else []
+        result = train_sync(comm, spec.train, spec.sync_config(), hooks=hooks)  # sim: compute
         extra = result.losses, None
     else:
         from dplab.reference.ps.trainer import train_async
@@ -201,7 +244,9 @@ def run_train(spec: RunSpec, world: World | None = None, trace: bool = False,
         results = world.run(train_rank, spec, trace)
     else:  # fresh ranks, or the ranks of mpiexec/torchrun when we run under one
         workers = frozenset(range(1, spec.world_size)) if spec.mode == "async" else frozenset()
-        results = launch(train_rank, spec.world_size, spec.backend, args=(spec, trace), tolerate=workers)
+        cluster = spec.simulated_cluster() if entry(spec.backend).simulated else None
+        results = launch(train_rank, spec.world_size, spec.backend, args=(spec, trace),
+                         tolerate=workers, cluster=cluster)
     results = [r for r in results if not isinstance(r, RankLost)]  # async: the server went on
     params = results[0][0]  # rank 0: a replica (sync) or the server (parameter server)
     if save_params:
@@ -221,6 +266,10 @@ def run_train(spec: RunSpec, world: World | None = None, trace: bool = False,
         row |= server_facts(spec, results, single)
     row["wall_s"] = wall
     row["samples_per_s"] = row["samples"] / wall if wall > 0 else 0.0
+    if entry(spec.backend).simulated:  # every time above is a simulated cluster's: say which
+        cluster = spec.simulated_cluster()
+        row |= {"cluster": cluster.name, "clock": "simulated", "cluster_about": cluster.describe(),
+                "step_ms": wall / max(row["updates"], 1) * 1e3, "sim_s": wall}
     return row, [r[3] for r in results]  # (lost workers have no trace: they died)
 
 

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dplab.reference.communicator import Communicator
+from dplab.reference.flops import model_ops
 from dplab.reference.ps.protocol import (
     PULL,
     PUSH,
@@ -118,7 +119,9 @@ def work(comm: Communicator, cfg: TrainConfig, acfg: AsyncConfig, clocks: int) -
         if acfg.kill_at == (me, clock):  # a fault test: die as a crash dies, with no goodbye
             os.kill(os.getpid(), signal.SIGKILL)
         with tr.span("compute", extra=info), slow.compute(delay_of(acfg, me, clock)):
-            compute_gradient(model, data, cfg, params, worker_batch(cfg, me, workers, clock), grad)
+            batch = worker_batch(cfg, me, workers, clock)
+            compute_gradient(model, data, cfg, params, batch, grad)
+            comm.compute(model_ops(model.cfg, len(batch), grad.itemsize), grad.dtype.name)  # sim
         with tr.span("push", peer=0, bytes=grad.nbytes, extra=info):
             header[:] = (PUSH, clock, version)
             comm.send(header, 0, TAG_HEADER)

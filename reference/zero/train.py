@@ -32,6 +32,14 @@ import numpy as np
 from dplab.reference.collectives import allreduce, broadcast
 from dplab.reference.communicator import Communicator
 from dplab.reference.data import batch_indices, shard
+from dplab.reference.flops import (
+    delta_ops,
+    forward_ops,
+    grad_ops,
+    loss_ops,
+    optimizer_ops,
+    output_ops,
+)
 from dplab.reference.model import MLP
 from dplab.reference.optim import LAYERWISE, make_optimizer
 from dplab.reference.precision.scaler import LossScaler
@@ -85,6 +93,7 @@ def train_zero(comm: Communicator, cfg: TrainConfig, zero: ZeroConfig = _DEFAULT
         params = ReplicatedParams(ledger, layout, init, zero.stage >= 1, compute, *where)
     else:
         params = ShardedParams(ledger, layout, init, zero.prefetch, compute, *where)
+    itemsize = init.dtype.itemsize
     del init  # stage 3: the full vector existed only to be cut into shards (before any step)
     grads = FullGrads(ledger, layout, reduce, zero.stage, *where) if zero.stage < 2 else \
         ShardedGrads(ledger, layout, reduce, *where)
@@ -119,6 +128,8 @@ def train_zero(comm: Communicator, cfg: TrainConfig, zero: ZeroConfig = _DEFAULT
                     if scaler is None:
                         for layer, opt in enumerate(opts):  # 4. each rank steps what it owns
                             opt.step(params.master(layer), grads.of(layer))
+                            comm.compute(optimizer_ops(cfg.optimizer.name, sizes[layer], itemsize),
+                                         cfg.dtype)
                     stepped = scaler is None or amp_step(comm, zero.algorithm, scaler, ledger, opts, params,
                                                          grads, step)  # mixed: unscale, or skip on overflow
                     if stepped:
@@ -134,10 +145,11 @@ def train_zero(comm: Communicator, cfg: TrainConfig, zero: ZeroConfig = _DEFAULT
 
 def forward(model: MLP, params: ReplicatedParams | ShardedParams, x: np.ndarray) -> list[np.ndarray]:
     """Every layer's input and the output, computed with one layer's weights at a time."""
-    acts = [x]
+    acts, compute, size = [x], params.comm.compute, (len(x), x.dtype.itemsize)  # sim's clock
     for layer in range(model.num_layers):
         w = params.acquire(layer)  # stage 3: all-gathered now (and the next layer's gather starts)
         acts.append(layer_forward(model, layer, w, acts[-1]))
+        compute(forward_ops(model.cfg, layer, *size), x.dtype.name)
         params.release(w)
         del w  # a released layer must not stay alive through us: the ledger would lie
     return acts
@@ -147,14 +159,18 @@ def backward(model: MLP, params: ReplicatedParams | ShardedParams, grads: FullGr
              acts: list[np.ndarray], y: np.ndarray, scale: float, last_micro: bool) -> None:
     """Gradients last layer first, each handed to ``grads`` (and its reduction) the moment it exists."""
     delta = output_delta(model, acts[-1], y, scale)
+    compute, size, dtype = params.comm.compute, (len(y), acts[0].dtype.itemsize), acts[0].dtype.name
+    compute(loss_ops(model.cfg, *size) + output_ops(model.cfg, *size), dtype)
     for layer in reversed(range(model.num_layers)):
         w = params.acquire(layer)  # stage 3: gathered again (the forward's copy was freed)
         g = grads.buffer(layer)
         layer_grads(model, layer, acts[layer], delta, g)
+        compute(grad_ops(model.cfg, layer, *size), dtype)
         grads.ready(layer, g, last_micro)  # its reduction runs while the layers below compute
         del g
         if layer > 0:
             delta = layer_delta(model, layer, w, acts[layer], delta)
+            compute(delta_ops(model.cfg, layer, *size), dtype)
         params.release(w)
         del w
     grads.end_micro()

@@ -179,6 +179,10 @@ def show(row: dict, events: list[Event], made_here: bool = False) -> None:
                 delta={True: "configured", False: "not configured"}.get(straggler.configured),
                 delta_color="off", delta_arrow="off")
     st.caption(straggler.sentence, help="compute: forward, backward, optimizer (async: compute, apply)")
+    if row.get("clock") == "simulated":
+        about = row.get("cluster_about") or row.get("cluster")
+        st.caption(f"Simulated time on {about}: every span is the cluster's model (dplab train "
+                   "--backend sim), not this machine's clock.")
     if row:
         facts = [f"{k} {row[k]:.4g}" if isinstance(row[k], float) else f"{k} {row[k]}"
                  for k in ("mode", "algorithm", "world_size", "steps", "straggler", "final_loss",
@@ -190,7 +194,8 @@ def show(row: dict, events: list[Event], made_here: bool = False) -> None:
     st.dataframe([{k: round(v, 3) if isinstance(v, float) else v for k, v in s.row().items()} for s in stats],
                  hide_index=True, key="runs_table")
     c = st.columns(2)
-    c[0].download_button("Chrome trace (open in ui.perfetto.dev)", chrome_bytes(events),
+    chrome = chrome_bytes(events, row.get("cluster", ""))  # a simulated run's says so
+    c[0].download_button("Chrome trace (open in ui.perfetto.dev)", chrome,
                          file_name="run.chrome.json", mime="application/json", key="runs_chrome")
     c[1].download_button("dplab trace (load it here again)", trace_bytes(events, {"row": row}),
                          file_name="run.json", mime="application/json", key="runs_trace")

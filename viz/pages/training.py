@@ -5,8 +5,9 @@
                                    # the same grid's rows on the command line (one setting of straggler)
 
 The runs go through ``dplab compare``'s own functions (``compare_specs``, ``run_train``) on the
-local backend, cached by their configuration (``dplab.viz.training_runs``); the figures are
-``dplab.viz.training``'s. Controls live in the URL (deep links).
+local backend (times measured here) or on a simulated cluster (``--backend sim``: the same runs,
+their time the cluster's), cached by their configuration (``dplab.viz.training_runs``); the figures
+are ``dplab.viz.training``'s. Controls live in the URL (deep links).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections.abc import Callable
 import streamlit as st
 
 from dplab.backends.runs.run import straggler_label
+from dplab.reference.cluster import CLUSTERS, cluster
 from dplab.reference.errors import DplabError
 from dplab.viz.budget import BUDGET, visitor_hooks
 from dplab.viz.deep_links import MAX_PARAM_CHARS, adopt, url_list
@@ -37,6 +39,8 @@ from dplab.viz.training_runs import Cell, TrainingGrid, fill_sync, run_cell, syn
 STALENESS = ("0", "1", "2", "4", "inf")
 FACTORS = (1.0, 2.0, 4.0, 8.0, 16.0)
 HIDDEN = (32, 128, 256)
+HERE = "here (local backend, measured)"
+MACHINES = (HERE, *CLUSTERS)  # the local backend, or a simulated cluster (the sim backend)
 
 
 BOUNDS = {"training_world_size": (3, 6), "training_steps": (2, 50)}
@@ -59,6 +63,7 @@ CONTROLS = {
     "training_staleness": (["0", "2", "inf"], _url_list(str, STALENESS)),
     "training_backup": ([1], _url_list(int, BACKUP)),
     "training_factor": (8.0, float), "training_hidden": (128, int),
+    "training_cluster": (HERE, str),
 }
 
 
@@ -82,13 +87,14 @@ def to_url() -> None:
     st.query_params.update({k.removeprefix("training_"): text(st.session_state[k]) for k in CONTROLS})
 
 
-Args = tuple  # (world_size, steps, staleness, backup, factor, hidden): what the cache is keyed by
+Args = tuple  # (world_size, steps, staleness, backup, factor, hidden, cluster): the cache's key
 
 
 def grid_of(args: Args) -> TrainingGrid:
-    p, steps, staleness, backup, factor, hidden = args
+    p, steps, staleness, backup, factor, hidden, where = args
     return TrainingGrid(world_size=p, steps=steps, staleness=staleness, backup_workers=backup,
-                        straggler_factor=factor, hidden=(hidden,))
+                        straggler_factor=factor, hidden=(hidden,),
+                        cluster=None if where == HERE else where)
 
 
 # A cell is at most ~0.3 MB pickled (p=6, 50 steps, hidden 256), the per-step parameters ~2 MB.
@@ -98,7 +104,8 @@ def make_cell(args: Args, index: int) -> Cell:
     wait their turn in the server's budget and die with the page (``viz.budget``)."""
     grid = grid_of(args)
     stop, check = visitor_hooks()
-    with BUDGET.world(grid.world_size, stop=stop, check=check) as world:
+    with BUDGET.world(grid.world_size, grid.backend, stop=stop, check=check,
+                      cluster=grid.cluster) as world:
         return run_cell(grid.specs()[index], world, grid.points)
 
 
@@ -107,7 +114,8 @@ def make_sync_steps(args: Args) -> list:
     """The sync spec's per-step parameters (one more run, checkpointing every step), cached."""
     spec = next(s for s in grid_of(args).specs() if s.mode == "sync")
     stop, check = visitor_hooks()
-    with BUDGET.world(spec.world_size, stop=stop, check=check) as world:
+    with BUDGET.world(spec.world_size, spec.backend, stop=stop, check=check,
+                      cluster=spec.cluster) as world:
         return sync_steps(spec, world)
 
 
@@ -132,6 +140,12 @@ def make_runs(args: Args) -> list[Cell]:
 
 
 def controls() -> TrainingGrid:
+    if st.session_state["training_cluster"] not in MACHINES:
+        st.session_state["training_cluster"] = HERE
+    where = st.selectbox("where the ranks run", MACHINES, key="training_cluster",
+                         help="here: the local backend, times measured here (with its load); a "
+                              "cluster: the same runs on the sim backend, their time that "
+                              "cluster's (simulated, deterministic)")
     c = st.columns(6)
     p = c[0].number_input("world size", *BOUNDS["training_world_size"], step=1, key="training_world_size",
                           help="sync: p ranks all-reduce; parameter server: rank 0 serves, p - 1 work")
@@ -158,14 +172,17 @@ def controls() -> TrainingGrid:
     to_url()
     return TrainingGrid(world_size=int(p), steps=int(steps),
                         staleness=tuple(None if s == "inf" else int(s) for s in stal),
-                        backup_workers=tuple(backup), straggler_factor=float(factor), hidden=(int(hidden),))
+                        backup_workers=tuple(backup), straggler_factor=float(factor),
+                        hidden=(int(hidden),), cluster=None if where == HERE else where)
 
 
 def show(cells: list[Cell], grid: TrainingGrid) -> None:
     sync = [c for c in cells if c.row["mode"] == "sync"]
     ps = [c for c in cells if c.row["mode"] != "sync"]
     cost = straggler_cost(cells)
-    st.caption(f"{len(cells)} real runs of dplab compare's grid on the local backend: sync on "
+    where = ("on the local backend" if grid.cluster is None else
+             f"on the sim backend, in simulated time on {cluster(grid.cluster).describe()}")
+    st.caption(f"{len(cells)} real runs of dplab compare's grid {where}: sync on "
                f"{grid.world_size} ranks, the parameter server with 1 server + {grid.world_size - 1} "
                "workers; "
                f"each without and with rank {grid.world_size - 1} {grid.straggler_factor:g}x slower.")
@@ -178,13 +195,21 @@ def show(cells: list[Cell], grid: TrainingGrid) -> None:
     for col, (label, ratio) in zip(m, cost.items()):
         col.metric(short_label(label), f"{ratio:.2f}x",
                    help=f"{label}: samples/s with the straggler over samples/s without")
-    st.caption("Measured, not modelled: a straggler costs sync its factor only where compute dominates a "
-               "step, and with fewer cores than ranks a sleeping straggler hands its core to the others.")
+    if grid.cluster is None:
+        st.caption("Measured, not modelled: a straggler costs sync its factor only where "
+                   "compute dominates a step, and with fewer cores than ranks a sleeping straggler "
+                   "hands its core to the others.")
+    else:
+        st.caption("Simulated, not measured: every time is the cluster's model (its devices' "
+                   "FLOP/s, its links' alpha and beta), the same on every run of the page; the "
+                   "losses and parameters are the real runs'.")
     left, right = st.columns(2)
     left.plotly_chart(loss_figure(cells, "step"), key="training_loss_steps")
     right.plotly_chart(loss_figure(cells, "time"), key="training_loss_time")
-    st.caption("Left, steps: " + X_NOTES["step"] + ". Right, wall time: " + X_NOTES["time"] + ". Every "
-               "point's loss is evaluated on the whole data set: the last one is the row's final_loss.")
+    clock = "wall time" if grid.cluster is None else f"simulated time on {grid.cluster}"
+    st.caption("Left, steps: " + X_NOTES["step"] + f". Right, {clock}: " + X_NOTES["time"] + ". "
+               "Every point's loss is evaluated on the whole data set: the last one is the row's "
+               "final_loss.")
     st.plotly_chart(throughput_figure(cells), key="training_throughput")
     if ps:
         st.plotly_chart(delay_figure(cells), key="training_delays")
@@ -213,9 +238,9 @@ from_url()
 grid = controls()
 try:
     grid.specs()  # bad combinations fail here, in one line, before any run
-    with st.spinner("training the grid (real runs on the local backend)..."):
+    with st.spinner(f"training the grid (real runs on the {grid.backend} backend)..."):
         cells = make_runs((grid.world_size, grid.steps, grid.staleness, grid.backup_workers,
-                           grid.straggler_factor, grid.hidden[0]))
+                           grid.straggler_factor, grid.hidden[0], grid.cluster or HERE))
 except DplabError as e:
     st.error(str(e))
 else:
