@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The sim backend's validation rows (backends/PERFORMANCE.md, "The simulator against measurements"):
 #   bash backends/perf/measure_sim.sh
-#   python -m dplab.backends.cli.perf_tables --write backends/PERFORMANCE.md
+#   python -m dplab.backends.perf.tables --write backends/PERFORMANCE.md
 # (a) needs this machine quiet: it calibrates the this-machine preset on one process and two ranks,
 # measures the local backend (bench at 2 and 4 ranks, the reference recipe's and DDP's steps at 2
 # and 4), then runs the same commands on the preset. Every file records its date and load.
@@ -12,7 +12,7 @@ run() {  # run OUT.json dplab ARGS...: the rows, then the stamp (with the load b
   local out=$1 before; shift
   before=$(cut -d' ' -f1 /proc/loadavg)
   "$@" --json "$out"
-  python -m dplab.backends.cli.perf_tables stamp "$out" "$before"
+  python -m dplab.backends.perf.tables stamp "$out" "$before"
 }
 python -m dplab.backends.sim.machine --out ../../reference/clusters/this-machine.json
 run machine_bench.json dplab bench --backends local --world-sizes 2,4 --sizes 1M,4M,16M,64M \
