@@ -128,7 +128,8 @@ class FakeWorld:
 
     lock, running, most, order = threading.Lock(), 0, 0, []
 
-    def __init__(self, world_size: int, backend: str = "local", tolerate: frozenset = frozenset()) -> None:
+    def __init__(self, world_size: int, backend: str = "local", tolerate: frozenset = frozenset(),
+                 cluster: str | None = None) -> None:
         self.world_size, self.aborted = world_size, threading.Event()
         with FakeWorld.lock:
             FakeWorld.running += world_size
