@@ -334,3 +334,31 @@ def test_no_listing_is_a_whole_module():
     long = [(les.number, i + 1) for les in lessons() for i, s in enumerate(les.steps)
             if len(s.code().splitlines()) > 60]
     assert long == []
+
+
+def test_lesson_11_judges_2_to_the_16_wrong_so_its_own_message_fires():
+    """65,536 was within the old 1e-3 of 65,504 and judged right; the step's message for 2^16 never fired."""
+    predict = lesson(11).steps[0].predict
+    verdict = predict.judge({"max": 65504.0}, "65536")
+    assert not verdict.correct and "2^16" in verdict.misconception
+    assert predict.judge({"max": 65504.0}, "65,504").correct and predict.judge({"max": 65504.0}, "6.55e4").correct
+
+
+def test_lesson_12_says_torch_ddp_broadcasts_buffers_every_forward():
+    """12.2 said "Nothing is copied each step", but torch's DDP broadcasts buffers at every forward."""
+    text = lesson(12).steps[1].text
+    assert "Nothing is copied each step" not in text and "buffers" in text
+    inside = lesson(12).steps[2]
+    assert "VLDB 2020" in inside.text and "ddp-internals" in inside.teaches
+    for words in ("rebuilds the buckets", "find_unused_parameters", "static_graph", "{option}"):
+        assert words in inside.text, words
+
+
+def test_the_buffer_switch_is_the_installed_torchs():
+    pytest.importorskip("torch")
+    import inspect
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    from dplab.lessons.l12_engines import buffer_option
+    assert buffer_option() in inspect.signature(DistributedDataParallel.__init__).parameters
