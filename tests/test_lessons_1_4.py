@@ -270,3 +270,13 @@ def test_lesson_2_double_trees_path_sums_each_rounds_busiest_port():
 
 def test_lesson_3_gives_the_crossover_in_bytes_and_kib():
     assert "{rd_below_bytes:,.0f} bytes ({rd_below_kib:.0f} KiB)" in lesson(3).steps[2].text
+
+
+def test_lesson_3_says_what_the_fit_did_with_beta_and_gamma():
+    """3.2 said one fit may put the per-byte cost in β and the next in γ; 3 runs of 3 set β = 0."""
+    from dplab.lessons.l03_cost import zero_said
+    text = lesson(3).steps[1].text
+    assert "the next in γ" not in text and "{zero_said}" in text and "{alike:.3f}" in text
+    assert zero_said(["β"]).startswith("β came out exactly 0") and "to γ" in zero_said(["β"])
+    assert "to β" in zero_said(["γ"]) and "to α" in zero_said(["β", "γ"])
+    assert zero_said([]) == "Both per-byte terms came out positive."
