@@ -168,10 +168,12 @@ def ddp_inside(comm):
     log = ddp._get_ddp_logging_data()
     out["names"] = names
     out["first"] = log["bucket_sizes"]
+    rebuilt = log["rebuilt_per_bucket_param_indices"]   # "1 0 5 4, 3 2"
     out["rebuilt"] = [[names[int(i)] for i in b.split()]
-                      for b in log["rebuilt_per_bucket_param_indices"].split(",")]
+                      for b in rebuilt.split(",")]
     # 2. an unused parameter: the default, then the two ways out
-    for kind, kw in (("default", {}), ("find", {"find_unused_parameters": True}),
+    for kind, kw in (("default", {}),
+                     ("find", {"find_unused_parameters": True}),
                      ("static", {"static_graph": True})):
         ddp = DDP(registered_net(unused=True), **kw)
         try:
