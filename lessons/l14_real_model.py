@@ -346,8 +346,9 @@ def on_a_gpu(lab):
     mfu = 6 * N_MATMUL * tps / peak
     said = (f"Ran on {torch.cuda.get_device_name()}: {tps:,.0f} tokens/s "
             f"at {rows} rows, {100 * mfu:.2g}% of its own float32 "
-            f"4096 × 4096 matmul ({peak / 1e12:.3g} TFLOP/s, measured): a model this "
-            "small cannot fill a GPU; launch overheads dominate.")
+            f"4096 × 4096 matmul ({peak / 1e12:.3g} TFLOP/s, measured): "
+            "a model this small cannot fill a GPU; launch overheads "
+            "dominate.")
     return {"ran": True, "why": "", "said": said, "mfu_gpu": mfu}
 
 
