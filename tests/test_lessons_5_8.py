@@ -291,3 +291,30 @@ def test_lesson_13_finds_where_the_linear_rule_held_and_broke_from_its_rows():
     step = lesson(13).steps[2]
     assert "lr 0.05 × k" not in step.text and "lr {base_lr:g} × k" in step.text
     assert "{held_k}" in step.text and "{broken_k}" in step.text
+
+
+def test_lesson_5_says_overlap_hides_t_comm_and_prices_it():
+    """5.1 gave T(p) = T_comp/p + T_comm(p) without saying lesson 4's overlap hides T_comm."""
+    from dplab.lessons.l05_scaling import overlapped
+    assert overlapped(3.0, 1.0) == 3.0 and overlapped(3.0, 5.0) == 6.0   # hidden, then not
+    text = lesson(5).steps[0].text
+    assert "Lesson 4's buckets" in text and "{best_ov:.3g}x" in text and "{perfect_to}" in text
+
+
+def test_lesson_5_says_a_cnn_reuses_its_weights():
+    """5.2's "the batch is the lever, not the model" is an MLP's and a transformer's; a CNN reuses weights."""
+    from dplab.lessons.l05_scaling import resnet50_counts
+    params, macs = resnet50_counts()
+    assert params == 25_557_032 and 4.0e9 < macs < 4.2e9      # torchvision's count, ~4.1 GMACs
+    step = lesson(5).steps[1]
+    assert "not the model" not in step.title and "ResNet-50" in step.text
+    assert "{cnn_per_param:.0f}" in step.text
+
+
+def test_lesson_5_reads_a_karp_flatt_share_above_one():
+    """5.4 called shares below 0 noise but left e ≈ 2 (S < 1) unexplained."""
+    from dplab.lessons.l05_scaling import karp_flatt, karp_flatt_reading
+    assert abs(karp_flatt(2 / 3, 2) - 2) < 1e-12
+    said = karp_flatt_reading([-0.1, 0.5, 2.0, 1.6])
+    assert "1 of the 4 repetitions came out below 0" in said and "2 of the 4" in said and "above 1" in said
+    assert "Above 1 it means S < 1" in lesson(5).steps[3].text
