@@ -318,3 +318,12 @@ def test_lesson_5_reads_a_karp_flatt_share_above_one():
     said = karp_flatt_reading([-0.1, 0.5, 2.0, 1.6])
     assert "1 of the 4 repetitions came out below 0" in said and "2 of the 4" in said and "above 1" in said
     assert "Above 1 it means S < 1" in lesson(5).steps[3].text
+
+
+def test_lesson_8_says_none_not_only_0():
+    """8.3 printed "only 0 of the 20 batches"."""
+    from dplab.lessons.l08_stragglers import share_in_words
+    assert share_in_words(0, 20) == "none of the 20" and share_in_words(3, 20) == "only 3 of the 20"
+    assert share_in_words(20, 20) == "all 20"
+    text = lesson(8).steps[2].text
+    assert "only {applied_1} of the" not in text and "{shard_in}" in text

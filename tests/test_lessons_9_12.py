@@ -362,3 +362,11 @@ def test_the_buffer_switch_is_the_installed_torchs():
 
     from dplab.lessons.l12_engines import buffer_option
     assert buffer_option() in inspect.signature(DistributedDataParallel.__init__).parameters
+
+
+def test_the_loss_scaler_checker_prints_nothing_of_its_own():
+    """Its float16 cast warned 'overflow encountered in cast', shown as what the learner's code printed."""
+    from dplab.lessons.exercises.scaler import overflows
+    result = check_file("loss_scaler", SOLUTIONS / "loss_scaler.py")
+    assert result.passed and "RuntimeWarning" not in result.output and result.output.strip() == ""
+    assert overflows(65520.0) and not overflows(65519.0) and not overflows(65504.0)
