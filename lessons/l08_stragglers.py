@@ -131,7 +131,8 @@ def backup_in_the_engine(lab):
 
 
 def share_in_words(n, of):
-    """"none of the 20", "only 3 of the 20", "all 20": how many batches a shard made."""
+    """How many batches a shard made it into, in words: "none of the
+    20", "only 3 of the 20", "all 20"."""
     if n == 0:
         return f"none of the {of}"
     return f"all {of}" if n == of else f"only {n} of the {of}"

@@ -341,7 +341,8 @@ def test_lesson_11_judges_2_to_the_16_wrong_so_its_own_message_fires():
     predict = lesson(11).steps[0].predict
     verdict = predict.judge({"max": 65504.0}, "65536")
     assert not verdict.correct and "2^16" in verdict.misconception
-    assert predict.judge({"max": 65504.0}, "65,504").correct and predict.judge({"max": 65504.0}, "6.55e4").correct
+    assert predict.judge({"max": 65504.0}, "65,504").correct
+    assert predict.judge({"max": 65504.0}, "6.55e4").correct
 
 
 def test_lesson_12_says_torch_ddp_broadcasts_buffers_every_forward():
@@ -370,3 +371,11 @@ def test_the_loss_scaler_checker_prints_nothing_of_its_own():
     result = check_file("loss_scaler", SOLUTIONS / "loss_scaler.py")
     assert result.passed and "RuntimeWarning" not in result.output and result.output.strip() == ""
     assert overflows(65520.0) and not overflows(65519.0) and not overflows(65504.0)
+
+
+def test_lesson_10_gives_zero_r_and_the_width_its_due():
+    """10.3 called activations 'the part ZeRO does not shard', grown only with micro-batch and depth."""
+    step = lesson(10).steps[2]
+    assert "ZeRO does not shard" not in step.title + step.text
+    assert "ZeRO-R" in step.text and "offload" in step.text and "sequence length" in step.text
+    assert "the width" in step.text
