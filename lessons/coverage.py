@@ -54,6 +54,8 @@ CONCEPTS["bf16"] = "bfloat16 against float16: range against precision, and why b
 CONCEPTS["ddp-internals"] = ("torch DDP's internals (Li et al., VLDB 2020): buckets rebuilt from the first "
                              "backward's order, unused parameters and static_graph, buffers broadcast "
                              "every forward")
+CONCEPTS["async-efficiency"] = ("asynchronous SGD's statistical efficiency: loss against samples seen, "
+                                "and what a gradient's delay costs per sample")
 
 
 def coverage() -> dict[str, list[tuple[int, int, str]]]:

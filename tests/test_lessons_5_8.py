@@ -65,7 +65,7 @@ def test_lesson_6_judges_on_held_out_data_and_warms_up_at_the_linear_rules_lr():
 
 
 def test_lesson_7_fills_the_lock_step_delays_from_the_run():
-    step = lesson(7).steps[2]
+    step = lesson(7).steps[3]
     assert "0, 1 and 2" not in step.text and "{hist_0}" in step.text
 
 
@@ -327,3 +327,18 @@ def test_lesson_8_says_none_not_only_0():
     assert share_in_words(20, 20) == "all 20"
     text = lesson(8).steps[2].text
     assert "only {applied_1} of the" not in text and "{shard_in}" in text
+
+
+def test_lesson_7_shows_loss_against_samples_and_what_a_delay_costs():
+    """7.1 said async 'reaches a lower loss' with many times the samples; loss against samples seen tells."""
+    from dplab.lessons.l07_async import _per_sample_said, _run_delays_said, delayed_log
+    steps = lesson(7).steps
+    assert "{async_at_sync:.4f}" in steps[0].text and "{per_sample}" in steps[0].text
+    assert "about even" in _per_sample_said(0.10, 0.105, 7.3) and "7.3x" in _per_sample_said(0.10, 0.105, 7.3)
+    assert "above sync's" in _per_sample_said(0.2, 0.1, 7.3)
+    assert "below sync's" in _per_sample_said(0.05, 0.1, 2)
+    assert "statistical efficiency" in steps[1].text and "async-efficiency" in steps[1].teaches
+    log = delayed_log(9, 4)
+    assert [e.version for e in log] == [0, 0, 0, 0, 0, 1, 2, 3, 4]
+    assert [e.worker for e in log[:4]] == [1, 2, 3, 1]
+    assert "not in this session" in _run_delays_said([])
