@@ -124,6 +124,22 @@ HOOKS_WRONG = {
     "never-waits": ((RIGHT_HOOK, ALL, "            handles.clear()"),
                     ["finish() waited for 0 of the 6 all-reduces launched in step 0",
                      "Wait for every handle in finish()"]),
+    # issue 31: these passed, reported as "all-reduced from its hook while backward ran", with no overlap
+    "launch-from-last-hook": (("            handles.append(param)\n"
+                               "            if len(handles) == sum(p.requires_grad for p in model.parameters()):\n"
+                               "                for p in handles:\n"
+                               "                    p.grad.div_(world)\n"
+                               "                handles[:] = [dist.all_reduce(p.grad, async_op=True)\n"
+                               "                              for p in handles]", ALL, RIGHT_FINISH),
+                              ["0 of 6 started while other gradients were still to come",
+                               "nothing overlapped backward", "its own parameter's hook"]),
+    "launch-in-finish": (("            pass", ALL,
+                          "            for p in model.parameters():\n"
+                          "                p.grad.div_(world)\n"
+                          "                handles.append(dist.all_reduce(p.grad, async_op=True))\n"
+                          "            for h in handles:\n                h.wait()\n            handles.clear()"),
+                         ["6 of the 6 all-reduces were launched in finish(), after backward had ended",
+                          "none of that communication overlapped backward"]),
 }
 
 
@@ -143,6 +159,7 @@ def test_the_hooks_template_filled_right_passes_and_so_does_the_shipped_solution
         report = check_file("ddp_hooks", file)
         assert report.passed, report.message
         assert "waited for in finish()" in report.message
+        assert "5 of the 18 all-reduces started while backward still had gradients to make" in report.message
 
 
 @pytest.mark.parametrize("name", sorted(HOOKS_WRONG))
