@@ -126,7 +126,8 @@ HOOKS_WRONG = {
                      "Wait for every handle in finish()"]),
     # issue 31: these passed, reported as "all-reduced from its hook while backward ran", with no overlap
     "launch-from-last-hook": (("            handles.append(param)\n"
-                               "            if len(handles) == sum(p.requires_grad for p in model.parameters()):\n"
+                               "            n = sum(p.requires_grad for p in model.parameters())\n"
+                               "            if len(handles) == n:\n"
                                "                for p in handles:\n"
                                "                    p.grad.div_(world)\n"
                                "                handles[:] = [dist.all_reduce(p.grad, async_op=True)\n"
@@ -137,7 +138,8 @@ HOOKS_WRONG = {
                           "            for p in model.parameters():\n"
                           "                p.grad.div_(world)\n"
                           "                handles.append(dist.all_reduce(p.grad, async_op=True))\n"
-                          "            for h in handles:\n                h.wait()\n            handles.clear()"),
+                          "            for h in handles:\n                h.wait()\n"
+                          "            handles.clear()"),
                          ["6 of the 6 all-reduces were launched in finish(), after backward had ended",
                           "none of that communication overlapped backward"]),
 }
