@@ -50,6 +50,12 @@ CONCEPTS["compression"] = ("cutting communication: gradient compression (fp16, b
 CONCEPTS["activations"] = ("activation memory beside the model states, and activation checkpointing "
                            "(recompute for memory)")
 CONCEPTS["bf16"] = "bfloat16 against float16: range against precision, and why bf16 needs no loss scaling"
+# appended: what issue 31's teacher found missing
+CONCEPTS["ddp-internals"] = ("torch DDP's internals (Li et al., VLDB 2020): buckets rebuilt from the first "
+                             "backward's order, unused parameters and static_graph, buffers broadcast "
+                             "every forward")
+CONCEPTS["async-efficiency"] = ("asynchronous SGD's statistical efficiency: loss against samples seen, "
+                                "and what a gradient's delay costs per sample")
 
 
 def coverage() -> dict[str, list[tuple[int, int, str]]]:

@@ -137,8 +137,13 @@ def schedules_compared(lab):
     dt = allreduce_schedule("double_tree", p)
     dt_path = sum(max(max(Counter(t.src for t in rnd).values()), max(Counter(t.dst for t in rnd).values()))
                   for rnd in dt.rounds)
+    # at scale: the double tree's path grows with lg p, the ring's with p
+    scale = {q: (int(terms("double_tree", q, n)[0]), int(terms("ring", q, n)[0]))
+             for q in (64, 256)}
     return {"p": p, "rows": rows, "by": by, "table": table,
-            "fewest_alphas": fewest, "dt_path": dt_path,
+            "fewest_alphas": fewest, "dt_path": dt_path, "scale": scale,
+            "dt_64": scale[64][0], "ring_64": scale[64][1],
+            "dt_256": scale[256][0], "ring_256": scale[256][1],
             "dt_pieces": TREE_PIECES,
             "picture": render_arrows(tree.allreduce(p))}
 
@@ -224,6 +229,10 @@ def slow_links(lab):
         out[f"{key}_small_us"] = cost(schedule, 64 << 10, itemsize=4, topology=topo).time * 1e6
         out[f"{key}_rounds"] = len(schedule.rounds)
         out[f"{key}_correct"] = is_allreduce(simulate(schedule))
+    # NCCL's channels run concurrently: one ring of the g alone, on its share
+    ring0 = Schedule("one_channel", p, g * p,
+                     [[t for t in rnd if t.chunk < p] for rnd in rings_per_nic(p, g).rounds])
+    out["channel_small_us"] = cost(ring0, 64 << 10, itemsize=4, topology=topo).time * 1e6
     out["factor"] = out["ring_inter_n"] / out["hier_inter_n"]
     out["idle"] = p - out["ring_nics_used"]
     return out
@@ -364,8 +373,11 @@ STEPS = (
               "{dt_pieces} pieces that flow one behind the other) has few rounds for its pieces, but in "
               "most of them a rank sends or receives 2 to 4 pieces (two trees, a parent and children) one "
               "after another through its one port; the path counts, round by round, the most messages one "
-              "rank handles: {dt_path} α. hierarchical:4 is a ring inside groups of 4 ranks, then between "
-              "the groups (step 7)."),
+              "rank handles: {dt_path} α, more than the ring's at p = {p}. NCCL runs it anyway (NCCL 2.4) "
+              "because its path grows with the trees' depth, lg p, and the ring's with p: priced the "
+              "same way, {dt_64} α against the ring's {ring_64} at p = 64, and {dt_256} against "
+              "{ring_256} at p = 256: for a small message, where the α are the time, that is what decides. "
+              "hierarchical:4 is a ring inside groups of 4 ranks, then between the groups (step 7)."),
         run=schedules_compared,
         checks=(Check("the simulator proves every schedule an all-reduce",
                       lambda f: all(r["correct"] for r in f["rows"])),
@@ -383,7 +395,12 @@ STEPS = (
                 Check("double_tree's α on the path is, round by round, the most messages one rank handles",
                       lambda f: f["by"]["double_tree"]["alphas"] == f["dt_path"]),
                 Check("the latency count of the ring is 2(p-1)",
-                      lambda f: f["by"]["ring"]["alphas"] == 2 * (f["p"] - 1))),
+                      lambda f: f["by"]["ring"]["alphas"] == 2 * (f["p"] - 1)),
+                Check("at p = 8 the double tree's path is longer than the ring's; at p = 64 and 256 it "
+                      "is the shorter, and grows far slower",
+                      lambda f: f["dt_path"] > f["by"]["ring"]["alphas"]
+                      and all(dt < ring == 2 * (q - 1) for q, (dt, ring) in f["scale"].items())
+                      and f["dt_256"] - f["dt_64"] < (f["ring_256"] - f["ring_64"]) / 10)),
         figure=_tree_figure,
         predict=Predict("At p={p}, which schedule pays the fewest latencies (α) on its critical path? "
                         "(double_tree: NCCL's two binary trees, each carrying half the buffer in pieces; "
@@ -478,9 +495,13 @@ STEPS = (
               "{hier_inter_n:.3g} n between nodes, {factor:.0f}x less, {hier_ms:.2f} ms;\n"
               "- **a ring per NIC**, as NCCL runs its rings (one channel per NIC, each leaving the node "
               "through its own): {rpn_nics_used} NICs busy, {rpn_inter_n:.3g} n each, {rpn_ms:.2f} ms, "
-              "NVLink and the NICs busy in the same rounds. For 64 KiB its {rpn_rounds} rounds cost "
-              "{rpn_small_us:.0f} µs against hierarchical's {hier_small_us:.0f} µs in {hier_rounds} "
-              "rounds.\n\n"
+              "NVLink and the NICs busy in the same rounds. For 64 KiB the model charges its "
+              "{rpn_rounds} rounds {rpn_small_us:.0f} µs, but that figure queues all {g} rings' "
+              "messages through each GPU's one port, {g} α a round. NCCL's channels run at once, each "
+              "on its own SMs and connections, so their latencies overlap: one ring alone on its 1/{g} "
+              "of the buffer, {channel_small_us:.0f} µs, is closer to what the {g} cost together. "
+              "Either way hierarchical's {hier_rounds} rounds, {hier_small_us:.0f} µs, win for small "
+              "messages.\n\n"
               "So the single ring is slow because it leaves {idle} NICs idle, not because rings are: "
               "where the bytes go decides. All three send {ring_total_n:.3g} n per rank in all. NCCL also "
               "runs trees between nodes, and on NVSwitch systems NVLS, which adds in the switch."),
@@ -498,8 +519,9 @@ STEPS = (
                       == 2 * (f["p"] - 1) / f["p"]),
                 Check("using every NIC is what matters for large messages: both beat one ring by > 4x",
                       lambda f: f["ring_ms"] > 4 * max(f["hier_ms"], f["rpn_ms"])),
-                Check("for small messages fewer rounds win: hierarchical beats a ring per NIC",
-                      lambda f: f["hier_small_us"] < f["rpn_small_us"]
+                Check("for small messages fewer rounds win: hierarchical beats a ring per NIC, queued or "
+                      "with its channels at once",
+                      lambda f: f["hier_small_us"] < f["channel_small_us"] < f["rpn_small_us"]
                       and f["hier_rounds"] < f["rpn_rounds"])),
         predict=Predict("One ring over p={p} GPUs in {nodes} nodes of {g}, every GPU with its own NIC: how "
                         "many of the {nics} NICs carry the ring's traffic between the nodes?",

@@ -99,6 +99,7 @@ def measure_and_fit(lab):
               for s in (0.9, 1.1)]
     abg = (model.alpha, model.beta, model.gamma)
     spreads = sorted(spread.values())
+    zeroed = [n for n, v in (("β", model.beta), ("γ", model.gamma)) if v == 0]
     return {"p": 4, "fit": model,
             "spread_max": spreads[-1],
             "spread_median": float(np.median(spreads)),
@@ -109,10 +110,37 @@ def measure_and_fit(lab):
             "beta_is": _per_byte(model.beta),
             "gamma_is": _per_byte(model.gamma),
             "note": model.note or "none",
+            "zeroed": zeroed, "zero_said": zero_said(zeroed),
+            "alike": columns_alike(rows),
             "rms": rms, "table": table,
             "least": all(x >= rms - 1e-6 for x in nudged),
             "nudged": len(nudged),
             "nonnegative": all((v or 0.0) >= 0 for v in abg)}
+
+
+def columns_alike(rows):
+    """How parallel the β and γ columns of the fit's equations are (the
+    cosine of their angle, rows weighted as the fit weighs them): near 1,
+    the rows cannot tell a byte sent from a byte added."""
+    x = np.array([terms(r["algorithm"], r["world_size"], r["bytes"])
+                  for r in rows])
+    w = 1 / np.array([r["time_us"] for r in rows])
+    b, g = x[:, 1] * w, x[:, 2] * w
+    return float(b @ g / (np.linalg.norm(b) * np.linalg.norm(g)))
+
+
+def zero_said(zeroed):
+    """What the fit did with the per-byte terms, in words."""
+    if not zeroed:
+        return "Both per-byte terms came out positive."
+    if len(zeroed) == 2:
+        return ("β and γ both came out exactly 0: the fit keeps every value "
+                "≥ 0, and the best unconstrained fit wanted them negative, so "
+                "it dropped them and left all the cost to α.")
+    (gone,), kept = zeroed, "γ" if zeroed == ["β"] else "β"
+    return (f"{gone} came out exactly 0: the fit keeps every value ≥ 0, and "
+            f"the best unconstrained fit wanted a negative {gone}, so it "
+            f"dropped {gone} and left all the per-byte cost to {kept}.")
 
 
 def rms_of(model):
@@ -321,8 +349,10 @@ STEPS = (
               "more: a row's repetitions spread by up to {spread_max:.0f}% (median {spread_median:.0f}%), "
               "and the fit misses by {rms:.0f}% rms. These ranks are processes sharing two busy cores, not "
               "GPUs on a network: a rank waits for the scheduler as much as for a peer, and a byte moved "
-              "costs about what a byte added does (memory bandwidth), so one run's fit may put all the "
-              "per-byte cost in β and the next in γ. Read α, β, γ here as this run's, not this machine's; "
+              "costs about what a byte added does (memory bandwidth). The rows barely tell the two apart: "
+              "the β and γ columns of the {rows} equations point the same way to a cosine of "
+              "{alike:.3f} (1: parallel). {zero_said} Read α, β, γ here as this run's, not this "
+              "machine's; "
               "on GPUs with `dplab bench` the same fit is far tighter. What holds whatever the load: the "
               "values are least squares (moving any of them 10% either way, {nudged} tries, fits worse) "
               "and none is negative."),
@@ -330,6 +360,11 @@ STEPS = (
         checks=(Check("every message costs time: α > 0", lambda f: f["alpha_us"] > 0),
                 Check("no value comes out negative", lambda f: f["nonnegative"]),
                 Check("least squares: 10% off any fitted value fits worse", lambda f: f["least"]),
+                Check("the rows barely separate a byte sent from a byte added: cosine > 0.9",
+                      lambda f: f["alike"] > 0.9),
+                Check("what the text says of the per-byte terms is what the fit returned",
+                      lambda f: f["zero_said"] == zero_said(
+                          [n for n, v in (("β", f["fit"].beta), ("γ", f["fit"].gamma)) if v == 0])),
                 Check("the spread of the repetitions is reported for every row",
                       lambda f: f["table"].count("%") == 2 * f["rows"])),
         figure=_residuals,

@@ -23,7 +23,7 @@ from dplab.reference.trace_metrics import step_split
 from dplab.reference.train.single import TrainConfig
 from dplab.reference.train.sync import SyncConfig, train_sync
 
-__all__ = ["LESSON", "step_time", "flops_per_sample", "amdahl"]
+__all__ = ["LESSON", "step_time", "flops_per_sample", "amdahl", "overlapped"]
 
 SMALL = MLPConfig()                                            # 8 -> 16 -> 16 -> 4: 484 parameters
 LARGE = MLPConfig(in_dim=16, hidden=(256, 256), out_dim=4)     # 71,172 parameters
@@ -62,9 +62,44 @@ def step_time(model, samples_per_rank, p, topology=LINK):
     return compute, comm
 
 
+def resnet50_counts(size=224, classes=1000):
+    """ResNet-50 (He et al. 2016, torchvision's v1.5) from its layer
+    table: (parameters, forward multiply-adds per image)."""
+    params, macs = 0, 0
+
+    def conv(cin, cout, k, h):           # a k x k conv and its BatchNorm
+        nonlocal params, macs
+        params += k * k * cin * cout + 2 * cout
+        macs += k * k * cin * cout * h * h   # every weight, every pixel
+
+    h = size // 2
+    conv(3, 64, 7, h)
+    h //= 2                              # the max pool
+    cin = 64
+    for mid, blocks, stride in ((64, 3, 1), (128, 4, 2), (256, 6, 2),
+                                (512, 3, 2)):
+        for i in range(blocks):          # bottlenecks: 1x1, 3x3, 1x1
+            conv(cin, mid, 1, h)
+            h //= stride if i == 0 else 1
+            conv(mid, mid, 3, h)
+            conv(mid, 4 * mid, 1, h)
+            if i == 0:                   # the shortcut's projection
+                conv(cin, 4 * mid, 1, h)
+            cin = 4 * mid
+    params += cin * classes + classes    # the classifier
+    macs += cin * classes
+    return params, macs
+
+
 def amdahl(serial, p):
     """Amdahl's best speedup when a share ``serial`` cannot be split."""
     return 1 / (serial + (1 - serial) / p)
+
+
+def overlapped(compute, comm):
+    """A step's time when backward (4 of the 6 FLOPs per weight) hides
+    the all-reduce as lesson 4's buckets do, at best."""
+    return compute / 3 + max(2 * compute / 3, comm)
 
 
 def peak_and_fall(lab):
@@ -73,13 +108,14 @@ def peak_and_fall(lab):
     rows = {}
     for p in WORLD_SIZES:
         comp, comm = step_time(model, batch / p, p)
-        rows[p] = (comp, comm, t1 / (comp + comm))
+        rows[p] = (comp, comm, t1 / (comp + comm), t1 / overlapped(comp, comm))
     # Amdahl, fitted to p = 2: the share f that gives the same T(2)
     f = 2 * rows[2][1] / t1
     best = max(rows, key=lambda p: rows[p][2])
+    best_ov = max(rows, key=lambda p: rows[p][3])
     table = "\n".join(f"| {p} | {c * 1e3:.3g} | {m * 1e3:.3g} | {s:.3g}x "
-                      f"| {amdahl(f, p):.3g}x |"
-                      for p, (c, m, s) in rows.items())
+                      f"| {o:.3g}x | {amdahl(f, p):.3g}x |"
+                      for p, (c, m, s, o) in rows.items())
     return {"batch": batch, "params": model.num_params, "table": table,
             "gflops": FLOPS / 1e9, "link": LINK.name,
             "comm_1": rows[1][1], "comms": [r[1] for r in rows.values()],
@@ -89,7 +125,12 @@ def peak_and_fall(lab):
             "last_p": WORLD_SIZES[-1], "last_s": rows[WORLD_SIZES[-1]][2],
             "f_pct": 100 * f, "amdahl_last": amdahl(f, WORLD_SIZES[-1]),
             "falls": "yes" if rows[best][2] > rows[WORLD_SIZES[-1]][2]
-            else "no"}
+            else "no",
+            "overlaps": [r[3] for r in rows.values()],
+            "best_p_ov": best_ov, "best_ov": rows[best_ov][3],
+            "last_ov": rows[WORLD_SIZES[-1]][3],
+            "perfect_to": max(p for p, r in rows.items()
+                              if r[1] <= 2 * r[0] / 3)}
 
 
 def traced_bytes(comm, cfg):
@@ -141,6 +182,7 @@ def strong_and_weak(lab):
     ring_factor = (2 * (ps[-1] - 1) / ps[-1]) / (2 * (ps[0] - 1) / ps[0])
     compute_last, comm_last = step_time(large, per_rank, ps[-1])
     about = "same" if 0.5 < ratio < 2 else "large" if ratio > 1 else "small"
+    cnn_params, cnn_macs = resnet50_counts()
     return {"table": table, "per_rank": per_rank,
             "global_batch": global_batch, "ps": list(ps),
             "strong": strong, "weak": weak, "gustafson": gustafson,
@@ -152,7 +194,11 @@ def strong_and_weak(lab):
             "weak_fall": weak[0] / weak[-1], "ring_factor": ring_factor,
             "p_last": ps[-1], "g_last": gustafson[-1],
             "g_eff": gustafson[-1] / ps[-1],
-            "comm_share": comm_last / (compute_last + comm_last)}
+            "comm_share": comm_last / (compute_last + comm_last),
+            "cnn_params": cnn_params, "cnn_gflops": 2 * cnn_macs / 1e9,
+            "cnn_per_param": 2 * cnn_macs / cnn_params,
+            "cnn_macs_per_param": cnn_macs / cnn_params,
+            "mlp_per_param": flops_per_sample(large) / 3 / large.num_params}
 
 
 def timed_training(comm, cfg):
@@ -258,7 +304,20 @@ def serial_share_is_the_machines(lab):
             "eth_2": priced["flat-10g"][2], "eth_64": priced["flat-10g"][64],
             "nvl_2": priced["dgx-h100"][2], "nvl_64": priced["dgx-h100"][64],
             "machines": priced["flat-10g"][2] / priced["dgx-h100"][2],
-            "nvl_word": "smaller" if nvl[2] < eth[2] else "larger"}
+            "nvl_word": "smaller" if nvl[2] < eth[2] else "larger",
+            "reading": karp_flatt_reading(measured),
+            "example_s": 2 / 3, "example_e": karp_flatt(2 / 3, 2)}
+
+
+def karp_flatt_reading(shares):
+    """What a set of measured Karp-Flatt shares says, in words."""
+    n, said = len(shares), []
+    for count, where in ((sum(e < 0 for e in shares), "below 0 (noise)"),
+                         (sum(e > 1 for e in shares), "above 1 (two ranks slower than one)"),
+                         (sum(0 <= e <= 1 for e in shares), "between 0 and 1")):
+        if count:
+            said.append(f"{count} of the {n} repetitions came out {where}")
+    return "In this run " + "; ".join(said) + "."
 
 
 STEPS = (
@@ -270,12 +329,19 @@ STEPS = (
               "2(p-1)/p of the gradient, in 2(p-1) messages, each paying a latency α). Priced by the cost "
               "model (lesson 3) on the preset `{link}` (10 Gb/s Ethernet: 1.25 GB/s each way, 5 µs a "
               "message) with a {gflops:g} GFLOP/s device, in ms:\n\n"
-              "| p | compute | all-reduce | speedup | Amdahl, fitted at p=2 |\n|---|---|---|---|---|\n"
-              "{table}\n\n"
+              "| p | compute | all-reduce | speedup | with overlap | Amdahl, fitted at p=2 |\n"
+              "|---|---|---|---|---|---|\n{table}\n\n"
               "The speedup peaks at p = {best_p} ({best_s:.3g}x) and **falls** after: at p = {last_p} it "
               "is {last_s:.3g}x. Amdahl's law (a share f of the one-rank time that cannot be split) fitted "
               "to the same T(2) gives f = {f_pct:.2g}% and promises {amdahl_last:.3g}x at p = {last_p}: "
-              "it assumes the part that does not shrink stays the same size, while communication grows."),
+              "it assumes the part that does not shrink stays the same size, while communication grows.\n\n"
+              "The speedup column adds T_comm to the compute, as if nothing overlapped. Lesson 4's buckets "
+              "hide the all-reduce behind backward, 4 of the 6 FLOPs per weight, so at best "
+              "T(p) = T_comp/(3p) + max(2 T_comp/(3p), T_comm(p)) (the overlap column): the speedup is "
+              "perfect while backward outlasts the all-reduce (up to p = {perfect_to} here), peaks higher, "
+              "{best_ov:.3g}x at p = {best_p_ov}, and still falls after, to {last_ov:.3g}x at "
+              "p = {last_p}: strong scaling shrinks backward with p until it can no longer hide "
+              "communication that grows."),
         run=peak_and_fall,
         checks=(Check("one rank communicates nothing", lambda f: f["comm_1"] == 0),
                 Check("the preset is 10 Gb/s Ethernet, 5 µs a message",
@@ -283,6 +349,12 @@ STEPS = (
                 Check("the all-reduce's time grows with p", lambda f: f["comms"] == sorted(f["comms"])),
                 Check("the speedup peaks at p = {best_p} and falls after it",
                       lambda f: 1 < f["best_p"] < f["last_p"] and f["last_s"] < f["best_s"]),
+                Check("with overlap the speedup is never lower, perfect up to p = {perfect_to}, and still "
+                      "falls after its peak",
+                      lambda f: all(o >= s for o, s in zip(f["overlaps"], f["speedups"]))
+                      and all(abs(o - p) < 1e-9 * p for o, p in zip(f["overlaps"], WORLD_SIZES)
+                              if p <= f["perfect_to"])
+                      and f["last_ov"] < f["best_ov"]),
                 Check("Amdahl's curve never falls, and overshoots the model at p = {last_p}",
                       lambda f: f["amdahls"] == sorted(f["amdahls"]) and f["amdahl_last"] > f["last_s"])),
         inputs={"batch": 4096, "last_p": WORLD_SIZES[-1]},
@@ -292,7 +364,7 @@ STEPS = (
                                                "shrink stays the same size; communication grows with p"),)),
         hint="Compute falls as 1/p; the ring's 2(p-1) latencies grow as p. Their sum has a minimum.",
         hints=("T(p) = T_comp/p + 2(p-1)α + 2(p-1)/p · n β: which term wins at large p?",),
-        show=(flops_per_sample, step_time, amdahl),
+        show=(flops_per_sample, step_time, overlapped, amdahl),
         picture=lambda f: _bars([(f"p={p}", s) for p, s in zip(WORLD_SIZES, f["speedups"])], "x",
                                 title="speedup on the cost model (peaks, then falls)"),
         try_this="Set FLOPS to 1e12 (a GPU) in l05_scaling.py: where does the speedup peak now, and why?",
@@ -300,7 +372,7 @@ STEPS = (
         teaches=("amdahl",),
     ),
     Step(
-        title="Strong vs weak scaling: the batch is the lever, not the model",
+        title="Strong vs weak scaling: samples per rank set compute per byte",
         text=("What keeps communication hidden is **compute per byte sent**: FLOPs a rank does per step "
               "(6 per weight per sample) over the bytes its ring all-reduce sends (2(p-1)/p × the "
               "gradient: 1x at p = 2, nearly 2x at large p). "
@@ -308,6 +380,12 @@ STEPS = (
               "({small_params:,} parameters) does {small:.3g} FLOPs per byte and the large one "
               "({params_ratio:.0f}x the parameters) {large:.3g}, {model_ratio:.2f}x. What moves the ratio "
               "is the **samples per rank**.\n\n"
+              "That holds where each weight works once per sample: an MLP ({mlp_per_param:.2g} forward "
+              "FLOPs per weight per sample) and a transformer, per token (lesson 14's 6 N). A CNN reuses "
+              "each weight at every position of its feature maps: ResNet-50, counted from its layer "
+              "table, does {cnn_gflops:.1f} GFLOPs forward per 224 × 224 image with {cnn_params:,} "
+              "parameters, **{cnn_per_param:.0f} FLOPs per parameter**. For a CNN the model (its "
+              "resolution, its layout) sets compute per byte as much as the batch does.\n\n"
               "**Strong scaling** (global batch {global_batch} fixed) divides them by p; **weak scaling** "
               "({per_rank} per rank fixed, the global batch grows with p) keeps them, so its FLOPs per "
               "byte fall only by the ring's 2(p-1)/p: {weak_fall:.2f}x from p = 2 to {p_last}, and never "
@@ -327,6 +405,10 @@ STEPS = (
         checks=(Check("at the same samples per rank the two models' FLOPs per byte are within 2x "
                       "though their sizes differ {params_ratio:.0f}x",
                       lambda f: 0.5 < f["model_ratio"] < 2 and f["params_ratio"] > 100),
+                Check("ResNet-50's layer table gives torchvision's 25,557,032 parameters and over 100x an "
+                      "MLP's FLOPs per parameter",
+                      lambda f: f["cnn_params"] == 25_557_032
+                      and f["cnn_per_param"] > 100 * f["mlp_per_param"]),
                 Check("strong scaling's FLOPs per byte fall with p",
                       lambda f: f["strong"] == sorted(f["strong"], reverse=True)),
                 Check("weak scaling's stay within 2x of their p = 2 value",
@@ -345,7 +427,7 @@ STEPS = (
                                                   "all-reduces more bytes: the parameters cancel"),)),
         hint="FLOPs per sample ≈ 6 × weights; bytes ≈ 2 × 4 × parameters. Divide.",
         hints=("Per byte sent, what is left after the parameters cancel is the samples per rank.",),
-        show=(flops_per_sample, step_time),
+        show=(flops_per_sample, step_time, resnet50_counts),
         try_this="dplab scaling --help   # strong and weak scaling for any model and world size",
         teaches=("amdahl", "batch-size"),
     ),
@@ -379,9 +461,13 @@ STEPS = (
         text=("Invert Amdahl on a measured speedup S on p ranks and you get the **Karp-Flatt** serial "
               "share e = (1/S - 1/p) / (1 - 1/p). For the 512-per-rank runs at p = 2, the {reps} "
               "repetitions here measured speedups S from {s_lo:.2f} to {s_hi:.2f}, so e from {lo:.2g} to "
-              "{hi:.2g}. An e below 0 means S > p, better than perfect: no code does that, so there it is "
-              "noise. Two ranks share two busy cores here: the spread is a fact about this machine today, "
-              "not about the code.\n\n"
+              "{hi:.2g}. Read e by its range. Between 0 and 1 it is a share. Below 0 it means S > p, "
+              "better than perfect: no code does that, so there it is noise. Above 1 it means S < 1, two "
+              "ranks slower than one (at p = 2, e = 2/S - 1: S = {example_s:.2f} reads as e = "
+              "{example_e:.2g}): that is no share "
+              "of anything, it is the machine. Here two ranks share two cores with other work, so each "
+              "gets less than a core, and they pay the all-reduce besides. {reading} The spread is a fact "
+              "about this machine today, not about the code.\n\n"
               "Price the same code on two clusters instead: e = {eth_2:.2g} on 10 Gb/s Ethernet but "
               "{nvl_2:.2g} on NVLink ({machines:.0f}x smaller) at p = 2. And it is no constant: on "
               "Ethernet it grows to {eth_64:.2g} at p = 64, because communication grows with p. A serial "
@@ -391,7 +477,9 @@ STEPS = (
                       lambda f: f["machines"] > 10),
                 Check("and it grows with p (Amdahl's f would stay put)", lambda f: f["eth_64"] > f["eth_2"]),
                 Check("the measured share is shown over all {reps} repetitions",
-                      lambda f: f["reps"] == REPS)),
+                      lambda f: f["reps"] == REPS),
+                Check("the reading counts every repetition once, in its range",
+                      lambda f: f["reading"] == karp_flatt_reading(f["measured"]))),
         predict=Predict("Priced on NVLink instead of 10 Gb/s Ethernet, is the serial share of the same "
                         "step 'larger', 'smaller' or the 'same'?", "nvl_word",
                         choices=("larger", "smaller", "same"),

@@ -2,8 +2,10 @@
 
     dplab lesson 7
 
-Four steps: give both kinds of training the same wall time with one late worker and count what
-each applied; bound how far ahead of the slowest a worker may run (SSP, in clocks); read the
+Five steps: give both kinds of training the same wall time with one late worker and count what
+each applied, and their loss against samples seen; what a gradient's delay costs per sample
+(statistical efficiency, from replayed logs); bound how far ahead of the slowest a worker may run
+(SSP, in clocks); read the
 delay histogram from the server's log (in updates) and replay the log to the same bits; then
 write the SSP gate yourself (the exercise ``ssp_gate``).
 """
@@ -21,6 +23,7 @@ from dplab.lessons.exercises.ssp import HINTS as SSP_HINTS
 from dplab.lessons.step import Check, Explore, Lesson, Predict, Step
 from dplab.reference.model import MLPConfig
 from dplab.reference.ps.gate import gate_open
+from dplab.reference.ps.protocol import LogEntry
 from dplab.reference.ps.replay import replay
 from dplab.reference.ps.trainer import AsyncConfig, train_async, worker_batch
 from dplab.reference.train.single import TrainConfig, evaluate, train_single
@@ -55,7 +58,13 @@ def same_wall_time(lab):
     # one device, as many steps
     single = train_single(replace(cfg, steps=steps)).params
     again = replay(cfg, AsyncConfig(staleness=None), ps.log, WORKERS)
-    return {"budget": BUDGET, "late_ms": LATE * 1e3,
+    lab.scratch["l07_log"] = ps.log
+    # loss against samples seen: sync after each step, async after each update
+    sync_curve = [(k, evaluate(cfg, train_single(replace(cfg, steps=k)).params)
+                   ) for k in range(1, steps + 1)]
+    async_curve = samples_curve(cfg, ps.log, dense=steps)
+    at_sync = next(loss for seen, loss in async_curve if seen >= steps)
+    return {"budget": BUDGET, "late_ms": LATE * 1e3, "batch": cfg.global_batch,
             "sync_steps": steps, "sync_step_ms": BUDGET * 1e3 / steps,
             "sync_samples": sync_samples,
             "async_samples": ps_samples,
@@ -65,7 +74,87 @@ def same_wall_time(lab):
             "late_share": late_share,
             "more": "async" if ps_samples > sync_samples else "sync",
             "sync_vs_single": float(np.abs(sync.params - single).max()),
+            "sync_curve": sync_curve, "async_curve": async_curve,
+            "async_at_sync": at_sync,
+            "per_sample": _per_sample_said(at_sync, evaluate(cfg, sync.params),
+                                          ps_samples / sync_samples),
             "replay_exact": bool(np.array_equal(again, ps.params))}
+
+
+def samples_curve(cfg, log, fresh=False, dense=8):
+    """(global batches of samples applied, loss) along a replayed log:
+    loss against samples seen, not against time. Every update up to
+    ``dense`` global batches, then about 40 points more."""
+    seen, curve, stride = [0], [], max(1, len(log) // 40)
+
+    def after(update, params):
+        entry = log[update - 1]
+        seen[0] += len(worker_batch(cfg, entry.worker, WORKERS, entry.clock))
+        if seen[0] <= (dense + 1) * cfg.global_batch or update % stride == 0:
+            curve.append((seen[0] / cfg.global_batch, evaluate(cfg, params)))
+
+    replay(cfg, AsyncConfig(staleness=None), log, WORKERS, fresh, after)
+    return curve
+
+
+def _per_sample_said(async_loss, sync_loss, ratio):
+    """What async's loss at sync's samples says, in words."""
+    if abs(async_loss / sync_loss - 1) <= 0.25:
+        return (f"within 25% of sync's {sync_loss:.4f}: per sample the two are about even, "
+                f"and async's lower final loss comes from the {ratio:.1f}x samples it saw "
+                "in the same time")
+    if async_loss < sync_loss:
+        return (f"below sync's {sync_loss:.4f}: each of its updates uses a third of the "
+                "batch, so it takes three times the updates per sample, and here that "
+                "outweighed their staleness")
+    return (f"above sync's {sync_loss:.4f}: per sample its stale gradients did worse, and "
+            f"its lower final loss comes only from the {ratio:.1f}x samples it saw")
+
+
+DELAYS = (0, 2, 16, 32)     # step 2: a gradient computed this many updates ago
+TARGET = 0.06              # step 2's loss to reach
+GLOBALS = 40               # step 2's budget, in global batches of samples
+
+
+def delayed_log(updates, delay):
+    """A server log in which every gradient was computed ``delay``
+    updates ago (round-robin workers): a what-if for replay."""
+    return [LogEntry(worker=k % WORKERS + 1, clock=k // WORKERS,
+                     version=max(0, k - delay), produced=k + 1,
+                     slowest_done=0)
+            for k in range(updates)]
+
+
+def stale_per_sample(lab):
+    updates = GLOBALS * WORKERS          # each update: one worker's shard
+    curves, reach = {}, {}
+    for d in DELAYS:
+        curve = samples_curve(TRAIN, delayed_log(updates, d), dense=GLOBALS)
+        curves[d] = curve
+        reach[d] = next((x for x, loss in curve if loss <= TARGET), None)
+    run = lab.scratch.get("l07_log", [])
+    last = {d: c[-1][1] for d, c in curves.items()}
+    table = "\n".join(
+        f"| {d} | {'not within ' + str(GLOBALS) if reach[d] is None else f'{reach[d]:.1f}'} "
+        f"| {last[d]:.3f} |" for d in DELAYS)
+    big = DELAYS[-1]
+    return {"curves": curves, "reach": reach, "last": last, "table": table,
+            "target": TARGET, "globals": GLOBALS, "batch": TRAIN.global_batch,
+            "workers": WORKERS, "big": big, "mid": DELAYS[2], "small": DELAYS[1],
+            "last_big": last[big], "last_fresh": last[0],
+            "run_said": _run_delays_said(run),
+            "big_more": "more" if reach[big] is None or reach[big] > reach[0] else "fewer"}
+
+
+def _run_delays_said(log):
+    """Step 1's delays, in words: the median, and whose was the largest."""
+    if not log:
+        return "Step 1's run is not in this session (run the lesson from step 1 to see its delays)."
+    worst = max(log, key=lambda e: e.delay)
+    median = float(np.median([e.delay for e in log]))
+    whose = "the late worker's" if worst.worker == WORKERS else f"worker {worst.worker}'s"
+    return (f"Step 1's run had a median delay of {median:g} update{'' if median == 1 else 's'}; "
+            f"the largest, {worst.delay}, was {whose}.")
 
 
 def clocks_ahead(log):
@@ -123,6 +212,28 @@ def delay_histogram(lab):
             "late_ms": SSP_LATE * 1e3}
 
 
+def _curves_figure(curves, title):
+    """The Training page's loss figure, one line per (label, [(batches, loss)])."""
+    from dplab.viz.training import loss_figure
+    from dplab.viz.training_runs import Cell
+    cells = [Cell(RunSpec(world_size=4, train=TRAIN), {"algorithm": label, "straggler": "none"},
+                  [x for x, _ in curve], [0.0] * len(curve), [y for _, y in curve])
+             for label, curve in curves]
+    fig = loss_figure(cells, "step")
+    fig.update_layout(title=title)
+    return fig
+
+
+def _per_sample(facts):
+    return _curves_figure([("sync", facts["sync_curve"]), ("async", facts["async_curve"])],
+                          "loss against samples seen (global batches of samples applied)")
+
+
+def _stale_figure(facts):
+    return _curves_figure([(f"delay {d}", c) for d, c in facts["curves"].items()],
+                          "loss against samples seen, by the gradients' delay")
+
+
 def _histogram(facts):
     from dplab.viz.training import delay_figure
     from dplab.viz.training_runs import Cell
@@ -158,7 +269,11 @@ STEPS = (
               "through a parameter server (rank 0 serves, ranks 1-3 pull, compute, push; nobody waits: "
               "staleness inf, `--staleness inf`) applied "
               "**{async_samples:,} samples, {ratio:.1f}x as many**, and reached a "
-              "loss of {async_loss:.4f} against sync's {sync_loss:.4f}. (A sync step took "
+              "loss of {async_loss:.4f} against sync's {sync_loss:.4f}. More samples in the same time is "
+              "what async buys; whether each sample did as much is a separate question, answered by "
+              "loss against samples seen (the figure: sync after each step, async replayed from its log "
+              "after each update, both in global batches of {batch} samples). At the {sync_samples:,} "
+              "samples sync saw, async's loss was {async_at_sync:.4f}, {per_sample}. (A sync step took "
               "{sync_step_ms:.0f} ms, {late_ms:.0f} of them the late rank's sleep: the race is decided "
               "by the handicap, not by the noise of these shared cores.)\n\n"
               "The price: the late worker's gradients are only {late_share:.0%} of those applied (its shard "
@@ -169,6 +284,9 @@ STEPS = (
         checks=(Check("in the same wall time async applies more than twice the samples",
                       lambda f: f["ratio"] > 2),
                 Check("and reaches a lower loss than sync", lambda f: f["async_loss"] < f["sync_loss"]),
+                Check("what the text says of the loss per sample is what the curves show",
+                      lambda f: f["per_sample"] == _per_sample_said(
+                          f["async_at_sync"], f["sync_curve"][-1][1], f["ratio"])),
                 Check("the late rank's sleep is most of a sync step",
                       lambda f: f["sync_step_ms"] < 2 * f["late_ms"]),
                 Check("the late worker's share of the applied gradients is under a third",
@@ -176,12 +294,56 @@ STEPS = (
                 Check("sync stays single-device SGD (< 1e-12)", lambda f: f["sync_vs_single"] < 1e-12),
                 Check("the async run replays exactly from its log", lambda f: f["replay_exact"])),
         inputs={"late_ms": LATE * 1e3, "budget": BUDGET},
+        figure=_per_sample,
         predict=Predict("Rank 3 starts every batch {late_ms:.0f} ms late. In {budget:g} s, which applies "
                         "more samples: 'sync' or 'async'?", "more", choices=("sync", "async")),
         hint="A synchronous step needs every rank's gradient; a parameter server applies each as it comes.",
         try_this="dplab compare --modes sync,async --world-sizes 4 --straggler 3:8 --time-budget 1",
         explore=Explore("training", lambda f: {"world_size": 4, "steps": 20, "staleness": "0,2,inf"}),
         teaches=("sync-async",),
+    ),
+    Step(
+        title="Per sample, a stale gradient is worth less",
+        text=("Async's gain is samples per second; its cost is paid per sample. A gradient that was "
+              "computed on parameters {small}, {mid} or {big} updates old points where the loss went "
+              "down *then*. To see what that costs alone, replay a server log (the same tool that "
+              "reproduced step 1's run) built so that every gradient is that many updates old: "
+              "{workers} workers in turn, the same batches in the same order, only the delay differs. "
+              "Samples to reach a loss of {target} (in global batches of {batch}) and the loss after "
+              "{globals}:\n\n"
+              "| delay (updates) | global batches to {target} | loss after {globals} |\n"
+              "|---|---|---|\n{table}\n\n"
+              "A small delay costs next to nothing, and early on it can even help: a stale gradient "
+              "adds to the step much as momentum does (Mitliagkas et al. 2016). A large one costs "
+              "samples, then stability: at delay {big} the loss swings and ends at {last_big:.3f} "
+              "against {last_fresh:.3f} fresh. That is **statistical efficiency**: the same samples "
+              "buy less progress, and it must be read against samples seen (the figure), not against "
+              "time, where async's extra samples hide it. {run_said} Many workers, or one slow one, "
+              "make delays large, which is why SSP (next step) bounds them."),
+        run=stale_per_sample,
+        checks=(Check("fresh gradients (delay 0) reach {target} within {globals} global batches",
+                      lambda f: f["reach"][0] is not None),
+                Check("a small delay costs at most 25% more samples",
+                      lambda f: f["reach"][f["small"]] is not None
+                      and f["reach"][f["small"]] <= 1.25 * f["reach"][0]),
+                Check("a large delay costs more samples than fresh gradients, or never gets there",
+                      lambda f: all(f["reach"][d] is None or f["reach"][d] > f["reach"][0]
+                                    for d in (f["mid"], f["big"]))),
+                Check("at the largest delay the loss ends over 3x the fresh one",
+                      lambda f: f["last_big"] > 3 * f["last_fresh"])),
+        figure=_stale_figure,
+        inputs={"big": DELAYS[-1], "target": TARGET},
+        predict=Predict("Every gradient computed {big} updates before it is applied: to reach a loss of "
+                        "{target}, does training need 'fewer', 'about the same' or 'more' samples than "
+                        "with fresh gradients?", "big_more", choices=("fewer", "about the same", "more"),
+                        misconceptions=(("about the same", "a stale gradient points where the loss went "
+                                                           "down {big} updates ago; the further the "
+                                                           "parameters moved since, the less it helps"),)),
+        hint="The gradient is right for parameters that are no longer there.",
+        hints=("Small delays are nearly free; large ones overshoot, like an lr that is too large.",),
+        show=(delayed_log, "dplab.reference.ps.replay.replay"),
+        try_this="Set DELAYS to (0, 2, 8, 24) in l07_async.py: where does the cost start?",
+        teaches=("sync-async", "async-efficiency"),
     ),
     Step(
         title="Bounded staleness: SSP counts clocks",

@@ -123,10 +123,19 @@ def backup_in_the_engine(lab):
             "lost_1": "all" if lost[1] == 1 else f"{lost[1]:.0%}",
             "applied": applied,
             "applied_1": applied[1],
+            "shard_in": share_in_words(applied[1], TRAIN.steps),
             "dropped_1": dropped[1],
             "pushed_1": applied[1] + dropped[1],
             "applied_text": in_words(applied),
             "dropped_text": in_words(dropped)}
+
+
+def share_in_words(n, of):
+    """How many batches a shard made it into, in words: "none of the
+    20", "only 3 of the 20", "all 20"."""
+    if n == 0:
+        return f"none of the {of}"
+    return f"all {of}" if n == of else f"only {n} of the {of}"
 
 
 def _example(arrivals, n):
@@ -216,8 +225,8 @@ STEPS = (
               "{steps}** gradients ({applied_1} applied): each update needs only the first 2, so the fast "
               "workers never wait for it. They ran through the clocks while it sat out its late starts; a "
               "gradient of its that came after its clock had its 2 was dropped, and the {steps} updates "
-              "were done before it could push more. So its shard made it into only {applied_1} of the "
-              "{steps} batches: a bias toward the fast workers' data "
+              "were done before it could push more. So its shard made it into {shard_in} batches: a "
+              "bias toward the fast workers' data "
               "that Chen et al.'s random minibatches avoid. The run is still exactly what its log says "
               "(replay: {replay_exact}), but not one device's SGD: the parameters end {diff:.2g} away."),
         run=backup_in_the_engine,

@@ -3,7 +3,7 @@
     dplab lesson 10
 
 Seven steps: what each rank holds under ZeRO stages 0-3 against the closed forms; the bytes each
-stage sends per step; activations, which ZeRO does not shard, and checkpointing, which trades a
+stage sends per step; activations, which ZeRO-1/2/3 leave whole, and checkpointing, which trades a
 recompute for them; the 7B example of ``dplab memory``; a model data parallelism alone cannot
 fit; and two exercises: a ZeRO-2 step during backward, and an FSDP unit's gather and free.
 """
@@ -366,12 +366,17 @@ STEPS = (
         teaches=("memory",),
     ),
     Step(
-        title="Activations, the part ZeRO does not shard, and checkpointing",
-        text=("A rank holds four things: weights, gradients and optimizer state (the model states ZeRO "
-              "shards) and the **activations** its backward needs: every layer's input, kept from forward. "
-              "They grow with the micro-batch and the depth, not the parameter count, and sharding the "
-              "model states leaves them where they are. Here {L} layers {width} wide at a micro-batch of "
-              "{batch:,}: each layer's input is {act_kib:.0f} KiB, {acts_mib:.1f} MiB in all, against "
+        title="Activations beside the model states, and checkpointing",
+        text=("A rank holds four things: weights, gradients and optimizer state (the model states ZeRO-1, "
+              "2 and 3 shard) and the **activations** its backward needs: every layer's input, kept from "
+              "forward. They grow with the micro-batch, the depth and the width (in a transformer also "
+              "with the sequence length, and attention's scores with its square), not with the parameter "
+              "count as such, and sharding the model states leaves them where they are. The ZeRO paper's "
+              "ZeRO-R handles them separately: where tensor model parallelism leaves every rank of a "
+              "group holding the same activations, it partitions the activation checkpoints across the "
+              "group and can offload them to CPU memory. Here {L} layers {width} wide at a micro-batch "
+              "of {batch:,}: each layer's input is {batch:,} × {width} × 8 bytes = {act_kib:.0f} KiB, "
+              "{acts_mib:.1f} MiB in all, against "
               "{states_mib:.1f} MiB of model states (Adam, float64). Measured (tracemalloc, one forward and "
               "backward, beyond the weights and gradient already there): the step's peak is "
               "**{peak_plain_mib:.1f} MiB**.\n\n"
@@ -389,6 +394,8 @@ STEPS = (
                       lambda f: f["saving"] > 1.8),
                 Check("at the price of recomputing every layer but one in each segment's first",
                       lambda f: f["extra"] == f["L"] - f["L"] // f["every"]),
+                Check("each layer's input is micro-batch × width × 8 bytes (float64)",
+                      lambda f: f["act_kib"] * 1024 == f["batch"] * f["width"] * 8),
                 Check("the activations outweigh the model states here",
                       lambda f: f["acts_mib"] > f["states_mib"])),
         inputs={"L": 16, "every": 4},

@@ -278,7 +278,7 @@ STEPS = (
                       lambda f: f["largest"] * f["scale"] < f["max"]),
                 Check("10 stored bits + 1 implicit = 11 significant bits; epsilon is 2^-10",
                       lambda f: f["stored"] == 10 and f["bits"] == 11 and f["eps"] == 2.0**-10)),
-        predict=Predict("What is the largest finite number float16 can hold?", "max", rel_tol=1e-3,
+        predict=Predict("What is the largest finite number float16 can hold?", "max", rel_tol=1e-4,
                         misconceptions=((65536, "2^16 would need one more exponent or fraction bit: the "
                                          "largest is (2 - 2^-10) x 2^15"),
                                         (32768, "the top exponent is 15, but the fraction adds almost "

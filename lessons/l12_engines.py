@@ -2,8 +2,9 @@
 
     dplab lesson 12              # needs the torch and mpi extras: pip install -e ".[all]"
 
-Four steps: torch's single-process DataParallel (what it costs, and what runs of it without
-GPUs); torch's own DDP over gloo and dplab's, each equal to one process on the whole batch; one
+Five steps: torch's single-process DataParallel (what it costs, and what runs of it without
+GPUs); torch's own DDP over gloo and dplab's, each equal to one process on the whole batch; inside
+torch's DDP (buckets rebuilt from the first backward, unused parameters, buffers); one
 training run on MPI, gloo and shared memory ending in the same bits; and the launchers that take
 the same code past one machine (the lines the multi-host test runs).
 """
@@ -115,6 +116,103 @@ def ddp_equals_one_process(lab):
             "params": len(alone)}
 
 
+def registered_net(unused=False):
+    """A torch module whose layers are registered c, a, b but run
+    a -> b -> c, with a buffer and, if asked, a layer it never uses."""
+    import torch
+    nn = torch.nn
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.c = nn.Linear(64, 1)
+            self.a = nn.Linear(8, 64)
+            self.b = nn.Linear(64, 64)
+            self.spare = nn.Linear(8, 1) if unused else None
+            self.register_buffer("stamp", torch.zeros(1))
+
+        def forward(self, x):
+            return self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
+
+    return Net()
+
+
+def buffer_option():
+    """The name of torch DDP's per-forward buffer broadcast switch
+    (broadcast_buffers; forward_sync_buffers from torch 2.13)."""
+    import inspect
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    params = inspect.signature(DDP.__init__).parameters
+    return ("forward_sync_buffers" if "forward_sync_buffers" in params
+            else "broadcast_buffers")
+
+
+CAP = 16484     # bytes: one 64x64 float32 weight and a bias fit
+
+
+def ddp_inside(comm):
+    """torch's DDP on this rank, as Li et al. (VLDB 2020) describe it."""
+    import warnings
+
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    x, out = torch.randn(4, 8), {}
+    # 1. buckets, before and after the first backward
+    net = registered_net()
+    ddp = DDP(net, bucket_cap_mb=CAP / 2**20)
+    names = [n for n, _ in net.named_parameters()]
+    for _ in range(3):   # rebuilt in the second; logged by the third
+        ddp(x).sum().backward()
+    log = ddp._get_ddp_logging_data()
+    out["names"] = names
+    out["first"] = log["bucket_sizes"]
+    rebuilt = log["rebuilt_per_bucket_param_indices"]   # "1 0 5 4, 3 2"
+    out["rebuilt"] = [[names[int(i)] for i in b.split()]
+                      for b in rebuilt.split(",")]
+    # 2. an unused parameter: the default, then the two ways out
+    for kind, kw in (("default", {}),
+                     ("find", {"find_unused_parameters": True}),
+                     ("static", {"static_graph": True})):
+        ddp = DDP(registered_net(unused=True), **kw)
+        try:
+            for _ in range(2):
+                ddp(x).sum().backward()
+            out[kind] = "it ran"
+        except RuntimeError as e:
+            out[kind] = str(e).split(". ")[0]
+    # 3. buffers: each rank stamps its own; does one forward overwrite it?
+    for sync in (True, False):
+        net = registered_net()
+        net.stamp.fill_(comm.rank + 1)
+        with warnings.catch_warnings():        # the old name is deprecated
+            warnings.simplefilter("ignore", FutureWarning)
+            ddp = DDP(net, **{buffer_option(): sync})
+        net.stamp.fill_(comm.rank + 1)         # after the start's broadcast
+        ddp(x)
+        out[f"stamp_{sync}"] = float(net.stamp)
+    return out
+
+
+def inside_ddp(lab):
+    ranks = lab.world(2, "torch").run(ddp_inside)
+    r0, r1 = ranks
+    rebuilt = " | ".join(", ".join(b) for b in r0["rebuilt"])
+    first = [int(b) for b in r0["first"].split(",")]
+    return {"names": ", ".join(r0["names"]), "first_count": len(first),
+            "first_bytes": sum(first),
+            "rebuilt": rebuilt, "rebuilt_lists": r0["rebuilt"],
+            "first_bucket": r0["rebuilt"][0][0].split(".")[0],
+            "same_on_ranks": r0["rebuilt"] == r1["rebuilt"],
+            "unused_error": r0["default"], "find": r0["find"],
+            "static": r0["static"], "option": buffer_option(),
+            "renamed": "" if buffer_option() == "broadcast_buffers"
+            else ", called `broadcast_buffers` before torch 2.13",
+            "stamp_on": r1["stamp_True"], "stamp_off": r1["stamp_False"],
+            "stamp_0": r0["stamp_True"]}
+
+
 def train_ring(comm, cfg):
     return train_sync(comm, cfg, SyncConfig("ring")).params
 
@@ -211,9 +309,11 @@ STEPS = (
     Step(
         title="DistributedDataParallel: a process per rank, nobody in the middle",
         text=("`DistributedDataParallel` wraps a torch module in each of several processes, one per "
-              "device. Nothing is copied each step: the replicas start equal (a broadcast once) and stay "
-              "equal because backward hooks all-reduce the gradients in buckets and average them, so "
-              "every rank takes the same step, and no rank is a hub. torch's own DDP, two processes over "
+              "device. The parameters are broadcast once, at the start; after that the replicas stay equal "
+              "because backward hooks all-reduce the gradients in buckets and average them, so every "
+              "rank takes the same step, and no rank is a hub for the gradients. (What does travel every "
+              "step, by default, is the module's buffers, broadcast from rank 0 at each forward: the next "
+              "step.) torch's own DDP, two processes over "
               "gloo: {steps} SGD steps on each rank's half of a {batch}-sample batch end where one process "
               "on all {batch} ends, {torch_diff:.1e} apart ({params} parameters, float32); its replicas "
               "are identical ({torch_identical}). dplab's DDP (`backends/nn/ddp.py`, the same API over "
@@ -228,6 +328,57 @@ STEPS = (
         show=("dplab.backends.nn.ddp.DistributedDataParallel.mark_param_as_ready",),
         try_this="torchrun --nproc-per-node 2 -m dplab.backends.cli train --backend torch",
         teaches=("dp-vs-ddp", "allreduce"),
+    ),
+    Step(
+        title="Inside torch's DDP: buckets rebuilt, unused parameters, buffers",
+        text=("Li et al. (VLDB 2020) describe what torch's DDP does beyond the all-reduce. Two gloo ranks "
+              "and a module that registers its layers c, a, b (`named_parameters()`: {names}) but runs "
+              "a → b → c:\n\n"
+              "- **Buckets are rebuilt from what backward did.** At construction DDP can only guess the "
+              "order in which gradients will be ready: the reverse of the registration order, the first "
+              "bucket capped at 1 MiB (`dist._DEFAULT_FIRST_BUCKET_BYTES`): here a single bucket of all "
+              "{first_bytes:,} bytes. During the first backward it records the order in which gradients "
+              "really became ready and rebuilds the buckets from it, once ({cap:,}-byte cap): "
+              "**{rebuilt}**. c's gradients are ready first because c ran last, so the first bucket's "
+              "all-reduce starts while b and a are still in backward. Every rank rebuilt the same "
+              "buckets ({same_on_ranks:yesno}): they must, or an all-reduce would add up different "
+              "gradients.\n"
+              "- **Unused parameters.** Add a layer the forward never calls: its gradient hook never "
+              "fires, its bucket never fills, and the next iteration stops with \"{unused_error}\". "
+              "`find_unused_parameters=True` walks the autograd graph after every forward to mark such "
+              "parameters ready (here: {find}), a traversal each iteration; `static_graph=True` promises the "
+              "graph never changes, so DDP learns the unused set and the hooks' order in the first "
+              "iteration and skips the search after (here: {static}).\n"
+              "- **Buffers travel every forward.** Parameters are broadcast once, at construction; buffers "
+              "(BatchNorm's running statistics, say) are broadcast from rank 0 again at the start of "
+              "every forward, by default (`{option}`{renamed}). Rank "
+              "0 stamped its buffer 1 and rank 1 its 2: after one forward rank 1 holds {stamp_on:g} by "
+              "default and {stamp_off:g} with `{option}=False`."),
+        run=inside_ddp,
+        checks=(Check("at construction, one bucket holds every parameter", lambda f: f["first_count"] == 1),
+                Check("the rebuilt buckets follow backward's order: c, then b, then a",
+                      lambda f: [n.split(".")[0] for b in f["rebuilt_lists"] for n in b]
+                      == ["c", "c", "b", "b", "a", "a"]),
+                Check("every rank rebuilt the same buckets", lambda f: f["same_on_ranks"]),
+                Check("by default an unused parameter stops the next iteration",
+                      lambda f: "finished reduction" in f["unused_error"]),
+                Check("find_unused_parameters=True and static_graph=True both run with it",
+                      lambda f: f["find"] == f["static"] == "it ran"),
+                Check("by default one forward overwrites rank 1's buffer with rank 0's; switched off, "
+                      "rank 1 keeps its own", lambda f: f["stamp_on"] == f["stamp_0"] == 1
+                      and f["stamp_off"] == 2)),
+        inputs={"cap": CAP},
+        predict=Predict("A module registers its layers c, a, b and runs them a → b → c. After the first "
+                        "backward, DDP rebuilds its buckets: whose gradients are in the first bucket, "
+                        "'a', 'b' or 'c'?", "first_bucket", choices=("a", "b", "c"),
+                        misconceptions=(("a", "a runs first in forward, so its gradients are ready last "
+                                              "in backward: the rebuilt first bucket holds the last "
+                                              "layer's"),)),
+        hint="Backward runs the forward in reverse: the last layer's gradients are ready first.",
+        hints=("DDP records the order in which the gradient hooks fire during the first backward.",),
+        show=(ddp_inside,),
+        try_this="In ddp_inside, make the forward skip b on odd iterations: which switch does it need now?",
+        teaches=("dp-vs-ddp", "ddp-internals"),
     ),
     Step(
         title="Three engines, one answer",

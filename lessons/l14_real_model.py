@@ -3,9 +3,10 @@
     dplab lesson 14              # needs the torch extra: pip install -e ".[torch]"
 
 Five steps: the model and what a token of training costs (6 N FLOPs); DDP and FSDP on two
-forked gloo ranks equal to one process; tokens per second and model FLOPs utilisation against
-this machine's own matmul peak, repeated so that the spread shows; where a step's time goes
-(forward, backward, the all-reduce) from dplab's trace, and FSDP's bytes against DDP's; and
+forked gloo ranks equal to one process; tokens per second and their utilisation of this core's
+own one-thread matmul (MFU's formula, a humbler peak), repeated so that the spread shows; where
+a step's time goes (forward, backward, the all-reduce, and a wait split into the other rank's lag
+and the all-reduce) from dplab's trace, and FSDP's bytes against DDP's; and
 the same model on a GPU when there is one. The model and its generated text: ``chargpt.py``.
 """
 
@@ -25,6 +26,8 @@ N_MATMUL = 338_592      # the model's parameters in matmuls (step 1 checks it ag
 ROWS = 8                # the global batch: 8 windows of 32 characters = 256 tokens a step
 REPEATS = 3             # timed repeats of a few steps each: the spread is part of the answer
 STEPS_PER_REPEAT = 2
+BLOCK, WIDTH = 32, 96   # GPTConfig's context and width (step 5's test checks them against it)
+GPU_ROWS = 256          # step 5's batch on a GPU: 256 windows of BLOCK characters
 
 
 def _warm():
@@ -231,8 +234,38 @@ def profile(comm, wrap, steps, rows):
         with tr.span("optimizer", extra={"step": step}):
             opt.step()
     tr.enabled = False
-    return [(e.kind, e.t_end_ns - e.t_start_ns, e.bytes, e.thread)
+    return [(e.kind, e.t_start_ns, e.t_end_ns, e.bytes, e.thread)
             for e in tr.take()], cpu
+
+
+def per_step_sum(events, kind, steps):
+    """ms a step spent in ``kind`` spans (events in step order)."""
+    spans = [(b - a) / 1e6 for k, a, b, _, _ in events if k == kind]
+    per = len(spans) // steps
+    return [sum(spans[i * per:(i + 1) * per]) for i in range(steps)]
+
+
+def hidden_under_backward(events):
+    """ms the comm thread spent on buckets before backward ended (before
+    the step's wait began), step by step."""
+    waits = [t0 for k, t0, _, _, _ in events if k == "wait"]
+    spans = [(a, b) for k, a, b, _, _ in events if k == "bucket"]
+    if not waits:                      # FSDP: no buckets to wait for
+        return []
+    per = len(spans) // len(waits)
+    return [sum(max(0, min(b, t0) - a) for a, b in spans[i * per:(i + 1) * per]) / 1e6
+            for i, t0 in enumerate(waits)]
+
+
+def split_wait(ranks):
+    """Rank 0's wait at the end of backward, per step, cut in two: the
+    other rank still computing (its own wait began later), then the
+    all-reduce both ranks were waiting on (ms; the ranks share a clock)."""
+    starts = [[t0 for k, t0, _, _, _ in ev if k == "wait"] for ev, _ in ranks]
+    mine = [(t0, t1) for k, t0, t1, _, _ in ranks[0][0] if k == "wait"]
+    lag = [min(max(max(s[i] for s in starts) - t0, 0), t1 - t0) / 1e6
+           for i, (t0, t1) in enumerate(mine)]
+    return lag, [(t1 - t0) / 1e6 - g for (t0, t1), g in zip(mine, lag)]
 
 
 def where_time_goes(lab):
@@ -241,18 +274,25 @@ def where_time_goes(lab):
     world = lab.world(2, "torch")
     out = {"steps": steps - 1}
     for wrap in ("ddp", "fsdp"):
-        events, cpu = world.run(profile, wrap, steps, ROWS)[0]
+        ranks = world.run(profile, wrap, steps, ROWS)
+        events, cpu = ranks[0]
 
         def per_step(kind, events=events):
-            return [d / 1e6 for k, d, _, _ in events if k == kind]
+            return [(b - a) / 1e6 for k, a, b, _, _ in events if k == kind]
 
         fwd, bwd, opt, wait = (per_step(k) for k in ("forward", "backward", "optimizer", "wait"))
-        sent = sum(b for k, _, b, _ in events if k == "send") // (steps - 1)
+        sent = sum(b for k, _, _, b, _ in events if k == "send") // (steps - 1)
+        lag, exposed = split_wait(ranks) if wait else ([0.0], [0.0])
+        comm, hidden = per_step_sum(events, "bucket", steps - 1), hidden_under_backward(events)
+        # the wait's parts from one step, the median one, so that they add up
+        m = sorted(range(len(wait)), key=wait.__getitem__)[len(wait) // 2] if wait else 0
         out[wrap] = {"forward": statistics.median(fwd), "backward": statistics.median(bwd),
                      "optimizer": statistics.median(opt),
                      "wait": statistics.median(wait) if wait else 0.0,
-                     "comm": sum(d for k, d, _, t in events if t == "comm" and k == "bucket") / 1e6
-                     / (steps - 1),
+                     "lag": lag[m], "exposed": exposed[m], "comm": comm[m],
+                     "hidden": hidden[m] if hidden else 0.0,
+                     "lag_all": lag, "exposed_all": exposed, "wait_all": wait,
+                     "buckets": sum(k == "bucket" for k, *_ in events) // (steps - 1),
                      # backward's own compute: its span less the wait for the last bucket inside it
                      "bwd_over_fwd": [(b - w) / f for f, b, w in zip(fwd, bwd, wait or [0.0] * len(bwd))],
                      "cpu_ratio": sum(b for _, b in cpu) / sum(f for f, _ in cpu), "sent": sent}
@@ -260,6 +300,10 @@ def where_time_goes(lab):
     total = ddp["forward"] + ddp["backward"] + ddp["optimizer"]
     out.update({"fwd_ms": ddp["forward"], "bwd_ms": ddp["backward"] - ddp["wait"],
                 "wait_ms": ddp["wait"], "opt_ms": ddp["optimizer"], "comm_ms": ddp["comm"],
+                "lag_ms": ddp["lag"], "exposed_ms": ddp["exposed"],
+                "hidden_ms": ddp["hidden"], "buckets": ddp["buckets"],
+                "step_wait_ms": ddp["lag"] + ddp["exposed"],
+                "wait_parts": list(zip(ddp["wait_all"], ddp["lag_all"], ddp["exposed_all"])),
                 "fwd_pct": 100 * ddp["forward"] / total,
                 "bwd_pct": 100 * (ddp["backward"] - ddp["wait"]) / total,
                 "wait_pct": 100 * ddp["wait"] / total, "opt_pct": 100 * ddp["optimizer"] / total,
@@ -288,7 +332,7 @@ def on_a_gpu(lab):
     cfg, data = GPTConfig(), encode(text()).cuda()
     model = CharGPT(cfg).cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    rows, times = 256, []
+    rows, times = GPU_ROWS, []
     for step in range(6):
         x, y = batch(data, rows, cfg.block, step)
         torch.cuda.synchronize()
@@ -301,9 +345,10 @@ def on_a_gpu(lab):
     tps = rows * cfg.block / statistics.median(times[1:])
     mfu = 6 * N_MATMUL * tps / peak
     said = (f"Ran on {torch.cuda.get_device_name()}: {tps:,.0f} tokens/s "
-            f"at {rows} rows, MFU {100 * mfu:.2g}% of its float32 matmul "
-            f"peak ({peak / 1e12:.3g} TFLOP/s, measured): a model this "
-            "small cannot fill a GPU; launch overheads dominate.")
+            f"at {rows} rows, {100 * mfu:.2g}% of its own float32 "
+            f"4096 × 4096 matmul ({peak / 1e12:.3g} TFLOP/s, measured): "
+            "a model this small cannot fill a GPU; launch overheads "
+            "dominate.")
     return {"ran": True, "why": "", "said": said, "mfu_gpu": mfu}
 
 
@@ -367,23 +412,26 @@ STEPS = (
         teaches=("real-model",),
     ),
     Step(
-        title="Tokens per second and model FLOPs utilisation",
-        text=("How good is a training speed? Model FLOPs utilisation (MFU) compares the FLOPs the model "
-              "needs, 6 N per token, with what the hardware can do. Each rank first measures its own "
-              "peak: the best of 5 float32 matmuls of 384 × 384 on one thread, **{peak_gflops:.3g} "
-              "GFLOP/s** here, so at most {ideal_tps:,.0f} tokens/s per core.\n\n"
+        title="Tokens per second, against this core's own matmul",
+        text=("How good is a training speed? **Model FLOPs utilisation** (MFU, Chowdhery et al. 2022) "
+              "divides the FLOPs the model needs, 6 N per token, by the hardware's rated peak. This step "
+              "divides by something humbler, and names it so: **matmul utilisation**, against this "
+              "core's own best float32 matmul of 384 × 384 on one thread (the best of 5), "
+              "**{peak_gflops:.3g} GFLOP/s** here, so at most {ideal_tps:,.0f} tokens/s per core. It "
+              "says how close the step comes to the best this core does on a matmul, not to a "
+              "datasheet.\n\n"
               "Then it trains, timed {repeats} times (after a warm-up). One process: {tps1:,.0f} tokens/s, "
-              "**MFU {mfu1:.2g}%** (from {mfu1_lo:.2g}% to {mfu1_hi:.2g}% over the repeats). DDP on 2 "
-              "ranks: {tps2:,.0f} tokens/s, MFU {mfu2:.2g}% of two cores' peak ({mfu2_lo:.2g}-"
+              "**{mfu1:.2g}% of that matmul** (from {mfu1_lo:.2g}% to {mfu1_hi:.2g}% over the repeats). "
+              "DDP on 2 ranks: {tps2:,.0f} tokens/s, {mfu2:.2g}% of two cores' matmul ({mfu2_lo:.2g}-"
               "{mfu2_hi:.2g}%); speed-ups repeat by repeat: {speedups}. These are this run's numbers on "
-              "a machine shared with other work: the spread says how far to trust them. Timed by each rank's "
-              "CPU time instead (the core's time this rank really had), MFU is {cpu_lo:.2g}-{cpu_hi:.2g}%. "
-              "What holds on any "
-              "machine is the shape: MFU stays well below 100%, because small matmuls, attention's "
-              "softmax, LayerNorm, the optimizer and Python all take time that does no model FLOPs."),
+              "a machine shared with other work: the spread says how far to trust them. Timed by each "
+              "rank's CPU time instead (the core's time this rank really had), it is {cpu_lo:.2g}-"
+              "{cpu_hi:.2g}%. What holds on any machine is the shape: the step stays well below its "
+              "matmul's rate, because small matmuls, attention's softmax, LayerNorm, the optimizer and "
+              "Python all take time that does no model FLOPs."),
         run=tokens_and_mfu,
-        checks=(Check("MFU by CPU time, which other programs cannot inflate, is below 100% in every "
-                      "repeat, on 1 and on 2 ranks",
+        checks=(Check("matmul utilisation by CPU time, which other programs cannot inflate, is below "
+                      "100% in every repeat, on 1 and on 2 ranks",
                       lambda f: all(0 < m < 1 for p in (1, 2) for m in f[p]["mfu_cpu"])),),
         predict=Predict("This core's matmul peak was measured at {peak_gflops:.3g} GFLOP/s. At 6 N = "
                         "{flops:,} FLOPs a token, how many tokens/s could one core train at most?",
@@ -407,8 +455,16 @@ STEPS = (
               "by step: {ratios}; by the CPU time the rank's thread really ran, {cpu_ratio:.2f}x. Backward "
               "does twice forward's matmul FLOPs; the rest of the step (the loss, softmax, LayerNorm, "
               "Python) costs it less than that. "
-              "The buckets' all-reduces took {comm_ms:.3g} ms a "
-              "step on the comm thread; what backward did not hide is the wait.\n\n"
+              "DDP's 25 MiB bucket cap holds all {grad_bytes:size} of gradients in one bucket here, so "
+              "its all-reduce can start only as backward ends (lesson 4 shows smaller buckets "
+              "overlapping).\n\n"
+              "The wait is not all all-reduce. Both ranks stamp the same clock, so the median step's "
+              "wait of {step_wait_ms:.2g} ms splits in two: for {lag_ms:.2g} ms rank 1 was still in its "
+              "own backward (the other rank's lag), and for {exposed_ms:.2g} ms both ranks waited on the "
+              "last all-reduce, the communication backward did not hide. In that step the bucket's "
+              "all-reduce took {comm_ms:.3g} ms on the comm thread (its wait for rank 1 included), "
+              "{hidden_ms:.2g} ms of it before backward ended. Only the second part of the wait shrinks "
+              "with a faster network; the first shrinks when the ranks' work is even (lesson 8).\n\n"
               "Bytes are not timings: they are exact. DDP's ring all-reduce sends {ddp_sent:size} a step "
               "from rank 0 (the {grad_bytes:size} of float32 gradients, as 2(p-1)/p says at p = 2). "
               "FSDP sends {fsdp_sent:size}: {fsdp_over_ddp:.2f}x, for gathering each block's weights "
@@ -416,6 +472,10 @@ STEPS = (
         run=where_time_goes,
         checks=(Check("by CPU time, backward cost more than forward ({cpu_ratio:.2f}x over {steps} steps)",
                       lambda f: f["cpu_ratio"] > 1),
+                Check("one bucket holds the whole gradient", lambda f: f["buckets"] == 1),
+                Check("every step's wait is the other rank's lag plus the last all-reduce, neither negative",
+                      lambda f: all(lag >= 0 and rest >= 0 and abs(lag + rest - w) < 1e-9
+                                    for w, lag, rest in f["wait_parts"])),
                 Check("DDP's ring sends exactly the gradient's bytes at p = 2",
                       lambda f: f["ddp_sent"] == f["grad_bytes"]),
                 Check("FSDP sends more than DDP and at most 1.5x",
@@ -424,7 +484,7 @@ STEPS = (
         hints=("At p = 2 a ring all-reduce sends half the buffer in the reduce-scatter and half in the "
                "all-gather.",),
         try_this="dplab train --backend torch --world-size 2 --trace run.json   # open it in the app",
-        show=(profile,),
+        show=(profile, split_wait),
         teaches=("real-model",),
     ),
     Step(
@@ -432,9 +492,11 @@ STEPS = (
         text=("The same model on a CUDA device, one process (dplab's torch backend puts one rank on each "
               "GPU: `DPLAB_DEVICE=cuda torchrun --nproc-per-node N ...` with N GPUs). {said}"),
         run=on_a_gpu,
-        checks=(Check("it ran on the GPU with an MFU below 100%, or it says why not",
+        checks=(Check("it ran on the GPU below 100% of its own matmul's rate, or it says why not",
                       lambda f: (f["ran"] and 0 < f["mfu_gpu"] < 1) or (not f["ran"] and f["why"])),),
-        hint="A GPU's peak needs large matmuls: 512 tokens of width 96 are tiny for it.",
+        hint=(f"A GPU's peak needs large matmuls: a step here is {GPU_ROWS} rows × {BLOCK} characters = "
+              f"{GPU_ROWS * BLOCK:,} tokens, each a vector of width {WIDTH}; the weights it multiplies "
+              f"are {WIDTH} × {4 * WIDTH} at most, small for a GPU."),
         try_this="dplab lesson 14 --step 5   # on a machine with a CUDA GPU",
         teaches=("real-model",),
     ),
@@ -442,6 +504,6 @@ STEPS = (
 
 
 LESSON = Lesson(14, "real_model", "A real model: a character-level GPT with DDP and FSDP",
-                "What a transformer's training step costs in FLOPs and time, how close it gets to the "
-                "hardware's peak, and where the time goes.",
+                "What a transformer's training step costs in FLOPs and time, how close it gets to its "
+                "core's own matmul rate, and where the time goes.",
                 STEPS, needs=("torch",))

@@ -248,3 +248,22 @@ def test_clocks_override_steps(worlds):
     server = worlds(3).run(_train_async, BASE, AsyncConfig(staleness=None, clocks=2))[0]
     assert len(server.log) == 2 * 2
     assert np.array_equal(replay(BASE, AsyncConfig(None, clocks=2), server.log), server.params)
+
+
+def test_replay_calls_each_after_every_update_and_fresh_drops_only_the_staleness():
+    """``each`` sees every update; ``fresh=True`` computes each gradient on the current parameters."""
+    from dplab.reference.ps.protocol import LogEntry
+    from dplab.reference.ps.replay import replay
+    from dplab.reference.ps.trainer import AsyncConfig
+    from dplab.reference.train.single import TrainConfig
+    cfg, acfg = TrainConfig(steps=4), AsyncConfig(staleness=None)
+    current = [LogEntry(worker=k % 2 + 1, clock=k // 2, version=k, produced=k + 1, slowest_done=0)
+               for k in range(6)]
+    stale = [LogEntry(worker=k % 2 + 1, clock=k // 2, version=max(0, k - 3), produced=k + 1, slowest_done=0)
+             for k in range(6)]
+    seen = []
+    final = replay(cfg, acfg, stale, 2, each=lambda k, p: seen.append((k, p.copy())))
+    assert [k for k, _ in seen] == [1, 2, 3, 4, 5, 6] and np.array_equal(seen[-1][1], final)
+    assert np.array_equal(replay(cfg, acfg, current, 2, fresh=True), replay(cfg, acfg, current, 2))
+    assert np.array_equal(replay(cfg, acfg, stale, 2, fresh=True), replay(cfg, acfg, current, 2))
+    assert not np.array_equal(final, replay(cfg, acfg, current, 2))

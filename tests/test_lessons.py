@@ -35,6 +35,10 @@ def test_every_step_runs_and_its_claims_hold(number):
                 reply = f"{truth}" if not isinstance(truth, float) else repr(truth)
                 assert step.predict.judge(out.facts, reply).correct, (step.title, reply)
                 assert out.question()
+                for what, why in step.predict.misconceptions:  # a named mistake must be judged wrong
+                    if not callable(what):
+                        verdict = step.predict.judge(out.facts, str(what))
+                        assert not verdict.correct and verdict.misconception, (step.title, what, verdict)
             if step.explore is not None:
                 assert step.explore.page in APP_PAGES, step.explore.page
                 query = step.explore.query(out.facts)  # names the page would ignore open the wrong picture

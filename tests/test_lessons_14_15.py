@@ -124,6 +124,24 @@ HOOKS_WRONG = {
     "never-waits": ((RIGHT_HOOK, ALL, "            handles.clear()"),
                     ["finish() waited for 0 of the 6 all-reduces launched in step 0",
                      "Wait for every handle in finish()"]),
+    # issue 31: these passed, reported as "all-reduced from its hook while backward ran", with no overlap
+    "launch-from-last-hook": (("            handles.append(param)\n"
+                               "            n = sum(p.requires_grad for p in model.parameters())\n"
+                               "            if len(handles) == n:\n"
+                               "                for p in handles:\n"
+                               "                    p.grad.div_(world)\n"
+                               "                handles[:] = [dist.all_reduce(p.grad, async_op=True)\n"
+                               "                              for p in handles]", ALL, RIGHT_FINISH),
+                              ["0 of 6 started while other gradients were still to come",
+                               "nothing overlapped backward", "its own parameter's hook"]),
+    "launch-in-finish": (("            pass", ALL,
+                          "            for p in model.parameters():\n"
+                          "                p.grad.div_(world)\n"
+                          "                handles.append(dist.all_reduce(p.grad, async_op=True))\n"
+                          "            for h in handles:\n                h.wait()\n"
+                          "            handles.clear()"),
+                         ["6 of the 6 all-reduces were launched in finish(), after backward had ended",
+                          "none of that communication overlapped backward"]),
 }
 
 
@@ -143,6 +161,7 @@ def test_the_hooks_template_filled_right_passes_and_so_does_the_shipped_solution
         report = check_file("ddp_hooks", file)
         assert report.passed, report.message
         assert "waited for in finish()" in report.message
+        assert "5 of the 18 all-reduces started while backward still had gradients to make" in report.message
 
 
 @pytest.mark.parametrize("name", sorted(HOOKS_WRONG))
@@ -180,3 +199,30 @@ def test_lesson_15_says_matrix_rank_and_exactly():
     assert "matrix rank 1" in steps[3].text and "at rank 1" not in steps[3].text
     assert "matrix rank 1" in steps[3].hint
     assert "{synced_diff:diff}" in steps[2].text
+
+
+# issue 31: the teacher's errors in lesson 14 stay fixed
+def test_the_wait_splits_into_the_other_ranks_lag_and_the_all_reduce():
+    """14.4 called the whole wait 'what backward did not hide'; part of it was the other rank's lag."""
+    from dplab.lessons.l14_real_model import split_wait
+    ms = 1_000_000
+    rank0 = [("wait", 0, 10 * ms, 0, "main"), ("wait", 100 * ms, 103 * ms, 0, "main")]
+    rank1 = [("wait", 4 * ms, 10 * ms, 0, "main"), ("wait", 99 * ms, 103 * ms, 0, "main")]
+    lag, rest = split_wait([(rank0, []), (rank1, [])])
+    assert lag == [4.0, 0.0] and rest == [6.0, 3.0]   # rank 1 late by 4 ms, then early
+    text = lesson(14).steps[3].text
+    assert "what backward did not hide is the wait" not in text and "{lag_ms:.2g}" in text
+
+
+def test_lesson_14s_gpu_hint_counts_the_tokens_its_step_runs():
+    from dplab.lessons.l14_real_model import BLOCK, GPU_ROWS, WIDTH
+    cfg = GPTConfig()
+    assert (BLOCK, WIDTH) == (cfg.block, cfg.d)
+    hint = lesson(14).steps[4].hint
+    assert "512 tokens" not in hint and f"{GPU_ROWS * cfg.block:,} tokens" in hint and str(cfg.d) in hint
+
+
+def test_lesson_14_calls_its_utilisation_by_what_it_divides_by():
+    step = lesson(14).steps[2]
+    assert "matmul utilisation" in step.text and "384 × 384" in step.text and "one thread" in step.text
+    assert "**MFU" not in step.text and "MFU" not in step.title

@@ -270,3 +270,28 @@ def test_lesson_2_double_trees_path_sums_each_rounds_busiest_port():
 
 def test_lesson_3_gives_the_crossover_in_bytes_and_kib():
     assert "{rd_below_bytes:,.0f} bytes ({rd_below_kib:.0f} KiB)" in lesson(3).steps[2].text
+
+
+def test_lesson_3_says_what_the_fit_did_with_beta_and_gamma():
+    """3.2 said one fit may put the per-byte cost in β and the next in γ; 3 runs of 3 set β = 0."""
+    from dplab.lessons.l03_cost import zero_said
+    text = lesson(3).steps[1].text
+    assert "the next in γ" not in text and "{zero_said}" in text and "{alike:.3f}" in text
+    assert zero_said(["β"]).startswith("β came out exactly 0") and "to γ" in zero_said(["β"])
+    assert "to β" in zero_said(["γ"]) and "to α" in zero_said(["β", "γ"])
+    assert zero_said([]) == "Both per-byte terms came out positive."
+
+
+def test_lesson_2_says_why_nccl_runs_the_double_tree_from_its_own_count():
+    """2.4 charged the double tree 38 α against the ring's 14 at p = 8 without saying why NCCL uses it."""
+    from dplab.reference.costfit import terms
+    text = lesson(2).steps[3].text
+    assert "{dt_64} α against the ring's {ring_64}" in text and "{dt_256}" in text and "lg p" in text
+    dt, ring = terms("double_tree", 64, 1 << 20)[0], terms("ring", 64, 1 << 20)[0]
+    assert dt < ring == 126
+
+
+def test_lesson_2_says_ncclss_channels_run_at_once():
+    """2.7's 420 µs queued all 8 rings through one port; NCCL's channels run concurrently."""
+    text = lesson(2).steps[6].text
+    assert "channels run at once" in text and "{channel_small_us:.0f} µs" in text and "queues" in text

@@ -334,3 +334,48 @@ def test_no_listing_is_a_whole_module():
     long = [(les.number, i + 1) for les in lessons() for i, s in enumerate(les.steps)
             if len(s.code().splitlines()) > 60]
     assert long == []
+
+
+def test_lesson_11_judges_2_to_the_16_wrong_so_its_own_message_fires():
+    """65,536 was within the old 1e-3 of 65,504 and judged right; the step's message for 2^16 never fired."""
+    predict = lesson(11).steps[0].predict
+    verdict = predict.judge({"max": 65504.0}, "65536")
+    assert not verdict.correct and "2^16" in verdict.misconception
+    assert predict.judge({"max": 65504.0}, "65,504").correct
+    assert predict.judge({"max": 65504.0}, "6.55e4").correct
+
+
+def test_lesson_12_says_torch_ddp_broadcasts_buffers_every_forward():
+    """12.2 said "Nothing is copied each step", but torch's DDP broadcasts buffers at every forward."""
+    text = lesson(12).steps[1].text
+    assert "Nothing is copied each step" not in text and "buffers" in text
+    inside = lesson(12).steps[2]
+    assert "VLDB 2020" in inside.text and "ddp-internals" in inside.teaches
+    for words in ("rebuilds the buckets", "find_unused_parameters", "static_graph", "{option}"):
+        assert words in inside.text, words
+
+
+def test_the_buffer_switch_is_the_installed_torchs():
+    pytest.importorskip("torch")
+    import inspect
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    from dplab.lessons.l12_engines import buffer_option
+    assert buffer_option() in inspect.signature(DistributedDataParallel.__init__).parameters
+
+
+def test_the_loss_scaler_checker_prints_nothing_of_its_own():
+    """Its float16 cast warned 'overflow encountered in cast', shown as what the learner's code printed."""
+    from dplab.lessons.exercises.scaler import overflows
+    result = check_file("loss_scaler", SOLUTIONS / "loss_scaler.py")
+    assert result.passed and "RuntimeWarning" not in result.output and result.output.strip() == ""
+    assert overflows(65520.0) and not overflows(65519.0) and not overflows(65504.0)
+
+
+def test_lesson_10_gives_zero_r_and_the_width_its_due():
+    """10.3 called activations 'the part ZeRO does not shard', grown only with micro-batch and depth."""
+    step = lesson(10).steps[2]
+    assert "ZeRO does not shard" not in step.title + step.text
+    assert "ZeRO-R" in step.text and "offload" in step.text and "sequence length" in step.text
+    assert "the width" in step.text

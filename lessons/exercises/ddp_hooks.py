@@ -10,8 +10,10 @@ launched all-reduce; the loop calls it after ``loss.backward()`` and before ``op
 Two forked ranks of dplab's torch backend (gloo) train a small float64 MLP for a few SGD steps,
 each on its half of every batch. In each rank the checker wraps ``torch.distributed.all_reduce``
 to log what was reduced (a gradient, a parameter's values, some other tensor), whether it was
-asynchronous, and when each wait came (inside backward, in ``finish``, never). The verdict reads
-that log first (the mistakes that still train right: waiting before launching the next, never
+asynchronous, how many other gradients backward had still to make when it started (counted by the
+checker's own hooks, registered after the learner's: the overlap), and when each wait came (inside
+backward, in ``finish``, never). The verdict reads that log first (the mistakes that still train
+right: launching after backward or all from the last hook, waiting before launching the next, never
 waiting), then the parameters against one process on the whole batch (the oracle), and says
 what went wrong in the lesson's words: "moved 2 times as far as one process: the gradients were
 summed, not averaged".
@@ -140,6 +142,12 @@ class _Recorder:
     def __init__(self, real: Any, params: list[Any]) -> None:
         self.real, self.params, self.log = real, params, []
         self.phase, self.step = "attach", -1
+        self.ready = 0   # gradients backward has finished this step (the checker's own hooks count)
+
+    def made(self, param: Any) -> None:
+        """A post-accumulate-grad hook of the checker's, registered after the learner's: it fires once
+        the learner's hook for the same parameter has run."""
+        self.ready += 1
 
     def what(self, tensor: Any) -> tuple[str, int]:
         ptr = tensor.data_ptr()
@@ -153,8 +161,10 @@ class _Recorder:
     def all_reduce(self, tensor: Any, *args: Any, async_op: bool = False, **kwargs: Any) -> Any:
         kind, i = self.what(tensor)
         call = len(self.log)
+        # the overlap: how many other gradients backward had still to make when this one started
+        to_come = len(self.params) - self.ready - (1 if self.phase == "backward" else 0)
         self.log.append({"event": "launch", "step": self.step, "phase": self.phase, "what": kind,
-                         "index": i, "async": bool(async_op), "call": call})
+                         "index": i, "async": bool(async_op), "call": call, "to_come": max(to_come, 0)})
         work = self.real(tensor, *args, async_op=async_op, **kwargs)
         return _Work(work, self, call) if async_op and work is not None else work
 
@@ -192,13 +202,16 @@ def _rank(comm: Any, file: str, deadline: float) -> dict[str, Any]:
     attach = load_function(Path(file), "attach_ddp_hooks")
     with same_process():
         finish = attach(model)
+    for p in params:   # after the learner's: they count the gradients backward has finished
+        if p.requires_grad:
+            p.register_post_accumulate_grad_hook(recorder.made)
     if not callable(finish):
         raise Fail(f"attach_ddp_hooks returned {type(finish).__name__}, not a function: return finish, "
                    "which the loop calls after loss.backward() to wait for the all-reduces")
     half = slice(comm.rank * ROWS // WORLD, (comm.rank + 1) * ROWS // WORLD)
     after = []
     for step in range(STEPS):
-        recorder.step = step
+        recorder.step, recorder.ready = step, 0
         x, y = data(step)
         recorder.phase = "backward"
         with same_process():
@@ -232,14 +245,22 @@ def judge_ddp_hooks(file: Path, output: list[str]) -> str:
     problem = _read_log(ranks[0]["log"], names)
     if problem:
         raise Fail(problem)
+    overlapped, launched = _overlap(ranks[0]["log"])
     oracle = train_one_process()
     runs = [[np.frombuffer(base64.b64decode(a), dtype=np.float64) for a in rank["after"]] for rank in ranks]
     problem = _diagnose(runs, oracle, names)
     if problem:
         raise Fail(problem)
     return (f"right: on {WORLD} gloo ranks every parameter's gradient was all-reduced from its hook while "
-            f"backward ran, waited for in finish(), and after each of {STEPS} steps both ranks hold one "
-            f"process's parameters (within {_RTOL:g})")
+            f"backward ran ({overlapped} of the {launched} all-reduces started while backward still had "
+            f"gradients to make), waited for in finish(), and after each of {STEPS} steps both ranks hold "
+            f"one process's parameters (within {_RTOL:g})")
+
+
+def _overlap(log: list[dict[str, Any]]) -> tuple[int, int]:
+    """(all-reduces started while backward still had other gradients to make, all launched), rank 0."""
+    launches = [e for e in log if e["event"] == "launch"]
+    return sum(e["phase"] == "backward" and e["to_come"] > 0 for e in launches), len(launches)
 
 
 def _read_log(log: list[dict[str, Any]], names: list[str]) -> str | None:
@@ -277,6 +298,17 @@ def _read_log(log: list[dict[str, Any]], names: list[str]) -> str | None:
             return ("the all-reduces were blocking (async_op=False): each one finished before backward could "
                     "go on, so no communication overlapped the backward still running. Launch with "
                     "async_op=True in the hook, keep the handle, and wait in finish()")
+        late = [e for e in mine if e["phase"] != "backward"]
+        if late:
+            return (f"in step {step} {len(late)} of the {len(mine)} all-reduces were launched in finish(), "
+                    "after backward had ended: none of that communication overlapped backward. Launch "
+                    "each from its parameter's hook, the moment its gradient is ready")
+        if not any(e["to_come"] for e in mine):
+            return (f"in step {step} every all-reduce started after backward had made the last gradient "
+                    f"(0 of {len(mine)} started while other gradients were still to come): the hooks "
+                    "waited for the last one and launched them all together, so nothing overlapped "
+                    "backward. Launch each from its own parameter's hook, as soon as that gradient is "
+                    "ready")
         calls = {e["call"] for e in mine}
         waits = [e for e in log if e["event"] == "wait" and e["call"] in calls]
         early = [e for e in waits if e["phase"] == "backward"]

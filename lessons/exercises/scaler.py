@@ -27,7 +27,7 @@ from dplab.lessons.exercises.learner import Fail, learner_call, load_function, s
 from dplab.reference.precision.config import MixedPrecision
 from dplab.reference.precision.scaler import LossScaler
 
-__all__ = ["judge_scaler", "collect_scaler", "RUNS", "HINTS", "FP16_MAX"]
+__all__ = ["judge_scaler", "collect_scaler", "overflows", "RUNS", "HINTS", "FP16_MAX"]
 
 FP16_MAX = 65504.0
 # (name, init_scale, growth_interval, flags or None, gmax, steps): flags script the overflows; with
@@ -52,6 +52,13 @@ HINTS = (
 )
 
 
+def overflows(x: float) -> bool:
+    """Whether ``x`` overflows float16 when cast (the checker's own cast: numpy's warning about it
+    would land in what the learner's code printed)."""
+    with np.errstate(over="ignore"):
+        return not math.isfinite(float(np.float16(x)))
+
+
 def collect_scaler(file: Path, inputs: dict[str, Any], out: dict[str, Any], deadline: float) -> None:
     """In the child: every call of the learner's update along every run (``out["runs"]``)."""
     update = load_function(file, "update")
@@ -59,8 +66,7 @@ def collect_scaler(file: Path, inputs: dict[str, Any], out: dict[str, Any], dead
     for _name, init, interval, flags, gmax, steps in inputs["runs"]:
         scale, good, calls = float(init), 0, []
         for step in range(steps):
-            found = bool(flags[step]) if flags is not None else not math.isfinite(
-                float(np.float16(gmax * scale)))
+            found = bool(flags[step]) if flags is not None else overflows(gmax * scale)
             what = f"update(scale={scale:g}, good_steps={good!r}, found_inf={found}, ...)"
             with learner_call(file, what):
                 got = update(scale, good, found, 2.0, 0.5, interval)

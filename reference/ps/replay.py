@@ -13,6 +13,7 @@ where the server stopped.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from itertools import groupby
 
 import numpy as np
@@ -25,9 +26,14 @@ from dplab.reference.train.single import TrainConfig, setup
 __all__ = ["replay"]
 
 
-def replay(cfg: TrainConfig, acfg: AsyncConfig, log: list[LogEntry],
-           workers: int | None = None) -> np.ndarray:
-    """The server's final parameters, recomputed from its log; ``workers`` defaults to the largest in it."""
+def replay(cfg: TrainConfig, acfg: AsyncConfig, log: list[LogEntry], workers: int | None = None,
+           fresh: bool = False, each: Callable[[int, np.ndarray], None] | None = None) -> np.ndarray:
+    """The server's final parameters, recomputed from its log; ``workers`` defaults to the largest in it.
+
+    ``fresh=True`` computes every gradient on the parameters current at its update instead of the
+    version it was computed on: the same batches in the same order without the staleness (what the
+    run would have been had every gradient been up to date). ``each(produced, params)`` is called after
+    every update (params: the live array; copy what you keep)."""
     acfg.validate()
     if workers is None and acfg.backup_workers:
         raise ConfigError("with backup workers a worker may be missing from the log: pass workers=")
@@ -44,7 +50,7 @@ def replay(cfg: TrainConfig, acfg: AsyncConfig, log: list[LogEntry],
         for e in entries:
             grad = np.empty_like(params)
             idx = worker_batch(cfg, e.worker, workers, e.clock)
-            compute_gradient(model, data, cfg, versions[e.version], idx, grad)
+            compute_gradient(model, data, cfg, params if fresh else versions[e.version], idx, grad)
             grads.append(grad)
         pushes = [(e.worker, e.clock) for e in entries]
         opt.step(params, update_gradient(cfg, acfg, workers, pushes, grads))
@@ -52,6 +58,8 @@ def replay(cfg: TrainConfig, acfg: AsyncConfig, log: list[LogEntry],
             del versions[v]  # long runs (a time budget) keep only the versions still to be read
         if produced in last_use:
             versions[produced] = params.copy()
+        if each is not None:
+            each(produced, params)
         expected += 1
     return params
 
