@@ -199,11 +199,13 @@ class SimComm(Communicator):
         code, facts = (self._code, self._facts) if round >= 0 else (0, None)
         t = me.time
         out = [
-            net.send(self.rank, s.peer, EXCHANGE_TAG, s.buf, _nbytes(s.buf), t, code, facts)
+            net.send(self.rank, s.peer, EXCHANGE_TAG, s.buf, _nbytes(s.buf), t, code, facts,
+                     algorithm)
             for s in sends
         ]
         into = [
-            net.recv(self.rank, r.peer, EXCHANGE_TAG, r.buf, _nbytes(r.buf), t, code, facts)
+            net.recv(self.rank, r.peer, EXCHANGE_TAG, r.buf, _nbytes(r.buf), t, code, facts,
+                     algorithm)
             for r in recvs
         ]
         net.wait(me, out + into, f"round {round} of {algorithm or 'an exchange'}")
@@ -216,7 +218,7 @@ class SimComm(Communicator):
                 _assign(spec.buf, post.data)
             post.data = None
         if reduced:  # gamma per reduced byte, on the device before this rank's next step
-            self.world.reduced(me, self.rank, reduced)
+            self.world.reduced(me, self.rank, reduced, algorithm)
         if self.tracer.enabled:
             for spec, post in zip(recvs, into):
                 self._trace_post(

@@ -252,9 +252,18 @@ def machine(paths: list[str]) -> list[dict[str, Any]]:
             raise RuntimeError(f"dplab {' '.join(argv)} failed")
         predicted = json.loads(out.read_text())["rows"]
         out.unlink()
-        source = f"{Path(path).name}: dplab {' '.join(_drop_json(meta['argv']))}"
+        source = f"{Path(path).name}: dplab {' '.join(_drop_json(meta['argv']))}{_load(meta)}"
         rows += _pairs(meta["command"], measured, predicted, source)
     return rows
+
+
+def _load(meta: dict[str, Any]) -> str:
+    """When a measured file was measured, and under what load (``perf.tables stamp``)."""
+    m = meta.get("measured", {})
+    if "date" not in m:
+        return ""
+    before = f"{m['load_before']:g} before, " if "load_before" in m else ""
+    return f" (measured {m['date']}, load average {before}{m['load_average'][0]:g} after)"
 
 
 def _as_sim(argv: list[str]) -> list[str]:
