@@ -266,7 +266,14 @@ class Cluster:
 
     def folds_gamma(self, algorithm: str) -> bool:
         """Whether ``algorithm``'s messages carry fitted terms (on either link) whose beta already
-        includes its reductions, so no gamma is charged on top."""
+        includes its reductions, so no gamma is charged on top.
+
+        Args:
+            algorithm: an all-reduce's name, or "" for other messages.
+
+        Returns:
+            True where a link has terms of its own for ``algorithm``.
+        """
         return self.intra.folds_gamma(algorithm) or self.inter.folds_gamma(algorithm)
 
     def check_world(self, world_size: int) -> None:
@@ -401,8 +408,18 @@ def _link(where: str, k: Any) -> Link:
 
 
 def cluster_from_dict(data: Any, source: str = "the cluster") -> Cluster:
-    """The cluster ``data`` (a parsed file) describes, every field checked: a ConfigError names the
-    first bad one (``source`` says where it came from)."""
+    """The cluster ``data`` (a parsed file) describes, every field checked.
+
+    Args:
+        data: the parsed JSON or TOML (the module docstring shows its keys).
+        source: where it came from, for the error.
+
+    Returns:
+        The ``Cluster``.
+
+    Raises:
+        ConfigError: in one line, naming the first bad or missing field and what it must be.
+    """
     d = _table(source, data, _TOP, ("name", "nodes", "ranks_per_node", "device", "links"))
     for key in ("nodes", "ranks_per_node", "devices_per_node"):
         v = d.get(key, d["ranks_per_node"] if key == "devices_per_node" else None)

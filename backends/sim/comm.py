@@ -194,7 +194,18 @@ class SimComm(Communicator):
         self, sends: list[SendSpec], recvs: list[RecvSpec], round: int = -1, algorithm: str = ""
     ) -> None:
         """One round: post everything, wait for all of it, apply the receives in list order, then
-        spend gamma per reduced byte on the device."""
+        spend gamma per reduced byte on the device.
+
+        Args:
+            sends: what this rank sends (buffer, peer, chunk).
+            recvs: what it receives (buffer, peer, chunk, reduce: add into the buffer or copy).
+            round: the schedule's round (-1 outside a collective: no buffer facts checked).
+            algorithm: the schedule's name, which picks the link's terms for its messages.
+
+        Raises:
+            CollectiveMismatch, BufferMismatch: a peer called another collective, or passed
+                another buffer; Deadlock: every rank waits and nothing is under way.
+        """
         me, net = self._ready(), self.world.network
         code, facts = (self._code, self._facts) if round >= 0 else (0, None)
         t = me.time

@@ -129,6 +129,18 @@ class Network:
         facts: Any = None,
         algorithm: str = "",
     ) -> Post:
+        """Post a send; it meets the first matching receive posted (or a later one).
+
+        Args:
+            rank: the sender; dst: the receiver; tag: the message's tag.
+            buf: the data (read when the transfer ends), or None for a timing-only post.
+            nbytes: its size; t: the virtual time it is posted.
+            code, facts: its collective's code and (length, dtype), checked against the receive.
+            algorithm: the all-reduce it belongs to (the link's terms for it), or "".
+
+        Returns:
+            The ``Post``: ``done`` once its transfer is through.
+        """
         post = Post(True, rank, dst, tag, buf, nbytes, t, code, facts, algorithm)
         waiting = self._recvs.get((dst, tag), [])
         for i, r in enumerate(waiting):
@@ -151,6 +163,21 @@ class Network:
         facts: Any = None,
         algorithm: str = "",
     ) -> Post:
+        """Post a receive from ``src`` (or ANY_SOURCE); it meets the oldest matching send.
+
+        Args:
+            rank: the receiver; src: the sender or ANY_SOURCE; tag: the message's tag.
+            buf: where the data lands (an exchange's receiver applies it itself), or None.
+            nbytes: its size; t: the virtual time it is posted.
+            code, facts: its collective's code and (length, dtype), checked against the send.
+            algorithm: the all-reduce it belongs to, or "".
+
+        Returns:
+            The ``Post``: ``done`` once its transfer is through.
+
+        Raises:
+            CollectiveMismatch, BufferMismatch: the send it meets now does not match.
+        """
         post = Post(False, rank, src, tag, buf, nbytes, t, code, facts, algorithm)
         waiting = self._sends.get((rank, tag), [])
         for i, s in enumerate(waiting):

@@ -103,7 +103,13 @@ class SimWorld:
 
     def reduced(self, actor: Actor, rank: int, nbytes: int, algorithm: str = "") -> None:
         """``actor`` reduced ``nbytes`` in a round of ``algorithm``: gamma each, on its device
-        (behind the host if threads); nothing where the algorithm's fitted beta includes it."""
+        (behind the host if threads); nothing where the algorithm's fitted beta includes it.
+
+        Args:
+            actor: the rank's thread (or step actor) that reduced.
+            rank: its rank; nbytes: the bytes it added into its buffer.
+            algorithm: the all-reduce the round belongs to ("" if none).
+        """
         if self.cluster.folds_gamma(algorithm):
             return
         if self.hosts is None:

@@ -194,7 +194,21 @@ def _run(world: SimWorld, programs: dict[Actor, Iterator[None]], t0: float) -> T
 def collective_time(c: Cluster | str, world_size: int, algorithm: str, nbytes: int,
                     itemsize: int = 4) -> TimingResult:
     """Simulated seconds of one all-reduce of ``nbytes`` (``nbytes // itemsize`` elements) by
-    ``algorithm`` on ``world_size`` ranks of cluster ``c``, from its schedule alone."""
+    ``algorithm`` on ``world_size`` ranks of cluster ``c``, from its schedule alone.
+
+    Args:
+        c: the cluster, or a preset's name (``dplab.reference.cluster.cluster``).
+        world_size: ranks taking part; at most the cluster's size.
+        algorithm: an all-reduce schedule's name, or "native" (the one-shot: direct's rounds,
+            priced by the link's terms for native where it has some).
+        nbytes: the buffer's size; itemsize: one element's.
+
+    Returns:
+        ``TimingResult``: the simulated seconds, the engine's events and the wall time taken.
+
+    Raises:
+        ConfigError: an unknown cluster or algorithm, or a world larger than the cluster.
+    """
     world = SimWorld(resolve_cluster(c), world_size, 60.0, ranks=False)
     t0 = time.perf_counter()
     actors = [world.engine.add(Actor((r, 0), main=False)) for r in range(world_size)]
@@ -211,7 +225,21 @@ def ddp_step_time(c: Cluster | str, world_size: int, layers: list[tuple[int, flo
     backward (``layers``: (parameters, forward seconds, backward seconds), in forward order), each
     bucket of gradients (``assign_buckets``, DDP's rule) all-reduced by a comm actor as soon as its
     layers are done, overlapping the rest of the backward; then the optimizer. For models too large
-    to hold p replicas of in this machine's memory (the 256 GPUs of a published scaling result)."""
+    to hold p replicas of in this machine's memory (the 256 GPUs of a published scaling result).
+
+    Args:
+        c: the cluster, or a preset's name.
+        world_size: ranks taking part; at most the cluster's size.
+        layers: (parameters, forward seconds, backward seconds) of each layer, in forward order.
+        bucket_cap_mb: DDP's bucket cap; algorithm: the all-reduce of each bucket.
+        itemsize: bytes per gradient element; optimizer_s: the optimizer step's seconds.
+
+    Returns:
+        ``TimingResult`` of the step (the slowest rank's end).
+
+    Raises:
+        ConfigError: an unknown cluster or algorithm, or a world larger than the cluster.
+    """
     world = SimWorld(resolve_cluster(c), world_size, 60.0, ranks=False)
     t0 = time.perf_counter()
     engine = world.engine

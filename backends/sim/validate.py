@@ -239,7 +239,18 @@ def _ddp_on_gpu(comm: Any) -> float:
 
 def machine(paths: list[str]) -> list[dict[str, Any]]:
     """(a): this machine's measured rows (bench, scaling, scaling --ddp) beside the same commands on
-    the ``this-machine`` preset."""
+    the ``this-machine`` preset.
+
+    Args:
+        paths: the measured row files (``dplab ... --json``, stamped with their date and load).
+
+    Returns:
+        Validation rows: check, cluster, predicted, measured, unit, and the source (the file, its
+        command, when it was measured and under what load).
+
+    Raises:
+        RuntimeError: the same command on the preset failed.
+    """
     from dplab.backends.cli.commands import main as dplab
 
     rows: list[dict[str, Any]] = []
