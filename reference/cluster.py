@@ -13,7 +13,8 @@ A file is JSON (or TOML on Python >= 3.11); every number carries its unit in its
     nodes = 2
     ranks_per_node = 4                 # rank r runs on node r // 4; at most nodes x 4 ranks
     devices_per_node = 4               # a node's ranks share its devices round robin
-    reduce_gb_s = 300                  # optional: bytes reduced a second (default memory_gb_s / 3)
+    reduce_gb_s = 300                  # optional: bytes reduced a second (default memory_gb_s / 3;
+                                       # null in JSON: free, as the alpha-beta model)
     sources = ["where every number comes from"]
     [device]                           # every rank's device, unless a straggler changes it
     name = "RTX 4090"
@@ -26,9 +27,13 @@ A file is JSON (or TOML on Python >= 3.11); every number carries its unit in its
     bandwidth_gb_s = 25                # each way, per port
     ranks_per_port = 1                 # optional: 4 = one port shared by 4 ranks (one NIC per node)
     on_device = false                  # optional: true = a message is the receiver's device's copy
+    [links.intra.algorithms]           # optional: an algorithm whose messages cost otherwise, as
+    native = {alpha_us = 4, bandwidth_gb_s = 30}   # dplab tune fits it alone (gamma folded in)
     [links.inter]                      # between nodes (required when nodes > 1)
     alpha_us = 30
     bandwidth_gb_s = 3.125
+    device_pool = false                # optional: true = a node's ranks take whichever of its
+                                       # devices is free (processes on cores), not one round robin
     [host]                             # optional: the ranks of a node are threads of one process
     threads = true                     # (the cuda backend): alpha and launches take turns there,
     per_thread_us = 12                 # each costing this much more per rank thread it holds
@@ -109,13 +114,17 @@ class Link:
     ``ranks_per_port``: ranks that share one port (1: a port per rank, a NIC per GPU; a node's
     ranks: one NIC per node). ``on_device``: a message is a copy made by the receiving rank's
     device (shared memory on one machine, several ranks on one GPU), so it queues with that
-    device's compute instead of on a port. The cost model reads only alpha and beta."""
+    device's compute instead of on a port. ``algorithms``: (name, alpha, beta) of algorithms whose
+    messages this link carries at other terms (a transport that runs them otherwise: the local
+    backend's one-shot ``native``), as ``dplab tune`` fits each alone, a reduction's gamma folded
+    into beta. The cost model reads only alpha and beta."""
 
     alpha: float
     beta: float
     ranks_per_port: int = 1
     on_device: bool = False
     name: str = ""
+    algorithms: tuple[tuple[str, float, float], ...] = ()
 
     def __post_init__(self) -> None:
         if not (self.alpha >= 0 and self.beta >= 0):
@@ -128,11 +137,31 @@ class Link:
             )
 
     def slowed(self, factor: float) -> Link:
-        return (
-            self
-            if factor == 1
-            else replace(self, alpha=self.alpha * factor, beta=self.beta * factor)
-        )
+        """This link ``factor`` times slower (a straggler's), its algorithms' terms alike."""
+        if factor == 1:
+            return self
+        return replace(self, alpha=self.alpha * factor, beta=self.beta * factor,
+                       algorithms=tuple((k, a * factor, b * factor)
+                                        for k, a, b in self.algorithms))
+
+    def for_algorithm(self, algorithm: str) -> Link:
+        """This link as ``algorithm``'s messages see it: its own fitted terms where it has some.
+
+        Args:
+            algorithm: an all-reduce's name ("ring", "native", ...), or "" for other messages.
+
+        Returns:
+            A ``Link`` with that algorithm's alpha and beta (and no algorithms of its own), or
+            this link unchanged.
+        """
+        for name, alpha, beta in self.algorithms:
+            if name == algorithm:
+                return replace(self, alpha=alpha, beta=beta, algorithms=())
+        return self
+
+    def folds_gamma(self, algorithm: str) -> bool:
+        """Whether ``algorithm`` has fitted terms here, whose beta includes its reductions."""
+        return any(name == algorithm for name, _, _ in self.algorithms)
 
 
 @dataclass(frozen=True)
@@ -156,7 +185,13 @@ class Cluster:
     message's alpha and an operation's launch, takes turns in that one interpreter, each costing
     ``per_thread`` seconds more for every rank thread there (they contend for its lock), while the
     device's work (a message's bytes, a reduction, an operation's FLOPs) runs behind, on its
-    stream."""
+    stream.
+
+    ``device_pool``: a node's ranks share its devices as one pool, each task on whichever device
+    is free (an operating system's processes on its cores), instead of rank r on device
+    r % devices_per_node: p ranks that all work take p / devices times as long (they queue, as
+    messages on a port do: the last is done when a fair share would finish them all), and those
+    that work while others wait run at full speed. Memory is then the node's, for all its ranks."""
 
     name: str
     nodes: int
@@ -171,6 +206,7 @@ class Cluster:
     note: str = ""
     threads: bool = False
     per_thread: float = 0.0
+    device_pool: bool = False
     _slow: dict[int, Straggler] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -220,11 +256,25 @@ class Cluster:
         return link.slowed(factor)
 
     def ranks_sharing_device(self, world_size: int) -> int:
-        """The most ranks of a world of ``world_size`` that share one device."""
-        counts: dict[tuple[int, int], int] = {}
+        """The most ranks of a world of ``world_size`` that share one device's memory (a pool's:
+        every rank of the node)."""
+        counts: dict[Any, int] = {}
         for r in range(world_size):
-            counts[self.device_of(r)] = counts.get(self.device_of(r), 0) + 1
+            key = self.node_of(r) if self.device_pool else self.device_of(r)
+            counts[key] = counts.get(key, 0) + 1
         return max(counts.values(), default=1)
+
+    def folds_gamma(self, algorithm: str) -> bool:
+        """Whether ``algorithm``'s messages carry fitted terms (on either link) whose beta already
+        includes its reductions, so no gamma is charged on top.
+
+        Args:
+            algorithm: an all-reduce's name, or "" for other messages.
+
+        Returns:
+            True where a link has terms of its own for ``algorithm``.
+        """
+        return self.intra.folds_gamma(algorithm) or self.inter.folds_gamma(algorithm)
 
     def check_world(self, world_size: int) -> None:
         """ConfigError unless ``world_size`` ranks fit (and every named straggler is one of
@@ -277,10 +327,12 @@ _TOP = {
     "sources",
     "note",
     "host",
+    "device_pool",
 }
 _HOST = {"threads", "per_thread_us"}
 _DEVICE = {"name", "tflop_s", "memory_gb", "memory_gb_s", "op_overhead_us"}
-_LINK = {"name", "alpha_us", "bandwidth_gb_s", "ranks_per_port", "on_device"}
+_LINK = {"name", "alpha_us", "bandwidth_gb_s", "ranks_per_port", "on_device", "algorithms"}
+_TERMS = {"alpha_us", "bandwidth_gb_s"}
 _STRAGGLER = {"rank", "compute", "link"}
 
 
@@ -334,18 +386,40 @@ def _link(where: str, k: Any) -> Link:
     if not isinstance(on_device, bool):
         raise ConfigError(f"{where}.on_device is {on_device!r}: it must be true or false")
     bandwidth = _number(f"{where}.bandwidth_gb_s", k.get("bandwidth_gb_s"))
+    given = k.get("algorithms", {})
+    names = set(given) if isinstance(given, dict) else set()
+    algorithms = _table(f"{where}.algorithms", given, names, ())
+    terms = []
+    for name, t in sorted(algorithms.items()):
+        t = _table(f"{where}.algorithms.{name}", t, _TERMS, ("alpha_us",))
+        terms.append((str(name),
+                      _number(f"{where}.algorithms.{name}.alpha_us", t["alpha_us"],
+                              positive=False) / 1e6,
+                      1 / (_number(f"{where}.algorithms.{name}.bandwidth_gb_s",
+                                   t.get("bandwidth_gb_s")) * 1e9)))
     return Link(
         _number(f"{where}.alpha_us", k["alpha_us"], positive=False) / 1e6,
         1 / (bandwidth * 1e9),
         ports,
         on_device,
         str(k.get("name", "")),
+        tuple(terms),
     )
 
 
 def cluster_from_dict(data: Any, source: str = "the cluster") -> Cluster:
-    """The cluster ``data`` (a parsed file) describes, every field checked: a ConfigError names the
-    first bad one (``source`` says where it came from)."""
+    """The cluster ``data`` (a parsed file) describes, every field checked.
+
+    Args:
+        data: the parsed JSON or TOML (the module docstring shows its keys).
+        source: where it came from, for the error.
+
+    Returns:
+        The ``Cluster``.
+
+    Raises:
+        ConfigError: in one line, naming the first bad or missing field and what it must be.
+    """
     d = _table(source, data, _TOP, ("name", "nodes", "ranks_per_node", "device", "links"))
     for key in ("nodes", "ranks_per_node", "devices_per_node"):
         v = d.get(key, d["ranks_per_node"] if key == "devices_per_node" else None)
@@ -360,11 +434,10 @@ def cluster_from_dict(data: Any, source: str = "the cluster") -> Cluster:
             "between them"
         )
     inter = _link(f"{source}: links.inter", links["inter"]) if "inter" in links else intra
-    reduce_s = (
-        _number(f"{source}: reduce_gb_s", d["reduce_gb_s"]) * 1e9
-        if "reduce_gb_s" in d
-        else device.memory_bytes_s / 3
-    )  # a reduction reads two bytes and writes one per byte
+    reduce_s = device.memory_bytes_s / 3  # a reduction reads two bytes and writes one per byte
+    if "reduce_gb_s" in d:
+        given = d["reduce_gb_s"]
+        reduce_s = math.inf if given is None else _number(f"{source}: reduce_gb_s", given) * 1e9
     stragglers = []
     for i, s in enumerate(d.get("stragglers", [])):
         s = _table(f"{source}: stragglers[{i}]", s, _STRAGGLER, ("rank",))
@@ -392,6 +465,9 @@ def cluster_from_dict(data: Any, source: str = "the cluster") -> Cluster:
                           "it must be true or false")
     per_thread = _number(f"{source}: host.per_thread_us", host.get("per_thread_us", 0),
                          positive=False)
+    if not isinstance(d.get("device_pool", False), bool):
+        raise ConfigError(f"{source}: device_pool is {d['device_pool']!r}: "
+                          "it must be true or false")
     return Cluster(
         str(d["name"]),
         d["nodes"],
@@ -406,6 +482,7 @@ def cluster_from_dict(data: Any, source: str = "the cluster") -> Cluster:
         str(d.get("note", "")),
         host.get("threads", False),
         per_thread / 1e6,
+        d.get("device_pool", False),
     )
 
 

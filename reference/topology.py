@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dplab.reference.cluster import Cluster, Link, cluster
+from dplab.reference.cluster import CLUSTERS, Cluster, Link, cluster
 from dplab.reference.errors import ConfigError
 
 __all__ = ["Link", "Topology", "PRESETS"]
@@ -67,9 +67,9 @@ class Topology:
                                                                                   self.inter.beta)
 
 
-PRESETS: dict[str, Topology] = {  # one level, and two clusters' (dplab.reference.cluster)
-    "flat-10g": Topology("flat-10g", 1, Link(5e-6, 1 / 1.25e9), Link(5e-6, 1 / 1.25e9), 0.0,
-                         "one level: 10 Gb/s Ethernet (1.25 GB/s each way), 5 us a message, free reduction"),
-    "dgx-h100": Topology.of("dgx-h100"),
-    "h100-100g": Topology.of("h100-100g"),
+# Every cluster file's topology (reference/clusters/: one description for the simulator, the cost
+# model and auto), the one-level textbook model and two GPU clusters first
+PRESETS: dict[str, Topology] = {
+    name: Topology.of(name)
+    for name in ("flat-10g", "dgx-h100", "h100-100g", *sorted(CLUSTERS))
 }

@@ -35,7 +35,7 @@ def _model(c, p: int, algorithm: str, nbytes: int) -> float:
 
 
 @pytest.mark.parametrize(
-    "name,p", [("dgx-h100", 8), ("dgx-h100x2", 16), ("dgx-h100x4", 32), ("dgx-h100x3", 24)]
+    "name,p", [("dgx-h100", 8), ("dgx-h100x2", 16), ("dgx-h100x3", 24)]  # one node, two levels
 )
 @pytest.mark.parametrize("algorithm", EXACT)
 def test_the_simulator_equals_the_cost_model_without_contention(name, p, algorithm):
@@ -74,8 +74,8 @@ def _timed(comm, algorithm: str, n: int) -> float:
 def test_rank_threads_with_real_data_take_the_same_time_as_the_schedule_alone():
     c, n = cluster("dgx-h100x2"), 10007  # uneven chunks: every port decision matters
     for algorithm in ("ring", "direct", "rabenseifner", "double_tree", "pipelined_ring"):
-        threads = max(launch(_timed, 16, backend="sim", cluster=c, args=(algorithm, n)))
-        assert threads == collective_time(c, 16, algorithm, 4 * n).seconds, algorithm
+        threads = max(launch(_timed, 10, backend="sim", cluster=c, args=(algorithm, n)))
+        assert threads == collective_time(c, 10, algorithm, 4 * n).seconds, algorithm
 
 
 def test_a_shared_port_queues_what_the_cost_model_prices_as_free():

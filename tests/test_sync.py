@@ -83,9 +83,15 @@ def check_equals_single(results, cfg: TrainConfig, tol: float) -> None:
 
 # -- data parallel == single device ---------------------------------------------------------
 
+# The sim backend moves the local backend's bytes on a virtual clock, a rank thread at a time:
+# its 150 examples up to p = 8 were the suite's slowest test; up to 4 ranks they cover every
+# algorithm, uneven and empty shard and bucket split (p = 8 on sim: test_empty_shards...)
+SIM_P = 4
+
 @settings(max_examples=3 * EXAMPLES, deadline=None)
 @given(p=st.integers(1, 8), cfg=train_configs(), sync=sync_configs)
 def test_train_sync_equals_train_single_float64(worlds, backend, p, cfg, sync):
+    p = min(p, SIM_P) if backend == "sim" else p
     results = worlds(p, backend).run(_train, cfg, sync)
     assert len(results) == p
     check_equals_single(results, cfg, 1e-10)

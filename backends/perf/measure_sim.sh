@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
 # The sim backend's validation rows (backends/PERFORMANCE.md, "The simulator against measurements"):
-#   bash backends/perf/measure_sim.sh
+#   bash backends/perf/measure_sim.sh machine   # (a) only: about 5 minutes, on a QUIET machine
+#   bash backends/perf/measure_sim.sh           # (a), then (b), (c), (d) and the simulator's speed
 #   python -m dplab.backends.perf.tables --write backends/PERFORMANCE.md
-# (a) needs this machine quiet: it calibrates the this-machine preset on one process and two ranks,
-# measures the local backend (bench at 2 and 4 ranks, the reference recipe's and DDP's steps at 2
-# and 4), then runs the same commands on the preset. Every file records its date and load.
+# (a) calibrates the this-machine preset on one process and two ranks (writing
+# reference/clusters/this-machine.json), measures the local backend (bench at 2 and 4 ranks, the
+# reference recipe's and DDP's steps at 2 and 4), then runs the same commands on the preset. Every
+# file records its date and load: `uptime` should show a load below 1 before it starts.
 # (b), (c), (d) and the simulator's speed need no quiet machine: their measurements are shipped.
 set -euo pipefail
+what=${1:-all}
+case $what in machine|rest|all) ;; *) echo "usage: $0 [machine|rest|all]" >&2; exit 2 ;; esac
 cd "$(dirname "$0")"
 run() {  # run OUT.json dplab ARGS...: the rows, then the stamp (with the load before the run)
   local out=$1 before; shift
@@ -14,14 +18,19 @@ run() {  # run OUT.json dplab ARGS...: the rows, then the stamp (with the load b
   "$@" --json "$out"
   python -m dplab.backends.perf.tables stamp "$out" "$before"
 }
-python -m dplab.backends.sim.machine --out ../../reference/clusters/this-machine.json
-run machine_bench.json dplab bench --backends local --world-sizes 2,4 --sizes 1M,4M,16M,64M \
-    --algorithms ring,tree,direct,native --reps 3 --target-seconds 0.2
-run machine_scaling.json dplab scaling --backends local --models 400k,4M --world-sizes 2,4 \
-    --reps 3 --steps 8
-run machine_ddp.json dplab scaling --ddp --backends local --world-sizes 2,4 --reps 3
-python -m dplab.backends.sim.validate machine machine_bench.json machine_scaling.json \
-    machine_ddp.json --out validation_machine.json
-for what in published gpu closed speed; do
-  python -m dplab.backends.sim.validate "$what" --out "validation_$what.json"
-done
+if [[ $what != rest ]]; then
+  echo "load before (a): $(cut -d' ' -f1-3 /proc/loadavg)"
+  python -m dplab.backends.sim.machine --out ../../reference/clusters/this-machine.json
+  run machine_bench.json dplab bench --backends local --world-sizes 2,4 --sizes 1M,4M,16M,64M \
+      --algorithms ring,tree,direct,native --reps 3 --target-seconds 0.2
+  run machine_scaling.json dplab scaling --backends local --models 400k,4M --world-sizes 2,4 \
+      --reps 3 --steps 8
+  run machine_ddp.json dplab scaling --ddp --backends local --world-sizes 2,4 --reps 3
+  python -m dplab.backends.sim.validate machine machine_bench.json machine_scaling.json \
+      machine_ddp.json --out validation_machine.json
+fi
+if [[ $what != machine ]]; then
+  for kind in published gpu closed speed; do
+    python -m dplab.backends.sim.validate "$kind" --out "validation_$kind.json"
+  done
+fi

@@ -30,7 +30,8 @@ from dplab.reference.files import size_text
 from dplab.reference.model import MLP
 from dplab.reference.zero.memory import OPTIMIZER_STATES, model_state_bytes
 
-__all__ = ["TrainBytes", "train_bytes", "train_need", "check_run"]
+__all__ = ["TrainBytes", "train_bytes", "train_need", "check_run", "activation_bytes",
+           "gathered_bytes"]
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,25 @@ class TrainBytes:
         return world_size * self.rank() + self.launcher
 
 
+def activation_bytes(spec: Any, world_size: int) -> int:
+    """One rank's activations kept for backward, and its deltas, for one micro-batch of ``spec``
+    (a ``RunSpec``) on ``world_size`` ranks."""
+    cfg = spec.train
+    item = np.dtype(cfg.dtype).itemsize
+    widths = cfg.model.in_dim + sum(cfg.model.hidden) + cfg.model.out_dim
+    micro = -(-cfg.global_batch // world_size) // spec.accum_steps + 1
+    return 3 * micro * widths * item
+
+
+def gathered_bytes(spec: Any) -> int:
+    """Under ZeRO, the largest layer gathered whole, and its gradient, beside the shards."""
+    if spec.zero_stage is None:
+        return 0
+    model = MLP(spec.train.model)
+    largest = max(int(np.prod(s)) for s in model.param_shapes) if model.param_shapes else 0
+    return 2 * largest * np.dtype(spec.train.dtype).itemsize
+
+
 def train_bytes(spec: Any, world_size: int) -> TrainBytes:
     """What ``spec`` (a ``RunSpec``) holds on ``world_size`` ranks (module docstring)."""
     cfg, model = spec.train, MLP(spec.train.model)
@@ -60,16 +80,14 @@ def train_bytes(spec: Any, world_size: int) -> TrainBytes:
     if spec.zero_stage is not None:
         shards = model_state_bytes(n, spec.zero_stage, world_size, param_bytes=item,
                                    grad_bytes=item, state_bytes=states * item)
-        largest = max(int(np.prod(s)) for s in model.param_shapes) if model.param_shapes else 0
-        replica = int(shards.total) + 2 * largest * item + half
+        replica = int(shards.total) + gathered_bytes(spec) + half
     else:
         replica = (2 + states) * n * item + half
     replica += 8 * n  # the first weights are drawn in float64, then cast
     samples, m = cfg.num_samples, cfg.model
     data = samples * 8 * (6 * m.in_dim + 4 * m.out_dim)  # x, teacher outputs and their casts
-    micro = -(-cfg.global_batch // world_size) // spec.accum_steps + 1
     indices = 8 * (3 * cfg.global_batch + samples)  # each rank draws the whole batch, keeps a shard
-    step = indices + 3 * micro * widths * item  # activations kept for backward, and its deltas
+    step = indices + activation_bytes(spec, world_size)
     oracle = (3 + states) * n * item + data + indices + 3 * cfg.global_batch * widths * item
     launcher = 2 * world_size * n * item + max(oracle, data + 3 * samples * widths * item)
     shm = n * item if entry(spec.backend).shared_memory else 0

@@ -96,9 +96,10 @@ class RunSpec:
         return resolve_cluster(self.cluster)
 
     def check_cluster(self) -> None:
-        """The world fits the cluster, and each rank's model state fits its simulated device (the
-        memory ledger's categories, by ``zero.memory``'s closed forms); activations are not
-        counted."""
+        """The world fits the cluster, and what each rank holds fits its simulated device: its
+        model state (the memory ledger's categories, by ``zero.memory``'s closed forms: under ZeRO
+        the shards, and the layer it gathers), and its activations for one micro-batch."""
+        from dplab.backends.runs.memory import activation_bytes, gathered_bytes
         from dplab.reference.model import MLP
         from dplab.reference.zero.memory import (
             model_state_bytes,
@@ -115,16 +116,18 @@ class RunSpec:
         need = model_state_bytes(MLP(self.train.model).num_params, stage, self.world_size,
                                  param_bytes=b.param_bytes, grad_bytes=b.grad_bytes,
                                  state_bytes=state)
+        work = gathered_bytes(self) + activation_bytes(self, self.world_size)
         have = min(c.device_for(r).memory_bytes / c.ranks_sharing_device(self.world_size)
                    for r in range(self.world_size))
-        if need.total > have:
+        if need.total + work > have:
             what = "replica" if stage == 0 else f"ZeRO-{stage} shard"
             gb = lambda x: f"{x / 1e9:.3g}"  # noqa: E731
             raise ConfigError(
-                f"each rank's model {what} needs {gb(need.total)} GB (weights {gb(need.params)}, "
-                f"gradients {gb(need.grads)}, optimizer {gb(need.optimizer)}) but a rank of "
-                f"{c.name} has {gb(have)} GB of {c.device.name}: {gb(need.total - have)} GB too "
-                "many: use a higher --zero-stage, more ranks, a smaller model or a larger device")
+                f"each rank's model {what} needs {gb(need.total + work)} GB (weights "
+                f"{gb(need.params)}, gradients {gb(need.grads)}, optimizer {gb(need.optimizer)}, "
+                f"activations and gathered layers {gb(work)}) but a rank of {c.name} has "
+                f"{gb(have)} GB of {c.device.name}: {gb(need.total + work - have)} GB too many: "
+                "use a higher --zero-stage, more ranks, a smaller model or a larger device")
 
     def on_gpu(self) -> bool:
         """Does the sync recipe compute on GPUs (torch tensors) in this run's ranks?"""

@@ -194,16 +194,29 @@ class SimComm(Communicator):
         self, sends: list[SendSpec], recvs: list[RecvSpec], round: int = -1, algorithm: str = ""
     ) -> None:
         """One round: post everything, wait for all of it, apply the receives in list order, then
-        spend gamma per reduced byte on the device."""
+        spend gamma per reduced byte on the device.
+
+        Args:
+            sends: what this rank sends (buffer, peer, chunk).
+            recvs: what it receives (buffer, peer, chunk, reduce: add into the buffer or copy).
+            round: the schedule's round (-1 outside a collective: no buffer facts checked).
+            algorithm: the schedule's name, which picks the link's terms for its messages.
+
+        Raises:
+            CollectiveMismatch, BufferMismatch: a peer called another collective, or passed
+                another buffer; Deadlock: every rank waits and nothing is under way.
+        """
         me, net = self._ready(), self.world.network
         code, facts = (self._code, self._facts) if round >= 0 else (0, None)
         t = me.time
         out = [
-            net.send(self.rank, s.peer, EXCHANGE_TAG, s.buf, _nbytes(s.buf), t, code, facts)
+            net.send(self.rank, s.peer, EXCHANGE_TAG, s.buf, _nbytes(s.buf), t, code, facts,
+                     algorithm)
             for s in sends
         ]
         into = [
-            net.recv(self.rank, r.peer, EXCHANGE_TAG, r.buf, _nbytes(r.buf), t, code, facts)
+            net.recv(self.rank, r.peer, EXCHANGE_TAG, r.buf, _nbytes(r.buf), t, code, facts,
+                     algorithm)
             for r in recvs
         ]
         net.wait(me, out + into, f"round {round} of {algorithm or 'an exchange'}")
@@ -216,7 +229,7 @@ class SimComm(Communicator):
                 _assign(spec.buf, post.data)
             post.data = None
         if reduced:  # gamma per reduced byte, on the device before this rank's next step
-            self.world.reduced(me, self.rank, reduced)
+            self.world.reduced(me, self.rank, reduced, algorithm)
         if self.tracer.enabled:
             for spec, post in zip(recvs, into):
                 self._trace_post(

@@ -52,13 +52,14 @@ class Deadlock(CommError):
 
 
 class Resource:
-    """A server that does one task at a time: a port of a link, or a device. ``queue``: the eligible
-    tasks waiting for it, in key order."""
+    """A server that does ``servers`` tasks at a time (one: a port of a link, or a device; more: a
+    pool, such as the cores an operating system hands processes to). ``queue``: the eligible tasks
+    waiting for it, in key order; ``busy``: every server is taken."""
 
-    __slots__ = ("name", "busy", "queue")
+    __slots__ = ("name", "busy", "queue", "servers", "used")
 
-    def __init__(self, name: str) -> None:
-        self.name, self.busy = name, False
+    def __init__(self, name: str, servers: int = 1) -> None:
+        self.name, self.busy, self.servers, self.used = name, False, servers, 0
         self.queue: list[Task] = []
 
     def __repr__(self) -> str:
@@ -360,7 +361,8 @@ class Engine:
             task.start = t
             longest = max(d for _, d in holds)
             for r, d in holds:
-                r.busy = True
+                r.used += 1
+                r.busy = r.used >= r.servers
                 r.queue.remove(task)
                 if d < longest:
                     self._push(t + d, 0, self._next_seq(), _RELEASE, r)
@@ -370,6 +372,7 @@ class Engine:
             self._push(task.end, 0, self._next_seq(), _END, task)
 
     def _free(self, r: Resource, t: float) -> None:
+        r.used -= 1
         r.busy = False
         if r.queue:
             self._freed.append(r)

@@ -5,17 +5,25 @@
 The ``this-machine`` preset, every number measured here (with the date and the load in its
 sources), on a machine that is usually shared with other work:
 
-- a device per core (``os.sched_getaffinity``); more ranks than cores share them round robin;
-- each device's rates are what one process gets: the reference MLP's float64 step (``4M``, batch
-  64: forward, backward, an SGD step) and DDP's torch MLP's float32 step (batch 32, one
-  process), each priced by the same operations the simulator charges (``reference.flops``,
-  torch's FLOP registry), so one step on one simulated core takes what it took here;
-- the link (shared memory, the local backend) as ``dplab tune`` fits it: alpha and beta from
-  ``dplab bench`` on 2 local ranks, 4 KiB to 64 MiB, every schedule and native (gamma folded into
-  beta, as the fit says); a message is the receiving core's copy, queued with its compute;
+- its cores are a pool (``device_pool``): each rank's compute and copies run on whichever core is
+  free, as the operating system schedules processes, so p ranks on fewer cores each run p / cores
+  times slower while all of them work (and faster while some wait for a message);
+- each core's rates are what one process gets, with one BLAS thread as a rank runs: the reference
+  MLP's float64 step (``4M``, batch 64: forward, backward, an SGD step) and DDP's torch MLP's
+  float32 step (batch 32), each priced by the same operations the simulator charges
+  (``reference.flops``, torch's FLOP registry), so one step on one simulated core takes what it
+  took here; the plain matmul rate at each model's shape is measured beside it and recorded (the
+  step's elementwise operations run slower than the copy roofline says, so the step's effective
+  rate is below the matmul's);
+- the link (shared memory, the local backend) as ``dplab tune`` fits it from ``dplab bench`` on 2
+  local ranks, 64 KiB to 64 MiB: one alpha and beta for every schedule, and each of ring, tree,
+  direct and native fitted alone (gamma folded into beta), because the transport runs them
+  differently (native is the one-shot: one round of descriptors; tree's messages are whole
+  buffers); a message is the receiving core's copy, queued with its compute;
 - memory: a 64 MiB ``np.copyto`` (2n bytes moved), the memory-bound operations' roofline.
 
-What it predicts is the rest: 4 ranks, the same models' steps on 2 and 4 ranks, DDP's.
+What it predicts is the rest: 4 ranks on the 2 cores, the same models' steps on 2 and 4 ranks,
+DDP's.
 """
 
 from __future__ import annotations
@@ -33,7 +41,8 @@ import numpy as np
 __all__ = ["measure", "main"]
 
 MIB = 1 << 20
-SIZES = "4K,64K,1M,4M,16M,64M"
+SIZES = "64K,1M,4M,16M,64M"
+ALGORITHMS = ("ring", "tree", "direct", "native")
 
 
 def _best(fn: Any, reps: int = 7, inner: int = 1) -> float:
@@ -153,50 +162,69 @@ def _ddp_step() -> tuple[float, list[tuple[float, float]]]:
     return seconds, ops
 
 
-def _link() -> tuple[float, float]:
-    """(alpha s, beta s/B) of 2 local ranks, as ``dplab tune`` fits them from ``dplab bench``."""
-    from dplab.backends.cli.commands import bench_argv
+def _matmul_rates() -> dict[str, float]:
+    """FLOP/s of one thread's plain matmul at each model's widest shape: float64 (NumPy) 64 x
+    1536 by 1536 x 1536 (the MLP 4M, batch 64), float32 (torch) 32 x 2048 by 2048 x 2048 (DDP's
+    MLP, batch 32)."""
+    import torch
+
+    a, b, out = np.ones((64, 1536)), np.ones((1536, 1536)), np.empty((64, 1536))
+    f64 = 2 * 64 * 1536 * 1536 / _best(lambda: np.matmul(a, b, out=out))
+    x, w = torch.ones(32, 2048), torch.ones(2048, 2048)
+    f32 = 2 * 32 * 2048 * 2048 / _best(lambda: torch.mm(x, w))
+    return {"float64": f64, "float32": f32}
+
+
+def _fit(rows: list[dict[str, Any]], by: tuple[str, ...]) -> Any:
+    """``dplab tune``'s least-squares fit (relative error, as tune fits) of ``rows``."""
     from dplab.reference.costfit import fit
 
-    rows = bench_argv(
-        [
-            "--backends",
-            "local",
-            "--world-sizes",
-            "2",
-            "--sizes",
-            SIZES,
-            "--algorithms",
-            "ring,tree,direct,native",
-            "--reps",
-            "3",
-            "--target-seconds",
-            "0.2",
-        ]
-    )
+    return fit(rows, by=by, gamma=False)
+
+
+def _link() -> tuple[float, float, dict[str, tuple[float, float, float]]]:
+    """(alpha s, beta s/B) of 2 local ranks for every schedule, and per algorithm (alpha, beta,
+    rms residual), as ``dplab tune`` fits them from ``dplab bench``."""
+    from dplab.backends.cli.commands import bench_argv
+
+    rows = bench_argv(["--backends", "local", "--world-sizes", "2", "--sizes", SIZES,
+                       "--algorithms", ",".join(ALGORITHMS), "--reps", "3",
+                       "--target-seconds", "0.2"])
     schedules = [r for r in rows if r["algorithm"] != "native"]  # native: a one-shot of its own
-    f = next(f for f in fit(schedules, relative=False))  # absolute: the large rows set beta
-    beta = f.beta if f.beta else f.gamma  # one per-byte price, whichever the fit put it in
-    return f.alpha, beta
+    f = _fit(schedules, ("backend",))[0]
+    each = {}
+    for g in _fit(rows, ("backend", "world_size", "algorithm")):
+        if g.alpha is not None and g.beta:  # a fit the rows pinned down, with a price per byte
+            each[g.algorithm] = (g.alpha, g.beta, g.summary()["rms_residual_pct"] / 100)
+    return f.alpha, f.beta, each
 
 
 def measure() -> dict[str, Any]:
-    """The ``this-machine`` cluster, as a preset file's dictionary."""
+    """The ``this-machine`` cluster, measured now (about a minute on two cores).
+
+    Returns:
+        The preset file's dictionary (``reference/clusters/this-machine.json``), every number
+        with its source, date and load in ``sources``.
+    """
     cores = (
         len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     )
+    from dplab.backends.launch.serve import one_thread_per_rank
+
     load_before = os.getloadavg()[0]
+    one_thread_per_rank()  # as a rank computes: one BLAS thread (and torch's) per process
     x, y = np.ones(64 * MIB // 8), np.zeros(64 * MIB // 8)
     moved_s = 2 * 64 * MIB / _best(lambda: np.copyto(x, y), reps=9)
     small = np.zeros(4)
     op_s = _best(lambda: np.add(small, small, out=small), inner=2000)
+    matmul = _matmul_rates()
     mlp_s, mlp_ops = _mlp_step()
     ddp_s, ddp_ops = _ddp_step()
     rates = {
         "float64": _rate(mlp_ops, mlp_s, moved_s, op_s),
         "float32": _rate(ddp_ops, ddp_s, moved_s, op_s),
     }
-    alpha, beta = _link()
+    alpha, beta, each = _link()
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     load = ", ".join(f"{v:.2f}" for v in os.getloadavg())
@@ -205,6 +233,7 @@ def measure() -> dict[str, Any]:
         "nodes": 1,
         "ranks_per_node": 64,
         "devices_per_node": cores,
+        "device_pool": True,
         "device": {
             "name": f"one of {cores} cores ({os.uname().machine})",
             "tflop_s": {k: round(v / 1e12, 6) for k, v in rates.items()},
@@ -218,6 +247,10 @@ def measure() -> dict[str, Any]:
                 "alpha_us": round(alpha * 1e6, 2),
                 "bandwidth_gb_s": round(1 / beta / 1e9, 3),
                 "on_device": True,
+                "algorithms": {
+                    k: {"alpha_us": round(a * 1e6, 2), "bandwidth_gb_s": round(1 / b / 1e9, 3)}
+                    for k, (a, b, _) in sorted(each.items())
+                },
             }
         },
         "reduce_gb_s": round(moved_s / 1e9, 3),
@@ -225,24 +258,41 @@ def measure() -> dict[str, Any]:
             f"measured by python -m dplab.backends.sim.machine on {when}: load average "
             f"{load_before:.2f} before, {load} (1, 5, 15 min) after, {cores} cores, "
             f"Python {sys.version.split()[0]}",
-            f"float64: the reference MLP 4M (512-1536-1536-512), batch 64, one process, "
-            f"{mlp_s * 1e3:.1f} ms a step (forward, backward, SGD; the median of 7), which the "
-            f"simulator's operations of a step take at {rates['float64'] / 1e9:.2f} GFLOP/s",
-            f"float32: DDP's torch MLP (512-2048-2048-2048-512), batch 32, one process, "
-            f"{ddp_s * 1e3:.1f} ms a step (the median of 7), which torch's operations take at "
-            f"{rates['float32'] / 1e9:.2f} GFLOP/s",
+            f"cores: a pool (device_pool), each rank's compute and copies on whichever core is "
+            f"free, as the OS schedules {cores} cores among processes",
+            f"float64: the reference MLP 4M (512-1536-1536-512), batch 64, one process, one BLAS "
+            f"thread, {mlp_s * 1e3:.1f} ms a step (forward, backward, SGD; the median of 7), "
+            f"which the simulator's operations of a step take at {rates['float64'] / 1e9:.2f} "
+            f"GFLOP/s (a plain 64x1536 @ 1536x1536 matmul: {matmul['float64'] / 1e9:.2f} "
+            "GFLOP/s, best of 7; the step's elementwise operations are slower than its roofline)",
+            f"float32: DDP's torch MLP (512-2048-2048-2048-512), batch 32, one process, one "
+            f"thread, {ddp_s * 1e3:.1f} ms a step (the median of 7), which torch's operations "
+            f"take at {rates['float32'] / 1e9:.2f} GFLOP/s (a plain 32x2048 @ 2048x2048 matmul: "
+            f"{matmul['float32'] / 1e9:.2f} GFLOP/s, best of 7)",
             f"memory: a 64 MiB np.copyto, {moved_s / 1e9:.2f} GB/s moved (read and write, best "
             f"of 9); a 4-element np.add {op_s * 1e6:.2f} us (op_overhead_us)",
-            f"link: dplab tune's fit (least squares, absolute) of dplab bench on 2 local ranks "
-            f"({SIZES}; ring, tree, direct): alpha {alpha * 1e6:.1f} us, beta "
-            f"1/{1 / beta / 1e9:.3f} GB/s (gamma folded in); a message is its receiver's copy "
-            "out of the sender's shared memory, on the receiver's core",
+            f"link: dplab tune's fit (least squares on relative error, gamma folded into beta) "
+            f"of dplab bench on 2 local ranks ({SIZES}, --reps 3): ring, tree and direct "
+            f"together, alpha {alpha * 1e6:.1f} us, beta 1/{1 / beta / 1e9:.3f} GB/s; each "
+            "algorithm alone (links.intra.algorithms, tune's per-algorithm level): "
+            + "; ".join(f"{k} alpha {a * 1e6:.1f} us, 1/{1 / b / 1e9:.3f} GB/s, rms residual "
+                        f"{res:.0%}" for k, (a, b, res) in sorted(each.items()))
+            + "; a message is its receiver's copy (or sum) out of the sender's shared memory, "
+            "on the receiver's core",
         ],
         "note": "Measured on a shared virtual machine: rerun on a quiet machine, or on yours.",
     }
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``python -m dplab.backends.sim.machine [--out FILE]``: measure, then print or write.
+
+    Args:
+        argv: the command line's arguments (default: ``sys.argv[1:]``).
+
+    Returns:
+        0, once the preset is written.
+    """
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="-", help="the preset file to write (default: print it)")
     a = parser.parse_args(argv)

@@ -65,6 +65,7 @@ class Post:
         "end",
         "error",
         "send",
+        "algorithm",
     )
 
     def __init__(
@@ -78,7 +79,9 @@ class Post:
         t: float,
         code: int = 0,
         facts: Any = None,
+        algorithm: str = "",
     ) -> None:
+        self.algorithm = algorithm
         self.send, self.rank, self.peer, self.tag, self.buf, self.nbytes = (
             send,
             rank,
@@ -108,7 +111,7 @@ class Network:
         self.engine, self.cluster, self.p, self.devices = engine, cluster, world_size, devices
         self.hosts, self.host_alpha = hosts, host_alpha
         self._ports: dict[tuple, Resource] = {}
-        self._routes: dict[tuple[int, int], tuple] = {}  # (src, dst) -> _route's, on first use
+        self._routes: dict[tuple, tuple] = {}  # (src, dst, algorithm) -> _route's, on first use
         self._sends: dict[tuple[int, int], list[Post]] = {}  # (dst, tag) -> unmatched, oldest first
         self._recvs: dict[tuple[int, int], list[Post]] = {}  # (dst, tag) -> unmatched receives
         self.bytes_moved = 0
@@ -124,8 +127,21 @@ class Network:
         t: float,
         code: int = 0,
         facts: Any = None,
+        algorithm: str = "",
     ) -> Post:
-        post = Post(True, rank, dst, tag, buf, nbytes, t, code, facts)
+        """Post a send; it meets the first matching receive posted (or a later one).
+
+        Args:
+            rank: the sender; dst: the receiver; tag: the message's tag.
+            buf: the data (read when the transfer ends), or None for a timing-only post.
+            nbytes: its size; t: the virtual time it is posted.
+            code, facts: its collective's code and (length, dtype), checked against the receive.
+            algorithm: the all-reduce it belongs to (the link's terms for it), or "".
+
+        Returns:
+            The ``Post``: ``done`` once its transfer is through.
+        """
+        post = Post(True, rank, dst, tag, buf, nbytes, t, code, facts, algorithm)
         waiting = self._recvs.get((dst, tag), [])
         for i, r in enumerate(waiting):
             if r.peer in (rank, ANY_SOURCE):
@@ -145,8 +161,24 @@ class Network:
         t: float,
         code: int = 0,
         facts: Any = None,
+        algorithm: str = "",
     ) -> Post:
-        post = Post(False, rank, src, tag, buf, nbytes, t, code, facts)
+        """Post a receive from ``src`` (or ANY_SOURCE); it meets the oldest matching send.
+
+        Args:
+            rank: the receiver; src: the sender or ANY_SOURCE; tag: the message's tag.
+            buf: where the data lands (an exchange's receiver applies it itself), or None.
+            nbytes: its size; t: the virtual time it is posted.
+            code, facts: its collective's code and (length, dtype), checked against the send.
+            algorithm: the all-reduce it belongs to, or "".
+
+        Returns:
+            The ``Post``: ``done`` once its transfer is through.
+
+        Raises:
+            CollectiveMismatch, BufferMismatch: the send it meets now does not match.
+        """
+        post = Post(False, rank, src, tag, buf, nbytes, t, code, facts, algorithm)
         waiting = self._sends.get((rank, tag), [])
         for i, s in enumerate(waiting):
             if src in (s.rank, ANY_SOURCE):
@@ -195,11 +227,24 @@ class Network:
 
     # -- transfers -------------------------------------------------------------------------------
     def transfer(self, src: int, dst: int, nbytes: int, at: float, distance: int,
-                 on_end: Callable[[float], None]) -> Task:
+                 on_end: Callable[[float], None], algorithm: str = "") -> Task:
         """Queue a message's transfer, eligible from ``at``; ``on_end(t)`` once it is through.
+
         Where ranks are threads of one process and the link is a copy on the device, the message is
-        through once its host work (alpha) is done, and its bytes follow on the device, behind."""
-        route = self._routes.get((src, dst)) or self._route(src, dst)
+        through once its host work (alpha) is done, and its bytes follow on the device, behind.
+
+        Args:
+            src, dst: the sending and the receiving rank.
+            nbytes: the message's size.
+            at: the virtual time from which it may start (both sides posted).
+            distance: (dst - src) mod p, which orders messages eligible at one time.
+            on_end: called with the virtual time the message is through.
+            algorithm: the all-reduce it belongs to ("" if none): the link's terms for it.
+
+        Returns:
+            The queued ``Task``.
+        """
+        route = self._routes.get((src, dst, algorithm)) or self._route(src, dst, algorithm)
         alpha, beta, resources, hosted = route
         order = self.engine.order(distance, src)
         if hosted:
@@ -219,14 +264,16 @@ class Network:
     def holds(self, src: int, dst: int, nbytes: int) -> list[tuple[Resource, float]]:
         """What a message of ``nbytes`` from ``src`` to ``dst`` holds, and for how long (on a
         cluster of threads, a copy on the device holds its host for alpha, then the device)."""
-        alpha, beta, resources, _ = self._routes.get((src, dst)) or self._route(src, dst)
+        alpha, beta, resources, _ = self._routes.get((src, dst, "")) or self._route(src, dst)
         seconds = alpha + nbytes * beta
         return [(r, seconds) for r in resources]
 
-    def _route(self, src: int, dst: int) -> tuple[float, float, list[Resource], bool]:
-        """The link between two ranks (alpha, beta), the resources a message on it holds, and
-        whether its host work runs ahead of the device (ranks as threads): made once per pair."""
-        link = self.cluster.link(src, dst)
+    def _route(self, src: int, dst: int, algorithm: str = ""
+               ) -> tuple[float, float, list[Resource], bool]:
+        """The link between two ranks (alpha, beta, for ``algorithm``'s messages), the resources a
+        message on it holds, and whether its host work runs ahead of the device (ranks as threads):
+        made once per pair and algorithm."""
+        link = self.cluster.link(src, dst).for_algorithm(algorithm)
         level = "intra" if self.cluster.node_of(src) == self.cluster.node_of(dst) else "inter"
         if link.on_device:
             resources = [self.devices[dst]]
@@ -234,7 +281,7 @@ class Network:
             resources = [self._port(level, "tx", src, link.ranks_per_port),
                          self._port(level, "rx", dst, link.ranks_per_port)]
         route = (link.alpha, link.beta, resources, link.on_device and self.hosts is not None)
-        self._routes[(src, dst)] = route
+        self._routes[(src, dst, algorithm)] = route
         return route
 
     def _port(self, level: str, way: str, rank: int, share: int) -> Resource:
@@ -259,7 +306,7 @@ class Network:
             return
         distance = (r.rank - s.rank) % self.p  # rotated: rank r serves r+1, r+2, ... first
         task = self.transfer(s.rank, r.rank, s.nbytes, max(s.t, r.t), distance,
-                             lambda end: self._done(s, r, task))
+                             lambda end: self._done(s, r, task), s.algorithm)
 
     def _done(self, s: Post, r: Post, task: Task) -> None:
         s.start = r.start = task.start

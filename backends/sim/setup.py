@@ -43,11 +43,18 @@ class SimWorld:
         c.check_world(world_size)
         self.cluster, self.world_size, self.timeout = c, world_size, timeout
         self.engine = Engine()
-        shared: dict[tuple[int, int], Resource] = {}
-        self.devices = [
-            shared.setdefault(c.device_of(r), Resource(f"device {c.device_of(r)}"))
-            for r in range(world_size)
-        ]
+        shared: dict[Any, Resource] = {}
+        if c.device_pool:  # a node's devices serve its ranks as one pool (processes on cores)
+            self.devices = [
+                shared.setdefault(c.node_of(r), Resource(
+                    f"node {c.node_of(r)}'s {c.devices_per_node} devices", c.devices_per_node))
+                for r in range(world_size)
+            ]
+        else:
+            self.devices = [
+                shared.setdefault(c.device_of(r), Resource(f"device {c.device_of(r)}"))
+                for r in range(world_size)
+            ]
         self.device_of = [c.device_for(r) for r in range(world_size)]
         self.gamma = [
             c.gamma * max(1.0, s.compute) if (s := c._slow.get(r)) else c.gamma
@@ -67,7 +74,8 @@ class SimWorld:
         copies = c.intra.on_device or (
             c.inter.on_device and c.nodes > 1
         )  # messages use devices too
-        self.exclusive = [not copies and self.devices.count(d) == 1 for d in self.devices]
+        self.exclusive = [not copies and self.devices.count(d) == 1 and d.servers == 1
+                          for d in self.devices]
         for r in range(world_size if ranks else 0):
             self.engine.add(Actor((r, 0), main=True, name=f"rank {r}"))
 
@@ -93,8 +101,17 @@ class SimWorld:
         self.behind(actor, rank, sum(max(f / d.rate(dtype), n / d.memory_bytes_s) for f, n in ops))
         return host
 
-    def reduced(self, actor: Actor, rank: int, nbytes: int) -> None:
-        """``actor`` reduced ``nbytes``: gamma each, on its device (behind the host if threads)."""
+    def reduced(self, actor: Actor, rank: int, nbytes: int, algorithm: str = "") -> None:
+        """``actor`` reduced ``nbytes`` in a round of ``algorithm``: gamma each, on its device
+        (behind the host if threads); nothing where the algorithm's fitted beta includes it.
+
+        Args:
+            actor: the rank's thread (or step actor) that reduced.
+            rank: its rank; nbytes: the bytes it added into its buffer.
+            algorithm: the all-reduce the round belongs to ("" if none).
+        """
+        if self.cluster.folds_gamma(algorithm):
+            return
         if self.hosts is None:
             self.engine.owe(actor, nbytes * self.gamma[rank], self.devices[rank])
         else:

@@ -110,7 +110,7 @@ class _Collective:
     through)."""
 
     def __init__(self, world: SimWorld, table: RoundTable, nbytes: int, itemsize: int,
-                 actors: list[Actor]) -> None:
+                 actors: list[Actor], algorithm: str = "") -> None:
         bounds = chunk_bounds(nbytes // itemsize, table.num_chunks)
         chunk_bytes = np.array([(hi - lo) * itemsize for lo, hi in bounds], np.int64)
         rnd, src, dst, size, red = _messages(table, chunk_bytes)
@@ -120,7 +120,7 @@ class _Collective:
         self.r_order, self.r_at = (array("q", a) for a in _by(rnd * p + dst, self.count * p))
         self.src, self.dst, self.size = array("q", src), array("q", dst), array("q", size)
         self.red = array("b", red.astype(np.int8))
-        self.world, self.actors, self.p = world, actors, p
+        self.world, self.actors, self.p, self.algorithm = world, actors, p, algorithm
         self.posted = array("d", [-1.0]) * len(self.src)  # each message's first post time, or -1
 
     def _done(self, m: int, end: float) -> None:  # message m is through: both ranks may go on
@@ -137,7 +137,7 @@ class _Collective:
             return
         src, dst = self.src[m], self.dst[m]
         self.world.network.transfer(src, dst, self.size[m], max(first, t), (dst - src) % self.p,
-                                    partial(self._done, m))
+                                    partial(self._done, m), self.algorithm)
 
     def rounds(self, actor: Actor) -> Iterator[None]:
         """Rank ``actor.rank``'s part, round by round; yields while it waits."""
@@ -159,7 +159,7 @@ class _Collective:
             yield  # woken by _done when the last of them is through
             reduced = sum(size[m] for m in into if red[m])
             if reduced:
-                world.reduced(actor, r, reduced)
+                world.reduced(actor, r, reduced, self.algorithm)
         if actor.debt:
             yield from _spend(world, actor)
 
@@ -194,11 +194,26 @@ def _run(world: SimWorld, programs: dict[Actor, Iterator[None]], t0: float) -> T
 def collective_time(c: Cluster | str, world_size: int, algorithm: str, nbytes: int,
                     itemsize: int = 4) -> TimingResult:
     """Simulated seconds of one all-reduce of ``nbytes`` (``nbytes // itemsize`` elements) by
-    ``algorithm`` on ``world_size`` ranks of cluster ``c``, from its schedule alone."""
+    ``algorithm`` on ``world_size`` ranks of cluster ``c``, from its schedule alone.
+
+    Args:
+        c: the cluster, or a preset's name (``dplab.reference.cluster.cluster``).
+        world_size: ranks taking part; at most the cluster's size.
+        algorithm: an all-reduce schedule's name, or "native" (the one-shot: direct's rounds,
+            priced by the link's terms for native where it has some).
+        nbytes: the buffer's size; itemsize: one element's.
+
+    Returns:
+        ``TimingResult``: the simulated seconds, the engine's events and the wall time taken.
+
+    Raises:
+        ConfigError: an unknown cluster or algorithm, or a world larger than the cluster.
+    """
     world = SimWorld(resolve_cluster(c), world_size, 60.0, ranks=False)
     t0 = time.perf_counter()
     actors = [world.engine.add(Actor((r, 0), main=False)) for r in range(world_size)]
-    plan = _Collective(world, table_of(algorithm, world_size), nbytes, itemsize, actors)
+    plan = _Collective(world, table_of(algorithm, world_size), nbytes, itemsize, actors,
+                       algorithm)
     result = _run(world, {a: plan.rounds(a) for a in actors}, t0)
     return replace(result, seconds=max(max(a.time for a in actors), world.engine.now))
 
@@ -210,7 +225,21 @@ def ddp_step_time(c: Cluster | str, world_size: int, layers: list[tuple[int, flo
     backward (``layers``: (parameters, forward seconds, backward seconds), in forward order), each
     bucket of gradients (``assign_buckets``, DDP's rule) all-reduced by a comm actor as soon as its
     layers are done, overlapping the rest of the backward; then the optimizer. For models too large
-    to hold p replicas of in this machine's memory (the 256 GPUs of a published scaling result)."""
+    to hold p replicas of in this machine's memory (the 256 GPUs of a published scaling result).
+
+    Args:
+        c: the cluster, or a preset's name.
+        world_size: ranks taking part; at most the cluster's size.
+        layers: (parameters, forward seconds, backward seconds) of each layer, in forward order.
+        bucket_cap_mb: DDP's bucket cap; algorithm: the all-reduce of each bucket.
+        itemsize: bytes per gradient element; optimizer_s: the optimizer step's seconds.
+
+    Returns:
+        ``TimingResult`` of the step (the slowest rank's end).
+
+    Raises:
+        ConfigError: an unknown cluster or algorithm, or a world larger than the cluster.
+    """
     world = SimWorld(resolve_cluster(c), world_size, 60.0, ranks=False)
     t0 = time.perf_counter()
     engine = world.engine
@@ -220,8 +249,8 @@ def ddp_step_time(c: Cluster | str, world_size: int, layers: list[tuple[int, flo
     slices = [slice(int(a), int(b)) for a, b in zip(offsets, offsets[1:])]
     buckets = assign_buckets(slices, itemsize, bucket_cap_mb)
     table = table_of(algorithm, world_size)
-    plans = [_Collective(world, table, itemsize * sum(layers[i][0] for i in b), itemsize, comms)
-             for b in buckets]
+    plans = [_Collective(world, table, itemsize * sum(layers[i][0] for i in b), itemsize, comms,
+                         algorithm) for b in buckets]
     bucket_of = {i: k for k, b in enumerate(buckets) for i in b}
     ready = [0] * world_size  # buckets ready to reduce, per rank (they launch in order)
     reduced = [0] * world_size  # buckets reduced

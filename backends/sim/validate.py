@@ -239,7 +239,18 @@ def _ddp_on_gpu(comm: Any) -> float:
 
 def machine(paths: list[str]) -> list[dict[str, Any]]:
     """(a): this machine's measured rows (bench, scaling, scaling --ddp) beside the same commands on
-    the ``this-machine`` preset."""
+    the ``this-machine`` preset.
+
+    Args:
+        paths: the measured row files (``dplab ... --json``, stamped with their date and load).
+
+    Returns:
+        Validation rows: check, cluster, predicted, measured, unit, and the source (the file, its
+        command, when it was measured and under what load).
+
+    Raises:
+        RuntimeError: the same command on the preset failed.
+    """
     from dplab.backends.cli.commands import main as dplab
 
     rows: list[dict[str, Any]] = []
@@ -252,9 +263,18 @@ def machine(paths: list[str]) -> list[dict[str, Any]]:
             raise RuntimeError(f"dplab {' '.join(argv)} failed")
         predicted = json.loads(out.read_text())["rows"]
         out.unlink()
-        source = f"{Path(path).name}: dplab {' '.join(_drop_json(meta['argv']))}"
+        source = f"{Path(path).name}: dplab {' '.join(_drop_json(meta['argv']))}{_load(meta)}"
         rows += _pairs(meta["command"], measured, predicted, source)
     return rows
+
+
+def _load(meta: dict[str, Any]) -> str:
+    """When a measured file was measured, and under what load (``perf.tables stamp``)."""
+    m = meta.get("measured", {})
+    if "date" not in m:
+        return ""
+    before = f"{m['load_before']:g} before, " if "load_before" in m else ""
+    return f" (measured {m['date']}, load average {before}{m['load_average'][0]:g} after)"
 
 
 def _as_sim(argv: list[str]) -> list[str]:

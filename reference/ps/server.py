@@ -24,6 +24,7 @@ import numpy as np
 
 from dplab.reference.checkpoint.resume import Expect
 from dplab.reference.communicator import ANY_SOURCE, CommError, Communicator
+from dplab.reference.flops import optimizer_ops
 from dplab.reference.optim import make_optimizer
 from dplab.reference.ps.aggregate import Aggregator
 from dplab.reference.ps.gate import Gate
@@ -189,6 +190,10 @@ class Server:
         """One update from these pushes' gradients; each push gets its log entry."""
         t0 = self.tr.now()
         self.opt.step(self.params, update_gradient(self.cfg, self.acfg, self.workers, pushes, grads))
+        n, item = len(self.params), self.params.itemsize  # the update's time, on a sim cluster:
+        combine = [(float(n * len(grads)), float(item * n * (len(grads) + 1)))]  # sum, then scale
+        self.comm.compute(combine + optimizer_ops(self.cfg.optimizer.name, n, item),
+                          self.params.dtype.name)
         self.version += 1
         t1 = self.tr.now()
         for worker, clock in pushes:
