@@ -169,7 +169,27 @@ def _run(comm: Communicator, kind: str, buf: Any, algorithm: str, root: int | No
 
 def allreduce(comm: Communicator, buf: np.ndarray, algorithm: str = "ring", op: str = "sum") -> np.ndarray:
     """``dplab.reference.collectives.allreduce``; "auto" is resolved here by ``auto.chosen`` and
-    ``hierarchical`` on the hosts by ``layout.resolve`` (the spine's executor takes names as given)."""
+    ``hierarchical`` on the hosts by ``layout.resolve`` (the spine's executor takes names as given).
+
+    Args:
+        comm: this rank's communicator.
+        buf: a writable, contiguous numpy array (or a torch tensor, on a backend that moves
+            them) of the same length and dtype on every rank; worked on in place.
+        algorithm: a schedule's name (``"ring"``, ``"pipelined_tree:16"``, ...), ``"native"``
+            (the engine's own all-reduce) or ``"auto"`` (the fitted cost model's cheapest).
+        op: ``"sum"``, or ``"mean"`` (floating-point buffers only) to divide by the world size.
+
+    Returns:
+        ``buf``, holding the sum (or mean) over all ranks.
+
+    Raises:
+        ConfigError: an unknown ``op`` or algorithm, ``op="mean"`` on an integer buffer, or a
+            buffer the collectives cannot work on in place (read-only, non-contiguous, a dtype
+            they do not move).
+        CollectiveMismatch: a peer is in another collective, algorithm or root.
+        BufferMismatch: a peer's buffer has another length or dtype.
+        CommTimeout: a peer did not answer within ``comm.timeout``.
+    """
     if op not in ("sum", "mean"):
         raise ConfigError(f"op must be 'sum' or 'mean', got {op!r}")
     flat = _flat(buf, comm)
@@ -194,24 +214,93 @@ def allreduce(comm: Communicator, buf: np.ndarray, algorithm: str = "ring", op: 
 
 
 def reduce_scatter(comm: Communicator, buf: np.ndarray, algorithm: str = "ring") -> np.ndarray:
-    """``dplab.reference.collectives.reduce_scatter``: returns a view of this rank's chunk."""
+    """``dplab.reference.collectives.reduce_scatter``: returns a view of this rank's chunk.
+
+    Args:
+        comm: this rank's communicator.
+        buf: a writable, contiguous numpy array (or a torch tensor, on a backend that moves
+            them) of the same length and dtype on every rank; worked on in place.
+        algorithm: a schedule's name (default ``"ring"``).
+
+    Returns:
+        a view of this rank's chunk of ``buf`` (``chunk_bounds(n, p)[rank]``), holding the sum
+        over all ranks of that chunk.
+
+    Raises:
+        ConfigError: an unknown algorithm, a buffer the collectives cannot work on in place.
+        CollectiveMismatch: a peer is in another collective, algorithm or root.
+        BufferMismatch: a peer's buffer has another length or dtype.
+        CommTimeout: a peer did not answer within ``comm.timeout``.
+    """
     flat = _run(comm, "reduce_scatter", buf, algorithm)
     return flat[slice(*chunk_bounds(len(flat), comm.world_size)[comm.rank])]
 
 
 def allgather(comm: Communicator, buf: np.ndarray, algorithm: str = "ring") -> np.ndarray:
-    """``dplab.reference.collectives.allgather``."""
+    """``dplab.reference.collectives.allgather``.
+
+    Args:
+        comm: this rank's communicator.
+        buf: a writable, contiguous numpy array (or a torch tensor, on a backend that moves
+            them) of the same length and dtype on every rank; worked on in place.
+        algorithm: a schedule's name (default ``"ring"``).
+
+    Returns:
+        ``buf``, holding every rank's chunk.
+
+    Raises:
+        ConfigError: an unknown algorithm, a buffer the collectives cannot work on in place.
+        CollectiveMismatch: a peer is in another collective, algorithm or root.
+        BufferMismatch: a peer's buffer has another length or dtype.
+        CommTimeout: a peer did not answer within ``comm.timeout``.
+    """
     _run(comm, "allgather", buf, algorithm)
     return buf
 
 
 def broadcast(comm: Communicator, buf: np.ndarray, root: int = 0, algorithm: str = "tree") -> np.ndarray:
-    """``dplab.reference.collectives.broadcast``."""
+    """``dplab.reference.collectives.broadcast``.
+
+    Args:
+        comm: this rank's communicator.
+        buf: a writable, contiguous numpy array (or a torch tensor, on a backend that moves
+            them) of the same length and dtype on every rank; worked on in place.
+        root: the rank whose ``buf`` every rank receives.
+        algorithm: a schedule's name (default ``"tree"``).
+
+    Returns:
+        ``buf``, holding ``root``'s ``buf``.
+
+    Raises:
+        ConfigError: an unknown algorithm, a ``root`` that is not a rank of the world, or a
+            buffer the collectives cannot work on in place.
+        CollectiveMismatch: a peer is in another collective, algorithm or root.
+        BufferMismatch: a peer's buffer has another length or dtype.
+        CommTimeout: a peer did not answer within ``comm.timeout``.
+    """
     _run(comm, "broadcast", buf, algorithm, root)
     return buf
 
 
 def reduce(comm: Communicator, buf: np.ndarray, root: int = 0, algorithm: str = "tree") -> np.ndarray:
-    """``dplab.reference.collectives.reduce``."""
+    """``dplab.reference.collectives.reduce``.
+
+    Args:
+        comm: this rank's communicator.
+        buf: a writable, contiguous numpy array (or a torch tensor, on a backend that moves
+            them) of the same length and dtype on every rank; worked on in place.
+        root: the rank that ends holding the sum.
+        algorithm: a schedule's name (default ``"tree"``).
+
+    Returns:
+        ``buf``: on ``root`` the sum over all ranks; elsewhere partial sums (scratch).
+
+    Raises:
+        ConfigError: an unknown algorithm, a ``root`` that is not a rank of the world, or a
+            buffer the collectives cannot work on in place.
+        CollectiveMismatch: a peer is in another collective, algorithm or root.
+        BufferMismatch: a peer's buffer has another length or dtype.
+        CommTimeout: a peer did not answer within ``comm.timeout``.
+    """
     _run(comm, "reduce", buf, algorithm, root)
     return buf

@@ -235,13 +235,31 @@ LAUNCHERS: dict[str, Launcher] = {"mpi": Mpiexec(), "torch": Torchrun()}  # back
 
 
 def under_launcher(backend: str) -> bool:
-    """True when this process is one rank of an ``mpiexec`` (mpi) or ``torchrun`` (torch) job."""
+    """True when this process is one rank of an ``mpiexec`` (mpi) or ``torchrun`` (torch) job.
+
+    Args:
+        backend: the backend's name; backends without a launcher give False.
+
+    Returns:
+        Whether the launcher's variables are in this process's environment.
+    """
     launcher = LAUNCHERS.get(backend)
     return launcher is not None and launcher.started(os.environ)
 
 
 def launcher_env(backend: str) -> tuple[int, int]:
-    """(rank, world_size) that mpiexec, torchrun or srun gave this process."""
+    """(rank, world_size) that mpiexec, torchrun or srun gave this process.
+
+    Args:
+        backend: ``"mpi"`` or ``"torch"``.
+
+    Returns:
+        This process's rank and the job's world size, from the launcher's variables.
+
+    Raises:
+        ConfigError: ``backend`` has no launcher, or the launcher's variables are missing or
+            malformed.
+    """
     launcher = LAUNCHERS.get(backend)
     if launcher is None:
         raise ConfigError(f"not running under a {backend} launcher")

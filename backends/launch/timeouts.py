@@ -53,7 +53,14 @@ def _env(name: str, default: float) -> float:
 
 
 def default_timeout() -> float:
-    """``DPLAB_TIMEOUT`` (default 60 s): how long any blocking wait of a running world may take."""
+    """``DPLAB_TIMEOUT`` (default 60 s): how long any blocking wait of a running world may take.
+
+    Returns:
+        The timeout in seconds.
+
+    Raises:
+        ConfigError: ``DPLAB_TIMEOUT`` is set to something other than a number of seconds > 0.
+    """
     return _env("DPLAB_TIMEOUT", DEFAULT_TIMEOUT_S)
 
 

@@ -50,7 +50,25 @@ MODES = ("sync", "async", "backup")
 
 @dataclass(frozen=True)
 class RunSpec:
-    """One cell of a comparison: where and how to train ``train``."""
+    """One cell of a comparison: where and how to train ``train``.
+
+    Attributes:
+        backend: ``"local"``, ``"mpi"``, ``"torch"``, ``"cuda"`` or ``"sim"``.
+        world_size: ranks (under ``"async"``: the server plus ``world_size - 1`` workers).
+        algorithm: the all-reduce's name (sync and ZeRO runs).
+        mode: ``"sync"``, ``"async"`` (parameter server) or ``"backup"`` (backup workers).
+        staleness: the parameter server's bound in clocks; None is unbounded.
+        train: the model, data, optimizer and steps (``dplab.reference.train.TrainConfig``).
+        bucket_cap_mb: gradient bucket size of the sync recipe.
+        accum_steps: micro-batches per step (gradient accumulation).
+        straggler: ``((rank, factor), ...)``: ranks slowed by these factors.
+        time_budget_s: train until this much wall time is spent, instead of ``train.steps``.
+        backup_workers: mode ``"backup"`` only: gradients dropped per step.
+        checkpoint: checkpoint every K steps / resume (``reference/checkpoint/resume.py``).
+        zero_stage: sync only: train with ZeRO stage 0-3 (``reference/zero``) instead.
+        precision: sync only: float16 compute, float32 masters, loss scaling.
+        cluster: backend ``"sim"``: its cluster (a preset, ``<preset>xN``, a file).
+    """
 
     backend: str = "local"
     world_size: int = 2
@@ -69,6 +87,13 @@ class RunSpec:
     cluster: str | None = None  # backend "sim": its cluster (a preset, <preset>xN, a file)
 
     def validate(self) -> None:
+        """Refuse, in the launcher, a spec that cannot run; every rule of the configs it makes.
+
+        Raises:
+            ConfigError: the field that is wrong and what to do (an unknown backend or mode,
+                ``cluster`` off the sim backend, mixed precision outside sync, a bad config).
+            BackendUnavailable: the backend's engine is not installed.
+        """
         check_backend(self.backend)
         if entry(self.backend).simulated:
             self.check_cluster()
@@ -92,13 +117,22 @@ class RunSpec:
             self.async_config().validate(self.world_size)
 
     def simulated_cluster(self) -> Any:
-        """The cluster a sim run runs on (``--cluster``, ``$DPLAB_CLUSTER``, or the default)."""
+        """The cluster a sim run runs on (``--cluster``, ``$DPLAB_CLUSTER``, or the default).
+
+        Returns:
+            A ``dplab.reference.cluster.Cluster``.
+        """
         return resolve_cluster(self.cluster)
 
     def check_cluster(self) -> None:
         """The world fits the cluster, and each rank's model state fits its simulated device (the
         memory ledger's categories, by ``zero.memory``'s closed forms); activations are not
-        counted."""
+        counted.
+
+        Raises:
+            ConfigError: the world is larger than the cluster, or a rank's model state does not
+                fit its device (by how much, and what to change).
+        """
         from dplab.reference.model import MLP
         from dplab.reference.zero.memory import (
             model_state_bytes,
@@ -127,20 +161,33 @@ class RunSpec:
                 "many: use a higher --zero-stage, more ranks, a smaller model or a larger device")
 
     def on_gpu(self) -> bool:
-        """Does the sync recipe compute on GPUs (torch tensors) in this run's ranks?"""
+        """Does the sync recipe compute on GPUs (torch tensors) in this run's ranks?
+
+        Returns:
+            True on the cuda backend, and on torch with ``DPLAB_DEVICE=cuda...``.
+        """
         device = os.environ.get("DPLAB_DEVICE") or "cpu"  # --device: the torch backend's (cpu: gloo)
         gpu = entry(self.backend).gpu
         return gpu == "always" or (gpu == "device" and device.startswith("cuda"))
 
     def check_gpu(self) -> None:
-        """What works on NumPy arrays only is refused here for a run on GPUs, before any rank starts."""
+        """What works on NumPy arrays only is refused here for a run on GPUs, before any rank starts.
+
+        Raises:
+            ConfigError: checkpoints or mixed precision asked for on GPUs.
+        """
         if self.on_gpu() and (self.checkpoint is not None or self.precision is not None):
             raise ConfigError(f"on the GPU (--backend {self.backend}) the recipe computes with torch tensors,"
                               " but checkpoints and mixed precision work on NumPy arrays on the host: drop "
                               "them, or use --backend local")
 
     def check_zero(self) -> None:
-        """ZeRO runs the plain synchronous recipe: what only train_sync has is refused, with the fix."""
+        """ZeRO runs the plain synchronous recipe: what only train_sync has is refused, with the fix.
+
+        Raises:
+            ConfigError: async modes, stragglers, time budgets or checkpoints asked with ZeRO, or
+                a ``ZeroConfig`` that does not validate.
+        """
         extras = {"--mode async/backup": self.mode != "sync", "--straggler": bool(self.straggler),
                   "--time-budget": self.time_budget_s is not None, "checkpoints": self.checkpoint is not None}
         given = [name for name, on in extras.items() if on]
@@ -150,16 +197,31 @@ class RunSpec:
         self.zero_config().validate(self.world_size)
 
     def sync_config(self) -> SyncConfig:
+        """The synchronous recipe's configuration.
+
+        Returns:
+            A ``SyncConfig`` from this spec's fields.
+        """
         return SyncConfig(self.algorithm, self.bucket_cap_mb, self.accum_steps, self.straggler,
                           self.time_budget_s, checkpoint=self.checkpoint, precision=self.precision)
 
     def zero_config(self) -> ZeroConfig:
+        """ZeRO's configuration (stage 0 when ``zero_stage`` is None).
+
+        Returns:
+            A ``ZeroConfig`` from this spec's fields.
+        """
         from dplab.reference.zero.train import ZeroConfig
 
         stage = 0 if self.zero_stage is None else self.zero_stage
         return ZeroConfig(stage, self.algorithm, self.accum_steps, precision=self.precision)
 
     def async_config(self) -> AsyncConfig:
+        """The parameter server's configuration (``"backup"``: lock-step, aggregating).
+
+        Returns:
+            An ``AsyncConfig`` from this spec's fields.
+        """
         from dplab.reference.ps.trainer import AsyncConfig
 
         if self.mode == "backup":
@@ -170,14 +232,22 @@ class RunSpec:
                            time_budget_s=self.time_budget_s, checkpoint=self.checkpoint)
 
     def check_resume(self) -> None:
-        """Refuse a corrupt or foreign checkpoint here, in the launcher, before any rank starts."""
+        """Refuse a corrupt or foreign checkpoint here, in the launcher, before any rank starts.
+
+        Raises:
+            CheckpointError: the checkpoint is corrupt, or was written by another run's setup.
+        """
         sync = self.mode == "sync"
         rules = self.sync_config() if sync else self.async_config()
         load_resume(self.checkpoint, Expect.of("sync" if sync else "async", self.train, rules,
                                                self.world_size, self.backend))
 
     def label(self) -> str:
-        """The row's ``algorithm``: the all-reduce, or the parameter server's rule."""
+        """The row's ``algorithm``: the all-reduce, or the parameter server's rule.
+
+        Returns:
+            E.g. ``"ring"``, ``"ring zero-2"``, ``"ps s=2"``, ``"ps backup b=1"``.
+        """
         if self.mode == "sync":
             return self.algorithm if self.zero_stage is None else f"{self.algorithm} zero-{self.zero_stage}"
         if self.mode == "backup":
@@ -186,14 +256,29 @@ class RunSpec:
 
 
 def straggler_label(stragglers: Stragglers) -> str:
+    """The row's ``straggler`` column.
+
+    Args:
+        stragglers: ``((rank, factor), ...)``.
+
+    Returns:
+        ``"rank:factor,..."``, or ``"none"``.
+    """
     return ",".join(f"{r}:{f:g}" for r, f in stragglers) or "none"
 
 
 def train_rank(comm: Any, spec: RunSpec, trace: bool) -> tuple[np.ndarray, Any, float, list[Event]]:
     """What every rank runs: sync or parameter-server training, timed, with its trace events.
 
-    The second item is (per-step losses, ZeRO's measured memory or None) for sync, or the server's
-    (log, dropped, lost) otherwise.
+    Args:
+        comm: this rank's communicator.
+        spec: the run.
+        trace: record trace events.
+
+    Returns:
+        ``(params, extra, wall_s, events)``: this rank's final parameters; (per-step losses,
+        ZeRO's measured memory or None) for sync, or the server's (log, dropped, lost) otherwise;
+        the seconds it trained (virtual on a simulated cluster); its trace events.
     """
     comm.tracer.enabled = trace
     comm.barrier()
@@ -230,8 +315,25 @@ def run_train(spec: RunSpec, world: World | None = None, trace: bool = False,
               save_params: str | None = None) -> tuple[dict[str, Any], list[list[Event]]]:
     """Train on ``spec.world_size`` ranks; returns the result row and every rank's trace events.
 
-    ``save_params``: also write rank 0's final parameters there (``np.save``, which adds ``.npy``
-    to a name without it), bit for bit, whole or not at all (``WriteError``).
+    Args:
+        spec: the run; validated here, before any rank starts.
+        world: ranks to run on (a ``World`` of ``spec.world_size``); None starts fresh ones.
+        trace: record every rank's trace events.
+        single: the single-device run's parameters, when the caller has them already.
+        save_params: also write rank 0's final parameters there (``np.save``, which adds
+            ``.npy`` to a name without it), bit for bit, whole or not at all.
+
+    Returns:
+        ``(row, events)``: the result row (``final_loss``, ``max_abs_diff_vs_single``,
+        ``ranks_identical``, ``wall_s``, ...) and each rank's trace events (empty lists unless
+        ``trace``).
+
+    Raises:
+        ConfigError: a spec that cannot run, or a ``world`` of another size.
+        WorldTooLarge: the world and its arrays do not fit this machine.
+        CheckpointError: ``spec`` resumes from a corrupt or foreign checkpoint.
+        WriteError: ``save_params`` cannot be written.
+        RankError: a rank raised or died.
     """
     spec.validate()
     if not under_launcher(spec.backend):  # a launcher's ranks may span hosts: theirs to size
