@@ -49,6 +49,14 @@ def broadcast_module(module: nn.Module, comm: Communicator, root: int = 0) -> No
 
     Tensors of a dtype the collectives do not move (bool, int8, float16, ...) travel in a
     wider one (int64, float64) and are converted back exactly.
+
+    Args:
+        module: its parameters and buffers are overwritten in place (on ``root``: sent).
+        comm: this rank's communicator; a collective, so every rank calls it.
+        root: the rank whose tensors every rank ends with.
+
+    Raises:
+        ConfigError: a complex tensor (the collectives move real numbers).
     """
     groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
     for t in (*module.parameters(), *module.buffers()):
@@ -89,6 +97,8 @@ class DistributedDataParallel(nn.Module):
     ``find_unused_parameters``; ``wait`` says which one did not).
 
     Args:
+        module: the module to wrap; every rank's copy is given rank 0's parameters and buffers.
+        comm: this rank's communicator (any backend; torch tensors need one that moves them).
         bucket_cap_mb: MiB of gradients per all-reduce (a parameter is never split).
             ``None`` is torch's default, 25 MiB; ``math.inf`` puts every gradient in one bucket.
         algorithm: any all-reduce of the registry (``dplab.reference.algorithms``), ``native`` (the
@@ -98,6 +108,9 @@ class DistributedDataParallel(nn.Module):
             rank with a small shard counts more. With it each rank's gradient (of its mean loss)
             counts n_r / N, N the global batch: exactly the full batch's gradient. Costs one
             one-element all-reduce here and at each ``set_local_batch_size``, none per step.
+
+    Raises:
+        ConfigError: an unknown algorithm, or parameters the collectives cannot move.
     """
 
     def __init__(self, module: nn.Module, comm: Communicator, bucket_cap_mb: float | None = None,
@@ -133,7 +146,19 @@ class DistributedDataParallel(nn.Module):
         self._finalizer = weakref.finalize(self, _release, self.reducer, handles)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the module; like DDP, whether its backward syncs is decided here, not in backward."""
+        """Run the module; like DDP, whether its backward syncs is decided here, not in backward.
+
+        Args:
+            *args: the wrapped module's positional arguments.
+            **kwargs: its keyword arguments.
+
+        Returns:
+            The wrapped module's output.
+
+        Raises:
+            ConfigError: the previous synced backward raised before its end (its buckets were only
+                partly reduced).
+        """
         if self._pending:
             raise ConfigError("the previous synced backward did not finish (it raised before its end), "
                               "so its buckets were only partly reduced: build a new DDP in a new world")
@@ -146,6 +171,12 @@ class DistributedDataParallel(nn.Module):
         A collective (one all-reduce of a single integer): call it on every rank, between
         steps, whenever a shard size changes; the weight holds until the next call. With
         ``no_sync`` accumulation, ``n`` counts the samples of all micro-batches of a step.
+
+        Args:
+            n: this rank's samples in the step, >= 0.
+
+        Raises:
+            ConfigError: called during a synced backward.
         """
         if self._pending:
             raise ConfigError("set_local_batch_size during a synced backward: call it between steps")
@@ -160,6 +191,9 @@ class DistributedDataParallel(nn.Module):
 
         The next forward/backward outside the block reduces the accumulated sum, so k
         micro-batches (each loss scaled by 1/k) take the step of one k-times larger batch.
+
+        Yields:
+            None; on leaving the block, syncing is back to what it was.
         """
         old, self.require_backward_grad_sync = self.require_backward_grad_sync, False
         try:
@@ -172,6 +206,10 @@ class DistributedDataParallel(nn.Module):
 
         Autograd runs a parameter's accumulation, and so this hook, once per backward even
         when the parameter is used twice (tied weights): the two uses are summed first.
+
+        Args:
+            i: the parameter's index among the module's trainable parameters.
+            param: that parameter, whose ``.grad`` is complete.
         """
         slot = self.grad_slots[i]
         fresh = param.grad if param.grad is not slot else None  # autograd made a new tensor (grad was None)
@@ -203,6 +241,10 @@ class DistributedDataParallel(nn.Module):
         no gradient is an error (there is no ``find_unused_parameters``): its slot is
         reduced as zeros first, so every rank still runs the same collectives and none is
         left waiting, and then the error names it.
+
+        Raises:
+            ConfigError: a trainable parameter got no gradient, naming it.
+            CommError: the bucket all-reduces failed (a timeout, a mismatch, a lost peer).
         """
         if not self._pending:
             return

@@ -63,6 +63,8 @@ class FullyShardedDataParallel(nn.Module):
     """Wraps ``module``: its parameters become flat shards, gathered per unit while it runs.
 
     Args:
+        module: the module to wrap; every rank's copy is given rank 0's parameters and buffers.
+        comm: this rank's communicator (any backend; tensors on a GPU need one that moves them).
         units: submodules that each get their own flat parameter (none may contain another);
             ``None``: the whole model is one unit. Their order is the order of ``parameters()``.
         compute_dtype: dtype of the gather, forward and backward (float16, bfloat16); masters and
@@ -80,6 +82,12 @@ class FullyShardedDataParallel(nn.Module):
             (``fsdp_prefetch``); the results are bitwise the same.
         algorithm: ``ring`` or ``direct`` (the schedules with a reduce-scatter and all-gather).
         local_batch_size: this rank's shard size, for uneven shards (as in ``DDP``).
+
+    Raises:
+        ConfigError: an algorithm without a reduce-scatter, units that are not submodules or
+            overlap, both ``mixed_precision`` and ``compute_dtype``/``reduce_dtype``, a dtype or
+            policy FSDP does not take, an unknown ``backward_prefetch``, or parameters on a
+            device the communicator does not move.
     """
 
     def __init__(self, module: nn.Module, comm: Communicator, *, units: Sequence[nn.Module] | None = None,
@@ -179,7 +187,19 @@ class FullyShardedDataParallel(nn.Module):
 
     # -- forward and backward ----------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the module with its root unit gathered; each listed unit gathers itself."""
+        """Run the module with its root unit gathered; each listed unit gathers itself.
+
+        Args:
+            *args: the wrapped module's positional arguments (floats cast to the root unit's
+                compute dtype, if it has one).
+            **kwargs: its keyword arguments (likewise).
+
+        Returns:
+            The wrapped module's output.
+
+        Raises:
+            ConfigError: called inside ``summon_full_params()``.
+        """
         if self._summoned:
             raise ConfigError("forward inside summon_full_params(): leave the context first")
         self._pending.clear()  # a forward whose backward never ran (evaluation) leaves nothing behind
@@ -264,7 +284,11 @@ class FullyShardedDataParallel(nn.Module):
         return self.local_batch_size / self.global_batch_size if self.local_batch_size else None
 
     def set_local_batch_size(self, n: int) -> None:
-        """Weight this rank's gradient by ``n`` / (sum of every rank's ``n``); a collective, as in DDP."""
+        """Weight this rank's gradient by ``n`` / (sum of every rank's ``n``); a collective, as in DDP.
+
+        Args:
+            n: this rank's samples in the step (all micro-batches), >= 0.
+        """
         total = sum_batch_sizes(self.comm, n, flat_buffer(self.comm, 2, torch.int64, self.device))
         self.local_batch_size, self.global_batch_size = n, total
 
@@ -275,7 +299,11 @@ class FullyShardedDataParallel(nn.Module):
         So k micro-batches in here and one outside (each loss scaled to the step's batch) take
         the big batch's step with one reduce-scatter per unit instead of k + 1. The weight
         (``local_batch_size``) applies once, to the sum: count the samples of all micro-batches.
-        ``zero_grad`` does not clear what is held (it is not in the shards' ``.grad`` yet)."""
+        ``zero_grad`` does not clear what is held (it is not in the shards' ``.grad`` yet).
+
+        Yields:
+            None; on leaving the block, syncing is back to what it was.
+        """
         old, self.require_backward_grad_sync = self.require_backward_grad_sync, False
         try:
             yield
@@ -286,7 +314,11 @@ class FullyShardedDataParallel(nn.Module):
     def param_memory(self) -> dict[str, int]:
         """Bytes of parameter storage on this rank: the shards, the most gathered (full) parameter
         storage alive at once (units in flight, in the compute dtype), their sum, the unsharded
-        model's parameters for scale, and the full gradients no_sync holds now."""
+        model's parameters for scale, and the full gradients no_sync holds now.
+
+        Returns:
+            ``{shard_bytes, gathered_peak_bytes, peak_bytes, unsharded_bytes, held_grad_bytes}``.
+        """
         flats = self._flats()
         shard = sum(f.shard.numel() * f.shard.element_size() for f in flats)
         return {"shard_bytes": shard, "gathered_peak_bytes": self.meter.peak,
@@ -309,7 +341,18 @@ class FullyShardedDataParallel(nn.Module):
 
         A parameter's own ``.grad`` outside is this rank's piece, of another size on each rank
         (maybe empty): a torch collective over it, as over a DDP replica's, hangs. Compare or
-        gather full gradients in here."""
+        gather full gradients in here.
+
+        Args:
+            writeback: at exit, each rank's chunk of the full parameters goes back to its shard.
+            with_grads: give each full parameter its full gradient as ``.grad``.
+
+        Yields:
+            None, while the module holds its full parameters.
+
+        Raises:
+            ConfigError: called inside forward, backward or another summon.
+        """
         if self._summoned or any(f.gathered for f in self._flats()):
             raise ConfigError("summon_full_params() inside forward, backward or another summon: "
                               "call it between steps")
@@ -337,7 +380,11 @@ class FullyShardedDataParallel(nn.Module):
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The wrapped module's ``state_dict()`` as if it were never wrapped, the same on every rank:
-        full parameters in the master dtype, buffers in their original dtype. A collective."""
+        full parameters in the master dtype, buffers in their original dtype. A collective.
+
+        Returns:
+            Every key of the plain module's ``state_dict()``, each a tensor of its own.
+        """
         out = {}
         with self.summon_full_params(writeback=False):
             for key in self._state_keys:
@@ -351,7 +398,14 @@ class FullyShardedDataParallel(nn.Module):
 
     def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Load a plain module's state dict: each rank keeps its chunks (no communication; pass
-        the same dict on every rank)."""
+        the same dict on every rank).
+
+        Args:
+            state_dict: the plain module's state dict (every key, full tensors).
+
+        Raises:
+            ConfigError: keys missing or unexpected, naming them.
+        """
         missing = [k for k in self._state_keys if k not in state_dict]
         unexpected = [k for k in state_dict if k not in self._state_keys]
         if missing or unexpected:
@@ -368,13 +422,32 @@ class FullyShardedDataParallel(nn.Module):
     def named_parameters(self, prefix: str = "", recurse: bool = True,
                          remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
         """The wrapped module's parameters under its own names ("0.weight", not "module.0.weight"),
-        each this rank's piece of it. ``parameters()`` yields the same tensors."""
+        each this rank's piece of it. ``parameters()`` yields the same tensors.
+
+        Args:
+            prefix: prepended to every name.
+            recurse: include submodules' parameters.
+            remove_duplicate: tied parameters once.
+
+        Returns:
+            An iterator of (name, parameter).
+        """
         return self.module.named_parameters(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
 
     def state_dict(self, *args: Any, destination: dict | None = None, prefix: str = "",
                    keep_vars: bool = False) -> dict[str, torch.Tensor]:
         """The plain module's state dict (full values, original keys), as torch's FSDP1 gives by
-        default (FULL_STATE_DICT): ``full_state_dict()``, a collective."""
+        default (FULL_STATE_DICT): ``full_state_dict()``, a collective.
+
+        Args:
+            *args: unused (torch's positional form).
+            destination: a dict to fill instead of a new ``OrderedDict``.
+            prefix: prepended to every key.
+            keep_vars: unused: the values are detached copies.
+
+        Returns:
+            ``destination``, or a new ``OrderedDict``, with every key.
+        """
         out = OrderedDict() if destination is None else destination
         for key, value in self.full_state_dict().items():
             out[prefix + key] = value
@@ -382,14 +455,34 @@ class FullyShardedDataParallel(nn.Module):
 
     def load_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True,
                         assign: bool = False) -> Any:
-        """Load a plain module's state dict (``load_full_state_dict``: every key, no communication)."""
+        """Load a plain module's state dict (``load_full_state_dict``: every key, no communication).
+
+        Args:
+            state_dict: the plain module's state dict.
+            strict: unused: every key must fit, always.
+            assign: unused: values are copied into the shards.
+
+        Returns:
+            torch's ``_IncompatibleKeys``, always empty.
+
+        Raises:
+            ConfigError: keys missing or unexpected.
+        """
         self.load_full_state_dict(dict(state_dict))
         return nn.modules.module._IncompatibleKeys([], [])
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Scale every rank's gradient pieces so that the *global* norm is at most ``max_norm``;
-        returns the global norm (the same on every rank). A collective: call it on every rank."""
+        returns the global norm (the same on every rank). A collective: call it on every rank.
+
+        Args:
+            max_norm: the largest global norm allowed.
+            norm_type: the p of the p-norm (``inf`` too).
+
+        Returns:
+            The global norm before clipping, in the gradients' dtype.
+        """
         params = [p for p in self.module.parameters() if p.grad is not None]
         grads = [p.grad for p in params]
         dtype = grads[0].dtype if grads else torch.float64

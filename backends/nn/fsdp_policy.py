@@ -31,7 +31,13 @@ __all__ = ["MixedPrecision", "UnitPrecision", "Policy", "unit_precisions", "is_k
 
 @dataclass(frozen=True)
 class MixedPrecision:
-    """torch.distributed.fsdp.MixedPrecision's three dtypes; ``None``: the master dtype."""
+    """torch.distributed.fsdp.MixedPrecision's three dtypes; ``None``: the master dtype.
+
+    Attributes:
+        param_dtype: the dtype of the gather, forward and backward (float16, bfloat16).
+        reduce_dtype: the dtype of the gradients' reduce-scatter.
+        buffer_dtype: the dtype the unit's floating-point buffers compute in.
+    """
 
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None

@@ -57,7 +57,16 @@ class _Incoming:
 
 
 class TorchComm(TorchPeer):
-    """One rank of a torch.distributed process group, speaking dplab's Communicator."""
+    """One rank of a torch.distributed process group, speaking dplab's Communicator.
+
+    Built by ``launch`` for its ranks, or by ``TorchComm.from_process_group()`` inside a group the
+    caller started.
+
+    Args:
+        *args: ``TorchPeer``'s: ``rank``, ``world_size``, ``timeout``, ``init_method``, ``device``,
+            ``local_rank``, ``store``, ``group``.
+        **kwargs: the same, by name.
+    """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -72,7 +81,12 @@ class TorchComm(TorchPeer):
         """A collective begins: its first message to (and from) each peer carries the header.
         The schedule joins every rank to every other, so if two ranks disagree, some link joins
         two that do, and its receiver raises ``BufferMismatch`` (or ``CollectiveMismatch``) at
-        its first message. On gloo, remember the plan: rounds post receives early from it."""
+        its first message. On gloo, remember the plan: rounds post receives early from it.
+
+        Args:
+            buf: the collective's whole (flat) buffer.
+            call: the collective whose rounds follow; None for a bare exchange.
+        """
         self._buffer = (int(np.prod(buf.shape)), code(buf), call.code() if call is not None else 0)
         self._told, self._heard = set(), set()
         self._rounds = None
@@ -84,7 +98,19 @@ class TorchComm(TorchPeer):
         """gloo's (or NCCL's) own all-reduce, in place: the yardstick for ours. With ``check``,
         a 4-integer MAX all-reduce of (n, dtype, -n, -dtype) goes first (max and -min agree only
         if every rank agrees): gloo aborts the process on a longer buffer and sums a same-size
-        buffer of another dtype into garbage. ``dplab bench`` times it without, as users call it."""
+        buffer of another dtype into garbage. ``dplab bench`` times it without, as users call it.
+
+        Args:
+            buf: a writable numpy array or tensor, summed in place.
+            op: ``"sum"`` or ``"mean"``.
+            check: first check that every rank passed the same length and dtype.
+
+        Raises:
+            ConfigError: a read-only buffer, or an unknown ``op``.
+            BufferMismatch: ranks passed buffers of different lengths or dtypes (with ``check``).
+            CommTimeout: a peer did not join within the timeout.
+            PeerLost: a peer died.
+        """
         torch, dist = _torch()
         require_writable(buf)
         if op not in ("sum", "mean"):
@@ -115,7 +141,21 @@ class TorchComm(TorchPeer):
         chunk as it lands, post the next round's early receives (``_ahead``), then wait for the
         sends. None early on NCCL: it runs a rank's batches in order on one stream, where an early
         receive would hold back this rank's own next send; there the round is one batch (headers
-        in one before)."""
+        in one before).
+
+        Args:
+            sends: this round's messages out (buffer, peer, chunk).
+            recvs: this round's messages in, each added (reduce) or copied into its buffer.
+            round: the round's index within the collective; -1 for a bare exchange.
+            algorithm: the collective's algorithm, for traces and errors.
+
+        Raises:
+            CommError: receives were posted early for this round that it does not ask for.
+            CollectiveMismatch: a peer is in another collective.
+            BufferMismatch: a peer's buffer has another length or dtype.
+            CommTimeout: a peer did not answer within the timeout.
+            PeerLost: a peer died.
+        """
         tr, what = self.tracer, f"in round {round} of {algorithm or 'an exchange'}"
         t_post = tr.now() if tr.enabled else 0
         early, ins, fresh = self._early.pop(round, {}), [], []  # fresh: not posted last round
@@ -263,7 +303,14 @@ def early_receives(plan: Plan) -> list[list[int]]:
     """For each round k, which of round k+1's receives round k cannot disturb, so that they may
     be posted during round k: those that land in scratch (reduce) and those into a chunk round
     k neither sends nor receives. A peer's receives go ahead all or none, so that messages
-    between two ranks are still posted in the order they are sent."""
+    between two ranks are still posted in the order they are sent.
+
+    Args:
+        plan: this rank's (sends, receives) per round.
+
+    Returns:
+        Per round, the indices of the next round's receives it may post early (the last: none).
+    """
     early = []
     for (sends, recvs), (_, later) in zip(plan, plan[1:]):
         busy = {c for t in (*sends, *recvs) for c in range(t.chunk, t.stop)}  # messages: chunk..stop-1

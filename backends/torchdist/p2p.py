@@ -55,7 +55,24 @@ class TorchPeer(Communicator):
                  store: Any = None, group: Any = None) -> None:
         """Start a process group, or, if torch.distributed is initialised already (the user's
         ``dist.init_process_group``), speak over ``group`` (None: the default group) and leave
-        it to its owner: ``close()`` then destroys nothing (``owns_group`` is False)."""
+        it to its owner: ``close()`` then destroys nothing (``owns_group`` is False).
+
+        Args:
+            rank: this process's rank; None to take the initialised group's.
+            world_size: ranks in the group; None to take the initialised group's.
+            timeout: seconds any blocking wait may take.
+            init_method: torch.distributed's rendezvous (``env://``, ``tcp://...``).
+            device: ``"cpu"`` (gloo) or ``"cuda"`` (NCCL); None: ``DPLAB_DEVICE``, else cpu (in
+                an initialised group, its backend decides).
+            local_rank: the GPU of this rank under NCCL; None: the rank.
+            store: a ``TCPStore`` to meet at instead of ``init_method``.
+            group: an initialised torch.distributed's group to speak over (None: the default).
+
+        Raises:
+            ConfigError: ``group`` without an initialised torch.distributed, a rank or world size
+                that disagrees with the initialised group's, this process outside ``group``, an
+                unknown device or one the group's backend cannot serve, or fewer GPUs than ranks.
+        """
         torch, dist = _torch()
         self.owns_group = not dist.is_initialized()
         if self.owns_group:
@@ -127,7 +144,19 @@ class TorchPeer(Communicator):
             ...
             comm.close()                                     # the group stays; destroy it yourself
 
-        Ranks are the group's own (``dist.get_rank(group)``), as in torch's collectives."""
+        Ranks are the group's own (``dist.get_rank(group)``), as in torch's collectives.
+
+        Args:
+            group: the process group (None: the default group).
+            timeout: seconds any blocking wait may take.
+            device: ``"cpu"`` or ``"cuda"``; None: the group's backend decides.
+
+        Returns:
+            A communicator over ``group``; its ``close()`` leaves the group to its owner.
+
+        Raises:
+            ConfigError: torch.distributed is not initialised, or the group does not fit.
+        """
         if not _torch()[1].is_initialized():
             raise ConfigError("torch.distributed is not initialised: call dist.init_process_group(...) "
                               "first, or start ranks with dplab's launch()")
