@@ -26,11 +26,13 @@ __all__ = ["compare_specs", "RACE_DEFAULTS", "EQUIVALENCE_DEFAULTS"]
 
 RACE_DEFAULTS = {"time_budget_s": 3.0, "algorithms": ["ring"], "world_sizes": [4],
                  "staleness_grid": [0, 2, None], "backup_workers": [1]}
-EQUIVALENCE_DEFAULTS = {"algorithms": ["naive", "ring", "tree", "native"], "world_sizes": [1, 2, 3, 4]}
+EQUIVALENCE_DEFAULTS = {"algorithms": ["naive", "ring", "tree", "native"],
+                        "world_sizes": [1, 2, 3, 4]}
 
 
 def compare_specs(base: RunSpec, backends: Sequence[str], world_sizes: Sequence[int],
-                  modes: Sequence[str], algorithms: Sequence[str], staleness_grid: Sequence[int | None],
+                  modes: Sequence[str], algorithms: Sequence[str],
+                  staleness_grid: Sequence[int | None],
                   backup_workers: Sequence[int]) -> list[RunSpec]:
     """The cells, grouped by backend and world size (one World each).
 

@@ -11,8 +11,9 @@ Three modes: ``sync`` (all-reduce, ``dplab.reference.train.sync``), ``async`` (t
 with bounded staleness) and ``backup`` (synchronous SGD through the parameter server, each step from
 the first W - b gradients). Any of them may carry stragglers and a ``time_budget_s`` (train until it
 is spent; ``train.steps`` is then the upper bound, and sync rows are checked against one device run
-for as many steps). On the cuda backend, and on torch with ``--device cuda``, the sync recipe computes
-on the rank's GPU with torch tensors (``compute_device``); elsewhere in NumPy. Rows hold NumPy arrays.
+for as many steps). On the cuda backend, and on torch with ``--device cuda``, the sync recipe
+computes on the rank's GPU with torch tensors (``compute_device``); elsewhere in NumPy. Rows hold
+NumPy arrays.
 """
 
 from __future__ import annotations
@@ -81,9 +82,11 @@ class RunSpec:
     straggler: Stragglers = ()  # ((rank, factor), ...)
     time_budget_s: float | None = None  # train until this much wall time is spent
     backup_workers: int = 1  # mode "backup" only: gradients dropped per step
-    checkpoint: CheckpointConfig | None = None  # checkpoint every K steps / resume (checkpoint/resume.py)
+    # checkpoint every K steps / resume (checkpoint/resume.py)
+    checkpoint: CheckpointConfig | None = None
     zero_stage: int | None = None  # sync only: train with ZeRO stage 0-3 (reference/zero) instead
-    precision: MixedPrecision | None = None  # sync only: float16 compute, float32 masters, loss scaling
+    # sync only: float16 compute, float32 masters, loss scaling
+    precision: MixedPrecision | None = None
     cluster: str | None = None  # backend "sim": its cluster (a preset, <preset>xN, a file)
 
     def validate(self) -> None:
@@ -104,7 +107,8 @@ class RunSpec:
             raise ConfigError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         self.train.validate()
         if self.precision is not None and self.mode == "sync":
-            self.precision.validate(self.train.dtype)  # float32 masters: refused here, before any rank
+            # float32 masters: refused here, before any rank
+            self.precision.validate(self.train.dtype)
         if self.zero_stage is not None:
             self.check_zero()
         elif self.mode == "sync":
@@ -112,8 +116,8 @@ class RunSpec:
             self.check_gpu()
         else:
             if self.precision is not None:
-                raise ConfigError(f"mixed precision is for synchronous training: drop it, or use --mode sync "
-                                  f"(not {self.mode})")
+                raise ConfigError("mixed precision is for synchronous training: drop it, or use "
+                                  f"--mode sync (not {self.mode})")
             self.async_config().validate(self.world_size)
 
     def simulated_cluster(self) -> Any:
@@ -166,30 +170,34 @@ class RunSpec:
         Returns:
             True on the cuda backend, and on torch with ``DPLAB_DEVICE=cuda...``.
         """
-        device = os.environ.get("DPLAB_DEVICE") or "cpu"  # --device: the torch backend's (cpu: gloo)
+        # --device: the torch backend's (cpu: gloo)
+        device = os.environ.get("DPLAB_DEVICE") or "cpu"
         gpu = entry(self.backend).gpu
         return gpu == "always" or (gpu == "device" and device.startswith("cuda"))
 
     def check_gpu(self) -> None:
-        """What works on NumPy arrays only is refused here for a run on GPUs, before any rank starts.
+        """What works on NumPy arrays only is refused here for a run on GPUs, before any rank
+        starts.
 
         Raises:
             ConfigError: checkpoints or mixed precision asked for on GPUs.
         """
         if self.on_gpu() and (self.checkpoint is not None or self.precision is not None):
-            raise ConfigError(f"on the GPU (--backend {self.backend}) the recipe computes with torch tensors,"
-                              " but checkpoints and mixed precision work on NumPy arrays on the host: drop "
-                              "them, or use --backend local")
+            raise ConfigError(f"on the GPU (--backend {self.backend}) the recipe computes with "
+                              "torch tensors, but checkpoints and mixed precision work on "
+                              "NumPy arrays on the host: drop them, or use --backend local")
 
     def check_zero(self) -> None:
-        """ZeRO runs the plain synchronous recipe: what only train_sync has is refused, with the fix.
+        """ZeRO runs the plain synchronous recipe: what only train_sync has is refused, with the
+        fix.
 
         Raises:
             ConfigError: async modes, stragglers, time budgets or checkpoints asked with ZeRO, or
                 a ``ZeroConfig`` that does not validate.
         """
         extras = {"--mode async/backup": self.mode != "sync", "--straggler": bool(self.straggler),
-                  "--time-budget": self.time_budget_s is not None, "checkpoints": self.checkpoint is not None}
+                  "--time-budget": self.time_budget_s is not None,
+                  "checkpoints": self.checkpoint is not None}
         given = [name for name, on in extras.items() if on]
         if given:
             raise ConfigError(f"--zero-stage trains synchronously without {', '.join(given)}: drop "
@@ -249,7 +257,8 @@ class RunSpec:
             E.g. ``"ring"``, ``"ring zero-2"``, ``"ps s=2"``, ``"ps backup b=1"``.
         """
         if self.mode == "sync":
-            return self.algorithm if self.zero_stage is None else f"{self.algorithm} zero-{self.zero_stage}"
+            return (self.algorithm if self.zero_stage is None
+                    else f"{self.algorithm} zero-{self.zero_stage}")
         if self.mode == "backup":
             return f"ps backup b={self.backup_workers}"
         return f"ps s={'inf' if self.staleness is None else self.staleness}"
@@ -284,7 +293,8 @@ def train_rank(comm: Any, spec: RunSpec, trace: bool) -> tuple[np.ndarray, Any, 
     comm.barrier()
     t0 = comm.now()  # the wall's clock; on a simulated cluster, its virtual one
     with warnings.catch_warnings():
-        if spec.precision is not None:  # float16 overflows are expected: the loss scaler skips that step
+        # float16 overflows are expected: the loss scaler skips that step
+        if spec.precision is not None:
             warnings.simplefilter("ignore", RuntimeWarning)
         result, extra = _train(comm, spec)
     wall = comm.now() - t0
@@ -341,7 +351,8 @@ def run_train(spec: RunSpec, world: World | None = None, trace: bool = False,
     if spec.checkpoint is not None and spec.checkpoint.resume is not None:
         spec.check_resume()
     if world is not None and world.world_size != spec.world_size:
-        raise ConfigError(f"world has {world.world_size} ranks but the spec asks for {spec.world_size}")
+        raise ConfigError(f"world has {world.world_size} ranks but the spec asks for "
+                          f"{spec.world_size}")
     if world is not None:
         results = world.run(train_rank, spec, trace)
     else:  # fresh ranks, or the ranks of mpiexec/torchrun when we run under one
@@ -384,7 +395,8 @@ def sync_facts(spec: RunSpec, results: list, single: np.ndarray | None) -> dict[
     params = results[0][0]
     facts = {
         "updates": steps, "samples": steps * spec.train.global_batch,
-        "max_abs_diff_vs_single": float(max(np.max(np.abs(r[0] - single), initial=0.0) for r in results)),
+        "max_abs_diff_vs_single": float(max(np.max(np.abs(r[0] - single), initial=0.0)
+                                            for r in results)),
         "ranks_identical": all(np.array_equal(r[0], params) for r in results),
     }
     if spec.zero_stage is not None:  # only ZeRO measures its memory
@@ -401,7 +413,8 @@ def _peak_memory(results: list) -> dict[str, int]:
 
 
 def server_facts(spec: RunSpec, results: list, single: np.ndarray | None) -> dict[str, Any]:
-    """The proof of a parameter-server run: its log replays to the same bits; who contributed what."""
+    """The proof of a parameter-server run: its log replays to the same
+    bits; who contributed what."""
     from dplab.reference.ps.replay import replay
     from dplab.reference.ps.trainer import worker_batch
 
@@ -417,10 +430,12 @@ def server_facts(spec: RunSpec, results: list, single: np.ndarray | None) -> dic
         "ranks_identical": True,  # one server holds the parameters
         "lost_workers": {str(w): clocks for w, clocks in lost},  # dead worker -> clocks it finished
     }
-    if spec.time_budget_s is None and not lost:  # same clocks as the single-device steps: the gap async costs
+    # same clocks as the single-device steps: the gap async costs
+    if spec.time_budget_s is None and not lost:
         if single is None:
             single = train_single(cfg).params
         facts["max_abs_diff_vs_single"] = float(np.max(np.abs(params - single), initial=0.0))
     if spec.mode == "backup":
-        facts["dropped_by_worker"] = {str(w): n for w, n in sorted(Counter(w for w, _ in dropped).items())}
+        facts["dropped_by_worker"] = {str(w): n
+                                      for w, n in sorted(Counter(w for w, _ in dropped).items())}
     return facts
