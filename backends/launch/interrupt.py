@@ -1,6 +1,6 @@
 """Ctrl-C and SIGTERM: stop every rank at once, clean up even under a second signal, say one line.
 
-    rows = interruptible("dplab train", command, args)   # the CLI: exit 130 (SIGINT) / 143 (SIGTERM)
+    rows = interruptible("dplab train", command, args)   # the CLI: exit 130 (SIGINT), 143 (SIGTERM)
     with signals_deferred():                              # a cleanup no signal may cut in half
         kill_ranks(); unlink_segments()
 
@@ -33,7 +33,8 @@ _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 class Terminated(KeyboardInterrupt):
-    """SIGTERM, delivered like Ctrl-C so that the same cleanup runs (inside ``interruptible`` only)."""
+    """SIGTERM, delivered like Ctrl-C so that the same cleanup runs
+    (inside ``interruptible`` only)."""
 
 
 def _in_main_thread() -> bool:
@@ -70,7 +71,8 @@ def _deliver(sig: int, handler: Any) -> None:
     elif handler == signal.SIG_DFL:
         if sig == signal.SIGINT:
             raise KeyboardInterrupt
-        os.kill(os.getpid(), sig)  # the default action (SIGTERM: end the process), now that we are clean
+        # the default action (SIGTERM: end the process), now that we are clean
+        os.kill(os.getpid(), sig)
 
 
 def interruptible(prog: str, fn: Callable[..., T], *args: Any) -> T:

@@ -30,7 +30,13 @@ from multiprocessing.connection import wait
 from typing import Any
 
 from dplab.backends.launch import mainmod
-from dplab.backends.launch.engine import LauncherWorld, launcher_env, run_here, spans_hosts, under_launcher
+from dplab.backends.launch.engine import (
+    LauncherWorld,
+    launcher_env,
+    run_here,
+    spans_hosts,
+    under_launcher,
+)
 from dplab.backends.launch.interrupt import signals_deferred
 from dplab.backends.launch.ranks import Ranks, pickle_job, start_ranks
 from dplab.backends.launch.serve import in_rank
@@ -40,8 +46,8 @@ from dplab.backends.registry import BACKENDS as _REGISTRY
 from dplab.backends.registry import entry
 from dplab.reference.errors import ConfigError, DplabError
 
-__all__ = ["launch", "World", "open_world", "RankError", "RankLost", "BackendUnavailable", "BACKENDS",
-           "check_backend", "default_timeout", "under_launcher", "launcher_env"]
+__all__ = ["launch", "World", "open_world", "RankError", "RankLost", "BackendUnavailable",
+           "BACKENDS", "check_backend", "default_timeout", "under_launcher", "launcher_env"]
 
 BACKENDS = tuple(_REGISTRY)  # the registry's names (dplab.backends.registry)
 _STOP = ("died", "error", "lost", "stopped")  # which failure names the cause, first to last
@@ -49,7 +55,8 @@ _UNKNOWN = "the rank's connection closed: the process died (no Python traceback)
 
 
 def _death_note(ranks: Ranks, which: list[int]) -> dict[int, str]:
-    """How each rank of ``which`` died; a rank whose end nobody recorded gets ``_UNKNOWN`` itself."""
+    """How each rank of ``which`` died; a rank whose end nobody
+    recorded gets ``_UNKNOWN`` itself."""
     return {r: note or _UNKNOWN for r, note in ranks.death_notes(which).items()}
 
 
@@ -66,8 +73,9 @@ class RankError(DplabError):
         super().__init__(f"rank {rank} failed:\n{detail}")
 
     def config_error(self) -> str | None:
-        """The message, when the rank failed with a ``ConfigError`` (a one-line error about the input
-        or the machine, e.g. a full /dev/shm); None for a bug or a crash, whose traceback matters.
+        """The message, when the rank failed with a ``ConfigError`` (a one-line error about the
+        input or the machine, e.g. a full /dev/shm); None for a bug or a crash, whose traceback
+        matters.
 
         Returns:
             The ``ConfigError``'s message (the last line of the traceback, without its class), or
@@ -103,7 +111,8 @@ class BackendUnavailable(DplabError):
 
 
 def check_backend(backend: str) -> None:
-    """ConfigError for an unknown backend, BackendUnavailable (saying what to install) for a missing one.
+    """ConfigError for an unknown backend, BackendUnavailable (saying what to install) for a missing
+    one.
 
     Args:
         backend: a backend's name (``dplab.backends.registry``).
@@ -159,8 +168,8 @@ class World:
             raise ConfigError(f"the {backend} backend runs on one host, but {why}: "
                               "use --backend torch or mpi")
         if mainmod.booting():
-            raise ConfigError('this script starts a dplab world when it is imported, so every MPI rank '
-                              'that loads it would start one too: put the launch under '
+            raise ConfigError('this script starts a dplab world when it is imported, so every '
+                              'MPI rank that loads it would start one too: put the launch under '
                               'if __name__ == "__main__":')
         if in_rank():
             raise ConfigError("launch() was called inside a rank of a running world, which cannot "
@@ -250,9 +259,11 @@ class World:
                 else:
                     status, value = "died", None
                 if status == "died" and rank in self.tolerate and self._entry.tells_death:
-                    status, value = "ok", RankLost(rank, _death_note(ranks, [rank])[rank])  # else: fatal
+                    # else: fatal
+                    status, value = "ok", RankLost(rank, _death_note(ranks, [rank])[rank])
                 if status == "error" and "PeerLost: " in value.rstrip().rsplit("\n", 1)[-1]:
-                    status = "lost"  # a consequence: it lost a peer that failed first; report that one
+                    # a consequence: it lost a peer that failed first; report that one
+                    status = "lost"
                 if status == "ok":
                     results[rank] = value
                 else:
@@ -292,7 +303,8 @@ class World:
         if exc_type is None:
             self.close()
         else:
-            self.abort()  # an error or Ctrl-C in the block: the ranks' state is unknown, end them now
+            # an error or Ctrl-C in the block: the ranks' state is unknown, end them now
+            self.abort()
 
 
 def open_world(world_size: int, backend: str = "local", timeout: float | None = None,
@@ -309,7 +321,8 @@ def open_world(world_size: int, backend: str = "local", timeout: float | None = 
         A ``World``, or a ``LauncherWorld`` over the launcher's ranks; both have ``run``.
     """
     if under_launcher(backend):
-        return LauncherWorld(backend, check_timeout(timeout) if timeout is not None else default_timeout(),
+        return LauncherWorld(backend,
+                             check_timeout(timeout) if timeout is not None else default_timeout(),
                              world_size)
     return World(world_size, backend, timeout, cluster=cluster)
 
@@ -325,10 +338,11 @@ def launch(fn: Callable[..., Any], world_size: int | None = None, backend: str =
     interpreters, so there ``fn`` must be defined in a module or in the script being run
     (not in ``python -c`` or a notebook). A rank of ``tolerate``
     that dies (SIGKILL, exit) gives a ``RankLost`` result instead of failing the world; what
-    the others make of it is ``fn``'s business (the parameter server: ``dplab.reference.ps.server``).
-    Only on the local backend: on mpi (MPI's failure model) and torch (gloo cannot tell a dead
-    peer from a slow one) a tolerated rank's death still fails the world, naming that rank.
-    ``backend="sim"`` runs the ranks on a simulated ``cluster`` (``dplab.backends.sim``).
+    the others make of it is ``fn``'s business (the parameter server:
+    ``dplab.reference.ps.server``). Only on the local backend: on mpi (MPI's failure model) and
+    torch (gloo cannot tell a dead peer from a slow one) a tolerated rank's death still fails the
+    world, naming that rank. ``backend="sim"`` runs the ranks on a simulated ``cluster``
+    (``dplab.backends.sim``).
 
     Args:
         fn: called as ``fn(comm, *args)`` on every rank.
