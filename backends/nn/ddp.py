@@ -9,8 +9,8 @@
             opt.step()                                 # the same averaged gradient on every rank
     launch(train, 4)                                   # backend="mpi" or "torch" too
 
-    flat grad:  [ emb | layer 1 | layer 2 | head ]      named_parameters() order; param.grad is a view
-    buckets:    [   bucket 1    ][  bucket 0      ]     reverse: head's bucket goes first
+    flat grad:  [ emb | layer 1 | layer 2 | head ]   named_parameters() order; param.grad is a view
+    buckets:    [   bucket 1    ][  bucket 0      ]  reverse: head's bucket goes first
 
 Each complete bucket is all-reduced by the ``Reducer`` (``reference.train.buckets``) on a comm
 thread; ``loss.backward()`` returns with every bucket reduced. The gradient is the mean over ranks
@@ -117,7 +117,8 @@ class DistributedDataParallel(nn.Module):
                  algorithm: str = "ring", local_batch_size: int | None = None) -> None:
         super().__init__()
         if not has_schedule(algorithm):
-            raise ConfigError(f"unknown algorithm {algorithm!r}: choose one of {', '.join(ALGORITHMS)}")
+            raise ConfigError(f"unknown algorithm {algorithm!r}: choose one of "
+                              f"{', '.join(ALGORITHMS)}")
         if bucket_cap_mb is None:
             bucket_cap_mb = DEFAULT_BUCKET_CAP_MB
         self.module, self.comm, self.algorithm = module, comm, algorithm
@@ -160,8 +161,9 @@ class DistributedDataParallel(nn.Module):
                 partly reduced).
         """
         if self._pending:
-            raise ConfigError("the previous synced backward did not finish (it raised before its end), "
-                              "so its buckets were only partly reduced: build a new DDP in a new world")
+            raise ConfigError("the previous synced backward did not finish (it raised before "
+                              "its end), so its buckets were only partly reduced: build a new "
+                              "DDP in a new world")
         self._sync_this_backward = self.require_backward_grad_sync
         return self.module(*args, **kwargs)
 
@@ -179,7 +181,8 @@ class DistributedDataParallel(nn.Module):
             ConfigError: called during a synced backward.
         """
         if self._pending:
-            raise ConfigError("set_local_batch_size during a synced backward: call it between steps")
+            raise ConfigError("set_local_batch_size during a synced backward: call it "
+                              "between steps")
         if self._counts is None:  # kept: allocating shared memory costs more than the all-reduce
             self._counts = flat_buffer(self.comm, 2, torch.int64, self.flat_grad.device)
         total = sum_batch_sizes(self.comm, n, self._counts, self.algorithm)
@@ -212,7 +215,8 @@ class DistributedDataParallel(nn.Module):
             param: that parameter, whose ``.grad`` is complete.
         """
         slot = self.grad_slots[i]
-        fresh = param.grad if param.grad is not slot else None  # autograd made a new tensor (grad was None)
+        # autograd made a new tensor (grad was None)
+        fresh = param.grad if param.grad is not slot else None
         if fresh is not None:
             param.grad = slot
         if not self._sync_this_backward:
@@ -226,9 +230,11 @@ class DistributedDataParallel(nn.Module):
         # not a copy and then a scaling pass over memory the copy just wrote.
         src = slot if fresh is None else fresh
         if self.local_batch_size is None:
-            torch.div(src, self.comm.world_size, out=slot)  # sum of g / p = the average, as DDP pre-divides
+            # sum of g / p = the average, as DDP pre-divides
+            torch.div(src, self.comm.world_size, out=slot)
         elif self.local_batch_size:
-            torch.mul(src, self.local_batch_size / self.global_batch_size, out=slot)  # sum of n_r g_r / N
+            # sum of n_r g_r / N
+            torch.mul(src, self.local_batch_size / self.global_batch_size, out=slot)
         else:
             slot.zero_()  # an empty shard: its mean loss (and gradient) is NaN, its weight 0
         self._unready.discard(i)
@@ -269,7 +275,8 @@ class DistributedDataParallel(nn.Module):
     finish_gradient_synchronization = wait
 
     def close(self) -> None:
-        """Stop the communication thread and remove the hooks (also done when the wrapper is freed)."""
+        """Stop the communication thread and remove the hooks (also done
+        when the wrapper is freed)."""
         self._finalizer()
 
 

@@ -6,17 +6,19 @@
     fsdp.clip_grad_norm_(1.0)         # the global norm, as torch's FSDP.clip_grad_norm_
     opt.step()
     fsdp.full_state_dict()            # every rank: the plain module's state dict
-    with fsdp.summon_full_params():   # the module's attributes: full parameters, written back at exit
+    with fsdp.summon_full_params():   # full parameters as attributes, written back at exit
         fsdp.module.head.weight.mul_(2)
 
 Each unit (a listed submodule; the root holds every other parameter) keeps its parameters as one
-flat tensor of which rank r stores ``chunk_bounds(n, p)[r]``; its full parameters exist only while it runs:
+flat tensor of which rank r stores ``chunk_bounds(n, p)[r]``; its full parameters exist only while
+it runs:
 
     forward,  unit k:  all-gather flat k -> run unit k -> free flat k
     backward, unit k:  all-gather flat k -> unit k's backward -> reduce-scatter grad k -> free both
 
 Gradients are averaged as DDP's (sum / p, or by ``local_batch_size``); ``no_sync()`` reduce-scatters
-once per unit per step; the dtypes are torch's MixedPrecision; prefetch changes no bit (nn/README.md).
+once per unit per step; the dtypes are torch's MixedPrecision; prefetch changes no bit
+(nn/README.md).
 """
 
 from __future__ import annotations
@@ -90,28 +92,33 @@ class FullyShardedDataParallel(nn.Module):
             device the communicator does not move.
     """
 
-    def __init__(self, module: nn.Module, comm: Communicator, *, units: Sequence[nn.Module] | None = None,
+    def __init__(self, module: nn.Module, comm: Communicator, *,
+                 units: Sequence[nn.Module] | None = None,
                  compute_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
                  mixed_precision: Policy = None, keep_float32: tuple[type, ...] = (),
                  forward_prefetch: bool = False, backward_prefetch: Any = None,
                  algorithm: str = "ring", local_batch_size: int | None = None) -> None:
         super().__init__()
         if not has_schedule(algorithm, "scatter"):
-            raise ConfigError(f"FSDP needs a reduce-scatter and an all-gather: algorithm must be one of "
-                              f"{', '.join(SCATTER_ALGORITHMS)}, got {algorithm!r}")
+            raise ConfigError("FSDP needs a reduce-scatter and an all-gather: algorithm must "
+                              f"be one of {', '.join(SCATTER_ALGORITHMS)}, got {algorithm!r}")
         plans = plan_units(module, units)  # checked before any collective: a bad unit fails alone
         self.forward_prefetch = bool(forward_prefetch)
         self.backward_prefetch = backward_pre(backward_prefetch)
         master, device = dtype_and_device(list(module.parameters()))
         if mixed_precision is not None and (compute_dtype or reduce_dtype):
             raise ConfigError("give either mixed_precision or compute_dtype/reduce_dtype, not both")
-        if mixed_precision is None and (compute_dtype or reduce_dtype):  # the short form: one policy
+        # the short form: one policy
+        if mixed_precision is None and (compute_dtype or reduce_dtype):
             mixed_precision = MixedPrecision(compute_dtype, reduce_dtype, compute_dtype)
-        self.precisions = unit_precisions(mixed_precision, [q.module for q in plans], master, comm, device)
-        self.compute_dtype, self.reduce_dtype = self.precisions[0].compute, self.precisions[0].reduce
+        self.precisions = unit_precisions(mixed_precision, [q.module for q in plans], master, comm,
+                                          device)
+        self.compute_dtype = self.precisions[0].compute
+        self.reduce_dtype = self.precisions[0].reduce
         self.keep_float32 = tuple(keep_float32)
         if device.type != "cpu":
-            flat_buffer(comm, 0, master, device)  # raises unless the communicator moves that device's memory
+            # raises unless the communicator moves that device's memory
+            flat_buffer(comm, 0, master, device)
         self.module, self.comm, self.algorithm, self.device = module, comm, algorithm, device
         broadcast_module(module, comm)
         self._state_keys = list(module.state_dict().keys())
@@ -124,7 +131,8 @@ class FullyShardedDataParallel(nn.Module):
         unit_of = {id(m): k for k, q in enumerate(plans) if k for m in q.module.modules()}
         self._float_buffers = [(mod, name, dtype) for mod in module.modules()
                                if (dtype := self._buffer_dtype(mod, unit_of)) is not None
-                               for name, b in mod._buffers.items() if b is not None and b.is_floating_point()]
+                               for name, b in mod._buffers.items() if b is not None
+                               and b.is_floating_point()]
         mixed = any(u.compute is not None for u in self.precisions)
         self._input_dtypes = [u.compute or master for u in self.precisions] if mixed else None
         cast_kept_modules(module, self.keep_float32, unit_of, self.precisions, master)
@@ -149,23 +157,25 @@ class FullyShardedDataParallel(nn.Module):
         for key, pid in self._param_keys.items():
             first_key.setdefault(pid, key)
         self.units: list[list[FlatParam]] = []
-        self._flat_keys: list[list[str]] = []  # per flat: the state-dict key of each of its parameters
+        # per flat: the state-dict key of each of its parameters
+        self._flat_keys: list[list[str]] = []
         for plan, prec in zip(plans, self.precisions):
             flats = []
             for trainable, kept in ((True, False), (True, True), (False, False), (False, True)):
                 idx = [i for i, q in enumerate(plan.params) if q.requires_grad == trainable
                        and is_kept(plan.holders[i], self.keep_float32) == kept]
                 if idx:
-                    gather, reduce = (master, master) if kept else (prec.compute or master, prec.reduce)
+                    gather, reduce = (master, master) if kept else (prec.compute or master,
+                                                                    prec.reduce)
                     params, holders = [plan.params[i] for i in idx], [plan.holders[i] for i in idx]
-                    flats.append(FlatParam(self.comm, params, holders, gather, trainable, self.meter,
-                                           self.algorithm, reduce))
+                    flats.append(FlatParam(self.comm, params, holders, gather, trainable,
+                                           self.meter, self.algorithm, reduce))
                     self._flat_keys.append([first_key[id(plan.params[i])] for i in idx])
             self.units.append(flats)
 
     def _buffer_dtype(self, mod: nn.Module, unit_of: dict[int, int]) -> torch.dtype | None:
-        """The dtype ``mod``'s floating buffers are cast to per forward: its unit's ``buffer_dtype``,
-        none for a kept (float32) module."""
+        """The dtype ``mod``'s floating buffers are cast to per forward: its unit's
+        ``buffer_dtype``, none for a kept (float32) module."""
         if self.keep_float32 and isinstance(mod, self.keep_float32):
             return None
         return self.precisions[unit_of.get(id(mod), 0)].buffer
@@ -202,7 +212,8 @@ class FullyShardedDataParallel(nn.Module):
         """
         if self._summoned:
             raise ConfigError("forward inside summon_full_params(): leave the context first")
-        self._pending.clear()  # a forward whose backward never ran (evaluation) leaves nothing behind
+        # a forward whose backward never ran (evaluation) leaves nothing behind
+        self._pending.clear()
         self._sync_this_backward = self.require_backward_grad_sync
         self._order.start_forward()
         if self._input_dtypes is not None:
@@ -255,7 +266,8 @@ class FullyShardedDataParallel(nn.Module):
         no_sync, keep it), free the parameters."""
         self._gathers.end("backward", k)
         if self._sync_this_backward:
-            self._gathers.reduce(flat, self._weight())  # with prefetch, on the comm thread: overlaps too
+            # with prefetch, on the comm thread: overlaps too
+            self._gathers.reduce(flat, self._weight())
             self._reduced.append(flat)
         else:
             flat.hold_grad()
@@ -270,8 +282,10 @@ class FullyShardedDataParallel(nn.Module):
         self._callback_queued = False
         pending, self._pending = self._pending, []
         reduced, self._reduced = self._reduced, []
-        if self._sync_this_backward:  # not f.held alone: a reduction on the comm thread may not have run yet
-            held = [f for f in self._flats() if f.held is not None and f not in pending and f not in reduced]
+        # not f.held alone: a reduction on the comm thread may not have run yet
+        if self._sync_this_backward:
+            held = [f for f in self._flats() if f.held is not None and f not in pending
+                    and f not in reduced]
             for f in pending + held:
                 self._gathers.reduce(f, self._weight())
         self._gathers.drain()
@@ -284,7 +298,8 @@ class FullyShardedDataParallel(nn.Module):
         return self.local_batch_size / self.global_batch_size if self.local_batch_size else None
 
     def set_local_batch_size(self, n: int) -> None:
-        """Weight this rank's gradient by ``n`` / (sum of every rank's ``n``); a collective, as in DDP.
+        """Weight this rank's gradient by ``n`` / (sum of every rank's ``n``); a collective, as in
+        DDP.
 
         Args:
             n: this rank's samples in the step (all micro-batches), >= 0.
@@ -379,8 +394,8 @@ class FullyShardedDataParallel(nn.Module):
                 self.meter.add(-full.numel() * full.element_size())
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The wrapped module's ``state_dict()`` as if it were never wrapped, the same on every rank:
-        full parameters in the master dtype, buffers in their original dtype. A collective.
+        """The wrapped module's ``state_dict()`` as if it were never wrapped, the same on every
+        rank: full parameters in the master dtype, buffers in their original dtype. A collective.
 
         Returns:
             Every key of the plain module's ``state_dict()``, each a tensor of its own.
@@ -412,7 +427,8 @@ class FullyShardedDataParallel(nn.Module):
             raise ConfigError(f"state dict does not fit the wrapped module: missing {missing}, "
                               f"unexpected {unexpected}")
         for flat, keys in zip(self._flats(), self._flat_keys):
-            flat.load_full(torch.cat([state_dict[k].reshape(-1).to(flat.master_dtype) for k in keys]))
+            flat.load_full(torch.cat([state_dict[k].reshape(-1).to(flat.master_dtype)
+                                      for k in keys]))
         with torch.no_grad():
             for key in self._buffer_dtypes:
                 buf = self.module.get_buffer(key)
@@ -432,7 +448,8 @@ class FullyShardedDataParallel(nn.Module):
         Returns:
             An iterator of (name, parameter).
         """
-        return self.module.named_parameters(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
+        return self.module.named_parameters(prefix=prefix, recurse=recurse,
+                                            remove_duplicate=remove_duplicate)
 
     def state_dict(self, *args: Any, destination: dict | None = None, prefix: str = "",
                    keep_vars: bool = False) -> dict[str, torch.Tensor]:
@@ -486,7 +503,8 @@ class FullyShardedDataParallel(nn.Module):
         params = [p for p in self.module.parameters() if p.grad is not None]
         grads = [p.grad for p in params]
         dtype = grads[0].dtype if grads else torch.float64
-        local = torch.nn.utils.get_total_norm([g for g in grads if g.numel()],  # an empty piece has no
+        # an empty piece has no
+        local = torch.nn.utils.get_total_norm([g for g in grads if g.numel()],
                                               norm_type).to(torch.float64)      # inf-norm in torch
         total = _combine(self.comm, local, float(norm_type), self.algorithm, self.device).to(dtype)
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)

@@ -4,7 +4,7 @@
     opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, comm, lr=1e-3)
     loss_fn(model(x), y).backward()               # a plain module: no DDP wrapper
     opt.step()                                    # the same parameters on every rank after it
-    opt.consolidate_state_dict(to=0)              # then opt.state_dict() on rank 0: torch.optim's format
+    opt.consolidate_state_dict(to=0)              # then rank 0's opt.state_dict(): torch.optim's
 
     flat grad:   [ g0 | g1 | g2 | g3 ]   reduce_scatter: rank r holds the sum of shard r
     rank r:           step(shard r)      the inner optimizer sees one flat tensor: shard r
@@ -98,8 +98,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
     Args:
         params: as for any torch optimizer: an iterable of tensors or of parameter-group dicts
             (``{"params": ..., "lr": ...}``).
-        optimizer_class: the torch optimizer each rank builds over its shards (``torch.optim.AdamW``).
-        comm: this rank's communicator.
+        optimizer_class: the torch optimizer each rank builds over its shards
+        (``torch.optim.AdamW``). comm: this rank's communicator.
         algorithm: the reduce-scatter and all-gather's schedule.
         **optimizer_kwargs: the defaults of every group (``lr=...``), passed to ``optimizer_class``.
 
@@ -110,8 +110,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
     def __init__(self, params: Iterable[Any], optimizer_class: type[torch.optim.Optimizer],
                  comm: Communicator, algorithm: str = "ring", **optimizer_kwargs: Any) -> None:
         if not has_schedule(algorithm, "scatter"):
-            raise ConfigError(f"ZeRO needs a reduce-scatter and an all-gather: algorithm must be one of "
-                              f"{', '.join(SCATTER_ALGORITHMS)}, got {algorithm!r}")
+            raise ConfigError("ZeRO needs a reduce-scatter and an all-gather: algorithm must "
+                              f"be one of {', '.join(SCATTER_ALGORITHMS)}, got {algorithm!r}")
         self.comm, self.algorithm, self.optimizer_class = comm, algorithm, optimizer_class
         self.groups: list[FlatGroup] = []  # one per param_groups entry, same order
         self.optim: torch.optim.Optimizer | None = None
@@ -200,9 +200,10 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             if i is not None:
                 raise ConfigError(
                     f"parameter {i} of group {k} ({tuple(g.params[i].shape)}) was taken over by a "
-                    "ZeroRedundancyOptimizer built later over the same parameters (or its .data was "
-                    "replaced, as module.to() does), so this one's step would move nothing: step only "
-                    "the newest optimizer (add_param_group gives one optimizer more parameters)")
+                    "ZeroRedundancyOptimizer built later over the same parameters (or its "
+                    ".data was replaced, as module.to() does), so this one's step would "
+                    "move nothing: step only the newest optimizer (add_param_group gives "
+                    "one optimizer more parameters)")
 
     # -- state -----------------------------------------------------------------------------------
     def consolidate_state_dict(self, to: int = 0) -> None:
@@ -232,8 +233,9 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         """
         if self._consolidated is None:
             raise ConfigError(f"rank {self.comm.rank} holds no consolidated state: call "
-                              f"consolidate_state_dict(to={self.comm.rank}) on every rank after the last "
-                              "step() (or use local_state_dict() for this rank's shards)")
+                              f"consolidate_state_dict(to={self.comm.rank}) on every rank "
+                              "after the last step() (or use local_state_dict() for this "
+                              "rank's shards)")
         return self._consolidated
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
