@@ -26,7 +26,8 @@ from dplab.reference.errors import ConfigError
 __all__ = ["BenchSpec", "MemoryNeed", "bench_memory_need", "shm_free_bytes", "mem_available_bytes"]
 
 SHM = "/dev/shm"
-World = Callable[[int, str], AbstractContextManager[Any]]  # (world size, backend) -> a world to run on
+# (world size, backend) -> a world to run on
+World = Callable[[int, str], AbstractContextManager[Any]]
 
 
 @dataclass(frozen=True)
@@ -69,19 +70,21 @@ class BenchSpec:
         if self.reps < 1 or self.target_seconds <= 0 or self.warmup < 0:
             raise ConfigError("bench needs --reps >= 1, --target-seconds > 0 and --warmup >= 0")
         if not self.world_sizes or min(self.world_sizes) < 1:
-            raise ConfigError(f"world sizes must be positive integers, got {list(self.world_sizes)}")
+            raise ConfigError("world sizes must be positive integers, got "
+                              f"{list(self.world_sizes)}")
         if not self.sizes:
             raise ConfigError("bench needs at least one size")
         for backend in self.backends:
             check_backend(backend)
         unknown = [alg for alg in self.algorithms if not has_schedule(alg)]
         if unknown:
-            raise ConfigError(f"unknown algorithm {unknown[0]!r}: choose from {', '.join(ALGORITHMS)}")
+            raise ConfigError(f"unknown algorithm {unknown[0]!r}: choose from "
+                              f"{', '.join(ALGORITHMS)}")
         itemsize = np.dtype(self.dtype).itemsize
         small = [s for s in self.sizes if s < itemsize]
         if small:
-            raise ConfigError(f"size {small[0]} bytes is less than one {self.dtype} element ({itemsize} "
-                              f"bytes): use --sizes of at least {itemsize}")
+            raise ConfigError(f"size {small[0]} bytes is less than one {self.dtype} element "
+                              f"({itemsize} bytes): use --sizes of at least {itemsize}")
         for backend in self.backends:
             if entry(backend).simulated:  # timing-only: sizes, no bytes; the cluster must hold them
                 resolve_cluster(self.cluster).check_world(max(self.world_sizes))
@@ -110,8 +113,8 @@ class BenchSpec:
             return bench_rows(resolve_cluster(self.cluster), world_size, list(self.algorithms),
                               list(self.sizes), self.dtype)
         with world(world_size, backend) as w:
-            per_rank = w.run(bench_rank, list(self.algorithms), list(self.sizes), self.dtype, self.warmup,
-                             self.target_seconds, self.max_iters, self.reps)
+            per_rank = w.run(bench_rank, list(self.algorithms), list(self.sizes), self.dtype,
+                             self.warmup, self.target_seconds, self.max_iters, self.reps)
         return summarize(backend, world_size, per_rank)
 
 
@@ -161,11 +164,11 @@ def check_room(need: MemoryNeed, shm_free: int, ram_free: int | None) -> None:
     what = (f"bench --backend {need.backend} at world size {need.world_size} holds up to "
             f"{_gib(need.per_rank)} per rank")
     if need.shm > shm_free:
-        raise ConfigError(f"{what}: {_gib(need.shm)} of {SHM} in all, but {_gib(shm_free)} is free: "
-                          "use smaller --sizes or fewer ranks (or enlarge /dev/shm)")
+        raise ConfigError(f"{what}: {_gib(need.shm)} of {SHM} in all, but {_gib(shm_free)} "
+                          "is free: use smaller --sizes or fewer ranks (or enlarge /dev/shm)")
     if ram_free is not None and need.ram > ram_free:
-        raise ConfigError(f"{what}: {_gib(need.ram)} of memory in all, but {_gib(ram_free)} is available "
-                          "(MemAvailable): use smaller --sizes or fewer ranks")
+        raise ConfigError(f"{what}: {_gib(need.ram)} of memory in all, but {_gib(ram_free)} "
+                          "is available (MemAvailable): use smaller --sizes or fewer ranks")
 
 
 def shm_free_bytes() -> int:

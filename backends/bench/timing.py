@@ -168,7 +168,8 @@ def memcpy_times(nbytes: int, warmup: int, target_s: float, max_iters: int, reps
     device's own ``Tensor.copy_`` on a GPU."""
     src, dst = dev.copy_pair(nbytes) if dev is not None else Device(None).copy_pair(nbytes)
     sync = dev.sync if dev is not None else (lambda: None)
-    step = (lambda: dst.copy_(src)) if dev is not None and dev.cuda else (lambda: np.copyto(dst, src))
+    step = (lambda: dst.copy_(src)) if dev is not None and dev.cuda else (lambda: np.copyto(dst,
+                                                                                            src))
     for _ in range(warmup + 1):
         step()
     n = int(np.clip(target_s / reps / max(_time_loop(step, 1, sync), 1e-7), 3, max_iters))
@@ -178,7 +179,8 @@ def memcpy_times(nbytes: int, warmup: int, target_s: float, max_iters: int, reps
 
 def summarize(backend: str, world_size: int, per_rank: list[dict[str, list[dict[str, Any]]]]
               ) -> list[dict[str, Any]]:
-    """Rows of one run (one backend, one world): per repetition the mean over ranks, then the median.
+    """Rows of one run (one backend, one world): per repetition the mean over ranks, then the
+    median.
 
     The run's own memory-copy row comes last (``algorithm`` memcpy, this run's backend and world
     size, timed by rank 0 on one core) and is what this run's ``vs_memcpy`` divides by: runs of
@@ -214,5 +216,7 @@ def summarize(backend: str, world_size: int, per_rank: list[dict[str, list[dict[
     for r in rows:
         r["vs_memcpy"] = r["busbw_gbps"] / ceiling[r["bytes"]] if ceiling.get(r["bytes"]) else None
         mem = r["algorithm"] == "memcpy"
-        r["vs_native"] = r["busbw_gbps"] / native[r["bytes"]] if native.get(r["bytes"]) and not mem else None
+        r["vs_native"] = (
+            r["busbw_gbps"] / native[r["bytes"]] if native.get(r["bytes"]) and not mem else None
+        )
     return rows
