@@ -503,9 +503,9 @@ class FullyShardedDataParallel(nn.Module):
         params = [p for p in self.module.parameters() if p.grad is not None]
         grads = [p.grad for p in params]
         dtype = grads[0].dtype if grads else torch.float64
-        # an empty piece has no
+        # an empty piece has no inf-norm in torch
         local = torch.nn.utils.get_total_norm([g for g in grads if g.numel()],
-                                              norm_type).to(torch.float64)      # inf-norm in torch
+                                              norm_type).to(torch.float64)
         total = _combine(self.comm, local, float(norm_type), self.algorithm, self.device).to(dtype)
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
         return total

@@ -88,8 +88,8 @@ def is_kept(holders: Sequence[tuple[nn.Module, str]], keep: tuple[type, ...]) ->
     return bool(keep) and all(isinstance(mod, keep) for mod, _ in holders)
 
 
-def cast_unit_inputs(dtype: torch.dtype, _module: nn.Module, args: Any, kwargs: Any) -> tuple[Any,
-                                                                                              Any]:
+def cast_unit_inputs(dtype: torch.dtype, _module: nn.Module, args: Any,
+                     kwargs: Any) -> tuple[Any, Any]:
     """Forward pre-hook (``with_kwargs=True``): the unit's floating inputs in its compute dtype."""
     return cast_floats(args, dtype), cast_floats(kwargs, dtype)
 

@@ -34,8 +34,8 @@ Masters = list[tuple[torch.Tensor, torch.Tensor, int]]
 
 
 def check_dtypes(compute: torch.dtype | None, reduce: torch.dtype | None, master: torch.dtype,
-                 comm: Any, device: torch.device | None = None) -> tuple[torch.dtype | None,
-                                                                         torch.dtype]:
+                 comm: Any, device: torch.device | None = None
+                 ) -> tuple[torch.dtype | None, torch.dtype]:
     """(compute dtype or None when it is the master's, reduce dtype), or a ConfigError saying what
     to do.
 

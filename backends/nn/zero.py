@@ -99,7 +99,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         params: as for any torch optimizer: an iterable of tensors or of parameter-group dicts
             (``{"params": ..., "lr": ...}``).
         optimizer_class: the torch optimizer each rank builds over its shards
-        (``torch.optim.AdamW``). comm: this rank's communicator.
+            (``torch.optim.AdamW``).
+        comm: this rank's communicator.
         algorithm: the reduce-scatter and all-gather's schedule.
         **optimizer_kwargs: the defaults of every group (``lr=...``), passed to ``optimizer_class``.
 
