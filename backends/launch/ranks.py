@@ -53,8 +53,8 @@ class Ranks:
 
     def sentinels(self) -> dict[Any, int]:
         """What to ``wait`` on: each rank's pipe, and each forked rank's process sentinel."""
-        return {c: r for r, c in enumerate(self.conns)} | {p.sentinel: r
-                                                           for r, p in enumerate(self.procs)}
+        return ({c: r for r, c in enumerate(self.conns)}
+                | {p.sentinel: r for r, p in enumerate(self.procs)})
 
     def send_all(self, payload: bytes) -> None:
         """Send a pickled message to every rank; a dead rank's broken

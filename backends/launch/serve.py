@@ -4,9 +4,9 @@ Forked ranks (local, torch) get here through ``multiprocessing`` (``forked_rank`
 fresh interpreters started by ``mpiexec`` and enter through ``main`` below, which connects back to
 the launcher over loopback:
 
-    mpiexec -n 4 python -c 'import sys; from dplab.backends.launch.serve import main;
-    main(sys.argv[1:])' \\
-        127.0.0.1:PORT                                                   # done for you by World
+    mpiexec -n 4 python -c \\
+        'import sys; from dplab.backends.launch.serve import main; main(sys.argv[1:])' \\
+        127.0.0.1:PORT                                            # done for you by World
 
 Every rank watches its launcher (``dplab.backends.launch.watch``): if the launcher dies, the rank
 unlinks what it shares and exits within a fraction of a second, whatever it was doing.
