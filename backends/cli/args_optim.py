@@ -2,8 +2,8 @@
 number and list parsers every command's options share (``positive_int``, ``csv_list``).
 
     dplab train --optimizer lamb --lr 0.005 --warmup-steps 10
-    dplab compare --global-batches 64,256,1024,4096 --lr-rule linear,sqrt --optimizer momentum --lr
-    0.05
+    dplab compare --global-batches 64,256,1024,4096 --lr-rule linear,sqrt \\
+        --optimizer momentum --lr 0.05
 
 The sweep's options default to None ("not given") so that giving one without
 ``--global-batches`` is an error rather than silently nothing; the sweep fills in its defaults
@@ -55,8 +55,8 @@ def positive_int(text: str) -> int:
 
 
 def positive_float(text: str) -> float:
-    """A finite number > 0: NaN compares false with everything, so it
-    slips past a plain ``<= 0``."""
+    """A finite number > 0: NaN compares false with everything, so it slips
+    past a plain ``<= 0``."""
     value = float(text)
     if not (math.isfinite(value) and value > 0):
         raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")

@@ -172,5 +172,5 @@ def bench_spec(a: argparse.Namespace) -> BenchSpec:
     from dplab.backends.bench.spec import BenchSpec
 
     return BenchSpec(tuple(a.backends), tuple(a.world_sizes), tuple(a.sizes), tuple(a.algorithms),
-                     a.dtype,
-                     a.warmup, a.target_seconds, a.reps, a.max_iters, getattr(a, "cluster", None))
+                     a.dtype, a.warmup, a.target_seconds, a.reps, a.max_iters,
+                     getattr(a, "cluster", None))

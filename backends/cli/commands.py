@@ -50,9 +50,8 @@ TRAIN_COLUMNS = ["backend", "mode", "algorithm", "world_size", "steps", "final_l
                  "max_abs_diff_vs_single", "ranks_identical", "wall_s"]
 ASYNC_COLUMNS = [*TRAIN_COLUMNS, "max_delay", "replay_exact"]
 RACE_COLUMNS = ["backend", "mode", "algorithm", "world_size", "straggler", "updates",
-                "samples_per_s",
-                "final_loss", "wall_s", "max_abs_diff_vs_single", "max_delay", "dropped",
-                "replay_exact"]
+                "samples_per_s", "final_loss", "wall_s", "max_abs_diff_vs_single", "max_delay",
+                "dropped", "replay_exact"]
 LAUNCHER_GRACE_S = 2.0  # other ranks wait this long after an error every rank hits
 UNLIMITED_STEPS = 10**9  # --steps under a time budget, unless given: the clock decides
 BENCH_COLUMNS = ["backend", "algorithm", "world_size", "bytes", "time_us", "algbw_gbps",
@@ -77,9 +76,9 @@ def cmd_train(a: argparse.Namespace) -> list[dict[str, Any]]:
         world_size = launcher_env(a.backend)[1] if under_launcher(a.backend) else 4
     budget = None if a.time_budget is AUTO else a.time_budget
     spec = RunSpec(a.backend, world_size, a.algorithm, a.mode, a.staleness,
-                   _train_config(a, budget),
-                   a.bucket_cap_mb, a.accum_steps, _stragglers(a), budget, a.backup_workers,
-                   _checkpoint(a), a.zero_stage, precision_config(a), a.cluster)
+                   _train_config(a, budget), a.bucket_cap_mb, a.accum_steps, _stragglers(a),
+                   budget, a.backup_workers, _checkpoint(a), a.zero_stage, precision_config(a),
+                   a.cluster)
     row, events = run_train(spec, trace=bool(a.trace),
                             save_params=a.save_params if _is_printer(a) else None)
     if a.trace and _is_printer(a):
@@ -119,9 +118,8 @@ def cmd_compare(a: argparse.Namespace) -> list[dict[str, Any]]:
                    accum_steps=a.accum_steps, straggler=_stragglers(a), time_budget_s=budget,
                    cluster=a.cluster)
     return run_specs(compare_specs(base, a.backends, a.world_sizes or defaults["world_sizes"],
-                                   a.modes,
-                                   a.algorithms or defaults["algorithms"], a.staleness_grid,
-                                   a.backup_workers))
+                                   a.modes, a.algorithms or defaults["algorithms"],
+                                   a.staleness_grid, a.backup_workers))
 
 
 def cmd_bench(a: argparse.Namespace) -> list[dict[str, Any]]:

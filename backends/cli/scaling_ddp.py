@@ -33,8 +33,8 @@ IMPLS = ("single", "independent", "dplab", "torch_ddp")
 
 @dataclass(frozen=True)
 class DdpBench:
-    """The DDP measurement: torch's MLP ``in_dim -> hidden... ->
-    out_dim``, SGD, global batch split."""
+    """The DDP measurement: torch's MLP ``in_dim -> hidden... -> out_dim``, SGD, global
+    batch split."""
 
     in_dim: int = 512
     hidden: tuple[int, ...] = (2048, 2048, 2048)  # 10.5 M parameters with 512 in and out
