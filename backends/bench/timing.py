@@ -168,8 +168,8 @@ def memcpy_times(nbytes: int, warmup: int, target_s: float, max_iters: int, reps
     device's own ``Tensor.copy_`` on a GPU."""
     src, dst = dev.copy_pair(nbytes) if dev is not None else Device(None).copy_pair(nbytes)
     sync = dev.sync if dev is not None else (lambda: None)
-    step = (lambda: dst.copy_(src)) if dev is not None and dev.cuda else (lambda: np.copyto(dst,
-                                                                                            src))
+    step = ((lambda: dst.copy_(src)) if dev is not None and dev.cuda
+            else (lambda: np.copyto(dst, src)))
     for _ in range(warmup + 1):
         step()
     n = int(np.clip(target_s / reps / max(_time_loop(step, 1, sync), 1e-7), 3, max_iters))

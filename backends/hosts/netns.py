@@ -186,8 +186,8 @@ def _remove(pid: int, serial: int | None) -> None:
     def ours(owner: int, ser: int) -> bool:
         return owner == pid and (serial is None or ser == serial)
 
-    namespaces = [n for n in _namespaces() if (m := _NS.match(n)) and ours(int(m[1]),
-                                                                           int(m[2] or -1))]
+    namespaces = [n for n in _namespaces()
+                  if (m := _NS.match(n)) and ours(int(m[1]), int(m[2] or -1))]
     _kill_in(namespaces, grace=1.0)
     links = [n for n in _links() if (m := _LINK.match(n)) and ours(int(m[1], 16), int(m[2], 16))]
     # veths (both ends at once), then bridge

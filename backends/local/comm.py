@@ -88,8 +88,8 @@ class LocalComm(Communicator):
         self.tracer = Tracer(rank)
         self.mailboxes = Mailboxes(wiring, rank, Waiter(rank, wiring.world_size, wiring.timeout))
         self.memory = self.mailboxes.memory
-        self._pending: dict[int, deque[_RecvRequest]] = {s: deque() for s in range(-1,
-                                                                                   self.world_size)}
+        self._pending: dict[int, deque[_RecvRequest]] = {
+            s: deque() for s in range(-1, self.world_size)}
         self._tag = 0  # the tag of the running collective's messages (its code; see check_buffer)
         if wiring.pids is not None:
             wiring.pids[rank] = os.getpid()  # for peer_alive: dead or merely slow?

@@ -242,8 +242,8 @@ class MpiComm(Communicator):
         return tag << _TAG_BITS
 
     def _check_peer(self, peer: int, any_ok: bool = False) -> None:
-        if not (0 <= peer < self.world_size and peer != self.rank) and not (any_ok
-                                                                            and peer == ANY_SOURCE):
+        if (not (0 <= peer < self.world_size and peer != self.rank)
+                and not (any_ok and peer == ANY_SOURCE)):
             raise CommError(f"rank {self.rank}: peer {peer} is not another rank of a world of "
                             f"size {self.world_size}")
 
@@ -330,10 +330,12 @@ class MpiComm(Communicator):
                             f"{', '.join(map(str, self._types))} array; got {buf.dtype}")
         if check and self.world_size > 1:
             self._agree(buf)
-            # MPI_Allreduce of nothing returns at once, synchronising no one: a rank
+            # MPI_Allreduce of nothing returns at once, synchronising no one: a rank out early
+            # would reach a peer still in _agree, which reads its next collective's message as a
+            # mismatch
             if buf.size == 0:
-                self.barrier()  # out early would reach a peer still in _agree, which reads its next
-                return  # collective's message as a mismatch
+                self.barrier()
+                return
         self._comm.Allreduce(MPI.IN_PLACE, [buf, mpi_type], op=MPI.SUM)
         if op == "mean":
             buf /= self.world_size
