@@ -47,6 +47,9 @@ def signals_deferred() -> Iterator[None]:
 
     Outside the main thread Python cannot install handlers (and signals go to the main thread
     anyway), so there the block simply runs.
+
+    Yields:
+        None, with the two signals held until the block ends.
     """
     if not _in_main_thread():
         yield
@@ -78,8 +81,19 @@ def _deliver(sig: int, handler: Any) -> None:
 def interruptible(prog: str, fn: Callable[..., T], *args: Any) -> T:
     """Run ``fn(*args)``; on SIGINT/SIGTERM, once the ranks are cleaned up, print one line and exit.
 
-    Raises ``SystemExit(130)`` for SIGINT and ``SystemExit(143)`` for SIGTERM, as a shell reports
-    a command that a signal ended. Further signals while stopping are ignored: stopping is bounded.
+    Further signals while stopping are ignored: stopping is bounded.
+
+    Args:
+        prog: the command's name, the start of the one line (``dplab train: interrupted``).
+        fn: the work, which cleans up its ranks as KeyboardInterrupt passes through it.
+        *args: passed to ``fn``.
+
+    Returns:
+        ``fn``'s result.
+
+    Raises:
+        SystemExit: 130 for SIGINT and 143 for SIGTERM, as a shell reports a command that a signal
+            ended.
     """
     if not _in_main_thread():
         return fn(*args)

@@ -40,6 +40,18 @@ def compare_specs(base: RunSpec, backends: Sequence[str], world_sizes: Sequence[
     ``backup``: one per b, and in a race (``base.time_budget_s`` set) ``sync`` brings
     them too. Parameter-server cells that cannot exist in a world are left out: none in
     a world of 1 rank, no b >= workers (a default grid of 1..4 ranks stays valid).
+
+    Args:
+        base: the run every cell varies (its model, data, optimizer, steps, budget).
+        backends: the backends of the grid.
+        world_sizes: the world sizes of the grid.
+        modes: ``"sync"``, ``"async"``, ``"backup"``: which kinds of cells to make.
+        algorithms: the all-reduces of the sync cells.
+        staleness_grid: the staleness bounds of the async cells (None: unbounded).
+        backup_workers: the b of the backup cells.
+
+    Returns:
+        The cells, each a ``RunSpec``, backend by backend and world size by world size.
     """
     specs = []
     race = base.time_budget_s is not None

@@ -30,7 +30,17 @@ __all__ = ["BenchLimits", "TraceLimits", "BENCH", "TRACE", "bench_rows", "trace"
 @dataclass(frozen=True)
 class BenchLimits:
     """What a bench file may hold: more than a real ``dplab bench --json``, far less than a fit
-    chokes on."""
+    chokes on.
+
+    Attributes:
+        max_bytes: the file's size.
+        max_rows: rows.
+        max_world_size: the largest world size of a row.
+        max_world_sizes: distinct world sizes (each builds every schedule once).
+        max_nbytes: a row's ``bytes``.
+        max_time_us: a row's ``time_us``.
+        max_text: characters of a backend's or an algorithm's name.
+    """
 
     max_bytes: int = 1 << 20
     max_rows: int = 4000
@@ -43,8 +53,16 @@ class BenchLimits:
 
 @dataclass(frozen=True)
 class TraceLimits:
-    """What a trace may hold: ``dplab train --trace`` of the app's
-    largest run is ~75k events, 14 MB."""
+    """What a trace may hold: ``dplab train --trace`` of the app's largest run is ~75k events,
+    14 MB.
+
+    Attributes:
+        max_bytes: the file's size.
+        max_events: events.
+        max_rank: the largest rank of an event.
+        max_text: characters of a kind, an algorithm or a thread's name.
+        max_extra: keys of an event's extra.
+    """
 
     max_bytes: int = 64 << 20
     max_events: int = 250_000
@@ -73,7 +91,21 @@ def _int(text: str) -> int:
 
 
 def parse_json(data: str | bytes, name: str, max_bytes: int, what: str) -> Any:
-    """``data`` as JSON, or one line: too large, not UTF-8 JSON, nested too deep, a huge number."""
+    """``data`` as JSON, or one line: too large, not UTF-8 JSON, nested too deep, a huge number.
+
+    Args:
+        data: the file's content.
+        name: what to call it in an error.
+        max_bytes: the most ``data`` may hold.
+        what: what the file should be, for the error's advice.
+
+    Returns:
+        The parsed JSON.
+
+    Raises:
+        ConfigError: ``data`` is too large, not JSON, nested too deep, or holds a number out of
+            range.
+    """
     if len(data) > max_bytes:
         raise ConfigError(f"{name} is {len(data):,} bytes, more than the {max_bytes:,} "
                           f"this accepts: give {what}")
@@ -91,8 +123,21 @@ def _is(value: Any, kind: type | tuple[type, ...]) -> bool:
 
 def bench_rows(data: str | bytes, name: str = "bench JSON",
                limits: BenchLimits = BENCH) -> list[dict[str, Any]]:
-    """The rows of a ``dplab bench --json`` file ({"meta", "rows"} or
-    a bare list), checked whole."""
+    """The rows of a ``dplab bench --json`` file ({"meta", "rows"} or a bare list), checked
+    whole.
+
+    Args:
+        data: the file's content.
+        name: what to call it in an error.
+        limits: what the file may hold.
+
+    Returns:
+        The rows, each ``{backend, algorithm, world_size, bytes, time_us, ...}``.
+
+    Raises:
+        ConfigError: the first thing wrong with the file: its size, JSON, shape, a row's field or
+            value, the number of rows or world sizes.
+    """
     what = "a file written by `dplab bench --json`"
     doc = parse_json(data, name, limits.max_bytes, what)
     rows = costfit.load_bench_json(json.dumps(doc), name)  # its shape, in costfit's own words
@@ -133,7 +178,19 @@ _EVENT_TYPES = {f.name: str if f.type in ("str", str) else dict if f.name == "ex
 
 def trace(data: str | bytes, limits: TraceLimits = TRACE) -> tuple[list[Event], dict[str, Any]]:
     """The events and meta of a ``dplab train --trace PATH`` file, checked whole (meta's ``row``
-    keeps only scalar values: the page prints them)."""
+    keeps only scalar values: the page prints them).
+
+    Args:
+        data: the file's content.
+        limits: what the file may hold.
+
+    Returns:
+        ``(events, meta)``: the trace's events, and its meta object.
+
+    Raises:
+        ConfigError: the first thing wrong with the file: its size, JSON, shape, an event's
+            fields, or no events at all.
+    """
     def refuse(detail: str) -> ConfigError:
         return ConfigError(f"not a dplab trace file ({detail}): load the PATH written by "
                            "`dplab train --trace PATH` (not its .chrome.json, which is "
