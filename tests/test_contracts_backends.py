@@ -2,10 +2,11 @@
 ``Raises:`` (Google style, as in ``torch.nn.parallel.DistributedDataParallel``).
 
 The modules covered are the ones a user imports (the READMEs, nn/README.md, the lessons): the short
-import, the fast collectives, runs, the benchmark, launching, and the torch wrappers. For each name
-in their ``__all__``, a function (and each public method of a class) needs ``Args:`` when it takes
-parameters, ``Returns:`` (or ``Yields:``) when it returns a value, and ``Raises:`` when its own body
-raises; a class documents its constructor's parameters under ``Args:`` (or ``Attributes:`` for a
+import, the fast collectives, runs, the benchmark, launching, the torch wrappers, and the cluster
+of namespaces and ZeRO's memory table that lessons 12 and 10 show. For each name in their
+``__all__``, a function (and each public method of a class) needs ``Args:`` when it takes
+parameters, ``Returns:`` (or ``Yields:``) when it returns a value, and ``Raises:`` when its own
+body raises; a class documents its constructor's parameters under ``Args:`` (or ``Attributes:`` for a
 dataclass). What the check reads is the code itself (``inspect`` and ``ast``), not a list kept here.
 """
 
@@ -33,6 +34,8 @@ MODULES = [
     "dplab.backends.nn.zero",
     "dplab.backends.nn.fsdp",
     "dplab.backends.torchdist.comm",
+    "dplab.backends.hosts.netns",
+    "dplab.backends.cli.memory",
 ]
 NEEDS_TORCH = {"dplab.backends.nn.ddp", "dplab.backends.nn.zero", "dplab.backends.nn.fsdp",
                "dplab.backends.torchdist.comm"}

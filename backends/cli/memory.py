@@ -58,6 +58,15 @@ def parse_params(text: str) -> int:
     """A parameter count: ``7B``, ``350M``, ``1.3e9``, ``125K``, ``1.5T`` or digits (decimal units).
 
     Decimal arithmetic, so ``1.3B`` is exactly 1,300,000,000; a count that is not whole is refused.
+
+    Args:
+        text: the count as typed.
+
+    Returns:
+        The number of parameters.
+
+    Raises:
+        argparse.ArgumentTypeError: not a number, not whole, below 1 or over 1e15.
     """
     s = text.strip().upper().replace("_", "").replace(",", "")
     unit = s[-1] if s and s[-1] in SUFFIXES and s[-1] != "E" else ""
@@ -90,8 +99,16 @@ def _int_list(allowed: tuple[int, ...] | None, what: str):
 
 def add_memory_parser(sub: Any,
                       formatter_class: type[argparse.HelpFormatter]) -> argparse.ArgumentParser:
-    """Register ``dplab memory`` on the subparsers ``sub`` (args.py
-    passes its formatter: one style)."""
+    """Register ``dplab memory`` on the subparsers ``sub`` (args.py passes its formatter: one
+    style).
+
+    Args:
+        sub: the subparsers of ``dplab``.
+        formatter_class: the help formatter every command uses.
+
+    Returns:
+        The ``memory`` parser.
+    """
     m = sub.add_parser("memory", help="memory per rank of ZeRO stages 0-3 for a model of any size",
                        formatter_class=formatter_class, epilog=MEMORY_EPILOG,
                        description=textwrap.fill(
@@ -122,7 +139,22 @@ def add_memory_parser(sub: Any,
 
 def memory_rows(num_params: int, optimizer: str, precision: str, stages: list[int],
                 world_sizes: list[int]) -> list[dict[str, Any]]:
-    """One row per world size x stage (stages inner: each N's stages read down the table)."""
+    """One row per world size x stage (stages inner: each N's stages read down the table).
+
+    Args:
+        num_params: the model's parameters.
+        optimizer: ``sgd``, ``momentum``, ``adam``, ``lars`` or ``lamb`` (its state per parameter).
+        precision: ``float64``, ``float32``, ``mixed`` or ``bf16-mixed``.
+        stages: ZeRO stages, 0-3.
+        world_sizes: the N to shard over.
+
+    Returns:
+        Rows ``{stage, world_size, params_gb, grads_gb, optimizer_gb, total_gb, reduction}``, in
+        GB of 1e9 bytes per rank.
+
+    Raises:
+        ConfigError: an unknown optimizer or precision.
+    """
     p = precision_bytes(precision)
     k = state_bytes_per_param(optimizer, precision)
     bytes_ = {"param_bytes": p.param_bytes, "grad_bytes": p.grad_bytes, "state_bytes": k}
@@ -142,7 +174,16 @@ def memory_rows(num_params: int, optimizer: str, precision: str, stages: list[in
 
 
 def memory_header(num_params: int, optimizer: str, precision: str) -> str:
-    """The lines above the table: what one parameter costs, where K comes from, what GB means."""
+    """The lines above the table: what one parameter costs, where K comes from, what GB means.
+
+    Args:
+        num_params: the model's parameters.
+        optimizer: the optimizer's name.
+        precision: the precision's name.
+
+    Returns:
+        Two lines of text.
+    """
     p = precision_bytes(precision)
     k = state_bytes_per_param(optimizer, precision)
     buffers = OPTIMIZER_STATES[optimizer]
@@ -156,7 +197,15 @@ def memory_header(num_params: int, optimizer: str, precision: str) -> str:
 
 
 def run_memory(a: argparse.Namespace, argv: list[str] | None = None) -> int:
-    """Print the table (and write ``--json``); a bad ``--json`` path is one line and exit code 2."""
+    """Print the table (and write ``--json``); a bad ``--json`` path is one line and exit code 2.
+
+    Args:
+        a: the parsed ``dplab memory`` arguments.
+        argv: the command line, recorded in the JSON's meta (None: ``sys.argv[1:]``).
+
+    Returns:
+        The exit code: 0, or 2 for a bad path.
+    """
     try:
         if a.json:
             check_output_file("--json", a.json)

@@ -104,7 +104,11 @@ class ClusterError(RuntimeError):
 
 @functools.cache
 def available() -> str | None:
-    """None when namespaces can be made here, else why not (for a test's skip reason)."""
+    """None when namespaces can be made here, else why not (for a test's skip reason).
+
+    Returns:
+        None, or the reason in a few words.
+    """
     if os.geteuid() != 0:
         return "needs root (network namespaces, veth, bridge)"
     if shutil.which("ip") is None:
@@ -134,7 +138,14 @@ def _links() -> list[str]:
 
 
 def leftovers(pid: int | None = None) -> list[str]:
-    """Every dplab namespace, link and temp folder that exists (of ``pid``'s clusters, if given)."""
+    """Every dplab namespace, link and temp folder that exists (of ``pid``'s clusters, if given).
+
+    Args:
+        pid: the owner process whose clusters to list; None: every owner's.
+
+    Returns:
+        Their names (namespaces, links, folders).
+    """
     mine = (lambda owner: True) if pid is None else (lambda owner: owner == pid)
     found = [f"netns {n}" for n in _namespaces() if (m := _NS.match(n)) and mine(int(m[1]))]
     found += [f"link {n}" for n in _links() if (m := _LINK.match(n)) and mine(int(m[1], 16))]
@@ -146,7 +157,11 @@ def leftovers(pid: int | None = None) -> list[str]:
 
 
 def sweep_stale() -> list[str]:
-    """Remove the clusters whose owner process is gone (it was SIGKILLed); returns what went."""
+    """Remove the clusters whose owner process is gone (it was SIGKILLed); returns what went.
+
+    Returns:
+        The names of what was removed.
+    """
     owners = {int(m[1]) for n in _namespaces() if (m := _NS.match(n))}
     owners |= {int(m[1], 16) for n in _links() if (m := _LINK.match(n))}
     owners |= {int(m[1]) for p in Path(tempfile.gettempdir()).glob("dplab-netns-*")
@@ -212,8 +227,18 @@ def _burst(rate: str) -> int:
 
 
 class Cluster:
-    """``hosts`` namespaces on a bridge, ``ranks_per_host`` ranks meant
-    for each (a context manager)."""
+    """``hosts`` namespaces on a bridge, ``ranks_per_host`` ranks meant for each (a context
+    manager).
+
+    Args:
+        hosts: namespaces, 1..64, each with its own address in ``subnet``.
+        ranks_per_host: the ranks each host is meant to run (``mpi_hosts``, ``torchrun_args``).
+        rate: each host's link rate-limited to this (``tbf``, e.g. ``"1gbit"``); None: no limit.
+        subnet: the bridge's private network.
+
+    Raises:
+        ClusterError: ``hosts`` or ``ranks_per_host`` out of range, or a rate ``tc`` cannot read.
+    """
 
     def __init__(self, hosts: int = 2, ranks_per_host: int = 2, rate: str | None = None,
                  subnet: str = SUBNET) -> None:
@@ -238,8 +263,16 @@ class Cluster:
 
     # -- up and down -------------------------------------------------------------------------
     def up(self) -> Cluster:
-        """Make the bridge, namespaces, links and the enter script; on
-        any failure remove them again."""
+        """Make the bridge, namespaces, links and the enter script; on any failure remove them
+        again.
+
+        Returns:
+            This cluster, up.
+
+        Raises:
+            ClusterError: namespaces cannot be made here (not root, no iproute2), or a command
+                failed; saying which.
+        """
         if (why := available()) is not None:
             raise ClusterError(why)
         sweep_stale()
@@ -326,13 +359,21 @@ class Cluster:
         return str(self.dir / "enter")
 
     def mpi_hosts(self) -> str:
-        """``-hosts`` for mpiexec: every address with its ranks, ``10.213.0.1:2,10.213.0.2:2``."""
+        """``-hosts`` for mpiexec: every address with its ranks, ``10.213.0.1:2,10.213.0.2:2``.
+
+        Returns:
+            The ``-hosts`` value.
+        """
         return ",".join(f"{a}:{self.ranks_per_host}" for a in self.addrs)
 
     def mpiexec_args(self) -> list[str]:
         """mpiexec's flags for a job over every host (run it in host 0, with ``MPI_ENV``): hydra
         reaches a host through ``enter_script`` and listens on ``IFACE``'s address (the hostname
-        names no address in the namespaces), the ranks as ``-hosts`` places them."""
+        names no address in the namespaces), the ranks as ``-hosts`` places them.
+
+        Returns:
+            mpiexec's arguments before the program.
+        """
         return ["-launcher", "ssh", "-launcher-exec", self.enter_script, "-iface", IFACE,
                 "-hosts", self.mpi_hosts(), "-n", str(self.hosts * self.ranks_per_host)]
 
@@ -340,20 +381,46 @@ class Cluster:
         """torchrun's flags for host ``host``'s launcher (one per host, with ``TORCH_ENV``): c10d
         rendezvous on host 0. Every namespace has this machine's hostname, so each launcher gives
         its address (``--local-addr``: else the workers' MASTER_ADDR is "localhost") and host 0 is
-        told it serves the store (``is_host``: torch cannot tell from an
-        address of a second interface)."""
+        told it serves the store (``is_host``: torch cannot tell from an address of a second
+        interface).
+
+        Args:
+            host: the host whose launcher these flags are for.
+            rdzv_id: the job's rendezvous id, the same on every host.
+            port: host 0's store port.
+
+        Returns:
+            torchrun's arguments before the program.
+        """
         return ["--nnodes", str(self.hosts), "--nproc-per-node", str(self.ranks_per_host),
                 "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{self.addrs[0]}:{port}", "--rdzv-id",
                 rdzv_id,
                 "--rdzv-conf", f"is_host={int(host == 0)}", "--local-addr", self.addrs[host]]
 
     def command(self, host: int, argv: Sequence[str]) -> list[str]:
-        """``argv`` run inside host ``host``'s namespace."""
+        """``argv`` run inside host ``host``'s namespace.
+
+        Args:
+            host: the host's index.
+            argv: the command.
+
+        Returns:
+            The command line that runs it there (``ip netns exec``).
+        """
         return ["ip", "netns", "exec", self.namespaces[host], *argv]
 
     def popen(self, host: int, argv: Sequence[str], **kwargs: object) -> subprocess.Popen:
-        """Start ``argv`` in host ``host`` (its own process group);
-        ``down`` kills it if still running."""
+        """Start ``argv`` in host ``host`` (its own process group); ``down`` kills it if still
+        running.
+
+        Args:
+            host: the host's index.
+            argv: the command.
+            **kwargs: passed to ``subprocess.Popen``.
+
+        Returns:
+            The started process.
+        """
         proc = subprocess.Popen(self.command(host, argv), start_new_session=True,
                                 **kwargs)  # type: ignore[arg-type]
         self._procs.append(proc)
@@ -361,8 +428,21 @@ class Cluster:
 
     def run(self, host: int, argv: Sequence[str], timeout: float,
             **kwargs: object) -> subprocess.CompletedProcess:
-        """``subprocess.run`` of ``argv`` in host ``host``, killed with
-        its group after ``timeout``."""
+        """``subprocess.run`` of ``argv`` in host ``host``, killed with its group after
+        ``timeout``.
+
+        Args:
+            host: the host's index.
+            argv: the command.
+            timeout: seconds it may take.
+            **kwargs: passed to ``subprocess.Popen`` (``stdout=subprocess.PIPE``, ...).
+
+        Returns:
+            The finished process, with its output.
+
+        Raises:
+            subprocess.TimeoutExpired: it ran past ``timeout`` (its group is killed first).
+        """
         proc = self.popen(host, argv, **kwargs)
         try:
             out, err = proc.communicate(timeout=timeout)
@@ -394,10 +474,18 @@ def _usage(c: Cluster) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """The by-hand script: bring a cluster up, print how to use it, keep it until Ctrl-C or SIGTERM;
-    with ``-- COMMAND`` run that instead (in this namespace, with
-    $DPLAB_NETNS_* set) and take it down."""
+    with ``-- COMMAND`` run that instead (in this namespace, with $DPLAB_NETNS_* set) and take it
+    down.
+
+    Args:
+        argv: the command line (None: ``sys.argv[1:]``).
+
+    Returns:
+        The exit code: the command's; 128 + the signal that took the cluster down; 2 when it
+        could not be made; 0 after ``--sweep``.
+    """
     p = argparse.ArgumentParser(prog="python -m dplab.backends.hosts.netns",
-                                description=main.__doc__)
+                                description=main.__doc__.split("\n\n")[0])
     p.add_argument("--hosts", type=int, default=2)
     p.add_argument("--ranks-per-host", type=int, default=2)
     p.add_argument("--rate", help="limit each host's link, as tc writes it: 1gbit, 100mbit")
