@@ -2,12 +2,12 @@
 ``Raises:`` (Google style, as in ``torch.nn.parallel.DistributedDataParallel``).
 
 The modules covered are the ones a user imports (the READMEs, nn/README.md, the lessons): the short
-import, the fast collectives, runs, the benchmark, launching, the torch wrappers, and the cluster
-of namespaces and ZeRO's memory table that lessons 12 and 10 show. For each name in their
-``__all__``, a function (and each public method of a class) needs ``Args:`` when it takes
-parameters, ``Returns:`` (or ``Yields:``) when it returns a value, and ``Raises:`` when its own
-body raises; a class documents its constructor's parameters under ``Args:`` (or ``Attributes:`` for a
-dataclass). What the check reads is the code itself (``inspect`` and ``ast``), not a list kept here.
+import, the fast collectives, runs, the benchmark, launching, the torch wrappers, and the cluster of
+namespaces and ZeRO's memory table that lessons 12 and 10 show. For each name in their ``__all__``,
+a function (and each public method of a class) needs ``Args:`` when it takes parameters,
+``Returns:`` (or ``Yields:``) when it returns a value, and ``Raises:`` when its own body raises; a
+class documents its constructor's parameters under ``Args:`` (or ``Attributes:`` for a dataclass).
+What the check reads is the code itself (``inspect`` and ``ast``), not a list kept here.
 """
 
 from __future__ import annotations
