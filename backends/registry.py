@@ -77,9 +77,10 @@ BACKENDS: dict[str, Backend] = {
                      one_host=True, tells_death=True, shared_memory=True),
     "mpi": Backend("mpi", _setup("mpi", "available"), "mpiexec"),
     "torch": Backend("torch", _setup("torchdist", "available"), "fork",
-                     _lazy("dplab.backends.torchdist.rendezvous", "prepare"), gpu="device"),  # bound pre-fork
-    "cuda": Backend("cuda", _setup("cuda", "available"), "threads", _setup("cuda", "prepare"), one_host=True,
-                    gpu="always"),
+                     # bound pre-fork
+                     _lazy("dplab.backends.torchdist.rendezvous", "prepare"), gpu="device"),
+    "cuda": Backend("cuda", _setup("cuda", "available"), "threads", _setup("cuda", "prepare"),
+                    one_host=True, gpu="always"),
     "sim": Backend("sim", _setup("sim", "available"), "threads", _setup("sim", "prepare"),
                    one_host=True, simulated=True),
 }

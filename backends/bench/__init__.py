@@ -11,5 +11,5 @@
 from dplab.backends.bench.spec import BenchSpec, MemoryNeed, bench_memory_need
 from dplab.backends.bench.timing import bench_rank, busbw_factor, parse_size, summarize
 
-__all__ = ["BenchSpec", "MemoryNeed", "bench_memory_need", "bench_rank", "busbw_factor", "parse_size",
-           "summarize"]
+__all__ = ["BenchSpec", "MemoryNeed", "bench_memory_need", "bench_rank", "busbw_factor",
+           "parse_size", "summarize"]

@@ -26,12 +26,26 @@ from dplab.reference.errors import ConfigError
 __all__ = ["BenchSpec", "MemoryNeed", "bench_memory_need", "shm_free_bytes", "mem_available_bytes"]
 
 SHM = "/dev/shm"
-World = Callable[[int, str], AbstractContextManager[Any]]  # (world size, backend) -> a world to run on
+# (world size, backend) -> a world to run on
+World = Callable[[int, str], AbstractContextManager[Any]]
 
 
 @dataclass(frozen=True)
 class BenchSpec:
-    """One ``dplab bench``: every backend x world size is one run with its own memcpy row."""
+    """One ``dplab bench``: every backend x world size is one run with its own memcpy row.
+
+    Attributes:
+        backends: the backends to measure.
+        world_sizes: the world sizes to measure, each a world of its own.
+        sizes: the all-reduce's sizes in bytes.
+        algorithms: the all-reduces to time (schedules' names and ``"native"``).
+        dtype: the buffers' element type.
+        warmup: untimed calls per cell before timing.
+        target_seconds: timed work per cell.
+        reps: timed loops per cell, algorithms interleaved.
+        max_iters: most calls in one timed loop.
+        cluster: backend ``"sim"``: the simulated cluster (timing-only runs, any p).
+    """
 
     backends: tuple[str, ...] = ("local",)
     world_sizes: tuple[int, ...] = (2,)
@@ -45,23 +59,32 @@ class BenchSpec:
     cluster: str | None = None  # backend "sim": the simulated cluster (timing-only runs, any p)
 
     def check(self) -> None:
-        """ConfigError, in one line, for anything that cannot run here."""
+        """ConfigError, in one line, for anything that cannot run here.
+
+        Raises:
+            ConfigError: bad counts or sizes, an unknown algorithm or backend, buffers that do not
+                fit /dev/shm or memory, a world larger than the simulated cluster, or ``cluster``
+                without the sim backend.
+            BackendUnavailable: a backend's engine is not installed.
+        """
         if self.reps < 1 or self.target_seconds <= 0 or self.warmup < 0:
             raise ConfigError("bench needs --reps >= 1, --target-seconds > 0 and --warmup >= 0")
         if not self.world_sizes or min(self.world_sizes) < 1:
-            raise ConfigError(f"world sizes must be positive integers, got {list(self.world_sizes)}")
+            raise ConfigError("world sizes must be positive integers, got "
+                              f"{list(self.world_sizes)}")
         if not self.sizes:
             raise ConfigError("bench needs at least one size")
         for backend in self.backends:
             check_backend(backend)
         unknown = [alg for alg in self.algorithms if not has_schedule(alg)]
         if unknown:
-            raise ConfigError(f"unknown algorithm {unknown[0]!r}: choose from {', '.join(ALGORITHMS)}")
+            raise ConfigError(f"unknown algorithm {unknown[0]!r}: choose from "
+                              f"{', '.join(ALGORITHMS)}")
         itemsize = np.dtype(self.dtype).itemsize
         small = [s for s in self.sizes if s < itemsize]
         if small:
-            raise ConfigError(f"size {small[0]} bytes is less than one {self.dtype} element ({itemsize} "
-                              f"bytes): use --sizes of at least {itemsize}")
+            raise ConfigError(f"size {small[0]} bytes is less than one {self.dtype} element "
+                              f"({itemsize} bytes): use --sizes of at least {itemsize}")
         for backend in self.backends:
             if entry(backend).simulated:  # timing-only: sizes, no bytes; the cluster must hold them
                 resolve_cluster(self.cluster).check_world(max(self.world_sizes))
@@ -74,21 +97,38 @@ class BenchSpec:
 
     def run(self, world: World, backend: str, world_size: int) -> list[dict[str, Any]]:
         """The rows of one backend x world size, on a world from ``world(world_size, backend)``; on
-        a simulated cluster, from the schedules alone (``dplab.backends.sim.timing``: any p)."""
+        a simulated cluster, from the schedules alone (``dplab.backends.sim.timing``: any p).
+
+        Args:
+            world: ``world(world_size, backend)`` gives a context manager with ``run`` (``World``).
+            backend: the backend's name.
+            world_size: ranks.
+
+        Returns:
+            nccl-tests-style rows (``summarize``), the memory-copy row last.
+        """
         if entry(backend).simulated:
             from dplab.backends.sim.timing import bench_rows
 
             return bench_rows(resolve_cluster(self.cluster), world_size, list(self.algorithms),
                               list(self.sizes), self.dtype)
         with world(world_size, backend) as w:
-            per_rank = w.run(bench_rank, list(self.algorithms), list(self.sizes), self.dtype, self.warmup,
-                             self.target_seconds, self.max_iters, self.reps)
+            per_rank = w.run(bench_rank, list(self.algorithms), list(self.sizes), self.dtype,
+                             self.warmup, self.target_seconds, self.max_iters, self.reps)
         return summarize(backend, world_size, per_rank)
 
 
 @dataclass(frozen=True)
 class MemoryNeed:
-    """Peak bytes a bench run of one backend holds: in /dev/shm (local backend) and in RAM."""
+    """Peak bytes a bench run of one backend holds: in /dev/shm (local backend) and in RAM.
+
+    Attributes:
+        backend: the backend's name.
+        world_size: ranks.
+        per_rank: buffer bytes one rank holds at its peak.
+        shm: of which in /dev/shm, all ranks together.
+        ram: all ranks together, /dev/shm included (tmpfs lives in RAM), plus rank 0's memcpy.
+    """
 
     backend: str
     world_size: int
@@ -101,7 +141,16 @@ def bench_memory_need(backend: str, world_size: int, sizes: list[int]) -> Memory
     """What ``bench_rank`` allocates: each rank holds the buffer being timed and, while the next
     size is allocated, the previous one; rank 0's memory-copy row adds a source and a destination
     of the largest size. The engines' own all-reduces (MPI, gloo) may add a scratch copy of the
-    buffer per rank; the local backend reduces straight out of the peers' shared memory."""
+    buffer per rank; the local backend reduces straight out of the peers' shared memory.
+
+    Args:
+        backend: the backend's name.
+        world_size: ranks.
+        sizes: the all-reduce's sizes in bytes, in the order timed.
+
+    Returns:
+        The peak bytes, in /dev/shm and in RAM.
+    """
     pairs = [a + b for a, b in zip(sizes, [0, *sizes[:-1]])]
     largest = max(sizes)
     in_shm = entry(backend).shared_memory
@@ -115,11 +164,11 @@ def check_room(need: MemoryNeed, shm_free: int, ram_free: int | None) -> None:
     what = (f"bench --backend {need.backend} at world size {need.world_size} holds up to "
             f"{_gib(need.per_rank)} per rank")
     if need.shm > shm_free:
-        raise ConfigError(f"{what}: {_gib(need.shm)} of {SHM} in all, but {_gib(shm_free)} is free: "
-                          "use smaller --sizes or fewer ranks (or enlarge /dev/shm)")
+        raise ConfigError(f"{what}: {_gib(need.shm)} of {SHM} in all, but {_gib(shm_free)} "
+                          "is free: use smaller --sizes or fewer ranks (or enlarge /dev/shm)")
     if ram_free is not None and need.ram > ram_free:
-        raise ConfigError(f"{what}: {_gib(need.ram)} of memory in all, but {_gib(ram_free)} is available "
-                          "(MemAvailable): use smaller --sizes or fewer ranks")
+        raise ConfigError(f"{what}: {_gib(need.ram)} of memory in all, but {_gib(ram_free)} "
+                          "is available (MemAvailable): use smaller --sizes or fewer ranks")
 
 
 def shm_free_bytes() -> int:

@@ -30,7 +30,17 @@ __all__ = ["bench_rank", "memcpy_times", "summarize", "parse_size", "busbw_facto
 
 
 def parse_size(text: str) -> int:
-    """'4K' -> 4096, '16M' -> 16 MiB, '1G', or a plain byte count."""
+    """'4K' -> 4096, '16M' -> 16 MiB, '1G', or a plain byte count.
+
+    Args:
+        text: a number with an optional K, M or G (KB, KiB, ... too).
+
+    Returns:
+        The size in bytes.
+
+    Raises:
+        ValueError: ``text`` is not a number of bytes.
+    """
     units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
     t = text.strip().upper().removesuffix("B").removesuffix("I")
     if t and t[-1] in units:
@@ -40,7 +50,14 @@ def parse_size(text: str) -> int:
 
 def busbw_factor(p: int) -> float:
     """nccl-tests' all-reduce factor 2 (p - 1) / p: the bytes each rank's link carries per byte
-    reduced. 0 at p = 1, where nothing travels."""
+    reduced. 0 at p = 1, where nothing travels.
+
+    Args:
+        p: the world size, >= 1.
+
+    Returns:
+        busbw / algbw for an all-reduce over ``p`` ranks.
+    """
     return 2 * (p - 1) / p
 
 
@@ -79,7 +96,23 @@ class Device:
 
 def bench_rank(comm: Any, algorithms: list[str], sizes: list[int], dtype: str, warmup: int,
                target_s: float, max_iters: int, reps: int = 5) -> dict[str, list[dict[str, Any]]]:
-    """Runs on every rank; returns this rank's loop times (per call, one per rep) for every cell."""
+    """Runs on every rank; returns this rank's loop times (per call, one per rep) for every cell.
+
+    Args:
+        comm: this rank's communicator.
+        algorithms: the all-reduces to time, interleaved in every rep.
+        sizes: buffer sizes in bytes.
+        dtype: the buffers' element type.
+        warmup: untimed calls per cell.
+        target_s: timed seconds per cell, split among the reps (rank 0's estimate sets every
+            rank's number of calls).
+        max_iters: most calls in one loop.
+        reps: timed loops per cell.
+
+    Returns:
+        ``{"allreduce": cells, "memcpy": cells}``, a cell being ``{algorithm, bytes, times,
+        staged_bytes}`` (and ``ran`` for ``"auto"``); rank 0 alone times the memory copy.
+    """
     dt, dev = np.dtype(dtype), Device(comm)
     out: dict[str, list[dict[str, Any]]] = {"allreduce": [], "memcpy": []}
     for nbytes in sizes:
@@ -135,7 +168,8 @@ def memcpy_times(nbytes: int, warmup: int, target_s: float, max_iters: int, reps
     device's own ``Tensor.copy_`` on a GPU."""
     src, dst = dev.copy_pair(nbytes) if dev is not None else Device(None).copy_pair(nbytes)
     sync = dev.sync if dev is not None else (lambda: None)
-    step = (lambda: dst.copy_(src)) if dev is not None and dev.cuda else (lambda: np.copyto(dst, src))
+    step = ((lambda: dst.copy_(src)) if dev is not None and dev.cuda
+            else (lambda: np.copyto(dst, src)))
     for _ in range(warmup + 1):
         step()
     n = int(np.clip(target_s / reps / max(_time_loop(step, 1, sync), 1e-7), 3, max_iters))
@@ -145,12 +179,22 @@ def memcpy_times(nbytes: int, warmup: int, target_s: float, max_iters: int, reps
 
 def summarize(backend: str, world_size: int, per_rank: list[dict[str, list[dict[str, Any]]]]
               ) -> list[dict[str, Any]]:
-    """Rows of one run (one backend, one world): per repetition the mean over ranks, then the median.
+    """Rows of one run (one backend, one world): per repetition the mean over ranks, then the
+    median.
 
     The run's own memory-copy row comes last (``algorithm`` memcpy, this run's backend and world
     size, timed by rank 0 on one core) and is what this run's ``vs_memcpy`` divides by: runs of
     different backends or world sizes happen at different moments of a shared machine. ``vs_native``
     divides by the engine's own all-reduce of the same bytes in this run (None without one).
+
+    Args:
+        backend: the run's backend.
+        world_size: the run's world size.
+        per_rank: every rank's ``bench_rank`` result, in rank order.
+
+    Returns:
+        One row per (algorithm, size), then the memory-copy rows: ``{backend, algorithm,
+        world_size, bytes, time_us, algbw_gbps, busbw_gbps, staged_bytes, vs_memcpy, vs_native}``.
     """
     rows = []
     cells = [[r["allreduce"][i] for r in per_rank] for i in range(len(per_rank[0]["allreduce"]))]
@@ -172,5 +216,7 @@ def summarize(backend: str, world_size: int, per_rank: list[dict[str, list[dict[
     for r in rows:
         r["vs_memcpy"] = r["busbw_gbps"] / ceiling[r["bytes"]] if ceiling.get(r["bytes"]) else None
         mem = r["algorithm"] == "memcpy"
-        r["vs_native"] = r["busbw_gbps"] / native[r["bytes"]] if native.get(r["bytes"]) and not mem else None
+        r["vs_native"] = (
+            r["busbw_gbps"] / native[r["bytes"]] if native.get(r["bytes"]) and not mem else None
+        )
     return rows

@@ -1,4 +1,4 @@
-"""The two-level cost model against a real slow link: measure, fit with ``dplab tune``, compare (root only).
+"""The two-level cost model on a real slow link: measure, fit with dplab tune, compare (root only).
 
     python -m dplab.backends.bench.two_level --rate 1gbit --reps 5 --tune-reps 5 \
         --out backends/bench/two_level_1gbit.json
@@ -36,13 +36,16 @@ import numpy as np
 
 from dplab.backends.hosts.netns import IFACE, MPI_ENV, Cluster, ClusterError
 
-__all__ = ["ALGORITHMS", "PORTS", "topology", "model", "algorithm_name", "measure", "measure_rank", "run",
-           "main"]
+__all__ = ["ALGORITHMS", "PORTS", "topology", "model", "algorithm_name", "measure", "measure_rank",
+           "run", "main"]
 
-ALGORITHMS = ("ring", "rabenseifner", "hierarchical")  # hierarchical runs as hierarchical:<ranks per host>
-TUNE_SIZES = "1M,4M,16M,64M"  # the sizes the comparison is about: the fit is not bent by 64 KiB's costs
+# hierarchical runs as hierarchical:<ranks per host>
+ALGORITHMS = ("ring", "rabenseifner", "hierarchical")
+# the sizes the comparison is about: the fit is not bent by 64 KiB's costs
+TUNE_SIZES = "1M,4M,16M,64M"
 PORTS = {"host": "one link per host, its ranks share it (a server with one NIC)",
-         "rank": "one link per rank (each GPU of a DGX has its own NIC): what the two-level model assumes"}
+         "rank": "one link per rank (each GPU of a DGX has its own NIC): what the two-level "
+                 "model assumes"}
 STEP_TIMEOUT_S = 600
 
 
@@ -76,9 +79,11 @@ def model(data: dict[str, Any], cell: dict[str, Any], topo: Any = None) -> float
 
 # -- on every rank, under mpiexec ------------------------------------------------------------------
 
-def measure_rank(comm: Any, algorithms: list[str], sizes: list[int], reps: int) -> dict[str, list[float]]:
+def measure_rank(comm: Any, algorithms: list[str], sizes: list[int],
+                 reps: int) -> dict[str, list[float]]:
     """This rank's seconds per repetition for every (algorithm, size): one all-reduce after a
-    barrier, algorithms interleaved, after one warm-up call each (connections made, pages touched)."""
+    barrier, algorithms interleaved, after one warm-up call each
+    (connections made, pages touched)."""
     from dplab.reference.collectives import allreduce
 
     out: dict[str, list[float]] = {}
@@ -99,14 +104,14 @@ def _rank_main(a: argparse.Namespace) -> int:
     from dplab.backends.launch.engine import LauncherWorld
 
     with LauncherWorld("mpi", timeout=120.0) as world:
-        per_rank = world.run(measure_rank, a.algorithms.split(","), [int(s) for s in a.sizes.split(",")],
-                             a.reps)
+        per_rank = world.run(measure_rank, a.algorithms.split(","),
+                             [int(s) for s in a.sizes.split(",")], a.reps)
         if world.comm.rank == 0:
             Path(a.out).write_text(json.dumps(per_rank))
     return 0
 
 
-# -- the driver, outside the cluster -----------------------------------------------------------------
+# -- the driver, outside the cluster ---------------------------------------------------------------
 
 # Each rank of a hydra proxy (one proxy per host) enters the namespace its host and local rank name:
 # ranks of one proxy still share memory (MPICH's shm: one node to hydra, one /dev/shm), but each
@@ -121,7 +126,8 @@ exec ip netns exec "$ns" "$@"
 
 
 class _Hosts:
-    """2 hosts of up to ``g_max`` ranks over one cluster of ``2 g_max`` namespaces, each its own link.
+    """2 hosts of up to ``g_max`` ranks over one cluster of ``2 g_max`` namespaces, each its own
+    link.
 
     Host h is namespaces h g_max .. h g_max + g_max - 1; its hydra proxy runs in the first. With
     ``ports="host"`` every rank stays in the proxy's namespace (one link per host, shared by its
@@ -141,16 +147,19 @@ class _Hosts:
         spec = ",".join(f"{c.addrs[h * self.g_max]}:{per_host}" for h in hosts)
         mpiexec = str(Path(sys.executable).parent / "mpiexec")
         wrap = [str(self.enter_rank)] if ports == "rank" else []
-        cmd = [mpiexec, "-launcher", "ssh", "-launcher-exec", c.enter_script, "-iface", IFACE, "-hosts", spec,
-               "-n", str(per_host * len(hosts)), *wrap, *argv]
-        done = c.run(0, cmd, STEP_TIMEOUT_S, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                     text=True)
+        cmd = [mpiexec, "-launcher", "ssh", "-launcher-exec", c.enter_script, "-iface", IFACE,
+               "-hosts", spec, "-n", str(per_host * len(hosts)), *wrap, *argv]
+        done = c.run(0, cmd, STEP_TIMEOUT_S, env=_env(), stdout=subprocess.PIPE,
+                     stderr=subprocess.PIPE, text=True)
         if done.returncode != 0:
-            raise ClusterError(f"{shlex.join(cmd)} exited {done.returncode}:\n{done.stderr[-3000:]}")
+            raise ClusterError(f"{shlex.join(cmd)} exited "
+                               f"{done.returncode}:\n{done.stderr[-3000:]}")
 
     def link_bytes(self) -> int:
         """Bytes sent over every link of the cluster so far (the bridge ends of the veths)."""
-        return sum(int(Path(f"/sys/class/net/{v}/statistics/rx_bytes").read_text()) for v in self.c.veths)
+        return sum(
+            int(Path(f"/sys/class/net/{v}/statistics/rx_bytes").read_text()) for v in self.c.veths
+        )
 
 
 def _env() -> dict[str, str]:
@@ -170,17 +179,19 @@ def _tune(h: _Hosts, hosts: list[int], per_host: int, reps: int, tmp: Path, tag:
     fit_path = tmp / f"tune-{tag}.json"
     groups = [[x] for x in hosts] if apart else [hosts]
     p = str(per_host * len(groups[0]))
-    bench = ["bench", "--backends", "mpi", "--world-sizes", p, "--algorithms", "ring", "--sizes", TUNE_SIZES,
-             "--reps", str(reps), "--target-seconds", "0.3"]
+    bench = ["bench", "--backends", "mpi", "--world-sizes", p, "--algorithms", "ring", "--sizes",
+             TUNE_SIZES, "--reps", str(reps), "--target-seconds", "0.3"]
     paths = [tmp / f"bench-{tag}-{i}.json" for i in range(len(groups))]
     before = h.link_bytes()
     with ThreadPoolExecutor(len(groups)) as pool:  # result(): a failed bench raises here
-        for f in [pool.submit(h.mpiexec, group, per_host, "rank", [dplab, *bench, "--json", str(out)])
+        for f in [pool.submit(h.mpiexec, group, per_host, "rank",
+                              [dplab, *bench, "--json", str(out)])
                   for group, out in zip(groups, paths)]:
             f.result()
     crossed = h.link_bytes() - before
     rows = [{k: r[k] for k in ("backend", "algorithm", "world_size", "bytes", "time_us")}
-            for path in paths for r in json.loads(path.read_text())["rows"] if r["algorithm"] == "ring"]
+            for path in paths
+            for r in json.loads(path.read_text())["rows"] if r["algorithm"] == "ring"]
     rows_path = tmp / f"rows-{tag}.json"
     rows_path.write_text(json.dumps({"rows": rows}))
     tune = ["tune", "--from-json", str(rows_path), "--out", str(fit_path)]
@@ -193,8 +204,8 @@ def _tune(h: _Hosts, hosts: list[int], per_host: int, reps: int, tmp: Path, tag:
     runs = [f"mpiexec -hosts {','.join(f'h{x}:{per_host}' for x in group)} -n {p} {bench_cmd}"
             for group in groups]
     return {"commands": [" & ".join(runs), "dplab tune --from-json rows.json --out tune.json"],
-            "alpha_s": fit["alpha_s"], "beta_s_per_byte": fit["beta_s_per_byte"], "note": fit["note"],
-            "link_bytes": crossed, "rows": rows}
+            "alpha_s": fit["alpha_s"], "beta_s_per_byte": fit["beta_s_per_byte"],
+            "note": fit["note"], "link_bytes": crossed, "rows": rows}
 
 
 def _cells(h: _Hosts, port: str, g: int, algorithms: Sequence[str], sizes: list[int], reps: int,
@@ -203,15 +214,16 @@ def _cells(h: _Hosts, port: str, g: int, algorithms: Sequence[str], sizes: list[
     names = [algorithm_name(a, g) for a in algorithms]
     out = tmp / f"measure-{port}-{g}.json"
     h.mpiexec([0, 1], g, port, [sys.executable, "-m", "dplab.backends.bench.two_level", "rank",
-                                "--algorithms", ",".join(names), "--sizes", ",".join(map(str, sizes)),
-                                "--reps", str(reps), "--out", str(out)])
+                                "--algorithms", ",".join(names), "--sizes",
+                                ",".join(map(str, sizes)), "--reps", str(reps), "--out", str(out)])
     per_rank = json.loads(out.read_text())
     cells = []
     for a, name in zip(algorithms, names):
         for nbytes in sizes:
             slowest = np.max([r[f"{name} {nbytes}"] for r in per_rank], axis=0)
-            cells.append({"ports": port, "hosts": 2, "ranks_per_host": g, "algorithm": a, "bytes": nbytes,
-                          "reps_s": [float(t) for t in slowest], "measured_s": float(slowest.min())})
+            cells.append({"ports": port, "hosts": 2, "ranks_per_host": g, "algorithm": a,
+                          "bytes": nbytes, "reps_s": [float(t) for t in slowest],
+                          "measured_s": float(slowest.min())})
     return cells
 
 
@@ -220,12 +232,13 @@ def measure(rate: str, ports: str, ranks_per_host: int, sizes: list[int], reps: 
     """A cluster of its own, one measurement in it (no fit): the cells, as in the file."""
     with Cluster(hosts=2 * ranks_per_host, ranks_per_host=1, rate=rate) as c, \
             tempfile.TemporaryDirectory(prefix="dplab-two-level-") as d:
-        return _cells(_Hosts(c, ranks_per_host, Path(d)), ports, ranks_per_host, algorithms, sizes, reps,
-                      Path(d))
+        return _cells(_Hosts(c, ranks_per_host, Path(d)), ports, ranks_per_host, algorithms, sizes,
+                      reps, Path(d))
 
 
 def _machine() -> dict[str, Any]:
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+    cpu = next((line.split(":", 1)[1].strip()
+                for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), platform.processor())
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=Path(__file__).resolve().parents[2]).stdout.strip()
@@ -257,11 +270,13 @@ def run(rate: str, layouts: list[int], sizes: list[int], reps: int, tune_reps: i
                 load.append(os.getloadavg())
     command = shlex.join(["python", "-m", "dplab.backends.bench.two_level", *sys.argv[1:]])
     data = {"meta": {"command": command,
-                     "started": started, "rate": rate, "tbf_burst_bytes": _burst_of(rate), "backend": "mpi",
-                     "transport": "MPICH ch4 ofi/tcp between hosts, shm inside a host", "dtype": "float32",
-                     "reps": reps, "ports": PORTS,
+                     "started": started, "rate": rate, "tbf_burst_bytes": _burst_of(rate),
+                     "backend": "mpi",
+                     "transport": "MPICH ch4 ofi/tcp between hosts, shm inside a host",
+                     "dtype": "float32", "reps": reps, "ports": PORTS,
                      "statistic": "fastest repetition of the slowest rank's time after a barrier",
-                     "loadavg_1_5_15": [[round(x, 2) for x in row] for row in load], "machine": _machine()},
+                     "loadavg_1_5_15": [[round(x, 2) for x in row] for row in load],
+                     "machine": _machine()},
             "fits": fits, "cells": cells}
     for cell in cells:
         cell["model_s"] = model(data, cell)
@@ -303,7 +318,8 @@ def main(argv: list[str] | None = None) -> int:
                                 description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="part")
     r = sub.add_parser("rank", help="(internal) one rank of the measurement, under mpiexec")
-    k = sub.add_parser("control", help="add to --out's file: ring and hierarchical at small sizes with "
+    k = sub.add_parser("control",
+                       help="add to --out's file: ring and hierarchical at small sizes with "
                                        "its rate and with none")
     k.add_argument("--out", required=True)
     for q in (p, r, k):
@@ -314,7 +330,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rate", default="1gbit", help="each host's link, as tc writes it")
     p.add_argument("--layouts", default="2,4", help="ranks per host, one run of 2 hosts each")
     p.add_argument("--tune-reps", type=int, default=3)
-    p.add_argument("--ports", default="rank,host", help="rank: a link per rank; host: one per host, shared")
+    p.add_argument("--ports", default="rank,host",
+                   help="rank: a link per rank; host: one per host, shared")
     p.add_argument("--out", help="the JSON file to write")
     a = p.parse_args(argv)
     if a.part is None and not a.out:
@@ -331,15 +348,14 @@ def main(argv: list[str] | None = None) -> int:
                   f"rate {c['rate']}: "
                   f"{c['measured_s'] * 1e3:8.1f} ms")
         return 0
-    data = run(a.rate, [int(g) for g in a.layouts.split(",")], [parse_size(s) for s in a.sizes.split(",")],
-               a.reps, a.tune_reps,
-               a.ports.split(","))
+    data = run(a.rate, [int(g) for g in a.layouts.split(",")],
+               [parse_size(s) for s in a.sizes.split(",")], a.reps, a.tune_reps, a.ports.split(","))
     Path(a.out).write_text(json.dumps(data, indent=1) + "\n")
     for cell in data["cells"]:
         print(f"{cell['ports']:4s} 2x{cell['ranks_per_host']} {cell['algorithm']:13s} "
               f"{cell['bytes'] >> 20:3d} MiB  "
-              f"measured {cell['measured_s'] * 1e3:8.1f} ms  model {cell['model_s'] * 1e3:8.1f} ms  "
-              f"{cell['model_s'] / cell['measured_s']:.2f}")
+              f"measured {cell['measured_s'] * 1e3:8.1f} ms  model {cell['model_s'] * 1e3:8.1f} "
+              f"ms  {cell['model_s'] / cell['measured_s']:.2f}")
     return 0
 
 

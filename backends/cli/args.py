@@ -21,7 +21,12 @@ import textwrap
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from dplab.backends.cli.args_optim import add_optimizer_args, add_sweep_args, positive_float, positive_int
+from dplab.backends.cli.args_optim import (
+    add_optimizer_args,
+    add_sweep_args,
+    positive_float,
+    positive_int,
+)
 from dplab.backends.cli.args_optim import csv_list as _csv
 from dplab.backends.cli.args_sim import add_cluster_arg
 from dplab.backends.cli.args_zero import add_zero_args, precision_flags_error
@@ -91,13 +96,15 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _wrap(text: str) -> str:
-    """Descriptions wrapped by hand: the formatter keeps the bench column table's layout as written."""
+    """Descriptions wrapped by hand: the formatter keeps the bench
+    column table's layout as written."""
     return textwrap.fill(text, 88)
 
 
 def _shown(value: Any) -> str:
     if isinstance(value, (list, tuple)):
-        return ",".join("inf" if v is None else f"{v:g}" if isinstance(v, float) else str(v) for v in value)
+        return ",".join("inf" if v is None else f"{v:g}" if isinstance(v, float) else str(v)
+                        for v in value)
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
@@ -118,7 +125,9 @@ def _size(text: str) -> int:
     try:
         value = parse_size(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid size {text!r}: bytes, or with K, M or G") from None
+        raise argparse.ArgumentTypeError(
+            f"invalid size {text!r}: bytes, or with K, M or G"
+        ) from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"size must be at least one element, got {text!r}")
     return value
@@ -153,7 +162,8 @@ def _straggler(text: str) -> Stragglers:
 
 def _add_time_args(p: argparse.ArgumentParser, budget_help: str) -> None:
     g = p.add_argument_group("stragglers and time")
-    g.add_argument("--straggler", type=_straggler, action="append", default=[], metavar="RANK:FACTOR",
+    g.add_argument("--straggler", type=_straggler, action="append", default=[],
+                   metavar="RANK:FACTOR",
                    help="slow RANK's compute FACTOR times (repeat, or 1:4,2:2); in async/backup "
                         "rank 0 is the server and cannot be slowed (default: none)")
     g.add_argument("--time-budget", type=_budget, default=AUTO, metavar="SECONDS", help=budget_help)
@@ -167,21 +177,27 @@ def _add_model_args(p: argparse.ArgumentParser, bucket_cap_mb: float, bucket_hel
                    help="hidden layer widths of the MLP; '' for none (a linear model)")
     g.add_argument("--in-dim", type=int, default=16, help="input features")
     g.add_argument("--out-dim", type=int, default=4, help="outputs (classes for classification)")
-    g.add_argument("--activation", choices=["tanh", "relu"], default="tanh", help="hidden activation")
+    g.add_argument("--activation", choices=["tanh", "relu"], default="tanh",
+                   help="hidden activation")
     g.add_argument("--num-samples", type=int, default=1024, help="size of the synthetic data set")
     g.add_argument("--global-batch", type=int, default=64,
-                   help="samples per step over all ranks, split across them (uneven splits allowed)")
+                   help="samples per step over all ranks, split across them (uneven "
+                        "splits allowed)")
     g.add_argument("--steps", type=int, default=None,
-                   help="steps (clocks per worker in async); default 50, or no limit under a time budget")
+                   help="steps (clocks per worker in async); default 50, or no limit under a "
+                        "time budget")
     add_optimizer_args(g)  # --optimizer, --lr, --warmup-steps, --trust-coef, --weight-decay
-    g.add_argument("--seed", type=int, default=0, help="seeds the data, the initial weights, the batches")
+    g.add_argument("--seed", type=int, default=0,
+                   help="seeds the data, the initial weights, the batches")
     g.add_argument("--dtype", choices=["float64", "float32"], default=None,
-                   help="parameters and gradients (default: float64; float32 under --mixed-precision)")
+                   help="parameters and gradients (default: float64; float32 under "
+                        "--mixed-precision)")
     g.add_argument("--bucket-cap-mb", type=positive_float, default=bucket_cap_mb, metavar="MiB",
                    help=bucket_help)
     g.add_argument("--accum-steps", type=positive_int, default=1,
                    help="micro-batches per step; all but the last skip the all-reduce (no_sync)")
-    _add_common_args(p, "torch backend: gloo on CPU or NCCL with one GPU per rank (default: cpu, or "
+    _add_common_args(p,
+                     "torch backend: gloo on CPU or NCCL with one GPU per rank (default: cpu, or "
                         "$DPLAB_DEVICE)")
 
 
@@ -197,7 +213,8 @@ def _add_train(sub: Any) -> None:  # run by commands.cmd_train
     t = sub.add_parser("train", help="train on N ranks and compare with one device",
                        formatter_class=_Formatter,
                        description=_wrap("Train one MLP on N ranks and report how far every rank's "
-                                         "parameters end from single-device training on the same batches."))
+                                         "parameters end from single-device training on the "
+                                         "same batches."))
     t.add_argument("--backend", default="local",
                    help="local | mpi | torch | cuda | sim (cuda, and torch with --device cuda: the "
                         "recipe computes on the GPU with torch tensors; elsewhere in NumPy on the "
@@ -205,17 +222,20 @@ def _add_train(sub: Any) -> None:  # run by commands.cmd_train
     t.add_argument("--world-size", type=int, default=None,
                    help="ranks to start (default 4; under mpiexec/torchrun: the launcher's)")
     t.add_argument("--algorithm", default="ring",
-                   help=" | ".join(f"{a}[:N]" if a in PARAMETRIC else a for a in (*ALGORITHMS, "auto")))
+                   help=" | ".join(f"{a}[:N]" if a in PARAMETRIC else a
+                                   for a in (*ALGORITHMS, "auto")))
     t.add_argument("--mode", choices=MODES, default="sync",
-                   help="sync: all-reduce; async: parameter server; backup: synchronous through the "
-                        "parameter server, each step from the first W - b of its W workers' gradients "
-                        "(b: --backup-workers)")
+                   help="sync: all-reduce; async: parameter server; backup: synchronous "
+                        "through the parameter server, each step from the first W - b of its W "
+                        "workers' gradients (b: --backup-workers)")
     t.add_argument("--staleness", type=_staleness, default=None,
                    help="async: clocks a worker may run ahead of the slowest (0 = lock-step; "
                         "default inf = fully asynchronous)")
-    t.add_argument("--backup-workers", type=int, default=1, help="backup: gradients dropped per step")
+    t.add_argument("--backup-workers", type=int, default=1,
+                   help="backup: gradients dropped per step")
     t.add_argument("--trace", metavar="PATH",
-                   help="write the merged trace (and PATH.chrome.json for Perfetto) (default: no trace)")
+                   help="write the merged trace (and PATH.chrome.json for Perfetto) (default: "
+                        "no trace)")
     _add_time_args(t, "stop after this much wall time (default: none, train --steps)")
     g = t.add_argument_group("checkpoints")
     g.add_argument("--checkpoint-every", type=int, default=0, metavar="K",
@@ -231,11 +251,11 @@ def _add_train(sub: Any) -> None:  # run by commands.cmd_train
     add_zero_args(t)  # --zero-stage, --mixed-precision, --loss-scale, --reduce-dtype
     t.checks.append(precision_flags_error)
     _add_model_args(t, TRAIN_BUCKET_CAP_MB,
-                    "gradient bucket size; a bucket's all-reduce starts as soon as its gradients exist, "
-                    "while backward goes on. The default, 0.0005 MiB (524 bytes), puts the default "
-                    "MLP's gradients in 3 buckets, one per layer, so a --trace shows the first "
-                    f"bucket's all-reduce overlapping backward; torch DDP's {DDP_BUCKET_CAP_MB:g} would "
-                    "make it one bucket, reduced after backward ends")
+                    "gradient bucket size; a bucket's all-reduce starts as soon as its "
+                    "gradients exist, while backward goes on. The default, 0.0005 MiB (524 bytes), "
+                    "puts the default MLP's gradients in 3 buckets, one per layer, so a --trace "
+                    "shows the first bucket's all-reduce overlapping backward; torch DDP's "
+                    f"{DDP_BUCKET_CAP_MB:g} would make it one bucket, reduced after backward ends")
 
 
 def _add_compare(sub: Any) -> None:  # run by commands.cmd_compare
@@ -243,10 +263,11 @@ def _add_compare(sub: Any) -> None:  # run by commands.cmd_compare
 
     c = sub.add_parser("compare", help="the same run over backends x algorithms x world sizes",
                        formatter_class=_Formatter,
-                       description=_wrap("The same training run over a grid of backends x algorithms x world "
-                                         "sizes (x modes): an equivalence table, or a race for the same "
-                                         "wall time."))
-    c.add_argument("--backends", type=_csv(), default=["local"], help="comma-separated: local,mpi,torch,cuda")
+                       description=_wrap("The same training run over a grid of backends x "
+                                         "algorithms x world sizes (x modes): an equivalence "
+                                         "table, or a race for the same wall time."))
+    c.add_argument("--backends", type=_csv(), default=["local"],
+                   help="comma-separated: local,mpi,torch,cuda")
     c.add_argument("--algorithms", type=_csv(), default=None,
                    help=f"all-reduce algorithms, from {', '.join((*ALGORITHMS, 'auto'))}; "
                         "default naive,ring,tree,native (ring in a race)")
@@ -255,11 +276,13 @@ def _add_compare(sub: Any) -> None:  # run by commands.cmd_compare
     c.add_argument("--modes", type=_csv(), default=["sync"],
                    help="sync,async,backup; with async (or a --time-budget) the cells race for the "
                         "same wall time, and sync brings the backup-worker rows along")
-    c.add_argument("--staleness-grid", type=_csv(_staleness), default=RACE_DEFAULTS["staleness_grid"],
-                   help="race: the async staleness bounds")
+    c.add_argument("--staleness-grid", type=_csv(_staleness),
+                   default=RACE_DEFAULTS["staleness_grid"], help="race: the async staleness bounds")
     c.add_argument("--backup-workers", type=_csv(int), default=RACE_DEFAULTS["backup_workers"],
                    help="race: b for each backup-worker row")
-    _add_time_args(c, f"a race: every cell trains this long (default {RACE_DEFAULTS['time_budget_s']:g} s "
+    _add_time_args(c,
+                   "a race: every cell trains this long (default "
+                   f"{RACE_DEFAULTS['time_budget_s']:g} s "
                       "once async is in --modes, else none: a fixed --steps)")
     _add_model_args(c, DDP_BUCKET_CAP_MB, "gradient bucket size, as torch DDP's bucket_cap_mb")
     add_sweep_args(c)
@@ -270,24 +293,32 @@ def _add_bench(sub: Any) -> None:  # run by commands.cmd_bench
 
     b = sub.add_parser("bench", help="nccl-tests-style all-reduce bandwidth, memcpy as the ceiling",
                        formatter_class=_Formatter, epilog=BENCH_EPILOG,
-                       description=_wrap("Time all-reduce algorithms on every backend x world size x buffer "
-                                         "size, nccl-tests style, against the engine's own all-reduce and "
-                                         "a memory copy."))
+                       description=_wrap("Time all-reduce algorithms on every backend x world "
+                                         "size x buffer size, nccl-tests style, against the "
+                                         "engine's own all-reduce and a memory copy."))
     d = BenchSpec()  # the command's defaults are the spec's: the app's short bench starts from them
     b.add_argument("--backends", "--backend", type=_csv(), default=list(d.backends),
                    help="local,mpi,torch: several in one run put their rows side by side")
     b.add_argument("--algorithms", type=_csv(), default=list(d.algorithms),
-                   help=f"from {', '.join((*ALGORITHMS, 'auto'))} (native: the engine's own all-reduce)")
-    b.add_argument("--world-sizes", type=_csv(int), default=list(d.world_sizes), help="ranks per run")
+                   help=f"from {', '.join((*ALGORITHMS, 'auto'))} (native: the engine's "
+                        "own all-reduce)")
+    b.add_argument("--world-sizes", type=_csv(int), default=list(d.world_sizes),
+                   help="ranks per run")
     b.add_argument("--sizes", type=_csv(_size), default=list(d.sizes),
-                   help="bytes per buffer, with K, M or G for KiB, MiB, GiB (default: 4K,1M,16M,64M)")
-    b.add_argument("--dtype", choices=["float32", "float64"], default=d.dtype, help="buffer element type")
-    b.add_argument("--warmup", type=int, default=d.warmup, help="untimed calls per cell before timing")
+                   help="bytes per buffer, with K, M or G for KiB, MiB, GiB (default: "
+                        "4K,1M,16M,64M)")
+    b.add_argument("--dtype", choices=["float32", "float64"], default=d.dtype,
+                   help="buffer element type")
+    b.add_argument("--warmup", type=int, default=d.warmup,
+                   help="untimed calls per cell before timing")
     b.add_argument("--target-seconds", type=positive_float, default=d.target_seconds,
                    help="timed work per cell")
-    b.add_argument("--reps", type=int, default=d.reps, help="timed loops per cell, algorithms interleaved")
-    b.add_argument("--max-iters", type=positive_int, default=d.max_iters, help="most calls in one timed loop")
-    _add_common_args(b, "torch backend: gloo on CPU or NCCL with one GPU per rank (default: cpu, or "
+    b.add_argument("--reps", type=int, default=d.reps,
+                   help="timed loops per cell, algorithms interleaved")
+    b.add_argument("--max-iters", type=positive_int, default=d.max_iters,
+                   help="most calls in one timed loop")
+    _add_common_args(b,
+                     "torch backend: gloo on CPU or NCCL with one GPU per rank (default: cpu, or "
                         "$DPLAB_DEVICE)")
 
 
@@ -374,7 +405,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         The parser. What it parses has ``command``; a command from above backends/ adds ``run``,
         the function that runs it.
     """
-    parser = _Parser(prog="dplab", description="Data-Parallel Lab: data parallelism written by hand.",
+    parser = _Parser(prog="dplab",
+                     description="Data-Parallel Lab: data parallelism written by hand.",
                      formatter_class=_Formatter)
     parser.add_argument("--version", action=_Version, help="print the installed version and exit")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)

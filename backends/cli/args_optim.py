@@ -2,7 +2,8 @@
 number and list parsers every command's options share (``positive_int``, ``csv_list``).
 
     dplab train --optimizer lamb --lr 0.005 --warmup-steps 10
-    dplab compare --global-batches 64,256,1024,4096 --lr-rule linear,sqrt --optimizer momentum --lr 0.05
+    dplab compare --global-batches 64,256,1024,4096 --lr-rule linear,sqrt \\
+        --optimizer momentum --lr 0.05
 
 The sweep's options default to None ("not given") so that giving one without
 ``--global-batches`` is an error rather than silently nothing; the sweep fills in its defaults
@@ -54,7 +55,8 @@ def positive_int(text: str) -> int:
 
 
 def positive_float(text: str) -> float:
-    """A finite number > 0: NaN compares false with everything, so it slips past a plain ``<= 0``."""
+    """A finite number > 0: NaN compares false with everything, so it slips
+    past a plain ``<= 0``."""
     value = float(text)
     if not (math.isfinite(value) and value > 0):
         raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
@@ -72,7 +74,8 @@ def _positive_ints(text: str) -> list[int]:
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"bad list {text!r}: give integers, e.g. 64,256,1024") from None
+        raise argparse.ArgumentTypeError(f"bad list {text!r}: give integers, "
+                                         "e.g. 64,256,1024") from None
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"bad list {text!r}: give integers >= 1, e.g. 64,256,1024")
     return values
@@ -92,14 +95,15 @@ def add_optimizer_args(g: argparse._ArgumentGroup) -> None:
                    help="optimizer; lars and lamb keep one trust ratio per weight and bias tensor")
     g.add_argument("--lr", type=positive_float, default=0.01,
                    help="learning rate (dplab compare's --global-batches sweep: the lr at its "
-                        "--base-batch); lars moves each tensor by about lr x --trust-coef of its norm, so "
-                        "it wants lr ~ 1-10")
+                        "--base-batch); lars moves each tensor by about lr x --trust-coef of "
+                        "its norm, so it wants lr ~ 1-10")
     g.add_argument("--warmup-steps", type=_nonneg_int, default=0,
                    help="ramp the lr linearly over the first N updates (0: none)")
     g.add_argument("--trust-coef", type=positive_float, default=OptimConfig().trust_coef,
                    help="lars: the trust coefficient eta of You et al.")
     g.add_argument("--weight-decay", type=_nonneg_float, default=0.0,
-                   help="L2 added to the gradient (sgd, momentum, adam); lars and lamb as their papers")
+                   help="L2 added to the gradient (sgd, momentum, adam); lars and lamb as "
+                        "their papers")
 
 
 def optim_config(a: argparse.Namespace) -> OptimConfig:
@@ -112,9 +116,10 @@ def add_sweep_args(c: argparse.ArgumentParser) -> None:
     """The large-batch sweep of ``dplab compare`` (``sweep.py``), and its data set defaults."""
     g = c.add_argument_group("large-batch sweep (rows per global batch x lr rule)")
     g.add_argument("--global-batches", type=_positive_ints, default=None,
-                   help="sweep these global batches, e.g. 64,256,1024,4096 (default: no sweep). Every "
-                        "cell sees the same samples, --steps x the largest batch: the largest batch "
-                        "takes --steps steps, a batch k times smaller k times as many")
+                   help="sweep these global batches, e.g. 64,256,1024,4096 (default: no "
+                        "sweep). Every cell sees the same samples, --steps x the largest "
+                        "batch: the largest batch takes --steps steps, a batch k times smaller "
+                        "k times as many")
     g.add_argument("--lr-rule", type=_rules, default=None,
                    help=f"how the lr grows with the batch: {', '.join(LR_RULES)}, or several, "
                         "e.g. linear,sqrt (default: linear)")
@@ -128,13 +133,16 @@ def add_sweep_args(c: argparse.ArgumentParser) -> None:
     for action in c._actions:  # the sweep's data set, unless given: see the module docstring
         key = action.dest
         if key in SWEEP_DATA:
-            action.default = (_DefaultStr if isinstance(action.default, str) else _DefaultInt)(action.default)
-            action.help += f" (default: {action.default}; a --global-batches sweep: {SWEEP_DATA[key]})"
+            action.default = (_DefaultStr
+                              if isinstance(action.default, str) else _DefaultInt)(action.default)
+            action.help += (
+                f" (default: {action.default}; a --global-batches sweep: {SWEEP_DATA[key]})"
+            )
 
 
 def csv_list(kind: Any = str, empty_ok: bool = False, what: str = "value"):
-    """A comma-separated list of at least one value: an empty grid would run nothing and say so late.
-    Every command's list options parse through this one function."""
+    """A comma-separated list of at least one value: an empty grid would run nothing and say so
+    late. Every command's list options parse through this one function."""
     def parse(text: str) -> list:
         try:
             values = [kind(v.strip()) for v in text.split(",") if v.strip()]

@@ -1,7 +1,7 @@
 """``dplab train``'s options for sharded data parallelism and mixed precision, and their configs.
 
     dplab train --zero-stage 3                          # ZeRO-3: weights, gradients, state sharded
-    dplab train --mixed-precision fp16                  # float16 compute, float32 masters, loss scaling
+    dplab train --mixed-precision fp16                  # fp16 compute, fp32 masters, loss scaling
     dplab train --zero-stage 2 --mixed-precision fp16 --reduce-dtype float16 --loss-scale 1024
 
 Without ``--zero-stage`` the run is ``train_sync`` (replicas, bucketed all-reduce); with it, the
@@ -29,30 +29,33 @@ def _loss_scale(text: str) -> str | float:
     except ValueError:
         raise argparse.ArgumentTypeError(f"'dynamic' or a number > 0, got {text!r}") from None
     if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"a static loss scale must be finite and > 0, got {text!r}")
+        raise argparse.ArgumentTypeError("a static loss scale must be finite and > 0, "
+                                         f"got {text!r}")
     if not SCALE_RANGE[0] <= value <= SCALE_RANGE[1]:
         raise argparse.ArgumentTypeError(f"a static loss scale must lie in float32's range "
-                                         f"[{SCALE_RANGE[0]:.3g}, {SCALE_RANGE[1]:.3g}], got {text!r}")
+                                         f"[{SCALE_RANGE[0]:.3g}, {SCALE_RANGE[1]:.3g}], "
+                                         f"got {text!r}")
     return value
 
 
 def add_zero_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sharding and precision")
     g.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], default=None,
-                   help="ZeRO: shard optimizer state (1), + gradients (2), + weights (3) across the "
-                        "ranks; 0 = replicas through the same trainer; needs --algorithm ring or "
-                        "direct for 1-3 and an element-wise optimizer (default: none: plain data "
-                        "parallelism)")
+                   help="ZeRO: shard optimizer state (1), + gradients (2), + weights (3) "
+                        "across the ranks; 0 = replicas through the same trainer; needs "
+                        "--algorithm ring or direct for 1-3 and an element-wise optimizer "
+                        "(default: none: plain data parallelism)")
     g.add_argument("--mixed-precision", choices=["no", "fp16"], default="no",
                    help="fp16: forward and backward on float16 copies of float32 master weights, "
                         "the loss scaled (default: no)")
     # None: not given; a value given without --mixed-precision is refused (precision_flags_error)
     g.add_argument("--loss-scale", type=_loss_scale, default=None, metavar="dynamic|S",
-                   help="with --mixed-precision: 'dynamic' (skip the step and halve on an overflow, "
-                        "double after 2000 good steps, as torch's GradScaler) or a fixed S "
-                        "(default: dynamic)")
+                   help="with --mixed-precision: 'dynamic' (skip the step and halve on "
+                        "an overflow, double after 2000 good steps, as torch's GradScaler) or "
+                        "a fixed S (default: dynamic)")
     g.add_argument("--reduce-dtype", choices=["float32", "float16"], default=None,
-                   help="with --mixed-precision: the dtype gradients are reduced in (default: float32)")
+                   help="with --mixed-precision: the dtype gradients are reduced in "
+                        "(default: float32)")
 
 
 def precision_flags_error(a: argparse.Namespace) -> str | None:

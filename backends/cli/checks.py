@@ -26,8 +26,8 @@ from dplab.reference.files import real_target
 if TYPE_CHECKING:  # bench's spec loads the cost model (for auto): imported by bench_spec, for bench
     from dplab.backends.bench.spec import BenchSpec
 
-__all__ = ["check_args", "OutputPathError", "stop_launcher_job", "check_output_file", "check_output_dir",
-           "bench_spec"]
+__all__ = ["check_args", "OutputPathError", "stop_launcher_job", "check_output_file",
+           "check_output_dir", "bench_spec"]
 
 class OutputPathError(ConfigError):
     """An output path is bad. Only the rank that writes (rank 0) checks, so under a launcher the
@@ -48,16 +48,17 @@ def check_args(a: argparse.Namespace, printer: bool = True) -> None:
     if a.device == "cuda" and set(backends) == {"cuda"}:
         pass  # the cuda backend's ranks are on the GPU anyway: --device cuda only says so
     elif a.device is not None and "torch" not in backends:
-        raise ConfigError(f"--device {a.device} picks the torch backend's device (cpu: gloo, cuda: NCCL); "
-                          f"backend {', '.join(backends)} has no device choice: drop --device or use "
-                          "--backend torch")
+        raise ConfigError(f"--device {a.device} picks the torch backend's device (cpu: gloo, "
+                          f"cuda: NCCL); backend {', '.join(backends)} has no device choice: "
+                          "drop --device or use --backend torch")
     if a.command == "train":
         _check_launcher_world(a)
     if a.command in ("compare", "bench"):
         _check_launcher_grid(a)
     if a.command in ("train", "compare", "bench"):
         _check_hosts(a, backends)
-    for p in (a.world_sizes or ()) if a.command in ("compare", "bench") else ():  # before any cell runs
+    # before any cell runs
+    for p in (a.world_sizes or ()) if a.command in ("compare", "bench") else ():
         if p < 1:
             raise ConfigError(f"world_size must be a positive integer, got {p}")
     if a.command in ("compare", "bench") and a.world_sizes:  # the largest world, before the first
@@ -81,12 +82,13 @@ def check_args(a: argparse.Namespace, printer: bool = True) -> None:
 
 
 def _check_launcher_world(a: argparse.Namespace) -> None:
-    """Every rank of a launcher job sees the same mismatch: one line from rank 0, not a traceback each."""
+    """Every rank of a launcher job sees the same mismatch: one line from
+    rank 0, not a traceback each."""
     if a.world_size is not None and under_launcher(a.backend):
         started = launcher_env(a.backend)[1]
         if started != a.world_size:
-            raise ConfigError(f"the launcher started {started} ranks but --world-size is {a.world_size}: "
-                              "drop --world-size or make them agree")
+            raise ConfigError(f"the launcher started {started} ranks but --world-size is "
+                              f"{a.world_size}: drop --world-size or make them agree")
 
 
 def _check_launcher_grid(a: argparse.Namespace) -> None:
@@ -95,15 +97,19 @@ def _check_launcher_grid(a: argparse.Namespace) -> None:
         if under_launcher(backend):
             started = launcher_env(backend)[1]
             if a.world_sizes != [started]:
-                raise ConfigError(f"the launcher started {started} ranks: give --world-sizes {started} "
-                                  f"(not {','.join(map(str, a.world_sizes or ['the default 1,2,3,4']))})")
+                raise ConfigError(
+                    f"the launcher started {started} ranks: give "
+                    f"--world-sizes {started} (not "
+                    f"{','.join(map(str, a.world_sizes or ['the default 1,2,3,4']))})"
+                )
 
 
 def _check_hosts(a: argparse.Namespace, backends: list[str]) -> None:
     """A ``hierarchical:g`` whose g is not the launcher's ranks per host: one line from rank 0
-    before any rank starts (every rank reads the same launcher's environment, so every rank refuses).
-    The layout: the launcher's own (torchrun, Slurm), else consecutive blocks of this host's count
-    (hydra's placement from -hosts); the communicator's ``hosts`` checks the real one again."""
+    before any rank starts (every rank reads the same launcher's environment, so every rank
+    refuses). The layout: the launcher's own (torchrun, Slurm), else consecutive blocks of this
+    host's count (hydra's placement from -hosts); the communicator's
+    ``hosts`` checks the real one again."""
     names = [a.algorithm] if a.command == "train" else (a.algorithms or [])
     for backend in backends:
         counts = local_ranks(backend) if under_launcher(backend) else None
@@ -126,7 +132,8 @@ def check_output_file(option: str, path: str) -> None:
         raise OutputPathError(f"{option} {path} is a directory: give a file name")
     parent = p.parent
     if not parent.is_dir():
-        raise OutputPathError(f"{option} {path}: directory {parent} does not exist: create it first")
+        raise OutputPathError(f"{option} {path}: directory {parent} does not exist: create "
+                              "it first")
     if p.exists():
         if not os.access(p, os.W_OK):
             raise OutputPathError(f"{option} {path} is not writable: choose another path")
@@ -164,5 +171,6 @@ def bench_spec(a: argparse.Namespace) -> BenchSpec:
     """``dplab bench``'s options as the ``BenchSpec`` the app builds too."""
     from dplab.backends.bench.spec import BenchSpec
 
-    return BenchSpec(tuple(a.backends), tuple(a.world_sizes), tuple(a.sizes), tuple(a.algorithms), a.dtype,
-                     a.warmup, a.target_seconds, a.reps, a.max_iters, getattr(a, "cluster", None))
+    return BenchSpec(tuple(a.backends), tuple(a.world_sizes), tuple(a.sizes), tuple(a.algorithms),
+                     a.dtype, a.warmup, a.target_seconds, a.reps, a.max_iters,
+                     getattr(a, "cluster", None))

@@ -7,7 +7,7 @@
     dplab train --checkpoint-every 10 --checkpoint-dir ck   # then, after a crash: add --resume ck
     dplab app                                       # the visualizer, in your browser
     dplab memory --params 7B --world-sizes 8,64     # GB per rank of ZeRO stages 0-3 (formulas)
-    dplab tune --backends local,mpi                 # fit alpha, beta, gamma; --algorithm auto uses it
+    dplab tune --backends local,mpi                 # fit alpha, beta, gamma for --algorithm auto
 
 Every command prints a table; ``--json PATH`` writes the same rows as JSON.
 Bad arguments get a one-line error and exit code 2. A command loads what it runs and no more
@@ -49,9 +49,9 @@ __all__ = ["main", "build_parser", "bench_argv"]
 TRAIN_COLUMNS = ["backend", "mode", "algorithm", "world_size", "steps", "final_loss",
                  "max_abs_diff_vs_single", "ranks_identical", "wall_s"]
 ASYNC_COLUMNS = [*TRAIN_COLUMNS, "max_delay", "replay_exact"]
-RACE_COLUMNS = ["backend", "mode", "algorithm", "world_size", "straggler", "updates", "samples_per_s",
-                "final_loss", "wall_s", "max_abs_diff_vs_single", "max_delay", "dropped",
-                "replay_exact"]
+RACE_COLUMNS = ["backend", "mode", "algorithm", "world_size", "straggler", "updates",
+                "samples_per_s", "final_loss", "wall_s", "max_abs_diff_vs_single", "max_delay",
+                "dropped", "replay_exact"]
 LAUNCHER_GRACE_S = 2.0  # other ranks wait this long after an error every rank hits
 UNLIMITED_STEPS = 10**9  # --steps under a time budget, unless given: the clock decides
 BENCH_COLUMNS = ["backend", "algorithm", "world_size", "bytes", "time_us", "algbw_gbps",
@@ -75,10 +75,12 @@ def cmd_train(a: argparse.Namespace) -> list[dict[str, Any]]:
     if world_size is None:
         world_size = launcher_env(a.backend)[1] if under_launcher(a.backend) else 4
     budget = None if a.time_budget is AUTO else a.time_budget
-    spec = RunSpec(a.backend, world_size, a.algorithm, a.mode, a.staleness, _train_config(a, budget),
-                   a.bucket_cap_mb, a.accum_steps, _stragglers(a), budget, a.backup_workers,
-                   _checkpoint(a), a.zero_stage, precision_config(a), a.cluster)
-    row, events = run_train(spec, trace=bool(a.trace), save_params=a.save_params if _is_printer(a) else None)
+    spec = RunSpec(a.backend, world_size, a.algorithm, a.mode, a.staleness,
+                   _train_config(a, budget), a.bucket_cap_mb, a.accum_steps, _stragglers(a),
+                   budget, a.backup_workers, _checkpoint(a), a.zero_stage, precision_config(a),
+                   a.cluster)
+    row, events = run_train(spec, trace=bool(a.trace),
+                            save_params=a.save_params if _is_printer(a) else None)
     if a.trace and _is_printer(a):
         merged = merge(events)
         simulated = {"clock": "simulated", "cluster": row["cluster"]} if "cluster" in row else {}
@@ -86,7 +88,8 @@ def cmd_train(a: argparse.Namespace) -> list[dict[str, Any]]:
         chrome = Path(a.trace).with_suffix(".chrome.json")
         write_atomic(chrome, json.dumps(to_chrome(merged, row.get("cluster", ""))).encode(),
                      "--trace (Chrome trace)")
-        _say(f"trace: {a.trace} ({format_number(len(merged))} events); Perfetto/chrome://tracing: {chrome}")
+        _say(f"trace: {a.trace} ({format_number(len(merged))} events); "
+             f"Perfetto/chrome://tracing: {chrome}")
     return [row]
 
 
@@ -114,13 +117,14 @@ def cmd_compare(a: argparse.Namespace) -> list[dict[str, Any]]:
     base = RunSpec(train=_train_config(a, budget), bucket_cap_mb=a.bucket_cap_mb,
                    accum_steps=a.accum_steps, straggler=_stragglers(a), time_budget_s=budget,
                    cluster=a.cluster)
-    return run_specs(compare_specs(base, a.backends, a.world_sizes or defaults["world_sizes"], a.modes,
-                                   a.algorithms or defaults["algorithms"], a.staleness_grid,
-                                   a.backup_workers))
+    return run_specs(compare_specs(base, a.backends, a.world_sizes or defaults["world_sizes"],
+                                   a.modes, a.algorithms or defaults["algorithms"],
+                                   a.staleness_grid, a.backup_workers))
 
 
 def cmd_bench(a: argparse.Namespace) -> list[dict[str, Any]]:
-    """Every backend x world size is one run with its own memcpy row (``checks`` vetted the rest)."""
+    """Every backend x world size is one run with its own memcpy row
+    (``checks`` vetted the rest)."""
     from dplab.backends.cli.checks import bench_spec
     from dplab.backends.cli.table import Progress
     from dplab.backends.launch.world import open_world
@@ -135,7 +139,8 @@ def cmd_bench(a: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def bench_argv(argv: list[str]) -> list[dict[str, Any]]:
-    """``dplab bench argv``'s rows: parsed and checked as the command line does (``tune``'s bench)."""
+    """``dplab bench argv``'s rows: parsed and checked as the command
+    line does (``tune``'s bench)."""
     a = build_parser("bench").parse_args(["bench", *argv])
     check_args(a, printer=False)
     return cmd_bench(a)
@@ -269,7 +274,8 @@ ROWS = {"train": cmd_train, "compare": cmd_compare, "bench": cmd_bench, "tune": 
 
 
 def _run(args: argparse.Namespace, argv: list[str] | None) -> int:
-    """One command of train, compare, bench, tune, scaling: its rows, printed, or one line of error."""
+    """One command of train, compare, bench, tune, scaling: its rows,
+    printed, or one line of error."""
     command = ROWS[args.command]
     try:
         check_args(args, _is_printer(args))

@@ -1,12 +1,12 @@
 """``dplab scaling``: strong scaling of synchronous training, and DDP's price against one process.
 
-    dplab scaling                                   # models small, 400k, 4M x world sizes 1, 2, 4 (local)
+    dplab scaling                                   # small, 400k, 4M models x 1, 2, 4 ranks (local)
     dplab scaling --backends local,mpi --models 4M --world-sizes 1,2 --json scaling.json
-    dplab scaling --ddp --backends local,mpi,torch  # DDP p=2 vs one process on the half batch, torch's DDP
+    dplab scaling --ddp --backends local,mpi,torch  # DDP (ours, torch's) p=2 vs one process
 
 The global batch (64) is split over p ranks, so a step on p ranks should take 1/p of one on one:
 
-    speedup = T1 / Tp        efficiency = T1 / (p Tp)      (1: perfect; at p = 1 it is 1 by definition)
+    speedup = T1 / Tp    efficiency = T1 / (p Tp)    (1: perfect; at p = 1 it is 1 by definition)
 
 Each cell trains ``train_sync`` with tracing on and splits every rank's mean step into four
 disjoint parts that add up to it (``dplab.reference.trace_metrics.step_split``): compute, exposed
@@ -95,20 +95,23 @@ class ScalingRun:
             raise ConfigError(f"world sizes must be >= 1, got {','.join(map(str, world_sizes))}")
         if self.global_batch < max(world_sizes):
             raise ConfigError(f"--global-batch {self.global_batch} is less than world size "
-                              f"{max(world_sizes)}: every rank needs a sample; raise --global-batch")
+                              f"{max(world_sizes)}: every rank needs a sample; raise "
+                              "--global-batch")
         if not has_schedule(self.algorithm):
-            raise ConfigError(f"unknown algorithm {self.algorithm!r}: choose from {', '.join(ALGORITHMS)}")
+            raise ConfigError(f"unknown algorithm {self.algorithm!r}: choose from "
+                              f"{', '.join(ALGORITHMS)}")
 
     def spec(self, backend: str, model: str, world_size: int) -> RunSpec:
-        train = TrainConfig(MODELS[model], "regression", max(256, self.global_batch), self.global_batch,
-                            self.steps, seed=0, dtype=self.dtype)
+        train = TrainConfig(MODELS[model], "regression", max(256, self.global_batch),
+                            self.global_batch, self.steps, seed=0, dtype=self.dtype)
         return RunSpec(backend, world_size, self.algorithm, train=train,
                        bucket_cap_mb=self.bucket_cap_mb,
                        cluster=self.cluster if entry(backend).simulated else None)
 
 
 def split_rows(per_rank: list[Any], warmup: int) -> dict[str, float]:
-    """The mean over ranks of each rank's step split (``train_rank``'s results, with their traces)."""
+    """The mean over ranks of each rank's step split (``train_rank``'s
+    results, with their traces)."""
     splits: list[StepSplit] = [step_split(r[3], first_step=warmup) for r in per_rank]
     return {k: statistics.fmean(getattr(s, k) for s in splits) for k in SPLIT}
 
@@ -132,8 +135,10 @@ def scaling_rows(cells: dict[tuple[str, str, int], list[dict[str, float]]],
     return rows
 
 
-def run_scaling(run: ScalingRun, backends: list[str], world_sizes: list[int]) -> list[dict[str, Any]]:
-    """Every backend x world size a world alive for the whole run; the cells interleaved per repetition."""
+def run_scaling(run: ScalingRun, backends: list[str],
+                world_sizes: list[int]) -> list[dict[str, Any]]:
+    """Every backend x world size a world alive for the whole run; the cells
+    interleaved per repetition."""
     keys = [(b, m, p) for b in backends for m in run.models for p in world_sizes]
     cells: dict[tuple[str, str, int], list[dict[str, float]]] = {k: [] for k in keys}
     progress = Progress(run.reps * len(keys))
@@ -168,16 +173,19 @@ def _dims(m: MLPConfig) -> str:
     return "-".join(map(str, (m.in_dim, *m.hidden, m.out_dim)))
 
 
-def add_scaling_parser(sub: Any, formatter_class: type[argparse.HelpFormatter]) -> argparse.ArgumentParser:
-    """Register ``dplab scaling`` on the subparsers ``sub`` (args.py passes its formatter: one style)."""
-    s = sub.add_parser("scaling", help="strong scaling of synchronous training; --ddp: DDP vs one process",
+def add_scaling_parser(sub: Any,
+                       formatter_class: type[argparse.HelpFormatter]) -> argparse.ArgumentParser:
+    """Register ``dplab scaling`` on the subparsers ``sub`` (args.py
+    passes its formatter: one style)."""
+    s = sub.add_parser("scaling",
+                       help="strong scaling of synchronous training; --ddp: DDP vs one process",
                        formatter_class=formatter_class, epilog=EPILOG,
                        description=textwrap.fill(
-                           "Train the same global batch on 1, 2, 4 ranks and report the speedup, the "
-                           "efficiency T1/(p Tp) and where each step's time goes (compute, exposed "
-                           "communication, waiting), from the traces. With --ddp: a step of DDP for "
-                           "torch modules on p ranks against one process on the 1/p batch, and torch's "
-                           "own DDP over gloo, side by side.", 88))
+                           "Train the same global batch on 1, 2, 4 ranks and report the "
+                           "speedup, the efficiency T1/(p Tp) and where each step's time goes "
+                           "(compute, exposed communication, waiting), from the traces. With "
+                           "--ddp: a step of DDP for torch modules on p ranks against one process "
+                           "on the 1/p batch, and torch's own DDP over gloo, side by side.", 88))
     s.add_argument("--backends", "--backend", type=csv_list(str, what="backend"), default=["local"],
                    help="local,mpi,torch: several in one run put their rows side by side")
     s.add_argument("--models", type=csv_list(str, what="model"), default=list(MODELS),
@@ -185,22 +193,27 @@ def add_scaling_parser(sub: Any, formatter_class: type[argparse.HelpFormatter]) 
     s.add_argument("--world-sizes", type=csv_list(int, what="world size"), default=None,
                    help="ranks per run (default: 1,2,4; on a simulated --cluster, its powers "
                         "of two up to 64; with --ddp: 2)")
-    s.add_argument("--global-batch", type=int, default=64, help="samples per step, split over the ranks")
+    s.add_argument("--global-batch", type=int, default=64,
+                   help="samples per step, split over the ranks")
     s.add_argument("--steps", type=int, default=12, help="steps per run, warm-up included")
-    s.add_argument("--warmup", type=int, default=2, help="first steps of each run left out of the timing")
+    s.add_argument("--warmup", type=int, default=2,
+                   help="first steps of each run left out of the timing")
     s.add_argument("--reps", type=int, default=None,
                    help="repetitions of every cell, interleaved; the median (default: 3; on a "
                         "simulated cluster alone, 1: every repetition gives the same time)")
     s.add_argument("--algorithm", default="ring", help="the all-reduce of the gradient buckets")
-    s.add_argument("--bucket-cap-mb", type=float, default=25.0, metavar="MiB", help="gradient bucket size")
+    s.add_argument("--bucket-cap-mb", type=float, default=25.0, metavar="MiB",
+                   help="gradient bucket size")
     s.add_argument("--dtype", choices=["float64", "float32"], default="float64",
-                   help="parameters and gradients of the reference trainer (--ddp trains in float32)")
+                   help="parameters and gradients of the reference trainer (--ddp trains "
+                        "in float32)")
     s.add_argument("--ddp", action="store_true",
                    help="measure DDP for torch modules (a 10.5 M-parameter MLP, SGD) instead "
                         "(default: off, strong scaling)")
     s.add_argument("--device", choices=["cpu"], default=None,
                    help="torch backend: gloo on the CPU (default: cpu)")
-    s.add_argument("--json", metavar="PATH", help="also write the rows as JSON (default: not written)")
+    s.add_argument("--json", metavar="PATH",
+                   help="also write the rows as JSON (default: not written)")
     add_cluster_arg(s)
     return s
 

@@ -1,4 +1,5 @@
-"""DDP's speed, measured: our DDP at world size p against one process on the 1/p batch, and torch's DDP.
+"""DDP's speed, measured: our DDP at world size p against one process on the 1/p batch, and torch's
+DDP.
 
     dplab scaling --ddp --backends local,mpi,torch --reps 3
 
@@ -25,14 +26,15 @@ from dplab.reference.errors import ConfigError
 
 __all__ = ["DdpBench", "ddp_rank", "ddp_model", "DDP_COLUMNS", "ddp_rows", "run_ddp"]
 
-DDP_COLUMNS = ["impl", "backend", "world_size", "params", "global_batch", "step_ms", "ratio_vs_single",
-               "cpu_ms", "cpu_ratio_vs_single", "load_1min"]
+DDP_COLUMNS = ["impl", "backend", "world_size", "params", "global_batch", "step_ms",
+               "ratio_vs_single", "cpu_ms", "cpu_ratio_vs_single", "load_1min"]
 IMPLS = ("single", "independent", "dplab", "torch_ddp")
 
 
 @dataclass(frozen=True)
 class DdpBench:
-    """The DDP measurement: torch's MLP ``in_dim -> hidden... -> out_dim``, SGD, global batch split."""
+    """The DDP measurement: torch's MLP ``in_dim -> hidden... -> out_dim``, SGD, global
+    batch split."""
 
     in_dim: int = 512
     hidden: tuple[int, ...] = (2048, 2048, 2048)  # 10.5 M parameters with 512 in and out
@@ -47,8 +49,8 @@ class DdpBench:
 
     def validate(self, world_size: int) -> None:
         if self.global_batch < world_size:
-            raise ConfigError(f"global batch {self.global_batch} < world size {world_size}: every rank "
-                              "needs a sample; raise --global-batch")
+            raise ConfigError(f"global batch {self.global_batch} < world size {world_size}: "
+                              "every rank needs a sample; raise --global-batch")
         if self.steps < 1 or self.warmup < 0:
             raise ConfigError("the DDP measurement needs --steps >= 1 and --warmup >= 0")
 
@@ -78,9 +80,9 @@ def ddp_rank(comm: Any, cfg: DdpBench, impl: str) -> tuple[float, float] | None:
 
     ``single``: rank 0 alone trains on the 1/p batch, the others return at once (and sleep).
     ``independent``: every rank trains alone on its 1/p batch, no communication: what p processes
-    computing at once cost on this machine (shared caches, memory bandwidth, cores), DDP's real floor.
-    ``dplab``: our ``DistributedDataParallel`` on ``comm``. ``torch_ddp``: torch's own, over the
-    process group of the torch backend (gloo on CPU).
+    computing at once cost on this machine (shared caches, memory bandwidth, cores), DDP's real
+    floor. ``dplab``: our ``DistributedDataParallel`` on ``comm``. ``torch_ddp``: torch's own, over
+    the process group of the torch backend (gloo on CPU).
     """
     import torch
     from torch import nn
@@ -124,8 +126,8 @@ def ddp_rank(comm: Any, cfg: DdpBench, impl: str) -> tuple[float, float] | None:
             model.close()
 
 
-def ddp_rows(times: dict[tuple[str, str], list[tuple[float, float]]], cfg: DdpBench, world_size: int,
-             load: float | None = None) -> list[dict[str, Any]]:
+def ddp_rows(times: dict[tuple[str, str], list[tuple[float, float]]], cfg: DdpBench,
+             world_size: int, load: float | None = None) -> list[dict[str, Any]]:
     """Rows from ``{(impl, backend): [(slowest rank's wall step, mean rank's CPU step) per rep]}``:
     medians over repetitions, and ratios against ``single`` (wall to wall, CPU to CPU)."""
     wall = {key: statistics.median(w for w, _ in ts) for key, ts in times.items()}
@@ -145,16 +147,19 @@ def ddp_rows(times: dict[tuple[str, str], list[tuple[float, float]]], cfg: DdpBe
     return rows
 
 
-def run_ddp(cfg: DdpBench, backends: list[str], world_sizes: list[int], reps: int) -> list[dict[str, Any]]:
+def run_ddp(cfg: DdpBench, backends: list[str], world_sizes: list[int],
+            reps: int) -> list[dict[str, Any]]:
     """Per world size: one process on the 1/p batch (in the first backend's world, its other ranks
-    idle), our DDP on every backend and torch's DDP on the torch backend, interleaved ``reps`` times."""
+    idle), our DDP on every backend and torch's DDP on the torch backend,
+    interleaved ``reps`` times."""
     from dplab.backends.cli.table import Progress
     from dplab.backends.launch.world import World
 
     for p in world_sizes:
         cfg.validate(p)
     rows: list[dict[str, Any]] = []
-    cells = [("single", backends[0]), ("independent", backends[0])] + [("dplab", b) for b in backends]
+    cells = ([("single", backends[0]), ("independent", backends[0])]
+             + [("dplab", b) for b in backends])
     cells += [("torch_ddp", "torch")] if "torch" in backends else []
     progress = Progress(len(world_sizes) * reps * len(cells))
     for p in world_sizes:
@@ -169,7 +174,8 @@ def run_ddp(cfg: DdpBench, backends: list[str], world_sizes: list[int], reps: in
                 for impl, b in cells:
                     per_rank = worlds[b].run(ddp_rank, cfg, impl)
                     mine = [t for t in per_rank if t is not None]
-                    times[impl, b].append((max(w for w, _ in mine), statistics.fmean(c for _, c in mine)))
+                    times[impl, b].append((max(w for w, _ in mine),
+                                           statistics.fmean(c for _, c in mine)))
                     loads.append(os.getloadavg()[0])
                     progress.step(f"{impl} {b} p={p}")
         finally:

@@ -1,7 +1,8 @@
-"""The large-batch sweep of ``dplab compare``: what a bigger global batch buys, per step and per sample.
+"""The large-batch sweep of ``dplab compare``: what a bigger global batch buys, per step and per
+sample.
 
-    dplab compare --global-batches 64,256,1024,4096 --lr-rule linear,sqrt --optimizer momentum --lr 0.05
-    dplab compare --global-batches 64,4096 --lr-rule sqrt --warmup-steps 5 --json sweep.json
+    dplab compare --global-batches 64,256,1024,4096 --lr-rule linear,sqrt --optimizer momentum --lr
+    0.05 dplab compare --global-batches 64,4096 --lr-rule sqrt --warmup-steps 5 --json sweep.json
 
 Each cell is a real synchronous data-parallel run (``--backends`` x ``--world-sizes`` x
 ``--algorithms``) at one global batch B, with the lr of one rule (``dplab.reference.lr.scaled_lr``:
@@ -15,7 +16,8 @@ Each cell is a real synchronous data-parallel run (``--backends`` x ``--world-si
 Intermediate losses come from the single-device oracle (``train_single``) stopped at that step;
 ``max_abs_diff_vs_single`` shows the data-parallel run is that run to rounding, and ``final_loss``
 is its own. An lr too large for its batch trains unstably and amplifies rounding: a large diff in
-a sweep row means "unstable", not "wrong". Data, unless given: ``args_optim.SWEEP_DATA`` (8192 samples).
+a sweep row means "unstable", not "wrong". Data, unless given: ``args_optim.SWEEP_DATA`` (8192
+samples).
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ __all__ = ["Sweep", "sweep_specs", "run_sweep", "cmd_sweep", "wants_sweep", "swe
            "SWEEP_DEFAULTS"]
 
 SWEEP_DEFAULTS = {"rules": ["linear"], "base_batch": 64, "world_sizes": [2], "algorithms": ["ring"]}
-SWEEP_OPTIONS = {"--global-batches": "global_batches", "--lr-rule": "lr_rule", "--base-batch": "base_batch",
+SWEEP_OPTIONS = {"--global-batches": "global_batches", "--lr-rule": "lr_rule",
+                 "--base-batch": "base_batch",
                  "--at-steps": "at_steps", "--at-samples": "at_samples"}
 
 
@@ -55,26 +58,29 @@ class Sweep:
 
     def marks(self, steps: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """(at_steps, at_samples) for ``--steps`` = ``steps``, checked to lie inside every cell."""
-        if steps < 1 or not self.global_batches or min(self.global_batches) < 1 or self.base_batch < 1:
-            raise ConfigError(f"a sweep needs --steps >= 1, global batches >= 1 and --base-batch >= 1, "
-                              f"got {steps}, {list(self.global_batches)}, {self.base_batch}")
+        if (steps < 1 or not self.global_batches or min(self.global_batches) < 1
+                or self.base_batch < 1):
+            raise ConfigError("a sweep needs --steps >= 1, global batches >= 1 and "
+                              f"--base-batch >= 1, got {steps}, {list(self.global_batches)}, "
+                              f"{self.base_batch}")
         biggest = max(self.global_batches)
         at_steps = tuple(sorted(set(self.at_steps or (max(1, steps // 5), steps))))
         at_samples = tuple(sorted(set(self.at_samples or (biggest * k for k in at_steps))))
         if max(at_steps) > steps:
-            raise ConfigError(f"--at-steps {max(at_steps)} is past --steps {steps}, which the largest "
-                              "batch takes: give marks up to --steps, or more --steps")
+            raise ConfigError(f"--at-steps {max(at_steps)} is past --steps {steps}, which "
+                              "the largest batch takes: give marks up to --steps, or more --steps")
         if max(at_samples) > steps * biggest:
-            raise ConfigError(f"--at-samples {max(at_samples)} is past the {steps * biggest} samples every "
-                              f"cell sees (--steps x {biggest}): give fewer, or more --steps")
+            raise ConfigError(f"--at-samples {max(at_samples)} is past the {steps * biggest} "
+                              f"samples every cell sees (--steps x {biggest}): give fewer, or "
+                              "more --steps")
         return at_steps, at_samples
 
 
 def sweep_specs(base: RunSpec, sweep: Sweep, backends: Sequence[str], world_sizes: Sequence[int],
                 algorithms: Sequence[str]) -> list[tuple[str, RunSpec]]:
-    """(rule, cell): one synchronous cell per backend x world size x algorithm x global batch x rule,
-    grouped by (backend, world size) as ``run_specs`` wants; ``base.train.steps`` is the largest
-    batch's number of steps."""
+    """(rule, cell): one synchronous cell per backend x world size x algorithm x global batch x
+    rule, grouped by (backend, world size) as ``run_specs`` wants; ``base.train.steps`` is the
+    largest batch's number of steps."""
     samples = base.train.steps * max(sweep.global_batches)
     opt = base.train.optimizer
     specs = []
@@ -84,7 +90,8 @@ def sweep_specs(base: RunSpec, sweep: Sweep, backends: Sequence[str], world_size
                 for batch in sweep.global_batches:
                     for rule in sweep.rules:
                         lr = scaled_lr(opt.lr, sweep.base_batch, batch, rule)
-                        train = replace(base.train, global_batch=batch, steps=math.ceil(samples / batch),
+                        train = replace(base.train, global_batch=batch,
+                                        steps=math.ceil(samples / batch),
                                         optimizer=replace(opt, lr=lr))
                         specs.append((rule, replace(base, backend=b, world_size=p, algorithm=alg,
                                                     mode="sync", train=train)))
@@ -101,7 +108,8 @@ def run_sweep(base: RunSpec, sweep: Sweep, backends: Sequence[str], world_sizes:
     progress = Progress(len(rows))
     for (rule, spec), row in zip(cells, rows):
         cfg = spec.train
-        row.update(dataset=cfg.dataset, lr_rule=rule, base_batch=sweep.base_batch, lr=cfg.optimizer.lr,
+        row.update(dataset=cfg.dataset, lr_rule=rule, base_batch=sweep.base_batch,
+                   lr=cfg.optimizer.lr,
                    optimizer=cfg.optimizer.name, warmup_steps=cfg.optimizer.warmup_steps)
         for k in at_steps:
             row[f"loss@{k}steps"] = _loss_after(cfg, k, row, cache)
@@ -112,7 +120,8 @@ def run_sweep(base: RunSpec, sweep: Sweep, backends: Sequence[str], world_sizes:
     return rows
 
 
-def _loss_after(cfg: TrainConfig, k: int, row: dict[str, Any], cache: dict[TrainConfig, float]) -> float:
+def _loss_after(cfg: TrainConfig, k: int, row: dict[str, Any],
+                cache: dict[TrainConfig, float]) -> float:
     """The full data set's loss after ``k`` steps of ``cfg``."""
     if k == cfg.steps:
         return row["final_loss"]  # the data-parallel run's own
@@ -141,8 +150,9 @@ def cmd_sweep(a: argparse.Namespace, train_config: Callable[[argparse.Namespace,
     the command line's own TrainConfig builder, so every model and optimizer option applies)."""
     if a.global_batches is None:
         given = [o for o, k in SWEEP_OPTIONS.items() if getattr(a, k) is not None]
-        raise ConfigError(f"{', '.join(given)}: only for the large-batch sweep; add --global-batches "
-                          f"(e.g. 64,256,1024,4096) or drop {'it' if len(given) == 1 else 'them'}")
+        raise ConfigError(f"{', '.join(given)}: only for the large-batch sweep; add "
+                          "--global-batches (e.g. 64,256,1024,4096) or drop "
+                          f"{'it' if len(given) == 1 else 'them'}")
     if any(m != "sync" for m in a.modes):
         raise ConfigError(f"the large-batch sweep trains synchronously (all-reduce): drop --modes "
                           f"{','.join(a.modes)} or --global-batches")
@@ -152,9 +162,11 @@ def cmd_sweep(a: argparse.Namespace, train_config: Callable[[argparse.Namespace,
     for key, value in SWEEP_DATA.items():
         if is_default(getattr(a, key)):
             setattr(a, key, value)
-    base = RunSpec(train=train_config(a, None), bucket_cap_mb=a.bucket_cap_mb, accum_steps=a.accum_steps)
+    base = RunSpec(train=train_config(a, None), bucket_cap_mb=a.bucket_cap_mb,
+                   accum_steps=a.accum_steps)
     sweep = Sweep(tuple(a.global_batches), tuple(a.lr_rule or SWEEP_DEFAULTS["rules"]),
-                  a.base_batch or SWEEP_DEFAULTS["base_batch"], _tuple(a.at_steps), _tuple(a.at_samples))
+                  a.base_batch or SWEEP_DEFAULTS["base_batch"], _tuple(a.at_steps),
+                  _tuple(a.at_samples))
     return run_sweep(base, sweep, a.backends, a.world_sizes or SWEEP_DEFAULTS["world_sizes"],
                      a.algorithms or SWEEP_DEFAULTS["algorithms"])
 

@@ -30,7 +30,8 @@ def format_number(v: Any) -> str:
     Integers get thousands separators (1,048,576). Floats: 1,000 and up are rounded to
     whole numbers with separators (14,380 samples/s, not 1.438e+04); between 0.0001 and
     1,000, four significant digits (0.07971, 345.2, 0.00064); below 0.0001 scientific
-    notation, where it helps (a max_abs_diff of 2.220e-16). None (no value: a missing yardstick) is '-'.
+    notation, where it helps (a max_abs_diff of 2.220e-16). None (no value: a missing yardstick) is
+    '-'.
     """
     if v is None:
         return "-"
@@ -67,7 +68,8 @@ def _terminal(stream: TextIO) -> bool:
 _CELL_STYLE = {"True": "green", "False": "bold red", "-": "dim"}
 
 
-def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[str], colour: bool | None = None) -> str:
+def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[str],
+                 colour: bool | None = None) -> str:
     """The rows as a table, one line per row (never wrapped: a wide table stays one line per row).
 
     Args:
@@ -133,9 +135,12 @@ class Progress:
 
             console = Console(file=sys.stderr, no_color=bool(os.environ.get("NO_COLOR")))
             self._bar = rp.Progress(rp.BarColumn(bar_width=width), rp.MofNCompleteColumn(),
-                                      rp.TimeElapsedColumn(), rp.TextColumn("eta"), rp.TimeRemainingColumn(),
-                                      rp.TextColumn("{task.description}"), console=console, transient=True,
-                                      redirect_stdout=False, redirect_stderr=False, refresh_per_second=4)
+                                      rp.TimeElapsedColumn(), rp.TextColumn("eta"),
+                                    rp.TimeRemainingColumn(),
+                                      rp.TextColumn("{task.description}"), console=console,
+                                    transient=True,
+                                      redirect_stdout=False, redirect_stderr=False,
+                                    refresh_per_second=4)
             self._task = self._bar.add_task("", total=max(total, 1))
             self._bar.start()
             atexit.register(self.close)

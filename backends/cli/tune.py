@@ -49,15 +49,18 @@ columns:
 """
 
 
-def add_tune_parser(sub: Any, formatter_class: type[argparse.HelpFormatter]) -> argparse.ArgumentParser:
-    """Register ``dplab tune`` on the subparsers ``sub`` (args.py passes its formatter: one style)."""
-    t = sub.add_parser("tune", help="fit alpha, beta, gamma per backend and save them for --algorithm auto",
+def add_tune_parser(sub: Any,
+                    formatter_class: type[argparse.HelpFormatter]) -> argparse.ArgumentParser:
+    """Register ``dplab tune`` on the subparsers ``sub`` (args.py
+    passes its formatter: one style)."""
+    t = sub.add_parser("tune",
+                       help="fit alpha, beta, gamma per backend and save them for --algorithm auto",
                        formatter_class=formatter_class, epilog=TUNE_EPILOG,
                        description=textwrap.fill(
-                           "Run a short dplab bench of every registered all-reduce and native (or read "
-                           "one with --from-json), fit the alpha-beta-gamma cost model to it by least "
-                           "squares, print the fit with its residuals and save it where "
-                           "algorithm='auto' reads it.", 88))
+                           "Run a short dplab bench of every registered all-reduce and native "
+                           "(or read one with --from-json), fit the alpha-beta-gamma cost model "
+                           "to it by least squares, print the fit with its residuals and save "
+                           "it where algorithm='auto' reads it.", 88))
     t.add_argument("--backends", "--backend", type=csv_list(str, what="backend"), default=["local"],
                    help="local,mpi,torch")
     t.add_argument("--world-sizes", type=csv_list(int, what="world size"), default=[2, 4],
@@ -67,16 +70,20 @@ def add_tune_parser(sub: Any, formatter_class: type[argparse.HelpFormatter]) -> 
                    help="bytes per buffer, with K, M or G (default: 4K,64K,1M,16M)")
     t.add_argument("--algorithms", type=csv_list(str, what="algorithm"), default=None,
                    help="what to bench (default: every registered all-reduce and native)")
-    t.add_argument("--dtype", choices=["float32", "float64"], default="float32", help="buffer element type")
-    t.add_argument("--reps", type=int, default=3, help="timed loops per cell, algorithms interleaved")
+    t.add_argument("--dtype", choices=["float32", "float64"], default="float32",
+                   help="buffer element type")
+    t.add_argument("--reps", type=int, default=3,
+                   help="timed loops per cell, algorithms interleaved")
     t.add_argument("--target-seconds", type=float, default=0.1, help="timed work per cell")
     t.add_argument("--from-json", metavar="PATH", default=None,
                    help="fit these `dplab bench --json` rows instead of running a bench")
     t.add_argument("--out", metavar="PATH", default=None,
-                   help=f"where to save the fit (default: ${auto.TUNE_ENV}, else {auto.DEFAULT_TUNE_PATH})")
+                   help=f"where to save the fit (default: ${auto.TUNE_ENV}, else "
+                        f"{auto.DEFAULT_TUNE_PATH})")
     t.add_argument("--device", choices=["cpu", "cuda"], default=None,
                    help="torch backend: gloo on CPU or NCCL (its fit is saved as torch-nccl)")
-    t.add_argument("--json", metavar="PATH", help="also write the rows as JSON (default: not written)")
+    t.add_argument("--json", metavar="PATH",
+                   help="also write the rows as JSON (default: not written)")
     return t
 
 
@@ -89,9 +96,10 @@ def bench_rows(a: argparse.Namespace, bench: Bench) -> list[dict[str, Any]]:
     else:
         algorithms = a.algorithms or [*ALLREDUCE, "native"]
         argv = ["--backends", ",".join(a.backends),
-                "--world-sizes", ",".join(map(str, a.world_sizes)), "--sizes", ",".join(map(str, a.sizes)),
-                "--algorithms", ",".join(algorithms),
-                "--dtype", a.dtype, "--reps", str(a.reps), "--target-seconds", str(a.target_seconds)]
+                "--world-sizes", ",".join(map(str, a.world_sizes)), "--sizes",
+                ",".join(map(str, a.sizes)), "--algorithms", ",".join(algorithms),
+                "--dtype", a.dtype, "--reps", str(a.reps), "--target-seconds",
+                str(a.target_seconds)]
         rows = bench(argv + (["--device", a.device] if a.device else []))
     if a.device == "cuda":
         rows = [dict(r, backend="torch-nccl") if r["backend"] == "torch" else r for r in rows]
@@ -108,12 +116,15 @@ def tune_fits(rows: list[dict[str, Any]], itemsize: int = 4) -> list[costfit.Cos
 
 
 def _gains(fits: list[costfit.CostFit], itemsize: int) -> list[str]:
-    """Per backend, one line: the rms residual of each level, so the reader sees what finer fits buy."""
+    """Per backend, one line: the rms residual of each level, so the
+    reader sees what finer fits buy."""
     lines = []
     for backend in sorted({f.backend for f in fits}):
         parts = []
-        for by, label in zip(LEVELS, ("per backend", "per world size", "per algorithm and world size")):
-            res = [r["residual_pct"] for f in fits if f.backend == backend and f.algorithm != "native"
+        for by, label in zip(LEVELS,
+                             ("per backend", "per world size", "per algorithm and world size")):
+            res = [r["residual_pct"] for f in fits if f.backend == backend
+                   and f.algorithm != "native"
                    and (f.world_size != "all") == ("world_size" in by)
                    and (f.algorithm != "all") == ("algorithm" in by)
                    for r in f.residuals(itemsize) if r["residual_pct"] is not None]
@@ -126,7 +137,8 @@ def _gains(fits: list[costfit.CostFit], itemsize: int) -> list[str]:
 
 
 def cmd_tune(a: argparse.Namespace, bench: Bench) -> list[dict[str, Any]]:
-    """Bench with ``bench`` (or read), fit every level, save where auto reads, return one row per fit."""
+    """Bench with ``bench`` (or read), fit every level, save where auto
+    reads, return one row per fit."""
     out = Path(a.out).expanduser() if a.out else auto.tune_path()
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -138,7 +150,8 @@ def cmd_tune(a: argparse.Namespace, bench: Bench) -> list[dict[str, Any]]:
     rows = bench_rows(a, bench)
     fits = tune_fits(rows, itemsize)
     if not fits:
-        raise ConfigError("no row to fit: tune needs rows of our schedules or native at world size >= 2")
+        raise ConfigError("no row to fit: tune needs rows of our schedules or native at world "
+                          "size >= 2")
     auto.save_tuning(auto.Tuning(tuple(fits), str(out)), out)
     auto.reset()
     for line in _gains(fits, itemsize):

@@ -11,7 +11,8 @@ needed; across GPUs the receiver waits on the sender's ``ready`` event, the send
 ``native`` is a one-shot on device memory: rank d adds chunk d of every rank's buffer (in the order
 d, d+1, ..., d-1) and writes the sum into every buffer's chunk d. Mismatch contract: each message
 carries its collective's code and the buffer's (length, dtype), compared by the receiver (1, 2); a
-waiting rank sees a peer's pending message of another collective (3). Why threads: backends/README.md.
+waiting rank sees a peer's pending message of another collective (3). Why threads:
+backends/README.md.
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ class _Request:
 
 
 class CudaComm(Communicator):
-    """One rank thread; ``devices``: every rank's GPU (the CPU only in this transport's CPU tests)."""
+    """One rank thread; ``devices``: every rank's GPU (the CPU only in
+    this transport's CPU tests)."""
 
     backend, moves_tensors = "cuda", True
 
@@ -67,13 +69,16 @@ class CudaComm(Communicator):
             try:
                 torch.cuda.set_device(device)
             except RuntimeError as e:
-                if "initialization error" not in str(e) and "re-initialize CUDA in forked" not in str(e):
+                if ("initialization error" not in str(e)
+                        and "re-initialize CUDA in forked" not in str(e)):
                     raise
-                raise ConfigError("CUDA cannot start in the cuda world's process: the process that started "
-                                  "it had started CUDA before forking (torch.manual_seed, "
-                                  "torch.cuda.is_available() and any GPU tensor do): start the world "
-                                  "first, and seed with torch.default_generator.manual_seed or a "
-                                  "torch.Generator") from None
+                raise ConfigError(
+                    "CUDA cannot start in the cuda world's process: the process "
+                    "that started it had started CUDA before forking "
+                    "(torch.manual_seed, torch.cuda.is_available() and any GPU "
+                    "tensor do): start the world first, and seed with "
+                    "torch.default_generator.manual_seed or a torch.Generator"
+                ) from None
             self.stream = torch.cuda.default_stream(device)  # shared by every rank on this GPU
             self.events = any(d != device for d in devices)
         # Backward runs in this thread, not in autograd's one worker thread per GPU that all ranks
@@ -94,7 +99,8 @@ class CudaComm(Communicator):
         tag, facts = (self._code, self._facts) if round >= 0 else (0, None)
         with self._on_stream():
             ready = self._event()
-            posted = [self.hub.post(Message(self.rank, s.peer, (tag, round, s.chunk), s.buf, ready, facts))
+            posted = [self.hub.post(Message(self.rank, s.peer, (tag, round, s.chunk), s.buf, ready,
+                                            facts))
                       for s in sends]
             for r in recvs:
                 t0 = self.tracer.now()
@@ -119,8 +125,10 @@ class CudaComm(Communicator):
         key = (_NATIVE.code(), 0, -1)
         with self._on_stream():
             ready = self._event()
-            posted = [self.hub.post(Message(me, d, key, flat, ready, facts)) for d in range(p) if d != me]
-            order = (*range(me + 1, p), *range(me))  # d + 1, ..., d - 1: every rank sums in one order
+            posted = [self.hub.post(Message(me, d, key, flat, ready, facts))
+                      for d in range(p) if d != me]
+            # d + 1, ..., d - 1: every rank sums in one order
+            order = (*range(me + 1, p), *range(me))
             taken = [self.hub.take(me, src, key) for src in order]
             for msg in taken:
                 self._check(msg, flat, facts)
@@ -159,14 +167,15 @@ class CudaComm(Communicator):
             self.stream.synchronize()
 
     def _trace(self, kind: str, t0: int, spec: Any, round: int, algorithm: str) -> None:
-        """A transfer in the trace, as every backend records it (host time: the device runs later)."""
+        """A transfer in the trace, as every backend records it (host
+        time: the device runs later)."""
         if self.tracer.enabled:
             buf = spec.buf
             nbytes = buf.nbytes if isinstance(buf, np.ndarray) else buf.numel() * buf.element_size()
-            self.tracer.record(kind, t0, self.tracer.now(), peer=spec.peer, bytes=nbytes, chunk=spec.chunk,
-                               round=round, algorithm=algorithm)
+            self.tracer.record(kind, t0, self.tracer.now(), peer=spec.peer, bytes=nbytes,
+                               chunk=spec.chunk, round=round, algorithm=algorithm)
 
-    # -- device work --------------------------------------------------------------------------------
+    # -- device work -------------------------------------------------------------------------------
     def _on_stream(self) -> Any:
         """Run on the rank's stream, ordered after the caller's (a DDP comm thread has its own)."""
         return _Stream(self)
@@ -199,7 +208,8 @@ class CudaComm(Communicator):
         else:
             d.copy_(s)
         if d.device.type == "cpu" and self.cuda and s.device.type == "cuda":
-            self.stream.synchronize()  # a host buffer is read by the host next: the copy must be there
+            # a host buffer is read by the host next: the copy must be there
+            self.stream.synchronize()
 
     def _check(self, msg: Message, buf: Any, facts: Any) -> None:
         """Clause 2 of the mismatch contract: the same buffer (length, dtype) on both ranks."""
@@ -207,9 +217,9 @@ class CudaComm(Communicator):
         mine = facts if facts is not None else _facts(buf)
         if theirs != mine or len(msg.data) != len(buf):
             raise BufferMismatch(
-                f"rank {self.rank} expected {mine[0]} x {mine[1]} from rank {msg.src} but rank {msg.src} "
-                f"sent {theirs[0]} x {theirs[1]}: every rank must pass a buffer of the same length and dtype "
-                "to a collective")
+                f"rank {self.rank} expected {mine[0]} x {mine[1]} from rank {msg.src} but "
+                f"rank {msg.src} sent {theirs[0]} x {theirs[1]}: every rank must pass a buffer "
+                "of the same length and dtype to a collective")
 
 
 def _facts(buf: Any) -> tuple[int, str]:

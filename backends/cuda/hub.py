@@ -24,7 +24,12 @@ import threading
 import time
 from typing import Any
 
-from dplab.reference.communicator import ANY_SOURCE, COLLECTIVE_TAG, CommTimeout, collective_mismatch
+from dplab.reference.communicator import (
+    ANY_SOURCE,
+    COLLECTIVE_TAG,
+    CommTimeout,
+    collective_mismatch,
+)
 
 __all__ = ["Message", "Hub"]
 
@@ -37,7 +42,8 @@ class Message:
     __slots__ = ("src", "dst", "key", "data", "ready", "facts", "consumed", "done")
 
     def __init__(self, src: int, dst: int, key: tuple, data: Any, ready: Any, facts: Any) -> None:
-        self.src, self.dst, self.key, self.data, self.ready, self.facts = src, dst, key, data, ready, facts
+        self.src, self.dst, self.key = src, dst, key
+        self.data, self.ready, self.facts = data, ready, facts
         self.consumed, self.done = None, False
 
 
@@ -81,11 +87,13 @@ class Hub:
                 self._check_peer(me, msg.dst, msg.key[0])
             return msg.done
 
-        self._wait(me, taken, msg.dst, f"its receive of a message (tag {msg.key[0]}, round {msg.key[1]})")
+        self._wait(me, taken, msg.dst,
+                   f"its receive of a message (tag {msg.key[0]}, round {msg.key[1]})")
         return msg.consumed
 
     def _check_peer(self, me: int, peer: int, tag: int) -> None:
-        """Inside a collective, a pending message of ``peer`` under another collective's code: a mismatch."""
+        """Inside a collective, a pending message of ``peer`` under another
+        collective's code: a mismatch."""
         if tag < COLLECTIVE_TAG:
             return
         for m in self.inbox[me]:

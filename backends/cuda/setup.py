@@ -41,8 +41,9 @@ def prepare(ctx: BaseContext, session: str, world_size: int, timeout: float) -> 
     from dplab.backends.cuda.hub import Hub
 
     if torch.cuda.is_initialized():
-        raise ConfigError("this process has used CUDA already, and CUDA does not survive the fork that "
-                          "starts a cuda world: start the world (launch, World) before touching the GPU")
+        raise ConfigError("this process has used CUDA already, and CUDA does not survive the "
+                          "fork that starts a cuda world: start the world (launch, World) before "
+                          "touching the GPU")
     hub = Hub(world_size, timeout)
     devices = [_DEVICE_OF(rank) for rank in range(world_size)]
     return (lambda rank: CudaComm(hub, devices, rank)), None

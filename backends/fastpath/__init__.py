@@ -3,8 +3,9 @@
     executor.py      the collectives with per-call plans compiled once and snapshot scratch reused
                      (``dplab.reference.collectives`` is the readable executor it must equal:
                      ``tests/test_spine_equals_engine.py``)
-    arrays.py        the schedules that grow like p^2 built as arrays, to price p = 4096 (the readable
-                     builders of ``dplab.reference.algorithms`` are the source they must equal)
+    arrays.py        the schedules that grow like p^2 built as arrays, to price p = 4096 (the
+                     readable builders of ``dplab.reference.algorithms`` are the source they
+                     must equal)
 
 Used where per-call overhead shows: ``dplab bench``, DDP's buckets, the torch wrappers.
 """

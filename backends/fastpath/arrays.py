@@ -24,7 +24,7 @@ from dplab.reference.schedule import Op
 __all__ = ["ALLREDUCE", "SCATTER"]
 
 
-# -- Rabenseifner: recursive halving, then doubling (chunk by chunk, senders in rank order) ----------
+# -- Rabenseifner: recursive halving, then doubling (chunk by chunk, senders in rank order) --------
 
 def _owners(start: np.ndarray) -> np.ndarray:
     """The virtual rank that owns each chunk (``start[v]`` is virtual rank v's first chunk)."""
@@ -107,7 +107,8 @@ def rabenseifner_allreduce(p: int) -> RoundTable:
 
 def ring_reduce_scatter(p: int) -> RoundTable:
     r = np.arange(p)
-    return RoundTable.build("ring_reduce_scatter", p, p, [Round(r, (r + 1) % p, (r - k - 1) % p, "reduce")
+    return RoundTable.build("ring_reduce_scatter", p, p,
+                            [Round(r, (r + 1) % p, (r - k - 1) % p, "reduce")
                                                           for k in range(p - 1)])
 
 
@@ -121,7 +122,7 @@ def ring_allreduce(p: int) -> RoundTable:
     return RoundTable.concat("ring", ring_reduce_scatter(p), ring_allgather(p))
 
 
-# -- direct: one round each way, every chunk straight to its owner -----------------------------------
+# -- direct: one round each way, every chunk straight to its owner ---------------------------------
 
 def _pairs(p: int) -> tuple[np.ndarray, np.ndarray]:
     """(d, r) for every d, then every r != d: the order the transfers are listed in."""
@@ -132,7 +133,8 @@ def _pairs(p: int) -> tuple[np.ndarray, np.ndarray]:
 
 def direct_reduce_scatter(p: int) -> RoundTable:
     d, r = _pairs(p)  # rank r sends chunk d to its owner d
-    return RoundTable.build("direct_reduce_scatter", p, p, [Round(r, d, d, "reduce")] if p > 1 else [])
+    return RoundTable.build("direct_reduce_scatter", p, p,
+                            [Round(r, d, d, "reduce")] if p > 1 else [])
 
 
 def direct_allgather(p: int) -> RoundTable:
@@ -144,7 +146,7 @@ def direct_allreduce(p: int) -> RoundTable:
     return RoundTable.concat("direct", direct_reduce_scatter(p), direct_allgather(p))
 
 
-# -- the pipelined ring: slice j of ring step s in round s + j ---------------------------------------
+# -- the pipelined ring: slice j of ring step s in round s + j -------------------------------------
 
 def pipelined_ring(p: int, k: int) -> RoundTable:
     """Round i carries slice j = i - s of ring step s for every step s in flight; in chunk order
@@ -166,7 +168,7 @@ def pipelined_ring(p: int, k: int) -> RoundTable:
     return RoundTable.build("pipelined_ring", p, p * k, rounds)
 
 
-# -- hierarchical: rings inside the nodes, g rings across them ---------------------------------------
+# -- hierarchical: rings inside the nodes, g rings across them -------------------------------------
 
 def _intra(g: int, n: int, sizes: list[int], k: int, shift: int, op: Op) -> Round:
     """Round k of a ring inside every node: local rank i sends the pieces c with c mod s = (i - k
@@ -183,7 +185,8 @@ def _intra(g: int, n: int, sizes: list[int], k: int, shift: int, op: Op) -> Roun
         for i in range(s):
             pieces = [c for c in range(g) if c % s == (i - k - shift) % s]
             chunks = np.concatenate([c * n + np.arange(n) for c in pieces])
-            parts.append((np.full(chunks.size, base + i), np.full(chunks.size, base + (i + 1) % s), chunks))
+            parts.append((np.full(chunks.size, base + i), np.full(chunks.size, base + (i + 1) % s),
+                          chunks))
     return Round(*(np.concatenate(cols) for cols in zip(*parts)), op)
 
 
@@ -210,7 +213,9 @@ def hierarchical(p: int, g: int) -> RoundTable:
 
 # The registry's names, for the algorithms whose schedules grow like p^2 (or p^2 k): the others
 # (tree, naive, recursive doubling, the pipelined trees) are O(p lg p) transfers, readable at 4096.
-ALLREDUCE = {"ring": ring_allreduce, "direct": direct_allreduce, "rabenseifner": rabenseifner_allreduce,
+ALLREDUCE = {"ring": ring_allreduce, "direct": direct_allreduce,
+             "rabenseifner": rabenseifner_allreduce,
              "pipelined_ring": pipelined_ring, "hierarchical": hierarchical}
-SCATTER = {"ring": (ring_reduce_scatter, ring_allgather), "direct": (direct_reduce_scatter, direct_allgather),
+SCATTER = {"ring": (ring_reduce_scatter, ring_allgather),
+           "direct": (direct_reduce_scatter, direct_allgather),
            "rabenseifner": (rabenseifner_reduce_scatter, rabenseifner_allgather)}

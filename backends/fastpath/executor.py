@@ -23,7 +23,13 @@ from typing import Any
 import numpy as np
 
 from dplab.reference import collectives as spine
-from dplab.reference.communicator import Collective, Communicator, RecvSpec, SendSpec, require_writable
+from dplab.reference.communicator import (
+    Collective,
+    Communicator,
+    RecvSpec,
+    SendSpec,
+    require_writable,
+)
 from dplab.reference.errors import ConfigError
 from dplab.reference.schedule import Message, Schedule, chunk_bounds, messages_of
 
@@ -38,7 +44,8 @@ Plan = list[tuple[list[Message], list[Message]]]  # per round, this rank's (send
 schedule_plan = lru_cache(maxsize=1024)(spine.schedule_plan)
 
 
-def run_schedule(comm: Communicator, buf: Any, schedule: Schedule, plan: Plan | None = None) -> None:
+def run_schedule(comm: Communicator, buf: Any, schedule: Schedule,
+                 plan: Plan | None = None) -> None:
     """``dplab.reference.collectives.run_schedule``, with ``plan`` (``messages_of(schedule, rank)``)
     given or worked out, and the slices of each round looked up instead of recomputed."""
     plan = plan if plan is not None else messages_of(schedule, comm.rank)
@@ -54,7 +61,8 @@ def run_schedule(comm: Communicator, buf: Any, schedule: Schedule, plan: Plan | 
                       round=k, algorithm=name)
 
 
-_ROUNDS: dict[tuple[int, int, int], tuple[Plan, list]] = {}  # (id(plan), n, chunks) -> (plan, rounds)
+# (id(plan), n, chunks) -> (plan, rounds)
+_ROUNDS: dict[tuple[int, int, int], tuple[Plan, list]] = {}
 
 
 def _rounds(plan: Plan, n: int, num_chunks: int) -> list:
@@ -71,7 +79,8 @@ def _rounds(plan: Plan, n: int, num_chunks: int) -> list:
     for k, (sends, recvs) in enumerate(plan):
         if not sends and not recvs:
             continue
-        snap: dict[tuple[int, int], int] = {}  # (start, stop) of a snapshot span -> its offset in scratch
+        # (start, stop) of a snapshot span -> its offset in scratch
+        snap: dict[tuple[int, int], int] = {}
         out = []
         for m in sends:
             s, at = span(m), -1
@@ -86,7 +95,8 @@ def _rounds(plan: Plan, n: int, num_chunks: int) -> list:
     return rounds
 
 
-_SCRATCH = threading.local()  # per thread (DDP's comm thread has its own): id(comm) -> (ref, scratches)
+# per thread (DDP's comm thread has its own): id(comm) -> (ref, scratches)
+_SCRATCH = threading.local()
 
 
 def _snapshot(comm: Communicator, buf: Any, spans: tuple) -> Any:
@@ -123,7 +133,9 @@ def _scratch(comm: Communicator, buf: Any, n: int) -> Any:
     key = (buf.dtype, getattr(buf, "device", None))
     have = mine.get(key)
     if have is None or len(have) < n:
-        have = mine[key] = comm.empty(n, buf.dtype) if isinstance(buf, np.ndarray) else buf.new_empty(n)
+        have = mine[key] = (
+            comm.empty(n, buf.dtype) if isinstance(buf, np.ndarray) else buf.new_empty(n)
+        )
     return have
 
 
@@ -138,12 +150,14 @@ def _flat(buf: Any, comm: Communicator) -> Any:
     return spine.flat_view(buf, comm)
 
 
-_CALLS: dict[tuple, tuple[Schedule, Plan, Collective]] = {}  # (kind, algorithm, p, rank, root) -> ...
+# (kind, algorithm, p, rank, root) -> ...
+_CALLS: dict[tuple, tuple[Schedule, Plan, Collective]] = {}
 
 
 def _run(comm: Communicator, kind: str, buf: Any, algorithm: str, root: int | None = None,
          flat: Any = None) -> Any:
-    """Run one collective on ``buf`` (``flat``: its 1-D view, when the caller has checked it already)."""
+    """Run one collective on ``buf`` (``flat``: its 1-D view, when the
+    caller has checked it already)."""
     if flat is None:
         flat = _flat(buf, comm)
     p, rank = comm.world_size, comm.rank
@@ -167,9 +181,30 @@ def _run(comm: Communicator, kind: str, buf: Any, algorithm: str, root: int | No
     return flat
 
 
-def allreduce(comm: Communicator, buf: np.ndarray, algorithm: str = "ring", op: str = "sum") -> np.ndarray:
+def allreduce(comm: Communicator, buf: np.ndarray, algorithm: str = "ring",
+              op: str = "sum") -> np.ndarray:
     """``dplab.reference.collectives.allreduce``; "auto" is resolved here by ``auto.chosen`` and
-    ``hierarchical`` on the hosts by ``layout.resolve`` (the spine's executor takes names as given)."""
+    ``hierarchical`` on the hosts by ``layout.resolve`` (the spine's executor takes names as given).
+
+    Args:
+        comm: this rank's communicator.
+        buf: a writable, contiguous numpy array (or a torch tensor, on a backend that moves
+            them) of the same length and dtype on every rank; worked on in place.
+        algorithm: a schedule's name (``"ring"``, ``"pipelined_tree:16"``, ...), ``"native"``
+            (the engine's own all-reduce) or ``"auto"`` (the fitted cost model's cheapest).
+        op: ``"sum"``, or ``"mean"`` (floating-point buffers only) to divide by the world size.
+
+    Returns:
+        ``buf``, holding the sum (or mean) over all ranks.
+
+    Raises:
+        ConfigError: an unknown ``op`` or algorithm, ``op="mean"`` on an integer buffer, or a
+            buffer the collectives cannot work on in place (read-only, non-contiguous, a dtype
+            they do not move).
+        CollectiveMismatch: a peer is in another collective, algorithm or root.
+        BufferMismatch: a peer's buffer has another length or dtype.
+        CommTimeout: a peer did not answer within ``comm.timeout``.
+    """
     if op not in ("sum", "mean"):
         raise ConfigError(f"op must be 'sum' or 'mean', got {op!r}")
     flat = _flat(buf, comm)
@@ -179,7 +214,8 @@ def allreduce(comm: Communicator, buf: np.ndarray, algorithm: str = "ring", op: 
         from dplab.reference.auto import chosen
 
         algorithm = chosen(comm, buf)
-    if algorithm.startswith("hierarchical"):  # the layout loads with the registry: not on every import
+    # the layout loads with the registry: not on every import
+    if algorithm.startswith("hierarchical"):
         from dplab.reference.algorithms.layout import resolve
 
         algorithm = resolve(algorithm, getattr(comm, "hosts", ()))
@@ -194,24 +230,95 @@ def allreduce(comm: Communicator, buf: np.ndarray, algorithm: str = "ring", op: 
 
 
 def reduce_scatter(comm: Communicator, buf: np.ndarray, algorithm: str = "ring") -> np.ndarray:
-    """``dplab.reference.collectives.reduce_scatter``: returns a view of this rank's chunk."""
+    """``dplab.reference.collectives.reduce_scatter``: returns a view of this rank's chunk.
+
+    Args:
+        comm: this rank's communicator.
+        buf: a writable, contiguous numpy array (or a torch tensor, on a backend that moves
+            them) of the same length and dtype on every rank; worked on in place.
+        algorithm: a schedule's name (default ``"ring"``).
+
+    Returns:
+        a view of this rank's chunk of ``buf`` (``chunk_bounds(n, p)[rank]``), holding the sum
+        over all ranks of that chunk.
+
+    Raises:
+        ConfigError: an unknown algorithm, a buffer the collectives cannot work on in place.
+        CollectiveMismatch: a peer is in another collective, algorithm or root.
+        BufferMismatch: a peer's buffer has another length or dtype.
+        CommTimeout: a peer did not answer within ``comm.timeout``.
+    """
     flat = _run(comm, "reduce_scatter", buf, algorithm)
     return flat[slice(*chunk_bounds(len(flat), comm.world_size)[comm.rank])]
 
 
 def allgather(comm: Communicator, buf: np.ndarray, algorithm: str = "ring") -> np.ndarray:
-    """``dplab.reference.collectives.allgather``."""
+    """``dplab.reference.collectives.allgather``.
+
+    Args:
+        comm: this rank's communicator.
+        buf: a writable, contiguous numpy array (or a torch tensor, on a backend that moves
+            them) of the same length and dtype on every rank; worked on in place.
+        algorithm: a schedule's name (default ``"ring"``).
+
+    Returns:
+        ``buf``, holding every rank's chunk.
+
+    Raises:
+        ConfigError: an unknown algorithm, a buffer the collectives cannot work on in place.
+        CollectiveMismatch: a peer is in another collective, algorithm or root.
+        BufferMismatch: a peer's buffer has another length or dtype.
+        CommTimeout: a peer did not answer within ``comm.timeout``.
+    """
     _run(comm, "allgather", buf, algorithm)
     return buf
 
 
-def broadcast(comm: Communicator, buf: np.ndarray, root: int = 0, algorithm: str = "tree") -> np.ndarray:
-    """``dplab.reference.collectives.broadcast``."""
+def broadcast(comm: Communicator, buf: np.ndarray, root: int = 0,
+              algorithm: str = "tree") -> np.ndarray:
+    """``dplab.reference.collectives.broadcast``.
+
+    Args:
+        comm: this rank's communicator.
+        buf: a writable, contiguous numpy array (or a torch tensor, on a backend that moves
+            them) of the same length and dtype on every rank; worked on in place.
+        root: the rank whose ``buf`` every rank receives.
+        algorithm: a schedule's name (default ``"tree"``).
+
+    Returns:
+        ``buf``, holding ``root``'s ``buf``.
+
+    Raises:
+        ConfigError: an unknown algorithm, a ``root`` that is not a rank of the world, or a
+            buffer the collectives cannot work on in place.
+        CollectiveMismatch: a peer is in another collective, algorithm or root.
+        BufferMismatch: a peer's buffer has another length or dtype.
+        CommTimeout: a peer did not answer within ``comm.timeout``.
+    """
     _run(comm, "broadcast", buf, algorithm, root)
     return buf
 
 
-def reduce(comm: Communicator, buf: np.ndarray, root: int = 0, algorithm: str = "tree") -> np.ndarray:
-    """``dplab.reference.collectives.reduce``."""
+def reduce(comm: Communicator, buf: np.ndarray, root: int = 0,
+           algorithm: str = "tree") -> np.ndarray:
+    """``dplab.reference.collectives.reduce``.
+
+    Args:
+        comm: this rank's communicator.
+        buf: a writable, contiguous numpy array (or a torch tensor, on a backend that moves
+            them) of the same length and dtype on every rank; worked on in place.
+        root: the rank that ends holding the sum.
+        algorithm: a schedule's name (default ``"tree"``).
+
+    Returns:
+        ``buf``: on ``root`` the sum over all ranks; elsewhere partial sums (scratch).
+
+    Raises:
+        ConfigError: an unknown algorithm, a ``root`` that is not a rank of the world, or a
+            buffer the collectives cannot work on in place.
+        CollectiveMismatch: a peer is in another collective, algorithm or root.
+        BufferMismatch: a peer's buffer has another length or dtype.
+        CommTimeout: a peer did not answer within ``comm.timeout``.
+    """
     _run(comm, "reduce", buf, algorithm, root)
     return buf

@@ -1,21 +1,23 @@
-"""Running under an engine's own launcher: ``mpiexec -n 4 dplab ...``, ``torchrun ...`` or Slurm's ``srun``.
+"""Running under an engine's own launcher: ``mpiexec -n 4 dplab ...``, ``torchrun ...`` or Slurm's
+``srun``.
 
 There the ranks already exist and this process is one of them: ``launch`` runs the function here, on
 the launcher's communicator, and gathers every rank's result (a control-path pickle). A rank that
 raises prints its traceback and aborts the job, so its peers fail fast. ``LauncherWorld`` keeps that
 communicator for several runs (``dplab compare`` and ``bench``).
 
-Each engine's launcher is one small class, found by backend in ``LAUNCHERS`` (``Mpiexec``, ``Torchrun``):
-which variables make this process a rank, its rank and the world's size, the ranks on its host, how it
-joins the others, and how a rank that failed alone stops the job. Under ``srun`` each task of a step of
-several is a rank (``slurm_step``): MPI gets its world from Slurm's PMI (``--mpi=pmi2`` or ``pmix``;
-without one each task would be a world of one: refused in one line), torch from the step's variables
-(``slurm_torch_env``; MASTER_ADDR is the step's first node). torchrun started by srun is torchrun.
+Each engine's launcher is one small class, found by backend in ``LAUNCHERS`` (``Mpiexec``,
+``Torchrun``): which variables make this process a rank, its rank and the world's size, the ranks on
+its host, how it joins the others, and how a rank that failed alone stops the job. Under ``srun``
+each task of a step of several is a rank (``slurm_step``): MPI gets its world from Slurm's PMI
+(``--mpi=pmi2`` or ``pmix``; without one each task would be a world of one: refused in one line),
+torch from the step's variables (``slurm_torch_env``; MASTER_ADDR is the step's first node).
+torchrun started by srun is torchrun.
 
 Which ranks share a host (``Communicator.hosts``): ``launcher_hosts`` reads it from torchrun's or
-Slurm's variables where they tell every rank's, else the ranks gather their node's name; MPI asks MPI
-(``backends/mpi/comm.py``). ``spans_hosts`` says whether a job reaches past this host, which the local
-backend's shared memory cannot.
+Slurm's variables where they tell every rank's, else the ranks gather their node's name; MPI asks
+MPI (``backends/mpi/comm.py``). ``spans_hosts`` says whether a job reaches past this host, which the
+local backend's shared memory cannot.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ from typing import Any
 
 from dplab.reference.errors import ConfigError
 
-__all__ = ["under_launcher", "launcher_env", "launcher_rank", "spans_hosts", "LauncherWorld", "run_here",
+__all__ = ["under_launcher", "launcher_env", "launcher_rank", "spans_hosts", "LauncherWorld",
+           "run_here",
            "SlurmStep", "slurm_step", "slurm_torch_env", "expand_nodelist", "tasks_per_node",
            "launcher_hosts", "local_ranks", "Launcher", "LAUNCHERS", "torch_hosts"]
 
@@ -39,7 +42,7 @@ _TORCHRUN = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 _PMI = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK")
 
 
-# -- Slurm -------------------------------------------------------------------------------------------
+# -- Slurm -----------------------------------------------------------------------------------------
 
 def expand_nodelist(nodelist: str) -> list[str]:
     """Slurm's compressed host list, expanded in order: ``node[01-03,07],login1`` -> node01, node02,
@@ -59,7 +62,8 @@ def _expand_one(item: str) -> list[str]:
     for part in ranges.split(","):
         lo, _, hi = part.partition("-")
         if not (lo.isdigit() and (hi == "" or hi.isdigit())):
-            raise ConfigError(f"Slurm node list {item!r}: {part!r} is not a number or a range like 01-03")
+            raise ConfigError(f"Slurm node list {item!r}: {part!r} is not a number or a range "
+                              "like 01-03")
         values += [str(v).zfill(len(lo)) for v in range(int(lo), int(hi or lo) + 1)]
     return [prefix + v + tail for v in values for tail in _expand_one(rest)]
 
@@ -87,7 +91,8 @@ class SlurmStep:
     nodes: tuple[str, ...]
     job_id: int
     step_id: int
-    # where the task sits, for the node layout (``launcher_hosts``); left out of ==, which is about the rank
+    # where the task sits, for the node layout
+    # (``launcher_hosts``); left out of ==, which is about the rank
     node: int = field(default=0, compare=False)  # SLURM_NODEID: an index into ``nodes``
     counts: tuple[int, ...] = field(default=(), compare=False)  # tasks on each node of the step
 
@@ -102,14 +107,16 @@ def slurm_step(env: Mapping[str, str] | None = None) -> SlurmStep | None:
     torchrun that srun started: torchrun's variables say its rank). The step's own
     variables (``SLURM_STEP_*``) win over the job's: ``srun -n 2`` inside an allocation of 8."""
     env = os.environ if env is None else env
-    if all(k in env for k in _TORCHRUN):  # a torchrun worker under srun: torchrun's rank, not the task's
+    # a torchrun worker under srun: torchrun's rank, not the task's
+    if all(k in env for k in _TORCHRUN):
         return None
     size = _first(env, "SLURM_STEP_NUM_TASKS")  # srun sets it; a batch script has only the job's
     rank, local = env.get("SLURM_PROCID"), env.get("SLURM_LOCALID")
     if not (size and rank and local and size.isdigit() and rank.isdigit() and local.isdigit()) \
             or int(size) < 2:
         return None
-    nodes = tuple(expand_nodelist(_first(env, "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
+    nodes = tuple(expand_nodelist(_first(env, "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST",
+                                         "SLURM_NODELIST")
                                   or ""))
     per_node = _first(env, "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE")
     node = int(env.get("SLURM_NODEID", "0") or 0)
@@ -117,17 +124,20 @@ def slurm_step(env: Mapping[str, str] | None = None) -> SlurmStep | None:
     local_size = counts[node] if node < len(counts) else int(size)
     step = _first(env, "SLURM_STEP_ID", "SLURM_STEPID") or "0"
     return SlurmStep(int(rank), int(size), int(local), local_size, nodes,
-                     int(_first(env, "SLURM_JOB_ID", "SLURM_JOBID") or 0), int(step) if step.isdigit() else 0,
-                     node, tuple(counts))
+                     int(_first(env, "SLURM_JOB_ID", "SLURM_JOBID") or 0),
+                     int(step) if step.isdigit() else 0, node, tuple(counts))
 
 
 def slurm_torch_env(step: SlurmStep, env: Mapping[str, str] | None = None) -> dict[str, str]:
-    """torch.distributed's env:// variables for a task of ``step``; any already set in ``env`` is kept.
-    ``MASTER_PORT`` is the same on every task of a step and differs between the steps of a job."""
+    """torch.distributed's env:// variables for a task of ``step``; any already set in ``env`` is
+    kept. ``MASTER_PORT`` is the same on every task of a step and differs
+    between the steps of a job."""
     env = os.environ if env is None else env
     if not step.nodes and "MASTER_ADDR" not in env:
-        raise ConfigError("srun gave no node list (SLURM_STEP_NODELIST): export MASTER_ADDR=<rank 0's host>")
-    made = {"RANK": str(step.rank), "WORLD_SIZE": str(step.world_size), "LOCAL_RANK": str(step.local_rank),
+        raise ConfigError("srun gave no node list (SLURM_STEP_NODELIST): export "
+                          "MASTER_ADDR=<rank 0's host>")
+    made = {"RANK": str(step.rank), "WORLD_SIZE": str(step.world_size),
+            "LOCAL_RANK": str(step.local_rank),
             "LOCAL_WORLD_SIZE": str(step.local_world_size), "GROUP_RANK": str(step.node),
             "MASTER_ADDR": step.nodes[0] if step.nodes else "",
             "MASTER_PORT": str(20000 + (step.job_id * 64 + step.step_id) % 30000)}
@@ -140,7 +150,8 @@ class Launcher:
     and the world's size, how many ranks share its host, and how it joins the others."""
 
     name = ""
-    rank_keys: tuple[tuple[str, str], ...] = ()  # (rank, world size) variables, in order of preference
+    # (rank, world size) variables, in order of preference
+    rank_keys: tuple[tuple[str, str], ...] = ()
     local_keys: tuple[tuple[str, str], ...] = ()  # (ranks on this host, ranks in all) variables
 
     def started(self, env: Mapping[str, str]) -> bool:
@@ -178,25 +189,30 @@ class Mpiexec(Launcher):
 
     name = "mpiexec"
     rank_keys = (("PMI_RANK", "PMI_SIZE"), ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"))
-    local_keys = (("MPI_LOCALNRANKS", "PMI_SIZE"), ("OMPI_COMM_WORLD_LOCAL_SIZE", "OMPI_COMM_WORLD_SIZE"))
+    local_keys = (("MPI_LOCALNRANKS", "PMI_SIZE"),
+                  ("OMPI_COMM_WORLD_LOCAL_SIZE", "OMPI_COMM_WORLD_SIZE"))
 
     def started(self, env: Mapping[str, str]) -> bool:
         """A Slurm step without PMI counts too: ``rank_and_size`` says what is missing."""
-        return "DPLAB_AUTHKEY" not in env and (any(k in env for k in _PMI) or slurm_step(env) is not None)
+        return "DPLAB_AUTHKEY" not in env and (
+            any(k in env for k in _PMI) or slurm_step(env) is not None
+        )
 
     def slurm_rank(self, step: SlurmStep, env: Mapping[str, str]) -> tuple[int, int]:
         """Under srun, MPI's world is the step's only through PMI (``--mpi=pmi2`` sets PMI_RANK and
         PMI_SIZE, read above; ``--mpi=pmix`` sets PMIX_RANK, and the step says the size)."""
         if "PMIX_RANK" in env:
             return step.rank, step.world_size
-        raise ConfigError(f"srun started {step.world_size} tasks but gave MPI no PMI, so each would be a "
-                          "world of one: run srun --mpi=pmi2 (or --mpi=pmix; srun --mpi=list shows "
-                          "what this Slurm has)")
+        raise ConfigError(f"srun started {step.world_size} tasks but gave MPI no PMI, so "
+                          "each would be a world of one: run srun --mpi=pmi2 (or --mpi=pmix; srun "
+                          "--mpi=list shows what this Slurm has)")
 
     def join(self, timeout: float) -> Any:
-        """MPI asks MPI which ranks share a host when it connects (``MpiComm``: its shared-memory split)."""
+        """MPI asks MPI which ranks share a host when it connects
+        (``MpiComm``: its shared-memory split)."""
         if slurm_step() is not None:
-            self.rank_and_size(os.environ)  # no PMI from srun: one line, before MPI_Init makes worlds of one
+            # no PMI from srun: one line, before MPI_Init makes worlds of one
+            self.rank_and_size(os.environ)
         from dplab.backends.mpi.comm import MpiComm
 
         return MpiComm.from_launcher(timeout)
@@ -211,7 +227,8 @@ class Mpiexec(Launcher):
 
 
 class Torchrun(Launcher):
-    """torchrun (env://), or srun without it: torch's variables made from Slurm's (``slurm_torch_env``)."""
+    """torchrun (env://), or srun without it: torch's variables made from Slurm's
+    (``slurm_torch_env``)."""
 
     name = "torchrun"
     rank_keys = (("RANK", "WORLD_SIZE"),)
@@ -223,7 +240,8 @@ class Torchrun(Launcher):
     def join(self, timeout: float) -> Any:
         step = slurm_step()
         if step is not None and not all(k in os.environ for k in _TORCHRUN):
-            os.environ.update(slurm_torch_env(step))  # srun without torchrun: env:// from Slurm's step
+            # srun without torchrun: env:// from Slurm's step
+            os.environ.update(slurm_torch_env(step))
         from dplab.backends.torchdist.comm import TorchComm
 
         comm = TorchComm.from_launcher(timeout)
@@ -231,17 +249,36 @@ class Torchrun(Launcher):
         return comm
 
 
-LAUNCHERS: dict[str, Launcher] = {"mpi": Mpiexec(), "torch": Torchrun()}  # backend -> its engine's launcher
+# backend -> its engine's launcher
+LAUNCHERS: dict[str, Launcher] = {"mpi": Mpiexec(), "torch": Torchrun()}
 
 
 def under_launcher(backend: str) -> bool:
-    """True when this process is one rank of an ``mpiexec`` (mpi) or ``torchrun`` (torch) job."""
+    """True when this process is one rank of an ``mpiexec`` (mpi) or ``torchrun`` (torch) job.
+
+    Args:
+        backend: the backend's name; backends without a launcher give False.
+
+    Returns:
+        Whether the launcher's variables are in this process's environment.
+    """
     launcher = LAUNCHERS.get(backend)
     return launcher is not None and launcher.started(os.environ)
 
 
 def launcher_env(backend: str) -> tuple[int, int]:
-    """(rank, world_size) that mpiexec, torchrun or srun gave this process."""
+    """(rank, world_size) that mpiexec, torchrun or srun gave this process.
+
+    Args:
+        backend: ``"mpi"`` or ``"torch"``.
+
+    Returns:
+        This process's rank and the job's world size, from the launcher's variables.
+
+    Raises:
+        ConfigError: ``backend`` has no launcher, or the launcher's variables are missing or
+            malformed.
+    """
     launcher = LAUNCHERS.get(backend)
     if launcher is None:
         raise ConfigError(f"not running under a {backend} launcher")
@@ -271,17 +308,20 @@ def spans_hosts() -> str | None:
                 return f"this {launcher.name} job has {ranks} ranks, {here} of them on this host"
     step = slurm_step()
     if step is not None and step.local_world_size < step.world_size:
-        return f"this srun step has {step.world_size} ranks, {step.local_world_size} of them on this host"
+        return (f"this srun step has {step.world_size} ranks, {step.local_world_size} of them "
+                "on this host")
     return None
 
 
 def launcher_hosts(world_size: int, env: Mapping[str, str] | None = None) -> tuple[int, ...] | None:
     """Each rank's host index as this launcher's environment gives it for a world of ``world_size``,
     or None: no launcher, a world other than the launcher's, or a layout the environment does not
-    tell (torchrun with another number of ranks on some host; Slurm's cyclic or arbitrary placement).
+    tell (torchrun with another number of ranks on some host; Slurm's cyclic or arbitrary
+    placement).
 
     torchrun numbers ranks host by host (group rank g holds ranks g L .. g L + L - 1 when every host
-    runs L = LOCAL_WORLD_SIZE); a Slurm step with block placement gives node i the next counts[i]."""
+    runs L = LOCAL_WORLD_SIZE); a Slurm step with block placement
+    gives node i the next counts[i]."""
     env = os.environ if env is None else env
     size, local = env.get("WORLD_SIZE", ""), env.get("LOCAL_WORLD_SIZE", "")
     if all(k in env for k in _TORCHRUN) and size.isdigit() and local.isdigit():
@@ -325,14 +365,16 @@ class LauncherWorld:
         self.backend, self.comm = backend, LAUNCHERS[backend].join(timeout)
         self.world_size = self.comm.world_size
         if world_size is not None and world_size != self.world_size:
-            self._failed(ConfigError(f"the launcher started {self.world_size} ranks but world_size is "
-                                     f"{world_size}: drop --world-size or make them agree"))
+            self._failed(ConfigError(f"the launcher started {self.world_size} ranks but "
+                                     f"world_size is {world_size}: drop --world-size or make "
+                                     "them agree"))
 
     def _failed(self, error: BaseException | None = None) -> None:
         """Say why on stderr and abort the job, so the peers fail fast instead of waiting."""
         detail = traceback.format_exc() if error is None else f"{type(error).__name__}: {error}\n"
         print(f"rank {self.comm.rank} failed:\n{detail}", file=sys.stderr, flush=True)
-        getattr(self.comm, "abort", self.comm.close)()  # MPI_Abort / close: the peers fail fast, no hang
+        # MPI_Abort / close: the peers fail fast, no hang
+        getattr(self.comm, "abort", self.comm.close)()
         if error is not None:
             raise error
 

@@ -1,6 +1,6 @@
 """Ctrl-C and SIGTERM: stop every rank at once, clean up even under a second signal, say one line.
 
-    rows = interruptible("dplab train", command, args)   # the CLI: exit 130 (SIGINT) / 143 (SIGTERM)
+    rows = interruptible("dplab train", command, args)   # the CLI: exit 130 (SIGINT), 143 (SIGTERM)
     with signals_deferred():                              # a cleanup no signal may cut in half
         kill_ranks(); unlink_segments()
 
@@ -33,7 +33,8 @@ _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 class Terminated(KeyboardInterrupt):
-    """SIGTERM, delivered like Ctrl-C so that the same cleanup runs (inside ``interruptible`` only)."""
+    """SIGTERM, delivered like Ctrl-C so that the same cleanup runs
+    (inside ``interruptible`` only)."""
 
 
 def _in_main_thread() -> bool:
@@ -46,6 +47,9 @@ def signals_deferred() -> Iterator[None]:
 
     Outside the main thread Python cannot install handlers (and signals go to the main thread
     anyway), so there the block simply runs.
+
+    Yields:
+        None, with the two signals held until the block ends.
     """
     if not _in_main_thread():
         yield
@@ -70,14 +74,26 @@ def _deliver(sig: int, handler: Any) -> None:
     elif handler == signal.SIG_DFL:
         if sig == signal.SIGINT:
             raise KeyboardInterrupt
-        os.kill(os.getpid(), sig)  # the default action (SIGTERM: end the process), now that we are clean
+        # the default action (SIGTERM: end the process), now that we are clean
+        os.kill(os.getpid(), sig)
 
 
 def interruptible(prog: str, fn: Callable[..., T], *args: Any) -> T:
     """Run ``fn(*args)``; on SIGINT/SIGTERM, once the ranks are cleaned up, print one line and exit.
 
-    Raises ``SystemExit(130)`` for SIGINT and ``SystemExit(143)`` for SIGTERM, as a shell reports
-    a command that a signal ended. Further signals while stopping are ignored: stopping is bounded.
+    Further signals while stopping are ignored: stopping is bounded.
+
+    Args:
+        prog: the command's name, the start of the one line (``dplab train: interrupted``).
+        fn: the work, which cleans up its ranks as KeyboardInterrupt passes through it.
+        *args: passed to ``fn``.
+
+    Returns:
+        ``fn``'s result.
+
+    Raises:
+        SystemExit: 130 for SIGINT and 143 for SIGTERM, as a shell reports a command that a signal
+            ended.
     """
     if not _in_main_thread():
         return fn(*args)

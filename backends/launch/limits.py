@@ -78,7 +78,8 @@ _BY_START = {"fork": "torch", "threads": "cuda", "mpiexec": "mpi"}  # a backend 
 
 
 def _cost(backend: str) -> RankCost:
-    """``backend``'s costs; a backend not in COSTS costs what one that starts its ranks alike does."""
+    """``backend``'s costs; a backend not in COSTS costs what one that
+    starts its ranks alike does."""
     return COSTS.get(backend) or COSTS[_BY_START.get(entry(backend).start, "torch")]
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""Functions of the user's script on ranks that are fresh interpreters (MPI), as multiprocessing's spawn does.
+"""Functions of the user's script on ranks that are fresh interpreters (MPI), as multiprocessing's
+spawn does.
 
     # demo.py, run as `python demo.py`
     def demo(comm): ...
@@ -9,8 +10,8 @@ A pickled function is a name: ``demo`` in ``__main__`` is sent as ``__main__.dem
 ``__main__`` is dplab's rank loop, so the name would not resolve. When it does not, the rank loads
 the launcher's main script under the module name ``__mp_main__`` (so its ``if __name__ ==
 "__main__":`` guard keeps it from launching again), aliases it as ``__main__`` and unpickles again.
-That is multiprocessing's spawn, done lazily: a job that names nothing of ``__main__`` never pays for
-loading the script.
+That is multiprocessing's spawn, done lazily: a job that names nothing of ``__main__`` never pays
+for loading the script.
 
 Where there is no script to load (``python -c``, a REPL, a notebook), ``check_sendable`` refuses the
 job in the launcher with one error that says what to do. A script without the guard would launch
@@ -50,9 +51,10 @@ def check_sendable(fn: Callable[..., Any]) -> None:
     """ConfigError if ``fn`` lives in a ``__main__`` that an MPI rank cannot load."""
     if getattr(fn, "__module__", None) == "__main__" and main_spec() is None:
         name = getattr(fn, "__qualname__", repr(fn))
-        raise ConfigError(f"{name} is defined in __main__ of an interactive session (python -c, a REPL, "
-                          "a notebook), which MPI ranks cannot import: put it in a .py file (a script "
-                          "run as `python file.py` works) or a module you import, or use backend='local'")
+        raise ConfigError(f"{name} is defined in __main__ of an interactive session (python -c, "
+                          "a REPL, a notebook), which MPI ranks cannot import: put it in a "
+                          ".py file (a script run as `python file.py` works) or a module you "
+                          "import, or use backend='local'")
 
 
 def booting() -> bool:
@@ -61,7 +63,8 @@ def booting() -> bool:
 
 
 def load_main() -> bool:
-    """Load the launcher's main script as ``__mp_main__``, aliased as ``__main__``; False if nothing to do."""
+    """Load the launcher's main script as ``__mp_main__``, aliased as ``__main__``; False if nothing
+    to do."""
     spec = os.environ.get(ENV)
     if not spec or _state["loaded"]:
         return False

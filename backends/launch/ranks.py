@@ -53,10 +53,12 @@ class Ranks:
 
     def sentinels(self) -> dict[Any, int]:
         """What to ``wait`` on: each rank's pipe, and each forked rank's process sentinel."""
-        return {c: r for r, c in enumerate(self.conns)} | {p.sentinel: r for r, p in enumerate(self.procs)}
+        return ({c: r for r, c in enumerate(self.conns)}
+                | {p.sentinel: r for r, p in enumerate(self.procs)})
 
     def send_all(self, payload: bytes) -> None:
-        """Send a pickled message to every rank; a dead rank's broken pipe is left to ``collect``."""
+        """Send a pickled message to every rank; a dead rank's broken
+        pipe is left to ``collect``."""
         for conn in self.conns:
             try:
                 conn.send_bytes(payload)
@@ -73,7 +75,9 @@ class Ranks:
             proc.join(1)
             code = proc.exitcode
             if code is not None and code < 0:
-                notes[rank] = f"process died from signal {signal.Signals(-code).name} (no Python traceback)"
+                notes[rank] = (
+                    f"process died from signal {signal.Signals(-code).name} (no Python traceback)"
+                )
             else:
                 notes[rank] = f"process exited with code {code} before returning a result"
         return notes
@@ -148,9 +152,10 @@ def pickle_job(fn: Callable[..., Any], args: tuple) -> bytes:
     try:
         return bytes(ForkingPickler.dumps((fn, tuple(args))))
     except (pickle.PicklingError, AttributeError, TypeError) as e:
-        raise ConfigError(f"cannot send {getattr(fn, '__qualname__', fn)!r} to the ranks: {e}. Jobs of a "
-                          "persistent World and of MPI ranks travel by pickle: define fn at module level "
-                          "(launch() on local or torch forks, and takes any callable)") from None
+        raise ConfigError(f"cannot send {getattr(fn, '__qualname__', fn)!r} to the ranks: "
+                          f"{e}. Jobs of a persistent World and of MPI ranks travel by pickle: "
+                          "define fn at module level (launch() on local or torch forks, and takes "
+                          "any callable)") from None
 
 
 def _start_mpi(found: Backend, world_size: int, session: str, timeout: float,
@@ -188,4 +193,5 @@ def _start_threads(found: Backend, world_size: int, session: str, timeout: float
     return Ranks(session, [parent for parent, _ in pipes], [proc] * world_size, keep=keep)
 
 
-_STARTS = {"fork": _start_forked, "threads": _start_threads, "mpiexec": _start_mpi}  # an entry's ``start``
+# an entry's ``start``
+_STARTS = {"fork": _start_forked, "threads": _start_threads, "mpiexec": _start_mpi}

@@ -4,8 +4,9 @@ Forked ranks (local, torch) get here through ``multiprocessing`` (``forked_rank`
 fresh interpreters started by ``mpiexec`` and enter through ``main`` below, which connects back to
 the launcher over loopback:
 
-    mpiexec -n 4 python -c 'import sys; from dplab.backends.launch.serve import main; main(sys.argv[1:])' \\
-        127.0.0.1:PORT                                                   # done for you by World
+    mpiexec -n 4 python -c \\
+        'import sys; from dplab.backends.launch.serve import main; main(sys.argv[1:])' \\
+        127.0.0.1:PORT                                            # done for you by World
 
 Every rank watches its launcher (``dplab.backends.launch.watch``): if the launcher dies, the rank
 unlinks what it shares and exits within a fraction of a second, whatever it was doing.
@@ -79,7 +80,8 @@ def serve(connect: Callable[[], Any], conn: Any, job: Job | None = None) -> None
                 except (EOFError, OSError):
                     return
                 except Exception:  # e.g. fn of a module this interpreter cannot import
-                    conn.send(("error", f"{traceback.format_exc()}\nthis rank could not unpickle the "
+                    conn.send(("error",
+                               f"{traceback.format_exc()}\nthis rank could not unpickle the "
                                         "job: define fn at module level of an importable module"))
                     continue
                 if job is None:
@@ -120,8 +122,8 @@ def forked_rank(connect: Callable[[], Any], conn: Any, job: Job | None, launcher
         end_group()
 
 
-def threaded_ranks(connect: Callable[[int], Any], conns: list[Any], job: Job | None, launcher_pid: int,
-                   cleanup: Callable[[], object]) -> None:
+def threaded_ranks(connect: Callable[[int], Any], conns: list[Any], job: Job | None,
+                   launcher_pid: int, cleanup: Callable[[], object]) -> None:
     """Entry of a process whose ranks are threads (cuda): each thread serves its own pipe."""
     _become_rank()
     watch_launcher(forked_from(launcher_pid), cleanup)

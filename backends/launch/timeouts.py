@@ -1,6 +1,6 @@
 """How long a world waits: the collective timeout and the start-up allowance, two separate knobs.
 
-    DPLAB_TIMEOUT=120 dplab train ...          # every blocking wait of a running world (default 60 s)
+    DPLAB_TIMEOUT=120 dplab train ...          # each wait of a running world (default 60 s)
     DPLAB_START_TIMEOUT=300 dplab train ...    # ranks starting up: interpreters, imports, MPI_Init
 
 They measure different things. A collective waits for a peer that is already running, so a short
@@ -21,8 +21,8 @@ import os
 
 from dplab.reference.errors import ConfigError
 
-__all__ = ["DEFAULT_TIMEOUT_S", "DEFAULT_START_TIMEOUT_S", "seconds", "check_timeout", "default_timeout",
-           "start_timeout"]
+__all__ = ["DEFAULT_TIMEOUT_S", "DEFAULT_START_TIMEOUT_S", "seconds", "check_timeout",
+           "default_timeout", "start_timeout"]
 
 DEFAULT_TIMEOUT_S = 60.0
 DEFAULT_START_TIMEOUT_S = 60.0
@@ -53,7 +53,14 @@ def _env(name: str, default: float) -> float:
 
 
 def default_timeout() -> float:
-    """``DPLAB_TIMEOUT`` (default 60 s): how long any blocking wait of a running world may take."""
+    """``DPLAB_TIMEOUT`` (default 60 s): how long any blocking wait of a running world may take.
+
+    Returns:
+        The timeout in seconds.
+
+    Raises:
+        ConfigError: ``DPLAB_TIMEOUT`` is set to something other than a number of seconds > 0.
+    """
     return _env("DPLAB_TIMEOUT", DEFAULT_TIMEOUT_S)
 
 

@@ -35,7 +35,8 @@ def process_start(pid: int) -> str | None:
 
 
 def launcher_token(pid: int | None = None) -> str:
-    """``pid:start``: what an MPI rank needs to recognise this launcher (passed in its environment)."""
+    """``pid:start``: what an MPI rank needs to recognise this launcher
+    (passed in its environment)."""
     pid = os.getpid() if pid is None else pid
     return f"{pid}:{process_start(pid) or 0}"
 
@@ -53,7 +54,8 @@ def alive_by_token(token: str) -> Callable[[], bool]:
 
 def watch_launcher(alive: Callable[[], bool], cleanup: Callable[[], object] = lambda: None,
                    code: int = 1, poll_s: float = POLL_S) -> threading.Thread:
-    """Start the daemon thread that ends this process (after ``cleanup``) once ``alive()`` is False."""
+    """Start the daemon thread that ends this process (after
+    ``cleanup``) once ``alive()`` is False."""
 
     def watch() -> None:
         while alive():
@@ -72,12 +74,15 @@ def watch_launcher(alive: Callable[[], bool], cleanup: Callable[[], object] = la
 
 
 def mapped_mpich_segments(pid: int | str = "self") -> list[str]:
-    """Paths of the MPICH shared-memory segments a process maps (empty if it maps none or is gone)."""
+    """Paths of the MPICH shared-memory segments a process maps (empty
+    if it maps none or is gone)."""
     try:
         maps = Path(f"/proc/{pid}/maps").read_text()
     except OSError:
         return []
-    found = {line.split(maxsplit=5)[-1] for line in maps.splitlines() if "/dev/shm/mpich_shm_" in line}
+    found = {
+        line.split(maxsplit=5)[-1] for line in maps.splitlines() if "/dev/shm/mpich_shm_" in line
+    }
     return sorted(p for p in found if not p.endswith("(deleted)"))
 
 

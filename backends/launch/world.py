@@ -30,7 +30,13 @@ from multiprocessing.connection import wait
 from typing import Any
 
 from dplab.backends.launch import mainmod
-from dplab.backends.launch.engine import LauncherWorld, launcher_env, run_here, spans_hosts, under_launcher
+from dplab.backends.launch.engine import (
+    LauncherWorld,
+    launcher_env,
+    run_here,
+    spans_hosts,
+    under_launcher,
+)
 from dplab.backends.launch.interrupt import signals_deferred
 from dplab.backends.launch.ranks import Ranks, pickle_job, start_ranks
 from dplab.backends.launch.serve import in_rank
@@ -40,8 +46,8 @@ from dplab.backends.registry import BACKENDS as _REGISTRY
 from dplab.backends.registry import entry
 from dplab.reference.errors import ConfigError, DplabError
 
-__all__ = ["launch", "World", "open_world", "RankError", "RankLost", "BackendUnavailable", "BACKENDS",
-           "check_backend", "default_timeout", "under_launcher", "launcher_env"]
+__all__ = ["launch", "World", "open_world", "RankError", "RankLost", "BackendUnavailable",
+           "BACKENDS", "check_backend", "default_timeout", "under_launcher", "launcher_env"]
 
 BACKENDS = tuple(_REGISTRY)  # the registry's names (dplab.backends.registry)
 _STOP = ("died", "error", "lost", "stopped")  # which failure names the cause, first to last
@@ -49,20 +55,32 @@ _UNKNOWN = "the rank's connection closed: the process died (no Python traceback)
 
 
 def _death_note(ranks: Ranks, which: list[int]) -> dict[int, str]:
-    """How each rank of ``which`` died; a rank whose end nobody recorded gets ``_UNKNOWN`` itself."""
+    """How each rank of ``which`` died; a rank whose end nobody
+    recorded gets ``_UNKNOWN`` itself."""
     return {r: note or _UNKNOWN for r, note in ranks.death_notes(which).items()}
 
 
 class RankError(DplabError):
-    """A rank raised or died; ``rank`` says which, the message carries its traceback."""
+    """A rank raised or died; ``rank`` says which, the message carries its traceback.
+
+    Args:
+        rank: the rank that failed.
+        detail: its traceback, or how it died (a signal, an exit code).
+    """
 
     def __init__(self, rank: int, detail: str) -> None:
         self.rank, self.detail = rank, detail
         super().__init__(f"rank {rank} failed:\n{detail}")
 
     def config_error(self) -> str | None:
-        """The message, when the rank failed with a ``ConfigError`` (a one-line error about the input
-        or the machine, e.g. a full /dev/shm); None for a bug or a crash, whose traceback matters."""
+        """The message, when the rank failed with a ``ConfigError`` (a one-line error about the
+        input or the machine, e.g. a full /dev/shm); None for a bug or a crash, whose traceback
+        matters.
+
+        Returns:
+            The ``ConfigError``'s message (the last line of the traceback, without its class), or
+            None.
+        """
         last = self.detail.rstrip().rsplit("\n", 1)[-1]
         name, sep, message = last.partition(": ")
         module, _, cls = name.rpartition(".")
@@ -77,7 +95,12 @@ class RankError(DplabError):
 
 @dataclass(frozen=True)
 class RankLost:
-    """The result of a tolerated rank that died (``launch(..., tolerate={ranks})``): how it died."""
+    """The result of a tolerated rank that died (``launch(..., tolerate={ranks})``): how it died.
+
+    Attributes:
+        rank: the rank that died.
+        detail: how it died (the signal or exit code).
+    """
 
     rank: int
     detail: str
@@ -88,7 +111,17 @@ class BackendUnavailable(DplabError):
 
 
 def check_backend(backend: str) -> None:
-    """ConfigError for an unknown backend, BackendUnavailable (saying what to install) for a missing one."""
+    """ConfigError for an unknown backend, BackendUnavailable (saying what to install) for a missing
+    one.
+
+    Args:
+        backend: a backend's name (``dplab.backends.registry``).
+
+    Raises:
+        ConfigError: no backend has that name.
+        BackendUnavailable: the backend's engine is not installed here; the message says what to
+            install.
+    """
     reason = entry(backend).available()
     if reason:
         raise BackendUnavailable(f"backend {backend!r} is not available: {reason}")
@@ -100,8 +133,26 @@ class World:
     def __init__(self, world_size: int, backend: str = "local", timeout: float | None = None,
                  job: tuple[Callable, tuple] | None = None, tolerate: frozenset[int] = frozenset(),
                  cluster: Any = None) -> None:
-        """``tolerate``: ranks whose death (not an exception) gives a ``RankLost``, not a failure.
-        ``cluster``: the simulated cluster of backend "sim" (a preset's name, a file, a Cluster)."""
+        """Start the ranks (checked first: nothing starts if the world cannot work).
+
+        Args:
+            world_size: how many ranks, >= 1.
+            backend: ``"local"``, ``"mpi"``, ``"torch"``, ``"cuda"`` or ``"sim"``.
+            timeout: seconds any blocking wait of the world may take (default ``DPLAB_TIMEOUT``).
+            job: ``(fn, args)`` to run on every rank as soon as they exist, collected by
+                ``launch``; None starts idle ranks.
+            tolerate: ranks whose death (not an exception) gives a ``RankLost``, not a failure.
+            cluster: the simulated cluster of backend "sim" (a preset's name, a file, a Cluster).
+
+        Raises:
+            ConfigError: an unknown backend, a bad ``world_size`` or ``timeout``, ``cluster`` on
+                a backend that is not simulated, a one-host backend across hosts, a world started
+                while an MPI script is imported, from inside a rank, or from a rank of an engine
+                launcher's job.
+            BackendUnavailable: the backend's engine is not installed.
+            WorldTooLarge: this machine cannot hold the world (processes, memory, /dev/shm, maps,
+                files); the message says by how much.
+        """
         check_backend(backend)
         if type(world_size) is not int or world_size < 1:
             raise ConfigError(f"world_size must be a positive integer, got {world_size!r}")
@@ -117,8 +168,8 @@ class World:
             raise ConfigError(f"the {backend} backend runs on one host, but {why}: "
                               "use --backend torch or mpi")
         if mainmod.booting():
-            raise ConfigError('this script starts a dplab world when it is imported, so every MPI rank '
-                              'that loads it would start one too: put the launch under '
+            raise ConfigError('this script starts a dplab world when it is imported, so every '
+                              'MPI rank that loads it would start one too: put the launch under '
                               'if __name__ == "__main__":')
         if in_rank():
             raise ConfigError("launch() was called inside a rank of a running world, which cannot "
@@ -147,7 +198,23 @@ class World:
 
     # -- running ------------------------------------------------------------------------------
     def run(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
-        """Run ``fn(comm, *args)`` on every rank; per-rank results in rank order."""
+        """Run ``fn(comm, *args)`` on every rank; per-rank results in rank order.
+
+        Args:
+            fn: called on every rank with its communicator; pickled (on mpi, it must be importable
+                from a module or the script being run).
+            *args: passed to ``fn`` after ``comm``; pickled.
+
+        Returns:
+            ``fn``'s result on each rank, in rank order (a ``RankLost`` for a tolerated rank that
+            died).
+
+        Raises:
+            RankError: a rank raised or died (the others are killed; the next run starts them
+                afresh).
+            ConfigError: on mpi, ``fn`` cannot reach fresh interpreters (defined in ``python -c``
+                or a notebook).
+        """
         if not self._entry.forked:
             mainmod.check_sendable(fn)
         payload = pickle_job(fn, args)
@@ -192,9 +259,11 @@ class World:
                 else:
                     status, value = "died", None
                 if status == "died" and rank in self.tolerate and self._entry.tells_death:
-                    status, value = "ok", RankLost(rank, _death_note(ranks, [rank])[rank])  # else: fatal
+                    # else: fatal
+                    status, value = "ok", RankLost(rank, _death_note(ranks, [rank])[rank])
                 if status == "error" and "PeerLost: " in value.rstrip().rsplit("\n", 1)[-1]:
-                    status = "lost"  # a consequence: it lost a peer that failed first; report that one
+                    # a consequence: it lost a peer that failed first; report that one
+                    status = "lost"
                 if status == "ok":
                     results[rank] = value
                 else:
@@ -234,14 +303,26 @@ class World:
         if exc_type is None:
             self.close()
         else:
-            self.abort()  # an error or Ctrl-C in the block: the ranks' state is unknown, end them now
+            # an error or Ctrl-C in the block: the ranks' state is unknown, end them now
+            self.abort()
 
 
 def open_world(world_size: int, backend: str = "local", timeout: float | None = None,
                cluster: Any = None) -> World | LauncherWorld:
-    """A ``World`` of fresh ranks; under ``backend``'s own launcher (mpiexec, torchrun), its ranks."""
+    """A ``World`` of fresh ranks; under ``backend``'s own launcher (mpiexec, torchrun), its ranks.
+
+    Args:
+        world_size: how many ranks (under a launcher, checked against the launcher's).
+        backend: the backend's name.
+        timeout: seconds any blocking wait may take (default ``DPLAB_TIMEOUT``).
+        cluster: the simulated cluster of backend "sim".
+
+    Returns:
+        A ``World``, or a ``LauncherWorld`` over the launcher's ranks; both have ``run``.
+    """
     if under_launcher(backend):
-        return LauncherWorld(backend, check_timeout(timeout) if timeout is not None else default_timeout(),
+        return LauncherWorld(backend,
+                             check_timeout(timeout) if timeout is not None else default_timeout(),
                              world_size)
     return World(world_size, backend, timeout, cluster=cluster)
 
@@ -257,10 +338,30 @@ def launch(fn: Callable[..., Any], world_size: int | None = None, backend: str =
     interpreters, so there ``fn`` must be defined in a module or in the script being run
     (not in ``python -c`` or a notebook). A rank of ``tolerate``
     that dies (SIGKILL, exit) gives a ``RankLost`` result instead of failing the world; what
-    the others make of it is ``fn``'s business (the parameter server: ``dplab.reference.ps.server``).
-    Only on the local backend: on mpi (MPI's failure model) and torch (gloo cannot tell a dead
-    peer from a slow one) a tolerated rank's death still fails the world, naming that rank.
-    ``backend="sim"`` runs the ranks on a simulated ``cluster`` (``dplab.backends.sim``).
+    the others make of it is ``fn``'s business (the parameter server:
+    ``dplab.reference.ps.server``). Only on the local backend: on mpi (MPI's failure model) and
+    torch (gloo cannot tell a dead peer from a slow one) a tolerated rank's death still fails the
+    world, naming that rank. ``backend="sim"`` runs the ranks on a simulated ``cluster``
+    (``dplab.backends.sim``).
+
+    Args:
+        fn: called as ``fn(comm, *args)`` on every rank.
+        world_size: how many ranks; None under mpiexec or torchrun (the launcher's).
+        backend: ``"local"`` (default), ``"mpi"``, ``"torch"``, ``"cuda"`` or ``"sim"``.
+        args: passed to ``fn`` after ``comm``.
+        timeout: seconds any blocking wait may take (default ``DPLAB_TIMEOUT``).
+        tolerate: ranks whose death gives a ``RankLost`` result (local backend only).
+        cluster: the simulated cluster of backend "sim" (a preset's name, a file, a Cluster).
+
+    Returns:
+        ``fn``'s result on each rank, in rank order.
+
+    Raises:
+        RankError: a rank raised or died, naming it with its traceback; the other ranks are
+            stopped and the world's shared memory unlinked.
+        ConfigError: bad arguments, or a world that cannot start here (see ``World``).
+        BackendUnavailable: the backend's engine is not installed.
+        WorldTooLarge: this machine cannot hold the world.
     """
     check_backend(backend)
     if under_launcher(backend):

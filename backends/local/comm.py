@@ -42,7 +42,8 @@ from dplab.reference.trace import Tracer
 
 __all__ = ["LocalComm"]
 
-_code = lru_cache(maxsize=4096)(Collective.code)  # a collective's tag, once per (kind, algorithm, root)
+# a collective's tag, once per (kind, algorithm, root)
+_code = lru_cache(maxsize=4096)(Collective.code)
 _NATIVE = Collective("allreduce", "native")
 
 
@@ -51,10 +52,11 @@ def _refuse_crowded_round(rank: int, sends: list[SendSpec], round: int, algorith
     peer, posting its own round first, never receives: refuse it at once instead of timing out."""
     peer, count = max(Counter(s.peer for s in sends).items(), key=lambda pc: pc[1])
     if count > SLOTS:
-        raise ConfigError(f"rank {rank}: {algorithm or 'the schedule'} round {round} posts {count} messages "
-                          f"to rank {peer}, more than the local backend's {SLOTS} mailbox slots per peer: "
-                          f"lower the algorithm's piece count (e.g. '{algorithm or 'pipelined_ring'}:{SLOTS}'"
-                          ") or use the mpi or torch backend")
+        raise ConfigError(f"rank {rank}: {algorithm or 'the schedule'} round {round} posts "
+                          f"{count} messages to rank {peer}, more than the local backend's "
+                          f"{SLOTS} mailbox slots per peer: lower the algorithm's piece "
+                          f"count (e.g. '{algorithm or 'pipelined_ring'}:{SLOTS}') or use the "
+                          "mpi or torch backend")
 
 
 class _SendRequest:
@@ -76,7 +78,8 @@ class _RecvRequest:
 
 
 class LocalComm(Communicator):
-    """A rank of the local backend: ``mailboxes`` (over ``memory``) do the work, this class the calls."""
+    """A rank of the local backend: ``mailboxes`` (over ``memory``) do the
+    work, this class the calls."""
 
     backend = "local"
 
@@ -85,7 +88,8 @@ class LocalComm(Communicator):
         self.tracer = Tracer(rank)
         self.mailboxes = Mailboxes(wiring, rank, Waiter(rank, wiring.world_size, wiring.timeout))
         self.memory = self.mailboxes.memory
-        self._pending: dict[int, deque[_RecvRequest]] = {s: deque() for s in range(-1, self.world_size)}
+        self._pending: dict[int, deque[_RecvRequest]] = {
+            s: deque() for s in range(-1, self.world_size)}
         self._tag = 0  # the tag of the running collective's messages (its code; see check_buffer)
         if wiring.pids is not None:
             wiring.pids[rank] = os.getpid()  # for peer_alive: dead or merely slow?
@@ -143,13 +147,15 @@ class LocalComm(Communicator):
 
     # -- rounds and collectives ---------------------------------------------------------------
     def check_buffer(self, buf: np.ndarray, call: Collective | None = None) -> None:
-        """The collective's messages carry its code as their tag (length and dtype they carry anyway)."""
+        """The collective's messages carry its code as their tag (length
+        and dtype they carry anyway)."""
         self._tag = _code(call) if call is not None else 0
 
     def exchange(self, sends: list[SendSpec], recvs: list[RecvSpec], round: int = -1,
                  algorithm: str = "") -> None:
         """Post every send, then reduce or copy each receive straight out of the peer's memory."""
-        if len(sends) > SLOTS:  # every rank posting before it receives: more than SLOTS to one peer deadlock
+        # every rank posting before it receives: more than SLOTS to one peer deadlock
+        if len(sends) > SLOTS:
             _refuse_crowded_round(self.rank, sends, round, algorithm)
         tr, tag = self.tracer, self._tag if round >= 0 else 0
         mailboxes = self.mailboxes
@@ -178,9 +184,11 @@ class LocalComm(Communicator):
         ``native`` (a peer that called ring is told that this rank called native)."""
         require_writable(buf)
         if op not in ("sum", "mean") or (op == "mean" and buf.dtype.kind != "f"):
-            raise ConfigError(f"op must be 'sum' or 'mean' (floating point only), got {op!r} for {buf.dtype}")
+            raise ConfigError(f"op must be 'sum' or 'mean' (floating point only), got {op!r} "
+                              f"for {buf.dtype}")
         if not buf.flags.c_contiguous:
-            raise ConfigError("collectives work in place on contiguous arrays: use np.ascontiguousarray")
+            raise ConfigError("collectives work in place on contiguous arrays: use "
+                              "np.ascontiguousarray")
         flat = buf.reshape(-1)
         self.check_buffer(flat, _NATIVE)
         if self.world_size > 1:

@@ -36,8 +36,8 @@ from dplab.reference.communicator import (
     collective_mismatch,
 )
 
-__all__ = ["Mailboxes", "Wiring", "Waiter", "wait_policy", "refusal", "ANY_TAG", "SLOTS", "DESC", "DTYPES",
-           "CODE", "SPIN_US", "PEEK_S"]
+__all__ = ["Mailboxes", "Wiring", "Waiter", "wait_policy", "refusal", "ANY_TAG", "SLOTS", "DESC",
+           "DTYPES", "CODE", "SPIN_US", "PEEK_S"]
 
 SLOTS = 64  # descriptors in each (src, dst) mailbox
 DESC = struct.Struct("5q")  # a message's descriptor: segment id, offset, bytes, dtype code, tag
@@ -87,7 +87,8 @@ class Waiter:
         self.spin, self.yields = wait_policy(world_size)
         self.budget, self.waits = self.spin, 0  # the spin now, and waits so far
 
-    def acquire(self, sem: Any, what: str, peer: int, peek: Callable[[], None] | None = None) -> None:
+    def acquire(self, sem: Any, what: str, peer: int,
+                peek: Callable[[], None] | None = None) -> None:
         """Take ``sem`` (``peer`` is to post it, ``what`` says what for) or raise ``CommTimeout``.
         ``peek``, if given, is called between sleeps and may raise to stop the wait."""
         if self.spin and self._spin_for(sem):
@@ -138,7 +139,8 @@ class Mailboxes:
         p, me = wiring.world_size, rank
         self.rank, self.world_size, self.waiter = rank, p, waiter
         self._seg = Segment(f"{wiring.session}_ctl")
-        # A flat view of the descriptors: struct reads and writes one in place, unlike numpy indexing.
+        # A flat view of the descriptors: struct reads
+        # and writes one in place, unlike numpy indexing.
         self._ctl = self._seg.bytes[:p * p * SLOTS * DESC.size].data
         self._ready_to = [wiring.ready[me][d] for d in range(p)]
         self._ready_from = [wiring.ready[s][me] for s in range(p)]
@@ -150,7 +152,8 @@ class Mailboxes:
         self.memory = Memory(wiring.session, rank, self.acked)
 
     def send(self, buf: np.ndarray, dst: int, tag: int) -> int:
-        """Post ``buf`` (located in shared memory, staged if need be) to ``dst``; returns its seq."""
+        """Post ``buf`` (located in shared memory, staged if need be)
+        to ``dst``; returns its seq."""
         if not 0 <= dst < self.world_size or dst == self.rank:
             self.check_peer(dst)
         code = CODE.get(buf.dtype)
@@ -175,7 +178,8 @@ class Mailboxes:
                 self.waiter.acquire(ready, "for its message", src)
         seq = self.recv_seq[src]
         self.recv_seq[src] = seq + 1
-        i = ((src * self.world_size + self.rank) * SLOTS + seq % SLOTS) * DESC.size  # _slot, inlined
+        # _slot, inlined
+        i = ((src * self.world_size + self.rank) * SLOTS + seq % SLOTS) * DESC.size
         seg_id, off, nbytes, code, mtag = DESC.unpack_from(self._ctl, i)
         try:
             dtype = DTYPES[code]
@@ -195,7 +199,8 @@ class Mailboxes:
         return src
 
     def post(self, dst: int, seg_id: int, off: int, nbytes: int, code: int, tag: int) -> int:
-        """Put a descriptor in ``dst``'s mailbox (waiting for a free slot); returns its sequence number."""
+        """Put a descriptor in ``dst``'s mailbox (waiting for a free slot);
+        returns its sequence number."""
         seq = self.send_seq[dst]
         if seq - self.acked[dst] >= SLOTS:
             self.wait_ack(dst, seq - SLOTS)
@@ -214,7 +219,8 @@ class Mailboxes:
             self.waiter.acquire(ready, "for its message", src)
         seq = self.recv_seq[src]
         self.recv_seq[src] = seq + 1
-        return DESC.unpack_from(self._ctl, ((src * self.world_size + self.rank) * SLOTS + seq % SLOTS)
+        return DESC.unpack_from(self._ctl,
+                                ((src * self.world_size + self.rank) * SLOTS + seq % SLOTS)
                                 * DESC.size)
 
     def ack(self, src: int) -> None:
@@ -222,7 +228,8 @@ class Mailboxes:
         self._done_to[src].release()
 
     def wait_ack(self, dst: int, seq: int, tag: int = 0) -> None:
-        """Wait until ``dst`` has taken message ``seq``; ``tag`` >= COLLECTIVE_TAG peeks meanwhile."""
+        """Wait until ``dst`` has taken message ``seq``; ``tag`` >=
+        COLLECTIVE_TAG peeks meanwhile."""
         done = self._done_from[dst]
         while self.acked[dst] <= seq:
             if not done.acquire(False):
@@ -271,14 +278,16 @@ class Mailboxes:
             left = deadline - time.monotonic()
             if left <= 0 or not self._arrival[me].acquire(timeout=left):
                 raise CommTimeout(f"rank {me} waited {waiter.timeout:.0f}s for a message from any "
-                                  "rank: is a peer dead or stuck? (set DPLAB_TIMEOUT to wait longer)")
+                                  "rank: is a peer dead or stuck? (set DPLAB_TIMEOUT to "
+                                  "wait longer)")
 
     def _slot(self, src: int, dst: int, seq: int) -> int:
         """Where the descriptor of message ``seq`` from ``src`` to ``dst`` starts."""
         return ((src * self.world_size + dst) * SLOTS + seq % SLOTS) * DESC.size
 
 
-def refusal(rank: int, buf: np.ndarray, src: int, tag: int, mtag: int, nbytes: int, code: int) -> CommError:
+def refusal(rank: int, buf: np.ndarray, src: int, tag: int, mtag: int, nbytes: int,
+            code: int) -> CommError:
     """The error for a message that does not fit the receive: another collective, another buffer
     or another tag, in that order (a rank in another collective may well send another length)."""
     dtype = DTYPES[code]

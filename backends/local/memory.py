@@ -36,7 +36,8 @@ class Memory:
         self._session, self._rank, self._acked = session, rank, acked
         self._segments: dict[int, Segment] = {}  # mine, by id (ids are never reused)
         self._ranges: dict[int, tuple[int, int]] = {}  # id -> (address, size) of each of mine
-        self._last_range: tuple[int, int, int] = (-1, 0, 0)  # (id, address, size) last found by locate
+        # (id, address, size) last found by locate
+        self._last_range: tuple[int, int, int] = (-1, 0, 0)
         self._next_id = 0
         self._staging: tuple[int, int] = (-1, 0)  # (segment id, capacity)
         self._stage_top = 0  # bump pointer into the staging segment
@@ -55,7 +56,8 @@ class Memory:
         return array
 
     def locate(self, buf: np.ndarray) -> tuple[int, int, bool]:
-        """(segment id, offset, staged): where a peer can read ``buf`` from, staging it if need be."""
+        """(segment id, offset, staged): where a peer can read ``buf``
+        from, staging it if need be."""
         if buf.nbytes == 0:
             return -1, 0, False
         try:  # cheaper than buf.ctypes.data, and this runs for every send
@@ -72,15 +74,18 @@ class Memory:
         return self._stage(buf)
 
     def staged_sent(self, dst: int, seq: int) -> None:
-        """The staged buffer just located went to ``dst`` as message ``seq``: keep it until taken."""
+        """The staged buffer just located went to ``dst`` as message
+        ``seq``: keep it until taken."""
         self._staged.append((dst, seq))
 
     def view(self, seg_id: int, off: int, nbytes: int, dtype: np.dtype) -> np.ndarray:
         """A view of ``nbytes`` at ``off`` in one of this rank's own segments."""
         return self._segments[seg_id].view(off, nbytes, dtype)
 
-    def peer_view(self, src: int, seg_id: int, off: int, nbytes: int, dtype: np.dtype) -> np.ndarray:
-        """A view of ``nbytes`` at ``off`` in ``src``'s segment ``seg_id`` (kept for the next call)."""
+    def peer_view(self, src: int, seg_id: int, off: int, nbytes: int,
+                  dtype: np.dtype) -> np.ndarray:
+        """A view of ``nbytes`` at ``off`` in ``src``'s segment
+        ``seg_id`` (kept for the next call)."""
         key = (src, seg_id, off, nbytes, dtype)
         view = self._views.get(key)
         if view is not None:

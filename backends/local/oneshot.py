@@ -30,19 +30,22 @@ from dplab.reference.trace import Tracer
 __all__ = ["one_shot"]
 
 
-def one_shot(mailboxes: Mailboxes, memory: Memory, flat: np.ndarray, tag: int, tracer: Tracer) -> None:
+def one_shot(mailboxes: Mailboxes, memory: Memory, flat: np.ndarray, tag: int,
+             tracer: Tracer) -> None:
     """Sum the contiguous 1-D ``flat`` across all ranks in place; its messages carry ``tag``."""
     me, p = mailboxes.rank, mailboxes.world_size
     code = CODE.get(flat.dtype)
     if code is None:
-        raise CommError(f"rank {me}: the local backend moves {', '.join(map(str, CODE))}, got {flat.dtype}")
+        raise CommError(f"rank {me}: the local backend moves {', '.join(map(str, CODE))}, got "
+                        f"{flat.dtype}")
     peers = [*range(me + 1, p), *range(me)]
     seg_id, off, staged = memory.locate(flat)
     seqs = [mailboxes.post(q, seg_id, off, flat.nbytes, code, tag) for q in peers]
     if staged:
         for q, seq in zip(peers, seqs):
             memory.staged_sent(q, seq)
-    views = [_take(mailboxes, memory, q, flat, tag) for q in peers]  # every peer's buffer, checked first
+    # every peer's buffer, checked first
+    views = [_take(mailboxes, memory, q, flat, tag) for q in peers]
     base, extra = divmod(len(flat), p)  # chunk_bounds(n, p)[me], without the other p - 1
     lo = me * base + min(me, extra)
     hi = lo + base + (me < extra)
@@ -58,7 +61,8 @@ def one_shot(mailboxes: Mailboxes, memory: Memory, flat: np.ndarray, tag: int, t
         np.copyto(flat[hi:], copy[hi:])
 
 
-def _reduce_and_spread(mine: np.ndarray, theirs: list[np.ndarray], me: int, p: int, tracer: Tracer) -> None:
+def _reduce_and_spread(mine: np.ndarray, theirs: list[np.ndarray], me: int, p: int,
+                       tracer: Tracer) -> None:
     """Add every peer's chunk into ``mine``, then write the sum into every peer's chunk."""
     t0 = tracer.now() if tracer.enabled else 0
     for v in theirs:
@@ -69,11 +73,12 @@ def _reduce_and_spread(mine: np.ndarray, theirs: list[np.ndarray], me: int, p: i
     if tracer.enabled:
         tracer.record("reduce", t0, t1, peer=-1, bytes=mine.nbytes * (p - 1), chunk=me, round=0,
                       algorithm="native")
-        tracer.record("copy", t1, tracer.now(), peer=-1, bytes=mine.nbytes * (p - 1), chunk=me, round=0,
-                      algorithm="native")
+        tracer.record("copy", t1, tracer.now(), peer=-1, bytes=mine.nbytes * (p - 1), chunk=me,
+                      round=0, algorithm="native")
 
 
-def _take(mailboxes: Mailboxes, memory: Memory, src: int, flat: np.ndarray, tag: int) -> np.ndarray | None:
+def _take(mailboxes: Mailboxes, memory: Memory, src: int, flat: np.ndarray,
+          tag: int) -> np.ndarray | None:
     """The next message from ``src``, checked against ``flat`` and ``tag`` like a receive, as a
     writable view of the peer's memory (None when empty); its ack is the caller's to post."""
     seg, off, nbytes, code, mtag = mailboxes.take(src)

@@ -90,8 +90,8 @@ def shm_full(need: int, what: str) -> ShmFull:
     except OSError:
         free = 0
     return ShmFull(f"{SHM_DIR} is full: {_mib(need)} needed for {what}, {_mib(free)} free; "
-                   f"free space in {SHM_DIR} (df -h {SHM_DIR}; remove what dead jobs left) or enlarge it "
-                   f"(mount -o remount,size=... {SHM_DIR})")
+                   f"free space in {SHM_DIR} (df -h {SHM_DIR}; remove what dead jobs left) "
+                   f"or enlarge it (mount -o remount,size=... {SHM_DIR})")
 
 
 def _mib(n: int) -> str:

@@ -55,7 +55,8 @@ _ALIGN = 64
 _TO_TAKE = "rank {peer} to take its message"
 _DTYPES = [np.dtype(t) for t in ("uint8", "float32", "float64", "int32", "int64", "float16")]
 _CODE = {dt: i for i, dt in enumerate(_DTYPES)}  # the dtype code in the low bits of a message's tag
-_NATIVE = Collective("allreduce", "native").code()  # the native all-reduce's check messages carry it
+# the native all-reduce's check messages carry it
+_NATIVE = Collective("allreduce", "native").code()
 _SIGNATURE = struct.Struct("=4q")  # (n, dtype, -n, -dtype): the max over ranks says if all agree
 _TO_JOIN = "rank {peer} to join the native all-reduce"
 
@@ -65,15 +66,18 @@ class _Request:
 
     __slots__ = ("comm", "req", "buf", "peer", "tag")
 
-    def __init__(self, comm: MpiComm, req: Any, buf: np.ndarray, peer: int, tag: int | None) -> None:
+    def __init__(self, comm: MpiComm, req: Any, buf: np.ndarray, peer: int,
+                 tag: int | None) -> None:
         self.comm, self.req, self.buf, self.peer, self.tag = comm, req, buf, peer, tag
 
     def wait(self) -> int | None:
-        """The source rank of a receive; None for a send (``tag`` is None). Waiting twice is fine."""
+        """The source rank of a receive; None for a send (``tag`` is
+        None). Waiting twice is fine."""
         if self.tag is None:
             self.comm._poll(self.req, None, _TO_TAKE, self.peer)
         elif self.req is not None:
-            self.peer, self.req = self.comm._complete_recv(self.req, self.buf, self.peer, self.tag), None
+            self.peer, self.req = self.comm._complete_recv(self.req, self.buf, self.peer,
+                                                           self.tag), None
         return None if self.tag is None else self.peer
 
 
@@ -98,8 +102,10 @@ class MpiComm(Communicator):
         half = getattr(MPI, "FLOAT16_T", MPI.DATATYPE_NULL)  # MPI 4.1's; MPICH >= 4.2 sums it
         if half != MPI.DATATYPE_NULL:
             self._types[np.dtype("float16")] = half
-        self._local = threading.local()  # a scratch arena per thread (the reducer's runs rounds too)
-        self._abandoned: list[Any] = []  # timed-out requests MPI may still touch: keep their buffers
+        # a scratch arena per thread (the reducer's runs rounds too)
+        self._local = threading.local()
+        # timed-out requests MPI may still touch: keep their buffers
+        self._abandoned: list[Any] = []
         self._tag = 0  # the tag of the running collective's messages (its code; see check_buffer)
         self._agreement: list | None = None  # the native all-reduce's check, as persistent requests
 
@@ -124,7 +130,8 @@ class MpiComm(Communicator):
         return cls(None, timeout)
 
     # -- waiting ----------------------------------------------------------------------------
-    def _poll(self, req: Any, status: Any, what: str, peer: int = -1, peek: int | None = None) -> None:
+    def _poll(self, req: Any, status: Any, what: str, peer: int = -1,
+              peek: int | None = None) -> None:
         """Wait for ``req`` by polling (see the module docstring); ``what`` names it on timeout.
         ``peek``: a rank (or ANY_SOURCE) whose message to us is probed while napping: one of another
         collective means its sender is in that one (``_peek``)."""
@@ -150,7 +157,8 @@ class MpiComm(Communicator):
         the native all-reduce's check): a message of another collective waiting for us means its
         sender is in that one (it cannot have finished ours): say so now."""
         status = self.MPI.Status()
-        if self._comm.Iprobe(self.MPI.ANY_SOURCE if peer == ANY_SOURCE else peer, self.MPI.ANY_TAG, status):
+        if self._comm.Iprobe(self.MPI.ANY_SOURCE if peer == ANY_SOURCE else peer, self.MPI.ANY_TAG,
+                             status):
             theirs = status.Get_tag() >> _TAG_BITS
             if theirs != self._tag and theirs >= COLLECTIVE_TAG:
                 raise collective_mismatch(self.rank, self._tag, status.Get_source(), theirs)
@@ -204,7 +212,8 @@ class MpiComm(Communicator):
             src, mtag = status.Get_source(), status.Get_tag()
             self._check_collective(tag, src, mtag >> _TAG_BITS)
             dtype = _DTYPES[mtag & 15]
-            raise self._mismatch(buf, src, f"more than {buf.nbytes // dtype.itemsize} x {dtype}") from None
+            raise self._mismatch(buf, src,
+                                 f"more than {buf.nbytes // dtype.itemsize} x {dtype}") from None
         src, mtag = status.Get_source(), status.Get_tag()
         theirs = mtag >> _TAG_BITS
         if theirs != tag:
@@ -223,8 +232,9 @@ class MpiComm(Communicator):
 
     def _mismatch(self, buf: np.ndarray, src: int, sent: str) -> BufferMismatch:
         return BufferMismatch(
-            f"rank {self.rank} expected {buf.size} x {buf.dtype} from rank {src} but rank {src} sent "
-            f"{sent}: every rank must pass a buffer of the same length and dtype to a collective")
+            f"rank {self.rank} expected {buf.size} x {buf.dtype} from rank {src} but rank "
+            f"{src} sent {sent}: every rank must pass a buffer of the same length and dtype to "
+            "a collective")
 
     def _mpi_tag(self, tag: int) -> int:
         if not 0 <= tag <= self._max_tag:
@@ -232,13 +242,15 @@ class MpiComm(Communicator):
         return tag << _TAG_BITS
 
     def _check_peer(self, peer: int, any_ok: bool = False) -> None:
-        if not (0 <= peer < self.world_size and peer != self.rank) and not (any_ok and peer == ANY_SOURCE):
+        if (not (0 <= peer < self.world_size and peer != self.rank)
+                and not (any_ok and peer == ANY_SOURCE)):
             raise CommError(f"rank {self.rank}: peer {peer} is not another rank of a world of "
                             f"size {self.world_size}")
 
     # -- rounds and collectives ---------------------------------------------------------------
     def check_buffer(self, buf: np.ndarray, call: Collective | None = None) -> None:
-        """The collective's messages carry its code in their tag (length and dtype they carry anyway)."""
+        """The collective's messages carry its code in their tag (length
+        and dtype they carry anyway)."""
         self._tag = call.code() if call is not None else 0
 
     def exchange(self, sends: list[SendSpec], recvs: list[RecvSpec], round: int = -1,
@@ -276,7 +288,8 @@ class MpiComm(Communicator):
             return [r.buf for r in recvs]
         arena = getattr(self._local, "arena", None)
         if arena is None or arena.nbytes < sum(sizes):  # grow by doubling: a few sizes, then none
-            arena = self._local.arena = np.empty(max(sum(sizes), 2 * getattr(arena, "nbytes", 0)), np.uint8)
+            arena = self._local.arena = np.empty(max(sum(sizes), 2 * getattr(arena, "nbytes", 0)),
+                                                 np.uint8)
         into, off = [], 0
         for r, size in zip(recvs, sizes):
             into.append(arena[off:off + r.buf.nbytes].view(r.buf.dtype).reshape(r.buf.shape)
@@ -309,16 +322,20 @@ class MpiComm(Communicator):
                               f"for {buf.dtype}")
         mpi_type = self._types.get(buf.dtype)
         if mpi_type is None and buf.dtype == np.float16:
-            raise ConfigError(f"rank {self.rank}: this MPI has no float16 reduction (MPI_FLOAT16_T, "
-                              "MPICH 4.2+): use algorithm ring, tree, naive or direct for float16")
+            raise ConfigError(f"rank {self.rank}: this MPI has no float16 reduction "
+                              "(MPI_FLOAT16_T, MPICH 4.2+): use algorithm ring, tree, naive or "
+                              "direct for float16")
         if mpi_type is None or not buf.flags.c_contiguous:
             raise CommError(f"rank {self.rank}: the native all-reduce needs a contiguous "
                             f"{', '.join(map(str, self._types))} array; got {buf.dtype}")
         if check and self.world_size > 1:
             self._agree(buf)
-            if buf.size == 0:  # MPI_Allreduce of nothing returns at once, synchronising no one: a rank
-                self.barrier()  # out early would reach a peer still in _agree, which reads its next
-                return  # collective's message as a mismatch
+            # MPI_Allreduce of nothing returns at once, synchronising no one: a rank out early
+            # would reach a peer still in _agree, which reads its next collective's message as a
+            # mismatch
+            if buf.size == 0:
+                self.barrier()
+                return
         self._comm.Allreduce(MPI.IN_PLACE, [buf, mpi_type], op=MPI.SUM)
         if op == "mean":
             buf /= self.world_size
@@ -329,10 +346,10 @@ class MpiComm(Communicator):
         Dissemination, by point-to-point messages: in round k = 0, 1, ... rank r sends the max of
         (n, dtype, -n, -dtype) it has seen to r + 2^k and takes the max with what r - 2^k sends;
         after ceil(log2 p) rounds every rank holds the max over all ranks, and max == -min for n and
-        dtype only where every rank agrees. Why not ``MPI_Iallreduce`` of the same 4 integers: MPICH's
-        non-blocking schedule costs more than these messages (backends/PERFORMANCE.md). The messages carry
-        the native all-reduce's code in their tag, so a peer in another collective is a
-        ``CollectiveMismatch`` at the first message, either way round."""
+        dtype only where every rank agrees. Why not ``MPI_Iallreduce`` of the same 4 integers:
+        MPICH's non-blocking schedule costs more than these messages (backends/PERFORMANCE.md). The
+        messages carry the native all-reduce's code in their tag, so a peer in another collective is
+        a ``CollectiveMismatch`` at the first message, either way round."""
         self._tag = _NATIVE
         rounds = self._agreement or self._agreement_rounds()
         n, c = buf.size, _CODE[buf.dtype]
@@ -353,9 +370,9 @@ class MpiComm(Communicator):
             raise
         if hi != (n, c, -n, -c):
             raise BufferMismatch(
-                f"rank {self.rank} passed {n} x {buf.dtype} to the native all-reduce but other ranks "
-                f"passed between {-hi[2]} and {hi[0]} elements or another dtype: every rank must "
-                "pass a buffer of the same length and dtype to a collective")
+                f"rank {self.rank} passed {n} x {buf.dtype} to the native all-reduce but "
+                f"other ranks passed between {-hi[2]} and {hi[0]} elements or another dtype: "
+                "every rank must pass a buffer of the same length and dtype to a collective")
 
     def _agreement_rounds(self) -> list[tuple]:
         """``_agree``'s rounds as persistent requests, made once per communicator (starting one
@@ -385,7 +402,8 @@ class MpiComm(Communicator):
         return [pickle.loads(out[a:a + n].tobytes()) for a, n in zip(offsets, sizes)]
 
     def abort(self, code: int = 1) -> None:
-        """Stop every rank of the job now (MPI_Abort): one failed rank must not leave others waiting."""
+        """Stop every rank of the job now (MPI_Abort): one failed rank
+        must not leave others waiting."""
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
         self._comm.Abort(code)

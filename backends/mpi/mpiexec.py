@@ -78,7 +78,8 @@ class RankInfo:
 
 
 class MpiJob:
-    """A running mpiexec job: its process, one connection per rank (rank order), and how to end it."""
+    """A running mpiexec job: its process, one connection per rank
+    (rank order), and how to end it."""
 
     def __init__(self, proc: subprocess.Popen, world_size: int, exit_prefix: str) -> None:
         self.proc, self.world_size, self.exit_prefix = proc, world_size, exit_prefix
@@ -91,9 +92,11 @@ class MpiJob:
         The rank that ended first has a record; the ranks mpiexec then SIGKILLed with their
         keepers have none. So a record also tells the cause from the casualties.
         """
-        records = {r: Path(self.exit_prefix + str(self.ranks[r].pid)) for r in ranks if r < len(self.ranks)}
+        records = {r: Path(self.exit_prefix + str(self.ranks[r].pid)) for r in ranks
+                   if r < len(self.ranks)}
         deadline = time.monotonic() + 2  # a keeper writes its record just after its rank ends
-        while records and not any(p.exists() for p in records.values()) and time.monotonic() < deadline:
+        while (records and not any(p.exists() for p in records.values())
+               and time.monotonic() < deadline):
             time.sleep(0.01)
         notes: dict[int, str | None] = dict.fromkeys(ranks)
         for rank, record in records.items():
@@ -105,7 +108,9 @@ class MpiJob:
                 name = _signame(os.WTERMSIG(status))
                 notes[rank] = f"process died from signal {name} (no Python traceback)"
             elif os.WIFEXITED(status):
-                notes[rank] = f"process exited with code {os.WEXITSTATUS(status)} before returning a result"
+                notes[rank] = (
+                    f"process exited with code {os.WEXITSTATUS(status)} before returning a result"
+                )
         return notes
 
     def kill(self) -> None:
@@ -157,7 +162,8 @@ def start_mpiexec(world_size: int, timeout: float, start_timeout: float, session
     host, port = listener.address
     exit_prefix = f"/dev/shm/{session}_exit_"
     env = dict(os.environ, **(env or {}), DPLAB_AUTHKEY=key.hex(), DPLAB_TIMEOUT=repr(timeout),
-               DPLAB_SYS_PATH=os.pathsep.join(p for p in sys.path if p), DPLAB_EXIT_PREFIX=exit_prefix)
+               DPLAB_SYS_PATH=os.pathsep.join(p for p in sys.path if p),
+               DPLAB_EXIT_PREFIX=exit_prefix)
     cmd = [mpiexec, "-n", str(world_size), sys.executable, "-c", RANK_MAIN, f"{host}:{port}"]
     proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, start_new_session=True)
     job = MpiJob(proc, world_size, exit_prefix)
@@ -177,13 +183,15 @@ MPICH_SHM_PER_RANK = 1100 * 1024
 
 
 def check_mpich_room(world_size: int) -> None:
-    """``ShmFull`` in one line, before mpiexec starts, when /dev/shm cannot hold MPICH's segments."""
+    """``ShmFull`` in one line, before mpiexec starts, when /dev/shm
+    cannot hold MPICH's segments."""
     try:
         free = shutil.disk_usage("/dev/shm").free
     except OSError:
         return  # no /dev/shm: MPICH picks another transport
     if free < world_size * MPICH_SHM_PER_RANK:
-        raise shm_full(world_size * MPICH_SHM_PER_RANK, f"MPICH's shared memory of {world_size} ranks")
+        raise shm_full(world_size * MPICH_SHM_PER_RANK,
+                       f"MPICH's shared memory of {world_size} ranks")
 
 
 def _connect(job: MpiJob, listener: Listener, world_size: int, allowance: float) -> None:
@@ -215,8 +223,8 @@ def _connect(job: MpiJob, listener: Listener, world_size: int, allowance: float)
     if job.proc.poll() is not None:
         raise DplabError(f"mpiexec exited with code {job.proc.returncode} after {len(infos)} of "
                          f"{world_size} MPI ranks connected (its output is above)")
-    raise DplabError(f"only {len(infos)} of {world_size} MPI ranks connected within {allowance:g}s: "
-                     "set DPLAB_START_TIMEOUT to give start-up more time")
+    raise DplabError(f"only {len(infos)} of {world_size} MPI ranks connected within "
+                     f"{allowance:g}s: set DPLAB_START_TIMEOUT to give start-up more time")
 
 
 def _killpg(group: int, sig: int) -> None:

@@ -9,8 +9,8 @@
             opt.step()                                 # the same averaged gradient on every rank
     launch(train, 4)                                   # backend="mpi" or "torch" too
 
-    flat grad:  [ emb | layer 1 | layer 2 | head ]      named_parameters() order; param.grad is a view
-    buckets:    [   bucket 1    ][  bucket 0      ]     reverse: head's bucket goes first
+    flat grad:  [ emb | layer 1 | layer 2 | head ]   named_parameters() order; param.grad is a view
+    buckets:    [   bucket 1    ][  bucket 0      ]  reverse: head's bucket goes first
 
 Each complete bucket is all-reduced by the ``Reducer`` (``reference.train.buckets``) on a comm
 thread; ``loss.backward()`` returns with every bucket reduced. The gradient is the mean over ranks
@@ -49,6 +49,14 @@ def broadcast_module(module: nn.Module, comm: Communicator, root: int = 0) -> No
 
     Tensors of a dtype the collectives do not move (bool, int8, float16, ...) travel in a
     wider one (int64, float64) and are converted back exactly.
+
+    Args:
+        module: its parameters and buffers are overwritten in place (on ``root``: sent).
+        comm: this rank's communicator; a collective, so every rank calls it.
+        root: the rank whose tensors every rank ends with.
+
+    Raises:
+        ConfigError: a complex tensor (the collectives move real numbers).
     """
     groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
     for t in (*module.parameters(), *module.buffers()):
@@ -89,6 +97,8 @@ class DistributedDataParallel(nn.Module):
     ``find_unused_parameters``; ``wait`` says which one did not).
 
     Args:
+        module: the module to wrap; every rank's copy is given rank 0's parameters and buffers.
+        comm: this rank's communicator (any backend; torch tensors need one that moves them).
         bucket_cap_mb: MiB of gradients per all-reduce (a parameter is never split).
             ``None`` is torch's default, 25 MiB; ``math.inf`` puts every gradient in one bucket.
         algorithm: any all-reduce of the registry (``dplab.reference.algorithms``), ``native`` (the
@@ -98,13 +108,17 @@ class DistributedDataParallel(nn.Module):
             rank with a small shard counts more. With it each rank's gradient (of its mean loss)
             counts n_r / N, N the global batch: exactly the full batch's gradient. Costs one
             one-element all-reduce here and at each ``set_local_batch_size``, none per step.
+
+    Raises:
+        ConfigError: an unknown algorithm, or parameters the collectives cannot move.
     """
 
     def __init__(self, module: nn.Module, comm: Communicator, bucket_cap_mb: float | None = None,
                  algorithm: str = "ring", local_batch_size: int | None = None) -> None:
         super().__init__()
         if not has_schedule(algorithm):
-            raise ConfigError(f"unknown algorithm {algorithm!r}: choose one of {', '.join(ALGORITHMS)}")
+            raise ConfigError(f"unknown algorithm {algorithm!r}: choose one of "
+                              f"{', '.join(ALGORITHMS)}")
         if bucket_cap_mb is None:
             bucket_cap_mb = DEFAULT_BUCKET_CAP_MB
         self.module, self.comm, self.algorithm = module, comm, algorithm
@@ -133,10 +147,23 @@ class DistributedDataParallel(nn.Module):
         self._finalizer = weakref.finalize(self, _release, self.reducer, handles)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the module; like DDP, whether its backward syncs is decided here, not in backward."""
+        """Run the module; like DDP, whether its backward syncs is decided here, not in backward.
+
+        Args:
+            *args: the wrapped module's positional arguments.
+            **kwargs: its keyword arguments.
+
+        Returns:
+            The wrapped module's output.
+
+        Raises:
+            ConfigError: the previous synced backward raised before its end (its buckets were only
+                partly reduced).
+        """
         if self._pending:
-            raise ConfigError("the previous synced backward did not finish (it raised before its end), "
-                              "so its buckets were only partly reduced: build a new DDP in a new world")
+            raise ConfigError("the previous synced backward did not finish (it raised before "
+                              "its end), so its buckets were only partly reduced: build a new "
+                              "DDP in a new world")
         self._sync_this_backward = self.require_backward_grad_sync
         return self.module(*args, **kwargs)
 
@@ -146,9 +173,16 @@ class DistributedDataParallel(nn.Module):
         A collective (one all-reduce of a single integer): call it on every rank, between
         steps, whenever a shard size changes; the weight holds until the next call. With
         ``no_sync`` accumulation, ``n`` counts the samples of all micro-batches of a step.
+
+        Args:
+            n: this rank's samples in the step, >= 0.
+
+        Raises:
+            ConfigError: called during a synced backward.
         """
         if self._pending:
-            raise ConfigError("set_local_batch_size during a synced backward: call it between steps")
+            raise ConfigError("set_local_batch_size during a synced backward: call it "
+                              "between steps")
         if self._counts is None:  # kept: allocating shared memory costs more than the all-reduce
             self._counts = flat_buffer(self.comm, 2, torch.int64, self.flat_grad.device)
         total = sum_batch_sizes(self.comm, n, self._counts, self.algorithm)
@@ -160,6 +194,9 @@ class DistributedDataParallel(nn.Module):
 
         The next forward/backward outside the block reduces the accumulated sum, so k
         micro-batches (each loss scaled by 1/k) take the step of one k-times larger batch.
+
+        Yields:
+            None; on leaving the block, syncing is back to what it was.
         """
         old, self.require_backward_grad_sync = self.require_backward_grad_sync, False
         try:
@@ -172,9 +209,14 @@ class DistributedDataParallel(nn.Module):
 
         Autograd runs a parameter's accumulation, and so this hook, once per backward even
         when the parameter is used twice (tied weights): the two uses are summed first.
+
+        Args:
+            i: the parameter's index among the module's trainable parameters.
+            param: that parameter, whose ``.grad`` is complete.
         """
         slot = self.grad_slots[i]
-        fresh = param.grad if param.grad is not slot else None  # autograd made a new tensor (grad was None)
+        # autograd made a new tensor (grad was None)
+        fresh = param.grad if param.grad is not slot else None
         if fresh is not None:
             param.grad = slot
         if not self._sync_this_backward:
@@ -188,9 +230,11 @@ class DistributedDataParallel(nn.Module):
         # not a copy and then a scaling pass over memory the copy just wrote.
         src = slot if fresh is None else fresh
         if self.local_batch_size is None:
-            torch.div(src, self.comm.world_size, out=slot)  # sum of g / p = the average, as DDP pre-divides
+            # sum of g / p = the average, as DDP pre-divides
+            torch.div(src, self.comm.world_size, out=slot)
         elif self.local_batch_size:
-            torch.mul(src, self.local_batch_size / self.global_batch_size, out=slot)  # sum of n_r g_r / N
+            # sum of n_r g_r / N
+            torch.mul(src, self.local_batch_size / self.global_batch_size, out=slot)
         else:
             slot.zero_()  # an empty shard: its mean loss (and gradient) is NaN, its weight 0
         self._unready.discard(i)
@@ -203,6 +247,10 @@ class DistributedDataParallel(nn.Module):
         no gradient is an error (there is no ``find_unused_parameters``): its slot is
         reduced as zeros first, so every rank still runs the same collectives and none is
         left waiting, and then the error names it.
+
+        Raises:
+            ConfigError: a trainable parameter got no gradient, naming it.
+            CommError: the bucket all-reduces failed (a timeout, a mismatch, a lost peer).
         """
         if not self._pending:
             return
@@ -227,7 +275,8 @@ class DistributedDataParallel(nn.Module):
     finish_gradient_synchronization = wait
 
     def close(self) -> None:
-        """Stop the communication thread and remove the hooks (also done when the wrapper is freed)."""
+        """Stop the communication thread and remove the hooks (also done
+        when the wrapper is freed)."""
         self._finalizer()
 
 

@@ -32,16 +32,17 @@ def flat_buffer(comm: Communicator, n: int, dtype: torch.dtype,
         buf = comm.empty(n, torch.empty(0, dtype=dtype).numpy().dtype)
         return buf, (buf if isinstance(buf, torch.Tensor) else torch.from_numpy(buf))
     if getattr(comm, "device", None) != device:
-        raise ConfigError(f"parameters on {device} need a communicator on {device} (the torch backend "
-                          f"with DPLAB_DEVICE=cuda); {type(comm).__name__} moves host memory: use the CPU")
+        raise ConfigError(f"parameters on {device} need a communicator on {device} (the "
+                          f"torch backend with DPLAB_DEVICE=cuda); {type(comm).__name__} moves "
+                          "host memory: use the CPU")
     t = torch.empty(n, dtype=dtype, device=device)
     return t, t
 
 
 def sum_batch_sizes(comm: Communicator, n: int, scratch: tuple[Any, torch.Tensor],
                     algorithm: str = "ring") -> int:
-    """Every rank's ``n`` summed (one all-reduce; ``scratch`` is a ``flat_buffer`` of 2 int64). A bad
-    ``n`` is counted rather than raised at once, so that every rank raises and none hangs."""
+    """Every rank's ``n`` summed (one all-reduce; ``scratch`` is a ``flat_buffer`` of 2 int64). A
+    bad ``n`` is counted rather than raised at once, so that every rank raises and none hangs."""
     ok = type(n) is int and n >= 0
     buf, counts = scratch
     counts.copy_(torch.tensor([n if ok else 0, 0 if ok else 1]))

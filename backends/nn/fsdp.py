@@ -6,17 +6,19 @@
     fsdp.clip_grad_norm_(1.0)         # the global norm, as torch's FSDP.clip_grad_norm_
     opt.step()
     fsdp.full_state_dict()            # every rank: the plain module's state dict
-    with fsdp.summon_full_params():   # the module's attributes: full parameters, written back at exit
+    with fsdp.summon_full_params():   # full parameters as attributes, written back at exit
         fsdp.module.head.weight.mul_(2)
 
 Each unit (a listed submodule; the root holds every other parameter) keeps its parameters as one
-flat tensor of which rank r stores ``chunk_bounds(n, p)[r]``; its full parameters exist only while it runs:
+flat tensor of which rank r stores ``chunk_bounds(n, p)[r]``; its full parameters exist only while
+it runs:
 
     forward,  unit k:  all-gather flat k -> run unit k -> free flat k
     backward, unit k:  all-gather flat k -> unit k's backward -> reduce-scatter grad k -> free both
 
 Gradients are averaged as DDP's (sum / p, or by ``local_batch_size``); ``no_sync()`` reduce-scatters
-once per unit per step; the dtypes are torch's MixedPrecision; prefetch changes no bit (nn/README.md).
+once per unit per step; the dtypes are torch's MixedPrecision; prefetch changes no bit
+(nn/README.md).
 """
 
 from __future__ import annotations
@@ -63,6 +65,8 @@ class FullyShardedDataParallel(nn.Module):
     """Wraps ``module``: its parameters become flat shards, gathered per unit while it runs.
 
     Args:
+        module: the module to wrap; every rank's copy is given rank 0's parameters and buffers.
+        comm: this rank's communicator (any backend; tensors on a GPU need one that moves them).
         units: submodules that each get their own flat parameter (none may contain another);
             ``None``: the whole model is one unit. Their order is the order of ``parameters()``.
         compute_dtype: dtype of the gather, forward and backward (float16, bfloat16); masters and
@@ -80,30 +84,41 @@ class FullyShardedDataParallel(nn.Module):
             (``fsdp_prefetch``); the results are bitwise the same.
         algorithm: ``ring`` or ``direct`` (the schedules with a reduce-scatter and all-gather).
         local_batch_size: this rank's shard size, for uneven shards (as in ``DDP``).
+
+    Raises:
+        ConfigError: an algorithm without a reduce-scatter, units that are not submodules or
+            overlap, both ``mixed_precision`` and ``compute_dtype``/``reduce_dtype``, a dtype or
+            policy FSDP does not take, an unknown ``backward_prefetch``, or parameters on a
+            device the communicator does not move.
     """
 
-    def __init__(self, module: nn.Module, comm: Communicator, *, units: Sequence[nn.Module] | None = None,
+    def __init__(self, module: nn.Module, comm: Communicator, *,
+                 units: Sequence[nn.Module] | None = None,
                  compute_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
                  mixed_precision: Policy = None, keep_float32: tuple[type, ...] = (),
                  forward_prefetch: bool = False, backward_prefetch: Any = None,
                  algorithm: str = "ring", local_batch_size: int | None = None) -> None:
         super().__init__()
         if not has_schedule(algorithm, "scatter"):
-            raise ConfigError(f"FSDP needs a reduce-scatter and an all-gather: algorithm must be one of "
-                              f"{', '.join(SCATTER_ALGORITHMS)}, got {algorithm!r}")
+            raise ConfigError("FSDP needs a reduce-scatter and an all-gather: algorithm must "
+                              f"be one of {', '.join(SCATTER_ALGORITHMS)}, got {algorithm!r}")
         plans = plan_units(module, units)  # checked before any collective: a bad unit fails alone
         self.forward_prefetch = bool(forward_prefetch)
         self.backward_prefetch = backward_pre(backward_prefetch)
         master, device = dtype_and_device(list(module.parameters()))
         if mixed_precision is not None and (compute_dtype or reduce_dtype):
             raise ConfigError("give either mixed_precision or compute_dtype/reduce_dtype, not both")
-        if mixed_precision is None and (compute_dtype or reduce_dtype):  # the short form: one policy
+        # the short form: one policy
+        if mixed_precision is None and (compute_dtype or reduce_dtype):
             mixed_precision = MixedPrecision(compute_dtype, reduce_dtype, compute_dtype)
-        self.precisions = unit_precisions(mixed_precision, [q.module for q in plans], master, comm, device)
-        self.compute_dtype, self.reduce_dtype = self.precisions[0].compute, self.precisions[0].reduce
+        self.precisions = unit_precisions(mixed_precision, [q.module for q in plans], master, comm,
+                                          device)
+        self.compute_dtype = self.precisions[0].compute
+        self.reduce_dtype = self.precisions[0].reduce
         self.keep_float32 = tuple(keep_float32)
         if device.type != "cpu":
-            flat_buffer(comm, 0, master, device)  # raises unless the communicator moves that device's memory
+            # raises unless the communicator moves that device's memory
+            flat_buffer(comm, 0, master, device)
         self.module, self.comm, self.algorithm, self.device = module, comm, algorithm, device
         broadcast_module(module, comm)
         self._state_keys = list(module.state_dict().keys())
@@ -116,7 +131,8 @@ class FullyShardedDataParallel(nn.Module):
         unit_of = {id(m): k for k, q in enumerate(plans) if k for m in q.module.modules()}
         self._float_buffers = [(mod, name, dtype) for mod in module.modules()
                                if (dtype := self._buffer_dtype(mod, unit_of)) is not None
-                               for name, b in mod._buffers.items() if b is not None and b.is_floating_point()]
+                               for name, b in mod._buffers.items() if b is not None
+                               and b.is_floating_point()]
         mixed = any(u.compute is not None for u in self.precisions)
         self._input_dtypes = [u.compute or master for u in self.precisions] if mixed else None
         cast_kept_modules(module, self.keep_float32, unit_of, self.precisions, master)
@@ -141,23 +157,25 @@ class FullyShardedDataParallel(nn.Module):
         for key, pid in self._param_keys.items():
             first_key.setdefault(pid, key)
         self.units: list[list[FlatParam]] = []
-        self._flat_keys: list[list[str]] = []  # per flat: the state-dict key of each of its parameters
+        # per flat: the state-dict key of each of its parameters
+        self._flat_keys: list[list[str]] = []
         for plan, prec in zip(plans, self.precisions):
             flats = []
             for trainable, kept in ((True, False), (True, True), (False, False), (False, True)):
                 idx = [i for i, q in enumerate(plan.params) if q.requires_grad == trainable
                        and is_kept(plan.holders[i], self.keep_float32) == kept]
                 if idx:
-                    gather, reduce = (master, master) if kept else (prec.compute or master, prec.reduce)
+                    gather, reduce = (master, master) if kept else (prec.compute or master,
+                                                                    prec.reduce)
                     params, holders = [plan.params[i] for i in idx], [plan.holders[i] for i in idx]
-                    flats.append(FlatParam(self.comm, params, holders, gather, trainable, self.meter,
-                                           self.algorithm, reduce))
+                    flats.append(FlatParam(self.comm, params, holders, gather, trainable,
+                                           self.meter, self.algorithm, reduce))
                     self._flat_keys.append([first_key[id(plan.params[i])] for i in idx])
             self.units.append(flats)
 
     def _buffer_dtype(self, mod: nn.Module, unit_of: dict[int, int]) -> torch.dtype | None:
-        """The dtype ``mod``'s floating buffers are cast to per forward: its unit's ``buffer_dtype``,
-        none for a kept (float32) module."""
+        """The dtype ``mod``'s floating buffers are cast to per forward: its unit's
+        ``buffer_dtype``, none for a kept (float32) module."""
         if self.keep_float32 and isinstance(mod, self.keep_float32):
             return None
         return self.precisions[unit_of.get(id(mod), 0)].buffer
@@ -179,10 +197,23 @@ class FullyShardedDataParallel(nn.Module):
 
     # -- forward and backward ----------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the module with its root unit gathered; each listed unit gathers itself."""
+        """Run the module with its root unit gathered; each listed unit gathers itself.
+
+        Args:
+            *args: the wrapped module's positional arguments (floats cast to the root unit's
+                compute dtype, if it has one).
+            **kwargs: its keyword arguments (likewise).
+
+        Returns:
+            The wrapped module's output.
+
+        Raises:
+            ConfigError: called inside ``summon_full_params()``.
+        """
         if self._summoned:
             raise ConfigError("forward inside summon_full_params(): leave the context first")
-        self._pending.clear()  # a forward whose backward never ran (evaluation) leaves nothing behind
+        # a forward whose backward never ran (evaluation) leaves nothing behind
+        self._pending.clear()
         self._sync_this_backward = self.require_backward_grad_sync
         self._order.start_forward()
         if self._input_dtypes is not None:
@@ -235,7 +266,8 @@ class FullyShardedDataParallel(nn.Module):
         no_sync, keep it), free the parameters."""
         self._gathers.end("backward", k)
         if self._sync_this_backward:
-            self._gathers.reduce(flat, self._weight())  # with prefetch, on the comm thread: overlaps too
+            # with prefetch, on the comm thread: overlaps too
+            self._gathers.reduce(flat, self._weight())
             self._reduced.append(flat)
         else:
             flat.hold_grad()
@@ -250,8 +282,10 @@ class FullyShardedDataParallel(nn.Module):
         self._callback_queued = False
         pending, self._pending = self._pending, []
         reduced, self._reduced = self._reduced, []
-        if self._sync_this_backward:  # not f.held alone: a reduction on the comm thread may not have run yet
-            held = [f for f in self._flats() if f.held is not None and f not in pending and f not in reduced]
+        # not f.held alone: a reduction on the comm thread may not have run yet
+        if self._sync_this_backward:
+            held = [f for f in self._flats() if f.held is not None and f not in pending
+                    and f not in reduced]
             for f in pending + held:
                 self._gathers.reduce(f, self._weight())
         self._gathers.drain()
@@ -264,7 +298,12 @@ class FullyShardedDataParallel(nn.Module):
         return self.local_batch_size / self.global_batch_size if self.local_batch_size else None
 
     def set_local_batch_size(self, n: int) -> None:
-        """Weight this rank's gradient by ``n`` / (sum of every rank's ``n``); a collective, as in DDP."""
+        """Weight this rank's gradient by ``n`` / (sum of every rank's ``n``); a collective, as in
+        DDP.
+
+        Args:
+            n: this rank's samples in the step (all micro-batches), >= 0.
+        """
         total = sum_batch_sizes(self.comm, n, flat_buffer(self.comm, 2, torch.int64, self.device))
         self.local_batch_size, self.global_batch_size = n, total
 
@@ -275,7 +314,11 @@ class FullyShardedDataParallel(nn.Module):
         So k micro-batches in here and one outside (each loss scaled to the step's batch) take
         the big batch's step with one reduce-scatter per unit instead of k + 1. The weight
         (``local_batch_size``) applies once, to the sum: count the samples of all micro-batches.
-        ``zero_grad`` does not clear what is held (it is not in the shards' ``.grad`` yet)."""
+        ``zero_grad`` does not clear what is held (it is not in the shards' ``.grad`` yet).
+
+        Yields:
+            None; on leaving the block, syncing is back to what it was.
+        """
         old, self.require_backward_grad_sync = self.require_backward_grad_sync, False
         try:
             yield
@@ -286,7 +329,11 @@ class FullyShardedDataParallel(nn.Module):
     def param_memory(self) -> dict[str, int]:
         """Bytes of parameter storage on this rank: the shards, the most gathered (full) parameter
         storage alive at once (units in flight, in the compute dtype), their sum, the unsharded
-        model's parameters for scale, and the full gradients no_sync holds now."""
+        model's parameters for scale, and the full gradients no_sync holds now.
+
+        Returns:
+            ``{shard_bytes, gathered_peak_bytes, peak_bytes, unsharded_bytes, held_grad_bytes}``.
+        """
         flats = self._flats()
         shard = sum(f.shard.numel() * f.shard.element_size() for f in flats)
         return {"shard_bytes": shard, "gathered_peak_bytes": self.meter.peak,
@@ -309,7 +356,18 @@ class FullyShardedDataParallel(nn.Module):
 
         A parameter's own ``.grad`` outside is this rank's piece, of another size on each rank
         (maybe empty): a torch collective over it, as over a DDP replica's, hangs. Compare or
-        gather full gradients in here."""
+        gather full gradients in here.
+
+        Args:
+            writeback: at exit, each rank's chunk of the full parameters goes back to its shard.
+            with_grads: give each full parameter its full gradient as ``.grad``.
+
+        Yields:
+            None, while the module holds its full parameters.
+
+        Raises:
+            ConfigError: called inside forward, backward or another summon.
+        """
         if self._summoned or any(f.gathered for f in self._flats()):
             raise ConfigError("summon_full_params() inside forward, backward or another summon: "
                               "call it between steps")
@@ -336,8 +394,12 @@ class FullyShardedDataParallel(nn.Module):
                 self.meter.add(-full.numel() * full.element_size())
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The wrapped module's ``state_dict()`` as if it were never wrapped, the same on every rank:
-        full parameters in the master dtype, buffers in their original dtype. A collective."""
+        """The wrapped module's ``state_dict()`` as if it were never wrapped, the same on every
+        rank: full parameters in the master dtype, buffers in their original dtype. A collective.
+
+        Returns:
+            Every key of the plain module's ``state_dict()``, each a tensor of its own.
+        """
         out = {}
         with self.summon_full_params(writeback=False):
             for key in self._state_keys:
@@ -351,14 +413,22 @@ class FullyShardedDataParallel(nn.Module):
 
     def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Load a plain module's state dict: each rank keeps its chunks (no communication; pass
-        the same dict on every rank)."""
+        the same dict on every rank).
+
+        Args:
+            state_dict: the plain module's state dict (every key, full tensors).
+
+        Raises:
+            ConfigError: keys missing or unexpected, naming them.
+        """
         missing = [k for k in self._state_keys if k not in state_dict]
         unexpected = [k for k in state_dict if k not in self._state_keys]
         if missing or unexpected:
             raise ConfigError(f"state dict does not fit the wrapped module: missing {missing}, "
                               f"unexpected {unexpected}")
         for flat, keys in zip(self._flats(), self._flat_keys):
-            flat.load_full(torch.cat([state_dict[k].reshape(-1).to(flat.master_dtype) for k in keys]))
+            flat.load_full(torch.cat([state_dict[k].reshape(-1).to(flat.master_dtype)
+                                      for k in keys]))
         with torch.no_grad():
             for key in self._buffer_dtypes:
                 buf = self.module.get_buffer(key)
@@ -368,13 +438,33 @@ class FullyShardedDataParallel(nn.Module):
     def named_parameters(self, prefix: str = "", recurse: bool = True,
                          remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
         """The wrapped module's parameters under its own names ("0.weight", not "module.0.weight"),
-        each this rank's piece of it. ``parameters()`` yields the same tensors."""
-        return self.module.named_parameters(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
+        each this rank's piece of it. ``parameters()`` yields the same tensors.
+
+        Args:
+            prefix: prepended to every name.
+            recurse: include submodules' parameters.
+            remove_duplicate: tied parameters once.
+
+        Returns:
+            An iterator of (name, parameter).
+        """
+        return self.module.named_parameters(prefix=prefix, recurse=recurse,
+                                            remove_duplicate=remove_duplicate)
 
     def state_dict(self, *args: Any, destination: dict | None = None, prefix: str = "",
                    keep_vars: bool = False) -> dict[str, torch.Tensor]:
         """The plain module's state dict (full values, original keys), as torch's FSDP1 gives by
-        default (FULL_STATE_DICT): ``full_state_dict()``, a collective."""
+        default (FULL_STATE_DICT): ``full_state_dict()``, a collective.
+
+        Args:
+            *args: unused (torch's positional form).
+            destination: a dict to fill instead of a new ``OrderedDict``.
+            prefix: prepended to every key.
+            keep_vars: unused: the values are detached copies.
+
+        Returns:
+            ``destination``, or a new ``OrderedDict``, with every key.
+        """
         out = OrderedDict() if destination is None else destination
         for key, value in self.full_state_dict().items():
             out[prefix + key] = value
@@ -382,19 +472,40 @@ class FullyShardedDataParallel(nn.Module):
 
     def load_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True,
                         assign: bool = False) -> Any:
-        """Load a plain module's state dict (``load_full_state_dict``: every key, no communication)."""
+        """Load a plain module's state dict (``load_full_state_dict``: every key, no communication).
+
+        Args:
+            state_dict: the plain module's state dict.
+            strict: unused: every key must fit, always.
+            assign: unused: values are copied into the shards.
+
+        Returns:
+            torch's ``_IncompatibleKeys``, always empty.
+
+        Raises:
+            ConfigError: keys missing or unexpected.
+        """
         self.load_full_state_dict(dict(state_dict))
         return nn.modules.module._IncompatibleKeys([], [])
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Scale every rank's gradient pieces so that the *global* norm is at most ``max_norm``;
-        returns the global norm (the same on every rank). A collective: call it on every rank."""
+        returns the global norm (the same on every rank). A collective: call it on every rank.
+
+        Args:
+            max_norm: the largest global norm allowed.
+            norm_type: the p of the p-norm (``inf`` too).
+
+        Returns:
+            The global norm before clipping, in the gradients' dtype.
+        """
         params = [p for p in self.module.parameters() if p.grad is not None]
         grads = [p.grad for p in params]
         dtype = grads[0].dtype if grads else torch.float64
-        local = torch.nn.utils.get_total_norm([g for g in grads if g.numel()],  # an empty piece has no
-                                              norm_type).to(torch.float64)      # inf-norm in torch
+        # an empty piece has no inf-norm in torch
+        local = torch.nn.utils.get_total_norm([g for g in grads if g.numel()],
+                                              norm_type).to(torch.float64)
         total = _combine(self.comm, local, float(norm_type), self.algorithm, self.device).to(dtype)
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
         return total

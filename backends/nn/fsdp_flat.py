@@ -2,12 +2,12 @@
 
     flat = FlatParam(comm, [w, b], holders, compute_dtype=None, trainable=True)
     flat.shard           # this rank's chunk_bounds(n, p)[rank] of [ w | b ] (fp32/fp64)
-    w.data, b.data       # 1-D views into flat.shard: the part of w (of b) this rank stores, maybe empty
+    w.data, b.data       # 1-D views into flat.shard: this rank's part of w (of b), maybe empty
     flat.gather()        # leaf = the whole [ w | b ] in the compute dtype
-    flat.use_views()     # module attributes (module.weight) = full views of the leaf, for the forward
+    flat.use_views()     # module attributes (module.weight) = full views of the leaf, for forward
     flat.free()          # leaf's storage resized to 0 bytes; module attributes = w and b again
     flat.reduce_grad(weight)   # leaf.grad -> reduce-scatter -> w.grad, b.grad = views of shard.grad
-    flat.hold_grad()     # no_sync: leaf.grad added into ``held`` (full, master dtype), sent by reduce_grad
+    flat.hold_grad()     # no_sync: leaf.grad summed in ``held`` (full, master dtype), reduced later
 
 The module's ``_parameters`` never change (names, objects, order); while a unit runs, the full
 views shadow them as instance attributes. ``free`` resizes the storage instead of dropping the
@@ -40,7 +40,8 @@ Holder = tuple[nn.Module, str]  # (module, attribute name): where a parameter is
 def show(holders: Sequence[Holder], tensor: torch.Tensor) -> None:
     """Make ``module.name`` read ``tensor`` for every holder, over the registered parameter."""
     for mod, name in holders:
-        object.__setattr__(mod, name, tensor)  # the instance dict, found before nn.Module.__getattr__
+        # the instance dict, found before nn.Module.__getattr__
+        object.__setattr__(mod, name, tensor)
 
 
 def unshow(holders: Sequence[Holder]) -> None:
@@ -51,7 +52,8 @@ def unshow(holders: Sequence[Holder]) -> None:
 
 class MemoryMeter:
     """Bytes of gathered (unsharded) parameter storage alive now, and the most seen at once.
-    Thread-safe: with prefetch, gathers fill leaves on the comm thread while frees run on the main."""
+    Thread-safe: with prefetch, gathers fill leaves on the comm thread
+    while frees run on the main."""
 
     def __init__(self) -> None:
         self.now = 0
@@ -70,7 +72,8 @@ class MemoryMeter:
 class FlatParam:
     """Parameters of one unit that share ``requires_grad``: a flat shard and a gatherable leaf."""
 
-    def __init__(self, comm: Communicator, params: Sequence[torch.Tensor], holders: Sequence[list[Holder]],
+    def __init__(self, comm: Communicator, params: Sequence[torch.Tensor],
+                 holders: Sequence[list[Holder]],
                  compute_dtype: torch.dtype, trainable: bool, meter: MemoryMeter, algorithm: str,
                  reduce_dtype: torch.dtype | None = None) -> None:
         self.comm, self.meter, self.algorithm, self.trainable = comm, meter, algorithm, trainable
@@ -88,7 +91,8 @@ class FlatParam:
             full = torch.cat([p.detach().reshape(-1) for p in params])
             self.shard = nn.Parameter(full[slice(*self.bounds)].clone(), requires_grad=trainable)
         for p, (a, b) in zip(self.params, self.pieces):
-            p.data = self.shard.detach()[a:b]  # the same Parameter object: optimizers built earlier still fit
+            # the same Parameter object: optimizers built earlier still fit
+            p.data = self.shard.detach()[a:b]
             p.grad = None
         self.leaf = torch.empty(self.n, dtype=compute_dtype, device=device)
         self.leaf.untyped_storage().resize_(0)
@@ -101,7 +105,8 @@ class FlatParam:
         return self.n * self.leaf.element_size()
 
     def _allgather(self, full: torch.Tensor) -> torch.Tensor:
-        """All-gather the shards into ``full`` (n elements, any dtype: the shard is cast), in place."""
+        """All-gather the shards into ``full`` (n elements, any dtype:
+        the shard is cast), in place."""
         full[slice(*self.bounds)].copy_(self.shard.detach())
         allgather(self.comm, _buf(full, copy_only=True), self.algorithm)
         return full
@@ -118,13 +123,15 @@ class FlatParam:
         self._allgather(target)  # in the compute dtype: the shard is cast into its place, then sent
 
     def use_views(self) -> None:
-        """Point the module attributes at views of the leaf, recorded by autograd when grad is on."""
+        """Point the module attributes at views of the leaf, recorded
+        by autograd when grad is on."""
         for s, shape, holders in zip(self.slices, self.shapes, self.holders):
             show(holders, self.leaf[s].view(shape))
 
     def full_master(self) -> torch.Tensor:
         """The full flat parameter in the master dtype, a new tensor (a collective: every rank)."""
-        full = self._allgather(torch.empty(self.n, dtype=self.master_dtype, device=self.shard.device))
+        full = self._allgather(torch.empty(self.n, dtype=self.master_dtype,
+                                           device=self.shard.device))
         self.meter.add(full.nbytes)
         return full
 
@@ -172,11 +179,13 @@ class FlatParam:
         The weighting happens in the master dtype, then one cast to ``reduce_dtype`` (one rounding
         in float16, not two); the sum runs in ``reduce_dtype``, each partial sum rounded to it.
         """
-        grad, self.leaf.grad = self.leaf.grad, None  # the full gradient goes after this, not at zero_grad
+        # the full gradient goes after this, not at zero_grad
+        grad, self.leaf.grad = self.leaf.grad, None
         held, self.held = self.held, None
         if weight is None or (grad is None and held is None):
             g = torch.zeros(self.n, dtype=self.reduce_dtype, device=self.shard.device)
-        else:  # cast to the master dtype (a copy only in mixed precision), weight, cast to reduce_dtype
+        # cast to the master dtype (a copy only in mixed precision), weight, cast to reduce_dtype
+        else:
             g = held
             if grad is not None:
                 mine = grad.reshape(-1).to(self.master_dtype)
@@ -187,8 +196,8 @@ class FlatParam:
 
     def set_shard_grad(self, mine: torch.Tensor) -> None:
         """``shard.grad`` = ``mine`` plus what the parameters' ``.grad`` hold (a backward without
-        ``zero_grad`` before it accumulates), and each parameter's ``.grad`` its view of it. Read from
-        the parameters, not from ``shard.grad``: ``zero_grad`` only sees the parameters."""
+        ``zero_grad`` before it accumulates), and each parameter's ``.grad`` its view of it. Read
+        from the parameters, not from ``shard.grad``: ``zero_grad`` only sees the parameters."""
         for p, (a, b) in zip(self.params, self.pieces):
             if p.grad is not None:
                 mine[a:b].add_(p.grad.reshape(-1))

@@ -1,4 +1,5 @@
-"""FSDP's mixed-precision policy per unit, as torch's ``MixedPrecision``, with norms kept in float32.
+"""FSDP's mixed-precision policy per unit, as torch's ``MixedPrecision``, with norms kept in
+float32.
 
     mp = MixedPrecision(param_dtype=torch.float16, reduce_dtype=torch.float32)
     FSDP(model, comm, units=list(model.blocks), mixed_precision=mp, keep_float32=(nn.LayerNorm,))
@@ -25,13 +26,19 @@ from torch import nn
 from dplab.backends.nn.fsdp_precision import COMPUTE_DTYPES, cast_floats, check_dtypes
 from dplab.reference.errors import ConfigError
 
-__all__ = ["MixedPrecision", "UnitPrecision", "Policy", "unit_precisions", "is_kept", "cast_kept_modules",
-           "cast_unit_inputs"]
+__all__ = ["MixedPrecision", "UnitPrecision", "Policy", "unit_precisions", "is_kept",
+           "cast_kept_modules", "cast_unit_inputs"]
 
 
 @dataclass(frozen=True)
 class MixedPrecision:
-    """torch.distributed.fsdp.MixedPrecision's three dtypes; ``None``: the master dtype."""
+    """torch.distributed.fsdp.MixedPrecision's three dtypes; ``None``: the master dtype.
+
+    Attributes:
+        param_dtype: the dtype of the gather, forward and backward (float16, bfloat16).
+        reduce_dtype: the dtype of the gradients' reduce-scatter.
+        buffer_dtype: the dtype the unit's floating-point buffers compute in.
+    """
 
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
@@ -56,22 +63,23 @@ def unit_precisions(policy: Policy, units: Sequence[nn.Module], master: torch.dt
     if isinstance(policy, Mapping):
         known = {id(u) for u in units}
         if any(id(u) not in known for u in policy):
-            raise ConfigError("mixed_precision maps a module that is not a unit: its keys must be the "
-                              "listed units or the wrapped module itself (the root)")
+            raise ConfigError("mixed_precision maps a module that is not a unit: its keys must "
+                              "be the listed units or the wrapped module itself (the root)")
         chosen = [policy.get(u) for u in units]
     else:
         chosen = [policy] * len(units)
     return [_check(mp or MixedPrecision(), master, comm, device) for mp in chosen]
 
 
-def _check(mp: MixedPrecision, master: torch.dtype, comm: Any, device: torch.device) -> UnitPrecision:
+def _check(mp: MixedPrecision, master: torch.dtype, comm: Any,
+           device: torch.device) -> UnitPrecision:
     if not isinstance(mp, MixedPrecision):
         raise ConfigError(f"mixed_precision must be a MixedPrecision or a mapping of units to one, "
                           f"got {type(mp).__name__}")
     compute, reduce = check_dtypes(mp.param_dtype, mp.reduce_dtype, master, comm, device)
     if mp.buffer_dtype is not None and mp.buffer_dtype not in COMPUTE_DTYPES:
-        raise ConfigError(f"buffer_dtype must be one of {', '.join(map(str, COMPUTE_DTYPES))} or None, "
-                          f"got {mp.buffer_dtype!r}")
+        raise ConfigError(f"buffer_dtype must be one of {', '.join(map(str, COMPUTE_DTYPES))} "
+                          f"or None, got {mp.buffer_dtype!r}")
     return UnitPrecision(compute, reduce, None if mp.buffer_dtype == master else mp.buffer_dtype)
 
 
@@ -80,7 +88,8 @@ def is_kept(holders: Sequence[tuple[nn.Module, str]], keep: tuple[type, ...]) ->
     return bool(keep) and all(isinstance(mod, keep) for mod, _ in holders)
 
 
-def cast_unit_inputs(dtype: torch.dtype, _module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
+def cast_unit_inputs(dtype: torch.dtype, _module: nn.Module, args: Any,
+                     kwargs: Any) -> tuple[Any, Any]:
     """Forward pre-hook (``with_kwargs=True``): the unit's floating inputs in its compute dtype."""
     return cast_floats(args, dtype), cast_floats(kwargs, dtype)
 

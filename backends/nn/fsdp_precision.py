@@ -24,16 +24,20 @@ from torch import nn
 
 from dplab.reference.errors import ConfigError
 
-__all__ = ["COMPUTE_DTYPES", "check_dtypes", "cast_floats", "tensors_in", "cast_buffers", "restore_buffers"]
+__all__ = ["COMPUTE_DTYPES", "check_dtypes", "cast_floats", "tensors_in", "cast_buffers",
+           "restore_buffers"]
 
 COMPUTE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
-Masters = list[tuple[torch.Tensor, torch.Tensor, int]]  # (module's buffer, its cast copy, the copy's version)
+# (module's buffer, its cast copy, the copy's version)
+Masters = list[tuple[torch.Tensor, torch.Tensor, int]]
 
 
 def check_dtypes(compute: torch.dtype | None, reduce: torch.dtype | None, master: torch.dtype,
-                 comm: Any, device: torch.device | None = None) -> tuple[torch.dtype | None, torch.dtype]:
-    """(compute dtype or None when it is the master's, reduce dtype), or a ConfigError saying what to do.
+                 comm: Any, device: torch.device | None = None
+                 ) -> tuple[torch.dtype | None, torch.dtype]:
+    """(compute dtype or None when it is the master's, reduce dtype), or a ConfigError saying what
+    to do.
 
     A bfloat16 reduction adds bfloat16 numbers: only the torch backend carries them (or a GPU
     tensor); the local and MPI backends move numpy arrays, and numpy has no bfloat16. Refused
@@ -43,19 +47,21 @@ def check_dtypes(compute: torch.dtype | None, reduce: torch.dtype | None, master
     """
     for name, dtype in (("compute_dtype", compute), ("reduce_dtype", reduce)):
         if dtype is not None and dtype not in COMPUTE_DTYPES:
-            raise ConfigError(f"{name} must be one of {', '.join(map(str, COMPUTE_DTYPES))} or None, "
-                              f"got {dtype!r}")
+            raise ConfigError(f"{name} must be one of {', '.join(map(str, COMPUTE_DTYPES))} "
+                              f"or None, got {dtype!r}")
     backend = getattr(comm, "backend", "")
     host = device is None or device.type == "cpu"
-    if reduce == torch.bfloat16 and host and not getattr(comm, "host_tensors", False):  # numpy carries them
-        raise ConfigError(f"reduce_dtype=torch.bfloat16 cannot be reduced on the {backend} backend (it "
-                          "moves numpy arrays; numpy has no bfloat16): use reduce_dtype=torch.float16 or "
-                          "torch.float32, or backend='torch'")
+    # numpy carries them
+    if reduce == torch.bfloat16 and host and not getattr(comm, "host_tensors", False):
+        raise ConfigError(f"reduce_dtype=torch.bfloat16 cannot be reduced on the {backend} "
+                          "backend (it moves numpy arrays; numpy has no bfloat16): use "
+                          "reduce_dtype=torch.float16 or torch.float32, or backend='torch'")
     return (None if compute in (None, master) else compute), (reduce or master)
 
 
 def cast_floats(obj: Any, dtype: torch.dtype) -> Any:
-    """Floating-point tensors in nested tuples, lists and dicts cast to ``dtype``; the rest as is."""
+    """Floating-point tensors in nested tuples, lists and dicts cast
+    to ``dtype``; the rest as is."""
     if isinstance(obj, torch.Tensor):
         return obj.to(dtype) if obj.is_floating_point() else obj
     if isinstance(obj, (list, tuple)):
@@ -89,7 +95,8 @@ def cast_buffers(buffers: list[tuple[nn.Module, str, torch.dtype]]) -> Masters:
 
 def restore_buffers(buffers: list[tuple[nn.Module, str, torch.dtype]], masters: Masters) -> None:
     """The module's own buffers back; one that forward changed in place takes the change (the
-    version counter catches Python's in-place ops, the comparison with a fresh cast the kernels')."""
+    version counter catches Python's in-place ops, the comparison with
+    a fresh cast the kernels')."""
     for (mod, name, _), (master, low, version) in zip(buffers, masters):
         mod._buffers[name] = master
         if low._version != version or not torch.equal(low, master.to(low.dtype)):

@@ -34,7 +34,8 @@ _DONE = _Done()
 
 
 class CommRunner:
-    """Runs jobs in submission order: on the caller's thread, or (``threaded``) on one comm thread."""
+    """Runs jobs in submission order: on the caller's thread, or
+    (``threaded``) on one comm thread."""
 
     def __init__(self, threaded: bool) -> None:
         self.threaded = threaded
@@ -44,7 +45,8 @@ class CommRunner:
         if not self.threaded:
             fn(*args)
             return _DONE
-        if self._pool is None:  # one worker: FIFO, so collectives keep the order they were submitted in
+        # one worker: FIFO, so collectives keep the order they were submitted in
+        if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="dplab-fsdp-comm")
         return self._pool.submit(fn, *args)
 
@@ -77,14 +79,15 @@ class UnitOrder:
 
 
 def backward_pre(value: Any) -> bool:
-    """``backward_prefetch`` as torch spells it: None (off) or BACKWARD_PRE (an enum or its name)."""
+    """``backward_prefetch`` as torch spells it: None (off) or
+    BACKWARD_PRE (an enum or its name)."""
     name = getattr(value, "name", value)
     if name is None:
         return False
     if name in ("BACKWARD_PRE", "backward_pre"):
         return True
-    raise ConfigError(f"backward_prefetch must be None or 'BACKWARD_PRE' (gather the next unit as a unit's "
-                      f"backward starts), got {value!r}")
+    raise ConfigError("backward_prefetch must be None or 'BACKWARD_PRE' (gather the next unit "
+                      f"as a unit's backward starts), got {value!r}")
 
 
 class Gathers:
@@ -101,10 +104,12 @@ class Gathers:
         self._t0: dict[tuple[str, int], int] = {}
 
     def gather(self, k: int) -> None:
-        """Unit k's flats gathered when this returns: waited for if prefetched, else gathered now."""
+        """Unit k's flats gathered when this returns: waited for if
+        prefetched, else gathered now."""
         for f in self.units[k]:
             job = self._inflight.pop(f, None)
-            if job is None and not f.gathered:  # read safely: no job of the comm thread touches f now
+            # read safely: no job of the comm thread touches f now
+            if job is None and not f.gathered:
                 job = self.runner.submit(self._gather, f, k)
             if job is not None:
                 job.result()
@@ -121,7 +126,8 @@ class Gathers:
 
     def free(self, flat: Any) -> None:
         job = self._inflight.pop(flat, None)
-        if job is not None:  # a guess that came in while the unit ran: wait, then free with the rest
+        # a guess that came in while the unit ran: wait, then free with the rest
+        if job is not None:
             job.result()
         flat.free()
 

@@ -53,22 +53,25 @@ def _check(module: nn.Module, units: Sequence[nn.Module]) -> list[str]:
     out = []
     for i, u in enumerate(units):
         if not isinstance(u, nn.Module):
-            raise ConfigError(f"units[{i}] is a {type(u).__name__}, not an nn.Module: list submodules "
-                              "of the wrapped module (e.g. units=list(model.layers))")
+            raise ConfigError(f"units[{i}] is a {type(u).__name__}, not an nn.Module: "
+                              "list submodules of the wrapped module (e.g. "
+                              "units=list(model.layers))")
         if u is module:
-            raise ConfigError("the wrapped module itself is always the root unit: list only its submodules "
-                              "(units=None puts the whole model in one unit)")
+            raise ConfigError("the wrapped module itself is always the root unit: list only "
+                              "its submodules (units=None puts the whole model in one unit)")
         if id(u) not in names:
-            raise ConfigError(f"units[{i}] ({type(u).__name__}) is not inside the wrapped module: list "
-                              "submodules of the module you wrap (the same objects, not copies)")
+            raise ConfigError(f"units[{i}] ({type(u).__name__}) is not inside the wrapped "
+                              "module: list submodules of the module you wrap (the same "
+                              "objects, not copies)")
         out.append(names[id(u)])
     for i, u in enumerate(units):
         inner = {id(m) for m in u.modules()}
         for j, v in enumerate(units):
             if i != j and id(v) in inner:
                 what = "listed twice" if u is v else f"inside unit {out[i]!r}"
-                raise ConfigError(f"units overlap: unit {out[j]!r} is {what}; a parameter needs exactly one "
-                                  "unit: list either the outer module or the inner ones")
+                raise ConfigError(f"units overlap: unit {out[j]!r} is {what}; a parameter needs "
+                                  "exactly one unit: list either the outer module or the "
+                                  "inner ones")
     return out
 
 

@@ -4,7 +4,7 @@
     opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, comm, lr=1e-3)
     loss_fn(model(x), y).backward()               # a plain module: no DDP wrapper
     opt.step()                                    # the same parameters on every rank after it
-    opt.consolidate_state_dict(to=0)              # then opt.state_dict() on rank 0: torch.optim's format
+    opt.consolidate_state_dict(to=0)              # then rank 0's opt.state_dict(): torch.optim's
 
     flat grad:   [ g0 | g1 | g2 | g3 ]   reduce_scatter: rank r holds the sum of shard r
     rank r:           step(shard r)      the inner optimizer sees one flat tensor: shard r
@@ -38,7 +38,13 @@ NOT_OPTIONS = ("params", "param_names")  # group keys that are not the optimizer
 
 
 class FlatGroup:
-    """One parameter group's trainable parameters as two flat buffers, and this rank's shard."""
+    """One parameter group's trainable parameters as two flat buffers, and this rank's shard.
+
+    Args:
+        comm: this rank's communicator (the buffers are its ``flat_buffer``).
+        params: the group's tensors; those that require grad are flattened (tied ones once), and
+            the module reads them from the flat buffer from then on.
+    """
 
     def __init__(self, comm: Communicator, params: Iterable[torch.Tensor]) -> None:
         self.params = _trainable(params)
@@ -60,7 +66,11 @@ class FlatGroup:
 
     def moved(self) -> int | None:
         """The index of the first parameter the module no longer reads from this group's flat
-        buffer (another ZeRO took it over, or its ``.data`` was replaced), or None."""
+        buffer (another ZeRO took it over, or its ``.data`` was replaced), or None.
+
+        Returns:
+            That parameter's index in ``params``, or None when all are where this group put them.
+        """
         for i, (p, address) in enumerate(zip(self.params, self.addresses)):
             if p.data_ptr() != address:
                 return i
@@ -85,15 +95,24 @@ class FlatGroup:
 class ZeroRedundancyOptimizer(torch.optim.Optimizer):
     """Wraps ``optimizer_class`` so that each rank builds it over its own shards only.
 
-    ``params`` as for any torch optimizer: an iterable of tensors or of parameter-group dicts
-    (``{"params": ..., "lr": ...}``); ``optimizer_kwargs`` are the defaults of every group.
+    Args:
+        params: as for any torch optimizer: an iterable of tensors or of parameter-group dicts
+            (``{"params": ..., "lr": ...}``).
+        optimizer_class: the torch optimizer each rank builds over its shards
+            (``torch.optim.AdamW``).
+        comm: this rank's communicator.
+        algorithm: the reduce-scatter and all-gather's schedule.
+        **optimizer_kwargs: the defaults of every group (``lr=...``), passed to ``optimizer_class``.
+
+    Raises:
+        ConfigError: ``algorithm`` has no reduce-scatter and all-gather.
     """
 
     def __init__(self, params: Iterable[Any], optimizer_class: type[torch.optim.Optimizer],
                  comm: Communicator, algorithm: str = "ring", **optimizer_kwargs: Any) -> None:
         if not has_schedule(algorithm, "scatter"):
-            raise ConfigError(f"ZeRO needs a reduce-scatter and an all-gather: algorithm must be one of "
-                              f"{', '.join(SCATTER_ALGORITHMS)}, got {algorithm!r}")
+            raise ConfigError("ZeRO needs a reduce-scatter and an all-gather: algorithm must "
+                              f"be one of {', '.join(SCATTER_ALGORITHMS)}, got {algorithm!r}")
         self.comm, self.algorithm, self.optimizer_class = comm, algorithm, optimizer_class
         self.groups: list[FlatGroup] = []  # one per param_groups entry, same order
         self.optim: torch.optim.Optimizer | None = None
@@ -110,7 +129,11 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group (say, layers unfrozen while fine-tuning). Call it on every rank: the
-        group is flattened and sharded like the others; no existing state moves."""
+        group is flattened and sharded like the others; no existing state moves.
+
+        Args:
+            param_group: ``{"params": tensors, **options}``, as ``torch.optim`` takes it.
+        """
         super().add_param_group(param_group)
         self.groups.append(FlatGroup(self.comm, self.param_groups[-1]["params"]))
         if self.optim is not None:
@@ -122,6 +145,9 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
 
         ``set_to_none=True`` drops the gradients as torch optimizers do by default; it
         costs one copy per parameter at the next ``step()``, so it is not the default here.
+
+        Args:
+            set_to_none: drop the gradients instead of zeroing them.
         """
         if set_to_none:
             for g in self.groups:
@@ -138,9 +164,16 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         it contributes), so, unlike a torch optimizer, its shard still steps: Adam's momentum
         and weight decay still move it.
 
-        Raises ``ConfigError`` if a later ``ZeroRedundancyOptimizer`` took over some of these
-        parameters (the module then reads that one's flat buffer, and this step would move
-        nothing): building a new optimizer over a model works, stepping the old one does not.
+        Args:
+            closure: re-evaluates the model and returns the loss, as for any torch optimizer.
+
+        Returns:
+            The closure's loss, or None without one.
+
+        Raises:
+            ConfigError: a later ``ZeroRedundancyOptimizer`` took over some of these parameters
+                (the module then reads that one's flat buffer, and this step would move nothing):
+                building a new optimizer over a model works, stepping the old one does not.
         """
         self._check_owner()
         loss = None
@@ -168,14 +201,22 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             if i is not None:
                 raise ConfigError(
                     f"parameter {i} of group {k} ({tuple(g.params[i].shape)}) was taken over by a "
-                    "ZeroRedundancyOptimizer built later over the same parameters (or its .data was "
-                    "replaced, as module.to() does), so this one's step would move nothing: step only "
-                    "the newest optimizer (add_param_group gives one optimizer more parameters)")
+                    "ZeroRedundancyOptimizer built later over the same parameters (or its "
+                    ".data was replaced, as module.to() does), so this one's step would "
+                    "move nothing: step only the newest optimizer (add_param_group gives "
+                    "one optimizer more parameters)")
 
     # -- state -----------------------------------------------------------------------------------
     def consolidate_state_dict(self, to: int = 0) -> None:
         """Gather every rank's shards of the optimizer state onto rank ``to``, as torch's ZeRO
-        does: a collective, call it on every rank, after the last ``step()`` to be saved."""
+        does: a collective, call it on every rank, after the last ``step()`` to be saved.
+
+        Args:
+            to: the rank that ends holding the state (its ``state_dict()``).
+
+        Raises:
+            ConfigError: ``to`` is not a rank of the world.
+        """
         if type(to) is not int or not 0 <= to < self.comm.world_size:
             raise ConfigError(f"to must be a rank in 0..{self.comm.world_size - 1}, got {to!r}")
         gathered = gather_state(self)
@@ -183,30 +224,58 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         """The unsharded optimizer's state dict (``torch.optim`` format: state per parameter
-        index), on the rank that ``consolidate_state_dict`` gathered to since the last step."""
+        index), on the rank that ``consolidate_state_dict`` gathered to since the last step.
+
+        Returns:
+            ``{"state": ..., "param_groups": ...}``, as the unsharded optimizer's.
+
+        Raises:
+            ConfigError: this rank holds no state consolidated since the last step.
+        """
         if self._consolidated is None:
             raise ConfigError(f"rank {self.comm.rank} holds no consolidated state: call "
-                              f"consolidate_state_dict(to={self.comm.rank}) on every rank after the last "
-                              "step() (or use local_state_dict() for this rank's shards)")
+                              f"consolidate_state_dict(to={self.comm.rank}) on every rank "
+                              "after the last step() (or use local_state_dict() for this "
+                              "rank's shards)")
         return self._consolidated
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load an unsharded state dict (from ``state_dict()``, or from the ``torch.optim``
-        optimizer of the same class over the same parameter groups): each rank keeps its shards."""
+        optimizer of the same class over the same parameter groups): each rank keeps its shards.
+
+        Args:
+            state_dict: ``{"state": ..., "param_groups": ...}`` in ``torch.optim``'s format.
+
+        Raises:
+            ConfigError: its groups do not match these (sizes), or a group's state is partial.
+        """
         load_full_state(self, state_dict)
         _copy_options(self.param_groups, self.optim.param_groups)
         self._consolidated = None
 
     def local_state_dict(self) -> dict[str, Any]:
-        """This rank's shards only (no communication): entry i is group i's flat shard."""
+        """This rank's shards only (no communication): entry i is group i's flat shard.
+
+        Returns:
+            The inner optimizer's state dict.
+        """
         return self.optim.state_dict()
 
     def load_local_state_dict(self, state: dict[str, Any]) -> None:
+        """Load this rank's shards, as ``local_state_dict`` returned them (no communication).
+
+        Args:
+            state: the inner optimizer's state dict, from this rank with the same world size.
+        """
         self.optim.load_state_dict(state)
         _copy_options(self.optim.param_groups, self.param_groups)
 
     def optimizer_state_bytes(self) -> int:
-        """Bytes of the tensors in this rank's optimizer state (about 1/p of the unsharded)."""
+        """Bytes of the tensors in this rank's optimizer state (about 1/p of the unsharded).
+
+        Returns:
+            The bytes, summed over this rank's state tensors.
+        """
         return sum(v.numel() * v.element_size() for s in self.optim.state.values()
                    for v in s.values() if isinstance(v, torch.Tensor))
 

@@ -1,7 +1,7 @@
 """ZeRO's optimizer state, sharded and whole: between flat shards and torch's state dict.
 
     opt.consolidate_state_dict(to=0)       # every rank: all-gather each flat state tensor
-    sd = opt.state_dict()                  # rank 0: {"state": {index: {...}}, "param_groups": [...]}
+    sd = opt.state_dict()                  # rank 0: {"state": {i: {...}}, "param_groups": [...]}
     opt.load_state_dict(sd)                # every rank: its own shards out of the whole
 
 The inner optimizer of a ZeRO rank steps one flat tensor per parameter group, so its state
@@ -95,9 +95,10 @@ def load_full_state(zero: Sharded, state_dict: dict[str, Any]) -> None:
     """Keep this rank's shards of an unsharded state dict; take its groups' options."""
     saved = state_dict["param_groups"]
     if [len(g["params"]) for g in saved] != [len(g["params"]) for g in zero.param_groups]:
-        raise ConfigError(f"the state dict has groups of {[len(g['params']) for g in saved]} parameters, "
-                          f"this optimizer {[len(g['params']) for g in zero.param_groups]}: load it into "
-                          "an optimizer over the same parameter groups")
+        raise ConfigError(f"the state dict has groups of {[len(g['params']) for g in saved]} "
+                          "parameters, this optimizer "
+                          f"{[len(g['params']) for g in zero.param_groups]}: load it into an "
+                          "optimizer over the same parameter groups")
     index = _indices(zero, saved)
     for k, (g, ours, theirs) in enumerate(zip(zero.groups, zero.param_groups, saved)):
         states = [state_dict["state"].get(index[id(p)]) for p in g.params]
@@ -105,8 +106,9 @@ def load_full_state(zero: Sharded, state_dict: dict[str, Any]) -> None:
         if all(s is None for s in states):
             pass
         elif any(s is None for s in states):
-            raise ConfigError(f"group {k}: some parameters have optimizer state and some none; a flat "
-                              "shard steps all of them: save the state after a step of every parameter")
+            raise ConfigError(f"group {k}: some parameters have optimizer state and some none; "
+                              "a flat shard steps all of them: save the state after a step of "
+                              "every parameter")
         else:
             zero.optim.state[g.shard] = _shard_of(g, states, k)
         ours.update({key: v for key, v in theirs.items() if key not in ("params", "param_names")})
@@ -125,8 +127,9 @@ def _shard_of(g: Any, states: list[dict[str, Any]], k: int) -> dict[str, Any]:
             continue
         first = values[0]
         if not all(_equal(v, first) for v in values):
-            raise ConfigError(f"group {k}: {key!r} differs between parameters ({values[0]} vs others); a "
-                              "flat shard keeps one: parameters that skipped steps cannot share a shard")
+            raise ConfigError(f"group {k}: {key!r} differs between parameters ({values[0]} "
+                              "vs others); a flat shard keeps one: parameters that skipped steps "
+                              "cannot share a shard")
         local[key] = first.clone() if isinstance(first, torch.Tensor) else first
     return local
 

@@ -26,11 +26,13 @@ __all__ = ["compare_specs", "RACE_DEFAULTS", "EQUIVALENCE_DEFAULTS"]
 
 RACE_DEFAULTS = {"time_budget_s": 3.0, "algorithms": ["ring"], "world_sizes": [4],
                  "staleness_grid": [0, 2, None], "backup_workers": [1]}
-EQUIVALENCE_DEFAULTS = {"algorithms": ["naive", "ring", "tree", "native"], "world_sizes": [1, 2, 3, 4]}
+EQUIVALENCE_DEFAULTS = {"algorithms": ["naive", "ring", "tree", "native"],
+                        "world_sizes": [1, 2, 3, 4]}
 
 
 def compare_specs(base: RunSpec, backends: Sequence[str], world_sizes: Sequence[int],
-                  modes: Sequence[str], algorithms: Sequence[str], staleness_grid: Sequence[int | None],
+                  modes: Sequence[str], algorithms: Sequence[str],
+                  staleness_grid: Sequence[int | None],
                   backup_workers: Sequence[int]) -> list[RunSpec]:
     """The cells, grouped by backend and world size (one World each).
 
@@ -38,6 +40,18 @@ def compare_specs(base: RunSpec, backends: Sequence[str], world_sizes: Sequence[
     ``backup``: one per b, and in a race (``base.time_budget_s`` set) ``sync`` brings
     them too. Parameter-server cells that cannot exist in a world are left out: none in
     a world of 1 rank, no b >= workers (a default grid of 1..4 ranks stays valid).
+
+    Args:
+        base: the run every cell varies (its model, data, optimizer, steps, budget).
+        backends: the backends of the grid.
+        world_sizes: the world sizes of the grid.
+        modes: ``"sync"``, ``"async"``, ``"backup"``: which kinds of cells to make.
+        algorithms: the all-reduces of the sync cells.
+        staleness_grid: the staleness bounds of the async cells (None: unbounded).
+        backup_workers: the b of the backup cells.
+
+    Returns:
+        The cells, each a ``RunSpec``, backend by backend and world size by world size.
     """
     specs = []
     race = base.time_budget_s is not None

@@ -11,8 +11,9 @@ Three modes: ``sync`` (all-reduce, ``dplab.reference.train.sync``), ``async`` (t
 with bounded staleness) and ``backup`` (synchronous SGD through the parameter server, each step from
 the first W - b gradients). Any of them may carry stragglers and a ``time_budget_s`` (train until it
 is spent; ``train.steps`` is then the upper bound, and sync rows are checked against one device run
-for as many steps). On the cuda backend, and on torch with ``--device cuda``, the sync recipe computes
-on the rank's GPU with torch tensors (``compute_device``); elsewhere in NumPy. Rows hold NumPy arrays.
+for as many steps). On the cuda backend, and on torch with ``--device cuda``, the sync recipe
+computes on the rank's GPU with torch tensors (``compute_device``); elsewhere in NumPy. Rows hold
+NumPy arrays.
 """
 
 from __future__ import annotations
@@ -50,7 +51,25 @@ MODES = ("sync", "async", "backup")
 
 @dataclass(frozen=True)
 class RunSpec:
-    """One cell of a comparison: where and how to train ``train``."""
+    """One cell of a comparison: where and how to train ``train``.
+
+    Attributes:
+        backend: ``"local"``, ``"mpi"``, ``"torch"``, ``"cuda"`` or ``"sim"``.
+        world_size: ranks (under ``"async"``: the server plus ``world_size - 1`` workers).
+        algorithm: the all-reduce's name (sync and ZeRO runs).
+        mode: ``"sync"``, ``"async"`` (parameter server) or ``"backup"`` (backup workers).
+        staleness: the parameter server's bound in clocks; None is unbounded.
+        train: the model, data, optimizer and steps (``dplab.reference.train.TrainConfig``).
+        bucket_cap_mb: gradient bucket size of the sync recipe.
+        accum_steps: micro-batches per step (gradient accumulation).
+        straggler: ``((rank, factor), ...)``: ranks slowed by these factors.
+        time_budget_s: train until this much wall time is spent, instead of ``train.steps``.
+        backup_workers: mode ``"backup"`` only: gradients dropped per step.
+        checkpoint: checkpoint every K steps / resume (``reference/checkpoint/resume.py``).
+        zero_stage: sync only: train with ZeRO stage 0-3 (``reference/zero``) instead.
+        precision: sync only: float16 compute, float32 masters, loss scaling.
+        cluster: backend ``"sim"``: its cluster (a preset, ``<preset>xN``, a file).
+    """
 
     backend: str = "local"
     world_size: int = 2
@@ -63,12 +82,21 @@ class RunSpec:
     straggler: Stragglers = ()  # ((rank, factor), ...)
     time_budget_s: float | None = None  # train until this much wall time is spent
     backup_workers: int = 1  # mode "backup" only: gradients dropped per step
-    checkpoint: CheckpointConfig | None = None  # checkpoint every K steps / resume (checkpoint/resume.py)
+    # checkpoint every K steps / resume (checkpoint/resume.py)
+    checkpoint: CheckpointConfig | None = None
     zero_stage: int | None = None  # sync only: train with ZeRO stage 0-3 (reference/zero) instead
-    precision: MixedPrecision | None = None  # sync only: float16 compute, float32 masters, loss scaling
+    # sync only: float16 compute, float32 masters, loss scaling
+    precision: MixedPrecision | None = None
     cluster: str | None = None  # backend "sim": its cluster (a preset, <preset>xN, a file)
 
     def validate(self) -> None:
+        """Refuse, in the launcher, a spec that cannot run; every rule of the configs it makes.
+
+        Raises:
+            ConfigError: the field that is wrong and what to do (an unknown backend or mode,
+                ``cluster`` off the sim backend, mixed precision outside sync, a bad config).
+            BackendUnavailable: the backend's engine is not installed.
+        """
         check_backend(self.backend)
         if entry(self.backend).simulated:
             self.check_cluster()
@@ -79,7 +107,8 @@ class RunSpec:
             raise ConfigError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         self.train.validate()
         if self.precision is not None and self.mode == "sync":
-            self.precision.validate(self.train.dtype)  # float32 masters: refused here, before any rank
+            # float32 masters: refused here, before any rank
+            self.precision.validate(self.train.dtype)
         if self.zero_stage is not None:
             self.check_zero()
         elif self.mode == "sync":
@@ -87,18 +116,27 @@ class RunSpec:
             self.check_gpu()
         else:
             if self.precision is not None:
-                raise ConfigError(f"mixed precision is for synchronous training: drop it, or use --mode sync "
-                                  f"(not {self.mode})")
+                raise ConfigError("mixed precision is for synchronous training: drop it, or use "
+                                  f"--mode sync (not {self.mode})")
             self.async_config().validate(self.world_size)
 
     def simulated_cluster(self) -> Any:
-        """The cluster a sim run runs on (``--cluster``, ``$DPLAB_CLUSTER``, or the default)."""
+        """The cluster a sim run runs on (``--cluster``, ``$DPLAB_CLUSTER``, or the default).
+
+        Returns:
+            A ``dplab.reference.cluster.Cluster``.
+        """
         return resolve_cluster(self.cluster)
 
     def check_cluster(self) -> None:
         """The world fits the cluster, and what each rank holds fits its simulated device: its
         model state (the memory ledger's categories, by ``zero.memory``'s closed forms: under ZeRO
-        the shards, and the layer it gathers), and its activations for one micro-batch."""
+        the shards, and the layer it gathers), and its activations for one micro-batch.
+
+        Raises:
+            ConfigError: the world is larger than the cluster, or what a rank holds does not fit
+                its device (by how much, and what to change).
+        """
         from dplab.backends.runs.memory import activation_bytes, gathered_bytes
         from dplab.reference.model import MLP
         from dplab.reference.zero.memory import (
@@ -130,22 +168,39 @@ class RunSpec:
                 "use a higher --zero-stage, more ranks, a smaller model or a larger device")
 
     def on_gpu(self) -> bool:
-        """Does the sync recipe compute on GPUs (torch tensors) in this run's ranks?"""
-        device = os.environ.get("DPLAB_DEVICE") or "cpu"  # --device: the torch backend's (cpu: gloo)
+        """Does the sync recipe compute on GPUs (torch tensors) in this run's ranks?
+
+        Returns:
+            True on the cuda backend, and on torch with ``DPLAB_DEVICE=cuda...``.
+        """
+        # --device: the torch backend's (cpu: gloo)
+        device = os.environ.get("DPLAB_DEVICE") or "cpu"
         gpu = entry(self.backend).gpu
         return gpu == "always" or (gpu == "device" and device.startswith("cuda"))
 
     def check_gpu(self) -> None:
-        """What works on NumPy arrays only is refused here for a run on GPUs, before any rank starts."""
+        """What works on NumPy arrays only is refused here for a run on GPUs, before any rank
+        starts.
+
+        Raises:
+            ConfigError: checkpoints or mixed precision asked for on GPUs.
+        """
         if self.on_gpu() and (self.checkpoint is not None or self.precision is not None):
-            raise ConfigError(f"on the GPU (--backend {self.backend}) the recipe computes with torch tensors,"
-                              " but checkpoints and mixed precision work on NumPy arrays on the host: drop "
-                              "them, or use --backend local")
+            raise ConfigError(f"on the GPU (--backend {self.backend}) the recipe computes with "
+                              "torch tensors, but checkpoints and mixed precision work on "
+                              "NumPy arrays on the host: drop them, or use --backend local")
 
     def check_zero(self) -> None:
-        """ZeRO runs the plain synchronous recipe: what only train_sync has is refused, with the fix."""
+        """ZeRO runs the plain synchronous recipe: what only train_sync has is refused, with the
+        fix.
+
+        Raises:
+            ConfigError: async modes, stragglers, time budgets or checkpoints asked with ZeRO, or
+                a ``ZeroConfig`` that does not validate.
+        """
         extras = {"--mode async/backup": self.mode != "sync", "--straggler": bool(self.straggler),
-                  "--time-budget": self.time_budget_s is not None, "checkpoints": self.checkpoint is not None}
+                  "--time-budget": self.time_budget_s is not None,
+                  "checkpoints": self.checkpoint is not None}
         given = [name for name, on in extras.items() if on]
         if given:
             raise ConfigError(f"--zero-stage trains synchronously without {', '.join(given)}: drop "
@@ -153,16 +208,31 @@ class RunSpec:
         self.zero_config().validate(self.world_size)
 
     def sync_config(self) -> SyncConfig:
+        """The synchronous recipe's configuration.
+
+        Returns:
+            A ``SyncConfig`` from this spec's fields.
+        """
         return SyncConfig(self.algorithm, self.bucket_cap_mb, self.accum_steps, self.straggler,
                           self.time_budget_s, checkpoint=self.checkpoint, precision=self.precision)
 
     def zero_config(self) -> ZeroConfig:
+        """ZeRO's configuration (stage 0 when ``zero_stage`` is None).
+
+        Returns:
+            A ``ZeroConfig`` from this spec's fields.
+        """
         from dplab.reference.zero.train import ZeroConfig
 
         stage = 0 if self.zero_stage is None else self.zero_stage
         return ZeroConfig(stage, self.algorithm, self.accum_steps, precision=self.precision)
 
     def async_config(self) -> AsyncConfig:
+        """The parameter server's configuration (``"backup"``: lock-step, aggregating).
+
+        Returns:
+            An ``AsyncConfig`` from this spec's fields.
+        """
         from dplab.reference.ps.trainer import AsyncConfig
 
         if self.mode == "backup":
@@ -173,36 +243,61 @@ class RunSpec:
                            time_budget_s=self.time_budget_s, checkpoint=self.checkpoint)
 
     def check_resume(self) -> None:
-        """Refuse a corrupt or foreign checkpoint here, in the launcher, before any rank starts."""
+        """Refuse a corrupt or foreign checkpoint here, in the launcher, before any rank starts.
+
+        Raises:
+            CheckpointError: the checkpoint is corrupt, or was written by another run's setup.
+        """
         sync = self.mode == "sync"
         rules = self.sync_config() if sync else self.async_config()
         load_resume(self.checkpoint, Expect.of("sync" if sync else "async", self.train, rules,
                                                self.world_size, self.backend))
 
     def label(self) -> str:
-        """The row's ``algorithm``: the all-reduce, or the parameter server's rule."""
+        """The row's ``algorithm``: the all-reduce, or the parameter server's rule.
+
+        Returns:
+            E.g. ``"ring"``, ``"ring zero-2"``, ``"ps s=2"``, ``"ps backup b=1"``.
+        """
         if self.mode == "sync":
-            return self.algorithm if self.zero_stage is None else f"{self.algorithm} zero-{self.zero_stage}"
+            return (self.algorithm if self.zero_stage is None
+                    else f"{self.algorithm} zero-{self.zero_stage}")
         if self.mode == "backup":
             return f"ps backup b={self.backup_workers}"
         return f"ps s={'inf' if self.staleness is None else self.staleness}"
 
 
 def straggler_label(stragglers: Stragglers) -> str:
+    """The row's ``straggler`` column.
+
+    Args:
+        stragglers: ``((rank, factor), ...)``.
+
+    Returns:
+        ``"rank:factor,..."``, or ``"none"``.
+    """
     return ",".join(f"{r}:{f:g}" for r, f in stragglers) or "none"
 
 
 def train_rank(comm: Any, spec: RunSpec, trace: bool) -> tuple[np.ndarray, Any, float, list[Event]]:
     """What every rank runs: sync or parameter-server training, timed, with its trace events.
 
-    The second item is (per-step losses, ZeRO's measured memory or None) for sync, or the server's
-    (log, dropped, lost) otherwise.
+    Args:
+        comm: this rank's communicator.
+        spec: the run.
+        trace: record trace events.
+
+    Returns:
+        ``(params, extra, wall_s, events)``: this rank's final parameters; (per-step losses,
+        ZeRO's measured memory or None) for sync, or the server's (log, dropped, lost) otherwise;
+        the seconds it trained (virtual on a simulated cluster); its trace events.
     """
     comm.tracer.enabled = trace
     comm.barrier()
     t0 = comm.now()  # the wall's clock; on a simulated cluster, its virtual one
     with warnings.catch_warnings():
-        if spec.precision is not None:  # float16 overflows are expected: the loss scaler skips that step
+        # float16 overflows are expected: the loss scaler skips that step
+        if spec.precision is not None:
             warnings.simplefilter("ignore", RuntimeWarning)
         result, extra = _train(comm, spec)
     wall = comm.now() - t0
@@ -233,8 +328,25 @@ def run_train(spec: RunSpec, world: World | None = None, trace: bool = False,
               save_params: str | None = None) -> tuple[dict[str, Any], list[list[Event]]]:
     """Train on ``spec.world_size`` ranks; returns the result row and every rank's trace events.
 
-    ``save_params``: also write rank 0's final parameters there (``np.save``, which adds ``.npy``
-    to a name without it), bit for bit, whole or not at all (``WriteError``).
+    Args:
+        spec: the run; validated here, before any rank starts.
+        world: ranks to run on (a ``World`` of ``spec.world_size``); None starts fresh ones.
+        trace: record every rank's trace events.
+        single: the single-device run's parameters, when the caller has them already.
+        save_params: also write rank 0's final parameters there (``np.save``, which adds
+            ``.npy`` to a name without it), bit for bit, whole or not at all.
+
+    Returns:
+        ``(row, events)``: the result row (``final_loss``, ``max_abs_diff_vs_single``,
+        ``ranks_identical``, ``wall_s``, ...) and each rank's trace events (empty lists unless
+        ``trace``).
+
+    Raises:
+        ConfigError: a spec that cannot run, or a ``world`` of another size.
+        WorldTooLarge: the world and its arrays do not fit this machine.
+        CheckpointError: ``spec`` resumes from a corrupt or foreign checkpoint.
+        WriteError: ``save_params`` cannot be written.
+        RankError: a rank raised or died.
     """
     spec.validate()
     if not under_launcher(spec.backend):  # a launcher's ranks may span hosts: theirs to size
@@ -242,7 +354,8 @@ def run_train(spec: RunSpec, world: World | None = None, trace: bool = False,
     if spec.checkpoint is not None and spec.checkpoint.resume is not None:
         spec.check_resume()
     if world is not None and world.world_size != spec.world_size:
-        raise ConfigError(f"world has {world.world_size} ranks but the spec asks for {spec.world_size}")
+        raise ConfigError(f"world has {world.world_size} ranks but the spec asks for "
+                          f"{spec.world_size}")
     if world is not None:
         results = world.run(train_rank, spec, trace)
     else:  # fresh ranks, or the ranks of mpiexec/torchrun when we run under one
@@ -285,7 +398,8 @@ def sync_facts(spec: RunSpec, results: list, single: np.ndarray | None) -> dict[
     params = results[0][0]
     facts = {
         "updates": steps, "samples": steps * spec.train.global_batch,
-        "max_abs_diff_vs_single": float(max(np.max(np.abs(r[0] - single), initial=0.0) for r in results)),
+        "max_abs_diff_vs_single": float(max(np.max(np.abs(r[0] - single), initial=0.0)
+                                            for r in results)),
         "ranks_identical": all(np.array_equal(r[0], params) for r in results),
     }
     if spec.zero_stage is not None:  # only ZeRO measures its memory
@@ -302,7 +416,8 @@ def _peak_memory(results: list) -> dict[str, int]:
 
 
 def server_facts(spec: RunSpec, results: list, single: np.ndarray | None) -> dict[str, Any]:
-    """The proof of a parameter-server run: its log replays to the same bits; who contributed what."""
+    """The proof of a parameter-server run: its log replays to the same
+    bits; who contributed what."""
     from dplab.reference.ps.replay import replay
     from dplab.reference.ps.trainer import worker_batch
 
@@ -318,10 +433,12 @@ def server_facts(spec: RunSpec, results: list, single: np.ndarray | None) -> dic
         "ranks_identical": True,  # one server holds the parameters
         "lost_workers": {str(w): clocks for w, clocks in lost},  # dead worker -> clocks it finished
     }
-    if spec.time_budget_s is None and not lost:  # same clocks as the single-device steps: the gap async costs
+    # same clocks as the single-device steps: the gap async costs
+    if spec.time_budget_s is None and not lost:
         if single is None:
             single = train_single(cfg).params
         facts["max_abs_diff_vs_single"] = float(np.max(np.abs(params - single), initial=0.0))
     if spec.mode == "backup":
-        facts["dropped_by_worker"] = {str(w): n for w, n in sorted(Counter(w for w, _ in dropped).items())}
+        facts["dropped_by_worker"] = {str(w): n
+                                      for w, n in sorted(Counter(w for w, _ in dropped).items())}
     return facts

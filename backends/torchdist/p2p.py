@@ -40,7 +40,8 @@ from dplab.reference.trace import Tracer
 
 __all__ = ["TorchPeer", "HEADER_TAG", "code", "data_tag", "DTYPES"]
 
-DTYPES = ("uint8", "float32", "float64", "int32", "int64", "float16", "bfloat16")  # the header's dtype codes
+# the header's dtype codes
+DTYPES = ("uint8", "float32", "float64", "int32", "int64", "float16", "bfloat16")
 HEADER_TAG = 1 << 30  # data tags, (length, dtype) folded, stay below it
 
 
@@ -51,11 +52,28 @@ class TorchPeer(Communicator):
     backend, moves_tensors, host_tensors = "torch", True, True
 
     def __init__(self, rank: int | None, world_size: int | None, timeout: float = 60.0,
-                 init_method: str = "env://", device: str | None = None, local_rank: int | None = None,
-                 store: Any = None, group: Any = None) -> None:
+                 init_method: str = "env://", device: str | None = None,
+                 local_rank: int | None = None, store: Any = None, group: Any = None) -> None:
         """Start a process group, or, if torch.distributed is initialised already (the user's
         ``dist.init_process_group``), speak over ``group`` (None: the default group) and leave
-        it to its owner: ``close()`` then destroys nothing (``owns_group`` is False)."""
+        it to its owner: ``close()`` then destroys nothing (``owns_group`` is False).
+
+        Args:
+            rank: this process's rank; None to take the initialised group's.
+            world_size: ranks in the group; None to take the initialised group's.
+            timeout: seconds any blocking wait may take.
+            init_method: torch.distributed's rendezvous (``env://``, ``tcp://...``).
+            device: ``"cpu"`` (gloo) or ``"cuda"`` (NCCL); None: ``DPLAB_DEVICE``, else cpu (in
+                an initialised group, its backend decides).
+            local_rank: the GPU of this rank under NCCL; None: the rank.
+            store: a ``TCPStore`` to meet at instead of ``init_method``.
+            group: an initialised torch.distributed's group to speak over (None: the default).
+
+        Raises:
+            ConfigError: ``group`` without an initialised torch.distributed, a rank or world size
+                that disagrees with the initialised group's, this process outside ``group``, an
+                unknown device or one the group's backend cannot serve, or fewer GPUs than ranks.
+        """
         torch, dist = _torch()
         self.owns_group = not dist.is_initialized()
         if self.owns_group:
@@ -66,18 +84,20 @@ class TorchPeer(Communicator):
         else:
             self._adopt(group, device, local_rank)
         self.rank, self.world_size = dist.get_rank(self._group), dist.get_world_size(self._group)
-        if (rank, world_size) != (self.rank, self.world_size) and (rank, world_size) != (None, None):
-            raise ConfigError(f"asked for rank {rank} of {world_size}, but the initialised process group "
-                              f"says rank {self.rank} of {self.world_size}: pass no rank, use "
-                              "TorchComm.from_process_group()")
+        if (rank, world_size) != (self.rank, self.world_size) and (rank, world_size) != (None,
+                                                                                         None):
+            raise ConfigError(f"asked for rank {rank} of {world_size}, but the initialised "
+                              f"process group says rank {self.rank} of {self.world_size}: pass "
+                              "no rank, use TorchComm.from_process_group()")
         self.timeout, self.tracer, self._td = timeout, Tracer(self.rank), timedelta(seconds=timeout)
 
-    def _start_group(self, rank: int | None, world_size: int | None, timeout: float, init_method: str,
+    def _start_group(self, rank: int | None, world_size: int | None, timeout: float,
+                     init_method: str,
                      device: str | None, local_rank: int | None, store: Any) -> None:
         torch, dist = _torch()
         if rank is None or world_size is None:
-            raise ConfigError("torch.distributed is not initialised: pass rank and world_size, or call "
-                              "dist.init_process_group(...) first")
+            raise ConfigError("torch.distributed is not initialised: pass rank and world_size, "
+                              "or call dist.init_process_group(...) first")
         self.nccl = wants_cuda(device, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
         self.device = torch.device("cpu")
         if self.nccl:
@@ -92,7 +112,8 @@ class TorchPeer(Communicator):
 
     def _adopt(self, group: Any, device: str | None, local_rank: int | None) -> None:
         """The caller's group. Its backend picks the device (NCCL: this process's current GPU);
-        a group that also has gloo (``cpu:gloo,cuda:nccl``) moves host memory unless device="cuda"."""
+        a group that also has gloo (``cpu:gloo,cuda:nccl``) moves host
+        memory unless device="cuda"."""
         torch, dist = _torch()
         self._group = dist.group.WORLD if group is None else group
         if dist.get_rank(self._group) < 0:
@@ -103,8 +124,10 @@ class TorchPeer(Communicator):
         if kind.startswith("cuda") and not self.nccl:
             raise ConfigError(f"device {kind!r} needs an NCCL group, this one is {backend!r}")
         if self.nccl and self._group is not dist.group.WORLD:
-            raise ConfigError("an NCCL subgroup is not supported yet: use the default group, or gloo")
-        index = local_rank if local_rank is not None else torch.cuda.current_device() if self.nccl else 0
+            raise ConfigError("an NCCL subgroup is not supported yet: use the default group, "
+                              "or gloo")
+        index = (local_rank if local_rank is not None
+                 else torch.cuda.current_device() if self.nccl else 0)
         self.device = torch.device("cuda", index) if self.nccl else torch.device("cpu")
 
     # dist.isend/irecv check their arguments and translate ranks on every call, which about
@@ -114,7 +137,8 @@ class TorchPeer(Communicator):
         return self._group.send([t], dst, tag)
 
     def _irecv(self, t: Any, src: int, tag: int) -> Any:
-        return self._group.recv_anysource([t], tag) if src == ANY_SOURCE else self._group.recv([t], src, tag)
+        return (self._group.recv_anysource([t], tag) if src == ANY_SOURCE
+                else self._group.recv([t], src, tag))
 
     @classmethod
     def from_process_group(cls, group: Any = None, timeout: float = 60.0,
@@ -127,10 +151,23 @@ class TorchPeer(Communicator):
             ...
             comm.close()                                     # the group stays; destroy it yourself
 
-        Ranks are the group's own (``dist.get_rank(group)``), as in torch's collectives."""
+        Ranks are the group's own (``dist.get_rank(group)``), as in torch's collectives.
+
+        Args:
+            group: the process group (None: the default group).
+            timeout: seconds any blocking wait may take.
+            device: ``"cpu"`` or ``"cuda"``; None: the group's backend decides.
+
+        Returns:
+            A communicator over ``group``; its ``close()`` leaves the group to its owner.
+
+        Raises:
+            ConfigError: torch.distributed is not initialised, or the group does not fit.
+        """
         if not _torch()[1].is_initialized():
-            raise ConfigError("torch.distributed is not initialised: call dist.init_process_group(...) "
-                              "first, or start ranks with dplab's launch()")
+            raise ConfigError("torch.distributed is not initialised: call "
+                              "dist.init_process_group(...) first, or start ranks with "
+                              "dplab's launch()")
         return cls(None, None, timeout, device=device, group=group)
 
     @classmethod
@@ -145,8 +182,9 @@ class TorchPeer(Communicator):
         torch, _ = _torch()
         t = torch.from_numpy(buf) if isinstance(buf, np.ndarray) else buf
         if not isinstance(t, torch.Tensor) or not t.is_contiguous() or code(t) < 0:
-            raise CommError(f"rank {self.rank}: messages are contiguous arrays or tensors of one of "
-                            f"{', '.join(DTYPES)}; got {type(buf).__name__} {getattr(buf, 'dtype', '')}")
+            raise CommError(f"rank {self.rank}: messages are contiguous arrays or tensors of "
+                            f"one of {', '.join(DTYPES)}; got {type(buf).__name__} "
+                            f"{getattr(buf, 'dtype', '')}")
         return (t, None) if t.device == self.device else (t.to(self.device), t)  # the NCCL copy
 
     def isend(self, buf: Any, dst: int, tag: int = 0) -> Request:
@@ -159,7 +197,8 @@ class TorchPeer(Communicator):
         return SimpleNamespace(wait=lambda: self._finish(works, [dst, dst], "to take its message"))
 
     def irecv(self, buf: Any, src: int = ANY_SOURCE, tag: int = 0) -> Request:
-        """Posts the header (and, from a known source, the data); ``wait()`` checks, returns the source."""
+        """Posts the header (and, from a known source, the data); ``wait()``
+        checks, returns the source."""
         torch, _ = _torch()
         self._check_peer(src, any_ok=True)
         if src == ANY_SOURCE and self.nccl:
@@ -190,16 +229,19 @@ class TorchPeer(Communicator):
         return SimpleNamespace(wait=wait)  # a Request
 
     def _check_peer(self, peer: int, any_ok: bool = False) -> None:
-        if not (any_ok and peer == ANY_SOURCE) and (not 0 <= peer < self.world_size or peer == self.rank):
-            raise CommError(f"rank {self.rank}: peer {peer} is not another rank in 0..{self.world_size - 1}")
+        if not (any_ok and peer == ANY_SOURCE) and (not 0 <= peer < self.world_size
+                                                    or peer == self.rank):
+            raise CommError(f"rank {self.rank}: peer {peer} is not another rank in "
+                            f"0..{self.world_size - 1}")
 
     def _check_header(self, header: np.ndarray, t: Any, src: int) -> int:
         """Raise BufferMismatch unless the message is ``t``'s length and dtype; returns its tag."""
         n, theirs, their_tag = (int(v) for v in header)
         if n != t.numel() or theirs != code(t):
-            raise BufferMismatch(f"rank {self.rank} expected {t.numel()} x {DTYPES[code(t)]} from rank "
-                                 f"{src} but rank {src} sent {n} x {DTYPES[theirs]}: every rank must pass a "
-                                 "buffer of the same length and dtype to a collective")
+            raise BufferMismatch(f"rank {self.rank} expected {t.numel()} x {DTYPES[code(t)]} "
+                                 f"from rank {src} but rank {src} sent {n} x "
+                                 f"{DTYPES[theirs]}: every rank must pass a buffer of the same "
+                                 "length and dtype to a collective")
         return their_tag
 
     @contextmanager
@@ -210,13 +252,15 @@ class TorchPeer(Communicator):
             raise self._failure(e, peer, what) from e
 
     def _failure(self, e: RuntimeError, peer: int | list[int], what: str) -> CommError:
-        """gloo and NCCL report timeouts and lost peers as RuntimeError: say who and what instead."""
+        """gloo and NCCL report timeouts and lost peers as
+        RuntimeError: say who and what instead."""
         who = ("any rank" if peer == ANY_SOURCE else f"rank {peer}" if isinstance(peer, int)
                else "ranks " + ", ".join(map(str, peer)))
         if "timed out" in str(e).lower() or "timeout" in str(e).lower():  # gloo; NCCL's watchdog
-            return CommTimeout(f"rank {self.rank} waited {self.timeout:.0f}s for {who} {what}: is that "
-                               "rank dead or stuck? (set DPLAB_TIMEOUT to wait longer)")
-        return PeerLost(f"rank {self.rank} lost {who} while waiting {what}: that rank died or failed "
+            return CommTimeout(f"rank {self.rank} waited {self.timeout:.0f}s for {who} {what}: "
+                               "is that rank dead or stuck? (set DPLAB_TIMEOUT to wait longer)")
+        return PeerLost(f"rank {self.rank} lost {who} while waiting {what}: that rank died "
+                        "or failed "
                          f"(see its error). The transport said: {str(e).splitlines()[0]}")
 
     def _finish(self, works: list, peers: list[int], what: str) -> None:
@@ -242,7 +286,8 @@ class TorchPeer(Communicator):
         self.close(getattr(_torch()[1].distributed_c10d, "_abort_process_group", None))
 
     def close(self, how: Callable[[], None] | None = None) -> None:
-        """Destroy the process group this communicator started; one it was given stays its owner's."""
+        """Destroy the process group this communicator started; one it
+        was given stays its owner's."""
         if self.owns_group and _torch()[1].is_initialized():
             (how or _torch()[1].destroy_process_group)()
 

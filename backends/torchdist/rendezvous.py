@@ -1,6 +1,6 @@
 """Where forked torch ranks meet: a TCPStore on loopback, bound before the fork.
 
-    connect, _ = prepare(ctx, session, world_size=4, timeout=60.0)   # in the launcher, before it forks
+    connect, _ = prepare(ctx, session, world_size=4, timeout=60.0)   # the launcher, before it forks
     comm = connect(rank)                             # in each forked rank: a TorchComm
 
 Rank 0 serves the store on a socket the launcher bound before forking, so no two worlds race
@@ -33,7 +33,8 @@ def prepare(ctx: object, session: str, world_size: int, timeout: float,
             device: str | None = None) -> tuple[Callable[[int], TorchComm], None]:
     """In the launcher, before it forks: bind the socket rank 0's TCPStore serves on (127.0.0.1, a
     fresh port). Binding a port picked earlier in rank 0 lost races on a busy machine. Returns
-    (connect(rank), nothing to keep), as every backend's ``prepare`` (``dplab.backends.registry``)."""
+    (connect(rank), nothing to keep), as every backend's ``prepare``
+    (``dplab.backends.registry``)."""
     wants_cuda(device, world_size)  # fail here, not in every rank
     listener = socket.create_server(("127.0.0.1", 0))
     port = listener.getsockname()[1]

@@ -32,7 +32,8 @@ def available() -> str | None:
     except ImportError:
         return "torch is not installed: pip install 'dplab[torch]'"
     gloo = dist.is_available() and dist.is_gloo_available()
-    return None if gloo else "this torch lacks torch.distributed/gloo: pip install 'dplab[torch]' (official)"
+    return None if gloo else ("this torch lacks torch.distributed/gloo: "
+                              "pip install 'dplab[torch]' (official)")
 
 
 def startup_timeout(timeout: float) -> timedelta:
@@ -45,7 +46,8 @@ def wants_cuda(device: str | None, local_ranks: int) -> bool:
     kind = (device or os.environ.get("DPLAB_DEVICE") or "cpu").split(":")[0]
     if kind not in ("cpu", "cuda"):
         raise ConfigError(f"device must be 'cpu' (gloo) or 'cuda' (NCCL), got {kind!r}")
-    if kind == "cuda" and (have := torch_modules()[0].cuda.device_count()) < local_ranks:  # NVML: fork-safe
+    # NVML: fork-safe
+    if kind == "cuda" and (have := torch_modules()[0].cuda.device_count()) < local_ranks:
         raise ConfigError(f"{local_ranks} ranks need {local_ranks} GPUs, this machine has {have}: "
                           "use --device cpu (gloo), i.e. DPLAB_DEVICE=cpu")
     return kind == "cuda"
