@@ -35,9 +35,9 @@ Rows = list[dict[str, Any]]
 MARKER = re.compile(r"<!-- (rows|targets|validation): ([^>]*?) -->\n(.*?)<!-- end -->", re.S)
 
 # Columns per kind of row file: (key in the rows, header). Rows without a key show "-".
-BENCH = [("backend", "backend"), ("algorithm", "algorithm"), ("world_size", "p"), ("bytes", "bytes"),
-         ("time_us", "time µs"), ("busbw_gbps", "busbw GB/s"), ("memcpy_gbps", "memcpy GB/s"),
-         ("vs_memcpy", "÷ memcpy"), ("vs_native", "÷ native")]
+BENCH = [("backend", "backend"), ("algorithm", "algorithm"), ("world_size", "p"),
+         ("bytes", "bytes"), ("time_us", "time µs"), ("busbw_gbps", "busbw GB/s"),
+         ("memcpy_gbps", "memcpy GB/s"), ("vs_memcpy", "÷ memcpy"), ("vs_native", "÷ native")]
 SCALING = [("backend", "backend"), ("model", "model"), ("params", "params"), ("world_size", "p"),
            ("step_ms", "step ms"), ("efficiency", "efficiency"), ("compute_ms", "compute"),
            ("exposed_comm_ms", "exposed comm"), ("waiting_ms", "waiting"), ("other_ms", "other")]
@@ -46,8 +46,8 @@ DDP = [("impl", "impl"), ("backend", "backend"), ("world_size", "p"), ("params",
        ("cpu_ms", "CPU ms"), ("cpu_ratio_vs_single", "CPU ÷ single")]
 RACE = [("backend", "backend"), ("mode", "mode"), ("algorithm", "algorithm"), ("world_size", "p"),
         ("straggler", "straggler"), ("updates", "updates"), ("samples_per_s", "samples/s"),
-        ("final_loss", "loss"), ("max_abs_diff_vs_single", "vs one device"), ("max_delay", "max delay"),
-        ("replay_exact", "replay exact")]
+        ("final_loss", "loss"), ("max_abs_diff_vs_single", "vs one device"),
+        ("max_delay", "max delay"), ("replay_exact", "replay exact")]
 TRAIN = [("backend", "backend"), ("mode", "mode"), ("algorithm", "algorithm"), ("world_size", "p"),
          ("steps", "steps"), ("final_loss", "loss"), ("max_abs_diff_vs_single", "vs one device"),
          ("wall_s", "wall s")]
@@ -139,8 +139,10 @@ def measured_line(meta: dict[str, Any]) -> str:
         return "Measured: date and load not recorded."
     load = " / ".join(f"{x:g}" for x in m["load_average"])
     before = f"{m['load_before']:g} (1 min) before the run, " if "load_before" in m else ""
-    return (f"Measured {m['date']} on {m['cpus']} cores ({meta.get('machine', '?')}, Python "
-            f"{meta.get('python', '?')}), load average {before}{load} (1, 5, 15 min) when it ended.")
+    return (
+        f"Measured {m['date']} on {m['cpus']} cores ({meta.get('machine', '?')}, Python "
+        f"{meta.get('python', '?')}), load average {before}{load} (1, 5, 15 min) when it ended."
+    )
 
 
 def render_rows(path: Path, shown_as: str) -> str:
@@ -174,8 +176,13 @@ def _latency(files: list[dict[str, Any]]) -> list[tuple[str, str, bool]]:
         return []
     best = min(ours, key=ours.__getitem__)
     ratio = ours[best] / mpi
-    return [("local, p=2, 4 KiB: ≤ 3x the time of MPICH's Allreduce",
-             f"{best} {number(ours[best])} µs against {number(mpi)} µs: {number(ratio)}x", ratio <= 3)]
+    return [
+        (
+            "local, p=2, 4 KiB: ≤ 3x the time of MPICH's Allreduce",
+            f"{best} {number(ours[best])} µs against {number(mpi)} µs: {number(ratio)}x",
+            ratio <= 3,
+        )
+    ]
 
 
 def _local_busbw(files: list[dict[str, Any]]) -> list[tuple[str, str, bool]]:
@@ -186,20 +193,43 @@ def _local_busbw(files: list[dict[str, Any]]) -> list[tuple[str, str, bool]]:
         mine = [r for r in rows if r["bytes"] == nbytes]
         if mine:
             best = max(mine, key=lambda r: r["vs_memcpy"])
-            out.append((f"local, p=2, {size(nbytes)}: busbw ≥ {goal}x memcpy",
-                        f"{best['algorithm']} {number(best['vs_memcpy'])}x", best["vs_memcpy"] >= goal))
+            out.append(
+                (
+                    f"local, p=2, {size(nbytes)}: busbw ≥ {goal}x memcpy",
+                    f"{best['algorithm']} {number(best['vs_memcpy'])}x",
+                    best["vs_memcpy"] >= goal,
+                )
+            )
     return out
 
 
 def _engines(files: list[dict[str, Any]]) -> list[tuple[str, str, bool]]:
     rows, out = _bench(files), []
-    for backend, name, goal in (("mpi", "MPICH's Allreduce", 0.9), ("torch", "gloo's all_reduce", 0.8)):
-        cells = sorted({(r["world_size"], r["bytes"]) for r in rows if r["backend"] == backend
-                        and r["algorithm"] == "ring" and r["bytes"] >= 1 << 20 and r.get("vs_native")})
+    for backend, name, goal in (
+        ("mpi", "MPICH's Allreduce", 0.9),
+        ("torch", "gloo's all_reduce", 0.8),
+    ):
+        cells = sorted(
+            {
+                (r["world_size"], r["bytes"])
+                for r in rows
+                if r["backend"] == backend
+                and r["algorithm"] == "ring"
+                and r["bytes"] >= 1 << 20
+                and r.get("vs_native")
+            }
+        )
         if not cells:
             continue
-        ratios = [next(r["vs_native"] for r in rows if (r["backend"], r["algorithm"], r["world_size"],
-                       r["bytes"]) == (backend, "ring", p, n)) for p, n in cells]
+        ratios = [
+            next(
+                r["vs_native"]
+                for r in rows
+                if (r["backend"], r["algorithm"], r["world_size"], r["bytes"])
+                == (backend, "ring", p, n)
+            )
+            for p, n in cells
+        ]
         measured = "; ".join(f"p={p} {size(n)} {number(x)}" for (p, n), x in zip(cells, ratios))
         out.append((f"{backend}: our ring ≥ {goal}x {name} (busbw) at 1 MiB and up", measured,
                     min(ratios) >= goal))
@@ -217,8 +247,13 @@ def _ddp(files: list[dict[str, Any]]) -> list[tuple[str, str, bool]]:
             all(r["ratio_vs_single"] <= 1.15 for r in ours if r["backend"] in ("local", "mpi")))]
     if torch:
         theirs = torch[0]["ratio_vs_single"]
-        out.append(("... and ahead of torch's DDP over gloo",
-                    f"torch's DDP {number(theirs)}x", all(r["ratio_vs_single"] < theirs for r in ours)))
+        out.append(
+            (
+                "... and ahead of torch's DDP over gloo",
+                f"torch's DDP {number(theirs)}x",
+                all(r["ratio_vs_single"] < theirs for r in ours),
+            )
+        )
     return out
 
 
