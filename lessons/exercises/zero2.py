@@ -153,7 +153,7 @@ def judge_zero2(file: Path, output: list[str]) -> str:
             raise Fail(f"at p={p}: the ranks did not bring back {STEPS} steps of {len(oracle[0])} parameters "
                        "each")
         problem = (_too_many_bytes(run, sizes, p) or _too_much_memory(run, sizes, p)
-                   or _diagnose(ranks, oracle, sizes, p))
+                   or _diagnose(ranks, oracle, sizes, p, run))
         if problem:
             raise Fail(f"at p={p}: {problem}")
     if answer["fail"]:
@@ -322,8 +322,11 @@ def _stop(signum: int, frame: Any) -> None:
     raise TooLong(f"still running at the check's time limit of {limit_s():g} s: does a loop never end?")
 
 
-def _diagnose(runs: list[list[np.ndarray]], oracle: list[np.ndarray], sizes: list[int], p: int) -> str | None:
-    """The first (step, layer, chunk, rank) that differs from one device, said as what went wrong."""
+def _diagnose(runs: list[list[np.ndarray]], oracle: list[np.ndarray], sizes: list[int], p: int,
+              counts: list[dict[str, Any]]) -> str | None:
+    """The first (step, layer, chunk, rank) that differs from one device, said as what went wrong
+    (``counts``: each rank's collectives called per step, to tell a missing all-gather from a
+    misplaced one)."""
     starts = np.cumsum([0, *sizes])
     scale = float(np.abs(oracle[-1]).max())
 
@@ -344,9 +347,14 @@ def _diagnose(runs: list[list[np.ndarray]], oracle: list[np.ndarray], sizes: lis
                 if close(got, want[a:b]):
                     continue
                 if close(got, before[a:b]):
-                    return (f"after step {t} rank {r} still holds rank {s}'s chunk of layer {layer} as it "
-                            f"was before the step: rank {s} updated it, but no all-gather brought the update "
-                            f"to rank {r}")
+                    said = (f"after step {t} rank {r} still holds rank {s}'s chunk of layer {layer} as "
+                            f"it was before the step: rank {s} updated it, but")
+                    if counts[r]["called"][t].get("allgather", 0):
+                        return (f"{said} your all-gather carried the chunk as it was before the update: "
+                                "all-gather each layer's weights themselves (not a copy) after "
+                                "optimizer.step has updated every rank's chunk")
+                    return f"{said} no all-gather brought the update to rank {r}"
+
                 return (f"after step {t} rank {r}'s copy of rank {s}'s chunk of layer {layer} differs from "
                         f"its owner's by {np.abs(got - want[a:b]).max():.3g}: the all-gather must copy each "
                         "owner's chunk to every rank")
