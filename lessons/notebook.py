@@ -177,9 +177,10 @@ if importlib.util.find_spec("dplab") is None:
     if not REPOSITORY:
         raise SystemExit("dplab is not installed here: set REPOSITORY above to its git URL, "
                          "e.g. 'https://github.com/<owner>/dplab', and run this cell again")
-    source = REPOSITORY if not REPOSITORY.startswith("http") else "git+" + REPOSITORY
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q",
-                    "dplab[{extras}] @ " + source], check=True)
+    remote = REPOSITORY.startswith(("http", "git+", "ssh:"))
+    spec = ("dplab[{extras}] @ git+" + REPOSITORY.removeprefix("git+") if remote
+            else REPOSITORY + "[{extras}]")  # a folder: a checkout of the repository
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", spec], check=True)
 
 # The steps run on the local backend (NumPy processes). With a GPU (Colab: Runtime > Change
 # runtime type > T4 GPU; its free one holds four ranks), pick the cuda backend to run the same

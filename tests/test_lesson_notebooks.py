@@ -28,8 +28,24 @@ APP_PAGES = {"collectives", "cost", "training", "runs", "lessons"}
 
 def _check_outcomes(les, app_pages):
     """In the kernel, after the notebook ran: every step ran, proves something, and its question,
-    named mistakes, deep link and figure hold on this run's facts."""
+    named mistakes, deep link and figure hold on this run's facts; the code it shows fits a
+    terminal (resolving what a step shows imports torch: done here, where the lessons have)."""
+    from dplab.lessons.step import _resolve, _source
     from dplab.viz.deep_links import unread
+
+    shown_width = 79   # the code a lesson writes must read in an 80-column terminal unwrapped
+    spine_width = 110  # the spine a step shows (Step.show) is the project's code, at ruff's
+                       # line length; the terminal word-wraps it (lessons/render.py)
+    too_long = []
+    for k, step in enumerate(les.lesson.steps, 1):
+        pieces = [(step.harness(), shown_width)] if not step.show else [
+            (_source(obj), shown_width if getattr(_resolve(obj) if isinstance(obj, str) else obj,
+                                                  "__module__", "").startswith("dplab.lessons.l")
+             else spine_width) for obj in step.show]
+        too_long += [f"step {k} ({step.title!r}) line {j}, {len(line)} chars: {line.strip()}"
+                     for code, width in pieces for j, line in enumerate(code.splitlines(), 1)
+                     if len(line) > width]
+    assert not too_long, "shown lines too wide:\n" + "\n".join(too_long[:20])
 
     assert sorted(les.outcomes) == list(range(1, len(les.lesson.steps) + 1)), sorted(les.outcomes)
     for k, step in enumerate(les.lesson.steps, 1):
@@ -69,7 +85,7 @@ def kernel(tmp_path_factory):
     km.start_kernel(env={**os.environ, "PLOTLY_RENDERER": "plotly_mimetype"},
                     cwd=str(tmp_path_factory.mktemp("kernel")))
     yield km
-    km.shutdown_kernel(now=True)
+    km.shutdown_kernel()  # asked, not killed: the kernel closes its Lab (its ranks) at exit
 
 
 @pytest.mark.lessons
@@ -132,17 +148,18 @@ def test_the_command_writes_one_notebook_per_lesson_from_the_steps(tmp_path):
     ([], "usage: dplab lesson notebooks DIR"),
     (["x", "y"], "usage: dplab lesson notebooks DIR"),
 ])
-def test_bad_notebook_folders_are_one_line_and_exit_2(tmp_path, args, says):
+def test_bad_notebook_folders_are_one_line_and_exit_2(tmp_path, monkeypatch, cli_here, args, says):
+    monkeypatch.chdir(tmp_path)
     (tmp_path / "a-file").write_text("not a folder")
-    done = _notebooks(tmp_path, *args)
+    done = cli_here("lesson", "notebooks", *args)
     assert done.returncode == 2, (done.returncode, done.stderr)
     assert says in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
-def test_a_folder_that_cannot_be_written_is_one_line_and_exit_2(tmp_path):
+def test_a_folder_that_cannot_be_written_is_one_line_and_exit_2(tmp_path, cli_here):
     ro = tmp_path / "ro"
     ro.mkdir()
     ro.chmod(0o500)
-    done = _notebooks(tmp_path, "ro")
+    done = cli_here("lesson", "notebooks", str(ro))
     assert done.returncode == 2 and "cannot write into" in done.stderr, done.stderr
