@@ -7,6 +7,7 @@
     dplab lesson init DIR             # copy the exercises' stubs into DIR
     dplab lesson check 2 [DIR]        # run your code for lesson 2's exercises (DIR: default here)
     dplab lesson watch 2 [DIR]        # check again every time a file in DIR is saved (Ctrl-C stops)
+    dplab lesson notebooks DIR        # write one Jupyter notebook per lesson into DIR
 
 This file only parses and dispatches; ``dplab.lessons.terminal`` renders. Imports run down the
 house (backends < lessons), so the command line finds ``add_lesson_parser`` by its entry point
@@ -30,7 +31,7 @@ from dplab.reference.errors import ConfigError
 
 __all__ = ["add_lesson_parser", "parse_request", "run_lesson_command", "LessonRequest"]
 
-USAGE = "N | init DIR | check N [DIR] | watch N [DIR]"
+USAGE = "N | init DIR | check N [DIR] | watch N [DIR] | notebooks DIR"
 
 
 def add_lesson_parser(sub: Any, formatter_class: type[argparse.HelpFormatter]) -> argparse.ArgumentParser:
@@ -60,7 +61,8 @@ def add_lesson_parser(sub: Any, formatter_class: type[argparse.HelpFormatter]) -
     p.add_argument("words", nargs="*", metavar=USAGE,
                    help="a lesson number; 'init DIR' copies the exercise stubs into DIR; 'check N [DIR]' "
                         "runs your exercises of lesson N (DIR: default the current directory); "
-                        "'watch N [DIR]' checks them again whenever a file in DIR is saved, until Ctrl-C")
+                        "'watch N [DIR]' checks them again whenever a file in DIR is saved, until Ctrl-C"
+                        "; 'notebooks DIR' writes every lesson as a Jupyter notebook into DIR")
     p.add_argument("--step", type=positive_int, metavar="K",
                    help="start lesson N at step K instead of where you stopped (default: resume)")
     p.add_argument("--no-pause", action="store_true",
@@ -68,6 +70,9 @@ def add_lesson_parser(sub: Any, formatter_class: type[argparse.HelpFormatter]) -
                         "that did not hold (default: pause after each step)")
     p.add_argument("--poll", type=_seconds, metavar="S",
                    help="with watch: look for saved files every S seconds (default 0.5)")
+    p.add_argument("--repo", metavar="URL",
+                   help="with notebooks: the git URL (or folder) their first cell installs dplab "
+                        "from where it is missing, e.g. on Colab (default: none; the cell asks)")
     p.set_defaults(run=run_lesson_command)
     return p
 
@@ -84,12 +89,13 @@ def _seconds(text: str) -> float:
 
 @dataclass(frozen=True)
 class LessonRequest:
-    action: str                    # "list", "run", "init", "check", "watch"
+    action: str                    # "list", "run", "init", "check", "watch", "notebooks"
     number: int | None = None
     path: str | None = None
     step: int | None = None
     pause: bool = True
     poll: float | None = None
+    repo: str | None = None
 
 
 def _number(word: str) -> int:
@@ -100,10 +106,17 @@ def _number(word: str) -> int:
 
 
 def parse_request(words: list[str], step: int | None = None, no_pause: bool = False,
-                  poll: float | None = None) -> LessonRequest:
+                  poll: float | None = None, repo: str | None = None) -> LessonRequest:
     """What ``dplab lesson WORDS...`` asks for; a ConfigError (one line) for what makes no sense."""
     if poll is not None and words[:1] != ["watch"]:
         raise ConfigError("--poll goes with watch: dplab lesson watch N DIR --poll S")
+    if repo is not None and words[:1] != ["notebooks"]:
+        raise ConfigError("--repo goes with notebooks: dplab lesson notebooks DIR --repo URL")
+    if words[:1] == ["notebooks"]:
+        if len(words) != 2 or step is not None or no_pause:
+            raise ConfigError("usage: dplab lesson notebooks DIR [--repo URL] (DIR: the folder to "
+                              "write the notebooks into)")
+        return LessonRequest("notebooks", path=words[1], repo=repo)
     if words and words[0] in ("init", "check", "watch"):
         if step is not None or no_pause:
             raise ConfigError(f"--step and --no-pause go with a lesson number, not with {words[0]}")
@@ -132,7 +145,14 @@ def parse_request(words: list[str], step: int | None = None, no_pause: bool = Fa
 def run_lesson_command(a: argparse.Namespace) -> int:
     """Dispatch to ``dplab.lessons.terminal``; ConfigError and a missing extra: one line, exit 2."""
     try:
-        req = parse_request(a.words, a.step, a.no_pause, getattr(a, "poll", None))
+        req = parse_request(a.words, a.step, a.no_pause, getattr(a, "poll", None),
+                            getattr(a, "repo", None))
+        if req.action == "notebooks":
+            from dplab.lessons.notebook import write_notebooks  # nbformat: loaded when asked for
+            written = write_notebooks(req.path, req.repo or "")
+            print(f"wrote {len(written)} notebooks into {req.path}: open one in Jupyter, or "
+                  "upload it to Colab")
+            return 0
         from dplab.lessons import terminal  # rich, the lessons' runner: loaded when one runs
         if req.action == "list":
             return terminal.list_lessons()

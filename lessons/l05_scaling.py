@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from dplab.backends.fastpath.arrays import ALLREDUCE as ARRAYS
 from dplab.lessons.step import Check, Explore, Lesson, Predict, Step
 from dplab.reference.algorithms import allreduce_schedule
 from dplab.reference.costmodel import cost
@@ -57,7 +58,7 @@ def step_time(model, samples_per_rank, p, topology=LINK):
     rank's share of the FLOPs, and a ring all-reduce of the float32
     gradient priced by the cost model (zero on one rank)."""
     compute = flops_per_sample(model) * samples_per_rank / FLOPS
-    ring = allreduce_schedule("ring", p)
+    ring = ARRAYS["ring"](p)   # the ring's schedule, built as arrays
     comm = cost(ring, 4 * model.num_params, topology=topology).time
     return compute, comm
 
@@ -157,7 +158,7 @@ def strong_and_weak(lab):
     ps = (2, 4, 16, 64, 256)
 
     def flops_per_byte(model, samples, p):
-        ring = allreduce_schedule("ring", p)
+        ring = ARRAYS["ring"](p)
         sent = cost(ring, 4 * model.num_params, 0, 0, 0).bytes_sent_max
         return flops_per_sample(model) * samples / sent
 

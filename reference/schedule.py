@@ -102,7 +102,8 @@ def validate(s: Schedule) -> None:
             if t.op not in ("reduce", "copy"):
                 raise ScheduleError(f"{s.name} round {i}: unknown op {t.op!r} in {t}: a transfer either "
                                     "'reduce's or 'copy's")
-            if not all(hasattr(v, "__index__") for v in (t.src, t.dst, t.chunk)):  # ints, numpy ints
+            if not (hasattr(t.src, "__index__") and hasattr(t.dst, "__index__")  # ints, numpy ints
+                    and hasattr(t.chunk, "__index__")):
                 raise ScheduleError(f"{s.name} round {i}: {t}: src, dst and chunk must be integers "
                                     "(p // 2, not p / 2)")
             if not (0 <= t.src < p and 0 <= t.dst < p and 0 <= t.chunk < k):

@@ -151,6 +151,9 @@ PLANTED = [
      "parameter 0 is in no bucket: its gradient would never be all-reduced"),
     ("ddp_buckets", BUCKETS, {**RIGHT_BUCKETS, "result": "[sorted(b) for b in buckets] + [[0]]"},
      "parameter 0 is in buckets 2 and 3: its gradient would be all-reduced twice"),
+    # issue 31: it passed, reported as matching the engine's
+    ("ddp_buckets", BUCKETS, {**RIGHT_BUCKETS, "result": "[sorted(b) for b in buckets]"},
+     "bucket 0 lists parameters 3, 4, 5, but backward makes their gradients in the order 5, 4, 3"),
     ("ssp_gate", GATE.format(rule="slowest > clock - staleness"), {},  # too strict by one
      "may_proceed(clock=0, slowest=0, staleness=0) is False, but SSP lets a worker start clock 0 once the "
      "slowest has finished 0 - 0 = 0 clocks"),

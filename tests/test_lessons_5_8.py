@@ -174,6 +174,8 @@ SSP_WRONG = [
     ("slowest >= clock - (staleness or 0)", "your gate treats it as 0, lock-step"),
     ("slowest >= clock - staleness", "staleness None means unbounded, so test `staleness is None` first"),
     ("True", "your gate never makes anyone wait"),
+    # issue 31: caught, but not named
+    ("not staleness or slowest >= clock - staleness", "treats staleness 0 as unbounded: `not staleness`"),
 ]
 
 

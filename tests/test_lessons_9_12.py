@@ -62,6 +62,15 @@ ZERO2_WRONG = {
             a, b = chunk_bounds(len(g), p)[rank]
             shard[layer] = g[a:b]
     """, ["is a view into layer", "a slice keeps all of g alive"]),
+    # issue 31: reduce-scattered during backward, but reduce_scatter's view kept (named ZeRO-1's pattern)
+    "kept-view": ("""
+        kept = []
+        for layer, g in backward:
+            kept.append((layer, reduce_scatter(comm, g)))
+        for layer, mine in kept:
+            shard[layer][:] = mine
+    """, ["You reduce-scattered each layer as backward yielded it", "reduce_scatter(comm, g) returns a view",
+          "keep nothing of g"]),
     # the chunk stepped, but no all-gather
     "no-allgather": ("""
         for layer, g in backward:
@@ -110,6 +119,8 @@ def test_zero2_wrong_answers_fail_naming_the_mistake(tmp_path, name):
     assert not report.passed
     for phrase in says:
         assert phrase in report.message, report.message
+    if not any("ZeRO-1" in phrase for phrase in says):   # a mistake named as another is no diagnosis
+        assert "ZeRO-1" not in report.message, report.message
 
 
 SCALER = """

@@ -137,6 +137,11 @@ def bucket_problem(got: list[list[int]], want: list[list[int]], sizes: list[int]
             gap = next(i for i in range(nxt, nxt - len(run), -1) if i not in run)
             return (f"bucket {b} holds {_params(run)} but not parameter {gap}, whose gradient arrives "
                     "between them: a bucket is a contiguous run of parameters, in reverse order")
+        if bucket != run:
+            return (f"bucket {b} lists {_params(bucket)}, but backward makes their gradients in the "
+                    f"order {', '.join(map(str, run))}: a bucket fills, and lays its gradients out in "
+                    "its buffer, in the order they arrive, so list each one last parameter first (you "
+                    "sorted it, or walked forward inside it)")
         nxt -= len(run)
     for b, (mine, right) in enumerate(zip(got, want)):
         if len(mine) == len(right):

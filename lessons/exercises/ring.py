@@ -93,6 +93,13 @@ def ring_problem(schedule: object, p: int) -> str | None:
                     "owning chunk r (the executor's convention, and reduce_scatter_tensor's); shift the "
                     "chunk every rank sends by one")
         missing = [j for j in range(p) if last[rank, rank, j] == 0]
+        copy = next(((i, t) for i, rnd in enumerate(schedule.rounds) for t in rnd if t.op == "copy"), None)
+        if copy:  # the parts are lost at a copy, not for want of rounds
+            i, t = copy
+            return (f"rank {rank} ends with chunk {rank} missing {_parts(missing)}: in round {i} rank "
+                    f"{t.src} sends chunk {t.chunk} to rank {t.dst} as a copy, which overwrites the "
+                    f"partial sum rank {t.dst} holds; a reduce-scatter adds what it receives (op "
+                    "'reduce')")
         when = f"after the last round (round {len(history) - 2})" if len(history) > 1 else "with no rounds"
         return (f"rank {rank} ends with chunk {rank} missing {_parts(missing)} {when}: a chunk must travel "
                 "the whole ring, p - 1 rounds, gathering one part at every rank it passes")

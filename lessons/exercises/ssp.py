@@ -69,6 +69,10 @@ MISTAKES: dict[str, tuple[Any, str]] = {
     "ignores_slowest": (lambda c, d, s: s is None or c <= s,
                         "your gate ignores the slowest worker: it compares the clock with the staleness "
                         "alone, so after clock s everyone waits forever"),
+    "zero_unbounded": (lambda c, d, s: not s or d >= c - s,
+                       "your gate treats staleness 0 as unbounded: `not staleness` is True for 0 as well "
+                       "as for None, but 0 is lock-step (nobody starts clock c before the slowest has "
+                       "finished c). Test `staleness is None`"),
     "none_lockstep": (lambda c, d, s: d >= c - (s or 0),
                       "staleness None means unbounded (nobody ever waits); your gate treats it as 0, "
                       "lock-step"),

@@ -36,6 +36,8 @@ class Traffic:
         self.sent = 0
         self.called: Counter[str] = Counter()
         self.tracer = _counting_tracer(self, rank)
+        self.when: Any = None   # the caller's clock (e.g. layers backward has yielded), read per call
+        self.marks: list[tuple[str, Any]] = []  # (collective, ``when()`` at its call), in order
 
     @classmethod
     def install(cls, comm: Any) -> Traffic:
@@ -47,6 +49,7 @@ class Traffic:
     def start(self) -> None:
         # every key made now: a dict growing during the learner's call would count as its memory
         self.sent, self.called, self.on = 0, Counter(dict.fromkeys(KINDS, 0)), True
+        self.marks = []
 
     def stop(self) -> None:
         self.on = False
@@ -56,6 +59,8 @@ class Traffic:
             self.sent += int(fields.get("bytes", 0))
         elif kind in KINDS:
             self.called[kind] += 1
+            if self.when is not None:
+                self.marks.append((kind, self.when()))
 
     def tampered(self, comm: Any, what: str) -> str:
         """Why this rank's counts (or its measured memory) cannot be trusted after ``what`` ran,

@@ -12,8 +12,10 @@ layer's weights. Judged on every rank, every step, at p = 1..4:
 - bytes: the collectives called and bytes sent, against a reduce-scatter and an all-gather per layer;
 - memory: the step's peak allocation (``tracemalloc``), against ZeRO-2's two layers in flight.
 
-An all-reduce instead of the reduce-scatter (1.5x the bytes) and ZeRO-1's reduce-after-backward
-(the whole gradient held) both train right, and both fail, named.
+An all-reduce instead of the reduce-scatter (1.5x the bytes), ZeRO-1's reduce-after-backward
+(the whole gradient held) and a reduce-scatter during backward whose returned view is kept (every
+buffer held: told apart from ZeRO-1's by when the reduce-scatters were called, counted against the
+layers backward had yielded) all train right, and all fail, named.
 """
 
 from __future__ import annotations
@@ -151,7 +153,7 @@ def judge_zero2(file: Path, output: list[str]) -> str:
             raise Fail(f"at p={p}: the ranks did not bring back {STEPS} steps of {len(oracle[0])} parameters "
                        "each")
         problem = (_too_many_bytes(run, sizes, p) or _too_much_memory(run, sizes, p)
-                   or _diagnose(ranks, oracle, sizes, p))
+                   or _diagnose(ranks, oracle, sizes, p, run))
         if problem:
             raise Fail(f"at p={p}: {problem}")
     if answer["fail"]:
@@ -209,9 +211,15 @@ def _too_much_memory(run: list[dict[str, Any]], sizes: list[int], p: int) -> str
                     f"(the check allows half the gradient, {_kib(allow)} KiB)")
             if rank["views"]:
                 v = rank["views"][0]
-                return (f"{said}: shard[{v}] is a view into layer {v}'s gradient buffer (g[a:b] is a "
-                        "slice, and a slice keeps all of g alive): copy your chunk into it, "
-                        "shard[layer][:] = g[a:b]")
+                return (f"{said}: shard[{v}] is a view into layer {v}'s gradient buffer (g[a:b], and what "
+                        "reduce_scatter returns, is a slice, and a slice keeps all of g alive): copy your "
+                        "chunk into it, shard[layer][:] = g[a:b]")
+            if rank["during"][t]:
+                return (f"{said}. You reduce-scattered each layer as backward yielded it, as ZeRO-2 does, "
+                        "but kept something that holds its buffer: reduce_scatter(comm, g) returns a view "
+                        "of your chunk inside g, and a view (or g itself) kept in a list or a dict holds "
+                        "all of g until the step ends. Copy the chunk into shard[layer][:] and keep "
+                        "nothing of g")
             return (f"{said}: every layer's gradient buffer stayed alive until after backward. "
                     "Reduce-scatter each layer as backward yields it, keep your chunk in shard[layer] and "
                     "drop the buffer (del g) before the next; collecting the gradient and reducing it "
@@ -244,7 +252,7 @@ def collect_zero2(file: Path, inputs: dict[str, Any], out: dict[str, Any], deadl
             raise Fail(f"at p={p}: {tampered}")
         runs.append([{"after": [base64.b64encode(a.tobytes()).decode() for a in rank["after"]],
                       "sent": rank["sent"], "called": rank["called"], "peak": rank["peak"],
-                      "views": rank["views"]} for rank in done])
+                      "views": rank["views"], "during": rank["during"]} for rank in done])
 
 
 def _rank(comm: Any, file: str, cfg: TrainConfig, deadline: float) -> dict[str, Any]:
@@ -263,7 +271,7 @@ def _rank(comm: Any, file: str, cfg: TrainConfig, deadline: float) -> dict[str, 
     own = [chunk_bounds(n, comm.world_size)[comm.rank] for n in sizes]
     shards = [np.zeros(b - a, dtype=init.dtype) for a, b in own]
     optimizer = ShardOptimizer(cfg.optimizer, sizes, comm.rank, comm.world_size, init.dtype)
-    after, sent, called, peak, views = [], [], [], [], []
+    after, sent, called, peak, views, during = [], [], [], [], [], []
     traffic = Traffic.install(comm)
     tampered = ""
     tracemalloc.start()
@@ -274,7 +282,8 @@ def _rank(comm: Any, file: str, cfg: TrainConfig, deadline: float) -> dict[str, 
         shard_list = list(shards)
         for s in shard_list:
             s[:] = 0
-        backward = backward_layers(model, params, x, y, 1 / cfg.global_batch)
+        backward = _Counted(backward_layers(model, params, x, y, 1 / cfg.global_batch))
+        traffic.when = lambda backward=backward: backward.yielded
         traffic.start()
         base = tracemalloc.get_traced_memory()[0]
         tracemalloc.reset_peak()
@@ -284,6 +293,8 @@ def _rank(comm: Any, file: str, cfg: TrainConfig, deadline: float) -> dict[str, 
         traffic.stop()
         tampered = tampered or traffic.tampered(comm, "zero2_step")
         sent.append(traffic.sent)
+        # a reduce-scatter called before backward had yielded every layer: ZeRO-2's interleaving
+        during.append(any(k == "reduce_scatter" and n < len(sizes) for k, n in traffic.marks))
         called.append(dict(traffic.called))
         views.extend(i for i, s in enumerate(shard_list)
                      if s is not shards[i] and isinstance(s, np.ndarray) and s.base is not None)
@@ -292,15 +303,30 @@ def _rank(comm: Any, file: str, cfg: TrainConfig, deadline: float) -> dict[str, 
     tracemalloc.stop()
     signal.setitimer(signal.ITIMER_REAL, 0)
     return {"after": after, "sent": sent, "called": called, "peak": peak, "views": sorted(set(views)),
-            "patched": patched_since(before, Path(file)), "tampered": tampered}
+            "during": during, "patched": patched_since(before, Path(file)), "tampered": tampered}
+
+
+class _Counted:
+    """The backward generator, counting the layers it has yielded (read when a collective is called)."""
+
+    def __init__(self, layers: Iterator[tuple[int, np.ndarray]]) -> None:
+        self.layers, self.yielded = layers, 0
+
+    def __iter__(self) -> Iterator[tuple[int, np.ndarray]]:
+        for item in self.layers:
+            self.yielded += 1
+            yield item
 
 
 def _stop(signum: int, frame: Any) -> None:
     raise TooLong(f"still running at the check's time limit of {limit_s():g} s: does a loop never end?")
 
 
-def _diagnose(runs: list[list[np.ndarray]], oracle: list[np.ndarray], sizes: list[int], p: int) -> str | None:
-    """The first (step, layer, chunk, rank) that differs from one device, said as what went wrong."""
+def _diagnose(runs: list[list[np.ndarray]], oracle: list[np.ndarray], sizes: list[int], p: int,
+              counts: list[dict[str, Any]]) -> str | None:
+    """The first (step, layer, chunk, rank) that differs from one device, said as what went wrong
+    (``counts``: each rank's collectives called per step, to tell a missing all-gather from a
+    misplaced one)."""
     starts = np.cumsum([0, *sizes])
     scale = float(np.abs(oracle[-1]).max())
 
@@ -321,9 +347,14 @@ def _diagnose(runs: list[list[np.ndarray]], oracle: list[np.ndarray], sizes: lis
                 if close(got, want[a:b]):
                     continue
                 if close(got, before[a:b]):
-                    return (f"after step {t} rank {r} still holds rank {s}'s chunk of layer {layer} as it "
-                            f"was before the step: rank {s} updated it, but no all-gather brought the update "
-                            f"to rank {r}")
+                    said = (f"after step {t} rank {r} still holds rank {s}'s chunk of layer {layer} as "
+                            f"it was before the step: rank {s} updated it, but")
+                    if counts[r]["called"][t].get("allgather", 0):
+                        return (f"{said} your all-gather carried the chunk as it was before the update: "
+                                "all-gather each layer's weights themselves (not a copy) after "
+                                "optimizer.step has updated every rank's chunk")
+                    return f"{said} no all-gather brought the update to rank {r}"
+
                 return (f"after step {t} rank {r}'s copy of rank {s}'s chunk of layer {layer} differs from "
                         f"its owner's by {np.abs(got - want[a:b]).max():.3g}: the all-gather must copy each "
                         "owner's chunk to every rank")
