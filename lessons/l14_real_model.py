@@ -417,6 +417,68 @@ def simulated_split():
             "sim_hidden_pct": 100 * (1 - exposed / ring)}
 
 
+MATMULS = ("aten::mm", "aten::addmm", "aten::bmm")  # what a matmul runs as
+
+
+def profiled_step(comm, out_dir):
+    """One float32 step (after a warm-up) under torch.profiler and
+    dplab's tracer; both traces written as Chrome traces to out_dir."""
+    import json
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from dplab.lessons.chargpt import CharGPT, GPTConfig, batch, encode, text
+    from dplab.reference.trace import Tracer, to_chrome
+    torch.set_num_threads(1)
+    cfg, data = GPTConfig(), encode(text())
+    model = CharGPT(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    tr = Tracer(0)
+    for step in range(2):              # step 0 warms up
+        x, y = batch(data, ROWS, cfg.block, step)
+        tr.enabled = step == 1
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for phase, run in (("forward", lambda: model(x, y)),
+                               ("backward", lambda: loss.backward()),
+                               ("optimizer", opt.step)):
+                with record_function(phase), tr.span(phase):
+                    got = run()
+                loss = got if phase == "forward" else loss
+        opt.zero_grad()
+    prof.export_chrome_trace(f"{out_dir}/torch_profile.json")
+    with open(f"{out_dir}/dplab_trace.json", "w") as f:
+        json.dump(to_chrome(tr.take()), f)
+    events = prof.events()
+    spans = {e.name: e.time_range for e in events
+             if e.name in ("forward", "backward", "optimizer")}
+    top = sorted(prof.key_averages(), key=lambda a: -a.self_cpu_time_total)
+    top = [(a.key, a.self_cpu_time_total / 1e3, a.count) for a in top[:5]]
+    return {phase: sum(e.name in MATMULS and r.start <= e.time_range.start
+                       <= r.end for e in events)
+            for phase, r in spans.items()} | {
+        "ops": sum(e.name.startswith("aten::") for e in events),
+        "top": top}
+
+
+def a_profile(lab):
+    import json
+    from pathlib import Path
+    out_dir = str(lab._path().parent)   # the lab's own folder, gone when it closes
+    counts = lab.world(1).run(profiled_step, out_dir)[0]
+    torch_doc = json.loads((Path(out_dir) / "torch_profile.json").read_text())
+    ours = json.loads((Path(out_dir) / "dplab_trace.json").read_text())
+    spans = [e for e in ours["traceEvents"] if e.get("ph") == "X"]
+    return {"fwd_mm": counts["forward"], "bwd_mm": counts["backward"],
+            "opt_mm": counts["optimizer"], "ops": counts["ops"],
+            "torch_events": len(torch_doc["traceEvents"]),
+            "dplab_spans": len(spans),
+            "span_names": ", ".join(e["name"] for e in spans),
+            "top": "\n".join(f"| {k} | {ms:.3g} | {n} |"
+                              for k, ms, n in counts["top"]),
+            "dir": out_dir}
+
+
 def _why_no_gpu():
     import torch
     if not torch.cuda.is_available():
@@ -658,7 +720,42 @@ STEPS = (
         try_this="dplab lesson 14 --step 5   # on a machine with a CUDA GPU",
         teaches=("real-model",),
     ),
-)
+
+    Step(
+        title="A profile of one step: torch.profiler beside dplab's trace",
+        text=("dplab's tracer records what data parallelism adds: spans of the step's phases and, on "
+              "ranks, every message and bucket. What happens inside a phase is torch's to say: "
+              "`torch.profiler` records every operation the step runs. One step of the model (after a "
+              "warm-up), under both: the profiler saw {ops:,} aten operations, dplab's trace "
+              "{dplab_spans} spans ({span_names}). Both are Chrome traces, written to {dir} while the "
+              "lesson runs (torch_profile.json and dplab_trace.json: open either in ui.perfetto.dev; the "
+              "forward, backward and optimizer labels line up).\n\n"
+              "Counted from the profile, forward ran **{fwd_mm} matrix multiplies** (aten::mm, addmm "
+              "and bmm: four linear layers and two attention products per block, and the head), "
+              "backward **{bwd_mm}**, the optimizer {opt_mm}: every forward matmul has two in backward, "
+              "one for the gradient of its input and one for that of its weight. That is 6 N counted "
+              "in operations rather than FLOPs. The profile's own table, by the CPU time each "
+              "operation took itself (this machine's, and it moves with the load):\n\n"
+              "| operation | self CPU ms | calls |\n|---|---|---|\n{top}"),
+        run=a_profile,
+        checks=(Check("backward ran exactly twice forward's matrix multiplies",
+                      lambda f: f["bwd_mm"] == 2 * f["fwd_mm"] > 0),
+                Check("AdamW multiplies no matrices", lambda f: f["opt_mm"] == 0),
+                Check("both traces are Chrome traces; dplab's has the three phases",
+                      lambda f: f["torch_events"] > f["dplab_spans"] == 3)),
+        predict=Predict("Forward ran {fwd_mm} matrix multiplies. How many does backward run?",
+                        "bwd_mm", misconceptions=(
+                            (lambda g, f: g == f["fwd_mm"],
+                             "backward runs two for each of forward's: the input's gradient and the "
+                             "weight's"),
+                            (lambda g, f: g == 3 * f["fwd_mm"],
+                             "6 N counts forward and backward together: backward alone is 4 N, two "
+                             "per forward matmul"))),
+        hint="For y = x W, backward needs dL/dx = dL/dy Wᵀ and dL/dW = xᵀ dL/dy.",
+        try_this="python -c \"import torch; help(torch.profiler.profile)\"   # schedule=, with_stack=",
+        show=(profiled_step,),
+        teaches=("real-model",),
+    ),)
 
 
 LESSON = Lesson(14, "real_model", "A real model: a character-level GPT with DDP and FSDP",
