@@ -2,9 +2,10 @@
 
     dplab lesson 3
 
-Five steps: the model prices any schedule (and agrees with the textbook formulas); measure
-four all-reduces here and fit alpha, beta, gamma to them, with each row's spread and the
-residuals shown (on two shared cores the fit is the method, not this machine's numbers); the
+Five steps: the model prices any schedule (and agrees with the textbook formulas); fit alpha,
+beta, gamma to four all-reduces on a simulated DGX H100 node (the cluster file's values come
+back), then to the same measured here, with each row's spread and the residuals shown (on two
+shared cores the fit is the method, not this machine's numbers); the
 crossover between latency-bound and bandwidth-bound in the model, and a paired measurement that
 claims an order only when every repetition agrees; the cheapest of the registry's schedules per
 (world size, message size) on a cluster, and one it lacks; and what ``algorithm="auto"`` picks.

@@ -5,9 +5,10 @@
 Four steps. The model T(p) = T_comp/p + T_comm(p) on the cost model: communication is zero on
 one rank and grows with p, so the speedup peaks and falls (Amdahl's law, whose serial part never
 grows, cannot say that). Strong vs weak scaling: compute per byte sent is set by the samples
-each rank computes on, not by the model's size (Gustafson's answer to Amdahl). Where the time
-goes on this machine, measured with its spread. And why a serial share measured here belongs
-to this machine, not to the code.
+each rank computes on, not by the model's size (Gustafson's answer to Amdahl). Strong and weak
+scaling of a DDP step on 64 simulated H100s (dgx-h100x8), beside where the time goes on this
+machine, measured with its spread. And why a serial share measured here belongs to this machine,
+not to the code.
 """
 
 from __future__ import annotations
@@ -518,7 +519,8 @@ STEPS = (
               "| GPUs | nodes | strong: samples per GPU | strong step | efficiency | weak step | "
               "efficiency |\n|---|---|---|---|---|---|---|\n{sim_table}\n\n"
               "Strong scaling is nearly perfect while a GPU has samples enough for backward to hide the "
-              "all-reduce ({eff_strong_8:.2f} on one node of 8), then falls as each GPU's share of the batch shrinks: "
+              "all-reduce ({eff_strong_8:.2f} on one node of 8), then falls as each GPU's share of the "
+              "batch shrinks: "
               "{sim_last} GPUs run {speedup_last:.3g}x faster than one, an efficiency of "
               "{eff_last:.2f}, with {exposed_last_pct:.0f}% of the step spent on communication no "
               "compute hides. Weak scaling keeps the compute and pays only the all-reduce's growth "

@@ -2,8 +2,9 @@
 
     dplab lesson 12              # needs the torch and mpi extras: pip install -e ".[all]"
 
-Five steps: torch's single-process DataParallel (what it costs, and what runs of it without
-GPUs); torch's own DDP over gloo and dplab's, each equal to one process on the whole batch; inside
+Five steps: torch's single-process DataParallel (against DDP on a simulated 8-GPU node, and
+what runs of it here without GPUs); torch's own DDP over gloo and dplab's, each equal to one
+process on the whole batch; inside
 torch's DDP (buckets rebuilt from the first backward, unused parameters, buffers); one
 training run on MPI, gloo and shared memory ending in the same bits; and the launchers that take
 the same code past one machine (the lines the multi-host test runs).
@@ -54,8 +55,7 @@ NODE_ROWS = (16, 2)       # windows of 1,024 tokens per GPU: GPU-bound, then lau
 def dp_against_ddp(rows, cluster=NODE):
     """Lesson 14's GPT at GPT-2 small's size, one step on 8 simulated
     GPUs: (DataParallel s, DDP s, operations a replica, one GPU's s)."""
-    from dplab.backends.sim.timing import (data_parallel_step_time,
-                                           ddp_step_time)
+    from dplab.backends.sim.timing import data_parallel_step_time, ddp_step_time
     from dplab.lessons.priced import GPT2_SMALL, ddp_layers, price_units
     u = price_units(GPT2_SMALL, rows)
     units = [(n, [(o.flops, o.nbytes) for o in f],
@@ -337,7 +337,8 @@ STEPS = (
               "overlapped. With {small_rows} windows the GPU's work shrinks to {small_gpu_ms:.3g} ms "
               "but the launches do not ({small_host_ms:.3g} ms): the one process is the bottleneck, "
               "{small_dp_ms:.3g} ms against DDP's {small_ddp_ms:.3g}, **{small_x:.1f}x**. The model "
-              "leaves out the threads' contention for the interpreter's lock ({h200_thread_us:.1f} µs per thread an "
+              "leaves out the threads' contention for the interpreter's lock ({h200_thread_us:.1f} µs "
+              "per thread an "
               "operation, measured on an H200 for the cuda backend), which would only add to "
               "DataParallel's side.\n\n"
               "**On this machine**, with {gpus} GPUs, {here} ({same}): what the copies and the GIL cost "
@@ -351,7 +352,8 @@ STEPS = (
                       lambda f: f["big_host_ms"] < f["big_gpu_ms"]
                       and f["small_host_ms"] > f["small_gpu_ms"]),
                 Check("simulated: DataParallel's step is at least all its launches",
-                      lambda f: f["small_dp_ms"] >= f["small_host_ms"]),Check("without GPUs, DataParallel is a plain call of the module",
+                      lambda f: f["small_dp_ms"] >= f["small_host_ms"]),
+                Check("without GPUs, DataParallel is a plain call of the module",
                       lambda f: f["gpus"] > 0 or (f["plain_call"] and f["same"])),
                 Check("with GPUs, it spreads over every one of them, with the module's outputs",
                       lambda f: f["gpus"] == 0 or (len(f["device_ids"]) == f["gpus"] and f["same"]))),

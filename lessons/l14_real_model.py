@@ -2,12 +2,13 @@
 
     dplab lesson 14              # needs the torch extra: pip install -e ".[torch]"
 
-Five steps: the model and what a token of training costs (6 N FLOPs); DDP and FSDP on two
-forked gloo ranks equal to one process; tokens per second and their utilisation of this core's
-own one-thread matmul (MFU's formula, a humbler peak), repeated so that the spread shows; where
-a step's time goes (forward, backward, the all-reduce, and a wait split into the other rank's lag
-and the all-reduce) from dplab's trace, and FSDP's bytes against DDP's; and
-the same model on a GPU when there is one. The model and its generated text: ``chargpt.py``.
+Six steps: the model and what a token of training costs (6 N FLOPs); DDP and FSDP on two
+forked gloo ranks equal to one process; tokens per second and MFU on 8 simulated H100s (the model
+at GPT-2 small's size, priced by ``priced.py``), beside this core's matmul utilisation measured
+here; where a step's time goes, simulated and from dplab's trace here (a wait split into the other
+rank's lag and the all-reduce, and why two ranks here are slower than one process), and FSDP's
+bytes against DDP's; the same model on a GPU when there is one; and one step under torch.profiler
+beside dplab's trace. The model and its generated text: ``chargpt.py``.
 """
 
 from __future__ import annotations
@@ -181,8 +182,7 @@ def on_h100s(cluster=H100, rows=H100_ROWS):
     on every GPU of a simulated node and on one: each aten operation
     priced from a run on meta tensors (lessons/priced.py)."""
     from dplab.backends.sim.timing import ddp_step_time
-    from dplab.lessons.priced import (GPT2_SMALL, ddp_layers, op_split,
-                                      price_units)
+    from dplab.lessons.priced import GPT2_SMALL, ddp_layers, op_split, price_units
     from dplab.reference.cluster import cluster as named
     c, units = named(cluster), price_units(GPT2_SMALL, rows)
     layers, opt_s = ddp_layers(units, cluster), units.optimizer_s(cluster)
@@ -439,12 +439,12 @@ def profiled_step(comm, out_dir):
         x, y = batch(data, ROWS, cfg.block, step)
         tr.enabled = step == 1
         with profile(activities=[ProfilerActivity.CPU]) as prof:
-            for phase, run in (("forward", lambda: model(x, y)),
-                               ("backward", lambda: loss.backward()),
-                               ("optimizer", opt.step)):
-                with record_function(phase), tr.span(phase):
-                    got = run()
-                loss = got if phase == "forward" else loss
+            with record_function("forward"), tr.span("forward"):
+                loss = model(x, y)
+            with record_function("backward"), tr.span("backward"):
+                loss.backward()
+            with record_function("optimizer"), tr.span("optimizer"):
+                opt.step()
         opt.zero_grad()
     prof.export_chrome_trace(f"{out_dir}/torch_profile.json")
     with open(f"{out_dir}/dplab_trace.json", "w") as f:
@@ -592,7 +592,8 @@ STEPS = (
               "{h100_tps:,.0f} tokens/s, an MFU of **{h100_mfu:.2g}%**. Of the operations' time, "
               "{h100_matmul_pct:.0f}% goes to those bound by their FLOPs (the weights' matmuls) and "
               "{h100_memory_pct:.0f}% to those bound by memory bandwidth, {h100_score_pct:.0f}% of it on "
-              "the attention's score matrix ({h100_rows} × {h100_heads} heads × {h100_block:,} × {h100_block:,} "
+              "the attention's score matrix ({h100_rows} × {h100_heads} heads × {h100_block:,} × "
+              "{h100_block:,} "
               "numbers, written and read again by the product of queries and keys, the mask, the "
               "softmax and their backward). FlashAttention fuses those operations so that the matrix "
               "never leaves the chip; this model's attention is written out plainly, and pays for it. "
@@ -609,7 +610,8 @@ STEPS = (
               "{two_word} than one here (step 4 says why). Timed by each rank's CPU time instead (the "
               "core's time it really had), it is {cpu_lo:.2g}-{cpu_hi:.2g}%. These numbers differ from "
               "the H100's for reasons of this machine, not of the model: a peak measured rather than "
-              "rated, a step of {tokens_here} tokens too small to keep a core busy, two ranks on two cores that "
+              "rated, a step of {tokens_here} tokens too small to keep a core busy, two ranks on two "
+              "cores that "
               "other programs share, and the load of the moment. What holds on both is the shape: a "
               "step stays well below the rate of its matmuls, because the operations that do no model "
               "FLOPs (attention's softmax, LayerNorm, the optimizer) take time too."),
@@ -754,11 +756,11 @@ STEPS = (
         hint="For y = x W, backward needs dL/dx = dL/dy Wᵀ and dL/dW = xᵀ dL/dy.",
         try_this="python -c \"import torch; help(torch.profiler.profile)\"   # schedule=, with_stack=",
         show=(profiled_step,),
-        teaches=("real-model",),
+        teaches=("real-model", "profiling"),
     ),)
 
 
 LESSON = Lesson(14, "real_model", "A real model: a character-level GPT with DDP and FSDP",
-                "What a transformer's training step costs in FLOPs and time, how close it gets to its "
-                "core's own matmul rate, and where the time goes.",
+                "What a transformer's training step costs in FLOPs and time, its MFU on simulated H100s "
+                "and its matmul utilisation here, where the time goes, and a profile of one step.",
                 STEPS, needs=("torch",))
