@@ -639,7 +639,7 @@ STEPS = (
                                          "divide by 6 N FLOPs a token, not by N"))),
         hint="Peak FLOP/s divided by FLOPs per token.",
         hints=("989.4 TFLOP/s is 989.4e12 FLOP/s; a token costs 6 N.",),
-        try_this="dplab bench --backend sim --cluster dgx-h100 --world-size 8   # the all-reduce alone",
+        try_this="dplab bench --backend sim --cluster dgx-h100 --world-size 8   # the all-reduce",
         show=(on_h100s, peak_flops),
         teaches=("real-model",),
     ),
@@ -725,20 +725,20 @@ STEPS = (
 
     Step(
         title="A profile of one step: torch.profiler beside dplab's trace",
-        text=("dplab's tracer records what data parallelism adds: spans of the step's phases and, on "
-              "ranks, every message and bucket. What happens inside a phase is torch's to say: "
-              "`torch.profiler` records every operation the step runs. One step of the model (after a "
-              "warm-up), under both: the profiler saw {ops:,} aten operations, dplab's trace "
-              "{dplab_spans} spans ({span_names}). Both are Chrome traces, written to {dir} while the "
-              "lesson runs (torch_profile.json and dplab_trace.json: open either in ui.perfetto.dev; the "
-              "forward, backward and optimizer labels line up).\n\n"
-              "Counted from the profile, forward ran **{fwd_mm} matrix multiplies** (aten::mm, addmm "
-              "and bmm: four linear layers and two attention products per block, and the head), "
-              "backward **{bwd_mm}**, the optimizer {opt_mm}: every forward matmul has two in backward, "
-              "one for the gradient of its input and one for that of its weight. That is 6 N counted "
-              "in operations rather than FLOPs. The profile's own table, by the CPU time each "
-              "operation took itself (this machine's, and it moves with the load):\n\n"
-              "| operation | self CPU ms | calls |\n|---|---|---|\n{top}"),
+        text=("dplab's tracer records what data parallelism adds: spans of the step's phases and, "
+              "on ranks, every message and bucket. What happens inside a phase is torch's to say: "
+              "`torch.profiler` records every operation the step runs. One step of the model "
+              "(after a warm-up), under both: the profiler saw {ops:,} aten operations, dplab's "
+              "trace {dplab_spans} spans ({span_names}). Both are Chrome traces, written to {dir} "
+              "while the lesson runs (torch_profile.json and dplab_trace.json: open either in "
+              "ui.perfetto.dev; the forward, backward and optimizer labels line up).\n\nCounted "
+              "from the profile, forward ran **{fwd_mm} matrix multiplies** (aten::mm, addmm and "
+              "bmm: four linear layers and two attention products per block, and the head), "
+              "backward **{bwd_mm}**, the optimizer {opt_mm}: every forward matmul has two in "
+              "backward, one for the gradient of its input and one for that of its weight. That "
+              "is 6 N counted in operations rather than FLOPs. The profile's own table, by the "
+              "CPU time each operation took itself (this machine's, and it moves with the "
+              "load):\n\n| operation | self CPU ms | calls |\n|---|---|---|\n{top}"),
         run=a_profile,
         checks=(Check("backward ran exactly twice forward's matrix multiplies",
                       lambda f: f["bwd_mm"] == 2 * f["fwd_mm"] > 0),
@@ -748,19 +748,21 @@ STEPS = (
         predict=Predict("Forward ran {fwd_mm} matrix multiplies. How many does backward run?",
                         "bwd_mm", misconceptions=(
                             (lambda g, f: g == f["fwd_mm"],
-                             "backward runs two for each of forward's: the input's gradient and the "
-                             "weight's"),
+                             "backward runs two for each of forward's: the input's gradient and "
+                             "the weight's"),
                             (lambda g, f: g == 3 * f["fwd_mm"],
                              "6 N counts forward and backward together: backward alone is 4 N, two "
                              "per forward matmul"))),
         hint="For y = x W, backward needs dL/dx = dL/dy Wᵀ and dL/dW = xᵀ dL/dy.",
-        try_this="python -c \"import torch; help(torch.profiler.profile)\"   # schedule=, with_stack=",
+        try_this="python -c \"import torch; help(torch.profiler.profile)\"   # schedule=, "
+                 "with_stack=",
         show=(profiled_step,),
         teaches=("real-model", "profiling"),
     ),)
 
 
 LESSON = Lesson(14, "real_model", "A real model: a character-level GPT with DDP and FSDP",
-                "What a transformer's training step costs in FLOPs and time, its MFU on simulated H100s "
-                "and its matmul utilisation here, where the time goes, and a profile of one step.",
+                "What a transformer's training step costs in FLOPs and time, its MFU on simulated "
+                "H100s and its matmul utilisation here, where the time goes, and a profile of one "
+                "step.",
                 STEPS, needs=("torch",))

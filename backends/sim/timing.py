@@ -30,8 +30,7 @@ from dplab.backends.fastpath.arrays import ALLREDUCE as ARRAY_BUILDERS
 from dplab.backends.sim.engine import BLOCKED, Actor, Task
 from dplab.backends.sim.setup import SimWorld, resolve_cluster
 from dplab.reference.algorithms import ALLREDUCE as READABLE
-from dplab.reference.algorithms import ROOTED
-from dplab.reference.algorithms import allreduce_schedule, lookup, split_name
+from dplab.reference.algorithms import ROOTED, allreduce_schedule, lookup, split_name
 from dplab.reference.cluster import Cluster
 from dplab.reference.columns import RoundTable, columns
 from dplab.reference.errors import ConfigError
@@ -39,8 +38,8 @@ from dplab.reference.schedule import chunk_bounds
 from dplab.reference.topology import Topology
 from dplab.reference.train.buckets import assign_buckets
 
-__all__ = ["TimingResult", "collective_time", "ddp_step_time", "data_parallel_step_time", "bench_rows",
-           "table_of", "NATIVE"]
+__all__ = ["TimingResult", "collective_time", "ddp_step_time", "data_parallel_step_time",
+           "bench_rows", "table_of", "NATIVE"]
 
 NATIVE = "direct"  # the sim's native all-reduce is the one-shot: the direct schedule's two rounds
 
@@ -263,8 +262,10 @@ def ddp_step_time(c: Cluster | str, world_size: int, layers: list[tuple[int, flo
     return replace(result, seconds=max(max(a.time for a in mains), world.engine.now))
 
 
-def data_parallel_step_time(c: Cluster | str, world_size: int,
-                            units: list[tuple[int, list[tuple[float, float]], list[tuple[float, float]]]],
+Ops = list[tuple[float, float]]  # operations as (flops, bytes)
+
+
+def data_parallel_step_time(c: Cluster | str, world_size: int, units: list[tuple[int, Ops, Ops]],
                             dtype: str = "float32", optimizer_s: float = 0.0) -> TimingResult:
     """Simulated seconds of one step of torch's ``nn.DataParallel`` on ``world_size`` GPUs of one
     node, timing only: one process drives every GPU, so the node's ranks are threads
@@ -278,7 +279,8 @@ def data_parallel_step_time(c: Cluster | str, world_size: int,
     cl = replace(resolve_cluster(c), threads=True)
     world = SimWorld(cl, world_size, 60.0, ranks=False)
     t0 = time.perf_counter()
-    engine, itemsize = world.engine, np.dtype("float16" if dtype == "bfloat16" else dtype).itemsize
+    itemsize = np.dtype("float16" if dtype == "bfloat16" else dtype).itemsize  # numpy has no bf16
+    engine = world.engine
     actors = [engine.add(Actor((r, 0), main=False)) for r in range(world_size)]
     nbytes = itemsize * sum(n for n, _, _ in units)
     bcast, reduce = (_Collective(world, columns(f(world_size, 0)), nbytes, itemsize, actors)
