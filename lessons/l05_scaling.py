@@ -325,7 +325,8 @@ def where_time_goes(lab):
         priced[n] = comm / compute
     carries = ratio[few][0] > ratio[many][-1]
     return scaling_on_64_gpus() | {"table": table, "reps": REPS,
-            "load": os.getloadavg()[0], "measured_params": MLP(MEASURED).num_params,
+            "load": os.getloadavg()[0],
+            "measured_params": MLP(MEASURED).num_params,
             "traces": lab.scratch["l05_trace", few, 2],
             "lo": ratio[few], "hi": ratio[many],
             "priced_few": priced[few], "priced_many": priced[many],

@@ -182,17 +182,19 @@ def on_h100s(cluster=H100, rows=H100_ROWS):
     on every GPU of a simulated node and on one: each aten operation
     priced from a run on meta tensors (lessons/priced.py)."""
     from dplab.backends.sim.timing import ddp_step_time
-    from dplab.lessons.priced import GPT2_SMALL, ddp_layers, op_split, price_units
+    from dplab.lessons import priced
     from dplab.reference.cluster import cluster as named
-    c, units = named(cluster), price_units(GPT2_SMALL, rows)
-    layers, opt_s = ddp_layers(units, cluster), units.optimizer_s(cluster)
+    c = named(cluster)
+    units = priced.price_units(priced.GPT2_SMALL, rows)
+    layers = priced.ddp_layers(units, cluster)
+    opt_s = units.optimizer_s(cluster)
     step = {p: ddp_step_time(cluster, p, layers, 25.0, "ring", 2,
                              opt_s).seconds for p in (1, c.size)}
     p, peak = c.size, c.device.rate("bfloat16")
-    tps = p * rows * GPT2_SMALL.block / step[p]
+    tps = p * rows * priced.GPT2_SMALL.block / step[p]
     return {"p": p, "step": step, "tps": tps, "peak": peak,
             "n": units.n_matmul, "mfu": 6 * units.n_matmul * tps / (p * peak),
-            "split": op_split(units.ops(), cluster), "units": units,
+            "split": priced.op_split(units.ops(), cluster), "units": units,
             "device": c.device.name, "cluster": c.name}
 
 
