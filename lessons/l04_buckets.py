@@ -116,7 +116,7 @@ def _dgx_facts():
     steps, compute, alone, grads, backward = overlap_on_a_dgx()
     one, default, small = (steps[c] for c in DGX_CAPS)
     exposed = {c: steps[c] - compute for c in DGX_CAPS}
-    rows = "\n".join(f"| {'one bucket' if c == DGX_CAPS[0] else f'{c:g} MB'} | "
+    rows = "\n".join(f"| {'one bucket' if c == DGX_CAPS[0] else f'{c:g} MiB'} | "
                       f"{steps[c] * 1e3:.3f} | {exposed[c] * 1e3:.3f} | "
                       f"{max(0.0, 100 * (1 - exposed[c] / alone)):.0f}% |" for c in DGX_CAPS)
     return {"dgx_rows": rows, "dgx_grads": grads, "dgx_alone_ms": alone * 1e3,
@@ -238,7 +238,7 @@ STEPS = (
               "bfloat16 gradients takes {dgx_alone_ms:.3f} ms on its own. A step (compute "
               "{dgx_compute_ms:.3f} ms) at three bucket caps, in ms:\n\n"
               "| buckets | step | exposed all-reduce | hidden |\n|---|---|---|---|\n{dgx_rows}\n\n"
-              "One bucket waits for the whole backward and hides nothing. DDP's 25 MB buckets start "
+              "One bucket waits for the whole backward and hides nothing. DDP's 25 MiB buckets start "
               "reducing while backward goes on and cut the step by {dgx_saved_pct:.0f}%; smaller ones "
               "hide more, down to the last bucket, whose gradients are ready only as backward ends."),
         run=overlap_in_the_trace,

@@ -511,7 +511,7 @@ STEPS = (
         text=("**On {sim_gpus} simulated GPUs** (`{sim_cluster}`: nodes of {sim_per_node} {sim_device} "
               "on NVLink, InfiniBand between them; simulated time, the same at any load). A transformer's "
               "matmuls ({sim_blocks} blocks of 12 d² weights at d = {sim_width}: {sim_params:,} "
-              "parameters, {sim_tokens:,} tokens a sample) train with DDP: bfloat16 gradients in 25 MB "
+              "parameters, {sim_tokens:,} tokens a sample) train with DDP: bfloat16 gradients in 25 MiB "
               "buckets, each all-reduced by `{sim_alg}` (lesson 2's two-level all-reduce) while "
               "backward goes on, compute at the device's rated bfloat16 peak. Strong scaling keeps "
               "{sim_global} samples in all; weak scaling gives every GPU {sim_per_gpu}, so at p = "
