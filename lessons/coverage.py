@@ -79,3 +79,6 @@ def coverage_table() -> str:
 
 if __name__ == "__main__":
     print(coverage_table())
+# appended: issue 31's idea 7
+CONCEPTS["profiling"] = ("profiling one step: torch.profiler's operations beside dplab's own trace, both "
+                         "as Chrome traces")

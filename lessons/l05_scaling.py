@@ -5,13 +5,16 @@
 Four steps. The model T(p) = T_comp/p + T_comm(p) on the cost model: communication is zero on
 one rank and grows with p, so the speedup peaks and falls (Amdahl's law, whose serial part never
 grows, cannot say that). Strong vs weak scaling: compute per byte sent is set by the samples
-each rank computes on, not by the model's size (Gustafson's answer to Amdahl). Where the time
-goes on this machine, measured with its spread. And why a serial share measured here belongs
-to this machine, not to the code.
+each rank computes on, not by the model's size (Gustafson's answer to Amdahl). Strong and weak
+scaling of a DDP step on 64 simulated H100s (dgx-h100x8), beside where the time goes on this
+machine, measured with its spread. And why a serial share measured here belongs to this machine,
+not to the code.
 """
 
 from __future__ import annotations
 
+import functools
+import os
 from dataclasses import replace
 
 from dplab.backends.fastpath.arrays import ALLREDUCE as ARRAYS
@@ -32,6 +35,11 @@ FLOPS = 1e10        # an assumed device: 10 GFLOP/s (a CPU core); what matters i
 LINK = PRESETS["flat-10g"]                                     # 10 Gb/s Ethernet, 5 us a message
 WORLD_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 REPS = 5            # measured cells, interleaved; every repetition is shown, not just the best
+SIM_CLUSTER = "dgx-h100x8"   # 8 DGX H100 nodes: 64 GPUs, NVLink inside a node, InfiniBand between
+SIM_PS = (1, 2, 4, 8, 16, 32, 64)
+SIM_BLOCKS, SIM_WIDTH, SIM_TOKENS = 8, 512, 1024  # a transformer's matmuls: 8 blocks of 12 d² weights
+SIM_PER_GPU = 4     # weak scaling's samples per GPU; strong scaling's global batch is 64 times that
+SIM_ALGORITHM = "hierarchical:8"  # lesson 2's two-level all-reduce: NVLink, then every GPU's NIC
 
 
 def _bars(rows, unit="", width=40, title=""):
@@ -202,6 +210,68 @@ def strong_and_weak(lab):
             "mlp_per_param": flops_per_sample(large) / 3 / large.num_params}
 
 
+def sim_layers(samples, cluster=SIM_CLUSTER):
+    """(weights, forward s, backward s) per block for ``samples`` of
+    SIM_TOKENS tokens: 2 and 4 FLOPs a weight a token, at the device's
+    rated bfloat16 peak."""
+    from dplab.reference.cluster import cluster as named
+    peak = named(cluster).device.rate("bfloat16")
+    weights, tokens = 12 * SIM_WIDTH ** 2, samples * SIM_TOKENS
+    block = (weights, 2 * weights * tokens / peak,
+             4 * weights * tokens / peak)
+    return [block] * SIM_BLOCKS
+
+
+@functools.lru_cache(maxsize=1)
+def simulated_scaling():
+    """A DDP step (bucketed, overlapping backward) on 1 to 64 simulated
+    GPUs, simulated seconds: strong scaling (64 x SIM_PER_GPU samples in
+    all) and weak scaling (SIM_PER_GPU per GPU). At p = 64 they are one
+    run."""
+    from dplab.backends.sim.timing import ddp_step_time
+
+    def step(p, per_gpu):
+        layers = sim_layers(per_gpu)
+        return ddp_step_time(SIM_CLUSTER, p, layers, 25.0, SIM_ALGORITHM,
+                             2).seconds, sum(f + b for _, f, b in layers)
+
+    rows = {}
+    for p in SIM_PS:
+        strong = step(p, SIM_PS[-1] * SIM_PER_GPU / p)
+        weak = strong if p == SIM_PS[-1] else step(p, SIM_PER_GPU)
+        rows[p] = (strong, weak)
+    return rows
+
+
+def scaling_on_64_gpus():
+    """Step 3's simulated half: speedups, efficiencies, exposed time."""
+    from dplab.reference.cluster import cluster as named
+    rows, c = simulated_scaling(), named(SIM_CLUSTER)
+    (s1, _), (w1, _) = rows[1]
+    eff_s = {p: s1 / (p * s) for p, ((s, _), _) in rows.items()}
+    eff_w = {p: w1 / w for p, (_, (w, _)) in rows.items()}
+    last = SIM_PS[-1]
+    table = "\n".join(
+        f"| {p} | {c.node_of(p - 1) + 1} | {last * SIM_PER_GPU / p:g} | "
+        f"{s * 1e3:.3g} | {eff_s[p]:.2f} | {w * 1e3:.3g} | {eff_w[p]:.2f} |"
+        for p, ((s, _), (w, _)) in rows.items())
+    (s_last, comp_last), _ = rows[last]
+    return {"sim_table": table, "sim_cluster": SIM_CLUSTER,
+            "sim_gpus": c.size, "sim_per_node": c.ranks_per_node,
+            "sim_device": c.device.name,
+            "sim_params": 12 * SIM_WIDTH ** 2 * SIM_BLOCKS,
+            "sim_blocks": SIM_BLOCKS, "sim_width": SIM_WIDTH,
+            "sim_tokens": SIM_TOKENS, "sim_per_gpu": SIM_PER_GPU,
+            "sim_global": last * SIM_PER_GPU, "sim_alg": SIM_ALGORITHM,
+            "eff_strong": [eff_s[p] for p in SIM_PS],
+            "eff_weak": [eff_w[p] for p in SIM_PS],
+            "eff_strong_8": eff_s[8], "eff_weak_8": eff_w[8],
+            "eff_last": eff_s[last], "sim_last": last,
+            "speedup_last": s1 / s_last,
+            "exposed_last_pct": 100 * (s_last - comp_last) / s_last,
+            "weak_growth": rows[last][1][0] / w1}
+
+
 def timed_training(comm, cfg):
     comm.tracer.enabled = True
     train_sync(comm, cfg, SyncConfig("ring"))
@@ -255,7 +325,9 @@ def where_time_goes(lab):
         compute, comm = step_time(MLP(MEASURED), batch / 2, 2)
         priced[n] = comm / compute
     carries = ratio[few][0] > ratio[many][-1]
-    return {"table": table, "reps": REPS,
+    return scaling_on_64_gpus() | {"table": table, "reps": REPS,
+            "load": os.getloadavg()[0],
+            "measured_params": MLP(MEASURED).num_params,
             "traces": lab.scratch["l05_trace", few, 2],
             "lo": ratio[few], "hi": ratio[many],
             "priced_few": priced[few], "priced_many": priced[many],
@@ -300,7 +372,10 @@ def serial_share_is_the_machines(lab):
             t_p = sum(step_time(model, 1024 / p, p, topo))
             priced[machine][p] = karp_flatt(t_1 / t_p, p)
     eth, nvl = priced["flat-10g"], priced["dgx-h100"]
-    return {"measured": measured, "lo": measured[0], "hi": measured[-1],
+    sim = simulated_scaling()
+    sim_e = {p: karp_flatt(sim[1][0][0] / sim[p][0][0], p) for p in (8, SIM_PS[-1])}
+    return {"sim_e_8": sim_e[8], "sim_e_last": sim_e[SIM_PS[-1]], "sim_last": SIM_PS[-1],
+            "sim_cluster": SIM_CLUSTER,"measured": measured, "lo": measured[0], "hi": measured[-1],
             "reps": len(measured), "s_lo": speedups[0], "s_hi": speedups[-1],
             "eth_2": priced["flat-10g"][2], "eth_64": priced["flat-10g"][64],
             "nvl_2": priced["dgx-h100"][2], "nvl_64": priced["dgx-h100"][64],
@@ -433,9 +508,30 @@ STEPS = (
         teaches=("amdahl", "batch-size"),
     ),
     Step(
-        title="Where the time goes here, measured with its spread",
-        text=("Now a measurement on this machine: two ranks, the same model, {reps} interleaved "
-              "repetitions, 4 or 512 samples per rank. Rank 0's trace splits a step (ms, the median run) "
+        title="Strong and weak scaling on 64 simulated GPUs, and this machine measured",
+        text=("**On {sim_gpus} simulated GPUs** (`{sim_cluster}`: nodes of {sim_per_node} {sim_device} "
+              "on NVLink, InfiniBand between them; simulated time, the same at any load). A transformer's "
+              "matmuls ({sim_blocks} blocks of 12 d² weights at d = {sim_width}: {sim_params:,} "
+              "parameters, {sim_tokens:,} tokens a sample) train with DDP: bfloat16 gradients in 25 MiB "
+              "buckets, each all-reduced by `{sim_alg}` (lesson 2's two-level all-reduce) while "
+              "backward goes on, compute at the device's rated bfloat16 peak. Strong scaling keeps "
+              "{sim_global} samples in all; weak scaling gives every GPU {sim_per_gpu}, so at p = "
+              "{sim_last} the two are the same run. Step times in ms, and efficiency (strong: "
+              "T(1) / (p T(p)); weak: T(1) / T(p)):\n\n"
+              "| GPUs | nodes | strong: samples per GPU | strong step | efficiency | weak step | "
+              "efficiency |\n|---|---|---|---|---|---|---|\n{sim_table}\n\n"
+              "Strong scaling is nearly perfect while a GPU has samples enough for backward to hide the "
+              "all-reduce ({eff_strong_8:.2f} on one node of 8), then falls as each GPU's share of the "
+              "batch shrinks: "
+              "{sim_last} GPUs run {speedup_last:.3g}x faster than one, an efficiency of "
+              "{eff_last:.2f}, with {exposed_last_pct:.0f}% of the step spent on communication no "
+              "compute hides. Weak scaling keeps the compute and pays only the all-reduce's growth "
+              "with p: its step grows {weak_growth:.2f}x from 1 to {sim_last} GPUs, the latencies of "
+              "more rounds and, past one node, the slower links. Step 1's cost model said the same; "
+              "here it is the DDP step itself, bucket by bucket, on the cluster's links.\n\n"
+              "**On this machine** (measured, load {load:.1f} on two shared cores): two ranks train step "
+              "1's {measured_params:,}-parameter MLP, {reps} interleaved repetitions, 4 or 512 samples "
+              "per rank. Rank 0's trace splits a step (ms, the median run) "
               "into parts that add up: compute, communication with no compute under it, waiting, and the "
               "rest (Python between phases). The last column is (communication + waiting) / compute over "
               "all repetitions, lowest to highest:\n\n"
@@ -443,10 +539,23 @@ STEPS = (
               "|---|---|---|---|---|---|---|\n{table}\n\n"
               "The cost model says the ratio at 4 per rank is {priced_x:.0f}x the one at 512 "
               "({priced_few:.2g} against {priced_many:.2g} on 10 Gb/s Ethernet): the all-reduce is the "
-              "same, the compute is not. Measured: {verdict}."),
+              "same, the compute is not. Measured: {verdict}. Two ranks here are two processes on "
+              "two cores that other programs share: a rank gets less than a core and waits for the "
+              "scheduler as much as for its peer, and its all-reduce runs on the same cores as the "
+              "compute, so the times wander with the load where the simulated ones cannot."),
         run=where_time_goes,
         figure=_timeline,
-        checks=(Check("the parts add up to the step", lambda f: f["adds_up"]),
+        checks=(Check("simulated: strong scaling's efficiency never rises with p, and ends below 0.9",
+                      lambda f: all(a >= b - 1e-12 for a, b in zip(f["eff_strong"], f["eff_strong"][1:]))
+                      and f["eff_last"] < 0.9),
+                Check("simulated: nearly perfect (above 0.95) on one node of 8",
+                      lambda f: f["eff_strong_8"] > 0.95),
+                Check("simulated: the weak step only grows with p, by less than 2x to {sim_last} GPUs",
+                      lambda f: all(a >= b - 1e-12 for a, b in zip(f["eff_weak"], f["eff_weak"][1:]))
+                      and 1 < f["weak_growth"] < 2),
+                Check("simulated: at p = {sim_last} strong and weak are the same run",
+                      lambda f: f["eff_strong"][-1] == f["eff_weak"][-1]),
+                Check("the parts add up to the step", lambda f: f["adds_up"]),
                 Check("priced, the ratio at 4 per rank is 128x the one at 512 (same bytes, 1/128 the FLOPs)",
                       lambda f: abs(f["priced_x"] - 128) < 1e-6),
                 Check("the verdict on the measurement is the data's (no overlap: it carries)",
@@ -472,11 +581,15 @@ STEPS = (
               "Price the same code on two clusters instead: e = {eth_2:.2g} on 10 Gb/s Ethernet but "
               "{nvl_2:.2g} on NVLink ({machines:.0f}x smaller) at p = 2. And it is no constant: on "
               "Ethernet it grows to {eth_64:.2g} at p = 64, because communication grows with p. A serial "
-              "share, measured or priced, describes one machine at one p."),
+              "share, measured or priced, describes one machine at one p. Step 3's simulated strong "
+              "scaling on `{sim_cluster}`, with no noise at all, gives e = {sim_e_8:.2g} at p = 8 and "
+              "{sim_e_last:.2g} at p = {sim_last}: it grows with p there too."),
         run=serial_share_is_the_machines,
         checks=(Check("the same code has a serial share over 10x larger on Ethernet than on NVLink",
                       lambda f: f["machines"] > 10),
                 Check("and it grows with p (Amdahl's f would stay put)", lambda f: f["eth_64"] > f["eth_2"]),
+                Check("simulated: the serial share of step 3's strong scaling grows from p = 8 to "
+                      "{sim_last}", lambda f: 0 <= f["sim_e_8"] < f["sim_e_last"]),
                 Check("the measured share is shown over all {reps} repetitions",
                       lambda f: f["reps"] == REPS),
                 Check("the reading counts every repetition once, in its range",

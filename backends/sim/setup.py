@@ -56,6 +56,9 @@ class SimWorld:
                 for r in range(world_size)
             ]
         self.device_of = [c.device_for(r) for r in range(world_size)]
+        streams: dict[int, Resource] = {}  # each device's communication stream (see ``reduced``)
+        self.streams = [streams.setdefault(id(d), Resource(f"{d.name} comm stream"))
+                        for d in self.devices]
         self.gamma = [
             c.gamma * max(1.0, s.compute) if (s := c._slow.get(r)) else c.gamma
             for r in range(world_size)
@@ -103,7 +106,11 @@ class SimWorld:
 
     def reduced(self, actor: Actor, rank: int, nbytes: int, algorithm: str = "") -> None:
         """``actor`` reduced ``nbytes`` in a round of ``algorithm``: gamma each, on its device
-        (behind the host if threads); nothing where the algorithm's fitted beta includes it.
+        (behind the host if threads); nothing where the algorithm's fitted beta includes it. A
+        thread the rank started (a reducer's comm thread) reduces on the device's communication
+        stream, beside the rank's compute rather than queued behind it, as NCCL's kernels run on a
+        stream of their own while backward runs (the SMs and memory bandwidth they take from the
+        compute are left out).
 
         Args:
             actor: the rank's thread (or step actor) that reduced.
@@ -112,16 +119,18 @@ class SimWorld:
         """
         if self.cluster.folds_gamma(algorithm):
             return
+        on = self.devices[rank] if actor.key[1] == 0 else self.streams[rank]
         if self.hosts is None:
-            self.engine.owe(actor, nbytes * self.gamma[rank], self.devices[rank])
+            self.engine.owe(actor, nbytes * self.gamma[rank], on)
         else:
-            self.behind(actor, rank, nbytes * self.gamma[rank])
+            self.behind(actor, rank, nbytes * self.gamma[rank], on)
 
-    def behind(self, actor: Actor, rank: int, seconds: float) -> None:
-        """Device work queued on rank's device when the actor's host gets there; none waits."""
+    def behind(self, actor: Actor, rank: int, seconds: float, on: Resource | None = None) -> None:
+        """Device work queued on rank's device (or ``on``) when the actor's host gets there; none
+        waits."""
         if seconds > 0:
             at = self.engine.later(actor)
-            self.engine.submit(Task([(self.devices[rank], seconds)], lambda end: None,
+            self.engine.submit(Task([(on or self.devices[rank], seconds)], lambda end: None,
                                     (at, self.engine.order(0, rank))), at)
 
 

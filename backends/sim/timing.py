@@ -27,10 +27,10 @@ from typing import Any
 import numpy as np
 
 from dplab.backends.fastpath.arrays import ALLREDUCE as ARRAY_BUILDERS
-from dplab.backends.sim.engine import BLOCKED, Actor
+from dplab.backends.sim.engine import BLOCKED, Actor, Task
 from dplab.backends.sim.setup import SimWorld, resolve_cluster
 from dplab.reference.algorithms import ALLREDUCE as READABLE
-from dplab.reference.algorithms import allreduce_schedule, lookup, split_name
+from dplab.reference.algorithms import ROOTED, allreduce_schedule, lookup, split_name
 from dplab.reference.cluster import Cluster
 from dplab.reference.columns import RoundTable, columns
 from dplab.reference.errors import ConfigError
@@ -38,7 +38,8 @@ from dplab.reference.schedule import chunk_bounds
 from dplab.reference.topology import Topology
 from dplab.reference.train.buckets import assign_buckets
 
-__all__ = ["TimingResult", "collective_time", "ddp_step_time", "bench_rows", "table_of", "NATIVE"]
+__all__ = ["TimingResult", "collective_time", "ddp_step_time", "data_parallel_step_time",
+           "bench_rows", "table_of", "NATIVE"]
 
 NATIVE = "direct"  # the sim's native all-reduce is the one-shot: the direct schedule's two rounds
 
@@ -288,6 +289,55 @@ def ddp_step_time(c: Cluster | str, world_size: int, layers: list[tuple[int, flo
     programs = {a: main(a) for a in mains} | {a: comm(a) for a in comms}
     result = _run(world, programs, t0)
     return replace(result, seconds=max(max(a.time for a in mains), world.engine.now))
+
+
+Ops = list[tuple[float, float]]  # operations as (flops, bytes)
+
+
+def data_parallel_step_time(c: Cluster | str, world_size: int, units: list[tuple[int, Ops, Ops]],
+                            dtype: str = "float32", optimizer_s: float = 0.0) -> TimingResult:
+    """Simulated seconds of one step of torch's ``nn.DataParallel`` on ``world_size`` GPUs of one
+    node, timing only: one process drives every GPU, so the node's ranks are threads
+    (``Cluster.threads``: each operation's launch takes its turn on the one host, the device runs
+    it behind). GPU 0 broadcasts the weights (``replicate``), every replica runs its forward and
+    backward (``units``: (parameters, forward ops, backward ops) in forward order, ops as
+    (flops, bytes)), the gradients are reduced onto GPU 0 once backward is over (``reduce_add``),
+    and GPU 0 alone runs the optimizer. Broadcast and reduce are the binomial tree's (NCCL pipelines
+    a ring: about n beta where the tree pays lg p n beta); the inputs' scatter and the outputs'
+    gather are left out (kilobytes for a language model's tokens)."""
+    cl = replace(resolve_cluster(c), threads=True)
+    world = SimWorld(cl, world_size, 60.0, ranks=False)
+    t0 = time.perf_counter()
+    itemsize = np.dtype("float16" if dtype == "bfloat16" else dtype).itemsize  # numpy has no bf16
+    engine = world.engine
+    actors = [engine.add(Actor((r, 0), main=False)) for r in range(world_size)]
+    nbytes = itemsize * sum(n for n, _, _ in units)
+    bcast, reduce = (_Collective(world, columns(f(world_size, 0)), nbytes, itemsize, actors)
+                     for f in ROOTED["tree"][::-1])
+
+    def replica(actor: Actor) -> Iterator[None]:
+        r = actor.rank
+        yield from bcast.rounds(actor)
+        for ops in [f for _, f, _ in units] + [b for _, _, b in reversed(units)]:
+            world.spend(actor, r, ops, dtype)
+            yield from _wait_compute(engine, actor)  # the host's turn, then the device's work
+        yield from _device_done(world, actor)  # reduce_add follows backward's kernels
+        yield from reduce.rounds(actor)
+        if r == 0:
+            engine.owe(actor, optimizer_s, world.devices[0])
+            yield from _wait_compute(engine, actor)
+
+    result = _run(world, {a: replica(a) for a in actors}, t0)
+    return replace(result, seconds=max(max(a.time for a in actors), world.engine.now))
+
+
+def _device_done(world: SimWorld, actor: Actor) -> Iterator[None]:
+    """A step actor waits until its device has run what was queued on it (as a stream does)."""
+    engine = world.engine
+    engine.submit(Task([(world.devices[actor.rank], 0.0)], lambda t: engine.wake(actor, t),
+                       (actor.time, engine.order(0, actor.rank))), actor.time)
+    actor.state = BLOCKED
+    yield
 
 
 def _wait_compute(engine: Any, actor: Actor) -> Iterator[None]:
