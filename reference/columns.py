@@ -39,7 +39,8 @@ class Round:
         op: "reduce", "copy", or an array of them.
 
     Raises:
-        ScheduleError: an unknown op, or columns of different lengths.
+        ScheduleError: an unknown op.
+        ValueError: columns that do not broadcast together (numpy's).
     """
 
     __slots__ = ("src", "dst", "chunk", "reduce")

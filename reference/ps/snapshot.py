@@ -61,8 +61,8 @@ class Snapshots:
             The parameters, optimizer state, version, finished clocks, log and dropped pushes.
 
         Raises:
-            ConfigError: a checkpoint that does not fit this run (``load_resume``).
-            CheckpointError: a damaged checkpoint.
+            CheckpointError: a damaged checkpoint, one of another run, or one past this run's
+                clocks (``load_resume``).
         """
         state = load_resume(self.ckpt, self.expect)
         if state is None:
