@@ -8,7 +8,8 @@
                                            prices cheapest
     communicator.py collectives.py         the transport contract ("native": its engine's own
                                            all-reduce), and the executor over it
-    train/                                 sync.py the recipe, buckets.py the reducer, single.py the oracle
+    train/                                 sync.py the recipe, buckets.py the reducer, single.py
+                                           the oracle
     model.py data.py optim.py              the MLP, its data, SGD/momentum/Adam
     ps/ zero/ checkpoint/ precision/       parameter server, ZeRO, checkpoints, mixed precision
     trace.py errors.py                     events of real runs; the one error family

@@ -45,9 +45,10 @@ REDO = "run `dplab tune` again to rewrite it"  # ends every bad-file line
 _VALUES = ("alpha_s", "beta_s_per_byte", "gamma_s_per_byte")  # a saved fit's numbers
 LEVELS = ("intra", "inter")  # a two-level fit's links: inside a host, between hosts
 ONE_HOST, SCATTERED = 0, -1  # node_key's layouts other than g consecutive ranks per host
-# dplab's native all-reduce first checks every rank's (length, dtype) where the engine cannot carry our
-# check (the local backend's is a tag): on MPI ceil(log2 p) rounds of 32-byte messages, on gloo and NCCL
-# a MAX all-reduce of 4 int64s. auto pays it, so prices it as a native all-reduce of 32 bytes
+# dplab's native all-reduce first checks every rank's (length, dtype) where the engine cannot
+# carry our check (the local backend's is a tag): on MPI ceil(log2 p) rounds of 32-byte messages,
+# on gloo and NCCL a MAX all-reduce of 4 int64s. auto pays it, so prices it as a native
+# all-reduce of 32 bytes
 NATIVE_CHECK = (("mpi", "torch", "torch-nccl"), 32, 8)
 
 # (backend, world_size, algorithm, alpha s, beta s/B, gamma s/B): the per-backend fits of
@@ -68,18 +69,36 @@ DEFAULT_FITS: tuple[tuple[str, Any, str, float, float, float | None], ...] = (
 
 @dataclass(frozen=True)
 class Tuning:
-    """The fits auto chooses from, and where they came from (a path, or "built-in defaults")."""
+    """The fits auto chooses from, and where they came from (a path, or "built-in defaults").
+
+    Args:
+        fits: the fitted groups.
+        source: where they came from.
+        measured: (backend, world size, algorithm, bytes, seconds) as ``dplab tune`` measured them,
+            or None to read them off the fits' rows.
+        links: (backend, level, alpha, beta, gamma) of a two-level fit, if one was made.
+    """
 
     fits: tuple[CostFit, ...]
     source: str = "built-in defaults"
-    # (backend, world size, algorithm, bytes, seconds): what `dplab tune` measured; None: its fits' rows
+    # (backend, world size, algorithm, bytes, seconds): what `dplab tune` measured; None:
+    # its fits' rows
     measured: tuple[tuple[str, int, str, int, float], ...] | None = None
     # (backend, level in LEVELS, alpha s, beta s/B, gamma s/B): a two-level fit, where one was made
     links: tuple[tuple[str, str, float, float, float], ...] = ()
 
     def topology(self, backend: str, ranks_per_node: int) -> Topology | None:
         """The two-level topology of ``backend``'s links for hosts of ``ranks_per_node``, or None
-        (no intra and inter fit for it). gamma: the inter fit's (reductions run on the same cores)."""
+        (no intra and inter fit for it). gamma: the inter fit's (reductions run on the same
+        cores).
+
+        Args:
+            backend: the fit's backend ("local", "mpi", "torch", ...).
+            ranks_per_node: ranks per host.
+
+        Returns:
+            The topology, or None.
+        """
         got = {level: (a, b, c) for be, level, a, b, c in self.links if be == backend}
         if set(LEVELS) - set(got):
             return None
@@ -88,15 +107,32 @@ class Tuning:
                         f"two-level fit of {self.source}")
 
     def cells(self) -> tuple[tuple[str, int, str, int, float], ...]:
-        """The measured cells (``measured``, else read off the per-algorithm fits' rows)."""
+        """The measured cells (``measured``, else read off the per-algorithm fits' rows).
+
+        Returns:
+            (backend, world size, algorithm, bytes, seconds) per measured cell.
+        """
         if self.measured is not None:
             return self.measured
-        return tuple((f.backend, int(r["world_size"]), f.algorithm, int(r["bytes"]), r["time_us"] * 1e-6)
-                     for f in self.fits if f.algorithm != _ALL and str(f.world_size) != _ALL
-                     for r in f.rows if r.get("time_us"))
+        return tuple(
+            (f.backend, int(r["world_size"]), f.algorithm, int(r["bytes"]), r["time_us"] * 1e-6)
+            for f in self.fits
+            if f.algorithm != _ALL and str(f.world_size) != _ALL
+            for r in f.rows
+            if r.get("time_us")
+        )
 
     def fit_for(self, backend: str, algorithm: str, world_size: int) -> CostFit | None:
-        """The most specific fit that prices ``algorithm`` (module docstring), or None."""
+        """The most specific fit that prices ``algorithm`` (module docstring), or None.
+
+        Args:
+            backend: the fit's backend.
+            algorithm: the all-reduce to price.
+            world_size: the number of ranks.
+
+        Returns:
+            The fit, or None when none prices it.
+        """
         keys = [(world_size, algorithm), (_ALL, algorithm)]
         if algorithm != "native":
             keys += [(world_size, _ALL), (_ALL, _ALL)]
@@ -110,7 +146,18 @@ class Tuning:
     def predict_s(self, backend: str, algorithm: str, world_size: int, nbytes: int,
                   itemsize: int = 4) -> float | None:
         """Seconds for one all-reduce as ``allreduce(..., algorithm)`` runs it (``native``: with its
-        shape check where that is one more engine all-reduce, ``NATIVE_CHECK``)."""
+        shape check where that is one more engine all-reduce, ``NATIVE_CHECK``).
+
+        Args:
+            backend: the fit's backend.
+            algorithm: the all-reduce.
+            world_size: the number of ranks.
+            nbytes: the buffer's bytes.
+            itemsize: bytes per element.
+
+        Returns:
+            Seconds, or None when no fit prices it.
+        """
         f = self.fit_for(backend, algorithm, world_size)
         if f is None:
             return None
@@ -122,12 +169,15 @@ class Tuning:
     def _corrected(self, f: CostFit, backend: str, algorithm: str, world_size: int, nbytes: int,
                    itemsize: int) -> float:
         """The fit's time, scaled by measured / fitted at the measured size nearest ``nbytes`` (by
-        ratio) of this very cell, if ``dplab tune`` measured it: a benchmarked size is priced at what
-        was measured there. (Three or four parameters fitted to a loaded machine's rows missed them
-        by 12-60%, enough to rank schedules 2x apart the wrong way round.)"""
+        ratio) of this very cell, if ``dplab tune`` measured it: a benchmarked size is priced at
+        what was measured there. (Three or four parameters fitted to a loaded machine's rows missed
+        them by 12-60%, enough to rank schedules 2x apart the wrong way round.)"""
         t = f.predict_s(algorithm, world_size, nbytes, itemsize)
-        near = [(abs(math.log2(max(b, 1) / max(nbytes, 1))), b, s) for be, p, a, b, s in self._cells()
-                if be == backend and p == world_size and a == algorithm]
+        near = [
+            (abs(math.log2(max(b, 1) / max(nbytes, 1))), b, s)
+            for be, p, a, b, s in self._cells()
+            if be == backend and p == world_size and a == algorithm
+        ]
         if near and t > 0:
             _, b, s = min(near)
             fitted = f.predict_s(algorithm, world_size, b, itemsize)
@@ -145,7 +195,15 @@ class Tuning:
         """The registered all-reduces, then ``native`` if this backend has a fit for it. Where some
         were measured (a fit of their own), only those: the others would be priced by the coarse
         fit alone, 25-35% rms off on the machine this was written on, against measured rivals
-        (``dplab tune`` benches every registered one, so a new algorithm joins at the next tune)."""
+        (``dplab tune`` benches every registered one, so a new algorithm joins at the next tune).
+
+        Args:
+            backend: the fit's backend.
+            node: the hosts' layout (``node_key``).
+
+        Returns:
+            Algorithm names, in registry order.
+        """
         mine = {f.algorithm for f in self.fits if f.backend == backend and f.alpha is not None}
         ours = [a for a in ALLREDUCE if a in mine] or list(ALLREDUCE)
         if node != ONE_HOST:  # several hosts: hierarchical only as the schedule that matches them
@@ -155,8 +213,23 @@ class Tuning:
 
     def choose(self, backend: str, world_size: int, nbytes: int, itemsize: int = 4,
                node: int = ONE_HOST) -> str:
-        """The candidate with the least predicted time; ``native`` where nothing is fitted. ``node``:
-        the hosts (``node_key``); with several and a two-level fit, priced on its topology."""
+        """The candidate with the least predicted time; ``native`` where nothing is fitted.
+        ``node``: the hosts (``node_key``); with several and a two-level fit, priced on its
+        topology.
+
+        Args:
+            backend: the fit's backend.
+            world_size: the number of ranks.
+            nbytes: the buffer's bytes.
+            itemsize: bytes per element.
+            node: the hosts' layout (``node_key``).
+
+        Returns:
+            The algorithm to run.
+
+        Raises:
+            ConfigError: the fit prices a candidate at a time that is not finite.
+        """
         best: tuple[float, int, str] | None = None
         topo = self.topology(backend, node) if node > 0 else None
         for i, alg in enumerate(self.candidates(backend, node)):
@@ -178,6 +251,11 @@ class Tuning:
         return "native" if best is None else best[2]
 
     def to_json(self) -> dict[str, Any]:
+        """The tuning as JSON-ready data: what ``save_tuning`` writes and ``from_json`` reads.
+
+        Returns:
+            A dict with the version, the fits, the measured cells and any two-level links.
+        """
         out = {"version": 1, "fits": [f.to_json() for f in self.fits],
                "measured": [list(c) for c in self.cells()]}
         if self.links:
@@ -188,10 +266,22 @@ class Tuning:
     def from_json(cls, data: Any, source: str) -> Tuning:
         """The tuning in ``data`` (``to_json``'s form), every number checked: a value no ``dplab
         tune`` writes (negative, NaN, a string) would make auto pick one schedule everywhere or fail
-        on every rank at its first all-reduce, so it is refused here, in one line."""
+        on every rank at its first all-reduce, so it is refused here, in one line.
+
+        Args:
+            data: parsed JSON.
+            source: where it came from, for the messages.
+
+        Returns:
+            The tuning.
+
+        Raises:
+            ConfigError: anything ``dplab tune`` would not have written, in one line.
+        """
         try:
             if data.get("version") != 1:
-                raise ConfigError(f"{source}: unknown tune file version {data.get('version')!r}: {REDO}")
+                raise ConfigError(f"{source}: unknown tune file version {data.get('version')!r}: "
+                                  f"{REDO}")
             fits, measured = data["fits"], data.get("measured", [])
             if not isinstance(fits, list) or not isinstance(measured, list):
                 raise ConfigError(f"{source}: 'fits' and 'measured' must be lists: {REDO}")
@@ -211,12 +301,15 @@ class Tuning:
         except (AttributeError, KeyError, TypeError, ValueError) as e:
             if isinstance(e, ConfigError):
                 raise
-            raise ConfigError(f"{source} is not a file written by `dplab tune` ({e!r}): {REDO}") from None
+            raise ConfigError(
+                f"{source} is not a file written by `dplab tune` ({e!r}): {REDO}"
+            ) from None
 
 
 def _bad(where: str, value: Any, want: str) -> ConfigError:
     shown = repr(value)
-    return ConfigError(f"{where} is {shown if len(shown) <= 40 else shown[:37] + '...'}, not {want}: {REDO}")
+    return ConfigError(f"{where} is {shown if len(shown) <= 40 else shown[:37] + '...'}, not "
+                       f"{want}: {REDO}")
 
 
 def _real(value: Any) -> bool:
@@ -241,8 +334,8 @@ def _check_fit(f: Any, where: str) -> None:
         if v is not None and not (_real(v) and math.isfinite(v) and v >= 0):
             raise _bad(f"{where}.{key}", v, "a finite number >= 0")
     if f["alpha_s"] is not None and not any(f[key] for key in _VALUES):
-        raise ConfigError(f"{where}: alpha_s, beta_s_per_byte and gamma_s_per_byte are all 0, which prices "
-                          f"every all-reduce at 0 s: {REDO}")
+        raise ConfigError(f"{where}: alpha_s, beta_s_per_byte and gamma_s_per_byte are all 0, "
+                          f"which prices every all-reduce at 0 s: {REDO}")
 
 
 def _check_link(link: Any, where: str) -> None:
@@ -328,7 +421,11 @@ def _check_cell(m: Any, where: str) -> None:
 
 
 def tune_path() -> Path:
-    """``$DPLAB_TUNE`` if set, else ``~/.cache/dplab/tune.json``."""
+    """``$DPLAB_TUNE`` if set, else ``~/.cache/dplab/tune.json``.
+
+    Returns:
+        The path auto reads its fit from.
+    """
     return Path(os.environ.get(TUNE_ENV) or DEFAULT_TUNE_PATH).expanduser()
 
 
@@ -338,7 +435,19 @@ def _defaults() -> Tuning:
 
 
 def load_tuning(path: str | Path | None = None) -> Tuning:
-    """The saved fit at ``path`` (default ``tune_path()``); the built-in defaults if there is none."""
+    """The saved fit at ``path`` (default ``tune_path()``); the built-in defaults if there is
+    none.
+
+    Args:
+        path: a tune file, or None for ``tune_path()``.
+
+    Returns:
+        The tuning.
+
+    Raises:
+        ConfigError: a named file (or ``$DPLAB_TUNE``) that is missing, not a regular file,
+            unreadable, or not a file ``dplab tune`` wrote.
+    """
     where = Path(path).expanduser() if path is not None else tune_path()
     if not where.exists():
         if path is not None or os.environ.get(TUNE_ENV):
@@ -356,7 +465,19 @@ def load_tuning(path: str | Path | None = None) -> Tuning:
 
 
 def save_tuning(tuning: Tuning, path: str | Path | None = None) -> Path:
-    """Write ``tuning`` where auto reads it (default ``tune_path()``), atomically; returns the path."""
+    """Write ``tuning`` where auto reads it (default ``tune_path()``), atomically;
+    returns the path.
+
+    Args:
+        tuning: the fit.
+        path: where to write, or None for ``tune_path()``.
+
+    Returns:
+        The path written.
+
+    Raises:
+        WriteError: the file cannot be written.
+    """
     where = Path(path).expanduser() if path is not None else tune_path()
     where.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(where, json.dumps(tuning.to_json(), indent=1).encode(), "the tune file")
@@ -365,35 +486,75 @@ def save_tuning(tuning: Tuning, path: str | Path | None = None) -> Path:
 
 @lru_cache(maxsize=1)
 def current() -> Tuning:
-    """The fit this process chooses with: read once (``reset()`` reads it again)."""
+    """The fit this process chooses with: read once (``reset()`` reads it again).
+
+    Returns:
+        The tuning (``load_tuning()``'s, cached).
+    """
     return load_tuning()
 
 
 @lru_cache(maxsize=4096)
-def choose(backend: str, world_size: int, nbytes: int, itemsize: int = 4, node: int = ONE_HOST) -> str:
+def choose(
+    backend: str, world_size: int, nbytes: int, itemsize: int = 4, node: int = ONE_HOST
+) -> str:
     """What ``algorithm="auto"`` runs for one all-reduce of ``nbytes`` on ``world_size`` ranks
-    placed as ``node`` says (``node_key``)."""
+    placed as ``node`` says (``node_key``).
+
+    Args:
+        backend: the fit's backend.
+        world_size: the number of ranks.
+        nbytes: the buffer's bytes.
+        itemsize: bytes per element.
+        node: the hosts' layout (``node_key``).
+
+    Returns:
+        The algorithm to run (cached per arguments).
+    """
     return current().choose(backend, world_size, nbytes, itemsize, node)
 
 
 @lru_cache(maxsize=64)
 def node_key(hosts: tuple[int, ...] | None) -> int:
-    """The layout as auto's cache key: ``ONE_HOST`` (0), g (several hosts of g consecutive ranks, the
-    last possibly smaller), or ``SCATTERED`` (-1: several hosts, ranks not in blocks)."""
+    """The layout as auto's cache key: ``ONE_HOST`` (0), g (several hosts of g consecutive ranks,
+    the last possibly smaller), or ``SCATTERED`` (-1: several hosts, ranks not in blocks).
+
+    Args:
+        hosts: each rank's host key, or None.
+
+    Returns:
+        The layout as an integer.
+    """
     if not hosts or max(hosts) == 0:
         return ONE_HOST
     return node_size(hosts) or SCATTERED
 
 
 def backend_key(comm: Any) -> str:
-    """The fit's backend for ``comm``: its ``backend`` ("local", "mpi", "torch"), "torch-nccl" on GPUs."""
+    """The fit's backend for ``comm``: its ``backend`` ("local", "mpi", "torch"), "torch-nccl" on
+    GPUs.
+
+    Args:
+        comm: the communicator.
+
+    Returns:
+        The backend's name as the fits name it.
+    """
     name = getattr(comm, "backend", "") or "unknown"
     return "torch-nccl" if name == "torch" and getattr(comm, "nccl", False) else name
 
 
 def chosen(comm: Any, buf: Any) -> str:
     """What auto runs for ``buf`` (a numpy array or torch tensor, any shape) on ``comm``; on a
-    simulated cluster with no fit of its own, the schedule its cost model prices cheapest there."""
+    simulated cluster with no fit of its own, the schedule its cost model prices cheapest there.
+
+    Args:
+        comm: this rank's communicator.
+        buf: the buffer to all-reduce.
+
+    Returns:
+        The algorithm to run; every rank gets the same for the same buffer.
+    """
     key = backend_key(comm)
     if getattr(comm, "simulated", False) and not any(f.backend == key for f in current().fits):
         return choose_on(comm.topology, comm.world_size, int(buf.nbytes), int(buf.itemsize))
@@ -404,7 +565,17 @@ def chosen(comm: Any, buf: Any) -> str:
 @lru_cache(maxsize=4096)
 def choose_on(topology: Topology, world_size: int, nbytes: int, itemsize: int = 4) -> str:
     """The registered all-reduce that the cost model prices cheapest on ``topology`` (ties: registry
-    order); a schedule that cannot be built at this world size is no candidate."""
+    order); a schedule that cannot be built at this world size is no candidate.
+
+    Args:
+        topology: the machine to price on.
+        world_size: the number of ranks.
+        nbytes: the buffer's bytes.
+        itemsize: bytes per element.
+
+    Returns:
+        The algorithm ("ring" when none can be built).
+    """
     from dplab.reference.costmodel import region_algorithms
 
     best: tuple[float, str] | None = None

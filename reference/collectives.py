@@ -19,7 +19,13 @@ from typing import Any
 
 import numpy as np
 
-from dplab.reference.communicator import Collective, Communicator, RecvSpec, SendSpec, require_writable
+from dplab.reference.communicator import (
+    Collective,
+    Communicator,
+    RecvSpec,
+    SendSpec,
+    require_writable,
+)
 from dplab.reference.errors import ConfigError
 from dplab.reference.schedule import Message, Schedule, chunk_bounds, messages_of
 
@@ -31,7 +37,19 @@ TORCH_DTYPES = (*DTYPES, "bfloat16")  # torch tensors, on the torch backend
 
 
 def run_schedule(comm: Communicator, buf: Any, schedule: Schedule) -> None:
-    """Execute ``schedule`` on this rank's ``buf`` (1-D, contiguous array or tensor), round by round."""
+    """Execute ``schedule`` on this rank's ``buf`` (1-D, contiguous array or tensor), round by
+    round.
+
+    Args:
+        comm: this rank's communicator.
+        buf: the flat buffer, reduced or copied in place.
+        schedule: the schedule every rank runs.
+
+    Raises:
+        CommTimeout: a peer did not take part in a round in time.
+        BufferMismatch: ranks passed buffers of different lengths or dtypes.
+        CollectiveMismatch: ranks ran different collectives.
+    """
     bounds = chunk_bounds(len(buf), schedule.num_chunks)
 
     def part(m: Message) -> Any:  # the message's chunks m.chunk .. m.stop - 1: one slice of buf
@@ -51,8 +69,23 @@ def _copy(x: Any) -> Any:
 
 
 def schedule_of(kind: str, algorithm: str, p: int, root: int = 0) -> Schedule:
-    """The schedule of collective ``kind`` run by ``algorithm`` on ``p`` ranks (``root``: rooted kinds)."""
-    from dplab.reference.algorithms import ROOTED, SCATTER, allreduce_schedule, lookup  # the registry, on use
+    """The schedule of collective ``kind`` run by ``algorithm`` on ``p`` ranks (``root``: rooted
+    kinds).
+
+    Args:
+        kind: "allreduce", "reduce_scatter", "allgather", "broadcast" or "reduce".
+        algorithm: a registered algorithm that has that kind.
+        p: the number of ranks.
+        root: the root of a broadcast or reduce.
+
+    Returns:
+        The schedule.
+
+    Raises:
+        ConfigError: the algorithm has no schedule of that kind, or a bad parameter.
+    """
+    # the registry, on use
+    from dplab.reference.algorithms import ROOTED, SCATTER, allreduce_schedule, lookup
 
     if kind == "allreduce":
         return allreduce_schedule(algorithm, p)
@@ -65,7 +98,21 @@ def schedule_of(kind: str, algorithm: str, p: int, root: int = 0) -> Schedule:
 
 def schedule_plan(kind: str, algorithm: str, p: int, rank: int, root: int = 0
                   ) -> tuple[Schedule, list[tuple[list[Message], list[Message]]]]:
-    """The schedule of a collective and this rank's part of it: (sends, receives) per round."""
+    """The schedule of a collective and this rank's part of it: (sends, receives) per round.
+
+    Args:
+        kind: the collective, as ``schedule_of``.
+        algorithm: the algorithm, as ``schedule_of``.
+        p: the number of ranks.
+        rank: this rank.
+        root: the root of a broadcast or reduce.
+
+    Returns:
+        (schedule, plan): the plan is ``messages_of(schedule, rank)``.
+
+    Raises:
+        ConfigError: as ``schedule_of``.
+    """
     schedule = schedule_of(kind, algorithm, p, root)
     return schedule, messages_of(schedule, rank)
 
@@ -73,36 +120,60 @@ def schedule_plan(kind: str, algorithm: str, p: int, rank: int, root: int = 0
 def flat_view(buf: Any, comm: Communicator | None = None) -> Any:
     """A 1-D view of ``buf``, a numpy array or torch tensor the collectives can work on in place
     (over ``comm``, when given: a tensor needs one that ``moves_tensors``); a ``ConfigError`` saying
-    what to pass instead otherwise (on every rank, before any message)."""
+    what to pass instead otherwise (on every rank, before any message).
+
+    Args:
+        buf: the caller's buffer.
+        comm: the communicator it will travel over, if known.
+
+    Returns:
+        ``buf`` as a 1-D view sharing its memory.
+
+    Raises:
+        ConfigError: a read-only array, an unsupported dtype, a non-contiguous buffer, a tensor on
+            a transport of numpy arrays, or neither an array nor a tensor.
+    """
     if isinstance(buf, np.ndarray):
         require_writable(buf)
         if buf.dtype.name not in DTYPES:
-            raise ConfigError(f"dtype {buf.dtype} not supported: use {', '.join(DTYPES)} (numpy has no "
-                              "bfloat16: pass a torch.bfloat16 tensor on the torch backend)")
+            raise ConfigError(f"dtype {buf.dtype} not supported: use {', '.join(DTYPES)} (numpy "
+                              "has no bfloat16: pass a torch.bfloat16 tensor on the torch backend)")
         if not buf.flags.c_contiguous:
-            raise ConfigError("collectives work in place on contiguous arrays: use np.ascontiguousarray")
+            raise ConfigError("collectives work in place on contiguous arrays: use "
+                              "np.ascontiguousarray")
         return buf.reshape(-1)
     if type(buf).__module__.startswith("torch"):
         if str(buf.dtype).removeprefix("torch.") not in TORCH_DTYPES:
             raise ConfigError(f"dtype {buf.dtype} not supported: use {', '.join(TORCH_DTYPES)}")
         if comm is not None and not comm.moves_tensors:
-            raise ConfigError(f"torch tensors travel on the torch backend; the {comm.backend} backend "
-                              "moves numpy arrays: pass t.numpy() (a CPU tensor shares its memory) or use "
-                              "backend='torch' (bfloat16 only there: numpy has no bfloat16)")
+            raise ConfigError(f"torch tensors travel on the torch backend; the {comm.backend} "
+                              "backend moves numpy arrays: pass t.numpy() (a CPU tensor shares its "
+                              "memory) or use backend='torch' (bfloat16 only there: numpy has no "
+                              "bfloat16)")
         if not buf.is_contiguous():
-            raise ConfigError("collectives work in place on contiguous tensors: pass t.contiguous()")
+            raise ConfigError(
+                "collectives work in place on contiguous tensors: pass t.contiguous()"
+            )
         return buf.view(-1)
     raise ConfigError(f"collectives take numpy arrays (or torch tensors), got {type(buf).__name__}")
 
 
 def is_float(buf: Any) -> bool:
-    """Does ``buf`` (numpy array or torch tensor) hold floating-point numbers?"""
+    """Does ``buf`` (numpy array or torch tensor) hold floating-point numbers?
+
+    Args:
+        buf: a numpy array or torch tensor.
+
+    Returns:
+        True for a floating-point dtype.
+    """
     dtype = buf.dtype
     return dtype.kind == "f" if isinstance(dtype, np.dtype) else bool(dtype.is_floating_point)
 
 
 def _run(comm: Communicator, kind: str, buf: Any, algorithm: str, root: int | None = None) -> Any:
-    """Check ``buf``, announce the call to the backend and run its schedule; returns the flat view."""
+    """Check ``buf``, announce the call to the backend and run its schedule;
+    returns the flat view."""
     flat = flat_view(buf, comm)
     if root is not None and not 0 <= root < comm.world_size:
         raise ConfigError(f"root {root} is not a rank of a world of size {comm.world_size}")
@@ -113,10 +184,28 @@ def _run(comm: Communicator, kind: str, buf: Any, algorithm: str, root: int | No
     return flat
 
 
-def allreduce(comm: Communicator, buf: np.ndarray, algorithm: str = "ring", op: str = "sum") -> np.ndarray:
+def allreduce(
+    comm: Communicator, buf: np.ndarray, algorithm: str = "ring", op: str = "sum"
+) -> np.ndarray:
     """Sum (or average, ``op="mean"``) ``buf`` across all ranks, in place; returns ``buf``.
     ``algorithm="native"`` runs the engine's own all-reduce. "auto" is the caller's to resolve first
-    (``dplab.reference.auto.chosen``): the executor runs schedules, it does not price them."""
+    (``dplab.reference.auto.chosen``): the executor runs schedules, it does not price them.
+
+    Args:
+        comm: this rank's communicator.
+        buf: a contiguous array (or tensor), the same length and dtype on every rank.
+        algorithm: a registered all-reduce (``ALGORITHMS``), or "native".
+        op: "sum" or "mean".
+
+    Returns:
+        ``buf``, which now holds the sum (or mean) on every rank.
+
+    Raises:
+        ConfigError: a bad op, buffer or algorithm; "auto" (resolve it first), "mean" on integers.
+        CollectiveMismatch: ranks called different collectives or algorithms.
+        BufferMismatch: ranks passed different lengths or dtypes.
+        CommTimeout: a peer did not take part in time.
+    """
     if op not in ("sum", "mean"):
         raise ConfigError(f"op must be 'sum' or 'mean', got {op!r}")
     flat = flat_view(buf, comm)
@@ -124,8 +213,8 @@ def allreduce(comm: Communicator, buf: np.ndarray, algorithm: str = "ring", op: 
         raise ConfigError(f"op='mean' needs a floating-point buffer, got {buf.dtype}: use op='sum'")
     if algorithm == "auto":
         raise ConfigError("algorithm 'auto' is chosen before the executor runs: pass "
-                          "dplab.reference.auto.chosen(comm, buf), or call dplab.backends.allreduce, "
-                          "which resolves it")
+                          "dplab.reference.auto.chosen(comm, buf), or call "
+                          "dplab.backends.allreduce, which resolves it")
     if algorithm == "native":
         with comm.tracer.span("allreduce", bytes=flat.nbytes, algorithm="native"):
             comm.native_allreduce(flat, "sum")
@@ -137,24 +226,91 @@ def allreduce(comm: Communicator, buf: np.ndarray, algorithm: str = "ring", op: 
 
 
 def reduce_scatter(comm: Communicator, buf: np.ndarray, algorithm: str = "ring") -> np.ndarray:
-    """Afterwards this rank's chunk (``chunk_bounds(n, p)[rank]``) holds the sum; returns a view of it."""
+    """Afterwards this rank's chunk (``chunk_bounds(n, p)[rank]``) holds the sum;
+    returns a view of it.
+
+    Args:
+        comm: this rank's communicator.
+        buf: a contiguous array (or tensor), the same length and dtype on every rank; scratch after.
+        algorithm: one of ``SCATTER_ALGORITHMS``.
+
+    Returns:
+        A view of this rank's chunk of ``buf``.
+
+    Raises:
+        ConfigError: a bad buffer, or an algorithm with no reduce-scatter.
+        CollectiveMismatch: ranks called different collectives or algorithms.
+        BufferMismatch: ranks passed different lengths or dtypes.
+        CommTimeout: a peer did not take part in time.
+    """
     flat = _run(comm, "reduce_scatter", buf, algorithm)
     return flat[slice(*chunk_bounds(len(flat), comm.world_size)[comm.rank])]
 
 
 def allgather(comm: Communicator, buf: np.ndarray, algorithm: str = "ring") -> np.ndarray:
-    """Every rank contributes its own chunk of ``buf``; afterwards all hold all chunks."""
+    """Every rank contributes its own chunk of ``buf``; afterwards all hold all chunks.
+
+    Args:
+        comm: this rank's communicator.
+        buf: a contiguous array (or tensor) holding this rank's chunk in place.
+        algorithm: one of ``SCATTER_ALGORITHMS``.
+
+    Returns:
+        ``buf``, every chunk filled in.
+
+    Raises:
+        ConfigError: a bad buffer, or an algorithm with no all-gather.
+        CollectiveMismatch: ranks called different collectives or algorithms.
+        BufferMismatch: ranks passed different lengths or dtypes.
+        CommTimeout: a peer did not take part in time.
+    """
     _run(comm, "allgather", buf, algorithm)
     return buf
 
 
-def broadcast(comm: Communicator, buf: np.ndarray, root: int = 0, algorithm: str = "tree") -> np.ndarray:
-    """Afterwards every rank holds ``root``'s ``buf``."""
+def broadcast(
+    comm: Communicator, buf: np.ndarray, root: int = 0, algorithm: str = "tree"
+) -> np.ndarray:
+    """Afterwards every rank holds ``root``'s ``buf``.
+
+    Args:
+        comm: this rank's communicator.
+        buf: a contiguous array (or tensor), the same length and dtype on every rank.
+        root: the rank whose buffer is sent.
+        algorithm: "tree" or "naive".
+
+    Returns:
+        ``buf``.
+
+    Raises:
+        ConfigError: a bad buffer, root or algorithm.
+        CollectiveMismatch: ranks called different collectives, algorithms or roots.
+        BufferMismatch: ranks passed different lengths or dtypes.
+        CommTimeout: a peer did not take part in time.
+    """
     _run(comm, "broadcast", buf, algorithm, root)
     return buf
 
 
-def reduce(comm: Communicator, buf: np.ndarray, root: int = 0, algorithm: str = "tree") -> np.ndarray:
-    """Afterwards ``root`` holds the sum; other ranks' buffers hold partial sums (scratch)."""
+def reduce(
+    comm: Communicator, buf: np.ndarray, root: int = 0, algorithm: str = "tree"
+) -> np.ndarray:
+    """Afterwards ``root`` holds the sum; other ranks' buffers hold partial sums (scratch).
+
+    Args:
+        comm: this rank's communicator.
+        buf: a contiguous array (or tensor), the same length and dtype on every rank.
+        root: the rank that ends with the sum.
+        algorithm: "tree" or "naive".
+
+    Returns:
+        ``buf``.
+
+    Raises:
+        ConfigError: a bad buffer, root or algorithm.
+        CollectiveMismatch: ranks called different collectives, algorithms or roots.
+        BufferMismatch: ranks passed different lengths or dtypes.
+        CommTimeout: a peer did not take part in time.
+    """
     _run(comm, "reduce", buf, algorithm, root)
     return buf

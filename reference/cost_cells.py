@@ -10,7 +10,7 @@ Everything here is vectorised over the schedule's columns (``dplab.reference.col
 rounds at a time, so the ring at p = 4096 (33.5 M transfers) is summarised in seconds.
 
     from dplab.reference.cost_cells import cell_blocks
-    for r0, r1, cells in cell_blocks(schedule, ranks_per_node=8):   # cells["m_inter"] etc: (rounds, p)
+    for r0, r1, cells in cell_blocks(schedule, ranks_per_node=8):  # cells["m_inter"]: (rounds, p)
         ...
 """
 
@@ -32,7 +32,17 @@ FIELDS = ("m_intra", "x_intra", "m_inter", "x_inter", "red")
 
 def message_heads(t: RoundTable, r0: int, r1: int, p: int) -> np.ndarray:
     """For rows of rounds r0..r1-1: True where a row starts a message (``schedule.messages``' rule:
-    per round and (src, dst, op), each run of consecutive chunks is one message)."""
+    per round and (src, dst, op), each run of consecutive chunks is one message).
+
+    Args:
+        t: the table.
+        r0: the first round.
+        r1: one past the last.
+        p: the number of ranks.
+
+    Returns:
+        One bool per row.
+    """
     a, b = int(t.starts[r0]), int(t.starts[r1])
     rid = t.round_ids(r0, r1)
     src, dst = t.src[a:b].astype(np.int64), t.dst[a:b].astype(np.int64)
@@ -54,11 +64,25 @@ def message_heads(t: RoundTable, r0: int, r1: int, p: int) -> np.ndarray:
     return heads
 
 
-def cell_blocks(schedule: Schedule | RoundTable, ranks_per_node: int, chunk_bytes: np.ndarray | None = None,
-                max_rows: int = 1 << 20) -> Iterator[tuple[int, int, dict[str, np.ndarray]]]:
+def cell_blocks(
+    schedule: Schedule | RoundTable,
+    ranks_per_node: int,
+    chunk_bytes: np.ndarray | None = None,
+    max_rows: int = 1 << 20,
+) -> Iterator[tuple[int, int, dict[str, np.ndarray]]]:
     """Per block of rounds [r0, r1): the fields of every cell as (r1 - r0, p) arrays.
 
-    ``chunk_bytes`` None counts chunks (x_*, red in chunks); else it gives each chunk's bytes."""
+    ``chunk_bytes`` None counts chunks (x_*, red in chunks); else it gives each chunk's bytes.
+
+    Args:
+        schedule: a schedule, or its table.
+        ranks_per_node: ranks per node: a transfer between nodes is "inter", else "intra".
+        chunk_bytes: bytes of each chunk, or None to count chunks.
+        max_rows: the most rows a block holds.
+
+    Yields:
+        (r0, r1, fields): the fields by name ("m_intra", "x_inter", "red", ...), (r1 - r0, p) each.
+    """
     t, p = columns(schedule), schedule.world_size
     for r0, r1 in t.blocks(max_rows=max_rows, max_rounds=max(1, (1 << 21) // p)):
         a, b = int(t.starts[r0]), int(t.starts[r1])
@@ -72,10 +96,14 @@ def cell_blocks(schedule: Schedule | RoundTable, ranks_per_node: int, chunk_byte
         out: dict[str, np.ndarray] = {}
         for name, mask in (("intra", ~inter), ("inter", inter)):
             if not mask.any():
-                out["m_" + name] = out["x_" + name] = np.zeros(ncell, np.int64 if w is None else float)
+                out["m_" + name] = out["x_" + name] = np.zeros(
+                    ncell, np.int64 if w is None else float
+                )
                 continue
             mh = mask & heads
-            m = np.maximum(np.bincount(cs[mh], minlength=ncell), np.bincount(cd[mh], minlength=ncell))
+            m = np.maximum(
+                np.bincount(cs[mh], minlength=ncell), np.bincount(cd[mh], minlength=ncell)
+            )
             wm = None if w is None else w[mask]
             x = np.maximum(np.bincount(cs[mask], wm, minlength=ncell),
                            np.bincount(cd[mask], wm, minlength=ncell))

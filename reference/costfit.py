@@ -31,7 +31,8 @@ __all__ = ["BENCH_KEYS", "NATIVE_STANDIN", "REFERENCE_POINT", "CostFit", "terms"
 
 BENCH_KEYS = ("backend", "algorithm", "world_size", "bytes", "time_us")
 NATIVE_STANDIN = "ring"  # the schedule whose terms price an engine's own all-reduce
-REFERENCE_POINT = (10e-6, 1e-10, 5e-11)  # alpha 10 us, 10 GB/s, 20 GB/s: picks each round's slowest rank
+# alpha 10 us, 10 GB/s, 20 GB/s: picks each round's slowest rank
+REFERENCE_POINT = (10e-6, 1e-10, 5e-11)
 _ALL = "all"
 
 
@@ -46,15 +47,29 @@ def terms(algorithm: str, world_size: int, nbytes: int, itemsize: int = 4,
     and (a, b, c) is its slope: one step in each of alpha, beta, gamma, small enough not to change
     any round's slowest rank (a value under 1% of ``REFERENCE_POINT``'s counts as that 1%). The
     counts are whole numbers; rounding removes the float noise.
-    ``native`` is priced as a ring (``NATIVE_STANDIN``)."""
+    ``native`` is priced as a ring (``NATIVE_STANDIN``).
+
+    Args:
+        algorithm: a registered all-reduce, or "native".
+        world_size: the number of ranks.
+        nbytes: the buffer's bytes.
+        itemsize: bytes per element.
+        at: the (alpha, beta, gamma) point to read the slope at.
+
+    Returns:
+        (a, b, c): messages, bytes and reduced bytes.
+    """
     s = allreduce_schedule(NATIVE_STANDIN if algorithm == "native" else algorithm, world_size)
-    x = np.maximum(np.asarray(at, float), np.asarray(REFERENCE_POINT) * 1e-2)  # a step needs a scale
+    # a step needs a scale
+    x = np.maximum(np.asarray(at, float), np.asarray(REFERENCE_POINT) * 1e-2)
     t0 = cost(s, nbytes, *x, itemsize=itemsize).time
     slope = []
     for i in range(3):
         y = x.copy()
         y[i] += x[i] * 2.0**-6
-        slope.append(float(round((cost(s, nbytes, *y, itemsize=itemsize).time - t0) / (y[i] - x[i]))))
+        slope.append(
+            float(round((cost(s, nbytes, *y, itemsize=itemsize).time - t0) / (y[i] - x[i])))
+        )
     return slope[0], slope[1], slope[2]
 
 
@@ -64,7 +79,18 @@ class CostFit:
 
     ``world_size`` and ``algorithm`` are "all" when the group spans them. ``alpha`` is None when
     the rows cannot pin the unknowns down; ``gamma`` is None when it was folded into beta
-    (``note`` says why)."""
+    (``note`` says why).
+
+    Args:
+        backend: the rows' backend.
+        world_size: the rows' world size, or "all".
+        algorithm: the rows' algorithm, or "all".
+        alpha: seconds per message, or None.
+        beta: seconds per byte, or None.
+        gamma: seconds per byte reduced, or None.
+        rows: the ``dplab bench`` rows fitted.
+        note: what the fit could not do, if anything.
+    """
 
     backend: str
     world_size: int | str
@@ -76,45 +102,106 @@ class CostFit:
     note: str = ""
 
     def predict_s(self, algorithm: str, world_size: int, nbytes: int, itemsize: int = 4) -> float:
-        """The model's time for one all-reduce (seconds)."""
+        """The model's time for one all-reduce (seconds).
+
+        Args:
+            algorithm: the all-reduce.
+            world_size: the number of ranks.
+            nbytes: the buffer's bytes.
+            itemsize: bytes per element.
+
+        Returns:
+            Seconds.
+        """
         a, b, c = terms(algorithm, world_size, nbytes, itemsize, self.point())
         return a * (self.alpha or 0.0) + b * (self.beta or 0.0) + c * (self.gamma or 0.0)
 
     def point(self) -> tuple[float, float, float]:
+        """The (alpha, beta, gamma) to read ``terms`` at: the fit's own, or ``REFERENCE_POINT``.
+
+        Returns:
+            The point.
+        """
         if self.alpha is None or not (self.alpha or self.beta or self.gamma):
             return REFERENCE_POINT
         return (self.alpha, self.beta or 0.0, self.gamma or 0.0)
 
     def residuals(self, itemsize: int = 4) -> list[dict[str, Any]]:
-        """Per row: measured and fitted µs, their difference and its share of the measurement."""
+        """Per row: measured and fitted µs, their difference and its share of the measurement.
+
+        Args:
+            itemsize: bytes per element.
+
+        Returns:
+            One dict per row.
+        """
         out = []
         for r in self.rows:
             model = None if self.alpha is None else 1e6 * self.predict_s(
                 r["algorithm"], r["world_size"], r["bytes"], itemsize)
             res = None if model is None else r["time_us"] - model
-            out.append({"backend": r["backend"], "algorithm": r["algorithm"], "world_size": r["world_size"],
-                        "bytes": r["bytes"], "measured_us": r["time_us"], "fitted_us": model,
-                        "residual_us": res,
-                        "residual_pct": None if res is None else 100 * res / r["time_us"]})
+            out.append(
+                {
+                    "backend": r["backend"],
+                    "algorithm": r["algorithm"],
+                    "world_size": r["world_size"],
+                    "bytes": r["bytes"],
+                    "measured_us": r["time_us"],
+                    "fitted_us": model,
+                    "residual_us": res,
+                    "residual_pct": None if res is None else 100 * res / r["time_us"],
+                }
+            )
         return out
 
     def summary(self, itemsize: int = 4) -> dict[str, Any]:
-        """One table row: alpha in µs, beta and gamma as GB/s, and how well the model fits its rows."""
-        pct = [abs(r["residual_pct"]) for r in self.residuals(itemsize) if r["residual_pct"] is not None]
-        return {"backend": self.backend, "world_size": self.world_size, "algorithm": self.algorithm,
-                "rows": len(self.rows), "alpha_us": None if self.alpha is None else self.alpha * 1e6,
-                "beta_gbps": _gbps(self.beta), "gamma_gbps": _gbps(self.gamma),
-                "rms_residual_pct": float(np.sqrt(np.mean(np.square(pct)))) if pct else None,
-                "max_residual_pct": max(pct) if pct else None, "note": self.note}
+        """One table row: alpha in µs, beta and gamma as GB/s, and how well the model fits its
+        rows.
+
+        Args:
+            itemsize: bytes per element.
+
+        Returns:
+            The row, as a dict.
+        """
+        pct = [
+            abs(r["residual_pct"])
+            for r in self.residuals(itemsize)
+            if r["residual_pct"] is not None
+        ]
+        return {
+            "backend": self.backend,
+            "world_size": self.world_size,
+            "algorithm": self.algorithm,
+            "rows": len(self.rows),
+            "alpha_us": None if self.alpha is None else self.alpha * 1e6,
+            "beta_gbps": _gbps(self.beta),
+            "gamma_gbps": _gbps(self.gamma),
+            "rms_residual_pct": float(np.sqrt(np.mean(np.square(pct)))) if pct else None,
+            "max_residual_pct": max(pct) if pct else None,
+            "note": self.note,
+        }
 
     def to_json(self) -> dict[str, Any]:
-        """The fitted values without the rows (what ``dplab tune`` saves)."""
+        """The fitted values without the rows (what ``dplab tune`` saves).
+
+        Returns:
+            A JSON-ready dict.
+        """
         return {"backend": self.backend, "world_size": self.world_size, "algorithm": self.algorithm,
                 "alpha_s": self.alpha, "beta_s_per_byte": self.beta, "gamma_s_per_byte": self.gamma,
                 "rows": len(self.rows), "note": self.note}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> CostFit:
+        """The fit ``to_json`` wrote (without its rows).
+
+        Args:
+            d: what ``to_json`` returned.
+
+        Returns:
+            The fit.
+        """
         return cls(str(d["backend"]), d["world_size"], str(d["algorithm"]), d["alpha_s"],
                    d["beta_s_per_byte"], d["gamma_s_per_byte"], (), str(d.get("note", "")))
 
@@ -124,7 +211,15 @@ def _gbps(per_byte: float | None) -> float | None:
 
 
 def fittable(row: dict[str, Any], native: bool = True) -> bool:
-    """Rows with a schedule of ours (or ``native``), more than one rank and a positive time."""
+    """Rows with a schedule of ours (or ``native``), more than one rank and a positive time.
+
+    Args:
+        row: a ``dplab bench`` row.
+        native: whether ``native`` rows count.
+
+    Returns:
+        True if the row can be fitted.
+    """
     alg = row["algorithm"]
     try:
         ours = split_name(alg)[0] in ALLREDUCE
@@ -146,6 +241,18 @@ def fit(rows: list[dict[str, Any]], by: tuple[str, ...] = ("backend",), itemsize
     the best fit over the non-negative subsets of the unknowns is taken and ``note`` says so.
     ``nonnegative=False`` keeps the unconstrained solution, negative or not (``note`` says so).
     ``gamma=False`` folds gamma into beta. Exact points (the model's own times) come back exact.
+
+    Args:
+        rows: ``dplab bench`` rows.
+        by: the keys to group by.
+        itemsize: bytes per element.
+        relative: minimise relative rather than absolute errors.
+        gamma: fit gamma where the group allows it.
+        native: fit ``native`` rows too.
+        nonnegative: keep every value >= 0.
+
+    Returns:
+        One fit per group, in key order.
     """
     groups: dict[tuple[str, Any, str], list[dict[str, Any]]] = {}
     for r in rows:
@@ -153,9 +260,17 @@ def fit(rows: list[dict[str, Any]], by: tuple[str, ...] = ("backend",), itemsize
             alg = r["algorithm"] if "algorithm" in by or r["algorithm"] == "native" else _ALL
             key = (r["backend"], r["world_size"] if "world_size" in by else _ALL, alg)
             groups.setdefault(key, []).append(r)
-    return [_fit_group(key, sorted(mine, key=lambda r: (r["algorithm"], r["world_size"], r["bytes"])),
-                       itemsize, relative, gamma and key[2] == _ALL, nonnegative)
-            for key, mine in sorted(groups.items(), key=lambda kv: tuple(map(str, kv[0])))]
+    return [
+        _fit_group(
+            key,
+            sorted(mine, key=lambda r: (r["algorithm"], r["world_size"], r["bytes"])),
+            itemsize,
+            relative,
+            gamma and key[2] == _ALL,
+            nonnegative,
+        )
+        for key, mine in sorted(groups.items(), key=lambda kv: tuple(map(str, kv[0])))
+    ]
 
 
 def _fit_group(key: tuple[str, Any, str], rows: list[dict[str, Any]], itemsize: int, relative: bool,
@@ -164,7 +279,9 @@ def _fit_group(key: tuple[str, Any, str], rows: list[dict[str, Any]], itemsize: 
     w = 1.0 / t if relative else np.ones_like(t)
     point: tuple[float, float, float] = REFERENCE_POINT
     for _ in range(3):  # the slowest rank of a round may depend on the point: refit there
-        x = np.array([terms(r["algorithm"], r["world_size"], r["bytes"], itemsize, point) for r in rows])
+        x = np.array(
+            [terms(r["algorithm"], r["world_size"], r["bytes"], itemsize, point) for r in rows]
+        )
         coef, has_gamma, note = _solve(x, t, w, with_gamma, nonnegative)
         if coef is None or not coef.any() or tuple(coef) == point:
             break
@@ -184,7 +301,10 @@ def _solve(x: np.ndarray, t: np.ndarray, w: np.ndarray, with_gamma: bool, nonneg
     design = x * w[:, None] / scale
     cols, note = ([0, 1, 2] if with_gamma else [0, 1]), ""
     if with_gamma and np.linalg.matrix_rank(design) < 3:
-        cols, note = [0, 1], "gamma folded into beta: these schedules all reduce one share of what they send"
+        cols, note = (
+            [0, 1],
+            "gamma folded into beta: these schedules all reduce one share of what they send",
+        )
     if len(t) < 2 or np.linalg.matrix_rank(design[:, cols]) < 2:
         return None, False, "needs rows of at least two sizes to fit both alpha and beta"
     best = None
@@ -199,27 +319,45 @@ def _solve(x: np.ndarray, t: np.ndarray, w: np.ndarray, with_gamma: bool, nonneg
     coef = np.zeros(3)
     coef[list(best[1])] = best[2] / scale[list(best[1])]
     if (coef < 0).any():
-        note = (note + "; " if note else "") + "a negative value: these rows do not follow time = a·α + b·β"
+        note += "; " if note else ""
+        note += "a negative value: these rows do not follow time = a·α + b·β"
     if len(best[1]) < len(cols):
         dropped = " and ".join(("alpha", "beta", "gamma")[i] for i in cols if i not in best[1])
-        note = (note + "; " if note else "") + f"{dropped} set to 0: the best fit wanted a negative value"
+        note += "; " if note else ""
+        note += f"{dropped} set to 0: the best fit wanted a negative value"
     return coef, len(cols) == 3, note
 
 
 def load_bench_json(text: str | bytes, name: str = "bench JSON") -> list[dict[str, Any]]:
-    """Rows from what ``dplab bench --json`` writes ({"meta", "rows"}), or a bare list of rows."""
+    """Rows from what ``dplab bench --json`` writes ({"meta", "rows"}), or a bare list of rows.
+
+    Args:
+        text: the JSON.
+        name: where it came from, for the messages.
+
+    Returns:
+        The rows.
+
+    Raises:
+        ConfigError: not JSON, not ``dplab bench`` rows, or rows missing a key.
+    """
     try:
         data = json.loads(text)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{name} is not JSON ({e}): give a file written by `dplab bench --json`") from None
+        raise ConfigError(
+            f"{name} is not JSON ({e}): give a file written by `dplab bench --json`"
+        ) from None
     rows = data.get("rows") if isinstance(data, dict) else data
     if isinstance(data, dict) and data.get("meta", {}).get("command", "bench") != "bench":
         raise ConfigError(f"{name} holds `dplab {data['meta']['command']}` rows: "
                           "give `dplab bench --json` output")
     if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
-        raise ConfigError(f"{name} has no list of rows: give a file written by `dplab bench --json`")
+        raise ConfigError(
+            f"{name} has no list of rows: give a file written by `dplab bench --json`"
+        )
     for i, r in enumerate(rows):
         missing = [k for k in BENCH_KEYS if k not in r]
         if missing:
-            raise ConfigError(f"{name}: row {i} lacks {', '.join(missing)}: give `dplab bench --json` output")
+            raise ConfigError(f"{name}: row {i} lacks {', '.join(missing)}: give `dplab bench "
+                              "--json` output")
     return rows

@@ -32,12 +32,29 @@ from dplab.reference.errors import ConfigError
 from dplab.reference.schedule import Schedule, chunk_bounds
 from dplab.reference.topology import Topology
 
-__all__ = ["Cost", "cost", "curve", "closed_form", "Summary", "summarize", "Regions", "best_regions",
-           "region_algorithms"]
+__all__ = [
+    "Cost",
+    "cost",
+    "curve",
+    "closed_form",
+    "Summary",
+    "summarize",
+    "Regions",
+    "best_regions",
+    "region_algorithms",
+]
 
 
 @dataclass(frozen=True)
 class Cost:
+    """A schedule's price: its time, its rounds, and the most bytes one rank sends and receives.
+
+    Args:
+        time: seconds (in the unit of alpha, beta, gamma).
+        rounds: the schedule's rounds.
+        bytes_sent_max: the most bytes one rank sends over the schedule.
+        bytes_recv_max: the most bytes one rank receives.
+    """
     time: float  # seconds (or whatever unit alpha/beta/gamma are in)
     rounds: int
     bytes_sent_max: int  # the most bytes any one rank sends over the whole schedule
@@ -49,7 +66,16 @@ class Summary:
     """A schedule as the cost model sees it on one node size, whatever the message size.
 
     Row q is a cell shape some rank has in round ``round[q]`` (``fields[q]``: FIELDS in chunks);
-    rows are sorted by round and ``first`` is where each round's rows begin."""
+    rows are sorted by round and ``first`` is where each round's rows begin.
+
+    Args:
+        rounds: the schedule's rounds.
+        round: each row's round.
+        fields: each row's FIELDS, in chunks.
+        first: where each round's rows begin.
+        sent_chunks: chunks each rank sends over the schedule.
+        recv_chunks: chunks each rank receives.
+    """
 
     rounds: int
     round: np.ndarray
@@ -60,7 +86,15 @@ class Summary:
 
 
 def summarize(schedule: Schedule | RoundTable, ranks_per_node: int) -> Summary:
-    """The summary of ``schedule`` (computed once per schedule and node size, then kept)."""
+    """The summary of ``schedule`` (computed once per schedule and node size, then kept).
+
+    Args:
+        schedule: a schedule, or its table.
+        ranks_per_node: ranks per node (clipped to 1..world_size).
+
+    Returns:
+        The summary.
+    """
     g = min(max(ranks_per_node, 1), schedule.world_size)
     return schedule.memo(("cost-summary", g), lambda: _summarize(schedule, g))
 
@@ -75,23 +109,30 @@ def _summarize(schedule: Schedule | RoundTable, g: int) -> Summary:
     rnd = np.concatenate(rounds) if rounds else np.zeros(0, np.int64)
     fld = np.concatenate(fields) if fields else np.zeros((0, len(FIELDS)), np.int64)
     first = np.flatnonzero(np.r_[True, rnd[1:] != rnd[:-1]]) if rnd.size else np.zeros(0, np.int64)
-    return Summary(len(t), rnd, fld, first, np.bincount(t.src, minlength=p), np.bincount(t.dst, minlength=p))
+    return Summary(
+        len(t), rnd, fld, first, np.bincount(t.src, minlength=p), np.bincount(t.dst, minlength=p)
+    )
 
 
 def _distinct_per_round(f: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-    """(round, fields) rows, one per distinct cell shape in each round; ``f``: FIELDS as (rounds, p)."""
+    """(round, fields) rows, one per distinct cell shape in each round; ``f``:
+    FIELDS as (rounds, p)."""
     nr, p = f[0].shape
     bits = [int(a.max()).bit_length() if a.size else 0 for a in f]
     total = sum(bits)
     if total + nr.bit_length() > 62:  # too wide to pack: sort rows
-        rows = np.stack([np.repeat(np.arange(nr), p)] + [a.ravel() for a in f], axis=1).astype(np.int64)
+        rows = np.stack([np.repeat(np.arange(nr), p)] + [a.ravel() for a in f], axis=1).astype(
+            np.int64
+        )
         u = np.unique(rows, axis=0)
         return u[:, 0], u[:, 1:]
     key = np.repeat(np.arange(nr, dtype=np.int64), p)
     for a, b in zip(f, bits):
         key <<= b
         key |= a.ravel().astype(np.int64, copy=False)
-    key = np.flatnonzero(np.bincount(key, minlength=1)) if nr << total <= 1 << 24 else np.unique(key)
+    key = (
+        np.flatnonzero(np.bincount(key, minlength=1)) if nr << total <= 1 << 24 else np.unique(key)
+    )
     out, shift = np.empty((key.size, len(bits)), np.int64), 0
     for i in reversed(range(len(bits))):
         out[:, i] = (key >> shift) & ((1 << bits[i]) - 1)
@@ -120,10 +161,34 @@ def _topology(alpha: Any, beta: Any, gamma: Any, topology: Topology | None) -> T
     return Topology.flat(alpha, beta, gamma)
 
 
-def cost(schedule: Schedule | RoundTable, nbytes: int, alpha: float | None = None, beta: float | None = None,
-         gamma: float | None = None, itemsize: int = 1, *, topology: Topology | None = None) -> Cost:
-    """Price ``schedule`` for a buffer of ``nbytes`` (cut into chunks of whole ``itemsize`` elements),
-    on one level (alpha, beta, gamma) or on ``topology``. Exact for every size."""
+def cost(
+    schedule: Schedule | RoundTable,
+    nbytes: int,
+    alpha: float | None = None,
+    beta: float | None = None,
+    gamma: float | None = None,
+    itemsize: int = 1,
+    *,
+    topology: Topology | None = None,
+) -> Cost:
+    """Price ``schedule`` for a buffer of ``nbytes`` (cut into chunks of whole ``itemsize``
+    elements), on one level (alpha, beta, gamma) or on ``topology``. Exact for every size.
+
+    Args:
+        schedule: a schedule, or its table.
+        nbytes: the buffer's bytes.
+        alpha: seconds per message (one level).
+        beta: seconds per byte (one level).
+        gamma: seconds per byte reduced (one level).
+        itemsize: bytes per element.
+        topology: a two-level machine, instead of alpha, beta, gamma.
+
+    Returns:
+        The time, rounds, and the most bytes one rank sends and receives.
+
+    Raises:
+        ConfigError: neither alpha, beta, gamma nor a topology, or both.
+    """
     topo = _topology(alpha, beta, gamma, topology)
     k, n = schedule.num_chunks, nbytes // itemsize
     s = summarize(schedule, topo.ranks_per_node)
@@ -133,7 +198,9 @@ def cost(schedule: Schedule | RoundTable, nbytes: int, alpha: float | None = Non
         return Cost(time, s.rounds, int(s.sent_chunks.max()) * b, int(s.recv_chunks.max()) * b)
     chunk_bytes = np.array([(hi - lo) * itemsize for lo, hi in chunk_bounds(n, k)], dtype=float)
     time = 0.0
-    for _, _, c in cell_blocks(schedule, min(topo.ranks_per_node, schedule.world_size), chunk_bytes):
+    for _, _, c in cell_blocks(
+        schedule, min(topo.ranks_per_node, schedule.world_size), chunk_bytes
+    ):
         intra = topo.intra.alpha * c["m_intra"] + topo.intra.beta * c["x_intra"]
         inter = topo.inter.alpha * c["m_inter"] + topo.inter.beta * c["x_inter"]
         time += float((np.maximum(intra, inter) + topo.gamma * c["red"]).max(axis=1).sum())
@@ -143,10 +210,22 @@ def cost(schedule: Schedule | RoundTable, nbytes: int, alpha: float | None = Non
     return Cost(time, s.rounds, int(sent.max()), int(recv.max()))
 
 
-def curve(schedule: Schedule | RoundTable, sizes: Any, topology: Topology, itemsize: int = 1) -> np.ndarray:
-    """Seconds for each of ``sizes`` (bytes) at once. A size whose element count is not a multiple of
-    the chunk count is priced as the next multiple (every chunk at its largest): exact for the
-    others, an upper bound within one element per chunk for these (``cost`` is exact for all)."""
+def curve(
+    schedule: Schedule | RoundTable, sizes: Any, topology: Topology, itemsize: int = 1
+) -> np.ndarray:
+    """Seconds for each of ``sizes`` (bytes) at once. A size whose element count is not a multiple
+    of the chunk count is priced as the next multiple (every chunk at its largest): exact for the
+    others, an upper bound within one element per chunk for these (``cost`` is exact for all).
+
+    Args:
+        schedule: a schedule, or its table.
+        sizes: buffer sizes in bytes.
+        topology: the machine.
+        itemsize: bytes per element.
+
+    Returns:
+        Seconds, one per size.
+    """
     n = np.asarray(sizes, dtype=np.int64) // itemsize
     k = schedule.num_chunks
     return _price(summarize(schedule, topology.ranks_per_node), -(-n // k) * itemsize, topology)
@@ -154,8 +233,16 @@ def curve(schedule: Schedule | RoundTable, sizes: Any, topology: Topology, items
 
 @dataclass(frozen=True, eq=False)
 class Regions:
-    """Seconds of every algorithm at every (p, size): ``times[a, i, j]`` for ``algorithms[a]``, ``ps[i]``,
-    ``sizes[j]``; ``winner[i, j]`` is the index of the cheapest."""
+    """Seconds of every algorithm at every (p, size): ``times[a, i, j]`` for ``algorithms[a]``,
+    ``ps[i]``, ``sizes[j]``; ``winner[i, j]`` is the index of the cheapest.
+
+    Args:
+        topology: the machine priced.
+        algorithms: the algorithms compared.
+        ps: the world sizes.
+        sizes: the buffer sizes in bytes.
+        times: seconds, (algorithms, ps, sizes).
+    """
 
     topology: Topology
     algorithms: tuple[str, ...]
@@ -168,12 +255,18 @@ class Regions:
         return np.argmin(self.times, axis=0)
 
     def table(self) -> str:
-        """The winner per (p, size) as text: one row per p, one column per size."""
+        """The winner per (p, size) as text: one row per p, one column per size.
+
+        Returns:
+            The table, lines joined by newlines.
+        """
         names = [_short(s) for s in self.sizes]
         width = max(len(a) for a in self.algorithms)
         lines = ["p \\ size".ljust(7) + " ".join(n.rjust(width) for n in names)]
         for i, p in enumerate(self.ps):
-            lines.append(str(p).ljust(7) + " ".join(self.algorithms[w].rjust(width) for w in self.winner[i]))
+            lines.append(
+                str(p).ljust(7) + " ".join(self.algorithms[w].rjust(width) for w in self.winner[i])
+            )
         return "\n".join(lines)
 
 
@@ -185,8 +278,15 @@ def _short(nbytes: int) -> str:
 
 
 def region_algorithms(topology: Topology) -> tuple[str, ...]:
-    """Every registered all-reduce, a parametric one at its default; hierarchical with the topology's
-    node size (with one rank per node it is the ring, so it is left out)."""
+    """Every registered all-reduce, a parametric one at its default; hierarchical with the
+    topology's node size (with one rank per node it is the ring, so it is left out).
+
+    Args:
+        topology: the machine.
+
+    Returns:
+        Algorithm names, in registry order.
+    """
     from dplab.reference.algorithms import ALLREDUCE
 
     names = [a for a in ALLREDUCE if a != "hierarchical"]
@@ -199,8 +299,24 @@ def best_regions(topology: Topology, ps: Any, sizes: Any, algorithms: Any = None
                  itemsize: int = 4, builders: Any = None) -> Regions:
     """Price ``algorithms`` (default ``region_algorithms``) at every p and size on ``topology`` with
     ``curve`` (sizes rounded up to whole chunks). Schedules are built and dropped one at a time,
-    not cached: the ring at p = 4096 alone is 235 MB of columns. ``builders``: name -> builder to use
-    instead of the registry's, same arguments (an engine's array builder, held equal to the readable one)."""
+    not cached: the ring at p = 4096 alone is 235 MB of columns. ``builders``: name -> builder
+    to use instead of the registry's, same arguments (an engine's array builder, held equal to
+    the readable one).
+
+    Args:
+        topology: the machine.
+        ps: world sizes.
+        sizes: buffer sizes in bytes.
+        algorithms: the algorithms to compare (default: ``region_algorithms``).
+        itemsize: bytes per element.
+        builders: name -> schedule builder, or None for the registry's.
+
+    Returns:
+        The times and winners.
+
+    Raises:
+        ConfigError: an unknown algorithm.
+    """
     from dplab.reference.algorithms import ALLREDUCE, lookup, split_name
 
     algs = tuple(algorithms or region_algorithms(topology))
@@ -215,7 +331,22 @@ def best_regions(topology: Topology, ps: Any, sizes: Any, algorithms: Any = None
 
 
 def closed_form(algorithm: str, p: int, n: float, alpha: float, beta: float, gamma: float) -> float:
-    """Textbook all-reduce times for n bytes (tree: exact for powers of two)."""
+    """Textbook all-reduce times for n bytes (tree: exact for powers of two).
+
+    Args:
+        algorithm: "ring", "tree", "naive", "direct", "recursive_doubling" or "rabenseifner".
+        p: the number of ranks.
+        n: the buffer's bytes.
+        alpha: seconds per message.
+        beta: seconds per byte.
+        gamma: seconds per byte reduced.
+
+    Returns:
+        Seconds.
+
+    Raises:
+        ValueError: an algorithm with no closed form here.
+    """
     if p == 1:
         return 0.0
     if algorithm == "ring":

@@ -34,7 +34,12 @@ _DATA_STREAM = 0xDA7A
 
 @dataclass(frozen=True)
 class Dataset:
-    """``x``: (n, in_dim). ``y``: (n, out_dim) floats (regression) or (n,) int64 labels."""
+    """``x``: (n, in_dim). ``y``: (n, out_dim) floats (regression) or (n,) int64 labels.
+
+    Args:
+        x: the inputs.
+        y: the targets.
+    """
 
     x: np.ndarray
     y: np.ndarray
@@ -52,6 +57,20 @@ def make_dataset(
     regression: ``y = tanh(x A) B + 0.05 * noise`` for a random "teacher" (A, B), so an MLP
     can drive the loss far down but not to zero. classification: ``label = argmax(x W)`` for a
     random teacher W, a linearly separable problem with ``out_dim`` classes.
+
+    Args:
+        kind: "regression" or "classification".
+        n: the number of samples.
+        in_dim: features per sample.
+        out_dim: targets per sample (regression) or classes (classification).
+        seed: the data's seed (>= 0).
+        dtype: the inputs' dtype (and the regression targets').
+
+    Returns:
+        (x, y): y float for regression, int64 labels for classification.
+
+    Raises:
+        ConfigError: a size < 1, a negative seed, fewer than 2 classes, or an unknown kind.
     """
     if n < 1 or in_dim < 1 or out_dim < 1:
         raise ConfigError(
@@ -86,6 +105,18 @@ def batch_indices(n: int, global_batch: int, step: int, seed: int) -> np.ndarray
 
     >>> batch_indices(4, global_batch=3, step=1, seed=0).shape
     (3,)
+
+    Args:
+        n: the data set's size.
+        global_batch: samples per step.
+        step: the step.
+        seed: the shuffle's seed.
+
+    Returns:
+        ``global_batch`` int64 indices into the data set.
+
+    Raises:
+        ConfigError: n or global_batch < 1, or a negative step or seed.
     """
     if n < 1 or global_batch < 1:
         raise ConfigError(
@@ -110,6 +141,17 @@ def shard(indices: np.ndarray, rank: int, world_size: int) -> np.ndarray:
     Shards may be empty (global batch smaller than world_size). That is fine: the model's
     loss is scaled by ``1 / global_batch``, not by the shard size, so an empty shard
     contributes an exact zero and the shards' gradients still sum to the full-batch one.
+
+    Args:
+        indices: the global batch's indices.
+        rank: this rank.
+        world_size: the number of ranks.
+
+    Returns:
+        A view of this rank's indices.
+
+    Raises:
+        ConfigError: rank out of range.
     """
     if world_size < 1 or not 0 <= rank < world_size:
         raise ConfigError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")

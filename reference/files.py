@@ -35,7 +35,14 @@ class WriteError(ConfigError, OSError):
 
 
 def size_text(n: int) -> str:
-    """Bytes for a reader: ``1.5 GiB``, ``12.0 MiB``, ``640 B``."""
+    """Bytes for a reader: ``1.5 GiB``, ``12.0 MiB``, ``640 B``.
+
+    Args:
+        n: bytes.
+
+    Returns:
+        The size with a binary unit.
+    """
     for unit, shift in (("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
         if n >= 1 << shift:
             return f"{n / (1 << shift):.1f} {unit}"
@@ -46,6 +53,14 @@ def size_text(n: int) -> str:
 def open_regular(path: str | os.PathLike, limit: int, what: str) -> Iterator[BinaryIO]:
     """A binary file object of ``path``, a regular file of at most ``limit`` bytes, else one
     ``ConfigError`` naming ``what``. Opened with O_NONBLOCK, so a FIFO is refused, not waited on.
+
+    Args:
+        path: the file.
+        limit: the most bytes it may hold.
+        what: what it is, for the message ("checkpoint", "trace").
+
+    Yields:
+        The open binary file.
 
     Raises:
         ConfigError: the path cannot be opened, is not a regular file, or is larger than ``limit``.
@@ -80,7 +95,19 @@ def _check_kind(st: os.stat_result, path: str | os.PathLike, limit: int, what: s
 
 def read_regular(path: str | os.PathLike, limit: int, what: str) -> bytes:
     """The bytes of ``path``, a regular file of at most ``limit`` bytes (``open_regular``); a file
-    that grows while it is read is cut at ``limit + 1`` bytes and refused."""
+    that grows while it is read is cut at ``limit + 1`` bytes and refused.
+
+    Args:
+        path: the file.
+        limit: the most bytes it may hold.
+        what: what it is, for the message.
+
+    Returns:
+        Its bytes.
+
+    Raises:
+        ConfigError: as ``open_regular``, or the file grew past ``limit`` while it was read.
+    """
     with open_regular(path, limit, what) as f:
         data = f.read(limit + 1)
     if len(data) > limit:
@@ -91,7 +118,18 @@ def read_regular(path: str | os.PathLike, limit: int, what: str) -> bytes:
 
 def real_target(path: str | os.PathLike, what: str = "output") -> Path:
     """Where writing ``path`` lands: a link followed to its target (a link to nowhere is fine: the
-    write creates the target; a loop of links is a ConfigError)."""
+    write creates the target; a loop of links is a ConfigError).
+
+    Args:
+        path: the path a user named.
+        what: what it is, for the message.
+
+    Returns:
+        The path the write will create or replace.
+
+    Raises:
+        ConfigError: a loop of links.
+    """
     p = Path(path)
     if not p.is_symlink():
         return p
@@ -108,6 +146,14 @@ def write_atomic(path: str | os.PathLike, data: bytes | Callable[[IO[bytes]], ob
                  what: str) -> Path:
     """Write ``data`` (bytes, or a function that writes to a binary file) to ``path`` whole or not
     at all: a temporary file beside it, fsynced, renamed over it. Returns the path written.
+
+    Args:
+        path: where to write (a link is followed to its target).
+        data: the bytes, or a function that writes them to the file it is given.
+        what: what it is, for the message.
+
+    Returns:
+        The path written (a link's target).
 
     Raises:
         WriteError: in one line, what could not be written and why; the temporary file is gone

@@ -27,11 +27,25 @@ LR_RULES = ("linear", "sqrt", "none")
 
 
 def scaled_lr(base_lr: float, base_batch: int, global_batch: int, rule: str = "linear") -> float:
-    """The lr for ``global_batch`` when ``base_lr`` is right for ``base_batch`` (see the module)."""
+    """The lr for ``global_batch`` when ``base_lr`` is right for ``base_batch`` (see the module).
+
+    Args:
+        base_lr: the learning rate tuned for ``base_batch``.
+        base_batch: the batch it was tuned at.
+        global_batch: the batch to train with.
+        rule: "linear", "sqrt" or "none".
+
+    Returns:
+        The learning rate.
+
+    Raises:
+        ConfigError: an unknown rule, a batch < 1, or a negative or non-finite ``base_lr``.
+    """
     if rule not in LR_RULES:
         raise ConfigError(f"lr rule must be one of {', '.join(LR_RULES)}, got {rule!r}")
     if not (base_batch >= 1 and global_batch >= 1):
-        raise ConfigError(f"base_batch and global_batch must be >= 1, got {base_batch}, {global_batch}")
+        raise ConfigError(f"base_batch and global_batch must be >= 1, got {base_batch}, "
+                          f"{global_batch}")
     if not (math.isfinite(base_lr) and base_lr >= 0):
         raise ConfigError(f"base_lr must be a finite number >= 0, got {base_lr}")
     k = global_batch / base_batch
@@ -43,6 +57,14 @@ def warmup_lr(lr: float, warmup_steps: int, step: int) -> float:
 
     ``warmup_steps=0`` returns ``lr`` itself (the same float, so runs without warm-up keep
     their bits).
+
+    Args:
+        lr: the learning rate after the warm-up.
+        warmup_steps: updates the warm-up takes (0: none).
+        step: the update's number, 1 for the first.
+
+    Returns:
+        The learning rate of that update.
     """
     if warmup_steps and step < warmup_steps:
         return lr * step / warmup_steps

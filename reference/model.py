@@ -42,13 +42,28 @@ __all__ = ["MLPConfig", "MLP", "array_namespace"]
 def array_namespace(a: Any) -> ModuleType:
     """The library ``a`` comes from: ``numpy`` for a numpy array, ``torch`` for a torch tensor.
 
-    Read off the type's module, so this file never imports torch itself."""
+    Read off the type's module, so this file never imports torch itself.
+
+    Args:
+        a: a numpy array or torch tensor.
+
+    Returns:
+        The module: ``numpy`` or ``torch``.
+    """
     return sys.modules[type(a).__module__.partition(".")[0]]
 
 
 @dataclass(frozen=True)
 class MLPConfig:
-    """Shape of the network. ``loss="xent"`` is softmax cross-entropy on integer labels."""
+    """Shape of the network. ``loss="xent"`` is softmax cross-entropy on integer labels.
+
+    Args:
+        in_dim: features per sample.
+        hidden: the hidden layers' widths.
+        out_dim: outputs per sample (classes, for xent).
+        activation: "tanh" or "relu".
+        loss: "mse" or "xent".
+    """
 
     in_dim: int = 8
     hidden: tuple[int, ...] = (16, 16)
@@ -74,6 +89,9 @@ class MLP:
 
     Keeping the parameters outside the model lets the same ``MLP`` serve every rank, the
     single-device oracle and the parameter server, each with its own flat vector.
+
+    Args:
+        cfg: the network's shape.
     """
 
     def __init__(self, cfg: MLPConfig):
@@ -95,13 +113,33 @@ class MLP:
 
     def layer_params(self, layer: int) -> tuple[int, int]:
         """Indices into ``param_slices`` of ``layer``'s parameters, ``W`` then ``b``: the order
-        ``backward`` fills their gradients in before it yields the layer."""
+        ``backward`` fills their gradients in before it yields the layer.
+
+        Args:
+            layer: the layer, 0..num_layers - 1.
+
+        Returns:
+            (W's index, b's index).
+
+        Raises:
+            ConfigError: a layer out of range.
+        """
         if not 0 <= layer < self.num_layers:
             raise ConfigError(f"layer must be in 0..{self.num_layers - 1}, got {layer}")
         return 2 * layer, 2 * layer + 1
 
     def layer_slice(self, layer: int) -> slice:
-        """Flat range holding ``W{layer}`` and ``b{layer}`` (contiguous by construction)."""
+        """Flat range holding ``W{layer}`` and ``b{layer}`` (contiguous by construction).
+
+        Args:
+            layer: the layer.
+
+        Returns:
+            The slice of the flat parameter vector.
+
+        Raises:
+            ConfigError: a layer out of range.
+        """
         w, b = self.layer_params(layer)
         return slice(self.param_slices[w].start, self.param_slices[b].stop)
 
@@ -110,6 +148,13 @@ class MLP:
 
         Drawn in float64 and then cast, so the float32 start is the float64 start rounded:
         runs in both precisions begin at the same point.
+
+        Args:
+            seed: the weights' seed.
+            dtype: the parameters' dtype.
+
+        Returns:
+            A flat array of ``num_params``.
         """
         rng = np.random.default_rng(seed)
         flat = np.zeros(self.num_params, dtype=np.float64)
@@ -122,7 +167,17 @@ class MLP:
         return flat.astype(dtype)
 
     def views(self, flat: np.ndarray) -> list[np.ndarray]:
-        """Each parameter as a view into ``flat`` (writes go through; nothing is copied)."""
+        """Each parameter as a view into ``flat`` (writes go through; nothing is copied).
+
+        Args:
+            flat: a flat array (or tensor) of ``num_params``.
+
+        Returns:
+            ``[W0, b0, W1, b1, ...]``.
+
+        Raises:
+            ConfigError: ``flat`` has the wrong shape.
+        """
         if flat.ndim != 1 or flat.shape[0] != self.num_params:
             raise ConfigError(
                 f"expected a flat array of shape ({self.num_params},), got {flat.shape}: "
@@ -136,6 +191,16 @@ class MLP:
 
         The inputs of every layer are exactly what the backward needs (for tanh and relu
         the derivative can be read off the activation itself), so that is the cache.
+
+        Args:
+            params: the flat parameters.
+            x: the inputs, (batch, in_dim).
+
+        Returns:
+            ``acts``, num_layers + 1 arrays.
+
+        Raises:
+            ConfigError: ``x`` has the wrong shape, or ``params`` does.
         """
         xp = array_namespace(params)
         x = xp.asarray(x)
@@ -157,6 +222,17 @@ class MLP:
         shard of the global batch then computes exactly its share of the global mean, and
         the ranks' losses and gradients simply add up to the full-batch ones, however
         unevenly the batch was split (even an empty shard contributes a correct zero).
+
+        Args:
+            acts: what ``forward`` returned.
+            y: the targets.
+            scale: what the summed loss is multiplied by.
+
+        Returns:
+            The scaled loss, a Python float.
+
+        Raises:
+            ConfigError: targets of the wrong shape or kind.
         """
         out = acts[-1]
         xp, y = array_namespace(out), self._targets(y, out)
@@ -179,6 +255,19 @@ class MLP:
         after layer 0 is yielded. Gradients are ADDED (``+=``) so micro-batches accumulate;
         zero ``grad`` at the start of a step. Stop iterating early and the gradient is
         incomplete: drain the generator (``loss_and_grad`` does).
+
+        Args:
+            params: the flat parameters.
+            acts: what ``forward`` returned for them.
+            y: the targets.
+            grad: the flat gradient, added into.
+            scale: the loss's scale.
+
+        Yields:
+            Each layer's index as its gradient is final, L - 1 first.
+
+        Raises:
+            ConfigError: targets of the wrong shape or kind, or arrays of the wrong shape.
         """
         xp, p, g = array_namespace(params), self.views(params), self.views(grad)
         out = acts[-1]
@@ -202,7 +291,21 @@ class MLP:
         self, params: np.ndarray, x: np.ndarray, y: np.ndarray, scale: float,
         grad: np.ndarray | None = None,
     ) -> tuple[float, np.ndarray]:
-        """Forward, loss and the whole backward. Accumulates into ``grad`` if given."""
+        """Forward, loss and the whole backward. Accumulates into ``grad`` if given.
+
+        Args:
+            params: the flat parameters.
+            x: the inputs.
+            y: the targets.
+            scale: the loss's scale.
+            grad: the flat gradient to add into, or None for a new zeroed one.
+
+        Returns:
+            (loss, grad).
+
+        Raises:
+            ConfigError: shapes or dtypes that do not match.
+        """
         if grad is None:
             grad = array_namespace(params).zeros_like(params)
         if grad.dtype != params.dtype:
@@ -219,12 +322,14 @@ class MLP:
         y = xp.asarray(y)
         if self.cfg.loss == "mse":
             if y.shape != out.shape:
-                raise ConfigError(f"mse targets must have shape {tuple(out.shape)}, got {tuple(y.shape)}")
+                raise ConfigError(f"mse targets must have shape {tuple(out.shape)}, got "
+                                  f"{tuple(y.shape)}")
             return xp.asarray(y, dtype=out.dtype)
-        integers = str(y.dtype).removeprefix("torch.").startswith(("int", "uint"))  # int64, torch.int64
+        # int64, torch.int64
+        integers = str(y.dtype).removeprefix("torch.").startswith(("int", "uint"))
         if y.shape != out.shape[:1] or (len(y) and not integers):
-            raise ConfigError(f"xent targets must be integer labels of shape {tuple(out.shape[:1])}, "
-                              f"got {y.dtype} {tuple(y.shape)}")
+            raise ConfigError("xent targets must be integer labels of shape "
+                              f"{tuple(out.shape[:1])}, got {y.dtype} {tuple(y.shape)}")
         if len(y) and (y.min() < 0 or y.max() >= self.cfg.out_dim):
             raise ConfigError(f"labels must be in 0..{self.cfg.out_dim - 1}")
         return xp.asarray(y, dtype=xp.int64)

@@ -1,5 +1,5 @@
-"""SGD, momentum, Adam, LARS and LAMB on flat NumPy arrays (or torch tensors), formula for formula like
-the papers and torch.optim; ``make_optimizer`` builds any of the five from an ``OptimConfig``.
+"""SGD, momentum, Adam, LARS and LAMB on flat NumPy arrays (or torch tensors), formula for formula
+like the papers and torch.optim; ``make_optimizer`` builds any of the five from an ``OptimConfig``.
 
 LARS and LAMB take the model's tensors (``layers=``, one trust ratio each); the lr of update t
 comes from ``cfg.lr`` and ``cfg.warmup_steps``. Updates are in place, with
@@ -42,6 +42,16 @@ class OptimConfig:
     ``warmup_steps``: the lr ramps linearly over the first updates (``lr.warmup_lr``).
     ``trust_coef``: LARS's eta, the trust coefficient (0.001 in the paper): a tensor moves by
     about lr * eta of its norm per step, so LARS wants a much larger ``lr`` than SGD.
+
+    Args:
+        name: "sgd", "momentum", "adam", "lars" or "lamb".
+        lr: the learning rate.
+        momentum: momentum and LARS's m.
+        betas: Adam's and LAMB's (b1, b2).
+        eps: Adam's and LAMB's epsilon.
+        weight_decay: L2 (decoupled in LARS and LAMB).
+        warmup_steps: updates of linear warm-up (0: none).
+        trust_coef: LARS's eta.
     """
 
     name: Literal["sgd", "momentum", "adam", "lars", "lamb"] = "sgd"
@@ -56,14 +66,18 @@ class OptimConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "betas", tuple(self.betas))
         if self.name not in OPTIMIZERS:
-            raise ConfigError(f"optimizer name must be one of {', '.join(OPTIMIZERS)}, not {self.name!r}")
+            raise ConfigError(f"optimizer name must be one of {', '.join(OPTIMIZERS)}, not "
+                              f"{self.name!r}")
         if not self.lr >= 0 or not self.weight_decay >= 0 or not self.eps > 0:
             raise ConfigError(f"need lr >= 0, weight_decay >= 0 and eps > 0, got {self}")
         steps = self.warmup_steps
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
-            raise ConfigError(f"warmup_steps must be an integer >= 0 (0: no warm-up), got {steps!r}")
+            raise ConfigError(
+                f"warmup_steps must be an integer >= 0 (0: no warm-up), got {steps!r}"
+            )
         if not (math.isfinite(self.trust_coef) and self.trust_coef > 0):
-            raise ConfigError(f"trust_coef (LARS's eta) must be a finite number > 0, got {self.trust_coef}")
+            raise ConfigError("trust_coef (LARS's eta) must be a finite number > 0, got "
+                              f"{self.trust_coef}")
         if not 0 <= self.momentum < 1 or len(self.betas) != 2:
             raise ConfigError(f"need 0 <= momentum < 1 and two betas, got {self}")
         if not all(0 <= b < 1 for b in self.betas):
@@ -78,6 +92,13 @@ class Optimizer:
     tensors as slices of the flat vector (``MLP.param_slices``), for the layer-wise ones.
     ``device``: None keeps the state in numpy arrays; a torch device (``dtype`` a torch dtype,
     e.g. ``params.dtype``) keeps it in torch tensors there, for parameters that live there.
+
+    Args:
+        cfg: the hyperparameters.
+        num_params: the flat parameter vector's length.
+        dtype: the state's dtype (a torch dtype with ``device``).
+        layers: the model's ``param_slices`` (LARS and LAMB need them).
+        device: None for numpy state, or a torch device.
     """
 
     _state_names: tuple[str, ...] = ()
@@ -99,7 +120,15 @@ class Optimizer:
             setattr(self, name, zeros)
 
     def step(self, params: np.ndarray, grad: np.ndarray) -> None:
-        """One update of ``params`` in place from ``grad`` (which is left untouched)."""
+        """One update of ``params`` in place from ``grad`` (which is left untouched).
+
+        Args:
+            params: the flat parameters, updated in place.
+            grad: their gradient.
+
+        Raises:
+            ConfigError: ``params`` or ``grad`` of another shape or dtype than the optimizer's.
+        """
         for name, a in (("params", params), ("grad", grad)):
             if a.shape != (self.num_params,) or a.dtype != self.dtype:
                 raise ConfigError(f"{name} must be {self.dtype} of shape ({self.num_params},), "
@@ -117,11 +146,22 @@ class Optimizer:
         raise NotImplementedError
 
     def state_dict(self) -> dict[str, np.ndarray | int]:
-        """Copies of the state: ``{"step": t, <array name>: array, ...}``."""
+        """Copies of the state: ``{"step": t, <array name>: array, ...}``.
+
+        Returns:
+            The step count and a copy of every state array.
+        """
         return {"step": self.t, **{n: getattr(self, n).copy() for n in self._state_names}}
 
     def load_state_dict(self, state: dict[str, np.ndarray | int]) -> None:
-        """Restore a ``state_dict()``; the continuation is then bitwise identical."""
+        """Restore a ``state_dict()``; the continuation is then bitwise identical.
+
+        Args:
+            state: what ``state_dict()`` returned (copied in).
+
+        Raises:
+            ConfigError: missing or extra keys, or arrays of another model's size.
+        """
         if set(state) != {"step", *self._state_names}:
             raise ConfigError(f"{type(self).__name__} state needs keys "
                               f"{['step', *self._state_names]}, got {sorted(state)}")
@@ -198,21 +238,46 @@ class Adam(Optimizer):
 
 
 def local_norms(arrays: list[np.ndarray]) -> list[float]:
-    """The 2-norm of each array (the whole tensors are here: one device, or a replica)."""
+    """The 2-norm of each array (the whole tensors are here: one device, or a replica).
+
+    Args:
+        arrays: the tensors.
+
+    Returns:
+        Their 2-norms, as floats.
+    """
     return [float(array_namespace(a).linalg.norm(a)) for a in arrays]
 
 
 def check_layers(layers: list[slice] | None, num_params: int, who: str) -> tuple[slice, ...]:
-    """The slices, checked to tile ``[0, num_params)`` in order: every parameter in one tensor."""
+    """The slices, checked to tile ``[0, num_params)`` in order: every parameter in one tensor.
+
+    Args:
+        layers: the slices, or None.
+        num_params: the flat vector's length.
+        who: the optimizer, for the message.
+
+    Returns:
+        The slices, as a tuple.
+
+    Raises:
+        ConfigError: None, or slices that do not tile ``[0, num_params)`` in order.
+    """
     if layers is None:
-        raise ConfigError(f"{who} keeps one trust ratio per tensor and needs layers=: pass the model's "
-                          "param_slices, e.g. make_optimizer(cfg, model.num_params, dtype, "
+        raise ConfigError(f"{who} keeps one trust ratio per tensor and needs layers=: pass the "
+                          "model's param_slices, e.g. make_optimizer(cfg, model.num_params, dtype, "
                           "layers=model.param_slices)")
     layers, end = tuple(layers), 0
     for sl in layers:
-        if not isinstance(sl, slice) or sl.step not in (None, 1) or sl.start != end or sl.stop < end:
+        if (
+            not isinstance(sl, slice)
+            or sl.step not in (None, 1)
+            or sl.start != end
+            or sl.stop < end
+        ):
             raise ConfigError(f"{who}'s layers must be slices that tile 0..{num_params} in order, "
-                              f"got {sl!r} where one starting at {end} was due: pass model.param_slices")
+                              f"got {sl!r} where one starting at {end} was due: pass "
+                              "model.param_slices")
         end = sl.stop
     if end != num_params:
         raise ConfigError(f"{who}'s layers cover 0..{end} but there are {num_params} parameters: "
@@ -221,7 +286,16 @@ def check_layers(layers: list[slice] | None, num_params: int, who: str) -> tuple
 
 
 def trust_ratio(numerator: float, denominator: float) -> float:
-    """``numerator / denominator``, or 1 where either is 0 (the papers' implementations' convention)."""
+    """``numerator / denominator``, or 1 where either is 0 (the papers' implementations'
+    convention).
+
+    Args:
+        numerator: e.g. the weight's norm.
+        denominator: e.g. the update's norm.
+
+    Returns:
+        The ratio, or 1.0.
+    """
     return numerator / denominator if numerator > 0 and denominator > 0 else 1.0
 
 
@@ -239,6 +313,16 @@ class LARS(Optimizer):
     the buffer (``v = m v + local_lr (g + beta w); w -= gamma_t v``): the same steps while
     the lr is constant, different ones during a warm-up. Many recipes also leave biases
     out of the trust ratio and weight decay; here every tensor gets both, as in the paper.
+
+    Args:
+        cfg: the hyperparameters.
+        num_params: the flat parameter vector's length.
+        dtype: the state's dtype.
+        layers: the model's ``param_slices``.
+        device: None for numpy state, or a torch device.
+
+    Raises:
+        ConfigError: ``layers`` missing, or not tiling the parameters.
     """
 
     _state_names = ("momentum_buffer",)
@@ -255,7 +339,11 @@ class LARS(Optimizer):
         norms = self.norms([params[sl] for sl in self.layers] + [g[sl] for sl in self.layers])
         for sl, w_norm, g_norm in zip(self.layers, norms[:k], norms[k:], strict=True):
             w, gi = params[sl], g[sl]
-            local_lr = cfg.trust_coef * w_norm / (g_norm + wd * w_norm) if w_norm > 0 and g_norm > 0 else 1.0
+            local_lr = (
+                cfg.trust_coef * w_norm / (g_norm + wd * w_norm)
+                if w_norm > 0 and g_norm > 0
+                else 1.0
+            )
             v[sl] *= cfg.momentum
             v[sl] += (lr * local_lr) * (gi + wd * w if wd else gi)
             w -= v[sl]  # a view: writes into params
@@ -273,6 +361,16 @@ class LAMB(Optimizer):
 
     So each tensor moves by lr_t * ||w|| per step, in Adam's direction. ``eps`` is added
     after the bias correction of sqrt(v), as in ``Adam`` here and in the paper.
+
+    Args:
+        cfg: the hyperparameters.
+        num_params: the flat parameter vector's length.
+        dtype: the state's dtype.
+        layers: the model's ``param_slices``.
+        device: None for numpy state, or a torch device.
+
+    Raises:
+        ConfigError: ``layers`` missing, or not tiling the parameters.
     """
 
     _state_names = ("exp_avg", "exp_avg_sq")
@@ -305,6 +403,19 @@ def make_optimizer(cfg: OptimConfig, num_params: int, dtype: DTypeLike = np.floa
 
     ``layers`` (the model's ``param_slices``) is required by LARS and LAMB, ignored by the others.
     ``device``: None, numpy state; a torch device, torch state there (``dtype`` then a torch dtype).
+
+    Args:
+        cfg: the optimizer's name and hyperparameters.
+        num_params: the flat parameter vector's length.
+        dtype: the state's dtype.
+        layers: the model's ``param_slices`` (LARS and LAMB).
+        device: None, or a torch device.
+
+    Returns:
+        The optimizer.
+
+    Raises:
+        ConfigError: LARS or LAMB without valid ``layers``.
     """
     cls = {"sgd": SGD, "momentum": Momentum, "adam": Adam, "lars": LARS, "lamb": LAMB}[cfg.name]
     return cls(cfg, num_params, dtype, layers, device)

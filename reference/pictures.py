@@ -33,12 +33,15 @@ __all__ = ["PictureError", "contents", "render_rounds", "render_arrows", "render
 
 
 class PictureError(DplabError, ValueError):
-    """A picture that cannot be drawn faithfully (too many ranks for the notation, overlapping spans)."""
+    """A picture that cannot be drawn faithfully (too many ranks for the notation, overlapping
+    spans)."""
 
 
 def _chunk_name(c: int) -> str:
     if c >= 26:
-        raise PictureError(f"chunk {c}: the text notation names chunks a..z; draw at most 26 chunks")
+        raise PictureError(
+            f"chunk {c}: the text notation names chunks a..z; draw at most 26 chunks"
+        )
     return chr(ord("a") + c)
 
 
@@ -46,7 +49,18 @@ def contents(chunk: int, counts: np.ndarray) -> str:
     """``"b02"``: chunk b holding rank 0's and rank 2's contributions (a digit per time it is held).
 
     A contribution held twice shows twice ("a001"): the double counting the simulator exists
-    to catch stays visible in the picture."""
+    to catch stays visible in the picture.
+
+    Args:
+        chunk: the chunk's index (a letter: at most 26).
+        counts: how many times each rank's contribution is in it.
+
+    Returns:
+        The chunk's label.
+
+    Raises:
+        PictureError: more than 10 ranks, or more than 26 chunks.
+    """
     if len(counts) > 10:
         raise PictureError(f"{len(counts)} ranks: the one-digit notation draws at most 10 ranks")
     return _chunk_name(chunk) + "".join(str(r) * int(n) for r, n in enumerate(counts))
@@ -78,7 +92,18 @@ def render_rounds(schedule: Schedule, rounds: Iterable[int] | None = None) -> st
     """Per round: what every rank holds at its start and what it sends; then the state after.
 
     Holdings come from the simulator (``dplab.reference.simulate``), which runs the very
-    schedule the executor runs, so a send's label is the value it really carries."""
+    schedule the executor runs, so a send's label is the value it really carries.
+
+    Args:
+        schedule: the schedule.
+        rounds: the rounds to draw (default: all).
+
+    Returns:
+        The picture, lines joined by newlines.
+
+    Raises:
+        PictureError: more than 10 ranks or 26 chunks.
+    """
     sim = simulate(schedule)
     p, k = schedule.world_size, schedule.num_chunks
     shown = list(range(len(schedule.rounds)) if rounds is None else rounds)
@@ -99,7 +124,15 @@ def render_rounds(schedule: Schedule, rounds: Iterable[int] | None = None) -> st
 
 
 def render_arrows(schedule: Schedule) -> str:
-    """One line per round: ``src->dst`` for every transfer (chunk letters when there are several)."""
+    """One line per round: ``src->dst`` for every transfer (chunk letters when there are
+    several).
+
+    Args:
+        schedule: the schedule.
+
+    Returns:
+        The picture.
+    """
     lines = []
     for i, rnd in enumerate(schedule.rounds):
         ops = sorted({"adds" if t.op == "reduce" else "copies" for t in rnd})
@@ -112,7 +145,14 @@ def render_arrows(schedule: Schedule) -> str:
 def render_tree(schedule: Schedule) -> str:
     """The reduction tree a schedule builds: one line per leaf, its path to the root.
 
-    A rank's parent is the rank it sends to with ``op='reduce'``; a leaf receives from nobody."""
+    A rank's parent is the rank it sends to with ``op='reduce'``; a leaf receives from nobody.
+
+    Args:
+        schedule: a reducing schedule.
+
+    Returns:
+        One "root <- ... <- leaf" line per leaf.
+    """
     parent = {t.src: t.dst for rnd in schedule.rounds for t in rnd if t.op == "reduce"}
     senders_to = {t.dst for rnd in schedule.rounds for t in rnd if t.op == "reduce"}
     lines = []
@@ -132,9 +172,16 @@ def _label_of(e: Event) -> str:
     return str(e.extra.get("label", e.kind))
 
 
-def render_timeline(events: Iterable[Event], unit_ns: int, *, lane: Callable[[Event], str] = _lane_of,
-                    label: Callable[[Event], str] = _label_of, marks: Mapping[str, str] | None = None,
-                    lanes: Sequence[str] | None = None, tick_every: int = 10) -> str:
+def render_timeline(
+    events: Iterable[Event],
+    unit_ns: int,
+    *,
+    lane: Callable[[Event], str] = _lane_of,
+    label: Callable[[Event], str] = _label_of,
+    marks: Mapping[str, str] | None = None,
+    lanes: Sequence[str] | None = None,
+    tick_every: int = 10,
+) -> str:
     """Lanes of spans on a time grid of one character per ``unit_ns``.
 
     A span is ``[ label ]`` filling the columns of [t_start, t_end) (the label is cut to fit);
@@ -142,7 +189,24 @@ def render_timeline(events: Iterable[Event], unit_ns: int, *, lane: Callable[[Ev
     applied, a gradient dropped). Lanes come in ``lanes`` order, else in order of first
     appearance. Two things in one cell raise PictureError rather than hide each other: pick
     a finer ``unit_ns`` or another ``lane``. Times are integers, rounded to the nearest
-    column, so the same events always draw the same picture."""
+    column, so the same events always draw the same picture.
+
+    Args:
+        events: the trace events to draw.
+        unit_ns: nanoseconds per character.
+        lane: an event's lane name (default: rank and thread).
+        label: a span's label (default: its kind).
+        marks: event kinds drawn as one character at their end time.
+        lanes: the lanes, in order (default: as they first appear).
+        tick_every: columns between the time axis's ticks.
+
+    Returns:
+        The picture, with a time axis.
+
+    Raises:
+        PictureError: ``unit_ns`` <= 0, an event on a lane not in ``lanes``, or two things in one
+            cell.
+    """
     events = list(events)
     if unit_ns <= 0:
         raise PictureError(f"unit_ns must be > 0, got {unit_ns}")
@@ -157,17 +221,21 @@ def render_timeline(events: Iterable[Event], unit_ns: int, *, lane: Callable[[Ev
     for e in events:
         name = lane(e)
         if name not in rows:
-            raise PictureError(f"event {e.kind!r} is on lane {name!r}, which is not in lanes={order}")
+            raise PictureError(f"event {e.kind!r} is on lane {name!r}, which is not in "
+                               f"lanes={order}")
         if e.kind in marks:
             start, text = col(e.t_end_ns), marks[e.kind]
         else:
             start, width = col(e.t_start_ns), col(e.t_end_ns) - col(e.t_start_ns)
-            text = "[" + label(e)[: max(width - 2, 0)].center(max(width - 2, 0)) + "]" if width >= 2 \
+            text = (
+                "[" + label(e)[: max(width - 2, 0)].center(max(width - 2, 0)) + "]"
+                if width >= 2
                 else "|" * width
+            )
         for i, ch in enumerate(text, start):
             if i in rows[name]:
-                raise PictureError(f"lane {name!r}: {e.kind!r} overlaps another event at column {i}; "
-                                   "use a finer unit_ns or put them on separate lanes")
+                raise PictureError(f"lane {name!r}: {e.kind!r} overlaps another event at column "
+                                   f"{i}; use a finer unit_ns or put them on separate lanes")
             rows[name][i] = ch
     end = max((max(r, default=-1) + 1 for r in rows.values()), default=0)
     pad = max([len(n) for n in order] + [len("time ->")]) + 2
@@ -176,5 +244,7 @@ def render_timeline(events: Iterable[Event], unit_ns: int, *, lane: Callable[[Ev
         tick = str(c * unit_ns)
         axis[c: c + len(tick)] = tick
     lines = ["time ->".ljust(pad) + "".join(axis)]
-    lines += [name.ljust(pad) + "".join(r.get(i, " ") for i in range(end)) for name, r in rows.items()]
+    lines += [
+        name.ljust(pad) + "".join(r.get(i, " ") for i in range(end)) for name, r in rows.items()
+    ]
     return "\n".join(line.rstrip() for line in lines)

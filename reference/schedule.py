@@ -25,8 +25,18 @@ from typing import Any, Literal, NamedTuple
 
 from dplab.reference.errors import DplabError
 
-__all__ = ["Op", "Transfer", "Schedule", "ScheduleError", "validate", "chunk_bounds", "concat", "Message",
-           "messages", "messages_of"]
+__all__ = [
+    "Op",
+    "Transfer",
+    "Schedule",
+    "ScheduleError",
+    "validate",
+    "chunk_bounds",
+    "concat",
+    "Message",
+    "messages",
+    "messages_of",
+]
 
 Op = Literal["reduce", "copy"]
 
@@ -37,6 +47,14 @@ class ScheduleError(DplabError, ValueError):
 
 @dataclass(frozen=True)
 class Transfer:
+    """One send in a round: rank ``src`` sends chunk ``chunk`` to ``dst``, which adds or copies it.
+
+    Args:
+        src: the sending rank.
+        dst: the receiving rank.
+        chunk: the chunk's index (``chunk_bounds(n, num_chunks)[chunk]`` of the buffer).
+        op: "reduce" (the receiver adds it to its own) or "copy" (it overwrites its own).
+    """
     src: int
     dst: int
     chunk: int
@@ -46,7 +64,17 @@ class Transfer:
 @dataclass(frozen=True, eq=False)
 class Schedule:
     """``rounds[k]`` lists the transfers of round k; all of them may run at once. Immutable, and
-    checked when made (``validate``)."""
+    checked when made (``validate``).
+
+    Args:
+        name: the algorithm's name, shown in traces and pictures.
+        world_size: the number of ranks.
+        num_chunks: how many chunks the buffer is cut into (``chunk_bounds``).
+        rounds: the transfers of each round.
+
+    Raises:
+        ScheduleError: a transfer that cannot run as written (``validate``).
+    """
 
     name: str
     world_size: int
@@ -68,29 +96,57 @@ class Schedule:
         return hash((self.name, self.world_size, self.num_chunks, len(self.rounds)))
 
     def __repr__(self) -> str:
-        return (f"Schedule({self.name!r}, world_size={self.world_size}, num_chunks={self.num_chunks}, "
-                f"{len(self.rounds)} rounds, {sum(map(len, self.rounds))} transfers)")
+        return (f"Schedule({self.name!r}, world_size={self.world_size}, "
+                f"num_chunks={self.num_chunks}, {len(self.rounds)} rounds, "
+                f"{sum(map(len, self.rounds))} transfers)")
 
     def __reduce__(self) -> tuple[Any, ...]:
-        """Pickled without what ``memo`` keeps (``st.cache_data`` and persistent worlds pickle schedules)."""
+        """Pickled without what ``memo`` keeps (``st.cache_data`` and persistent worlds pickle
+        schedules)."""
         return (Schedule, (self.name, self.world_size, self.num_chunks, self.rounds))
 
     def memo(self, key: Any, compute: Callable[[], Any]) -> Any:
-        """``compute()`` once per schedule and key (the cost model keeps its columns and summaries here)."""
+        """``compute()`` once per schedule and key (the cost model keeps its columns and summaries
+        here).
+
+        Args:
+            key: what the value is of (e.g. "columns").
+            compute: makes the value the first time.
+
+        Returns:
+            The value kept for ``key``.
+        """
         if key not in self._memo:
             self._memo[key] = compute()
         return self._memo[key]
 
     def transfers_of(self, rank: int) -> list[tuple[list[Transfer], list[Transfer]]]:
-        """Per round, the (sends, receives) that ``rank`` takes part in, in schedule order."""
-        return [([t for t in rnd if t.src == rank], [t for t in rnd if t.dst == rank]) for rnd in self.rounds]
+        """Per round, the (sends, receives) that ``rank`` takes part in, in schedule order.
+
+        Args:
+            rank: the rank.
+
+        Returns:
+            One (sends, receives) pair per round.
+        """
+        return [
+            ([t for t in rnd if t.src == rank], [t for t in rnd if t.dst == rank])
+            for rnd in self.rounds
+        ]
 
 
 def validate(s: Schedule) -> None:
     """Refuse what cannot run as written: a rank or chunk out of range, an unknown op, a send to
     oneself, and two receives into one chunk in one round when one of them is a copy (a copy
     overwrites: which lands last would be undefined). A rank may send a chunk it also receives
-    into (recursive doubling's exchange): the send carries the chunk as the round found it."""
+    into (recursive doubling's exchange): the send carries the chunk as the round found it.
+
+    Args:
+        s: the schedule.
+
+    Raises:
+        ScheduleError: naming the round and the transfer.
+    """
     p, k = s.world_size, s.num_chunks
     if p < 1 or k < 1:
         raise ScheduleError(f"{s.name}: world_size and num_chunks must be >= 1, got {p}, {k}")
@@ -98,11 +154,13 @@ def validate(s: Schedule) -> None:
         into: dict[tuple[int, int], list[str]] = {}  # (rank, chunk) -> the ops received into it
         for t in rnd:
             if not isinstance(t, Transfer):
-                raise ScheduleError(f"{s.name} round {i}: {t!r} is not a Transfer(src, dst, chunk, op)")
+                raise ScheduleError(f"{s.name} round {i}: {t!r} is not a Transfer(src, dst, chunk, "
+                                    "op)")
             if t.op not in ("reduce", "copy"):
-                raise ScheduleError(f"{s.name} round {i}: unknown op {t.op!r} in {t}: a transfer either "
-                                    "'reduce's or 'copy's")
-            if not (hasattr(t.src, "__index__") and hasattr(t.dst, "__index__")  # ints, numpy ints
+                raise ScheduleError(f"{s.name} round {i}: unknown op {t.op!r} in {t}: a transfer "
+                                    "either 'reduce's or 'copy's")
+            # ints, numpy ints (three hasattr, not a generator: validate runs per transfer)
+            if not (hasattr(t.src, "__index__") and hasattr(t.dst, "__index__")
                     and hasattr(t.chunk, "__index__")):
                 raise ScheduleError(f"{s.name} round {i}: {t}: src, dst and chunk must be integers "
                                     "(p // 2, not p / 2)")
@@ -113,8 +171,8 @@ def validate(s: Schedule) -> None:
             ops = into.setdefault((t.dst, t.chunk), [])
             ops.append(t.op)
             if len(ops) > 1 and "copy" in ops:
-                raise ScheduleError(f"{s.name} round {i}: rank {t.dst} receives chunk {t.chunk} twice, "
-                                    "once as a copy: which lands last is undefined")
+                raise ScheduleError(f"{s.name} round {i}: rank {t.dst} receives chunk {t.chunk} "
+                                    "twice, once as a copy: which lands last is undefined")
 
 
 def chunk_bounds(n: int, k: int) -> list[tuple[int, int]]:
@@ -125,6 +183,16 @@ def chunk_bounds(n: int, k: int) -> list[tuple[int, int]]:
 
     >>> chunk_bounds(10, 4)
     [(0, 3), (3, 6), (6, 8), (8, 10)]
+
+    Args:
+        n: the number of elements (>= 0).
+        k: the number of pieces (>= 1).
+
+    Returns:
+        k (start, stop) pairs, in order, covering range(n).
+
+    Raises:
+        ValueError: n < 0 or k < 1.
     """
     if n < 0 or k < 1:
         raise ValueError(f"chunk_bounds needs n >= 0 and k >= 1, got n={n}, k={k}")
@@ -138,7 +206,18 @@ def chunk_bounds(n: int, k: int) -> list[tuple[int, int]]:
 
 
 def concat(name: str, *parts: Schedule) -> Schedule:
-    """Run schedules one after another over the same chunking (e.g. reduce-scatter + all-gather)."""
+    """Run schedules one after another over the same chunking (e.g. reduce-scatter + all-gather).
+
+    Args:
+        name: the new schedule's name.
+        *parts: the schedules, in the order they run.
+
+    Returns:
+        One schedule with all their rounds.
+
+    Raises:
+        ScheduleError: the parts differ in world_size or num_chunks.
+    """
     p, k = parts[0].world_size, parts[0].num_chunks
     if any(s.world_size != p or s.num_chunks != k for s in parts):
         raise ScheduleError(f"{name}: parts disagree on world_size or num_chunks")
@@ -149,7 +228,16 @@ class Message(NamedTuple):
     """What travels: a round's transfers from ``src`` to ``dst`` with one op and consecutive chunks
     go as one message, chunks ``chunk .. stop - 1`` (Rabenseifner's half-buffers: one message, one
     alpha). ``snapshot``: the sender also receives into one of these chunks in the same round, so
-    the executor sends a copy taken at the start of the round (what the schedule's send means)."""
+    the executor sends a copy taken at the start of the round (what the schedule's send means).
+
+    Args:
+        src: the sending rank.
+        dst: the receiving rank.
+        chunk: the first chunk.
+        op: "reduce" or "copy".
+        stop: one past the last chunk.
+        snapshot: send a copy taken at the start of the round.
+    """
 
     src: int
     dst: int
@@ -162,7 +250,14 @@ class Message(NamedTuple):
 def messages(transfers: Iterable[Transfer]) -> list[Message]:
     """Coalesce transfers (of one round) into messages: per (src, dst, op), in order of first
     appearance, each run of consecutive chunks. Sender and receiver see the same transfers
-    between them in the same order, so they cut the same messages in the same order."""
+    between them in the same order, so they cut the same messages in the same order.
+
+    Args:
+        transfers: the transfers of one round.
+
+    Returns:
+        The messages, each a run of consecutive chunks between one pair with one op.
+    """
     groups: dict[tuple[int, int, str], list[int]] = {}
     for t in transfers:
         groups.setdefault((t.src, t.dst, t.op), []).append(t.chunk)
@@ -178,7 +273,15 @@ def messages(transfers: Iterable[Transfer]) -> list[Message]:
 
 
 def messages_of(schedule: Schedule, rank: int) -> list[tuple[list[Message], list[Message]]]:
-    """Per round, the messages ``rank`` sends and receives (what the executor posts)."""
+    """Per round, the messages ``rank`` sends and receives (what the executor posts).
+
+    Args:
+        schedule: the schedule.
+        rank: the rank.
+
+    Returns:
+        One (sends, receives) pair of message lists per round.
+    """
     plan = []
     for sends, recvs in schedule.transfers_of(rank):
         into = {t.chunk for t in recvs}

@@ -27,13 +27,29 @@ __all__ = ["Simulation", "simulate", "is_allreduce", "initial_holdings"]
 
 @dataclass
 class Simulation:
+    """What ``simulate`` found: who holds whose contribution after every round, and the values.
+
+    Args:
+        schedule: the schedule simulated.
+        holdings: per round boundary (before round 0 and after each), ``counts[rank, chunk,
+            contributor]``: how many times each rank's contribution is in that chunk there.
+        buffers: the final buffers, if ``simulate`` was given some; else None.
+    """
     schedule: Schedule
     holdings: list[np.ndarray]  # per round boundary: counts[rank, chunk, contributor]
     buffers: list[np.ndarray] | None  # final values, if buffers were given
 
 
 def initial_holdings(p: int, k: int) -> np.ndarray:
-    """Before any round, rank r's chunks each hold only r's own contribution."""
+    """Before any round, rank r's chunks each hold only r's own contribution.
+
+    Args:
+        p: the number of ranks.
+        k: the number of chunks.
+
+    Returns:
+        ``counts[rank, chunk, contributor]``, 1 where rank == contributor.
+    """
     h = np.zeros((p, k, p), dtype=np.int64)
     for r in range(p):
         h[r, :, r] = 1
@@ -43,7 +59,18 @@ def initial_holdings(p: int, k: int) -> np.ndarray:
 def simulate(schedule: Schedule, buffers: list[np.ndarray] | None = None) -> Simulation:
     """Apply every round; a send carries the chunk as it was at the start of the round (so two
     ranks may exchange one chunk in one round: recursive doubling). Provenance moves per round
-    as whole arrays (p = 64 in milliseconds); values chunk by chunk."""
+    as whole arrays (p = 64 in milliseconds); values chunk by chunk.
+
+    Args:
+        schedule: the schedule to run.
+        buffers: one array per rank (any shape; flattened), or None to track provenance only.
+
+    Returns:
+        The holdings after every round, and the final buffers when given.
+
+    Raises:
+        ValueError: ``buffers`` does not hold one array per rank.
+    """
     p, k = schedule.world_size, schedule.num_chunks
     history = [initial_holdings(p, k)]
     bufs = None
@@ -56,9 +83,11 @@ def simulate(schedule: Schedule, buffers: list[np.ndarray] | None = None) -> Sim
         before = history[-1]  # the state at the start of the round: what every send carries
         holding = before.copy()
         if rnd:
-            src, dst, chunk, red = (np.array(c) for c in zip(*((t.src, t.dst, t.chunk, t.op == "reduce")
-                                                                for t in rnd)))
-            cp = ~red  # validate() refuses a copy into a chunk that anything else lands in that round
+            src, dst, chunk, red = (
+                np.array(c) for c in zip(*((t.src, t.dst, t.chunk, t.op == "reduce") for t in rnd))
+            )
+            # validate() refuses a copy into a chunk that anything else lands in that round
+            cp = ~red
             holding[dst[cp], chunk[cp]] = before[src[cp], chunk[cp]]
             np.add.at(holding, (dst[red], chunk[red]), before[src[red], chunk[red]])
         if bufs is not None:
@@ -74,5 +103,12 @@ def simulate(schedule: Schedule, buffers: list[np.ndarray] | None = None) -> Sim
 
 
 def is_allreduce(sim: Simulation) -> bool:
-    """Every chunk on every rank holds every rank's contribution exactly once."""
+    """Every chunk on every rank holds every rank's contribution exactly once.
+
+    Args:
+        sim: a finished simulation.
+
+    Returns:
+        True when the schedule computed an all-reduce.
+    """
     return bool((sim.holdings[-1] == 1).all())

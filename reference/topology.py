@@ -30,9 +30,19 @@ __all__ = ["Link", "Topology", "PRESETS"]
 
 @dataclass(frozen=True)
 class Topology:
-    """Nodes of ``ranks_per_node`` consecutive ranks; ``intra`` links inside a node, ``inter`` between.
+    """Nodes of ``ranks_per_node`` consecutive ranks; ``intra`` links inside a node, ``inter``
+    between.
 
-    ``gamma`` is seconds per byte reduced. ``source`` says where the numbers come from."""
+    ``gamma`` is seconds per byte reduced. ``source`` says where the numbers come from.
+
+    Args:
+        name: the machine's name.
+        ranks_per_node: ranks per node.
+        intra: the link inside a node.
+        inter: the link between nodes.
+        gamma: seconds per byte reduced.
+        source: where the numbers come from.
+    """
 
     name: str
     ranks_per_node: int
@@ -49,7 +59,17 @@ class Topology:
 
     @staticmethod
     def flat(alpha: float, beta: float, gamma: float, name: str = "flat") -> Topology:
-        """The one-level model: every rank its own node, every message on the same link."""
+        """The one-level model: every rank its own node, every message on the same link.
+
+        Args:
+            alpha: seconds per message.
+            beta: seconds per byte.
+            gamma: seconds per byte reduced.
+            name: the topology's name.
+
+        Returns:
+            A topology of one level.
+        """
         link = Link(alpha, beta)
         return Topology(name, 1, link, link, gamma, "one alpha, beta, gamma for every message")
 
@@ -57,7 +77,17 @@ class Topology:
     def of(c: Cluster | str) -> Topology:
         """What the cost model prices on cluster ``c`` (or a preset's name): its nodes and its two
         links' alpha and beta, its gamma. Contention-free: a port per rank and no queueing on a
-        shared port or device (the simulator, ``--backend sim``, has those)."""
+        shared port or device (the simulator, ``--backend sim``, has those).
+
+        Args:
+            c: a cluster, or a preset's name.
+
+        Returns:
+            The topology.
+
+        Raises:
+            ConfigError: an unknown preset.
+        """
         c = cluster(c)
         return Topology(c.name, c.ranks_per_node, c.intra, c.inter, c.gamma, c.source)
 

@@ -29,6 +29,21 @@ _OFF = nullcontext()  # every disabled tracer's span
 
 @dataclass(frozen=True)
 class Event:
+    """One traced thing a rank did: a span from ``t_start_ns`` to ``t_end_ns`` on its clock.
+
+    Args:
+        rank: the rank.
+        kind: what it was ("send", "reduce", "bucket", "forward", "wait", ...).
+        t_start_ns: its start, nanoseconds on the aligned clock.
+        t_end_ns: its end.
+        peer: the other rank of a transfer (-1: none).
+        bytes: bytes moved.
+        chunk: the schedule's chunk (-1: none).
+        round: the schedule's round (-1: none).
+        algorithm: the collective's algorithm.
+        thread: "main", or "comm" for the reduction thread.
+        extra: kind-specific fields (bucket, step, staleness, ...).
+    """
     rank: int
     kind: str  # send | reduce | copy | allreduce | forward | backward | optimizer | wait | ...
     t_start_ns: int
@@ -39,18 +54,39 @@ class Event:
     round: int = -1
     algorithm: str = ""
     thread: str = "main"  # "comm" for the gradient-reduction thread
-    extra: dict[str, Any] = field(default_factory=dict, hash=False)  # kind-specific: bucket, step, staleness
+    # kind-specific: bucket, step, staleness
+    extra: dict[str, Any] = field(default_factory=dict, hash=False)
 
 
 class Tracer:
+    """One rank's event recorder; when off, recording costs one attribute test.
+
+    Args:
+        rank: the rank its events carry.
+        enabled: record events.
+        offset_ns: added to every time, to read like rank 0's clock (``align_clock``).
+    """
     def __init__(self, rank: int, enabled: bool = False, offset_ns: int = 0) -> None:
         self.rank, self.enabled, self.offset_ns = rank, enabled, offset_ns
         self.events: list[Event] = []
 
     def now(self) -> int:
+        """Nanoseconds on this rank's clock, aligned to rank 0's (``align_clock``).
+
+        Returns:
+            ``time.perf_counter_ns()`` plus the offset.
+        """
         return time.perf_counter_ns() + self.offset_ns
 
     def record(self, kind: str, t_start_ns: int, t_end_ns: int, **fields: Any) -> None:
+        """Record one event from ``t_start_ns`` to ``t_end_ns``, if tracing is on.
+
+        Args:
+            kind: what happened ("send", "bucket", "forward", ...).
+            t_start_ns: its start, from ``now()``.
+            t_end_ns: its end.
+            **fields: the event's other fields (peer, bytes, chunk, round, algorithm, ...).
+        """
         if self.enabled:
             if "thread" not in fields and threading.current_thread() is not threading.main_thread():
                 fields["thread"] = "comm"
@@ -58,7 +94,15 @@ class Tracer:
 
     def span(self, kind: str, **fields: Any) -> AbstractContextManager[None]:
         """Records ``kind`` around the block; when off, one shared do-nothing context, so a tracer
-        that is off builds no generator per span."""
+        that is off builds no generator per span.
+
+        Args:
+            kind: what the block does.
+            **fields: the event's other fields.
+
+        Returns:
+            A context manager.
+        """
         return self._span(kind, fields) if self.enabled else _OFF
 
     @contextmanager
@@ -70,7 +114,11 @@ class Tracer:
             self.record(kind, t0, self.now(), **fields)
 
     def take(self) -> list[Event]:
-        """Hand over the events recorded so far and start afresh."""
+        """Hand over the events recorded so far and start afresh.
+
+        Returns:
+            The events.
+        """
         events, self.events = self.events, []
         return events
 
@@ -81,6 +129,13 @@ def align_clock(comm: Any, samples: int = 8) -> int:
     Cristian's algorithm: rank 0 stamps t0, the peer answers with its clock t1, rank 0
     stamps t2; the peer's offset is t1 - (t0 + t2) / 2, taken from the sample with the
     shortest round trip (the least queueing noise).
+
+    Args:
+        comm: the communicator, every rank calling.
+        samples: round trips per peer.
+
+    Returns:
+        This rank's offset in nanoseconds (0 on rank 0).
     """
     stamp = np.zeros(1, dtype=np.int64)
     if comm.rank == 0:
@@ -106,13 +161,30 @@ def align_clock(comm: Any, samples: int = 8) -> int:
 
 
 def merge(per_rank: Iterable[Iterable[Event]]) -> list[Event]:
-    """One time-ordered list from every rank's events."""
+    """One time-ordered list from every rank's events.
+
+    Args:
+        per_rank: each rank's events.
+
+    Returns:
+        All events, by start time then rank.
+    """
     return sorted((e for events in per_rank for e in events), key=lambda e: (e.t_start_ns, e.rank))
 
 
 def save_json(path: str | Path, events: Iterable[Event], meta: dict[str, Any] | None = None,
               what: str = "trace") -> None:
-    """Write the events (and ``meta``) as JSON, whole or not at all (``WriteError`` in one line)."""
+    """Write the events (and ``meta``) as JSON, whole or not at all (``WriteError`` in one line).
+
+    Args:
+        path: the file.
+        events: the events.
+        meta: anything JSON can hold, saved beside them.
+        what: what the file is, for the message.
+
+    Raises:
+        WriteError: the file cannot be written.
+    """
     from dplab.reference.files import write_atomic  # loaded by the runs that write a trace
 
     doc = {"meta": meta or {}, "events": [asdict(e) for e in events]}
@@ -120,13 +192,29 @@ def save_json(path: str | Path, events: Iterable[Event], meta: dict[str, Any] | 
 
 
 def load_json(path: str | Path) -> tuple[list[Event], dict[str, Any]]:
+    """Read what ``save_json`` wrote.
+
+    Args:
+        path: the file.
+
+    Returns:
+        (events, meta).
+    """
     doc = json.loads(Path(path).read_text())
     return [Event(**e) for e in doc["events"]], doc.get("meta", {})
 
 
 def to_chrome(events: Iterable[Event], cluster: str = "") -> dict[str, Any]:
     """Chrome-trace JSON: one process per rank, one thread row per rank thread. ``cluster``: the
-    events are a simulated cluster's virtual time (the sim backend), and every rank says so."""
+    events are a simulated cluster's virtual time (the sim backend), and every rank says so.
+
+    Args:
+        events: the events.
+        cluster: the simulated cluster's name, or "" for wall time.
+
+    Returns:
+        A dict ``json.dump`` writes as a trace for chrome://tracing or Perfetto.
+    """
     events = list(events)
     t0 = min((e.t_start_ns for e in events), default=0)
     threads = sorted({(e.rank, e.thread) for e in events})
@@ -136,13 +224,18 @@ def to_chrome(events: Iterable[Event], cluster: str = "") -> dict[str, Any]:
         name = f"rank {rank}" + (f" (simulated: {cluster})" if cluster else "")
         out.append({"ph": "M", "name": "process_name", "pid": rank, "args": {"name": name}})
     for (rank, thread), i in tid.items():
-        out.append({"ph": "M", "name": "thread_name", "pid": rank, "tid": i, "args": {"name": thread}})
+        out.append(
+            {"ph": "M", "name": "thread_name", "pid": rank, "tid": i, "args": {"name": thread}}
+        )
     for e in events:
-        args = {k: v for k, v in asdict(e).items() if k not in ("rank", "t_start_ns", "t_end_ns", "thread")}
+        hidden = ("rank", "t_start_ns", "t_end_ns", "thread")
+        args = {k: v for k, v in asdict(e).items() if k not in hidden}
+        arrow = "->" if e.kind == "send" else "<-"
         out.append({
-            "name": e.kind if e.peer < 0 else f"{e.kind} {'->' if e.kind == 'send' else '<-'} {e.peer}",
+            "name": e.kind if e.peer < 0 else f"{e.kind} {arrow} {e.peer}",
             "cat": e.algorithm or e.kind, "ph": "X", "pid": e.rank, "tid": tid[(e.rank, e.thread)],
-            "ts": (e.t_start_ns - t0) / 1e3, "dur": max(e.t_end_ns - e.t_start_ns, 0) / 1e3, "args": args,
+            "ts": (e.t_start_ns - t0) / 1e3, "dur": max(e.t_end_ns - e.t_start_ns, 0) / 1e3,
+            "args": args,
         })
     doc = {"traceEvents": out, "displayTimeUnit": "ns"}
     if cluster:

@@ -35,11 +35,19 @@ COMPUTE_KINDS = frozenset({"forward", "backward", "optimizer", "compute", "apply
 # a collective (its own span and every send/receive inside it) or a parameter-server transfer
 COMM_KINDS = frozenset({"bucket", "allreduce", "broadcast", "reduce_scatter", "allgather", "reduce",
                         "send", "copy", "pull", "push", "reply", "stop"})
-WAIT_KINDS = frozenset({"wait"})  # sync: the main thread blocked on the last bucket; async: at the gate
+# sync: the main thread blocked on the last bucket; async: at the gate
+WAIT_KINDS = frozenset({"wait"})
 
 
 def union(intervals: Iterable[Interval]) -> list[Interval]:
-    """Sorted, disjoint intervals covering exactly the same time; empty ones vanish."""
+    """Sorted, disjoint intervals covering exactly the same time; empty ones vanish.
+
+    Args:
+        intervals: (start, end) pairs.
+
+    Returns:
+        The union, as sorted disjoint pairs.
+    """
     out: list[list[int]] = []
     for a, b in sorted((a, b) for a, b in intervals if b > a):
         if out and a <= out[-1][1]:
@@ -50,12 +58,27 @@ def union(intervals: Iterable[Interval]) -> list[Interval]:
 
 
 def measure(intervals: Iterable[Interval]) -> int:
-    """Total time covered (overlaps counted once)."""
+    """Total time covered (overlaps counted once).
+
+    Args:
+        intervals: (start, end) pairs.
+
+    Returns:
+        The length of their union.
+    """
     return sum(b - a for a, b in union(intervals))
 
 
 def intersect(xs: Iterable[Interval], ys: Iterable[Interval]) -> list[Interval]:
-    """The time covered by both."""
+    """The time covered by both.
+
+    Args:
+        xs: (start, end) pairs.
+        ys: (start, end) pairs.
+
+    Returns:
+        The intersection, as sorted disjoint pairs.
+    """
     xs, ys = union(xs), union(ys)
     out, i, j = [], 0, 0
     while i < len(xs) and j < len(ys):
@@ -70,7 +93,15 @@ def intersect(xs: Iterable[Interval], ys: Iterable[Interval]) -> list[Interval]:
 
 
 def subtract(xs: Iterable[Interval], ys: Iterable[Interval]) -> list[Interval]:
-    """The time covered by ``xs`` and not by ``ys``."""
+    """The time covered by ``xs`` and not by ``ys``.
+
+    Args:
+        xs: (start, end) pairs.
+        ys: (start, end) pairs.
+
+    Returns:
+        The difference, as sorted disjoint pairs.
+    """
     out: list[Interval] = []
     ys = union(ys)
     for a, b in union(xs):
@@ -89,7 +120,17 @@ def subtract(xs: Iterable[Interval], ys: Iterable[Interval]) -> list[Interval]:
 
 @dataclass(frozen=True)
 class StepSplit:
-    """One rank's mean step in milliseconds, split into four disjoint parts that add up to ``step_ms``."""
+    """One rank's mean step in milliseconds, split into four disjoint parts that add up to
+    ``step_ms``.
+
+    Args:
+        steps: steps in the timed window.
+        step_ms: the mean step.
+        compute_ms: forward, backward and optimizer.
+        exposed_comm_ms: communication with no compute under it.
+        waiting_ms: blocked while neither computing nor communicating.
+        other_ms: the rest.
+    """
 
     steps: int  # steps in the timed window
     step_ms: float
@@ -105,13 +146,25 @@ def step_split(events: Iterable[Event], first_step: int = 0) -> StepSplit:
     The window runs from the first forward of ``first_step`` to the end of the last step's last
     event; every span is clipped to it. The trainer tags forward, backward, wait and optimizer
     spans with their step (``extra["step"]``); communication spans are taken as they fall.
+
+    Args:
+        events: one rank's trace events.
+        first_step: the first step counted.
+
+    Returns:
+        Per step in milliseconds: the step, compute, exposed communication, waiting and the rest.
+
+    Raises:
+        ConfigError: no forward span from ``first_step`` on.
     """
     evs = list(events)
-    starts = [e.t_start_ns for e in evs if e.kind == "forward" and e.extra.get("step", -1) >= first_step]
+    starts = [
+        e.t_start_ns for e in evs if e.kind == "forward" and e.extra.get("step", -1) >= first_step
+    ]
     steps = {e.extra["step"] for e in evs if "step" in e.extra and e.extra["step"] >= first_step}
     if not starts:
-        raise ConfigError(f"no forward span of step {first_step} or later in the trace: train more steps "
-                          "than the warm-up, with tracing on")
+        raise ConfigError(f"no forward span of step {first_step} or later in the trace: train more "
+                          "steps than the warm-up, with tracing on")
     a = min(starts)
     b = max(e.t_end_ns for e in evs if e.extra.get("step", -1) >= first_step)
     window = [(a, b)]
@@ -124,4 +177,6 @@ def step_split(events: Iterable[Event], first_step: int = 0) -> StepSplit:
     waiting = subtract(subtract(spans(WAIT_KINDS), compute), spans(COMM_KINDS))
     n, ms = len(steps), 1e-6
     total, c, x, w = b - a, measure(compute), measure(exposed), measure(waiting)
-    return StepSplit(n, total * ms / n, c * ms / n, x * ms / n, w * ms / n, (total - c - x - w) * ms / n)
+    return StepSplit(
+        n, total * ms / n, c * ms / n, x * ms / n, w * ms / n, (total - c - x - w) * ms / n
+    )

@@ -30,7 +30,8 @@ class AddedPage:
     title: str  # in the sidebar and on Home
     icon: str  # in the sidebar (a material icon or an emoji)
     blurb: str  # Home's sentence about what it shows
-    preload: Callable[[], None] = lambda: None  # imports its sessions share, before the server serves
+    # imports its sessions share, before the server serves
+    preload: Callable[[], None] = lambda: None
 
 
 @cache

@@ -69,7 +69,8 @@ def _nothing() -> None:
 def visitor_hooks() -> tuple[Callable[[], bool], Callable[[], None]]:
     """``(stop, check)`` for the page running in this thread: ``stop()`` (any thread) is True once
     Streamlit has asked the script to stop or rerun (its visitor left or changed a control);
-    ``check()`` (this thread) raises Streamlit's own stop or rerun. Outside a page: never, nothing."""
+    ``check()`` (this thread) raises Streamlit's own stop or rerun. Outside a page:
+    never, nothing."""
     try:
         from streamlit.runtime.scriptrunner import get_script_run_ctx
     except ImportError:
@@ -80,7 +81,8 @@ def visitor_hooks() -> tuple[Callable[[], bool], Callable[[], None]]:
         return _never, _nothing
 
     def stop() -> bool:
-        state = getattr(requests, "_state", None)  # ScriptRequestType: CONTINUE until a stop or rerun
+        # ScriptRequestType: CONTINUE until a stop or rerun
+        state = getattr(requests, "_state", None)
         return getattr(state, "name", "CONTINUE") != "CONTINUE"
 
     return stop, getattr(ctx, "yield_check", _nothing)
@@ -118,29 +120,33 @@ class Budget:
             return self.limits.ranks - self._free, len(self._queue)
 
     def waiting_line(self, world_size: int) -> str | None:
-        """What a visitor reads while a run of ``world_size`` ranks waits; None when it would start now."""
+        """What a visitor reads while a run of ``world_size`` ranks waits;
+        None when it would start now."""
         running, waiting = self.state()
         if not waiting and self.limits.ranks - running >= min(world_size, self.limits.ranks):
             return None
         return (f"Queued: this server runs {running} ranks for other visitors and {waiting} run"
-                f"{'s' * (waiting != 1)} wait; yours ({world_size} ranks) starts when its turn comes "
-                f"(at most {self.limits.wait_s:g} s).")
+                f"{'s' * (waiting != 1)} wait; yours ({world_size} ranks) starts when its turn "
+                f"comes (at most {self.limits.wait_s:g} s).")
 
     def acquire(self, world_size: int, stop: Callable[[], bool] = _never) -> int:
-        """Wait for ``world_size`` ranks (all of them, if it is more); returns how many to release."""
+        """Wait for ``world_size`` ranks (all of them, if it is more);
+        returns how many to release."""
         need = min(world_size, self.limits.ranks)
         ticket, deadline = object(), time.monotonic() + self.limits.wait_s
         with self._cond:
             if len(self._queue) >= self.limits.queue:
-                raise Busy(f"the server is busy: {len(self._queue)} runs wait already; try again in a minute")
+                raise Busy(f"the server is busy: {len(self._queue)} runs wait already; try again "
+                           "in a minute")
             self._queue.append(ticket)
             try:
                 while not (self._queue[0] is ticket and self._free >= need):
                     if stop():
                         raise Stopped("stopped before it started: the page was left or changed")
                     if time.monotonic() >= deadline:
-                        raise Busy(f"the server is busy: waited {self.limits.wait_s:g} s for {need} ranks "
-                                   "behind other visitors' runs; try again in a minute")
+                        raise Busy(f"the server is busy: waited {self.limits.wait_s:g} s for "
+                                   f"{need} ranks behind other visitors' runs; "
+                                   "try again in a minute")
                     self._cond.wait(0.1)
                 self._free -= need
             finally:
@@ -156,9 +162,9 @@ class Budget:
     def world(self, world_size: int, backend: str = "local", tolerate: frozenset[int] = frozenset(),
               stop: Callable[[], bool] = _never, check: Callable[[], None] = _nothing,
               cluster: str | None = None) -> _Held:
-        """A ``World`` under this budget: waits its turn, and is killed past ``Limits.run_s`` or once
-        ``stop()`` (``visitor_hooks``); then ``check()`` ends the page, else ``Stopped`` says why.
-        ``cluster``: backend "sim"'s simulated cluster."""
+        """A ``World`` under this budget: waits its turn, and is killed past ``Limits.run_s`` or
+        once ``stop()`` (``visitor_hooks``); then ``check()`` ends the page, else ``Stopped`` says
+        why. ``cluster``: backend "sim"'s simulated cluster."""
         return _Held(self, world_size, backend, tolerate, stop, check, cluster)
 
     def lease(self) -> Lease:
@@ -182,7 +188,9 @@ class Lease:
 
     def world(self, world_size: int, backend: str = "local", cluster: str | None = None) -> _Held:
         stop, check = visitor_hooks()
-        return _Held(self.budget, world_size, backend, frozenset(), stop, check, cluster, lease=self)
+        return _Held(
+            self.budget, world_size, backend, frozenset(), stop, check, cluster, lease=self
+        )
 
     def grow(self, world_size: int, stop: Callable[[], bool]) -> None:
         """Hold enough ranks for one more open world of ``world_size``."""
@@ -205,7 +213,8 @@ class Lease:
 
 
 class _Held:
-    """``with budget.world(p) as world``: the ranks are released and the world closed on the way out."""
+    """``with budget.world(p) as world``: the ranks are released and the world closed on the way
+    out."""
 
     def __init__(self, budget: Budget, world_size: int, backend: str, tolerate: frozenset[int],
                  stop: Callable[[], bool], check: Callable[[], None],
@@ -243,7 +252,9 @@ class _Held:
         self.dog.start()
         return self.world
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> bool:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any
+    ) -> bool:
         self.dog.done.set()
         self.dog.join()
         try:
@@ -257,9 +268,9 @@ class _Held:
             self.check()  # Streamlit's own stop or rerun: the page ends quietly
             raise Stopped("stopped: the page was left or changed while it ran") from None
         if self.dog.reason == "time":
-            raise Stopped(f"stopped after {self.budget.limits.run_s:g} s, this app's limit for one run: "
-                          "ask for less (fewer steps, sizes or ranks), or run it with dplab on the "
-                          "command line") from None
+            raise Stopped(f"stopped after {self.budget.limits.run_s:g} s, this app's limit for one "
+                          "run: ask for less (fewer steps, sizes or ranks), or run it with dplab "
+                          "on the command line") from None
         return False
 
 

@@ -2,7 +2,7 @@
 
     from dplab.viz.collectives import CollectiveConfig, walkthrough
     w = walkthrough(CollectiveConfig("allreduce", "ring", world_size=4, n=8))
-    w.frames[2].sentence   # "round 3 of 6, reduce-scatter: rank 0 sends chunk 1 to rank 1, which adds it"
+    w.frames[2].sentence   # "round 3 of 6, reduce-scatter: rank 0 sends chunk 1 to rank 1, ..."
     w.frames[-1].holdings  # [rank, chunk, contributor]: every count 1, the simulator's provenance
 
 Everything comes from the code that runs: the schedule is the one the executor runs
@@ -28,13 +28,30 @@ from dplab.reference.schedule import Schedule, Transfer, chunk_bounds
 from dplab.reference.simulate import simulate
 from dplab.viz.collectives_bytes import closed_form_bytes
 
-__all__ = ["COLLECTIVES", "CollectiveConfig", "Frame", "Walkthrough", "algorithms_for", "schedule_for",
-           "phases", "target", "contributors_label", "sentence", "closed_form_bytes", "walkthrough",
-           "MAX_VALUES_N"]
+__all__ = [
+    "COLLECTIVES",
+    "CollectiveConfig",
+    "Frame",
+    "Walkthrough",
+    "algorithms_for",
+    "schedule_for",
+    "phases",
+    "target",
+    "contributors_label",
+    "sentence",
+    "closed_form_bytes",
+    "walkthrough",
+    "MAX_VALUES_N",
+]
 
 # the collective's name in the executor -> in words
-COLLECTIVES = {"allreduce": "all-reduce", "reduce_scatter": "reduce-scatter", "allgather": "all-gather",
-               "broadcast": "broadcast", "reduce": "reduce"}
+COLLECTIVES = {
+    "allreduce": "all-reduce",
+    "reduce_scatter": "reduce-scatter",
+    "allgather": "all-gather",
+    "broadcast": "broadcast",
+    "reduce": "reduce",
+}
 MAX_VALUES_N = 256  # vectors up to this length are simulated with real values (shown on hover)
 MAX_CLAUSES = 4  # a round's sentence names this many transfers, then counts the rest
 
@@ -58,7 +75,8 @@ class CollectiveConfig:
 
     def __post_init__(self) -> None:
         if self.collective not in COLLECTIVES:
-            raise ConfigError(f"collective must be one of {', '.join(COLLECTIVES)}, got {self.collective!r}")
+            raise ConfigError(f"collective must be one of {', '.join(COLLECTIVES)}, got "
+                              f"{self.collective!r}")
         if not 1 <= self.world_size <= 64:
             raise ConfigError(f"world size must be 1..64, got {self.world_size}")
         if self.n < 0:
@@ -70,8 +88,8 @@ class CollectiveConfig:
             if not (math.isfinite(value) and value > 0):
                 raise ConfigError(f"{name} must be a finite number > 0, got {value}")
         if self.algorithm not in algorithms_for(self.collective):
-            raise ConfigError(f"{self.algorithm!r} has no {COLLECTIVES[self.collective]} schedule: choose "
-                              f"one of {', '.join(algorithms_for(self.collective))}")
+            raise ConfigError(f"{self.algorithm!r} has no {COLLECTIVES[self.collective]} schedule: "
+                              f"choose one of {', '.join(algorithms_for(self.collective))}")
 
     @property
     def nbytes(self) -> int:
@@ -84,7 +102,8 @@ class CollectiveConfig:
 
 
 def algorithms_for(collective: str) -> list[str]:
-    """Every algorithm that has a schedule for ``collective``: asked of the executor, not listed here."""
+    """Every algorithm that has a schedule for ``collective``:
+    asked of the executor, not listed here."""
     found = []
     for name in ALLREDUCE:
         try:
@@ -123,7 +142,9 @@ def phases(cfg: CollectiveConfig, schedule: Schedule) -> list[str]:
         if a.rounds + b.rounds == schedule.rounds:
             return ([_phase_words(first, cfg.algorithm)] * len(a.rounds)
                     + [_phase_words(second, cfg.algorithm)] * len(b.rounds))
-    ops = {rnd: "reduce" if all(t.op == "reduce" for t in rnd) else "copy" for rnd in schedule.rounds}
+    ops = {
+        rnd: "reduce" if all(t.op == "reduce" for t in rnd) else "copy" for rnd in schedule.rounds
+    }
     return ["reducing" if ops[rnd] == "reduce" else "copying" for rnd in schedule.rounds]
 
 
@@ -156,7 +177,8 @@ def _done(holding: np.ndarray, want: np.ndarray) -> np.ndarray:
 
 
 def contributors_label(counts: np.ndarray) -> str:
-    """Which ranks' contributions a cell holds, as ranges: '0-3', '0,2', '1×2' for one added twice."""
+    """Which ranks' contributions a cell holds, as ranges: '0-3', '0,2', '1×2' for one added
+    twice."""
     parts: list[str] = []
     run: list[int] = []  # consecutive ranks, each held once
 
@@ -178,8 +200,11 @@ def contributors_label(counts: np.ndarray) -> str:
     return ",".join(parts) if parts else "-"
 
 
-def sentence(index: int, rounds: int, phase: str, transfers: tuple[Transfer, ...], num_chunks: int) -> str:
-    """One round in words: 'round 3 of 6, reduce-scatter: rank 0 sends chunk 2 to rank 1, which adds it'."""
+def sentence(
+    index: int, rounds: int, phase: str, transfers: tuple[Transfer, ...], num_chunks: int
+) -> str:
+    """One round in words: 'round 3 of 6, reduce-scatter: rank 0 sends chunk 2 to rank 1, which adds
+    it'."""
     def clause(t: Transfer) -> str:
         what = "its whole buffer" if num_chunks == 1 else f"chunk {t.chunk}"
         verb = "adds" if t.op == "reduce" else "copies"
@@ -209,10 +234,12 @@ class Frame:
 class Walkthrough:
     config: CollectiveConfig
     schedule: Schedule
-    inputs: list[np.ndarray] | None  # each rank's starting vector (small integers); None past MAX_VALUES_N
+    # each rank's starting vector (small integers); None past MAX_VALUES_N
+    inputs: list[np.ndarray] | None
     frames: list[Frame]
     closed_form_bytes: int | None  # None: no textbook form (hierarchical with a smaller last node)
-    closed_form_time_s: float | None  # all-reduce only: the textbook time (tree: exact for powers of 2)
+    # all-reduce only: the textbook time (tree: exact for powers of 2)
+    closed_form_time_s: float | None
     correct: bool  # the final provenance is the collective's target
     final_values: list[np.ndarray] | None = field(default=None)  # simulate() on the whole schedule
 
@@ -243,8 +270,13 @@ def walkthrough(cfg: CollectiveConfig) -> Walkthrough:
         transfers = schedule.rounds[i] if i < rounds else ()
         so_far = Schedule(schedule.name, p, k, schedule.rounds[:i])
         time_s = cost(so_far, cfg.nbytes, alpha, beta, gamma, cfg.itemsize).time
-        words = (sentence(i, rounds, names[i], transfers, k) if i < rounds
-                 else _ending(cfg, rounds, bool((_done(sim.holdings[i], want) | (want < 0).all(2)).all())))
+        words = (
+            sentence(i, rounds, names[i], transfers, k)
+            if i < rounds
+            else _ending(
+                cfg, rounds, bool((_done(sim.holdings[i], want) | (want < 0).all(2)).all())
+            )
+        )
         frames.append(Frame(i, sim.holdings[i], values[i] if values else None, transfers,
                             names[i] if i < rounds else "done", words, tuple(sent), time_s,
                             _done(sim.holdings[i], want)))
@@ -255,7 +287,8 @@ def walkthrough(cfg: CollectiveConfig) -> Walkthrough:
     if cfg.collective == "allreduce":
         try:
             time_cf = closed_form(cfg.algorithm, p, cfg.nbytes, alpha, beta, gamma)
-        except ValueError:  # no textbook formula (the pipelined trees): the walk above is the model's time
+        except ValueError:
+            # no textbook formula (the pipelined trees): the walk above is the model's time
             time_cf = None
     bytes_cf = closed_form_bytes(cfg.collective, cfg.algorithm, p, cfg.nbytes, cfg.itemsize)
     return Walkthrough(cfg, schedule, inputs, frames, bytes_cf, time_cf, final_ok, sim.buffers)

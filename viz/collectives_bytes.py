@@ -13,8 +13,9 @@ from dplab.reference.algorithms import PARAMETRIC, double_tree, pipelined, split
 __all__ = ["closed_form_bytes"]
 
 
-def closed_form_bytes(collective: str, algorithm: str, world_size: int, nbytes: int, itemsize: int = 4
-                      ) -> int | None:
+def closed_form_bytes(
+    collective: str, algorithm: str, world_size: int, nbytes: int, itemsize: int = 4
+) -> int | None:
     """The textbook count of bytes the busiest rank sends (n divisible by p): what the walk is
     compared with; None where there is none (hierarchical with a smaller last node). Ring/direct
     move (p-1)/p of the buffer per half; a tree's root sends it once per level; a naive root once
@@ -29,7 +30,8 @@ def closed_form_bytes(collective: str, algorithm: str, world_size: int, nbytes: 
     lg = math.ceil(math.log2(p))
     m = p.bit_length() - 1  # the fold leaves q = 2^m ranks; rem of them took a partner's part
     q, fold = 1 << m, p > 1 << m
-    gathered = sum(d + min(d, p - q) for d in (1 << i for i in range(m)))  # rank 0's doubling, in chunks
+    # rank 0's doubling, in chunks
+    gathered = sum(d + min(d, p - q) for d in (1 << i for i in range(m)))
     per_algorithm = {
         "allreduce": {"ring": 2 * (p - 1) * n // p, "direct": 2 * (p - 1) * n // p, "tree": lg * n,
                       "naive": (p - 1) * n, "recursive_doubling": (m + fold) * n,
@@ -38,7 +40,8 @@ def closed_form_bytes(collective: str, algorithm: str, world_size: int, nbytes: 
                       "pipelined_ring": pipelined.ring_busiest(p, n // itemsize) * itemsize,
                       "double_tree": double_tree.busiest(p, n // itemsize) * itemsize},  # 2n
         "reduce_scatter": {"ring": (p - 1) * n // p, "direct": (p - 1) * n // p,
-                           "rabenseifner": n if fold else (p - 1) * n // p},  # the fold sends it all
+                           # the fold sends it all
+                           "rabenseifner": n if fold else (p - 1) * n // p},
         "allgather": {"ring": (p - 1) * n // p, "direct": (p - 1) * n // p,
                       "rabenseifner": (gathered + fold * (p - 1)) * n // p},
         "broadcast": {"tree": lg * n, "naive": (p - 1) * n},

@@ -36,7 +36,11 @@ BUTTONS_PX = 140  # Play and Pause, side by side (about 115 px in Chromium), and
 def frame_title(w: Walkthrough, f: Frame) -> str:
     """The counters of a frame, shown above the grid (so Play shows them too)."""
     cfg = w.config
-    head = f"round {f.index + 1} of {w.rounds}: {f.phase}" if f.transfers else f"end ({w.rounds} rounds)"
+    head = (
+        f"round {f.index + 1} of {w.rounds}: {f.phase}"
+        if f.transfers
+        else f"end ({w.rounds} rounds)"
+    )
     busiest = max(f.bytes_sent) if f.bytes_sent else 0
     form = "none" if w.closed_form_bytes is None else f"{w.closed_form_bytes:,}"
     return (f"{cfg.algorithm} {COLLECTIVES[cfg.collective]}, p={cfg.world_size} · {head}<br>"
@@ -110,9 +114,14 @@ def _heatmap(w: Walkthrough, f: Frame) -> dict:
 
 def figure_spec(w: Walkthrough) -> dict:
     """The whole animation as a plotly dict (every frame), showing frame 0: what a page caches."""
-    frames = [dict(name=str(f.index), data=[_heatmap(w, f)],
-                   layout=dict(annotations=_arrows(f.transfers), title=dict(text=frame_title(w, f))))
-              for f in w.frames]
+    frames = [
+        dict(
+            name=str(f.index),
+            data=[_heatmap(w, f)],
+            layout=dict(annotations=_arrows(f.transfers), title=dict(text=frame_title(w, f))),
+        )
+        for f in w.frames
+    ]
     p, k = w.config.world_size, w.schedule.num_chunks
     steps = [dict(method="animate", label=str(f.index),
                   args=[[str(f.index)], dict(mode="immediate", frame=dict(duration=0, redraw=True),
@@ -120,25 +129,70 @@ def figure_spec(w: Walkthrough) -> dict:
     layout = dict(
         title=dict(text=frame_title(w, w.frames[0]), x=0.0, xanchor="left", font=dict(size=14)),
         annotations=_arrows(w.frames[0].transfers),
-        height=max(320, 30 * p + 200), margin=dict(l=60, r=20, t=80, b=110),
-        xaxis=dict(title=dict(text="chunk"), tickmode="array", tickvals=list(range(k)),
-                   range=[-0.5, k - 0.5]),
-        yaxis=dict(title=dict(text="rank"), tickmode="array", tickvals=list(range(p)),
-                   autorange="reversed"),
-        # One row under the axis: the buttons at its left, the slider's rail starting BUTTONS_PX to their
-        # right (pixels, so a half-width panel keeps them apart too) and its "frame N" label at the rail's
-        # right end, where no button can cover it.
-        sliders=[dict(active=0, steps=steps, x=0.0, len=1.0, y=-0.08, pad=dict(t=30, l=BUTTONS_PX),
-                      currentvalue=dict(prefix="frame ", xanchor="right", font=dict(size=12)))],
-        updatemenus=[dict(type="buttons", direction="left", x=0.0, y=-0.08, xanchor="left", yanchor="top",
-                          pad=dict(t=30, r=0), showactive=False, buttons=[
-                              dict(label="▶ Play", method="animate",
-                                   args=[None, dict(frame=dict(duration=PLAY_MS, redraw=True),
-                                                    fromcurrent=True, transition=dict(duration=0),
-                                                    mode="immediate")]),
-                              dict(label="Pause", method="animate",
-                                   args=[[None], dict(frame=dict(duration=0, redraw=False), mode="immediate",
-                                                      transition=dict(duration=0))])])],
+        height=max(320, 30 * p + 200),
+        margin=dict(l=60, r=20, t=80, b=110),
+        xaxis=dict(
+            title=dict(text="chunk"),
+            tickmode="array",
+            tickvals=list(range(k)),
+            range=[-0.5, k - 0.5],
+        ),
+        yaxis=dict(
+            title=dict(text="rank"), tickmode="array", tickvals=list(range(p)), autorange="reversed"
+        ),
+        # One row under the axis: the buttons at its left, the slider's rail starting BUTTONS_PX to
+        # their right (pixels, so a half-width panel keeps them apart too) and its "frame N" label
+        # at the rail's right end, where no button can cover it.
+        sliders=[
+            dict(
+                active=0,
+                steps=steps,
+                x=0.0,
+                len=1.0,
+                y=-0.08,
+                pad=dict(t=30, l=BUTTONS_PX),
+                currentvalue=dict(prefix="frame ", xanchor="right", font=dict(size=12)),
+            )
+        ],
+        updatemenus=[
+            dict(
+                type="buttons",
+                direction="left",
+                x=0.0,
+                y=-0.08,
+                xanchor="left",
+                yanchor="top",
+                pad=dict(t=30, r=0),
+                showactive=False,
+                buttons=[
+                    dict(
+                        label="▶ Play",
+                        method="animate",
+                        args=[
+                            None,
+                            dict(
+                                frame=dict(duration=PLAY_MS, redraw=True),
+                                fromcurrent=True,
+                                transition=dict(duration=0),
+                                mode="immediate",
+                            ),
+                        ],
+                    ),
+                    dict(
+                        label="Pause",
+                        method="animate",
+                        args=[
+                            [None],
+                            dict(
+                                frame=dict(duration=0, redraw=False),
+                                mode="immediate",
+                                transition=dict(duration=0),
+                            ),
+                        ],
+                    ),
+                ],
+            )
+        ],
     )
     return dict(data=frames[0]["data"], layout=layout, frames=frames)
 

@@ -4,8 +4,9 @@
     from dplab.viz.cost_crossovers import crossovers, merged_crossovers
     from dplab.viz.cost_figure import cost_figure
     params = CostParams(alpha_s=5e-6, beta_gbps=10, world_size=8)
-    [c.sentence() for c in crossovers(params)]   # [..., 'tree beats ring below 91.9 KiB at p=8']
-    [m.sentence() for m in merged_crossovers(params)]  # ['tree beats ring and direct below 91.9 KiB at p=8']
+    [c.sentence() for c in crossovers(params)]  # [..., 'tree beats ring below 91.9 KiB at p=8']
+    [m.sentence() for m in merged_crossovers(params)]
+    # ['tree beats ring and direct below 91.9 KiB at p=8']
     cost_figure(params).show()
 
 Every number is ``dplab.reference.costmodel.cost`` over the schedule the executor runs
@@ -31,8 +32,11 @@ __all__ = ["CostParams", "COLORS", "Y_AXES", "DASHES", "size_grid", "model_time"
            "features", "to_y", "format_bytes", "busbw_line"]
 
 _PALETTE = ("#7f7f7f", "#1f77b4", "#2ca02c", "#ff7f0e", "#d62728", "#17becf", "#e377c2", "#bcbd22",
-            "#8c564b", "#393b79", "#637939", "#7b4173")  # D3's category10, then more: one per algorithm
-COLORS = {name: _PALETTE[i % len(_PALETTE)] for i, name in enumerate(ALLREDUCE)} | {"native": "#9467bd"}
+            # D3's category10, then more: one per algorithm
+            "#8c564b", "#393b79", "#637939", "#7b4173")
+COLORS = {name: _PALETTE[i % len(_PALETTE)] for i, name in enumerate(ALLREDUCE)} | {
+    "native": "#9467bd"
+}
 DASHES = ("solid", "dash", "dot", "dashdot")  # the n-th member of a coinciding group
 Y_AXES = {"time": "time per all-reduce (µs)", "algbw": "algbw (GB/s)", "busbw": "busbw (GB/s)"}
 
@@ -56,18 +60,23 @@ class CostParams:
 
     def __post_init__(self) -> None:
         if not (self.alpha_s >= 0 and self.beta_gbps > 0):
-            raise ConfigError(f"alpha must be >= 0 s and beta > 0 GB/s, got {self.alpha_s}, {self.beta_gbps}")
+            raise ConfigError(f"alpha must be >= 0 s and beta > 0 GB/s, got {self.alpha_s}, "
+                              f"{self.beta_gbps}")
         if self.gamma_gbps is not None and self.gamma_gbps <= 0:
-            raise ConfigError(f"gamma must be > 0 GB/s (or None: reduction free), got {self.gamma_gbps}")
+            raise ConfigError("gamma must be > 0 GB/s (or None: reduction free), got "
+                              f"{self.gamma_gbps}")
         if self.world_size < 2:
             raise ConfigError(f"world size must be >= 2 (one rank has nothing to reduce), "
                               f"got {self.world_size}")
         if not self.itemsize <= self.min_bytes < self.max_bytes:
-            raise ConfigError(f"message sizes must satisfy itemsize <= min < max, got "
-                              f"{self.min_bytes}..{self.max_bytes} bytes (itemsize {self.itemsize})")
+            raise ConfigError(
+                f"message sizes must satisfy itemsize <= min < max, got "
+                f"{self.min_bytes}..{self.max_bytes} bytes (itemsize {self.itemsize})"
+            )
         unknown = [a for a in self.algorithms if a not in ALLREDUCE]
         if unknown:
-            raise ConfigError(f"no cost model for {', '.join(unknown)}: choose from {', '.join(ALLREDUCE)}")
+            raise ConfigError(f"no cost model for {', '.join(unknown)}: choose from "
+                              f"{', '.join(ALLREDUCE)}")
 
     @property
     def beta(self) -> float:
@@ -129,7 +138,9 @@ def format_bytes(n: float) -> str:
     return f"{int(n)} B"
 
 
-def features(algorithm: str, world_size: int, nbytes: int, itemsize: int = 4) -> tuple[float, float]:
+def features(
+    algorithm: str, world_size: int, nbytes: int, itemsize: int = 4
+) -> tuple[float, float]:
     """(latency terms, bytes on the critical path) of one all-reduce, read off its schedule.
 
     The cost model is linear in alpha and beta (for these schedules the slowest rank of a round is
@@ -139,4 +150,7 @@ def features(algorithm: str, world_size: int, nbytes: int, itemsize: int = 4) ->
     port); b is 2(p-1)/p · n for ring and direct, 2⌈lg p⌉·n for tree, 2(p-1)·n for naive.
     """
     s = allreduce_schedule(algorithm, world_size)
-    return (cost(s, nbytes, 1.0, 0.0, 0.0, itemsize).time, cost(s, nbytes, 0.0, 1.0, 0.0, itemsize).time)
+    return (
+        cost(s, nbytes, 1.0, 0.0, 0.0, itemsize).time,
+        cost(s, nbytes, 0.0, 1.0, 0.0, itemsize).time,
+    )

@@ -26,7 +26,8 @@ __all__ = ["Crossover", "MergedCrossover", "crossovers", "coinciding", "coincidi
 
 @dataclass(frozen=True)
 class Crossover:
-    """Below ``nbytes`` (exclusive) ``faster_below`` is the faster of the pair; from it on, the other."""
+    """Below ``nbytes`` (exclusive) ``faster_below`` is the faster of the pair;
+    from it on, the other."""
 
     faster_below: str
     faster_above: str
@@ -125,7 +126,9 @@ def coinciding(params: CostParams, points: int = 97) -> list[tuple[str, ...]]:
     sizes = size_grid(params, points)
     groups: list[list[str]] = []
     for a in params.algorithms:
-        home = next((g for g in groups if all(tolerant_sign(g[0], a, n, params) == 0 for n in sizes)), None)
+        home = next(
+            (g for g in groups if all(tolerant_sign(g[0], a, n, params) == 0 for n in sizes)), None
+        )
         if home is None:
             groups.append([a])
         else:
@@ -139,14 +142,15 @@ def coinciding_sentence(groups: list[tuple[str, ...]], world_size: int) -> str |
         return None
     parts = [f"{_and(g)} cost the same at every size" for g in groups]
     dashed = [a for g in groups for a in g[1:]]
-    return (f"{'; '.join(parts)} at p={world_size} (within one element per message), so their curves "
-            f"coincide: {_and(tuple(dashed))} {'is' if len(dashed) == 1 else 'are'} drawn dashed over "
-            f"{_and(tuple(g[0] for g in groups))}.")
+    return (f"{'; '.join(parts)} at p={world_size} (within one element per message), so their "
+            f"curves coincide: {_and(tuple(dashed))} {'is' if len(dashed) == 1 else 'are'} drawn "
+            f"dashed over {_and(tuple(g[0] for g in groups))}.")
 
 
 def merged_crossovers(params: CostParams, points: int = 97,
                       xs: list[Crossover] | None = None) -> list[MergedCrossover]:
-    """``crossovers`` with those of coinciding algorithms merged: "tree beats ring and direct below ...".
+    """``crossovers`` with those of coinciding algorithms merged:
+    "tree beats ring and direct below ...".
 
     Two crossovers merge when their winners below are the same or coincide, their winners above
     are the same or coincide, and their sizes are within 1% (one spot on the log axis); the
@@ -168,12 +172,17 @@ def merged_crossovers(params: CostParams, points: int = 97,
         for cl in clusters:
             below = tuple(a for a in gb if any(x.faster_below == a for x in cl))
             above = tuple(a for a in ga if any(x.faster_above == a for x in cl))
-            out.append(MergedCrossover(below, above, min(x.nbytes for x in cl), params.world_size, tuple(cl)))
+            out.append(
+                MergedCrossover(
+                    below, above, min(x.nbytes for x in cl), params.world_size, tuple(cl)
+                )
+            )
     return sorted(out, key=lambda m: (m.nbytes, m.faster_below, m.faster_above))
 
 
 def _bisect(diff: Any, lo: int, hi: int, left_sign: int, itemsize: int) -> int:
-    """Shrink [lo, hi] to one element: diff(lo) has ``left_sign`` (or is 0), diff(hi) not; returns hi."""
+    """Shrink [lo, hi] to one element: diff(lo) has ``left_sign`` (or is 0), diff(hi) not;
+    returns hi."""
     while hi - lo > itemsize:
         mid = lo + (hi - lo) // itemsize // 2 * itemsize
         if _sign(diff(mid)) in (left_sign, 0):

@@ -46,37 +46,58 @@ def cost_figure(params: CostParams, y: str = "time", points: int = 97,
     if xs:
         n = [x.nbytes for x in xs]
         t = [model_time(x.faster_below[0], x.nbytes, params) for x in xs]
-        fig.add_trace(go.Scatter(x=n, y=to_y(n, t, p, y).tolist(), mode="markers+text",
-                                 name="crossovers", marker={"symbol": "x", "size": 11, "color": "black"},
-                                 text=[f"<b>{i}</b>" for i in range(1, len(xs) + 1)],  # as the captions
-                                 textfont={"size": 15, "color": "black"},  # alternate sides: they bunch up
-                                 textposition=[("top center", "bottom center")[i % 2] for i in range(len(n))],
-                                 hovertext=[x.sentence() for x in xs],
-                                 hoverinfo="text"))
+        fig.add_trace(
+            go.Scatter(
+                x=n,
+                y=to_y(n, t, p, y).tolist(),
+                mode="markers+text",
+                name="crossovers",
+                marker={"symbol": "x", "size": 11, "color": "black"},
+                text=[f"<b>{i}</b>" for i in range(1, len(xs) + 1)],  # as the captions
+                textfont={"size": 15, "color": "black"},  # alternate sides: they bunch up
+                textposition=[("top center", "bottom center")[i % 2] for i in range(len(n))],
+                hovertext=[x.sentence() for x in xs],
+                hoverinfo="text",
+            )
+        )
     symbols = ["circle", "square", "diamond", "triangle-up", "cross"]
-    rows = [r for r in measured or [] if r.get("world_size") == p and r.get("algorithm") != "memcpy"]
+    rows = [
+        r for r in measured or [] if r.get("world_size") == p and r.get("algorithm") != "memcpy"
+    ]
     backends = sorted({r["backend"] for r in rows})
     for (backend, alg) in sorted({(r["backend"], r["algorithm"]) for r in rows}):
         mine = sorted((r for r in rows if (r["backend"], r["algorithm"]) == (backend, alg)),
                       key=lambda r: r["bytes"])
         n = [r["bytes"] for r in mine]
         t = [r["time_us"] * 1e-6 for r in mine]
-        fig.add_trace(go.Scatter(x=n, y=to_y(n, t, p, y).tolist(), mode="markers",
-                                 name=f"{alg} ({backend}, measured)", legendgroup=alg,
-                                 marker={"color": COLORS.get(alg, "black"), "size": 9,
-                                         "symbol": symbols[backends.index(backend) % len(symbols)]}))
+        fig.add_trace(
+            go.Scatter(
+                x=n,
+                y=to_y(n, t, p, y).tolist(),
+                mode="markers",
+                name=f"{alg} ({backend}, measured)",
+                legendgroup=alg,
+                marker={
+                    "color": COLORS.get(alg, "black"),
+                    "size": 9,
+                    "symbol": symbols[backends.index(backend) % len(symbols)],
+                },
+            )
+        )
         if fitted and (backend, alg) in fitted and alg in ALLREDUCE:
             al, be = fitted[(backend, alg)]
             ft = [al * fa + be * fb for fa, fb in (features(alg, p, k, params.itemsize) for k in n)]
             fig.add_trace(go.Scatter(x=n, y=to_y(n, ft, p, y).tolist(), mode="lines",
                                      name=f"{alg} ({backend}, fitted)", legendgroup=alg,
                                      line={"color": COLORS[alg], "dash": "dash"}))
-    fig.update_layout(title=f"All-reduce at p={p}: α={params.alpha_s * 1e6:.3g} µs, "
-                            f"β={params.beta_gbps:g} GB/s, "
-                            f"γ={'free' if params.gamma_gbps is None else f'{params.gamma_gbps:g} GB/s'}",
-                      xaxis={"title": "message size (bytes)", "type": "log"},
-                      yaxis={"title": Y_AXES[y], "type": "log"},
-                      # above the plot, under the title: below it, it covered the x axis' title
-                      legend={"orientation": "h", "x": 0, "xanchor": "left", "y": 1.02, "yanchor": "bottom"},
-                      margin={"t": 130, "b": 10})  # room for a legend of two rows under the title
+    fig.update_layout(
+        title=f"All-reduce at p={p}: α={params.alpha_s * 1e6:.3g} µs, "
+        f"β={params.beta_gbps:g} GB/s, "
+        f"γ={'free' if params.gamma_gbps is None else f'{params.gamma_gbps:g} GB/s'}",
+        xaxis={"title": "message size (bytes)", "type": "log"},
+        yaxis={"title": Y_AXES[y], "type": "log"},
+        # above the plot, under the title: below it, it covered the x axis' title
+        legend={"orientation": "h", "x": 0, "xanchor": "left", "y": 1.02, "yanchor": "bottom"},
+        margin={"t": 130, "b": 10},  # room for a legend of two rows under the title
+    )
     return fig

@@ -55,7 +55,9 @@ class Fit:
         return None if not self.beta else 1e-9 / self.beta
 
     def predict_s(self, row: dict[str, Any], itemsize: int = 4) -> float:
-        core = self.core or CostFit(self.backend, "all", self.algorithm, self.alpha_s, self.beta, None)
+        core = self.core or CostFit(
+            self.backend, "all", self.algorithm, self.alpha_s, self.beta, None
+        )
         return core.predict_s(row["algorithm"], row["world_size"], row["bytes"], itemsize)
 
 
@@ -74,8 +76,12 @@ def fit_alpha_beta(rows: list[dict[str, Any]], per_algorithm: bool = False, rela
     Exact points (times that are the model's own) are recovered to rounding either way.
     """
     by = ("backend", "algorithm") if per_algorithm else ("backend",)
-    return [Fit(f.backend, f.algorithm, f.alpha, f.beta, f.rows, f.note, f)
-            for f in costfit.fit(rows, by, itemsize, relative, gamma=False, native=False, nonnegative=False)]
+    return [
+        Fit(f.backend, f.algorithm, f.alpha, f.beta, f.rows, f.note, f)
+        for f in costfit.fit(
+            rows, by, itemsize, relative, gamma=False, native=False, nonnegative=False
+        )
+    ]
 
 
 def residual_rows(fit: Fit, itemsize: int = 4) -> list[dict[str, Any]]:
@@ -84,10 +90,19 @@ def residual_rows(fit: Fit, itemsize: int = 4) -> list[dict[str, Any]]:
     for r in fit.rows:
         model = fit.predict_s(r, itemsize) * 1e6 if fit.alpha_s is not None else None
         res = None if model is None else r["time_us"] - model
-        out.append({"backend": r["backend"], "algorithm": r["algorithm"], "world_size": r["world_size"],
-                    "bytes": r["bytes"], "size": format_bytes(r["bytes"]), "measured_us": r["time_us"],
-                    "fitted_us": model, "residual_us": res,
-                    "residual_pct": None if res is None else 100 * res / r["time_us"]})
+        out.append(
+            {
+                "backend": r["backend"],
+                "algorithm": r["algorithm"],
+                "world_size": r["world_size"],
+                "bytes": r["bytes"],
+                "size": format_bytes(r["bytes"]),
+                "measured_us": r["time_us"],
+                "fitted_us": model,
+                "residual_us": res,
+                "residual_pct": None if res is None else 100 * res / r["time_us"],
+            }
+        )
     return out
 
 
@@ -95,7 +110,11 @@ def fit_table(fits: list[Fit], itemsize: int = 4) -> list[dict[str, Any]]:
     """One row per fit: alpha in µs, beta as GB/s, and how well the line fits its rows."""
     table = []
     for f in fits:
-        pct = [abs(r["residual_pct"]) for r in residual_rows(f, itemsize) if r["residual_pct"] is not None]
+        pct = [
+            abs(r["residual_pct"])
+            for r in residual_rows(f, itemsize)
+            if r["residual_pct"] is not None
+        ]
         table.append({"backend": f.backend, "algorithm": f.algorithm, "rows": len(f.rows),
                       "alpha_us": None if f.alpha_s is None else f.alpha_s * 1e6,
                       "beta_gbps": f.beta_gbps,
@@ -119,16 +138,26 @@ def residual_figure(fits: list[Fit], itemsize: int = 4) -> go.Figure:
                       f"fitted {r['fitted_us']:.4g} µs" for r in mine],
                 hovertemplate="%{x:,} B: %{y:.3g}%<br>%{text}<extra></extra>"))
     fig.add_hline(y=0, line={"color": "black", "width": 1})
-    fig.update_layout(title="Residuals: (measured - fitted) / measured",
-                      xaxis={"title": "message size (bytes)", "type": "log"},
-                      yaxis={"title": "residual (%)"}, legend={"orientation": "h"}, margin={"t": 50, "b": 10})
+    fig.update_layout(
+        title="Residuals: (measured - fitted) / measured",
+        xaxis={"title": "message size (bytes)", "type": "log"},
+        yaxis={"title": "residual (%)"},
+        legend={"orientation": "h"},
+        margin={"t": 50, "b": 10},
+    )
     return fig
 
 
-def run_bench(world_sizes: list[int], sizes: list[int],
-              algorithms: tuple[str, ...] = ("ring", "tree", "naive", "native"), backend: str = "local",
-              reps: int = 3, target_seconds: float = 0.05, warmup: int = 2,
-              world: Callable[[int, str], AbstractContextManager[Any]] = World) -> list[dict[str, Any]]:
+def run_bench(
+    world_sizes: list[int],
+    sizes: list[int],
+    algorithms: tuple[str, ...] = ("ring", "tree", "naive", "native"),
+    backend: str = "local",
+    reps: int = 3,
+    target_seconds: float = 0.05,
+    warmup: int = 2,
+    world: Callable[[int, str], AbstractContextManager[Any]] = World,
+) -> list[dict[str, Any]]:
     """A short ``dplab bench`` now: the command's own ``BenchSpec``, checked as the command checks
     it, run on one world per world size. ``world(p, backend)``: what starts each world (the app
     passes its budget's, ``viz.budget``)."""

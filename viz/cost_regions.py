@@ -49,17 +49,31 @@ def regions_figure(regions: Regions) -> go.Figure:
         for j, _ in enumerate(regions.sizes):
             t = sorted(regions.times[:, i, j])
             ratio = t[1] / t[0] if len(t) > 1 and t[0] > 0 else 1.0
-            row.append(f"{regions.algorithms[win[i, j]]}: {t[0] * 1e6:.3g} µs (runner-up x{ratio:.2f})")
+            row.append(f"{regions.algorithms[win[i, j]]}: {t[0] * 1e6:.3g} µs (runner-up "
+                       f"x{ratio:.2f})")
         text.append(row)
     n = max(len(used), 1)
     scale = []
     for i in range(len(used)):
         color = PALETTE[used[i] % len(PALETTE)]
         scale += [[i / n, color], [(i + 1) / n, color]]
-    fig = go.Figure(go.Heatmap(
-        z=z, x=xs, y=ys, text=text, hoverinfo="text", zmin=-0.5, zmax=n - 0.5, colorscale=scale or "Greys",
-        colorbar={"tickvals": list(range(n)), "ticktext": [regions.algorithms[a] for a in used],
-                  "title": "cheapest"}))
+    fig = go.Figure(
+        go.Heatmap(
+            z=z,
+            x=xs,
+            y=ys,
+            text=text,
+            hoverinfo="text",
+            zmin=-0.5,
+            zmax=n - 0.5,
+            colorscale=scale or "Greys",
+            colorbar={
+                "tickvals": list(range(n)),
+                "ticktext": [regions.algorithms[a] for a in used],
+                "title": "cheapest",
+            },
+        )
+    )
     fig.update_layout(title=f"cheapest all-reduce per region on {regions.topology.name}",
                       xaxis_title="message size", yaxis_title="world size p (log)", height=480)
     return fig

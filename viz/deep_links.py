@@ -15,10 +15,20 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, MutableMapping
 
-__all__ = ["PAGE_FILES", "PAGE_TITLES", "ALIASES", "READS", "MAX_PARAM_CHARS", "adopt", "reads", "unread",
-           "url_list"]
+__all__ = [
+    "PAGE_FILES",
+    "PAGE_TITLES",
+    "ALIASES",
+    "READS",
+    "MAX_PARAM_CHARS",
+    "adopt",
+    "reads",
+    "unread",
+    "url_list",
+]
 
-# Longer than any list a page offers, spelled out: a longer value is someone else's, not a control's.
+# Longer than any list a page offers, spelled out: a longer value is someone else's, not a
+# control's.
 MAX_PARAM_CHARS = 512
 
 # page name (as Explore names it) -> its file, as st.page_link and AppTest.switch_page take it
@@ -29,13 +39,52 @@ PAGE_TITLES = {"collectives": "Collectives", "cost": "Cost", "training": "Traini
 
 # The URL parameters each page reads for its controls (its own names). None: not known here.
 READS: dict[str, frozenset[str] | None] = {
-    "collectives": frozenset({"coll_collective", "coll_algorithm", "coll_vs", "coll_p", "coll_n", "coll_root",
-                              "coll_alpha_us", "coll_beta_gbps", "coll_gamma_gbps", "coll_round"}),
-    "cost": frozenset({"world_size", "alpha_us", "beta_gbps", "gamma", "sizes", "y", "algorithms", "source",
-                       "fit_by", "bench_world_sizes", "bench_sizes"}),
+    "collectives": frozenset(
+        {
+            "coll_collective",
+            "coll_algorithm",
+            "coll_vs",
+            "coll_p",
+            "coll_n",
+            "coll_root",
+            "coll_alpha_us",
+            "coll_beta_gbps",
+            "coll_gamma_gbps",
+            "coll_round",
+        }
+    ),
+    "cost": frozenset(
+        {
+            "world_size",
+            "alpha_us",
+            "beta_gbps",
+            "gamma",
+            "sizes",
+            "y",
+            "algorithms",
+            "source",
+            "fit_by",
+            "bench_world_sizes",
+            "bench_sizes",
+        }
+    ),
     "training": frozenset({"world_size", "steps", "staleness", "backup", "factor", "hidden"}),
-    "runs": frozenset({"source", "world_size", "mode", "algorithm", "bucket_mb", "hidden", "steps",
-                       "staleness", "backup", "straggler", "factor", "detail"}),
+    "runs": frozenset(
+        {
+            "source",
+            "world_size",
+            "mode",
+            "algorithm",
+            "bucket_mb",
+            "hidden",
+            "steps",
+            "staleness",
+            "backup",
+            "straggler",
+            "factor",
+            "detail",
+        }
+    ),
     "memory": None,
 }
 
@@ -89,13 +138,15 @@ def reads(page: str) -> frozenset[str] | None:
 
 
 def unread(page: str, params: dict[str, str]) -> list[str]:
-    """The names in ``params`` that ``page`` would ignore: a deep link that opens the wrong picture."""
+    """The names in ``params`` that ``page`` would ignore: a deep link that opens the wrong
+    picture."""
     known = reads(page)
     return [] if known is None else sorted(set(params) - known)
 
 
 def adopt(query: MutableMapping[str, str], page: str) -> dict[str, str]:
-    """Rewrite ``page``'s short names in ``query`` (e.g. ``st.query_params``) into its own names, in place.
+    """Rewrite ``page``'s short names in ``query`` (e.g. ``st.query_params``) into its own names, in
+    place.
 
     A name the page already has wins over its short form (the page's own URL is the more precise);
     the short name is removed either way, so the URL ends up in one spelling. Returns what was set.

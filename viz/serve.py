@@ -201,7 +201,11 @@ def run_app(a: argparse.Namespace) -> int:
         port = a.port or free_port(a.host)
         _check_port(a.host, port)
     except (ConfigError, OSError) as e:
-        reason = e if isinstance(e, ConfigError) else f"cannot bind {a.host} ({e.strerror}): check --host"
+        reason = (
+            e
+            if isinstance(e, ConfigError)
+            else f"cannot bind {a.host} ({e.strerror}): check --host"
+        )
         print(f"dplab app: error: {reason}", file=sys.stderr, flush=True)
         return 2
     return interruptible("dplab app", _serve, streamlit_argv(path, a.host, port), url(a.host, port))

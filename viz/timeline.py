@@ -69,8 +69,11 @@ class Span:
 
 
 def _label(e: Event) -> str:
-    parts = [f"{k} {v}" for k, v in e.extra.items() if k in ("step", "micro", "bucket", "clock", "version",
-                                                            "delay", "factor")]
+    parts = [
+        f"{k} {v}"
+        for k, v in e.extra.items()
+        if k in ("step", "micro", "bucket", "clock", "version", "delay", "factor")
+    ]
     if e.peer >= 0:
         parts.append(f"peer {e.peer}")
     if e.round >= 0:
@@ -97,8 +100,17 @@ def spans(events: Sequence[Event], detail: bool = False) -> list[Span]:
             depth = len(stack)
             stack.append(e.t_end_ns)
             if depth == 0 or detail or e.kind in ALWAYS:
-                out.append(Span(lane, e.kind, (e.t_start_ns - t0) / 1e6, (e.t_end_ns - e.t_start_ns) / 1e6,
-                                depth, _label(e), e))
+                out.append(
+                    Span(
+                        lane,
+                        e.kind,
+                        (e.t_start_ns - t0) / 1e6,
+                        (e.t_end_ns - e.t_start_ns) / 1e6,
+                        depth,
+                        _label(e),
+                        e,
+                    )
+                )
     return out
 
 
@@ -108,16 +120,27 @@ def timeline_figure(events: Sequence[Event], detail: bool = False, title: str = 
     order = lanes(events)
     fig = go.Figure()
     known = list(KIND_COLORS)
-    kinds = sorted({s.kind for s in bars}, key=lambda k: (known.index(k) if k in known else len(known), k))
+    kinds = sorted(
+        {s.kind for s in bars}, key=lambda k: (known.index(k) if k in known else len(known), k)
+    )
     for kind in kinds:
         mine = [s for s in bars if s.kind == kind]
-        fig.add_trace(go.Bar(
-            name=kind, orientation="h", y=[s.lane for s in mine], x=[s.dur_ms for s in mine],
-            base=[s.start_ms for s in mine], width=[WIDTHS[min(s.depth, len(WIDTHS) - 1)] for s in mine],
-            marker_color=KIND_COLORS.get(kind, "#888888"),
-            customdata=[[s.label, s.start_ms + s.dur_ms] for s in mine],
-            hovertemplate=(f"<b>{kind}</b> %{{y}}<br>%{{base:.3f}} → %{{customdata[1]:.3f}} ms "
-                           "(%{x:.3f} ms)<br>%{customdata[0]}<extra></extra>")))
+        fig.add_trace(
+            go.Bar(
+                name=kind,
+                orientation="h",
+                y=[s.lane for s in mine],
+                x=[s.dur_ms for s in mine],
+                base=[s.start_ms for s in mine],
+                width=[WIDTHS[min(s.depth, len(WIDTHS) - 1)] for s in mine],
+                marker_color=KIND_COLORS.get(kind, "#888888"),
+                customdata=[[s.label, s.start_ms + s.dur_ms] for s in mine],
+                hovertemplate=(
+                    f"<b>{kind}</b> %{{y}}<br>%{{base:.3f}} → %{{customdata[1]:.3f}} ms "
+                    "(%{x:.3f} ms)<br>%{customdata[0]}<extra></extra>"
+                ),
+            )
+        )
     fig.update_layout(
         title=title or None, barmode="overlay", height=90 + 34 * len(order),
         xaxis_title="ms since the first event", legend_title="span",
@@ -128,12 +151,14 @@ def timeline_figure(events: Sequence[Event], detail: bool = False, title: str = 
 
 def load_trace(data: bytes) -> tuple[list[Event], dict[str, Any]]:
     """The events and meta of a trace file written by ``dplab train --trace PATH``, checked whole
-    first (``dplab.backends.runs.uploads.trace``: size, types, ranges), since anyone may upload one."""
+    first (``dplab.backends.runs.uploads.trace``: size, types, ranges), since anyone may upload
+    one."""
     return uploads.trace(data)
 
 
 def trace_bytes(events: Iterable[Event], meta: dict[str, Any] | None = None) -> bytes:
-    """A trace file as ``dplab train --trace PATH`` writes it (``save_json``); ``load_trace`` reads it."""
+    """A trace file as ``dplab train --trace PATH`` writes it (``save_json``);
+    ``load_trace`` reads it."""
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "trace.json"
         save_json(path, events, meta)

@@ -23,7 +23,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from dplab.reference.trace import Event
-from dplab.reference.trace_metrics import (  # interval arithmetic, span kinds: shared with dplab scaling
+from dplab.reference.trace_metrics import (  # interval arithmetic, span kinds: shared with scaling
     COMM_KINDS,
     COMPUTE_KINDS,
     WAIT_KINDS,
@@ -38,9 +38,10 @@ __all__ = ["Interval", "union", "measure", "intersect", "subtract", "COMPUTE_KIN
            "WAIT_KINDS", "RankStats", "rank_stats", "totals", "Straggler", "find_straggler",
            "STRAGGLER_RATIO", "configured_stragglers"]
 
-# A straggler's median step computes this many times the others': above what a busy machine makes of an
-# even run, below a configured 4x straggler (the runs behind it: backends/PERFORMANCE.md). The median
-# step, not totals: one step preempted by the operating system inflates a total.
+# A straggler's median step computes this many times the others': above what a busy machine
+# makes of an even run, below a configured 4x straggler (the runs behind it:
+# backends/PERFORMANCE.md). The median step, not totals: one step preempted by the operating
+# system inflates a total.
 STRAGGLER_RATIO = 2.0
 
 
@@ -58,7 +59,8 @@ class RankStats:
     exposed_ns: int  # communication with no compute under it
     wait_ns: int
     slowdown_ns: int  # a straggler's sleeps (inside its compute)
-    step_compute_ns: float = 0.0  # the median step's (clock's) compute: a preempted step does not move it
+    # the median step's (clock's) compute: a preempted step does not move it
+    step_compute_ns: float = 0.0
 
     @property
     def overlap_pct(self) -> float:
@@ -101,14 +103,22 @@ def rank_stats(events: Iterable[Event]) -> list[RankStats]:
         spans = {k: [(e.t_start_ns, e.t_end_ns) for e in evs if e.kind in k]
                  for k in (COMPUTE_KINDS, COMM_KINDS, WAIT_KINDS)}
         compute, comm = union(spans[COMPUTE_KINDS]), union(spans[COMM_KINDS])
-        out.append(RankStats(
-            rank=rank, role=_role({e.kind for e in evs}),
-            span_ns=max(e.t_end_ns for e in evs) - min(e.t_start_ns for e in evs),
-            compute_ns=measure(compute), comm_ns=measure(comm),
-            overlapped_ns=measure(intersect(comm, compute)), exposed_ns=measure(subtract(comm, compute)),
-            wait_ns=measure(spans[WAIT_KINDS]),
-            slowdown_ns=measure((e.t_start_ns, e.t_end_ns) for e in evs if e.kind == "slowdown"),
-            step_compute_ns=_step_compute(evs)))
+        out.append(
+            RankStats(
+                rank=rank,
+                role=_role({e.kind for e in evs}),
+                span_ns=max(e.t_end_ns for e in evs) - min(e.t_start_ns for e in evs),
+                compute_ns=measure(compute),
+                comm_ns=measure(comm),
+                overlapped_ns=measure(intersect(comm, compute)),
+                exposed_ns=measure(subtract(comm, compute)),
+                wait_ns=measure(spans[WAIT_KINDS]),
+                slowdown_ns=measure(
+                    (e.t_start_ns, e.t_end_ns) for e in evs if e.kind == "slowdown"
+                ),
+                step_compute_ns=_step_compute(evs),
+            )
+        )
     return out
 
 
@@ -151,8 +161,8 @@ class Straggler:
     slowest: int | None  # the rank with the most compute (None: fewer than two computing ranks)
     ratio: float  # its compute over the median of the others'
     sentence: str
-    # of a named rank: True when the run was told to slow it, False when not (the machine slowed it),
-    # None when nobody said what was configured (or no rank is named)
+    # of a named rank: True when the run was told to slow it, False when not (the machine slowed
+    # it), None when nobody said what was configured (or no rank is named)
     configured: bool | None = None
 
 
@@ -160,14 +170,15 @@ def _machine(ranks: int, cores: int | None) -> str:
     if cores is None:
         return "ranks sharing the machine's cores, with each other or with other work"
     if ranks > cores:
-        return (f"{ranks} ranks sharing {cores} CPU core{'s' if cores != 1 else ''}: the operating system "
-                f"gave this one less time")
+        return (f"{ranks} ranks sharing {cores} CPU core{'s' if cores != 1 else ''}: the operating "
+                f"system gave this one less time")
     return f"the operating system or other work on the machine's {cores} CPU cores slowed it"
 
 
 def find_straggler(stats: Sequence[RankStats], threshold: float = STRAGGLER_RATIO,
                    configured: Sequence[int] | None = None, cores: int | None = None) -> Straggler:
-    """Name the rank whose compute most exceeds the others' (the parameter server is not a candidate).
+    """Name the rank whose compute most exceeds the others' (the parameter server is not a
+    candidate).
 
     Compared per step (the median step's compute) when every rank's spans say their step, so one
     step preempted by the operating system does not make a straggler; the totals otherwise. A rank
@@ -191,12 +202,12 @@ def find_straggler(stats: Sequence[RankStats], threshold: float = STRAGGLER_RATI
     ratio = of(slow) / median if median else float("inf")
     wait = statistics.mean(s.wait_ns for s in others) * 1e-6
     words = (f"{ratio:.1f}x the median compute{' per step' if per_step else ''} of the others "
-             f"({of(slow) * 1e-6:.2f} ms vs {median * 1e-6:.2f} ms); the others wait {wait:.1f} ms in all "
-             f"on average, it waits {slow.wait_ns * 1e-6:.1f} ms")
+             f"({of(slow) * 1e-6:.2f} ms vs {median * 1e-6:.2f} ms); the others wait {wait:.1f} ms "
+             f"in all on average, it waits {slow.wait_ns * 1e-6:.1f} ms")
     if ratio < threshold:
         return Straggler(None, slow.rank, ratio,
-                         f"no straggler (none computes {threshold:g}x the others): the slowest, rank "
-                         f"{slow.rank}, takes {words}")
+                         f"no straggler (none computes {threshold:g}x the others): the slowest, "
+                         f"rank {slow.rank}, takes {words}")
     if configured is None or slow.rank in configured:
         return Straggler(slow.rank, slow.rank, ratio, f"rank {slow.rank} is the straggler: {words}",
                          None if configured is None else True)
@@ -204,8 +215,8 @@ def find_straggler(stats: Sequence[RankStats], threshold: float = STRAGGLER_RATI
             f"the configured straggler{'s are ranks' if len(configured) > 1 else ' is rank'} "
             f"{', '.join(map(str, configured))}")
     return Straggler(slow.rank, slow.rank, ratio,
-                     f"rank {slow.rank} is the slowest, {words}. But {told}: this is the machine's doing "
-                     f"({_machine(len(stats), cores)}), not a configured straggler", False)
+                     f"rank {slow.rank} is the slowest, {words}. But {told}: this is the machine's "
+                     f"doing ({_machine(len(stats), cores)}), not a configured straggler", False)
 
 
 def _slowed_on_purpose(slow: RankStats, cands: Sequence[RankStats],

@@ -1,4 +1,5 @@
-"""The Training page's figures: sync vs backup workers vs a staleness grid, with and without a straggler.
+"""The Training page's figures: sync vs backup workers vs a staleness grid, with and without a
+straggler.
 
 Pure builders (no Streamlit): they take the ``Cell``s of ``dplab.viz.training_runs.run_grid``
 (real runs of ``dplab compare``'s grid) and return plotly figures and table rows, so the
@@ -38,7 +39,8 @@ X_NOTES = {
     "step": "a step is one global batch of gradients applied: a sync step, or W async updates",
     "time": "seconds from the run's first traced event",
 }
-# sync vs one device agree to ROUNDING: max|a - b| <= 1e-10 * max(1, max|b|) in float64 (the tests' rel)
+# sync vs one device agree to ROUNDING: max|a - b| <= 1e-10 * max(1, max|b|) in float64 (the tests'
+# rel)
 RELATIVE_TOL = 1e-10
 _PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf")
 
@@ -60,11 +62,21 @@ def loss_figure(cells: Sequence[Cell], x: str = "step") -> go.Figure:
     colour = _colours(cells)
     fig = go.Figure()
     for c in cells:
-        fig.add_trace(go.Scatter(
-            x=c.steps if x == "step" else c.times_s, y=c.losses, name=_name(c), mode="lines+markers",
-            legendgroup=c.label, marker={"size": 4},
-            line={"color": colour[c.label], "dash": "solid" if c.straggler == "none" else "dot"},
-            hovertemplate="%{x:.3g}, loss %{y:.5g}<extra>" + _name(c) + "</extra>"))
+        fig.add_trace(
+            go.Scatter(
+                x=c.steps if x == "step" else c.times_s,
+                y=c.losses,
+                name=_name(c),
+                mode="lines+markers",
+                legendgroup=c.label,
+                marker={"size": 4},
+                line={
+                    "color": colour[c.label],
+                    "dash": "solid" if c.straggler == "none" else "dot",
+                },
+                hovertemplate="%{x:.3g}, loss %{y:.5g}<extra>" + _name(c) + "</extra>",
+            )
+        )
     clock = "wall time"
     x_title = X_TITLES[x]
     if x == "time" and cells and cells[0].row.get("clock") == "simulated":  # a simulated cluster's
@@ -76,13 +88,20 @@ def loss_figure(cells: Sequence[Cell], x: str = "step") -> go.Figure:
 
 
 def throughput_figure(cells: Sequence[Cell]) -> go.Figure:
-    """``samples_per_s`` of every row: samples whose gradients reached the parameters, per second."""
+    """``samples_per_s`` of every row: samples whose gradients reached the parameters, per
+    second."""
     fig = go.Figure()
     for straggler in dict.fromkeys(c.straggler for c in cells):
         group = [c for c in cells if c.straggler == straggler]
-        fig.add_trace(go.Bar(x=[c.label for c in group], y=[c.row["samples_per_s"] for c in group],
-                             name="no straggler" if straggler == "none" else f"straggler {straggler}",
-                             text=[f"{c.row['samples_per_s']:,.0f}" for c in group], textposition="outside"))
+        fig.add_trace(
+            go.Bar(
+                x=[c.label for c in group],
+                y=[c.row["samples_per_s"] for c in group],
+                name="no straggler" if straggler == "none" else f"straggler {straggler}",
+                text=[f"{c.row['samples_per_s']:,.0f}" for c in group],
+                textposition="outside",
+            )
+        )
     simulated = bool(cells) and cells[0].row.get("clock") == "simulated"
     fig.update_layout(barmode="group", title="throughput (samples applied per second"
                       + (f" of simulated time on {cells[0].row['cluster']})" if simulated else ")"),
@@ -105,12 +124,25 @@ def delay_figure(cells: Sequence[Cell]) -> go.Figure:
     for col, straggler in enumerate(stragglers, start=1):
         for c in (c for c in ps if c.straggler == straggler):
             counts = delay_counts(c)
-            fig.add_trace(go.Bar(x=list(counts), y=list(counts.values()), name=_name(c), legendgroup=c.label,
-                                 marker_color=colour[c.label], showlegend=col == 1 or straggler == "none",
-                                 hovertemplate="delay %{x}: %{y} gradients<extra>" + _name(c) + "</extra>"),
-                          row=1, col=col)
-        fig.update_xaxes(title_text="delay (updates between a gradient's pull and its apply)", dtick=1,
-                         row=1, col=col)
+            fig.add_trace(
+                go.Bar(
+                    x=list(counts),
+                    y=list(counts.values()),
+                    name=_name(c),
+                    legendgroup=c.label,
+                    marker_color=colour[c.label],
+                    showlegend=col == 1 or straggler == "none",
+                    hovertemplate="delay %{x}: %{y} gradients<extra>" + _name(c) + "</extra>",
+                ),
+                row=1,
+                col=col,
+            )
+        fig.update_xaxes(
+            title_text="delay (updates between a gradient's pull and its apply)",
+            dtick=1,
+            row=1,
+            col=col,
+        )
     fig.update_yaxes(title_text="applied gradients", row=1, col=1)
     fig.update_layout(barmode="group", margin={"t": 60},
                       title="delay histogram from the server's log (LogEntry.delay, in updates; "
@@ -139,21 +171,37 @@ def equivalence_figure(cells: Sequence[Cell]) -> go.Figure:
     fig = go.Figure()
     seen = set()
     for c in (c for c in cells if c.row["mode"] == "sync" and c.diffs):
-        if c.label in seen:  # a straggler's run has the same bits (checked: same_bits), so the same curve
+        if c.label in seen:
+            # a straggler's run has the same bits (checked: same_bits), so the same curve
             continue
         seen.add(c.label)
-        fig.add_trace(go.Scatter(x=list(range(1, len(c.diffs) + 1)), y=c.diffs, mode="lines+markers",
-                                 name=f"{c.label} (every straggler setting: same bits)",
-                                 hovertemplate="step %{x}: %{y:.3g}<extra></extra>"))
+        fig.add_trace(
+            go.Scatter(
+                x=list(range(1, len(c.diffs) + 1)),
+                y=c.diffs,
+                mode="lines+markers",
+                name=f"{c.label} (every straggler setting: same bits)",
+                hovertemplate="step %{x}: %{y:.3g}<extra></extra>",
+            )
+        )
     tol = tolerance(cells)
     positive = [d for t in fig.data for d in t.y if d > 0]
     low = math.floor(math.log10(min(positive, default=tol * 1e-6))) - 1
     high = math.ceil(math.log10(tol)) + 1
     fig.add_hline(y=tol, line_dash="dash", line_color="#d62728")
-    # on a log axis an annotation's y is the exponent (add_hline's own annotation would land at y=1e-10)
-    fig.add_annotation(x=1, xref="paper", xanchor="right", y=math.log10(tol), yref="y", yanchor="top",
-                       text=f"tolerance {tol:.0e} (relative {RELATIVE_TOL:.0e})", showarrow=False,
-                       font={"color": "#d62728"})
+    # on a log axis an annotation's y is the exponent (add_hline's own annotation would land at
+    # y=1e-10)
+    fig.add_annotation(
+        x=1,
+        xref="paper",
+        xanchor="right",
+        y=math.log10(tol),
+        yref="y",
+        yanchor="top",
+        text=f"tolerance {tol:.0e} (relative {RELATIVE_TOL:.0e})",
+        showarrow=False,
+        font={"color": "#d62728"},
+    )
     fig.update_layout(title="sync: max_abs_diff_vs_single per step", xaxis_title="step",
                       yaxis_title="max |params − single-device params|", yaxis_type="log",
                       yaxis_range=[low, high], yaxis_dtick=1, yaxis_exponentformat="power",
@@ -178,6 +226,7 @@ def summary_rows(cells: Sequence[Cell]) -> list[dict[str, Any]]:
             "samples_per_s": r["samples_per_s"], "wall_s": r["wall_s"], "updates": r["updates"],
             "max_delay": r.get("max_delay"), "dropped": r.get("dropped"),
             "max_abs_diff_vs_single": r.get("max_abs_diff_vs_single"),
-            "exact": r.get("replay_exact", c.same_bits),  # the log replays / the per-step run's bits
+            # the log replays / the per-step run's bits
+            "exact": r.get("replay_exact", c.same_bits),
         })
     return out

@@ -67,29 +67,37 @@ class TrainingGrid:
                            global_batch=self.global_batch, steps=self.steps, seed=self.seed)
 
     def straggler(self) -> tuple[tuple[int, float], ...]:
-        """The last rank: a worker of the parameter server too (rank 0 serves and computes nothing)."""
+        """The last rank: a worker of the parameter server too (rank 0 serves and computes
+        nothing)."""
         return ((self.world_size - 1, float(self.straggler_factor)),)
 
     def specs(self) -> list[RunSpec]:
         """``dplab compare``'s cells (fixed steps), without then with the straggler."""
         if self.world_size < 3:
-            raise ConfigError(f"the training page needs world_size >= 3 (a server and two workers, so "
-                              f"one can straggle), got {self.world_size}")
+            raise ConfigError("the training page needs world_size >= 3 (a server and two workers, "
+                              f"so one can straggle), got {self.world_size}")
         if self.straggler_factor < 1:
             raise ConfigError(f"straggler_factor must be >= 1, got {self.straggler_factor}")
         base = RunSpec(world_size=self.world_size, algorithm=self.algorithm,
                        train=self.train_config(), cluster=self.cluster)
         out = []
         for strag in ((), self.straggler()):
-            out += compare_specs(replace(base, straggler=strag), [self.backend], [self.world_size],
-                                 ["sync", "backup", "async"], [self.algorithm], list(self.staleness),
-                                 list(self.backup_workers))
+            out += compare_specs(
+                replace(base, straggler=strag),
+                [self.backend],
+                [self.world_size],
+                ["sync", "backup", "async"],
+                [self.algorithm],
+                list(self.staleness),
+                list(self.backup_workers),
+            )
         return out
 
 
 @dataclass
 class Cell:
-    """One run: its row, and the curve that led there (``steps[i]``, ``times_s[i]``, ``losses[i]``)."""
+    """One run: its row, and the curve that led there (``steps[i]``, ``times_s[i]``,
+    ``losses[i]``)."""
 
     spec: RunSpec
     row: dict[str, Any]
@@ -97,7 +105,8 @@ class Cell:
     times_s: list[float]  # seconds from the run's first traced event
     losses: list[float]  # mean loss over the whole data set at that point
     log: list[LogEntry] = field(default_factory=list)  # the server's (parameter server only)
-    diffs: list[float] = field(default_factory=list)  # sync: max |params_k - single_k|, k = 1..steps
+    # sync: max |params_k - single_k|, k = 1..steps
+    diffs: list[float] = field(default_factory=list)
     same_bits: bool | None = None  # sync: final params == the checkpointed run's, bit for bit
     params: np.ndarray | None = None  # final parameters (rank 0: a replica, or the server)
 
@@ -112,7 +121,8 @@ class Cell:
 
     @property
     def delays(self) -> list[int]:
-        """Per applied gradient, in UPDATES (``LogEntry.delay``): not staleness, which counts clocks."""
+        """Per applied gradient, in UPDATES (``LogEntry.delay``):
+        not staleness, which counts clocks."""
         return [e.delay for e in self.log]
 
 
@@ -131,7 +141,9 @@ class _Recorder:
 def _loss(cfg: TrainConfig) -> Callable[[np.ndarray], float]:
     """``evaluate(cfg, params)`` with the data set made once: the same expression, the same bits."""
     model, data, _ = setup(cfg)
-    return lambda params: float(model.loss(model.forward(params, data.x), data.y, scale=1 / cfg.num_samples))
+    return lambda params: float(
+        model.loss(model.forward(params, data.x), data.y, scale=1 / cfg.num_samples)
+    )
 
 
 def _start_ns(events: list[list[Event]]) -> int:
@@ -150,7 +162,9 @@ def run_cell(spec: RunSpec, world: World, points: int = 20) -> Cell:
             ends[e.extra["step"]] = max(ends.get(e.extra["step"], 0), e.t_end_ns)
         steps = list(range(len(ends) + 1))
         times = [0.0] + [(ends[k] - t0) / 1e9 for k in sorted(ends)]
-        return Cell(spec, row, [float(s) for s in steps], times, [loss(initial)], params=rec.results[0][0])
+        return Cell(
+            spec, row, [float(s) for s in steps], times, [loss(initial)], params=rec.results[0][0]
+        )
     log, _, _ = rec.results[0][1]
     workers, acfg = spec.world_size - 1, spec.async_config()
     applied = {e.extra["version"]: e.t_end_ns for e in events[0] if e.kind == "apply"}
@@ -196,7 +210,9 @@ def run_grid(grid: TrainingGrid, on_progress: Progress | None = None) -> list[Ce
         for spec in specs:
             cells.append(run_cell(spec, world, grid.points))
             if on_progress:
-                on_progress(len(cells), total, f"{cells[-1].label}, straggler {cells[-1].straggler}")
+                on_progress(
+                    len(cells), total, f"{cells[-1].label}, straggler {cells[-1].straggler}"
+                )
         sync = [c for c in cells if c.row["mode"] == "sync"]
         if sync:
             fill_sync(sync, sync_steps(sync[0].spec, world), grid.train_config())
@@ -209,7 +225,8 @@ def fill_sync(sync: list[Cell], params: list[np.ndarray], cfg: TrainConfig) -> N
     """Losses and the per-step difference from one device, from the checkpointed run's parameters
     (``sync_steps``); every sync cell must have ended on the same bits as that run."""
     if len(params) != cfg.steps:
-        raise ConfigError(f"the equivalence run left {len(params)} checkpoints for {cfg.steps} steps")
+        raise ConfigError(f"the equivalence run left {len(params)} checkpoints for {cfg.steps} "
+                          "steps")
     loss = _loss(cfg)
     losses = [loss(p) for p in params]
     diffs = [float(np.max(np.abs(p - train_single(replace(cfg, steps=k + 1)).params), initial=0.0))
@@ -218,6 +235,7 @@ def fill_sync(sync: list[Cell], params: list[np.ndarray], cfg: TrainConfig) -> N
         c.same_bits = bool(np.array_equal(c.params, params[-1]))
         if not c.same_bits:
             raise ConfigError(f"sync run (straggler {c.straggler}) ended on other bits than the "
-                              "checkpointed run of the same spec: the per-step curve would not be its own")
+                              "checkpointed run of the same spec: the per-step curve would not be "
+                              "its own")
         c.losses = c.losses[:1] + losses
         c.diffs = diffs

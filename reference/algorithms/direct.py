@@ -35,14 +35,40 @@ __all__ = ["reduce_scatter", "allgather", "allreduce"]
 
 
 def reduce_scatter(p: int) -> Schedule:
-    sends = tuple(Transfer(r, d, d, "reduce") for d in range(p) for r in range(p) if r != d)  # to owner d
+    # to owner d
+    """Every rank sends chunk d straight to its owner d, all in one round.
+
+    Args:
+        p: the number of ranks.
+
+    Returns:
+        p chunks in one round of p(p - 1) transfers (none for p = 1).
+    """
+    sends = tuple(Transfer(r, d, d, "reduce") for d in range(p) for r in range(p) if r != d)
     return Schedule("direct_reduce_scatter", p, p, (sends,) if p > 1 else ())
 
 
 def allgather(p: int) -> Schedule:
-    sends = tuple(Transfer(d, r, d, "copy") for d in range(p) for r in range(p) if r != d)  # owner d to all
+    # owner d to all
+    """Every owner d sends its chunk d straight to every other rank, in one round.
+
+    Args:
+        p: the number of ranks.
+
+    Returns:
+        p chunks in one round of p(p - 1) transfers (none for p = 1).
+    """
+    sends = tuple(Transfer(d, r, d, "copy") for d in range(p) for r in range(p) if r != d)
     return Schedule("direct_allgather", p, p, (sends,) if p > 1 else ())
 
 
 def allreduce(p: int) -> Schedule:
+    """The direct all-reduce: every rank talks to every other, two rounds in all.
+
+    Args:
+        p: the number of ranks.
+
+    Returns:
+        The schedule named "direct": the reduce-scatter, then the all-gather.
+    """
     return concat("direct", reduce_scatter(p), allgather(p))

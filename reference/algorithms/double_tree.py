@@ -52,7 +52,15 @@ __all__ = ["nccl_dtree", "trees", "roles", "one_tree", "allreduce", "busiest"]
 
 
 def nccl_dtree(p: int) -> tuple[list[int], list[int]]:
-    """Parents in NCCL's two trees, exactly as ncclGetDtree builds them (mirror for even p, shift for odd)."""
+    """Parents in NCCL's two trees, exactly as ncclGetDtree builds them (mirror for even p, shift
+    for odd).
+
+    Args:
+        p: the number of ranks.
+
+    Returns:
+        (tree 0's parents, tree 1's parents), -1 at each root.
+    """
     t0 = btree(p)
     if p % 2:  # shift by one: tree 1 is tree 0 with every rank r in r + 1's place
         return t0, [-1 if t0[(r - 1) % p] < 0 else (t0[(r - 1) % p] + 1) % p for r in range(p)]
@@ -61,7 +69,15 @@ def nccl_dtree(p: int) -> tuple[list[int], list[int]]:
 
 def trees(p: int) -> tuple[list[int], list[int]]:
     """Parents in our two trees: NCCL's for even p; for odd p, NCCL's over p - 1 ranks with
-    rank p - 1 hung under both roots (module docstring: NCCL's odd shift leaves rank 0 interior twice)."""
+    rank p - 1 hung under both roots (module docstring: NCCL's odd shift leaves rank 0 interior
+    twice).
+
+    Args:
+        p: the number of ranks.
+
+    Returns:
+        (tree 0's parents, tree 1's parents), -1 at each root.
+    """
     if p % 2 == 0 or p == 1:
         return nccl_dtree(p)
     t0, t1 = nccl_dtree(p - 1)
@@ -69,9 +85,19 @@ def trees(p: int) -> tuple[list[int], list[int]]:
 
 
 def roles(p: int) -> list[tuple[str, str]]:
-    """Each rank's role in tree 0 and tree 1: 'leaf' (no children) or 'interior' (the root too)."""
+    """Each rank's role in tree 0 and tree 1: 'leaf' (no children) or 'interior' (the root too).
+
+    Args:
+        p: the number of ranks.
+
+    Returns:
+        One (tree 0 role, tree 1 role) pair per rank.
+    """
     kids = [children_of(t) for t in trees(p)]
-    return [("interior" if kids[0][r] else "leaf", "interior" if kids[1][r] else "leaf") for r in range(p)]
+    return [
+        ("interior" if kids[0][r] else "leaf", "interior" if kids[1][r] else "leaf")
+        for r in range(p)
+    ]
 
 
 def _check(p: int, k: int) -> None:
@@ -80,15 +106,41 @@ def _check(p: int, k: int) -> None:
 
 def one_tree(p: int, which: int, k: int = 1) -> Schedule:
     """Tree ``which`` alone, reducing and broadcasting its half (chunks which*k .. which*k + k - 1):
-    half an all-reduce, for pictures and for reading one tree's rounds."""
+    half an all-reduce, for pictures and for reading one tree's rounds.
+
+    Args:
+        p: the number of ranks.
+        which: 0 or 1.
+        k: pieces per tree.
+
+    Returns:
+        A schedule of 2k chunks that moves only tree ``which``'s k.
+
+    Raises:
+        ConfigError: ``which`` is not 0 or 1, or p, k out of range (``check_pieces``).
+    """
     _check(p, k)
     if which not in (0, 1):
         raise ConfigError(f"double_tree has trees 0 and 1, not {which}")
-    return over_trees(f"double_tree_{which}", p, 2 * k, [(trees(p)[which], range(which * k, which * k + k))])
+    return over_trees(
+        f"double_tree_{which}", p, 2 * k, [(trees(p)[which], range(which * k, which * k + k))]
+    )
 
 
 def allreduce(p: int, k: int = TREE_PIECES) -> Schedule:
-    """Both trees at once, each reducing then broadcasting its half of the buffer in ``k`` pieces."""
+    """Both trees at once, each reducing then broadcasting its half of the buffer in ``k``
+    pieces.
+
+    Args:
+        p: the number of ranks.
+        k: pieces per tree (the buffer is cut in 2k chunks).
+
+    Returns:
+        The schedule named "double_tree".
+
+    Raises:
+        ConfigError: p < 1, or k not between 1 and ``MAX_PIECES``.
+    """
     _check(p, k)
     t0, t1 = trees(p)
     return over_trees("double_tree", p, 2 * k, [(t0, range(k)), (t1, range(k, 2 * k))])
@@ -97,7 +149,16 @@ def allreduce(p: int, k: int = TREE_PIECES) -> Schedule:
 def busiest(p: int, n: int, k: int = TREE_PIECES) -> int:
     """The most elements any rank sends for an n-element buffer: tree 0 carries h0 = the first k of
     ``chunk_bounds(n, 2k)`` (the larger half), and rank 2 is interior in it with two children (3 h0)
-    and a leaf in tree 1 (h1): n + 2 h0, which is 2n when 2k divides n (p >= 4; p = 3: n + h0)."""
+    and a leaf in tree 1 (h1): n + 2 h0, which is 2n when 2k divides n (p >= 4; p = 3: n + h0).
+
+    Args:
+        p: the number of ranks.
+        n: elements in the buffer.
+        k: pieces per tree.
+
+    Returns:
+        Elements sent by the busiest rank.
+    """
     base, extra = divmod(n, 2 * k)
     h0 = k * base + min(extra, k)
     return (0, 0, n, n + h0)[p] if p < 4 else n + 2 * h0

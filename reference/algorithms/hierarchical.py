@@ -57,7 +57,18 @@ MAX_NODE_SIZE = 4096  # the largest g taken: the largest world the cost model pr
 
 
 def layout(p: int, g: int) -> tuple[int, int, list[int]]:
-    """(g, N, node sizes) with g clipped to p: g ranks per node, the last node possibly smaller."""
+    """(g, N, node sizes) with g clipped to p: g ranks per node, the last node possibly smaller.
+
+    Args:
+        p: the number of ranks.
+        g: ranks per node asked for.
+
+    Returns:
+        (g, N, sizes): g clipped to p, the number of nodes N, and each node's size.
+
+    Raises:
+        ConfigError: ``g`` is not between 1 and ``MAX_NODE_SIZE``.
+    """
     if not 1 <= g <= MAX_NODE_SIZE:
         raise ConfigError(f"hierarchical:{g}: a node holds between 1 and {MAX_NODE_SIZE} ranks")
     g = min(g, p)
@@ -66,9 +77,9 @@ def layout(p: int, g: int) -> tuple[int, int, list[int]]:
 
 
 def _intra(g: int, n: int, sizes: list[int], k: int, shift: int, op: Op) -> tuple[Transfer, ...]:
-    """Round k of a ring inside every node of s ranks: local rank i sends local rank i + 1 the pieces
-    c with c mod s = (i - k - shift) mod s (one piece in a full node), all N sub-chunks of each (one
-    message: sub-chunks c N .. c N + N - 1 are consecutive)."""
+    """Round k of a ring inside every node of s ranks: local rank i sends local rank i + 1 the
+    pieces c with c mod s = (i - k - shift) mod s (one piece in a full node), all N sub-chunks of
+    each (one message: sub-chunks c N .. c N + N - 1 are consecutive)."""
     return tuple(Transfer(x * g + i, x * g + (i + 1) % s, c * n + j, op)
                  for x, s in enumerate(sizes) if k < s - 1 for i in range(s)
                  for c in range(g) if c % s == (i - k - shift) % s for j in range(n))
@@ -85,6 +96,18 @@ def _inter(g: int, n: int, sizes: list[int], k: int, shift: int, op: Op) -> tupl
 
 
 def allreduce(p: int, g: int = NODE_SIZE) -> Schedule:
+    """The two-level all-reduce: a ring inside each node, g rings across nodes, then back.
+
+    Args:
+        p: the number of ranks, consecutive ranks sharing a node.
+        g: ranks per node (clipped to p; the last node may be smaller).
+
+    Returns:
+        The schedule named "hierarchical" over g N chunks: only a g-th of the bytes crosses nodes.
+
+    Raises:
+        ConfigError: ``g`` is not between 1 and ``MAX_NODE_SIZE``.
+    """
     g, n, sizes = layout(p, g)
     rounds = [_intra(g, n, sizes, k, 1, "reduce") for k in range(g - 1)]
     rounds += [_inter(g, n, sizes, k, 1, "reduce") for k in range(n - 1)]

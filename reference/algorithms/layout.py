@@ -29,12 +29,26 @@ _NAME = "hierarchical"
 
 
 def one_host(world_size: int) -> tuple[int, ...]:
-    """Every rank on host 0: the layout of dplab's own launch and of any single machine."""
+    """Every rank on host 0: the layout of dplab's own launch and of any single machine.
+
+    Args:
+        world_size: the number of ranks.
+
+    Returns:
+        A host key per rank, all 0.
+    """
     return (0,) * world_size
 
 
 def host_sizes(hosts: Sequence[int]) -> list[int]:
-    """Ranks per host, hosts in the order of their first rank."""
+    """Ranks per host, hosts in the order of their first rank.
+
+    Args:
+        hosts: each rank's host key, in rank order.
+
+    Returns:
+        The number of ranks on each host.
+    """
     seen: dict[int, int] = {}
     for h in hosts:
         seen[h] = seen.get(h, 0) + 1
@@ -44,7 +58,14 @@ def host_sizes(hosts: Sequence[int]) -> list[int]:
 @lru_cache(maxsize=64)
 def node_size(hosts: tuple[int, ...]) -> int | None:
     """g when ``hosts`` is nodes of g consecutive ranks (rank r on r // g, the last possibly
-    smaller; one host: g = p), else None (a layout the hierarchical schedule cannot describe)."""
+    smaller; one host: g = p), else None (a layout the hierarchical schedule cannot describe).
+
+    Args:
+        hosts: each rank's host key, in rank order.
+
+    Returns:
+        g, or None.
+    """
     if not hosts:
         return None
     g = hosts.count(hosts[0])
@@ -54,10 +75,19 @@ def node_size(hosts: tuple[int, ...]) -> int | None:
 
 
 def describe(hosts: Sequence[int]) -> str:
-    """The layout in words: "2 hosts of 2 ranks", "2 hosts of 3, 1 ranks"."""
+    """The layout in words: "2 hosts of 2 ranks", "2 hosts of 3, 1 ranks".
+
+    Args:
+        hosts: each rank's host key, in rank order.
+
+    Returns:
+        The layout as a short phrase for error messages.
+    """
     sizes = host_sizes(hosts)
     each = str(sizes[0]) if len(set(sizes)) == 1 else ", ".join(map(str, sizes))
-    return f"{len(sizes)} host{'s' if len(sizes) != 1 else ''} of {each} rank{'s' if max(sizes) > 1 else ''}"
+    hosts_word = "host" if len(sizes) == 1 else "hosts"
+    ranks_word = "ranks" if max(sizes) > 1 else "rank"
+    return f"{len(sizes)} {hosts_word} of {each} {ranks_word}"
 
 
 @lru_cache(maxsize=256)
@@ -67,18 +97,31 @@ def _resolve(algorithm: str, hosts: tuple[int, ...]) -> str:
         return algorithm
     g = node_size(hosts)
     if g is None:
-        raise ConfigError(f"{algorithm} needs consecutive ranks on each host (rank r on host r // g), but "
-                          f"the launcher placed them {list(hosts)}: use another algorithm, or a "
-                          "launcher's block placement")
+        raise ConfigError(f"{algorithm} needs consecutive ranks on each host (rank r on host r // "
+                          f"g), but the launcher placed them {list(hosts)}: use another algorithm, "
+                          "or a launcher's block placement")
     if param.isdigit() and int(param) != g:  # a bad parameter is split_name's to report
         raise ConfigError(f"{algorithm} puts {param} ranks in a node, but the launcher put "
-                          f"{describe(hosts)}: use --algorithm {_NAME} (g from the hosts) or {_NAME}:{g}")
+                          f"{describe(hosts)}: use --algorithm {_NAME} (g from the hosts) or "
+                          f"{_NAME}:{g}")
     return f"{_NAME}:{g}"
 
 
 def resolve(algorithm: str, hosts: Sequence[int]) -> str:
     """The schedule name to run for ``algorithm`` on ranks placed on ``hosts`` (module docstring);
-    any other algorithm, and "auto", unchanged."""
+    any other algorithm, and "auto", unchanged.
+
+    Args:
+        algorithm: an algorithm name as a user gives it ("hierarchical", "hierarchical:4", ...).
+        hosts: each rank's host key, in rank order.
+
+    Returns:
+        The algorithm to run; "hierarchical" on several hosts becomes "hierarchical:<g>".
+
+    Raises:
+        ConfigError: the hosts are not blocks of consecutive ranks, or the name's g differs from
+            the hosts'.
+    """
     if not algorithm.startswith(_NAME):  # the common case costs one string comparison
         return algorithm
     return _resolve(algorithm, tuple(hosts))

@@ -30,14 +30,40 @@ __all__ = ["reduce", "broadcast", "allreduce"]
 
 
 def reduce(p: int, root: int = 0) -> Schedule:
+    """Every rank sends its whole buffer to ``root`` in one round, and the root adds them up.
+
+    Args:
+        p: the number of ranks.
+        root: the rank that ends with the sum.
+
+    Returns:
+        A one-chunk schedule of one round (none for p = 1).
+    """
     sends = tuple(Transfer(r, root, 0, "reduce") for r in range(p) if r != root)
     return Schedule("naive_reduce", p, 1, (sends,) if sends else ())
 
 
 def broadcast(p: int, root: int = 0) -> Schedule:
+    """``root`` sends its whole buffer to every other rank in one round.
+
+    Args:
+        p: the number of ranks.
+        root: the rank whose buffer everyone ends with.
+
+    Returns:
+        A one-chunk schedule of one round (none for p = 1).
+    """
     sends = tuple(Transfer(root, r, 0, "copy") for r in range(p) if r != root)
     return Schedule("naive_broadcast", p, 1, (sends,) if sends else ())
 
 
 def allreduce(p: int) -> Schedule:
+    """Reduce to rank 0, then broadcast from it: the plainest all-reduce.
+
+    Args:
+        p: the number of ranks.
+
+    Returns:
+        The schedule named "naive": two rounds, the root's link carries everything.
+    """
     return concat("naive", reduce(p), broadcast(p))

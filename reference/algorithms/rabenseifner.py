@@ -87,7 +87,9 @@ def _halving(pof2: int, real: list[int], start: list[int]) -> list[tuple[Transfe
         for v in range(pof2):
             u = v ^ d
             lo = u & ~(d - 1)  # u's block: virtual ranks lo .. lo + d - 1
-            sends += [Transfer(real[v], real[u], c, "reduce") for c in range(start[lo], start[lo + d])]
+            sends += [
+                Transfer(real[v], real[u], c, "reduce") for c in range(start[lo], start[lo + d])
+            ]
         rounds.append(_by_chunk(sends))
         d //= 2
     return rounds
@@ -95,13 +97,16 @@ def _halving(pof2: int, real: list[int], start: list[int]) -> list[tuple[Transfe
 
 def _doubling(pof2: int, real: list[int], start: list[int]) -> list[tuple[Transfer, ...]]:
     """Recursive doubling among the virtual ranks, partners d = 1, 2, ..., p'/2 apart: v sends
-    everything it has gathered so far, the chunks of its own aligned block of d, and v ^ d copies them."""
+    everything it has gathered so far, the chunks of its own aligned block of d, and v ^ d copies
+    them."""
     rounds, d = [], 1
     while d < pof2:
         sends = []
         for v in range(pof2):
             lo = v & ~(d - 1)
-            sends += [Transfer(real[v], real[v ^ d], c, "copy") for c in range(start[lo], start[lo + d])]
+            sends += [
+                Transfer(real[v], real[v ^ d], c, "copy") for c in range(start[lo], start[lo + d])
+            ]
         rounds.append(_by_chunk(sends))
         d *= 2
     return rounds
@@ -109,19 +114,32 @@ def _doubling(pof2: int, real: list[int], start: list[int]) -> list[tuple[Transf
 
 def _whole(rem: int, chunks: range, op: Op, down: bool) -> tuple[Transfer, ...]:
     """The fold: odd rank 2i+1 hands ``chunks`` to 2i (``down``), or 2i hands them back."""
-    return _by_chunk([Transfer(2 * i + 1, 2 * i, c, op) if down else Transfer(2 * i, 2 * i + 1, c, op)
-                      for i in range(rem) for c in chunks])
+    return _by_chunk(
+        [
+            Transfer(2 * i + 1, 2 * i, c, op) if down else Transfer(2 * i, 2 * i + 1, c, op)
+            for i in range(rem)
+            for c in chunks
+        ]
+    )
 
 
 def _start(p: int, pairs_own_two: bool) -> list[int]:
-    """Each virtual rank's first chunk, and the end: with ``pairs_own_two`` virtual rank v < rem owns
-    chunks 2v, 2v+1 (its real pair's), the others one each (p chunks: the reduce-scatter's layout);
-    else v owns chunk v (p' chunks)."""
+    """Each virtual rank's first chunk, and the end: with ``pairs_own_two`` virtual rank v < rem
+    owns chunks 2v, 2v+1 (its real pair's), the others one each (p chunks: the reduce-scatter's
+    layout); else v owns chunk v (p' chunks)."""
     pof2, rem, _ = fold(p)
     return [v + min(v, rem) if pairs_own_two else v for v in range(pof2 + 1)]
 
 
 def reduce_scatter(p: int) -> Schedule:
+    """Rabenseifner's reduce-scatter: the fold, then recursive halving; rank r ends owning chunk r.
+
+    Args:
+        p: the number of ranks (any p; not a power of two: the fold).
+
+    Returns:
+        p chunks, lg p' rounds plus two for the fold.
+    """
     pof2, rem, real = fold(p)
     start = _start(p, pairs_own_two=True)
     rounds = [_whole(rem, range(p), "reduce", down=True)] if rem else []
@@ -132,9 +150,19 @@ def reduce_scatter(p: int) -> Schedule:
 
 
 def allgather(p: int) -> Schedule:
+    """Rabenseifner's all-gather: the fold, then recursive doubling; each rank ends with all chunks.
+
+    Args:
+        p: the number of ranks (any p; not a power of two: the fold).
+
+    Returns:
+        p chunks, lg p' rounds plus two for the fold.
+    """
     pof2, rem, real = fold(p)
     start = _start(p, pairs_own_two=True)
-    rounds = [tuple(Transfer(2 * i + 1, 2 * i, 2 * i + 1, "copy") for i in range(rem))] if rem else []
+    rounds = (
+        [tuple(Transfer(2 * i + 1, 2 * i, 2 * i + 1, "copy") for i in range(rem))] if rem else []
+    )
     rounds += _doubling(pof2, real, start)
     if rem:  # everything but the partner's own chunk
         rounds.append(_by_chunk([Transfer(2 * i, 2 * i + 1, c, "copy")
@@ -143,6 +171,14 @@ def allgather(p: int) -> Schedule:
 
 
 def allreduce(p: int) -> Schedule:
+    """Rabenseifner's all-reduce: recursive halving (reduce-scatter) then doubling (all-gather).
+
+    Args:
+        p: the number of ranks (any p; not a power of two: the fold).
+
+    Returns:
+        The schedule named "rabenseifner" over p' chunks: 2 lg p' rounds, 2 more with the fold.
+    """
     pof2, rem, real = fold(p)
     start = _start(p, pairs_own_two=False)  # p' even chunks, virtual rank v owns chunk v
     rounds = [_whole(rem, range(pof2), "reduce", down=True)] if rem else []

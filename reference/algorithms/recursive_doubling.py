@@ -57,13 +57,29 @@ __all__ = ["fold", "allreduce"]
 
 
 def fold(p: int) -> tuple[int, int, list[int]]:
-    """(p', rem, real rank of each virtual rank): the ranks that take part after the fold."""
+    """(p', rem, real rank of each virtual rank): the ranks that take part after the fold.
+
+    Args:
+        p: the number of ranks.
+
+    Returns:
+        (p', rem, real): the largest power of two p' <= p, rem = p - p', and the real rank of each
+        virtual rank.
+    """
     pof2 = 1 << (p.bit_length() - 1)
     rem = p - pof2
     return pof2, rem, [2 * v if v < rem else v + rem for v in range(pof2)]
 
 
 def allreduce(p: int) -> Schedule:
+    """Recursive doubling: in round i every rank swaps its whole buffer with the rank 2^i away.
+
+    Args:
+        p: the number of ranks (any p; not a power of two: the fold).
+
+    Returns:
+        The schedule named "recursive_doubling": one chunk, lg p' rounds plus two for the fold.
+    """
     pof2, rem, real = fold(p)
     rounds: list[tuple[Transfer, ...]] = []
     if rem:  # odd ranks below 2 rem hand their buffer to the even one below and sit out

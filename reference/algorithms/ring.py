@@ -41,15 +41,40 @@ __all__ = ["reduce_scatter", "allgather", "allreduce"]
 
 
 def reduce_scatter(p: int) -> Schedule:
-    rounds = [tuple(Transfer(r, (r + 1) % p, (r - k - 1) % p, "reduce") for r in range(p))  # round k
-              for k in range(p - 1)]
+    """The ring's reduce-scatter: afterwards rank r holds chunk r summed over all ranks.
+
+    Args:
+        p: the number of ranks (any p >= 1).
+
+    Returns:
+        p chunks in p - 1 rounds, each rank sending one chunk to its right neighbour a round.
+    """
+    rounds = [tuple(Transfer(r, (r + 1) % p, (r - k - 1) % p, "reduce") for r in range(p))
+              for k in range(p - 1)]  # round k
     return Schedule("ring_reduce_scatter", p, p, rounds)
 
 
 def allgather(p: int) -> Schedule:
-    rounds = [tuple(Transfer(r, (r + 1) % p, (r - k) % p, "copy") for r in range(p)) for k in range(p - 1)]
+    """The ring's all-gather: rank r starts with chunk r complete, and ends with every chunk.
+
+    Args:
+        p: the number of ranks (any p >= 1).
+
+    Returns:
+        p chunks in p - 1 rounds, each rank copying one chunk to its right neighbour a round.
+    """
+    rounds = [tuple(Transfer(r, (r + 1) % p, (r - k) % p, "copy") for r in range(p))
+              for k in range(p - 1)]  # round k
     return Schedule("ring_allgather", p, p, rounds)
 
 
 def allreduce(p: int) -> Schedule:
+    """The ring all-reduce: the reduce-scatter, then the all-gather.
+
+    Args:
+        p: the number of ranks (any p >= 1).
+
+    Returns:
+        The schedule named "ring": 2(p - 1) rounds of p chunks.
+    """
     return concat("ring", reduce_scatter(p), allgather(p))

@@ -41,6 +41,15 @@ def _edges(p: int, root: int) -> list[list[tuple[int, int]]]:
 
 
 def reduce(p: int, root: int = 0) -> Schedule:
+    """Binomial reduce to ``root``: in round i, ranks 2^i apart pair up and one hands its sum up.
+
+    Args:
+        p: the number of ranks (any p, not only powers of two).
+        root: the rank that ends with the sum.
+
+    Returns:
+        A one-chunk schedule of ceil(lg p) rounds.
+    """
     rounds = tuple(
         tuple(Transfer(c, q, 0, "reduce") for c, q in pairs) for pairs in _edges(p, root)
     )
@@ -48,6 +57,15 @@ def reduce(p: int, root: int = 0) -> Schedule:
 
 
 def broadcast(p: int, root: int = 0) -> Schedule:
+    """Binomial broadcast from ``root``: the reduce's rounds reversed, each edge copying down.
+
+    Args:
+        p: the number of ranks (any p, not only powers of two).
+        root: the rank whose buffer everyone ends with.
+
+    Returns:
+        A one-chunk schedule of ceil(lg p) rounds.
+    """
     rounds = tuple(
         tuple(Transfer(q, c, 0, "copy") for c, q in pairs) for pairs in reversed(_edges(p, root))
     )
@@ -55,4 +73,12 @@ def broadcast(p: int, root: int = 0) -> Schedule:
 
 
 def allreduce(p: int) -> Schedule:
+    """The tree all-reduce: binomial reduce to rank 0, then binomial broadcast from it.
+
+    Args:
+        p: the number of ranks.
+
+    Returns:
+        The schedule named "tree": 2 ceil(lg p) rounds of one chunk.
+    """
     return concat("tree", reduce(p), broadcast(p))

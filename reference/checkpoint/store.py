@@ -52,7 +52,17 @@ class CheckpointError(DplabError):
 
 @dataclasses.dataclass(frozen=True)
 class Checkpoint:
-    """One loaded checkpoint. Its arrays are fresh copies that belong to the caller."""
+    """One loaded checkpoint. Its arrays are fresh copies that belong to the caller.
+
+    Args:
+        path: the file it came from.
+        step: its step.
+        params: the parameters.
+        optimizer_state: the optimizer's state.
+        data_position: where the run was.
+        rng_state: a random generator's state, or None.
+        meta: the run's metadata.
+    """
 
     path: Path
     step: int
@@ -65,13 +75,23 @@ class Checkpoint:
 
 @dataclasses.dataclass(frozen=True)
 class Listing:
-    """What a checkpoint directory holds."""
+    """What a checkpoint directory holds.
+
+    Args:
+        checkpoints: complete checkpoints, lowest step first.
+        strays: temporaries of saves that never finished.
+    """
 
     checkpoints: tuple[Path, ...]  # complete checkpoints, lowest step first
     strays: tuple[Path, ...]  # temporaries of saves that never finished: ignored, safe to delete
 
     @property
     def latest(self) -> Path | None:
+        """The highest-step complete checkpoint, or None.
+
+        Returns:
+            Its path, or None when there is none.
+        """
         return self.checkpoints[-1] if self.checkpoints else None
 
 
@@ -80,18 +100,35 @@ class Bounds:
     """The most one run's checkpoint can hold: each array at most ``array_bytes`` (the parameters,
     n x itemsize; optimizer states are the same size), the JSON manifest at most ``manifest_bytes``
     (meta, the data position, the parameter server's log). ``load_checkpoint`` checks the file's
-    size and every member's against them before reading."""
+    size and every member's against them before reading.
+
+    Args:
+        array_bytes: the most bytes of one array.
+        manifest_bytes: the most bytes of the JSON manifest.
+    """
 
     array_bytes: int
     manifest_bytes: int
 
     def file_bytes(self) -> int:
+        """The largest checkpoint file these bounds allow (every member at its largest).
+
+        Returns:
+            Bytes.
+        """
         members = (MAX_MEMBERS - 1) * (self.array_bytes + _NPY_HEADER + _ZIP_ENTRY)
         return members + self.manifest_bytes + _ZIP_ENTRY + _DIGEST_LEN
 
 
 def list_checkpoints(directory: str | os.PathLike) -> Listing:
-    """The complete checkpoints of ``directory`` by step, and the stray temporaries beside them."""
+    """The complete checkpoints of ``directory`` by step, and the stray temporaries beside them.
+
+    Args:
+        directory: a checkpoint directory (missing: nothing in it).
+
+    Returns:
+        The checkpoints in step order, and the strays.
+    """
     d = Path(directory)
     names = [p.name for p in d.iterdir()] if d.is_dir() else []
     done = sorted((int(m.group(1)), d / n) for n in names if (m := _NAME.fullmatch(n)))
@@ -108,6 +145,19 @@ def save_checkpoint(directory: str | os.PathLike, step: int, params: np.ndarray,
     strings, None, lists, tuples (they come back as lists), dicts with str keys, dataclasses
     (stored as dicts) and numpy arrays (as in MT19937's RNG state). ``keep_last=k`` then
     deletes all but the k highest-step checkpoints (never the one just written).
+
+    Args:
+        directory: where to write (created if missing).
+        step: the step, in the file's name.
+        params: the parameters.
+        optimizer_state: the optimizer's ``state_dict()``.
+        data_position: where the run is.
+        rng_state: a random generator's state, or None.
+        meta: the run's metadata, compared on load.
+        keep_last: how many checkpoints to keep, or None for all.
+
+    Returns:
+        The path written.
 
     Raises:
         ConfigError: a value a checkpoint cannot store, before anything is written.
@@ -146,6 +196,14 @@ def load_checkpoint(path: str | os.PathLike, *, expect_meta: dict | None = None,
     Only a regular file is read, in pieces (a FIFO, a device or a link to one is refused), and
     only uncompressed members (what ``save_checkpoint`` writes): memory stays within the file's
     size.
+
+    Args:
+        path: a checkpoint file, or a directory of them.
+        expect_meta: the metadata this run would write, or None not to compare.
+        bounds: the most this run's checkpoint can hold, or None for no bound.
+
+    Returns:
+        The checkpoint's arrays, states, metadata and path.
 
     Raises:
         CheckpointError: in one line, why this file must not be resumed from.
@@ -273,7 +331,8 @@ def _decode(path: Path, f: BinaryIO, bounds: Bounds) -> Checkpoint:
             if m.get("version") != FORMAT_VERSION:
                 raise CheckpointError(
                     f"checkpoint {path} has format version {m.get('version')!r}, this dplab reads "
-                    f"version {FORMAT_VERSION}: load it with the dplab that wrote it, or start afresh")
+                    f"version {FORMAT_VERSION}: load it with the dplab that wrote it, or start "
+                    "afresh")
 
             def array(name: str) -> np.ndarray:
                 if f"{name}.npy" not in infos:

@@ -1,7 +1,7 @@
 """Mixed precision: half-precision compute copies of fp32 master weights, and loss scaling.
 
     from dplab.reference.precision import MixedPrecision
-    SyncConfig(precision=MixedPrecision(reduce_dtype="float16"))   # with TrainConfig(dtype="float32")
+    SyncConfig(precision=MixedPrecision(reduce_dtype="float16"))  # TrainConfig(dtype="float32")
 
 ``config.py`` the frozen configuration, ``scaler.py`` the loss scaler (static and dynamic, torch's
 GradScaler rules) and the float16 compute copy, ``amp.py`` the hook ``train_sync`` attaches.

@@ -21,7 +21,12 @@ __all__ = ["Aggregator"]
 
 
 class Aggregator:
-    """The gradients held per clock until enough have come, and the pushes dropped as too late."""
+    """The gradients held per clock until enough have come, and the pushes dropped as too late.
+
+    Args:
+        workers: the number of workers.
+        backup_workers: how many of each clock's gradients may be missing.
+    """
 
     def __init__(self, workers: int, backup_workers: int = 0) -> None:
         self.needed = workers - backup_workers  # gradients that make one update
@@ -29,14 +34,40 @@ class Aggregator:
         self.dropped: list[tuple[int, int]] = []  # (worker, clock) that arrived after their update
 
     def late(self, clock: int, version: int) -> bool:
-        """Was ``clock``'s update already applied (version counts the updates so far)?"""
+        """Was ``clock``'s update already applied (version counts the updates so far)?
+
+        Args:
+            clock: the push's clock.
+            version: the updates applied so far.
+
+        Returns:
+            True if the push came too late to count.
+        """
         return clock < version
 
     def drop(self, worker: int, clock: int) -> None:
+        """Record a gradient that came too late: it is logged as dropped, never applied.
+
+        Args:
+            worker: the worker that pushed it.
+            clock: its clock.
+        """
         self.dropped.append((worker, clock))
 
-    def hold(self, worker: int, clock: int, grad: np.ndarray) -> list[tuple[int, np.ndarray]] | None:
-        """Keep a copy of ``grad``; once ``needed`` have come: (worker, gradient) in worker order."""
+    def hold(
+        self, worker: int, clock: int, grad: np.ndarray
+    ) -> list[tuple[int, np.ndarray]] | None:
+        """Keep a copy of ``grad``; once ``needed`` have come:
+        (worker, gradient) in worker order.
+
+        Args:
+            worker: the worker that pushed it.
+            clock: its clock.
+            grad: the gradient (copied).
+
+        Returns:
+            The clock's gradients once ``needed`` have come, else None.
+        """
         held = self.held.setdefault(clock, {})
         held[worker] = grad.copy()
         if len(held) < self.needed:

@@ -24,12 +24,26 @@ __all__ = ["gate_open", "Gate"]
 def gate_open(done: list[int], clock: int, staleness: int | None) -> bool:
     """SSP: a worker may start ``clock`` once the slowest has finished ``clock - staleness`` clocks.
 
-    ``done``: the LIVE workers' finished clocks; a lost worker no longer holds anyone back."""
+    ``done``: the LIVE workers' finished clocks; a lost worker no longer holds anyone back.
+
+    Args:
+        done: the live workers' finished clocks.
+        clock: the clock a worker asks to start.
+        staleness: the bound, or None for none.
+
+    Returns:
+        True if the worker may start it now.
+    """
     return staleness is None or not done or min(done) >= clock - staleness
 
 
 class Gate:
-    """Each worker's finished clocks, and the SSP rule over the live ones."""
+    """Each worker's finished clocks, and the SSP rule over the live ones.
+
+    Args:
+        workers: the number of workers.
+        staleness: the bound, or None for none.
+    """
 
     def __init__(self, workers: int, staleness: int | None) -> None:
         self.staleness = staleness
@@ -37,24 +51,65 @@ class Gate:
         self.gone: set[int] = set()  # lost workers: they hold nobody back any more
 
     def finish(self, worker: int, clock: int) -> None:
-        """``worker`` pushed ``clock``: it has finished clock + 1 clocks."""
+        """``worker`` pushed ``clock``: it has finished clock + 1 clocks.
+
+        Args:
+            worker: the worker.
+            clock: the clock it pushed.
+        """
         self.done[worker - 1] = clock + 1
 
     def forget(self, worker: int) -> int:
-        """A dead worker leaves the gate; returns the clocks it had finished."""
+        """A dead worker leaves the gate; returns the clocks it had finished.
+
+        Args:
+            worker: the dead worker.
+
+        Returns:
+            How many clocks it had finished.
+        """
         self.gone.add(worker)
         return self.done[worker - 1]
 
     def live(self) -> list[int]:
+        """The finished clocks of the workers still alive.
+
+        Returns:
+            One count per live worker, in worker order.
+        """
         return [d for w, d in enumerate(self.done, 1) if w not in self.gone]
 
     def slowest(self, default: int) -> int:
-        """The live workers' fewest finished clocks (``default`` if none is alive)."""
+        """The live workers' fewest finished clocks (``default`` if none is alive).
+
+        Args:
+            default: the answer when no worker is alive.
+
+        Returns:
+            The fewest clocks any live worker has finished.
+        """
         return min(self.live(), default=default)
 
     def opens(self, clock: int) -> bool:
+        """Whether a pull for ``clock`` may be answered now (``gate_open`` over the live workers).
+
+        Args:
+            clock: the clock asked for.
+
+        Returns:
+            True if the slowest live worker is close enough behind.
+        """
         return gate_open(self.live(), clock, self.staleness)
 
     def next_clock(self, worker: int, asked: int) -> int:
-        """The clock a pull gets: the one asked for, or after a resume the worker's next unfinished one."""
+        """The clock a pull gets: the one asked for, or after a resume the worker's next unfinished
+        one.
+
+        Args:
+            worker: the worker.
+            asked: the clock it asked for.
+
+        Returns:
+            The clock to hand it.
+        """
         return max(asked, self.done[worker - 1])

@@ -30,7 +30,14 @@ T = TypeVar("T")
 
 
 class Roster:
-    """Which workers will still send (``active``) and which died (``lost``: worker -> clocks done)."""
+    """Which workers will still send (``active``) and which died (``lost``: worker -> clocks
+    done).
+
+    Args:
+        comm: rank 0's communicator.
+        workers: the number of workers.
+        clocks: clocks each worker runs (0: nobody will send).
+    """
 
     def __init__(self, comm: Communicator, workers: int, clocks: int) -> None:
         self.comm = comm
@@ -39,15 +46,36 @@ class Roster:
         self._dead: list[int] = []  # found dead, not yet handed to the server
 
     def leave(self, worker: int) -> None:
-        """``worker`` sends nothing more (its last clock is pushed, or it was told to stop)."""
+        """``worker`` sends nothing more (its last clock is pushed, or it was told to stop).
+
+        Args:
+            worker: the worker.
+        """
         self.active.discard(worker)
 
     def lose(self, worker: int, clocks_done: int) -> None:
+        """``worker`` died after finishing ``clocks_done`` clocks: record it, stop waiting on it.
+
+        Args:
+            worker: the dead worker.
+            clocks_done: the clocks it had finished.
+        """
         self.lost[worker] = clocks_done
         self.active.discard(worker)
 
     def listen(self, call: Callable[[], T], peer: int | None = None) -> T | None:
-        """``call()``, patiently; None if ``peer`` (for None: any worker) died meanwhile."""
+        """``call()``, patiently; None if ``peer`` (for None: any worker) died meanwhile.
+
+        Args:
+            call: a blocking receive or send.
+            peer: the worker it waits on, or None for any.
+
+        Returns:
+            What ``call()`` returned, or None.
+
+        Raises:
+            CommTimeout: nothing came within the communicator's timeout and nobody died.
+        """
         deadline = time.monotonic() + self.comm.timeout
         while True:
             try:
@@ -62,6 +90,10 @@ class Roster:
                 return None
 
     def take_dead(self) -> list[int]:
-        """The workers found dead since the last call, for the server to forget."""
+        """The workers found dead since the last call, for the server to forget.
+
+        Returns:
+            The dead workers' ranks.
+        """
         dead, self._dead = self._dead, []
         return dead

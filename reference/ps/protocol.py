@@ -1,4 +1,5 @@
-"""What the parameter server, its workers and the replay agree on: config, log, messages, arithmetic.
+"""What the parameter server, its workers and the replay agree on:
+config, log, messages, arithmetic.
 
 The roles live in ``dplab.reference.ps.trainer`` (the worker, and the overview) and
 ``dplab.reference.ps.server`` (the server); ``dplab.reference.ps.replay`` recomputes a run from its
@@ -36,16 +37,36 @@ TAG_HEADER, TAG_GRAD, TAG_REPLY, TAG_PARAMS = 11, 12, 13, 14
 
 @dataclass(frozen=True)
 class AsyncConfig:
-    staleness: int | None = 0  # in CLOCKS: how far a worker may run ahead of the slowest; None: unbounded
+    """How the parameter server trains: staleness, aggregation, delays, stragglers, budget.
+
+    Args:
+        staleness: how many clocks a worker may run ahead of the slowest; None: unbounded.
+        clocks: clocks per worker; None: ``TrainConfig.steps``.
+        aggregate: one summed update per clock (needs staleness 0).
+        delays: seconds each worker sleeps before each compute, or None.
+        max_delay_s: plus a random sleep in [0, max_delay_s).
+        delay_seed: seeds the random sleeps.
+        straggler: ((worker rank, factor), ...).
+        time_budget_s: the server stops the workers once this much time is spent, or None.
+        backup_workers: with ``aggregate``, a clock's update takes the first W - b gradients.
+        checkpoint: where and how often the server saves, and what to resume from, or None.
+        kill_at: tests only: (worker, clock) at which that worker kills itself.
+    """
+
+    # in CLOCKS: how far a worker may run ahead of the slowest; None: unbounded
+    staleness: int | None = 0
     clocks: int | None = None  # clocks per worker; None: TrainConfig.steps
     aggregate: bool = False  # one summed update per clock (needs staleness=0): sync DP
-    delays: tuple[float, ...] | None = None  # seconds worker w sleeps before each compute: delays[w-1]
+    # seconds worker w sleeps before each compute: delays[w-1]
+    delays: tuple[float, ...] | None = None
     max_delay_s: float = 0.0  # plus a random sleep in [0, max_delay_s), seeded by delay_seed
     delay_seed: int = 0
     straggler: Stragglers = ()  # ((worker rank, factor), ...): compute factor times slower
     time_budget_s: float | None = None  # the server stops the workers once this much time is spent
-    backup_workers: int = 0  # aggregate: a clock's update takes the first W - b gradients, drops the rest
-    checkpoint: CheckpointConfig | None = None  # the server checkpoints and resumes (checkpoint/resume.py)
+    # aggregate: a clock's update takes the first W - b gradients, drops the rest
+    backup_workers: int = 0
+    # the server checkpoints and resumes (checkpoint/resume.py)
+    checkpoint: CheckpointConfig | None = None
     kill_at: tuple[int, int] | None = None  # tests only: (worker, clock): it SIGKILLs itself there
 
     def __post_init__(self) -> None:
@@ -53,11 +74,22 @@ class AsyncConfig:
             object.__setattr__(self, "delays", tuple(float(d) for d in self.delays))
 
     def validate(self, world_size: int | None = None) -> None:
+        """Refuse a configuration that cannot run, naming the field and the fix.
+
+        Args:
+            world_size: the number of ranks (the server and its workers), if known.
+
+        Raises:
+            ConfigError: a bad staleness, clocks, aggregation, backup workers, delays, stragglers,
+                budget or checkpoint, or fewer than 2 ranks.
+        """
         s = self.staleness
         if s is not None and (isinstance(s, bool) or not isinstance(s, int) or s < 0):
-            raise ConfigError(f"staleness must be an integer >= 0, or None for fully asynchronous, got {s!r}")
+            raise ConfigError("staleness must be an integer >= 0, or None for fully asynchronous, "
+                              f"got {s!r}")
         if self.clocks is not None and self.clocks < 0:
-            raise ConfigError(f"clocks must be >= 0 (or None to use TrainConfig.steps), got {self.clocks}")
+            raise ConfigError("clocks must be >= 0 (or None to use TrainConfig.steps), got "
+                              f"{self.clocks}")
         if self.aggregate and s != 0:
             raise ConfigError(f"aggregate=True sums each clock's gradients, which needs lock-step "
                               f"workers: set staleness=0 (got {s!r}) or aggregate=False")
@@ -79,11 +111,13 @@ class AsyncConfig:
         if isinstance(b, bool) or not isinstance(b, int) or b < 0:
             raise ConfigError(f"backup_workers must be an integer >= 0, got {b!r}")
         if b and not self.aggregate:
-            raise ConfigError("backup_workers is a mode of lock-step aggregation: set aggregate=True "
-                              "and staleness=0")
+            raise ConfigError("backup_workers is a mode of lock-step aggregation: set "
+                              "aggregate=True and staleness=0")
         if b and world_size is not None and b >= world_size - 1:
-            raise ConfigError(f"backup_workers must be < the number of workers ({world_size - 1} for "
-                              f"world_size {world_size}), got {b}: each step needs one gradient")
+            raise ConfigError(
+                f"backup_workers must be < the number of workers ({world_size - 1} "
+                f"for world_size {world_size}), got {b}: each step needs one gradient"
+            )
 
 
 @dataclass(frozen=True)
@@ -95,6 +129,13 @@ class LogEntry:
     ran, in CLOCKS: SSP's ``AsyncConfig.staleness`` bounds it. ``delay`` is how many other
     UPDATES landed between this gradient's pull and its own update: what makes it stale
     for the optimizer. With W workers and staleness s, delay <= (W - 1) x (2s + 1).
+
+    Args:
+        worker: the worker, 1..W.
+        clock: its clock.
+        version: the parameter version the gradient was computed on.
+        produced: the version after applying it.
+        slowest_done: the fewest clocks any worker had finished when this one's pull was answered.
     """
 
     worker: int  # 1..W
@@ -111,28 +152,65 @@ class LogEntry:
 
 
 def worker_batch(cfg: TrainConfig, worker: int, workers: int, clock: int) -> np.ndarray:
-    """Worker w's samples at clock c: sync DP's shard of rank w - 1 at step c."""
-    return shard(batch_indices(cfg.num_samples, cfg.global_batch, clock, cfg.seed), worker - 1, workers)
+    """Worker w's samples at clock c: sync DP's shard of rank w - 1 at step c.
+
+    Args:
+        cfg: the run's configuration.
+        worker: the worker's rank, 1..W.
+        workers: W, the number of workers.
+        clock: the clock.
+
+    Returns:
+        The sample indices.
+    """
+    return shard(
+        batch_indices(cfg.num_samples, cfg.global_batch, clock, cfg.seed), worker - 1, workers
+    )
 
 
 def compute_gradient(model: MLP, data: Dataset, cfg: TrainConfig, params: np.ndarray,
                      idx: np.ndarray, grad: np.ndarray) -> float:
-    """Overwrite ``grad`` with the shard's gradient (loss scale 1 / global_batch); returns the loss."""
+    """Overwrite ``grad`` with the shard's gradient (loss scale 1 / global_batch);
+    returns the loss.
+
+    Args:
+        model: the MLP.
+        data: the data set.
+        cfg: the run's configuration.
+        params: the parameters to differentiate at.
+        idx: the shard's sample indices.
+        grad: overwritten with the gradient.
+
+    Returns:
+        The shard's loss.
+    """
     grad[:] = 0
     loss, _ = model.loss_and_grad(params, data.x[idx], data.y[idx], 1 / cfg.global_batch, grad)
     return loss
 
 
 def combine(grads: list[np.ndarray]) -> np.ndarray:
-    """One gradient as it is; several summed left to right (the server's order, the replay's)."""
+    """One gradient as it is; several summed left to right (the server's order, the replay's).
+
+    Args:
+        grads: one or more gradients.
+
+    Returns:
+        Their sum, in a new array.
+    """
     total = grads[0].copy()
     for g in grads[1:]:
         total += g
     return total
 
 
-def update_gradient(cfg: TrainConfig, acfg: AsyncConfig, workers: int, pushes: list[tuple[int, int]],
-                    grads: list[np.ndarray]) -> np.ndarray:
+def update_gradient(
+    cfg: TrainConfig,
+    acfg: AsyncConfig,
+    workers: int,
+    pushes: list[tuple[int, int]],
+    grads: list[np.ndarray],
+) -> np.ndarray:
     """The gradient one update applies: ``combine``d, and with backup workers rescaled.
 
     Each shard's gradient has loss scale 1 / global_batch, so the W shards of a clock sum
@@ -141,6 +219,16 @@ def update_gradient(cfg: TrainConfig, acfg: AsyncConfig, workers: int, pushes: l
     is the MEAN gradient over the samples actually used: W / (W - b) for even shards,
     and the step size of synchronous training. (Rescaling does not remove the bias: the
     mean is over the fast workers' samples, see ``dplab.reference.ps.trainer``.)
+
+    Args:
+        cfg: the run's configuration.
+        acfg: the server's configuration.
+        workers: the number of workers.
+        pushes: (worker, clock) of each gradient.
+        grads: the gradients, in the same order.
+
+    Returns:
+        The gradient to step with.
     """
     total = combine(grads)
     if acfg.backup_workers:
@@ -151,8 +239,20 @@ def update_gradient(cfg: TrainConfig, acfg: AsyncConfig, workers: int, pushes: l
 
 
 def delay_of(acfg: AsyncConfig, worker: int, clock: int) -> float:
-    """Seconds worker ``worker`` sleeps before computing ``clock`` (tests use it to vary interleavings)."""
+    """Seconds worker ``worker`` sleeps before computing ``clock`` (tests use it to vary
+    interleavings).
+
+    Args:
+        acfg: the server's configuration (``delays``, ``max_delay_s``, ``delay_seed``).
+        worker: the worker.
+        clock: the clock.
+
+    Returns:
+        Seconds; the same for the same arguments.
+    """
     fixed = acfg.delays[worker - 1] if acfg.delays else 0.0
     if acfg.max_delay_s <= 0:
         return fixed
-    return fixed + float(np.random.default_rng([acfg.delay_seed, worker, clock]).uniform(0, acfg.max_delay_s))
+    return fixed + float(
+        np.random.default_rng([acfg.delay_seed, worker, clock]).uniform(0, acfg.max_delay_s)
+    )

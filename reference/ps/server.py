@@ -52,16 +52,27 @@ log = logging.getLogger(__name__)
 
 
 class Server:
-    """Rank 0's state: the parameters and their version, the held pulls, the log."""
+    """Rank 0's state: the parameters and their version, the held pulls, the log.
 
-    def __init__(self, comm: Communicator, cfg: TrainConfig, acfg: AsyncConfig, clocks: int) -> None:
+    Args:
+        comm: rank 0's communicator.
+        cfg: the run's configuration.
+        acfg: the server's configuration.
+        clocks: clocks every worker runs.
+    """
+
+    def __init__(
+        self, comm: Communicator, cfg: TrainConfig, acfg: AsyncConfig, clocks: int
+    ) -> None:
         self.budget = Budget(acfg.time_budget_s)  # the clock starts now: set-up counts too
         model, _, initial = setup(cfg)
         self.comm, self.cfg, self.acfg, self.tr = comm, cfg, acfg, comm.tracer
         self.workers, self.clocks = comm.world_size - 1, clocks
         self.params = comm.empty(model.num_params, initial.dtype)
         self.params[:] = initial
-        self.opt = make_optimizer(cfg.optimizer, model.num_params, initial.dtype, model.param_slices)
+        self.opt = make_optimizer(
+            cfg.optimizer, model.num_params, initial.dtype, model.param_slices
+        )
         self.grad = np.empty_like(initial)
         self.reply = np.zeros(2, dtype=np.int64)  # [version, clock] or [STOP, STOP]
         self.version = 0  # updates applied so far
@@ -86,17 +97,32 @@ class Server:
             self.version, self.gate.done, self.log = state.version, state.done, state.log
             self.pool.dropped = state.dropped
 
-    def run(self) -> tuple[np.ndarray, list[LogEntry], list[tuple[int, int]], list[tuple[int, int]]]:
-        """Serve until every worker has left: final parameters, log, dropped pushes, lost workers."""
+    def run(
+        self,
+    ) -> tuple[np.ndarray, list[LogEntry], list[tuple[int, int]], list[tuple[int, int]]]:
+        """Serve until every worker has left: final parameters, log, dropped pushes, lost
+        workers.
+
+        Returns:
+            (parameters, log, dropped (worker, clock) pushes, lost (worker, clocks done) workers).
+
+        Raises:
+            CommError: a worker died under aggregation, or spoke another protocol.
+            CommTimeout: nothing came within the timeout and no worker died.
+        """
         header = np.zeros(3, dtype=np.int64)
         while self.roster.active:
             worker = self.listen(lambda: self.comm.recv(header, ANY_SOURCE, TAG_HEADER))
             kind, clock, version = (int(x) for x in header)
             if worker is None:  # silence: some worker was found dead, its gate reopened
                 pass
-            elif kind == PULL:  # a resumed run's worker asks for 0: it gets its next unfinished clock
+            elif kind == PULL:
+                # a resumed run's worker asks for 0: it gets its next unfinished clock
                 self.waiting.append((worker, self.gate.next_clock(worker, clock)))
-            elif self.listen(partial(self.comm.recv, self.grad, worker, TAG_GRAD), worker) is not None:
+            elif (
+                self.listen(partial(self.comm.recv, self.grad, worker, TAG_GRAD), worker)
+                is not None
+            ):
                 self.take_push(worker, kind, clock, version)  # the gradient follows its header
             self.check_budget()
             self.release()
@@ -104,34 +130,63 @@ class Server:
 
     # -- lost workers --------------------------------------------------------------------------
     def listen(self, call: Callable[[], T], peer: int | None = None) -> T | None:
-        """``call()`` without hanging on the dead; None if ``peer`` (None: any worker) died."""
+        """``call()`` without hanging on the dead; None if ``peer`` (None: any worker) died.
+
+        Args:
+            call: a blocking receive or send.
+            peer: the worker it waits on, or None for any.
+
+        Returns:
+            What ``call()`` returned, or None.
+
+        Raises:
+            CommError: a worker died under aggregation.
+        """
         result = self.roster.listen(call, peer)
         for worker in self.roster.take_dead():
             self.lose(worker)
         return result
 
     def lose(self, worker: int) -> None:
-        """Forget a dead worker: the gate waits for the living only; the log keeps what it pushed."""
+        """Forget a dead worker: the gate waits for the living only;
+        the log keeps what it pushed.
+
+        Args:
+            worker: the dead worker.
+
+        Raises:
+            CommError: under aggregation, which cannot go on without it.
+        """
         reached = self.gate.forget(worker)
         if self.acfg.aggregate:
-            raise CommError(f"worker rank {worker} died after finishing {reached} clocks: aggregation "
-                            "needs every worker each clock; use SSP (aggregate=False) to survive it")
+            raise CommError(
+                f"worker rank {worker} died after finishing {reached} clocks: aggregation "
+                "needs every worker each clock; use SSP (aggregate=False) to survive it"
+            )
         self.roster.lose(worker, reached)
         self.waiting = [(w, c) for w, c in self.waiting if w != worker]
         now = self.tr.now()
         self.tr.record("lost", now, now, peer=worker, extra={"worker": worker, "clock": reached})
-        log.warning("parameter server: worker rank %d died after finishing %d clocks; going on with "
-                    "the %d others", worker, reached, self.workers - len(self.roster.lost))
+        log.warning("parameter server: worker rank %d died after finishing %d clocks; going on "
+                    "with the %d others", worker, reached, self.workers - len(self.roster.lost))
 
     # -- pulls ---------------------------------------------------------------------------------
     def check_budget(self) -> None:
-        """Once time is up, stop: SSP at once, aggregation after the clock in progress (needs its pushes)."""
+        """Once time is up, stop: SSP at once, aggregation after the clock in progress (needs its
+        pushes)."""
         if not self.stopping and self.budget.spent():
             self.stopping = True
             self.last_clock = min(self.last_clock, self.version)
 
     def decide(self, clock: int) -> int | None:
-        """The clock to hand a pull for ``clock``, STOP, or None to hold it at the gate."""
+        """The clock to hand a pull for ``clock``, STOP, or None to hold it at the gate.
+
+        Args:
+            clock: the clock the pull asked for.
+
+        Returns:
+            The clock to answer with, ``STOP``, or None.
+        """
         if not self.acfg.aggregate:
             if self.stopping or clock >= self.clocks:
                 return STOP
@@ -152,6 +207,11 @@ class Server:
                     self.answer(worker, given)
 
     def stop(self, worker: int) -> None:
+        """Tell ``worker`` to stop (its pull is answered with ``STOP``); it sends nothing more.
+
+        Args:
+            worker: the worker.
+        """
         t0 = self.tr.now()
         self.reply[:] = STOP
         self.comm.send(self.reply, worker, TAG_REPLY)
@@ -159,7 +219,13 @@ class Server:
         self.tr.record("stop", t0, self.tr.now(), peer=worker, extra={"version": self.version})
 
     def answer(self, worker: int, clock: int) -> None:
-        """Send ``worker`` the current version and parameters for ``clock`` (unless it dies meanwhile)."""
+        """Send ``worker`` the current version and parameters for ``clock`` (unless it dies
+        meanwhile).
+
+        Args:
+            worker: the worker whose pull is answered.
+            clock: the clock handed to it.
+        """
         t0 = self.tr.now()
         self.answered[(worker, clock)] = (self.version, self.gate.slowest(default=clock))
         self.reply[:] = (self.version, clock)
@@ -172,7 +238,18 @@ class Server:
 
     # -- pushes --------------------------------------------------------------------------------
     def take_push(self, worker: int, kind: int, clock: int, version: int) -> None:
-        """A gradient came: apply it (SSP), drop it (too late), or hold it for its clock's update."""
+        """A gradient came: apply it (SSP), drop it (too late), or hold it for its clock's
+        update.
+
+        Args:
+            worker: the worker that pushed.
+            kind: the header's kind (must be ``PUSH``).
+            clock: the clock the gradient is for.
+            version: the parameter version it was computed on.
+
+        Raises:
+            CommError: a header that matches no answered pull.
+        """
         if kind != PUSH or self.answered.get((worker, clock), (-1,))[0] != version:
             raise CommError(f"rank 0 got header {[kind, clock, version]} from rank {worker} that "
                             "matches no answered pull: the workers speak another protocol")
@@ -181,17 +258,26 @@ class Server:
             self.roster.leave(worker)  # its own loop is over: it sends nothing more
         if not self.acfg.aggregate:
             self.apply([(worker, clock)], [self.grad])
-        elif self.pool.late(clock, self.version):  # its clock was applied without it: a backup's fate
+        elif self.pool.late(clock, self.version):
+            # its clock was applied without it: a backup's fate
             self.drop(worker, clock)
         elif (ready := self.pool.hold(worker, clock, self.grad)) is not None:
             self.apply([(w, clock) for w, _ in ready], [g for _, g in ready])
 
     def apply(self, pushes: list[tuple[int, int]], grads: list[np.ndarray]) -> None:
-        """One update from these pushes' gradients; each push gets its log entry."""
+        """One update from these pushes' gradients; each push gets its log entry.
+
+        Args:
+            pushes: (worker, clock) of each gradient.
+            grads: the gradients, in the same order.
+        """
         t0 = self.tr.now()
-        self.opt.step(self.params, update_gradient(self.cfg, self.acfg, self.workers, pushes, grads))
-        n, item = len(self.params), self.params.itemsize  # the update's time, on a sim cluster:
-        combine = [(float(n * len(grads)), float(item * n * (len(grads) + 1)))]  # sum, then scale
+        self.opt.step(
+            self.params, update_gradient(self.cfg, self.acfg, self.workers, pushes, grads)
+        )
+        # the update's time, on a sim cluster: sum the gradients, scale, then the optimizer's step
+        n, item = len(self.params), self.params.itemsize
+        combine = [(float(n * len(grads)), float(item * n * (len(grads) + 1)))]
         self.comm.compute(combine + optimizer_ops(self.cfg.optimizer.name, n, item),
                           self.params.dtype.name)
         self.version += 1
@@ -206,6 +292,12 @@ class Server:
                                    self.pool.dropped)
 
     def drop(self, worker: int, clock: int) -> None:
+        """Log a gradient that came too late (backup workers): it is never applied.
+
+        Args:
+            worker: the worker that pushed it.
+            clock: its clock.
+        """
         t0 = self.tr.now()
         self.answered.pop((worker, clock))
         self.pool.drop(worker, clock)
@@ -213,8 +305,22 @@ class Server:
             "worker": worker, "clock": clock, "version": self.version})
 
 
-def serve(comm: Communicator, cfg: TrainConfig, acfg: AsyncConfig,
-          clocks: int) -> tuple[np.ndarray, list[LogEntry], list[tuple[int, int]], list[tuple[int, int]]]:
+def serve(
+    comm: Communicator, cfg: TrainConfig, acfg: AsyncConfig, clocks: int
+) -> tuple[np.ndarray, list[LogEntry], list[tuple[int, int]], list[tuple[int, int]]]:
     """The server's loop: final parameters, the log of applied gradients, the dropped ones, and
-    the lost workers with the clocks they had finished."""
+    the lost workers with the clocks they had finished.
+
+    Args:
+        comm: rank 0's communicator.
+        cfg: the run's configuration.
+        acfg: the server's configuration.
+        clocks: clocks every worker runs.
+
+    Returns:
+        (parameters, log, dropped pushes, lost workers), as ``Server.run``.
+
+    Raises:
+        CommError: as ``Server.run``.
+    """
     return Server(comm, cfg, acfg, clocks).run()

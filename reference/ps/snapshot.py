@@ -24,7 +24,16 @@ __all__ = ["ServerState", "Snapshots"]
 
 @dataclass
 class ServerState:
-    """What a checkpoint gives back to the server."""
+    """What a checkpoint gives back to the server.
+
+    Args:
+        params: the parameters.
+        optimizer_state: the optimizer's state.
+        version: updates applied.
+        done: each worker's finished clocks.
+        log: the applied gradients, in order.
+        dropped: (worker, clock) pushes dropped.
+    """
 
     params: np.ndarray
     optimizer_state: dict
@@ -35,24 +44,58 @@ class ServerState:
 
 
 class Snapshots:
-    """Save the server's state every ``ckpt.every`` updates; load it back on resume."""
+    """Save the server's state every ``ckpt.every`` updates; load it back on resume.
+
+    Args:
+        ckpt: the server's checkpoint settings, or None.
+        expect: what this run expects of a checkpoint.
+    """
 
     def __init__(self, ckpt: CheckpointConfig | None, expect: Expect) -> None:
         self.ckpt, self.expect = ckpt, expect
 
     def load(self) -> ServerState | None:
+        """The server's state from the checkpoint to resume from, or None to start afresh.
+
+        Returns:
+            The parameters, optimizer state, version, finished clocks, log and dropped pushes.
+
+        Raises:
+            CheckpointError: a damaged checkpoint, one of another run, or one past this run's
+                clocks (``load_resume``).
+        """
         state = load_resume(self.ckpt, self.expect)
         if state is None:
             return None
         pos = state.data_position
         log = [LogEntry(*(int(v) for v in e)) for e in pos["log"]]
-        return ServerState(state.params, state.optimizer_state, int(pos["version"]),
-                           [int(c) for c in pos["done"]], log, [(int(w), int(c)) for w, c in pos["dropped"]])
+        return ServerState(
+            state.params,
+            state.optimizer_state,
+            int(pos["version"]),
+            [int(c) for c in pos["done"]],
+            log,
+            [(int(w), int(c)) for w, c in pos["dropped"]],
+        )
 
     def save_if_due(self, version: int, params: np.ndarray, opt: Optimizer, done: list[int],
                     log: list[LogEntry], dropped: list[tuple[int, int]]) -> None:
+        """Save the server's whole state if ``version`` is a checkpoint's turn.
+
+        Args:
+            version: updates applied so far.
+            params: the parameters.
+            opt: the optimizer (its state is saved).
+            done: each worker's finished clocks.
+            log: the log so far.
+            dropped: the dropped pushes so far.
+        """
         if self.ckpt is None or not self.ckpt.due(version):
             return
-        position = {"version": version, "done": done, "dropped": dropped,
-                    "log": [[e.worker, e.clock, e.version, e.produced, e.slowest_done] for e in log]}
+        position = {
+            "version": version,
+            "done": done,
+            "dropped": dropped,
+            "log": [[e.worker, e.clock, e.version, e.produced, e.slowest_done] for e in log],
+        }
         save_state(self.ckpt, version, params, opt.state_dict(), position, self.expect.meta)

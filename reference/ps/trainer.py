@@ -70,18 +70,44 @@ __all__ = ["AsyncConfig", "LogEntry", "AsyncResult", "train_async", "gate_open",
 
 @dataclass
 class AsyncResult:
+    """One rank's result of ``train_async``.
+
+    Args:
+        params: the server's final parameters, or the last a worker pulled.
+        log: the server's log (empty on a worker).
+        events: this rank's trace events, if tracing.
+        dropped: the server's dropped (worker, clock) pushes.
+        lost: the server's lost (worker, clocks finished) workers.
+    """
+
     params: np.ndarray  # server: final parameters; worker: the last parameters it pulled
     log: list[LogEntry] = field(default_factory=list)  # server only
     events: list[Event] = field(default_factory=list)  # this rank's trace events, if tracing
-    dropped: list[tuple[int, int]] = field(default_factory=list)  # server, backup workers: (worker, clock)
-    lost: list[tuple[int, int]] = field(default_factory=list)  # server: dead (worker, clocks it finished)
+    # server, backup workers: (worker, clock)
+    dropped: list[tuple[int, int]] = field(default_factory=list)
+    # server: dead (worker, clocks it finished)
+    lost: list[tuple[int, int]] = field(default_factory=list)
 
 
 _DEFAULT = AsyncConfig()  # lock-step, no budget, no stragglers
 
 
 def train_async(comm: Communicator, cfg: TrainConfig, acfg: AsyncConfig = _DEFAULT) -> AsyncResult:
-    """Run on every rank: rank 0 serves the parameters, the others compute gradients."""
+    """Run on every rank: rank 0 serves the parameters, the others compute gradients.
+
+    Args:
+        comm: this rank's communicator (at least 2 ranks).
+        cfg: the run's configuration.
+        acfg: staleness, aggregation, stragglers, budget, checkpoints.
+
+    Returns:
+        Rank 0: the final parameters, the log, dropped pushes and lost workers; a worker: the last
+        parameters it pulled. Each with this rank's trace events when tracing.
+
+    Raises:
+        ConfigError: an invalid configuration.
+        CommError: a worker died where that cannot be survived, or a collective failed.
+    """
     acfg.validate(comm.world_size)
     cfg.validate()
     clocks = cfg.steps if acfg.clocks is None else acfg.clocks
@@ -101,7 +127,8 @@ def work(comm: Communicator, cfg: TrainConfig, acfg: AsyncConfig, clocks: int) -
     slow = Slowdown.for_rank(acfg.straggler, me, tr)
     params = initial  # replaced by every pull
     grad = comm.empty(model.num_params, initial.dtype)  # in shared memory: pushed without a copy
-    header, reply = np.zeros(3, dtype=np.int64), np.zeros(2, dtype=np.int64)  # reply: [version, clock]
+    # reply: [version, clock]
+    header, reply = np.zeros(3, dtype=np.int64), np.zeros(2, dtype=np.int64)
     clock = 0  # the next clock to ask for; the server may hand out a later one (backup workers)
     while clock < clocks:
         t0 = tr.now()

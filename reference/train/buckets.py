@@ -35,6 +35,17 @@ def assign_buckets(slices: Sequence[slice], itemsize: int, bucket_cap_mb: float)
 
     A bucket closes once it holds at least ``bucket_cap_mb`` MiB (the rule of torch DDP); a
     parameter is never split, so one larger than the cap closes the bucket it lands in.
+
+    Args:
+        slices: each parameter's slice of the flat vector, in forward order.
+        itemsize: bytes per element of the gradient.
+        bucket_cap_mb: the cap, in MiB.
+
+    Returns:
+        Parameter indices per bucket, the last parameters first.
+
+    Raises:
+        ConfigError: ``bucket_cap_mb`` <= 0.
     """
     if bucket_cap_mb <= 0:
         raise ConfigError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
@@ -55,7 +66,19 @@ class Reducer:
 
     ``algorithm="auto"`` is resolved per bucket (``auto.chosen``: the cost model's pick for its
     bytes) before the all-reduce sees it. ``allreduce``: the executor that runs each bucket's
-    all-reduce (the spine's by default; DDP passes the engine's, ``dplab.backends.fastpath``)."""
+    all-reduce (the spine's by default; DDP passes the engine's, ``dplab.backends.fastpath``).
+
+    Args:
+        comm: this rank's communicator.
+        grad: the flat gradient buffer; its buckets are all-reduced in place.
+        slices: each parameter's slice of ``grad``, in forward order, contiguous.
+        bucket_cap_mb: a bucket closes once it holds this many MiB.
+        algorithm: the all-reduce for every bucket (a registered one, "native" or "auto").
+        allreduce: the executor each bucket's all-reduce runs on.
+
+    Raises:
+        ConfigError: ``bucket_cap_mb`` <= 0, or parameters that are not laid out in forward order.
+    """
 
     def __init__(self, comm: Communicator, grad: np.ndarray, slices: Sequence[slice],
                  bucket_cap_mb: float = 25.0, algorithm: str = "ring", *,
@@ -76,7 +99,8 @@ class Reducer:
         self.reset()
 
     def reset(self) -> None:
-        """Start a new step: nothing ready, nothing launched (``wait`` calls it once a step is reduced)."""
+        """Start a new step: nothing ready, nothing launched (``wait`` calls it once a step is
+        reduced)."""
         self._missing = [len(ps) for ps in self.buckets]
         self._ready: set[int] = set()
         self._next_launch = 0
@@ -96,7 +120,8 @@ class Reducer:
             self.require_backward_grad_sync = True
 
     def mark_param_as_ready(self, i: int) -> None:
-        """Parameter ``i``'s gradient is final for this step: launch every bucket now complete, in order.
+        """Parameter ``i``'s gradient is final for this step: launch every bucket now complete, in
+        order.
 
         Args:
             i: an index into the ``slices`` the reducer was made with.
@@ -107,7 +132,8 @@ class Reducer:
         if not self.require_backward_grad_sync:
             return
         if i in self._ready:
-            raise ConfigError(f"parameter {i} was marked ready twice in one step: mark each once per step")
+            raise ConfigError(f"parameter {i} was marked ready twice in one step: mark each once "
+                              "per step")
         self._ready.add(i)
         b = self.bucket_of[i]
         self._missing[b] -= 1
@@ -116,10 +142,11 @@ class Reducer:
             self._next_launch += 1
 
     def wait(self) -> None:
-        """Block until every bucket is reduced (``grad`` holds the sum); then reset for the next step."""
+        """Block until every bucket is reduced (``grad`` holds the sum);
+        then reset for the next step."""
         if self._next_launch != len(self.buckets):
-            raise ConfigError(f"only {self._next_launch} of {len(self.buckets)} buckets were ready: "
-                              "every parameter must get a gradient before wait()")
+            raise ConfigError(f"only {self._next_launch} of {len(self.buckets)} buckets were "
+                              "ready: every parameter must get a gradient before wait()")
         for _ in self.buckets:
             self._done.acquire()
         error = self._error
@@ -128,9 +155,17 @@ class Reducer:
             raise error
 
     def algorithm_for(self, buf: np.ndarray) -> str:
-        """The schedule that reduces ``buf``: the configured one resolved on the hosts (``hierarchical``
-        takes g from ``comm.hosts``; ``layout.resolve``), or for "auto" the cost model's pick for its
-        size and hosts (every rank prices the same fit and layout, so every rank picks the same)."""
+        """The schedule that reduces ``buf``: the configured one resolved on the hosts
+        (``hierarchical`` takes g from ``comm.hosts``; ``layout.resolve``), or for "auto" the cost
+        model's pick for its size and hosts (every rank prices the same fit and layout, so every
+        rank picks the same).
+
+        Args:
+            buf: the bucket's slice of the gradient.
+
+        Returns:
+            The algorithm name to run, resolved ("hierarchical:4", a registered one, or "native").
+        """
         if self.algorithm == "auto":  # the cost model loads for runs that ask for it
             from dplab.reference.auto import chosen
 
@@ -138,14 +173,22 @@ class Reducer:
         return resolve(self.algorithm, self.comm.hosts)
 
     def close(self) -> None:
+        """Stop the comm thread (after the reductions already queued); the last call on it.
+
+        """
         self._queue.put(None)
         self._thread.join()
 
     def _comm_loop(self) -> None:
         while (b := self._queue.get()) is not None:
             a, z = self.ranges[b]
-            with self.comm.tracer.span("bucket", bytes=(z - a) * self.grad.itemsize, algorithm=self.algorithm,
-                                       thread="comm", extra={"bucket": b}):
+            with self.comm.tracer.span(
+                "bucket",
+                bytes=(z - a) * self.grad.itemsize,
+                algorithm=self.algorithm,
+                thread="comm",
+                extra={"bucket": b},
+            ):
                 try:
                     if self._error is None:
                         bucket = self.grad[a:z]

@@ -1,4 +1,5 @@
-"""Checkpoints and resume for ``train_sync``, as a hook (what a checkpoint holds: ``checkpoint/resume.py``).
+"""Checkpoints and resume for ``train_sync``, as a hook (what a checkpoint holds:
+``checkpoint/resume.py``).
 
 Every replica is the same bits, so rank 0 alone writes, after every ``every`` steps; on resume
 every rank reads the same file and starts equal again, at the step after it.
@@ -20,7 +21,15 @@ class Checkpoints(Hook):
     """Resume from ``ckpt.resume`` at the start; rank 0 saves when ``ckpt.due``.
 
     ``sync``: the run's ``SyncConfig`` (a checkpoint must agree with its arithmetic); ``amp``: its
-    mixed precision hook, whose loss scale a checkpoint keeps (None without)."""
+    mixed precision hook, whose loss scale a checkpoint keeps (None without).
+
+    Args:
+        comm: this rank's communicator.
+        cfg: the run's configuration.
+        sync: the run's ``SyncConfig``.
+        ckpt: where and how often to save, and what to resume from.
+        amp: the run's ``Amp`` hook, or None.
+    """
 
     def __init__(self, comm: Communicator, cfg: TrainConfig, sync: Any, ckpt: CheckpointConfig,
                  amp: Any = None) -> None:
@@ -41,9 +50,12 @@ class Checkpoints(Hook):
     def after_step(self, run: Run, step: int) -> None:
         if not self.ckpt.due(step + 1):
             return
-        check_finite(run.params, run.losses, ended=False)  # on every rank: a diverged run is not kept
+        # on every rank: a diverged run is not kept
+        check_finite(run.params, run.losses, ended=False)
         if self.comm.rank != 0:
             return
         amp = {} if self.amp is None else self.amp.state_dict()
         position = {"step": step + 1, "losses": run.losses, **amp}
-        save_state(self.ckpt, step + 1, run.params, run.opt.state_dict(), position, self.expect.meta)
+        save_state(
+            self.ckpt, step + 1, run.params, run.opt.state_dict(), position, self.expect.meta
+        )

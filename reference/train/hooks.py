@@ -22,10 +22,20 @@ __all__ = ["Run", "Hook", "Hooks"]
 
 @dataclass
 class Run:
-    """One rank's run as the hooks see it; ``on_start`` may change any field before the first step."""
+    """One rank's run as the hooks see it; ``on_start`` may change any field before the first
+    step.
 
-    params: np.ndarray  # the replicas' parameters, stepped in place (mixed precision: the masters; on a GPU,
-    # a torch tensor there: ``Communicator.compute_device``)
+    Args:
+        params: the replicas' parameters, stepped in place.
+        opt: the optimizer that steps them.
+        grad_dtype: the gradient buffer's dtype.
+        start: the first step to take.
+        losses: the global loss of each step so far.
+    """
+
+    # the replicas' parameters, stepped in place (mixed precision: the masters; on a GPU, a torch
+    # tensor there: ``Communicator.compute_device``)
+    params: np.ndarray
     opt: Any  # what steps them: ``opt.step(params, grad)``, ``state_dict()``, ``load_state_dict()``
     grad_dtype: np.dtype  # the gradient buffer's dtype: what the buckets all-reduce
     start: int = 0  # the first step to take (a resumed run: where its checkpoint ends)
@@ -33,41 +43,99 @@ class Run:
 
 
 class Hook:
-    """One thing a run adds to the recipe. Each method runs where its name says; these do nothing."""
+    """One thing a run adds to the recipe. Each method runs where its name says;
+    these do nothing."""
 
     def on_start(self, run: Run) -> None:
-        """After the broadcast, before the first step (resume; swap the optimizer or gradient dtype)."""
+        """After the broadcast, before the first step (resume; swap the optimizer or gradient
+        dtype).
+
+        Args:
+            run: this rank's run: change its fields in place.
+        """
 
     def compute(self, step: int, params: np.ndarray, scale: float) -> tuple[np.ndarray, float]:
-        """The weights forward and backward use in ``step``, and the scale of the backward's loss."""
+        """The weights forward and backward use in ``step``, and the scale of the backward's
+        loss.
+
+        Args:
+            step: the step about to run.
+            params: the parameters (mixed precision: the float32 masters).
+            scale: the loss's scale, 1 / global_batch.
+
+        Returns:
+            (weights, scale) for this step: here ``params`` and ``scale`` unchanged.
+        """
         return params, scale
 
     def forward(self, step: int, micro: int) -> AbstractContextManager[Any]:
-        """Around micro-batch ``micro``'s forward pass and loss."""
+        """Around micro-batch ``micro``'s forward pass and loss.
+
+        Args:
+            step: the step.
+            micro: the micro-batch within it.
+
+        Returns:
+            A context manager: here one that does nothing.
+        """
         return nullcontext()
 
     def backward(self, step: int, micro: int, layers: Iterator[int]) -> Iterator[int]:
-        """The backward pass's layers, handed on to the reducer (one may time or pace them)."""
+        """The backward pass's layers, handed on to the reducer (one may time or pace them).
+
+        Args:
+            step: the step.
+            micro: the micro-batch within it.
+            layers: the layer indices backward yields, last layer first.
+
+        Returns:
+            The layers, handed on: here ``layers`` itself.
+        """
         return layers
 
     def phase(self, name: str, step: int) -> AbstractContextManager[Any]:
-        """Around the step's ``"wait"`` for the last bucket, and its ``"optimizer"`` step."""
+        """Around the step's ``"wait"`` for the last bucket, and its ``"optimizer"`` step.
+
+        Args:
+            name: "wait" or "optimizer".
+            step: the step.
+
+        Returns:
+            A context manager: here one that does nothing.
+        """
         return nullcontext()
 
     def wants_to_stop(self, step: int) -> bool:
         """True asks every rank to stop after ``step`` (a time budget ran out). One rank asking is
-        enough: the recipe sums the requests with the loss (``sync.loss_and_stop``), so all agree."""
+        enough: the recipe sums the requests with the loss (``sync.loss_and_stop``), so all
+        agree.
+
+        Args:
+            step: the step just taken.
+
+        Returns:
+            Whether to stop after it: here False.
+        """
         return False
 
     def after_step(self, run: Run, step: int) -> None:
-        """After ``step``'s update, with its global loss in ``run.losses``."""
+        """After ``step``'s update, with its global loss in ``run.losses``.
+
+        Args:
+            run: this rank's run.
+            step: the step just taken.
+        """
 
 
 class Hooks(Hook):
     """Several hooks as one: each point runs them in order, the first one's context outermost.
 
     Empty (``Hooks([])``), every point does nothing and hands back what it was given; it is then
-    false, for a caller that wants to know."""
+    false, for a caller that wants to know.
+
+    Args:
+        hooks: the hooks, outermost first.
+    """
 
     def __init__(self, hooks: Iterable[Hook]) -> None:
         self.hooks = list(hooks)
@@ -92,7 +160,8 @@ class Hooks(Hook):
             yield
 
     def backward(self, step: int, micro: int, layers: Iterator[int]) -> Iterator[int]:
-        for hook in reversed(self.hooks):  # the first hook sees the layers last: it wraps the others
+        for hook in reversed(self.hooks):
+            # the first hook sees the layers last: it wraps the others
             layers = hook.backward(step, micro, layers)
         return layers
 

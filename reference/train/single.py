@@ -3,7 +3,7 @@
 Every data-parallel run is judged by how close its parameters come to ``train_single`` on the
 same ``TrainConfig``, so this file is kept plain: one model, one flat vector, one batch a step.
 
-    python -m dplab.reference.train.single          # trains the default config, prints the loss per step
+    python -m dplab.reference.train.single     # trains the default config, prints the loss per step
 
     >>> from dplab.reference.train.single import TrainConfig, train_single, evaluate
     >>> result = train_single(TrainConfig(steps=3))
@@ -27,8 +27,16 @@ from dplab.reference.errors import ConfigError
 from dplab.reference.model import MLP, MLPConfig, array_namespace
 from dplab.reference.optim import OptimConfig, make_optimizer
 
-__all__ = ["TrainConfig", "TrainResult", "setup", "on_device", "on_host", "train_single", "evaluate",
-           "check_finite"]
+__all__ = [
+    "TrainConfig",
+    "TrainResult",
+    "setup",
+    "on_device",
+    "on_host",
+    "train_single",
+    "evaluate",
+    "check_finite",
+]
 
 _LOSS_OF = {"regression": "mse", "classification": "xent"}
 
@@ -40,6 +48,16 @@ class TrainConfig:
     Validation is an explicit ``validate()`` (called by ``setup``) rather than on
     construction, so ``dataclasses.replace`` can change ``dataset`` and ``model.loss`` one
     at a time without tripping over the half-changed config in between.
+
+    Args:
+        model: the MLP's shape.
+        dataset: "regression" (mse) or "classification" (xent).
+        num_samples: the data set's size.
+        global_batch: samples per step, over all ranks.
+        steps: the number of steps.
+        optimizer: the optimizer and its hyperparameters.
+        seed: seeds the data, the weights and the batches.
+        dtype: "float64" or "float32".
     """
 
     model: MLPConfig = MLPConfig()
@@ -73,6 +91,12 @@ class TrainConfig:
 
 @dataclass
 class TrainResult:
+    """What a trainer returns.
+
+    Args:
+        params: the final flat parameters.
+        losses: each step's global-batch loss, before its update.
+    """
     params: np.ndarray  # final flat parameters
     losses: list[float] = field(default_factory=list)  # each step's global-batch loss, pre-update
 
@@ -85,18 +109,41 @@ def setup(cfg: TrainConfig, device: Any = None, rank: int = 0) -> tuple[MLP, Dat
     the teacher that made the data. ``rank`` > 0 draws other weights (``cfg.seed + 1 + rank``):
     a data-parallel run must broadcast rank 0's. ``device``: the data set and the weights as
     torch tensors there, copied once (``on_device``); None: NumPy arrays on the host.
+
+    Args:
+        cfg: the run's configuration.
+        device: None for NumPy arrays; a torch device for tensors there.
+        rank: this rank (0 draws the weights every data-parallel run broadcasts).
+
+    Returns:
+        (model, dataset, initial parameters).
+
+    Raises:
+        ConfigError: ``cfg`` is invalid (``TrainConfig.validate``).
     """
     cfg.validate()
     model = MLP(cfg.model)
     m = cfg.model
     data = make_dataset(cfg.dataset, cfg.num_samples, m.in_dim, m.out_dim, cfg.seed, cfg.dtype)
     params = model.init_params(cfg.seed if rank == 0 else cfg.seed + 1 + rank, dtype=cfg.dtype)
-    return model, Dataset(on_device(device, data.x), on_device(device, data.y)), on_device(device, params)
+    return (
+        model,
+        Dataset(on_device(device, data.x), on_device(device, data.y)),
+        on_device(device, params),
+    )
 
 
 def on_device(device: Any, a: np.ndarray) -> Any:
     """``a`` as a torch tensor on ``device`` (a copy; on the CPU, one that shares ``a``'s memory);
-    with None, ``a`` itself. The model and the optimizers compute wherever their arrays live."""
+    with None, ``a`` itself. The model and the optimizers compute wherever their arrays live.
+
+    Args:
+        device: a torch device, or None.
+        a: the array.
+
+    Returns:
+        A tensor on ``device``, or ``a``.
+    """
     if device is None:
         return a
     import torch
@@ -105,7 +152,14 @@ def on_device(device: Any, a: np.ndarray) -> Any:
 
 
 def on_host(params: Any) -> np.ndarray:
-    """``params`` as a NumPy array (a torch tensor is copied back from its device)."""
+    """``params`` as a NumPy array (a torch tensor is copied back from its device).
+
+    Args:
+        params: a NumPy array or a torch tensor.
+
+    Returns:
+        A NumPy array.
+    """
     return params if isinstance(params, np.ndarray) else params.cpu().numpy()
 
 
@@ -115,6 +169,16 @@ def train_single(cfg: TrainConfig, device: Any = None) -> TrainResult:
     ``scale = 1 / global_batch`` makes the loss the mean over the batch; data-parallel
     ranks use the same scale on their shards, so their gradients sum to this one.
     ``device``: None computes in NumPy; a torch device, with torch tensors there.
+
+    Args:
+        cfg: the run's configuration.
+        device: None, or a torch device to compute on.
+
+    Returns:
+        The final parameters (a NumPy array) and each step's loss.
+
+    Raises:
+        ConfigError: ``cfg`` is invalid.
     """
     model, data, params = setup(cfg, device)
     opt = make_optimizer(cfg.optimizer, model.num_params, params.dtype, model.param_slices, device)
@@ -130,21 +194,43 @@ def train_single(cfg: TrainConfig, device: Any = None) -> TrainResult:
 
 
 def evaluate(cfg: TrainConfig, params: np.ndarray) -> float:
-    """Mean per-sample loss of ``params`` over the whole data set."""
+    """Mean per-sample loss of ``params`` over the whole data set.
+
+    Args:
+        cfg: the configuration that made the data set.
+        params: the parameters to judge.
+
+    Returns:
+        The mean loss.
+    """
     model, data, _ = setup(cfg)
     return model.loss(model.forward(params, data.x), data.y, scale=1 / cfg.num_samples)
 
 
 def check_finite(params: np.ndarray, losses: list[float], ended: bool = True) -> None:
-    """ConfigError if ``params`` hold inf or nan, or the run ``ended`` on a non-finite loss (only the last
-    counts: a step that loss scaling skipped did not move the weights, and torch's GradScaler goes on)."""
+    """ConfigError if ``params`` hold inf or nan, or the run ``ended`` on a non-finite loss (only
+    the last counts: a step that loss scaling skipped did not move the weights, and torch's
+    GradScaler goes on).
+
+    Args:
+        params: the parameters after the last update.
+        losses: each step's global loss so far.
+        ended: whether the run is over (a non-finite last loss then counts).
+
+    Raises:
+        ConfigError: naming the step and what to do (lower the learning rate).
+    """
     step = len(losses) - 1
     if not array_namespace(params).isfinite(params).all():
-        first = next((i for i, v in enumerate(losses) if not math.isfinite(v)), None)  # where it showed
-        when = f"the loss was {losses[step]:.3g}" if first is None else f"the loss turned {losses[first]} " \
-            f"at step {first}"
-        raise ConfigError(f"step {step}: the parameters are inf or nan after the update ({when}): the run "
-                          "diverged; lower the learning rate")
+        # where it showed
+        first = next((i for i, v in enumerate(losses) if not math.isfinite(v)), None)
+        when = (
+            f"the loss was {losses[step]:.3g}"
+            if first is None
+            else f"the loss turned {losses[first]} at step {first}"
+        )
+        raise ConfigError(f"step {step}: the parameters are inf or nan after the update ({when}): "
+                          "the run diverged; lower the learning rate")
     if ended and losses and not math.isfinite(losses[-1]):
         raise ConfigError(f"step {step}: the loss of the last step is {losses[-1]}: the run "
                           "diverged; lower the learning rate")

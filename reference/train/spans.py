@@ -17,7 +17,11 @@ __all__ = ["Spans"]
 
 
 class Spans(Hook):
-    """One span per phase, each with its ``step`` (and ``micro``-batch) in ``extra``."""
+    """One span per phase, each with its ``step`` (and ``micro``-batch) in ``extra``.
+
+    Args:
+        tracer: where the spans go.
+    """
 
     def __init__(self, tracer: Tracer) -> None:
         self.tracer = tracer

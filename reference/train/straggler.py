@@ -21,8 +21,18 @@ from dplab.reference.errors import ConfigError
 from dplab.reference.trace import Tracer
 from dplab.reference.train.hooks import Hook
 
-__all__ = ["Stragglers", "parse_stragglers", "check_stragglers", "factor_of", "check_delays", "Slowdown",
-           "Straggle", "Budget", "TimeBudget", "check_budget"]
+__all__ = [
+    "Stragglers",
+    "parse_stragglers",
+    "check_stragglers",
+    "factor_of",
+    "check_delays",
+    "Slowdown",
+    "Straggle",
+    "Budget",
+    "TimeBudget",
+    "check_budget",
+]
 
 Stragglers = tuple[tuple[int, float], ...]  # ((rank, factor), ...): each slowed rank once
 T = TypeVar("T")
@@ -30,7 +40,18 @@ _END = object()
 
 
 def parse_stragglers(text: str) -> Stragglers:
-    """``"1:4"`` or ``"1:4,2:1.5"`` -> ``((1, 4.0), (2, 1.5))``; ConfigError saying the form otherwise."""
+    """``"1:4"`` or ``"1:4,2:1.5"`` -> ``((1, 4.0), (2, 1.5))``;
+    ConfigError saying the form otherwise.
+
+    Args:
+        text: RANK:FACTOR pairs, comma-separated.
+
+    Returns:
+        ((rank, factor), ...).
+
+    Raises:
+        ConfigError: an item that is not RANK:FACTOR.
+    """
     pairs = []
     for item in (s.strip() for s in text.split(",")):
         rank, sep, factor = item.partition(":")
@@ -45,7 +66,17 @@ def parse_stragglers(text: str) -> Stragglers:
 
 
 def check_stragglers(stragglers: Stragglers, world_size: int | None = None, first: int = 0) -> None:
-    """ConfigError unless each straggler names a computing rank (``first``..world_size-1) once, factor>=1."""
+    """ConfigError unless each straggler names a computing rank (``first``..world_size-1) once,
+    factor>=1.
+
+    Args:
+        stragglers: ((rank, factor), ...).
+        world_size: the number of ranks, if known.
+        first: the lowest rank that computes (1 under a parameter server).
+
+    Raises:
+        ConfigError: a rank out of range or named twice, or a factor that is not finite and >= 1.
+    """
     ranks = [r for r, _ in stragglers]
     for rank, factor in stragglers:
         if not (isinstance(rank, int) and rank >= first):
@@ -62,7 +93,17 @@ def check_stragglers(stragglers: Stragglers, world_size: int | None = None, firs
 
 
 def check_delays(delays: tuple[float, ...] | None, count: int | None, per: str) -> None:
-    """ConfigError unless ``delays`` is None or holds ``count`` finite seconds >= 0, one per ``per``."""
+    """ConfigError unless ``delays`` is None or holds ``count`` finite seconds >= 0, one per
+    ``per``.
+
+    Args:
+        delays: seconds, or None.
+        count: how many there must be, if known.
+        per: what each is for ("rank", "worker"), for the message.
+
+    Raises:
+        ConfigError: a delay that is not finite and >= 0, or the wrong number of them.
+    """
     if delays is None:
         return
     if not all(isinstance(d, (int, float)) and math.isfinite(d) and d >= 0 for d in delays):
@@ -72,11 +113,26 @@ def check_delays(delays: tuple[float, ...] | None, count: int | None, per: str) 
 
 
 def factor_of(stragglers: Stragglers, rank: int) -> float:
+    """How many times slower ``rank`` computes: its factor, or 1.
+
+    Args:
+        stragglers: ((rank, factor), ...).
+        rank: the rank.
+
+    Returns:
+        The factor (1.0 for a rank at full speed).
+    """
     return dict(stragglers).get(rank, 1.0)
 
 
 class Slowdown:
-    """Stretches one rank's compute by ``factor``: sleeps (factor - 1) x each piece's measured time."""
+    """Stretches one rank's compute by ``factor``: sleeps (factor - 1) x each piece's measured
+    time.
+
+    Args:
+        factor: how many times slower (1: full speed).
+        tracer: where each sleep is recorded as a "slowdown" span, or None.
+    """
 
     def __init__(self, factor: float = 1.0, tracer: Tracer | None = None) -> None:
         self.factor, self.tracer = float(factor), tracer  # each sleep is a "slowdown" span
@@ -86,11 +142,26 @@ class Slowdown:
 
     @classmethod
     def for_rank(cls, stragglers: Stragglers, rank: int, tracer: Tracer | None = None) -> Slowdown:
+        """The slowdown of ``rank`` among ``stragglers`` (factor 1: none).
+
+        Args:
+            stragglers: ((rank, factor), ...).
+            rank: this rank.
+            tracer: where each sleep is recorded as a "slowdown" span, or None.
+
+        Returns:
+            The slowdown.
+        """
         return cls(factor_of(stragglers, rank), tracer)
 
     @contextmanager
     def compute(self, delay_s: float = 0.0) -> Iterator[None]:
-        """Around one piece of compute: a fixed ``delay_s`` first, afterwards the slowdown it earned."""
+        """Around one piece of compute: a fixed ``delay_s`` first, afterwards the slowdown it
+        earned.
+
+        Args:
+            delay_s: seconds to sleep first.
+        """
         if delay_s > 0:  # even sleep(0) gives the core away: on a busy machine that takes a while
             time.sleep(delay_s)
         t0 = time.perf_counter()
@@ -98,7 +169,15 @@ class Slowdown:
         self._pay(time.perf_counter() - t0)
 
     def pieces(self, steps: Iterable[T]) -> Iterator[T]:
-        """Each step of a compute generator (the backward's layers), stretched before it is handed on."""
+        """Each step of a compute generator (the backward's layers), stretched before it is handed
+        on.
+
+        Args:
+            steps: the generator's items.
+
+        Yields:
+            Each item, once the time it took has been stretched.
+        """
         it = iter(steps)
         while True:
             t0 = time.perf_counter()
@@ -127,8 +206,14 @@ class Slowdown:
 
 
 class Straggle(Hook):
-    """A slowed rank in ``train_sync``: a fixed ``delay_s`` before each micro-batch, then its forward
-    and each backward layer stretched by ``slow``'s factor, so its buckets leave as late as they would."""
+    """A slowed rank in ``train_sync``: a fixed ``delay_s`` before each micro-batch, then its
+    forward and each backward layer stretched by ``slow``'s factor, so its buckets leave as late as
+    they would.
+
+    Args:
+        slow: the slowdown.
+        delay_s: seconds slept before each micro-batch.
+    """
 
     def __init__(self, slow: Slowdown, delay_s: float = 0.0) -> None:
         self.slow, self.delay_s = slow, delay_s
@@ -141,19 +226,32 @@ class Straggle(Hook):
 
 
 class Budget:
-    """Wall time allowed from construction; ``None`` seconds never runs out."""
+    """Wall time allowed from construction; ``None`` seconds never runs out.
+
+    Args:
+        seconds: the time allowed, or None for no limit.
+    """
 
     def __init__(self, seconds: float | None) -> None:
         self.seconds = seconds
         self.start = time.perf_counter()
 
     def spent(self) -> bool:
+        """Whether the time allowed has run out.
+
+        Returns:
+            True once ``seconds`` have passed since construction (never with None).
+        """
         return self.seconds is not None and time.perf_counter() - self.start >= self.seconds
 
 
 class TimeBudget(Hook):
     """Rank 0's wall-time budget in ``train_sync``: once spent, it asks every rank to stop after the
-    step (at least one step is taken; ``TrainConfig.steps`` stays the upper bound)."""
+    step (at least one step is taken; ``TrainConfig.steps`` stays the upper bound).
+
+    Args:
+        seconds: the time allowed, counted from now.
+    """
 
     def __init__(self, seconds: float) -> None:
         self.budget = Budget(seconds)  # the clock starts now: set-up counts too
@@ -163,6 +261,15 @@ class TimeBudget(Hook):
 
 
 def check_budget(seconds: float | None) -> None:
+    """Refuse a time budget that is not finite seconds >= 0.
+
+    Args:
+        seconds: the budget, or None for none.
+
+    Raises:
+        ConfigError: saying what it must be.
+    """
     if seconds is not None and not (isinstance(seconds, (int, float)) and math.isfinite(seconds)
                                     and seconds >= 0):
-        raise ConfigError(f"time_budget_s must be finite seconds >= 0 (or None: no budget), got {seconds!r}")
+        raise ConfigError("time_budget_s must be finite seconds >= 0 (or None: no budget), got "
+                          f"{seconds!r}")

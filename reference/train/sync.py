@@ -150,7 +150,18 @@ def loss_and_stop(comm: Communicator, reducer: Reducer, loss: float,
 
 @dataclass(frozen=True)
 class SyncConfig:
-    """How the ranks reduce (algorithm, buckets, micro-batches) and what the run adds around it."""
+    """How the ranks reduce (algorithm, buckets, micro-batches) and what the run adds around it.
+
+    Args:
+        algorithm: the buckets' all-reduce: a registered name, "native" or "auto".
+        bucket_cap_mb: gradient bucket size in MiB.
+        accum_steps: micro-batches per step.
+        straggler: ((rank, factor), ...): ranks that compute factor times slower.
+        time_budget_s: stop after the step during which this much time ran out, or None.
+        delays: seconds each rank sleeps before each micro-batch, or None.
+        checkpoint: where and how often to save, and what to resume from, or None.
+        precision: mixed precision, or None.
+    """
 
     algorithm: str = "ring"  # any name of the registry (reference/algorithms), "native" or "auto"
     bucket_cap_mb: float = 25.0  # as in torch DDP

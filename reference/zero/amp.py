@@ -32,7 +32,24 @@ __all__ = ["amp_step"]
 def amp_step(comm: Communicator, algorithm: str, scaler: LossScaler, ledger: MemoryLedger,
              opts: list[Optimizer], params: ReplicatedParams | ShardedParams,
              grads: FullGrads | ShardedGrads, step: int) -> bool:
-    """Unscale, check, and step every layer's master, or skip on an overflow; True if it stepped."""
+    """Unscale, check, and step every layer's master, or skip on an overflow; True if it stepped.
+
+    Args:
+        comm: this rank's communicator.
+        algorithm: the all-reduce for the one-element overflow flag.
+        scaler: the loss scaler; its scale is updated here.
+        ledger: counts the float32 gradient made per layer.
+        opts: one optimizer per layer.
+        params: the masters to step.
+        grads: the scaled float16 gradients.
+        step: the step, for the trace and the error.
+
+    Returns:
+        True if every layer stepped; False if the step was skipped (an overflow on some rank).
+
+    Raises:
+        ConfigError: an overflow at a static loss scale (``LossScaler.update``).
+    """
     s = scaler.loss_scale  # the S this step's backward used (update may change it)
     found = any(not np.isfinite(grads.of(layer)).all() for layer in range(len(opts)))
     flag = np.array([1.0 if found else 0.0])

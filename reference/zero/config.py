@@ -24,7 +24,16 @@ __all__ = ["ZeroConfig", "SCATTER_ALGORITHMS"]
 class ZeroConfig:
     """``stage`` 0-3; ``algorithm`` of the collectives; ``accum_steps`` micro-batches per step;
     ``prefetch`` (stage 3): gather the next layer on the comm thread while this one computes;
-    ``precision``: float16 compute copies of float32 masters, loss scaling (``reference/precision``)."""
+    ``precision``: float16 compute copies of float32 masters, loss scaling
+    (``reference/precision``).
+
+    Args:
+        stage: 0, 1, 2 or 3.
+        algorithm: the collectives' algorithm.
+        accum_steps: micro-batches per step.
+        prefetch: stage 3: gather the next layer while this one computes.
+        precision: mixed precision, or None.
+    """
 
     stage: int = 1
     algorithm: str = "ring"
@@ -33,7 +42,14 @@ class ZeroConfig:
     precision: MixedPrecision | None = None
 
     def validate(self, world_size: int | None = None) -> None:
-        """Raise ``ConfigError`` naming the field and the fix."""
+        """Raise ``ConfigError`` naming the field and the fix.
+
+        Args:
+            world_size: the number of ranks, if known.
+
+        Raises:
+            ConfigError: a bad stage, algorithm, accum_steps, prefetch, precision or world_size.
+        """
         if isinstance(self.stage, bool) or self.stage not in (0, 1, 2, 3):
             raise ConfigError(f"ZeRO stage must be 0, 1, 2 or 3, got {self.stage!r}")
         if self.stage == 0:
@@ -42,9 +58,10 @@ class ZeroConfig:
                                   f"choose one of {', '.join(ALGORITHMS)}")
         elif not has_schedule(self.algorithm, "scatter"):
             raise ConfigError(
-                f"ZeRO stage {self.stage} reduce-scatters gradients and all-gathers parameters, and "
-                f"{self.algorithm!r} has no such schedules: choose one of {', '.join(SCATTER_ALGORITHMS)}"
-                " (naive, tree and native have only an all-reduce; stage 0 takes them)")
+                f"ZeRO stage {self.stage} reduce-scatters gradients and all-gathers parameters, "
+                f"and {self.algorithm!r} has no such schedules: choose one of "
+                f"{', '.join(SCATTER_ALGORITHMS)} (naive, tree and native have only an all-reduce; "
+                "stage 0 takes them)")
         steps = self.accum_steps
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise ConfigError(f"accum_steps must be an integer >= 1, got {self.accum_steps!r}")
@@ -52,7 +69,8 @@ class ZeroConfig:
             raise ConfigError(f"prefetch must be True or False, got {self.prefetch!r}")
         if self.precision is not None:
             if not isinstance(self.precision, MixedPrecision):
-                raise ConfigError(f"precision must be a MixedPrecision or None, got {self.precision!r}")
+                raise ConfigError("precision must be a MixedPrecision or None, got "
+                                  f"{self.precision!r}")
             self.precision.validate()
         if world_size is not None and world_size < 1:
             raise ConfigError(f"world_size must be >= 1, got {world_size}")

@@ -11,7 +11,7 @@ small all-reduce per layer gives every rank the whole norms:
     rank 2's chunk                                                  [ ... ]  (an empty part: 0)
 
     opt = make_optimizer(cfg.optimizer, n, dtype, layers=chunk_tensors(model, layout, l))
-    opt.norms = partial(shard_norms, comm, algorithm)      # 2 x (W, b) squared norms: one all-reduce
+    opt.norms = partial(shard_norms, comm, algorithm)  # 2 x (W, b) squared norms: one all-reduce
 
 Every rank passes the same number of values (two tensors per layer, empty parts included), so
 the all-reduce matches on every rank; the sums run in another order than one device's norm, so
@@ -31,8 +31,18 @@ __all__ = ["chunk_tensors", "shard_norms"]
 
 
 def chunk_tensors(model: MLP, layout: ShardLayout, layer: int, whole: bool) -> list[slice]:
-    """The slices of W_l and b_l inside this rank's chunk of ``layer`` (the whole layer if ``whole``),
-    relative to that chunk; either may be empty."""
+    """The slices of W_l and b_l inside this rank's chunk of ``layer`` (the whole layer if
+    ``whole``), relative to that chunk; either may be empty.
+
+    Args:
+        model: the MLP.
+        layout: who owns which chunk.
+        layer: the layer.
+        whole: take the whole layer (stage 0) instead of this rank's chunk.
+
+    Returns:
+        [W's slice, b's slice].
+    """
     tensors = [model.param_slices[i] for i in model.layer_params(layer)]
     start = tensors[0].start
     w, b = (slice(s.start - start, s.stop - start) for s in tensors)
@@ -46,7 +56,17 @@ def chunk_tensors(model: MLP, layout: ShardLayout, layer: int, whole: bool) -> l
 
 
 def shard_norms(comm: Communicator, algorithm: str, arrays: list[np.ndarray]) -> list[float]:
-    """The norms of the whole tensors whose chunks ``arrays`` are: one all-reduce of their squares."""
+    """The norms of the whole tensors whose chunks ``arrays`` are:
+    one all-reduce of their squares.
+
+    Args:
+        comm: this rank's communicator.
+        algorithm: the all-reduce to use.
+        arrays: this rank's chunk of each tensor (possibly empty), the same count on every rank.
+
+    Returns:
+        Each whole tensor's 2-norm, the same on every rank.
+    """
     squares = np.array([float(np.dot(a, a)) for a in arrays], dtype=np.float64)
     allreduce(comm, squares, algorithm)
     return [float(np.sqrt(s)) for s in squares]

@@ -1,8 +1,8 @@
 """Which part of every layer each rank owns: the shard layout of ZeRO in this trainer.
 
     layout = ShardLayout(model, world_size=3, rank=1)
-    layout.own(l)          # slice of layer l's flat range that rank 1 owns
-    layout.shard_elems     # elements rank 1 owns over all layers (they sum to num_params over ranks)
+    layout.own(l)       # slice of layer l's flat range that rank 1 owns
+    layout.shard_elems  # elements rank 1 owns over all layers (they sum to num_params over ranks)
 
 Each LAYER's flat slice ``[W_l, b_l]`` is cut into ``world_size`` chunks with ``chunk_bounds``,
 and rank r owns chunk r of every layer. That is exactly the chunk a reduce-scatter of the
@@ -25,7 +25,13 @@ __all__ = ["ShardLayout"]
 
 
 class ShardLayout:
-    """Layer slices of the flat vector and rank ``rank``'s chunk of each."""
+    """Layer slices of the flat vector and rank ``rank``'s chunk of each.
+
+    Args:
+        model: the MLP.
+        world_size: the number of ranks.
+        rank: this rank.
+    """
 
     def __init__(self, model: MLP, world_size: int, rank: int) -> None:
         self.world_size, self.rank = world_size, rank
@@ -35,8 +41,23 @@ class ShardLayout:
         self.shard_elems = sum(s.stop - s.start for s in self._own)
 
     def own(self, layer: int) -> slice:
-        """This rank's chunk of ``layer``, relative to the layer's own flat range."""
+        """This rank's chunk of ``layer``, relative to the layer's own flat range.
+
+        Args:
+            layer: the layer.
+
+        Returns:
+            A slice of the layer's flat range.
+        """
         return self._own[layer]
 
     def own_size(self, layer: int) -> int:
+        """The number of elements of ``layer`` this rank owns.
+
+        Args:
+            layer: the layer.
+
+        Returns:
+            The length of ``own(layer)``.
+        """
         return self._own[layer].stop - self._own[layer].start

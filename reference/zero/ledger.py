@@ -38,6 +38,12 @@ class MemoryReport:
 
     ``total`` is the peak of the SUM at one moment, which can be less than the sum of the three
     peaks (stage 3's gathered weights and in-flight gradients peak at different times).
+
+    Args:
+        params: peak bytes of weights.
+        grads: peak bytes of gradients.
+        optimizer: peak bytes of optimizer state.
+        total: peak bytes of all three at one moment.
     """
 
     params: int
@@ -54,31 +60,66 @@ class MemoryLedger:
         self.peak = dict.fromkeys(CATEGORIES, 0)
         self.peak_total = 0
         self._held: dict[int, tuple[str, int]] = {}  # id(array) -> (category, nbytes)
-        self.on_alloc: Callable[[MemoryLedger], None] | None = None  # tests: compare with tracemalloc
+        # tests: compare with tracemalloc
+        self.on_alloc: Callable[[MemoryLedger], None] | None = None
 
     def zeros(self, category: str, n: int, dtype: DTypeLike) -> np.ndarray:
-        """A new zeroed 1-D array of ``n`` elements, counted under ``category``."""
+        """A new zeroed 1-D array of ``n`` elements, counted under ``category``.
+
+        Args:
+            category: "params", "grads" or "optimizer".
+            n: the number of elements.
+            dtype: the dtype.
+
+        Returns:
+            The array.
+        """
         arr = np.zeros(n, dtype=dtype)
         self._add(category, [arr])
         return arr
 
     def empty(self, category: str, n: int, dtype: DTypeLike) -> np.ndarray:
-        """Like ``zeros``, for a buffer the caller fills at once (a gather's destination)."""
+        """Like ``zeros``, for a buffer the caller fills at once (a gather's destination).
+
+        Args:
+            category: "params", "grads" or "optimizer".
+            n: the number of elements.
+            dtype: the dtype.
+
+        Returns:
+            The array, uninitialised.
+        """
         arr = np.empty(n, dtype=dtype)
         self._add(category, [arr])
         return arr
 
     def track(self, category: str, build: Callable[[], T]) -> T:
         """Call ``build()`` (which allocates, e.g. an optimizer) and count every array attribute
-        of what it returns; those arrays are held until the end (no ``free``)."""
+        of what it returns; those arrays are held until the end (no ``free``).
+
+        Args:
+            category: the category to count the arrays under.
+            build: makes the object.
+
+        Returns:
+            What ``build()`` returned.
+        """
         obj = build()
         self._add(category, [v for v in vars(obj).values() if isinstance(v, np.ndarray)])
         return obj
 
     def free(self, arr: np.ndarray) -> None:
-        """``arr`` is no longer held: drop every reference to it, or the ledger lies."""
+        """``arr`` is no longer held: drop every reference to it, or the ledger lies.
+
+        Args:
+            arr: an array this ledger counted.
+
+        Raises:
+            ConfigError: the ledger does not hold ``arr``.
+        """
         if id(arr) not in self._held:
-            raise ConfigError("freeing an array the ledger does not hold: allocate it with ledger.zeros")
+            raise ConfigError("freeing an array the ledger does not hold: allocate it with "
+                              "ledger.zeros")
         category, nbytes = self._held.pop(id(arr))
         self.current[category] -= nbytes
 
@@ -88,7 +129,14 @@ class MemoryLedger:
         self.peak_total = sum(self.current.values())
 
     def report(self) -> MemoryReport:
-        return MemoryReport(self.peak["params"], self.peak["grads"], self.peak["optimizer"], self.peak_total)
+        """The peaks so far.
+
+        Returns:
+            Peak bytes of params, grads, optimizer state, and of all three at once.
+        """
+        return MemoryReport(
+            self.peak["params"], self.peak["grads"], self.peak["optimizer"], self.peak_total
+        )
 
     def _add(self, category: str, arrays: list[Any]) -> None:
         if category not in CATEGORIES:

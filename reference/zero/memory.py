@@ -44,6 +44,12 @@ class PrecisionBytes:
     hold a small update: 1 + 1e-4 rounds to 1); it counts as optimizer state, as in the paper,
     because only the optimizer step reads it, so ZeRO-1 shards it with the moments.
     ``moment_bytes`` is one optimizer state buffer (momentum, Adam's m or v).
+
+    Args:
+        param_bytes: bytes per weight.
+        grad_bytes: bytes per gradient element.
+        master_bytes: bytes of the full-precision copy (0 without one).
+        moment_bytes: bytes of one optimizer state buffer.
     """
 
     param_bytes: int
@@ -61,23 +67,52 @@ PRECISIONS = {
 
 
 def precision_bytes(precision: str) -> PrecisionBytes:
-    """The bytes of ``precision`` ("float64", "float32", "mixed", "bf16-mixed")."""
+    """The bytes of ``precision`` ("float64", "float32", "mixed", "bf16-mixed").
+
+    Args:
+        precision: one of ``PRECISIONS``.
+
+    Returns:
+        Bytes of a weight, a gradient, a master copy and a moment.
+
+    Raises:
+        ConfigError: an unknown precision.
+    """
     if precision not in PRECISIONS:
         raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
     return PRECISIONS[precision]
 
 
 def state_bytes_per_param(optimizer: str, precision: str) -> int:
-    """K: optimizer-state bytes per parameter, the master copy included (Adam mixed: 4 + 4 + 4 = 12)."""
+    """K: optimizer-state bytes per parameter, the master copy included
+    (Adam mixed: 4 + 4 + 4 = 12).
+
+    Args:
+        optimizer: one of ``OPTIMIZER_STATES`` ("sgd", "momentum", "adam", ...).
+        precision: one of ``PRECISIONS``.
+
+    Returns:
+        Bytes per parameter.
+
+    Raises:
+        ConfigError: an unknown optimizer or precision.
+    """
     if optimizer not in OPTIMIZER_STATES:
-        raise ConfigError(f"optimizer must be one of {', '.join(OPTIMIZER_STATES)}, got {optimizer!r}")
+        raise ConfigError(f"optimizer must be one of {', '.join(OPTIMIZER_STATES)}, got "
+                          f"{optimizer!r}")
     p = precision_bytes(precision)
     return p.master_bytes + OPTIMIZER_STATES[optimizer] * p.moment_bytes
 
 
 @dataclass(frozen=True)
 class MemoryBreakdown:
-    """Bytes of model states one rank holds (floats: Psi / N need not be whole)."""
+    """Bytes of model states one rank holds (floats: Psi / N need not be whole).
+
+    Args:
+        params: bytes of weights.
+        grads: bytes of gradients.
+        optimizer: bytes of optimizer state (masters included).
+    """
 
     params: float
     grads: float
@@ -90,14 +125,33 @@ class MemoryBreakdown:
 
 def model_state_bytes(num_params: float, stage: int, world_size: int, *, param_bytes: float = 2,
                       grad_bytes: float = 2, state_bytes: float = 12) -> MemoryBreakdown:
-    """Per-rank bytes of weights, gradients and optimizer state at ZeRO ``stage`` on ``world_size`` ranks.
+    """Per-rank bytes of weights, gradients and optimizer state at ZeRO ``stage`` on ``world_size``
+    ranks.
 
     Stage s shards the first s of (optimizer state, gradients, weights) over the ranks and
     replicates the rest; the defaults are the paper's mixed-precision Adam (2, 2, 12).
+
+    Args:
+        num_params: the model's parameter count.
+        stage: the ZeRO stage, 0 to 3.
+        world_size: the number of ranks.
+        param_bytes: bytes per weight.
+        grad_bytes: bytes per gradient element.
+        state_bytes: optimizer-state bytes per parameter (``state_bytes_per_param``).
+
+    Returns:
+        Bytes per rank of weights, gradients and optimizer state.
+
+    Raises:
+        ConfigError: a bad stage or world_size, or a count that is not a finite number >= 0.
     """
     if isinstance(stage, bool) or stage not in STAGES:
         raise ConfigError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
-    if isinstance(world_size, bool) or not isinstance(world_size, numbers.Integral) or world_size < 1:
+    if (
+        isinstance(world_size, bool)
+        or not isinstance(world_size, numbers.Integral)
+        or world_size < 1
+    ):
         raise ConfigError(f"world_size must be an integer >= 1, got {world_size!r}")
     named = {"num_params": num_params, "param_bytes": param_bytes, "grad_bytes": grad_bytes,
              "state_bytes": state_bytes}

@@ -28,7 +28,13 @@ _MARGIN_S = 5.0
 
 
 class Handle:
-    """A submitted collective; ``wait()`` returns once it ran (raising its error, if it failed)."""
+    """A submitted collective; ``wait()`` returns once it ran (raising its error, if it failed).
+
+    Args:
+        owner: the thread it runs on.
+        fn: the collective.
+        args: its arguments.
+    """
 
     def __init__(self, owner: CommThread, fn: Callable[..., Any], args: tuple) -> None:
         self._owner, self._fn, self._args = owner, fn, args
@@ -49,19 +55,29 @@ class Handle:
             self._done.set()
 
     def wait(self) -> None:
+        """Block until the job is done.
+
+        Raises:
+            CommTimeout: the comm thread made no progress within the timeout.
+            Exception: whatever the job raised, raised again here.
+        """
         owner = self._owner
         while not self._done.wait(0.05):
             stuck = time.monotonic() - owner.last_progress
             if stuck > owner.timeout + _MARGIN_S:
-                raise CommTimeout(f"rank {owner.rank}: the comm thread made no progress for {stuck:.0f} s; "
-                                  "a peer is not taking part in the same collectives (raise DPLAB_TIMEOUT "
-                                  "if it is only slow)")
+                raise CommTimeout(f"rank {owner.rank}: the comm thread made no progress for "
+                                  f"{stuck:.0f} s; a peer is not taking part in the same "
+                                  "collectives (raise DPLAB_TIMEOUT if it is only slow)")
         if owner.error is not None:
             raise owner.error
 
 
 class CommThread:
-    """Runs submitted collectives one after the other on a daemon thread."""
+    """Runs submitted collectives one after the other on a daemon thread.
+
+    Args:
+        comm: this rank's communicator (its timeout bounds a stuck job).
+    """
 
     def __init__(self, comm: Communicator) -> None:
         self.rank, self.timeout = comm.rank, float(getattr(comm, "timeout", 60.0))
@@ -73,7 +89,15 @@ class CommThread:
         self._thread.start()
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> Handle:
-        """Queue ``fn(*args)`` behind everything submitted before it."""
+        """Queue ``fn(*args)`` behind everything submitted before it.
+
+        Args:
+            fn: a collective, e.g. ``reduce_scatter``.
+            *args: its arguments.
+
+        Returns:
+            The handle to wait on.
+        """
         handle = Handle(self, fn, args)
         with self.lock:
             if self.pending == 0:
@@ -83,6 +107,9 @@ class CommThread:
         return handle
 
     def close(self) -> None:
+        """Stop the thread once the queue is done; the last call on it.
+
+        """
         self._queue.put(None)
         self._thread.join(self.timeout + _MARGIN_S)
 

@@ -37,42 +37,97 @@ def _copy(ledger: MemoryLedger, values: np.ndarray) -> np.ndarray:
 
 
 def use_plan(num_layers: int, accum_steps: int) -> list[int]:
-    """The layers one step uses, in order: per micro-batch, forward 0..L-1 then backward L-1..0."""
+    """The layers one step uses, in order: per micro-batch, forward 0..L-1 then backward L-1..0.
+
+    Args:
+        num_layers: the model's layers.
+        accum_steps: micro-batches per step.
+
+    Returns:
+        Layer indices, in the order the step acquires them.
+    """
     one = [*range(num_layers), *reversed(range(num_layers))]
     return one * accum_steps
 
 
 class ReplicatedParams:
-    """Stages 0-2: every rank holds every parameter in one flat vector (a replica)."""
+    """Stages 0-2: every rank holds every parameter in one flat vector (a replica).
 
-    def __init__(self, ledger: MemoryLedger, layout: ShardLayout, init: np.ndarray, sharded_update: bool,
-                 compute_dtype: np.dtype, comm: Communicator, comm_thread: CommThread,
-                 algorithm: str) -> None:
+    Args:
+        ledger: counts the weights.
+        layout: who owns which chunk.
+        init: the initial parameters.
+        sharded_update: stages 1-2: each rank steps only its chunks, then all-gathers.
+        compute_dtype: the weights' dtype (float16 under mixed precision).
+        comm: this rank's communicator.
+        comm_thread: where the gathers run.
+        algorithm: the collectives' algorithm.
+    """
+
+    def __init__(
+        self,
+        ledger: MemoryLedger,
+        layout: ShardLayout,
+        init: np.ndarray,
+        sharded_update: bool,
+        compute_dtype: np.dtype,
+        comm: Communicator,
+        comm_thread: CommThread,
+        algorithm: str,
+    ) -> None:
         self.layout, self.sharded_update = layout, sharded_update
         self.comm, self.comm_thread, self.algorithm = comm, comm_thread, algorithm
         self.full = ledger.zeros("params", len(init), compute_dtype)
         compute_copy(init, self.full)
-        self.masters = None if compute_dtype == init.dtype else [  # mixed precision: float32 masters
+        # mixed precision: float32 masters
+        self.masters = None if compute_dtype == init.dtype else [
             _copy(ledger, init[s][layout.own(i)] if sharded_update else init[s])
             for i, s in enumerate(layout.layers)]
 
     def begin_step(self, accum_steps: int) -> None:
+        """Before a step: nothing to do (every layer is always here).
+
+        Args:
+            accum_steps: the step's micro-batches.
+        """
         pass
 
     def acquire(self, layer: int) -> np.ndarray:
+        """The weights of ``layer`` to compute with: here a view of the full copy.
+
+        Args:
+            layer: the layer.
+
+        Returns:
+            Its flat slice ``[W, b]``.
+        """
         return self.full[self.layout.layers[layer]]
 
     def release(self, w: np.ndarray) -> None:
+        """Done computing with ``w``: nothing to free here.
+
+        Args:
+            w: what ``acquire`` returned.
+        """
         pass
 
     def master(self, layer: int) -> np.ndarray:
-        """Stage 0: the whole layer; stages 1-2: this rank's chunk of it (a view: stepped in place)."""
+        """Stage 0: the whole layer; stages 1-2: this rank's chunk of it (a view: stepped in
+        place).
+
+        Args:
+            layer: the layer.
+
+        Returns:
+            What this rank's optimizer steps for ``layer``.
+        """
         if self.masters is not None:
             return self.masters[layer]
         return self._mine(layer)
 
     def after_step(self) -> None:
-        """Stages 1-2: each rank updated only its chunks; the all-gather brings everyone the rest."""
+        """Stages 1-2: each rank updated only its chunks; the all-gather brings everyone the
+        rest."""
         if self.masters is not None:  # round the updated masters into the float16 weights
             for layer, master in enumerate(self.masters):
                 compute_copy(master, self._mine(layer))
@@ -83,12 +138,17 @@ class ReplicatedParams:
                 h.wait()
 
     def gather_full(self) -> np.ndarray:
-        """Every parameter: the masters where there are some (for the result; not counted)."""
+        """Every parameter: the masters where there are some (for the result; not counted).
+
+        Returns:
+            The full parameter vector.
+        """
         if self.masters is None:
             return self.full.copy()
         full = np.empty(len(self.full), self.masters[0].dtype)
         for layer, s in enumerate(self.layout.layers):
-            full[s][self.layout.own(layer) if self.sharded_update else slice(None)] = self.masters[layer]
+            mine = self.layout.own(layer) if self.sharded_update else slice(None)
+            full[s][mine] = self.masters[layer]
             if self.sharded_update:
                 self.comm_thread.submit(allgather, self.comm, full[s], self.algorithm).wait()
         return full
@@ -99,7 +159,18 @@ class ReplicatedParams:
 
 
 class ShardedParams:
-    """Stage 3: a rank holds only its chunk of each layer; a layer is all-gathered when used."""
+    """Stage 3: a rank holds only its chunk of each layer; a layer is all-gathered when used.
+
+    Args:
+        ledger: counts the weights.
+        layout: who owns which chunk.
+        init: the initial parameters, cut into this rank's chunks.
+        prefetch: gather the next layer while this one computes.
+        compute_dtype: the weights' dtype (float16 under mixed precision).
+        comm: this rank's communicator.
+        comm_thread: where the gathers run.
+        algorithm: the collectives' algorithm.
+    """
 
     def __init__(self, ledger: MemoryLedger, layout: ShardLayout, init: np.ndarray, prefetch: bool,
                  compute_dtype: np.dtype, comm: Communicator, comm_thread: CommThread,
@@ -119,12 +190,30 @@ class ShardedParams:
         self.next: tuple[np.ndarray, Handle] | None = None
 
     def begin_step(self, accum_steps: int) -> None:
+        """Before a step: the order its micro-batches will acquire the layers in (``use_plan``).
+
+        Args:
+            accum_steps: the step's micro-batches.
+        """
         self.plan, self.i, self.next = use_plan(len(self.shards), accum_steps), 0, None
 
     def acquire(self, layer: int) -> np.ndarray:
+        """``layer``'s whole weights, all-gathered (or prefetched), and the next gather started.
+
+        Args:
+            layer: the layer; layers must come in ``use_plan``'s order.
+
+        Returns:
+            Its flat slice ``[W, b]``, counted by the ledger until ``release``.
+
+        Raises:
+            ConfigError: a layer out of order.
+            CommTimeout: the gather made no progress within the timeout.
+        """
         if self.i >= len(self.plan) or self.plan[self.i] != layer:
-            raise ConfigError(f"stage 3 uses layers in the order {self.plan}; use {self.i} asked for layer "
-                              f"{layer}: acquire layers in the order of forward, then backward")
+            raise ConfigError(f"stage 3 uses layers in the order {self.plan}; use {self.i} asked "
+                              f"for layer {layer}: acquire layers in the order of forward, then "
+                              "backward")
         if self.next is None:  # not prefetched: gather it now
             self.next = self._gather(layer)
         buf, handle = self.next
@@ -136,9 +225,22 @@ class ShardedParams:
         return buf
 
     def release(self, w: np.ndarray) -> None:
+        """Free the gathered weights ``acquire`` returned.
+
+        Args:
+            w: what ``acquire`` returned.
+        """
         self.ledger.free(w)
 
     def master(self, layer: int) -> np.ndarray:
+        """This rank's chunk of ``layer``: what its optimizer steps (float32 masters, if any).
+
+        Args:
+            layer: the layer.
+
+        Returns:
+            The chunk, stepped in place.
+        """
         return self.shards[layer] if self.masters is None else self.masters[layer]
 
     def after_step(self) -> None:
@@ -148,7 +250,12 @@ class ShardedParams:
                 compute_copy(master, shard)
 
     def gather_full(self) -> np.ndarray:
-        """All parameters (the masters, if any) on every rank: the result, after the steps, not counted."""
+        """All parameters (the masters, if any) on every rank:
+        the result, after the steps, not counted.
+
+        Returns:
+            The full parameter vector.
+        """
         mine = self.shards if self.masters is None else self.masters
         full = np.empty(sum(self.layout.sizes), mine[0].dtype)
         for layer, s in enumerate(self.layout.layers):
@@ -158,5 +265,6 @@ class ShardedParams:
 
     def _gather(self, layer: int) -> tuple[np.ndarray, Handle]:
         buf = self.ledger.empty("params", self.layout.sizes[layer], self.dtype)
-        buf[self.layout.own(layer)] = self.shards[layer]  # my chunk in; the all-gather brings the rest
+        # my chunk in; the all-gather brings the rest
+        buf[self.layout.own(layer)] = self.shards[layer]
         return buf, self.comm_thread.submit(allgather, self.comm, buf, self.algorithm)

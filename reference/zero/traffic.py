@@ -30,15 +30,39 @@ __all__ = ["sent_per_step", "sent_closed_form", "collective_sent"]
 
 
 def sent_per_step(events: Iterable[Event], rank: int) -> list[int]:
-    """Bytes ``rank`` sent inside each ``zero_step`` span (the loss all-reduce comes after it)."""
+    """Bytes ``rank`` sent inside each ``zero_step`` span (the loss all-reduce comes after it).
+
+    Args:
+        events: a run's trace events.
+        rank: the rank.
+
+    Returns:
+        Bytes per step, in step order.
+    """
     events = [e for e in events if e.rank == rank]
     steps = sorted((e for e in events if e.kind == "zero_step"), key=lambda e: e.extra["step"])
     sends = [e for e in events if e.kind == "send"]
-    return [sum(e.bytes for e in sends if s.t_start_ns <= e.t_start_ns <= s.t_end_ns) for s in steps]
+    return [
+        sum(e.bytes for e in sends if s.t_start_ns <= e.t_start_ns <= s.t_end_ns) for s in steps
+    ]
 
 
 def sent_closed_form(stage: int, num_params: float, world_size: int, accum_steps: int = 1) -> float:
-    """Elements one rank sends per step, averaged over the ranks (multiply by the itemsize for bytes)."""
+    """Elements one rank sends per step, averaged over the ranks (multiply by the itemsize for
+    bytes).
+
+    Args:
+        stage: the ZeRO stage.
+        num_params: the model's parameter count.
+        world_size: the number of ranks.
+        accum_steps: micro-batches per step.
+
+    Returns:
+        Elements per rank and step.
+
+    Raises:
+        ConfigError: a bad stage.
+    """
     if stage not in (0, 1, 2, 3):
         raise ConfigError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
     times = {0: 2, 1: 2, 2: accum_steps + 1, 3: 3 * accum_steps}[stage]
@@ -46,8 +70,20 @@ def sent_closed_form(stage: int, num_params: float, world_size: int, accum_steps
 
 
 def collective_sent(kind: str, algorithm: str, world_size: int, rank: int, n: int) -> int:
-    """Elements ``rank`` sends in one ``kind`` (allreduce, reduce_scatter, allgather) of ``n`` elements,
-    read off the schedule the executor runs."""
+    """Elements ``rank`` sends in one ``kind`` (allreduce, reduce_scatter, allgather) of ``n``
+    elements, read off the schedule the executor runs.
+
+    Args:
+        kind: the collective.
+        algorithm: its algorithm.
+        world_size: the number of ranks.
+        rank: the rank.
+        n: elements in the buffer.
+
+    Returns:
+        Elements ``rank`` sends.
+    """
     schedule, plan = schedule_plan(kind, algorithm, world_size, rank)
     bounds = chunk_bounds(n, schedule.num_chunks)
-    return sum(bounds[m.stop - 1][1] - bounds[m.chunk][0] for sends, _ in plan for m in sends)  # messages
+    # messages
+    return sum(bounds[m.stop - 1][1] - bounds[m.chunk][0] for sends, _ in plan for m in sends)

@@ -10,16 +10,18 @@
 Rank r owns chunk r of every layer's flat slice (``layout.py``); what each stage keeps whole,
 and the elements moved per step and rank ((p-1)/p of that many, Psi parameters):
 
-    stage  weights          gradients                           optimizer state   moved per step
-    0      all              all, all-reduced                    all               2 Psi
-    1      all              all, reduce-scattered               my chunks         2 Psi
-    2      all              my chunks: reduce-scatter each      my chunks         2 Psi (1 micro-batch)
-                            layer as backward yields it, free
-    3      my chunks: gather a layer before its forward and     my chunks         3 Psi
-           again before its backward, free after
+    stage  weights        gradients                        optimizer state  moved per step
+    0      all            all, all-reduced                 all              2 Psi
+    1      all            all, reduce-scattered            my chunks        2 Psi
+    2      all            my chunks: reduce-scatter each   my chunks        2 Psi (1 micro-batch)
+                          layer as backward yields it,
+                          free
+    3      my chunks: gather a layer before its forward    my chunks        3 Psi
+           and again before its backward, free after
 
-One step is ``dplab.reference.train.sync``'s recipe, a layer at a time (``params.py``, ``grads.py``);
-why it works: reference/README.md, "Beyond replicas: ZeRO, mixed precision, large batches".
+One step is ``dplab.reference.train.sync``'s recipe, a layer at a time (``params.py``,
+``grads.py``); why it works: reference/README.md, "Beyond replicas: ZeRO, mixed precision, large
+batches".
 """
 
 from __future__ import annotations
@@ -60,7 +62,14 @@ __all__ = ["ZeroConfig", "ZeroResult", "train_zero", "forward", "backward"]
 
 @dataclass
 class ZeroResult(TrainResult):
-    """``TrainResult`` (full ``params`` on every rank, the global ``losses``) plus what it cost."""
+    """``TrainResult`` (full ``params`` on every rank, the global ``losses``) plus what it cost.
+
+    Args:
+        params: the final flat parameters.
+        losses: each step's global-batch loss.
+        memory: this rank's peak bytes during the steps.
+        shard_elems: the parameters this rank owns.
+    """
 
     memory: MemoryReport | None = None  # this rank's peak bytes during the steps
     shard_elems: int = 0  # parameters this rank owns (sum over ranks: num_params)
@@ -71,9 +80,24 @@ _DEFAULT = ZeroConfig()  # stage 1, ring, one micro-batch
 
 def train_zero(comm: Communicator, cfg: TrainConfig, zero: ZeroConfig = _DEFAULT,
                ledger: MemoryLedger | None = None) -> ZeroResult:
-    """Run on every rank; returns the full final parameters, the losses and this rank's memory peaks.
+    """Run on every rank; returns the full final parameters, the losses and this rank's memory
+    peaks.
 
-    ``ledger``: pass one to watch allocations as they happen (the tracemalloc test does)."""
+    ``ledger``: pass one to watch allocations as they happen (the tracemalloc test does).
+
+    Args:
+        comm: this rank's communicator.
+        cfg: the run's configuration.
+        zero: the stage, algorithm, micro-batches, prefetch and precision.
+        ledger: the memory ledger to count in (a new one if None).
+
+    Returns:
+        The final parameters, the losses, and this rank's measured memory peaks.
+
+    Raises:
+        ConfigError: an invalid configuration, or a diverged run.
+        CommError: a collective failed (a timeout, a mismatch, a lost peer).
+    """
     zero.validate(comm.world_size)
     model, data, init = setup(cfg)
     prec = zero.precision  # None: one dtype throughout; else float16 compute, float32 masters
@@ -97,7 +121,8 @@ def train_zero(comm: Communicator, cfg: TrainConfig, zero: ZeroConfig = _DEFAULT
     del init  # stage 3: the full vector existed only to be cut into shards (before any step)
     grads = FullGrads(ledger, layout, reduce, zero.stage, *where) if zero.stage < 2 else \
         ShardedGrads(ledger, layout, reduce, *where)
-    sizes = [len(params.master(layer)) for layer in range(model.num_layers)]  # what this rank updates
+    # what this rank updates
+    sizes = [len(params.master(layer)) for layer in range(model.num_layers)]
     opts = [ledger.track("optimizer", partial(make_optimizer, cfg.optimizer, n, cfg.dtype,
                                               chunk_tensors(model, layout, layer, zero.stage == 0)))
             for layer, n in enumerate(sizes)]
@@ -112,7 +137,8 @@ def train_zero(comm: Communicator, cfg: TrainConfig, zero: ZeroConfig = _DEFAULT
             mine = shard(batch, comm.rank, comm.world_size)  # 1. this rank's shard of the batch
             loss = 0.0
             with tracer.span("zero_step", extra={"step": step, "stage": zero.stage}):
-                scaled = scale if scaler is None else scale * scaler.loss_scale  # mixed: the loss times S
+                # mixed: the loss times S
+                scaled = scale if scaler is None else scale * scaler.loss_scale
                 params.begin_step(zero.accum_steps)
                 grads.begin_step()
                 for j, (a, b) in enumerate(chunk_bounds(len(mine), zero.accum_steps)):
@@ -121,7 +147,8 @@ def train_zero(comm: Communicator, cfg: TrainConfig, zero: ZeroConfig = _DEFAULT
                         acts = forward(model, params, x)  # 2.
                         loss += model.loss(acts, y, scale)
                     with tracer.span("backward", extra={"step": step, "micro": j}):
-                        backward(model, params, grads, acts, y, scaled, j == zero.accum_steps - 1)  # 3.
+                        # 3.
+                        backward(model, params, grads, acts, y, scaled, j == zero.accum_steps - 1)
                 with tracer.span("wait", extra={"step": step}):
                     grads.wait()  # 4. every reduction done
                 with tracer.span("optimizer", extra={"step": step}):
@@ -130,8 +157,9 @@ def train_zero(comm: Communicator, cfg: TrainConfig, zero: ZeroConfig = _DEFAULT
                             opt.step(params.master(layer), grads.of(layer))
                             comm.compute(optimizer_ops(cfg.optimizer.name, sizes[layer], itemsize),
                                          cfg.dtype)
-                    stepped = scaler is None or amp_step(comm, zero.algorithm, scaler, ledger, opts, params,
-                                                         grads, step)  # mixed: unscale, or skip on overflow
+                    # mixed: unscale, or skip on overflow
+                    stepped = scaler is None or amp_step(comm, zero.algorithm, scaler, ledger,
+                                                         opts, params, grads, step)
                     if stepped:
                         params.after_step()  # 5. stages 1-2: all-gather the updated chunks
             total = np.array([loss])
@@ -143,8 +171,19 @@ def train_zero(comm: Communicator, cfg: TrainConfig, zero: ZeroConfig = _DEFAULT
     return ZeroResult(final, losses, ledger.report(), layout.shard_elems)
 
 
-def forward(model: MLP, params: ReplicatedParams | ShardedParams, x: np.ndarray) -> list[np.ndarray]:
-    """Every layer's input and the output, computed with one layer's weights at a time."""
+def forward(
+    model: MLP, params: ReplicatedParams | ShardedParams, x: np.ndarray
+) -> list[np.ndarray]:
+    """Every layer's input and the output, computed with one layer's weights at a time.
+
+    Args:
+        model: the MLP.
+        params: the weights, replicated or sharded.
+        x: the micro-batch's inputs.
+
+    Returns:
+        [x, each layer's output], the last one the logits.
+    """
     acts, compute, size = [x], params.comm.compute, (len(x), x.dtype.itemsize)  # sim's clock
     for layer in range(model.num_layers):
         w = params.acquire(layer)  # stage 3: all-gathered now (and the next layer's gather starts)
@@ -157,7 +196,18 @@ def forward(model: MLP, params: ReplicatedParams | ShardedParams, x: np.ndarray)
 
 def backward(model: MLP, params: ReplicatedParams | ShardedParams, grads: FullGrads | ShardedGrads,
              acts: list[np.ndarray], y: np.ndarray, scale: float, last_micro: bool) -> None:
-    """Gradients last layer first, each handed to ``grads`` (and its reduction) the moment it exists."""
+    """Gradients last layer first, each handed to ``grads`` (and its reduction) the moment it
+    exists.
+
+    Args:
+        model: the MLP.
+        params: the weights, replicated or sharded.
+        grads: where the gradients go, and how they are reduced.
+        acts: what ``forward`` returned.
+        y: the targets.
+        scale: the loss's scale.
+        last_micro: whether this is the step's last micro-batch.
+    """
     delta = output_delta(model, acts[-1], y, scale)
     compute, size, dtype = params.comm.compute, (len(y), acts[0].dtype.itemsize), acts[0].dtype.name
     compute(loss_ops(model.cfg, *size) + output_ops(model.cfg, *size), dtype)

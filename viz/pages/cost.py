@@ -48,7 +48,8 @@ FIT_BY = {"backend": "per backend", "algorithm": "per backend and algorithm"}
 BENCH_WORLD_SIZES = tuple(range(2, 9))
 BENCH_MAX_WORLDS, BENCH_MAX_SIZES = 3, 4
 MAX_FILES = 8
-# Every doubling of p costs ~4x and cannot be stopped midway: 1024 is ~10 s of one core, 4096 minutes.
+# Every doubling of p costs ~4x and cannot be stopped midway: 1024 is ~10 s of one core, 4096
+# minutes.
 REGIONS_MAX_P = 1024  # a short bench: each world size is one more world of ranks
 
 
@@ -57,7 +58,8 @@ def _ints(text: str) -> tuple[int, ...]:
 
 
 def _url_list(item: Callable[[str], object], pool: tuple, limit: int) -> Callable[[str], tuple]:
-    """Each value once, only the offered ones, at most ``limit``: a URL of repeats is one control."""
+    """Each value once, only the offered ones, at most ``limit``:
+    a URL of repeats is one control."""
     def parse(raw: str) -> tuple:
         value = url_list(raw, item, pool, limit)
         if value is None:
@@ -66,15 +68,24 @@ def _url_list(item: Callable[[str], object], pool: tuple, limit: int) -> Callabl
     return parse
 
 
-# key -> (default, parse from the URL, options it must be among or None); the URL's name drops "cost_"
+# key -> (default, parse from the URL, options it must be among or None);
+# the URL's name drops "cost_"
 CONTROLS = {
-    "cost_world_size": (8, int, tuple(range(2, 17))), "cost_alpha_us": (5.0, float, ALPHA_US),
-    "cost_beta_gbps": (10.0, float, BETA_GBPS), "cost_gamma": ("free", str, GAMMA),
-    "cost_sizes": ((1 << 10, 256 << 20), _ints, None), "cost_y": ("time", str, tuple(Y)),
+    "cost_world_size": (8, int, tuple(range(2, 17))),
+    "cost_alpha_us": (5.0, float, ALPHA_US),
+    "cost_beta_gbps": (10.0, float, BETA_GBPS),
+    "cost_gamma": ("free", str, GAMMA),
+    "cost_sizes": ((1 << 10, 256 << 20), _ints, None),
+    "cost_y": ("time", str, tuple(Y)),
     "cost_algorithms": (FIRST_SHOWN, _url_list(str, tuple(ALLREDUCE), len(ALLREDUCE)), None),
-    "cost_source": ("none", str, tuple(SOURCES)), "cost_fit_by": ("backend", str, tuple(FIT_BY)),
+    "cost_source": ("none", str, tuple(SOURCES)),
+    "cost_fit_by": ("backend", str, tuple(FIT_BY)),
     "cost_bench_world_sizes": ((2,), _url_list(int, BENCH_WORLD_SIZES, BENCH_MAX_WORLDS), None),
-    "cost_bench_sizes": ((4096, 1 << 16, 1 << 20), _url_list(int, BENCH_SIZES, BENCH_MAX_SIZES), None),
+    "cost_bench_sizes": (
+        (4096, 1 << 16, 1 << 20),
+        _url_list(int, BENCH_SIZES, BENCH_MAX_SIZES),
+        None,
+    ),
 }
 
 
@@ -91,10 +102,13 @@ def from_url() -> None:
     """Seed each control from the URL once per session; a bad value falls back to the default.
 
     The size range is the exception: a range select_slider seeded through session state comes
-    back as a single value under AppTest, so it gets its start as ``value=`` (``_cost_sizes_start``).
+    back as a single value under AppTest, so it gets its start as ``value=``
+    (``_cost_sizes_start``).
     """
     for key, (default, parse, _) in CONTROLS.items():
-        if key in st.session_state or (key == "cost_sizes" and "_cost_sizes_start" in st.session_state):
+        if key in st.session_state or (
+            key == "cost_sizes" and "_cost_sizes_start" in st.session_state
+        ):
             continue
         raw = st.query_params.get(key.removeprefix("cost_"))
         try:
@@ -123,8 +137,12 @@ def short_bench(world_sizes: tuple[int, ...], sizes: tuple[int, ...]) -> list[di
 def model_controls() -> CostParams:
     c = st.columns(4)
     p = c[0].slider("world size p", 2, 16, key="cost_world_size")
-    alpha = c[1].select_slider("α: latency per message (µs, log scale)", ALPHA_US, key="cost_alpha_us")
-    beta = c[2].select_slider("β: link bandwidth (GB/s; β = 1 / it)", BETA_GBPS, key="cost_beta_gbps")
+    alpha = c[1].select_slider(
+        "α: latency per message (µs, log scale)", ALPHA_US, key="cost_alpha_us"
+    )
+    beta = c[2].select_slider(
+        "β: link bandwidth (GB/s; β = 1 / it)", BETA_GBPS, key="cost_beta_gbps"
+    )
     gamma = c[3].select_slider("γ: reduction speed (GB/s)", GAMMA, key="cost_gamma",
                                help="free: the reduction costs nothing (the alpha-beta model)")
     c = st.columns([2, 1, 2])
@@ -144,8 +162,13 @@ def measured_rows() -> list[dict]:
         c = st.columns(2)
         ps = c[0].multiselect("bench world sizes", BENCH_WORLD_SIZES, key="cost_bench_world_sizes",
                               max_selections=BENCH_MAX_WORLDS)
-        sizes = c[1].multiselect("bench sizes", BENCH_SIZES, key="cost_bench_sizes", format_func=format_bytes,
-                                 max_selections=BENCH_MAX_SIZES)
+        sizes = c[1].multiselect(
+            "bench sizes",
+            BENCH_SIZES,
+            key="cost_bench_sizes",
+            format_func=format_bytes,
+            max_selections=BENCH_MAX_SIZES,
+        )
         ps, sizes = sorted(set(ps))[:BENCH_MAX_WORLDS], sorted(set(sizes))[:BENCH_MAX_SIZES]
         if not ps or len(sizes) < 2:
             st.info("Pick a world size and at least two sizes: two unknowns need two sizes.")
@@ -154,7 +177,8 @@ def measured_rows() -> list[dict]:
         if line := BUDGET.waiting_line(max(ps)):
             queued.info(line)
         try:
-            with st.spinner(f"dplab bench on the local backend, world sizes {', '.join(map(str, ps))} ..."):
+            with st.spinner("dplab bench on the local backend, world sizes "
+                            f"{', '.join(map(str, ps))} ..."):
                 return short_bench(tuple(ps), tuple(sizes))
         except DplabError as e:
             st.error(str(e))
@@ -162,44 +186,52 @@ def measured_rows() -> list[dict]:
         finally:
             queued.empty()
     if source == "file":
-        files = st.file_uploader("dplab bench --json files", type=["json"], accept_multiple_files=True,
-                                 key="cost_files")
+        files = st.file_uploader(
+            "dplab bench --json files", type=["json"], accept_multiple_files=True, key="cost_files"
+        )
         rows: list[dict] = []
         if len(files or []) > MAX_FILES:
-            st.warning(f"Fitting the first {MAX_FILES} of {len(files)} files: the fit is one per backend.")
+            st.warning(f"Fitting the first {MAX_FILES} of {len(files)} files: the fit is one per "
+                       "backend.")
         for f in (files or [])[:MAX_FILES]:
             try:
                 more = bench_rows(f.getvalue(), f.name)
                 if len(rows) + len(more) > BENCH.max_rows:
-                    raise ConfigError(f"{f.name} brings the rows past {BENCH.max_rows:,}, what this page "
-                                      "fits at once: load fewer files")
+                    raise ConfigError(f"{f.name} brings the rows past {BENCH.max_rows:,}, what "
+                                      "this page fits at once: load fewer files")
                 rows += more
             except DplabError as e:
                 st.error(str(e))
         if not files:
-            st.info("Write one with `dplab bench --world-sizes 2,4 --json bench.json`, then load it here.")
+            st.info("Write one with `dplab bench --world-sizes 2,4 --json bench.json`, then load "
+                    "it here.")
         return rows
     return []
 
 
 def show_fit(rows: list[dict], p: int) -> dict[tuple[str, str], tuple[float, float]]:
     """The fit's table, one line per fit, the residuals; returns the lines to draw at this p."""
-    by = st.radio("fit α and β", tuple(FIT_BY), key="cost_fit_by", format_func=FIT_BY.get, horizontal=True)
+    by = st.radio(
+        "fit α and β", tuple(FIT_BY), key="cost_fit_by", format_func=FIT_BY.get, horizontal=True
+    )
     fits = fit_alpha_beta(rows, per_algorithm=by == "algorithm")
     if not fits:
         st.info("No row to fit: native and memcpy rows have no schedule of ours.")
         return {}
-    st.caption("Each row is one equation, time = a·α + b·β, with a (latencies) and b (bytes on the critical "
-               "path) read off its schedule; least squares on relative error. γ is not separate: every "
-               "algorithm reduces half the bytes it moves, so the fitted β holds γ/2.")
+    st.caption("Each row is one equation, time = a·α + b·β, with a (latencies) and b (bytes on the "
+               "critical path) read off its schedule; least squares on relative error. γ is not "
+               "separate: every algorithm reduces half the bytes it moves, so the fitted β holds "
+               "γ/2.")
     for f in fit_table(fits):
         if f["alpha_us"] is None:
             st.caption(f"{f['backend']} ({f['algorithm']}): {f['note']}")
         else:
-            st.caption(f"fit {f['backend']} ({f['algorithm']}, {f['rows']} rows): "
-                       f"α = {f['alpha_us']:.3g} µs, "
-                       f"β = {f['beta_gbps']:.3g} GB/s, residuals rms {f['rms_residual_pct']:.2g}%, "
-                       f"max {f['max_residual_pct']:.2g}%" + (f" ({f['note']})" if f["note"] else ""))
+            st.caption(
+                f"fit {f['backend']} ({f['algorithm']}, {f['rows']} rows): "
+                f"α = {f['alpha_us']:.3g} µs, "
+                f"β = {f['beta_gbps']:.3g} GB/s, residuals rms {f['rms_residual_pct']:.2g}%, "
+                f"max {f['max_residual_pct']:.2g}%" + (f" ({f['note']})" if f["note"] else "")
+            )
     st.dataframe(fit_table(fits), key="cost_fit_table", hide_index=True)
     st.plotly_chart(residual_figure(fits), key="cost_residuals")
     lines = {}
@@ -220,11 +252,13 @@ except DplabError as e:
     st.stop()
 xs = merged_crossovers(params)
 if xs:
-    for i, x in enumerate(xs, 1):  # numbered as the figure's markers: names overlap where they bunch up
+    for i, x in enumerate(xs, 1):
+        # numbered as the figure's markers: names overlap where they bunch up
         st.caption(f"Crossover {i}: {x.sentence()}.")
 else:
-    st.caption(f"No crossover between {', '.join(params.algorithms)} from {format_bytes(params.min_bytes)} "
-               f"to {format_bytes(params.max_bytes)} at p={params.world_size}.")
+    st.caption(f"No crossover between {', '.join(params.algorithms)} from "
+               f"{format_bytes(params.min_bytes)} to {format_bytes(params.max_bytes)} at "
+               f"p={params.world_size}.")
 same = coinciding_sentence(coinciding(params), params.world_size)
 if same:
     st.caption(same)
@@ -236,8 +270,8 @@ fitted = show_fit(rows, params.world_size) if rows else {}
 at_p = [r for r in rows if r["world_size"] == params.world_size]
 if rows and not at_p:
     have = sorted({r["world_size"] for r in rows})
-    st.caption(f"The rows are at p = {', '.join(map(str, have))}: set the world size to one of them to see "
-               "them next to the model.")
+    st.caption(f"The rows are at p = {', '.join(map(str, have))}: set the world size to one of "
+               "them to see them next to the model.")
 with figure_slot:
     st.plotly_chart(cost_figure(params, st.session_state["cost_y"], measured=rows, fitted=fitted),
                     key="cost_figure")
@@ -250,12 +284,17 @@ def _regions(preset: str, max_p: int):  # noqa: ANN202 - a cached Regions
 
 
 st.subheader("Which all-reduce wins where")
-if st.toggle("Map the cheapest schedule per (world size, message size) on a cluster", key="regions_on"):
+if st.toggle(
+    "Map the cheapest schedule per (world size, message size) on a cluster", key="regions_on"
+):
     preset = st.selectbox("topology", list(PRESETS), key="regions_topology")
-    max_p = st.select_slider("largest world size", [p for p in WORLD_SIZES[2:] if p <= REGIONS_MAX_P],
-                             value=64, key="regions_max_p",
-                             help=f"every schedule is built and priced at each p: {REGIONS_MAX_P} takes "
-                                  "~10 s")
+    max_p = st.select_slider(
+        "largest world size",
+        [p for p in WORLD_SIZES[2:] if p <= REGIONS_MAX_P],
+        value=64,
+        key="regions_max_p",
+        help=f"every schedule is built and priced at each p: {REGIONS_MAX_P} takes ~10 s",
+    )
     st.caption(PRESETS[preset].source)
     st.plotly_chart(regions_figure(_regions(preset, max_p)), key="cost_regions")
 to_url()

@@ -15,9 +15,9 @@ from dplab.viz.added_pages import added_pages
 # (file under viz/pages/, link text, what it shows)
 LINKS = [
     ("pages/collectives.py", "Collectives",
-     "watch all-reduce, reduce-scatter, all-gather, broadcast and reduce move round by round: a rank x "
-     "chunk grid labelled with whose contributions each cell holds, the round's transfers as arrows, "
-     "bytes and cost-model time as counters, two algorithms side by side."),
+     "watch all-reduce, reduce-scatter, all-gather, broadcast and reduce move round by round: a "
+     "rank x chunk grid labelled with whose contributions each cell holds, the round's transfers "
+     "as arrows, bytes and cost-model time as counters, two algorithms side by side."),
     ("pages/runs.py", "Runs",
      "the timeline of a real training run, one lane per rank: compute, each bucket's all-reduce, "
      "waits, and how much communication the backward pass hid."),
@@ -31,9 +31,9 @@ LINKS = [
 
 st.title("dplab: Data-Parallel Lab")
 st.markdown(
-    "Data-parallel training written by hand, shown from the code that runs it. Nothing here is drawn "
-    "by hand: every grid, arrow, timeline and curve is computed from the same schedule the executor "
-    "runs, the simulator's provenance, the cost model, or real runs and benchmarks."
+    "Data-parallel training written by hand, shown from the code that runs it. Nothing here is "
+    "drawn by hand: every grid, arrow, timeline and curve is computed from the same schedule the "
+    "executor runs, the simulator's provenance, the cost model, or real runs and benchmarks."
 )
 for page, label, blurb in [*((str(p.file), p.title, p.blurb) for p in added_pages()), *LINKS]:
     try:

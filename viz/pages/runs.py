@@ -51,7 +51,8 @@ def from_url() -> None:
                 st.session_state[key] = default if raw is None else parse(raw)
             except (ValueError, OverflowError):
                 st.session_state[key] = default
-    for key, (lo, hi) in BOUNDS.items():  # a number the inputs do not offer: the default, not their edge
+    for key, (lo, hi) in BOUNDS.items():
+        # a number the inputs do not offer: the default, not their edge
         if not lo <= st.session_state[key] <= hi:
             st.session_state[key] = CONTROLS[key][0]
 
@@ -66,7 +67,8 @@ def to_url() -> None:
     st.query_params.update({k.removeprefix("runs_"): str(st.session_state[k]) for k in CONTROLS})
 
 
-# The largest run (8 ranks, 50 steps, hidden 512, a bucket per layer) is ~5 MB pickled: ~80 MB in all.
+# The largest run (8 ranks, 50 steps, hidden 512, a bucket per layer) is ~5 MB pickled:
+# ~80 MB in all.
 @st.cache_data(show_spinner=False, max_entries=16)
 def make_run(world_size: int, mode: str, algorithm: str, bucket_mb: float, hidden: int, steps: int,
              staleness: int | None, backup: int, straggler: tuple) -> tuple[dict, list[Event]]:
@@ -77,7 +79,8 @@ def make_run(world_size: int, mode: str, algorithm: str, bucket_mb: float, hidde
                    train=TrainConfig(model=MLPConfig(hidden=(hidden, hidden)), steps=steps))
     spec.validate()  # a refused configuration starts no ranks
     stop, check = visitor_hooks()
-    workers = frozenset(range(1, world_size)) if mode == "async" else frozenset()  # as run_train's launch
+    # as run_train's launch
+    workers = frozenset(range(1, world_size)) if mode == "async" else frozenset()
     with BUDGET.world(world_size, tolerate=workers, stop=stop, check=check) as world:
         row, per_rank = run_train(spec, world, trace=True)
     return row, merge(per_rank)
@@ -88,12 +91,16 @@ def run_controls() -> tuple[dict, list[Event]] | None:
     p = c[0].number_input("world size", *BOUNDS["runs_world_size"], step=1, key="runs_world_size")
     keep("runs_mode", MODES)
     mode = c[1].selectbox("mode", MODES, key="runs_mode",
-                          help="sync: all-reduce of gradient buckets; async: a parameter server with "
-                               "bounded staleness; backup: sync through the server, dropping the slowest")
-    steps = c[2].number_input("steps (clocks in async)", *BOUNDS["runs_steps"], step=1, key="runs_steps")
+                          help="sync: all-reduce of gradient buckets; async: a parameter server "
+                               "with bounded staleness; backup: sync through the server, dropping "
+                               "the slowest")
+    steps = c[2].number_input(
+        "steps (clocks in async)", *BOUNDS["runs_steps"], step=1, key="runs_steps"
+    )
     keep("runs_hidden", HIDDEN)
     hidden = c[3].selectbox("hidden width (2 layers)", HIDDEN, key="runs_hidden",
-                            help="a wider model computes longer, so more communication can hide behind it")
+                            help="a wider model computes longer, so more communication can hide "
+                                 "behind it")
     c = st.columns(4)
     keep("runs_algorithm", ALGORITHMS)
     keep("runs_bucket_mb", BUCKETS_MB)
@@ -104,26 +111,39 @@ def run_controls() -> tuple[dict, list[Event]] | None:
     if mode == "sync":
         algorithm = c[0].selectbox("all-reduce algorithm", ALGORITHMS, key="runs_algorithm")
         bucket_mb = c[1].select_slider("bucket size (MiB)", BUCKETS_MB, key="runs_bucket_mb",
-                                       help="0.0005 MiB: a bucket per layer; 25 MiB: one, after backward")
+                                       help="0.0005 MiB: a bucket per layer; 25 MiB: one, after "
+                                            "backward")
     elif mode == "async":
         s = c[0].selectbox("staleness (clocks)", STALENESS, key="runs_staleness")
         staleness = None if s == "inf" else int(s)
     else:
-        backup = c[0].number_input("backup workers", *BOUNDS["runs_backup"], step=1, key="runs_backup")
+        backup = c[0].number_input(
+            "backup workers", *BOUNDS["runs_backup"], step=1, key="runs_backup"
+        )
     ranks = ("none", *(str(r) for r in range(int(p))))
     keep("runs_straggler", ranks)
     keep("runs_factor", FACTORS)
     who = c[2].selectbox("straggler rank", ranks, key="runs_straggler")
     factor = c[3].select_slider("straggler factor", FACTORS, key="runs_factor",
-                                help="its compute is stretched this many times (it sleeps the difference)")
+                                help="its compute is stretched this many times (it sleeps the "
+                                     "difference)")
     straggler = () if who == "none" else ((int(who), float(factor)),)
     queued = st.empty()
     if line := BUDGET.waiting_line(int(p)):
         queued.info(line)
     with st.spinner(f"training on {p} local ranks ..."):
         try:
-            return make_run(int(p), mode, algorithm, float(bucket_mb), int(hidden), int(steps), staleness,
-                            int(backup), straggler)
+            return make_run(
+                int(p),
+                mode,
+                algorithm,
+                float(bucket_mb),
+                int(hidden),
+                int(steps),
+                staleness,
+                int(backup),
+                straggler,
+            )
         except DplabError as e:
             st.error(str(e))
             return None
@@ -132,9 +152,12 @@ def run_controls() -> tuple[dict, list[Event]] | None:
 
 
 def file_controls() -> tuple[dict, list[Event]] | None:
-    up = st.file_uploader("trace file (JSON from `dplab train --trace PATH`)", type=["json"], key="runs_file")
+    up = st.file_uploader(
+        "trace file (JSON from `dplab train --trace PATH`)", type=["json"], key="runs_file"
+    )
     if up is None:
-        st.info("Write one with `dplab train --world-size 4 --trace run.json`, then load run.json here.")
+        st.info("Write one with `dplab train --world-size 4 --trace run.json`, then load run.json "
+                "here.")
         return None
     try:
         events, meta = load_trace(up.getvalue())
@@ -150,8 +173,8 @@ def cores() -> int:
 
 
 def show(row: dict, events: list[Event], made_here: bool = False) -> None:
-    """The numbers, the timeline and the table of one run. ``made_here``: this machine ran it just now,
-    so its cores are the ones the ranks shared."""
+    """The numbers, the timeline and the table of one run. ``made_here``:
+    this machine ran it just now, so its cores are the ones the ranks shared."""
     stats = rank_stats(events)
     total = totals(stats)
     straggler = find_straggler(stats, configured=configured_stragglers(row),
@@ -160,16 +183,25 @@ def show(row: dict, events: list[Event], made_here: bool = False) -> None:
     per_rank = f"mean of {n} rank{'s' if n != 1 else ''}"
 
     def summed(what: str, key: str) -> str:
-        return f"{what}, per rank: the mean over the {n} ranks (summed over them: {total[key]:.1f} ms)"
+        return (
+            f"{what}, per rank: the mean over the {n} ranks (summed over them: {total[key]:.1f} ms)"
+        )
 
     c = st.columns(6)
     c[0].metric("wall", f"{total['wall_ms']:.1f} ms", delta="first to last span", delta_color="off",
                 delta_arrow="off", help="the first span's start to the last span's end, any rank")
-    c[1].metric("communication", f"{total['comm_mean_ms']:.1f} ms", delta=per_rank, delta_color="off",
-                delta_arrow="off", help=summed("collectives and transfers", "comm_ms"))
+    c[1].metric(
+        "communication",
+        f"{total['comm_mean_ms']:.1f} ms",
+        delta=per_rank,
+        delta_color="off",
+        delta_arrow="off",
+        help=summed("collectives and transfers", "comm_ms"),
+    )
     c[2].metric("comm. hidden", f"{total['overlap_pct']:.1f} %", delta="over all ranks",
                 delta_color="off", delta_arrow="off",
-                help="the share of all ranks' communication time that ran while the same rank computed")
+                help="the share of all ranks' communication time that ran while the same rank "
+                     "computed")
     c[3].metric("exposed comm.", f"{total['exposed_comm_mean_ms']:.1f} ms", delta=per_rank,
                 delta_color="off", delta_arrow="off",
                 help=summed("communication with no compute under it", "exposed_comm_ms"))
@@ -178,7 +210,8 @@ def show(row: dict, events: list[Event], made_here: bool = False) -> None:
     c[5].metric("straggler", "none" if straggler.rank is None else f"rank {straggler.rank}",
                 delta={True: "configured", False: "not configured"}.get(straggler.configured),
                 delta_color="off", delta_arrow="off")
-    st.caption(straggler.sentence, help="compute: forward, backward, optimizer (async: compute, apply)")
+    st.caption(straggler.sentence, help="compute: forward, backward, optimizer (async: compute, "
+                                        "apply)")
     if row.get("clock") == "simulated":
         about = row.get("cluster_about") or row.get("cluster")
         st.caption(f"Simulated time on {about}: every span is the cluster's model (dplab train "
@@ -191,8 +224,14 @@ def show(row: dict, events: list[Event], made_here: bool = False) -> None:
     st.toggle("every send and receive (nested spans)", key="runs_detail")
     st.plotly_chart(timeline_figure(events, detail=st.session_state["runs_detail"]),
                     key="runs_timeline", width="stretch")
-    st.dataframe([{k: round(v, 3) if isinstance(v, float) else v for k, v in s.row().items()} for s in stats],
-                 hide_index=True, key="runs_table")
+    st.dataframe(
+        [
+            {k: round(v, 3) if isinstance(v, float) else v for k, v in s.row().items()}
+            for s in stats
+        ],
+        hide_index=True,
+        key="runs_table",
+    )
     c = st.columns(2)
     chrome = chrome_bytes(events, row.get("cluster", ""))  # a simulated run's says so
     c[0].download_button("Chrome trace (open in ui.perfetto.dev)", chrome,
@@ -202,12 +241,14 @@ def show(row: dict, events: list[Event], made_here: bool = False) -> None:
 
 
 st.title("Runs")
-st.caption("The timeline of a real run: one lane per rank and thread, every bar a span the trainers "
-           "recorded while they ran. The numbers are computed from the same spans.")
+st.caption("The timeline of a real run: one lane per rank and thread, every bar a span the "
+           "trainers recorded while they ran. The numbers are computed from the same spans.")
 adopt(st.query_params, "runs")  # a lesson's ?p=4: world_size
 from_url()
 keep("runs_source", tuple(SOURCES))
-source = st.radio("source", tuple(SOURCES), format_func=SOURCES.get, key="runs_source", horizontal=True)
+source = st.radio(
+    "source", tuple(SOURCES), format_func=SOURCES.get, key="runs_source", horizontal=True
+)
 result = run_controls() if source == "run" else file_controls()
 to_url()
 if result is not None:

@@ -1,8 +1,10 @@
-"""Training: sync vs backup workers vs a staleness grid, with and without a straggler, from real runs.
+"""Training: sync vs backup workers vs a staleness grid, with and without a straggler, from real
+runs.
 
     dplab app                      # then the Training page
     dplab compare --modes sync,async,backup --world-sizes 4 --staleness-grid 0,2,inf --steps 20
-                                   # the same grid's rows on the command line (one setting of straggler)
+                                   # the same grid's rows on the command line (one setting
+                                   # of straggler)
 
 The runs go through ``dplab compare``'s own functions (``compare_specs``, ``run_train``) on the
 local backend (times measured here) or on a simulated cluster (``--backend sim``: the same runs,
@@ -73,7 +75,9 @@ def from_url() -> None:
         if key not in st.session_state:
             raw = st.query_params.get(key.removeprefix("training_"))
             try:
-                st.session_state[key] = default if raw is None or len(raw) > MAX_PARAM_CHARS else parse(raw)
+                st.session_state[key] = (
+                    default if raw is None or len(raw) > MAX_PARAM_CHARS else parse(raw)
+                )
             except (ValueError, OverflowError):
                 st.session_state[key] = default
     for key, (lo, hi) in BOUNDS.items():  # a number input refuses a value outside its range
@@ -84,7 +88,10 @@ def from_url() -> None:
 def to_url() -> None:
     def text(v: object) -> str:
         return ",".join(str(x) for x in v) if isinstance(v, list) else str(v)
-    st.query_params.update({k.removeprefix("training_"): text(st.session_state[k]) for k in CONTROLS})
+
+    st.query_params.update(
+        {k.removeprefix("training_"): text(st.session_state[k]) for k in CONTROLS}
+    )
 
 
 Args = tuple  # (world_size, steps, staleness, backup, factor, hidden, cluster): the cache's key
@@ -147,24 +154,34 @@ def controls() -> TrainingGrid:
                               "cluster: the same runs on the sim backend, their time that "
                               "cluster's (simulated, deterministic)")
     c = st.columns(6)
-    p = c[0].number_input("world size", *BOUNDS["training_world_size"], step=1, key="training_world_size",
-                          help="sync: p ranks all-reduce; parameter server: rank 0 serves, p - 1 work")
+    p = c[0].number_input(
+        "world size",
+        *BOUNDS["training_world_size"],
+        step=1,
+        key="training_world_size",
+        help="sync: p ranks all-reduce; parameter server: rank 0 serves, p - 1 work",
+    )
     steps = c[1].number_input("steps (clocks per worker)", *BOUNDS["training_steps"], step=1,
                               key="training_steps")
     state = st.session_state
-    state["training_staleness"] = [s for s in dict.fromkeys(state["training_staleness"]) if s in STALENESS]
+    state["training_staleness"] = [
+        s for s in dict.fromkeys(state["training_staleness"]) if s in STALENESS
+    ]
     stal = c[2].multiselect("staleness grid (clocks)", STALENESS, key="training_staleness",
-                            help="SSP's bound: how many clocks a worker may run ahead of the slowest")
+                            help="SSP's bound: how many clocks a worker may run ahead of the "
+                                 "slowest")
     options = list(range(1, p - 1))
-    st.session_state["training_backup"] = [b for b in dict.fromkeys(st.session_state["training_backup"])
-                                           if b in options]
+    st.session_state["training_backup"] = [
+        b for b in dict.fromkeys(st.session_state["training_backup"]) if b in options
+    ]
     backup = c[3].multiselect("backup workers b", options, key="training_backup",
                               help="synchronous SGD through the server: each step from the first "
                                    "W - b gradients")
     if st.session_state["training_factor"] not in FACTORS:
         st.session_state["training_factor"] = CONTROLS["training_factor"][0]
     factor = c[4].selectbox("straggler factor", FACTORS, key="training_factor",
-                            help=f"rank {p - 1} computes this many times slower in the straggler's runs")
+                            help=f"rank {p - 1} computes this many times slower in the straggler's "
+                                 "runs")
     if st.session_state["training_hidden"] not in HIDDEN:
         st.session_state["training_hidden"] = CONTROLS["training_hidden"][0]
     hidden = c[5].selectbox("hidden width", HIDDEN, key="training_hidden",
@@ -183,14 +200,15 @@ def show(cells: list[Cell], grid: TrainingGrid) -> None:
     where = ("on the local backend" if grid.cluster is None else
              f"on the sim backend, in simulated time on {cluster(grid.cluster).describe()}")
     st.caption(f"{len(cells)} real runs of dplab compare's grid {where}: sync on "
-               f"{grid.world_size} ranks, the parameter server with 1 server + {grid.world_size - 1} "
-               "workers; "
-               f"each without and with rank {grid.world_size - 1} {grid.straggler_factor:g}x slower.")
+               f"{grid.world_size} ranks, the parameter server with 1 server + "
+               f"{grid.world_size - 1} workers; "
+               f"each without and with rank {grid.world_size - 1} {grid.straggler_factor:g}x "
+               "slower.")
     if cost:
-        st.caption(f"Throughput with rank {grid.world_size - 1} {grid.straggler_factor:g}x slower, over "
-                   "throughput without (1.00x: unharmed; below 1: the straggler costs that much). ring: sync "
-                   "all-reduce; backup b: the server steps on the first W - b gradients; s: the server's "
-                   "staleness bound.")
+        st.caption(f"Throughput with rank {grid.world_size - 1} {grid.straggler_factor:g}x slower, "
+                   "over throughput without (1.00x: unharmed; below 1: the straggler costs that "
+                   "much). ring: sync all-reduce; backup b: the server steps on the first W - b "
+                   "gradients; s: the server's staleness bound.")
     m = st.columns(max(1, len(cost)))
     for col, (label, ratio) in zip(m, cost.items()):
         col.metric(short_label(label), f"{ratio:.2f}x",
@@ -215,20 +233,22 @@ def show(cells: list[Cell], grid: TrainingGrid) -> None:
         st.plotly_chart(delay_figure(cells), key="training_delays")
         worst = max(ps, key=lambda c: max(delay_counts(c), default=0))
         st.caption(f"Largest delay: {worst.row['max_delay']} updates ({worst.label}, straggler "
-                   f"{worst.straggler}). Delay counts UPDATES between a gradient's pull and its apply; "
-                   "staleness bounds CLOCKS, so with W workers and staleness s, delay <= (W - 1)(2s + 1).")
+                   f"{worst.straggler}). Delay counts UPDATES between a gradient's pull and its "
+                   "apply; staleness bounds CLOCKS, so with W workers and staleness s, "
+                   "delay <= (W - 1)(2s + 1).")
     if sync:
         st.plotly_chart(equivalence_figure(cells), key="training_equivalence")
         diffs = sync[0].diffs
         zeros = sum(d == 0 for d in diffs)
-        st.caption(f"Per step k: max |params_k − train_single(steps=k).params|, largest {max(diffs):.2e} "
-                   f"over {len(diffs)} steps"
+        st.caption("Per step k: max |params_k − train_single(steps=k).params|, largest "
+                   f"{max(diffs):.2e} over {len(diffs)} steps"
                    + (f" ({zeros} exactly 0, not drawn on the log axis)" if zeros else "")
-                   + f", against the tolerance {tolerance(cells):.0e} (dashed: relative {RELATIVE_TOL:.0e}, "
+                   + f", against the tolerance {tolerance(cells):.0e} (dashed: relative "
+                     f"{RELATIVE_TOL:.0e}, "
                    "times max(1, max |params|)): rounding, not drift. "
                    "The per-step parameters are the checkpoints of one more run "
-                   "of the same spec (a checkpoint after every step); its last equals each timed sync "
-                   "run's final parameters bit for bit, straggler or not.")
+                   "of the same spec (a checkpoint after every step); its last equals each timed "
+                   "sync run's final parameters bit for bit, straggler or not.")
     st.dataframe(summary_rows(cells), key="training_table")
 
 
