@@ -26,6 +26,7 @@ A file is JSON (or TOML on Python >= 3.11); every number carries its unit in its
     bandwidth_gb_s = 25                # each way, per port
     ranks_per_port = 1                 # optional: 4 = one port shared by 4 ranks (one NIC per node)
     on_device = false                  # optional: true = a message is the receiver's device's copy
+    switch_reduces = false             # optional: the switch adds (NVLS, reference/nvls.py)
     [links.inter]                      # between nodes (required when nodes > 1)
     alpha_us = 30
     bandwidth_gb_s = 3.125
@@ -109,13 +110,16 @@ class Link:
     ``ranks_per_port``: ranks that share one port (1: a port per rank, a NIC per GPU; a node's
     ranks: one NIC per node). ``on_device``: a message is a copy made by the receiving rank's
     device (shared memory on one machine, several ranks on one GPU), so it queues with that
-    device's compute instead of on a port. The cost model reads only alpha and beta."""
+    device's compute instead of on a port. The cost model reads only alpha and beta.
+    ``switch_reduces``: the link's switch can add what the ranks send it (NVLink SHARP on an
+    NVSwitch): NVLS is priced on it (``dplab.reference.nvls``); schedules ignore it."""
 
     alpha: float
     beta: float
     ranks_per_port: int = 1
     on_device: bool = False
     name: str = ""
+    switch_reduces: bool = False
 
     def __post_init__(self) -> None:
         if not (self.alpha >= 0 and self.beta >= 0):
@@ -280,7 +284,7 @@ _TOP = {
 }
 _HOST = {"threads", "per_thread_us"}
 _DEVICE = {"name", "tflop_s", "memory_gb", "memory_gb_s", "op_overhead_us"}
-_LINK = {"name", "alpha_us", "bandwidth_gb_s", "ranks_per_port", "on_device"}
+_LINK = {"name", "alpha_us", "bandwidth_gb_s", "ranks_per_port", "on_device", "switch_reduces"}
 _STRAGGLER = {"rank", "compute", "link"}
 
 
@@ -334,12 +338,16 @@ def _link(where: str, k: Any) -> Link:
     if not isinstance(on_device, bool):
         raise ConfigError(f"{where}.on_device is {on_device!r}: it must be true or false")
     bandwidth = _number(f"{where}.bandwidth_gb_s", k.get("bandwidth_gb_s"))
+    reduces = k.get("switch_reduces", False)
+    if not isinstance(reduces, bool):
+        raise ConfigError(f"{where}.switch_reduces is {reduces!r}: it must be true or false")
     return Link(
         _number(f"{where}.alpha_us", k["alpha_us"], positive=False) / 1e6,
         1 / (bandwidth * 1e9),
         ports,
         on_device,
         str(k.get("name", "")),
+        reduces,
     )
 
 
