@@ -47,6 +47,28 @@ def test_keeping_forwards_gathers_saves_one_gather_a_layer_and_holds_every_layer
     assert resharded.memory.params < kept.memory.params
 
 
+def _dropped_at_once(comm):
+    import gc
+    import weakref
+
+    from dplab.reference.collectives import allgather
+    w = np.ones(1024, np.float32)
+    alive = weakref.ref(w)
+    gc.disable()  # only plain references count: a cycle would keep w until the collector ran
+    try:
+        allgather(comm, w, "ring")
+        del w
+        return alive() is None
+    finally:
+        gc.enable()
+
+
+def test_the_sim_keeps_no_buffer_alive_after_its_messages_are_through():
+    # the sim's messages held views of the buffers in send <-> receive cycles: an FSDP unit "freed"
+    # after its gather stayed alive until the cycle collector ran, and the exercise counted it held
+    assert all(launch(_dropped_at_once, 4, backend="sim", cluster="dgx-h100"))
+
+
 def test_reshard_after_forward_must_be_a_bool():
     with pytest.raises(ConfigError, match="reshard_after_forward must be True or False"):
         ZeroConfig(stage=3, reshard_after_forward="no").validate(2)
