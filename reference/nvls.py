@@ -50,8 +50,9 @@ def nvls_time(c: Cluster | str, world_size: int, nbytes: int, itemsize: int = 4)
     c = cluster(c)
     c.check_world(world_size)
     if not c.intra.switch_reduces:
-        raise ConfigError(f"cluster {c.name!r} has no switch that adds (links.intra.switch_reduces): "
-                          "NVLS needs NVSwitch with NVLink SHARP, e.g. dgx-h100; use ring or tree here")
+        raise ConfigError(f"cluster {c.name!r} has no switch that adds "
+                          "(links.intra.switch_reduces): NVLS needs NVSwitch with NVLink SHARP, "
+                          "e.g. dgx-h100; use ring or tree here")
     g = min(world_size, c.ranks_per_node)
     nodes = -(-world_size // c.ranks_per_node)
     n = nbytes // itemsize * itemsize
@@ -61,5 +62,6 @@ def nvls_time(c: Cluster | str, world_size: int, nbytes: int, itemsize: int = 4)
     # reduce in the switch (send n, receive n/g), the nodes' all-reduce of n/g, multicast (n/g, n)
     between = Topology.flat(c.inter.alpha, c.inter.beta, c.gamma, f"{c.name} between nodes")
     piece = n // g // itemsize * itemsize
-    across = cost(allreduce_schedule(ACROSS, nodes), piece, itemsize=itemsize, topology=between).time
+    schedule = allreduce_schedule(ACROSS, nodes)
+    across = cost(schedule, piece, itemsize=itemsize, topology=between).time
     return 2 * (intra.alpha + n * intra.beta) + across

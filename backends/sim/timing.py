@@ -38,7 +38,8 @@ from dplab.reference.schedule import Schedule, chunk_bounds
 from dplab.reference.topology import Topology
 from dplab.reference.train.buckets import assign_buckets
 
-__all__ = ["TimingResult", "collective_time", "schedule_time", "ddp_step_time", "bench_rows", "table_of", "NATIVE"]
+__all__ = ["TimingResult", "collective_time", "schedule_time", "ddp_step_time", "bench_rows",
+           "table_of", "NATIVE"]
 
 NATIVE = "direct"  # the sim's native all-reduce is the one-shot: the direct schedule's two rounds
 

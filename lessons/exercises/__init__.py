@@ -98,7 +98,8 @@ EXERCISES["ddp_hooks"] = _exercise("ddp_hooks", 15, "DDP from hooks on torch ten
 # appended: lesson 15's FSDP forward that prefetches, judged on the simulated cluster
 from dplab.lessons.exercises.fsdp_prefetch import judge_fsdp_prefetch  # noqa: E402
 
-EXERCISES["fsdp_prefetch"] = _exercise("fsdp_prefetch", 15, "A prefetching FSDP forward", judge_fsdp_prefetch)
+EXERCISES["fsdp_prefetch"] = _exercise("fsdp_prefetch", 15, "A prefetching FSDP forward",
+                                       judge_fsdp_prefetch)
 
 
 def init_dir(path: str | Path) -> list[Path]:

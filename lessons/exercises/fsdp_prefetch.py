@@ -29,7 +29,13 @@ from typing import Any
 import numpy as np
 
 from dplab.backends import RankError, launch
-from dplab.lessons.exercises.child import COLLECTORS, Patched, dplab_functions, patched_since, run_learner
+from dplab.lessons.exercises.child import (
+    COLLECTORS,
+    Patched,
+    dplab_functions,
+    patched_since,
+    run_learner,
+)
 from dplab.lessons.exercises.learner import (
     CheckUnavailable,
     Fail,
@@ -52,7 +58,8 @@ MOST_HELD = 2  # units gathered at once: the one computing and the next
 TIMEOUT_S = 20.0
 
 HINTS = (
-    "Before unit u computes, start gathering unit u + 1: gather returns at once, and the comm thread "
+    "Before unit u computes, start gathering unit u + 1: gather returns at once, and the comm "
+    "thread "
     "fills w while compute(u, w) keeps the device busy.",
     "w, h = gather(0); then for each u: h.wait() (unit u's OWN handle), start nxt = gather(u + 1) "
     "if there is one, compute(u, w), and drop w before taking the next pair.",
@@ -79,48 +86,63 @@ def judge_fsdp_prefetch(file: Path, output: list[str]) -> str:
     first = computes[0]
     if first["issued"] >= UNITS > MOST_HELD:
         raise Fail(f"all {UNITS} units' gathers were started before unit 0 ran, so {UNITS} units' "
-                   "whole weights were held at once: the whole model on every rank, which FSDP exists "
+                   "whole weights were held at once: the whole model on every rank, which FSDP "
+                   "exists "
                    "to avoid. Prefetch only the next unit")
     for c in computes:
         u, held = c["unit"], c["held"]
         older = [v for v in held if v < u]
         if older:
             raise Fail(f"when unit {u} ran, unit {older[0]}'s gathered weights were still held "
-                       f"({len(held)} units: {', '.join(map(str, held))}): never resharded. Once a unit "
-                       "has run, drop its weights (del w), so that a rank holds its shards and at most "
+                       f"({len(held)} units: {', '.join(map(str, held))}): never resharded. Once "
+                       f"a unit "
+                       "has run, drop its weights (del w), so that a rank holds its shards and at "
+                       "most "
                        "two units")
         if len(held) > MOST_HELD:
-            raise Fail(f"when unit {u} ran, {len(held)} units were gathered ({', '.join(map(str, held))})"
-                       f": prefetch only the next unit, so that at most {MOST_HELD} are held at once")
+            raise Fail(f"when unit {u} ran, {len(held)} units were gathered "
+                       f"({', '.join(map(str, held))})"
+                       f": prefetch only the next unit, so that at most {MOST_HELD} are held at "
+                       f"once")
     for v in range(1, UNITS):
         g = gathers[v]
         if g["computed_before_issue"] >= v:
             raise Fail(f"unit {v}'s gather was started only after unit {v - 1} had run, so nothing "
                        f"overlapped it: start gather({v}) before compute({v - 1}) (prefetch)")
         if g["computed_before_wait"] < v:
-            raise Fail(f"unit {v}'s gather was waited for before unit {v - 1} ran: wait() blocks until "
-                       f"the gather is done, so nothing overlapped it. Wait just before unit {v} computes")
+            raise Fail(f"unit {v}'s gather was waited for before unit {v - 1} ran: wait() blocks "
+                       f"until "
+                       f"the gather is done, so nothing overlapped it. Wait just before unit {v} "
+                       f"computes")
     hidden = sum(overlap((gathers[v]["start"], gathers[v]["end"]),
-                         (computes[v - 1]["start"], computes[v - 1]["end"])) for v in range(1, UNITS))
+                         (computes[v - 1]["start"], computes[v - 1]["end"]))
+                 for v in range(1, UNITS))
     spent = sum(gathers[v]["end"] - gathers[v]["start"] for v in range(1, UNITS))
     share = hidden / spent if spent else 0.0
     if share < HIDDEN_SHARE:
-        raise Fail(f"only {share:.0%} of the gathers' time (after the first) ran under the previous "
-                   f"unit's compute, on the simulated {CLUSTER}: start each gather before the compute "
+        raise Fail(f"only {share:.0%} of the gathers' time (after the first) ran under the "
+                   f"previous "
+                   f"unit's compute, on the simulated {CLUSTER}: start each gather before the "
+                   f"compute "
                    "it should hide behind, and wait for it only when its unit is next")
     serial = sum(g["end"] - g["start"] for g in gathers.values()) + sum(c["end"] - c["start"]
                                                                         for c in computes)
-    return (f"right: on {WORLD} simulated H100s ({CLUSTER}) {share:.0%} of the gathers' time after the "
-            f"first ran under the previous unit's compute; the forward took {run['total'] * 1e6:.0f} us "
-            f"against {serial * 1e6:.0f} us one after another, with every unit run on its own whole "
+    return (f"right: on {WORLD} simulated H100s ({CLUSTER}) {share:.0%} of the gathers' time "
+            f"after the "
+            f"first ran under the previous unit's compute; the forward took "
+            f"{run['total'] * 1e6:.0f} us "
+            f"against {serial * 1e6:.0f} us one after another, with every unit run on its own "
+            f"whole "
             f"weights and at most {max(len(c['held']) for c in computes)} units gathered at once")
 
 
-def collect_fsdp_prefetch(file: Path, inputs: dict[str, Any], out: dict[str, Any], deadline: float) -> None:
+def collect_fsdp_prefetch(file: Path, inputs: dict[str, Any], out: dict[str, Any],
+                          deadline: float) -> None:
     """In the child: every rank's computes, gathers, waits and first problem, on virtual time."""
     load_function(file, "forward_units")
     try:
-        done = launch(_rank, WORLD, backend="sim", cluster=CLUSTER, args=(str(file),), timeout=TIMEOUT_S)
+        done = launch(_rank, WORLD, backend="sim", cluster=CLUSTER, args=(str(file),),
+                      timeout=TIMEOUT_S)
     except TooLong:
         raise
     except RankError as e:
@@ -176,7 +198,8 @@ class _Log:
 
     def gather(self, u: Any) -> tuple[np.ndarray, _Handle]:
         if not isinstance(u, (int, np.integer)) or not 0 <= u < UNITS or int(u) in self.gathers:
-            self.fail(f"gather({u!r}) was called: gather each unit 0..{UNITS - 1} once, as it is next")
+            self.fail(f"gather({u!r}) was called: gather each unit 0..{UNITS - 1} once, as it is "
+                      f"next")
             raise _Stop
         u = int(u)
         a, b = self.own
@@ -186,7 +209,8 @@ class _Log:
         self.live[key] = u
         weakref.finalize(w, self.live.pop, key, None)
         self.bufs[u] = weakref.ref(w)
-        record = self.gathers[u] = {"issued": self.comm.now(), "computed_before_issue": len(self.computes)}
+        record = self.gathers[u] = {"issued": self.comm.now(),
+                                    "computed_before_issue": len(self.computes)}
 
         def run(buf: np.ndarray = w) -> None:
             record["start"] = self.comm.now()
@@ -203,15 +227,19 @@ class _Log:
             raise _Stop
         owner = next((v for v, ref in self.bufs.items() if ref() is w), None)
         if owner is None:
-            self.fail(f"compute({u}, w) was given an array that no gather returned: pass the w that "
+            self.fail(f"compute({u}, w) was given an array that no gather returned: pass the w "
+                      f"that "
                       f"gather({u}) returned")
             raise _Stop
         if owner != u:
-            self.fail(f"unit {u} ran with unit {owner}'s weights: compute(u, w) needs the w of gather(u)")
+            self.fail(f"unit {u} ran with unit {owner}'s weights: compute(u, w) needs the w of "
+                      f"gather(u)")
             raise _Stop
         if u not in self.waits:
-            other = f" (the last wait was unit {self.last_wait}'s)" if self.last_wait is not None else ""
-            self.fail(f"unit {u} ran before its own gather's handle was waited for{other}: its weights "
+            last = self.last_wait
+            other = f" (the last wait was unit {last}'s)" if last is not None else ""
+            self.fail(f"unit {u} ran before its own gather's handle was waited for{other}: its "
+                      f"weights "
                       f"may be half gathered. Wait on unit {u}'s handle before compute({u}, w)")
             raise _Stop
         if not np.array_equal(w, self.weights[u]):

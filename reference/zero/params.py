@@ -137,7 +137,8 @@ class ShardedParams:
             self.next = None
             handle.wait()
         self.i += 1
-        if self.prefetch and self.i < len(self.plan) and (self.reshard or not self._backward(self.i)):
+        kept_next = not self.reshard and self._backward(self.i)  # it will be kept, not gathered
+        if self.prefetch and self.i < len(self.plan) and not kept_next:
             self.next = self._gather(self.plan[self.i])  # arrives while this layer computes
         return buf
 
@@ -148,7 +149,7 @@ class ShardedParams:
         self.ledger.free(w)
 
     def _backward(self, use: int) -> bool:
-        """Whether use ``use`` of the plan is a backward one (each micro-batch: L forward, L back)."""
+        """Whether use ``use`` of the plan is a backward one (a micro-batch: L forward, L back)."""
         return use % (2 * len(self.shards)) >= len(self.shards)
 
     def master(self, layer: int) -> np.ndarray:
