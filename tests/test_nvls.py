@@ -67,7 +67,7 @@ def test_channels_are_all_reduces_and_each_adds_a_nic():
         schedule = rings_per_nic(16, 8, k)
         assert is_allreduce(simulate(schedule))
         times[k] = schedule_time("dgx-h100x2", schedule, 64 * MIB).seconds
-    assert times[1] > 1.8 * times[2] and times[2] > 2.5 * times[8]
+    assert times[1] > 1.8 * times[2] and times[2] > 1.8 * times[8]  # 8 NICs, NVLink shows
     assert rings_per_nic(16, 8).rounds == rings_per_nic(16, 8, 8).rounds  # step 7's, unchanged
 
 
