@@ -609,28 +609,20 @@ STEPS = (
     Step(
         title="busbw against algbw: what nccl-tests reports",
         text=("On a simulated DGX H100 node ({cluster}: {p} H100s, NVLink {link_gbps:g} GB/s each "
-              "way "
-              "per GPU), the ring all-reduces {large:size} in {ring_ms:.3f} ms. nccl-tests (and "
-              "`dplab "
-              "bench`, whose rows these are) report two bandwidths:\n\n"
-              "- **algbw** = S / t, the buffer over the time: {algbw:.0f} GB/s. It is what a user "
-              "feels, but it falls as p grows, because every rank must send about 2S whatever p "
-              "is;\n"
-              "- **busbw** = algbw · 2(p-1)/p = algbw · {factor:.3g}: {busbw:.0f} GB/s. The ring "
-              "sends "
+              "way per GPU), the ring all-reduces {large:size} in {ring_ms:.3f} ms. nccl-tests "
+              "(and `dplab bench`, whose rows these are) report two bandwidths:\n\n- **algbw** = S "
+              "/ t, the buffer over the time: {algbw:.0f} GB/s. It is what a user feels, but it "
+              "falls as p grows, because every rank must send about 2S whatever p is;\n- **busbw** "
+              "= algbw · 2(p-1)/p = algbw · {factor:.3g}: {busbw:.0f} GB/s. The ring sends "
               "2(p-1)/p S per rank, so busbw is the rate each rank's port really moved bytes at, "
-              "and "
-              "the same at any p: it is the number to hold against the link.\n\n"
-              "{busbw:.0f} GB/s is below the link's {link_gbps:g}: each of the 2(p-1) rounds pays "
-              "α, "
-              "and in the reduce-scatter's rounds the GPU adds what it received, reading two "
-              "bytes and "
+              "and the same at any p: it is the number to hold against the link.\n\n{busbw:.0f} "
+              "GB/s is below the link's {link_gbps:g}: each of the 2(p-1) rounds pays α, and in "
+              "the reduce-scatter's rounds the GPU adds what it received, reading two bytes and "
               "writing one from its HBM (γ). For {small:size} the latencies are the time: busbw "
-              "{small_busbw:.1f} GB/s.\n\n"
-              "busbw's factor assumes the ring's bytes. NVLS (the NVSwitch adds: step 10) sends "
-              "each "
-              "byte about once, so its busbw, {nvls_busbw:.0f} GB/s, is above the link's "
-              "{link_gbps:g}: no law broken, only a yardstick made for rings."),
+              "{small_busbw:.1f} GB/s.\n\nbusbw's factor assumes the ring's bytes. NVLS (the "
+              "NVSwitch adds: step 10) sends each byte about once, so its busbw, {nvls_busbw:.0f} "
+              "GB/s, is above the link's {link_gbps:g}: no law broken, only a yardstick made for "
+              "rings."),
         run=bus_and_alg,
         checks=(Check("busbw = algbw · 2(p-1)/p, in dplab bench's rows",
                       lambda f: abs(f["busbw"] - f["algbw"] * f["factor"]) < 1e-9 * f["busbw"]),
@@ -640,25 +632,19 @@ STEPS = (
                       lambda f: f["small_busbw"] < f["link_gbps"] / 10),
                 Check("NVLS's busbw is above the link's bandwidth",
                       lambda f: f["nvls_busbw"] > f["link_gbps"])),
-        predict=Predict("The ring all-reduces {large:size} on p={p} simulated H100s in "
-                        "{ring_ms:.3f} ms: "
-                        "algbw = S/t = {algbw:.0f} GB/s. What busbw does nccl-tests report, in "
-                        "GB/s?",
-                        "busbw", rel_tol=0.02, unit="GB/s", label="simulated on {cluster}",
-                        misconceptions=(
-                            (lambda g, f: abs(g - f["algbw"]) < 0.02 * f["algbw"],
-                             "that is algbw again; busbw multiplies it by 2(p-1)/p, the bytes the "
-                             "ring "
-                             "sends per rank for each byte of the buffer"),
-                            (lambda g, f: abs(g - f["link_gbps"]) < 0.02 * f["link_gbps"],
-                             "that is the link's bandwidth: busbw is measured, and α and the "
-                             "reductions "
-                             "keep it below the link"),
-                            (lambda g, f: abs(g - f["algbw"] * f["p"]) < 0.02 * f["algbw"] * f["p"],
-                             "p times algbw counts every rank's bytes; busbw is one rank's: "
-                             "2(p-1)/p"))),
-        hint="busbw = algbw × 2(p-1)/p.",
-        hints=("At p = 8, 2(p-1)/p = 1.75.",),
+        predict=Predict("A ring all-reduce of S bytes on p={p} GPUs takes t seconds: algbw = S/t. "
+                        "nccl-tests also reports busbw: how many times algbw is it at p={p}?",
+                        "factor", rel_tol=0.01, misconceptions=(
+                            (1, "busbw equals algbw only at p = 2; at p = 8 each rank sends "
+                                "2(p-1)/p bytes for each byte of the buffer"),
+                            (2, "2 is where 2(p-1)/p tends as p grows; at p = 8 it is 1.75"),
+                            (lambda g, f: g == f["p"], "p times counts every rank's bytes; busbw "
+                                                      "is one rank's: 2(p-1)/p"),
+                            (0.875, "(p-1)/p is one half, the reduce-scatter; the all-gather sends "
+                                    "as much again"))),
+        hint="How many bytes does each rank send, per byte of the buffer, in a ring all-reduce? "
+             "(step 1)",
+        hints=("2(p-1)/p: the reduce-scatter's (p-1)/p and the all-gather's again.",),
         try_this="dplab bench --backend sim --cluster dgx-h100 --world-sizes 8 --algorithms ring "
                  "--sizes 64K,256M",
         teaches=("gpu-collectives",),
@@ -667,27 +653,20 @@ STEPS = (
     ),
     Step(
         title="Channels: one ring cannot fill the NICs",
-        text=("Two simulated DGX H100 nodes ({cluster}, p={p}): NVLink {link_gbps:g} GB/s inside "
-              "a node, "
-              "one {nic_gbps:g} GB/s NIC per GPU between them. NCCL splits a collective over "
-              "several "
-              "*channels*, each a ring of its own on its share of the buffer; ring j here leaves "
-              "each "
-              "node through local GPU j (step 7's rings, {g} of them or fewer). busbw for "
-              "{n:size}, on "
-              "the simulator:\n\n| channels | busbw |\n|---|---|\n{rows}\n\n"
-              "One ring crosses between the nodes through one NIC each way, so its busbw is that "
+        text=("Two simulated DGX H100 nodes ({cluster}, p={p}): NVLink {link_gbps:g} GB/s inside a "
+              "node, one {nic_gbps:g} GB/s NIC per GPU between them. NCCL splits a collective over "
+              "several *channels*, each a ring of its own on its share of the buffer; ring j here "
+              "leaves each node through local GPU j (step 7's rings, {g} of them or fewer). busbw "
+              "for {n:size}, on the simulator:\n\n| channels | busbw |\n|---|---|\n{rows}\n\nOne "
+              "ring crosses between the nodes through one NIC each way, so its busbw is that "
               "NIC's: {one:.0f} GB/s of {nic_gbps:g}. Each channel brings its own NIC: {g} "
-              "channels "
-              "give {gain:.1f}x, {eight:.0f} GB/s, where NVLink's share of the rounds starts to "
-              "show. That is why NCCL runs several channels (and the sim counts their messages "
-              "one by "
-              "one through each GPU's port).\n\n"
-              "Inside one node the simulator lets one ring fill a GPU's NVLink port: it prices "
-              "ports, "
-              "not the GPU's SMs. On a real H100 a channel is one thread block, which cannot move "
-              "bytes at the NVLink's rate by itself, so NCCL runs many channels inside a node as "
-              "well: a limit this model leaves out."),
+              "channels give {gain:.1f}x, {eight:.0f} GB/s, where NVLink's share of the rounds "
+              "starts to show. That is why NCCL runs several channels (and the sim counts their "
+              "messages one by one through each GPU's port).\n\nInside one node the simulator lets "
+              "one ring fill a GPU's NVLink port: it prices ports, not the GPU's SMs. On a real "
+              "H100 a channel is one thread block, which cannot move bytes at the NVLink's rate by "
+              "itself, so NCCL runs many channels inside a node as well: a limit this model leaves "
+              "out."),
         run=channels_fill_nics,
         checks=(Check("one channel's busbw is its one NIC's (within 5%)",
                       lambda f: 0.95 * f["nic_gbps"] < f["one"] <= f["nic_gbps"]),
@@ -697,17 +676,15 @@ STEPS = (
                 Check("8 channels give over 5x one channel's busbw",
                       lambda f: f["gain"] > 5)),
         predict=Predict("One ring (one channel) over {p} GPUs on two DGX H100 nodes: NVLink 450 "
-                        "GB/s inside "
-                        "a node, a 50 GB/s NIC per GPU between. Roughly what busbw does it reach, "
-                        "in GB/s?",
+                        "GB/s inside a node, a 50 GB/s NIC per GPU between. Roughly what busbw "
+                        "does it reach, in GB/s?",
                         "one", rel_tol=0.1, unit="GB/s", label="simulated on {cluster}",
                         misconceptions=(
                             (lambda g: 350 <= g <= 420,
                              "8 NICs a node, but one ring leaves a node through one of them"),
                             (lambda g: g >= 300,
-                             "NVLink is not the bottleneck: the ring must cross between the "
-                             "nodes, and "
-                             "it does so through one NIC each way"))),
+                             "NVLink is not the bottleneck: the ring must cross between the nodes, "
+                             "and it does so through one NIC each way"))),
         hint="Where does one ring cross from node 0 to node 1, and through how many NICs?",
         hints=("Step 7: one ring crosses through 2 of the 16 NICs, one each way between the "
                "nodes.",),
@@ -720,27 +697,20 @@ STEPS = (
     Step(
         title="Ring, tree and NVLS from 8 to 1,024 GPUs",
         text=("NCCL has three all-reduce algorithms on an H100 cluster: the ring, the double "
-              "binary tree "
-              "and NVLS (NVLink SHARP: the NVSwitch adds, so each GPU sends its data to the "
-              "switch once "
-              "and receives the sum once; across nodes, NVLSTree: the switch in each node, a tree "
-              "between them). NVLS is no schedule (the switch is not a rank): dplab prices it "
-              "from the "
-              "cluster file, whose NVSwitch says it adds (`dplab.reference.nvls`, shown). "
-              "{n:size} on "
-              "1, 8 and 128 DGX nodes, in ms (ring and tree from the simulator, timing only; the "
-              "ring "
-              "at 1,024 from its closed form, 2(p-1) rounds at the NIC's pace, which the simulator "
-              "equals at 64: {model64:.3f} ms):\n\n| GPUs | ring | tree | NVLS "
-              "|\n|---|---|---|---|\n{rows}\n\n"
-              "The ring's 2(p-1) latencies grow with p: {ring_1024:.1f} ms at 1,024. The tree's "
-              "grow "
-              "with lg p: {tree_1024:.3f} ms. NVLS pays 2 α inside a node ({nvls_8:.4f} ms at 8, "
-              "against the ring's {ring_8:.4f}) and the tree's latencies between nodes, on a piece "
-              "1/8 the size: {nvls_1024:.3f} ms at 1,024. For large buffers inside a node it sends "
-              "half the ring's bytes: {big:size} takes ring {big_ring:.2f} ms, tree {big_tree:.2f} "
-              "ms, NVLS {big_nvls:.2f} ms. (Across nodes dplab adds NVLSTree's three moves one "
-              "after "
+              "binary tree and NVLS (NVLink SHARP: the NVSwitch adds, so each GPU sends its data "
+              "to the switch once and receives the sum once; across nodes, NVLSTree: the switch in "
+              "each node, a tree between them). NVLS is no schedule (the switch is not a rank): "
+              "dplab prices it from the cluster file, whose NVSwitch says it adds "
+              "(`dplab.reference.nvls`, shown). {n:size} on 1, 8 and 128 DGX nodes, in ms (ring "
+              "and tree from the simulator, timing only; the ring at 1,024 from its closed form, "
+              "2(p-1) rounds at the NIC's pace, which the simulator equals at 64: {model64:.3f} "
+              "ms):\n\n| GPUs | ring | tree | NVLS |\n|---|---|---|---|\n{rows}\n\nThe ring's "
+              "2(p-1) latencies grow with p: {ring_1024:.1f} ms at 1,024. The tree's grow with lg "
+              "p: {tree_1024:.3f} ms. NVLS pays 2 α inside a node ({nvls_8:.4f} ms at 8, against "
+              "the ring's {ring_8:.4f}) and the tree's latencies between nodes, on a piece 1/8 the "
+              "size: {nvls_1024:.3f} ms at 1,024. For large buffers inside a node it sends half "
+              "the ring's bytes: {big:size} takes ring {big_ring:.2f} ms, tree {big_tree:.2f} ms, "
+              "NVLS {big_nvls:.2f} ms. (Across nodes dplab adds NVLSTree's three moves one after "
               "another; NCCL pipelines them, so this is an upper bound.)"),
         run=ring_tree_nvls,
         checks=(Check("the simulator's ring equals its closed form at p = 64",
@@ -752,14 +722,14 @@ STEPS = (
                       lambda f: all(v == "nvls" for v in f["fastest"].values())),
                 Check("for 256 MiB in one node NVLS beats the ring, and the ring the tree",
                       lambda f: f["big_nvls"] < f["big_ring"] < f["big_tree"])),
-        predict=Predict("At 1,024 GPUs (128 DGX nodes), for {n:size}, which is fastest: ring, "
-                        "tree or nvls?",
+        predict=Predict("At 1,024 GPUs (128 DGX nodes), for {n:size}, which is fastest: ring, tree "
+                        "or nvls?",
                         "fastest_1024", choices=("ring", "tree", "nvls"), misconceptions=(
                             ("ring", "the ring's 2(p-1) latencies are 2,046 messages one after "
                                      "another"),
                             ("tree", "the tree's latencies grow only with lg p, but NVLS "
-                                     "pays them only between nodes, on a piece 1/8 the size, "
-                                     "and 2 α inside each"))),
+                                     "pays them only between nodes, on a piece 1/8 the size, and 2 "
+                                     "α inside each"))),
         hint="Count the latencies: 2(p-1) for the ring, about 2 lg p for the tree.",
         hints=("NVLS needs no rounds inside a node: the switch adds.",),
         try_this=("python -c \"from dplab.reference.nvls import nvls_time; "

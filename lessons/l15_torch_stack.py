@@ -584,19 +584,16 @@ STEPS = (
     Step(
         title="FSDP prefetch: the next unit's gather under this unit's compute",
         text=("FSDP (ZeRO-3) all-gathers a unit's weights just before it runs. The engine's stage "
-              "3 "
-              "(`ShardedParams.acquire`, shown) can hand the NEXT use's gather to its comm thread "
-              "before this one computes. One step of an MLP of {layers} equal layers on p={p} "
-              "simulated H100s (dgx-h100, virtual time):\n\n"
-              "- gathered when needed: {off_ms:.3f} ms, at most {held_off:.0f} layer whole at "
-              "once;\n"
-              "- prefetched: {on_ms:.3f} ms, {saved:.0%} less, with {held_on:.0f} layers whole at "
-              "once: the one computing and the next.\n\n"
-              "The same bytes either way (checked): prefetch moves no byte less, it moves them "
-              "while "
-              "the device is busy. Only forward's first gather is waited for in full. torch's FSDP "
-              "calls these `forward_prefetch` and `backward_prefetch=BACKWARD_PRE` (dplab's torch "
-              "wrapper has both: `dplab.backends.nn.fsdp`)."),
+              "3 (`ShardedParams.acquire`, shown) can hand the NEXT use's gather to its comm "
+              "thread before this one computes. One step of an MLP of {layers} equal layers on "
+              "p={p} simulated H100s (dgx-h100, virtual time):\n\n- gathered when needed: "
+              "{off_ms:.3f} ms, at most {held_off:.0f} layer whole at once;\n- prefetched: "
+              "{on_ms:.3f} ms, {saved:.0%} less, with {held_on:.0f} layers whole at once: the one "
+              "computing and the next.\n\nThe same bytes either way (checked): prefetch moves no "
+              "byte less, it moves them while the device is busy. Only forward's first gather is "
+              "waited for in full. torch's FSDP calls these `forward_prefetch` and "
+              "`backward_prefetch=BACKWARD_PRE` (dplab's torch wrapper has both: "
+              "`dplab.backends.nn.fsdp`)."),
         run=prefetch_on_and_off,
         checks=(Check("prefetch makes the step faster on the simulated node",
                       lambda f: f["on_ms"] < f["off_ms"]),
@@ -604,14 +601,12 @@ STEPS = (
                 Check("it holds one layer more: 2 whole layers at most, against 1",
                       lambda f: f["held_on"] == 2 and f["held_off"] == 1)),
         predict=Predict("With prefetch, at most how many of the {layers} layers does a rank hold "
-                        "whole "
-                        "at once?", "held_on", misconceptions=(
+                        "whole at once?", "held_on", misconceptions=(
                             (1, "one is FSDP without prefetch: the next layer's gather runs while "
-                                "this "
-                                "one computes, so both are whole"),
+                                "this one computes, so both are whole"),
                             (7, "all of them is plain data parallelism (or "
-                                "reshard_after_forward=False, "
-                                "next step); FSDP frees each layer after it has run"))),
+                                "reshard_after_forward=False, next step); FSDP frees each layer "
+                                "after it has run"))),
         hint="The layer computing, and the one whose gather runs meanwhile.",
         try_this="dplab train --backend sim --cluster dgx-h100 --world-size 8 --zero-stage 3 "
                  "--trace run.json",
@@ -622,19 +617,15 @@ STEPS = (
     Step(
         title="reshard_after_forward: a second gather, or every layer held",
         text=("After a unit's forward, FSDP frees its gathered weights (resharding) and gathers "
-              "them "
-              "again for its backward. `reshard_after_forward=False` (torch's SHARD_GRAD_OP, "
-              "ZeRO-2's "
-              "weights) keeps them instead. The same step on p={p} simulated H100s:\n\n"
-              "- resharded: rank 0 sends {sent_reshard:size} a step and holds at most "
-              "{held_reshard:.0f} layers whole;\n"
-              "- kept: {sent_keep:size}, {saved_bytes:,} bytes less, exactly one all-gather of the "
-              "{weights:,} weights ((p-1)/p of them, 4 bytes each: {one_gather:,}); but at the "
-              "turn "
-              "from forward to backward all {held_keep:.0f} layers are whole at once: a peak "
-              "{peak_ratio:.1f}x the resharded one.\n\n"
-              "So the trade is one gather of the model a step (the backward's) against holding the "
-              "model whole at its peak. A model that fits whole only for a moment is the case for "
+              "them again for its backward. `reshard_after_forward=False` (torch's SHARD_GRAD_OP, "
+              "ZeRO-2's weights) keeps them instead. The same step on p={p} simulated H100s:\n\n- "
+              "resharded: rank 0 sends {sent_reshard:size} a step and holds at most "
+              "{held_reshard:.0f} layers whole;\n- kept: {sent_keep:size}, {saved_bytes:,} bytes "
+              "less, exactly one all-gather of the {weights:,} weights ((p-1)/p of them, 4 bytes "
+              "each: {one_gather:,}); but at the turn from forward to backward all {held_keep:.0f} "
+              "layers are whole at once: a peak {peak_ratio:.1f}x the resharded one.\n\nSo the "
+              "trade is one gather of the model a step (the backward's) against holding the model "
+              "whole at its peak. A model that fits whole only for a moment is the case for "
               "keeping; one that does not fit is the case for FSDP."),
         run=reshard_or_keep,
         checks=(Check("keeping saves exactly one all-gather of the model a step",
@@ -642,11 +633,9 @@ STEPS = (
                 Check("and holds every layer whole at its peak, against 2 resharded",
                       lambda f: f["held_keep"] == f["layers"] and f["held_reshard"] == 2)),
         predict=Predict("With reshard_after_forward=False, how many of the {layers} layers does a "
-                        "rank "
-                        "hold whole at its peak?", "held_keep", misconceptions=(
+                        "rank hold whole at its peak?", "held_keep", misconceptions=(
                             (2, "two is the resharded step with prefetch; kept layers wait for "
-                                "their "
-                                "backward, so at the turn all of them are whole"),)),
+                                "their backward, so at the turn all of them are whole"),)),
         hint="A kept layer stays until its backward, and backward starts with the last layer.",
         teaches=("fsdp-overlap",),
         show=("dplab.reference.zero.params.ShardedParams.release",),
@@ -655,25 +644,19 @@ STEPS = (
     Step(
         title="HSDP: shard inside a node, replicate across nodes",
         text=("On two DGX H100 nodes ({cluster}, p={p}), FSDP can shard a unit over all {p} GPUs, "
-              "or "
-              "HSDP (torch's HYBRID_SHARD) over the {g} GPUs of each node, with each node a "
-              "replica. "
-              "For a unit of {n:size}, on the simulator (FSDP's collectives on {g} rings, one per "
-              "NIC "
-              "as NCCL runs them; HSDP's are the hierarchical all-reduce's phases):\n\n"
-              "| | all-gather (twice a step) | gradients |\n|---|---|---|\n"
-              "| FSDP over {p} | {fsdp_gather_ms:.3f} ms | reduce-scatter {fsdp_grads_ms:.3f} ms "
-              "|\n"
-              "| HSDP | {hsdp_gather_ms:.3f} ms, NVLink only | reduce-scatter in, all-reduce "
-              "across: {hsdp_grads_ms:.3f} ms |\n\n"
-              "A GPU sends {fsdp_out:.3f} n to the other node a step under FSDP and "
-              "{hsdp_out:.3f} n "
-              "under HSDP: {out_ratio:.1f}x less, because HSDP's gathers never leave the node. The "
-              "gathers stand in front of each unit's compute (prefetch hides what it can), while "
-              "the "
-              "gradients' all-reduce runs under backward (lesson 4), so HSDP puts its one slow "
-              "collective where it hides; here it is the slower one. The price is memory: each GPU "
-              "holds 1/{g} of the unit, twice FSDP's 1/{p}."),
+              "or HSDP (torch's HYBRID_SHARD) over the {g} GPUs of each node, with each node a "
+              "replica. For a unit of {n:size}, on the simulator (FSDP's collectives on {g} rings, "
+              "one per NIC as NCCL runs them; HSDP's are the hierarchical all-reduce's "
+              "phases):\n\n| | all-gather (twice a step) | gradients |\n|---|---|---|\n| FSDP over "
+              "{p} | {fsdp_gather_ms:.3f} ms | reduce-scatter {fsdp_grads_ms:.3f} ms |\n| HSDP | "
+              "{hsdp_gather_ms:.3f} ms, NVLink only | reduce-scatter in, all-reduce across: "
+              "{hsdp_grads_ms:.3f} ms |\n\nA GPU sends {fsdp_out:.3f} n to the other node a step "
+              "under FSDP and {hsdp_out:.3f} n under HSDP: {out_ratio:.1f}x less, because HSDP's "
+              "gathers never leave the node. The gathers stand in front of each unit's compute "
+              "(prefetch hides what it can), while the gradients' all-reduce runs under backward "
+              "(lesson 4), so HSDP puts its one slow collective where it hides; here it is the "
+              "slower one. The price is memory: each GPU holds 1/{g} of the unit, twice FSDP's "
+              "1/{p}."),
         run=hsdp_against_fsdp,
         checks=(Check("HSDP's all-gather is faster, and never crosses between the nodes",
                       lambda f: f["hsdp_gather_ms"] < f["fsdp_gather_ms"]
@@ -682,9 +665,8 @@ STEPS = (
                       lambda f: f["out_ratio"] > 2),
                 Check("its gradient sync, all of it between the nodes, is the slower one",
                       lambda f: f["hsdp_grads_ms"] > f["fsdp_grads_ms"])),
-        predict=Predict("FSDP over all {p} GPUs or HSDP (shard in a node, replicate across): "
-                        "which sends "
-                        "fewer bytes between the nodes a step?", "fewer_between",
+        predict=Predict("FSDP over all {p} GPUs or HSDP (shard in a node, replicate across): which "
+                        "sends fewer bytes between the nodes a step?", "fewer_between",
                         choices=("fsdp", "hsdp"), misconceptions=(
                             ("fsdp", "FSDP's shards are smaller, but all three of its "
                                      "collectives cross the nodes; HSDP's two gathers stay "
@@ -698,27 +680,20 @@ STEPS = (
         title="Exercise: an FSDP forward that prefetches",
         text=("Write the prefetch yourself: `forward_units(n_units, gather, compute)` in "
               "`fsdp_prefetch.py` (`dplab lesson init DIR`), checked with `dplab lesson check 15 "
-              "DIR` "
-              "on {world} simulated H100s ({cluster}). The check measures what your code does: "
-              "which "
-              "units' weights are still alive when each unit runs, whether each unit waited on its "
-              "own handle, and how much of each gather ran under the previous compute.\n\n"
-              "The shipped answer runs {units} units of {compute_us:.0f} µs each in "
-              "{right_us:.0f} µs "
-              "(the first gather, then the {units} computes back to back), with {hidden:.0%} of "
-              "the "
-              "gathers after the first ({gather_us:.1f} µs each) hidden and at most {held} units "
-              "held. "
-              "One after another, as the stub does them, they take {serial_us:.0f} µs. Issue the "
-              "prefetch after the "
-              "compute, wait on the wrong handle, keep every unit, or gather them all up front, "
-              "and "
-              "the check names it."),
+              "DIR` on {world} simulated H100s ({cluster}). The check measures what your code "
+              "does: which units' weights are still alive when each unit runs, whether each unit "
+              "waited on its own handle, and how much of each gather ran under the previous "
+              "compute.\n\nThe shipped answer runs {units} units of {compute_us:.0f} µs each in "
+              "{right_us:.0f} µs (the first gather, then the {units} computes back to back), with "
+              "{hidden:.0%} of the gathers after the first ({gather_us:.1f} µs each) hidden and at "
+              "most {held} units held. One after another, as the stub does them, they take "
+              "{serial_us:.0f} µs. Issue the prefetch after the compute, wait on the wrong handle, "
+              "keep every unit, or gather them all up front, and the check names it."),
         run=prefetch_exercise,
         checks=(Check("the shipped answer hides every gather after the first",
                       lambda f: f["hidden"] == 1.0 and f["held"] == 2),
-                Check("its forward is the first gather and the computes: "
-                      "one after another adds the other gathers",
+                Check("its forward is the first gather and the computes: one after another adds "
+                      "the other gathers",
                       lambda f: abs(f["right_us"] - f["first_us"]
                                     - f["units"] * f["compute_us"]) < 0.5
                       and abs(f["serial_us"] - f["right_us"] - 7 * f["gather_us"]) < 0.5),
@@ -729,8 +704,7 @@ STEPS = (
                         rel_tol=0.05,
                         unit="µs", misconceptions=(
                             (128, "that is gather and compute one after the other: only the first "
-                                  "gather "
-                                  "is waited for"),
+                                  "gather is waited for"),
                             (80, "the first gather has nothing to hide behind"))),
         hint=PREFETCH_HINTS[0],
         hints=PREFETCH_HINTS[1:],
@@ -745,6 +719,6 @@ STEPS = (
 
 LESSON = Lesson(15, "torch_stack", "The real PyTorch stack, and cutting communication",
                 "DDP from tensor hooks, torch's sampler and SyncBatchNorm, what gradient "
-                "compression "
-                "and local SGD save in bytes and cost in loss, and how FSDP hides its gathers.",
+                "compression and local SGD save in bytes and cost in loss, and how FSDP hides its "
+                "gathers.",
                 STEPS, needs=("torch",))

@@ -74,14 +74,19 @@ def test_channels_are_all_reduces_and_each_adds_a_nic():
 def test_lesson_2_gpu_questions_name_their_mistakes():
     steps = lesson(2).steps
     bus = next(s for s in steps if s.title.startswith("busbw"))
-    facts = {"p": 8, "algbw": 200.0, "busbw": 350.0, "link_gbps": 450.0, "cluster": "dgx-h100"}
-    assert bus.predict.judge(facts, "350").correct
-    assert "algbw again" in bus.predict.judge(facts, "200").message
-    assert "link's bandwidth" in bus.predict.judge(facts, "450").message
+    assert bus.asks_before_run()  # lessons 1-4 ask before they run
+    facts = {"p": 8, "factor": 1.75}
+    assert bus.predict.judge(facts, "1.75").correct and bus.predict.judge(facts, "7/4").correct
+    assert "only at p = 2" in bus.predict.judge(facts, "1").message
+    assert "where 2(p-1)/p tends" in bus.predict.judge(facts, "2").message
+    assert "one rank's" in bus.predict.judge(facts, "8").message
+    assert "the reduce-scatter" in bus.predict.judge(facts, "0.875").message
     channels = next(s for s in steps if s.title.startswith("Channels"))
+    assert channels.asks_before_run()
     facts = {"p": 16, "one": 48.0, "cluster": "dgx-h100x2"}
     assert channels.predict.judge(facts, "50").correct
     assert "one of them" in channels.predict.judge(facts, "400").message
     assert "NVLink is not the bottleneck" in channels.predict.judge(facts, "450").message
     scale = next(s for s in steps if s.title.startswith("Ring, tree and NVLS"))
+    assert scale.asks_before_run()
     assert "2,046" in scale.predict.judge({"fastest_1024": "nvls"}, "ring").message

@@ -59,8 +59,7 @@ TIMEOUT_S = 20.0
 
 HINTS = (
     "Before unit u computes, start gathering unit u + 1: gather returns at once, and the comm "
-    "thread "
-    "fills w while compute(u, w) keeps the device busy.",
+    "thread fills w while compute(u, w) keeps the device busy.",
     "w, h = gather(0); then for each u: h.wait() (unit u's OWN handle), start nxt = gather(u + 1) "
     "if there is one, compute(u, w), and drop w before taking the next pair.",
     "w, h = gather(0)\nfor u in range(n_units):\n    h.wait()\n    nxt = gather(u + 1) if u + 1 < "
@@ -87,23 +86,20 @@ def judge_fsdp_prefetch(file: Path, output: list[str]) -> str:
     if first["issued"] >= UNITS > MOST_HELD:
         raise Fail(f"all {UNITS} units' gathers were started before unit 0 ran, so {UNITS} units' "
                    "whole weights were held at once: the whole model on every rank, which FSDP "
-                   "exists "
-                   "to avoid. Prefetch only the next unit")
+                   "exists to avoid. Prefetch only the next unit")
     for c in computes:
         u, held = c["unit"], c["held"]
         older = [v for v in held if v < u]
         if older:
             raise Fail(f"when unit {u} ran, unit {older[0]}'s gathered weights were still held "
-                       f"({len(held)} units: {', '.join(map(str, held))}): never resharded. Once "
-                       f"a unit "
+                       f"({len(held)} units: {', '.join(map(str, held))}): never resharded. Once a "
+                       f"unit "
                        "has run, drop its weights (del w), so that a rank holds its shards and at "
-                       "most "
-                       "two units")
+                       "most two units")
         if len(held) > MOST_HELD:
             raise Fail(f"when unit {u} ran, {len(held)} units were gathered "
-                       f"({', '.join(map(str, held))})"
-                       f": prefetch only the next unit, so that at most {MOST_HELD} are held at "
-                       f"once")
+                       f"({', '.join(map(str, held))}): prefetch only the next unit, so that at "
+                       f"most {MOST_HELD} are held at once")
     for v in range(1, UNITS):
         g = gathers[v]
         if g["computed_before_issue"] >= v:
@@ -111,9 +107,8 @@ def judge_fsdp_prefetch(file: Path, output: list[str]) -> str:
                        f"overlapped it: start gather({v}) before compute({v - 1}) (prefetch)")
         if g["computed_before_wait"] < v:
             raise Fail(f"unit {v}'s gather was waited for before unit {v - 1} ran: wait() blocks "
-                       f"until "
-                       f"the gather is done, so nothing overlapped it. Wait just before unit {v} "
-                       f"computes")
+                       f"until the gather is done, so nothing overlapped it. Wait just before unit "
+                       f"{v} computes")
     hidden = sum(overlap((gathers[v]["start"], gathers[v]["end"]),
                          (computes[v - 1]["start"], computes[v - 1]["end"]))
                  for v in range(1, UNITS))
@@ -121,19 +116,16 @@ def judge_fsdp_prefetch(file: Path, output: list[str]) -> str:
     share = hidden / spent if spent else 0.0
     if share < HIDDEN_SHARE:
         raise Fail(f"only {share:.0%} of the gathers' time (after the first) ran under the "
-                   f"previous "
-                   f"unit's compute, on the simulated {CLUSTER}: start each gather before the "
-                   f"compute "
+                   f"previous unit's compute, on the simulated {CLUSTER}: start each gather before "
+                   f"the compute "
                    "it should hide behind, and wait for it only when its unit is next")
     serial = sum(g["end"] - g["start"] for g in gathers.values()) + sum(c["end"] - c["start"]
                                                                         for c in computes)
-    return (f"right: on {WORLD} simulated H100s ({CLUSTER}) {share:.0%} of the gathers' time "
-            f"after the "
-            f"first ran under the previous unit's compute; the forward took "
-            f"{run['total'] * 1e6:.0f} us "
-            f"against {serial * 1e6:.0f} us one after another, with every unit run on its own "
-            f"whole "
-            f"weights and at most {max(len(c['held']) for c in computes)} units gathered at once")
+    return (f"right: on {WORLD} simulated H100s ({CLUSTER}) {share:.0%} of the gathers' time after "
+            f"the first ran under the previous unit's compute; the forward took "
+            f"{run['total'] * 1e6:.0f} us against {serial * 1e6:.0f} us one after another, with "
+            f"every unit run on its own whole weights and at most "
+            f"{max(len(c['held']) for c in computes)} units gathered at once")
 
 
 def collect_fsdp_prefetch(file: Path, inputs: dict[str, Any], out: dict[str, Any],
@@ -228,8 +220,7 @@ class _Log:
         owner = next((v for v, ref in self.bufs.items() if ref() is w), None)
         if owner is None:
             self.fail(f"compute({u}, w) was given an array that no gather returned: pass the w "
-                      f"that "
-                      f"gather({u}) returned")
+                      f"that gather({u}) returned")
             raise _Stop
         if owner != u:
             self.fail(f"unit {u} ran with unit {owner}'s weights: compute(u, w) needs the w of "
@@ -239,8 +230,8 @@ class _Log:
             last = self.last_wait
             other = f" (the last wait was unit {last}'s)" if last is not None else ""
             self.fail(f"unit {u} ran before its own gather's handle was waited for{other}: its "
-                      f"weights "
-                      f"may be half gathered. Wait on unit {u}'s handle before compute({u}, w)")
+                      f"weights may be half gathered. Wait on unit {u}'s handle before "
+                      f"compute({u}, w)")
             raise _Stop
         if not np.array_equal(w, self.weights[u]):
             self.fail(f"unit {u}'s weights were not whole when it ran: did something write into w?")
