@@ -56,6 +56,10 @@ CONCEPTS["ddp-internals"] = ("torch DDP's internals (Li et al., VLDB 2020): buck
                              "every forward")
 CONCEPTS["async-efficiency"] = ("asynchronous SGD's statistical efficiency: loss against samples seen, "
                                 "and what a gradient's delay costs per sample")
+CONCEPTS["gpu-collectives"] = ("GPU collectives on a simulated cluster: busbw against algbw, NCCL's "
+                               "channels, ring, tree and NVLS from 8 to 1,024 GPUs")
+CONCEPTS["fsdp-overlap"] = ("overlap in FSDP/ZeRO-3: prefetching the next unit's all-gather, "
+                            "reshard_after_forward, HSDP")
 
 
 def coverage() -> dict[str, list[tuple[int, int, str]]]:

@@ -2,12 +2,13 @@
 
     dplab lesson 2
 
-Seven steps: count the bytes rank 0 really sends in a ring all-reduce (from a real run's trace);
+Ten steps: count the bytes rank 0 really sends in a ring all-reduce (from a real run's trace);
 write the ring's two halves yourself, the reduce-scatter and the all-gather (exercises); compare
 every schedule's rounds and bytes; write a binomial-tree broadcast (exercise); price the
 trade-off between latency and bandwidth with the alpha-beta model; and see how the links of a
 cluster decide where the bytes should go (one ring through two NICs, a ring per NIC, the
-hierarchical all-reduce).
+hierarchical all-reduce); then, on a simulated GPU cluster, busbw against algbw, why NCCL runs
+several channels, and ring, tree and NVLS from 8 to 1,024 GPUs.
 """
 
 from __future__ import annotations
@@ -17,14 +18,18 @@ from collections import Counter
 import numpy as np
 
 from dplab.backends import allreduce
+from dplab.backends.bench.timing import busbw_factor
+from dplab.backends.sim.timing import bench_rows, collective_time, schedule_time
 from dplab.lessons.exercises import ring_allgather as allgather_exercise
 from dplab.lessons.exercises import tree as tree_exercise
 from dplab.lessons.step import Check, Explore, Lesson, Predict, Step
 from dplab.reference.algorithms import allreduce_schedule, ring, tree
 from dplab.reference.algorithms.double_tree import TREE_PIECES
+from dplab.reference.cluster import cluster
 from dplab.reference.columns import columns
 from dplab.reference.costfit import terms
-from dplab.reference.costmodel import cost
+from dplab.reference.costmodel import closed_form, cost
+from dplab.reference.nvls import nvls_time
 from dplab.reference.pictures import render_arrows, render_rounds
 from dplab.reference.schedule import Schedule, Transfer
 from dplab.reference.simulate import is_allreduce, simulate
@@ -191,12 +196,13 @@ def latency_or_bandwidth(lab):
             "large_winner": min(("ring", rd), key=lambda a: times[a, large])}
 
 
-def rings_per_nic(p, g):
-    """g ring all-reduces at once, each over 1/g of the buffer (as NCCL's
-    channels): ring j leaves every node through its local rank j, so
-    every GPU's own NIC carries one ring between the nodes."""
+def rings_per_nic(p, g, channels=None):
+    """g ring all-reduces at once (or ``channels`` of them), each over its
+    share of the buffer (as NCCL's channels): ring j leaves every node
+    through its local rank j, so each ring has its own NIC between nodes."""
+    channels = channels or g
     rs, ag = [[] for _ in range(p - 1)], [[] for _ in range(p - 1)]
-    for j in range(g):
+    for j in range(channels):
         order = [node * g + (j + 1 + i) % g
                  for node in range(p // g) for i in range(g)]
         for k in range(p - 1):
@@ -206,7 +212,7 @@ def rings_per_nic(p, g):
                 rs[k].append(Transfer(r, right, j * p + (i - k - 1) % p,
                                       "reduce"))
                 ag[k].append(Transfer(r, right, j * p + (i - k) % p, "copy"))
-    return Schedule("rings_per_nic", p, g * p, rs + ag)
+    return Schedule("rings_per_nic", p, channels * p, rs + ag)
 
 
 def slow_links(lab):
@@ -236,6 +242,68 @@ def slow_links(lab):
     out["factor"] = out["ring_inter_n"] / out["hier_inter_n"]
     out["idle"] = p - out["ring_nics_used"]
     return out
+
+
+def bus_and_alg(lab):
+    # nccl-tests' two numbers, from dplab bench's rows on a simulated DGX H100 node
+    c, p = cluster("dgx-h100"), 8
+    small, large = 64 << 10, 256 * MIB
+    rows = {r["bytes"]: r for r in bench_rows(c, p, ["ring"], [small, large])
+            if r["algorithm"] == "ring"}
+    nvls = large / nvls_time(c, p, large)  # algbw = S / t
+    return {"p": p, "cluster": c.name, "large": large, "small": small,
+            "link_gbps": 1e-9 / c.intra.beta,
+            "ring_ms": rows[large]["time_us"] / 1e3,
+            "algbw": rows[large]["algbw_gbps"], "busbw": rows[large]["busbw_gbps"],
+            "small_busbw": rows[small]["busbw_gbps"],
+            "factor": busbw_factor(p),
+            "nvls_algbw": nvls / 1e9, "nvls_busbw": nvls * busbw_factor(p) / 1e9}
+
+
+def channels_fill_nics(lab):
+    # two DGX H100 nodes: 1, 2, 4 or 8 rings at once, ring j through NIC j
+    c, p, g, n = cluster("dgx-h100x2"), 16, 8, 256 * MIB
+    busbw = {}
+    for k in (1, 2, 4, 8):
+        seconds = schedule_time(c, rings_per_nic(p, g, k), n).seconds
+        busbw[k] = n / seconds * busbw_factor(p) / 1e9
+    return {"p": p, "g": g, "cluster": c.name, "n": n,
+            "nic_gbps": 1e-9 / c.inter.beta, "link_gbps": 1e-9 / c.intra.beta,
+            "busbw": busbw, "one": busbw[1], "eight": busbw[8],
+            "gain": busbw[8] / busbw[1],
+            "rows": "\n".join(f"| {k} | {b:.0f} GB/s |" for k, b in busbw.items())}
+
+
+def _ring_between_nodes(c, p, n):
+    """The ring's closed form where every round crosses a NIC (several nodes)."""
+    return closed_form("ring", p, n, c.inter.alpha, c.inter.beta, c.gamma)
+
+
+def ring_tree_nvls(lab):
+    # 1 MiB, where the latencies decide, on 1, 8 and 128 DGX nodes
+    n, out = MIB, {}
+    for p in (8, 64, 1024):
+        c = cluster(f"dgx-h100x{p // 8}")
+        # the ring at p = 1,024 is 2 million messages: its closed form, each
+        # round at the NIC's pace, which the sim equals (checked at 64)
+        ring = (collective_time(c, p, "ring", n).seconds if p <= 64 else
+                _ring_between_nodes(c, p, n))
+        out[p] = {"ring": ring * 1e3,
+                  "tree": collective_time(c, p, "double_tree", n).seconds * 1e3,
+                  "nvls": nvls_time(c, p, n) * 1e3}
+    model64 = _ring_between_nodes(cluster("dgx-h100x8"), 64, n) * 1e3
+    big = 256 * MIB
+    one = {a: collective_time("dgx-h100", 8, a, big).seconds * 1e3 for a in ("ring", "double_tree")}
+    one["nvls"] = nvls_time("dgx-h100", 8, big) * 1e3
+    names = ("ring", "tree", "nvls")
+    fastest = {p: min(names, key=lambda a: out[p][a]) for p in out}
+    return {"n": n, "big": big, "by_p": out, "model64": model64, "fastest_1024": fastest[1024],
+            "fastest": fastest, "one": one,
+            "rows": "\n".join(f"| {p:,} | {r['ring']:.3f} | {r['tree']:.3f} | {r['nvls']:.3f} |"
+                              for p, r in out.items()),
+            "ring_1024": out[1024]["ring"], "tree_1024": out[1024]["tree"],
+            "nvls_1024": out[1024]["nvls"], "nvls_8": out[8]["nvls"], "ring_8": out[8]["ring"],
+            "big_ring": one["ring"], "big_tree": one["double_tree"], "big_nvls": one["nvls"]}
 
 
 STEPS = (
@@ -537,6 +605,138 @@ STEPS = (
         teaches=("bandwidth-latency",),
         show=(rings_per_nic, "dplab.reference.algorithms.hierarchical.allreduce"),
         inputs={"p": 16, "nodes": 2, "g": 8, "nics": 16},
+    ),
+    Step(
+        title="busbw against algbw: what nccl-tests reports",
+        text=("On a simulated DGX H100 node ({cluster}: {p} H100s, NVLink {link_gbps:g} GB/s each "
+              "way per GPU), the ring all-reduces {large:size} in {ring_ms:.3f} ms. nccl-tests "
+              "(and `dplab bench`, whose rows these are) report two bandwidths:\n\n- **algbw** = S "
+              "/ t, the buffer over the time: {algbw:.0f} GB/s. It is what a user feels, but it "
+              "falls as p grows, because every rank must send about 2S whatever p is;\n- **busbw** "
+              "= algbw · 2(p-1)/p = algbw · {factor:.3g}: {busbw:.0f} GB/s. The ring sends "
+              "2(p-1)/p S per rank, so busbw is the rate each rank's port really moved bytes at, "
+              "and the same at any p: it is the number to hold against the link.\n\n{busbw:.0f} "
+              "GB/s is below the link's {link_gbps:g}: each of the 2(p-1) rounds pays α, and in "
+              "the reduce-scatter's rounds the GPU adds what it received, reading two bytes and "
+              "writing one from its HBM (γ). For {small:size} the latencies are the time: busbw "
+              "{small_busbw:.1f} GB/s.\n\nbusbw's factor assumes the ring's bytes. NVLS (the "
+              "NVSwitch adds: step 10) sends each byte about once, so its busbw, {nvls_busbw:.0f} "
+              "GB/s, is above the link's {link_gbps:g}: no law broken, only a yardstick made for "
+              "rings."),
+        run=bus_and_alg,
+        checks=(Check("busbw = algbw · 2(p-1)/p, in dplab bench's rows",
+                      lambda f: abs(f["busbw"] - f["algbw"] * f["factor"]) < 1e-9 * f["busbw"]),
+                Check("a large ring's busbw is below the link's bandwidth but within 25% of it",
+                      lambda f: 0.75 * f["link_gbps"] < f["busbw"] < f["link_gbps"]),
+                Check("a 64 KiB all-reduce is latency-bound: busbw below a tenth of the link",
+                      lambda f: f["small_busbw"] < f["link_gbps"] / 10),
+                Check("NVLS's busbw is above the link's bandwidth",
+                      lambda f: f["nvls_busbw"] > f["link_gbps"])),
+        predict=Predict("A ring all-reduce of S bytes on p={p} GPUs takes t seconds: algbw = S/t. "
+                        "nccl-tests also reports busbw: how many times algbw is it at p={p}?",
+                        "factor", rel_tol=0.01, misconceptions=(
+                            (1, "busbw equals algbw only at p = 2; at p = 8 each rank sends "
+                                "2(p-1)/p bytes for each byte of the buffer"),
+                            (2, "2 is where 2(p-1)/p tends as p grows; at p = 8 it is 1.75"),
+                            (lambda g, f: g == f["p"], "p times counts every rank's bytes; busbw "
+                                                      "is one rank's: 2(p-1)/p"),
+                            (0.875, "(p-1)/p is one half, the reduce-scatter; the all-gather sends "
+                                    "as much again"))),
+        hint="How many bytes does each rank send, per byte of the buffer, in a ring all-reduce? "
+             "(step 1)",
+        hints=("2(p-1)/p: the reduce-scatter's (p-1)/p and the all-gather's again.",),
+        try_this="dplab bench --backend sim --cluster dgx-h100 --world-sizes 8 --algorithms ring "
+                 "--sizes 64K,256M",
+        teaches=("gpu-collectives",),
+        show=("dplab.backends.sim.timing.bench_rows", "dplab.backends.bench.timing.busbw_factor"),
+        inputs={"p": 8},
+    ),
+    Step(
+        title="Channels: one ring cannot fill the NICs",
+        text=("Two simulated DGX H100 nodes ({cluster}, p={p}): NVLink {link_gbps:g} GB/s inside a "
+              "node, one {nic_gbps:g} GB/s NIC per GPU between them. NCCL splits a collective over "
+              "several *channels*, each a ring of its own on its share of the buffer; ring j here "
+              "leaves each node through local GPU j (step 7's rings, {g} of them or fewer). busbw "
+              "for {n:size}, on the simulator:\n\n| channels | busbw |\n|---|---|\n{rows}\n\nOne "
+              "ring crosses between the nodes through one NIC each way, so its busbw is that "
+              "NIC's: {one:.0f} GB/s of {nic_gbps:g}. Each channel brings its own NIC: {g} "
+              "channels give {gain:.1f}x, {eight:.0f} GB/s, where NVLink's share of the rounds "
+              "starts to show. That is why NCCL runs several channels (and the sim counts their "
+              "messages one by one through each GPU's port).\n\nInside one node the simulator lets "
+              "one ring fill a GPU's NVLink port: it prices ports, not the GPU's SMs. On a real "
+              "H100 a channel is one thread block, which cannot move bytes at the NVLink's rate by "
+              "itself, so NCCL runs many channels inside a node as well: a limit this model leaves "
+              "out."),
+        run=channels_fill_nics,
+        checks=(Check("one channel's busbw is its one NIC's (within 5%)",
+                      lambda f: 0.95 * f["nic_gbps"] < f["one"] <= f["nic_gbps"]),
+                Check("busbw grows with every channel added, 1 to 8",
+                      lambda f: all(f["busbw"][a] < f["busbw"][b]
+                                    for a, b in ((1, 2), (2, 4), (4, 8)))),
+                Check("8 channels give over 5x one channel's busbw",
+                      lambda f: f["gain"] > 5)),
+        predict=Predict("One ring (one channel) over {p} GPUs on two DGX H100 nodes: NVLink 450 "
+                        "GB/s inside a node, a 50 GB/s NIC per GPU between. Roughly what busbw "
+                        "does it reach, in GB/s?",
+                        "one", rel_tol=0.1, unit="GB/s", label="simulated on {cluster}",
+                        misconceptions=(
+                            (lambda g: 350 <= g <= 420,
+                             "8 NICs a node, but one ring leaves a node through one of them"),
+                            (lambda g: g >= 300,
+                             "NVLink is not the bottleneck: the ring must cross between the nodes, "
+                             "and it does so through one NIC each way"))),
+        hint="Where does one ring cross from node 0 to node 1, and through how many NICs?",
+        hints=("Step 7: one ring crosses through 2 of the 16 NICs, one each way between the "
+               "nodes.",),
+        try_this="dplab bench --backend sim --cluster dgx-h100x2 --world-sizes 16 --algorithms "
+                 "ring,hierarchical:8",
+        teaches=("gpu-collectives",),
+        show=(rings_per_nic, "dplab.backends.sim.timing.schedule_time"),
+        inputs={"p": 16},
+    ),
+    Step(
+        title="Ring, tree and NVLS from 8 to 1,024 GPUs",
+        text=("NCCL has three all-reduce algorithms on an H100 cluster: the ring, the double "
+              "binary tree and NVLS (NVLink SHARP: the NVSwitch adds, so each GPU sends its data "
+              "to the switch once and receives the sum once; across nodes, NVLSTree: the switch in "
+              "each node, a tree between them). NVLS is no schedule (the switch is not a rank): "
+              "dplab prices it from the cluster file, whose NVSwitch says it adds "
+              "(`dplab.reference.nvls`, shown). {n:size} on 1, 8 and 128 DGX nodes, in ms (ring "
+              "and tree from the simulator, timing only; the ring at 1,024 from its closed form, "
+              "2(p-1) rounds at the NIC's pace, which the simulator equals at 64: {model64:.3f} "
+              "ms):\n\n| GPUs | ring | tree | NVLS |\n|---|---|---|---|\n{rows}\n\nThe ring's "
+              "2(p-1) latencies grow with p: {ring_1024:.1f} ms at 1,024. The tree's grow with lg "
+              "p: {tree_1024:.3f} ms. NVLS pays 2 α inside a node ({nvls_8:.4f} ms at 8, against "
+              "the ring's {ring_8:.4f}) and the tree's latencies between nodes, on a piece 1/8 the "
+              "size: {nvls_1024:.3f} ms at 1,024. For large buffers inside a node it sends half "
+              "the ring's bytes: {big:size} takes ring {big_ring:.2f} ms, tree {big_tree:.2f} ms, "
+              "NVLS {big_nvls:.2f} ms. (Across nodes dplab adds NVLSTree's three moves one after "
+              "another; NCCL pipelines them, so this is an upper bound.)"),
+        run=ring_tree_nvls,
+        checks=(Check("the simulator's ring equals its closed form at p = 64",
+                      lambda f: abs(f["by_p"][64]["ring"] - f["model64"]) < 1e-6 * f["model64"]),
+                Check("the ring's time grows over 100x from 8 to 1,024 GPUs; the tree's under 10x",
+                      lambda f: f["by_p"][1024]["ring"] > 100 * f["by_p"][8]["ring"]
+                      and f["by_p"][1024]["tree"] < 10 * f["by_p"][8]["tree"]),
+                Check("NVLS is the fastest at every p here",
+                      lambda f: all(v == "nvls" for v in f["fastest"].values())),
+                Check("for 256 MiB in one node NVLS beats the ring, and the ring the tree",
+                      lambda f: f["big_nvls"] < f["big_ring"] < f["big_tree"])),
+        predict=Predict("At 1,024 GPUs (128 DGX nodes), for {n:size}, which is fastest: ring, tree "
+                        "or nvls?",
+                        "fastest_1024", choices=("ring", "tree", "nvls"), misconceptions=(
+                            ("ring", "the ring's 2(p-1) latencies are 2,046 messages one after "
+                                     "another"),
+                            ("tree", "the tree's latencies grow only with lg p, but NVLS "
+                                     "pays them only between nodes, on a piece 1/8 the size, and 2 "
+                                     "α inside each"))),
+        hint="Count the latencies: 2(p-1) for the ring, about 2 lg p for the tree.",
+        hints=("NVLS needs no rounds inside a node: the switch adds.",),
+        try_this=("python -c \"from dplab.reference.nvls import nvls_time; "
+                  "print(nvls_time('dgx-h100x4', 32, 1 << 30))\""),
+        teaches=("gpu-collectives",),
+        show=("dplab.reference.nvls.nvls_time",),
+        inputs={"n": MIB},
     ),
 )
 

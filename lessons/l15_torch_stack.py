@@ -2,21 +2,35 @@
 
     dplab lesson 15              # needs the torch extra: pip install -e ".[torch]"
 
-Five steps: DDP built from hooks on torch tensors (the exercise: a post-accumulate-grad hook per
+Nine steps: DDP built from hooks on torch tensors (the exercise: a post-accumulate-grad hook per
 parameter, an asynchronous all-reduce from each, a wait before the step); torch's
 DistributedSampler (set_epoch, and the samples its padding repeats) against dplab's weighted
 uneven shards; why per-rank BatchNorm statistics are not one device's, and what SyncBatchNorm
 all-reduces instead; torch DDP's communication hooks that compress gradients (fp16, bf16,
-PowerSGD) measured in bytes and loss on gloo; and local SGD, which averages the weights every H
-steps, in bytes and loss.
+PowerSGD) measured in bytes and loss on gloo; local SGD, which averages the weights every H
+steps, in bytes and loss; then FSDP's overlap on a simulated DGX H100: prefetching the next unit's
+gather, reshard_after_forward, HSDP on two nodes, and the exercise, a forward that prefetches.
 """
 
 from __future__ import annotations
 
+from functools import cache
+
 import numpy as np
 
+from dplab.backends import launch
+from dplab.backends.sim.timing import schedule_time
 from dplab.lessons.exercises.ddp_hooks import HINTS as HOOK_HINTS
+from dplab.lessons.exercises.fsdp_prefetch import HINTS as PREFETCH_HINTS
+from dplab.lessons.l02_allreduce import rings_per_nic
 from dplab.lessons.step import Check, Lesson, Predict, Step
+from dplab.reference.algorithms import allreduce_schedule
+from dplab.reference.columns import columns
+from dplab.reference.model import MLP, MLPConfig
+from dplab.reference.schedule import Schedule
+from dplab.reference.train.single import TrainConfig
+from dplab.reference.zero.config import ZeroConfig
+from dplab.reference.zero.train import train_zero
 
 __all__ = ["LESSON"]
 
@@ -310,6 +324,113 @@ def local_sgd_bytes_and_loss(lab):
             "loss_ratio": local_loss / sync_loss}
 
 
+# --- 6-9. FSDP's overlap, on a simulated DGX H100 -------------------------------------------------
+
+FSDP_MODEL = MLPConfig(in_dim=256, hidden=(256,) * 6, out_dim=256)  # 7 layers of 65,792 weights
+
+
+def fsdp_step(comm, zero):
+    """One ZeRO-3 (FSDP) step of the engine on this rank: the step's
+    virtual time, the bytes it sent, the most weights it held."""
+    cfg = TrainConfig(model=FSDP_MODEL, global_batch=32, steps=1,
+                      dtype="float32")
+    comm.tracer.enabled = True
+    result = train_zero(comm, cfg, zero)
+    events = comm.tracer.take()
+    step = next(e for e in events if e.kind == "zero_step")
+    sent = sum(e.bytes for e in events if e.kind == "send"
+               and step.t_start_ns <= e.t_start_ns < step.t_end_ns)
+    return {"ms": (step.t_end_ns - step.t_start_ns) / 1e6, "sent": sent,
+            "held": result.memory.params, "shard": result.shard_elems}
+
+
+def _layers_held(run, p):
+    """Whole layers a rank held at its peak: (peak - its shards) / a layer."""
+    layer = 4 * (FSDP_MODEL.in_dim + 1) * FSDP_MODEL.hidden[0]
+    return (run["held"] - 4 * run["shard"]) / layer
+
+
+@cache
+def _fsdp_run(p, prefetch, reshard):
+    """Rank 0's fsdp_step (kept: steps 6 and 7 share the default run)."""
+    zero = ZeroConfig(stage=3, prefetch=prefetch, reshard_after_forward=reshard)
+    return launch(fsdp_step, p, backend="sim", cluster="dgx-h100", args=(zero,))[0]
+
+
+def prefetch_on_and_off(lab):
+    p = 4
+    runs = {on: _fsdp_run(p, on, True) for on in (False, True)}
+    off, on = runs[False], runs[True]
+    return {"p": p, "layers": MLP(FSDP_MODEL).num_layers, "off_ms": off["ms"], "on_ms": on["ms"],
+            "saved": 1 - on["ms"] / off["ms"], "held_off": _layers_held(off, p),
+            "held_on": _layers_held(on, p), "same_bytes": off["sent"] == on["sent"]}
+
+
+def reshard_or_keep(lab):
+    p = 4
+    runs = {rs: _fsdp_run(p, True, rs) for rs in (True, False)}
+    yes, no = runs[True], runs[False]
+    weights = MLP(FSDP_MODEL).num_params
+    return {"p": p, "layers": MLP(FSDP_MODEL).num_layers, "weights": weights,
+            "sent_reshard": yes["sent"], "sent_keep": no["sent"],
+            "saved_bytes": yes["sent"] - no["sent"],
+            "one_gather": (p - 1) * weights * 4 // p,
+            "held_reshard": _layers_held(yes, p), "held_keep": _layers_held(no, p),
+            "peak_ratio": no["held"] / yes["held"]}
+
+
+def _part(schedule, name, rounds):
+    return Schedule(name, schedule.world_size, schedule.num_chunks, rounds)
+
+
+def _between_nodes(schedule, g):
+    """The most of the buffer (a fraction) one GPU sends to the other node."""
+    t = columns(schedule)
+    out = (t.src // g) != (t.dst // g)
+    return np.bincount(t.src[out], minlength=schedule.world_size).max() / schedule.num_chunks
+
+
+def hsdp_against_fsdp(lab):
+    c, p, g, n = "dgx-h100x2", 16, 8, 256 << 20
+    rings = rings_per_nic(p, g)  # FSDP over 16: a ring per NIC
+    two = allreduce_schedule(f"hierarchical:{g}", p)  # HSDP's phases
+    k = (g - 1) + 2 * (p // g - 1)  # reduce-scatter in, all-reduce across
+    parts = {"fsdp_grads": _part(rings, "rs 16", rings.rounds[:p - 1]),
+             "fsdp_gather": _part(rings, "ag 16", rings.rounds[p - 1:]),
+             "hsdp_grads": _part(two, "rs 8, ar 2", two.rounds[:k]),
+             "hsdp_gather": _part(two, "ag 8", two.rounds[k:])}
+    out = {"cluster": c, "p": p, "g": g, "n": n}
+    for key, s in parts.items():
+        out[f"{key}_ms"] = schedule_time(c, s, n).seconds * 1e3
+        out[f"{key}_out"] = _between_nodes(s, g)
+    # a step, resharded: two all-gathers and the gradients
+    for who in ("fsdp", "hsdp"):
+        out[f"{who}_out"] = (2 * out[f"{who}_gather_out"]
+                             + out[f"{who}_grads_out"])
+    out["out_ratio"] = out["fsdp_out"] / out["hsdp_out"]
+    less = out["hsdp_out"] < out["fsdp_out"]
+    out["fewer_between"] = "hsdp" if less else "fsdp"
+    return out
+
+def prefetch_exercise(lab):
+    from dplab.lessons.exercises import EXERCISES
+    from dplab.lessons.exercises import fsdp_prefetch as ex
+    right = launch(ex._rank, ex.WORLD, backend="sim", cluster=ex.CLUSTER,
+                   args=(str(EXERCISES["fsdp_prefetch"].solution),))[0]
+    gathers = [right["gathers"][str(u)] for u in range(ex.UNITS)]
+    computes = right["computes"]
+    hidden = sum(ex.overlap((g["start"], g["end"]), (c["start"], c["end"]))
+                 for g, c in zip(gathers[1:], computes))
+    spent = sum(g["end"] - g["start"] for g in gathers[1:])
+    serial = sum(g["end"] - g["start"] for g in gathers) + sum(c["end"] - c["start"]
+                                                               for c in computes)
+    return {"units": ex.UNITS, "world": ex.WORLD, "cluster": ex.CLUSTER,
+            "compute_us": ex.COMPUTE_S * 1e6, "gather_us": spent / (ex.UNITS - 1) * 1e6,
+            "first_us": (gathers[0]["end"] - gathers[0]["start"]) * 1e6,
+            "right_us": right["total"] * 1e6, "serial_us": serial * 1e6,
+            "hidden": hidden / spent, "held": max(len(c["held"]) for c in computes),
+            "ok": not right["problem"]}
+
 STEPS = (
     Step(
         title="Exercise: DDP from hooks on torch tensors",
@@ -460,10 +581,144 @@ STEPS = (
         show=(local_sgd,),
         teaches=("compression",),
     ),
+    Step(
+        title="FSDP prefetch: the next unit's gather under this unit's compute",
+        text=("FSDP (ZeRO-3) all-gathers a unit's weights just before it runs. The engine's stage "
+              "3 (`ShardedParams.acquire`, shown) can hand the NEXT use's gather to its comm "
+              "thread before this one computes. One step of an MLP of {layers} equal layers on "
+              "p={p} simulated H100s (dgx-h100, virtual time):\n\n- gathered when needed: "
+              "{off_ms:.3f} ms, at most {held_off:.0f} layer whole at once;\n- prefetched: "
+              "{on_ms:.3f} ms, {saved:.0%} less, with {held_on:.0f} layers whole at once: the one "
+              "computing and the next.\n\nThe same bytes either way (checked): prefetch moves no "
+              "byte less, it moves them while the device is busy. Only forward's first gather is "
+              "waited for in full. torch's FSDP calls these `forward_prefetch` and "
+              "`backward_prefetch=BACKWARD_PRE` (dplab's torch wrapper has both: "
+              "`dplab.backends.nn.fsdp`)."),
+        run=prefetch_on_and_off,
+        checks=(Check("prefetch makes the step faster on the simulated node",
+                      lambda f: f["on_ms"] < f["off_ms"]),
+                Check("and sends the same bytes", lambda f: f["same_bytes"]),
+                Check("it holds one layer more: 2 whole layers at most, against 1",
+                      lambda f: f["held_on"] == 2 and f["held_off"] == 1)),
+        predict=Predict("With prefetch, at most how many of the {layers} layers does a rank hold "
+                        "whole at once?", "held_on", misconceptions=(
+                            (1, "one is FSDP without prefetch: the next layer's gather runs while "
+                                "this one computes, so both are whole"),
+                            (7, "all of them is plain data parallelism (or "
+                                "reshard_after_forward=False, next step); FSDP frees each layer "
+                                "after it has run"))),
+        hint="The layer computing, and the one whose gather runs meanwhile.",
+        try_this="dplab train --backend sim --cluster dgx-h100 --world-size 8 --zero-stage 3 "
+                 "--trace run.json",
+        teaches=("fsdp-overlap",),
+        show=("dplab.reference.zero.params.ShardedParams.acquire",),
+        inputs={"layers": 7, "p": 4},
+    ),
+    Step(
+        title="reshard_after_forward: a second gather, or every layer held",
+        text=("After a unit's forward, FSDP frees its gathered weights (resharding) and gathers "
+              "them again for its backward. `reshard_after_forward=False` (torch's SHARD_GRAD_OP, "
+              "ZeRO-2's weights) keeps them instead. The same step on p={p} simulated H100s:\n\n- "
+              "resharded: rank 0 sends {sent_reshard:size} a step and holds at most "
+              "{held_reshard:.0f} layers whole;\n- kept: {sent_keep:size}, {saved_bytes:,} bytes "
+              "less, exactly one all-gather of the {weights:,} weights ((p-1)/p of them, 4 bytes "
+              "each: {one_gather:,}); but at the turn from forward to backward all {held_keep:.0f} "
+              "layers are whole at once: a peak {peak_ratio:.1f}x the resharded one.\n\nSo the "
+              "trade is one gather of the model a step (the backward's) against holding the model "
+              "whole at its peak. A model that fits whole only for a moment is the case for "
+              "keeping; one that does not fit is the case for FSDP."),
+        run=reshard_or_keep,
+        checks=(Check("keeping saves exactly one all-gather of the model a step",
+                      lambda f: f["saved_bytes"] == f["one_gather"]),
+                Check("and holds every layer whole at its peak, against 2 resharded",
+                      lambda f: f["held_keep"] == f["layers"] and f["held_reshard"] == 2)),
+        predict=Predict("With reshard_after_forward=False, how many of the {layers} layers does a "
+                        "rank hold whole at its peak?", "held_keep", misconceptions=(
+                            (2, "two is the resharded step with prefetch; kept layers wait for "
+                                "their backward, so at the turn all of them are whole"),)),
+        hint="A kept layer stays until its backward, and backward starts with the last layer.",
+        teaches=("fsdp-overlap",),
+        show=("dplab.reference.zero.params.ShardedParams.release",),
+        inputs={"layers": 7},
+    ),
+    Step(
+        title="HSDP: shard inside a node, replicate across nodes",
+        text=("On two DGX H100 nodes ({cluster}, p={p}), FSDP can shard a unit over all {p} GPUs, "
+              "or HSDP (torch's HYBRID_SHARD) over the {g} GPUs of each node, with each node a "
+              "replica. For a unit of {n:size}, on the simulator (FSDP's collectives on {g} rings, "
+              "one per NIC as NCCL runs them; HSDP's are the hierarchical all-reduce's "
+              "phases):\n\n| | all-gather (twice a step) | gradients |\n|---|---|---|\n| FSDP over "
+              "{p} | {fsdp_gather_ms:.3f} ms | reduce-scatter {fsdp_grads_ms:.3f} ms |\n| HSDP | "
+              "{hsdp_gather_ms:.3f} ms, NVLink only | reduce-scatter in, all-reduce across: "
+              "{hsdp_grads_ms:.3f} ms |\n\nA GPU sends {fsdp_out:.3f} n to the other node a step "
+              "under FSDP and {hsdp_out:.3f} n under HSDP: {out_ratio:.1f}x less, because HSDP's "
+              "gathers never leave the node. The gathers stand in front of each unit's compute "
+              "(prefetch hides what it can), while the gradients' all-reduce runs under backward "
+              "(lesson 4), so HSDP puts its one slow collective where it hides; here it is the "
+              "slower one. The price is memory: each GPU holds 1/{g} of the unit, twice FSDP's "
+              "1/{p}."),
+        run=hsdp_against_fsdp,
+        checks=(Check("HSDP's all-gather is faster, and never crosses between the nodes",
+                      lambda f: f["hsdp_gather_ms"] < f["fsdp_gather_ms"]
+                      and f["hsdp_gather_out"] == 0),
+                Check("HSDP sends over 2x fewer bytes between the nodes a step",
+                      lambda f: f["out_ratio"] > 2),
+                Check("its gradient sync, all of it between the nodes, is the slower one",
+                      lambda f: f["hsdp_grads_ms"] > f["fsdp_grads_ms"])),
+        predict=Predict("FSDP over all {p} GPUs or HSDP (shard in a node, replicate across): which "
+                        "sends fewer bytes between the nodes a step?", "fewer_between",
+                        choices=("fsdp", "hsdp"), misconceptions=(
+                            ("fsdp", "FSDP's shards are smaller, but all three of its "
+                                     "collectives cross the nodes; HSDP's two gathers stay "
+                                     "inside"),)),
+        hint="Which of HSDP's collectives has to leave the node at all?",
+        teaches=("fsdp-overlap",),
+        show=(hsdp_against_fsdp,),
+        inputs={"p": 16},
+    ),
+    Step(
+        title="Exercise: an FSDP forward that prefetches",
+        text=("Write the prefetch yourself: `forward_units(n_units, gather, compute)` in "
+              "`fsdp_prefetch.py` (`dplab lesson init DIR`), checked with `dplab lesson check 15 "
+              "DIR` on {world} simulated H100s ({cluster}). The check measures what your code "
+              "does: which units' weights are still alive when each unit runs, whether each unit "
+              "waited on its own handle, and how much of each gather ran under the previous "
+              "compute.\n\nThe shipped answer runs {units} units of {compute_us:.0f} µs each in "
+              "{right_us:.0f} µs (the first gather, then the {units} computes back to back), with "
+              "{hidden:.0%} of the gathers after the first ({gather_us:.1f} µs each) hidden and at "
+              "most {held} units held. One after another, as the stub does them, they take "
+              "{serial_us:.0f} µs. Issue the prefetch after the compute, wait on the wrong handle, "
+              "keep every unit, or gather them all up front, and the check names it."),
+        run=prefetch_exercise,
+        checks=(Check("the shipped answer hides every gather after the first",
+                      lambda f: f["hidden"] == 1.0 and f["held"] == 2),
+                Check("its forward is the first gather and the computes: one after another adds "
+                      "the other gathers",
+                      lambda f: abs(f["right_us"] - f["first_us"]
+                                    - f["units"] * f["compute_us"]) < 0.5
+                      and abs(f["serial_us"] - f["right_us"] - 7 * f["gather_us"]) < 0.5),
+                Check("it ran without a problem", lambda f: f["ok"])),
+        predict=Predict("{units} units, each gather about 6 µs and each compute {compute_us:.0f} "
+                        "µs: how "
+                        "long, in µs, does a perfectly prefetched forward take?", "right_us",
+                        rel_tol=0.05,
+                        unit="µs", misconceptions=(
+                            (128, "that is gather and compute one after the other: only the first "
+                                  "gather is waited for"),
+                            (80, "the first gather has nothing to hide behind"))),
+        hint=PREFETCH_HINTS[0],
+        hints=PREFETCH_HINTS[1:],
+        try_this="dplab lesson check 15 ex   # fsdp_prefetch.py, on the simulated dgx-h100",
+        exercise="fsdp_prefetch",
+        teaches=("fsdp-overlap",),
+        show=("dplab.lessons.exercises.stubs.fsdp_prefetch.forward_units",),
+        inputs={"units": 8, "compute_us": 10.0},
+    ),
 )
 
 
 LESSON = Lesson(15, "torch_stack", "The real PyTorch stack, and cutting communication",
-                "DDP from tensor hooks, torch's sampler and SyncBatchNorm, and what gradient compression "
-                "and local SGD save in bytes and cost in loss.",
+                "DDP from tensor hooks, torch's sampler and SyncBatchNorm, what gradient "
+                "compression and local SGD save in bytes and cost in loss, and how FSDP hides its "
+                "gathers.",
                 STEPS, needs=("torch",))

@@ -27,6 +27,7 @@ A file is JSON (or TOML on Python >= 3.11); every number carries its unit in its
     bandwidth_gb_s = 25                # each way, per port
     ranks_per_port = 1                 # optional: 4 = one port shared by 4 ranks (one NIC per node)
     on_device = false                  # optional: true = a message is the receiver's device's copy
+    switch_reduces = false             # optional: the switch adds (NVLS, reference/nvls.py)
     [links.intra.algorithms]           # optional: an algorithm whose messages cost otherwise, as
     native = {alpha_us = 4, bandwidth_gb_s = 30}   # dplab tune fits it alone (gamma folded in)
     [links.inter]                      # between nodes (required when nodes > 1)
@@ -117,7 +118,9 @@ class Link:
     device's compute instead of on a port. ``algorithms``: (name, alpha, beta) of algorithms whose
     messages this link carries at other terms (a transport that runs them otherwise: the local
     backend's one-shot ``native``), as ``dplab tune`` fits each alone, a reduction's gamma folded
-    into beta. The cost model reads only alpha and beta."""
+    into beta. The cost model reads only alpha and beta. ``switch_reduces``: the link's switch can
+    add what the ranks send it (NVLink SHARP on an NVSwitch): NVLS is priced on it
+    (``dplab.reference.nvls``); schedules ignore it."""
 
     alpha: float
     beta: float
@@ -125,6 +128,7 @@ class Link:
     on_device: bool = False
     name: str = ""
     algorithms: tuple[tuple[str, float, float], ...] = ()
+    switch_reduces: bool = False
 
     def __post_init__(self) -> None:
         if not (self.alpha >= 0 and self.beta >= 0):
@@ -331,7 +335,8 @@ _TOP = {
 }
 _HOST = {"threads", "per_thread_us"}
 _DEVICE = {"name", "tflop_s", "memory_gb", "memory_gb_s", "op_overhead_us"}
-_LINK = {"name", "alpha_us", "bandwidth_gb_s", "ranks_per_port", "on_device", "algorithms"}
+_LINK = {"name", "alpha_us", "bandwidth_gb_s", "ranks_per_port", "on_device", "algorithms",
+         "switch_reduces"}
 _TERMS = {"alpha_us", "bandwidth_gb_s"}
 _STRAGGLER = {"rank", "compute", "link"}
 
@@ -397,6 +402,9 @@ def _link(where: str, k: Any) -> Link:
                               positive=False) / 1e6,
                       1 / (_number(f"{where}.algorithms.{name}.bandwidth_gb_s",
                                    t.get("bandwidth_gb_s")) * 1e9)))
+    reduces = k.get("switch_reduces", False)
+    if not isinstance(reduces, bool):
+        raise ConfigError(f"{where}.switch_reduces is {reduces!r}: it must be true or false")
     return Link(
         _number(f"{where}.alpha_us", k["alpha_us"], positive=False) / 1e6,
         1 / (bandwidth * 1e9),
@@ -404,6 +412,7 @@ def _link(where: str, k: Any) -> Link:
         on_device,
         str(k.get("name", "")),
         tuple(terms),
+        reduces,
     )
 
 

@@ -30,7 +30,7 @@ def test_the_four_exercises_their_lessons_and_files():
     assert {n: e.lesson for n, e in EXERCISES.items()} == {
         "ring_reduce_scatter": 2, "ddp_buckets": 4, "ssp_gate": 7, "zero2_step": 10,
         "ring_allgather": 2, "tree_broadcast": 2, "loss_scaler": 11, "backup_step": 8,
-        "fsdp_unit": 10, "ddp_hooks": 15}
+        "fsdp_unit": 10, "ddp_hooks": 15, "fsdp_prefetch": 15}
     for name, e in EXERCISES.items():
         assert e.stub == f"{name}.py" and e.stub_path.parent == STUBS and e.solution.parent == SOLUTIONS
         assert e.stub_path.is_file() and e.solution.is_file()
@@ -55,6 +55,7 @@ STUB_SAYS = {
                  re.escape("may_proceed(clock=2, slowest=0, staleness=1) is True, but with staleness 1 "
                            "clock 2 must wait until the slowest has finished 1")],
     "backup_step": [re.escape("your update averages all the gradients: that is plain synchronous SGD")],
+    "fsdp_prefetch": [re.escape("unit 1's gather was started only after unit 0 had run, so nothing overlapped")],
     "zero2_step": [r"at p=1: in step 0 rank 0 held [\d.]+ KiB at its peak, 1\d\d% of the whole gradient",
                    "ZeRO-1's pattern"],
 }

@@ -22,7 +22,8 @@
     validate.py   PERFORMANCE.md's validation rows: the simulator against measurements
 
 Timing only (sizes, no bytes), from Python: ``timing.collective_time("dgx-h100x128", 1024,
-"ring", 1 << 30).seconds``; ``timing.bench_rows(cluster, p, algorithms, sizes)``.
+"ring", 1 << 30).seconds``; ``timing.bench_rows(cluster, p, algorithms, sizes)``; any schedule
+(several rings at once, a collective's phase): ``timing.schedule_time(cluster, schedule, nbytes)``.
 
 A rank's trace (``comm.tracer``) records virtual nanoseconds; every printed row names its cluster.
 The model and its validation: backends/README.md ("The sim backend") and backends/PERFORMANCE.md.

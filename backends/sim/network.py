@@ -317,6 +317,7 @@ class Network:
                 r.data = _copy(s.buf)  # applied by the receiver, in its own order
             else:
                 _assign(r.buf, s.buf)
+        s.buf = r.buf = None  # copied: the posts (a cycle, s <-> r) must not keep the arrays alive
         for post in (s, r):
             post.done = True
             if post.actor is not None:

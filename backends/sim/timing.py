@@ -34,12 +34,12 @@ from dplab.reference.algorithms import ROOTED, allreduce_schedule, lookup, split
 from dplab.reference.cluster import Cluster
 from dplab.reference.columns import RoundTable, columns
 from dplab.reference.errors import ConfigError
-from dplab.reference.schedule import chunk_bounds
+from dplab.reference.schedule import Schedule, chunk_bounds
 from dplab.reference.topology import Topology
 from dplab.reference.train.buckets import assign_buckets
 
-__all__ = ["TimingResult", "collective_time", "ddp_step_time", "data_parallel_step_time",
-           "bench_rows", "table_of", "NATIVE"]
+__all__ = ["TimingResult", "collective_time", "schedule_time", "ddp_step_time",
+           "data_parallel_step_time", "bench_rows", "table_of", "NATIVE"]
 
 NATIVE = "direct"  # the sim's native all-reduce is the one-shot: the direct schedule's two rounds
 
@@ -210,11 +210,33 @@ def collective_time(c: Cluster | str, world_size: int, algorithm: str, nbytes: i
     Raises:
         ConfigError: an unknown cluster or algorithm, or a world larger than the cluster.
     """
+    return schedule_time(c, table_of(algorithm, world_size), nbytes, itemsize, algorithm)
+
+
+def schedule_time(c: Cluster | str, schedule: Schedule | RoundTable, nbytes: int,
+                  itemsize: int = 4, algorithm: str = "") -> TimingResult:
+    """Simulated seconds of any schedule (a part of one, several rings at once) on a buffer of
+    ``nbytes`` on cluster ``c``, timing only: ``collective_time`` without the name.
+
+    Args:
+        c: the cluster, or a preset's name.
+        schedule: the schedule, or its round table.
+        nbytes: the buffer's size; itemsize: one element's.
+        algorithm: the all-reduce it is, where the cluster's links price one otherwise ("" if
+            none).
+
+    Returns:
+        ``TimingResult``: the simulated seconds, the engine's events and the wall time taken.
+
+    Raises:
+        ConfigError: an unknown cluster, or a world larger than the cluster.
+    """
+    table = schedule if isinstance(schedule, RoundTable) else columns(schedule)
+    world_size = table.world_size
     world = SimWorld(resolve_cluster(c), world_size, 60.0, ranks=False)
     t0 = time.perf_counter()
     actors = [world.engine.add(Actor((r, 0), main=False)) for r in range(world_size)]
-    plan = _Collective(world, table_of(algorithm, world_size), nbytes, itemsize, actors,
-                       algorithm)
+    plan = _Collective(world, table, nbytes, itemsize, actors, algorithm)
     result = _run(world, {a: plan.rounds(a) for a in actors}, t0)
     return replace(result, seconds=max(max(a.time for a in actors), world.engine.now))
 

@@ -95,6 +95,12 @@ from dplab.lessons.exercises.ddp_hooks import judge_ddp_hooks  # noqa: E402
 
 EXERCISES["ddp_hooks"] = _exercise("ddp_hooks", 15, "DDP from hooks on torch tensors", judge_ddp_hooks)
 
+# appended: lesson 15's FSDP forward that prefetches, judged on the simulated cluster
+from dplab.lessons.exercises.fsdp_prefetch import judge_fsdp_prefetch  # noqa: E402
+
+EXERCISES["fsdp_prefetch"] = _exercise("fsdp_prefetch", 15, "A prefetching FSDP forward",
+                                       judge_fsdp_prefetch)
+
 
 def init_dir(path: str | Path) -> list[Path]:
     """Copy every stub into ``path`` (created if need be); returns the files written.

@@ -24,6 +24,8 @@ __all__ = ["ZeroConfig", "SCATTER_ALGORITHMS"]
 class ZeroConfig:
     """``stage`` 0-3; ``algorithm`` of the collectives; ``accum_steps`` micro-batches per step;
     ``prefetch`` (stage 3): gather the next layer on the comm thread while this one computes;
+    ``reshard_after_forward`` (stage 3): free a layer's gathered weights after its forward (True,
+    torch's FULL_SHARD) or keep them for its backward (False: one gather a layer, more memory);
     ``precision``: float16 compute copies of float32 masters, loss scaling
     (``reference/precision``).
 
@@ -33,6 +35,7 @@ class ZeroConfig:
         accum_steps: micro-batches per step.
         prefetch: stage 3: gather the next layer while this one computes.
         precision: mixed precision, or None.
+        reshard_after_forward: stage 3: free a layer's weights after its forward.
     """
 
     stage: int = 1
@@ -40,6 +43,7 @@ class ZeroConfig:
     accum_steps: int = 1
     prefetch: bool = True
     precision: MixedPrecision | None = None
+    reshard_after_forward: bool = True
 
     def validate(self, world_size: int | None = None) -> None:
         """Raise ``ConfigError`` naming the field and the fix.
@@ -67,6 +71,9 @@ class ZeroConfig:
             raise ConfigError(f"accum_steps must be an integer >= 1, got {self.accum_steps!r}")
         if not isinstance(self.prefetch, bool):
             raise ConfigError(f"prefetch must be True or False, got {self.prefetch!r}")
+        if not isinstance(self.reshard_after_forward, bool):
+            raise ConfigError("reshard_after_forward must be True or False, got "
+                              f"{self.reshard_after_forward!r}")
         if self.precision is not None:
             if not isinstance(self.precision, MixedPrecision):
                 raise ConfigError("precision must be a MixedPrecision or None, got "

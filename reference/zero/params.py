@@ -7,7 +7,8 @@
 The master is a view of the weights in float64 or float32; with ``compute_dtype`` float16 it is
 a float32 array of what this rank updates, counted as optimizer state, and ``after_step`` rounds
 it into the compute weights. Stage 3 with ``prefetch``: ``acquire`` hands the NEXT use's gather
-to the comm thread, so at most two gathered layers are held at once:
+to the comm thread, so at most two gathered layers are held at once (``reshard_after_forward=False``
+keeps each layer's forward gather until its backward: no second gather, every layer held at once):
 
     main   [fwd 0][fwd 1][fwd 2][bwd 2][bwd 1][bwd 0]
     comm   [g0]   [g1]   [g2]   [g2]   [g1]   [g0]        g = all-gather of that layer
@@ -174,8 +175,10 @@ class ShardedParams:
 
     def __init__(self, ledger: MemoryLedger, layout: ShardLayout, init: np.ndarray, prefetch: bool,
                  compute_dtype: np.dtype, comm: Communicator, comm_thread: CommThread,
-                 algorithm: str) -> None:
+                 algorithm: str, reshard_after_forward: bool = True) -> None:
         self.ledger, self.layout, self.prefetch = ledger, layout, prefetch
+        self.reshard = reshard_after_forward  # False: forward's gathers are kept for backward
+        self.kept: dict[int, np.ndarray] = {}
         self.dtype = np.dtype(compute_dtype)
         self.comm, self.comm_thread, self.algorithm = comm, comm_thread, algorithm
         self.shards = []
@@ -214,23 +217,35 @@ class ShardedParams:
             raise ConfigError(f"stage 3 uses layers in the order {self.plan}; use {self.i} asked "
                               f"for layer {layer}: acquire layers in the order of forward, then "
                               "backward")
-        if self.next is None:  # not prefetched: gather it now
-            self.next = self._gather(layer)
-        buf, handle = self.next
-        self.next = None
-        handle.wait()
+        if layer in self.kept:  # not resharded after forward: backward needs no second gather
+            buf = self.kept.pop(layer)
+        else:
+            if self.next is None:  # not prefetched: gather it now
+                self.next = self._gather(layer)
+            buf, handle = self.next
+            self.next = None
+            handle.wait()
         self.i += 1
-        if self.prefetch and self.i < len(self.plan):
+        kept_next = not self.reshard and self._backward(self.i)  # it will be kept, not gathered
+        if self.prefetch and self.i < len(self.plan) and not kept_next:
             self.next = self._gather(self.plan[self.i])  # arrives while this layer computes
         return buf
 
     def release(self, w: np.ndarray) -> None:
-        """Free the gathered weights ``acquire`` returned.
+        """Free the gathered weights ``acquire`` returned (or, not resharding after forward,
+        keep a forward's weights for its backward).
 
         Args:
             w: what ``acquire`` returned.
         """
+        if not self.reshard and not self._backward(self.i - 1):
+            self.kept[self.plan[self.i - 1]] = w  # held from its forward to its backward
+            return
         self.ledger.free(w)
+
+    def _backward(self, use: int) -> bool:
+        """Whether use ``use`` of the plan is a backward one (a micro-batch: L forward, L back)."""
+        return use % (2 * len(self.shards)) >= len(self.shards)
 
     def master(self, layer: int) -> np.ndarray:
         """This rank's chunk of ``layer``: what its optimizer steps (float32 masters, if any).

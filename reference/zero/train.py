@@ -116,7 +116,8 @@ def train_zero(comm: Communicator, cfg: TrainConfig, zero: ZeroConfig = _DEFAULT
     if zero.stage < 3:
         params = ReplicatedParams(ledger, layout, init, zero.stage >= 1, compute, *where)
     else:
-        params = ShardedParams(ledger, layout, init, zero.prefetch, compute, *where)
+        params = ShardedParams(ledger, layout, init, zero.prefetch, compute, *where,
+                               reshard_after_forward=zero.reshard_after_forward)
     itemsize = init.dtype.itemsize
     del init  # stage 3: the full vector existed only to be cut into shards (before any step)
     grads = FullGrads(ledger, layout, reduce, zero.stage, *where) if zero.stage < 2 else \
