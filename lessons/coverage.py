@@ -57,6 +57,12 @@ CONCEPTS["ddp-internals"] = ("torch DDP's internals (Li et al., VLDB 2020): buck
 CONCEPTS["async-efficiency"] = ("asynchronous SGD's statistical efficiency: loss against samples seen, "
                                 "and what a gradient's delay costs per sample")
 
+# appended: issue 31's items 3 and 6 (lessons 10 and 13)
+CONCEPTS["grad-clipping"] = ("gradient clipping by the global norm under ZeRO/FSDP: one all-reduce "
+                             "of the shards' squared norms")
+CONCEPTS["batch-ramp"] = ("batch-size warm-up: increasing the batch instead of decaying the lr "
+                          "(Smith et al. 2018), as GPT-3 ramps it")
+
 
 def coverage() -> dict[str, list[tuple[int, int, str]]]:
     """concept -> [(lesson number, step number (1-based), step title), ...]."""
