@@ -619,8 +619,10 @@ STEPS = (
               "**{bug_norm:.2f}**, not {max_norm:g}, and it would turn {angle:.1f}° away from the "
               "gradient's direction (cosine {cos:.4f}); on another world size, another step. "
               "Adding the norms instead (Σ ‖g_r‖ = {sum_norms:.4f}) overstates ‖g‖ and clips too "
-              "hard. torch's FSDP does the same reduction in its own clip_grad_norm_ "
-              "(backends/nn/fsdp.py here)."),
+              "hard. torch's FSDP.clip_grad_norm_ does the same: each rank's shard norm squared, "
+              "one all-reduce (a sum), then the square root; dplab's FSDP wrapper "
+              "(backends/nn/fsdp.py) gathers one norm per rank and takes their norm, the same "
+              "number."),
         run=clipping_a_shard,
         checks=(Check("the all-reduced squares give the one-device norm, on every rank",
                       lambda f: abs(f["total"] - f["norm"]) <= 1e-12 * f["norm"]
@@ -633,6 +635,8 @@ STEPS = (
                       "the "
                       "gradient",
                       lambda f: len(set(f["wrong_list"])) == f["p"] and f["cos"] < 0.9999),
+                Check("each shard's norm is within 25% of ‖g‖/√p",
+                      lambda f: all(abs(n * f["p"] ** 0.5 / f["norm"] - 1) < 0.25 for n in f["own"])),
                 Check("clipped by each shard's own norm, the gradient stays over 1.5x max_norm",
                       lambda f: f["bug_norm"] > 1.5 * f["max_norm"]),
                 Check("the sum of the shards' norms overstates the norm",

@@ -87,3 +87,18 @@ def test_the_ramp_question_names_decays_count_and_the_big_batchs():
     assert "the final batch all the way" in step.predict.judge(facts, "48").misconception
     text = step.text
     assert "Smith et al. (2018)" in text and "GPT-3" in text and "{within:+.1%}" in text
+
+
+def test_torchs_fsdp_clips_by_an_all_reduce_of_the_squared_shard_norms_as_10_8_says():
+    import inspect
+
+    import pytest
+
+    pytest.importorskip("torch")
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    source = inspect.getsource(FullyShardedDataParallel.clip_grad_norm_)
+    assert "local_sharded_norm**norm_type" in source
+    assert "dist.all_reduce(total_norm, group=self.process_group)" in source
+    assert "total_norm ** (1.0 / norm_type)" in source
+    assert "FSDP.clip_grad_norm_ does the same" in _step(10, "Clipping by the global norm").text
