@@ -636,7 +636,8 @@ STEPS = (
                       "gradient",
                       lambda f: len(set(f["wrong_list"])) == f["p"] and f["cos"] < 0.9999),
                 Check("each shard's norm is within 25% of ‖g‖/√p",
-                      lambda f: all(abs(n * f["p"] ** 0.5 / f["norm"] - 1) < 0.25 for n in f["own"])),
+                      lambda f: all(abs(n * f["p"] ** 0.5 / f["norm"] - 1) < 0.25
+                                    for n in f["own"])),
                 Check("clipped by each shard's own norm, the gradient stays over 1.5x max_norm",
                       lambda f: f["bug_norm"] > 1.5 * f["max_norm"]),
                 Check("the sum of the shards' norms overstates the norm",
