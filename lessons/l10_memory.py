@@ -20,7 +20,9 @@ from dplab.backends.cli.memory import memory_rows
 from dplab.backends.runs.run import RunSpec, run_train
 from dplab.lessons.exercises import STUBS, check_file
 from dplab.lessons.exercises.fsdp_unit import HINTS as FSDP_HINTS
+from dplab.lessons.exercises.sharded_clip import FACTORS as CLIP_FACTORS
 from dplab.lessons.exercises.sharded_clip import HINTS as CLIP_HINTS
+from dplab.lessons.exercises.sharded_clip import WORLD_SIZES as CLIP_WORLD_SIZES
 from dplab.lessons.exercises.zero2 import HINTS as ZERO2_HINTS
 from dplab.lessons.exercises.zero2 import MODEL as ZERO2_MODEL
 from dplab.lessons.exercises.zero2 import in_flight_bytes
@@ -357,7 +359,9 @@ def clipping_a_shard(lab):
 def clip_exercise(lab):
     # what `dplab lesson check 10` says of the clipping stub
     stub = check_file("sharded_clip", STUBS / "sharded_clip.py")
-    return {"stub_passed": stub.passed, "stub_says": stub.message}
+    return {"stub_passed": stub.passed, "stub_says": stub.message,
+            "first": CLIP_WORLD_SIZES[0], "last": CLIP_WORLD_SIZES[-1],
+            "low": CLIP_FACTORS[0], "high": CLIP_FACTORS[1]}
 
 
 STEPS = (
@@ -665,13 +669,13 @@ STEPS = (
               "max_norm)` already reduce-scatters each layer as backward yields it and keeps this "
               "rank's chunk in `shard[layer]` (the ZeRO-2 loop); clip those chunks so that the "
               "whole gradient's norm is at most max_norm, and return that norm. `dplab lesson "
-              "check 10 DIR` runs it on 1 to 4 ranks, once with max_norm a quarter of the norm and "
-              "once at four times it, and holds every chunk and the norm you return to "
-              "torch.nn.utils.clip_grad_norm_ on one device with the whole gradient. It names the "
-              "usual wrong turns: each shard clipped by its own norm, the norms all-reduced "
+              "check 10 DIR` runs it on {first} to {last} ranks, once with max_norm {low:g} times "
+              "the norm and once at {high:g} times it, and holds every chunk and the norm you "
+              "return to torch.nn.utils.clip_grad_norm_ on one device with the whole gradient. "
+              "It names the usual wrong turns: each shard clipped by its own norm, the norms all-reduced "
               "instead of their squares, the square root forgotten, the squares averaged instead "
               "of summed, clipping before every reduce-scatter has completed, a coefficient above "
-              "1, and gathering the gradient to take its norm. The stub clips each shard by its "
+              "1, and moving the whole gradient to take its norm. The stub clips each shard by its "
               "own norm; checked as shipped it says:\n\n> {stub_says}"),
         run=clip_exercise,
         checks=(Check("the stub fails its check, naming its own shard's norm",

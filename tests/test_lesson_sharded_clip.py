@@ -138,3 +138,12 @@ def test_torchs_coefficient_is_the_references():
     torch.nn.utils.clip_grad_norm_([t], 1.0)
     assert float(t.grad[0]) == 3.0 * clip_coef(5.0, 1.0)
     assert clip_coef(5.0, 10.0) == 1.0
+
+
+def test_the_lessons_readme_counts_these_wrong_answers():
+    from pathlib import Path
+
+    readme = (Path(__file__).parents[1] / "lessons" / "README.md").read_text()
+    words = {10: "ten", 11: "eleven", 12: "twelve", 13: "thirteen"}
+    said = f"clip_grad_norm_` on one device; {words[len(WRONG)]} plausible wrong"
+    assert said in " ".join(readme.split())

@@ -18,7 +18,7 @@ Write ``sharded_clip(comm, backward, shard, max_norm)``, run on every rank once 
     max_norm   the largest norm the whole gradient may keep
 
 and return the global norm ||g|| before clipping (the same on every rank), as torch does.
-The check runs it on 1..4 ranks and holds every chunk, and the norm you return, to
+The check runs it on 1..3 ranks and holds every chunk, and the norm you return, to
 torch.nn.utils.clip_grad_norm_ on one device with the whole gradient.
 
 The body below clips each shard by ITS OWN norm. Fix it:
