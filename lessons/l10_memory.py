@@ -671,12 +671,12 @@ STEPS = (
               "whole gradient's norm is at most max_norm, and return that norm. `dplab lesson "
               "check 10 DIR` runs it on {first} to {last} ranks, once with max_norm {low:g} times "
               "the norm and once at {high:g} times it, and holds every chunk and the norm you "
-              "return to torch.nn.utils.clip_grad_norm_ on one device with the whole gradient. "
-              "It names the usual wrong turns: each shard clipped by its own norm, the norms all-reduced "
-              "instead of their squares, the square root forgotten, the squares averaged instead "
-              "of summed, clipping before every reduce-scatter has completed, a coefficient above "
-              "1, and moving the whole gradient to take its norm. The stub clips each shard by its "
-              "own norm; checked as shipped it says:\n\n> {stub_says}"),
+              "return to torch.nn.utils.clip_grad_norm_ on one device with the whole gradient. It "
+              "names the usual wrong turns: each shard clipped by its own norm, the norms "
+              "all-reduced instead of their squares, the square root forgotten, the squares "
+              "averaged instead of summed, clipping before every reduce-scatter has completed, a "
+              "coefficient above 1, and moving the whole gradient to take its norm. The stub clips "
+              "each shard by its own norm; checked as shipped it says:\n\n> {stub_says}"),
         run=clip_exercise,
         checks=(Check("the stub fails its check, naming its own shard's norm",
                       lambda f: not f["stub_passed"] and "its own shard" in f["stub_says"]),),
