@@ -78,15 +78,15 @@ HINTS = (
 
 
 def judge_sharded_clip(file: Path, output: list[str]) -> str:
-    """The learner's sharded_clip on 1..4 ranks: chunks and norm against torch's, one device."""
-    full, local = _gradients()
+    """The learner's sharded_clip on 1..3 ranks: chunks and norm against torch's, one device."""
+    full = _gradient()
     total, _ = oracle(full, math.inf)
     max_norms = [f * total for f in FACTORS]
     inputs = {"world_sizes": list(WORLD_SIZES), "max_norms": max_norms}
     answer = run_learner("sharded_clip", file, inputs, output)
     for p, run in zip(WORLD_SIZES, answer["data"].get("runs", [])):
         for c, max_norm in enumerate(max_norms):
-            problem = _judge_case(p, [rank["cases"][c] for rank in run], full, local[p], max_norm)
+            problem = _judge_case(p, [rank["cases"][c] for rank in run], full, max_norm)
             if problem:
                 raise Fail(f"at p={p}, max_norm {max_norm:.4g} ({FACTORS[c]:g}x the norm "
                            f"{total:.4g}): {problem}")
@@ -114,24 +114,16 @@ def oracle(layers: list[np.ndarray], max_norm: float) -> tuple[float, list[np.nd
     return float(total), [t.grad.numpy().copy() for t in params]
 
 
-def _gradients() -> tuple[list[np.ndarray], dict[int, list[list[np.ndarray]]]]:
-    """The one-device gradient by layer, and for each p every rank's own (unsummed) layers."""
+def _gradient() -> list[np.ndarray]:
+    """The one-device gradient of the step's batch, layer by layer."""
     model, data, init = setup(_CFG)
-    params = [init[model.layer_slice(i)] for i in range(model.num_layers)]
     batch = batch_indices(_CFG.num_samples, _CFG.global_batch, 0, _CFG.seed)
-
-    def layers(idx: np.ndarray) -> list[np.ndarray]:
-        out = dict(backward_layers(model, params, data.x[idx], data.y[idx], 1 / _CFG.global_batch))
-        return [out[i] for i in range(model.num_layers)]
-
     full = np.zeros(model.num_params)
     model.loss_and_grad(init, data.x[batch], data.y[batch], 1 / _CFG.global_batch, full)
-    local = {p: [layers(shard(batch, r, p)) for r in range(p)] for p in WORLD_SIZES}
-    return [full[model.layer_slice(i)] for i in range(model.num_layers)], local
+    return [full[model.layer_slice(i)] for i in range(model.num_layers)]
 
 
 def _judge_case(p: int, ranks: list[dict[str, Any]], full: list[np.ndarray],
-                local: list[list[np.ndarray]],
                 max_norm: float) -> str | None:
     """What is wrong with one case's chunks, norms and bytes, or None."""
     total, clipped = oracle(full, max_norm)
@@ -154,7 +146,7 @@ def _judge_case(p: int, ranks: list[dict[str, Any]], full: list[np.ndarray],
     right = all(np.abs(g - w).max(initial=0.0) <= _RTOL * scale for gr, wr in zip(got, want)
                 for g, w in zip(gr, wr))
     if not right:
-        return _wrong_chunks(p, got, summed, local, bounds, total, max_norm)
+        return _wrong_chunks(p, got, summed, total, max_norm)
     for r, norm in enumerate(norms):
         if not math.isclose(norm, total, rel_tol=_RTOL):
             named = _named_norm(norm, p, summed, total, r)
@@ -165,8 +157,7 @@ def _judge_case(p: int, ranks: list[dict[str, Any]], full: list[np.ndarray],
     return _too_many_bytes(p, ranks, full)
 
 
-def _wrong_chunks(p: int, got: list[list[np.ndarray]], summed: list[list[np.ndarray]],
-                  local: list[list[np.ndarray]], bounds: list[list[tuple[int, int]]], total: float,
+def _wrong_chunks(p: int, got: list[list[np.ndarray]], summed: list[list[np.ndarray]], total: float,
                   max_norm: float) -> str:
     """Name the mistake from the coefficients the chunks were scaled by (one per rank and layer)."""
     coef = [[0.0] * len(summed[0]) for _ in range(p)]
