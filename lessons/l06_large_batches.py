@@ -354,6 +354,8 @@ STEPS = (
         run=layerwise_run,
         checks=(Check("every optimizer's best lr lies inside its grid",
                       lambda f: f["interior"]),
+                Check("momentum's best is the linear rule's lr",
+                      lambda f: f["lr_momentum"] == f["linear_lr"]),
                 Check("LAMB moves every weight matrix by lr of its norm (to 1e-9)",
                       lambda f: all(abs(m - f["lr_lamb"]) < 1e-9 * f["lr_lamb"]
                                     for m in f["moved"])),

@@ -525,8 +525,8 @@ STEPS = (
                 Check("with at least 25% fewer updates", lambda f: f["saved"] >= 0.25),
                 Check("the final batch from the start ends over 2x worse",
                       lambda f: f["big"] > 2 * max(f["ramp"], f["decay"])),
-                Check("that batch is above B_simple at the start",
-                      lambda f: f["big_batch"] > f["b_start"])),
+                Check("that batch is over 10x B_simple at the start",
+                      lambda f: f["big_batch"] > 10 * f["b_start"])),
         inputs={"phases": PHASES, "b": BASE_BATCH, "f": FACTOR, "n_train": N_TRAIN,
                 "batches": ", ".join(f"{BASE_BATCH * FACTOR ** i:,}" for i in range(len(EPOCHS)))},
         predict=Predict("{n_train:,} training samples; phases of {phases} epochs at batches "
