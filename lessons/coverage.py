@@ -61,6 +61,12 @@ CONCEPTS["gpu-collectives"] = ("GPU collectives on a simulated cluster: busbw ag
 CONCEPTS["fsdp-overlap"] = ("overlap in FSDP/ZeRO-3: prefetching the next unit's all-gather, "
                             "reshard_after_forward, HSDP")
 
+# appended: issue 31's items 3 and 6 (lessons 10 and 13)
+CONCEPTS["grad-clipping"] = ("gradient clipping by the global norm under ZeRO/FSDP: one all-reduce "
+                             "of the shards' squared norms")
+CONCEPTS["batch-ramp"] = ("batch-size warm-up: increasing the batch instead of decaying the lr "
+                          "(Smith et al. 2018), as GPT-3 ramps it")
+
 
 def coverage() -> dict[str, list[tuple[int, int, str]]]:
     """concept -> [(lesson number, step number (1-based), step title), ...]."""

@@ -2,10 +2,11 @@
 
     dplab lesson 10
 
-Seven steps: what each rank holds under ZeRO stages 0-3 against the closed forms; the bytes each
+Nine steps: what each rank holds under ZeRO stages 0-3 against the closed forms; the bytes each
 stage sends per step; activations, which ZeRO-1/2/3 leave whole, and checkpointing, which trades a
 recompute for them; the 7B example of ``dplab memory``; a model data parallelism alone cannot
-fit; and two exercises: a ZeRO-2 step during backward, and an FSDP unit's gather and free.
+fit; two exercises: a ZeRO-2 step during backward, and an FSDP unit's gather and free; and
+gradient clipping by the global norm of a sharded gradient, shown, then an exercise.
 """
 
 from __future__ import annotations
@@ -19,17 +20,23 @@ from dplab.backends.cli.memory import memory_rows
 from dplab.backends.runs.run import RunSpec, run_train
 from dplab.lessons.exercises import STUBS, check_file
 from dplab.lessons.exercises.fsdp_unit import HINTS as FSDP_HINTS
+from dplab.lessons.exercises.sharded_clip import FACTORS as CLIP_FACTORS
+from dplab.lessons.exercises.sharded_clip import HINTS as CLIP_HINTS
+from dplab.lessons.exercises.sharded_clip import WORLD_SIZES as CLIP_WORLD_SIZES
 from dplab.lessons.exercises.zero2 import HINTS as ZERO2_HINTS
 from dplab.lessons.exercises.zero2 import MODEL as ZERO2_MODEL
 from dplab.lessons.exercises.zero2 import in_flight_bytes
 from dplab.lessons.step import Check, Lesson, Predict, Step
+from dplab.reference.collectives import reduce_scatter
+from dplab.reference.data import batch_indices, shard
 from dplab.reference.model import MLP, MLPConfig
 from dplab.reference.optim import OptimConfig
 from dplab.reference.schedule import chunk_bounds
-from dplab.reference.train.single import TrainConfig
+from dplab.reference.train.single import TrainConfig, setup
+from dplab.reference.zero.clip import clip_coef, clip_grad_norm
 from dplab.reference.zero.layers import layer_delta, layer_forward, layer_grads, output_delta
 from dplab.reference.zero.memory import GB, model_state_bytes
-from dplab.reference.zero.traffic import sent_closed_form, sent_per_step
+from dplab.reference.zero.traffic import collective_sent, sent_closed_form, sent_per_step
 
 __all__ = ["LESSON"]
 
@@ -289,6 +296,74 @@ def fsdp_exercise(lab):
             "collectives": 3}
 
 
+def clip_rank(comm, max_norm):
+    """One rank after ZeRO-2's reduce-scatters: its chunk of every
+    layer's summed gradient, clipped by the global norm."""
+    model, data, init = setup(TRAIN)
+    batch = batch_indices(TRAIN.num_samples, TRAIN.global_batch, 0, 0)
+    mine = shard(batch, comm.rank, comm.world_size)
+    grad = np.zeros_like(init)  # this rank's samples, scaled 1/global batch
+    model.loss_and_grad(init, data.x[mine], data.y[mine],
+                        1 / TRAIN.global_batch, grad)
+    chunks = []
+    for layer in range(model.num_layers):
+        g = grad[model.layer_slice(layer)]
+        reduce_scatter(comm, g)       # my chunk of g now holds the sum
+        a, b = chunk_bounds(len(g), comm.world_size)[comm.rank]
+        chunks.append(g[a:b].copy())
+    own = float(np.sqrt(sum(c @ c for c in chunks)))
+    total = clip_grad_norm(comm, chunks, max_norm)
+    return own, total, np.concatenate(chunks)
+
+
+def clipping_a_shard(lab):
+    p, max_norm = 4, 1.0
+    model, data, init = setup(TRAIN)
+    batch = batch_indices(TRAIN.num_samples, TRAIN.global_batch, 0, 0)
+    full = np.zeros_like(init)      # one device: the whole gradient
+    model.loss_and_grad(init, data.x[batch], data.y[batch],
+                        1 / TRAIN.global_batch, full)
+    norm = float(np.linalg.norm(full))
+    ranks = lab.world(p).run(clip_rank, max_norm)
+    own = [r[0] for r in ranks]
+    # the one-device clip, cut into the same chunks as the ranks hold
+    clipped = full * clip_coef(norm, max_norm)
+    cut = [chunk_bounds(model.layer_slice(i).stop - model.layer_slice(i).start, p)
+           for i in range(model.num_layers)]
+    want = [np.concatenate([clipped[model.layer_slice(i)][slice(*c[r])]
+                            for i, c in enumerate(cut)]) for r in range(p)]
+    diff = max(float(np.abs(r[2] - w).max()) for r, w in zip(ranks, want))
+    # the common bug: every rank clips by its own shard's norm
+    wrong = [clip_coef(n, max_norm) for n in own]
+    bug = np.concatenate([w / clip_coef(norm, max_norm) * c
+                          for w, c in zip(want, wrong)])
+    right = np.concatenate(want)
+    cos = float(bug @ right / np.linalg.norm(bug) / np.linalg.norm(right))
+    sent = [8 * collective_sent("allreduce", "ring", p, r, 1) for r in range(p)]
+    grad_bytes = 8 * sum(collective_sent("reduce_scatter", "ring", p, 0,
+                                         s.stop - s.start)
+                         for s in (model.layer_slice(i) for i in range(model.num_layers)))
+    return {"p": p, "max_norm": max_norm, "own": own,
+            "shards": ", ".join(f"{n:.4f}" for n in own),
+            "total": ranks[0][1], "norm": norm,
+            "same_everywhere": all(r[1] == ranks[0][1] for r in ranks),
+            "diff": diff, "coef": clip_coef(norm, max_norm),
+            "wrong": ", ".join(f"{c:.3f}" for c in wrong),
+            "wrong_list": wrong, "cos": cos,
+            "bug_norm": float(np.linalg.norm(bug)),
+            "angle": float(np.degrees(np.arccos(min(cos, 1.0)))),
+            "sum_norms": sum(own), "norm_bytes": max(sent),
+            "grad_bytes": grad_bytes}
+
+
+def clip_exercise(lab):
+    # what `dplab lesson check 10` says of the clipping stub
+    stub = check_file("sharded_clip", STUBS / "sharded_clip.py")
+    return {"stub_passed": stub.passed, "stub_says": stub.message,
+            "first": CLIP_WORLD_SIZES[0], "last": CLIP_WORLD_SIZES[-1],
+            "low": CLIP_FACTORS[0], "high": CLIP_FACTORS[1]}
+
+
 STEPS = (
     Step(
         title="What each rank holds: replicas vs ZeRO-1, 2, 3",
@@ -528,6 +603,89 @@ STEPS = (
         try_this="dplab lesson check 10 ex   # judges ex/zero2_step.py and ex/fsdp_unit.py",
         exercise="fsdp_unit",
         teaches=("memory",),
+    ),
+    Step(
+        title="Clipping by the global norm, when each rank holds a shard",
+        text=("Recipes clip the gradient before the optimizer steps: "
+              "torch.nn.utils.clip_grad_norm_ scales the WHOLE gradient g by min(1, max_norm / "
+              "‖g‖). Under ZeRO-2/3 and FSDP no rank holds g: after the reduce-scatters rank r "
+              "holds its chunk g_r of every layer's sum. Here {p} ranks, a step of this lesson's "
+              "model: the shards' norms are {shards}; the whole gradient's is **{norm:.4f}** (one "
+              "device), and max_norm is {max_norm:g}.\n\nThe chunks are disjoint, so the squares "
+              "add and the norms do not: ‖g‖² = Σ_r ‖g_r‖². Each rank all-reduces ONE number, its "
+              "shard's squared norm ({norm_bytes} bytes sent per rank, against {grad_bytes:,} for "
+              "rank 0's reduce-scatters), takes the square root, and every rank gets {total:.4f}, "
+              "the same on every rank ({same_everywhere}); each scales its chunks by {coef:.4f}, "
+              "and they differ from the one-device clip by {diff:diff}.\n\nThe common bug clips "
+              "each shard by its own norm: the ranks would scale by {wrong}, different "
+              "coefficients on different chunks. Each shard's norm is about 1/√{p} of the whole's, "
+              "so each rank clips too little: the \"clipped\" gradient's norm would be "
+              "**{bug_norm:.2f}**, not {max_norm:g}, and it would turn {angle:.1f}° away from the "
+              "gradient's direction (cosine {cos:.4f}); on another world size, another step. "
+              "Adding the norms instead (Σ ‖g_r‖ = {sum_norms:.4f}) overstates ‖g‖ and clips too "
+              "hard. torch's FSDP.clip_grad_norm_ does the same: each rank's shard norm squared, "
+              "one all-reduce (a sum), then the square root; dplab's FSDP wrapper "
+              "(backends/nn/fsdp.py) gathers one norm per rank and takes their norm, the same "
+              "number."),
+        run=clipping_a_shard,
+        checks=(Check("the all-reduced squares give the one-device norm, on every rank",
+                      lambda f: abs(f["total"] - f["norm"]) <= 1e-12 * f["norm"]
+                      and f["same_everywhere"]),
+                Check("the clipped chunks are the one-device clip's (to 1e-12)",
+                      lambda f: f["diff"] <= 1e-12),
+                Check("this gradient is clipped: its norm is above max_norm",
+                      lambda f: f["coef"] < 1),
+                Check("clipping by each shard's own norm scales the ranks differently and turns "
+                      "the "
+                      "gradient",
+                      lambda f: len(set(f["wrong_list"])) == f["p"] and f["cos"] < 0.9999),
+                Check("each shard's norm is within 25% of ‖g‖/√p",
+                      lambda f: all(abs(n * f["p"] ** 0.5 / f["norm"] - 1) < 0.25
+                                    for n in f["own"])),
+                Check("clipped by each shard's own norm, the gradient stays over 1.5x max_norm",
+                      lambda f: f["bug_norm"] > 1.5 * f["max_norm"]),
+                Check("the sum of the shards' norms overstates the norm",
+                      lambda f: f["sum_norms"] > 1.2 * f["norm"])),
+        predict=Predict("{p} ranks hold disjoint shards of the gradient, whose norms are {shards}. "
+                        "What is "
+                        "the norm of the whole gradient?", "norm", rel_tol=2e-3,
+                        misconceptions=(
+                            (lambda g, f: abs(g - f["sum_norms"]) < 2e-3 * f["sum_norms"],
+                             "that adds the norms; norms of disjoint pieces do not add, their "
+                             "squares do: ‖g‖ = √(Σ ‖g_r‖²)"),
+                            (lambda g, f: abs(g - f["norm"] ** 2) < 2e-3 * f["norm"] ** 2,
+                             "that is ‖g‖², the sum of the squares: take its square root"),
+                            (lambda g, f: abs(g - f["norm"] / f["p"] ** 0.5) < 2e-3 * f["norm"],
+                             "that averages the squares; the whole gradient's is their sum"))),
+        hint="The shards are disjoint pieces of one vector: what adds up across them, the norms or "
+             "the squares?",
+        show=("dplab.reference.zero.clip.clip_grad_norm",),
+        try_this="python -c \"import dplab.reference.zero.clip as c; help(c)\"",
+        teaches=("memory", "grad-clipping"),
+    ),
+    Step(
+        title="Exercise: clip a sharded gradient by its global norm",
+        text=("Now write it. In DIR/sharded_clip.py, `sharded_clip(comm, backward, shard, "
+              "max_norm)` already reduce-scatters each layer as backward yields it and keeps this "
+              "rank's chunk in `shard[layer]` (the ZeRO-2 loop); clip those chunks so that the "
+              "whole gradient's norm is at most max_norm, and return that norm. `dplab lesson "
+              "check 10 DIR` runs it on {first} to {last} ranks, once with max_norm {low:g} times "
+              "the norm and once at {high:g} times it, and holds every chunk and the norm you "
+              "return to torch.nn.utils.clip_grad_norm_ on one device with the whole gradient. It "
+              "names the usual wrong turns: each shard clipped by its own norm, the norms "
+              "all-reduced instead of their squares, the square root forgotten, the squares "
+              "averaged instead of summed, clipping before every reduce-scatter has completed, a "
+              "coefficient above 1, and moving the whole gradient to take its norm. The stub clips "
+              "each shard by its own norm; checked as shipped it says:\n\n> {stub_says}"),
+        run=clip_exercise,
+        checks=(Check("the stub fails its check, naming its own shard's norm",
+                      lambda f: not f["stub_passed"] and "its own shard" in f["stub_says"]),),
+        hint=CLIP_HINTS[0],
+        hints=CLIP_HINTS[1:],
+        show=("dplab.lessons.exercises.stubs.sharded_clip.sharded_clip",),
+        try_this="dplab lesson check 10 ex   # zero2_step.py, fsdp_unit.py and sharded_clip.py",
+        exercise="sharded_clip",
+        teaches=("grad-clipping",),
     ),
 )
 

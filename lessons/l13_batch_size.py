@@ -2,20 +2,30 @@
 
     dplab lesson 13
 
-Data parallelism grows the global batch with the ranks (weak scaling, lesson 5). Five steps on
+Data parallelism grows the global batch with the ranks (weak scaling, lesson 5). Six steps on
 the spine's model and optimizers, one device standing in for p ranks (lesson 1: the same SGD):
 the gradient noise scale from per-sample gradients (McCandlish et al. 2018); the critical batch,
 where steps stop falling and samples start rising; where the linear lr rule breaks (Goyal et al.
-2017); the generalisation gap on held-out data; and why Adam scales its lr with the square root
-of the batch.
+2017); the generalisation gap on held-out data; why Adam scales its lr with the square root
+of the batch; and ramping the batch up instead of decaying the lr (Smith et al. 2018).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from dplab.lessons.l05_scaling import _bars
-from dplab.lessons.l06_large_batches import BASE_BATCH, BASE_LR, MODEL, N_TRAIN, split_data, train_minibatch
+from dplab.lessons.l06_large_batches import (
+    BASE_BATCH,
+    BASE_LR,
+    MODEL,
+    N_HELD_OUT,
+    N_TRAIN,
+    split_data,
+    train_minibatch,
+)
 from dplab.lessons.step import Check, Lesson, Predict, Step
 from dplab.reference.data import batch_indices
 from dplab.reference.lr import scaled_lr
@@ -281,6 +291,59 @@ def adam_sqrt(lab):
             "lr_sqrt_16": rows[16, "sqrt"][0]}
 
 
+def train_phases(phases, seed=0):
+    """Momentum SGD through ``phases``, each (epochs, batch, lr), one
+    optimizer throughout (its momentum carries over). Returns the
+    number of updates and the held-out loss at the end."""
+    model = MLP(MODEL)
+    (x, y), (x_out, y_out) = split_data(seed)
+    params = model.init_params(seed)
+    opt = make_optimizer(OptimConfig("momentum", lr=phases[0][2]),
+                         model.num_params, params.dtype, model.param_slices)
+    grad, seen, updates = np.zeros_like(params), 0, 0
+    for epochs, batch, lr in phases:
+        opt.cfg = replace(opt.cfg, lr=lr)
+        for _ in range(epochs * N_TRAIN // batch):
+            # the same walk through shuffled epochs, whatever the batch
+            idx = batch_indices(N_TRAIN, batch, seen // batch, seed)
+            grad[:] = 0
+            model.loss_and_grad(params, x[idx], y[idx], 1 / batch, grad)
+            opt.step(params, grad)
+            seen, updates = seen + batch, updates + 1
+    held_out = model.loss(model.forward(params, x_out), y_out, 1 / N_HELD_OUT)
+    return updates, float(held_out)
+
+
+EPOCHS, FACTOR, LR = (4, 1, 1), 4, 0.05   # phases; the batch x4, or the lr / 4
+PHASES = ", ".join(str(e) for e in EPOCHS)
+
+
+def batch_ramp(lab):
+    b, f, lr = BASE_BATCH, FACTOR, LR
+    decay = [(e, b, lr / f ** i) for i, e in enumerate(EPOCHS)]
+    ramp = [(e, b * f ** i, lr) for i, e in enumerate(EPOCHS)]
+    big = [(sum(EPOCHS), b * f ** (len(EPOCHS) - 1), lr)]
+    runs = {name: train_phases(phases) for name, phases
+            in (("decay", decay), ("ramp", ramp), ("big", big))}
+    # lr / batch: the noise of a step, phase by phase (Smith et al.)
+    noise = {name: [lr / batch for _, batch, lr in phases]
+             for name, phases in (("decay", decay), ("ramp", ramp))}
+    return {"epochs": sum(EPOCHS), "phases": PHASES, "f": f,
+            "lr": lr, "b": b,
+            "batches": ", ".join(f"{bb:,}" for _, bb, _ in ramp),
+            "lrs": ", ".join(f"{x:g}" for _, _, x in decay),
+            "decay_updates": runs["decay"][0], "decay": runs["decay"][1],
+            "updates": runs["ramp"][0], "ramp": runs["ramp"][1],
+            "big_updates": runs["big"][0], "big": runs["big"][1],
+            "big_batch": big[0][1],
+            "saved": 1 - runs["ramp"][0] / runs["decay"][0],
+            "within": runs["ramp"][1] / runs["decay"][1] - 1,
+            "same_noise": all(abs(a - c) <= 1e-15 * a for a, c
+                              in zip(noise["decay"], noise["ramp"])),
+            "b_simple": _b_simple(lab),
+            "b_start": noise_scale(_noise(lab)[0][0])[0]}
+
+
 STEPS = (
     Step(
         title="Gradient noise: per-sample gradients and the noise scale",
@@ -436,6 +499,52 @@ STEPS = (
         hint="k = 512 / 32 = 16; √16 = 4.",
         try_this="Try LAMB (optimizer='lamb') at k = 64 with the sqrt rule (lesson 6's trust ratio).",
         teaches=("batch-size", "lr-scaling"),
+    ),
+    Step(
+        title="Ramp the batch up instead of decaying the lr",
+        text=("Step 1 found the noise scale growing as the loss falls: the batch worth using grows "
+              "during training. Smith et al. (2018), \"Don't decay the learning rate, increase the "
+              "batch size\": a step's noise goes as lr/B, so dividing the lr by {f} and "
+              "multiplying the batch by {f} lower it alike, and the larger batch takes {f} times "
+              "fewer updates, each of which data parallelism spreads over more ranks. GPT-3 ramps "
+              "its batch the same way, from 32k tokens up to its full 3.2M over the first 4 to 12 "
+              "billion tokens (Brown et al. 2020).\n\n{epochs} epochs of momentum SGD from lr "
+              "{lr:g} at batch {b}, in phases of {phases} epochs. **Decay**: the batch stays {b}, "
+              "the lr goes {lrs}: {decay_updates:,} updates, held-out loss **{decay:.4f}**. "
+              "**Ramp**: the lr stays {lr:g}, the batch goes {batches} (lr/B is the same as "
+              "decay's in every phase: {same_noise}): **{updates:,}** updates, held-out "
+              "**{ramp:.4f}**, {within:+.1%} from decay with {saved:.0%} fewer updates. Starting "
+              "at the final batch instead ({big_batch} from the first step, {big_updates} updates) "
+              "ends at {big:.3f}: early on the noise scale is small (B_simple {b_start:.0f} at the "
+              "start, {b_simple:.0f} after 200 steps), and a batch far above it wastes its "
+              "samples; later the same batch costs little."),
+        run=batch_ramp,
+        checks=(Check("the ramp keeps decay's lr/B in every phase", lambda f: f["same_noise"]),
+                Check("the ramp ends within 10% of decay's held-out loss",
+                      lambda f: abs(f["within"]) < 0.1),
+                Check("with at least 25% fewer updates", lambda f: f["saved"] >= 0.25),
+                Check("the final batch from the start ends over 2x worse",
+                      lambda f: f["big"] > 2 * max(f["ramp"], f["decay"])),
+                Check("that batch is over 10x B_simple at the start",
+                      lambda f: f["big_batch"] > 10 * f["b_start"])),
+        inputs={"phases": PHASES, "b": BASE_BATCH, "f": FACTOR, "n_train": N_TRAIN,
+                "batches": ", ".join(f"{BASE_BATCH * FACTOR ** i:,}" for i in range(len(EPOCHS)))},
+        predict=Predict("{n_train:,} training samples; phases of {phases} epochs at batches "
+                        "{batches}. How "
+                        "many updates does the ramp take?", "updates",
+                        misconceptions=((lambda g, f: g == f["decay_updates"], "that is batch {b} "
+                                                                               "all the way "
+                                         "(decay's count): the larger batches take fewer updates "
+                                         "per epoch"),
+                                        (lambda g, f: g == f["big_updates"], "that is the final "
+                                                                             "batch all "
+                                         "the way: the first phase still runs at batch {b}"))),
+        hint="Updates per epoch = samples / batch, phase by phase.",
+        hints=(" + ".join(f"{e} × {N_TRAIN:,}/{BASE_BATCH * FACTOR ** i:,}"
+                          for i, e in enumerate(EPOCHS)),),
+        show=(train_phases,),
+        try_this="Set FACTOR = 8 in l13_batch_size.py: does the ramp still keep up with decay?",
+        teaches=("batch-size", "batch-ramp"),
     ),
 )
 

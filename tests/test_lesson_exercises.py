@@ -30,7 +30,7 @@ def test_the_four_exercises_their_lessons_and_files():
     assert {n: e.lesson for n, e in EXERCISES.items()} == {
         "ring_reduce_scatter": 2, "ddp_buckets": 4, "ssp_gate": 7, "zero2_step": 10,
         "ring_allgather": 2, "tree_broadcast": 2, "loss_scaler": 11, "backup_step": 8,
-        "fsdp_unit": 10, "ddp_hooks": 15, "fsdp_prefetch": 15}
+        "fsdp_unit": 10, "ddp_hooks": 15, "fsdp_prefetch": 15, "sharded_clip": 10}
     for name, e in EXERCISES.items():
         assert e.stub == f"{name}.py" and e.stub_path.parent == STUBS and e.solution.parent == SOLUTIONS
         assert e.stub_path.is_file() and e.solution.is_file()
@@ -56,6 +56,7 @@ STUB_SAYS = {
                            "clock 2 must wait until the slowest has finished 1")],
     "backup_step": [re.escape("your update averages all the gradients: that is plain synchronous SGD")],
     "fsdp_prefetch": [re.escape("unit 1's gather was started only after unit 0 had run, so nothing overlapped")],
+    "sharded_clip": ["each rank clipped by the norm of its own shard"],
     "zero2_step": [r"at p=1: in step 0 rank 0 held [\d.]+ KiB at its peak, 1\d\d% of the whole gradient",
                    "ZeRO-1's pattern"],
 }
@@ -82,6 +83,7 @@ SOLUTION_SAYS = {
     "ring_allgather": r"right for p = 1\.\.8: .* \(7 rounds, 56 chunk transfers at p=8\)",
     "tree_broadcast": r"right for p = 1\.\.9 and roots 0, 2, 3, 4, 5: .* \(4 at p=9\)",
     "fsdp_unit": r"right on 1\.\.4 ranks: .* \(8 units, 7,012 weights\), 3 collectives a unit a step",
+    "sharded_clip": r"right on 1\.\.3 ranks: .* torch\.nn\.utils\.clip_grad_norm_ gives",
     "loss_scaler": r"right on 6 runs: .* \(21 steps skipped, 13 growths",
     "backup_step": r"right on all 200 cases .* your steps average 1\.\d\d units",
 }

@@ -85,7 +85,7 @@ def test_the_simulated_clock_ends_a_step_at_the_nth_arrival():
 
 def test_lesson_13_is_registered_and_teaches_batch_size():
     les = lesson(13)
-    assert les.slug == "batch_size" and len(les.steps) == 5
+    assert les.slug == "batch_size" and len(les.steps) == 6
     assert all("batch-size" in s.teaches for s in les.steps)
 
 

@@ -183,3 +183,9 @@ def check_file(name: str, file: Path) -> ExerciseReport:
         raise ConfigError(f"there is no exercise {name!r}: choose one of {', '.join(EXERCISES)}")
     check_settings()
     return EXERCISES[name].checker(Path(file))
+
+# appended: lesson 10's clipping by the global norm of a sharded gradient
+from dplab.lessons.exercises.sharded_clip import judge_sharded_clip  # noqa: E402
+
+EXERCISES["sharded_clip"] = _exercise("sharded_clip", 10, "Clipping a sharded gradient by its norm",
+                                      judge_sharded_clip)

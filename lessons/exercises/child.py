@@ -50,6 +50,7 @@ COLLECTORS = {
     "loss_scaler": "dplab.lessons.exercises.scaler:collect_scaler",
     "fsdp_unit": "dplab.lessons.exercises.fsdp_unit:collect_fsdp",
     "backup_step": "dplab.lessons.exercises.backup:collect_backup",
+    "sharded_clip": "dplab.lessons.exercises.sharded_clip:collect_sharded_clip",
 }
 GRACE_S = 3.0            # after the time limit, how long the child has to report before it is killed
 START_S = 60.0           # the child's own start (an interpreter and numpy), before its limit runs
