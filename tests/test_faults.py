@@ -123,7 +123,9 @@ def test_peer_alive_tells_dead_from_zombie() -> None:
     pid = os.fork()
     if pid == 0:  # the child dies at once; unreaped, it is a zombie that os.kill(pid, 0) still finds
         os._exit(0)
-    time.sleep(0.1)
+    # Wait for its death without reaping it (WNOWAIT): a fixed sleep was not always enough for the
+    # child to run at all on a busy machine (then it was still alive, and the test failed).
+    os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
     try:
         os.kill(pid, 0)  # the zombie still "exists" ...
         assert not process_alive(pid)  # ... but is not alive
