@@ -76,9 +76,14 @@ def _tree_cpu() -> float:
     return total
 
 
+# This session's, taken out of the environment: a test that runs pytest in a subprocess must not
+# log into this run's files (nor overwrite its record).
+_CPU_LOG, _RECORD = os.environ.pop("DPLAB_CPU_LOG", ""), os.environ.pop("DPLAB_SUITE_RECORD", "")
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
-    path = os.environ.get("DPLAB_CPU_LOG")
+    path = _CPU_LOG
     if not path:
         yield
         return
@@ -93,13 +98,13 @@ _START: dict[str, float] = {}
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
-    if os.environ.get("DPLAB_SUITE_RECORD"):
+    if _RECORD:
         _START.update(wall=time.monotonic(), cpu=_tree_cpu(), load=os.getloadavg()[0])
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """With ``DPLAB_SUITE_RECORD=PATH``: the run's record, for the README's test times."""
-    path = os.environ.get("DPLAB_SUITE_RECORD")
+    path = _RECORD
     if not path or not _START:
         return
     stats = session.config.pluginmanager.get_plugin("terminalreporter").stats
