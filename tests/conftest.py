@@ -103,24 +103,28 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    """With ``DPLAB_SUITE_RECORD=PATH``: the run's record, for the README's test times."""
+    """With ``DPLAB_SUITE_RECORD=PATH``: this run's record, kept in PATH under its command (the
+    README's two test commands each have one there: ``tests/test_readme.py`` reads them)."""
     path = _RECORD
     if not path or not _START:
         return
     stats = session.config.pluginmanager.get_plugin("terminalreporter").stats
-    count = {k: len([r for r in stats.get(k, []) if getattr(r, "when", "call") == "call"])
-             for k in ("passed", "failed", "skipped")}
-    count["skipped"] = len(stats.get("skipped", []))
-    record = {"command": " ".join(["pytest", *sys.argv[1:]]).strip(),
-              "markexpr": session.config.option.markexpr, **count,
-              "exitstatus": int(exitstatus),
+    count = {k: len([r for r in stats.get(k, []) if r.when == "call"]) for k in ("passed", "failed")}
+    count |= {"skipped": len(stats.get("skipped", [])), "errors": len(stats.get("error", []))}
+    command = "pytest" + "".join(f' "{a}"' if " " in a else f" {a}" for a in sys.argv[1:])
+    record = {"markexpr": session.config.option.markexpr, **count,
               "wall_s": round(time.monotonic() - _START["wall"], 1),
               "cpu_s": round(_tree_cpu() - _START["cpu"], 1),
               "load_1min": [round(_START["load"], 2), round(os.getloadavg()[0], 2)],
               "cores": len(os.sched_getaffinity(0)),
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    records = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            records = json.load(f)
+    records[command] = record
     with open(path, "w") as f:
-        json.dump(record, f, indent=1)
+        json.dump(records, f, indent=1)
         f.write("\n")
 
 
