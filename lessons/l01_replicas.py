@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from dplab.backends import allreduce
+from dplab.backends.cli.args import build_parser
 from dplab.backends.runs.run import RunSpec, run_train
 from dplab.lessons.step import Check, Explore, Lesson, Predict, Step
 from dplab.reference.data import batch_indices, shard
@@ -25,7 +26,8 @@ def four_replicas(lab):
     spec = RunSpec(world_size=4, algorithm="ring", train=TrainConfig(steps=50))
     row, events = run_train(spec, world=lab.world(4), trace=True)
     same = row["ranks_identical"]
-    return {"p": 4, "steps": row["steps"],
+    return {"p": 4, "steps": row["steps"], "optimizer": spec.train.optimizer.name,
+            "cli_optimizer": build_parser().parse_args(["train"]).optimizer,
             "identical": same,
             "diff": row["max_abs_diff_vs_single"],
             "loss": row["final_loss"],
@@ -113,7 +115,9 @@ STEPS = (
               "At the end the four replicas are identical to the bit ({identical}): they started from "
               "rank 0's weights and applied the same summed gradient, bit for bit, every step. Against one "
               "device trained on the same batches they differ by at most **{diff:.1e}**: float64 rounding, "
-              "because the all-reduce adds in another order than one device does. Final loss {loss:.4f}.\n\n"
+              "because the all-reduce adds in another order than one device does. Final loss {loss:.4f} "
+              "(`dplab train --world-size 4` ends at another loss: it steps with {cli_optimizer}, "
+              "this run with the library's default, {optimizer}).\n\n"
               "The code below is the recipe at its plainest (`reference/train/naive.py`): broadcast, "
               "shard, forward and backward, one all-reduce of the whole gradient, step. The run above is "
               "its bucketed form (`reference/train/sync.py`, what `dplab train` runs), which all-reduces "

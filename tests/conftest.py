@@ -10,12 +10,24 @@ they must live at module level; ``launch(fn, p)`` forks and takes any callable.
 
 ``DPLAB_EXAMPLES`` sets the base number of hypothesis examples (default 50); tests
 that need more for a meaningful property scale it up.
+
+``DPLAB_CPU_LOG=PATH`` appends one line per test: its node id, wall seconds, CPU seconds
+(this process, its reaped children, and its live descendants such as a persistent world's
+ranks), the 1-minute load average and this process's own CPU seconds (what one core must do
+in turn, whatever the others do): where the suite's time goes on a shared machine, where
+wall times are inflated by others' work but CPU seconds are not. ``DPLAB_SUITE_RECORD=PATH``
+writes the whole run's record (its command, tests passed, wall and CPU seconds, load, cores) as
+JSON: ``tests/suite_time.json`` is one, and the README's test times are read from it
+(``tests/test_readme.py`` checks them).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
+import sys
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -34,6 +46,86 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow],
 )
 settings.load_profile("ci")
+
+
+def _tree_cpu() -> float:
+    """CPU seconds of this process, its reaped children and its live descendants (from /proc)."""
+    t = os.times()
+    total = t.user + t.system + t.children_user + t.children_system
+    tick, stack, seen = os.sysconf("SC_CLK_TCK"), [os.getpid()], set()
+    while stack:
+        pid = stack.pop()
+        kids = []
+        try:
+            for task in os.listdir(f"/proc/{pid}/task"):
+                with open(f"/proc/{pid}/task/{task}/children") as f:
+                    kids += [int(k) for k in f.read().split()]
+        except OSError:
+            continue
+        for kid in kids:
+            if kid in seen:
+                continue
+            seen.add(kid)
+            stack.append(kid)
+            try:  # utime, stime, cutime, cstime: fields 14-17
+                with open(f"/proc/{kid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                total += sum(int(f) for f in fields[11:15]) / tick
+            except (OSError, IndexError, ValueError):
+                pass
+    return total
+
+
+# This session's, taken out of the environment: a test that runs pytest in a subprocess must not
+# log into this run's files (nor overwrite its record).
+_CPU_LOG, _RECORD = os.environ.pop("DPLAB_CPU_LOG", ""), os.environ.pop("DPLAB_SUITE_RECORD", "")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    path = _CPU_LOG
+    if not path:
+        yield
+        return
+    own, cpu, wall = time.process_time(), _tree_cpu(), time.monotonic()
+    yield
+    cpu, wall, own = _tree_cpu() - cpu, time.monotonic() - wall, time.process_time() - own
+    with open(path, "a") as f:
+        f.write(f"{item.nodeid}\t{wall:.3f}\t{cpu:.3f}\t{os.getloadavg()[0]:.2f}\t{own:.3f}\n")
+
+
+_START: dict[str, float] = {}
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    if _RECORD:
+        _START.update(wall=time.monotonic(), cpu=_tree_cpu(), load=os.getloadavg()[0])
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """With ``DPLAB_SUITE_RECORD=PATH``: this run's record, kept in PATH under its command (the
+    README's two test commands each have one there: ``tests/test_readme.py`` reads them)."""
+    path = _RECORD
+    if not path or not _START:
+        return
+    stats = session.config.pluginmanager.get_plugin("terminalreporter").stats
+    count = {k: len([r for r in stats.get(k, []) if r.when == "call"]) for k in ("passed", "failed")}
+    count |= {"skipped": len(stats.get("skipped", [])), "errors": len(stats.get("error", []))}
+    command = "pytest" + "".join(f' "{a}"' if " " in a else f" {a}" for a in sys.argv[1:])
+    record = {"markexpr": session.config.option.markexpr, **count,
+              "wall_s": round(time.monotonic() - _START["wall"], 1),
+              "cpu_s": round(_tree_cpu() - _START["cpu"], 1),
+              "load_1min": [round(_START["load"], 2), round(os.getloadavg()[0], 2)],
+              "cores": len(os.sched_getaffinity(0)),
+              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    records = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            records = json.load(f)
+    records[command] = record
+    with open(path, "w") as f:
+        json.dump(records, f, indent=1)
+        f.write("\n")
 
 
 def _backend_params() -> list:

@@ -20,8 +20,12 @@ import pytest
 from dplab.backends.launch.world import RankError, RankLost, launch
 from dplab.backends.local import shm
 from dplab.backends.local.shm import process_alive
+from dplab.reference.communicator import CommTimeout, Communicator
+from dplab.reference.ps.protocol import TAG_REPLY
 from dplab.reference.ps.replay import replay
+from dplab.reference.ps.server import Server
 from dplab.reference.ps.trainer import AsyncConfig, train_async
+from dplab.reference.trace import Tracer
 from dplab.reference.train.single import TrainConfig
 from dplab.reference.train.sync import SyncConfig, train_sync
 
@@ -119,10 +123,79 @@ def test_peer_alive_tells_dead_from_zombie() -> None:
     pid = os.fork()
     if pid == 0:  # the child dies at once; unreaped, it is a zombie that os.kill(pid, 0) still finds
         os._exit(0)
-    time.sleep(0.1)
+    # Wait for its death without reaping it (WNOWAIT): a fixed sleep was not always enough for the
+    # child to run at all on a busy machine (then it was still alive, and the test failed).
+    os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
     try:
         os.kill(pid, 0)  # the zombie still "exists" ...
         assert not process_alive(pid)  # ... but is not alive
         assert process_alive(os.getpid())
     finally:
         os.waitpid(pid, 0)
+
+
+class _ScriptedComm(Communicator):
+    """Rank 0 of 4 without processes: every send completes at once except the ones whose wait is
+    scripted to pass a listening slice in silence (``slow``: dst -> slices), as a busy peer's does;
+    ``dead`` is what ``peer_alive`` reports. Replies are recorded as (dst, [version, clock])."""
+
+    backend = "scripted"
+
+    def __init__(self, slow: dict[int, int], dead: set[int]) -> None:
+        self.rank, self.world_size, self.timeout = 0, 4, 30.0
+        self.tracer, self.slow, self.dead, self.replies = Tracer(0), dict(slow), dead, []
+
+    def isend(self, buf: np.ndarray, dst: int, tag: int = 0):
+        if tag == TAG_REPLY:
+            self.replies.append((dst, [int(x) for x in buf]))
+        comm = self
+
+        class Sent:
+            def wait(self) -> None:
+                if comm.slow.get(dst, 0) > 0:
+                    comm.slow[dst] -= 1
+                    raise CommTimeout(f"rank {dst} took no message within the slice")
+
+        return Sent()
+
+    def irecv(self, buf: np.ndarray, src: int = -1, tag: int = 0):
+        raise AssertionError("release() only sends")
+
+    def native_allreduce(self, buf: np.ndarray, op: str = "sum", check: bool = True) -> None:
+        raise AssertionError("not a collective")
+
+    def close(self) -> None:
+        pass
+
+    def peer_alive(self, rank: int) -> bool:
+        return rank not in self.dead
+
+
+def _held_server(comm: _ScriptedComm, done: list[int], waiting: list[tuple[int, int]]) -> Server:
+    server = Server(comm, TrainConfig(steps=10), AsyncConfig(staleness=0), clocks=10)
+    server.gate.done, server.waiting = list(done), list(waiting)
+    return server
+
+
+def test_a_worker_found_dead_while_answered_opens_the_gate_for_pulls_already_passed_over() -> None:
+    """Lock-step, worker 2 is answered clock 4 last and dies as soon as it has it (kill_at=(2, 4));
+    workers 1 and 3, done with clock 4, wait at the gate for clock 5. Found dead in the answer's
+    own listening, worker 2 is forgotten there: the gate opens for 1 and 3, whose pulls this scan
+    had already held. They were left waiting for a reply that never came (the flake of
+    test_async_goes_on_without_a_killed_worker[0]: rank 1 waited 60 s for rank 0)."""
+    comm = _ScriptedComm(slow={2: 1}, dead={2})
+    server = _held_server(comm, done=[5, 4, 5], waiting=[(1, 5), (3, 5), (2, 4)])
+    server.release()
+    assert server.roster.lost == {2: 4}
+    assert sorted(dst for dst, (_, clock) in comm.replies if clock == 5) == [1, 3]
+    assert server.waiting == []
+
+
+def test_a_dead_workers_own_held_pull_is_dropped_not_answered() -> None:
+    """Worker 2, killed from outside after its pull for clock 4, is found dead while worker 1 (slow
+    to take its reply) is answered: its own held pull, later in the same scan, goes with it."""
+    comm = _ScriptedComm(slow={1: 1}, dead={2})
+    server = _held_server(comm, done=[4, 4, 4], waiting=[(1, 4), (2, 4), (3, 4)])
+    server.release()
+    assert server.roster.lost == {2: 4}
+    assert [dst for dst, _ in comm.replies] == [1, 3] and server.waiting == []

@@ -228,20 +228,14 @@ def _start_app(env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str
     return proc, line.split()[2]
 
 
-def test_dplab_app_prints_its_url_once_the_server_answers():
-    proc, url = _start_app()
-    try:
-        with urllib.request.urlopen(f"{url}/_stcore/health", timeout=10) as r:  # at once, no retry
-            assert r.read() == b"ok"
-    finally:
-        os.killpg(proc.pid, signal.SIGINT)
-        proc.wait(60)
-
-
 @pytest.mark.parametrize("how, code", [("ctrl-c", 130), ("sigint", 130), ("sigterm", 143),
                                        ("sigkill", -9)])
-def test_dplab_app_stops_its_server_and_says_how_it_ended(how, code):
-    proc, _ = _start_app()
+def test_dplab_app_answers_at_its_url_and_stops_its_server_saying_how_it_ended(how, code):
+    """One server per way of ending it (each start costs seconds of CPU): the URL is printed once
+    the server answers, stdout carries only that line, and the end is the signal's."""
+    proc, url = _start_app()
+    with urllib.request.urlopen(f"{url}/_stcore/health", timeout=10) as r:  # at once, no retry
+        assert r.read() == b"ok"
     (server,) = _children(proc.pid)
     if how == "ctrl-c":  # a terminal's Ctrl-C reaches the whole foreground group
         os.killpg(proc.pid, signal.SIGINT)
@@ -256,16 +250,12 @@ def test_dplab_app_stops_its_server_and_says_how_it_ended(how, code):
     if alive:
         os.kill(server, signal.SIGKILL)
     assert not alive, f"the server {server} outlived dplab app ({how})"
+    rest, err = proc.stdout.read(), proc.stderr.read()
+    assert rest == "", rest  # the server's own messages go to stderr: stdout is for the URL
     if code > 0:
-        said = proc.stderr.read().strip().splitlines()[-1]
+        assert re.search(r"streamlit|Uvicorn|URL", err, re.IGNORECASE), err
+        said = err.strip().splitlines()[-1]
         assert said == ("dplab app: interrupted" if code == 130 else "dplab app: terminated")
-
-
-def test_dplab_app_keeps_stdout_for_its_url():
-    proc, _ = _start_app()
-    os.killpg(proc.pid, signal.SIGINT)
-    rest, err = proc.communicate(timeout=60)
-    assert rest == "" and re.search(r"streamlit|Uvicorn|URL", err, re.IGNORECASE), (rest, err)
 
 
 # --- the real server, in Chromium ----------------------------------------------------------

@@ -24,6 +24,7 @@ from dplab.reference.schedule import chunk_bounds
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
+HEAVY = 'pytest -m "browser or hosts"'  # the tier the default pytest leaves out; .ci/run runs it
 FOLDERS = ("reference", "backends", "viz", "lessons")  # each maps its files in its own README.md
 DOCS = {path: path.read_text() for path in
         [ROOT / "README.md", *(ROOT / f / "README.md" for f in FOLDERS),
@@ -49,7 +50,11 @@ def test_the_install_and_test_commands_are_what_ci_runs():
     ci = (ROOT / ".ci" / "run").read_text()
     assert 'pip install -q "torch==2.13.0"' in ci and 'pip install -q -e ".[all]"' in ci
     assert ci.index("torch==2.13.0") < ci.index('-e ".[all]"')
-    assert re.search(r"^pytest\b", ci, re.M), ".ci/run must run the README's test command: pytest"
+    assert re.search(r"^ *pytest *(#|$)", ci, re.M), ".ci/run must run the README's test command: pytest"
+    assert re.search(rf"^ *{re.escape(HEAVY)} *(#|$)", ci, re.M), f".ci/run must run {HEAVY} too"
+    assert {"pytest", HEAVY} <= set(_first_block()), "the README shows both test commands"
+    addopts = re.search(r'^addopts = "(.*)"', (ROOT / "pyproject.toml").read_text(), re.M).group(1)
+    assert "not browser and not hosts" in addopts, "the default pytest leaves out what HEAVY runs"
 
 
 def _dplab_commands() -> list[str]:
@@ -81,8 +86,11 @@ def test_dplab_train_prints_what_the_readme_shows():
     out = proc.stdout.splitlines()
     assert out[0].split() == shown[0].split()
     row, readme_row = out[2].split(), shown[2].split()
-    assert row[:6] == readme_row[:6]  # backend .. final_loss: deterministic
+    # backend .. ranks_identical are deterministic (the same float64 operations in the same order
+    # every run): the README shows exactly what the command prints; only wall_s is the machine's
+    assert row[:8] == readme_row[:8], f"the README's sample row is not what the run prints: {out[2]}"
     assert float(row[6]) < 1e-12 and row[7] == "True"
+    assert len(row) == len(readme_row) == 9 and float(readme_row[8]) > 0
 
 
 def test_links_in_the_docs_lead_somewhere():
@@ -258,3 +266,47 @@ def test_the_multi_host_lines_are_the_ones_the_hosts_tests_run():
     torch_lines, mpi_line = launch_lines()
     for argv in [*torch_lines, mpi_line]:
         assert " ".join(argv) in README, " ".join(argv)
+
+
+
+SUITE_TIME = ROOT / "tests" / "suite_time.json"  # DPLAB_SUITE_RECORD=tests/suite_time.json pytest
+
+
+def suite_times(records: dict[str, dict]) -> list[str]:
+    """The README's sentence for each of its test commands recorded in ``tests/suite_time.json``
+    (``DPLAB_SUITE_RECORD``, ``tests/conftest.py``). On c quiet cores a run takes at least its
+    CPU seconds / c; the wall time measured is the load's as much as the suite's."""
+    lines = []
+    for command in ("pytest", HEAVY):
+        if (r := records.get(command)) is None:
+            continue
+        cpu_min, (l0, l1) = r["cpu_s"] / 60, r["load_1min"]
+        lines.append(f"`{command}`: {r['passed']:,} passed, {r['skipped']:,} skipped in "
+                     f"{r['wall_s'] / 60:.0f} minutes at load {l0:.0f}-{l1:.0f} on {r['cores']} cores "
+                     f"({r['date']}), {cpu_min:.0f} CPU-minutes: at least {cpu_min / r['cores']:.0f} "
+                     f"minutes on {r['cores']} quiet cores")
+    return lines
+
+
+def test_the_readmes_test_times_are_a_recorded_run():
+    """Every time the README gives for its test commands is a run recorded in tests/suite_time.json
+    (its date, load and cores said with it); without a record it gives none: none typed by hand."""
+    import json
+
+    records = json.loads(SUITE_TIME.read_text()) if SUITE_TIME.exists() else {}
+    for command in ("pytest", HEAVY):
+        r = records.get(command, {})
+        assert r.get("failed", 0) == r.get("errors", 0) == 0, f"the recorded {command} failed"
+    flat, sentences = " ".join(README.split()), suite_times(records)
+    for sentence in sentences:
+        assert sentence in flat, f"the README should say: {sentence}"
+    section = flat.split("## Tests", 1)[1] + re.search(r"```bash\n(.*?)```", README, re.S).group(1)
+    said = len(re.findall(r"\b(minutes?|hours?)\b", section))
+    assert said == sum(len(re.findall(r"\b(minutes?|hours?)\b", s)) for s in sentences), \
+        "a test time typed by hand: record a run (SUITE_TIME) and paste python tests/test_readme.py"
+
+
+if __name__ == "__main__":  # the README's sentences from the record, to paste
+    import json
+
+    print("\n".join(suite_times(json.loads(SUITE_TIME.read_text()))))

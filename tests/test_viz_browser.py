@@ -155,7 +155,7 @@ def visit(browser: Any, app: AppServer) -> Iterator[Any]:
 def test_viz_browser_missing_chromium_skips_with_the_reason_and_fails_in_ci(tmp_path: Path) -> None:
     """No browser: a visible skip that says how to install one; under DPLAB_REQUIRE_BROWSER=1 a failure."""
     argv = [sys.executable, "-m", "pytest", "-q", "-rsf", "-p", "no:cacheprovider", __file__,
-            "-k", "every_page_file_is_in_the_navigation"]
+            "-m", "browser", "-k", "every_page_file_is_in_the_navigation"]  # (pytest leaves out -m browser)
     env = {**os.environ, "DPLAB_CHROMIUM": str(tmp_path / "no-chromium"), "DPLAB_REQUIRE_BROWSER": "",
            "DPLAB_ARTIFACTS": str(tmp_path)}
     skipped = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)

@@ -196,15 +196,25 @@ class Server:
         return self.version if self.version <= self.last_clock else STOP
 
     def release(self) -> None:
-        """Answer every held pull that may go now."""
-        for worker, clock in list(self.waiting):
-            given = self.decide(clock)
-            if given is not None:
-                self.waiting.remove((worker, clock))
-                if given == STOP:
-                    self.stop(worker)
-                else:
-                    self.answer(worker, given)
+        """Answer every held pull that may go now.
+
+        A worker found dead while an answer is sent (``answer`` listens) is forgotten at once:
+        that can open the gate for pulls already passed over in this scan, and drops the dead
+        worker's own held pull. So scan again until a scan loses nobody, and take only the
+        pulls still held."""
+        lost = -1
+        while lost != len(self.roster.lost):
+            lost = len(self.roster.lost)
+            for worker, clock in list(self.waiting):
+                if (worker, clock) not in self.waiting:  # its worker was lost in this scan
+                    continue
+                given = self.decide(clock)
+                if given is not None:
+                    self.waiting.remove((worker, clock))
+                    if given == STOP:
+                        self.stop(worker)
+                    else:
+                        self.answer(worker, given)
 
     def stop(self, worker: int) -> None:
         """Tell ``worker`` to stop (its pull is answered with ``STOP``); it sends nothing more.
