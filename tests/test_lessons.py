@@ -23,7 +23,8 @@ APP_PAGES = {"collectives", "cost", "training", "runs", "lessons"}
 def test_every_step_runs_and_its_claims_hold(number):
     les = lesson(number)
     if missing_needs(les):
-        pytest.skip(f"lesson {number} needs the extras {missing_needs(les)}: pip install -e '.[all]'")
+        pytest.skip(f"lesson {number} needs the extras {missing_needs(les)}: pip install -e "
+                    "'.[all]'")
     with Lab() as lab:
         for step in les.steps:
             out = run_step(step, lab)
@@ -35,14 +36,23 @@ def test_every_step_runs_and_its_claims_hold(number):
                 reply = f"{truth}" if not isinstance(truth, float) else repr(truth)
                 assert step.predict.judge(out.facts, reply).correct, (step.title, reply)
                 assert out.question()
-                for what, why in step.predict.misconceptions:  # a named mistake must be judged wrong
+                for what, why in step.predict.misconceptions:
+                    # a named mistake must be judged wrong
                     if not callable(what):
                         verdict = step.predict.judge(out.facts, str(what))
-                        assert not verdict.correct and verdict.misconception, (step.title, what, verdict)
+                        assert not verdict.correct and verdict.misconception, (
+                            step.title,
+                            what,
+                            verdict,
+                        )
             if step.explore is not None:
                 assert step.explore.page in APP_PAGES, step.explore.page
-                query = step.explore.query(out.facts)  # names the page would ignore open the wrong picture
-                assert not unread(step.explore.page, query), (step.title, unread(step.explore.page, query))
+                # names the page would ignore open the wrong picture
+                query = step.explore.query(out.facts)
+                assert not unread(step.explore.page, query), (
+                    step.title,
+                    unread(step.explore.page, query),
+                )
             if step.figure is not None:
                 assert out.figure is not None and len(out.figure.data) > 0, step.title
 
@@ -55,9 +65,11 @@ def test_lessons_are_numbered_in_order_and_name_known_ideas():
             assert set(step.teaches) <= set(CONCEPTS), (les.number, step.title, step.teaches)
 
 
-SHOWN_WIDTH = 79       # the code a lesson writes must read in an 80-column terminal without wrapping
-SPINE_WIDTH = 110      # the spine a step shows (Step.show) is the project's code, at ruff's line length;
-                       # the terminal word-wraps it (lessons/render.py)
+# the code a lesson writes must read in an 80-column terminal without wrapping
+SHOWN_WIDTH = 79
+# the spine a step shows (Step.show) is the project's code, at ruff's line length; the terminal
+# word-wraps it (lessons/render.py)
+SPINE_WIDTH = 110
 
 
 def _shown_pieces(step):
@@ -74,7 +86,8 @@ def _shown_pieces(step):
 
 
 def test_shown_code_fits_an_80_column_terminal():
-    too_long = [f"lesson {les.number} step {i} ({step.title!r}) line {j}, {len(line)} chars: {line.strip()}"
+    too_long = [f"lesson {les.number} step {i} ({step.title!r}) line {j}, {len(line)} chars: "
+                f"{line.strip()}"
                 for les in lessons() for i, step in enumerate(les.steps, 1)
                 for code, width in _shown_pieces(step)
                 for j, line in enumerate(code.splitlines(), 1) if len(line) > width]
