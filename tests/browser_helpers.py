@@ -1,7 +1,8 @@
-"""Machinery for the browser tests: find Chromium and playwright, serve ``dplab app``, wait for a render.
+"""Machinery for the browser tests: find Chromium and playwright, serve ``dplab app``, wait for a
+render.
 
-    pytest -q -m browser tests/test_viz_browser.py                       # screenshots under a tmp dir
-    DPLAB_ARTIFACTS=/tmp/shots pytest -q -m browser tests/test_viz_browser.py   # ... under /tmp/shots
+    pytest -q -m browser tests/test_viz_browser.py              # screenshots under a tmp dir
+    DPLAB_ARTIFACTS=/tmp/shots pytest -q -m browser tests/test_viz_browser.py  # under /tmp/shots
 
 The browser is Debian's ``chromium`` (``apt-get install chromium``; ``.ci/run`` installs it),
 driven by the ``playwright`` package: ``playwright install`` downloads its own browser build,
@@ -32,21 +33,33 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CHROMIUM_ARGS", "AppServer", "browser_missing", "chromium_path", "free_port", "require_browser",
-           "wait_rendered", "RENDERED_JS", "EXCEPTION_SELECTOR"]
+__all__ = [
+    "CHROMIUM_ARGS",
+    "AppServer",
+    "browser_missing",
+    "chromium_path",
+    "free_port",
+    "require_browser",
+    "wait_rendered",
+    "RENDERED_JS",
+    "EXCEPTION_SELECTOR",
+]
 
 CHROMIUM_ARGS = ("--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic",
-                 "--disable-dev-shm-usage")  # /tmp, not /dev/shm: the tests that count dplab's segments
+                 # /tmp, not /dev/shm: the tests that count dplab's segments
+                 "--disable-dev-shm-usage")
 EXCEPTION_SELECTOR = '[data-testid="stException"]'
 HEALTH_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 10.0
 CONFIRM_S = 0.3
 
-# True once the page is rendered (see the module docstring); evaluated in the page by wait_for_function.
+# True once the page is rendered (see the module docstring); evaluated in the page by
+# wait_for_function.
 RENDERED_JS = """() => {
   const app = document.querySelector('[data-testid="stApp"]');
-  if (!app || app.dataset.testScriptState !== 'notRunning' || app.dataset.testConnectionState !== 'CONNECTED')
+  if (!app || app.dataset.testScriptState !== 'notRunning' || app.dataset.testConnectionState !==
+  'CONNECTED')
     return false;
   if (document.querySelector('[data-testid="stSpinner"], [data-testid="stSkeleton"]')) return false;
   const charts = [...document.querySelectorAll('[data-testid="stPlotlyChart"]')];
@@ -75,7 +88,8 @@ def browser_missing() -> str | None:
 
 
 def require_browser() -> bool:
-    """CI's switch: a missing browser fails the run instead of skipping (DPLAB_REQUIRE_BROWSER=1)."""
+    """CI's switch: a missing browser fails the run instead of skipping
+    (DPLAB_REQUIRE_BROWSER=1)."""
     return os.environ.get("DPLAB_REQUIRE_BROWSER", "") not in ("", "0")
 
 
@@ -114,8 +128,13 @@ class AppServer:
         argv = [str(dplab) if dplab.is_file() else "dplab", "app", "--port", str(self.port)]
         t0 = time.perf_counter()
         with open(self.log, "wb") as out:
-            self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         start_new_session=True)
+            self.proc = subprocess.Popen(
+                argv,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         deadline = t0 + HEALTH_TIMEOUT_S
         while time.perf_counter() < deadline:
             if self.proc.poll() is not None:
@@ -129,8 +148,8 @@ class AppServer:
             except OSError:
                 time.sleep(0.2)
         self.stop()
-        raise RuntimeError(f"dplab app did not answer /_stcore/health in {HEALTH_TIMEOUT_S:.0f} s:\n"
-                           f"{self.output()}")
+        raise RuntimeError(f"dplab app did not answer /_stcore/health in {HEALTH_TIMEOUT_S:.0f} "
+                           f"s:\n{self.output()}")
 
     def output(self) -> str:
         return self.log.read_text(errors="replace")[-4000:] if self.log.exists() else ""
@@ -157,8 +176,9 @@ def _signal_group(pid: int, sig: int) -> None:
 
 
 def wait_rendered(page: Any, timeout_s: float) -> float:
-    """Block until ``page`` is rendered (RENDERED_JS, confirmed CONFIRM_S later), or raise playwright's
-    TimeoutError. Returns the seconds from the call to the confirmed render's first sighting."""
+    """Block until ``page`` is rendered (RENDERED_JS, confirmed CONFIRM_S later), or raise
+    playwright's TimeoutError. Returns the seconds from the call to the confirmed render's first
+    sighting."""
     t0 = time.perf_counter()
     deadline = t0 + timeout_s
     while True:

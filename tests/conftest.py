@@ -109,7 +109,9 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if not path or not _START:
         return
     stats = session.config.pluginmanager.get_plugin("terminalreporter").stats
-    count = {k: len([r for r in stats.get(k, []) if r.when == "call"]) for k in ("passed", "failed")}
+    count = {
+        k: len([r for r in stats.get(k, []) if r.when == "call"]) for k in ("passed", "failed")
+    }
     count |= {"skipped": len(stats.get("skipped", [])), "errors": len(stats.get("error", []))}
     command = "pytest" + "".join(f' "{a}"' if " " in a else f" {a}" for a in sys.argv[1:])
     record = {"markexpr": session.config.option.markexpr, **count,
@@ -129,13 +131,16 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 
 def _backend_params() -> list:
-    return [pytest.param(name, marks=[] if name == "local" else [getattr(pytest.mark, name)], id=name)
-            for name in BACKENDS]
+    return [
+        pytest.param(name, marks=[] if name == "local" else [getattr(pytest.mark, name)], id=name)
+        for name in BACKENDS
+    ]
 
 
 @pytest.fixture(scope="session", params=_backend_params())
 def backend(request: pytest.FixtureRequest) -> str:
-    """Each installed backend in turn (the conformance suite); a missing one skips with its reason."""
+    """Each installed backend in turn (the conformance suite);
+    a missing one skips with its reason."""
     try:
         check_backend(request.param)
     except BackendUnavailable as e:
@@ -159,13 +164,16 @@ def _fresh_streamlit_cache() -> Iterator[None]:
 
 @pytest.fixture(scope="session")
 def worlds() -> Iterator[Callable[..., World]]:
-    """``get_world(p, backend="local")``: the session's persistent world of ``p`` ranks (created lazily)."""
+    """``get_world(p, backend="local")``: the session's persistent world of ``p`` ranks (created
+    lazily)."""
     cache: dict[tuple[int, str], World] = {}
 
     def get_world(p: int, backend: str = "local") -> World:
         if (p, backend) not in cache:
             # A shorter timeout than the library default: a hang fails fast, not in a minute.
-            cache[(p, backend)] = World(p, backend, timeout=float(os.environ.get("DPLAB_TIMEOUT", "30")))
+            cache[(p, backend)] = World(
+                p, backend, timeout=float(os.environ.get("DPLAB_TIMEOUT", "30"))
+            )
         return cache[(p, backend)]
 
     try:
@@ -178,7 +186,9 @@ def worlds() -> Iterator[Callable[..., World]]:
 
 
 @pytest.fixture
-def cli_here(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> Callable[..., Any]:
+def cli_here(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> Callable[..., Any]:
     """``cli_here(*argv)``: ``dplab *argv`` run by ``main`` in this process, as a CompletedProcess
     (returncode, stdout, stderr). A subprocess costs ~0.45 s of interpreter start and imports per
     call; this costs milliseconds. Starting a rank is an error here: every refusal it is used for

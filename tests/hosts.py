@@ -54,7 +54,18 @@ def cluster() -> Iterator[Cluster]:
 
 def hosts_env(extra: dict[str, str]) -> dict[str, str]:
     """This test's environment without any launcher it may run under, plus ``extra``."""
-    drop = ("PMI_", "DPLAB_", "OMPI_", "PMIX_", "MPI_LOCAL", "TORCHELASTIC_", "GLOO_", "FI_", "UCX_", "MPIR_")
+    drop = (
+        "PMI_",
+        "DPLAB_",
+        "OMPI_",
+        "PMIX_",
+        "MPI_LOCAL",
+        "TORCHELASTIC_",
+        "GLOO_",
+        "FI_",
+        "UCX_",
+        "MPIR_",
+    )
     env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
               "MASTER_PORT"):

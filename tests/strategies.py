@@ -39,7 +39,8 @@ def one_at_a_time(make):
 
 @st.composite
 def train_configs(draw, dtype: str = "float64", steps: tuple[int, int] = (1, 4)) -> TrainConfig:
-    """Small random models, data sets, optimizers and global batches (often < p or not divisible)."""
+    """Small random models, data sets, optimizers and global batches (often < p or not
+    divisible)."""
     dataset = draw(st.sampled_from(["regression", "classification"]))
     model = MLPConfig(
         in_dim=draw(st.integers(1, 6)),
@@ -49,12 +50,19 @@ def train_configs(draw, dtype: str = "float64", steps: tuple[int, int] = (1, 4))
         loss="xent" if dataset == "classification" else "mse",
     )
     name = draw(st.sampled_from(["sgd", "momentum", "adam"]))
-    # Adam moves a coordinate by about lr * g / (|g| + eps): where a gradient cancels to ~0, float32's
+    # Adam moves a coordinate by about lr * g / (|g| + eps): where a gradient cancels to ~0,
+    # float32's
     # rounding of the sum (~1e-7 of its terms, far above eps = 1e-8) decides the step, so two orders
     # of addition legitimately end lr apart (a dead relu unit did: 2e-4 relative). In float32 the
     # comparison with one device uses an eps above that noise; float64's rounding is below 1e-8.
     eps = 1e-4 if dtype == "float32" else 1e-8
-    return TrainConfig(model=model, dataset=dataset, num_samples=draw(st.integers(1, 40)),
-                       global_batch=draw(st.integers(1, 24)), steps=draw(st.integers(*steps)),
-                       optimizer=OptimConfig(name=name, lr=0.01 if name == "adam" else 0.05, eps=eps),
-                       seed=draw(st.integers(0, 2**16)), dtype=dtype)
+    return TrainConfig(
+        model=model,
+        dataset=dataset,
+        num_samples=draw(st.integers(1, 40)),
+        global_batch=draw(st.integers(1, 24)),
+        steps=draw(st.integers(*steps)),
+        optimizer=OptimConfig(name=name, lr=0.01 if name == "adam" else 0.05, eps=eps),
+        seed=draw(st.integers(0, 2**16)),
+        dtype=dtype,
+    )

@@ -19,8 +19,9 @@ P = 34  # 2 (p - 1) = 66 ring steps: up to 66 slices in flight, so k = SLOTS + 1
 
 
 def _warm(k: int) -> None:
-    """Build the schedule here, before the fork: the 34 ranks inherit it from the cache instead of each
-    spending ~0.15 s of the two cores on it (about 5 s of CPU per launch, ~1/3 of each test)."""
+    """Build the schedule here, before the fork: the 34 ranks inherit it from the cache instead of
+    each spending ~0.15 s of the two cores on it (about 5 s of CPU per launch, ~1/3 of each
+    test)."""
     allreduce_schedule(f"pipelined_ring:{k}", P)
 
 
@@ -34,8 +35,10 @@ def test_a_round_with_more_messages_to_one_peer_than_slots_is_refused_not_waited
     _warm(SLOTS + 1)
     # Refused, not waited out: before, every rank timed out on the mailbox (a CommTimeout, which
     # this match would not take). No clock: on a loaded machine starting the world alone took 13 s.
-    with pytest.raises(RankError, match=rf"posts {SLOTS + 1} messages to rank \d+, more than the local "
-                                        rf"backend's {SLOTS} mailbox slots.*'pipelined_ring:{SLOTS}'"):
+    with pytest.raises(RankError, match=rf"posts {SLOTS + 1} messages to rank \d+, more than the "
+                                        r"local "
+                                        rf"backend's {SLOTS} mailbox "
+                                        rf"slots.*'pipelined_ring:{SLOTS}'"):
         launch(_ring, P, args=(SLOTS + 1,), timeout=60.0)
 
 

@@ -30,7 +30,8 @@ def nccl_get_dtree(nranks: int, rank: int) -> tuple[int, int]:
 
 
 def height(p: int) -> int:
-    """The trees' height: ceil(lg p) for even p, ceil(lg(p - 1)) for odd p (rank p-1 hangs at depth 1)."""
+    """The trees' height: ceil(lg p) for even p, ceil(lg(p - 1)) for odd p (rank p-1 hangs at depth
+    1)."""
     q = p if p % 2 == 0 else p - 1
     return max(math.ceil(math.log2(q)) if q > 1 else 0, 1 if p > 1 else 0)
 
@@ -42,7 +43,8 @@ def test_every_rank_is_a_leaf_somewhere_and_interior_at_most_once(p):
     for parents in D.trees(p):
         kids = P.children_of(parents)
         assert parents.count(-1) == 1 and all(len(c) <= 2 for c in kids)
-        assert sum(len(c) for c in kids) == p - 1  # a spanning tree: every rank but the root has a parent
+        # a spanning tree: every rank but the root has a parent
+        assert sum(len(c) for c in kids) == p - 1
         assert max(P.heights(parents)) == height(p)
 
 
@@ -78,12 +80,15 @@ def test_values_sum_for_awkward_lengths(p):
         for n in (0, 1, 2 * k - 1, 2 * k + 1, 101):
             bufs = [rng.integers(-10**9, 10**9, size=n) for _ in range(p)]
             total = np.sum(bufs, axis=0, dtype=np.int64)
-            assert all(np.array_equal(b, total) for b in simulate(D.allreduce(p, k), bufs).buffers), (k, n)
+            assert all(
+                np.array_equal(b, total) for b in simulate(D.allreduce(p, k), bufs).buffers
+            ), (k, n)
 
 
 @pytest.mark.parametrize("p", range(1, 34))
 def test_bytes_per_rank_closed_form(p):
-    """2n when 2k divides n (p >= 4: interior in one tree 3 n/2, leaf in the other n/2), any n exactly."""
+    """2n when 2k divides n (p >= 4: interior in one tree 3 n/2, leaf in the other n/2), any n
+    exactly."""
     for k in (1, 2, 5, 8):
         for n in (0, 1, 2 * k - 1, 2 * k * 7, 2 * k * 7 + 3):
             assert cost(D.allreduce(p, k), n, 0, 0, 0).bytes_sent_max == D.busiest(p, n, k), (k, n)
@@ -98,11 +103,20 @@ def test_time_is_bounded_by_four_messages_each_way_per_round_and_the_docstring_n
             rounds = 2 * height(p) + k - 1
             for a, b, g in ((1, 0, 0), (0, 1, 0), (0, 0, 1), (5e-6, 1e-10, 5e-11)):
                 bound = rounds * (4 * a + 2 * b * n / k + g * n / k)
-                assert cost(D.allreduce(p, k), n, a, b, g).time <= bound * (1 + 1e-12), (p, k, a, b, g)
+                assert cost(D.allreduce(p, k), n, a, b, g).time <= bound * (1 + 1e-12), (
+                    p,
+                    k,
+                    a,
+                    b,
+                    g,
+                )
     abg, n = (5e-6, 1 / 10e9, 1 / 20e9), 16 << 20  # the docstring: best k, 16 MiB, float32
     for p, ratio in ((8, 1.3), (256, 0.86)):
         best = min(cost(D.allreduce(p, k), n, *abg, 4).time for k in (1, 2, 4, 8, 16, 32, 64))
-        assert round(best / cost(ring_mod.allreduce(p), n, *abg, 4).time, 2 if ratio < 1 else 1) == ratio
+        assert (
+            round(best / cost(ring_mod.allreduce(p), n, *abg, 4).time, 2 if ratio < 1 else 1)
+            == ratio
+        )
 
 
 def test_registry_and_bad_arguments():

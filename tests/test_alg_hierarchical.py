@@ -32,7 +32,10 @@ def test_every_contribution_counted_once_in_two_rings_inside_and_two_across_for_
         for n in (0, 1, 3, 37):
             bufs = [rng.integers(-10**9, 10**9, size=n) for _ in range(p)]
             total = np.sum(bufs, axis=0, dtype=np.int64)
-            assert all(np.array_equal(b, total) for b in simulate(hierarchical.allreduce(p, g), bufs).buffers)
+            assert all(
+                np.array_equal(b, total)
+                for b in simulate(hierarchical.allreduce(p, g), bufs).buffers
+            )
 
 
 @pytest.mark.parametrize("p", [1, 2, 3, 4, 7, 8, 13])
@@ -43,7 +46,8 @@ def test_one_rank_per_node_and_one_node_are_the_ring(p):
 
 
 def _bytes_across(s, g, n):
-    """Per rank: bytes sent to another node, for n bytes cut into the schedule's chunks (divisible)."""
+    """Per rank: bytes sent to another node, for n bytes cut into the schedule's chunks
+    (divisible)."""
     t, b = columns(s), n // s.num_chunks
     across = (t.src // g) != (t.dst // g)
     return np.bincount(t.src[across].astype(int), minlength=s.world_size) * b
@@ -58,7 +62,8 @@ def test_bytes_per_rank_are_the_rings_and_only_a_gth_crosses_nodes(p, g):
     across = _bytes_across(hierarchical.allreduce(p, g), g, n)
     assert (across == 2 * (nodes - 1) * n // (nodes * g)).all()  # every rank, its own NIC
     ring_across = _bytes_across(ring.allreduce(p), g, n)
-    assert ring_across.max() == 2 * (p - 1) * n // p  # the ring pushes everything through one link per node
+    # the ring pushes everything through one link per node
+    assert ring_across.max() == 2 * (p - 1) * n // p
 
 
 def test_a_smaller_last_node_runs_several_rings_and_still_sums():
@@ -72,7 +77,9 @@ def test_a_smaller_last_node_runs_several_rings_and_still_sums():
 
 def test_the_name_takes_the_node_size_and_defaults():
     assert PARAMETRIC["hierarchical"] == hierarchical.NODE_SIZE
-    assert allreduce_schedule("hierarchical", 6) == hierarchical.allreduce(6, hierarchical.NODE_SIZE)
+    assert allreduce_schedule("hierarchical", 6) == hierarchical.allreduce(
+        6, hierarchical.NODE_SIZE
+    )
     assert allreduce_schedule("hierarchical:3", 6) == hierarchical.allreduce(6, 3)
 
 
@@ -97,7 +104,8 @@ def test_hierarchical_sums_exactly_on_every_backend(worlds, backend, p):
             results = worlds(p, backend).run(job_allreduce, algorithm, n, dtype)
             want = ((np.arange(n) % 1000 - 500) * (p * (p + 1) // 2)).astype(dtype)
             for rank, out in enumerate(results):
-                np.testing.assert_array_equal(out, want, err_msg=f"{backend} {algorithm} p={p} n={n} r{rank}")
+                np.testing.assert_array_equal(out, want, err_msg=f"{backend} {algorithm} p={p} "
+                                                                 f"n={n} r{rank}")
 
 
 def _train(comm, cfg, sync):

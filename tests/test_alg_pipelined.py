@@ -52,7 +52,9 @@ def test_btree_is_nccls_and_as_deep_as_lg_p(p):
         assert parents[r] == up and kids[r] == sorted(c for c in (d0, d1) if c >= 0), r
         assert len(kids[r]) <= 2 and (r % 2 == 0 or not kids[r])  # odd ranks are leaves
     assert max(P.heights(parents)) == lg(p)
-    assert P.depths(parents) == [0 if r == 0 else 1 + P.depths(parents)[parents[r]] for r in range(p)]
+    assert P.depths(parents) == [
+        0 if r == 0 else 1 + P.depths(parents)[parents[r]] for r in range(p)
+    ]
 
 
 @pytest.mark.parametrize("p", range(1, 65))
@@ -61,12 +63,16 @@ def test_every_contribution_exactly_once_with_the_closed_form_rounds(p):
         tree, ring = P.pipelined_tree(p, k), P.pipelined_ring(p, k)
         assert (tree.num_chunks, ring.num_chunks) == (k, p * k)
         assert is_allreduce(simulate(tree)), k
-        if k == 2 or p <= 16:  # the ring's provenance is p^2 k numbers per round: keep the suite fast
+        if k == 2 or p <= 16:
+            # the ring's provenance is p^2 k numbers per round: keep the suite fast
             assert is_allreduce(simulate(ring)), k
-        assert len(tree.rounds) == (2 * lg(p) + k - 1 if p > 1 else 0)  # not 2 lg p * k, not 2(lg p + k - 1)
+        # not 2 lg p * k, not 2(lg p + k - 1)
+        assert len(tree.rounds) == (2 * lg(p) + k - 1 if p > 1 else 0)
         assert len(ring.rounds) == (2 * (p - 1) + k - 1 if p > 1 else 0)
     # one slice is the plain ring (its rounds grouped by chunk)
-    assert [set(r) for r in P.pipelined_ring(p, 1).rounds] == [set(r) for r in ring_mod.allreduce(p).rounds]
+    assert [set(r) for r in P.pipelined_ring(p, 1).rounds] == [
+        set(r) for r in ring_mod.allreduce(p).rounds
+    ]
 
 
 @pytest.mark.parametrize("p", [2, 3, 5, 8, 13])
@@ -77,11 +83,16 @@ def test_values_sum_for_awkward_lengths(p):
             bufs = [rng.integers(-10**9, 10**9, size=n) for _ in range(p)]
             total = np.sum(bufs, axis=0, dtype=np.int64)
             for s in (P.pipelined_tree(p, k), P.pipelined_ring(p, k)):
-                assert all(np.array_equal(b, total) for b in simulate(s, bufs).buffers), (s.name, k, n)
+                assert all(np.array_equal(b, total) for b in simulate(s, bufs).buffers), (
+                    s.name,
+                    k,
+                    n,
+                )
 
 
 def test_pieces_flow_one_round_behind_each_other():
-    """p = 4: rank 1 sends piece j up in round j; rank 0 sends piece j down in round H + j = 2 + j."""
+    """p = 4: rank 1 sends piece j up in round j; rank 0 sends piece j down in round H + j = 2 +
+    j."""
     s = P.pipelined_tree(4, 3)
     up = [(i, t.chunk) for i, rnd in enumerate(s.rounds) for t in rnd if (t.src, t.dst) == (1, 2)]
     down = [(i, t.chunk) for i, rnd in enumerate(s.rounds) for t in rnd if (t.src, t.dst) == (0, 2)]
@@ -98,14 +109,19 @@ def test_bytes_per_rank_closed_forms(p):
     for k in PIECES:
         for n in (0, 1, 7, p * k, 12 * p * k, 12 * p * k + 5):
             assert cost(P.pipelined_tree(p, k), n, 0, 0, 0).bytes_sent_max == P.tree_busiest(p, n)
-            assert cost(P.pipelined_ring(p, k), n, 0, 0, 0).bytes_sent_max == P.ring_busiest(p, n, k)
+            assert cost(P.pipelined_ring(p, k), n, 0, 0, 0).bytes_sent_max == P.ring_busiest(
+                p, n, k
+            )
         n = 12 * p * k
         assert P.tree_busiest(p, n) == n * min(p - 1, 3)
         assert P.ring_busiest(p, n, k) == 2 * (p - 1) * n // p
 
 
 def test_registry_names_defaults_and_bad_pieces():
-    assert ALLREDUCE["pipelined_tree"] is P.pipelined_tree and ALLREDUCE["pipelined_ring"] is P.pipelined_ring
+    assert (
+        ALLREDUCE["pipelined_tree"] is P.pipelined_tree
+        and ALLREDUCE["pipelined_ring"] is P.pipelined_ring
+    )
     assert PARAMETRIC["pipelined_tree"] == P.TREE_PIECES == 8
     assert PARAMETRIC["pipelined_ring"] == P.RING_SLICES
     assert allreduce_schedule("pipelined_tree", 5).num_chunks == 8

@@ -31,17 +31,21 @@ def test_pipelined_tree_time_closed_form(p):
         a, b, g = ABG
         parts = (3 * k + 4 * h - 3) * (a + b * n / k), (2 * k + 2 * h - 3) * g * n / k
         assert max(parts) <= cost(s, n, a, b, g).time <= sum(parts) * (1 + 1e-12)
-    for k in (1, 2, 5, 32):  # any p: never above three messages each way in each of the 2H + k - 1 rounds
+    for k in (1, 2, 5, 32):
+        # any p: never above three messages each way in each of the 2H + k - 1 rounds
         n = k * 4000
         bound = (2 * h + k - 1) * (3 * ABG[0] + 3 * ABG[1] * n / k + 2 * ABG[2] * n / k)
         assert cost(P.pipelined_tree(p + 1, k), n, *ABG).time <= bound * (1 + 1e-12)
 
 
 def test_pipelining_beats_the_whole_buffer_tree_for_large_buffers_only():
-    """p = 64, 16 MiB: k = 64 pieces take 0.33x the binomial tree's time; at 64 KiB one piece is best."""
+    """p = 64, 16 MiB: k = 64 pieces take 0.33x the binomial tree's time;
+    at 64 KiB one piece is best."""
     big, small = 16 << 20, 64 << 10
     tree = cost(tree_mod.allreduce(64), big, *ABG, 4).time
-    assert cost(P.pipelined_tree(64, 64), big, *ABG, 4).time / tree == pytest.approx(0.334, abs=0.01)
+    assert cost(P.pipelined_tree(64, 64), big, *ABG, 4).time / tree == pytest.approx(
+        0.334, abs=0.01
+    )
     times = {k: cost(P.pipelined_tree(64, k), small, *ABG, 4).time for k in (1, 2, 4, 8, 16)}
     assert min(times, key=times.get) == 2 and times[16] > times[2]
 
@@ -61,7 +65,9 @@ def test_pipelined_ring_buys_nothing_in_the_round_model(p):
 @pytest.mark.parametrize("p", [2, 3, 8, 16])
 def test_sliced_ring_time_is_the_ring_at_one_slice_and_hides_gamma_with_more(p):
     for n in (p << 16, p << 20, p << 24):
-        assert P.sliced_ring_time(p, n, *ABG, 1) == pytest.approx(cost(ring_mod.allreduce(p), n, *ABG).time)
+        assert P.sliced_ring_time(p, n, *ABG, 1) == pytest.approx(
+            cost(ring_mod.allreduce(p), n, *ABG).time
+        )
     n, ks = p << 22, (1, 2, 4, 8, 16)
     wire = 2 * (p - 1) / p * n * ABG[1]  # the link alone: alpha and gamma fully hidden
     times = {k: P.sliced_ring_time(p, n, *ABG, k) for k in ks}
@@ -70,8 +76,11 @@ def test_sliced_ring_time_is_the_ring_at_one_slice_and_hides_gamma_with_more(p):
     assert min(times, key=times.get) == 2  # the adder (20 GB/s) outruns the link: 2 slices hide it
     assert times[2] < times[1] - 0.9 * gamma + 2 * (p - 1) * ABG[0]
     no_alpha = [P.sliced_ring_time(p, n, 0, *ABG[1:], k) for k in ks]
-    assert no_alpha[0] > no_alpha[1] and all(t == pytest.approx(wire, rel=1e-9) for t in no_alpha[1:])
-    assert P.sliced_ring_time(p, 4096, *ABG, 16) > P.sliced_ring_time(p, 4096, *ABG, 1)  # small: alpha wins
+    assert no_alpha[0] > no_alpha[1] and all(
+        t == pytest.approx(wire, rel=1e-9) for t in no_alpha[1:]
+    )
+    # small: alpha wins
+    assert P.sliced_ring_time(p, 4096, *ABG, 16) > P.sliced_ring_time(p, 4096, *ABG, 1)
     assert P.sliced_ring_time(1, n, *ABG, 4) == 0.0
 
 

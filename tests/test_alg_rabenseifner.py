@@ -71,12 +71,14 @@ def test_reduce_scatter_leaves_chunk_r_on_rank_r_for_p_1_to_64():
         assert rs.num_chunks == p
         final = simulate(rs).holdings[-1]
         for r in range(p):
-            np.testing.assert_array_equal(final[r, r], np.ones(p, np.int64), err_msg=f"p={p} rank {r}")
+            np.testing.assert_array_equal(final[r, r], np.ones(p, np.int64), err_msg=f"p={p} rank "
+                                                                                     f"{r}")
         for n in (p - 1, 2 * p + 3) if p in VALUED else ():
             bufs = random_buffers(p, n)
             total, out = np.sum(bufs, axis=0, dtype=np.int64), simulate(rs, bufs).buffers
             for r, (a, b) in enumerate(chunk_bounds(n, p)):
-                np.testing.assert_array_equal(out[r][a:b], total[a:b], err_msg=f"p={p} n={n} rank {r}")
+                np.testing.assert_array_equal(out[r][a:b], total[a:b], err_msg=f"p={p} n={n} rank "
+                                                                               f"{r}")
 
 
 def test_allgather_gives_everyone_every_owners_chunk_for_p_1_to_64():
@@ -104,7 +106,8 @@ def test_each_rank_sends_one_message_per_round():
                 for k, (sends, recvs) in enumerate(plan):
                     limit = 2 if s.name.endswith("allgather") and k == len(plan) - 1 else 1
                     assert len(sends) <= limit and len(recvs) <= limit, (s.name, p, rank, k)
-                    assert not any(m.snapshot for m in sends)  # zero copy: never sends what it receives into
+                    # zero copy: never sends what it receives into
+                    assert not any(m.snapshot for m in sends)
 
 
 @pytest.mark.parametrize("p", [1, 2, 4, 8, 16, 64, 3, 5, 6, 7, 12, 33])
@@ -119,7 +122,8 @@ def test_cost_is_the_closed_form(p):
     want = ((2 * lg(p) + 2 * f) * alpha + (2 * (q - 1) / q + 2 * f) * n * beta
             + ((q - 1) / q + f) * n * gamma)
     assert math.isclose(got.time, want, rel_tol=1e-12), (got, want)
-    assert got.bytes_sent_max == 2 * (q - 1) * n // q + f * n  # an even rank of the fold: + the copy back
+    # an even rank of the fold: + the copy back
+    assert got.bytes_sent_max == 2 * (q - 1) * n // q + f * n
     if not f:  # the ring's bytes in 2 lg p rounds instead of 2 (p - 1)
         ring = cost(allreduce_schedule("ring", p), n, alpha, beta, gamma)
         assert got.bytes_sent_max == ring.bytes_sent_max and got.rounds == 2 * lg(p)
@@ -161,13 +165,17 @@ def test_rabenseifner_collectives_on_every_backend(worlds, backend, p):
         label = f"{backend} p={p} n={n} {how}"
         for rank, out in enumerate(worlds(p, backend).run(job, "allreduce", n, dtype, how)):
             np.testing.assert_array_equal(out, total, err_msg=f"allreduce {label} rank {rank}")
-        for rank, (view, mine) in enumerate(worlds(p, backend).run(job, "reduce_scatter", n, dtype, how)):
+        for rank, (view, mine) in enumerate(
+            worlds(p, backend).run(job, "reduce_scatter", n, dtype, how)
+        ):
             a, b = chunk_bounds(n, p)[rank]
             assert view
-            np.testing.assert_array_equal(mine, total[a:b], err_msg=f"reduce_scatter {label} rank {rank}")
+            np.testing.assert_array_equal(mine, total[a:b], err_msg=f"reduce_scatter {label} rank "
+                                                                    f"{rank}")
         want = np.concatenate([base[a:b] * (r + 1) for r, (a, b) in enumerate(chunk_bounds(n, p))])
         for rank, out in enumerate(worlds(p, backend).run(job, "allgather", n, dtype, how)):
-            np.testing.assert_array_equal(out, want.astype(dtype), err_msg=f"allgather {label} rank {rank}")
+            np.testing.assert_array_equal(out, want.astype(dtype), err_msg=f"allgather {label} "
+                                                                           f"rank {rank}")
 
 
 # -- training --------------------------------------------------------------------------------
@@ -211,14 +219,17 @@ def test_zero_with_rabenseifner_equals_train_single(worlds, backend, stage, p):
 @pytest.mark.parametrize("p", [2, 3, 4])
 @pytest.mark.parametrize("stage", [0, 1, 3])
 def test_zero_sends_per_step_what_rabenseifners_schedules_say(worlds, stage, p):
-    """Counted from the trace, whose messages carry several chunks (``traffic.collective_sent`` reads
-    their spans); a power of two sends the paper's 2 or 3 (p-1)/p Psi on average, others no less
-    (at p = 3 the all-reduce's fold costs exactly the ring's bytes, the reduce-scatter's more)."""
+    """Counted from the trace, whose messages carry several chunks (``traffic.collective_sent``
+    reads their spans); a power of two sends the paper's 2 or 3 (p-1)/p Psi on average, others no
+    less (at p = 3 the all-reduce's fold costs exactly the ring's bytes, the reduce-scatter's
+    more)."""
     model = MLP(TRAFFIC.model)
     sizes = [(s := model.layer_slice(layer)).stop - s.start for layer in range(model.num_layers)]
     per_rank = worlds(p).run(_sent, TRAFFIC, ZeroConfig(stage=stage, algorithm="rabenseifner"))
     for rank, steps in enumerate(per_rank):
-        assert steps == [8 * schedules_say(stage, "rabenseifner", p, rank, sizes, 1)] * TRAFFIC.steps, rank
+        assert (
+            steps == [8 * schedules_say(stage, "rabenseifner", p, rank, sizes, 1)] * TRAFFIC.steps
+        ), rank
     mean, paper = sum(s[0] for s in per_rank) / p, 8 * sent_closed_form(stage, model.num_params, p)
     assert mean == pytest.approx(paper, rel=1e-12) if not folded(p) else mean >= paper * (1 - 1e-12)
 

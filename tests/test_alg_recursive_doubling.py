@@ -25,7 +25,8 @@ from dplab.reference.trace import Tracer
 from dplab.reference.train.single import TrainConfig, train_single
 from dplab.reference.train.sync import SyncConfig, train_sync
 
-ZERO_COPY = ("ring", "tree", "naive", "direct", "rabenseifner")  # they never send what they receive into
+# they never send what they receive into
+ZERO_COPY = ("ring", "tree", "naive", "direct", "rabenseifner")
 
 
 def lg(p: int) -> int:
@@ -58,11 +59,17 @@ def test_rounds_are_lg_p_plus_two_for_the_fold_and_pair_every_rank_with_one_part
             pairs = {(t.src, t.dst) for t in rnd}
             assert all((b, a) in pairs for a, b in pairs) and len(pairs) == len(rnd) == pof2, (p, k)
             assert sorted(t.src for t in rnd) == sorted(real)  # each taking part once, both ways
-            assert all(abs(t.src - t.dst) == abs(real[real.index(t.src) ^ (1 << k)] - t.src) for t in rnd)
+            assert all(
+                abs(t.src - t.dst) == abs(real[real.index(t.src) ^ (1 << k)] - t.src) for t in rnd
+            )
         if folded:
             first, last = s.rounds[0], s.rounds[-1]
-            assert [(t.src, t.dst, t.op) for t in first] == [(2 * i + 1, 2 * i, "reduce") for i in range(rem)]
-            assert [(t.src, t.dst, t.op) for t in last] == [(2 * i, 2 * i + 1, "copy") for i in range(rem)]
+            assert [(t.src, t.dst, t.op) for t in first] == [
+                (2 * i + 1, 2 * i, "reduce") for i in range(rem)
+            ]
+            assert [(t.src, t.dst, t.op) for t in last] == [
+                (2 * i, 2 * i + 1, "copy") for i in range(rem)
+            ]
 
 
 @pytest.mark.parametrize("p", [1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 33, 64])
@@ -75,7 +82,8 @@ def test_cost_is_the_closed_form(p):
     want = (m + 2 * fold) * (alpha + n * beta) + (m + fold) * n * gamma
     assert math.isclose(got.time, want, rel_tol=1e-12), (got, want)
     assert got.rounds == m + 2 * fold
-    assert got.bytes_sent_max == (0 if p == 1 else n * (m + fold))  # the even ranks of the fold send most
+    # the even ranks of the fold send most
+    assert got.bytes_sent_max == (0 if p == 1 else n * (m + fold))
 
 
 def test_the_exchange_is_the_only_place_a_snapshot_is_sent():
@@ -92,7 +100,9 @@ def test_the_exchange_is_the_only_place_a_snapshot_is_sent():
         schedules += [f(p) for a, pair in SCATTER.items() if a in ZERO_COPY for f in pair]
         schedules += [f(p, p - 1) for a, pair in ROOTED.items() if a in ZERO_COPY for f in pair]
         for s in schedules:
-            assert not any(m.snapshot for r in range(p) for sends, _ in messages_of(s, r) for m in sends), s
+            assert not any(
+                m.snapshot for r in range(p) for sends, _ in messages_of(s, r) for m in sends
+            ), s
 
 
 # -- the executor sends the chunk as the round found it --------------------------------------------
@@ -136,7 +146,8 @@ class ZeroCopyPair(Communicator):
 def test_an_exchange_sends_the_value_from_the_start_of_the_round_on_a_zero_copy_transport():
     box, gate = {}, threading.Barrier(2)
     comms = [ZeroCopyPair(r, box, gate) for r in range(2)]
-    bufs = [np.arange(5, dtype=np.float64) * 10 ** r for r in range(2)]  # 0 1 2 3 4 and 0 10 20 30 40
+    # 0 1 2 3 4 and 0 10 20 30 40
+    bufs = [np.arange(5, dtype=np.float64) * 10 ** r for r in range(2)]
     errors = []
 
     def rank(r: int) -> None:
@@ -175,7 +186,8 @@ def test_recursive_doubling_sums_exactly_on_every_backend(worlds, backend, p):
         want = ((np.arange(n) % 1000 - 500) * (p * (p + 1) // 2)).astype(dtype)
         for rank, (same, out, _) in enumerate(results):
             assert same and out.dtype == np.dtype(dtype)
-            np.testing.assert_array_equal(out, want, err_msg=f"{backend} p={p} n={n} {how} rank {rank}")
+            np.testing.assert_array_equal(out, want, err_msg=f"{backend} p={p} n={n} {how} rank "
+                                                             f"{rank}")
 
 
 @pytest.mark.parametrize("p", [2, 3, 4, 6])

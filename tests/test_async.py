@@ -1,4 +1,5 @@
-"""The parameter server: replayable bit for bit, never staler than its bound, sync when lock-stepped.
+"""The parameter server: replayable bit for bit, never staler than its bound, sync when
+lock-stepped.
 
 Whatever the interleaving (random sleeps before each compute make runs differ), the
 server's log must replay on one device to the very same float64 bits; every applied
@@ -34,7 +35,9 @@ BASE = TrainConfig(model=MLPConfig(in_dim=5, hidden=(7, 6), out_dim=3), num_samp
 
 def rel(a, b) -> float:
     a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
-    return float(np.max(np.abs(a - b), initial=0.0) / max(1.0, float(np.max(np.abs(b), initial=0.0))))
+    return float(
+        np.max(np.abs(a - b), initial=0.0) / max(1.0, float(np.max(np.abs(b), initial=0.0)))
+    )
 
 
 # -- rank functions (module level: World.run pickles them) -----------------------------------
@@ -77,7 +80,9 @@ def async_configs(draw, workers: int) -> AsyncConfig:
 def runs(draw):
     """(world_size, TrainConfig, AsyncConfig): 1..5 workers beside the server."""
     p = draw(st.integers(2, 6))
-    cfg = draw(train_configs(draw(st.sampled_from(["float64", "float64", "float32"])), steps=(0, 5)))
+    cfg = draw(
+        train_configs(draw(st.sampled_from(["float64", "float64", "float32"])), steps=(0, 5))
+    )
     return p, cfg, draw(async_configs(p - 1))
 
 
@@ -95,7 +100,9 @@ def check_log(log: list[LogEntry], workers: int, clocks: int, acfg: AsyncConfig)
     for e in log:
         assert 0 <= e.version < e.produced and 0 <= e.slowest_done <= e.clock
         if acfg.staleness is not None:
-            assert e.clock - e.slowest_done <= acfg.staleness, f"{e} broke the bound {acfg.staleness}"
+            assert e.clock - e.slowest_done <= acfg.staleness, (
+                f"{e} broke the bound {acfg.staleness}"
+            )
         if acfg.staleness == 0:  # lock-step: only this clock's other pushes can land in between
             assert e.delay <= workers - 1
         if acfg.aggregate:
@@ -144,7 +151,8 @@ def test_training_moves_the_parameters_and_replay_notices_a_changed_log(worlds):
 
 @pytest.mark.parametrize("staleness", [0, 1, 2, 3])
 def test_a_straggler_pushes_fast_workers_exactly_to_the_bound(worlds, staleness):
-    """Worker 1 sleeps 40 ms per clock, workers 2 and 3 none: they run ahead until the gate stops them."""
+    """Worker 1 sleeps 40 ms per clock, workers 2 and 3 none: they run ahead until the gate stops
+    them."""
     clocks = staleness + 3
     cfg, acfg = dataclasses.replace(BASE, steps=clocks), AsyncConfig(staleness, delays=(0.04, 0, 0))
     server = worlds(4).run(_train_async, cfg, acfg)[0]
@@ -168,7 +176,11 @@ def test_without_a_bound_the_fast_workers_do_not_wait(worlds):
 # -- lock-step aggregation is synchronous data parallelism -------------------------------------
 
 @settings(max_examples=EXAMPLES, deadline=None)
-@given(workers=st.integers(1, 5), cfg=train_configs(steps=(0, 5)), max_delay_s=st.sampled_from([0.0, 0.002]))
+@given(
+    workers=st.integers(1, 5),
+    cfg=train_configs(steps=(0, 5)),
+    max_delay_s=st.sampled_from([0.0, 0.002]),
+)
 def test_lockstep_aggregation_equals_train_sync_and_train_single(worlds, workers, cfg, max_delay_s):
     acfg = AsyncConfig(staleness=0, aggregate=True, max_delay_s=max_delay_s)
     server = worlds(workers + 1).run(_train_async, cfg, acfg)[0]
@@ -251,7 +263,8 @@ def test_clocks_override_steps(worlds):
 
 
 def test_replay_calls_each_after_every_update_and_fresh_drops_only_the_staleness():
-    """``each`` sees every update; ``fresh=True`` computes each gradient on the current parameters."""
+    """``each`` sees every update; ``fresh=True`` computes each gradient on the current
+    parameters."""
     from dplab.reference.ps.protocol import LogEntry
     from dplab.reference.ps.replay import replay
     from dplab.reference.ps.trainer import AsyncConfig
@@ -259,8 +272,12 @@ def test_replay_calls_each_after_every_update_and_fresh_drops_only_the_staleness
     cfg, acfg = TrainConfig(steps=4), AsyncConfig(staleness=None)
     current = [LogEntry(worker=k % 2 + 1, clock=k // 2, version=k, produced=k + 1, slowest_done=0)
                for k in range(6)]
-    stale = [LogEntry(worker=k % 2 + 1, clock=k // 2, version=max(0, k - 3), produced=k + 1, slowest_done=0)
-             for k in range(6)]
+    stale = [
+        LogEntry(
+            worker=k % 2 + 1, clock=k // 2, version=max(0, k - 3), produced=k + 1, slowest_done=0
+        )
+        for k in range(6)
+    ]
     seen = []
     final = replay(cfg, acfg, stale, 2, each=lambda k, p: seen.append((k, p.copy())))
     assert [k for k, _ in seen] == [1, 2, 3, 4, 5, 6] and np.array_equal(seen[-1][1], final)

@@ -9,7 +9,8 @@ import time
 import numpy as np
 import pytest
 
-from dplab.backends import allreduce, launch  # the engine's allreduce resolves "auto"; the spine's refuses it
+# the engine's allreduce resolves "auto"; the spine's refuses it
+from dplab.backends import allreduce, launch
 from dplab.backends.launch.world import RankError
 from dplab.reference import auto
 from dplab.reference.algorithms import ALLREDUCE, has_schedule, ring
@@ -47,10 +48,15 @@ def test_the_cheapest_candidate_wins_and_switches_with_size():
     # latency-bound: fewest rounds; bandwidth-bound: the least bytes on the critical path
     small = {alg: t.predict_s("local", alg, 8, SMALL) for alg in ALLREDUCE}
     large = {alg: t.predict_s("local", alg, 8, LARGE) for alg in ALLREDUCE}
-    assert t.choose("local", 8, SMALL) == min(small, key=lambda a: (small[a], list(ALLREDUCE).index(a)))
-    assert t.choose("local", 8, LARGE) == min(large, key=lambda a: (large[a], list(ALLREDUCE).index(a)))
+    assert t.choose("local", 8, SMALL) == min(
+        small, key=lambda a: (small[a], list(ALLREDUCE).index(a))
+    )
+    assert t.choose("local", 8, LARGE) == min(
+        large, key=lambda a: (large[a], list(ALLREDUCE).index(a))
+    )
     assert small[t.choose("local", 8, SMALL)] < small["ring"]  # ring's 14 rounds lose at 4 KiB
-    assert large[t.choose("local", 8, LARGE)] < large["tree"]  # tree's 2 lg p full buffers lose at 16 MiB
+    # tree's 2 lg p full buffers lose at 16 MiB
+    assert large[t.choose("local", 8, LARGE)] < large["tree"]
 
 
 def test_the_most_specific_fit_prices_each_candidate_and_native_needs_its_own():
@@ -63,7 +69,10 @@ def test_the_most_specific_fit_prices_each_candidate_and_native_needs_its_own():
     assert t.choose("mpi", 4, SMALL) == "tree"  # its own (very cheap) fit
     assert t.choose("mpi", 2, LARGE) == "native"
     no_native = tuning(("mpi", "all", "all", 10e-6, 1e-10, None))
-    assert "native" not in no_native.candidates("mpi") and no_native.fit_for("mpi", "native", 2) is None
+    assert (
+        "native" not in no_native.candidates("mpi")
+        and no_native.fit_for("mpi", "native", 2) is None
+    )
     assert tuning().choose("torch-nccl", 8, SMALL) == "native"  # nothing fitted: the engine's own
 
 
@@ -81,7 +90,10 @@ def test_native_is_priced_with_its_shape_check_where_that_is_one_more_engine_cal
 
 def test_new_registry_entries_join_without_a_change_here(monkeypatch):
     monkeypatch.setitem(ALLREDUCE, "ring_again", ring.allreduce)
-    t = tuning(("local", "all", "all", 10e-6, 1e-10, None), ("local", "all", "ring_again", 1e-9, 1e-12, None))
+    t = tuning(
+        ("local", "all", "all", 10e-6, 1e-10, None),
+        ("local", "all", "ring_again", 1e-9, 1e-12, None),
+    )
     assert "ring_again" in t.candidates("local") and t.choose("local", 4, LARGE) == "ring_again"
 
 
@@ -99,7 +111,9 @@ def test_ties_go_to_the_first_registered():
 
 
 def test_has_schedule_and_configs_accept_auto_for_all_reduce_only():
-    assert has_schedule("auto") and not has_schedule("auto", "scatter") and not has_schedule("auto:2")
+    assert (
+        has_schedule("auto") and not has_schedule("auto", "scatter") and not has_schedule("auto:2")
+    )
     SyncConfig("auto").validate(4)
 
 
@@ -134,7 +148,8 @@ def test_the_choice_is_cached_and_costs_about_a_dictionary_lookup(tune_env, monk
     for _ in range(10_000):
         assert auto.chosen(Comm, buf) == first
     per_call = (time.perf_counter() - t0) / 10_000
-    assert calls == [] and per_call < 20e-6  # measured ~1 µs here; the bound allows a loaded machine
+    # measured ~1 µs here; the bound allows a loaded machine
+    assert calls == [] and per_call < 20e-6
 
 
 def _auto_sum(comm, sizes):
@@ -144,7 +159,9 @@ def _auto_sum(comm, sizes):
         x = np.arange(n, dtype=np.float64) + comm.rank
         allreduce(comm, x, "auto")
         span = [e for e in comm.tracer.take() if e.kind == "allreduce"][-1]
-        out.append((span.algorithm, auto.chosen(comm, x), float(np.abs(x - (3 * np.arange(n) + 3)).max())))
+        out.append(
+            (span.algorithm, auto.chosen(comm, x), float(np.abs(x - (3 * np.arange(n) + 3)).max()))
+        )
     return out
 
 
@@ -165,9 +182,19 @@ def _auto_with_own_file(comm, paths):
 
 
 def test_ranks_that_read_different_fits_are_told_not_left_waiting(tmp_path):
-    paths = [str(write(tmp_path, f"{r}.json", ("local", "all", alg, 1e-6, 1e-10, None),
-                       ("local", "all", "all", 1.0, 1.0, None))) for r, alg in enumerate(("tree", "ring"))]
-    with pytest.raises(RankError, match=r"called allreduce\((tree|ring)\) but rank \d called allreduce"):
+    paths = [
+        str(
+            write(
+                tmp_path,
+                f"{r}.json",
+                ("local", "all", alg, 1e-6, 1e-10, None),
+                ("local", "all", "all", 1.0, 1.0, None),
+            )
+        )
+        for r, alg in enumerate(("tree", "ring"))
+    ]
+    with pytest.raises(RankError, match=r"called allreduce\((tree|ring)\) but rank \d called "
+                                        r"allreduce"):
         launch(_auto_with_own_file, 2, args=(paths,), timeout=20)
 
 
@@ -182,11 +209,18 @@ def test_training_with_auto_equals_one_device(tune_env, backend):
         pytest.skip(str(e))
     tune_env(("local", "all", "all", 10e-6, 1e-10, None), ("mpi", "all", "all", 10e-6, 1e-10, None))
     row, events = run_train(RunSpec(backend, 3, "auto", bucket_cap_mb=0.0005), trace=True)
-    assert row["algorithm"] == "auto" and row["max_abs_diff_vs_single"] < 1e-10 and row["ranks_identical"]
+    assert (
+        row["algorithm"] == "auto"
+        and row["max_abs_diff_vs_single"] < 1e-10
+        and row["ranks_identical"]
+    )
     spans = [e for rank in events for e in rank if e.kind == "allreduce"]
     ran = {e.algorithm for e in spans}  # what auto ran, by the same fit, for each bucket's bytes
-    assert ran and ran <= set(ALLREDUCE) and ran == {auto.load_tuning().choose(backend, 3, e.bytes, 8)
-                                                     for e in spans}
+    assert (
+        ran
+        and ran <= set(ALLREDUCE)
+        and ran == {auto.load_tuning().choose(backend, 3, e.bytes, 8) for e in spans}
+    )
 
 
 class _StubOpt:
@@ -195,7 +229,8 @@ class _StubOpt:
 
 
 def _amp_step_with_an_inf_on_rank_0(comm, algorithm):
-    """As if an engine's all-reduce had left different bits on each rank: only rank 0 sees an inf."""
+    """As if an engine's all-reduce had left different bits on each rank:
+    only rank 0 sees an inf."""
     from dplab.reference.precision import Amp, MixedPrecision
 
     master = np.ones(4, np.float32)
@@ -224,7 +259,8 @@ def _ddp_grad(comm):
 
 @pytest.mark.parametrize("backend", ["local", pytest.param("torch", marks=pytest.mark.torch)])
 def test_ddp_takes_auto_and_averages_gradients(tune_env, backend):
-    pytest.importorskip("torch")  # (MPI: the same allreduce call, covered above; its ranks cost ~10 s here)
+    # (MPI: the same allreduce call, covered above; its ranks cost ~10 s here)
+    pytest.importorskip("torch")
     tune_env(*[(b, "all", "all", 10e-6, 1e-10, None) for b in ("local", "mpi", "torch")])
     grads = launch(_ddp_grad, 2, backend=backend)
     for g in grads:  # d(sum(W x))/dW = x: rank r's x is r + 1 everywhere, the mean is 1.5

@@ -1,4 +1,5 @@
-"""The backend registry (``dplab.backends.registry``) is what the launcher asks, not string branches.
+"""The backend registry (``dplab.backends.registry``) is what the launcher asks, not string
+branches.
 
 Each entry names a transport, says whether it is installed, how its ranks start and how a forked
 rank connects; a world of every installed backend starts from its entry alone.
@@ -42,16 +43,21 @@ def test_every_entry_says_how_its_ranks_start():
 
 
 def test_an_unknown_backend_names_the_registry():
-    with pytest.raises(ConfigError, match="unknown backend 'nccl': choose one of local, mpi, torch"):
+    with pytest.raises(
+        ConfigError, match="unknown backend 'nccl': choose one of local, mpi, torch"
+    ):
         world.check_backend("nccl")
 
 
 def test_the_registry_loads_no_engine():
     """Listing the backends and asking the local one imports no MPI and no torch."""
-    probe = ("from dplab.backends.registry import BACKENDS; import json, sys; BACKENDS['local'].available()\n"
-             "print(json.dumps(sorted(m for m in sys.modules if m in ('torch', 'mpi4py', "
-             "'dplab.backends.mpi.comm') or m.startswith('dplab.backends.torchdist'))))")
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    probe = ("from dplab.backends.registry import BACKENDS; import json, sys; "
+             "BACKENDS['local'].available()\nprint(json.dumps(sorted(m for m in sys.modules if m "
+             "in ('torch', 'mpi4py', 'dplab.backends.mpi.comm') or "
+             "m.startswith('dplab.backends.torchdist'))))")
+    out = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout.splitlines()[-1]) == []
 
@@ -63,7 +69,8 @@ def test_the_launcher_branches_on_entries_not_on_names(path):
 
 
 def test_launch_cli_runs_bench_and_nn_ask_the_registry_not_the_name():
-    """No ``backend == "..."`` branch outside the backends' own folders: a new backend is an entry."""
+    """No ``backend == "..."`` branch outside the backends' own folders:
+    a new backend is an entry."""
     branch = re.compile(r"""backend\s*(==|!=|in|not in)\s*[(\["']""")
     hits = [f"{path.relative_to(ROOT)}:{i}: {line.strip()}"
             for folder in ("launch", "cli", "runs", "bench", "nn", "fastpath")

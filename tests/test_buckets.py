@@ -99,7 +99,8 @@ def test_no_parameters_no_buckets():
 
 
 @pytest.mark.parametrize("sizes, expected", [
-    ([100, 2, 3], [[2, 1, 0]]),      # the big one comes last in backward order and closes the bucket
+    # the big one comes last in backward order and closes the bucket
+    ([100, 2, 3], [[2, 1, 0]]),
     ([2, 100, 3], [[2, 1], [0]]),    # ... in the middle: it closes the bucket a small one opened
     ([2, 3, 100], [[2], [1, 0]]),    # ... first: alone, it fills a bucket by itself
     ([100, 10], [[1, 0]]),           # W then b, the MLP layout: b opens the bucket, W closes it
@@ -339,7 +340,9 @@ def test_reducer_marking_a_single_parameter_bucket_twice_is_a_config_error(world
 def test_reducer_marking_twice_in_a_shared_bucket_is_a_config_error(worlds, p):
     """Two parameters in one bucket: marking one of them twice must not count as both."""
     for outcome, premature in worlds(p).run(_mark_twice, [3, 4], HUGE, 1):
-        assert premature == [], "the bucket was all-reduced while parameter 0 was never marked ready"
+        assert premature == [], (
+            "the bucket was all-reduced while parameter 0 was never marked ready"
+        )
         assert outcome.startswith("ConfigError") and "twice" in outcome, outcome
 
 

@@ -97,8 +97,10 @@ def test_params_round_trip_bit_exact(params: np.ndarray) -> None:
 
 
 def test_special_values_and_nan_payloads_survive(tmp_path: Path) -> None:
-    bits = np.array([0x7FF8000000000001, 0xFFF0000000000000, 0x8000000000000000, 0x7FF4000000000000],
-                    dtype=np.uint64)  # a quiet NaN with payload, -inf, -0.0, a signalling NaN
+    bits = np.array(
+        [0x7FF8000000000001, 0xFFF0000000000000, 0x8000000000000000, 0x7FF4000000000000],
+        dtype=np.uint64,
+    )  # a quiet NaN with payload, -inf, -0.0, a signalling NaN
     p64 = bits.view(np.float64)
     p32 = np.array([np.nan, np.inf, -0.0, 1e-45, -3.4e38], dtype=np.float32)
     for params in (p64, p32):
@@ -159,7 +161,9 @@ def test_rng_state_round_trip(tmp_path: Path, bitgen) -> None:
     for g in gens.values():
         g.standard_normal(5)
         g.integers(0, 10, 3)  # leaves PCG64's has_uint32 flag set: part of the state too
-    ckpt = load_checkpoint(save(tmp_path, rng_state={k: g.bit_generator.state for k, g in gens.items()}))
+    ckpt = load_checkpoint(
+        save(tmp_path, rng_state={k: g.bit_generator.state for k, g in gens.items()})
+    )
     for k, g in gens.items():
         fresh = np.random.Generator(bitgen())
         fresh.bit_generator.state = ckpt.rng_state[k]
@@ -175,9 +179,16 @@ def test_position_meta_and_values_round_trip(tmp_path: Path) -> None:
     assert isinstance(ckpt, Checkpoint) and ckpt.step == 12 and ckpt.rng_state is None
     assert ckpt.data_position == position
     assert ckpt.meta["config"] == json.loads(json.dumps(dataclasses.asdict(CFG)))  # tuples -> lists
-    assert ckpt.meta["pair"] == [1, 2.5] and ckpt.meta["big"] == 2**100 and ckpt.meta["flag"] is True
-    assert ckpt.meta["note"] == "ünïcode" and ckpt.meta["none"] is None and np.isnan(ckpt.meta["nan"])
-    assert ckpt.meta["table"].dtype == np.int16 and ckpt.meta["table"].tolist() == [[0, 1, 2], [3, 4, 5]]
+    assert (
+        ckpt.meta["pair"] == [1, 2.5] and ckpt.meta["big"] == 2**100 and ckpt.meta["flag"] is True
+    )
+    assert (
+        ckpt.meta["note"] == "ünïcode" and ckpt.meta["none"] is None and np.isnan(ckpt.meta["nan"])
+    )
+    assert ckpt.meta["table"].dtype == np.int16 and ckpt.meta["table"].tolist() == [
+        [0, 1, 2],
+        [3, 4, 5],
+    ]
     assert load_checkpoint(save(tmp_path, 13, data_position=7)).data_position == 7
     assert save(tmp_path, 13).read_bytes() == save(tmp_path, 13).read_bytes()  # deterministic bytes
 
@@ -231,7 +242,9 @@ def test_empty_or_missing_directory_is_a_clear_error(tmp_path: Path) -> None:
 # -- atomicity ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("fails", ["replace", "fsync"])
-def test_failed_save_leaves_previous_checkpoint_latest(tmp_path: Path, monkeypatch, fails: str) -> None:
+def test_failed_save_leaves_previous_checkpoint_latest(
+    tmp_path: Path, monkeypatch, fails: str
+) -> None:
     save(tmp_path, 1, np.ones(4))
 
     def boom(*args) -> None:
@@ -324,7 +337,9 @@ def test_truncated_file_is_refused(keep: int) -> None:
     assert_refused(RAW[:keep])
 
 
-@given(st.lists(st.tuples(st.integers(0, len(RAW) - 1), st.integers(1, 255)), min_size=1, max_size=4))
+@given(
+    st.lists(st.tuples(st.integers(0, len(RAW) - 1), st.integers(1, 255)), min_size=1, max_size=4)
+)
 def test_flipped_bytes_are_refused(flips: list[tuple[int, int]]) -> None:
     raw = bytearray(RAW)
     for pos, xor in flips:
@@ -397,8 +412,10 @@ def test_same_config_is_accepted(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("change, field", [
     ({"seed": 1}, "meta.config.seed: checkpoint has 0, this run has 1"),
-    ({"optimizer": OptimConfig(name="adam", lr=0.5)}, "meta.config.optimizer.lr: checkpoint has 0.01"),
-    ({"optimizer": OptimConfig(name="sgd", lr=0.01)}, "meta.config.optimizer.name: checkpoint has adam"),
+    ({"optimizer": OptimConfig(name="adam", lr=0.5)}, "meta.config.optimizer.lr: checkpoint has "
+                                                      "0.01"),
+    ({"optimizer": OptimConfig(name="sgd", lr=0.01)}, "meta.config.optimizer.name: checkpoint has "
+                                                      "adam"),
     ({"dtype": "float32"}, "meta.config.dtype"),
     ({"global_batch": 64}, "meta.config.global_batch: checkpoint has 32, this run has 64"),
 ])

@@ -105,7 +105,19 @@ def test_compare_refuses_a_bad_world_size_before_any_rank_starts(cli_here):
 
 def test_bad_config_is_rejected_before_any_rank_starts(capsys):
     with pytest.raises(SystemExit) as stop:  # caught while parsing, before any rank starts
-        main(["train", "--world-size", "2", "--steps", "1", "--dtype", "float32", "--bucket-cap-mb", "-1"])
+        main(
+            [
+                "train",
+                "--world-size",
+                "2",
+                "--steps",
+                "1",
+                "--dtype",
+                "float32",
+                "--bucket-cap-mb",
+                "-1",
+            ]
+        )
     assert stop.value.code == 2
     assert "--bucket-cap-mb: must be a finite number > 0, got -1" in capsys.readouterr().err
 

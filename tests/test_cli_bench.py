@@ -19,10 +19,18 @@ def _timings(alg: str, nbytes: int, seconds: float) -> dict:
 
 
 def test_ratios_are_against_the_same_runs_memcpy_and_native():
-    per_rank = [{"allreduce": [_timings("ring", 1000, 2e-6), _timings("native", 1000, 1e-6)],
-                 "memcpy": [_timings("memcpy", 1000, 0.5e-6)]} if r == 0 else
-                {"allreduce": [_timings("ring", 1000, 2e-6), _timings("native", 1000, 1e-6)], "memcpy": []}
-                for r in range(2)]
+    per_rank = [
+        {
+            "allreduce": [_timings("ring", 1000, 2e-6), _timings("native", 1000, 1e-6)],
+            "memcpy": [_timings("memcpy", 1000, 0.5e-6)],
+        }
+        if r == 0
+        else {
+            "allreduce": [_timings("ring", 1000, 2e-6), _timings("native", 1000, 1e-6)],
+            "memcpy": [],
+        }
+        for r in range(2)
+    ]
     rows = {r["algorithm"]: r for r in summarize("mpi", 2, per_rank)}
     assert rows["memcpy"]["backend"] == "mpi" and rows["memcpy"]["world_size"] == 2
     assert rows["memcpy"]["busbw_gbps"] == pytest.approx(1000 / 0.5e-6 / 1e9)
@@ -48,17 +56,24 @@ def test_bench_prints_each_runs_memcpy_row_and_vs_native(tmp_path, capsys):
     for r in rows:
         if r["algorithm"] == "memcpy":
             continue
-        native = next(n for n in rows if n["algorithm"] == "native" and n["world_size"] == r["world_size"])
+        native = next(
+            n for n in rows if n["algorithm"] == "native" and n["world_size"] == r["world_size"]
+        )
         assert r["vs_native"] == pytest.approx(r["busbw_gbps"] / native["busbw_gbps"], rel=1e-12)
-        assert r["vs_memcpy"] == pytest.approx(r["busbw_gbps"] / memcpy[r["world_size"]]["busbw_gbps"],
-                                               rel=1e-12)
+        assert r["vs_memcpy"] == pytest.approx(
+            r["busbw_gbps"] / memcpy[r["world_size"]]["busbw_gbps"], rel=1e-12
+        )
 
 
 def test_help_defines_algbw_busbw_and_vs_native_in_a_sentence_each():
-    sub = next(a for a in build_parser()._actions if hasattr(a, "_name_parser_map")).choices["bench"]
+    sub = next(a for a in build_parser()._actions if hasattr(a, "_name_parser_map")).choices[
+        "bench"
+    ]
     text = re.sub(r"\s+", " ", sub.format_help())
     assert "algbw_gbps algorithm bandwidth: bytes / time" in text
-    assert "busbw_gbps bus bandwidth: algbw x 2(p-1)/p for all-reduce (nccl-tests' convention)" in text
+    assert (
+        "busbw_gbps bus bandwidth: algbw x 2(p-1)/p for all-reduce (nccl-tests' convention)" in text
+    )
     assert "vs_native this algorithm's busbw / the busbw of the engine's own all-reduce" in text
     assert "same backend, world size and bytes, in the same run" in text
 

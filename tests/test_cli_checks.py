@@ -46,27 +46,41 @@ def test_output_file_in_a_missing_directory(cli_here, tmp_path, option):
 
 @pytest.mark.parametrize("option", ["--json", "--trace", "--save-params"])
 def test_output_file_in_an_unwritable_place(cli_here, option):
-    _refused(cli_here("train", *LONG, option, "/proc/dplab-out.json"), "train", "cannot write in /proc")
+    _refused(cli_here("train", *LONG, option, "/proc/dplab-out.json"), "train", "cannot write in "
+                                                                                "/proc")
 
 
 def test_output_file_that_is_a_directory(tmp_path):
-    _refused(_dplab("compare", *LONG, "--json", str(tmp_path)), "compare", "is a directory")  # a process
+    # a process
+    _refused(_dplab("compare", *LONG, "--json", str(tmp_path)), "compare", "is a directory")
 
 
 def test_an_output_path_refused_by_the_module_as_run(tmp_path):
-    """The in-process cases above, as a process: exit 2 from ``python -m``, one line, nothing else."""
-    _refused(_dplab("train", *LONG, "--json", str(tmp_path / "no" / "out.json")), "train", "does not exist")
+    """The in-process cases above, as a process: exit 2 from ``python -m``, one line, nothing
+    else."""
+    _refused(
+        _dplab("train", *LONG, "--json", str(tmp_path / "no" / "out.json")),
+        "train",
+        "does not exist",
+    )
 
 
 def test_checkpoint_dir_missing_parent_unwritable_or_a_file(cli_here, tmp_path):
     missing = tmp_path / "no" / "ck"
-    _refused(cli_here("train", *LONG, "--checkpoint-every", "5", "--checkpoint-dir", str(missing)), "train",
-             "does not exist")
-    _refused(cli_here("train", *LONG, "--checkpoint-every", "5", "--checkpoint-dir", "/proc/ck"), "train",
-             "cannot write in /proc")
+    _refused(
+        cli_here("train", *LONG, "--checkpoint-every", "5", "--checkpoint-dir", str(missing)),
+        "train",
+        "does not exist",
+    )
+    _refused(
+        cli_here("train", *LONG, "--checkpoint-every", "5", "--checkpoint-dir", "/proc/ck"),
+        "train",
+        "cannot write in /proc",
+    )
     afile = tmp_path / "file"
     afile.write_text("x")
-    _refused(cli_here("train", *LONG, "--checkpoint-dir", str(afile)), "train", "is a file, not a directory")
+    _refused(cli_here("train", *LONG, "--checkpoint-dir", str(afile)), "train", "is a file, not a "
+                                                                                "directory")
 
 
 def test_a_writable_place_passes_and_leaves_no_probe_behind(tmp_path):
@@ -75,38 +89,51 @@ def test_a_writable_place_passes_and_leaves_no_probe_behind(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["bench", "--sizes", "0"], "size must be at least one element"),
-    (["bench", "--sizes", "4K,2"], "size 2 bytes is less than one float32 element (4 bytes)"),
-    (["bench", "--sizes", "4", "--dtype", "float64"], "less than one float64 element"),
-    (["bench", "--max-iters", "0"], "--max-iters: must be an integer >= 1, got 0"),
-    (["bench", "--algorithms", "ring,foo"], "unknown algorithm 'foo'"),
-    (["bench", "--world-sizes", "2,0"], "world_size must be a positive integer, got 0"),
-    (["bench", "--target-seconds", "nan"], "--target-seconds: must be a finite number > 0, got nan"),
-    (["bench", "--sizes", "1024G"], "of /dev/shm in all, but"),
-    (["bench", "--device", "cuda"], "--device cuda picks the torch backend's device"),
-    (["train", *LONG, "--device", "cuda"], "backend local has no device choice"),
-    (["train", *LONG, "--backend", "cuda", "--device", "cpu"], "backend cuda has no device choice"),
-    (["compare", *LONG, "--device", "cpu", "--backends", "local,mpi"], "drop --device"),
-    (["train", *LONG, "--bucket-cap-mb", "nan"], "--bucket-cap-mb: must be a finite number > 0, got nan"),
-    (["train", *LONG, "--bucket-cap-mb", "inf"], "must be a finite number > 0, got inf"),
-    (["train", *LONG, "--bucket-cap-mb", "-1"], "must be a finite number > 0, got -1"),
-    (["train", *LONG, "--lr", "nan"], "--lr: must be a finite number > 0"),
-    (["compare", *LONG, "--backends", ""], "--backends: empty list ''"),
-    (["compare", *LONG, "--algorithms", ","], "--algorithms: empty list ','"),
-    (["compare", *LONG, "--world-sizes", ""], "empty list"),
-    (["compare", *LONG, "--modes", ""], "empty list"),
-    (["compare", *LONG, "--staleness-grid", ""], "empty list"),
-    (["bench", "--sizes", ""], "empty list"),
-    (["bench", "--backends", ""], "empty list"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["bench", "--sizes", "0"], "size must be at least one element"),
+        (["bench", "--sizes", "4K,2"], "size 2 bytes is less than one float32 element (4 bytes)"),
+        (["bench", "--sizes", "4", "--dtype", "float64"], "less than one float64 element"),
+        (["bench", "--max-iters", "0"], "--max-iters: must be an integer >= 1, got 0"),
+        (["bench", "--algorithms", "ring,foo"], "unknown algorithm 'foo'"),
+        (["bench", "--world-sizes", "2,0"], "world_size must be a positive integer, got 0"),
+        (
+            ["bench", "--target-seconds", "nan"],
+            "--target-seconds: must be a finite number > 0, got nan",
+        ),
+        (["bench", "--sizes", "1024G"], "of /dev/shm in all, but"),
+        (["bench", "--device", "cuda"], "--device cuda picks the torch backend's device"),
+        (["train", *LONG, "--device", "cuda"], "backend local has no device choice"),
+        (
+            ["train", *LONG, "--backend", "cuda", "--device", "cpu"],
+            "backend cuda has no device choice",
+        ),
+        (["compare", *LONG, "--device", "cpu", "--backends", "local,mpi"], "drop --device"),
+        (
+            ["train", *LONG, "--bucket-cap-mb", "nan"],
+            "--bucket-cap-mb: must be a finite number > 0, got nan",
+        ),
+        (["train", *LONG, "--bucket-cap-mb", "inf"], "must be a finite number > 0, got inf"),
+        (["train", *LONG, "--bucket-cap-mb", "-1"], "must be a finite number > 0, got -1"),
+        (["train", *LONG, "--lr", "nan"], "--lr: must be a finite number > 0"),
+        (["compare", *LONG, "--backends", ""], "--backends: empty list ''"),
+        (["compare", *LONG, "--algorithms", ","], "--algorithms: empty list ','"),
+        (["compare", *LONG, "--world-sizes", ""], "empty list"),
+        (["compare", *LONG, "--modes", ""], "empty list"),
+        (["compare", *LONG, "--staleness-grid", ""], "empty list"),
+        (["bench", "--sizes", ""], "empty list"),
+        (["bench", "--backends", ""], "empty list"),
+    ],
+)
 def test_refused_up_front(cli_here, argv, message):
     _refused(cli_here(*argv), argv[0], message)  # cli_here fails the test if a world starts
 
 
 @pytest.mark.parametrize("argv, message", [
     (["bench", "--world-sizes", "2,0"], "world_size must be a positive integer, got 0"),
-    (["train", *LONG, "--bucket-cap-mb", "nan"], "--bucket-cap-mb: must be a finite number > 0, got nan"),
+    (["train", *LONG, "--bucket-cap-mb", "nan"], "--bucket-cap-mb: must be a finite number > 0, "
+                                                 "got nan"),
     (["compare", *LONG, "--backends", ""], "--backends: empty list ''"),
 ])
 def test_refused_up_front_by_the_module_as_run(argv, message):
@@ -130,7 +157,10 @@ def test_an_empty_hidden_list_is_a_linear_model_not_an_error(tmp_path):
     from dplab.backends.cli.commands import main
 
     out = tmp_path / "rows.json"
-    assert main(["train", "--hidden", "", "--world-size", "2", "--steps", "2", "--json", str(out)]) == 0
+    assert (
+        main(["train", "--hidden", "", "--world-size", "2", "--steps", "2", "--json", str(out)])
+        == 0
+    )
     assert out.exists()
 
 
@@ -146,12 +176,24 @@ def test_bench_memory_need_counts_every_rank_and_the_memcpy():
 def test_memory_is_checked_against_free_shm_and_mem_available(monkeypatch):
     from argparse import Namespace
 
-    a = Namespace(command="bench", backends=["local"], world_sizes=[2, 4], algorithms=["ring"],
-                  sizes=[64 * M], dtype="float32", reps=1, target_seconds=0.1, warmup=0, max_iters=10,
-                  device=None, json=None)
+    a = Namespace(
+        command="bench",
+        backends=["local"],
+        world_sizes=[2, 4],
+        algorithms=["ring"],
+        sizes=[64 * M],
+        dtype="float32",
+        reps=1,
+        target_seconds=0.1,
+        warmup=0,
+        max_iters=10,
+        device=None,
+        json=None,
+    )
     monkeypatch.setattr(spec, "shm_free_bytes", lambda: 255 * M)
     monkeypatch.setattr(spec, "mem_available_bytes", lambda: 10 << 30)
-    with pytest.raises(ConfigError, match=r"world size 4 .* 256\.0 MiB of /dev/shm in all, but 255\.0 MiB"):
+    with pytest.raises(ConfigError, match=r"world size 4 .* 256\.0 MiB of /dev/shm in all, but "
+                                          r"255\.0 MiB"):
         checks.check_args(a)
     monkeypatch.setattr(spec, "shm_free_bytes", lambda: 256 * M)
     checks.check_args(a)  # exactly enough

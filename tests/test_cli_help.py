@@ -1,4 +1,5 @@
-"""``dplab <cmd> --help`` explains every option and shows its default; ``--version`` is the installed one."""
+"""``dplab <cmd> --help`` explains every option and shows its default;
+``--version`` is the installed one."""
 
 from __future__ import annotations
 
@@ -43,9 +44,13 @@ def test_every_option_is_explained_with_its_default(command):
     for action in sub._actions:
         if not action.option_strings or action.dest == "help":
             continue
-        assert action.help and len(action.help) > 8, f"{command} {action.option_strings[0]} has no help"
+        assert action.help and len(action.help) > 8, (
+            f"{command} {action.option_strings[0]} has no help"
+        )
         block = blocks[action.option_strings[0]]
-        assert "default" in block, f"{command} {action.option_strings[0]} does not show its default: {block}"
+        assert "default" in block, (
+            f"{command} {action.option_strings[0]} does not show its default: {block}"
+        )
     assert "default: None" not in sub.format_help() and "[32, 32]" not in sub.format_help()
 
 
@@ -60,7 +65,11 @@ def test_defaults_are_shown_as_typed():
 
 
 def test_version_is_the_installed_distribution():
-    proc = subprocess.run([sys.executable, "-m", "dplab.backends.cli", "--version"], capture_output=True,
-                          text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "dplab.backends.cli", "--version"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == f"dplab {version('dplab')}"

@@ -38,27 +38,59 @@ def _needs(backend: str) -> None:
 @pytest.mark.mpi
 def test_mpiexec_world_size_mismatch_is_one_line_from_rank_0():
     _needs("mpi")
-    proc = subprocess.run([str(BIN / "mpiexec"), "-n", "3", str(BIN / "dplab"), "train", "--backend", "mpi",
-                           "--world-size", "4"], cwd=REPO, env=_env(), capture_output=True, text=True,
-                          timeout=60)
+    proc = subprocess.run(
+        [
+            str(BIN / "mpiexec"),
+            "-n",
+            "3",
+            str(BIN / "dplab"),
+            "train",
+            "--backend",
+            "mpi",
+            "--world-size",
+            "4",
+        ],
+        cwd=REPO,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().splitlines() == [
-        "dplab train: error: the launcher started 3 ranks but --world-size is 4: drop --world-size or "
-        "make them agree"], proc.stderr
+        "dplab train: error: the launcher started 3 ranks but --world-size is 4: drop --world-size "
+        "or make them agree"], proc.stderr
     assert proc.stdout == ""
 
 
 @pytest.mark.mpi
 def test_mpiexec_bad_output_path_stops_the_whole_job(tmp_path):
-    """Only rank 0 writes, so only rank 0 checks --json: it must not leave the others waiting in MPI_Init."""
+    """Only rank 0 writes, so only rank 0 checks --json: it must not leave the others waiting in
+    MPI_Init."""
     _needs("mpi")
     target = tmp_path / "missing" / "rows.json"
-    proc = subprocess.run([str(BIN / "mpiexec"), "-n", "2", str(BIN / "dplab"), "train", "--backend", "mpi",
-                           "--json", str(target)], cwd=REPO, env=_env(), capture_output=True, text=True,
-                          timeout=60)
+    proc = subprocess.run(
+        [
+            str(BIN / "mpiexec"),
+            "-n",
+            "2",
+            str(BIN / "dplab"),
+            "train",
+            "--backend",
+            "mpi",
+            "--json",
+            str(target),
+        ],
+        cwd=REPO,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().splitlines() == [
-        f"dplab train: error: --json {target}: directory {target.parent} does not exist: create it first"]
+        f"dplab train: error: --json {target}: directory {target.parent} does not exist: create it "
+        "first"]
 
 
 @pytest.mark.torch
@@ -69,15 +101,33 @@ def test_torchrun_nccl_without_gpus_is_one_line_from_rank_0_exit_2():
     if torch.cuda.device_count() >= 2:
         pytest.skip("this machine has 2 GPUs: NCCL would start")
     env = _env() | {"DPLAB_DEVICE": "cuda"}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m",
-                           "dplab.backends.cli", "train", "--backend", "torch"], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "dplab.backends.cli",
+            "train",
+            "--backend",
+            "torch",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     ours = [line for line in proc.stderr.splitlines() if line.startswith("dplab train")]
     have = torch.cuda.device_count()
-    assert ours == [f"dplab train: error: 2 ranks need 2 GPUs, this machine has {have}: use --device cpu "
-                    "(gloo), i.e. DPLAB_DEVICE=cpu"], proc.stderr
+    assert ours == [f"dplab train: error: 2 ranks need 2 GPUs, this machine has {have}: use "
+                    "--device cpu (gloo), i.e. DPLAB_DEVICE=cpu"], proc.stderr
     assert "rank 0 failed" not in proc.stderr  # no dplab traceback from any rank
-    assert f'File "{REPO}/backends' not in proc.stderr and f'File "{REPO}/reference' not in proc.stderr
+    assert (
+        f'File "{REPO}/backends' not in proc.stderr and f'File "{REPO}/reference' not in proc.stderr
+    )
     # torchrun names rank 0 as the first failure, with our exit code
     root = proc.stderr.split("Root Cause", 1)[1]
     assert "rank      : 0 (local_rank: 0)" in root and "exitcode  : 2 " in root, proc.stderr

@@ -52,20 +52,35 @@ def test_train_table_is_readable_and_json_keeps_full_values(tmp_path, capsys):
 
 
 def test_reader_that_leaves_ends_the_output_quietly(tmp_path):
-    """``dplab train | head -1``: the reader is gone before we print; no BrokenPipeError traceback."""
+    """``dplab train | head -1``: the reader is gone before we print;
+    no BrokenPipeError traceback."""
     out = tmp_path / "rows.json"
-    proc = subprocess.Popen([sys.executable, "-m", "dplab.backends.cli", "train", "--world-size", "2",
-                             "--steps", "3", "--json", str(out)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "dplab.backends.cli",
+            "train",
+            "--world-size",
+            "2",
+            "--steps",
+            "3",
+            "--json",
+            str(out),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     proc.stdout.close()  # as head does once it has its lines: every write now gets EPIPE
     _, err = proc.communicate(timeout=120)
     assert err.decode() == ""
     assert proc.returncode == 0
-    assert json.loads(out.read_text())["rows"][0]["world_size"] == 2  # the work and --json still done
+    # the work and --json still done
+    assert json.loads(out.read_text())["rows"][0]["world_size"] == 2
 
 
 def test_compare_piped_into_head_prints_three_lines_and_no_traceback():
-    proc = subprocess.run(f"{sys.executable} -m dplab.backends.cli compare --steps 2 --world-sizes 1,2 "
-                          "| head -3", shell=True, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(f"{sys.executable} -m dplab.backends.cli compare --steps 2 --world-sizes "
+                          "1,2 | head -3", shell=True, capture_output=True, text=True, timeout=120)
     assert len(proc.stdout.splitlines()) == 3 and proc.stdout.startswith("backend")
     assert "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr, proc.stderr

@@ -15,8 +15,13 @@ from dplab.reference.train.buckets import assign_buckets
 def test_default_mlp_falls_in_one_bucket_per_layer_in_either_dtype():
     model = MLP(MLPConfig(16, (32, 32), 4, "tanh", "mse"))
     for itemsize in (8, 4):  # float64, float32
-        assert assign_buckets(model.param_slices, itemsize, TRAIN_BUCKET_CAP_MB) == [[5, 4], [3, 2], [1, 0]]
-        assert assign_buckets(model.param_slices, itemsize, 25.0) == [[5, 4, 3, 2, 1, 0]]  # DDP's 25 MB
+        assert assign_buckets(model.param_slices, itemsize, TRAIN_BUCKET_CAP_MB) == [
+            [5, 4],
+            [3, 2],
+            [1, 0],
+        ]
+        # DDP's 25 MB
+        assert assign_buckets(model.param_slices, itemsize, 25.0) == [[5, 4, 3, 2, 1, 0]]
 
 
 def test_default_train_trace_overlaps_the_first_bucket_with_backward(tmp_path, capsys):

@@ -1,5 +1,5 @@
-"""``dplab compare --global-batches``: the large-batch sweep's rows, its marks, its defaults, its errors;
-and ``dplab train --optimizer lars|lamb --warmup-steps``."""
+"""``dplab compare --global-batches``: the large-batch sweep's rows, its marks, its defaults, its
+errors; and ``dplab train --optimizer lars|lamb --warmup-steps``."""
 
 from __future__ import annotations
 
@@ -82,8 +82,28 @@ def test_sweep_data_defaults_only_when_not_given():
 
 def test_a_given_dataset_is_kept(tmp_path, capsys):
     out = tmp_path / "rows.json"
-    assert main(["compare", "--global-batches", "16", "--dataset", "regression", "--steps", "3",
-                 "--num-samples", "64", "--hidden", "4", "--world-sizes", "1", "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "compare",
+                "--global-batches",
+                "16",
+                "--dataset",
+                "regression",
+                "--steps",
+                "3",
+                "--num-samples",
+                "64",
+                "--hidden",
+                "4",
+                "--world-sizes",
+                "1",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     (row,) = json.loads(out.read_text())["rows"]
     assert row["dataset"] == "regression" and row["lr"] == pytest.approx(0.01 * 16 / 64)
     assert row["optimizer"] == "adam" and row["steps"] == 3 and row["world_size"] == 1
@@ -93,7 +113,8 @@ def test_a_given_dataset_is_kept(tmp_path, capsys):
     (["--lr-rule", "sqrt"], "--lr-rule: only for the large-batch sweep; add --global-batches"),
     (["--global-batches", "64", "--modes", "sync,async"], "trains synchronously"),
     (["--global-batches", "64", "--time-budget", "1"], "drop --time-budget"),
-    (["--global-batches", "64", "--at-steps", "99", "--steps", "10"], "--at-steps 99 is past --steps 10"),
+    (["--global-batches", "64", "--at-steps", "99", "--steps", "10"], "--at-steps 99 is past "
+                                                                      "--steps 10"),
     (["--global-batches", "64", "--lr-rule", "cubic"], "bad lr rule list 'cubic'"),
     (["--global-batches", "0,64"], "give integers >= 1"),
     (["--global-batches", "64", "--base-batch", "0"], "--base-batch: must be an integer >= 1"),
@@ -111,13 +132,42 @@ def test_bad_sweep_input_is_one_line_exit_2(args, message, capsys):
 @pytest.mark.parametrize("optimizer, lr", [("lamb", "0.01"), ("lars", "5")])
 def test_train_with_layerwise_optimizer_and_warmup(optimizer, lr, tmp_path, capsys):
     out = tmp_path / "row.json"
-    assert main(["train", "--world-size", "2", "--steps", "6", "--hidden", "8", "--optimizer", optimizer,
-                 "--lr", lr, "--warmup-steps", "3", "--trust-coef", "0.01", "--weight-decay", "0.001",
-                 "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--world-size",
+                "2",
+                "--steps",
+                "6",
+                "--hidden",
+                "8",
+                "--optimizer",
+                optimizer,
+                "--lr",
+                lr,
+                "--warmup-steps",
+                "3",
+                "--trust-coef",
+                "0.01",
+                "--weight-decay",
+                "0.001",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     (row,) = json.loads(out.read_text())["rows"]
     assert row["max_abs_diff_vs_single"] < 1e-12
-    cfg = TrainConfig(MLPConfig(16, (8,), 4), "regression", 1024, 64, 6,
-                      OptimConfig(optimizer, float(lr), weight_decay=0.001, warmup_steps=3, trust_coef=0.01))
+    cfg = TrainConfig(
+        MLPConfig(16, (8,), 4),
+        "regression",
+        1024,
+        64,
+        6,
+        OptimConfig(optimizer, float(lr), weight_decay=0.001, warmup_steps=3, trust_coef=0.01),
+    )
     single = train_single(cfg)
     assert row["final_loss"] == pytest.approx(evaluate(cfg, single.params), rel=1e-12)
     assert row["final_loss"] < single.losses[0]

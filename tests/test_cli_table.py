@@ -1,4 +1,5 @@
-"""The command line's tables and progress bar on rich: plain and stable when piped, styled in a terminal."""
+"""The command line's tables and progress bar on rich: plain and stable when piped, styled in a
+terminal."""
 
 from __future__ import annotations
 
@@ -46,7 +47,8 @@ def test_colour_only_on_a_terminal_without_no_color(monkeypatch):
     monkeypatch.delenv("NO_COLOR", raising=False)
     monkeypatch.setenv("TERM", "xterm")
     assert styled(_Tty()) and not styled(io.StringIO())
-    monkeypatch.setenv("FORCE_COLOR", "1")                           # rich's override does not reach us
+    # rich's override does not reach us
+    monkeypatch.setenv("FORCE_COLOR", "1")
     assert not styled(io.StringIO())
     monkeypatch.setattr("sys.stdout", io.StringIO())
     assert "\x1b" not in format_table(ROWS, COLUMNS)                 # default: stdout decides
@@ -68,7 +70,9 @@ def test_progress_is_silent_when_stderr_is_not_a_terminal(monkeypatch):
 
 
 @pytest.mark.parametrize("no_color", ["", "1"])
-def test_progress_on_a_terminal_counts_shows_an_eta_and_gives_the_cursor_back(monkeypatch, no_color):
+def test_progress_on_a_terminal_counts_shows_an_eta_and_gives_the_cursor_back(
+    monkeypatch, no_color
+):
     err = _Tty()
     monkeypatch.setattr("sys.stderr", err)
     monkeypatch.setenv("TERM", "xterm")
@@ -83,6 +87,7 @@ def test_progress_on_a_terminal_counts_shows_an_eta_and_gives_the_cursor_back(mo
     p.close()
     text = err.getvalue()
     assert "1/2" in text and "2/2" in text and "local world size 4" in text and "eta" in text
-    assert text.rindex("\x1b[?25h") > text.index("\x1b[?25l")       # the hidden cursor is shown again
+    # the hidden cursor is shown again
+    assert text.rindex("\x1b[?25h") > text.index("\x1b[?25l")
     assert unregistered == [p.close]                                 # closed: nothing left for exit
     assert bool(SGR.search(text)) == (no_color == "")

@@ -126,7 +126,9 @@ def world_and_length(draw, max_p: int = 8):
 @settings(max_examples=8 * BASE)
 @given(pn=world_and_length(), algorithm=st.sampled_from(ALGORITHMS), dtype=st.sampled_from(DTYPES),
        op=st.sampled_from(("sum", "mean")), how=st.sampled_from(ALLOCS), seed=st.integers(0, 2**31))
-def test_allreduce_is_the_exact_sum_on_every_rank(worlds, backend, pn, algorithm, dtype, op, how, seed):
+def test_allreduce_is_the_exact_sum_on_every_rank(
+    worlds, backend, pn, algorithm, dtype, op, how, seed
+):
     p, n = pn
     if backend == "sim":  # a rank thread at a time: 400 examples to p = 8 were minutes; p = 8 on
         p = min(p, 4)  # sim is test_large_buffer_every_algorithm's
@@ -145,10 +147,13 @@ def test_allreduce_is_the_exact_sum_on_every_rank(worlds, backend, pn, algorithm
 @given(pn=world_and_length(), algorithm=st.sampled_from(ALGORITHMS),
        dtype=st.sampled_from(("float32", "float64")), how=st.sampled_from(ALLOCS),
        seed=st.integers(0, 2**31))
-def test_allreduce_of_arbitrary_floats_agrees_bitwise_across_ranks(worlds, backend, pn, algorithm, dtype,
-                                                                   how, seed):
+def test_allreduce_of_arbitrary_floats_agrees_bitwise_across_ranks(
+    worlds, backend, pn, algorithm, dtype, how, seed
+):
     p, n = pn
-    results = worlds(p, backend).run(job_allreduce, algorithm, dtype, n, "mean", how, seed, "normal")
+    results = worlds(p, backend).run(
+        job_allreduce, algorithm, dtype, n, "mean", how, seed, "normal"
+    )
     outs = [out for _, _, out in results]
     exact = sum(rank_data(seed, r, n, dtype, "normal").astype(np.float64) for r in range(p)) / p
     tol = 1e-5 if dtype == "float32" else 1e-12
@@ -195,7 +200,9 @@ def test_repeated_allreduces_on_one_world_stay_correct(worlds):
 @settings(max_examples=2 * BASE)
 @given(pn=world_and_length(), algorithm=st.sampled_from(SCATTER_ALGORITHMS),
        dtype=st.sampled_from(DTYPES), how=st.sampled_from(ALLOCS), seed=st.integers(0, 2**31))
-def test_reduce_scatter_returns_the_ranks_reduced_chunk(worlds, backend, pn, algorithm, dtype, how, seed):
+def test_reduce_scatter_returns_the_ranks_reduced_chunk(
+    worlds, backend, pn, algorithm, dtype, how, seed
+):
     p, n = pn
     results = worlds(p, backend).run(job_reduce_scatter, algorithm, dtype, n, how, seed)
     total = exact_sum(p, seed, n, dtype)
@@ -225,11 +232,15 @@ def test_broadcast_and_reduce_from_every_root(worlds, backend, algorithm, p):
         for n, dtype, how in ((0, "int32", "shm"), (1, "float32", "numpy"), (101, "int64", "shm"),
                               (1000 + root, "float64", "numpy")):
             seed = 7 * root + n
-            results = worlds(p, backend).run(job_rooted, "broadcast", algorithm, root, dtype, n, how, seed)
+            results = worlds(p, backend).run(
+                job_rooted, "broadcast", algorithm, root, dtype, n, how, seed
+            )
             assert all(same for same, _ in results)
             assert_identical_everywhere([o for _, o in results], rank_data(seed, root, n, dtype),
                                         f"broadcast root {root} n={n}")
-            results = worlds(p, backend).run(job_rooted, "reduce", algorithm, root, dtype, n, how, seed)
+            results = worlds(p, backend).run(
+                job_rooted, "reduce", algorithm, root, dtype, n, how, seed
+            )
             assert results[root][0]
             np.testing.assert_array_equal(results[root][1], exact_sum(p, seed, n, dtype),
                                           err_msg=f"reduce root {root} n={n}")

@@ -42,14 +42,23 @@ def test_receives_go_ahead_only_where_the_round_before_cannot_disturb_them(kind,
 
 
 def test_the_ring_posts_every_receive_a_round_early_but_the_one_it_cannot():
-    assert [len(e) for e in early_receives(schedule_plan("allreduce", "ring", 4, 0)[1])] == [1, 1, 1, 1, 1, 0]
+    assert [len(e) for e in early_receives(schedule_plan("allreduce", "ring", 4, 0)[1])] == [
+        1,
+        1,
+        1,
+        1,
+        1,
+        0,
+    ]
     # p=2: the all-gather copies into the chunk this rank just sent: that one must wait its round
     assert early_receives(schedule_plan("allreduce", "ring", 2, 0)[1]) == [[], []]
 
 
 def test_the_reference_executor_knows_nothing_of_early_receives():
     """The executor a learner reads hands each round to ``exchange`` and nothing more."""
-    assert "early" not in inspect.getsource(collectives) and "ahead" not in inspect.getsource(collectives)
+    assert "early" not in inspect.getsource(collectives) and "ahead" not in inspect.getsource(
+        collectives
+    )
     assert "ahead" not in inspect.signature(Communicator.exchange).parameters
 
 

@@ -22,7 +22,8 @@ def test_a_rank_that_lost_its_peer_is_not_reported_over_the_peer_that_failed():
     """Deterministic: rank 0's PeerLost arrives first, rank 1's own error 0.3 s later."""
     def fn(comm):
         if comm.rank == 0:
-            raise PeerLost("rank 0 lost rank 1 while waiting: that rank died or failed (see its error)")
+            raise PeerLost("rank 0 lost rank 1 while waiting: that rank died or failed (see its "
+                           "error)")
         time.sleep(0.3)
         raise ValueError("the real cause, on rank 1")
 

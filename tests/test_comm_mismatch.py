@@ -32,9 +32,19 @@ def call(comm, what: str, n: int):
 
 
 CASES = {  # name: (what rank 0 calls, what the others call, what the error names, n)
-    "allreduce-vs-broadcast": ("allreduce:ring:", "broadcast:tree:0", "broadcast(tree, root=0)", 100),
+    "allreduce-vs-broadcast": (
+        "allreduce:ring:",
+        "broadcast:tree:0",
+        "broadcast(tree, root=0)",
+        100,
+    ),
     "ring-vs-tree": ("allreduce:ring:", "allreduce:tree:", "allreduce(tree)", 100),
-    "root-0-vs-root-1": ("broadcast:tree:0", "broadcast:tree:1", "broadcast(tree, root=1)", 1 << 20),
+    "root-0-vs-root-1": (
+        "broadcast:tree:0",
+        "broadcast:tree:1",
+        "broadcast(tree, root=1)",
+        1 << 20,
+    ),
     "scatter-vs-gather": ("reduce_scatter:ring:", "allgather:ring:", "allgather(ring)", 100),
     "ring-vs-native": ("allreduce:ring:", "allreduce:native:", "allreduce(native)", 100),
     # both only send (the root broadcasts, the leaf reduces to it; at p=2 two roots also only send):
@@ -118,8 +128,12 @@ def test_gloo_cannot_see_these_mismatches_and_times_out_naming_the_peer(case):
 
 
 def test_collective_codes_round_trip_and_stay_clear_of_user_tags():
-    calls = [Collective(k, a, r) for k in ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce")
-             for a in ("naive", "ring", "tree", "direct", "native") for r in (-1, 0, 1, 7, 4095)]
+    calls = [
+        Collective(k, a, r)
+        for k in ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce")
+        for a in ("naive", "ring", "tree", "direct", "native")
+        for r in (-1, 0, 1, 7, 4095)
+    ]
     codes = [c.code() for c in calls]
     assert len(set(codes)) == len(calls) and min(codes) >= COLLECTIVE_TAG
     assert [Collective.decode(c) for c in codes] == calls
@@ -141,7 +155,10 @@ def test_every_registry_algorithm_has_a_code_that_decodes_to_it():
     assert len(set(codes)) == len(calls) and min(codes) >= COLLECTIVE_TAG
     assert [Collective.decode(c) for c in codes] == calls
     for name, default in PARAMETRIC.items():
-        assert Collective("allreduce", f"{name}:{default + 1}").code() == Collective("allreduce", name).code()
+        assert (
+            Collective("allreduce", f"{name}:{default + 1}").code()
+            == Collective("allreduce", name).code()
+        )
 
 
 def test_a_name_outside_the_registry_has_no_code():

@@ -14,12 +14,21 @@ import numpy as np
 from dplab.reference import collectives
 from dplab.reference.errors import ConfigError
 
-CALLS = ("allreduce-ring", "allreduce-tree", "allreduce-native", "native_allreduce", "reduce_scatter",
-         "allgather", "broadcast", "reduce")
+CALLS = (
+    "allreduce-ring",
+    "allreduce-tree",
+    "allreduce-native",
+    "native_allreduce",
+    "reduce_scatter",
+    "allgather",
+    "broadcast",
+    "reduce",
+)
 
 
 def job_readonly(comm, how):
-    """Every collective on a read-only buffer: (call, error type, is ConfigError, message, untouched)."""
+    """Every collective on a read-only buffer: (call, error type, is ConfigError, message,
+    untouched)."""
     out = []
     for call in CALLS:
         raw = bytes(range(1, 33))  # 4 float64 over immutable bytes
@@ -36,7 +45,15 @@ def job_readonly(comm, how):
             else:
                 getattr(collectives, kind)(comm, buf)
         except Exception as e:  # noqa: BLE001 - the test inspects whatever came out
-            out.append((call, type(e).__name__, isinstance(e, ConfigError), str(e), buf.tobytes() == before))
+            out.append(
+                (
+                    call,
+                    type(e).__name__,
+                    isinstance(e, ConfigError),
+                    str(e),
+                    buf.tobytes() == before,
+                )
+            )
         else:
             out.append((call, None, False, "", buf.tobytes() == before))
     return out
@@ -48,7 +65,9 @@ def test_read_only_buffers_are_refused_by_every_collective_on_every_backend(worl
             for call, name, is_config_error, message, untouched in rows:
                 assert is_config_error, f"{backend} {how} rank {rank} {call}: got {name}: {message}"
                 assert "read-only" in message and ".copy()" in message, message
-                assert untouched, f"{backend} {how} rank {rank} {call} wrote into a read-only buffer"
+                assert untouched, (
+                    f"{backend} {how} rank {rank} {call} wrote into a read-only buffer"
+                )
 
 
 def job_still_works_after_refusal(comm):

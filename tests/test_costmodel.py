@@ -88,7 +88,8 @@ def test_ring_bytes_sent_is_2_p_minus_1_over_p_n(p):
 @pytest.mark.parametrize("algorithm", ["ring", "tree", "naive", "direct"])
 @pytest.mark.parametrize("p", [1, 2, 3, 5, 8, 13])
 def test_each_term_separately(algorithm, p):
-    """alpha alone counts messages on the critical path; beta alone, bytes; gamma alone, reductions."""
+    """alpha alone counts messages on the critical path; beta alone, bytes;
+    gamma alone, reductions."""
     s = allreduce_schedule(algorithm, p)
     n = 13 * 8 * 5 * 3 * 2 * 1000  # divisible by every p here
     for a, b, g in ((1.0, 0.0, 0.0), (0.0, 1.0, 0.0), (0.0, 0.0, 1.0)):
@@ -117,6 +118,8 @@ def test_ring_beats_tree_for_large_buffers_and_loses_for_small_ones():
 
 
 def test_closed_form_of_one_rank_is_free_and_unknown_names_are_rejected():
-    assert all(closed_form(a, 1, 1e6, 1.0, 1.0, 1.0) == 0.0 for a in ("ring", "tree", "naive", "direct"))
+    assert all(
+        closed_form(a, 1, 1e6, 1.0, 1.0, 1.0) == 0.0 for a in ("ring", "tree", "naive", "direct")
+    )
     with pytest.raises(ValueError, match="butterfly"):
         closed_form("butterfly", 4, 100, 1.0, 1.0, 1.0)

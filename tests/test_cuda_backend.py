@@ -84,7 +84,13 @@ def test_every_collective_gives_the_local_backends_bits(worlds, device, p):
                     for r in range(p):
                         if kind == "reduce" and r != root:
                             continue  # other ranks hold partial sums: scratch
-                        assert got[r].tobytes() == want[r].tobytes(), (kind, algorithm, root, dtype, r)
+                        assert got[r].tobytes() == want[r].tobytes(), (
+                            kind,
+                            algorithm,
+                            root,
+                            dtype,
+                            r,
+                        )
 
 
 def job_mismatch(comm, mine: str, theirs: str, n: int):
@@ -189,7 +195,9 @@ def job_wrapper(comm, wrapper: str, weights: dict):
         net, opt = DistributedDataParallel(model, comm), None
     elif wrapper == "zero":
         net = model
-        opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, comm, lr=0.1, momentum=0.9)
+        opt = ZeroRedundancyOptimizer(
+            model.parameters(), torch.optim.SGD, comm, lr=0.1, momentum=0.9
+        )
     else:
         net, opt = FSDP(model, comm, units=[model[0], model[2]]), None
     opt = opt or torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)

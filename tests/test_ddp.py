@@ -99,7 +99,9 @@ def batch(kind: str, step: int, n: int = B) -> tuple:
     if kind == "tied":
         return torch.randint(0, 11, (n,), generator=g), torch.randint(0, 11, (n,), generator=g)
     dim = {"frozen": (5, 3), "deep": (512, 512), "unused": (3, 2)}[kind]
-    return torch.randn(n, dim[0], generator=g, dtype=F64), torch.randn(n, dim[1], generator=g, dtype=F64)
+    return torch.randn(n, dim[0], generator=g, dtype=F64), torch.randn(
+        n, dim[1], generator=g, dtype=F64
+    )
 
 
 def loss_sum(kind: str, out, y):
@@ -133,7 +135,9 @@ def rel(a, b) -> float:
 
 # -- rank functions --------------------------------------------------------------------------
 
-def _train_ddp(comm, kind: str, cap: float, algorithm: str, accum: int = 1, steps: int = STEPS) -> dict:
+def _train_ddp(
+    comm, kind: str, cap: float, algorithm: str, accum: int = 1, steps: int = STEPS
+) -> dict:
     """Train DDP on this rank's shard (``accum`` micro-batches, all but the last in no_sync)."""
     from dplab.backends.nn.ddp import DDP
 
@@ -261,7 +265,9 @@ def check_against_reference(kind: str, results: list[dict], label: str) -> None:
         assert len(r["snaps"]) == len(ref)
         for step, (mine, theirs) in enumerate(zip(r["snaps"], ref)):
             for i, (a, b) in enumerate(zip(mine, theirs)):
-                assert rel(a, b) <= 1e-10, f"{label} rank {rank} step {step} param {i}: {rel(a, b):.3g}"
+                assert rel(a, b) <= 1e-10, (
+                    f"{label} rank {rank} step {step} param {i}: {rel(a, b):.3g}"
+                )
             assert all(np.array_equal(a, b) for a, b in zip(mine, results[0]["snaps"][step])), \
                 f"{label}: rank {rank} differs from rank 0 at step {step}"
 
@@ -280,10 +286,14 @@ def test_ddp_equals_single_process_after_every_step(worlds, backend, p, algorith
                 expected = {HUGE: 1, SEVERAL: 2, TINY: r["trainable"]}[cap]
                 assert r["buckets"] == expected, label
                 assert r["staged"] == 0, f"{label}: the flat gradient was not in shared memory"
-                assert all(np.array_equal(a, b) for a, b in zip(r["buffers"], map(torch.Tensor.numpy,
-                                                                                  init.buffers())))
+                assert all(
+                    np.array_equal(a, b)
+                    for a, b in zip(r["buffers"], map(torch.Tensor.numpy, init.buffers()))
+                )
                 if kind == "frozen":  # mid.weight: bitwise rank 0's initial value, never a grad
-                    assert all(np.array_equal(s[2], init.mid.weight.detach().numpy()) for s in r["snaps"])
+                    assert all(
+                        np.array_equal(s[2], init.mid.weight.detach().numpy()) for s in r["snaps"]
+                    )
                     assert r["frozen_grads"] == [True]
                 else:  # the tied weight is accumulated from both uses, then its hook fires once
                     assert r["hook_calls"] == [1] * STEPS
@@ -296,7 +306,9 @@ def test_no_sync_accumulation_equals_the_big_batch_step(worlds, backend, p, accu
         results = worlds(p, backend).run(_train_ddp, kind, SEVERAL, "ring", accum)
         check_against_reference(kind, results, f"{kind} accum={accum}")
         for r in results:
-            assert r["no_sync_buckets"] == [0] * (STEPS * (accum - 1)), "no_sync launched a reduction"
+            assert r["no_sync_buckets"] == [0] * (STEPS * (accum - 1)), (
+                "no_sync launched a reduction"
+            )
 
 
 @pytest.mark.parametrize("p", [1, 3])
@@ -335,6 +347,8 @@ def _local_used_grad(rank: int) -> np.ndarray:
     return model.used.weight.grad.numpy()
 
 
-@pytest.mark.parametrize("what, needle", [("algorithm", "unknown algorithm"), ("dtypes", "one dtype")])
+@pytest.mark.parametrize(
+    "what, needle", [("algorithm", "unknown algorithm"), ("dtypes", "one dtype")]
+)
 def test_bad_configurations_are_config_errors(worlds, what, needle):
     assert needle in worlds(1).run(_bad_config, what)[0]

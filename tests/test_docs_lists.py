@@ -39,7 +39,9 @@ def test_the_names_are_the_registry():
 
 @pytest.mark.parametrize("name", NAMES)
 def test_the_reference_map_names_it(name):
-    assert _named(name, dplab.reference.__doc__), f"reference/__init__.py's map does not name {name!r}"
+    assert _named(name, dplab.reference.__doc__), (
+        f"reference/__init__.py's map does not name {name!r}"
+    )
 
 
 @pytest.mark.parametrize(("command", "dest"), [("train", "algorithm"), ("compare", "algorithms"),

@@ -44,7 +44,9 @@ def test_async_goes_on_without_a_killed_worker(staleness: int | None) -> None:
     assert isinstance(results[2], RankLost) and "SIGKILL" in results[2].detail
     assert server.lost == [(2, 4)]  # worker rank 2, after finishing clocks 0..3
     applied = sorted((e.worker, e.clock) for e in server.log)
-    assert applied == sorted([(w, c) for w in (1, 3) for c in range(10)] + [(2, c) for c in range(4)])
+    assert applied == sorted(
+        [(w, c) for w in (1, 3) for c in range(10)] + [(2, c) for c in range(4)]
+    )
     assert np.array_equal(replay(cfg, acfg, server.log, 3), server.params)
     if staleness is not None:  # the gate held, over the workers alive at each pull
         assert all(e.clock - e.slowest_done <= staleness for e in server.log)
@@ -70,7 +72,8 @@ def _killed_from_outside(comm, cfg: TrainConfig, acfg: AsyncConfig):
     if comm.rank == 2:
         def kill() -> None:
             deadline = time.monotonic() + 30  # rank 1 writes its pid when it connects: on a busy
-            while not comm.w.pids[1] and time.monotonic() < deadline:  # machine that can take a while
+            while not comm.w.pids[1] and time.monotonic() < deadline:
+                # machine that can take a while
                 time.sleep(0.01)
             time.sleep(0.3)  # a few of its 10 ms clocks
             pid = int(comm.w.pids[1])
@@ -121,7 +124,8 @@ def test_sync_stops_within_seconds_naming_the_killed_rank() -> None:
 
 def test_peer_alive_tells_dead_from_zombie() -> None:
     pid = os.fork()
-    if pid == 0:  # the child dies at once; unreaped, it is a zombie that os.kill(pid, 0) still finds
+    if pid == 0:
+        # the child dies at once; unreaped, it is a zombie that os.kill(pid, 0) still finds
         os._exit(0)
     # Wait for its death without reaping it (WNOWAIT): a fixed sleep was not always enough for the
     # child to run at all on a busy machine (then it was still alive, and the test failed).

@@ -74,7 +74,8 @@ UNITS = {  # unit configurations by name: attribute paths of submodules
     "whole": [],
     "frozen2": ["inp", "out"],             # the root keeps mid (frozen weight + trainable bias)
     "frozen3": ["inp", "mid", "out"],      # a unit with a frozen and a trainable flat
-    "tied_emb": ["emb", "mid"],            # emb's weight is also head's: the root owns it, emb is empty
+    # emb's weight is also head's: the root owns it, emb is empty
+    "tied_emb": ["emb", "mid"],
     "tied_head": ["mid", "head"],
     "stack": ["blocks.0", "blocks.1", "blocks.2", "blocks.3"],
 }
@@ -102,7 +103,9 @@ def batch(kind: str, step: int, n: int = B, dtype: torch.dtype = F64) -> tuple:
     if kind_of(kind) == "tied":
         return torch.randint(0, 11, (n,), generator=g), torch.randint(0, 11, (n,), generator=g)
     dim = {"frozen": (5, 3), "stack": (16, 2)}[kind_of(kind)]
-    return torch.randn(n, dim[0], generator=g, dtype=dtype), torch.randn(n, dim[1], generator=g, dtype=dtype)
+    return torch.randn(n, dim[0], generator=g, dtype=dtype), torch.randn(
+        n, dim[1], generator=g, dtype=dtype
+    )
 
 
 def loss_sum(kind: str, out, y):
@@ -143,14 +146,18 @@ def rel(a, b) -> float:
 
 # -- rank functions --------------------------------------------------------------------------
 
-def _train(comm, kind: str, config: str, n: int = B, weighted: bool = False, steps: int = STEPS) -> dict:
+def _train(
+    comm, kind: str, config: str, n: int = B, weighted: bool = False, steps: int = STEPS
+) -> dict:
     """FSDP on this rank's shard of every batch (chunk_bounds: uneven when p does not divide n)."""
     from dplab.backends.nn.fsdp import FSDP
 
     torch.set_num_threads(1)
     model = make_model(kind, SEED + comm.rank)  # the broadcast must make it rank 0's
     lo, hi = chunk_bounds(n, comm.world_size)[comm.rank]
-    fsdp = FSDP(model, comm, units=units_of(model, config), local_batch_size=hi - lo if weighted else None)
+    fsdp = FSDP(
+        model, comm, units=units_of(model, config), local_batch_size=hi - lo if weighted else None
+    )
     opt = make_opt(fsdp.parameters())
     snaps = [numpy_state(fsdp.full_state_dict())]
     for step in range(steps):
@@ -191,21 +198,28 @@ def test_fsdp_equals_single_process_after_every_step(worlds, backend, p):
         ref = reference(kind)
         check(results, ref, label)
         names = [name for name, _ in make_model(kind, SEED).named_parameters()]
-        for r in results:  # the original parameters, under their own names, as torch's FSDP keeps them
+        for r in results:
+            # the original parameters, under their own names, as torch's FSDP keeps them
             assert r["module_names"] == r["names"] == names, label
             assert r["frozen_grads_none"], f"{label}: a frozen flat got a gradient"
             assert r["leaf_bytes_after"] == 0, f"{label}: gathered parameters outlived the step"
-        total = [sum(ss) for ss in zip(*(r["shard_sizes"] for r in results))]  # per parameter, over ranks
+        # per parameter, over ranks
+        total = [sum(ss) for ss in zip(*(r["shard_sizes"] for r in results))]
         model = make_model(kind, SEED)
-        assert total == [q.numel() for q in model.parameters()], f"{label}: the pieces do not tile them"
-        if kind_of(kind) == "frozen":  # mid.weight: rank 0's initial value, bitwise, after every step
+        assert total == [q.numel() for q in model.parameters()], (
+            f"{label}: the pieces do not tile them"
+        )
+        if kind_of(kind) == "frozen":
+            # mid.weight: rank 0's initial value, bitwise, after every step
             frozen = ref[0]["mid.weight"]
             assert all(np.array_equal(s["mid.weight"], frozen) for r in results for s in r["snaps"])
 
 
 @pytest.mark.parametrize("p", [3, 4])
 def test_uneven_shards_weighted_by_local_batch_size(worlds, backend, p):
-    """10 samples on 3 or 4 ranks (4/3/3, 3/3/2/2): local_batch_size makes it the full batch's step."""
+    """10 samples on 3 or 4 ranks (4/3/3, 3/3/2/2): local_batch_size makes it the full batch's
+    step."""
     world = worlds(p, backend)
     for kind, config in [("frozen", "frozen3"), ("tied", "tied_head")]:
-        check(world.run(_train, kind, config, 10, True), reference(kind, n=10), f"{kind} uneven p={p}")
+        check(world.run(_train, kind, config, 10, True), reference(kind, n=10), f"{kind} uneven "
+                                                                                f"p={p}")

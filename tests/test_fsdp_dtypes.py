@@ -60,9 +60,16 @@ def _bytes(comm, kind: str, config: str, compute, reduce) -> dict:
     flats = [f for fl in fsdp.units for f in fl]
     cbytes = (compute or F32).itemsize
     rbytes = (reduce or F32).itemsize
-    want = {"allgather": sum(2 * collective_sent("allgather", "ring", p, r, f.n) * cbytes for f in flats),
-            "reduce_scatter": sum(collective_sent("reduce_scatter", "ring", p, r, f.n) * rbytes
-                                  for f in flats if f.trainable)}
+    want = {
+        "allgather": sum(
+            2 * collective_sent("allgather", "ring", p, r, f.n) * cbytes for f in flats
+        ),
+        "reduce_scatter": sum(
+            collective_sent("reduce_scatter", "ring", p, r, f.n) * rbytes
+            for f in flats
+            if f.trainable
+        ),
+    }
     return {"sent": sent, "want": want, "params": sum(f.n for f in flats),
             "spans": sorted(s.kind for s in spans)}
 
@@ -70,7 +77,11 @@ def _bytes(comm, kind: str, config: str, compute, reduce) -> dict:
 def measure(world, kind: str, config: str, reduce16) -> dict:
     """Bytes per step and rank for fp32, bf16 compute, bf16 compute + 16-bit reduce."""
     out = {}
-    for name, compute, reduce in [("fp32", None, None), ("bf16", BF16, None), ("bf16+r16", BF16, reduce16)]:
+    for name, compute, reduce in [
+        ("fp32", None, None),
+        ("bf16", BF16, None),
+        ("bf16+r16", BF16, reduce16),
+    ]:
         rows = world.run(_bytes, kind, config, compute, reduce)
         for r in rows:
             assert r["sent"] == r["want"], (name, r)  # the trace is exactly the schedules' bytes
@@ -85,14 +96,18 @@ def test_bytes_per_step_halve_in_the_compute_dtype(worlds, p):
         for fp32, bf16, both in zip(got["fp32"], got["bf16"], got["bf16+r16"]):
             assert fp32["allgather"] > 0 and fp32["reduce_scatter"] > 0
             assert 2 * bf16["allgather"] == fp32["allgather"]  # the gather halves ...
-            assert bf16["reduce_scatter"] == fp32["reduce_scatter"]  # ... the fp32 reduction does not
-            assert 2 * sum(both.values()) == sum(fp32.values())  # with a 16-bit reduce, the whole step
+            # ... the fp32 reduction does not
+            assert bf16["reduce_scatter"] == fp32["reduce_scatter"]
+            # with a 16-bit reduce, the whole step
+            assert 2 * sum(both.values()) == sum(fp32.values())
 
 
 def test_bytes_per_step_on_every_backend(worlds, backend):
     got = measure(worlds(3, backend), "stack", "stack", half_reduce(backend))
     for fp32, bf16, both in zip(got["fp32"], got["bf16"], got["bf16+r16"]):
-        assert 2 * bf16["allgather"] == fp32["allgather"] and 2 * sum(both.values()) == sum(fp32.values())
+        assert 2 * bf16["allgather"] == fp32["allgather"] and 2 * sum(both.values()) == sum(
+            fp32.values()
+        )
 
 
 def _gathered_bits(comm, compute) -> list:
@@ -103,7 +118,9 @@ def _gathered_bits(comm, compute) -> list:
     fsdp = FSDP(model, comm, units=units_of(model, "stack"), compute_dtype=compute)
     seen = {}
     for i, b in enumerate(model.blocks):  # registered after FSDP's pre-hook: runs after the gather
-        b.register_forward_pre_hook(lambda m, _a, i=i: seen.setdefault(i, m.weight.detach().clone()))
+        b.register_forward_pre_hook(
+            lambda m, _a, i=i: seen.setdefault(i, m.weight.detach().clone())
+        )
     fsdp(batch("stack", 0, 4, F32)[0])
     masters = fsdp.full_state_dict()
     return [(seen[i].dtype == compute and torch.equal(seen[i].view(torch.int16),
@@ -144,7 +161,9 @@ def _reduced(comm, compute, reduce) -> list:
 
     torch.set_num_threads(1)
     model = make_model("frozen", SEED, F32)
-    fsdp = FSDP(model, comm, units=units_of(model, "frozen3"), compute_dtype=compute, reduce_dtype=reduce)
+    fsdp = FSDP(
+        model, comm, units=units_of(model, "frozen3"), compute_dtype=compute, reduce_dtype=reduce
+    )
     lo, hi = chunk_bounds(B, comm.world_size)[comm.rank]
     x, y = batch("frozen", 0, B, F32)
     (loss_sum("frozen", fsdp(x[lo:hi]), y[lo:hi]) / (hi - lo)).backward()
@@ -191,9 +210,11 @@ def check_reduction(world, p: int, compute, reduce) -> None:
         assert all(r[i][1] for r in rows), "shard.grad stays in the master dtype"
         assert np.all(np.abs(got - exact) <= bound), (keys, np.max(np.abs(got - exact) - bound))
         low = torch.from_numpy(got).to(reduce).to(torch.float64).numpy()
-        np.testing.assert_array_equal(got, low)  # every value a float16 (bf16): summed in reduce_dtype
+        # every value a float16 (bf16): summed in reduce_dtype
+        np.testing.assert_array_equal(got, low)
         exacts.append(exact)
-    if p > 1:  # the exact sums are not all 16-bit numbers: so the check above can tell fp32 from fp16 sums
+    if p > 1:
+        # the exact sums are not all 16-bit numbers: so the check above can tell fp32 from fp16 sums
         exact = np.concatenate(exacts)
         assert not np.array_equal(exact, torch.from_numpy(exact).to(reduce).double().numpy())
 

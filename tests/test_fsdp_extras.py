@@ -24,12 +24,14 @@ from dplab.reference.schedule import chunk_bounds  # noqa: E402
 
 pytestmark = pytest.mark.torch
 F32, STEPS, B = torch.float32, 3, 12
-TOL = 2e-6  # fp32 rounding: the ranks' gradients are summed in another order than one process sums them
+# fp32 rounding: the ranks' gradients are summed in another order than one process sums them
+TOL = 2e-6
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def cast_reference(kind: str, p: int, dtype: torch.dtype | None) -> dict:
-    """One process, fp32 masters; per shard a ``dtype`` copy computes the gradient (None: fp32 only)."""
+    """One process, fp32 masters; per shard a ``dtype`` copy computes the gradient (None: fp32
+    only)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the ranks: the same kernels, the same roundings
     try:
@@ -42,7 +44,8 @@ def cast_reference(kind: str, p: int, dtype: torch.dtype | None) -> dict:
                 (loss_sum(kind, master(x), y) / B).backward()
             else:
                 for lo, hi in chunk_bounds(B, p):
-                    low = copy.deepcopy(master).to(dtype)  # params and float buffers, as FSDP casts them
+                    # params and float buffers, as FSDP casts them
+                    low = copy.deepcopy(master).to(dtype)
                     xs = x[lo:hi].to(dtype) if x.is_floating_point() else x[lo:hi]
                     (loss_sum(kind, low(xs), y[lo:hi]) / (hi - lo)).backward()
                     for m, q in zip(master.parameters(), low.parameters()):
@@ -84,12 +87,21 @@ def test_compute_dtype_equals_one_process_with_the_same_casts(worlds, p, name):
     for kind, config in [("frozen", "frozen2"), ("tied", "tied_head")]:
         want, fp32 = cast_reference(kind, p, dtype), cast_reference(kind, p, None)
         for state, seen in worlds(p).run(_train_mixed, kind, config, dtype):
-            assert seen[0] == str(dtype) and seen[1] == ["torch.float32"], seen  # bf16 compute, fp32 shards
-            assert state.keys() == want.keys() and state["out.weight" if kind == "frozen" else "mid.weight"
-                                                         ].dtype == np.float64  # numpy_state's widening
+            # bf16 compute, fp32 shards
+            assert seen[0] == str(dtype) and seen[1] == ["torch.float32"], seen
+            assert (
+                state.keys() == want.keys()
+                and state[
+                    "out.weight" if kind == "frozen" else "mid.weight"
+                    # numpy_state's widening
+                ].dtype
+                == np.float64
+            )
             for key in want:
                 assert rel(state[key], want[key]) <= TOL, f"{kind} {name} p={p} {key}"
-            assert max(rel(state[k], fp32[k]) for k in want) > 20 * TOL, "the casts changed nothing: no test"
+            assert max(rel(state[k], fp32[k]) for k in want) > 20 * TOL, (
+                "the casts changed nothing: no test"
+            )
 
 
 def test_compute_dtype_on_every_backend(worlds, backend):
@@ -198,14 +210,21 @@ def _bad(comm, what: str) -> str:
     from dplab.backends.nn.fsdp import FSDP, MixedPrecision
 
     model = make_model("stack", 0)
-    args = {"outside": {"units": [nn.Linear(2, 2)]}, "twice": {"units": [model.blocks[0], model.blocks[0]]},
-            "nested": {"units": [model.blocks, model.blocks[1]]}, "root": {"units": [model]},
-            "algorithm": {"algorithm": "tree"}, "dtype": {"compute_dtype": torch.int8},
-            "prefetch": {"backward_prefetch": "BACKWARD_POST"},
-            "policy_key": {"units": [model.blocks[0]],
-                           "mixed_precision": {model.blocks[1]: MixedPrecision()}},
-            "both": {"compute_dtype": torch.bfloat16, "mixed_precision": MixedPrecision()},
-            "buffer": {"mixed_precision": MixedPrecision(buffer_dtype=torch.int8)}}[what]
+    args = {
+        "outside": {"units": [nn.Linear(2, 2)]},
+        "twice": {"units": [model.blocks[0], model.blocks[0]]},
+        "nested": {"units": [model.blocks, model.blocks[1]]},
+        "root": {"units": [model]},
+        "algorithm": {"algorithm": "tree"},
+        "dtype": {"compute_dtype": torch.int8},
+        "prefetch": {"backward_prefetch": "BACKWARD_POST"},
+        "policy_key": {
+            "units": [model.blocks[0]],
+            "mixed_precision": {model.blocks[1]: MixedPrecision()},
+        },
+        "both": {"compute_dtype": torch.bfloat16, "mixed_precision": MixedPrecision()},
+        "buffer": {"mixed_precision": MixedPrecision(buffer_dtype=torch.int8)},
+    }[what]
     try:
         FSDP(model, comm, **args)
     except ConfigError as e:
@@ -213,13 +232,21 @@ def _bad(comm, what: str) -> str:
     return "no error"
 
 
-@pytest.mark.parametrize("what, needle", [("outside", "not inside the wrapped module"),
-                                          ("twice", "listed twice"), ("nested", "inside unit 'blocks'"),
-                                          ("root", "always the root unit"), ("algorithm", "ring, direct"),
-                                          ("dtype", "compute_dtype must be"),
-                                          ("prefetch", "must be None or 'BACKWARD_PRE'"),
-                                          ("policy_key", "not a unit"), ("both", "not both"),
-                                          ("buffer", "buffer_dtype must be")])
+@pytest.mark.parametrize(
+    "what, needle",
+    [
+        ("outside", "not inside the wrapped module"),
+        ("twice", "listed twice"),
+        ("nested", "inside unit 'blocks'"),
+        ("root", "always the root unit"),
+        ("algorithm", "ring, direct"),
+        ("dtype", "compute_dtype must be"),
+        ("prefetch", "must be None or 'BACKWARD_PRE'"),
+        ("policy_key", "not a unit"),
+        ("both", "not both"),
+        ("buffer", "buffer_dtype must be"),
+    ],
+)
 def test_bad_configurations_say_what_to_do(worlds, what, needle):
     assert needle in worlds(1).run(_bad, what)[0]
 
@@ -257,7 +284,10 @@ def test_accumulated_micro_batches_take_the_big_batch_step(worlds, p):
 class Spare(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.used, self.spare = nn.Linear(3, 2, dtype=torch.float64), nn.Linear(3, 2, dtype=torch.float64)
+        self.used, self.spare = (
+            nn.Linear(3, 2, dtype=torch.float64),
+            nn.Linear(3, 2, dtype=torch.float64),
+        )
 
     def forward(self, x):
         self.spare(x)  # runs (so its unit is gathered and waits for a gradient) but feeds no loss
@@ -278,7 +308,8 @@ def _spare(comm) -> list:
 
 
 def test_a_unit_without_gradient_reduces_zeros_and_the_world_goes_on(worlds):
-    full = np.array([12.0] * 6 + [8.0] * 2)  # 2 backwards x the rank mean of 4 rows of x (1s, 2s); bias: 4
+    # 2 backwards x the rank mean of 4 rows of x (1s, 2s); bias: 4
+    full = np.array([12.0] * 6 + [8.0] * 2)
     for rank, (used, spare) in enumerate(worlds(2).run(_spare)):  # the root holds nothing: 2 flats
         np.testing.assert_array_equal(used, full[4 * rank:4 * rank + 4])
         np.testing.assert_array_equal(spare, np.zeros(4))  # a gradient of zeros, not None

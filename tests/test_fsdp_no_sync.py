@@ -21,7 +21,18 @@ import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
-from test_fsdp import SEED, STEPS, B, batch, loss_sum, make_model, numpy_state, reference, rel, units_of  # noqa: E402
+from test_fsdp import (  # noqa: E402
+    SEED,
+    STEPS,
+    B,
+    batch,
+    loss_sum,
+    make_model,
+    numpy_state,
+    reference,
+    rel,
+    units_of,
+)
 from torch import nn  # noqa: E402
 
 from dplab.reference.schedule import chunk_bounds  # noqa: E402
@@ -92,11 +103,15 @@ def test_no_sync_micro_batches_take_the_big_batch_step_with_one_reduce_scatter(w
 def test_no_sync_on_every_backend(worlds, backend):
     want = reference("frozen")[-1]
     for r in worlds(3, backend).run(_accumulate, 2, True):
-        assert max(rel(r["state"][key], want[key]) for key in want) <= 1e-10 and r["counts"] == [3] * STEPS
+        assert (
+            max(rel(r["state"][key], want[key]) for key in want) <= 1e-10
+            and r["counts"] == [3] * STEPS
+        )
 
 
 def test_no_sync_in_bf16_sums_the_micro_batches_in_fp32(worlds):
-    """The same step as reducing each micro-batch (both add fp32 gradients; only the order differs)."""
+    """The same step as reducing each micro-batch (both add fp32 gradients; only the order
+    differs)."""
     held = worlds(2).run(_accumulate, 3, True, torch.bfloat16)
     each = worlds(2).run(_accumulate, 3, False, torch.bfloat16)
     for a, b in zip(held, each):
@@ -108,7 +123,10 @@ class Switch(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.used, self.spare = nn.Linear(3, 2, dtype=torch.float64), nn.Linear(3, 2, dtype=torch.float64)
+        self.used, self.spare = (
+            nn.Linear(3, 2, dtype=torch.float64),
+            nn.Linear(3, 2, dtype=torch.float64),
+        )
 
     def forward(self, x, mode: str):
         if mode == "skip":
@@ -141,7 +159,10 @@ def test_a_unit_with_only_held_gradient_reduces_it(worlds, last):
     for r in range(p):  # the big batch: each rank's micro-batches, gradients averaged over ranks
         x = torch.full((4, 3), r + 1.0, dtype=torch.float64)
         ((plain(x, "use").sum() + plain(x, last).sum()) / p).backward()
-    want = {k: v - (plain.get_parameter(k).grad.numpy()) for k, v in numpy_state(plain.state_dict()).items()}
+    want = {
+        k: v - (plain.get_parameter(k).grad.numpy())
+        for k, v in numpy_state(plain.state_dict()).items()
+    }
     for state in worlds(p).run(_switch, last):
         for k in want:
             np.testing.assert_allclose(state[k], want[k], rtol=1e-12, atol=1e-12)
@@ -173,7 +194,9 @@ def norm_reference(p: int, dtype) -> list[list[dict]]:
     torch.manual_seed(SEED)
     master = Norm()
     opt = torch.optim.SGD(master.parameters(), lr=0.1, momentum=0.9)
-    bufs = [{k: v.clone() for k, v in master.state_dict().items() if k in BUFFERS} for _ in range(p)]
+    bufs = [
+        {k: v.clone() for k, v in master.state_dict().items() if k in BUFFERS} for _ in range(p)
+    ]
     out = []
     for step in range(STEPS):
         x, y = norm_batch(step)
@@ -186,7 +209,9 @@ def norm_reference(p: int, dtype) -> list[list[dict]]:
             for m, q in zip(master.parameters(), low.parameters()):
                 g = q.grad.to(F32) / p
                 m.grad = g if m.grad is None else m.grad + g
-            bufs[r] = {k: v.to(bufs[r][k].dtype) for k, v in low.state_dict().items() if k in BUFFERS}
+            bufs[r] = {
+                k: v.to(bufs[r][k].dtype) for k, v in low.state_dict().items() if k in BUFFERS
+            }
         opt.step()
         out.append([{k: v.numpy().copy() for k, v in b.items()} for b in bufs])
     return out
@@ -210,13 +235,18 @@ def _norm(comm, dtype) -> dict:
         steps.append({k: model.get_buffer(k).numpy().copy() for k in BUFFERS})
     dtypes = {k: str(model.get_buffer(k).dtype) for k in BUFFERS}
     fsdp.eval()
-    model.bn.running_mean.fill_(0.1)  # an fp32 value that no 16-bit float holds: no needless round trip
+    # an fp32 value that no 16-bit float holds: no needless round trip
+    model.bn.running_mean.fill_(0.1)
     before = {k: model.get_buffer(k).clone() for k in BUFFERS}
     fsdp(norm_batch(0)[0])  # evaluation reads the statistics (in bf16) and changes nothing
     unchanged = all(torch.equal(before[k], model.get_buffer(k)) for k in BUFFERS)
-    return {"steps": steps, "dtypes": dtypes, "eval_unchanged": unchanged,
-            "state": {k: v.numpy().copy() for k, v in fsdp.full_state_dict().items() if k in BUFFERS},
-            "after_eval": model.bn.running_mean.numpy().copy()}
+    return {
+        "steps": steps,
+        "dtypes": dtypes,
+        "eval_unchanged": unchanged,
+        "state": {k: v.numpy().copy() for k, v in fsdp.full_state_dict().items() if k in BUFFERS},
+        "after_eval": model.bn.running_mean.numpy().copy(),
+    }
 
 
 def dtype_of(v: float, dtype) -> float:
@@ -231,8 +261,11 @@ def test_batchnorm_running_statistics_under_compute_dtype(worlds, p, name):
     fp32 = norm_reference(p, F32)
     results = worlds(p).run(_norm, dtype)
     for rank, r in enumerate(results):
-        assert r["dtypes"] == {"bn.running_mean": "torch.float32", "bn.running_var": "torch.float32",
-                               "bn.num_batches_tracked": "torch.int64"}
+        assert r["dtypes"] == {
+            "bn.running_mean": "torch.float32",
+            "bn.running_var": "torch.float32",
+            "bn.num_batches_tracked": "torch.int64",
+        }
         assert r["eval_unchanged"]
         for step, got in enumerate(r["steps"]):
             mine = want[step][rank]
@@ -245,9 +278,13 @@ def test_batchnorm_running_statistics_under_compute_dtype(worlds, p, name):
                 else:
                     assert rel(got[k], mine[k]) <= 2 * 2.0 ** -8, (step, k)
         last = r["steps"][-1]
-        assert np.all(r["after_eval"] == np.float32(0.1)) and np.float32(0.1) != dtype_of(0.1, dtype)
-        assert np.array_equal(r["state"]["bn.running_var"], last["bn.running_var"])  # the state dict's
-        assert max(rel(last[k], fp32[-1][rank][k]) for k in BUFFERS[:2]) > 1e-4  # the casts mattered
+        assert np.all(r["after_eval"] == np.float32(0.1)) and np.float32(0.1) != dtype_of(
+            0.1, dtype
+        )
+        # the state dict's
+        assert np.array_equal(r["state"]["bn.running_var"], last["bn.running_var"])
+        # the casts mattered
+        assert max(rel(last[k], fp32[-1][rank][k]) for k in BUFFERS[:2]) > 1e-4
     if p > 1:  # each rank's statistics are its own shard's
         a, b = (r["steps"][-1]["bn.running_mean"] for r in results)
         assert not np.array_equal(a, b)

@@ -31,8 +31,13 @@ F64, B, STEPS, SEED, MAX_NORM = torch.float64, 12, 3, 11, 0.05  # MAX_NORM: ever
 @one_at_a_time
 def make_seq(seed: int) -> nn.Sequential:
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(5, 8, dtype=F64), nn.Tanh(), nn.Linear(8, 8, dtype=F64), nn.Tanh(),
-                         nn.Linear(8, 3, dtype=F64))
+    return nn.Sequential(
+        nn.Linear(5, 8, dtype=F64),
+        nn.Tanh(),
+        nn.Linear(8, 8, dtype=F64),
+        nn.Tanh(),
+        nn.Linear(8, 3, dtype=F64),
+    )
 
 
 def seq_batch(step: int) -> tuple:
@@ -66,7 +71,8 @@ def _fsdp(comm, norm_type: float) -> dict:
     model = make_seq(SEED + comm.rank)  # rank 0's weights win at construction
     originals = [id(q) for q in model.parameters()]
     fsdp = FSDP(model, comm, units=[model[0], model[2]])  # the root keeps model[4]
-    opt = torch.optim.AdamW(fsdp.parameters(), lr=0.01, weight_decay=0.1)  # after wrapping, as torch asks
+    # after wrapping, as torch asks
+    opt = torch.optim.AdamW(fsdp.parameters(), lr=0.01, weight_decay=0.1)
     lo, hi = chunk_bounds(B, comm.world_size)[comm.rank]
     norms = []
     for step in range(STEPS):
@@ -95,18 +101,24 @@ def test_adamw_with_global_clip_over_fsdp_parameters_trains_like_one_process(wor
     want = one_process(norm_type)
     results = worlds(p).run(_fsdp, norm_type)
     for rank, r in enumerate(results):
-        assert r["names"] == want["names"] and r["keys"] == want["keys"], rank  # "0.weight", not flat_params
+        # "0.weight", not flat_params
+        assert r["names"] == want["names"] and r["keys"] == want["keys"], rank
         assert r["same_objects"] and r["grad_is_view"], rank
-        assert max(abs(a - b) / b for a, b in zip(r["norms"], want["norms"])) <= 1e-10, (rank, r["norms"])
+        assert max(abs(a - b) / b for a, b in zip(r["norms"], want["norms"])) <= 1e-10, (
+            rank,
+            r["norms"],
+        )
         assert r["norms"][0] > MAX_NORM, "the test should clip"
         for k, v in want["state"].items():
             assert rel(r["state"][k], v) <= 1e-10, (rank, k)
-    pieces = [sum(s) for s in zip(*(r["pieces"] for r in results))]  # each parameter tiled by the ranks
+    # each parameter tiled by the ranks
+    pieces = [sum(s) for s in zip(*(r["pieces"] for r in results))]
     assert pieces == [q.numel() for q in make_seq(0).parameters()]
 
 
 def _local_clip(comm) -> tuple[float, float]:
-    """torch.nn.utils.clip_grad_norm_ over the pieces sees this rank's part only; the method sees all."""
+    """torch.nn.utils.clip_grad_norm_ over the pieces sees this rank's part only;
+    the method sees all."""
     from dplab.backends.nn.fsdp import FSDP
 
     fsdp = FSDP(make_seq(SEED), comm)
@@ -174,7 +186,8 @@ def _cast_in(dtype, _m, args, kwargs):
 
 def low_copy(master: Net, units: dict[str, torch.dtype], keep: tuple) -> Net:
     """The casts the policy promises, by hand: each unit's parameters and inputs in its dtype (the
-    root's in float32 here), kept modules in float32 with their output back in their unit's dtype."""
+    root's in float32 here), kept modules in float32 with their output back in their unit's
+    dtype."""
     low = copy.deepcopy(master)
     for name, dtype in units.items():
         unit = low.get_submodule(name).to(dtype)
@@ -219,7 +232,9 @@ def _mixed(comm, per_unit: bool) -> dict:
     if per_unit:  # the first block in float16 (its norm too), the second and the root in float32
         fsdp = FSDP(model, comm, units=list(model.blocks), mixed_precision={model.blocks[0]: mp})
     else:
-        fsdp = FSDP(model, comm, units=list(model.blocks), mixed_precision=mp, keep_float32=(nn.LayerNorm,))
+        fsdp = FSDP(
+            model, comm, units=list(model.blocks), mixed_precision=mp, keep_float32=(nn.LayerNorm,)
+        )
     seen = {}
 
     def look(name, mod, _args, out) -> None:  # what each layer computed in: (weight, output) dtypes
@@ -244,12 +259,18 @@ def test_mixed_precision_policy_equals_one_process_with_the_same_casts(worlds, p
     p = 2
     if per_unit:
         units, keep = {"blocks.0": F16, "blocks.1": F32}, ()
-        want_seen = {"inp": ("torch.float32",) * 2, "blocks.0.lin": ("torch.float16",) * 2,
-                     "blocks.0.norm": ("torch.float16",) * 2, "blocks.1.lin": ("torch.float32",) * 2,
-                     "blocks.1.norm": ("torch.float32",) * 2, "head": ("torch.float32",) * 2}
+        want_seen = {
+            "inp": ("torch.float32",) * 2,
+            "blocks.0.lin": ("torch.float16",) * 2,
+            "blocks.0.norm": ("torch.float16",) * 2,
+            "blocks.1.lin": ("torch.float32",) * 2,
+            "blocks.1.norm": ("torch.float32",) * 2,
+            "head": ("torch.float32",) * 2,
+        }
     else:
         units, keep = {"": F16}, (nn.LayerNorm,)
-        half, kept = ("torch.float16",) * 2, ("torch.float32", "torch.float16")  # LN: fp32 weights, fp16 out
+        # LN: fp32 weights, fp16 out
+        half, kept = ("torch.float16",) * 2, ("torch.float32", "torch.float16")
         want_seen = {"inp": half, "blocks.0.lin": half, "blocks.0.norm": kept, "blocks.1.lin": half,
                      "blocks.1.norm": kept, "head": half}
     want = same_casts(p, units, keep)
@@ -306,7 +327,8 @@ def test_prefetch_from_the_comm_thread_on_every_backend(worlds, backend):
     same_with_and_without_prefetch(worlds(2, backend))
 
 
-NAP = 0.05  # seconds of "compute" per unit, forward and backward: long beside a gather of 8x8 floats
+# seconds of "compute" per unit, forward and backward: long beside a gather of 8x8 floats
+NAP = 0.05
 
 
 class Nap(torch.autograd.Function):
@@ -329,7 +351,8 @@ class NapBlock(nn.Module):
         self.lin = nn.Linear(8, 8, dtype=F64)
 
     def forward(self, x):
-        return torch.tanh(Nap.apply(self.lin(x)))  # the nap inside the unit's backward, before lin's
+        # the nap inside the unit's backward, before lin's
+        return torch.tanh(Nap.apply(self.lin(x)))
 
 
 def _trace(comm, prefetch: bool) -> list:
@@ -347,19 +370,25 @@ def _trace(comm, prefetch: bool) -> list:
             fsdp(x).sum().backward()
     finally:
         comm.tracer.enabled = False
-    return [(e.kind, e.thread, e.extra.get("unit"), e.t_start_ns, e.t_end_ns) for e in comm.tracer.take()
-            if e.kind in ("unit_gather", "unit_forward", "unit_backward")]
+    return [
+        (e.kind, e.thread, e.extra.get("unit"), e.t_start_ns, e.t_end_ns)
+        for e in comm.tracer.take()
+        if e.kind in ("unit_gather", "unit_forward", "unit_backward")
+    ]
 
 
 def overlaps(events: list, phase: str) -> set:
-    """(computing unit, gathering unit) pairs: a comm-thread gather of one unit while another computed."""
+    """(computing unit, gathering unit) pairs: a comm-thread gather of one unit while another
+    computed."""
     gathers = [e for e in events if e[0] == "unit_gather" and e[1] == "comm"]
     return {(k, j) for kind, thread, k, a, b in events if kind == phase and thread == "main"
             for _, _, j, c, d in gathers if j != k and c < b and a < d}
 
 
 def test_prefetched_gathers_overlap_compute_in_the_trace(worlds):
-    for rank, (ahead, plain) in enumerate(zip(worlds(2).run(_trace, True), worlds(2).run(_trace, False))):
+    for rank, (ahead, plain) in enumerate(
+        zip(worlds(2).run(_trace, True), worlds(2).run(_trace, False))
+    ):
         # units 1..3 (the root, 0, holds nothing and spans the whole forward): unit k+1 gathers
         # while unit k runs forward, unit k-1 while unit k runs backward. Each pair overlaps
         # unless the loaded machine starts the comm thread a whole nap late: ask for one each
@@ -368,4 +397,5 @@ def test_prefetched_gathers_overlap_compute_in_the_trace(worlds):
         assert forward and forward <= {(1, 2), (2, 3)}, (rank, ahead)
         assert backward and backward <= {(3, 2), (2, 1)}, (rank, ahead)
         assert not overlaps(plain, "unit_forward") and not overlaps(plain, "unit_backward")
-        assert {e[1] for e in plain if e[0] == "unit_gather"} == {"main"}  # without prefetch: no comm thread
+        # without prefetch: no comm thread
+        assert {e[1] for e in plain if e[0] == "unit_gather"} == {"main"}

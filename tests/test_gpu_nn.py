@@ -62,7 +62,9 @@ def job(comm, wrapper: str):
         opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
     elif wrapper == "zero":
         net = model
-        opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, comm, lr=0.1, momentum=0.9)
+        opt = ZeroRedundancyOptimizer(
+            model.parameters(), torch.optim.SGD, comm, lr=0.1, momentum=0.9
+        )
     else:
         net = FSDP(model, comm, units=[model[0], model[2]], compute_dtype=torch.bfloat16)
         opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
@@ -80,8 +82,9 @@ def job(comm, wrapper: str):
     else:
         params = list(model.parameters())
     got = [p.detach().cpu().double().numpy() for p in params]
-    dtype = torch.bfloat16 if wrapper == "fsdp" else None  # the references run here: the test process
-    return got, sorted(devices), _reference(device, dtype), _reference(device)  # must not touch CUDA
+    # the references run here: the test process must not touch CUDA
+    dtype = torch.bfloat16 if wrapper == "fsdp" else None
+    return got, sorted(devices), _reference(device, dtype), _reference(device)
 
 
 @pytest.mark.parametrize("wrapper", ["ddp", "zero", "fsdp"])
@@ -89,10 +92,12 @@ def test_wrappers_on_one_gpu_train_like_one_process(monkeypatch, wrapper):
     if torch.cuda.device_count() < 1:  # NVML: does not start CUDA in this (forking) process
         pytest.skip("needs a CUDA GPU, this machine has none")
     monkeypatch.setenv("DPLAB_DEVICE", "cuda")
-    with World(1, backend="torch", timeout=60.0) as w:  # (forked ranks: CUDA only ever starts there)
+    with World(1, backend="torch", timeout=60.0) as w:
+        # (forked ranks: CUDA only ever starts there)
         (params, devices, ref, plain), = w.run(job, wrapper)
     assert devices == ["cuda:0"]  # activations and parameters never left the GPU
     err = max(np.max(np.abs(a - b)) for a, b in zip(params, ref))
-    assert err <= (1e-3 if wrapper == "fsdp" else 1e-6), err  # bf16: the same casts, other kernel order
+    # bf16: the same casts, other kernel order
+    assert err <= (1e-3 if wrapper == "fsdp" else 1e-6), err
     if wrapper == "fsdp":  # and the casts mattered: far from plain fp32 training
         assert max(np.max(np.abs(a - b)) for a, b in zip(params, plain)) > 10 * err

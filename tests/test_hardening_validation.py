@@ -35,7 +35,8 @@ def _two_zeros(comm) -> dict:
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 2, dtype=torch.float64)
     old = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, comm, lr=0.1)
-    new = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, comm, lr=0.1)  # a fresh one: fine
+    # a fresh one: fine
+    new = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, comm, lr=0.1)
     x = torch.ones(4, 3, dtype=torch.float64)
     out = {}
     for name, opt in (("old", old), ("new", new)):
@@ -55,7 +56,10 @@ def test_the_older_of_two_zeros_over_the_same_parameters_refuses_to_step(worlds)
     pytest.importorskip("torch")
     for r in worlds(2).run(_two_zeros):
         assert r["new"] is True  # the newest steps the module's weights
-        assert "\n" not in r["old"] and "taken over by a ZeroRedundancyOptimizer built later" in r["old"]
+        assert (
+            "\n" not in r["old"]
+            and "taken over by a ZeroRedundancyOptimizer built later" in r["old"]
+        )
         assert "step only the newest optimizer" in r["old"]
 
 
@@ -79,7 +83,8 @@ def _set(data, where, value):
 
 @pytest.mark.parametrize("where, value, field", [
     (("fits", 0, "alpha_s"), -4.4e-05, "fits[0] (local, all, all).alpha_s is -4.4e-05"),
-    (("fits", 1, "beta_s_per_byte"), float("nan"), "fits[1] (local, all, native).beta_s_per_byte is nan"),
+    (("fits", 1, "beta_s_per_byte"), float("nan"), "fits[1] (local, all, native).beta_s_per_byte "
+                                                   "is nan"),
     (("fits", 2, "alpha_s"), float("inf"), "fits[2] (local, 4, ring).alpha_s is inf"),
     (("fits", 0, "alpha_s"), "fast", "fits[0] (local, all, all).alpha_s is 'fast'"),
     (("fits", 0, "gamma_s_per_byte"), True, "fits[0] (local, all, all).gamma_s_per_byte is True"),
@@ -88,8 +93,9 @@ def _set(data, where, value):
     (("measured", 1, 4), -1e-4, "measured[1] (local, 4, native, 4096 B) seconds is -0.0001"),
     (("measured", 0, 3), 4.5, "measured[0] bytes is 4.5"),
 ])
-def test_a_tune_file_with_a_bad_number_is_refused_at_load_naming_file_and_field(tmp_path, where, value,
-                                                                                 field):
+def test_a_tune_file_with_a_bad_number_is_refused_at_load_naming_file_and_field(
+    tmp_path, where, value, field
+):
     path, data = _tune_file(tmp_path)
     assert auto.load_tuning(path).choose("local", 4, 4096) == "ring"  # the good file, as written
     _set(data, where, value)
@@ -97,7 +103,9 @@ def test_a_tune_file_with_a_bad_number_is_refused_at_load_naming_file_and_field(
     with pytest.raises(ConfigError) as e:
         auto.load_tuning(path)
     msg = str(e.value)
-    assert msg.startswith(f"{path}: {field}") and "run `dplab tune` again" in msg and "\n" not in msg
+    assert (
+        msg.startswith(f"{path}: {field}") and "run `dplab tune` again" in msg and "\n" not in msg
+    )
 
 
 def test_a_fit_that_prices_everything_at_zero_is_refused(tmp_path):
@@ -105,7 +113,8 @@ def test_a_fit_that_prices_everything_at_zero_is_refused(tmp_path):
     for f in data["fits"]:
         f.update(alpha_s=0.0, beta_s_per_byte=0.0, gamma_s_per_byte=0.0)  # auto: naive everywhere
     path.write_text(json.dumps(data))
-    with pytest.raises(ConfigError, match=r"fits\[0\] .* are all 0, which prices every all-reduce at 0 s"):
+    with pytest.raises(ConfigError, match=r"fits\[0\] .* are all 0, which prices every all-reduce "
+                                          r"at 0 s"):
         auto.load_tuning(path)
 
 
@@ -118,7 +127,9 @@ def test_a_tune_file_that_is_not_text_or_not_a_file_is_one_line(tmp_path):
         auto.load_tuning(tmp_path)  # a directory (a FIFO would block)
 
 
-def test_auto_with_a_bad_tune_file_is_one_line_before_any_rank_starts(tmp_path, monkeypatch, capsys):
+def test_auto_with_a_bad_tune_file_is_one_line_before_any_rank_starts(
+    tmp_path, monkeypatch, capsys
+):
     path, data = _tune_file(tmp_path)
     data["fits"][0]["alpha_s"] = "fast"  # was a TypeError traceback from every rank
     path.write_text(json.dumps(data))
@@ -132,7 +143,7 @@ def test_auto_with_a_bad_tune_file_is_one_line_before_any_rank_starts(tmp_path, 
     assert err.startswith("dplab train: error: ") and "alpha_s is 'fast'" in err and "\n" not in err
 
 
-# -- 3. mixed precision: flags that mean nothing, scales that cannot work, runs that diverge --------
+# -- 3. mixed precision: flags that mean nothing, scales that cannot work, runs that diverge -------
 
 @pytest.mark.parametrize("flags, named", [
     (["--loss-scale", "1024"], "--loss-scale applies"),
@@ -145,7 +156,10 @@ def test_precision_flags_without_mixed_precision_are_refused_at_parsing(flags, n
         build_parser().parse_args(["train", *flags])
     assert e.value.code == 2
     err = capsys.readouterr().err.strip()
-    assert f"error: {named} only to mixed precision: add --mixed-precision fp16" in err and "\n" not in err
+    assert (
+        f"error: {named} only to mixed precision: add --mixed-precision fp16" in err
+        and "\n" not in err
+    )
 
 
 def test_precision_flags_count_in_any_order_with_mixed_precision():
@@ -175,7 +189,10 @@ def test_a_static_scale_that_overflows_stops_the_run_before_the_weights_take_the
     assert rc == 2  # was rc 0 with a nan loss and replicas "not identical"; 2: a setting to change
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
-    assert "step 0: the gradients overflowed float16 (inf or nan) at the static loss scale 1e+30" in err
+    assert (
+        "step 0: the gradients overflowed float16 (inf or nan) at the static loss scale 1e+30"
+        in err
+    )
     assert "'dynamic' to skip such steps" in err
 
 
@@ -194,7 +211,8 @@ def test_dynamic_scaling_skips_overflows_and_stops_only_below_float32():
     assert [scaler.update(True, s) for s in range(2)] == [False, False]  # skipped, as GradScaler
     assert scaler.loss_scale == 2.0**-126  # float32's smallest normal: still in range
     assert scaler.update(False, 2) is True  # a good step steps
-    with pytest.raises(ConfigError, match=r"step 3: the gradients held inf or nan at every loss scale down "
+    with pytest.raises(ConfigError, match=r"step 3: the gradients held inf or nan at every loss "
+                                          r"scale down "
                                           r"to 1.18e-38, .* lower the learning rate"):
         scaler.update(True, 3)
     with pytest.raises(ConfigError, match="checkpoint is damaged"):

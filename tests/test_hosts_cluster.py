@@ -36,11 +36,13 @@ print(n, time.perf_counter() - t)
 
 def _transfer(c: Cluster, nbytes: int) -> float:
     """Seconds host 0 takes to fetch ``nbytes`` from host 1."""
-    server = c.popen(1, [sys.executable, "-c", SERVE, c.addrs[1], str(nbytes)], stdout=subprocess.PIPE,
-                     text=True)
+    server = c.popen(
+        1, [sys.executable, "-c", SERVE, c.addrs[1], str(nbytes)], stdout=subprocess.PIPE, text=True
+    )
     assert server.stdout.readline() == "up\n"
-    got, seconds = c.run(0, [sys.executable, "-c", FETCH, c.addrs[1]], timeout=30, stdout=subprocess.PIPE,
-                         text=True).stdout.split()
+    got, seconds = c.run(
+        0, [sys.executable, "-c", FETCH, c.addrs[1]], timeout=30, stdout=subprocess.PIPE, text=True
+    ).stdout.split()
     server.wait(10)
     assert int(got) == nbytes
     return float(seconds)
@@ -64,12 +66,22 @@ def test_hosts_reach_each_other_only(cluster):
     assert cluster.addrs == ["10.213.0.1", "10.213.0.2"] and _transfer(cluster, 1 << 20) >= 0
     for ns in cluster.namespaces:  # no default route: an address outside the cluster is unreachable
         routes = subprocess.run(["ip", "-n", ns, "route"], capture_output=True, text=True).stdout
-        assert routes.split() == ["10.213.0.0/24", "dev", "dpl0", "proto", "kernel", "scope", "link",
-                                  "src", cluster.addrs[cluster.namespaces.index(ns)]]
+        assert routes.split() == [
+            "10.213.0.0/24",
+            "dev",
+            "dpl0",
+            "proto",
+            "kernel",
+            "scope",
+            "link",
+            "src",
+            cluster.addrs[cluster.namespaces.index(ns)],
+        ]
 
 
 def test_two_clusters_side_by_side_and_a_slow_link():
-    """Same subnet, own bridges: no collision. 1 MiB over 40 Mbit/s takes >= 0.2 s (tbf both ways)."""
+    """Same subnet, own bridges: no collision. 1 MiB over 40 Mbit/s takes >= 0.2 s (tbf both
+    ways)."""
     hosts.needs_hosts()
     with Cluster(2, 1) as fast, Cluster(2, 1, rate="40mbit") as slow:
         assert not set(fast.namespaces + fast.veths) & set(slow.namespaces + slow.veths)
@@ -81,7 +93,8 @@ def test_two_clusters_side_by_side_and_a_slow_link():
 def test_an_exception_in_the_block_leaves_nothing():
     hosts.needs_hosts()
     with pytest.raises(RuntimeError, match="boom"), Cluster(2, 1) as c:
-        c.popen(1, ["sh", "-c", "sleep 300 & sleep 300 & wait"])  # grandchildren: found by namespace
+        # grandchildren: found by namespace
+        c.popen(1, ["sh", "-c", "sleep 300 & sleep 300 & wait"])
         deadline = time.monotonic() + 5
         while len(inside := _pids_in(c.namespaces)) < 3 and time.monotonic() < deadline:
             time.sleep(0.02)
@@ -91,9 +104,15 @@ def test_an_exception_in_the_block_leaves_nothing():
 
 
 def _script(tmp_path, *args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "dplab.backends.hosts.netns", "--hosts", "2", *args],
-                            env=hosts_env({}), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "dplab.backends.hosts.netns", "--hosts", "2", *args],
+        env=hosts_env({}),
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def _ready(proc: subprocess.Popen, line: str) -> set[int]:
@@ -118,9 +137,11 @@ def _left(pid: int, within: float) -> list[str]:
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_script_stopped_by_a_signal_leaves_nothing(tmp_path, sig):
-    """The script's command runs a process in each host; SIGINT (Ctrl-C) or SIGTERM takes it all down."""
+    """The script's command runs a process in each host; SIGINT (Ctrl-C) or SIGTERM takes it all
+    down."""
     hosts.needs_hosts()
-    proc = _script(tmp_path, "--", "sh", "-c", 'for ns in $(echo "$DPLAB_NETNS_NAMESPACES" | tr , " "); do '
+    proc = _script(tmp_path, "--", "sh", "-c", 'for ns in $(echo "$DPLAB_NETNS_NAMESPACES" | tr , '
+                                               '" "); do '
                    'ip netns exec "$ns" sleep 300 & done; echo ready; wait')
     inside = _ready(proc, "ready")
     proc.send_signal(sig)
@@ -131,13 +152,20 @@ def test_script_stopped_by_a_signal_leaves_nothing(tmp_path, sig):
 
 
 def test_script_prints_the_launch_lines_and_its_guard_cleans_up_after_sigkill(tmp_path):
-    """By hand: the script prints the torchrun and mpiexec lines; SIGKILLed, its guard removes the rest."""
+    """By hand: the script prints the torchrun and mpiexec lines;
+    SIGKILLed, its guard removes the rest."""
     hosts.needs_hosts()
     proc = _script(tmp_path)
     _ready(proc, "cluster up: 2 hosts x 2 ranks, 10.213.0.1, 10.213.0.2 on dpl0")
     usage = [proc.stdout.readline() for _ in range(6)]
-    assert "--rdzv-backend c10d --rdzv-endpoint 10.213.0.1:29500" in usage[1] and "is_host=1" in usage[1]
-    assert "--local-addr 10.213.0.2" in usage[2] and "-hosts 10.213.0.1:2,10.213.0.2:2 -n 4" in usage[4]
+    assert (
+        "--rdzv-backend c10d --rdzv-endpoint 10.213.0.1:29500" in usage[1]
+        and "is_host=1" in usage[1]
+    )
+    assert (
+        "--local-addr 10.213.0.2" in usage[2]
+        and "-hosts 10.213.0.1:2,10.213.0.2:2 -n 4" in usage[4]
+    )
     worker = subprocess.Popen(["ip", "netns", "exec", f"dplab-{proc.pid}-0-h1", "sleep", "300"],
                               start_new_session=True)
     assert leftovers(proc.pid)

@@ -51,7 +51,11 @@ def _ratio(ports: str, g: int, key: str) -> float:
 def test_the_file_is_one_real_run():
     meta = DATA["meta"]
     assert meta["command"].startswith("python -m dplab.backends.bench.two_level --rate 1gbit")
-    assert meta["rate"] == "1gbit" and meta["machine"]["cores"] >= 1 and len(meta["loadavg_1_5_15"]) >= 2
+    assert (
+        meta["rate"] == "1gbit"
+        and meta["machine"]["cores"] >= 1
+        and len(meta["loadavg_1_5_15"]) >= 2
+    )
     grid = {(c["ports"], c["ranks_per_host"], c["algorithm"], c["bytes"]) for c in DATA["cells"]}
     assert grid == {(p, g, a, s * MIB) for p in ("rank", "host") for g in (2, 4)
                     for a in two_level.ALGORITHMS for s in (1, 4, 16, 64)}
@@ -60,14 +64,16 @@ def test_the_file_is_one_real_run():
 
 
 def test_the_fits_are_dplab_tunes_on_the_rows_kept():
-    """Refitting the bench rows in the file as ``dplab tune --from-json`` does gives the saved fit."""
+    """Refitting the bench rows in the file as ``dplab tune --from-json`` does gives the saved
+    fit."""
     for f in [DATA["fits"]["inter"], *DATA["fits"]["intra"].values()]:
         assert f["commands"][1] == "dplab tune --from-json rows.json --out tune.json"
         again = next(x for x in fit(f["rows"], ("backend",)) if x.algorithm == "all")
         assert again.alpha == pytest.approx(f["alpha_s"], rel=1e-9, abs=1e-12)
         assert again.beta == pytest.approx(f["beta_s_per_byte"], rel=1e-9)
-    assert DATA["fits"]["inter"]["link_bytes"] > 4 * 64 * MIB  # the inter fit's bytes crossed the link
-    assert all(f["link_bytes"] < MIB for f in DATA["fits"]["intra"].values())  # the intra fit's did not
+    # the inter fit's bytes crossed the link, the intra fit's did not
+    assert DATA["fits"]["inter"]["link_bytes"] > 4 * 64 * MIB
+    assert all(f["link_bytes"] < MIB for f in DATA["fits"]["intra"].values())
 
 
 def test_the_models_numbers_are_todays_model():
@@ -102,7 +108,9 @@ def test_a_shared_host_link_is_what_the_model_misses():
                 continue
             assert c["model_s"] / c["measured_s"] < 0.75, c  # the per-rank-port model is too fast
             topo = two_level.topology(DATA, g)
-            shared = Topology(topo.name, g, topo.intra, Link(topo.inter.alpha, g * topo.inter.beta), 0.0)
+            shared = Topology(
+                topo.name, g, topo.intra, Link(topo.inter.alpha, g * topo.inter.beta), 0.0
+            )
             assert abs(two_level.model(DATA, c, shared) / c["measured_s"] - 1) <= 0.25, c
         assert _ratio("host", g, "measured_s") > 1.5 * _ratio("host", g, "model_s")
 
@@ -128,8 +136,14 @@ def test_live_ratio_of_hierarchical_to_ring_at_16mib(tmp_path):
     within 40% of the model's ratio on the shipped fits (the machine is shared: generous)."""
     hosts.needs_hosts()
     hosts._needs("mpi")
-    cells = two_level.measure(rate="1gbit", ports="rank", ranks_per_host=2, sizes=[16 * MIB], reps=2,
-                              algorithms=("ring", "hierarchical"))
+    cells = two_level.measure(
+        rate="1gbit",
+        ports="rank",
+        ranks_per_host=2,
+        sizes=[16 * MIB],
+        reps=2,
+        algorithms=("ring", "hierarchical"),
+    )
     got = {c["algorithm"]: c for c in cells}
     measured = got["hierarchical"]["measured_s"] / got["ring"]["measured_s"]
     model = _ratio("rank", 2, "model_s")

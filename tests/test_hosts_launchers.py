@@ -71,15 +71,41 @@ def test_torchrun_train_across_hosts_equals_single_device(cluster, tmp_path):
 
 
 def test_torchrun_compare_and_bench_across_hosts(cluster, tmp_path):
-    compare = ["compare", "--backends", "torch", "--world-sizes", "4", "--algorithms", "ring,native",
-               "--steps", "3", "--json", "c.json"]
+    compare = [
+        "compare",
+        "--backends",
+        "torch",
+        "--world-sizes",
+        "4",
+        "--algorithms",
+        "ring,native",
+        "--steps",
+        "3",
+        "--json",
+        "c.json",
+    ]
     out = _ok(finish(torchrun(cluster, compare, "compare", tmp_path)))
     rows = json.loads((tmp_path / "c.json").read_text())["rows"]
     assert [(r["algorithm"], r["world_size"], r["ranks_identical"]) for r in rows] == [
         ("ring", 4, True), ("native", 4, True)]
     assert all(r["max_abs_diff_vs_single"] <= 1e-12 for r in rows) and out.count("torch  sync") == 2
-    bench = ["bench", "--backends", "torch", "--world-sizes", "4", "--sizes", "64K", "--algorithms", "ring",
-             "--target-seconds", "0.05", "--reps", "2", "--json", "b.json"]
+    bench = [
+        "bench",
+        "--backends",
+        "torch",
+        "--world-sizes",
+        "4",
+        "--sizes",
+        "64K",
+        "--algorithms",
+        "ring",
+        "--target-seconds",
+        "0.05",
+        "--reps",
+        "2",
+        "--json",
+        "b.json",
+    ]
     out = _ok(finish(torchrun(cluster, bench, "bench", tmp_path)))
     rows = json.loads((tmp_path / "b.json").read_text())["rows"]
     assert [(r["algorithm"], r["world_size"], r["bytes"]) for r in rows] == [("ring", 4, 65536),
@@ -90,8 +116,9 @@ def test_torchrun_compare_and_bench_across_hosts(cluster, tmp_path):
 def test_torchrun_local_backend_across_hosts_is_refused_in_one_line(cluster, tmp_path):
     done = finish(torchrun(cluster, ["train", "--backend", "local"], "local", tmp_path))
     assert all(code != 0 for code, _, _ in done)
-    assert _cli_lines(done) == ["dplab train: error: the local backend runs on one host, but this torchrun "
-                                "job has 4 ranks, 2 of them on this host: use --backend torch or mpi"]
+    assert _cli_lines(done) == ["dplab train: error: the local backend runs on one host, but this "
+                                "torchrun job has 4 ranks, 2 of them on this host: use --backend "
+                                "torch or mpi"]
 
 
 # -- mpiexec -------------------------------------------------------------------------------------
@@ -106,8 +133,27 @@ def test_mpiexec_train_across_hosts_equals_single_device(cluster, tmp_path):
 
 
 def test_mpiexec_compare_and_bench_across_hosts(cluster, tmp_path):
-    out = _ok(finish(mpiexec(cluster, ["compare", "--backends", "mpi", "--world-sizes", "4", "--algorithms",
-                                       "tree,native", "--steps", "3", "--json", "c.json"], tmp_path)))
+    out = _ok(
+        finish(
+            mpiexec(
+                cluster,
+                [
+                    "compare",
+                    "--backends",
+                    "mpi",
+                    "--world-sizes",
+                    "4",
+                    "--algorithms",
+                    "tree,native",
+                    "--steps",
+                    "3",
+                    "--json",
+                    "c.json",
+                ],
+                tmp_path,
+            )
+        )
+    )
     rows = json.loads((tmp_path / "c.json").read_text())["rows"]
     assert [(r["algorithm"], r["world_size"], r["ranks_identical"]) for r in rows] == [
         ("tree", 4, True), ("native", 4, True)]
@@ -116,19 +162,24 @@ def test_mpiexec_compare_and_bench_across_hosts(cluster, tmp_path):
              "ring,native", "--target-seconds", "0.05", "--reps", "2", "--json", "b.json"]
     out = _ok(finish(mpiexec(cluster, bench, tmp_path)))
     rows = json.loads((tmp_path / "b.json").read_text())["rows"]
-    assert [(r["algorithm"], r["world_size"]) for r in rows] == [("ring", 4), ("native", 4), ("memcpy", 4)]
+    assert [(r["algorithm"], r["world_size"]) for r in rows] == [
+        ("ring", 4),
+        ("native", 4),
+        ("memcpy", 4),
+    ]
     assert all(r["time_us"] > 0 for r in rows) and "mpi     native           4" in out
 
 
 def test_mpiexec_grid_of_other_world_sizes_is_one_line(cluster, tmp_path):
     done = finish(mpiexec(cluster, ["compare", "--backends", "mpi"], tmp_path))
     assert done[0][0] == 2
-    assert _cli_lines(done) == ["dplab compare: error: the launcher started 4 ranks: give --world-sizes 4 "
-                                "(not the default 1,2,3,4)"]
+    assert _cli_lines(done) == ["dplab compare: error: the launcher started 4 ranks: give "
+                                "--world-sizes 4 (not the default 1,2,3,4)"]
 
 
 def test_mpiexec_local_backend_across_hosts_is_refused_in_one_line(cluster, tmp_path):
     done = finish(mpiexec(cluster, ["train", "--backend", "local"], tmp_path))
     assert done[0][0] != 0
-    assert _cli_lines(done) == ["dplab train: error: the local backend runs on one host, but this mpiexec "
-                                "job has 4 ranks, 2 of them on this host: use --backend torch or mpi"]
+    assert _cli_lines(done) == ["dplab train: error: the local backend runs on one host, but this "
+                                "mpiexec job has 4 ranks, 2 of them on this host: use --backend "
+                                "torch or mpi"]

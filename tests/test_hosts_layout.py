@@ -3,8 +3,8 @@
 Each launcher's ranks read two hosts of two (MPI by its shared-memory split under hydra, torch by
 torchrun's LOCAL_WORLD_SIZE): ``dplab train --algorithm hierarchical`` runs hierarchical:2, as the
 trace's all-reduce spans say (on one host it would stay the simulated "hierarchical"), and lands on
-the single-device parameters; ``hierarchical:3`` is refused in one line before any rank starts (under
-mpiexec here; torchrun's environment gets the same check in ``tests/test_node_layout.py``).
+the single-device parameters; ``hierarchical:3`` is refused in one line before any rank starts
+(under mpiexec here; torchrun's environment gets the same check in ``tests/test_node_layout.py``).
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ pytestmark = [pytest.mark.hosts, pytest.mark.mpi, pytest.mark.torch]
 cluster = hosts.cluster  # the fixture: 2 hosts x 2 ranks
 
 TRAIN = ["train", "--steps", "3", "--hidden", "16", "--num-samples", "128", "--global-batch", "32"]
-REFUSED = ("dplab train: error: hierarchical:3 puts 3 ranks in a node, but the launcher put 2 hosts of 2 "
-           "ranks: use --algorithm hierarchical (g from the hosts) or hierarchical:2")
+REFUSED = ("dplab train: error: hierarchical:3 puts 3 ranks in a node, but the launcher put 2 "
+           "hosts of 2 ranks: use --algorithm hierarchical (g from the hosts) or hierarchical:2")
 
 
 def _hierarchical_run(done: list[tuple[int, str, str]], tmp_path: Path, backend: str) -> None:
@@ -55,7 +55,9 @@ ARGS = [*TRAIN, "--algorithm", "hierarchical", "--json", "rows.json", "--save-pa
 
 
 def test_mpiexec_hierarchical_takes_g_from_the_hosts(cluster, tmp_path):
-    _hierarchical_run(finish(mpiexec(cluster, [*ARGS, "--backend", "mpi"], tmp_path)), tmp_path, "mpi")
+    _hierarchical_run(
+        finish(mpiexec(cluster, [*ARGS, "--backend", "mpi"], tmp_path)), tmp_path, "mpi"
+    )
     refuse = ["train", "--backend", "mpi", "--algorithm", "hierarchical:3"]
     _refused(finish(mpiexec(cluster, refuse, tmp_path)))
 

@@ -21,7 +21,8 @@ a @ a  # the launcher's OpenMP pool is now busy: a fork inherits it broken
 
 def job(comm):
     from dplab.backends.nn.ddp import DDP
-    model = nn.Sequential(*(nn.Linear(1024, 1024, bias=False, dtype=torch.float64) for _ in range(3)))
+    layers = (nn.Linear(1024, 1024, bias=False, dtype=torch.float64) for _ in range(3))
+    model = nn.Sequential(*layers)
     ddp = DDP(model, comm)  # broadcasts 24 MiB of parameters: parallel copies
     n = len(ddp.reducer.buckets)
     ddp.close()
@@ -38,8 +39,9 @@ def test_launch_forked_ranks_run_torch_after_the_launcher_used_openmp(tmp_path):
     pytest.importorskip("torch", reason="needs torch: pip install 'dplab[torch]'")
     script = tmp_path / "omp.py"
     script.write_text(SCRIPT)
-    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=90)
+    proc = subprocess.run(
+        [sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=90
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[(1, 1), (1, 1)]"
 
@@ -50,8 +52,11 @@ def _blas_threads(comm) -> int:
     maps = open("/proc/self/maps").read().splitlines()
     path = next(line.split()[-1] for line in maps if "openblas" in line.lower())
     lib = ctypes.CDLL(path)
-    get = next(getattr(lib, n) for n in ("scipy_openblas_get_num_threads64_", "openblas_get_num_threads")
-               if hasattr(lib, n))
+    get = next(
+        getattr(lib, n)
+        for n in ("scipy_openblas_get_num_threads64_", "openblas_get_num_threads")
+        if hasattr(lib, n)
+    )
     return get()
 
 

@@ -113,7 +113,8 @@ def start(tmp_path: Path, code: str, *argv: str) -> subprocess.Popen:
     """Run ``code`` as a script in ``tmp_path`` (cwd outside the repository), in its own session."""
     script = tmp_path / "launcher.py"
     # Ctrl-C as a terminal's foreground job has it, even when pytest itself was started with SIGINT
-    # ignored (a background job of a non-interactive shell): Python then installs no handler, and the
+    # ignored (a background job of a non-interactive shell): Python then installs no handler, and
+    # the
     # script would never see its KeyboardInterrupt.
     script.write_text("import signal; signal.signal(signal.SIGINT, signal.default_int_handler)\n"
                       + textwrap.dedent(code))
@@ -251,7 +252,8 @@ def _cmd(pid: int) -> str:
     for b, s in [("local", signal.SIGKILL), ("local", signal.SIGTERM), ("mpi", signal.SIGKILL),
                  ("mpi", signal.SIGTERM), ("torch", signal.SIGKILL)]])
 def test_launch_ranks_die_with_a_killed_launcher(tmp_path, backend, sig):
-    """SIGKILL/SIGTERM to a script in ``launch``: every rank (mpiexec, its proxy) gone within seconds."""
+    """SIGKILL/SIGTERM to a script in ``launch``: every rank (mpiexec, its proxy) gone within
+    seconds."""
     need(backend)
     proc = start(tmp_path, SPIN, backend, str(tmp_path))
     family = wait_for_ranks(proc, tmp_path, 2)

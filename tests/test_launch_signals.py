@@ -39,8 +39,9 @@ def _train(tmp_path: Path, backend: str) -> tuple[subprocess.Popen, set[int]]:
     proc = subprocess.Popen([str(DPLAB), "train", "--backend", backend, "--world-size", "2",
                              "--steps", "1000000"], cwd=tmp_path, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
-    ready = wait_until(lambda: len(python_ranks(descendants(proc.pid))) >= 2 or proc.poll() is not None,
-                       60)
+    ready = wait_until(
+        lambda: len(python_ranks(descendants(proc.pid))) >= 2 or proc.poll() is not None, 60
+    )
     assert ready < 60 and proc.poll() is None, proc.communicate()
     time.sleep(0.5 if backend == "local" else 1.5)  # past start-up: training
     return proc, descendants(proc.pid)
@@ -48,7 +49,8 @@ def _train(tmp_path: Path, backend: str) -> tuple[subprocess.Popen, set[int]]:
 
 def _signal_and_time(proc: subprocess.Popen, family: set[int], sigs: list[tuple[int, float]],
                      group: bool) -> tuple[float, float, str]:
-    """Send ``sigs`` ((signal, delay before it), ...); seconds until the ranks and the launcher are gone."""
+    """Send ``sigs`` ((signal, delay before it), ...); seconds until the ranks and the launcher are
+    gone."""
     t0 = time.monotonic()
     try:
         for sig, delay in sigs:
@@ -75,8 +77,11 @@ def test_launch_dplab_train_stops_within_a_second_on_a_signal(tmp_path, backend,
     need(backend)
     proc, family = _train(tmp_path, backend)
     mapped = mpich_segments(family)
-    ranks_s, launcher_s, err = _signal_and_time(proc, family, [(sig, 0)], group=sig == signal.SIGINT)
-    print(f"{backend} {sig.name}: ranks gone in {ranks_s:.3f}s, launcher exited in {launcher_s:.3f}s")
+    ranks_s, launcher_s, err = _signal_and_time(
+        proc, family, [(sig, 0)], group=sig == signal.SIGINT
+    )
+    print(f"{backend} {sig.name}: ranks gone in {ranks_s:.3f}s, launcher exited in "
+          f"{launcher_s:.3f}s")
     assert proc.returncode == code, err
     word = "interrupted" if sig == signal.SIGINT else "terminated"
     assert err.strip().splitlines() == [f"dplab train: {word}"], err
@@ -109,7 +114,8 @@ SCRIPT = """
     try:
         launch(job_spin, 2, backend=sys.argv[1], args=(sys.argv[2],))
     except KeyboardInterrupt:
-        mine = [n for n in shm.leftovers() if n.startswith(f"{shm.PREFIX}{__import__('os').getpid()}_")]
+        pid = __import__('os').getpid()
+        mine = [n for n in shm.leftovers() if n.startswith(f"{shm.PREFIX}{pid}_")]
         print("KeyboardInterrupt", mine, flush=True)
         sys.exit(7)
 """
@@ -123,7 +129,8 @@ def test_launch_ctrl_c_in_a_script_comes_out_promptly_with_the_world_cleaned(tmp
     mapped = mpich_segments(family)
     ranks_s, launcher_s, err = _signal_and_time(proc, family, [(signal.SIGINT, 0)], group=True)
     out = proc.stdout.read()
-    print(f"{backend} script: ranks gone in {ranks_s:.3f}s, KeyboardInterrupt handled in {launcher_s:.3f}s")
+    print(f"{backend} script: ranks gone in {ranks_s:.3f}s, KeyboardInterrupt handled in "
+          f"{launcher_s:.3f}s")
     assert proc.returncode == 7, err
     assert "KeyboardInterrupt []" in out  # the world was cleaned up before the exception came out
     assert ranks_s < 1.5 and launcher_s < 3

@@ -1,4 +1,5 @@
-"""Starting a world: timeouts read from the environment, MPI's start-up allowance, ``__main__`` on MPI.
+"""Starting a world: timeouts read from the environment, MPI's start-up allowance, ``__main__`` on
+MPI.
 
     pytest -q -p no:cacheprovider tests/test_launch_start.py
 """
@@ -92,7 +93,8 @@ FAILED_START = """
 
 @pytest.mark.mpi
 def test_launch_a_failed_mpi_start_leaves_nothing_behind(tmp_path):
-    """One rank never connects: within the allowance the start fails, with no process or segment left."""
+    """One rank never connects: within the allowance the start fails, with no process or segment
+    left."""
     need("mpi")
     (tmp_path / "site").mkdir()
     (tmp_path / "site" / "sitecustomize.py").write_text(textwrap.dedent(STALL))
@@ -176,5 +178,6 @@ def test_launch_an_unguarded_script_on_mpi_says_to_add_the_guard(tmp_path):
     run = subprocess.run([sys.executable, "bad.py"], cwd=tmp_path, capture_output=True, text=True,
                          timeout=120)
     assert run.returncode == 1
-    assert 'if __name__ == "__main__":' in run.stderr and "RankError" in run.stderr, run.stderr[-3000:]
-
+    assert 'if __name__ == "__main__":' in run.stderr and "RankError" in run.stderr, run.stderr[
+        -3000:
+    ]

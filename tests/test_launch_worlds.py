@@ -1,4 +1,5 @@
-"""Worlds that meet trouble: another user's stale segment, a thread that ends, a rank that dies or exits.
+"""Worlds that meet trouble: another user's stale segment, a thread that ends, a rank that dies or
+exits.
 
     pytest -q -p no:cacheprovider tests/test_launch_worlds.py
 """
@@ -12,7 +13,16 @@ import time
 from pathlib import Path
 
 import pytest
-from test_launch_procs import SHM, backend_param, gone, job_exit, job_pid, need, segments_of, wait_until
+from test_launch_procs import (
+    SHM,
+    backend_param,
+    gone,
+    job_exit,
+    job_pid,
+    need,
+    segments_of,
+    wait_until,
+)
 
 from dplab.backends.launch.world import RankError, World, launch
 from dplab.backends.local import shm
@@ -55,7 +65,8 @@ def test_launch_another_users_stale_segment_does_not_block_a_launch():
             code = 3
             try:
                 real_alive = shm.process_alive
-                shm.process_alive = lambda pid: pid != 1 and real_alive(pid)  # "its launcher is dead"
+                # "its launcher is dead"
+                shm.process_alive = lambda pid: pid != 1 and real_alive(pid)
                 os.setgid(65534)
                 os.setuid(65534)
                 code = 0 if launch(lambda comm: comm.rank, 2) == [0, 1] else 2

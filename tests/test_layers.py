@@ -32,7 +32,9 @@ PACKAGES = {"reference": "dplab.reference", "backends": "dplab.backends", "viz":
             "lessons": "dplab.lessons"}  # the floors, from the ground up
 FLOORS = list(PACKAGES.values())
 FINDERS = ("import_module", "find_spec", "__import__")  # calls that import (or locate) a name
-COST_AND_TUNING = {f"dplab.reference.{m}" for m in ("auto", "costfit", "costmodel", "topology", "cost_cells")}
+COST_AND_TUNING = {
+    f"dplab.reference.{m}" for m in ("auto", "costfit", "costmodel", "topology", "cost_cells")
+}
 CLI = "dplab.backends.cli"
 # Pending on files other people are editing now; each test below names what is left.
 PENDING_CYCLES: list[set[str]] = []
@@ -45,7 +47,9 @@ def modules() -> dict[str, Path]:
     found = {}
     for folder, package in PACKAGES.items():
         for path in sorted((ROOT / folder).rglob("*.py")):
-            parts = [p for p in path.relative_to(ROOT / folder).with_suffix("").parts if p != "__init__"]
+            parts = [
+                p for p in path.relative_to(ROOT / folder).with_suffix("").parts if p != "__init__"
+            ]
             found[".".join([package, *parts])] = path
     return found
 
@@ -64,12 +68,18 @@ def names_in(source: str, path: str = "<source>") -> set[str]:
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
-            assert node.level == 0, f"{path}:{node.lineno}: a relative import (dplab imports are absolute)"
+            assert node.level == 0, (
+                f"{path}:{node.lineno}: a relative import (dplab imports are absolute)"
+            )
             names.add(node.module)
             names.update(f"{node.module}.{alias.name}" for alias in node.names)
-        elif (isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None))
-              in FINDERS and node.args and isinstance(node.args[0], ast.Constant)
-              and isinstance(node.args[0].value, str)):
+        elif (
+            isinstance(node, ast.Call)
+            and getattr(node.func, "attr", getattr(node.func, "id", None)) in FINDERS
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+        ):
             names.add(node.args[0].value)
     return names
 
@@ -78,7 +88,9 @@ def names_in(source: str, path: str = "<source>") -> set[str]:
 def graph() -> dict[str, frozenset[str]]:
     """dplab module -> the dplab modules it imports (the tool's edges: names that are modules)."""
     mods = modules()
-    return {m: frozenset(n for n in imported_names(f) if n in mods and n != m) for m, f in mods.items()}
+    return {
+        m: frozenset(n for n in imported_names(f) if n in mods and n != m) for m, f in mods.items()
+    }
 
 
 def reachable(start: str) -> set[str]:
@@ -135,7 +147,8 @@ def import_cycles() -> list[set[str]]:
 
 
 def test_the_graph_is_read_from_the_files():
-    """The reader finds what it must: module- and function-level imports, and a literal import_module."""
+    """The reader finds what it must: module- and function-level imports, and a literal
+    import_module."""
     g = graph()
     assert "dplab.backends.fastpath.executor" in g["dplab.backends"]  # module level
     assert "dplab.backends.nn.ddp" in g["dplab.backends.cli.scaling_ddp"]  # inside a function
@@ -179,7 +192,12 @@ def test_every_folder_is_a_floor():
 
 def test_cycle_finder_finds_a_cycle(monkeypatch):
     """The finder itself: a -> b -> c -> a is one cycle; d, reached but leading nowhere, is none."""
-    fake = {"a": frozenset({"b"}), "b": frozenset({"c"}), "c": frozenset({"a", "d"}), "d": frozenset()}
+    fake = {
+        "a": frozenset({"b"}),
+        "b": frozenset({"c"}),
+        "c": frozenset({"a", "d"}),
+        "d": frozenset(),
+    }
     monkeypatch.setattr(sys.modules[__name__], "graph", lambda: fake)
     assert import_cycles() == [{"a", "b", "c"}]
 
@@ -196,8 +214,8 @@ def test_no_import_cycles():
 
 
 def test_the_short_import_is_plain():
-    """``dplab.backends`` names what it imports, nothing resolved behind a module ``__getattr__``, and
-    nothing it loads imports the package back."""
+    """``dplab.backends`` names what it imports, nothing resolved behind a module ``__getattr__``,
+    and nothing it loads imports the package back."""
     import dplab.backends
 
     assert not hasattr(dplab.backends, "__getattr__")
@@ -225,12 +243,16 @@ def test_executor_reaches_no_cost_model_or_autotuner():
 
 
 def _loaded(code: str) -> dict[str, list[str]]:
-    """The dplab modules and the engines (torch, mpi4py) a fresh interpreter holds after ``code``."""
-    probe = (f"{code}\nimport json, sys\n"
-             "print(json.dumps({'dplab': sorted(m for m in sys.modules if m.split('.')[0] == 'dplab'),"
-             " 'engines': sorted(m for m in ('torch', 'mpi4py') if m in sys.modules)}))")
-    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
-                          cwd=ROOT)
+    """The dplab modules and the engines (torch, mpi4py) a fresh interpreter holds after
+    ``code``."""
+    probe = (
+        f"{code}\nimport json, sys\n"
+        "print(json.dumps({'dplab': sorted(m for m in sys.modules if m.split('.')[0] == 'dplab'),"
+        " 'engines': sorted(m for m in ('torch', 'mpi4py') if m in sys.modules)}))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout.splitlines()[-1])
 
@@ -240,8 +262,11 @@ def test_the_short_import_stays_small():
     loaded = _loaded("from dplab.backends import allreduce, launch")
     assert len(loaded["dplab"]) <= 25, loaded["dplab"]
     assert not loaded["engines"], loaded["engines"]
-    assert not [m for m in loaded["dplab"] if m.startswith(("dplab.backends.cli", "dplab.backends.runs",
-                                                             "dplab.backends.torchdist"))]
+    assert not [
+        m
+        for m in loaded["dplab"]
+        if m.startswith(("dplab.backends.cli", "dplab.backends.runs", "dplab.backends.torchdist"))
+    ]
 
 
 def test_launch_loads_no_engine_until_used():

@@ -1,5 +1,6 @@
-"""The lesson framework's contracts (issue 22): predict first, the spine's code shown, plain numbers,
-named misconceptions, tiered hints, terminal pictures, progress and score, ``lesson watch``.
+"""The lesson framework's contracts (issue 22): predict first, the spine's code shown, plain
+numbers, named misconceptions, tiered hints, terminal pictures, progress and score, ``lesson
+watch``.
 
     pytest -q -p no:cacheprovider tests/test_lesson_framework.py
 
@@ -25,22 +26,43 @@ def _ring_facts(lab):
     return {"p": p, "n_bytes": n, "sent": 2 * (p - 1) * n // p}
 
 
-RING = Step("Bytes on the wire", "rank 0 sends {sent:size} ({sent:,} bytes)", _ring_facts,
-            checks=(Check("{sent:,} is 2(p-1)/p n", lambda f: f["sent"] == 1_572_864),),
-            predict=Predict("At p={p}, how many bytes does rank 0 send for {n_bytes:size}?", "sent",
-                            unit="bytes", misconceptions=(
-                                (lambda g, f: g == f["n_bytes"] * (f["p"] - 1),
-                                 "that is the naive root's share"),
-                                (1 << 20, "that is one copy of the buffer: it goes in 2(p-1) pieces"))),
-            hint="Each round moves one chunk of n/p.", hints=("There are 2(p-1) rounds.",),
-            inputs={"p": 4, "n_bytes": 1 << 20}, show=(ring.allreduce,))
+RING = Step(
+    "Bytes on the wire",
+    "rank 0 sends {sent:size} ({sent:,} bytes)",
+    _ring_facts,
+    checks=(Check("{sent:,} is 2(p-1)/p n", lambda f: f["sent"] == 1_572_864),),
+    predict=Predict(
+        "At p={p}, how many bytes does rank 0 send for {n_bytes:size}?",
+        "sent",
+        unit="bytes",
+        misconceptions=(
+            (lambda g, f: g == f["n_bytes"] * (f["p"] - 1), "that is the naive root's share"),
+            (1 << 20, "that is one copy of the buffer: it goes in 2(p-1) pieces"),
+        ),
+    ),
+    hint="Each round moves one chunk of n/p.",
+    hints=("There are 2(p-1) rounds.",),
+    inputs={"p": 4, "n_bytes": 1 << 20},
+    show=(ring.allreduce,),
+)
 
 
-# --- 3. plain words ------------------------------------------------------------------------------------
+# --- 3. plain words -------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("value, want", [
-    (3.0769230769230766, "3.08"), (0.25, "0.25"), (1.0, "1"), (2079.3, "2,080"), (0.000123456, "0.000123"),
-    (1e-7, "1e-07"), (0.0, "0"), (-12.345, "-12.3"), (123456789.0, "123,000,000")])
+@pytest.mark.parametrize(
+    "value, want",
+    [
+        (3.0769230769230766, "3.08"),
+        (0.25, "0.25"),
+        (1.0, "1"),
+        (2079.3, "2,080"),
+        (0.000123456, "0.000123"),
+        (1e-7, "1e-07"),
+        (0.0, "0"),
+        (-12.345, "-12.3"),
+        (123456789.0, "123,000,000"),
+    ],
+)
 def test_num_reads_three_significant_digits(value, want):
     assert num(value) == want
 
@@ -49,7 +71,14 @@ def test_times_size_count_and_fill_specs():
     assert times(4 / 1.3) == "3.08x"
     assert size(1_572_864) == "1.5 MiB" and size(512) == "512 bytes" and size(64 << 10) == "64 KiB"
     assert count(1_572_864) == "1,572,864"
-    facts = {"r": 4 / 1.3, "b": 1_572_864, "loss": 0.123456789, "xs": [0.25, 2079.3], "n": 7, "ok": True}
+    facts = {
+        "r": 4 / 1.3,
+        "b": 1_572_864,
+        "loss": 0.123456789,
+        "xs": [0.25, 2079.3],
+        "n": 7,
+        "ok": True,
+    }
     assert fill("{r:times} {b:size} {b:count} {b:,} {loss} {loss:.5f} {xs} {n} {ok}", facts) == \
         "3.08x 1.5 MiB 1,572,864 1,572,864 0.123 0.12346 [0.25, 2080] 7 checked"
     with pytest.raises(ConfigError, match="needs the fact 'missing'"):
@@ -65,13 +94,18 @@ def test_a_misconception_is_named_and_a_plain_wrong_reply_is_not():
     assert RING.predict.judge(facts, "7").misconception == ""
     assert RING.predict.judge(facts, "1.5 MiB").correct
     # torch's 1/p convention: a number names it, with a tolerance
-    p = Predict("What multiplies the gradient?", "scale", rel_tol=0.01,
-                misconceptions=((0.25, "that is torch's 1/p convention: dplab weights by shard size"),))
+    p = Predict(
+        "What multiplies the gradient?",
+        "scale",
+        rel_tol=0.01,
+        misconceptions=((0.25, "that is torch's 1/p convention: dplab weights by shard size"),),
+    )
     v = p.judge({"scale": 1.0}, "1/4")
     assert not v.correct and "torch's 1/p convention" in v.message
     # choices: a choice names it, so does a one-argument predicate
     c = Predict("Same?", "same", choices=("identical", "close"),
-                misconceptions=(("close", "floating-point sums can differ, but every rank sums alike"),))
+                misconceptions=(("close", "floating-point sums can differ, but every rank sums "
+                                          "alike"),))
     assert "every rank sums alike" in c.judge({"same": "identical"}, " Close ").message
 
 
@@ -80,13 +114,15 @@ def test_a_wrong_ratio_reads_plainly():
     assert "1.33x that" in v.message
 
 
-# --- 2. the spine's code, not the harness ----------------------------------------------------------------
+# --- 2. the spine's code, not the harness ---------------------------------------------------------
 
 def test_show_displays_the_spine_code_and_code_falls_back_to_the_harness():
     shown = RING.code()
     assert shown.startswith("# dplab.reference.algorithms.ring.allreduce\n")
     assert "def allreduce" in shown and "lab" not in shown.split("\n", 1)[1].split("def ", 1)[0]
-    by_name = Step("t", "", _ring_facts, show=("dplab.reference.train.buckets.Reducer.mark_param_as_ready",))
+    by_name = Step(
+        "t", "", _ring_facts, show=("dplab.reference.train.buckets.Reducer.mark_param_as_ready",)
+    )
     method = Step("t", "", _ring_facts, show=(Reducer.mark_param_as_ready,))
     assert by_name.code() == method.code() and "def mark_param_as_ready" in method.code()
     assert "# dplab.reference.train.buckets.Reducer.mark_param_as_ready" in method.code()
@@ -96,15 +132,20 @@ def test_show_displays_the_spine_code_and_code_falls_back_to_the_harness():
         Step("t", "", _ring_facts, show=("dplab.no_such.thing",)).code()
 
 
-# --- 1. predict before you see: the framework's part ------------------------------------------------------
+# --- 1. predict before you see: the framework's part ----------------------------------------------
 
 def test_inputs_let_the_question_be_asked_before_the_run_and_must_agree_with_it():
     assert RING.asks_before_run()
-    assert fill(RING.predict.question, RING.inputs) == "At p=4, how many bytes does rank 0 send for 1 MiB?"
+    assert (
+        fill(RING.predict.question, RING.inputs)
+        == "At p=4, how many bytes does rank 0 send for 1 MiB?"
+    )
     assert not Step("t", "", _ring_facts, predict=Predict("p={p}?", "sent")).asks_before_run()
     with Lab() as lab:
         out = run_step(RING, lab)
-        assert out.ok and out.facts["p"] == 4 and out.text == "rank 0 sends 1.5 MiB (1,572,864 bytes)"
+        assert (
+            out.ok and out.facts["p"] == 4 and out.text == "rank 0 sends 1.5 MiB (1,572,864 bytes)"
+        )
         liar = Step("t", "", _ring_facts, inputs={"p": 8})
         with pytest.raises(ConfigError, match="contradicts the step's inputs"):
             run_step(liar, lab)
@@ -116,7 +157,7 @@ def test_hints_are_tiered_in_order():
     assert Step("t", "", _ring_facts, hints=("only",)).all_hints() == ("only",)
 
 
-# --- 1 and 5 in the terminal: question first, tiered hints, q, score, start-here ---------------------------
+# --- 1 and 5 in the terminal: question first, tiered hints, q, score, start-here ------------------
 
 def _terminal(monkeypatch, tmp_path, keys: str):
     import io
@@ -137,10 +178,20 @@ def _seen_at_run(screen, log):
 
 
 def _quiz(run, **kw) -> Step:
-    return Step("Quiz", "the result is {secret}: {sent:,}", run, (Check("sent {sent:,}", lambda f: True),),
-                predict=Predict("At p={p}, bytes for {n_bytes:size}?", "sent", misconceptions=(
-                    ((3 << 20), "that is the naive root's share"),)),
-                hint="one chunk a round", hints=("2(p-1) rounds",), **kw)
+    return Step(
+        "Quiz",
+        "the result is {secret}: {sent:,}",
+        run,
+        (Check("sent {sent:,}", lambda f: True),),
+        predict=Predict(
+            "At p={p}, bytes for {n_bytes:size}?",
+            "sent",
+            misconceptions=(((3 << 20), "that is the naive root's share"),),
+        ),
+        hint="one chunk a round",
+        hints=("2(p-1) rounds",),
+        **kw,
+    )
 
 
 def test_the_question_comes_before_the_run_the_code_and_the_result(monkeypatch, tmp_path):
@@ -148,15 +199,23 @@ def test_the_question_comes_before_the_run_the_code_and_the_result(monkeypatch, 
 
     screen, console = _terminal(monkeypatch, tmp_path, "h\nh\nh\n3 MiB\n\n")
     log: list[str] = []
-    step = _quiz(_seen_at_run(screen, log), inputs={"p": 4, "n_bytes": 1 << 20}, show=(ring.allreduce,))
+    step = _quiz(
+        _seen_at_run(screen, log), inputs={"p": 4, "n_bytes": 1 << 20}, show=(ring.allreduce,)
+    )
     les = Lesson(99, "fake", "Fake", "For the tests.", (step,))
     assert run_lesson(les, console=console) == 0
     text = screen.getvalue()
     (before_run,) = log
-    # asked before the run: the question and both hints were on screen, nothing of the result or the code
+    # asked before the run: the question and both hints were on screen, nothing of the result or the
+    # code
     assert "Predict first: At p=4, bytes for 1 MiB?" in before_run
-    assert "hint 1/2: one chunk a round" in before_run and before_run.count("hint 2/2: 2(p-1) rounds") == 2
-    assert "SECRET" not in before_run and "def allreduce" not in before_run and "1,572,864" not in before_run
+    assert "hint 1/2: one chunk a round" in before_run and before_run.count("hint 2/2: 2(p-1) "
+                                                                            "rounds") == 2
+    assert (
+        "SECRET" not in before_run
+        and "def allreduce" not in before_run
+        and "1,572,864" not in before_run
+    )
     # h was never an answer: the one answer is the misconception, named
     assert text.count("not quite") == 1 and "that is the naive root's share" in text
     after = text[len(before_run):]
@@ -178,7 +237,8 @@ def test_a_question_that_needs_the_run_runs_unseen_first(monkeypatch, tmp_path):
     text = screen.getvalue()
     question = text.index("Predict first: At p=4")
     assert "Predict first" not in log[0]                    # ran first, out of sight ...
-    assert "SECRET" not in text[:question] and "def run" not in text[:question]   # ... nothing shown
+    # ... nothing shown
+    assert "SECRET" not in text[:question] and "def run" not in text[:question]
     assert text.index("✓ right: 1,572,864") < text.index("SECRET-RESULT") < text.index("def run")
     assert "Predictions: 1 of 1 right." in text
 
@@ -193,7 +253,9 @@ def test_q_at_the_answer_prompt_quits_without_answering(monkeypatch, tmp_path):
     les = Lesson(99, "fake", "Fake", "For the tests.", (step,))
     assert run_lesson(les, console=console) == 0
     text = screen.getvalue()
-    assert log == [] and "not quite" not in text and "SECRET" not in text and "1,572,864" not in text
+    assert (
+        log == [] and "not quite" not in text and "SECRET" not in text and "1,572,864" not in text
+    )
     assert "Stopped at step 1/1" in text
     positions = Positions.load(tmp_path / "lessons.json")
     assert positions.step(99) == 1 and positions.score(99) == (0, 0)
@@ -219,7 +281,7 @@ def test_the_list_shows_progress_score_and_where_to_start(monkeypatch, tmp_path,
     assert "Continue: dplab lesson 2" in out and "resumes at step 3/" in out
 
 
-# --- 4. pictures in the terminal ---------------------------------------------------------------------------
+# --- 4. pictures in the terminal ------------------------------------------------------------------
 
 def _plain(renderable, width: int = 100) -> str:
     import io
@@ -245,9 +307,12 @@ def test_the_schedule_picture_is_the_spines_own_drawing_and_the_table_lists_ever
     assert table == _plain(schedule_table(big), width=200)
     rows = [line.split() for line in table.splitlines()[1:] if line.strip()]
     assert len(rows) == len(big.rounds)
-    for row, rnd in zip(rows, big.rounds):  # each cell a transfer of the real schedule, and all of them
+    for row, rnd in zip(rows, big.rounds):
+        # each cell a transfer of the real schedule, and all of them
         drawn_moves = [f"{a} {b}" for a, b in zip(row[1::2], row[2::2])]
-        assert drawn_moves == [f"r{t.src}→r{t.dst} c{t.chunk}{'+' if t.op == 'reduce' else '='}" for t in rnd]
+        assert drawn_moves == [
+            f"r{t.src}→r{t.dst} c{t.chunk}{'+' if t.op == 'reduce' else '='}" for t in rnd
+        ]
 
 
 def test_the_bucket_timeline_puts_each_bucket_where_the_trace_has_it():
@@ -265,24 +330,39 @@ def test_the_bucket_timeline_puts_each_bucket_where_the_trace_has_it():
     assert bar == "█" * 20 + " " * 20                       # backward: the first half of 2,000 ns
     assert lane.index("0") == 10 and lane.count("0") == 4   # bucket 0 at 500-700 ns: under backward
     assert lane.index("1") == 20 and lane.count("1") == 20  # bucket 1 after it
-    as_dicts = [{"kind": e.kind, "t_start_ns": e.t_start_ns, "t_end_ns": e.t_end_ns, "extra": e.extra}
-                for e in events]
-    assert _plain(bucket_timeline(as_dicts, width=40)) == text   # a trace read back from JSON draws the same
+    as_dicts = [
+        {"kind": e.kind, "t_start_ns": e.t_start_ns, "t_end_ns": e.t_end_ns, "extra": e.extra}
+        for e in events
+    ]
+    # a trace read back from JSON draws the same
+    assert _plain(bucket_timeline(as_dicts, width=40)) == text
     assert "no backward or bucket events" in _plain(bucket_timeline([]))
 
 
 def test_memory_bars_share_one_scale_and_name_their_parts():
     from dplab.lessons.pictures_terminal import memory_bars
 
-    text = _plain(memory_bars({"replica": {"params": 4 << 20, "grads": 4 << 20, "optimizer": 8 << 20},
-                               "ZeRO-3": {"params": 1 << 20, "grads": 1 << 20, "optimizer": 2 << 20,
-                                          "activations": 0}}, width=40))
+    text = _plain(
+        memory_bars(
+            {
+                "replica": {"params": 4 << 20, "grads": 4 << 20, "optimizer": 8 << 20},
+                "ZeRO-3": {
+                    "params": 1 << 20,
+                    "grads": 1 << 20,
+                    "optimizer": 2 << 20,
+                    "activations": 0,
+                },
+            },
+            width=40,
+        )
+    )
     replica = next(line for line in text.splitlines() if line.startswith("replica"))
     zero = next(line for line in text.splitlines() if line.startswith("ZeRO-3"))
     assert replica.count("█") == 10 and replica.count("▓") == 10 and replica.count("▒") == 20
     assert zero.count("█") == 2 and zero.count("▒") == 5 and "░" not in zero   # 2.5 and 5 columns
     assert "16 MiB" in replica and "4 MiB" in zero
-    assert "█ params" in text and "activations" not in text                   # only parts that are there
+    # only parts that are there
+    assert "█ params" in text and "activations" not in text
 
 
 def test_a_steps_terminal_picture_is_drawn_after_its_text(monkeypatch, tmp_path):
@@ -299,7 +379,8 @@ def test_a_steps_terminal_picture_is_drawn_after_its_text(monkeypatch, tmp_path)
 
 @pytest.mark.lessons
 def test_every_steps_terminal_picture_draws_from_its_run():
-    """Content steps that attach a ``picture``: it draws from the step's real facts at 80 columns."""
+    """Content steps that attach a ``picture``: it draws from the step's real facts at 80
+    columns."""
     from dplab.lessons import lessons
     from dplab.lessons.runner import missing_needs
 
@@ -311,10 +392,13 @@ def test_every_steps_terminal_picture_draws_from_its_run():
             for step in les.steps[:max(drawn) + 1]:
                 out = run_step(step, lab, figure=False)
                 if step.picture is not None:
-                    assert _plain(step.picture(out.facts), width=80).strip(), (les.number, step.title)
+                    assert _plain(step.picture(out.facts), width=80).strip(), (
+                        les.number,
+                        step.title,
+                    )
 
 
-# --- 6. dplab lesson watch ----------------------------------------------------------------------------------
+# --- 6. dplab lesson watch ------------------------------------------------------------------------
 
 def test_watch_checks_at_start_and_again_once_per_settled_save(tmp_path):
     import threading
@@ -357,7 +441,9 @@ def test_dplab_lesson_watch_rechecks_on_save_and_ctrl_c_exits_130(tmp_path):
     env = {**os.environ, "DPLAB_HOME": str(tmp_path), "COLUMNS": "100"}
     env.pop("NO_COLOR", None)
     dplab = [sys.executable, "-m", "dplab.backends.cli", "lesson"]
-    subprocess.run([*dplab, "init", str(work)], env=env, check=True, capture_output=True, timeout=60)
+    subprocess.run(
+        [*dplab, "init", str(work)], env=env, check=True, capture_output=True, timeout=60
+    )
     proc = subprocess.Popen([*dplab, "watch", "2", str(work), "--poll", "0.05"], env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     lines: list[str] = []
@@ -380,7 +466,9 @@ def test_dplab_lesson_watch_rechecks_on_save_and_ctrl_c_exits_130(tmp_path):
         wait_for("watching", 2)
         assert "check 2 · lesson 2" in out
         second = out[out.index("check 2 · lesson 2"):]
-        assert "ring_reduce_scatter  ✓ passed" in second or "ring_reduce_scatter  ok passed" in second
+        assert (
+            "ring_reduce_scatter  ✓ passed" in second or "ring_reduce_scatter  ok passed" in second
+        )
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=30) == 130
         assert proc.stderr.read().strip().endswith("interrupted")
@@ -393,7 +481,10 @@ def test_dplab_lesson_watch_rechecks_on_save_and_ctrl_c_exits_130(tmp_path):
 def test_watch_requests():
     from dplab.lessons.command import parse_request
 
-    assert parse_request(["watch", "2"]).path is None and parse_request(["watch", "2", "d"]).path == "d"
+    assert (
+        parse_request(["watch", "2"]).path is None
+        and parse_request(["watch", "2", "d"]).path == "d"
+    )
     assert parse_request(["watch", "2", "d"], poll=0.1).poll == 0.1
     with pytest.raises(ConfigError, match=r"usage: dplab lesson watch N \[DIR\]"):
         parse_request(["watch"])
@@ -412,7 +503,8 @@ def test_what_a_run_prints_is_shown_with_the_result_never_before_the_answer(monk
     les = Lesson(99, "fake", "Fake", "For the tests.", (_quiz(noisy),))   # asked after its run
     assert run_lesson(les, console=console) == 0
     text = screen.getvalue()
-    assert text.index("Predict first") < text.index("not quite") < text.index("rank 0 sent 1,572,864 bytes")
+    assert text.index("Predict first") < text.index("not quite") < text.index("rank 0 sent "
+                                                                              "1,572,864 bytes")
     with Lab() as lab:
         assert run_step(_quiz(noisy), lab).printed == "rank 0 sent 1,572,864 bytes\n"
 
@@ -439,7 +531,9 @@ def test_booleans_and_zero_distances_read_as_words():
 
 
 def _long_lines(lab):
-    x = 1  # a comment long enough that a terminal of eighty columns would have to wrap it onto the next line
+    # a comment long enough that a terminal of eighty columns would have to wrap it onto the next
+    # line
+    x = 1
     return {"x": x}
 
 
@@ -447,15 +541,17 @@ def test_prose_comes_first_then_code_never_wrapped_and_the_title_whole(monkeypat
     from dplab.lessons.terminal import run_lesson
 
     screen, console = _terminal(monkeypatch, tmp_path, "")
-    title = ("A title far too long to fit in the rule of a terminal that is only one hundred columns wide, "
-             "kept whole")
+    title = ("A title far too long to fit in the rule of a terminal that is only one hundred "
+             "columns wide, kept whole")
     les = Lesson(99, "fake", "Fake", "For the tests.", (Step(title, "PROSE {x}", _long_lines),))
     assert run_lesson(les, pause=False, console=console) == 0
     text = screen.getvalue()
     assert "kept whole" in text
     assert text.index("PROSE 1") < text.index("def _long_lines")
     (line,) = [ln for ln in text.splitlines() if "a comment long enough" in ln]
-    assert line.startswith("    x = 1") and line.rstrip().endswith("…") and len(line.rstrip()) == 100
+    assert (
+        line.startswith("    x = 1") and line.rstrip().endswith("…") and len(line.rstrip()) == 100
+    )
     assert "next line" not in text   # cut, not wrapped onto an unindented line
 
 

@@ -38,7 +38,11 @@ PROMPT = "q: quit]>"
 
 
 def _env(home: Path, **extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("NO_COLOR", "FORCE_COLOR", "COLUMNS", "TERM")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("NO_COLOR", "FORCE_COLOR", "COLUMNS", "TERM")
+    }
     return {**env, "DPLAB_HOME": str(home), "TERM": "xterm-256color", **extra}
 
 
@@ -76,8 +80,8 @@ class Terminal:
                 seen, self.pos = self.text[self.pos:m.end()], m.end()
                 return seen
             if time.monotonic() > deadline or not self._read(0.2):
-                raise AssertionError(f"no {pattern!r} on the screen; after position {self.pos} it shows:\n"
-                                     f"{self.text[self.pos:][-3000:]}")
+                raise AssertionError(f"no {pattern!r} on the screen; after position {self.pos} it "
+                                     f"shows:\n{self.text[self.pos:][-3000:]}")
 
     def type(self, keys: str) -> None:
         os.write(self.fd, keys.encode())
@@ -105,7 +109,8 @@ def test_a_learner_steps_through_lesson_1_in_a_terminal(tmp_path):
     asked = t.expect(r"'identical', 'close'\s+or\s+'different' from each other\?"
                      r" \(identical / close / different\)")
     t.expect("your answer")
-    assert "def " not in asked and "✓ holds" not in asked      # predict first: no code, no result yet
+    # predict first: no code, no result yet
+    assert "def " not in asked and "✓ holds" not in asked
     t.type("h\r")                                        # a hint before answering, not an answer
     t.expect(r"hint( 1/\d+)?: " + r"\s+".join(map(re.escape, hints[0].split()[:6])))
     t.expect("your answer")
@@ -115,8 +120,11 @@ def test_a_learner_steps_through_lesson_1_in_a_terminal(tmp_path):
     assert "✓ holds  every replica holds the same bits" in first
     assert "explore: dplab app, page /training?world_sizes=4&steps=50" in first
     assert first.index("✓ holds") < first.index("def ")       # the code comes after the result
-    t.type("h\r")                                        # the next tier (or the only one again)
-    t.expect(r"hint( \d+/\d+)?: " + r"\s+".join(map(re.escape, hints[min(1, len(hints) - 1)].split()[:6])))
+    t.type("h\r")  # the next tier (or the only one again)
+    t.expect(
+        r"hint( \d+/\d+)?: "
+        + r"\s+".join(map(re.escape, hints[min(1, len(hints) - 1)].split()[:6]))
+    )
     t.expect(PROMPT)
     t.type("\r")
     t.expect(r"step 2/4 · Sharding the global batch")
@@ -126,9 +134,12 @@ def test_a_learner_steps_through_lesson_1_in_a_terminal(tmp_path):
     t.expect(r"✓ right: 3")
     t.expect(r"Shard sizes: \[3, 3, 2, 2\]")
     t.expect(PROMPT)
-    t.type("b\r")                                        # back: step 1 again, not run or asked again
+    # back: step 1 again, not run or asked again
+    t.type("b\r")
     back = t.expect(PROMPT)
-    assert "step 1/4" in back and "✗ not quite: it is identical" in back and "your answer" not in back
+    assert (
+        "step 1/4" in back and "✗ not quite: it is identical" in back and "your answer" not in back
+    )
     t.type("\r")
     again = t.expect(PROMPT)
     assert "step 2/4" in again and "✓ right: 3" in again and "your answer" not in again
@@ -148,18 +159,29 @@ def test_a_learner_steps_through_lesson_1_in_a_terminal(tmp_path):
     assert t.wait() == 0
     assert "✗ FAILED" not in t.text and "Traceback" not in t.text
     assert SGR.search(t.raw), "a terminal without NO_COLOR gets colour"
-    assert Positions.load(tmp_path / "lessons.json").step(1) is None   # finished: next time from step 1
+    # finished: next time from step 1
+    assert Positions.load(tmp_path / "lessons.json").step(1) is None
     assert set(Positions.load(tmp_path / "lessons.json").seconds(1)) == {1, 2, 3, 4}
 
 
 def test_no_pause_piped_is_plain_complete_and_reads_nothing(tmp_path):
-    proc = subprocess.run(DPLAB + ["1", "--no-pause"], env=_env(tmp_path), capture_output=True, text=True,
-                          timeout=120, stdin=subprocess.DEVNULL)
+    proc = subprocess.run(
+        DPLAB + ["1", "--no-pause"],
+        env=_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        stdin=subprocess.DEVNULL,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "\x1b" not in proc.stdout and proc.stderr == ""
     for step in lessons()[0].steps:
         assert step.title in proc.stdout
-    assert "answer: identical" in proc.stdout and "answer: 3" in proc.stdout and "answer: 0.1" in proc.stdout
+    assert (
+        "answer: identical" in proc.stdout
+        and "answer: 3" in proc.stdout
+        and "answer: 0.1" in proc.stdout
+    )
     assert proc.stdout.count("✓ holds") == 9
     assert max(len(line) for line in proc.stdout.splitlines()) <= 80
     assert not any(line.endswith(" ") for line in proc.stdout.splitlines())
@@ -175,12 +197,21 @@ def test_no_color_terminal_has_no_colour_codes(tmp_path):
 
 def test_resume_where_the_learner_stopped(tmp_path):
     env = _env(tmp_path)
-    first = subprocess.run(DPLAB + ["1", "--step", "2"], env=env, input="3\n\nq\n", capture_output=True,
-                           text=True, timeout=120)                # step 2 answered, on to step 3, quit
+    first = subprocess.run(
+        DPLAB + ["1", "--step", "2"],
+        env=env,
+        input="3\n\nq\n",
+        capture_output=True,
+        # step 2 answered, on to step 3, quit
+        text=True,
+        timeout=120,
+    )
     assert first.returncode == 0, first.stderr
     assert "✓ right: 3" in first.stdout and "Stopped at step 3/4" in first.stdout
     assert Positions.load(tmp_path / "lessons.json").step(1) == 3
-    again = subprocess.run(DPLAB + ["1"], env=env, input="", capture_output=True, text=True, timeout=120)
+    again = subprocess.run(
+        DPLAB + ["1"], env=env, input="", capture_output=True, text=True, timeout=120
+    )
     assert again.returncode == 0, again.stderr                    # end of input: quits, saving
     assert "Resuming lesson 1 at step 3/4" in again.stdout
     assert "step 3/4" in again.stdout and "step 1/4" not in again.stdout
@@ -194,10 +225,13 @@ def test_ctrl_c_saves_the_position_and_exits_130(tmp_path):
     t.expect(PROMPT)
     t.type("\r")                                         # on to step 3, where Ctrl-C comes
     t.expect(r"step 3/4[\s\S]*" + re.escape(PROMPT))
-    time.sleep(0.5)  # as a person would: a signal in the instant before input() blocks is only seen later
+    # as a person would: a signal in the instant before input() blocks is only seen later
+    time.sleep(0.5)
     t.type("\x03")
     assert t.wait() == 130
-    assert "stopped at step 3/4; dplab lesson 1 resumes there" in t.text and "Traceback" not in t.text
+    assert (
+        "stopped at step 3/4; dplab lesson 1 resumes there" in t.text and "Traceback" not in t.text
+    )
     assert Positions.load(tmp_path / "lessons.json").step(1) == 3
 
 
@@ -216,8 +250,13 @@ def test_the_list_and_a_corrupt_position_file(tmp_path):
 
 
 def test_a_step_past_the_end_is_one_line_and_exit_2(tmp_path):
-    proc = subprocess.run(DPLAB + ["1", "--step", "99"], env=_env(tmp_path), capture_output=True, text=True,
-                          timeout=60)
+    proc = subprocess.run(
+        DPLAB + ["1", "--step", "99"],
+        env=_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr == "dplab lesson: error: lesson 1 has 4 steps: --step must be 1..4, got 99\n"
 
@@ -257,8 +296,13 @@ def test_requests_that_make_no_sense(words, step, no_pause, message):
 
 def test_requests():
     assert parse_request([]).action == "list"
-    assert parse_request(["2"], 3, True) == parse_request(["2"], 3, True).__class__("run", 2, None, 3, False)
-    assert parse_request(["check", "2"]).path is None and parse_request(["check", "2", "d"]).path == "d"
+    assert parse_request(["2"], 3, True) == parse_request(["2"], 3, True).__class__(
+        "run", 2, None, 3, False
+    )
+    assert (
+        parse_request(["check", "2"]).path is None
+        and parse_request(["check", "2", "d"]).path == "d"
+    )
     assert parse_request(["init", "d"]).path == "d"
 
 
@@ -276,8 +320,10 @@ def test_no_pause_exits_1_naming_the_claim_that_did_not_hold(tmp_path, monkeypat
     monkeypatch.setenv("DPLAB_HOME", str(tmp_path))
     monkeypatch.setattr("sys.stdin", io.StringIO("must not be read"))
     fails = Check("x is {x} but should be 4", lambda f: f["x"] == 4)
-    lesson = _lesson(Step("Holds", "x is {x}", _facts, (Check("x is three", lambda f: f["x"] == 3),)),
-                     Step("Fails", "x is {x}", _facts, (fails,), predict=Predict("What is x?", "x")))
+    lesson = _lesson(
+        Step("Holds", "x is {x}", _facts, (Check("x is three", lambda f: f["x"] == 3),)),
+        Step("Fails", "x is {x}", _facts, (fails,), predict=Predict("What is x?", "x")),
+    )
     screen = io.StringIO()
     assert run_lesson(lesson, pause=False, console=Console(file=screen, width=80)) == 1
     err = capsys.readouterr().err
@@ -333,7 +379,9 @@ def test_the_ticker_appears_only_for_a_run_longer_than_its_delay():
     assert not quick.shown and screen.getvalue() == ""
     with Ticker(terminal, "slow step", expected_s=10.0, delay_s=0.05) as slow:
         time.sleep(0.5)
-    assert slow.shown and "slow step" in ANSI.sub("", screen.getvalue()) and "eta" in screen.getvalue()
+    assert (
+        slow.shown and "slow step" in ANSI.sub("", screen.getvalue()) and "eta" in screen.getvalue()
+    )
     piped = io.StringIO()
     with Ticker(Console(file=piped, width=80), "piped", delay_s=0.01) as quiet:
         time.sleep(0.2)
@@ -372,7 +420,8 @@ def _blocks_sigint(native_id: int) -> bool:
     return bool(int(mask, 16) & (1 << (signal.SIGINT - 1)))
 
 
-@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads thread signal masks from /proc")
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads thread signal masks from "
+                                                                 "/proc")
 def test_the_tickers_threads_leave_ctrl_c_to_the_main_thread():
     """A SIGINT the kernel hands to the timer or to rich's refresh thread would not interrupt the
     main thread's blocking run or input(): both threads block it, the main thread does not."""
@@ -391,7 +440,9 @@ def _breaks(lab):
     raise ConfigError("the engine said no")
 
 
-def test_a_step_that_cannot_run_is_one_line_exit_1_and_keeps_the_place(tmp_path, monkeypatch, capsys):
+def test_a_step_that_cannot_run_is_one_line_exit_1_and_keeps_the_place(
+    tmp_path, monkeypatch, capsys
+):
     from dplab.lessons.terminal import run_lesson
 
     monkeypatch.setenv("DPLAB_HOME", str(tmp_path))
@@ -407,12 +458,18 @@ def test_missing_extras_are_named_with_their_pip_command(monkeypatch):
     from dplab.lessons.terminal import run_lesson
 
     monkeypatch.setattr(runner.importlib.util, "find_spec", lambda name: None)
-    lesson = Lesson(12, "engines", "Engines", "-", (Step("One", "-", _facts),), needs=("torch", "mpi"))
-    with pytest.raises(ConfigError, match=re.escape("needs the torch, mpi extra: pip install 'dplab[torch]'; "
-                                                    "pip install 'dplab[mpi]'")):
+    lesson = Lesson(
+        12, "engines", "Engines", "-", (Step("One", "-", _facts),), needs=("torch", "mpi")
+    )
+    with pytest.raises(ConfigError, match=re.escape("needs the torch, mpi extra: pip install "
+                                                    "'dplab[torch]'; pip install 'dplab[mpi]'")):
         run_lesson(lesson, console=Console(file=io.StringIO()))
     screen = io.StringIO()
     Console(file=screen, width=120).print(render.lessons_table([(lesson, ["mpi"], 130.0, 1)]))
     text = screen.getvalue()
-    assert "torch, mpi" in text and "mpi missing: pip install 'dplab[mpi]'" in text and "~2 min" in text
+    assert (
+        "torch, mpi" in text
+        and "mpi missing: pip install 'dplab[mpi]'" in text
+        and "~2 min" in text
+    )
     assert "Engines (resumes at step 1)" in text

@@ -65,7 +65,7 @@ def test_lesson_14s_gpu_step_says_why_it_did_not_run():
     assert math.isclose(facts["mfu_gpu"], 0.0)
 
 
-# --- lesson 15's exercise: DDP from hooks on torch tensors ------------------------------------------
+# --- lesson 15's exercise: DDP from hooks on torch tensors ----------------------------------------
 
 HOOKS = """
     import torch
@@ -96,52 +96,111 @@ ALL = "param.requires_grad"
 
 # a plausible wrong answer -> (hook, which, finish) and what the report must say
 HOOKS_WRONG = {
-    "no-divide": (("            handles.append(dist.all_reduce(param.grad, async_op=True))", ALL,
-                   RIGHT_FINISH),
-                  ["moved 2 times as far as one process's", "summed, not averaged",
-                   "divide each gradient by the world size (2)"]),
-    "divide-twice": (("            param.grad.div_(world)\n"
-                      "            handles.append(dist.all_reduce(param.grad, async_op=True))", ALL,
-                      "            for h in handles:\n                h.wait()\n            handles.clear()\n"
-                      "            for p in model.parameters():\n                p.grad.div_(world)"),
-                     ["moved 1/2 as far", "divided by the world size twice"]),
-    "wait-in-hook": (("            param.grad.div_(world)\n"
-                      "            dist.all_reduce(param.grad, async_op=True).wait()", ALL,
-                      "            pass"),
-                     ["waited for each all-reduce inside its hook, before the next one was launched"]),
-    "blocking": (("            param.grad.div_(world)\n            dist.all_reduce(param.grad)", ALL,
-                  "            pass"),
-                 ["blocking (async_op=False)", "no communication overlapped the backward"]),
-    "data-not-grad": (("            handles.append(dist.all_reduce(param.data, async_op=True))", ALL,
-                       RIGHT_FINISH),
-                      ["all-reduced 4.bias (2,)'s values (param.data), not its gradient (param.grad)"]),
-    "a-copy": (("            g = param.grad / world\n"
-                "            handles.append(dist.all_reduce(g, async_op=True))", ALL, RIGHT_FINISH),
-               ["not any parameter's .grad (a copy", "All-reduce param.grad itself"]),
-    "weights-only": ((RIGHT_HOOK, "param.dim() > 1", RIGHT_FINISH),
-                     ["in step 0 0.bias (16,)'s gradient was never all-reduced (3 of 6 parameters were not)",
-                      "Register the hook on every parameter"]),
-    "never-waits": ((RIGHT_HOOK, ALL, "            handles.clear()"),
-                    ["finish() waited for 0 of the 6 all-reduces launched in step 0",
-                     "Wait for every handle in finish()"]),
-    # issue 31: these passed, reported as "all-reduced from its hook while backward ran", with no overlap
-    "launch-from-last-hook": (("            handles.append(param)\n"
-                               "            n = sum(p.requires_grad for p in model.parameters())\n"
-                               "            if len(handles) == n:\n"
-                               "                for p in handles:\n"
-                               "                    p.grad.div_(world)\n"
-                               "                handles[:] = [dist.all_reduce(p.grad, async_op=True)\n"
-                               "                              for p in handles]", ALL, RIGHT_FINISH),
-                              ["0 of 6 started while other gradients were still to come",
-                               "nothing overlapped backward", "its own parameter's hook"]),
-    "launch-in-finish": (("            pass", ALL,
-                          "            for p in model.parameters():\n"
-                          "                p.grad.div_(world)\n"
-                          "                handles.append(dist.all_reduce(p.grad, async_op=True))\n"
-                          "            for h in handles:\n                h.wait()\n"
-                          "            handles.clear()"),
-                         ["6 of the 6 all-reduces were launched in finish(), after backward had ended",
-                          "none of that communication overlapped backward"]),
+    "no-divide": (
+        (
+            "            handles.append(dist.all_reduce(param.grad, async_op=True))",
+            ALL,
+            RIGHT_FINISH,
+        ),
+        [
+            "moved 2 times as far as one process's",
+            "summed, not averaged",
+            "divide each gradient by the world size (2)",
+        ],
+    ),
+    "divide-twice": (
+        (
+            "            param.grad.div_(world)\n"
+            "            handles.append(dist.all_reduce(param.grad, async_op=True))",
+            ALL,
+            "            for h in handles:\n                h.wait()\n            handles.clear()\n"
+            "            for p in model.parameters():\n                p.grad.div_(world)",
+        ),
+        ["moved 1/2 as far", "divided by the world size twice"],
+    ),
+    "wait-in-hook": (
+        (
+            "            param.grad.div_(world)\n"
+            "            dist.all_reduce(param.grad, async_op=True).wait()",
+            ALL,
+            "            pass",
+        ),
+        ["waited for each all-reduce inside its hook, before the next one was launched"],
+    ),
+    "blocking": (
+        (
+            "            param.grad.div_(world)\n            dist.all_reduce(param.grad)",
+            ALL,
+            "            pass",
+        ),
+        ["blocking (async_op=False)", "no communication overlapped the backward"],
+    ),
+    "data-not-grad": (
+        (
+            "            handles.append(dist.all_reduce(param.data, async_op=True))",
+            ALL,
+            RIGHT_FINISH,
+        ),
+        ["all-reduced 4.bias (2,)'s values (param.data), not its gradient (param.grad)"],
+    ),
+    "a-copy": (
+        (
+            "            g = param.grad / world\n"
+            "            handles.append(dist.all_reduce(g, async_op=True))",
+            ALL,
+            RIGHT_FINISH,
+        ),
+        ["not any parameter's .grad (a copy", "All-reduce param.grad itself"],
+    ),
+    "weights-only": (
+        (RIGHT_HOOK, "param.dim() > 1", RIGHT_FINISH),
+        [
+            "in step 0 0.bias (16,)'s gradient was never all-reduced (3 of 6 parameters were not)",
+            "Register the hook on every parameter",
+        ],
+    ),
+    "never-waits": (
+        (RIGHT_HOOK, ALL, "            handles.clear()"),
+        [
+            "finish() waited for 0 of the 6 all-reduces launched in step 0",
+            "Wait for every handle in finish()",
+        ],
+    ),
+    # issue 31: these passed, reported as "all-reduced from its hook while backward ran", with no
+    # overlap
+    "launch-from-last-hook": (
+        (
+            "            handles.append(param)\n"
+            "            n = sum(p.requires_grad for p in model.parameters())\n"
+            "            if len(handles) == n:\n"
+            "                for p in handles:\n"
+            "                    p.grad.div_(world)\n"
+            "                handles[:] = [dist.all_reduce(p.grad, async_op=True)\n"
+            "                              for p in handles]",
+            ALL,
+            RIGHT_FINISH,
+        ),
+        [
+            "0 of 6 started while other gradients were still to come",
+            "nothing overlapped backward",
+            "its own parameter's hook",
+        ],
+    ),
+    "launch-in-finish": (
+        (
+            "            pass",
+            ALL,
+            "            for p in model.parameters():\n"
+            "                p.grad.div_(world)\n"
+            "                handles.append(dist.all_reduce(p.grad, async_op=True))\n"
+            "            for h in handles:\n                h.wait()\n"
+            "            handles.clear()",
+        ),
+        [
+            "6 of the 6 all-reduces were launched in finish(), after backward had ended",
+            "none of that communication overlapped backward",
+        ],
+    ),
 }
 
 
@@ -161,7 +220,10 @@ def test_the_hooks_template_filled_right_passes_and_so_does_the_shipped_solution
         report = check_file("ddp_hooks", file)
         assert report.passed, report.message
         assert "waited for in finish()" in report.message
-        assert "5 of the 18 all-reduces started while backward still had gradients to make" in report.message
+        assert (
+            "5 of the 18 all-reduces started while backward still had gradients to make"
+            in report.message
+        )
 
 
 @pytest.mark.parametrize("name", sorted(HOOKS_WRONG))
@@ -181,9 +243,14 @@ def test_lesson_15s_questions_name_their_misconceptions_and_no_step_shows_the_ho
     steps = lesson(15).steps
     hooks, sampler, bn, local = steps[0], steps[1], steps[2], steps[4]
     assert "single bucket" in hooks.predict.judge({"tensors": 6, "per_backward": 6}, "1").message
-    assert "pads to a multiple" in sampler.predict.judge({"n": 10, "p": 4, "handed": 12}, "10").message
+    assert (
+        "pads to a multiple" in sampler.predict.judge({"n": 10, "p": 4, "handed": 12}, "10").message
+    )
     assert "drop_last=True" in sampler.predict.judge({"n": 10, "p": 4, "handed": 12}, "8").message
-    assert "rank 0's own mean" in bn.predict.judge({"m0": -2.0, "m1": 2.0, "global_mean": 0.0}, "-2").message
+    assert (
+        "rank 0's own mean"
+        in bn.predict.judge({"m0": -2.0, "m1": 2.0, "global_mean": 0.0}, "-2").message
+    )
     assert "only how often" in local.predict.judge({"h": 4, "ratio": 0.25}, "0.5").message
     assert all(s.asks_before_run() for s in (hooks, sampler, bn, local))
     answer = (SOLUTIONS / "ddp_hooks.py").read_text()
@@ -203,7 +270,8 @@ def test_lesson_15_says_matrix_rank_and_exactly():
 
 # issue 31: the teacher's errors in lesson 14 stay fixed
 def test_the_wait_splits_into_the_other_ranks_lag_and_the_all_reduce():
-    """14.4 called the whole wait 'what backward did not hide'; part of it was the other rank's lag."""
+    """14.4 called the whole wait 'what backward did not hide';
+    part of it was the other rank's lag."""
     from dplab.lessons.l14_real_model import split_wait
     ms = 1_000_000
     rank0 = [("wait", 0, 10 * ms, 0, "main"), ("wait", 100 * ms, 103 * ms, 0, "main")]
@@ -219,10 +287,16 @@ def test_lesson_14s_gpu_hint_counts_the_tokens_its_step_runs():
     cfg = GPTConfig()
     assert (BLOCK, WIDTH) == (cfg.block, cfg.d)
     hint = lesson(14).steps[4].hint
-    assert "512 tokens" not in hint and f"{GPU_ROWS * cfg.block:,} tokens" in hint and str(cfg.d) in hint
+    assert (
+        "512 tokens" not in hint
+        and f"{GPU_ROWS * cfg.block:,} tokens" in hint
+        and str(cfg.d) in hint
+    )
 
 
 def test_lesson_14_calls_its_utilisation_by_what_it_divides_by():
     step = lesson(14).steps[2]
-    assert "matmul utilisation" in step.text and "384 × 384" in step.text and "one thread" in step.text
+    assert (
+        "matmul utilisation" in step.text and "384 × 384" in step.text and "one thread" in step.text
+    )
     assert "**MFU" not in step.text and "MFU" not in step.title

@@ -1,4 +1,5 @@
-"""Lessons 1-4: their exercises' wrong answers are named, and their claims rest on what is deterministic.
+"""Lessons 1-4: their exercises' wrong answers are named, and their claims rest on what is
+deterministic.
 
     pytest -q -p no:cacheprovider tests/test_lessons_1_4.py
 
@@ -44,60 +45,136 @@ BROADCAST = """
             rounds.append([Transfer({src}, {dst}, 0, "{op}") for v in range(0, {top}, 2 * s)])
         return Schedule("mine", p, 1, rounds)
 """
-RIGHT_BROADCAST = {"count": "(p - 1).bit_length()", "order": "reversed(steps)", "src": "(v + root) % p",
+RIGHT_BROADCAST = {"count": "(p - 1).bit_length()", "order": "reversed(steps)", "src": "(v + root) "
+                                                                                       "% p",
                    "dst": "(v + s + root) % p", "op": "copy", "top": "p - s"}
 
 WRONG = [
     # the ring all-gather
-    ("ring_allgather", ALLGATHER, {**RIGHT_ALLGATHER, "chunk": "(r - k - 1) % p"},
-     "at p=2: in round 0 rank 0 sends chunk 1, which it does not hold complete (it has rank 0's part only), "
-     "so rank 1 is left with a partial chunk: that is the reduce-scatter's rule, (r - k - 1) mod p"),
-    ("ring_allgather", ALLGATHER, {**RIGHT_ALLGATHER, "chunk": "(r + k) % p"},
-     "at p=3: in round 1 rank 0 sends chunk 1, which it does not hold complete (it has ranks 0 and 2's parts "
-     "only), so rank 1 is left with a partial chunk: pass on what arrived in the round before (chunk 2, from "
-     "rank 2)"),
-    ("ring_allgather", ALLGATHER, {**RIGHT_ALLGATHER, "dst": "(r - 1) % p"},
-     "at p=3: in round 0 rank 0 sends to rank 2: in the ring each rank sends only to its right neighbour, "
-     "(r + 1) mod p = 1"),
-    ("ring_allgather", ALLGATHER, {**RIGHT_ALLGATHER, "rounds": "max(p - 2, 0)"},
-     "at p=2: rank 0 ends without chunk 1 complete with no rounds: it holds 1 of the 2 chunks. A rank lacks "
-     "p - 1 chunks and receives one a round, so the all-gather takes p - 1 = 1 rounds"),
-    ("ring_allgather", ALLGATHER, {**RIGHT_ALLGATHER, "op": "reduce"},
-     "at p=2: in round 0 rank 1 adds chunk 0 from rank 0: in the all-gather every chunk sent is already "
-     "complete, so the receiver copies it ('copy')"),
-    ("ring_allgather", ALLGATHER, {**RIGHT_ALLGATHER, "rounds": "p if p > 1 else 0"},
-     "at p=2: in round 1 rank 0 sends chunk 1 to rank 1, which already holds it complete: a wasted send"),
+    (
+        "ring_allgather",
+        ALLGATHER,
+        {**RIGHT_ALLGATHER, "chunk": "(r - k - 1) % p"},
+        "at p=2: in round 0 rank 0 sends chunk 1, which it does not hold complete (it has rank 0's "
+        "part only), so rank 1 is left with a partial chunk: that is the reduce-scatter's rule, (r "
+        "- k - 1) mod p",
+    ),
+    (
+        "ring_allgather",
+        ALLGATHER,
+        {**RIGHT_ALLGATHER, "chunk": "(r + k) % p"},
+        "at p=3: in round 1 rank 0 sends chunk 1, which it does not hold complete (it has ranks 0 "
+        "and 2's parts only), so rank 1 is left with a partial chunk: pass on what arrived in the "
+        "round before (chunk 2, from rank 2)",
+    ),
+    (
+        "ring_allgather",
+        ALLGATHER,
+        {**RIGHT_ALLGATHER, "dst": "(r - 1) % p"},
+        "at p=3: in round 0 rank 0 sends to rank 2: in the ring each rank sends only to its right "
+        "neighbour, (r + 1) mod p = 1",
+    ),
+    (
+        "ring_allgather",
+        ALLGATHER,
+        {**RIGHT_ALLGATHER, "rounds": "max(p - 2, 0)"},
+        "at p=2: rank 0 ends without chunk 1 complete with no rounds: it holds 1 of the 2 chunks. "
+        "A rank lacks p - 1 chunks and receives one a round, so the all-gather takes p - 1 = 1 "
+        "rounds",
+    ),
+    (
+        "ring_allgather",
+        ALLGATHER,
+        {**RIGHT_ALLGATHER, "op": "reduce"},
+        "at p=2: in round 0 rank 1 adds chunk 0 from rank 0: in the all-gather every chunk sent is "
+        "already complete, so the receiver copies it ('copy')",
+    ),
+    (
+        "ring_allgather",
+        ALLGATHER,
+        {**RIGHT_ALLGATHER, "rounds": "p if p > 1 else 0"},
+        "at p=2: in round 1 rank 0 sends chunk 1 to rank 1, which already holds it complete: a "
+        "wasted send",
+    ),
     # the tree broadcast
-    ("tree_broadcast", BROADCAST, {**RIGHT_BROADCAST, "order": "steps"},
-     "at p=4, root=0: in round 0 rank 2 sends before it holds the root's buffer: your rounds run in the "
-     "reduce's order (smallest step first)"),
-    ("tree_broadcast", BROADCAST, {**RIGHT_BROADCAST, "src": "v", "dst": "v + s"},
-     "at p=5, root=2: in round 0 rank 0 sends before it holds the root's buffer: your tree broadcasts from "
-     "rank 0, not from root 2; number the ranks from the root, v = (r - root) mod p"),
-    ("tree_broadcast", BROADCAST, {**RIGHT_BROADCAST, "count": "int(math.log2(p))"},
-     "at p=3, root=0: rank 2 never receives the root's buffer (1 of 3 ranks lacks it after the last round "
-     "(round 0)): each round at most doubles the holders (1, 2, 4, ...), so p = 3 needs ceil(lg p) = 2 "
-     "rounds, lg p rounded up"),
+    (
+        "tree_broadcast",
+        BROADCAST,
+        {**RIGHT_BROADCAST, "order": "steps"},
+        "at p=4, root=0: in round 0 rank 2 sends before it holds the root's buffer: your rounds "
+        "run in the reduce's order (smallest step first)",
+    ),
+    (
+        "tree_broadcast",
+        BROADCAST,
+        {**RIGHT_BROADCAST, "src": "v", "dst": "v + s"},
+        "at p=5, root=2: in round 0 rank 0 sends before it holds the root's buffer: your tree "
+        "broadcasts from rank 0, not from root 2; number the ranks from the root, v = (r - root) "
+        "mod p",
+    ),
+    (
+        "tree_broadcast",
+        BROADCAST,
+        {**RIGHT_BROADCAST, "count": "int(math.log2(p))"},
+        "at p=3, root=0: rank 2 never receives the root's buffer (1 of 3 ranks lacks it after the "
+        "last round (round 0)): each round at most doubles the holders (1, 2, 4, ...), so p = 3 "
+        "needs ceil(lg p) = 2 rounds, lg p rounded up",
+    ),
     # written for powers of two: at p = 3 rank 2's partner would be rank 3
-    ("tree_broadcast", BROADCAST, {**RIGHT_BROADCAST, "src": "v", "dst": "v + s", "top": "p"},
-     ("tree_broadcast(3, 0) raised ScheduleError", "is out of range (p=3, k=1)",
-      "a rank whose partner would be p or more sits that round out")),
+    (
+        "tree_broadcast",
+        BROADCAST,
+        {**RIGHT_BROADCAST, "src": "v", "dst": "v + s", "top": "p"},
+        (
+            "tree_broadcast(3, 0) raised ScheduleError",
+            "is out of range (p=3, k=1)",
+            "a rank whose partner would be p or more sits that round out",
+        ),
+    ),
     # the same, wrapped round with mod p: the partner past the end is a rank that has it already
-    ("tree_broadcast", BROADCAST, {**RIGHT_BROADCAST, "top": "p"},
-     "at p=3, root=0: in round 1 rank 2 sends to rank 0, which already holds the root's buffer: a wasted "
-     "send"),
-    ("tree_broadcast", BROADCAST, {**RIGHT_BROADCAST, "op": "reduce"},
-     "at p=2, root=0: in round 0 rank 1 adds what rank 0 sends: a broadcast copies the root's buffer"),
+    (
+        "tree_broadcast",
+        BROADCAST,
+        {**RIGHT_BROADCAST, "top": "p"},
+        "at p=3, root=0: in round 1 rank 2 sends to rank 0, which already holds the root's buffer: "
+        "a wasted send",
+    ),
+    (
+        "tree_broadcast",
+        BROADCAST,
+        {**RIGHT_BROADCAST, "op": "reduce"},
+        "at p=2, root=0: in round 0 rank 1 adds what rank 0 sends: a broadcast copies the root's "
+        "buffer",
+    ),
     # the root sends to everyone itself: one round, p - 1 messages through one port
-    ("tree_broadcast", BROADCAST, {**RIGHT_BROADCAST, "count": "1 if p > 1 else 0", "src": "root",
-                                   "dst": "(root + v // 2 + 1) % p", "top": "2 * (p - 1)",
-                                   "order": "[1] if p > 1 else []"},
-     "at p=3, root=0: in round 0 rank 0 sends 2 messages: a rank sends one message a round (one port"),
+    (
+        "tree_broadcast",
+        BROADCAST,
+        {
+            **RIGHT_BROADCAST,
+            "count": "1 if p > 1 else 0",
+            "src": "root",
+            "dst": "(root + v // 2 + 1) % p",
+            "top": "2 * (p - 1)",
+            "order": "[1] if p > 1 else []",
+        },
+        "at p=3, root=0: in round 0 rank 0 sends 2 messages: a rank sends one message a round (one "
+        "port",
+    ),
     # a chain: each rank passes it to the next, p - 1 rounds
-    ("tree_broadcast", BROADCAST, {**RIGHT_BROADCAST, "order": "range(1, p)", "src": "(s - 1 + root) % p",
-                                   "dst": "(s + root) % p", "top": "1"},
-     "at p=4, root=0: every rank gets the root's buffer, but in 3 rounds: a binomial tree needs ceil(lg p) "
-     "= 2"),
+    (
+        "tree_broadcast",
+        BROADCAST,
+        {
+            **RIGHT_BROADCAST,
+            "order": "range(1, p)",
+            "src": "(s - 1 + root) % p",
+            "dst": "(s + root) % p",
+            "top": "1",
+        },
+        "at p=4, root=0: every rank gets the root's buffer, but in 3 rounds: a binomial tree needs "
+        "ceil(lg p) = 2",
+    ),
 ]
 
 
@@ -117,10 +194,16 @@ def test_the_wrong_answers_templates_pass_when_filled_right(tmp_path, name, temp
     assert report.passed, report.message
 
 
-@pytest.mark.parametrize("name, says", [
-    ("ring_allgather", "at p=3: rank 0 ends without chunk 1 complete after the last round (round 0)"),
-    ("tree_broadcast", "at p=3, root=0: rank 2 never receives the root's buffer"),
-])
+@pytest.mark.parametrize(
+    "name, says",
+    [
+        (
+            "ring_allgather",
+            "at p=3: rank 0 ends without chunk 1 complete after the last round (round 0)",
+        ),
+        ("tree_broadcast", "at p=3, root=0: rank 2 never receives the root's buffer"),
+    ],
+)
 def test_the_new_stubs_fail_and_solutions_pass(name, says):
     exercise = EXERCISES[name]
     assert exercise.lesson == 2 and exercise.stub_path.parent == STUBS
@@ -131,12 +214,13 @@ def test_the_new_stubs_fail_and_solutions_pass(name, says):
 
 
 def test_the_hints_climb_in_two_or_three_tiers_and_the_last_is_nearly_the_line():
-    for hints, line in ((ring_allgather.HINTS, "(r - k) mod p"), (tree.HINTS, "Transfer((v + root) % p")):
+    for hints, line in ((ring_allgather.HINTS, "(r - k) mod p"), (tree.HINTS, "Transfer((v + root) "
+                                                                              "% p")):
         assert 2 <= len(hints) <= 3
         assert line in hints[-1] and not any(line in h for h in hints[:-1])
 
 
-# --- the lessons' content: what issue 22 found wrong stays fixed -------------------------------------
+# --- the lessons' content: what issue 22 found wrong stays fixed ----------------------------------
 
 def _step(number, title_start):
     from dplab.lessons import lesson
@@ -165,8 +249,11 @@ def test_the_latency_steps_explore_link_takes_beta_from_the_fact_the_text_shows(
 
     import dplab.viz
     page = (Path(dplab.viz.__file__).parent / "pages" / "cost.py").read_text()
-    offered = next(ast.literal_eval(node.value) for node in ast.parse(page).body
-                   if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "BETA_GBPS")
+    offered = next(
+        ast.literal_eval(node.value)
+        for node in ast.parse(page).body
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "BETA_GBPS"
+    )
     assert out.facts["gbps"] in offered
 
 
@@ -210,7 +297,12 @@ def test_every_exercise_step_shows_its_stub_and_climbs_in_tiers():
     from dplab.lessons import lesson
     for number in (2, 4):
         for step in lesson(number).steps:
-            if step.exercise in ("ring_reduce_scatter", "ring_allgather", "tree_broadcast", "ddp_buckets"):
+            if step.exercise in (
+                "ring_reduce_scatter",
+                "ring_allgather",
+                "tree_broadcast",
+                "ddp_buckets",
+            ):
                 assert f"stubs.{step.exercise}" in step.code(), step.title
                 assert len(step.all_hints()) >= 2, step.title
 
@@ -256,10 +348,15 @@ def test_lesson_1_says_per_rank_batch_times_p():
 
 def test_lesson_2_and_3_questions_define_the_schedules_they_offer():
     q2 = lesson(2).steps[3].predict.question
-    assert "double_tree: NCCL's two binary trees" in q2 and "hierarchical:4: a ring inside groups" in q2
+    assert (
+        "double_tree: NCCL's two binary trees" in q2
+        and "hierarchical:4: a ring inside groups" in q2
+    )
     assert "{dt_path} α" in lesson(2).steps[3].text
     q3 = lesson(3).steps[3].predict.question
-    assert all(name in q3 for name in ("direct", "pipelined_tree", "pipelined_ring", "hierarchical:8"))
+    assert all(
+        name in q3 for name in ("direct", "pipelined_tree", "pipelined_ring", "hierarchical:8")
+    )
 
 
 def test_lesson_2_double_trees_path_sums_each_rounds_busiest_port():
@@ -283,10 +380,13 @@ def test_lesson_3_says_what_the_fit_did_with_beta_and_gamma():
 
 
 def test_lesson_2_says_why_nccl_runs_the_double_tree_from_its_own_count():
-    """2.4 charged the double tree 38 α against the ring's 14 at p = 8 without saying why NCCL uses it."""
+    """2.4 charged the double tree 38 α against the ring's 14 at p = 8 without saying why NCCL uses
+    it."""
     from dplab.reference.costfit import terms
     text = lesson(2).steps[3].text
-    assert "{dt_64} α against the ring's {ring_64}" in text and "{dt_256}" in text and "lg p" in text
+    assert (
+        "{dt_64} α against the ring's {ring_64}" in text and "{dt_256}" in text and "lg p" in text
+    )
     dt, ring = terms("double_tree", 64, 1 << 20)[0], terms("ring", 64, 1 << 20)[0]
     assert dt < ring == 126
 
@@ -294,4 +394,6 @@ def test_lesson_2_says_why_nccl_runs_the_double_tree_from_its_own_count():
 def test_lesson_2_says_ncclss_channels_run_at_once():
     """2.7's 420 µs queued all 8 rings through one port; NCCL's channels run concurrently."""
     text = lesson(2).steps[6].text
-    assert "channels run at once" in text and "{channel_small_us:.0f} µs" in text and "queues" in text
+    assert (
+        "channels run at once" in text and "{channel_small_us:.0f} µs" in text and "queues" in text
+    )

@@ -25,7 +25,8 @@ from dplab.lessons.l08_stragglers import simulated_clock
 from dplab.reference.model import MLP
 
 
-# lesson 5: communication is zero on one rank and grows; Amdahl's curve never falls; the model's peaks
+# lesson 5: communication is zero on one rank and grows; Amdahl's curve never falls;
+# the model's peaks
 def test_communication_is_zero_on_one_rank_and_grows_with_p():
     model = MLP(LARGE)
     comms = [step_time(model, 64, p)[1] for p in (1, 2, 4, 16, 64, 256)]
@@ -48,7 +49,8 @@ def test_flops_per_byte_depend_on_samples_per_rank_not_on_parameters():
     per_byte = {m: flops_per_sample(m) * 16 / (8 * m.num_params) for m in (small, large)}
     assert large.num_params > 100 * small.num_params
     assert 0.5 < per_byte[large] / per_byte[small] < 2
-    assert flops_per_sample(large) * 64 / flops_per_sample(large) / 16 == 4  # 4x the samples, 4x per byte
+    # 4x the samples, 4x per byte
+    assert flops_per_sample(large) * 64 / flops_per_sample(large) / 16 == 4
 
 
 def test_lesson_5_no_longer_calls_communication_amdahls_serial_part():
@@ -91,12 +93,14 @@ def test_lesson_13_is_registered_and_teaches_batch_size():
 
 def test_the_noise_scale_is_trace_over_squared_mean():
     from dplab.lessons.l13_batch_size import noise_scale
-    grads = np.array([[1.0, 0.0], [3.0, 0.0], [2.0, 2.0], [2.0, -2.0]])  # mean (2, 0); variance 0.5 + 2
+    # mean (2, 0); variance 0.5 + 2
+    grads = np.array([[1.0, 0.0], [3.0, 0.0], [2.0, 2.0], [2.0, -2.0]])
     b_noise, trace, mean = noise_scale(grads)
     assert mean.tolist() == [2.0, 0.0] and trace == 2.5 and b_noise == 2.5 / 4
 
 
-# the exercises: tiered hints, shown stubs, a stub that fails, a solution that passes, wrong answers named
+# the exercises: tiered hints, shown stubs, a stub that fails, a solution that passes, wrong answers
+# named
 @pytest.mark.parametrize("number, name", [(7, "ssp_gate"), (8, "backup_step")])
 def test_exercise_steps_have_three_tiers_of_hints_and_show_the_stub(number, name):
     step = next(s for s in lesson(number).steps if s.exercise == name)
@@ -113,7 +117,8 @@ def test_backup_stub_fails_as_plain_sync_and_the_solution_passes():
     assert not stub.passed and "plain synchronous SGD" in stub.message
     solution = check_file("backup_step", EXERCISES["backup_step"].solution)
     assert solution.passed, solution.message
-    assert re.search(r"right on all 200 cases .* your steps average 1\.\d\d units, against 2\.\d\d for 8 "
+    assert re.search(r"right on all 200 cases .* your steps average 1\.\d\d units, against 2\.\d\d "
+                     r"for 8 "
                      r"workers without backups", solution.message), solution.message
 
 
@@ -134,8 +139,10 @@ BACKUP_WRONG = [
     ({"div": "len(arrivals)"}, "divides by N + b, the number of workers"),
     ({"sl": ":n + 1", "div": "(n + 1)", "tend": "arrivals[first[n - 1]]"},
      "off by one: your update uses n + 1"),
-    ({"key": "(arrivals[w], -w)"}, "with a tie for the n-th place your update takes the higher worker"),
-    ({"order": "first"}, "right to rounding but not bit for bit: add the n gradients in worker order"),
+    ({"key": "(arrivals[w], -w)"}, "with a tie for the n-th place your update takes the higher "
+                                   "worker"),
+    ({"order": "first"}, "right to rounding but not bit for bit: add the n gradients in worker "
+                         "order"),
     ({"tend": "max(arrivals)"}, "t_end is when the LAST gradient arrives"),
     ({"tend": "arrivals[first[0]]"}, "t_end is when the FIRST gradient arrives"),
 ]
@@ -148,22 +155,29 @@ def _write(tmp_path: Path, name: str, source: str) -> Path:
 
 
 def test_the_backup_template_filled_right_passes(tmp_path):
-    report = check_file("backup_step", _write(tmp_path, "backup_step", BACKUP.format(**RIGHT_BACKUP)))
+    report = check_file(
+        "backup_step", _write(tmp_path, "backup_step", BACKUP.format(**RIGHT_BACKUP))
+    )
     assert report.passed, report.message
 
 
-@pytest.mark.parametrize("change, says", BACKUP_WRONG, ids=[s.split(":")[0][:30] for _, s in BACKUP_WRONG])
+@pytest.mark.parametrize(
+    "change, says", BACKUP_WRONG, ids=[s.split(":")[0][:30] for _, s in BACKUP_WRONG]
+)
 def test_a_wrong_backup_step_is_named(tmp_path, change, says):
-    report = check_file("backup_step", _write(tmp_path, "backup_step", BACKUP.format(**{**RIGHT_BACKUP,
-                                                                                         **change})))
+    report = check_file(
+        "backup_step", _write(tmp_path, "backup_step", BACKUP.format(**{**RIGHT_BACKUP, **change}))
+    )
     assert not report.passed and says in report.message, report.message
 
 
 def test_every_named_backup_mistake_is_wrong_somewhere():
     tests = backup_ex.cases()
     for name, (fn, _) in backup_ex.MISTAKES.items():
-        assert any(fn(a, g, n) is not None and not np.allclose(fn(a, g, n), backup_ex.right(a, g, n)[0])
-                   for a, g, n in tests), name
+        assert any(
+            fn(a, g, n) is not None and not np.allclose(fn(a, g, n), backup_ex.right(a, g, n)[0])
+            for a, g, n in tests
+        ), name
 
 
 SSP_WRONG = [
@@ -172,10 +186,12 @@ SSP_WRONG = [
     ("staleness is None or slowest <= clock - staleness", "your comparison is reversed"),
     ("staleness is None or clock <= staleness", "your gate ignores the slowest worker"),
     ("slowest >= clock - (staleness or 0)", "your gate treats it as 0, lock-step"),
-    ("slowest >= clock - staleness", "staleness None means unbounded, so test `staleness is None` first"),
+    ("slowest >= clock - staleness", "staleness None means unbounded, so test `staleness is None` "
+                                     "first"),
     ("True", "your gate never makes anyone wait"),
     # issue 31: caught, but not named
-    ("not staleness or slowest >= clock - staleness", "treats staleness 0 as unbounded: `not staleness`"),
+    ("not staleness or slowest >= clock - staleness", "treats staleness 0 as unbounded: `not "
+                                                      "staleness`"),
 ]
 
 
@@ -188,7 +204,10 @@ def test_a_wrong_ssp_gate_is_named(tmp_path, rule, says):
 
 def test_every_named_ssp_mistake_differs_from_the_gate():
     from dplab.reference.ps.gate import gate_open
-    keys = [(c, d, s) for s in ssp_ex.STALENESS for c in ssp_ex.GRID_CLOCKS for d in ssp_ex.GRID_CLOCKS]
+
+    keys = [
+        (c, d, s) for s in ssp_ex.STALENESS for c in ssp_ex.GRID_CLOCKS for d in ssp_ex.GRID_CLOCKS
+    ]
     for name, (gate, _) in ssp_ex.MISTAKES.items():
         assert any(bool(gate(*k)) != gate_open([k[1]], k[0], k[2]) for k in keys), name
 
@@ -214,8 +233,15 @@ def test_lesson_5_explains_weak_scalings_fall_and_gustafsons_ideal():
     steps = lesson(5).steps
     text = steps[1].text
     assert "≈ 2 × the gradient" not in text and "2(p-1)/p × the gradient" in text
-    assert "{weak_fall:.2f}x" in text and "{g_last:.3g}x, {g_eff:.0%}" in text and "{comm_share:.0%}" in text
-    assert "{small_params:,}" in steps[1].predict.question and "{large_params:,}" in steps[1].predict.question
+    assert (
+        "{weak_fall:.2f}x" in text
+        and "{g_last:.3g}x, {g_eff:.0%}" in text
+        and "{comm_share:.0%}" in text
+    )
+    assert (
+        "{small_params:,}" in steps[1].predict.question
+        and "{large_params:,}" in steps[1].predict.question
+    )
     assert "10 Gb/s Ethernet" in steps[0].text                          # flat-10g in words
     assert "{s_lo:.2f}" in steps[3].text and "S > p" in steps[3].text   # e < 0: S > p, noise
 
@@ -224,7 +250,10 @@ def test_lesson_8_labels_the_simulated_share_beside_the_exact_chance():
     predict = lesson(8).steps[1].predict
     facts = {"slow_pct": 100 / 3, "steps": 10_000, "n": 8, "exact_pct": 100 * (1 - 0.95 ** 8)}
     verdict = predict.judge(facts, "")
-    assert verdict.expected == "33.3 % (the share in 10,000 simulated steps; exactly, 1 - 0.95^8 = 33.7%)"
+    assert (
+        verdict.expected
+        == "33.3 % (the share in 10,000 simulated steps; exactly, 1 - 0.95^8 = 33.7%)"
+    )
 
 
 def test_lesson_8_says_why_the_late_worker_pushed_so_few():
@@ -242,20 +271,35 @@ def test_lesson_13_defines_b_noise_in_its_question_and_relates_the_linear_rule_t
     steps = lesson(13).steps
     question = steps[0].predict.question
     assert question.index("B_simple = tr(Σ)/|G|²") < question.index("does B_simple get")
-    assert "below the noise scale" not in steps[2].text and "{b_held:,}, {past_held:.1f}x" in steps[2].text
+    assert (
+        "below the noise scale" not in steps[2].text
+        and "{b_held:,}, {past_held:.1f}x" in steps[2].text
+    )
     assert "Change 32 to 8" not in steps[3].try_this and "k_large = 8" in steps[3].try_this
 
 
 # issue 31: the teacher's errors stay fixed
 def test_lesson_6_scales_from_the_best_base_lr_and_names_the_rule_that_won():
-    """The old step scaled an untuned 0.05 and said "Here sqrt did best": its facts fail the new checks."""
+    """The old step scaled an untuned 0.05 and said "Here sqrt did best":
+    its facts fail the new checks."""
     from dplab.lessons.l06_large_batches import BASE_LR, SWEEP
     step = lesson(6).steps[0]
     assert "Here {best} did best" not in step.text and "{sweep}" in step.text and BASE_LR in SWEEP
-    old = {"tuned": 0.025, "base_lr": 0.05, "none": 0.129, "small": 0.089, "sqrt": 0.065, "linear": 0.093,
-           "best": "sqrt", "best_loss": 0.065, "rough_best": "sqrt"}
+    old = {
+        "tuned": 0.025,
+        "base_lr": 0.05,
+        "none": 0.129,
+        "small": 0.089,
+        "sqrt": 0.065,
+        "linear": 0.093,
+        "best": "sqrt",
+        "best_loss": 0.065,
+        "rough_best": "sqrt",
+    }
     failed = [c.claim for c in step.checks if not c.holds(old)]
-    assert any("best of the" in c for c in failed) and any("linear rule ends lowest" in c for c in failed)
+    assert any("best of the" in c for c in failed) and any(
+        "linear rule ends lowest" in c for c in failed
+    )
     new = dict(old, base_lr=0.025, none=0.199, small=0.064, sqrt=0.087, linear=0.059, best="linear",
                best_loss=0.059)  # the teacher's numbers from the tuned base
     assert all(c.holds(new) for c in step.checks)
@@ -275,7 +319,8 @@ def test_lesson_13_says_the_generalisation_gap_is_contested_and_lets_the_lr_move
     for who in ("Keskar", "Dinh", "Hoffer", "Shallue"):
         assert who in step.text, who
     assert "{rough_worse_pct:.0f}%" in step.text and "{worse_pct:.0f}%" in step.text
-    # the lr made the gap in the old step: from the untuned base the large batch falls further behind
+    # the lr made the gap in the old step: from the untuned base the large batch falls further
+    # behind
     facts = {"worse_pct": 18.0, "rough_worse_pct": 43.0, "gap_large": 0.016, "gap_small": -0.002,
              "train": [0.099] * 4, "target": 0.1}
     assert all(c.holds(facts) for c in step.checks)
@@ -304,7 +349,8 @@ def test_lesson_5_says_overlap_hides_t_comm_and_prices_it():
 
 
 def test_lesson_5_says_a_cnn_reuses_its_weights():
-    """5.2's "the batch is the lever, not the model" is an MLP's and a transformer's; a CNN reuses weights."""
+    """5.2's "the batch is the lever, not the model" is an MLP's and a transformer's;
+    a CNN reuses weights."""
     from dplab.lessons.l05_scaling import resnet50_counts
     params, macs = resnet50_counts()
     assert params == 25_557_032 and 4.0e9 < macs < 4.2e9      # torchvision's count, ~4.1 GMACs
@@ -318,7 +364,11 @@ def test_lesson_5_reads_a_karp_flatt_share_above_one():
     from dplab.lessons.l05_scaling import karp_flatt, karp_flatt_reading
     assert abs(karp_flatt(2 / 3, 2) - 2) < 1e-12
     said = karp_flatt_reading([-0.1, 0.5, 2.0, 1.6])
-    assert "1 of the 4 repetitions came out below 0" in said and "2 of the 4" in said and "above 1" in said
+    assert (
+        "1 of the 4 repetitions came out below 0" in said
+        and "2 of the 4" in said
+        and "above 1" in said
+    )
     assert "Above 1 it means S < 1" in lesson(5).steps[3].text
 
 
@@ -332,11 +382,14 @@ def test_lesson_8_says_none_not_only_0():
 
 
 def test_lesson_7_shows_loss_against_samples_and_what_a_delay_costs():
-    """7.1 said async 'reaches a lower loss' with many times the samples; loss against samples seen tells."""
+    """7.1 said async 'reaches a lower loss' with many times the samples;
+    loss against samples seen tells."""
     from dplab.lessons.l07_async import _per_sample_said, _run_delays_said, delayed_log
     steps = lesson(7).steps
     assert "{async_at_sync:.4f}" in steps[0].text and "{per_sample}" in steps[0].text
-    assert "about even" in _per_sample_said(0.10, 0.105, 7.3) and "7.3x" in _per_sample_said(0.10, 0.105, 7.3)
+    assert "about even" in _per_sample_said(0.10, 0.105, 7.3) and "7.3x" in _per_sample_said(
+        0.10, 0.105, 7.3
+    )
     assert "above sync's" in _per_sample_said(0.2, 0.1, 7.3)
     assert "below sync's" in _per_sample_said(0.05, 0.1, 2)
     assert "statistical efficiency" in steps[1].text and "async-efficiency" in steps[1].teaches

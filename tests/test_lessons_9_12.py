@@ -62,14 +62,16 @@ ZERO2_WRONG = {
             a, b = chunk_bounds(len(g), p)[rank]
             shard[layer] = g[a:b]
     """, ["is a view into layer", "a slice keeps all of g alive"]),
-    # issue 31: reduce-scattered during backward, but reduce_scatter's view kept (named ZeRO-1's pattern)
+    # issue 31: reduce-scattered during backward, but reduce_scatter's view kept (named ZeRO-1's
+    # pattern)
     "kept-view": ("""
         kept = []
         for layer, g in backward:
             kept.append((layer, reduce_scatter(comm, g)))
         for layer, mine in kept:
             shard[layer][:] = mine
-    """, ["You reduce-scattered each layer as backward yielded it", "reduce_scatter(comm, g) returns a view",
+    """, ["You reduce-scattered each layer as backward yielded it", "reduce_scatter(comm, g) "
+                                                                    "returns a view",
           "keep nothing of g"]),
     # the chunk stepped, but no all-gather
     "no-allgather": ("""
@@ -108,7 +110,9 @@ def test_zero2_solution_passes_on_values_bytes_and_memory():
 def test_zero2_stub_fails_naming_its_mistake():
     report = check_file("zero2_step", EXERCISES["zero2_step"].stub_path)
     assert not report.passed
-    assert "whole gradient" in report.message and "ZeRO-1's pattern" in report.message, report.message
+    assert "whole gradient" in report.message and "ZeRO-1's pattern" in report.message, (
+        report.message
+    )
 
 
 @pytest.mark.parametrize("name", sorted(ZERO2_WRONG))
@@ -119,7 +123,8 @@ def test_zero2_wrong_answers_fail_naming_the_mistake(tmp_path, name):
     assert not report.passed
     for phrase in says:
         assert phrase in report.message, report.message
-    if not any("ZeRO-1" in phrase for phrase in says):   # a mistake named as another is no diagnosis
+    if not any("ZeRO-1" in phrase for phrase in says):
+        # a mistake named as another is no diagnosis
         assert "ZeRO-1" not in report.message, report.message
 
 
@@ -138,19 +143,19 @@ SCALER_WRONG = {
     "takes-the-overflowed-step": ({"over": "scale * backoff_factor, 0, True"},
                                   "step 0 (S = 1,024) overflowed, but your rule takes the step"),
     "no-backoff": ({"over": "scale, 0, False"},
-                   "after the overflow at step 0 (S = 1,024) the scale stayed 1,024: it must back off to "
-                   "512"),
+                   "after the overflow at step 0 (S = 1,024) the scale stayed 1,024: it must back "
+                   "off to 512"),
     "count-not-reset-on-overflow": ({"over": "scale * backoff_factor, good_steps, False"},
                                     "the count of clean steps restarts at 0 after an overflow"),
     "overflow-counted-clean": ({"over": "scale * backoff_factor, good_steps + 1, False"},
                                "after 2 clean steps since an overflow, but growth_interval is 3"),
     "grows-a-step-late": ({"cond": "good > growth_interval"},
-                          "the scale should grow at step 2 (S = 1,024), clean step 3 in a row since the "
-                          "start"),
+                          "the scale should grow at step 2 (S = 1,024), clean step 3 in a row "
+                          "since the start"),
     "count-not-reset-on-growth": ({"cond": "good >= growth_interval",
                                    "grow": "scale * growth_factor, good, True"},
-                                  "after 1 clean step since a growth, but growth_interval is 3: the count "
-                                  "restarts at 0 after each growth"),
+                                  "after 1 clean step since a growth, but growth_interval is 3: "
+                                  "the count restarts at 0 after each growth"),
 }
 
 
@@ -204,17 +209,20 @@ FSDP_RIGHT = ("allgather(comm, w)", "return forward(gather(comm, shard, n))",
               "        grad_shard[:] = g[a:b]")
 FSDP_WRONG = {
     # the gathered weights kept from forward for backward: no second gather, but a whole unit held
-    "weights-kept": ({1: "CACHE[n, len(shard)] = w = gather(comm, shard, n)\n        return forward(w)",
+    "weights-kept": ({1: "CACHE[n, len(shard)] = w = gather(comm, shard, n)\n        return "
+                         "forward(w)",
                       2: "g = backward(CACHE[n, len(shard)])\n        reduce_scatter(comm, g)\n"
                          "        grad_shard[:] = g[a:b]"},
-                     ["forward of unit", "the gathered weights are still held after the unit's forward"]),
+                     ["forward of unit", "the gathered weights are still held after the unit's "
+                                         "forward"]),
     "allreduce-gradient": ({2: "g = backward(gather(comm, shard, n))\n        allreduce(comm, g)\n"
                                "        grad_shard[:] = g[a:b]"},
-                           ["backward sent 1.50x the bytes", "allreduce", "reduce_scatter sends half"]),
+                           ["backward sent 1.50x the bytes", "allreduce", "reduce_scatter sends "
+                                                                          "half"]),
     "allreduce-gather": ({0: "allreduce(comm, w)"},
                          ["forward sent 2.00x the bytes", "all-reduce of zero-padded weights"]),
-    "gradient-kept": ({2: "CACHE[n] = g = backward(gather(comm, shard, n))\n        reduce_scatter(comm, g)\n"
-                          "        grad_shard[:] = g[a:b]"},
+    "gradient-kept": ({2: "CACHE[n] = g = backward(gather(comm, shard, n))\n        "
+                          "reduce_scatter(comm, g)\n        grad_shard[:] = g[a:b]"},
                       ["backward of unit", "a whole weight or gradient buffer is still held"]),
     "not-reduced": ({2: "g = backward(gather(comm, shard, n))\n        grad_shard[:] = g[a:b]"},
                     ["is this rank's own gradient, not the sum over the ranks"]),
@@ -237,8 +245,11 @@ def test_fsdp_unit_solution_and_right_template_pass_and_stub_fails(tmp_path):
     assert "3 collectives a unit a step" in report.message
     assert check_file("fsdp_unit", _fsdp(tmp_path, {})).passed
     stub = check_file("fsdp_unit", EXERCISES["fsdp_unit"].stub_path)
-    assert not stub.passed and "forward of unit 0 returned something other than the unit run with its " \
-        "whole weights" in stub.message, stub.message
+    assert (
+        not stub.passed
+        and "forward of unit 0 returned something other than the unit run with its whole weights"
+        in stub.message
+    ), stub.message
 
 
 @pytest.mark.parametrize("name", sorted(FSDP_WRONG))
@@ -252,7 +263,8 @@ def test_fsdp_unit_wrong_answers_fail_naming_the_mistake(tmp_path, name):
 
 def test_the_multi_node_lines_are_the_hosts_tests_own():
     """12.4 prints what Cluster.torchrun_args and mpi_hosts build (tests/hosts.py runs them across
-    namespaces): c10d rendezvous with one job id on every node, CUDA asked for, mpiexec's host list."""
+    namespaces): c10d rendezvous with one job id on every node, CUDA asked for, mpiexec's host
+    list."""
     from dplab.backends.hosts.netns import Cluster
     from dplab.lessons.l12_engines import launch_lines
 
@@ -266,7 +278,17 @@ def test_the_multi_node_lines_are_the_hosts_tests_own():
         joined = " ".join(argv)
         assert "--rdzv-backend c10d" in joined and "--rdzv-id job1" in joined
         assert "--rdzv-endpoint node0:29500" in joined and "--nnodes 2 --nproc-per-node 8" in joined
-    assert mpi == ["mpiexec", "-hosts", "node0:8,node1:8", "-n", "16", "dplab", "train", "--backend", "mpi"]
+    assert mpi == [
+        "mpiexec",
+        "-hosts",
+        "node0:8,node1:8",
+        "-n",
+        "16",
+        "dplab",
+        "train",
+        "--backend",
+        "mpi",
+    ]
 
 
 def test_bfloat16_by_its_bits_is_torchs_cast():
@@ -277,8 +299,13 @@ def test_bfloat16_by_its_bits_is_torchs_cast():
 
     torch = pytest.importorskip("torch")
     rng = np.random.default_rng(0)
-    x = np.concatenate([rng.standard_normal(10_000), rng.standard_normal(1_000) * 1e-30,
-                        [0.0, -0.0, 1.0, 65504.0, 3.3e38, 1 + 2**-8, 1 + 3 * 2**-8]]).astype(np.float32)
+    x = np.concatenate(
+        [
+            rng.standard_normal(10_000),
+            rng.standard_normal(1_000) * 1e-30,
+            [0.0, -0.0, 1.0, 65504.0, 3.3e38, 1 + 2**-8, 1 + 3 * 2**-8],
+        ]
+    ).astype(np.float32)
     ours = bfloat16_by_bits(x)
     theirs = torch.from_numpy(x).to(torch.bfloat16).float().numpy()
     assert np.array_equal(ours.view(np.uint32), theirs.view(np.uint32))
@@ -300,13 +327,16 @@ def test_checkpointed_backward_is_the_models_gradient(every):
     want = np.zeros_like(flat)
     model.loss_and_grad(flat, x, y, 1 / 5, want)
     got = np.zeros_like(flat)
-    runs = train_step(model, w, x, y, every, [got[model.layer_slice(i)] for i in range(model.num_layers)])
+    runs = train_step(
+        model, w, x, y, every, [got[model.layer_slice(i)] for i in range(model.num_layers)]
+    )
     L = model.num_layers
     assert runs == L + sum(min(every, L - s) - 1 for s in range(0, L, every))
     assert np.allclose(got, want, rtol=1e-12, atol=0)
 
 
-# the fresh reader's report: no Python values in prose, pictures that say what they add, short listings
+# the fresh reader's report: no Python values in prose, pictures that say what they add, short
+# listings
 def test_lesson_9_says_no_rng_state_in_words():
     text = lesson(9).steps[1].text
     assert "`{rng}`" not in text and "None, because" not in text and "{rng_said}" in text
@@ -317,8 +347,11 @@ def test_lesson_10_bars_say_they_add_the_model_states_and_k_is_named():
 
     from dplab.lessons.l10_memory import _activation_bars
     console = Console(width=100, record=True)
-    console.print(_activation_bars({"param_bytes": 1 << 17, "peak_plain_mib": 4.5, "peak_ckpt_mib": 2.3,
-                                    "every": 4}))
+    console.print(
+        _activation_bars(
+            {"param_bytes": 1 << 17, "peak_plain_mib": 4.5, "peak_ckpt_mib": 2.3, "every": 4}
+        )
+    )
     said = console.export_text()
     assert "adds the model states (512 KiB" in said and "(4.5 MiB and 2.3 MiB)" in said
     assert "calls K, the optimizer's bytes per parameter" in lesson(10).steps[3].text
@@ -348,7 +381,8 @@ def test_no_listing_is_a_whole_module():
 
 
 def test_lesson_11_judges_2_to_the_16_wrong_so_its_own_message_fires():
-    """65,536 was within the old 1e-3 of 65,504 and judged right; the step's message for 2^16 never fired."""
+    """65,536 was within the old 1e-3 of 65,504 and judged right;
+    the step's message for 2^16 never fired."""
     predict = lesson(11).steps[0].predict
     verdict = predict.judge({"max": 65504.0}, "65536")
     assert not verdict.correct and "2^16" in verdict.misconception
@@ -357,7 +391,8 @@ def test_lesson_11_judges_2_to_the_16_wrong_so_its_own_message_fires():
 
 
 def test_lesson_12_says_torch_ddp_broadcasts_buffers_every_forward():
-    """12.2 said "Nothing is copied each step", but torch's DDP broadcasts buffers at every forward."""
+    """12.2 said "Nothing is copied each step", but torch's DDP broadcasts buffers at every
+    forward."""
     text = lesson(12).steps[1].text
     assert "Nothing is copied each step" not in text and "buffers" in text
     inside = lesson(12).steps[2]
@@ -377,7 +412,8 @@ def test_the_buffer_switch_is_the_installed_torchs():
 
 
 def test_the_loss_scaler_checker_prints_nothing_of_its_own():
-    """Its float16 cast warned 'overflow encountered in cast', shown as what the learner's code printed."""
+    """Its float16 cast warned 'overflow encountered in cast', shown as what the learner's code
+    printed."""
     from dplab.lessons.exercises.scaler import overflows
     result = check_file("loss_scaler", SOLUTIONS / "loss_scaler.py")
     assert result.passed and "RuntimeWarning" not in result.output and result.output.strip() == ""
@@ -385,7 +421,8 @@ def test_the_loss_scaler_checker_prints_nothing_of_its_own():
 
 
 def test_lesson_10_gives_zero_r_and_the_width_its_due():
-    """10.3 called activations 'the part ZeRO does not shard', grown only with micro-batch and depth."""
+    """10.3 called activations 'the part ZeRO does not shard', grown only with micro-batch and
+    depth."""
     step = lesson(10).steps[2]
     assert "ZeRO does not shard" not in step.title + step.text
     assert "ZeRO-R" in step.text and "offload" in step.text and "sequence length" in step.text

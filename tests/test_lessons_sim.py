@@ -1,6 +1,6 @@
 """Issue 31's timing on the simulated cluster: the simulated halves of lessons 3, 4, 5, 12 and 14.
 
-    pytest -q tests/test_lessons_sim.py      # the whole steps (live halves too) run under -m lessons
+    pytest -q tests/test_lessons_sim.py  # the whole steps (live halves too) run under -m lessons
 
 Each test runs the step's simulated half alone (simulated time: the same at any load) and checks
 that what its text claims follows from those numbers, and that the text reads them from the run.
@@ -23,7 +23,9 @@ def test_3_2_fit_recovers_the_cluster_files_alpha_beta_gamma():
     for k in ("alpha", "beta", "gamma"):
         assert math.isclose(getattr(model, k), truth[k], rel_tol=1e-9), k
     text = lesson(3).steps[1].text
-    assert "{sim_alpha_us:.3g}" in text and "{file_alpha_us:.3g}" in text and "On this machine" in text
+    assert (
+        "{sim_alpha_us:.3g}" in text and "{file_alpha_us:.3g}" in text and "On this machine" in text
+    )
 
 
 def test_3_2_says_so_when_the_live_fit_drops_alpha():
@@ -62,7 +64,9 @@ def test_5_3_strong_and_weak_scaling_on_64_gpus():
     assert f["eff_strong_8"] > 0.95 > 0.9 > f["eff_last"] and 1 < f["weak_growth"] < 2
     assert strong[-1] == weak[-1] and f["speedup_last"] == pytest.approx(64 * f["eff_last"])
     step = lesson(5).steps[2]
-    assert "{sim_table}" in step.text and "On this machine" in step.text and "{load:.1f}" in step.text
+    assert (
+        "{sim_table}" in step.text and "On this machine" in step.text and "{load:.1f}" in step.text
+    )
 
 
 def test_12_1_data_parallel_is_launch_bound_when_kernels_are_short():

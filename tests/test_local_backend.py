@@ -391,7 +391,9 @@ def test_mismatched_buffers_raise_buffer_mismatch_not_a_hang(algorithm, mismatch
     def fn(comm):
         n, dtype = 10, "float64"
         if comm.rank == 2:
-            n, dtype = {"length": (11, dtype), "dtype": (n, "int64"), "length<p": (2, dtype)}[mismatch]
+            n, dtype = {"length": (11, dtype), "dtype": (n, "int64"), "length<p": (2, dtype)}[
+                mismatch
+            ]
         if mismatch == "length<p":
             n = n if comm.rank == 2 else 1
         return allreduce(comm, np.ones(n, dtype), algorithm=algorithm).tolist()

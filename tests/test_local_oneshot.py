@@ -29,7 +29,9 @@ def _rounds_and_sums(comm, n, shm, calls):
     return sent, out
 
 
-@pytest.mark.parametrize("p,n,shm", [(2, 1000, True), (3, 7, True), (4, 2, False), (3, 1001, False)])
+@pytest.mark.parametrize(
+    "p,n,shm", [(2, 1000, True), (3, 7, True), (4, 2, False), (3, 1001, False)]
+)
 def test_native_is_one_message_per_peer_and_the_exact_sum(p, n, shm):
     """direct (the native before) sent 2 (p-1) messages a call; the one-shot sends p - 1, stages
     nothing for a buffer in shared memory and one copy of it otherwise, and every rank gets the sum,

@@ -46,7 +46,9 @@ def test_a_waiting_rank_sleeps_after_a_bounded_spin(p):
     Half a second of waiting costs a sleeping rank well under a tenth of a second of CPU."""
     delay = 0.5
     for cpu, spin, yields in launch(_wait_cpu, p, args=(delay,), timeout=20)[1:]:
-        assert spin <= 1e-3 and yields <= 1_000 and (spin > 0) == (p <= len(os.sched_getaffinity(0)))
+        assert (
+            spin <= 1e-3 and yields <= 1_000 and (spin > 0) == (p <= len(os.sched_getaffinity(0)))
+        )
         assert cpu < delay / 5, f"a rank burnt {cpu:.3f} s of CPU waiting {delay} s: it spun"
 
 
@@ -119,7 +121,9 @@ def _many_segments(comm, count, cache):
             mapped = set(comm.memory._peers)
             assert len(comm.memory._peers) <= memory.PEER_CACHE
             assert len(comm.memory._views) <= cache
-            assert all(key[:2] in mapped for key in comm.memory._views), "a view outlived its mapping"
+            assert all(key[:2] in mapped for key in comm.memory._views), (
+                "a view outlived its mapping"
+            )
         comm.barrier()
     return got
 
@@ -220,7 +224,9 @@ def test_the_engine_cuts_a_plans_chunks_once_per_buffer_length(monkeypatch):
     assert seen[0] == seen[1] == seen[4] != seen[3]
     _, plan = executor.schedule_plan("allreduce", "ring", 3, 1)
     for n, rounds in ((7, seen[0]), (10, seen[3])):
-        assert rounds == _expected_rounds(plan, bounds(n, 3), np.arange(n, dtype=np.float64).tolist())
+        assert rounds == _expected_rounds(
+            plan, bounds(n, 3), np.arange(n, dtype=np.float64).tolist()
+        )
 
 
 def _expected_rounds(plan, cut, x):
@@ -228,5 +234,8 @@ def _expected_rounds(plan, cut, x):
     def part(m):
         return x[cut[m.chunk][0]:cut[m.stop - 1][1]]
 
-    return [(k, [(part(m), m.dst) for m in sends], [(part(m), m.src, m.op == "reduce") for m in recvs])
-            for k, (sends, recvs) in enumerate(plan) if sends or recvs]
+    return [
+        (k, [(part(m), m.dst) for m in sends], [(part(m), m.src, m.op == "reduce") for m in recvs])
+        for k, (sends, recvs) in enumerate(plan)
+        if sends or recvs
+    ]

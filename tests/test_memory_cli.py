@@ -1,4 +1,5 @@
-"""``dplab memory``: the table and JSON rows are the closed forms; bad input is one line and exit 2."""
+"""``dplab memory``: the table and JSON rows are the closed forms;
+bad input is one line and exit 2."""
 
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ def _table(text: str) -> list[dict[str, str]]:
 def test_the_papers_figure_1_as_a_table(capsys):
     assert main(["memory", "--params", "7.5B", "--world-sizes", "64"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("7,500,000,000 parameters, adam, mixed: 2 + 2 + 12 = 16 bytes per parameter")
+    assert out.startswith("7,500,000,000 parameters, adam, mixed: 2 + 2 + 12 = 16 bytes per "
+                          "parameter")
     rows = _table(out)
     assert [(r["stage"], r["world_size"]) for r in rows] == [(s, "64") for s in "0123"]
     assert [r["total_gb"] for r in rows] == ["120", "31.41", "16.64", "1.875"]
@@ -38,12 +40,14 @@ def test_the_papers_figure_1_as_a_table(capsys):
 
 
 def test_defaults_are_7b_adam_mixed_on_1_8_64_ranks(capsys):
-    """The issue's example: 14 GB of fp16 weights, 112 GB with mixed-precision Adam, every stage x N."""
+    """The issue's example: 14 GB of fp16 weights, 112 GB with mixed-precision Adam, every stage x
+    N."""
     assert main(["memory"]) == 0
     rows = _table(capsys.readouterr().out)
     grid = [(n, s) for n in (1, 8, 64) for s in range(4)]
     assert [(int(r["world_size"]), int(r["stage"])) for r in rows] == grid
-    assert {r["total_gb"] for r in rows if r["world_size"] == "1"} == {"112"}  # one rank: nothing to shard
+    # one rank: nothing to shard
+    assert {r["total_gb"] for r in rows if r["world_size"] == "1"} == {"112"}
     assert {r["params_gb"] for r in rows if r["stage"] != "3"} == {"14"}
     eight = {r["stage"]: r["total_gb"] for r in rows if r["world_size"] == "8"}
     assert eight == {"0": "112", "1": "38.5", "2": "26.25", "3": "14"}
@@ -62,29 +66,56 @@ def test_json_rows_are_the_formulas_at_full_precision(tmp_path, capsys):
     for r in rows:
         assert r["num_params"] == 350_000_000
         assert (r["param_bytes"], r["grad_bytes"], r["state_bytes"]) == (4, 4, 4)
-        b = model_state_bytes(350e6, r["stage"], r["world_size"], param_bytes=4, grad_bytes=4, state_bytes=4)
-        assert (r["params_bytes"], r["grads_bytes"], r["optimizer_bytes"]) == (b.params, b.grads, b.optimizer)
+        b = model_state_bytes(
+            350e6, r["stage"], r["world_size"], param_bytes=4, grad_bytes=4, state_bytes=4
+        )
+        assert (r["params_bytes"], r["grads_bytes"], r["optimizer_bytes"]) == (
+            b.params,
+            b.grads,
+            b.optimizer,
+        )
         assert r["total_gb"] == b.total / 1e9
     # stage 2 on 3 ranks by hand: 4 x 350e6 weights + (4 + 4) x 350e6 / 3 = 1.4e9 + 0.9333e9
     assert rows[1]["total_bytes"] == pytest.approx(1.4e9 + 2.8e9 / 3, rel=1e-15)
     assert rows[1]["reduction"] == pytest.approx(4.2e9 / (1.4e9 + 2.8e9 / 3), rel=1e-15)
 
 
-@pytest.mark.parametrize(("text", "count"), [
-    ("7B", 7_000_000_000), ("7b", 7_000_000_000), ("1.3e9", 1_300_000_000), ("1.3B", 1_300_000_000),
-    ("350M", 350_000_000), ("125K", 125_000), ("1.5T", 1_500_000_000_000), ("7_000", 7000), ("42", 42),
-    ("0.5K", 500), (" 2G ", 2_000_000_000),
-])
+@pytest.mark.parametrize(
+    ("text", "count"),
+    [
+        ("7B", 7_000_000_000),
+        ("7b", 7_000_000_000),
+        ("1.3e9", 1_300_000_000),
+        ("1.3B", 1_300_000_000),
+        ("350M", 350_000_000),
+        ("125K", 125_000),
+        ("1.5T", 1_500_000_000_000),
+        ("7_000", 7000),
+        ("42", 42),
+        ("0.5K", 500),
+        (" 2G ", 2_000_000_000),
+    ],
+)
 def test_parameter_counts(text, count):
     assert parse_params(text) == count
 
 
-@pytest.mark.parametrize(("text", "message"), [
-    ("7X", "invalid parameter count '7X'"), ("", "invalid parameter count"), ("B", "invalid parameter count"),
-    ("1e", "invalid parameter count"), ("sNaN", "invalid parameter count"),
-    ("0", "whole number >= 1"), ("-7B", "whole number >= 1"), ("1.5", "whole number >= 1"),
-    ("nan", "whole number >= 1"), ("inf", "whole number >= 1"), ("1e20", "at most 1000T"),
-])
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("7X", "invalid parameter count '7X'"),
+        ("", "invalid parameter count"),
+        ("B", "invalid parameter count"),
+        ("1e", "invalid parameter count"),
+        ("sNaN", "invalid parameter count"),
+        ("0", "whole number >= 1"),
+        ("-7B", "whole number >= 1"),
+        ("1.5", "whole number >= 1"),
+        ("nan", "whole number >= 1"),
+        ("inf", "whole number >= 1"),
+        ("1e20", "at most 1000T"),
+    ],
+)
 def test_bad_parameter_counts(text, message):
     with pytest.raises(argparse.ArgumentTypeError, match=message):
         parse_params(text)
@@ -114,14 +145,20 @@ def test_unwritable_json_is_one_line_and_nothing_printed(tmp_path, capsys):
 
 
 def test_the_installed_command_exits_2_on_bad_input():
-    proc = subprocess.run([sys.executable, "-m", "dplab.backends.cli", "memory", "--params", "lots"],
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "dplab.backends.cli", "memory", "--params", "lots"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert (proc.returncode, proc.stdout) == (2, "")
     assert proc.stderr.count("\n") == 1 and "invalid parameter count 'lots'" in proc.stderr
 
 
 def test_every_option_is_explained_with_its_default():
-    sub = next(a for a in build_parser()._actions if hasattr(a, "_name_parser_map")).choices["memory"]
+    sub = next(a for a in build_parser()._actions if hasattr(a, "_name_parser_map")).choices[
+        "memory"
+    ]
     text = re.sub(r"\s+", " ", sub.format_help())
     options = [a for a in sub._actions if a.option_strings and a.dest != "help"]
     assert [a.option_strings[0] for a in options] == ["--params", "--optimizer", "--precision",
@@ -129,15 +166,20 @@ def test_every_option_is_explained_with_its_default():
     for a in options:
         assert a.help and len(a.help) > 20
     for shown in ["(default: 7B)", "(default: adam)", "(default: mixed)", "(default: 1,8,64)",
-                  "(default: 0,1,2,3)", "(default: not written)", "reduction stage 0's total / this total"]:
+                  "(default: 0,1,2,3)", "(default: not written)", "reduction stage 0's total / "
+                                                                  "this total"]:
         assert shown in text, shown
 
 
 def test_a_reader_that_leaves_ends_the_output_quietly():
-    """``dplab memory ... | head -1``: 12,000 rows overflow the pipe; no BrokenPipeError traceback, exit 0."""
+    """``dplab memory ... | head -1``: 12,000 rows overflow the pipe;
+    no BrokenPipeError traceback, exit 0."""
     sizes = ",".join(map(str, range(1, 3001)))
-    proc = subprocess.Popen([sys.executable, "-m", "dplab.backends.cli", "memory", "--world-sizes", sizes],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dplab.backends.cli", "memory", "--world-sizes", sizes],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     assert proc.stdout.readline().startswith(b"7,000,000,000 parameters")
     proc.stdout.close()
     assert proc.wait(timeout=60) == 0

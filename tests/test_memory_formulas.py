@@ -1,4 +1,5 @@
-"""The ZeRO memory closed forms: hand-computed values, the paper's Figure 1, the docstring's numbers."""
+"""The ZeRO memory closed forms: hand-computed values, the paper's Figure 1, the docstring's
+numbers."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ from dplab.reference.zero.memory import (
     state_bytes_per_param,
 )
 
-PAPER = {0: 120.0, 1: 31.4, 2: 16.6, 3: 1.9}  # ZeRO (Rajbhandari et al. 2020), Figure 1, GB per rank
+# ZeRO (Rajbhandari et al. 2020), Figure 1, GB per rank
+PAPER = {0: 120.0, 1: 31.4, 2: 16.6, 3: 1.9}
 
 
 def test_the_papers_figure_1():
@@ -63,7 +65,9 @@ def test_state_bytes_per_param(optimizer, precision, k):
 
 
 def test_precision_table_is_frozen_and_mixed_is_the_papers():
-    assert PRECISIONS["mixed"] == PrecisionBytes(param_bytes=2, grad_bytes=2, master_bytes=4, moment_bytes=4)
+    assert PRECISIONS["mixed"] == PrecisionBytes(
+        param_bytes=2, grad_bytes=2, master_bytes=4, moment_bytes=4
+    )
     assert PRECISIONS["float64"].master_bytes == 0
     with pytest.raises(AttributeError):
         PRECISIONS["mixed"].param_bytes = 4  # type: ignore[misc]
@@ -106,9 +110,12 @@ def test_bad_arguments_say_what_to_do(kwargs, match):
 
 
 def test_unknown_optimizer_or_precision():
-    with pytest.raises(ConfigError, match="optimizer must be one of sgd, momentum, adam, lars, lamb"):
+    with pytest.raises(
+        ConfigError, match="optimizer must be one of sgd, momentum, adam, lars, lamb"
+    ):
         state_bytes_per_param("adagrad", "mixed")
-    with pytest.raises(ConfigError, match="precision must be one of float64, float32, mixed, bf16-mixed"):
+    with pytest.raises(ConfigError, match="precision must be one of float64, float32, mixed, "
+                                          "bf16-mixed"):
         state_bytes_per_param("adam", "fp8")
 
 

@@ -110,9 +110,13 @@ def job_p2p_misuse(comm):
         except CommError as e:
             out.append((type(e).__name__, str(e)))
         req.wait()
-    for call in (lambda: comm.send(np.zeros(1), comm.rank), lambda: comm.send(np.zeros(1), 7),
-                 lambda: comm.irecv(np.zeros(1), -5), lambda: comm.send(np.zeros((4, 4))[:, ::2], peer),
-                 lambda: comm.irecv(np.zeros((4, 4))[:, ::2], peer)):
+    for call in (
+        lambda: comm.send(np.zeros(1), comm.rank),
+        lambda: comm.send(np.zeros(1), 7),
+        lambda: comm.irecv(np.zeros(1), -5),
+        lambda: comm.send(np.zeros((4, 4))[:, ::2], peer),
+        lambda: comm.irecv(np.zeros((4, 4))[:, ::2], peer),
+    ):
         try:
             call()
             out.append(None)
@@ -159,7 +163,9 @@ def job_other_collectives(comm, n):
             buf = rank_data(comm.rank, n, "float64")
             out["reduce", algorithm, root] = collectives.reduce(comm, buf, root, algorithm).copy()
             buf = rank_data(root, n, "float64") if comm.rank == root else np.zeros(n)
-            out["broadcast", algorithm, root] = collectives.broadcast(comm, buf, root, algorithm).copy()
+            out["broadcast", algorithm, root] = collectives.broadcast(
+                comm, buf, root, algorithm
+            ).copy()
     return out
 
 
@@ -274,7 +280,11 @@ def test_wrong_length_dtype_tag_and_peer_raise_clear_errors(world):
         assert tag[0] == "CommError" and "expected tag 0" in tag[1] and "got tag 5" in tag[1]
         assert all(e is not None and e[0] == "CommError" for e in misuse), misuse
         assert "is not another rank" in misuse[0][1] and "peer 7" in misuse[1][1]
-        assert "peer -5" in misuse[2][1] and "contiguous" in misuse[3][1] and "contiguous" in misuse[4][1]
+        assert (
+            "peer -5" in misuse[2][1]
+            and "contiguous" in misuse[3][1]
+            and "contiguous" in misuse[4][1]
+        )
 
 
 def test_barrier_holds_everyone_until_the_last_arrives(world):
@@ -299,7 +309,9 @@ def test_allreduce_is_exact_and_bitwise_identical_on_every_rank(world, p, algori
 def test_reduce_scatter_allgather_reduce_broadcast(world, p, n):
     results = world(p).run(job_other_collectives, n)
     total = sum(rank_data(r, n, "int64") for r in range(p))
-    gathered = np.concatenate([rank_data(r, n, "int64")[a:b] for r, (a, b) in enumerate(chunk_bounds(n, p))])
+    gathered = np.concatenate(
+        [rank_data(r, n, "int64")[a:b] for r, (a, b) in enumerate(chunk_bounds(n, p))]
+    )
     for rank, out in enumerate(results):
         a, b = chunk_bounds(n, p)[rank]
         for algorithm in ("ring", "direct"):
@@ -310,7 +322,9 @@ def test_reduce_scatter_allgather_reduce_broadcast(world, p, n):
                 expected = rank_data(root, n, "float64")
                 np.testing.assert_array_equal(out["broadcast", algorithm, root], expected)
                 if rank == root:
-                    np.testing.assert_array_equal(out["reduce", algorithm, root], total.astype(np.float64))
+                    np.testing.assert_array_equal(
+                        out["reduce", algorithm, root], total.astype(np.float64)
+                    )
 
 
 def test_native_mean_op_errors_and_allgather_object(world):
@@ -405,7 +419,9 @@ def test_waiting_for_a_silent_peer_times_out_naming_it():
     (2, "native", 9, 1, "float64"),
     (4, "naive", 3, 2, "float32"),   # shards smaller than the world, empty micro-batches
 ])
-def test_train_sync_on_mpi_equals_train_single(world, p, algorithm, global_batch, accum_steps, dtype):
+def test_train_sync_on_mpi_equals_train_single(
+    world, p, algorithm, global_batch, accum_steps, dtype
+):
     cfg = TrainConfig(num_samples=64, global_batch=global_batch, steps=4, seed=5, dtype=dtype)
     results = world(p).run(train_sync, cfg, SyncConfig(algorithm, 1e-3, accum_steps))
     single = train_single(cfg)
@@ -500,9 +516,9 @@ def test_a_rank_killed_mid_training_is_the_one_named(victim):
 
 
 def job_empty_native_then_ring(comm, late):
-    """A checked native all-reduce of nothing, then a ring. Rank ``late`` sends its last round of the
-    buffer check 0.3 s late: rank (late - 1), whose last round waits for it, is still in the check
-    when the others, done with theirs, send it their ring messages."""
+    """A checked native all-reduce of nothing, then a ring. Rank ``late`` sends its last round of
+    the buffer check 0.3 s late: rank (late - 1), whose last round waits for it, is still in the
+    check when the others, done with theirs, send it their ring messages."""
     import time
     import types
 

@@ -1,4 +1,5 @@
-"""The node layout: which ranks share a host, from each launcher, and what hierarchical and auto make of it.
+"""The node layout: which ranks share a host, from each launcher, and what hierarchical and auto
+make of it.
 
 Launchers by their environment (torchrun, Slurm), MPI's shared-memory split in a real mpiexec on
 this one host, dplab's own launch; ``layout.resolve`` (hierarchical's g from the hosts, a g that
@@ -27,8 +28,8 @@ from dplab.reference.train.buckets import Reducer
 from dplab.reference.train.sync import SyncConfig
 
 TWO_BY_TWO = (0, 0, 1, 1)
-REFUSED = ("hierarchical:3 puts 3 ranks in a node, but the launcher put 2 hosts of 2 ranks: use --algorithm "
-           "hierarchical (g from the hosts) or hierarchical:2")
+REFUSED = ("hierarchical:3 puts 3 ranks in a node, but the launcher put 2 hosts of 2 ranks: use "
+           "--algorithm hierarchical (g from the hosts) or hierarchical:2")
 TORCHRUN = {"RANK": "3", "WORLD_SIZE": "4", "MASTER_ADDR": "10.213.0.1", "MASTER_PORT": "29500",
             "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1"}
 # task 3 of `srun -N 2 -n 4` (as tests/test_slurm.py's, a real Slurm 22.05's keys)
@@ -37,16 +38,22 @@ SRUN = {"SLURM_JOB_ID": "42", "SLURM_STEP_ID": "0", "SLURM_PROCID": "3", "SLURM_
         "SLURM_STEP_NODELIST": "node[07-08]", "SLURM_STEP_TASKS_PER_NODE": "2(x2)"}
 
 
-# -- the launchers ----------------------------------------------------------------------------------
+# -- the launchers ---------------------------------------------------------------------------------
 
 def test_torchrun_layout_from_local_world_size_and_group_rank():
     assert launcher_hosts(4, TORCHRUN) == TWO_BY_TWO
     six = TORCHRUN | {"WORLD_SIZE": "6", "RANK": "5", "GROUP_RANK": "2"}
     assert launcher_hosts(6, six) == (0, 0, 1, 1, 2, 2)
-    assert launcher_hosts(4, TORCHRUN | {"LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "0"}) == (0, 0, 0, 0)
+    assert launcher_hosts(4, TORCHRUN | {"LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "0"}) == (
+        0,
+        0,
+        0,
+        0,
+    )
     # what the environment cannot tell every rank: hosts of other sizes (the communicator gathers)
     assert launcher_hosts(5, TORCHRUN | {"WORLD_SIZE": "5"}) is None
-    assert launcher_hosts(4, TORCHRUN | {"GROUP_RANK": "0"}) is None  # rank 3 is not on group 0 of 2 each
+    # rank 3 is not on group 0 of 2 each
+    assert launcher_hosts(4, TORCHRUN | {"GROUP_RANK": "0"}) is None
     assert launcher_hosts(2, TORCHRUN) is None  # a world other than the launcher's
     assert local_ranks("torch", TORCHRUN) == (2, 4)
 
@@ -56,7 +63,8 @@ def test_slurm_layout_from_tasks_per_node_with_block_placement():
     uneven = SRUN | {"SLURM_STEP_NUM_TASKS": "5", "SLURM_STEP_TASKS_PER_NODE": "3,2"}
     assert launcher_hosts(5, uneven) == (0, 0, 0, 1, 1)
     assert launcher_hosts(4, SRUN | {"SLURM_DISTRIBUTION": "block:cyclic"}) == TWO_BY_TWO
-    assert launcher_hosts(4, SRUN | {"SLURM_DISTRIBUTION": "cyclic"}) is None  # rank r on node r mod 2
+    # rank r on node r mod 2
+    assert launcher_hosts(4, SRUN | {"SLURM_DISTRIBUTION": "cyclic"}) is None
     assert local_ranks("mpi", SRUN) == (2, 4) and local_ranks("torch", SRUN) == (2, 4)
     assert launcher_hosts(4, {}) is None and local_ranks("mpi", {}) is None
 
@@ -67,11 +75,15 @@ def test_torch_hosts_the_environment_cannot_tell_are_gathered(monkeypatch):
 
     from dplab.backends.launch.engine import torch_hosts
 
-    for k, v in (TORCHRUN | {"WORLD_SIZE": "5", "LOCAL_WORLD_SIZE": "3", "GROUP_RANK": "0"}).items():
+    for k, v in (
+        TORCHRUN | {"WORLD_SIZE": "5", "LOCAL_WORLD_SIZE": "3", "GROUP_RANK": "0"}
+    ).items():
         monkeypatch.setenv(k, v)
-    comm = SimpleNamespace(world_size=5, allgather_object=lambda mine: [mine] * 3 + ["1"] * 2)  # as rank 0
+    # as rank 0
+    comm = SimpleNamespace(world_size=5, allgather_object=lambda mine: [mine] * 3 + ["1"] * 2)
     assert torch_hosts(comm) == (0, 0, 0, 1, 1)
-    monkeypatch.setenv("WORLD_SIZE", "6")  # 2 hosts of 3: the environment says it, nothing is gathered
+    # 2 hosts of 3: the environment says it, nothing is gathered
+    monkeypatch.setenv("WORLD_SIZE", "6")
     monkeypatch.setenv("GROUP_RANK", "1")  # rank 3 is the second host's first
     assert torch_hosts(SimpleNamespace(world_size=6)) == (0, 0, 0, 1, 1, 1)
 
@@ -116,7 +128,10 @@ def test_node_size():
     assert node_size((0, 0, 0)) == 3 and node_size(TWO_BY_TWO) == 2 and node_size((0, 0, 1)) == 2
     assert node_size((0, 1, 0, 1)) is None and node_size((0, 1, 1)) is None
     assert node_size((0, 0, 1, 1, 1)) is None
-    assert describe(TWO_BY_TWO) == "2 hosts of 2 ranks" and describe((0, 0, 1)) == "2 hosts of 2, 1 ranks"
+    assert (
+        describe(TWO_BY_TWO) == "2 hosts of 2 ranks"
+        and describe((0, 0, 1)) == "2 hosts of 2, 1 ranks"
+    )
 
 
 def test_resolve_takes_g_from_several_hosts_and_refuses_another():
@@ -127,7 +142,9 @@ def test_resolve_takes_g_from_several_hosts_and_refuses_another():
     with pytest.raises(ConfigError) as e:
         resolve("hierarchical:3", TWO_BY_TWO)
     assert str(e.value) == REFUSED
-    with pytest.raises(ConfigError, match=r"needs consecutive ranks on each host .* \[0, 1, 0, 1\]"):
+    with pytest.raises(
+        ConfigError, match=r"needs consecutive ranks on each host .* \[0, 1, 0, 1\]"
+    ):
         resolve("hierarchical", (0, 1, 0, 1))
     # one host: no real nodes, so the schedule's simulated ones stand (the registry default, any g)
     assert resolve("hierarchical", (0, 0, 0, 0)) == "hierarchical"
@@ -147,12 +164,25 @@ def test_sync_config_and_the_command_line_refuse_a_g_that_is_not_the_hosts(monke
         check_args(build_parser().parse_args([*train, "hierarchical:3"]), False)
     assert str(e.value) == REFUSED
     with pytest.raises(ConfigError, match="puts 1 ranks in a node"):
-        check_args(build_parser().parse_args(["compare", "--backends", "torch", "--world-sizes", "4",
-                                              "--algorithms", "ring,hierarchical:1"]), False)
+        check_args(
+            build_parser().parse_args(
+                [
+                    "compare",
+                    "--backends",
+                    "torch",
+                    "--world-sizes",
+                    "4",
+                    "--algorithms",
+                    "ring,hierarchical:1",
+                ]
+            ),
+            False,
+        )
 
 
 def _on_two_hosts(comm, name):
-    """Pretend the launcher put ranks {0, 1} and {2, 3} on two hosts (the data path is unchanged)."""
+    """Pretend the launcher put ranks {0, 1} and {2, 3} on two hosts (the data path is
+    unchanged)."""
     comm.hosts = TWO_BY_TWO
     comm.tracer.enabled = True
     x = np.arange(10.0) + comm.rank
@@ -174,7 +204,7 @@ def test_the_engine_and_the_reducer_resolve_on_the_communicators_hosts():
     assert launch(_on_two_hosts, 4, backend="local", args=("hierarchical:3",)) == [REFUSED] * 4
 
 
-# -- auto -------------------------------------------------------------------------------------------
+# -- auto ------------------------------------------------------------------------------------------
 
 def _tuning(links=()):
     fits = (CostFit("mpi", "all", "all", 20e-6, 0.0, 1e-9),
@@ -187,7 +217,9 @@ def test_auto_on_several_hosts_offers_hierarchical_with_the_real_g():
     assert "hierarchical" in t.candidates("mpi") and "hierarchical:2" not in t.candidates("mpi")
     several = t.candidates("mpi", auto.node_key(TWO_BY_TWO))
     assert "hierarchical:2" in several and "hierarchical" not in several and several[-1] == "native"
-    assert not any(a.startswith("hierarchical") for a in t.candidates("mpi", auto.node_key((0, 1, 0, 1))))
+    assert not any(
+        a.startswith("hierarchical") for a in t.candidates("mpi", auto.node_key((0, 1, 0, 1)))
+    )
     assert auto.node_key((0, 0, 0, 0)) == auto.ONE_HOST and auto.node_key(None) == auto.ONE_HOST
     assert auto.node_key((0, 1, 0, 1)) == auto.SCATTERED and auto.node_key((0, 0, 0, 1, 1, 1)) == 3
 
@@ -198,7 +230,9 @@ def test_auto_prices_two_level_where_the_tune_file_has_both_links(tmp_path):
     t = auto.Tuning.from_json(_tuning(links).to_json(), "round trip")
     assert t.links == links
     topo = t.topology("mpi", 2)
-    assert topo == Topology("mpi-tuned", 2, Link(2e-6, 1e-10), Link(20e-6, 8e-9), 1e-10, topo.source)
+    assert topo == Topology(
+        "mpi-tuned", 2, Link(2e-6, 1e-10), Link(20e-6, 8e-9), 1e-10, topo.source
+    )
     n = 16 << 20
     priced = {a: cost(allreduce_schedule(a, 4), n, itemsize=4, topology=topo).time
               for a in t.candidates("mpi", 2) if a != "native"}

@@ -58,7 +58,8 @@ def test_lamb_two_steps_by_hand():
     opt.step(params, g2)
     # t = 2: m = 0.9 * 0.1 g1 + 0.1 g2 = [0.084, 0.032, 0.28];  m_hat = m / (1 - 0.9^2) = m / 0.19
     m = np.array([0.084, 0.032, 0.28])
-    # v = 0.999 * 0.001 g1^2 + 0.001 g2^2 = [0.00044964, 0.00079936, 0.004996];  v_hat = v / 0.001999
+    # v = 0.999 * 0.001 g1^2 + 0.001 g2^2 = [0.00044964, 0.00079936, 0.004996];
+    # v_hat = v / 0.001999
     v = np.array([0.00044964, 0.00079936, 0.004996])
     np.testing.assert_allclose(opt.exp_avg, m, rtol=1e-14)
     np.testing.assert_allclose(opt.exp_avg_sq, v, rtol=1e-12)
@@ -163,5 +164,7 @@ def test_float32_stays_float32():
         p = params.copy()
         opt = make_optimizer(OptimConfig(name, lr=0.1, weight_decay=0.01), 3, np.float32, LAYERS)
         opt.step(p, np.array([0.6, 0.8, 2.0], dtype=np.float32))
-        assert p.dtype == np.float32 and all(getattr(opt, n).dtype == np.float32 for n in opt._state_names)
+        assert p.dtype == np.float32 and all(
+            getattr(opt, n).dtype == np.float32 for n in opt._state_names
+        )
         assert np.isfinite(p).all() and not np.array_equal(p, params)

@@ -35,7 +35,14 @@ def test_scaling_rules_by_hand():
 
 
 def test_warmup_by_hand_and_config_checks():
-    assert [warmup_lr(0.8, 4, t) for t in range(1, 7)] == [0.2, 0.4, 0.6000000000000001, 0.8, 0.8, 0.8]
+    assert [warmup_lr(0.8, 4, t) for t in range(1, 7)] == [
+        0.2,
+        0.4,
+        0.6000000000000001,
+        0.8,
+        0.8,
+        0.8,
+    ]
     assert warmup_lr(0.8, 0, 1) == 0.8 and warmup_lr(0.8, 1, 1) == 0.8
     for bad in ({"warmup_steps": -1}, {"warmup_steps": 2.5}, {"warmup_steps": True},
                 {"trust_coef": 0.0}, {"trust_coef": math.inf}, {"name": "adagrad"}):
@@ -45,8 +52,8 @@ def test_warmup_by_hand_and_config_checks():
 
 @pytest.mark.parametrize("name", ["sgd", "momentum", "adam"])
 def test_warmup_matches_torch_lambda_lr(name):
-    """torch's LambdaLR multiplies lr by f(epoch) after each scheduler.step(): f(e) = min(1, (e+1)/W)
-    is our lr of update e + 1."""
+    """torch's LambdaLR multiplies lr by f(epoch) after each scheduler.step():
+    f(e) = min(1, (e+1)/W) is our lr of update e + 1."""
     torch = pytest.importorskip("torch")
     cfg = OptimConfig(name, lr=0.05, warmup_steps=4, weight_decay=0.01)
     rng = np.random.default_rng(3)
@@ -55,8 +62,12 @@ def test_warmup_matches_torch_lambda_lr(name):
     if name == "adam":
         t_opt = torch.optim.Adam([t_param], lr=cfg.lr, weight_decay=cfg.weight_decay)
     else:
-        t_opt = torch.optim.SGD([t_param], lr=cfg.lr, momentum=cfg.momentum if name == "momentum" else 0,
-                                weight_decay=cfg.weight_decay)
+        t_opt = torch.optim.SGD(
+            [t_param],
+            lr=cfg.lr,
+            momentum=cfg.momentum if name == "momentum" else 0,
+            weight_decay=cfg.weight_decay,
+        )
     sched = torch.optim.lr_scheduler.LambdaLR(t_opt, lambda e: min(1.0, (e + 1) / 4))
     opt = make_optimizer(cfg, 9)
     for g in grads:
@@ -72,7 +83,9 @@ def test_warmup_zero_keeps_the_bits():
     cfg = TrainConfig(steps=5)
     assert np.array_equal(train_single(dataclasses.replace(cfg, optimizer=a)).params,
                           train_single(dataclasses.replace(cfg, optimizer=b)).params)
-    warm = train_single(dataclasses.replace(cfg, optimizer=OptimConfig("adam", lr=0.01, warmup_steps=3)))
+    warm = train_single(
+        dataclasses.replace(cfg, optimizer=OptimConfig("adam", lr=0.01, warmup_steps=3))
+    )
     assert not np.array_equal(warm.params, train_single(cfg).params)
 
 
@@ -98,7 +111,9 @@ def test_resume_inside_the_warmup_is_exact(tmp_path, opt):
     """The lr comes from the optimizer's step count, which the checkpoint holds: resuming at
     step 3 of a 4-step warm-up continues the ramp, bit for bit."""
     cfg = dataclasses.replace(CLASSIFY, steps=7, optimizer=opt)
-    whole = launch(train_sync, 2, args=(cfg, SyncConfig(checkpoint=CheckpointConfig(3, str(tmp_path)))))
+    whole = launch(
+        train_sync, 2, args=(cfg, SyncConfig(checkpoint=CheckpointConfig(3, str(tmp_path))))
+    )
     again = CheckpointConfig(resume=str(tmp_path / "ckpt-00000003.npz"))
     resumed = launch(train_sync, 2, args=(cfg, SyncConfig(checkpoint=again)))
     assert np.array_equal(resumed[0].params, whole[0].params)

@@ -53,8 +53,12 @@ def test_the_installed_names_live_under_dplab_only(tmp_path):
 def test_a_wheel_installs_everything_under_dplab(tmp_path):
     """A normal (non-editable) install, from the wheel pip builds: every file is under ``dplab/``
     (or the dist-info), and the installed copy imports by its dplab names only."""
-    build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path),
-                            str(ROOT)], capture_output=True, text=True, timeout=300)
+    build = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path), str(ROOT)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     if build.returncode != 0:
         pytest.skip(f"cannot build a wheel here (pip needs setuptools>=77 from the index): "
                     f"{build.stderr.strip().splitlines()[-1:]}")
@@ -64,14 +68,32 @@ def test_a_wheel_installs_everything_under_dplab(tmp_path):
     assert {t for t in tops if not t.endswith(".dist-info")} == {"dplab"}, tops
     for name in FOLDERS:
         assert f"dplab/{name}/__init__.py" in names
-    assert "dplab/reference/algorithms/ring.py" in names and "dplab/backends/cli/commands.py" in names
+    assert (
+        "dplab/reference/algorithms/ring.py" in names and "dplab/backends/cli/commands.py" in names
+    )
     packages = {f"dplab/{init.relative_to(ROOT).as_posix()}" for name in FOLDERS
                 for init in (ROOT / name).rglob("__init__.py")}
-    assert packages <= set(names), f"packages left out of the wheel: {sorted(packages - set(names))}"
+    assert packages <= set(names), (
+        f"packages left out of the wheel: {sorted(packages - set(names))}"
+    )
 
     site = tmp_path / "site"
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site),
-                    str(wheel)], check=True, capture_output=True, timeout=300)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--target",
+            str(site),
+            str(wheel),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     run_dir = tmp_path / "elsewhere"
     run_dir.mkdir()
     # -I would drop the venv's numpy; instead put the wheel's copy first on the path.

@@ -51,7 +51,8 @@ def test_a_bench_table_folds_memcpy_into_a_column(tmp_path):
     out = perf_tables.render_rows(path, "rows.json")
     assert "dplab bench --json rows.json" in out and "load average" in out
     assert "| local | ring | 2 | 1 MiB | 100 | 10 | 20 | 0.5 | 0.5 |" in out
-    assert "memcpy |" not in out.split("\n| backend")[1].split("\n", 2)[2]  # no memcpy row, only its column
+    # no memcpy row, only its column
+    assert "memcpy |" not in out.split("\n| backend")[1].split("\n", 2)[2]
 
 
 def test_a_validation_table_gives_each_error_and_their_geometric_mean(tmp_path):

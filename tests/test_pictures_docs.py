@@ -121,25 +121,48 @@ PICTURES = {  # (module whose docstring holds it, how the code draws it today)
     "direct": (direct, lambda: render_rounds(direct.allreduce(3))),
     "tree rounds": (tree, lambda: render_arrows(tree.reduce(6))),
     "tree paths": (tree, lambda: render_tree(tree.reduce(6))),
-    "recursive doubling": (recursive_doubling, lambda: render_rounds(recursive_doubling.allreduce(6))),
+    "recursive doubling": (
+        recursive_doubling,
+        lambda: render_rounds(recursive_doubling.allreduce(6)),
+    ),
     "rabenseifner": (rabenseifner, lambda: render_rounds(rabenseifner.allreduce(4))),
     "rabenseifner fold": (rabenseifner, lambda: render_rounds(rabenseifner.reduce_scatter(3))),
     "pipelined tree": (pipelined, lambda: render_tree(pipelined.pipelined_tree(8, 1))),
     "pipelined rounds": (pipelined, lambda: render_arrows(pipelined.pipelined_tree(4, 2))),
     "pipelined ring": (pipelined, lambda: render_arrows(pipelined.pipelined_ring(3, 2))),
-    "double tree p=8": (double_tree, lambda: "\n\n".join(
-        render_tree(double_tree.one_tree(8, w)) for w in (0, 1))),
-    "double tree p=7": (double_tree, lambda: "\n\n".join(
-        render_tree(double_tree.one_tree(7, w)) for w in (0, 1))),
-    "buckets": (buckets_mod, lambda: render_timeline(
-        bucket_events(), 1, lane=lambda e: e.thread, lanes=["main", "comm"])),
-    "backup workers": (ps_trainer, lambda: render_timeline(
-        ps_events({1: 13, 2: 4, 3: 4}, clocks=8, aggregate=True, backup=1), 1,
-        lane=_worker_lane, lanes=["worker 1", "worker 2", "worker 3", "server"],
-        marks={"apply": "^", "drop": "x"})),
-    "ssp": (ps_trainer, lambda: render_timeline(
-        [e for e in ps_events({1: 4, 2: 12}, clocks=4, staleness=1) if e.kind == "compute"], 1,
-        lane=lambda e: ("fast", "slow")[e.rank - 1] + " worker", tick_every=4)),
+    "double tree p=8": (
+        double_tree,
+        lambda: "\n\n".join(render_tree(double_tree.one_tree(8, w)) for w in (0, 1)),
+    ),
+    "double tree p=7": (
+        double_tree,
+        lambda: "\n\n".join(render_tree(double_tree.one_tree(7, w)) for w in (0, 1)),
+    ),
+    "buckets": (
+        buckets_mod,
+        lambda: render_timeline(
+            bucket_events(), 1, lane=lambda e: e.thread, lanes=["main", "comm"]
+        ),
+    ),
+    "backup workers": (
+        ps_trainer,
+        lambda: render_timeline(
+            ps_events({1: 13, 2: 4, 3: 4}, clocks=8, aggregate=True, backup=1),
+            1,
+            lane=_worker_lane,
+            lanes=["worker 1", "worker 2", "worker 3", "server"],
+            marks={"apply": "^", "drop": "x"},
+        ),
+    ),
+    "ssp": (
+        ps_trainer,
+        lambda: render_timeline(
+            [e for e in ps_events({1: 4, 2: 12}, clocks=4, staleness=1) if e.kind == "compute"],
+            1,
+            lane=lambda e: ("fast", "slow")[e.rank - 1] + " worker",
+            tick_every=4,
+        ),
+    ),
 }
 
 
@@ -170,12 +193,15 @@ def test_pictures_backup_drops_the_straggler() -> None:
     events = ps_events({1: 13, 2: 4, 3: 4}, clocks=8, aggregate=True, backup=1)
     computed = [(e.rank, e.extra["label"]) for e in events if e.kind == "compute" and e.rank == 1]
     assert computed == [(1, "c0"), (1, "c3"), (1, "c6")]  # it skips to the clock in progress
-    assert sum(e.kind == "apply" for e in events) == 8 and sum(e.kind == "drop" for e in events) == 3
+    assert (
+        sum(e.kind == "apply" for e in events) == 8 and sum(e.kind == "drop" for e in events) == 3
+    )
     assert max(e.t_end_ns for e in events if e.kind == "apply") == 32  # 8 clocks of the fast pair
 
 
 def test_pictures_ssp_gate_holds_the_fast_worker() -> None:
-    """s = 1: the fast worker's clock 2 waits for the slow one's clock 0 (t=12), clock 3 for 1 (t=24)."""
+    """s = 1: the fast worker's clock 2 waits for the slow one's clock 0 (t=12), clock 3 for 1
+    (t=24)."""
     events = ps_events({1: 4, 2: 12}, clocks=4, staleness=1)
     fast = [e.t_start_ns for e in events if e.kind == "compute" and e.rank == 1]
     assert fast == [0, 4, 12, 24]

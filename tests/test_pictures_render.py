@@ -88,9 +88,18 @@ def ev(kind: str, t0: int, t1: int, lane: str = "main", label: str | None = None
 
 
 def test_pictures_timeline_columns() -> None:
-    text = render_timeline([ev("a", 0, 400, label="alpha"), ev("b", 400, 600), ev("c", 150, 450, "comm"),
-                            ev("m", 650, 650, "comm")], 50, lane=lambda e: e.thread, marks={"m": "^"},
-                           tick_every=5)
+    text = render_timeline(
+        [
+            ev("a", 0, 400, label="alpha"),
+            ev("b", 400, 600),
+            ev("c", 150, 450, "comm"),
+            ev("m", 650, 650, "comm"),
+        ],
+        50,
+        lane=lambda e: e.thread,
+        marks={"m": "^"},
+        tick_every=5,
+    )
     assert text.splitlines() == [
         "time ->  0    250  500",
         "main     [alpha ][b ]",

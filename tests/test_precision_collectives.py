@@ -89,14 +89,17 @@ def job_refused(comm, what: str) -> tuple[str, str]:
 
 # -- the tests -------------------------------------------------------------------------------
 
-def assert_within_rule(got: np.ndarray, p: int, seed: int, extra_roundings: int = 0, label: str = "",
-                       times: int = 1) -> None:
+def assert_within_rule(
+    got: np.ndarray, p: int, seed: int, extra_roundings: int = 0, label: str = "", times: int = 1
+) -> None:
     """``got * times`` is the float64 sum to within the rule's bound (``times=p`` for a mean)."""
     total, magnitude = exact(p, seed)
     bound = gamma(p - 1 + extra_roundings, U["float16"]) * magnitude
     err = np.abs(got.astype(np.float64) * times - total)
     assert got.dtype == np.float16, label
-    assert np.all(err <= bound), f"{label}: worst error / bound {np.max(err / np.maximum(bound, 1e-300)):.3g}"
+    assert np.all(err <= bound), (
+        f"{label}: worst error / bound {np.max(err / np.maximum(bound, 1e-300)):.3g}"
+    )
 
 
 @pytest.mark.parametrize("p", [2, 3, 4])
@@ -159,8 +162,10 @@ def test_bfloat16_tensors_on_the_torch_backend(worlds, algorithm):
     import torch
 
     p, seed = 3, 4
-    xs = [torch.from_numpy(rank_data(seed, r).astype(np.float32)).to(torch.bfloat16).double().numpy()
-          for r in range(p)]
+    xs = [
+        torch.from_numpy(rank_data(seed, r).astype(np.float32)).to(torch.bfloat16).double().numpy()
+        for r in range(p)
+    ]
     total, magnitude = sum(xs), sum(np.abs(x) for x in xs)
     outs = worlds(p, "torch").run(job_bfloat16, seed, algorithm)
     for values, dtype in outs:
@@ -190,7 +195,8 @@ def test_bound_is_tight_enough_to_mean_something():
     assert 0.1 < ratio.max() <= 1.0
 
 
-# -- NCCL on a GPU: half types on device tensors, and a float16 numpy buffer through the host copy --
+# -- NCCL on a GPU: half types on device tensors, and a float16 numpy buffer through the host copy
+# --
 
 def half_inputs(seed: int, rank: int, dtype: str):
     import torch

@@ -56,7 +56,8 @@ def test_dynamic_rule_matches_torch_gradscaler(init_scale):
 def test_torch_has_no_static_scaler_and_a_hand_scaled_step_takes_the_inf():
     """Why a static scale stops the run here: GradScaler refuses to be static, and the static scale
     torch users write by hand, (loss * S).backward(); p.grad /= S; opt.step(), steps into inf with
-    no word. Ours raises at that overflow instead, before the step (no skip: the scale is static)."""
+    no word. Ours raises at that overflow instead, before the step (no skip: the scale is
+    static)."""
     torch = pytest.importorskip("torch")
     for kw in ({"growth_factor": 1.0}, {"backoff_factor": 1.0}):
         with pytest.raises(AssertionError):
@@ -66,8 +67,10 @@ def test_torch_has_no_static_scaler_and_a_hand_scaled_step_takes_the_inf():
     p.grad /= 2.0**20
     torch.optim.SGD([p], lr=0.1).step()
     assert not torch.isfinite(p).any()
-    assert ours([False, False], loss_scale=2.0**20) == [(2.0**20, True), (2.0**20, True)]  # never moves
-    with pytest.raises(ConfigError, match=r"step -1: the gradients overflowed float16 .* static loss scale"):
+    # never moves
+    assert ours([False, False], loss_scale=2.0**20) == [(2.0**20, True), (2.0**20, True)]
+    with pytest.raises(ConfigError, match=r"step -1: the gradients overflowed float16 .* static "
+                                          r"loss scale"):
         ours([True], loss_scale=2.0**20)
 
 
@@ -80,7 +83,12 @@ def test_events_and_history():
                               ScaleEvent(2, "growth", 4.0, 8.0)]
     events = tracer.take()
     assert [e.kind for e in events] == ["loss_scale"] * 3
-    assert [e.extra for e in events][2] == {"step": 2, "action": "growth", "scale": 4.0, "new_scale": 8.0}
+    assert [e.extra for e in events][2] == {
+        "step": 2,
+        "action": "growth",
+        "scale": 4.0,
+        "new_scale": 8.0,
+    }
     state = scaler.state_dict()
     again = LossScaler(MixedPrecision(init_scale=8.0, growth_interval=2))
     again.load_state_dict(state)

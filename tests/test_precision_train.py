@@ -25,7 +25,8 @@ from dplab.reference.train.single import TrainConfig, setup, train_single
 from dplab.reference.train.sync import SyncConfig, train_sync
 
 F32 = TrainConfig(steps=50, dtype="float32")
-SYNC = SyncConfig(bucket_cap_mb=0.0005)  # one bucket per layer: half-precision buckets overlap backward
+# one bucket per layer: half-precision buckets overlap backward
+SYNC = SyncConfig(bucket_cap_mb=0.0005)
 
 
 def rel(params: np.ndarray, ref: np.ndarray) -> float:
@@ -45,7 +46,9 @@ def job_grad(comm, cfg: TrainConfig, reduce_dtype: str, loss_scale: float) -> np
     """Step 0's gradient as mixed precision computes it: float16 forward/backward on each rank's
     shard with the loss scaled, summed in ``reduce_dtype``, unscaled into float32."""
     model, data, master = setup(cfg)
-    mine = shard(batch_indices(cfg.num_samples, cfg.global_batch, 0, cfg.seed), comm.rank, comm.world_size)
+    mine = shard(
+        batch_indices(cfg.num_samples, cfg.global_batch, 0, cfg.seed), comm.rank, comm.world_size
+    )
     weights = compute_copy(master, np.empty(master.shape, np.float16))
     grad = comm.empty(model.num_params, reduce_dtype)
     grad[:] = 0
@@ -75,7 +78,10 @@ def test_one_gradient_error_by_reduce_dtype():
     idx = batch_indices(cfg.num_samples, cfg.global_batch, 0, cfg.seed)
     _, exact = model.loss_and_grad(master.astype(np.float64), data.x[idx].astype(np.float64),
                                    data.y[idx].astype(np.float64), 1 / cfg.global_batch)
-    errs = {dt: rel(launch(job_grad, 8, args=(cfg, dt, 2.0**10))[0], exact) for dt in ("float32", "float16")}
+    errs = {
+        dt: rel(launch(job_grad, 8, args=(cfg, dt, 2.0**10))[0], exact)
+        for dt in ("float32", "float16")
+    }
     assert 1e-5 < errs["float32"] < 2e-3  # float16 compute: inputs, weights and products rounded
     assert errs["float32"] < errs["float16"] < 4e-3  # + up to 7 roundings of every partial sum
 
@@ -86,17 +92,21 @@ def test_dynamic_scaling_survives_an_overflow_that_static_scaling_does_not():
     the same S held static would put inf into the weights, so the run stops there, on every rank."""
     cfg = replace(F32, steps=20)
     dynamic = MixedPrecision(init_scale=2.0**20, growth_interval=5)
-    (result, events), *others = launch(traced_train, 2, args=(cfg, replace(SYNC, precision=dynamic)))
+    (result, events), *others = launch(
+        traced_train, 2, args=(cfg, replace(SYNC, precision=dynamic))
+    )
     assert np.isfinite(result.params).all() and np.isfinite(result.losses).all()
     assert result.losses[-1] < 0.6 * result.losses[0]
     assert [(e["step"], e["action"]) for e in events[:6]] == [
         (0, "skip"), (0, "backoff"), (1, "skip"), (1, "backoff"), (2, "skip"), (2, "backoff")]
     assert [e["new_scale"] for e in events[1:6:2]] == [2.0**19, 2.0**18, 2.0**17]
-    assert events[6] == {"step": 7, "action": "growth", "scale": 2.0**17, "new_scale": 2.0**18}  # 3..7 good
+    # 3..7 good
+    assert events[6] == {"step": 7, "action": "growth", "scale": 2.0**17, "new_scale": 2.0**18}
     assert all(o[1] == events for o in others)  # every rank scaled alike
 
     static = replace(dynamic, loss_scale=2.0**20)
-    with pytest.raises(RankError, match="step 0: the gradients overflowed float16 .* static loss scale"):
+    with pytest.raises(RankError, match="step 0: the gradients overflowed float16 .* static loss "
+                                        "scale"):
         launch(traced_train, 2, args=(cfg, replace(SYNC, precision=static)))
 
     fits = replace(dynamic, loss_scale=2.0**16)  # a static scale that fits trains like the rest
@@ -127,13 +137,16 @@ def test_bad_precision_is_refused(precision, master, match):
     with pytest.raises(ConfigError, match=match):
         precision.validate(master)
     if master == "float32":
-        with pytest.raises(ConfigError, match=match):  # SyncConfig.validate, on every rank, before any step
+        with pytest.raises(ConfigError, match=match):
+            # SyncConfig.validate, on every rank, before any step
             replace(SYNC, precision=precision).validate(2)
 
 
 def test_float64_masters_are_refused_on_every_rank():
     with pytest.raises(RankError, match="float32 master weights"):
-        launch(train_sync, 2, args=(TrainConfig(steps=1), replace(SYNC, precision=MixedPrecision())))
+        launch(
+            train_sync, 2, args=(TrainConfig(steps=1), replace(SYNC, precision=MixedPrecision()))
+        )
 
 
 def test_dynamic_scale_resumes_exactly_from_a_checkpoint(tmp_path):
@@ -146,10 +159,15 @@ def test_dynamic_scale_resumes_exactly_from_a_checkpoint(tmp_path):
     again = CheckpointConfig(resume=str(tmp_path / "ckpt-00000004.npz"))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # float16 overflow, on purpose
-        resumed = launch(train_sync, 2, args=(cfg, replace(SYNC, precision=mixed, checkpoint=again)))
-    fresh = MixedPrecision(init_scale=2.0**17, growth_interval=5)  # the scale at step 4, growth not kept
+        resumed = launch(
+            train_sync, 2, args=(cfg, replace(SYNC, precision=mixed, checkpoint=again))
+        )
+    # the scale at step 4, growth not kept
+    fresh = MixedPrecision(init_scale=2.0**17, growth_interval=5)
     wrong = launch(train_sync, 2, args=(cfg, replace(SYNC, precision=fresh)))
-    assert np.array_equal(resumed[0].params, whole[0].params) and resumed[0].losses == whole[0].losses
+    assert (
+        np.array_equal(resumed[0].params, whole[0].params) and resumed[0].losses == whole[0].losses
+    )
     assert not np.array_equal(wrong[0].params, whole[0].params)  # so the kept state mattered
 
 

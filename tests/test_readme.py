@@ -40,7 +40,8 @@ def _first_block() -> list[str]:
 def test_the_readme_starts_with_install_train_test_and_app():
     assert README.index("```bash") < README.index("\n## "), "the commands come before any section"
     lines = _first_block()
-    assert lines[:3] == ["python3 -m venv .venv && . .venv/bin/activate", 'pip install "torch==2.13.0"',
+    assert lines[:3] == ["python3 -m venv .venv && . .venv/bin/activate", 'pip install '
+                                                                          '"torch==2.13.0"',
                          'pip install -e ".[all]"']
     assert {"dplab train --world-size 4", "pytest", "dplab app"} <= set(lines)
 
@@ -50,7 +51,9 @@ def test_the_install_and_test_commands_are_what_ci_runs():
     ci = (ROOT / ".ci" / "run").read_text()
     assert 'pip install -q "torch==2.13.0"' in ci and 'pip install -q -e ".[all]"' in ci
     assert ci.index("torch==2.13.0") < ci.index('-e ".[all]"')
-    assert re.search(r"^ *pytest *(#|$)", ci, re.M), ".ci/run must run the README's test command: pytest"
+    assert re.search(r"^ *pytest *(#|$)", ci, re.M), (
+        ".ci/run must run the README's test command: pytest"
+    )
     assert re.search(rf"^ *{re.escape(HEAVY)} *(#|$)", ci, re.M), f".ci/run must run {HEAVY} too"
     assert {"pytest", HEAVY} <= set(_first_block()), "the README shows both test commands"
     addopts = re.search(r'^addopts = "(.*)"', (ROOT / "pyproject.toml").read_text(), re.M).group(1)
@@ -80,15 +83,22 @@ def test_every_dplab_command_in_the_readme_parses():
 def test_dplab_train_prints_what_the_readme_shows():
     """The newcomer's first run: the same columns, and the row within rounding of one device."""
     shown = re.search(r"```\n(backend +mode .*?)```", README, re.S).group(1).splitlines()
-    proc = subprocess.run([sys.executable, "-m", "dplab.backends.cli", "train", "--world-size", "4"],
-                          capture_output=True, text=True, timeout=120, env={**os.environ, "NO_COLOR": "1"})
+    proc = subprocess.run(
+        [sys.executable, "-m", "dplab.backends.cli", "train", "--world-size", "4"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "NO_COLOR": "1"},
+    )
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout.splitlines()
     assert out[0].split() == shown[0].split()
     row, readme_row = out[2].split(), shown[2].split()
     # backend .. ranks_identical are deterministic (the same float64 operations in the same order
     # every run): the README shows exactly what the command prints; only wall_s is the machine's
-    assert row[:8] == readme_row[:8], f"the README's sample row is not what the run prints: {out[2]}"
+    assert row[:8] == readme_row[:8], (
+        f"the README's sample row is not what the run prints: {out[2]}"
+    )
     assert float(row[6]) < 1e-12 and row[7] == "True"
     assert len(row) == len(readme_row) == 9 and float(readme_row[8]) > 0
 
@@ -104,10 +114,14 @@ def test_links_in_the_docs_lead_somewhere():
                 continue
             file, _, anchor = target.partition("#")
             dest = (path.parent / file).resolve() if file else path
-            assert dest.exists(), f"{path.relative_to(ROOT)} links to {target}, which does not exist"
+            assert dest.exists(), (
+                f"{path.relative_to(ROOT)} links to {target}, which does not exist"
+            )
             if anchor and dest.suffix == ".md":
                 headings = {slug(h) for h in re.findall(r"^#+ (.*)$", dest.read_text(), re.M)}
-                assert anchor in headings, f"{path.relative_to(ROOT)} links to {target}: no such section"
+                assert anchor in headings, (
+                    f"{path.relative_to(ROOT)} links to {target}: no such section"
+                )
 
 
 def test_the_readme_stays_short():
@@ -131,8 +145,9 @@ def test_the_python_example_runs_as_written_on_local_and_mpi(tmp_path):
         pytest.skip(str(e))
     script = tmp_path / "demo.py"
     script.write_text(_python_example())
-    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run(
+        [sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.strip().splitlines()
     assert len(lines) == 2, proc.stdout
@@ -169,8 +184,16 @@ def test_the_new_rows_match_the_schedules(p):
     n = 2 * 3 * 5 * 7 * 8 * 9 * 11
     lg, m = math.ceil(math.log2(p)), p.bit_length() - 1
     q, f = 1 << m, int(p & (p - 1) != 0)
-    rounds = {a: len(allreduce_schedule(a, p).rounds) for a in
-              ("recursive_doubling", "rabenseifner", "pipelined_tree", "pipelined_ring", "hierarchical")}
+    rounds = {
+        a: len(allreduce_schedule(a, p).rounds)
+        for a in (
+            "recursive_doubling",
+            "rabenseifner",
+            "pipelined_tree",
+            "pipelined_ring",
+            "hierarchical",
+        )
+    }
     nodes = math.ceil(p / 2)
     assert rounds == {"recursive_doubling": m + 2 * f, "rabenseifner": 2 * m + 2 * f,
                       "pipelined_tree": 2 * lg + 7, "pipelined_ring": 2 * (p - 1) + 3,
@@ -181,7 +204,9 @@ def test_the_new_rows_match_the_schedules(p):
     assert max(_sent("recursive_doubling", p, n)) == (m + f) * n
     assert max(_sent("rabenseifner", p, n)) == 2 * (q - 1) * n // q + f * n
     if p >= 4:
-        assert max(_sent("double_tree", p, n)) == 2 * n and max(_sent("pipelined_tree", p, n)) == 3 * n
+        assert (
+            max(_sent("double_tree", p, n)) == 2 * n and max(_sent("pipelined_tree", p, n)) == 3 * n
+        )
 
 
 def test_the_table_in_the_readme_is_the_one_tested():
@@ -226,7 +251,9 @@ def test_where_things_live_names_every_file(folder):
         if path.name in ("__init__.py", "__main__.py") or path.name in words:
             continue
         missing.append(str(path.relative_to(ROOT)))
-    for path in sorted(p for p in (ROOT / folder).rglob("*") if p.is_dir() and p.name != "__pycache__"):
+    for path in sorted(
+        p for p in (ROOT / folder).rglob("*") if p.is_dir() and p.name != "__pycache__"
+    ):
         if f"{path.name}/" not in words:
             missing.append(str(path.relative_to(ROOT)) + "/")
     assert not missing, f"{folder}/README.md's 'Where things live' does not mention {missing}"
@@ -260,7 +287,8 @@ def test_the_coverage_table_is_complete_and_current():
 
 
 def test_the_multi_host_lines_are_the_ones_the_hosts_tests_run():
-    """The README prints lesson 12's launch lines, which Cluster builds as test_hosts_launchers runs them."""
+    """The README prints lesson 12's launch lines, which Cluster builds as test_hosts_launchers runs
+    them."""
     from dplab.lessons.l12_engines import launch_lines
 
     torch_lines, mpi_line = launch_lines()
@@ -282,9 +310,9 @@ def suite_times(records: dict[str, dict]) -> list[str]:
             continue
         cpu_min, (l0, l1) = r["cpu_s"] / 60, r["load_1min"]
         lines.append(f"`{command}`: {r['passed']:,} passed, {r['skipped']:,} skipped in "
-                     f"{r['wall_s'] / 60:.0f} minutes at load {l0:.0f}-{l1:.0f} on {r['cores']} cores "
-                     f"({r['date']}), {cpu_min:.0f} CPU-minutes: at least {cpu_min / r['cores']:.0f} "
-                     f"minutes on {r['cores']} quiet cores")
+                     f"{r['wall_s'] / 60:.0f} minutes at load {l0:.0f}-{l1:.0f} on {r['cores']} "
+                     f"cores ({r['date']}), {cpu_min:.0f} CPU-minutes: at least "
+                     f"{cpu_min / r['cores']:.0f} minutes on {r['cores']} quiet cores")
     return lines
 
 

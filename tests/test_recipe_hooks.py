@@ -1,4 +1,5 @@
-"""The recipe apart from the run: with no hook attached ``train_sync`` is its five steps, bit for bit.
+"""The recipe apart from the run: with no hook attached ``train_sync`` is its five steps, bit for
+bit.
 
 A hook that does nothing, or hooks that change only when things happen (trace spans, a straggler
 at factor 1 with no delay, a budget that never runs out, checkpoints), leave every parameter and
@@ -26,7 +27,8 @@ from dplab.reference.train.single import TrainConfig, train_single
 from dplab.reference.train.sync import SyncConfig, train_sync
 
 CFG = TrainConfig(steps=4, global_batch=29, optimizer=OptimConfig("adam"))
-SYNC = SyncConfig("tree", bucket_cap_mb=0.0005, accum_steps=2)  # several buckets, a no_sync micro-batch
+# several buckets, a no_sync micro-batch
+SYNC = SyncConfig("tree", bucket_cap_mb=0.0005, accum_steps=2)
 
 
 class Nothing(Hook):
@@ -69,7 +71,9 @@ def _same_bits(a, b) -> None:
         assert ra.losses == rb.losses  # floats compared exactly
 
 
-def test_no_hooks_is_bitwise_the_recipe_and_hooks_that_change_nothing_change_no_bit(tmp_path: Path) -> None:
+def test_no_hooks_is_bitwise_the_recipe_and_hooks_that_change_nothing_change_no_bit(
+    tmp_path: Path,
+) -> None:
     bare = launch(_run, 3, args=(CFG, SYNC, [], False))
     for (r, events, _) in bare:  # replicas: the same bits; one device: within rounding
         assert np.array_equal(r.params, bare[0][0].params) and events == []
@@ -83,13 +87,20 @@ def test_no_hooks_is_bitwise_the_recipe_and_hooks_that_change_nothing_change_no_
     layers = [f"layer {i}" for i in reversed(range(MLP(CFG.model).num_layers))]
     per_step = [*(["forward", *layers] * SYNC.accum_steps), "after"]
     assert calls == ["start", *per_step * CFG.steps]
-    timing_only = SyncConfig(SYNC.algorithm, SYNC.bucket_cap_mb, SYNC.accum_steps, straggler=((1, 2.0),),
-                             delays=(0.0, 0.001, 0.0), time_budget_s=1e9,
-                             checkpoint=CheckpointConfig(2, str(tmp_path)))
+    timing_only = SyncConfig(
+        SYNC.algorithm,
+        SYNC.bucket_cap_mb,
+        SYNC.accum_steps,
+        straggler=((1, 2.0),),
+        delays=(0.0, 0.001, 0.0),
+        time_budget_s=1e9,
+        checkpoint=CheckpointConfig(2, str(tmp_path)),
+    )
     traced = launch(_run, 3, args=(CFG, timing_only, [], True))
     _same_bits(bare, traced)
     assert {e.kind for e in traced[0][1]} >= {"forward", "backward", "wait", "optimizer"}
-    assert "slowdown" in {e.kind for e in traced[1][1]}  # rank 1 straggled, and computed the same bits
+    # rank 1 straggled, and computed the same bits
+    assert "slowdown" in {e.kind for e in traced[1][1]}
     resumed = SyncConfig(SYNC.algorithm, SYNC.bucket_cap_mb, SYNC.accum_steps,
                          checkpoint=CheckpointConfig(resume=str(tmp_path / "ckpt-00000002.npz")))
     _same_bits(bare, launch(_run, 3, args=(CFG, resumed, [], False)))
@@ -129,7 +140,9 @@ def test_a_hook_stops_every_rank_on_the_loss_allreduce_and_layers_come_from_the_
             return step == 2
 
     def rank(comm):  # only rank 1 asks: every rank still stops after the same step
-        return train_sync(comm, TrainConfig(steps=10), SyncConfig(), [StopAtTwo()] if comm.rank == 1 else [])
+        return train_sync(
+            comm, TrainConfig(steps=10), SyncConfig(), [StopAtTwo()] if comm.rank == 1 else []
+        )
 
     assert [len(r.losses) for r in launch(rank, 3)] == [3, 3, 3]
     model = MLP(MLPConfig(in_dim=3, hidden=(5, 4), out_dim=2))

@@ -34,7 +34,10 @@ def one_line_error(capsys: pytest.CaptureFixture) -> str:
 @pytest.fixture
 def ckpt(tmp_path: Path, capsys: pytest.CaptureFixture) -> Path:
     """A sync checkpoint of step 4 of the SMALL run (local backend, ring)."""
-    assert train("--steps", "4", "--checkpoint-every", "4", "--checkpoint-dir", str(tmp_path / "ck")) == 0
+    assert (
+        train("--steps", "4", "--checkpoint-every", "4", "--checkpoint-dir", str(tmp_path / "ck"))
+        == 0
+    )
     capsys.readouterr()
     return tmp_path / "ck"
 
@@ -44,13 +47,17 @@ def test_fewer_steps_than_the_checkpoint_is_refused(ckpt: Path, tmp_path: Path, 
     err = one_line_error(capsys)
     assert "at step 4, past this run's 2: resume with --steps 4 or more" in err
     out = tmp_path / "row.json"
-    assert train("--steps", "4", "--resume", str(ckpt), "--json", str(out)) == 0  # as many: nothing to do
+    # as many: nothing to do
+    assert train("--steps", "4", "--resume", str(ckpt), "--json", str(out)) == 0
     assert json.loads(out.read_text())["rows"][0]["updates"] == 4
 
 
 def test_async_fewer_clocks_than_the_checkpoint_is_refused(tmp_path: Path, capsys) -> None:
     args = ["--mode", "async", "--staleness", "0"]
-    assert train(*args, "--steps", "4", "--checkpoint-every", "4", "--checkpoint-dir", str(tmp_path)) == 0
+    assert (
+        train(*args, "--steps", "4", "--checkpoint-every", "4", "--checkpoint-dir", str(tmp_path))
+        == 0
+    )
     capsys.readouterr()
     assert train(*args, "--steps", "3", "--resume", str(tmp_path)) == 2
     assert "at clock (per worker) 4, past this run's 3" in one_line_error(capsys)
@@ -64,16 +71,28 @@ def _rewrite(src: Path, dst: Path, **change) -> None:
     save_checkpoint(dst, **parts)
 
 
-@pytest.mark.parametrize("change, says", [
-    (lambda c: {"params": c.params.astype(np.float32)}, "parameters float32"),
-    (lambda c: {"params": c.params[:-1]}, "parameters float64"),
-    (lambda c: {"optimizer_state": c.optimizer_state | {"exp_avg": c.optimizer_state["exp_avg"][:3]}},
-     "optimizer 'exp_avg'"),
-    (lambda c: {"optimizer_state": c.optimizer_state | {"step": 9}}, "optimizer took 9 steps"),
-    (lambda c: {"data_position": c.data_position | {"step": 2}}, "data position 2"),
-    (lambda c: {"step": 2, "data_position": c.data_position | {"step": 2}}, "optimizer took 4 steps"),
-])
-def test_a_checkpoint_that_contradicts_itself_is_refused(ckpt, tmp_path, capsys, change, says) -> None:
+@pytest.mark.parametrize(
+    "change, says",
+    [
+        (lambda c: {"params": c.params.astype(np.float32)}, "parameters float32"),
+        (lambda c: {"params": c.params[:-1]}, "parameters float64"),
+        (
+            lambda c: {
+                "optimizer_state": c.optimizer_state | {"exp_avg": c.optimizer_state["exp_avg"][:3]}
+            },
+            "optimizer 'exp_avg'",
+        ),
+        (lambda c: {"optimizer_state": c.optimizer_state | {"step": 9}}, "optimizer took 9 steps"),
+        (lambda c: {"data_position": c.data_position | {"step": 2}}, "data position 2"),
+        (
+            lambda c: {"step": 2, "data_position": c.data_position | {"step": 2}},
+            "optimizer took 4 steps",
+        ),
+    ],
+)
+def test_a_checkpoint_that_contradicts_itself_is_refused(
+    ckpt, tmp_path, capsys, change, says
+) -> None:
     _rewrite(ckpt, tmp_path / "bad", **change(load_checkpoint(ckpt)))
     assert train("--steps", "6", "--resume", str(tmp_path / "bad")) == 2
     err = one_line_error(capsys)

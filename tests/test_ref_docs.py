@@ -54,7 +54,9 @@ def test_the_claim_checker_catches_the_old_sentence() -> None:
     assert SUBJECT.search(old) and EXACT.search(old) and not HEDGED.search(old)
 
 
-@pytest.mark.parametrize("path", sorted(ROOT.glob("**/*.py")), ids=lambda p: str(p.relative_to(ROOT)))
+@pytest.mark.parametrize(
+    "path", sorted(ROOT.glob("**/*.py")), ids=lambda p: str(p.relative_to(ROOT))
+)
 def test_no_docstring_claims_bitwise_equality_with_one_device(path: Path) -> None:
     assert not overclaims(path), overclaims(path)
 
@@ -81,4 +83,6 @@ def test_the_glossary_defines_each_word_where_learners_meet_it(package) -> None:
     glossary = doc.split("Glossary", 1)[1]
     defined = {m.group(1) for m in re.finditer(r"^\s{4}(\S+)\s{2,}", glossary, re.M)}
     assert TERMS <= defined, f"not defined: {TERMS - defined}"
-    assert re.search(r"staleness\s+(s, )?in CLOCKS", glossary) and re.search(r"delay\s+in UPDATES", glossary)
+    assert re.search(r"staleness\s+(s, )?in CLOCKS", glossary) and re.search(
+        r"delay\s+in UPDATES", glossary
+    )

@@ -12,7 +12,13 @@ import time
 
 import pytest
 
-from dplab.backends.launch.world import BackendUnavailable, RankError, RankLost, check_backend, launch
+from dplab.backends.launch.world import (
+    BackendUnavailable,
+    RankError,
+    RankLost,
+    check_backend,
+    launch,
+)
 from dplab.reference.ps.trainer import AsyncConfig, train_async
 from dplab.reference.train.single import TrainConfig
 
@@ -29,7 +35,14 @@ def test_a_killed_worker_is_named_on_mpi_and_torch(backend: str) -> None:
     acfg = AsyncConfig(staleness=1, kill_at=(2, 3))
     t0 = time.monotonic()
     with pytest.raises(RankError) as info:
-        launch(train_async, 3, backend, args=(TrainConfig(steps=10), acfg), tolerate=WORKERS, timeout=30)
+        launch(
+            train_async,
+            3,
+            backend,
+            args=(TrainConfig(steps=10), acfg),
+            tolerate=WORKERS,
+            timeout=30,
+        )
     assert time.monotonic() - t0 < 20  # at once, not after a survivor's 30 s timeout
     assert info.value.rank == 2, str(info.value)
     assert str(info.value).startswith("rank 2 failed:") and "died" in str(info.value)

@@ -23,8 +23,22 @@ from dplab.reference.train import sync
 from dplab.reference.train.single import TrainConfig
 from dplab.reference.train.sync import SyncConfig, train_sync
 
-EXTRAS = ("checkpoint", "save_state", "load_resume", "budget", "Budget", "Slowdown", "slow.", "tracer",
-          "vote", "delays", "straggler", "Amp", "precision", "scaler")
+EXTRAS = (
+    "checkpoint",
+    "save_state",
+    "load_resume",
+    "budget",
+    "Budget",
+    "Slowdown",
+    "slow.",
+    "tracer",
+    "vote",
+    "delays",
+    "straggler",
+    "Amp",
+    "precision",
+    "scaler",
+)
 
 
 def test_sync_py_opens_with_the_recipe_in_its_five_numbered_steps() -> None:
@@ -53,7 +67,9 @@ def _traced(comm, cfg: TrainConfig, sc: SyncConfig):
 
 def test_the_hooks_still_checkpoint_trace_straggle_and_resume(tmp_path: Path) -> None:
     cfg = TrainConfig(steps=4)
-    sc = SyncConfig(accum_steps=2, straggler=((1, 2.0),), checkpoint=CheckpointConfig(2, str(tmp_path)))
+    sc = SyncConfig(
+        accum_steps=2, straggler=((1, 2.0),), checkpoint=CheckpointConfig(2, str(tmp_path))
+    )
     (whole, events), (other, other_events) = launch(_traced, 2, args=(cfg, sc))
     assert [p.name for p in list_checkpoints(tmp_path).checkpoints] == ["ckpt-00000002.npz",
                                                                          "ckpt-00000004.npz"]
@@ -61,7 +77,9 @@ def test_the_hooks_still_checkpoint_trace_straggle_and_resume(tmp_path: Path) ->
     for kind, per_step in (("forward", 2), ("backward", 2), ("wait", 1), ("optimizer", 1)):
         assert kinds.count(kind) == per_step * cfg.steps, kind
     assert "slowdown" in {e.kind for e in other_events} and "slowdown" not in kinds  # rank 1 only
-    again = SyncConfig(accum_steps=2, checkpoint=CheckpointConfig(resume=str(tmp_path / "ckpt-00000002.npz")))
+    again = SyncConfig(
+        accum_steps=2, checkpoint=CheckpointConfig(resume=str(tmp_path / "ckpt-00000002.npz"))
+    )
     resumed = launch(train_sync, 2, args=(cfg, again))
     assert np.array_equal(resumed[0].params, whole.params) and resumed[0].losses == whole.losses
     assert np.array_equal(other.params, whole.params)  # replicas: bitwise identical

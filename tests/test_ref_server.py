@@ -93,7 +93,8 @@ def test_roster_tells_dead_from_slow_and_hands_each_death_over_once() -> None:
     assert roster.listen(comm.call) == "message"  # 2 is known lost: not reported again
     comm.dead.add(3)
     comm.tries = 0
-    assert roster.listen(comm.call) is None and roster.take_dead() == [3]  # ANY_SOURCE: a death ends it
+    # ANY_SOURCE: a death ends it
+    assert roster.listen(comm.call) is None and roster.take_dead() == [3]
     roster.leave(1)
     assert roster.active == {3} and not Roster(comm, 3, clocks=0).active
 
@@ -111,7 +112,8 @@ def test_server_py_is_the_loop_and_each_rule_lives_in_its_own_piece() -> None:
 
 def test_delay_counts_updates_while_staleness_counts_clocks() -> None:
     """Lock-step (staleness 0 clocks), every worker sleeping 50 ms before it computes: from clock 1
-    on, a clock's three pulls are answered at one version, so its third push lands 2 updates late."""
+    on, a clock's three pulls are answered at one version, so its third push lands 2 updates
+    late."""
     cfg, acfg = TrainConfig(steps=3), AsyncConfig(staleness=0, delays=(0.05, 0.05, 0.05))
     log = launch(train_async, 4, args=(cfg, acfg))[0].log
     assert not hasattr(LogEntry, "staleness")  # one word, one unit
@@ -122,8 +124,24 @@ def test_delay_counts_updates_while_staleness_counts_clocks() -> None:
 
 def test_cli_row_reports_max_delay_in_updates(tmp_path: Path) -> None:
     out = tmp_path / "row.json"
-    assert main(["train", "--mode", "async", "--world-size", "3", "--staleness", "0", "--steps", "3",
-                 "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--mode",
+                "async",
+                "--world-size",
+                "3",
+                "--staleness",
+                "0",
+                "--steps",
+                "3",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     (row,) = json.loads(out.read_text())["rows"]
     assert "max_staleness" not in row and 0 <= row["max_delay"] <= 1  # W - 1 = 1 with lock-step
 

@@ -79,8 +79,9 @@ MODELS = [MLPConfig(in_dim=5, hidden=(7, 6), out_dim=3),    # layers 42, 48, 21:
 @pytest.mark.parametrize("p", [1, 2, 3, 4])
 @pytest.mark.parametrize("stage, accum_steps, prefetch", [
     (0, 1, True), (1, 1, True), (2, 2, True), (3, 1, True), (3, 2, True), (3, 2, False)])
-def test_measured_peaks_are_the_closed_forms_plus_the_stated_allowance(worlds, model, optimizer, p, stage,
-                                                                      accum_steps, prefetch):
+def test_measured_peaks_are_the_closed_forms_plus_the_stated_allowance(
+    worlds, model, optimizer, p, stage, accum_steps, prefetch
+):
     cfg = TrainConfig(model=model, num_samples=40, global_batch=9, steps=2,
                       optimizer=OptimConfig(optimizer, lr=0.01))
     zero = ZeroConfig(stage=stage, accum_steps=accum_steps, prefetch=prefetch)
@@ -96,8 +97,12 @@ def test_measured_peaks_are_the_closed_forms_plus_the_stated_allowance(worlds, m
     form = model_state_bytes(psi, stage, p, param_bytes=8, grad_bytes=8, state_bytes=8 * k)
     g_extra = 8 * grads_in_flight(sizes) if stage >= 2 else 0
     p_extra = 8 * params_in_flight(sizes, accum_steps, prefetch) if stage == 3 else 0
-    assert sum(mem.params - p_extra for mem, _ in results) == pytest.approx(p * form.params, rel=1e-12)
-    assert sum(mem.grads - g_extra for mem, _ in results) == pytest.approx(p * form.grads, rel=1e-12)
+    assert sum(mem.params - p_extra for mem, _ in results) == pytest.approx(
+        p * form.params, rel=1e-12
+    )
+    assert sum(mem.grads - g_extra for mem, _ in results) == pytest.approx(
+        p * form.grads, rel=1e-12
+    )
     assert sum(mem.optimizer for mem, _ in results) == pytest.approx(p * form.optimizer, rel=1e-12)
 
 
@@ -105,7 +110,9 @@ def test_stage3_holds_less_than_stage0_once_the_world_is_large_enough(worlds):
     """The point of it all, on a model whose layers are small next to the whole: adam, p = 4."""
     cfg = TrainConfig(model=MLPConfig(in_dim=6, hidden=(12, 12, 12, 12), out_dim=3), num_samples=40,
                       global_batch=8, steps=1, optimizer=OptimConfig("adam", lr=0.01))
-    totals = [max(r.total for r, _ in worlds(4).run(_memory, cfg, ZeroConfig(stage=s))) for s in range(4)]
+    totals = [
+        max(r.total for r, _ in worlds(4).run(_memory, cfg, ZeroConfig(stage=s))) for s in range(4)
+    ]
     assert totals[0] > totals[1] > totals[2] > totals[3], totals
 
 
@@ -140,7 +147,8 @@ def _traced_against_ledger(comm, cfg, zero):
 @pytest.mark.parametrize("stage, accum_steps, prefetch", [(0, 1, True), (1, 2, True), (2, 2, True),
                                                           (3, 2, True), (3, 1, False)])
 def test_ledger_matches_tracemalloc_at_every_allocation(worlds, stage, accum_steps, prefetch):
-    # Every layer has >= p elements, so no chunk is empty (numpy allocates 1 byte for an empty array).
+    # Every layer has >= p elements, so no chunk is empty (numpy allocates 1 byte for an empty
+    # array).
     cfg = TrainConfig(model=MLPConfig(in_dim=5, hidden=(7, 6), out_dim=3), num_samples=40,
                       global_batch=9, steps=1, optimizer=OptimConfig("adam", lr=0.01))
     zero = ZeroConfig(stage=stage, accum_steps=accum_steps, prefetch=prefetch)

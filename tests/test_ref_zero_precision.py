@@ -16,7 +16,12 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from test_ref_zero_memory import _traced_against_ledger, grads_in_flight, layer_sizes, params_in_flight
+from test_ref_zero_memory import (
+    _traced_against_ledger,
+    grads_in_flight,
+    layer_sizes,
+    params_in_flight,
+)
 
 from dplab.backends.launch.world import RankError
 from dplab.reference.model import MLPConfig
@@ -79,10 +84,17 @@ def _memory(comm, cfg, zero):
 @pytest.mark.parametrize("reduce_dtype, G", [("float16", 2), ("float32", 4)])
 @pytest.mark.parametrize("p", [1, 2, 4])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_mixed_precision_memory_is_the_papers_form_plus_the_allowance(worlds, optimizer, k, reduce_dtype,
-                                                                     G, p, stage):
-    cfg = TrainConfig(model=MLPConfig(in_dim=5, hidden=(7, 6), out_dim=3), num_samples=40, global_batch=9,
-                      steps=2, dtype="float32", optimizer=OptimConfig(optimizer, lr=0.01))
+def test_mixed_precision_memory_is_the_papers_form_plus_the_allowance(
+    worlds, optimizer, k, reduce_dtype, G, p, stage
+):
+    cfg = TrainConfig(
+        model=MLPConfig(in_dim=5, hidden=(7, 6), out_dim=3),
+        num_samples=40,
+        global_batch=9,
+        steps=2,
+        dtype="float32",
+        optimizer=OptimConfig(optimizer, lr=0.01),
+    )
     zero = ZeroConfig(stage=stage, precision=MixedPrecision(reduce_dtype=reduce_dtype))
     sizes = layer_sizes(cfg)
     psi = sum(sizes)
@@ -97,19 +109,29 @@ def test_mixed_precision_memory_is_the_papers_form_plus_the_allowance(worlds, op
         assert mem.params == (2 * psi if stage < 3 else 2 * m + p_extra), f"rank {rank}"
         assert mem.grads == grads, f"rank {rank}"
         assert mem.optimizer == (4 + 4 * k) * (psi if stage == 0 else m), f"rank {rank}"
-    assert sum(mem.params for mem, _ in results) - p * p_extra == pytest.approx(p * form.params, rel=1e-12)
+    assert sum(mem.params for mem, _ in results) - p * p_extra == pytest.approx(
+        p * form.params, rel=1e-12
+    )
     assert sum(mem.optimizer for mem, _ in results) == pytest.approx(p * form.optimizer, rel=1e-12)
 
 
 def test_float64_masters_are_refused(worlds):
     with pytest.raises(RankError, match="dtype='float32'"):
-        worlds(2).run(_memory, replace(F32, dtype="float64"), ZeroConfig(precision=MixedPrecision()))
+        worlds(2).run(
+            _memory, replace(F32, dtype="float64"), ZeroConfig(precision=MixedPrecision())
+        )
 
 
 @pytest.mark.parametrize("stage", [1, 3])
 def test_mixed_precision_ledger_matches_tracemalloc(worlds, stage):
-    cfg = TrainConfig(model=MLPConfig(in_dim=5, hidden=(7, 6), out_dim=3), num_samples=40, global_batch=9,
-                      steps=1, dtype="float32", optimizer=OptimConfig("adam", lr=0.01))
+    cfg = TrainConfig(
+        model=MLPConfig(in_dim=5, hidden=(7, 6), out_dim=3),
+        num_samples=40,
+        global_batch=9,
+        steps=1,
+        dtype="float32",
+        optimizer=OptimConfig("adam", lr=0.01),
+    )
     zero = ZeroConfig(stage=stage, accum_steps=2, precision=MixedPrecision(reduce_dtype="float16"))
     for rank, (checks, mismatches) in enumerate(worlds(2).run(_traced_against_ledger, cfg, zero)):
         assert checks >= 3 and mismatches == [], f"rank {rank}: {mismatches[:3]}"

@@ -20,8 +20,13 @@ from dplab.reference.zero.config import ZeroConfig
 from dplab.reference.zero.traffic import collective_sent, sent_closed_form, sent_per_step
 from dplab.reference.zero.train import train_zero
 
-CFG = TrainConfig(model=MLPConfig(in_dim=5, hidden=(7, 6), out_dim=3), num_samples=40, global_batch=9,
-                  steps=2, optimizer=OptimConfig("momentum", lr=0.01))
+CFG = TrainConfig(
+    model=MLPConfig(in_dim=5, hidden=(7, 6), out_dim=3),
+    num_samples=40,
+    global_batch=9,
+    steps=2,
+    optimizer=OptimConfig("momentum", lr=0.01),
+)
 
 
 def _sent(comm, cfg, zero):
@@ -45,7 +50,9 @@ def schedules_say(stage: int, algorithm: str, p: int, rank: int, sizes: list[int
     return sum(per_layer(n) for n in sizes)
 
 
-def _check_traffic(worlds, backend: str, stage: int, accum_steps: int, algorithm: str, p: int) -> None:
+def _check_traffic(
+    worlds, backend: str, stage: int, accum_steps: int, algorithm: str, p: int
+) -> None:
     model = MLP(CFG.model)
     sizes = [(s := model.layer_slice(layer)).stop - s.start for layer in range(model.num_layers)]
     zero = ZeroConfig(stage=stage, algorithm=algorithm, accum_steps=accum_steps)
@@ -53,16 +60,23 @@ def _check_traffic(worlds, backend: str, stage: int, accum_steps: int, algorithm
     for rank, steps in enumerate(per_rank):
         assert len(steps) == CFG.steps
         want = 8 * schedules_say(stage, algorithm, p, rank, sizes, accum_steps)
-        assert steps == [want] * CFG.steps, f"rank {rank}: sent {steps}, the schedules say {want} per step"
+        assert steps == [want] * CFG.steps, (
+            f"rank {rank}: sent {steps}, the schedules say {want} per step"
+        )
     mean = sum(steps[0] for steps in per_rank) / p
-    assert mean == pytest.approx(8 * sent_closed_form(stage, model.num_params, p, accum_steps), rel=1e-12)
+    assert mean == pytest.approx(
+        8 * sent_closed_form(stage, model.num_params, p, accum_steps), rel=1e-12
+    )
 
 
-@pytest.mark.parametrize("stage, accum_steps", [(0, 1), (1, 1), (2, 1), (3, 1), (1, 3), (2, 3), (3, 2)])
+@pytest.mark.parametrize(
+    "stage, accum_steps", [(0, 1), (1, 1), (2, 1), (3, 1), (1, 3), (2, 3), (3, 2)]
+)
 @pytest.mark.parametrize("algorithm", ["ring", "direct"])
 @pytest.mark.parametrize("p", [1, 2, 3, 4])
-def test_bytes_sent_per_step_are_the_schedules_and_their_mean_the_closed_form(worlds, stage, accum_steps,
-                                                                              algorithm, p):
+def test_bytes_sent_per_step_are_the_schedules_and_their_mean_the_closed_form(
+    worlds, stage, accum_steps, algorithm, p
+):
     _check_traffic(worlds, "local", stage, accum_steps, algorithm, p)
 
 
@@ -72,7 +86,8 @@ def test_bytes_sent_per_step_are_the_schedules_and_their_mean_the_closed_form(wo
 @pytest.mark.parametrize("algorithm", ["ring", "direct"])
 @pytest.mark.parametrize("p", [1, 2, 4])
 def test_the_engines_send_what_the_schedules_say(worlds, engine, stage, algorithm, p):
-    """The same count on MPI and torch, for one micro-batch (the grid above runs on shared memory)."""
+    """The same count on MPI and torch, for one micro-batch (the grid above runs on shared
+    memory)."""
     try:
         check_backend(engine)
     except BackendUnavailable as e:
@@ -82,7 +97,12 @@ def test_the_engines_send_what_the_schedules_say(worlds, engine, stage, algorith
 
 def test_closed_forms_are_the_papers_2_and_3_psi():
     psi, p = 1000, 4
-    assert sent_closed_form(0, psi, p) == sent_closed_form(1, psi, p) == sent_closed_form(2, psi, p) == 1500
+    assert (
+        sent_closed_form(0, psi, p)
+        == sent_closed_form(1, psi, p)
+        == sent_closed_form(2, psi, p)
+        == 1500
+    )
     assert sent_closed_form(3, psi, p) == 2250  # 1.5x: the weights' second gather
     assert sent_closed_form(2, psi, p, accum_steps=3) == 3000  # a reduce-scatter per micro-batch
     assert sent_closed_form(1, psi, p, accum_steps=3) == 1500  # accumulates in its full gradient

@@ -90,14 +90,17 @@ BASE = TrainConfig(model=MLPConfig(in_dim=5, hidden=(7, 6), out_dim=3), num_samp
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 @pytest.mark.parametrize("p, global_batch, accum_steps, dims", [
     (4, 3, 1, (5, 7, 3)),     # a rank with an empty shard every step
-    (4, 2, 3, (1, 1, 3)),     # empty micro-batches; layer 0 has 1*1+1 = 2 < p elements: empty chunks
+    # empty micro-batches; layer 0 has 1*1+1 = 2 < p elements: empty chunks
+    (4, 2, 3, (1, 1, 3)),
     (3, 100, 2, (5, 7, 3)),   # batch larger than the data set: indices repeat
 ])
 def test_empty_shards_chunks_and_micro_batches_still_match(worlds, backend, stage, p, global_batch,
                                                           accum_steps, dims):
     model = MLPConfig(in_dim=dims[0], hidden=dims[1:-1], out_dim=dims[-1])
     cfg = dataclasses.replace(BASE, global_batch=global_batch, model=model)
-    zero = ZeroConfig(stage=stage, algorithm="direct" if stage == 2 else "ring", accum_steps=accum_steps)
+    zero = ZeroConfig(
+        stage=stage, algorithm="direct" if stage == 2 else "ring", accum_steps=accum_steps
+    )
     check_equals_single(worlds(p, backend).run(_train, cfg, zero), cfg, 1e-10)
 
 
@@ -171,4 +174,6 @@ def test_layerwise_optimizers_take_whole_tensor_norms_from_the_chunks(worlds, ba
     cfg = dataclasses.replace(BASE, optimizer=opt, steps=3)
     for stage in (0, 1, 2, 3):
         for p in ((1, 2, 3) if backend == "local" else (3,)):
-            check_equals_single(worlds(p, backend).run(_train, cfg, ZeroConfig(stage=stage)), cfg, 1e-10)
+            check_equals_single(
+                worlds(p, backend).run(_train, cfg, ZeroConfig(stage=stage)), cfg, 1e-10
+            )

@@ -42,7 +42,8 @@ def dplab(*args: str) -> subprocess.CompletedProcess:
 
 
 def kill_after_checkpoint(ckpt: Path, *args: str, at_least: int = 4) -> int:
-    """Start ``dplab train`` checkpointing every 2 steps; SIGKILL it once ckpt >= at_least exists."""
+    """Start ``dplab train`` checkpointing every 2 steps; SIGKILL it once ckpt >= at_least
+    exists."""
     proc = subprocess.Popen([sys.executable, "-m", "dplab.backends.cli", "train", *args,
                              "--checkpoint-every", "2", "--checkpoint-dir", str(ckpt)],
                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -71,9 +72,19 @@ def test_sync_killed_and_resumed_equals_uninterrupted(tmp_path: Path) -> None:
     pid = kill_after_checkpoint(tmp_path / "ck", *BASE, *slow)
     last = int(list_checkpoints(tmp_path / "ck").latest.stem.split("-")[1])
     assert 4 <= last < STEPS
-    resumed = dplab(*BASE, "--resume", str(tmp_path / "ck"), "--checkpoint-every", "2",
-                    "--checkpoint-dir", str(tmp_path / "ck"), "--save-params", str(tmp_path / "b.npy"),
-                    "--json", str(tmp_path / "b.json"))
+    resumed = dplab(
+        *BASE,
+        "--resume",
+        str(tmp_path / "ck"),
+        "--checkpoint-every",
+        "2",
+        "--checkpoint-dir",
+        str(tmp_path / "ck"),
+        "--save-params",
+        str(tmp_path / "b.npy"),
+        "--json",
+        str(tmp_path / "b.json"),
+    )
     assert resumed.returncode == 0, resumed.stderr
     assert not stale_segments(pid), "the killed world's shared memory must be swept"
     whole = dplab(*BASE, "--save-params", str(tmp_path / "a.npy"))
@@ -142,9 +153,16 @@ def test_checkpoint_of_other_config_refused_naming_field(tmp_path: Path) -> None
     launch(train_sync, 2, args=(cfg, SyncConfig(checkpoint=CheckpointConfig(2, str(tmp_path)))))
     other = dataclasses.replace(cfg, steps=4, optimizer=dataclasses.replace(cfg.optimizer, lr=0.5))
     with pytest.raises(Exception, match=r"train\.optimizer\.lr"):
-        launch(train_sync, 2, args=(other, SyncConfig(checkpoint=CheckpointConfig(resume=str(tmp_path)))))
+        launch(
+            train_sync,
+            2,
+            args=(other, SyncConfig(checkpoint=CheckpointConfig(resume=str(tmp_path)))),
+        )
     small = ["--world-size", "2", "--steps", "2", "--hidden", "8"]
-    assert dplab(*small, "--checkpoint-every", "2", "--checkpoint-dir", str(tmp_path / "c")).returncode == 0
+    assert (
+        dplab(*small, "--checkpoint-every", "2", "--checkpoint-dir", str(tmp_path / "c")).returncode
+        == 0
+    )
     out = dplab(*small, "--resume", str(tmp_path / "c"), "--lr", "0.5")
     assert out.returncode == 2 and "meta.train.optimizer.lr" in out.stderr, out.stderr
     out = dplab("--world-size", "2", "--resume", str(tmp_path / "nothing"))

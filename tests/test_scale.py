@@ -6,10 +6,12 @@ p = 4096 for 20 sizes (dgx-h100, 8 ranks per node) under a CPU bound that is gen
 machine does not fail it but a return to object-per-transfer would. Measured on this 2-core machine
 while others ran tests (build + price, CPU seconds):
 
-    naive, tree, recursive_doubling, pipelined_tree, double_tree    < 0.4 s each (8 k - 131 k transfers)
+    naive, tree, recursive_doubling,
+    pipelined_tree, double_tree    < 0.4 s each (8 k - 131 k transfers)
     ring                 0.9 + 1.4 s    33.5 M transfers
     direct               1.8 + 2.8 s    33.5 M
-    rabenseifner         3.3 + 4.3 s    33.5 M   (the engine's array builder; the readable one: 57 s, 5.6 GB)
+    rabenseifner         3.3 + 4.3 s    33.5 M   (the engine's array builder;
+                                                  the readable one: 57 s, 5.6 GB)
     hierarchical         3.9 + 3.6 s    33.5 M   (hierarchical:8 0.8 + 3.5 s)
     pipelined_ring       4.0 + 20 s     134 M, 5 GB peak (k = 4; as Transfer tuples: out of memory)
 
@@ -36,7 +38,8 @@ from dplab.reference.topology import PRESETS, Link, Topology
 
 SIZES = np.geomspace(1 << 10, 1 << 30, 20).astype(np.int64)
 P = 4096
-QUADRATIC = {"direct": 60, "rabenseifner": 60, "hierarchical": 60, "hierarchical:8": 60,  # CPU seconds
+# CPU seconds
+QUADRATIC = {"direct": 60, "rabenseifner": 60, "hierarchical": 60, "hierarchical:8": 60,
              "pipelined_ring": 60}  # 27 s measured; ~80 s before schedule.validate's cheap pass
 LIGHT = 10  # CPU seconds for the rest, build and price
 
@@ -45,7 +48,8 @@ LIGHT = 10  # CPU seconds for the rest, build and price
 
 def price(name: str) -> tuple[float, np.ndarray, Schedule]:
     fn, extra = lookup(ALLREDUCE, name, "all-reduce")
-    fn = arrays.ALLREDUCE.get(split_name(name)[0], fn)  # the engine's array builder where there is one
+    # the engine's array builder where there is one
+    fn = arrays.ALLREDUCE.get(split_name(name)[0], fn)
     t0 = time.process_time()
     s = fn(P, *extra)
     times = curve(s, SIZES, PRESETS["dgx-h100"], 4)
@@ -79,8 +83,12 @@ def test_every_registered_allreduce_prices_at_4096_in_seconds(name):
     if name == "rabenseifner":
         want = [closed_form("rabenseifner", P, int(b), 5e-6, 1e-10, 2e-11) for b in n]
         assert got == pytest.approx(want, rel=1e-9)
-    if name == "pipelined_ring":  # the ring plus alpha for every extra slice (module doc of pipelined.py)
-        want = [closed_form("ring", P, int(b), 5e-6, 1e-10, 2e-11) + 2 * (P - 1) * (k - 1) * 5e-6 for b in n]
+    if name == "pipelined_ring":
+        # the ring plus alpha for every extra slice (module doc of pipelined.py)
+        want = [
+            closed_form("ring", P, int(b), 5e-6, 1e-10, 2e-11) + 2 * (P - 1) * (k - 1) * 5e-6
+            for b in n
+        ]
         assert got == pytest.approx(want, rel=1e-9)
 
 

@@ -1,4 +1,5 @@
-"""``dplab scaling``: the step split adds up, efficiency at p = 1 is 1, bad arguments exit 2, rows' fields."""
+"""``dplab scaling``: the step split adds up, efficiency at p = 1 is 1, bad arguments exit 2, rows'
+fields."""
 
 from __future__ import annotations
 
@@ -28,9 +29,14 @@ def test_step_split_is_disjoint_and_adds_up_to_the_step():
     evs = [_ev("forward", 0, 5, 0), _ev("optimizer", 5, 10, 0)]
     for s in (1, 2):
         t = 10 * s
-        evs += [_ev("forward", t, t + 1, s), _ev("backward", t + 1, t + 5, s),
-                _ev("bucket", t + 3, t + 8, thread="comm"), _ev("send", t + 3.5, t + 4, thread="comm"),
-                _ev("wait", t + 5, t + 9, s), _ev("optimizer", t + 9, t + 9.5, s)]
+        evs += [
+            _ev("forward", t, t + 1, s),
+            _ev("backward", t + 1, t + 5, s),
+            _ev("bucket", t + 3, t + 8, thread="comm"),
+            _ev("send", t + 3.5, t + 4, thread="comm"),
+            _ev("wait", t + 5, t + 9, s),
+            _ev("optimizer", t + 9, t + 9.5, s),
+        ]
     split = step_split(evs, first_step=1)
     assert split.steps == 2
     assert split.step_ms == pytest.approx((29.5 - 10) / 2)
@@ -44,17 +50,25 @@ def test_step_split_is_disjoint_and_adds_up_to_the_step():
 
 def test_efficiency_at_one_rank_is_one_and_speedup_is_t1_over_tp():
     def cell(t: float) -> dict:
-        return {"step_ms": t, "compute_ms": t, "exposed_comm_ms": 0.0, "waiting_ms": 0.0, "other_ms": 0.0}
+        return {
+            "step_ms": t,
+            "compute_ms": t,
+            "exposed_comm_ms": 0.0,
+            "waiting_ms": 0.0,
+            "other_ms": 0.0,
+        }
 
     rows = scaling_rows({("local", "small", 1): [cell(10.0), cell(12.0), cell(11.0)],
                          ("local", "small", 4): [cell(5.0), cell(4.0), cell(6.0)],
                          ("mpi", "small", 2): [cell(8.0)]})
     by = {(r["backend"], r["world_size"]): r for r in rows}
-    assert by["local", 1]["step_ms"] == 11.0 and by["local", 1]["efficiency"] == 1.0  # the median rep
+    # the median rep
+    assert by["local", 1]["step_ms"] == 11.0 and by["local", 1]["efficiency"] == 1.0
     assert by["local", 1]["speedup"] == 1.0
     assert by["local", 4]["speedup"] == pytest.approx(11 / 5)
     assert by["local", 4]["efficiency"] == pytest.approx(11 / 20)
-    assert by["mpi", 2]["speedup"] is None and by["mpi", 2]["efficiency"] is None  # no p = 1 to divide by
+    # no p = 1 to divide by
+    assert by["mpi", 2]["speedup"] is None and by["mpi", 2]["efficiency"] is None
     assert by["local", 4]["params"] == MLP(MODELS["small"]).num_params == 1732
 
 
@@ -81,15 +95,37 @@ def test_bad_arguments_are_one_line_and_exit_2(argv, says, capsys):
 
 def test_a_tiny_run_has_every_field_and_its_split_adds_up(tmp_path, capsys):
     out = tmp_path / "scaling.json"
-    assert main(["scaling", "--models", "small", "--world-sizes", "1,2", "--steps", "4", "--warmup", "1",
-                 "--reps", "1", "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "scaling",
+                "--models",
+                "small",
+                "--world-sizes",
+                "1,2",
+                "--steps",
+                "4",
+                "--warmup",
+                "1",
+                "--reps",
+                "1",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     table = capsys.readouterr().out
     assert all(c in table for c in SCALING_COLUMNS)
     rows = json.loads(out.read_text())["rows"]
     assert [(r["model"], r["world_size"]) for r in rows] == [("small", 1), ("small", 2)]
     for r in rows:
         assert set(SCALING_COLUMNS) <= set(r)
-        assert r["step_ms"] > 0 and r["compute_ms"] > 0 and min(r["exposed_comm_ms"], r["waiting_ms"]) >= 0
+        assert (
+            r["step_ms"] > 0
+            and r["compute_ms"] > 0
+            and min(r["exposed_comm_ms"], r["waiting_ms"]) >= 0
+        )
         parts = r["compute_ms"] + r["exposed_comm_ms"] + r["waiting_ms"] + r["other_ms"]
         assert parts == pytest.approx(r["step_ms"], rel=1e-9)
         assert r["speedup"] == pytest.approx(rows[0]["step_ms"] / r["step_ms"])

@@ -1,4 +1,5 @@
-"""``dplab scaling --ddp``: one process on the 1/p batch, p independent processes, our DDP, torch's DDP."""
+"""``dplab scaling --ddp``: one process on the 1/p batch, p independent processes, our DDP, torch's
+DDP."""
 
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ def test_rows_are_medians_and_ratios_within_the_run():
     rows = {r["impl"]: r for r in ddp_rows(times, DdpBench(), 2, load=1.5)}
     assert rows["single"]["ratio_vs_single"] == 1.0 and rows["single"]["global_batch"] == 32
     assert rows["single"]["world_size"] == 1 and rows["dplab"]["world_size"] == 2
-    assert rows["dplab"]["step_ms"] == pytest.approx(14.0)  # the median: one busy rep does not count
+    # the median: one busy rep does not count
+    assert rows["dplab"]["step_ms"] == pytest.approx(14.0)
     assert rows["dplab"]["ratio_vs_single"] == pytest.approx(14 / 11)
     assert rows["dplab"]["cpu_ratio_vs_single"] == pytest.approx(12 / 10)
     assert rows["torch_ddp"]["ratio_vs_single"] == pytest.approx(2.0)
@@ -34,12 +36,19 @@ def test_rows_are_medians_and_ratios_within_the_run():
 
 
 def test_a_tiny_run_puts_torch_ddp_beside_ours_with_every_field():
-    rows = run_ddp(TINY, ["torch"], [2], reps=1)  # one backend keeps it short: ~5 s, mostly start-up
+    # one backend keeps it short: ~5 s, mostly start-up
+    rows = run_ddp(TINY, ["torch"], [2], reps=1)
     assert [(r["impl"], r["backend"]) for r in rows] == [("single", "torch"), ("independent", "-"),
                                                          ("dplab", "torch"), ("torch_ddp", "torch")]
     for r in rows:
-        assert set(DDP_COLUMNS) <= set(r) and r["step_ms"] > 0 and r["cpu_ms"] > 0 and r["reps"] == 1
-    assert rows[0]["ratio_vs_single"] == 1.0 and rows[0]["global_batch"] == 4 and rows[0]["world_size"] == 1
+        assert (
+            set(DDP_COLUMNS) <= set(r) and r["step_ms"] > 0 and r["cpu_ms"] > 0 and r["reps"] == 1
+        )
+    assert (
+        rows[0]["ratio_vs_single"] == 1.0
+        and rows[0]["global_batch"] == 4
+        and rows[0]["world_size"] == 1
+    )
     assert all(r["world_size"] == 2 and r["global_batch"] == 8 for r in rows[1:])
 
 
@@ -74,7 +83,8 @@ def _hook_ops(comm) -> tuple[list[str], list[str], bool]:
         with Log() as log:
             loss.backward()
         ops.append([op for op in log.ops if op.startswith(("aten.copy", "aten.div", "aten.mul"))])
-    expected = torch.full((3, 4), (1 + 2) * 5 / 2)  # d sum / dW = the sum of x over the batch, averaged
+    # d sum / dW = the sum of x over the batch, averaged
+    expected = torch.full((3, 4), (1 + 2) * 5 / 2)
     ok = torch.equal(model.module.weight.grad, expected)
     model.close()
     return ops[0], ops[1], ok

@@ -13,7 +13,15 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dplab.reference.algorithms import ALGORITHMS, ALLREDUCE, allreduce_schedule, direct, naive, ring, tree
+from dplab.reference.algorithms import (
+    ALGORITHMS,
+    ALLREDUCE,
+    allreduce_schedule,
+    direct,
+    naive,
+    ring,
+    tree,
+)
 from dplab.reference.errors import ConfigError, DplabError
 from dplab.reference.schedule import Schedule, ScheduleError, Transfer, chunk_bounds, concat
 from dplab.reference.simulate import initial_holdings, is_allreduce, simulate
@@ -58,7 +66,8 @@ def test_allreduce_counts_every_contribution_exactly_once_and_sums(algorithm, p)
         assert len(sim.buffers) == p
         for rank, out in enumerate(sim.buffers):
             assert out.dtype == np.int64 and out.shape == (n,)
-            np.testing.assert_array_equal(out, expected, err_msg=f"{algorithm} p={p} n={n} rank {rank}")
+            np.testing.assert_array_equal(out, expected, err_msg=f"{algorithm} p={p} n={n} rank "
+                                                                 f"{rank}")
         for b, o in zip(bufs, originals):  # the simulator works on copies
             np.testing.assert_array_equal(b, o)
         np.testing.assert_array_equal(sim.holdings[-1], final)  # provenance ignores the values
@@ -103,7 +112,8 @@ def test_reduce_scatter_leaves_rank_r_owning_chunk_r(algorithm, p):
         total = np.sum(bufs, axis=0, dtype=np.int64)
         sim = simulate(schedule, bufs)
         for r, (a, b) in enumerate(chunk_bounds(n, p)):
-            np.testing.assert_array_equal(sim.buffers[r][a:b], total[a:b], err_msg=f"p={p} n={n} r={r}")
+            np.testing.assert_array_equal(sim.buffers[r][a:b], total[a:b], err_msg=f"p={p} n={n} "
+                                                                                   f"r={r}")
 
 
 @pytest.mark.parametrize("algorithm", sorted(SCATTER))
@@ -140,7 +150,9 @@ def test_broadcast_from_any_root_gives_everyone_the_roots_data(algorithm, p):
 def test_reduce_to_any_root_gives_the_root_the_sum(algorithm, p):
     for root in range(p):
         schedule = ROOTED[algorithm][0](p, root)
-        np.testing.assert_array_equal(simulate(schedule).holdings[-1][root, 0], np.ones(p, np.int64))
+        np.testing.assert_array_equal(
+            simulate(schedule).holdings[-1][root, 0], np.ones(p, np.int64)
+        )
         for n in (0, 1, 7, p + 3):
             bufs = random_buffers(p, n, seed=root + 100)
             out = simulate(schedule, bufs).buffers[root]
@@ -243,7 +255,8 @@ def test_schedule_rejects_self_sends_unknown_ops_and_empty_worlds():
         make(3, 1, (Transfer(1, 1, 0, "copy"),))
     with pytest.raises(ScheduleError, match="unknown op"):
         make(3, 1, (Transfer(0, 1, 0, "max"),))  # type: ignore[arg-type]
-    with pytest.raises(ScheduleError, match=r"src, dst and chunk must be integers \(p // 2, not p / 2\)"):
+    with pytest.raises(ScheduleError, match=r"src, dst and chunk must be integers \(p // 2, not p "
+                                            r"/ 2\)"):
         make(3, 2, (Transfer(0, 1, 1.0, "copy"),))  # a chunk p / 2 would be cut short, not refused
     with pytest.raises(ScheduleError, match="is not a Transfer"):
         make(3, 2, ((0, 1, 1, "copy"),))  # type: ignore[arg-type]
@@ -255,8 +268,9 @@ def test_schedule_rejects_self_sends_unknown_ops_and_empty_worlds():
 
 @pytest.mark.parametrize("order", ["copy-first", "reduce-first"])
 def test_schedule_rejects_a_copy_and_another_receive_into_one_chunk(order):
-    """Sending a chunk while receiving into it is legal (the send is a snapshot: test_alg_recursive_*);
-    a copy landing in a chunk that another message also lands in has no defined order."""
+    """Sending a chunk while receiving into it is legal (the send is a snapshot:
+    test_alg_recursive_*); a copy landing in a chunk that another message also lands in has no
+    defined order."""
     pair = [Transfer(0, 1, 0, "reduce"), Transfer(2, 1, 0, "copy")]
     rnd = tuple(pair if order == "reduce-first" else reversed(pair))
     with pytest.raises(ScheduleError, match="rank 1 receives chunk 0 twice, once as a copy"):
@@ -270,7 +284,10 @@ def test_schedule_accepts_what_is_legal():
              (Transfer(1, 2, 0, "copy"), Transfer(1, 0, 0, "copy")))
     assert s.transfers_of(1) == [([Transfer(1, 2, 1, "copy")], [Transfer(0, 1, 0, "reduce")]),
                                  ([Transfer(1, 2, 0, "copy"), Transfer(1, 0, 0, "copy")], [])]
-    assert s.transfers_of(2) == [([], [Transfer(1, 2, 1, "copy")]), ([], [Transfer(1, 2, 0, "copy")])]
+    assert s.transfers_of(2) == [
+        ([], [Transfer(1, 2, 1, "copy")]),
+        ([], [Transfer(1, 2, 0, "copy")]),
+    ]
 
 
 def test_concat_requires_the_same_world_and_chunking():

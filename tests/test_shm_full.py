@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
-                                reason="needs root and unshare(1) to mount a small /dev/shm of its own")
+                                reason="needs root and unshare(1) to mount a small /dev/shm of its "
+                                       "own")
 
 DPLAB = str(Path(sys.executable).with_name("dplab"))
 
@@ -27,7 +28,9 @@ def _dplab_in_small_shm(size: str, *argv: str) -> tuple[int, str, list[str]]:
     script = (f"mount -t tmpfs -o size={size} tmpfs /dev/shm || exit 99; "
               f"{shlex.join([DPLAB, *argv])} >/dev/null 2>/tmp/.dplab_err_$$; rc=$?; "
               "cat /tmp/.dplab_err_$$ >&2; rm -f /tmp/.dplab_err_$$; ls -A /dev/shm; exit $rc")
-    done = subprocess.run(["unshare", "-m", "sh", "-c", script], capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        ["unshare", "-m", "sh", "-c", script], capture_output=True, text=True, timeout=120
+    )
     if done.returncode == 99:
         pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
     return done.returncode, done.stderr.strip(), done.stdout.split()

@@ -59,7 +59,7 @@ BATCH = {"SLURM_JOB_ID": "43", "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM
          "SLURM_NODELIST": "node07", "SLURM_TASKS_PER_NODE": "2"}
 
 
-# -- 1. the variables --------------------------------------------------------------------------------
+# -- 1. the variables ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("nodelist, hosts_", [
     ("node[01-03,07],login1", ["node01", "node02", "node03", "node07", "login1"]),
@@ -96,22 +96,37 @@ def test_not_a_step_of_several_tasks(env):
 
 def test_torch_env_from_the_step():
     env = slurm_torch_env(slurm_step(SRUN_TASK3), {})
-    assert {k: env[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR")} == {
-        "RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "node07"}
+    assert {
+        k: env[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR")
+    } == {
+        "RANK": "3",
+        "WORLD_SIZE": "4",
+        "LOCAL_RANK": "1",
+        "LOCAL_WORLD_SIZE": "2",
+        "MASTER_ADDR": "node07",
+    }
     rank0 = slurm_torch_env(slurm_step(SRUN_TASK3 | {"SLURM_PROCID": "0", "SLURM_LOCALID": "0",
                                                       "SLURM_NODEID": "0"}), {})
     next_step = slurm_torch_env(slurm_step(SRUN_TASK3 | {"SLURM_STEP_ID": "1"}), {})
     assert rank0["MASTER_PORT"] == env["MASTER_PORT"] != next_step["MASTER_PORT"]
     assert 1024 < int(env["MASTER_PORT"]) < 65536
-    mine = slurm_torch_env(slurm_step(SRUN_TASK3), {"MASTER_ADDR": "10.0.0.7", "MASTER_PORT": "1234"})
+    mine = slurm_torch_env(
+        slurm_step(SRUN_TASK3), {"MASTER_ADDR": "10.0.0.7", "MASTER_PORT": "1234"}
+    )
     assert (mine["MASTER_ADDR"], mine["MASTER_PORT"]) == ("10.0.0.7", "1234")  # the user's win
 
 
 def _only(monkeypatch, env):
     for k in list(os.environ):
         if k.startswith(("SLURM_", "PMI_", "PMIX_", "OMPI_", "MPI_LOCAL")) or k in (
-                "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                "DPLAB_AUTHKEY"):
+            "RANK",
+            "WORLD_SIZE",
+            "LOCAL_RANK",
+            "LOCAL_WORLD_SIZE",
+            "MASTER_ADDR",
+            "MASTER_PORT",
+            "DPLAB_AUTHKEY",
+        ):
             monkeypatch.delenv(k)
     for k, v in env.items():
         monkeypatch.setenv(k, v)
@@ -123,15 +138,18 @@ def test_engine_sees_the_step(monkeypatch):
     assert engine.launcher_rank() == 3
     assert engine.spans_hosts() == "this srun step has 4 ranks, 2 of them on this host"
     assert engine.under_launcher("mpi")  # a job of 4 tasks: never start 4 worlds of our own
-    with pytest.raises(ConfigError, match=r"^srun started 4 tasks but gave MPI no PMI.*srun --mpi=pmi2"):
+    with pytest.raises(ConfigError, match=r"^srun started 4 tasks but gave MPI no PMI.*srun "
+                                          r"--mpi=pmi2"):
         engine.launcher_env("mpi")
     _only(monkeypatch, SRUN_TASK3 | {"PMI_RANK": "3", "PMI_SIZE": "4", "PMI_FD": "9"})  # --mpi=pmi2
     assert engine.launcher_env("mpi") == (3, 4)
-    _only(monkeypatch, SRUN_TASK3 | {"PMIX_RANK": "3", "PMIX_NAMESPACE": "slurm.pmix.7.0"})  # --mpi=pmix
+    # --mpi=pmix
+    _only(monkeypatch, SRUN_TASK3 | {"PMIX_RANK": "3", "PMIX_NAMESPACE": "slurm.pmix.7.0"})
     assert engine.launcher_env("mpi") == (3, 4) and engine.launcher_rank() == 3
     _only(monkeypatch, SRUN_TASK3 | {"RANK": "0", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4",
-                                     "MASTER_ADDR": "node07", "MASTER_PORT": "29500"})  # torchrun's worker
-    assert engine.launcher_env("torch") == (0, 8) and engine.launcher_rank() == 0  # not SLURM_PROCID 3
+                                     "MASTER_ADDR": "node07", "MASTER_PORT": "29500"})
+    # torchrun's worker, not SLURM_PROCID 3
+    assert engine.launcher_env("torch") == (0, 8) and engine.launcher_rank() == 0
     assert not engine.under_launcher("mpi")  # srun's task was torchrun, not this process
     assert engine.spans_hosts() == "this torchrun job has 8 ranks, 4 of them on this host"
     _only(monkeypatch, BATCH)
@@ -139,7 +157,7 @@ def test_engine_sees_the_step(monkeypatch):
     assert engine.launcher_rank() is None and engine.spans_hosts() is None
 
 
-# -- 2. ranks with srun's variables, started by hand ------------------------------------------------
+# -- 2. ranks with srun's variables, started by hand -----------------------------------------------
 
 def _clean_env(extra: dict[str, str]) -> dict[str, str]:
     env = {k: v for k, v in hosts.hosts_env({}).items() if not k.startswith("SLURM_")}
@@ -155,9 +173,17 @@ def _srun_env(rank: int, world: int, job: int) -> dict[str, str]:
 
 
 def _by_hand(args: list[str], world: int, cwd: Path, job: int) -> list[tuple[int, str, str]]:
-    procs = [subprocess.Popen([hosts.DPLAB, *args], cwd=cwd, env=_clean_env(_srun_env(r, world, job)),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for r in range(world)]
+    procs = [
+        subprocess.Popen(
+            [hosts.DPLAB, *args],
+            cwd=cwd,
+            env=_clean_env(_srun_env(r, world, job)),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(world)
+    ]
     return hosts.finish(procs)
 
 
@@ -166,7 +192,9 @@ def _check_train(path: Path, backend: str, world: int) -> None:
     row = json.loads(path.read_text())["rows"][0]
     ref = train_single(_train_config(build_parser().parse_args(TRAIN), None)).params
     scale = max(1.0, float(np.max(np.abs(ref))))
-    assert (row["backend"], row["world_size"], row["ranks_identical"]) == (backend, world, True), row
+    assert (row["backend"], row["world_size"], row["ranks_identical"]) == (backend, world, True), (
+        row
+    )
     assert row["max_abs_diff_vs_single"] <= REL * scale, row
 
 
@@ -186,8 +214,9 @@ def test_srun_without_pmi_is_one_line(tmp_path):
     done = _by_hand(["train", "--backend", "mpi"], 2, tmp_path, job=1)
     assert [code for code, _, _ in done] == [2, 2]
     lines = [line for _, _, err in done for line in err.splitlines() if line]
-    assert lines == ["dplab train: error: srun started 2 tasks but gave MPI no PMI, so each would be a world "
-                     "of one: run srun --mpi=pmi2 (or --mpi=pmix; srun --mpi=list shows what this Slurm has)"]
+    assert lines == ["dplab train: error: srun started 2 tasks but gave MPI no PMI, so each would "
+                     "be a world of one: run srun --mpi=pmi2 (or --mpi=pmix; srun --mpi=list shows "
+                     "what this Slurm has)"]
 
 
 # -- 3. a real Slurm over two namespace hosts ------------------------------------------------------
@@ -196,8 +225,8 @@ DAEMONS = ("slurmctld", "slurmd", "munged", "srun", "sbatch", "nsenter")
 
 
 class Slurm:
-    """slurmctld on node 0, a slurmd on each node (named by its address, so every node name resolves),
-    munged for both; all state in one folder. ``srun``/``sbatch`` run on node 0."""
+    """slurmctld on node 0, a slurmd on each node (named by its address, so every node name
+    resolves), munged for both; all state in one folder. ``srun``/``sbatch`` run on node 0."""
 
     def __init__(self, c: Cluster, folder: Path) -> None:
         self.c, self.dir = c, folder
@@ -211,10 +240,22 @@ class Slurm:
             (d / name).mkdir(parents=True)
         (d / "munge.key").write_bytes(os.urandom(1024))
         (d / "munge.key").chmod(0o600)
-        self._procs.append(subprocess.Popen(
-            ["munged", "--foreground", "--force", f"--socket={d}/munge.sock", f"--key-file={d}/munge.key",
-             f"--pid-file={d}/munged.pid", f"--log-file={d}/munged.log", f"--seed-file={d}/munge.seed"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        self._procs.append(
+            subprocess.Popen(
+                [
+                    "munged",
+                    "--foreground",
+                    "--force",
+                    f"--socket={d}/munge.sock",
+                    f"--key-file={d}/munge.key",
+                    f"--pid-file={d}/munged.pid",
+                    f"--log-file={d}/munged.log",
+                    f"--seed-file={d}/munge.seed",
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+        )
         nodes = "\n".join(f"NodeName={a} CPUs=2 State=UNKNOWN" for a in self.c.addrs)
         self.conf.write_text(f"""ClusterName=dplabtest
 SlurmctldHost={socket.gethostname()}({self.c.addrs[0]})
@@ -241,14 +282,19 @@ AccountingStorageType=accounting_storage/none
 {nodes}
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
 """)
-        # nsenter, not `ip netns exec`: that mounts a fresh /sys without the cgroup tree slurmd needs
+        # nsenter, not `ip netns exec`: that mounts a fresh /sys without the cgroup tree slurmd
+        # needs
         self._daemon(0, ["slurmctld", "-D", "-i"])
         for i, addr in enumerate(self.c.addrs):
             self._daemon(i, ["slurmd", "-D", "-N", addr])
         deadline = time.monotonic() + 30
-        while self.run(["sinfo", "-h", "-o", "%T %D"], {}, 10).stdout.strip() != f"idle {self.c.hosts}":
+        while (
+            self.run(["sinfo", "-h", "-o", "%T %D"], {}, 10).stdout.strip()
+            != f"idle {self.c.hosts}"
+        ):
             if time.monotonic() > deadline:
-                raise RuntimeError(f"Slurm did not come up: {(d / 'slurmctld.log').read_text()[-2000:]}")
+                raise RuntimeError("Slurm did not come up: "
+                                   f"{(d / 'slurmctld.log').read_text()[-2000:]}")
             time.sleep(0.1)
 
     def _daemon(self, host: int, argv: list[str]) -> None:
@@ -276,7 +322,8 @@ def slurm(tmp_path_factory) -> Iterator[Slurm]:
     hosts.needs_hosts()
     missing = [d for d in DAEMONS if shutil.which(d) is None]
     if missing:
-        pytest.skip(f"real Slurm: {', '.join(missing)} not installed (Debian: slurmctld slurmd munge)")
+        pytest.skip(f"real Slurm: {', '.join(missing)} not installed (Debian: slurmctld slurmd "
+                    "munge)")
     hosts._needs("mpi")
     hosts._needs("torch")
     with Cluster(hosts=2, ranks_per_host=2) as c:
@@ -301,15 +348,21 @@ def _ok(done: subprocess.CompletedProcess) -> str:
 @pytest.mark.mpi
 @pytest.mark.torch
 def test_sbatch_example_runs_all_three(slurm, tmp_path):
-    """The shipped example on 2 nodes x 2 tasks: ``srun --mpi=pmi2 dplab train --backend mpi``, ``srun
-    dplab train --backend torch`` (MASTER_ADDR from the node list: nothing set by hand) and srun +
-    torchrun each print one row of 4 identical replicas at the single-device parameters."""
-    bin_dir = str(Path(sys.executable).parent)  # dplab and torchrun on the PATH, as the example asks
+    """The shipped example on 2 nodes x 2 tasks: ``srun --mpi=pmi2 dplab train --backend mpi``,
+    ``srun dplab train --backend torch`` (MASTER_ADDR from the node list: nothing set by hand) and
+    srun + torchrun each print one row of 4 identical replicas at the single-device parameters."""
+    # dplab and torchrun on the PATH, as the example asks
+    bin_dir = str(Path(sys.executable).parent)
     extra = MPI_ENV | TORCH_ENV | {"PATH": f"{bin_dir}:{os.environ['PATH']}",
                                    "DPLAB_ARGS": " ".join(TRAIN[1:])}
     before = _link_bytes(slurm.c)
-    _ok(slurm.run(["sbatch", "-W", "-o", str(tmp_path / "out.txt"), str(EXAMPLE)], extra, 150, tmp_path))
-    assert _link_bytes(slurm.c) - before > 3 * 20_000  # each run's gradients crossed between the nodes
+    _ok(
+        slurm.run(
+            ["sbatch", "-W", "-o", str(tmp_path / "out.txt"), str(EXAMPLE)], extra, 150, tmp_path
+        )
+    )
+    # each run's gradients crossed between the nodes
+    assert _link_bytes(slurm.c) - before > 3 * 20_000
     out = (tmp_path / "out.txt").read_text()
     rows = [line.split() for line in out.splitlines() if " sync " in line]
     assert [(r[0], r[3], r[7]) for r in rows] == [("mpi", "4", "True"), ("torch", "4", "True"),

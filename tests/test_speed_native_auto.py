@@ -24,10 +24,28 @@ def fits_that_misprice() -> tuple[CostFit, ...]:
     """ring's fit says 10 us + 1 GB/s-ish, native's says far slower; the measurements say the
     opposite at 64 KiB and 1 MiB (native 20 / 300 us, ring 80 / 900 us)."""
     return (
-        CostFit("mpi", 2, "ring", 1e-6, 1e-12, None,
-                (row("ring", 2, 1 << 16, 80), row("ring", 2, 1 << 20, 900))),
-        CostFit("mpi", 2, "native", 5e-4, 1e-9, None,
-                (row("native", 2, 4096, 6), row("native", 2, 1 << 16, 20), row("native", 2, 1 << 20, 300))),
+        CostFit(
+            "mpi",
+            2,
+            "ring",
+            1e-6,
+            1e-12,
+            None,
+            (row("ring", 2, 1 << 16, 80), row("ring", 2, 1 << 20, 900)),
+        ),
+        CostFit(
+            "mpi",
+            2,
+            "native",
+            5e-4,
+            1e-9,
+            None,
+            (
+                row("native", 2, 4096, 6),
+                row("native", 2, 1 << 16, 20),
+                row("native", 2, 1 << 20, 300),
+            ),
+        ),
     )
 
 

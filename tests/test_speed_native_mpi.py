@@ -79,8 +79,11 @@ def test_the_check_is_point_to_point_made_once_and_the_data_one_mpi_allreduce(wo
     for counted, head in world(p).run(job_count_calls, calls):
         assert head == [float(sum(range(1, p + 1)) * p ** (calls - 1))] * 3
         assert counted.get("Allreduce") == calls, counted
-        assert counted.get("Recv_init") == counted.get("Send_init") == k, counted  # once, not per call
-        assert not {"Iallreduce", "Irecv", "Isend", "Allgather", "Iallgather"} & set(counted), counted
+        # once, not per call
+        assert counted.get("Recv_init") == counted.get("Send_init") == k, counted
+        assert not {"Iallreduce", "Irecv", "Isend", "Allgather", "Iallgather"} & set(counted), (
+            counted
+        )
 
 
 def job_odd_one_out(comm, odd: int, kind: str):
@@ -123,7 +126,9 @@ def test_a_rank_in_another_collective_is_named_at_once_with_four_ranks(mpi):
     with pytest.raises(RankError) as err:
         launch(job_one_in_a_ring, 4, backend="mpi", timeout=20.0)
     assert time.monotonic() - t0 < 8
-    assert "CollectiveMismatch" in str(err.value) and "allreduce(ring)" in str(err.value), str(err.value)
+    assert "CollectiveMismatch" in str(err.value) and "allreduce(ring)" in str(err.value), str(
+        err.value
+    )
 
 
 def job_absent(comm):
@@ -138,4 +143,6 @@ def test_a_rank_that_never_joins_is_named_at_the_timeout(mpi):
     with pytest.raises(RankError) as err:
         launch(job_absent, 2, backend="mpi", timeout=1.0)
     assert time.monotonic() - t0 < 8
-    assert "CommTimeout" in str(err.value) and "rank 0 to join the native all-reduce" in str(err.value)
+    assert "CommTimeout" in str(err.value) and "rank 0 to join the native all-reduce" in str(
+        err.value
+    )

@@ -33,12 +33,20 @@ LENGTHS = (0, 1, 2, 3, 5, 7, 13, 17, 31, 97, 1000, 2053)
 def _calls(p: int, root: int, op: str) -> list[tuple[str, tuple]]:
     """Every (label, (function name, args)) a world of p ranks can run: the whole registry."""
     calls = [(f"allreduce({a}, {op})", ("allreduce", (a, op))) for a in ALGORITHMS]
-    calls += [(f"{k}({a})", (k, (a,))) for a in SCATTER_ALGORITHMS for k in ("reduce_scatter", "allgather")]
-    calls += [(f"{k}({a}, root={root})", (k, (root, a))) for a in ROOTED for k in ("reduce", "broadcast")]
+    calls += [
+        (f"{k}({a})", (k, (a,)))
+        for a in SCATTER_ALGORITHMS
+        for k in ("reduce_scatter", "allgather")
+    ]
+    calls += [
+        (f"{k}({a}, root={root})", (k, (root, a))) for a in ROOTED for k in ("reduce", "broadcast")
+    ]
     return calls
 
 
-def job_both(comm, seed: int, n: int, dtype: str, how: str, kind: str, root: int, op: str) -> list[str]:
+def job_both(
+    comm, seed: int, n: int, dtype: str, how: str, kind: str, root: int, op: str
+) -> list[str]:
     """On every rank: each collective through the spine, then the engine, on equal inputs; the
     labels (with the first differing index) where the bytes or the returned view differ."""
     rng = np.random.default_rng([seed, comm.rank])
@@ -100,11 +108,14 @@ def _pairs(p: int) -> list[tuple[Schedule, RoundTable]]:
               "hierarchical": (1, 2, 3, 4, 5, 8, 64)}
     out = [(ALLREDUCE[name](p, *args), fast(p, *args)) for name, fast in arrays.ALLREDUCE.items()
            for args in ([(x,) for x in params[name]] if name in params else [()])]
-    out += [(SCATTER[name][i](p), fast[i](p)) for name, fast in arrays.SCATTER.items() for i in (0, 1)]
+    out += [
+        (SCATTER[name][i](p), fast[i](p)) for name, fast in arrays.SCATTER.items() for i in (0, 1)
+    ]
     return out
 
 
-@pytest.mark.parametrize("p", [*range(1, 21), 24, 31, 32, 33, 48, 64])  # small p, 2^k and neighbours
+# small p, 2^k and neighbours
+@pytest.mark.parametrize("p", [*range(1, 21), 24, 31, 32, 33, 48, 64])
 def test_the_array_builders_equal_the_readable_builders(p):
     """Same rounds, same transfers, same order within each round (the order messages post in)."""
     for want, got in _pairs(p):

@@ -40,11 +40,15 @@ HEAVY = TrainConfig(model=MLPConfig(in_dim=64, hidden=(64,) * 4, out_dim=8), num
 
 def rel(a, b) -> float:
     a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
-    return float(np.max(np.abs(a - b), initial=0.0) / max(1.0, float(np.max(np.abs(b), initial=0.0))))
+    return float(
+        np.max(np.abs(a - b), initial=0.0) / max(1.0, float(np.max(np.abs(b), initial=0.0)))
+    )
 
 
 def span_s(events, rank: int, kinds: tuple[str, ...]) -> float:
-    return sum(e.t_end_ns - e.t_start_ns for e in events if e.rank == rank and e.kind in kinds) / 1e9
+    return (
+        sum(e.t_end_ns - e.t_start_ns for e in events if e.rank == rank and e.kind in kinds) / 1e9
+    )
 
 
 # -- rank functions (module level: World.run pickles them) -----------------------------------
@@ -68,9 +72,14 @@ def test_parse_and_check_stragglers():
     for bad in ["3", "x:2", "1:y", "", "1:2:3"]:
         with pytest.raises(ConfigError, match="RANK:FACTOR"):
             parse_stragglers(bad)
-    for stragglers, first, words in [(((4, 2.0),), 0, "out of range"), (((1, 0.5),), 0, "factor"),
-                                     (((1, math.inf),), 0, "factor"), (((1, 2.0), (1, 3.0)), 0, "once"),
-                                     (((-1, 2.0),), 0, ">= 0"), (((0, 2.0),), 1, "parameter server")]:
+    for stragglers, first, words in [
+        (((4, 2.0),), 0, "out of range"),
+        (((1, 0.5),), 0, "factor"),
+        (((1, math.inf),), 0, "factor"),
+        (((1, 2.0), (1, 3.0)), 0, "once"),
+        (((-1, 2.0),), 0, ">= 0"),
+        (((0, 2.0),), 1, "parameter server"),
+    ]:
         with pytest.raises(ConfigError, match=words):
             check_stragglers(stragglers, 4, first)
 
@@ -81,7 +90,8 @@ def test_slowdown_stretches_compute_by_the_factor_and_keeps_its_account():
     with slow.compute():
         time.sleep(0.01)  # stands for 10 ms of compute
     assert 0.035 <= time.perf_counter() - t0 < 0.2  # 4 x 10 ms, with room for a busy machine
-    for _ in slow.pieces(range(200)):  # tiny pieces: each sleep overshoots, the balance pays it back
+    for _ in slow.pieces(range(200)):
+        # tiny pieces: each sleep overshoots, the balance pays it back
         sum(range(200))
     assert slow.owed_s <= 0
     assert slow.slept_s + slow.owed_s == pytest.approx(3 * slow.compute_s, rel=1e-9)
@@ -94,11 +104,14 @@ def test_slowdown_stretches_compute_by_the_factor_and_keeps_its_account():
 # -- sync: slower, never different ------------------------------------------------------------
 
 def check_slowdown(events, rank: int, inside: tuple[str, ...]) -> None:
-    """``rank`` slept, inside its compute spans, (factor - 1) x its measured compute; nobody else slept."""
+    """``rank`` slept, inside its compute spans, (factor - 1) x its measured compute;
+    nobody else slept."""
     naps = [e for e in events if e.kind == "slowdown"]
     assert naps and {e.rank for e in naps} == {rank}
     spans = [e for e in events if e.rank == rank and e.kind in inside]
-    assert all(any(s.t_start_ns <= e.t_start_ns <= e.t_end_ns <= s.t_end_ns for s in spans) for e in naps)
+    assert all(
+        any(s.t_start_ns <= e.t_start_ns <= e.t_end_ns <= s.t_end_ns for s in spans) for e in naps
+    )
     last = naps[-1].extra  # the running account at the last sleep
     owed = (last["factor"] - 1) * last["compute_s"]
     assert owed <= last["slept_s"] <= owed + 0.05
@@ -114,7 +127,9 @@ def test_sync_straggler_slows_its_rank_and_math_is_unchanged(worlds):
     runs = {}
     for factor in (1.0, 4.0):
         stragglers = ((1, factor),) if factor > 1 else ()
-        results = worlds(2).run(_run, train_sync, HEAVY, SyncConfig("ring", straggler=stragglers), True)
+        results = worlds(2).run(
+            _run, train_sync, HEAVY, SyncConfig("ring", straggler=stragglers), True
+        )
         for result, _ in results:
             assert rel(result.params, train_single(HEAVY).params) <= 1e-10
             assert np.array_equal(result.params, results[0][0].params)
@@ -122,8 +137,12 @@ def test_sync_straggler_slows_its_rank_and_math_is_unchanged(worlds):
     assert not any(e.kind == "slowdown" for e in runs[1.0])
     check_slowdown(runs[4.0], 1, ("forward", "backward"))
     for step in range(HEAVY.steps):  # the step cannot end on rank 0 before rank 1's slowed forward
-        (forward,) = [e for e in runs[4.0] if e.rank == 1 and e.kind == "forward" and e.extra["step"] == step]
-        (wait,) = [e for e in runs[4.0] if e.rank == 0 and e.kind == "wait" and e.extra["step"] == step]
+        (forward,) = [
+            e for e in runs[4.0] if e.rank == 1 and e.kind == "forward" and e.extra["step"] == step
+        ]
+        (wait,) = [
+            e for e in runs[4.0] if e.rank == 0 and e.kind == "wait" and e.extra["step"] == step
+        ]
         assert wait.t_end_ns >= forward.t_end_ns
 
 

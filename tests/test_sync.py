@@ -115,7 +115,9 @@ BASE = TrainConfig(model=MLPConfig(in_dim=5, hidden=(7, 6), out_dim=3), num_samp
     (3, 100, 2),  # batch larger than the data set: indices repeat across epochs
 ])
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
-def test_empty_shards_and_micro_batches_still_match(worlds, backend, p, global_batch, accum_steps, algorithm):
+def test_empty_shards_and_micro_batches_still_match(
+    worlds, backend, p, global_batch, accum_steps, algorithm
+):
     cfg = dataclasses.replace(BASE, global_batch=global_batch)
     sync = SyncConfig(algorithm, bucket_cap_mb=1e-6, accum_steps=accum_steps)
     check_equals_single(worlds(p, backend).run(_train, cfg, sync), cfg, 1e-10)
@@ -200,7 +202,9 @@ def test_no_sync_micro_batches_launch_no_buckets(worlds, accum_steps):
         assert len(backward) == cfg.steps * accum_steps
         # no bucket starts before the last micro-batch's backward of its step has begun
         for step in range(cfg.steps):
-            last = max((e for e in backward if e.extra["step"] == step), key=lambda e: e.extra["micro"])
+            last = max(
+                (e for e in backward if e.extra["step"] == step), key=lambda e: e.extra["micro"]
+            )
             assert last.extra["micro"] == accum_steps - 1
             earlier = [e for e in backward if e.extra["step"] == step and e is not last]
             for e in earlier:

@@ -23,7 +23,8 @@ def walk(s: Schedule, nbytes: int, topo: Topology, itemsize: int = 1) -> float:
     cb = [(b - a) * itemsize for a, b in chunk_bounds(nbytes // itemsize, s.num_chunks)]
     total = 0.0
     for rnd in s.rounds:
-        port = {(r, L): [0, 0, 0, 0] for r in range(p) for L in (0, 1)}  # msgs out, in, bytes out, in
+        # msgs out, in, bytes out, in
+        port = {(r, L): [0, 0, 0, 0] for r in range(p) for L in (0, 1)}
         red = [0] * p
         for m in messages(rnd):
             L = int(m.src // g != m.dst // g)
@@ -60,7 +61,9 @@ def test_flat_topology_is_the_one_level_model(alg):
         assert flat == cost(s, n, topology=Topology.flat(3e-6, 2e-9, 1e-10), itemsize=4)
         # one node holding every rank: every message on the intra link, priced the same way
         one_node = Topology("node", 64, Link(3e-6, 2e-9), Link(1.0, 1.0), 1e-10)
-        assert math.isclose(cost(s, n, topology=one_node, itemsize=4).time, flat.time, rel_tol=1e-12)
+        assert math.isclose(
+            cost(s, n, topology=one_node, itemsize=4).time, flat.time, rel_tol=1e-12
+        )
 
 
 def test_a_rank_using_both_links_in_one_round_pays_the_slower_port_not_the_sum():
@@ -87,7 +90,9 @@ def test_curve_is_cost_where_chunks_divide_and_the_next_multiple_elsewhere():
         k = s.num_chunks
         sizes = np.array([0, 4 * k, 4 * k * 1000, 4 * (k * 1000 + 1), 4 * 3], dtype=np.int64)
         got = curve(s, sizes, topo, 4)
-        want = [cost(s, int(-(-n // 4 // k) * k * 4), topology=topo, itemsize=4).time for n in sizes]
+        want = [
+            cost(s, int(-(-n // 4 // k) * k * 4), topology=topo, itemsize=4).time for n in sizes
+        ]
         np.testing.assert_allclose(got, want, rtol=1e-12)
         assert cost(s, int(sizes[3]), topology=topo, itemsize=4).time <= got[3]
 
@@ -96,7 +101,10 @@ def test_hierarchical_beats_the_ring_across_nodes_and_the_errors_say_what_to_do(
     topo = PRESETS["dgx-h100"]
     ring, hier = allreduce_schedule("ring", 64), allreduce_schedule("hierarchical:8", 64)
     for n in (1 << 10, 1 << 20, 1 << 30):
-        assert cost(hier, n, topology=topo, itemsize=4).time < cost(ring, n, topology=topo, itemsize=4).time
+        assert (
+            cost(hier, n, topology=topo, itemsize=4).time
+            < cost(ring, n, topology=topo, itemsize=4).time
+        )
     with pytest.raises(ConfigError, match="not both"):
         cost(ring, 8, 1.0, 1.0, 1.0, topology=topo)
     with pytest.raises(ConfigError, match="alpha, beta and gamma"):

@@ -1,4 +1,5 @@
-"""The best algorithm per (p, size) region: the pure function, the heat map, and the Cost page section."""
+"""The best algorithm per (p, size) region: the pure function, the heat map, and the Cost page
+section."""
 
 from __future__ import annotations
 
@@ -41,7 +42,9 @@ def test_heat_map_colours_the_winners():
     heat = fig.data[0]
     assert list(heat.y) == [str(p) for p in PS] and list(heat.x) == ["1 KiB", "1 MiB", "1 GiB"]
     ticks = list(heat.colorbar.ticktext)
-    assert [[ticks[z] for z in row] for row in heat.z] == [[r.algorithms[w] for w in row] for row in r.winner]
+    assert [[ticks[z] for z in row] for row in heat.z] == [
+        [r.algorithms[w] for w in row] for row in r.winner
+    ]
     assert regions_rows(r)[3] == {"p": "64", "1 KiB": "recursive_doubling", "1 MiB": "rabenseifner",
                                   "1 GiB": "hierarchical:8"}
 
@@ -55,7 +58,8 @@ def test_cost_page_maps_the_regions_of_the_chosen_topology():
     at.query_params["algorithms"] = "ring,tree,hierarchical"  # the curves above: keep them cheap
     at.run()
     assert not at.exception
-    assert not [c for c in at.get("plotly_chart") if "cost_regions" in c.proto.id]  # off until asked
+    # off until asked
+    assert not [c for c in at.get("plotly_chart") if "cost_regions" in c.proto.id]
     at.toggle(key="regions_on").set_value(True).run()
     at.selectbox(key="regions_topology").set_value("dgx-h100").run()
     at.select_slider(key="regions_max_p").set_value(16).run()

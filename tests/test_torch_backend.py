@@ -162,7 +162,9 @@ def job_traced_ring(comm, n):
     try:
         buf = np.full(n, comm.rank, np.float64)
         collectives.allreduce(comm, buf, "ring")
-        return [(e.kind, e.peer, e.chunk, e.round, e.bytes) for e in comm.tracer.take()], buf.tolist()
+        return [
+            (e.kind, e.peer, e.chunk, e.round, e.bytes) for e in comm.tracer.take()
+        ], buf.tolist()
     finally:
         comm.tracer.enabled = False
 
@@ -220,8 +222,10 @@ def test_reduce_scatter_allgather_broadcast_reduce(world, p, n, root):
 # -- point to point -------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kind", ["numpy", "cpu"])
-@pytest.mark.parametrize("dtype, n", [("float64", 10), ("float32", 1), ("int32", 0), ("int64", 4099),
-                                      ("uint8", 33), ("float16", 7)])
+@pytest.mark.parametrize(
+    "dtype, n",
+    [("float64", 10), ("float32", 1), ("int32", 0), ("int64", 4099), ("uint8", 33), ("float16", 7)],
+)
 def test_send_recv_delivers_the_data_and_names_the_source(world, dtype, n, kind):
     results = world(3).run(job_send_recv, dtype, n, kind)
     assert results[0] is None
@@ -254,9 +258,14 @@ def test_ranks_know_their_place_and_trace_their_rounds(world):
     for rank, (events, values) in enumerate(world(p).run(job_traced_ring, n)):
         assert values == [3.0] * n
         kinds = [e[0] for e in events]
-        assert kinds.count("send") == 2 * (p - 1) and kinds.count("reduce") == kinds.count("copy") == p - 1
+        assert (
+            kinds.count("send") == 2 * (p - 1)
+            and kinds.count("reduce") == kinds.count("copy") == p - 1
+        )
         assert all(peer == (rank + 1) % p for kind, peer, *_ in events if kind == "send")
-        assert all(peer == (rank - 1) % p for kind, peer, *_ in events if kind in ("reduce", "copy"))
+        assert all(
+            peer == (rank - 1) % p for kind, peer, *_ in events if kind in ("reduce", "copy")
+        )
 
 
 # -- failures: fast, clear, and nothing left behind -----------------------------------------
@@ -270,7 +279,9 @@ def test_mismatched_buffers_raise_buffer_mismatch_not_a_hang(algorithm, mismatch
     def fn(comm):
         n, dtype = (1 if mismatch == "length<p" else 10), "float64"
         if comm.rank == 2:
-            n, dtype = {"length": (11, dtype), "dtype": (n, "int64"), "length<p": (2, dtype)}[mismatch]
+            n, dtype = {"length": (11, dtype), "dtype": (n, "int64"), "length<p": (2, dtype)}[
+                mismatch
+            ]
         return collectives.allreduce(comm, np.ones(n, dtype), algorithm=algorithm).tolist()
 
     t0 = time.monotonic()
@@ -408,23 +419,51 @@ TRAIN = TrainConfig(model=MLPConfig(in_dim=5, hidden=(7, 6), out_dim=3), num_sam
                     global_batch=11, steps=4, seed=5)
 
 
-@pytest.mark.parametrize("p, algorithm, accum_steps, global_batch", [
-    (2, "ring", 1, 11), (3, "tree", 2, 11), (4, "native", 1, 3), (4, "direct", 2, 9), (3, "naive", 1, 16)])
+@pytest.mark.parametrize(
+    "p, algorithm, accum_steps, global_batch",
+    [
+        (2, "ring", 1, 11),
+        (3, "tree", 2, 11),
+        (4, "native", 1, 3),
+        (4, "direct", 2, 9),
+        (3, "naive", 1, 16),
+    ],
+)
 def test_train_sync_equals_train_single(world, p, algorithm, accum_steps, global_batch):
     cfg = dataclasses.replace(TRAIN, global_batch=global_batch)
-    results = world(p).run(job_train, cfg, SyncConfig(algorithm, bucket_cap_mb=1e-4, accum_steps=accum_steps))
+    results = world(p).run(
+        job_train, cfg, SyncConfig(algorithm, bucket_cap_mb=1e-4, accum_steps=accum_steps)
+    )
     ref = train_single(cfg).params
     assert np.max(np.abs(results[0].params - ref)) <= 1e-10 * max(1.0, np.max(np.abs(ref)))
     assert all(np.array_equal(r.params, results[0].params) for r in results)
 
 
 def test_torchrun_runs_the_cli_on_its_own_ranks(tmp_path):
-    """As a user types it: ``torchrun --nproc-per-node 4 -m dplab.backends.cli train --backend torch``."""
+    """As a user types it: ``torchrun --nproc-per-node 4 -m dplab.backends.cli train --backend
+    torch``."""
     out = tmp_path / "run.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get(
-        "PYTHONPATH", "")]))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "-m", "dplab.backends.cli",
-           "train", "--backend", "torch", "--steps", "5", "--json", str(out)]
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "4",
+        "-m",
+        "dplab.backends.cli",
+        "train",
+        "--backend",
+        "torch",
+        "--steps",
+        "5",
+        "--json",
+        str(out),
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]

@@ -125,7 +125,8 @@ def _buckets(comm, cap) -> int:
 # -- tests -----------------------------------------------------------------------------------
 
 def test_bucket_cap_none_is_torchs_default_and_inf_is_one_bucket(worlds):
-    """torch.nn.parallel.DistributedDataParallel: "If None, a default size of 25 MiB will be used"."""
+    """torch.nn.parallel.DistributedDataParallel: "If None, a default size of 25 MiB will be
+    used"."""
     world = worlds(1)
     at_25 = world.run(_buckets, 25.0)[0]
     assert at_25 == 2  # 8 + 8 + 8 + 8 MiB close the first bucket at >= 25 MiB; one layer is left
@@ -134,7 +135,8 @@ def test_bucket_cap_none_is_torchs_default_and_inf_is_one_bucket(worlds):
     assert world.run(_buckets, math.inf)[0] == 1
 
 
-@pytest.mark.parametrize("p, n", [(2, 7), (3, 7), (3, 2), (4, 10)])  # (3, 2): rank 2's shard is empty
+# (3, 2): rank 2's shard is empty
+@pytest.mark.parametrize("p, n", [(2, 7), (3, 7), (3, 2), (4, 10)])
 def test_uneven_shards_with_local_batch_size_equal_the_full_batch(worlds, backend, p, n):
     ref = reference(n)
     results = worlds(p, backend).run(_train_uneven, n, True)

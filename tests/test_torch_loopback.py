@@ -54,7 +54,8 @@ def _address(hex_ip: str, width: int) -> str:
     if width == 8:
         return socket.inet_ntop(socket.AF_INET, raw[::-1])
     words = b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4))  # four little-endian words
-    return socket.inet_ntop(socket.AF_INET6, words).removeprefix("::ffff:")  # IPv4 on a dual-stack socket
+    # IPv4 on a dual-stack socket
+    return socket.inet_ntop(socket.AF_INET6, words).removeprefix("::ffff:")
 
 
 def _sockets(comm) -> list[str]:
@@ -68,7 +69,9 @@ def public_interface() -> tuple[str, str] | None:
     for _, name in socket.if_nameindex():
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
             try:
-                packed = fcntl.ioctl(s.fileno(), siocgifaddr, struct.pack("256s", name[:15].encode()))
+                packed = fcntl.ioctl(
+                    s.fileno(), siocgifaddr, struct.pack("256s", name[:15].encode())
+                )
             except OSError:
                 continue
         address = socket.inet_ntoa(packed[20:24])
@@ -93,13 +96,30 @@ def test_loopback_even_when_the_host_name_resolves_to_a_public_address(tmp_path)
     script = ("import json, sys; from dplab.backends.launch.world import launch; "
               "from test_torch_loopback import _sockets; "
               "print(json.dumps(launch(_sockets, 2, backend='torch')))")
-    env = {k: v for k, v in os.environ.items() if k not in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")}
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+    }
     env["PYTHONPATH"] = os.path.dirname(__file__)
-    done = subprocess.run(["unshare", "-u", "sh", "-c", f'hostname {public[1]} && exec "$0" -c "$1"',
-                           sys.executable, script], capture_output=True, text=True, timeout=120, env=env)
+    done = subprocess.run(
+        [
+            "unshare",
+            "-u",
+            "sh",
+            "-c",
+            f'hostname {public[1]} && exec "$0" -c "$1"',
+            sys.executable,
+            script,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     for rank, addresses in enumerate(json.loads(done.stdout.strip().splitlines()[-1])):
-        assert set(addresses) == {"127.0.0.1"}, f"rank {rank} under host name {public[1]}: {addresses}"
+        assert set(addresses) == {"127.0.0.1"}, (
+            f"rank {rank} under host name {public[1]}: {addresses}"
+        )
 
 
 def test_a_users_gloo_socket_ifname_is_left_alone(monkeypatch):
@@ -108,4 +128,5 @@ def test_a_users_gloo_socket_ifname_is_left_alone(monkeypatch):
         pytest.skip("needs a non-loopback IPv4 interface")
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", public[0])
     for rank, addresses in enumerate(launch(_sockets, 2, backend="torch")):
-        assert public[1] in addresses, f"rank {rank}: {addresses}"  # gloo's; the store stays on loopback
+        # gloo's; the store stays on loopback
+        assert public[1] in addresses, f"rank {rank}: {addresses}"

@@ -60,7 +60,8 @@ def test_array_namespace_is_read_off_the_arrays_type():
 def test_the_recipe_computes_on_the_communicators_cuda_device_only():
     gpu, sync = torch.device("cuda", 0), SyncConfig()  # a device object only: no CUDA starts
     assert compute_device(SimpleNamespace(device=gpu), sync) == gpu
-    assert compute_device(SimpleNamespace(device=CPU), sync) is None  # the cuda backend on the CPU, gloo
+    # the cuda backend on the CPU, gloo
+    assert compute_device(SimpleNamespace(device=CPU), sync) is None
     assert compute_device(SimpleNamespace(), sync) is None  # local, mpi: numpy arrays
     assert compute_device(SimpleNamespace(), sync, CPU) == CPU  # asked for: torch on the CPU
 
@@ -87,8 +88,12 @@ def test_model_and_optimizer_keep_torch_tensors_where_they_are():
     params = torch.from_numpy(model.init_params(seed=0))
     x, y = torch.ones(4, 3, dtype=torch.float64), torch.tensor([0, 1, 1, 0])
     loss, grad = model.loss_and_grad(params, x, y, scale=1 / 4)
-    assert isinstance(loss, float) and isinstance(grad, torch.Tensor) and grad.dtype == torch.float64
-    want_loss, want_grad = model.loss_and_grad(params.numpy().copy(), x.numpy(), y.numpy(), scale=1 / 4)
+    assert (
+        isinstance(loss, float) and isinstance(grad, torch.Tensor) and grad.dtype == torch.float64
+    )
+    want_loss, want_grad = model.loss_and_grad(
+        params.numpy().copy(), x.numpy(), y.numpy(), scale=1 / 4
+    )
     assert loss == pytest.approx(want_loss, rel=1e-14)
     np.testing.assert_allclose(grad.numpy(), want_grad, rtol=1e-13, atol=1e-16)
     opt = make_optimizer(OptimConfig("adam"), model.num_params, params.dtype, device=CPU)
@@ -105,7 +110,8 @@ def job_train(comm, cfg: TrainConfig, sync: SyncConfig, on_torch: bool):
 
 @pytest.mark.parametrize("p", [1, 2, 4])
 def test_sync_on_torch_equals_the_numpy_path_on_the_cuda_backend(cuda_on_cpu, p):
-    sync = SyncConfig("ring", bucket_cap_mb=0.001, accum_steps=2)  # several buckets, two micro-batches
+    # several buckets, two micro-batches
+    sync = SyncConfig("ring", bucket_cap_mb=0.001, accum_steps=2)
     with World(p, "cuda", timeout=60) as world:
         for loss, activation in NETS:
             for optimizer in ("sgd", "momentum", "adam"):
@@ -113,7 +119,8 @@ def test_sync_on_torch_equals_the_numpy_path_on_the_cuda_backend(cuda_on_cpu, p)
                 want = world.run(job_train, cfg, sync, False)
                 got = world.run(job_train, cfg, sync, True)
                 assert all(type(params) is np.ndarray for params, _ in got)
-                assert all(params.tobytes() == got[0][0].tobytes() for params, _ in got)  # replicas equal
+                # replicas equal
+                assert all(params.tobytes() == got[0][0].tobytes() for params, _ in got)
                 assert _relative(got[0][0], want[0][0]) < 1e-12, (loss, activation, optimizer)
                 np.testing.assert_allclose(got[0][1], want[0][1], rtol=1e-12)
 
@@ -168,6 +175,7 @@ def test_sync_on_a_gpu_computes_there_and_equals_one_device(p):
         want = train_single(cfg).params  # NumPy, on the host
         with World(p, "cuda", timeout=120) as world:
             got = world.run(job_on_gpu, cfg)
-        assert all(used > 0 for _, used in got)  # the parameters, data and gradients were on the GPU
+        # the parameters, data and gradients were on the GPU
+        assert all(used > 0 for _, used in got)
         assert all(params.tobytes() == got[0][0].tobytes() for params, _ in got)
         assert _relative(got[0][0], want) < 1e-10

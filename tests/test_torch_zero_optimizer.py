@@ -84,7 +84,11 @@ def reference() -> dict:
     opt = torch.optim.AdamW(param_groups(model), lr=0.01)
     sched = StepLR(opt, step_size=2, gamma=0.5)
     before = train(model, opt, sched, range(BEFORE), 0, B)
-    saved = {"state": copy.deepcopy(opt.state_dict()), "params": snapshot(model), "sched": sched.state_dict()}
+    saved = {
+        "state": copy.deepcopy(opt.state_dict()),
+        "params": snapshot(model),
+        "sched": sched.state_dict(),
+    }
     after = train(model, opt, sched, range(BEFORE, BEFORE + AFTER), 0, B)
     return {"before": before, "after": after, **saved}
 
@@ -137,11 +141,20 @@ def _train_save_resume(comm) -> dict:
             p.copy_(torch.from_numpy(saved))
     opt2 = _zero(comm, fresh)
     opt2.load_state_dict(state)
-    again = train(fresh, opt2, resumed(fresh, opt2, sched_state), range(BEFORE, BEFORE + AFTER), lo, hi)
-    return {"before": before, "after": after, "again": again, "state": pickle.dumps(state), "params": params,
-            "sched": sched_state, "unconsolidated": unconsolidated,
-            "lrs": [g["lr"] for g in opt.param_groups],
-            "inner_lrs": [g["lr"] for g in opt.optim.param_groups]}
+    again = train(
+        fresh, opt2, resumed(fresh, opt2, sched_state), range(BEFORE, BEFORE + AFTER), lo, hi
+    )
+    return {
+        "before": before,
+        "after": after,
+        "again": again,
+        "state": pickle.dumps(state),
+        "params": params,
+        "sched": sched_state,
+        "unconsolidated": unconsolidated,
+        "lrs": [g["lr"] for g in opt.param_groups],
+        "inner_lrs": [g["lr"] for g in opt.optim.param_groups],
+    }
 
 
 def _resume_from_torch(comm, params: list, state: bytes, sched_state: dict) -> list:
@@ -159,7 +172,9 @@ def _resume_from_torch(comm, params: list, state: bytes, sched_state: dict) -> l
     opt = _zero(comm, model)
     opt.load_state_dict(state)
     sched = resumed(model, opt, sched_state)
-    return train(model, opt, sched, range(BEFORE, BEFORE + AFTER), comm.rank * per, (comm.rank + 1) * per)
+    return train(
+        model, opt, sched, range(BEFORE, BEFORE + AFTER), comm.rank * per, (comm.rank + 1) * per
+    )
 
 
 # -- tests -----------------------------------------------------------------------------------
@@ -169,7 +184,8 @@ def test_groups_scheduler_and_add_param_group_equal_torch_optim(worlds, backend,
     ref = reference()
     for rank, r in enumerate(worlds(p, backend).run(_train_save_resume)):
         close(r["before"] + r["after"], ref["before"] + ref["after"], f"rank {rank}")
-        assert r["lrs"] == r["inner_lrs"] == [0.02 * 0.25, 0.05 * 0.25, 0.03 * 0.5]  # StepLR's halvings
+        # StepLR's halvings
+        assert r["lrs"] == r["inner_lrs"] == [0.02 * 0.25, 0.05 * 0.25, 0.03 * 0.5]
         assert "consolidate_state_dict" in r["unconsolidated"]
 
 
@@ -181,7 +197,9 @@ def test_state_dict_is_torchs_and_a_round_trip_trains_on_identically(worlds, bac
         for a, b in zip(r["after"], r["again"], strict=True):  # resumed ZeRO == uninterrupted ZeRO
             assert all(np.array_equal(x, y) for x, y in zip(a, b, strict=True)), f"rank {rank}"
         mine = pickle.loads(r["state"])
-        assert [g["params"] for g in mine["param_groups"]] == [g["params"] for g in theirs["param_groups"]]
+        assert [g["params"] for g in mine["param_groups"]] == [
+            g["params"] for g in theirs["param_groups"]
+        ]
         assert [g["lr"] for g in mine["param_groups"]] == [g["lr"] for g in theirs["param_groups"]]
         assert sorted(mine["state"]) == sorted(theirs["state"]) == [0, 1, 2, 3]
         for i, s in theirs["state"].items():
@@ -197,7 +215,8 @@ def test_state_dict_is_torchs_and_a_round_trip_trains_on_identically(worlds, bac
     opt = torch.optim.AdamW(param_groups(model, late=True), lr=0.01)
     opt.load_state_dict(pickle.loads(r["state"]))
     sched = resumed(model, opt, r["sched"])
-    close(train(model, opt, sched, range(BEFORE, BEFORE + AFTER), 0, B), r["after"], "plain from ZeRO's")
+    close(train(model, opt, sched, range(BEFORE, BEFORE + AFTER), 0, B), r["after"], "plain from "
+                                                                                     "ZeRO's")
 
 
 @pytest.mark.parametrize("p", [2, 3])

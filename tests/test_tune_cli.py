@@ -1,4 +1,5 @@
-"""dplab tune: bench (or read bench rows), fit, save where auto reads it; dplab bench shows auto's pick."""
+"""dplab tune: bench (or read bench rows), fit, save where auto reads it;
+dplab bench shows auto's pick."""
 
 from __future__ import annotations
 
@@ -23,8 +24,10 @@ def synthetic_rows():
                 t = CostFit("local", p, alg, alpha, beta, None).predict_s(alg, p, n)
                 rows.append({"backend": "local", "algorithm": alg, "world_size": p, "bytes": n,
                              "time_us": t * 1e6})
-        rows += [{"backend": "local", "algorithm": "memcpy", "world_size": p, "bytes": n, "time_us": 1.0}
-                 for n in SIZES]
+        rows += [
+            {"backend": "local", "algorithm": "memcpy", "world_size": p, "bytes": n, "time_us": 1.0}
+            for n in SIZES
+        ]
     return rows
 
 
@@ -35,7 +38,9 @@ def _forget():
     auto.reset()
 
 
-def test_tune_fits_saved_rows_and_saves_every_level_where_auto_reads_it(tmp_path, capsys, monkeypatch):
+def test_tune_fits_saved_rows_and_saves_every_level_where_auto_reads_it(
+    tmp_path, capsys, monkeypatch
+):
     bench = tmp_path / "bench.json"
     bench.write_text(json.dumps({"meta": {"command": "bench"}, "rows": synthetic_rows()}))
     out, table = tmp_path / "tune.json", tmp_path / "rows.json"
@@ -45,12 +50,15 @@ def test_tune_fits_saved_rows_and_saves_every_level_where_auto_reads_it(tmp_path
     assert "local: rms residual of our schedules" in printed and "alpha_us" in printed
     rows = json.loads(table.read_text())["rows"]
     head = {(r["world_size"], r["algorithm"]): r for r in rows}
-    assert head[("all", "all")]["alpha_us"] == pytest.approx(20) and head[("all", "all")]["beta_gbps"] == (
-        pytest.approx(8))
+    assert head[("all", "all")]["alpha_us"] == pytest.approx(20) and head[("all", "all")][
+        "beta_gbps"
+    ] == (pytest.approx(8))
     assert head[("all", "native")]["alpha_us"] == pytest.approx(5)
     assert head[(4, "tree")]["max_residual_pct"] < 1e-6 and len(rows) == 1 + 1 + 2 * 2 + 2 * 3
     saved = auto.load_tuning(out)
-    assert len(saved.fits) == len(rows) and saved.fit_for("local", "native", 4).alpha == pytest.approx(5e-6)
+    assert len(saved.fits) == len(rows) and saved.fit_for(
+        "local", "native", 4
+    ).alpha == pytest.approx(5e-6)
     monkeypatch.setenv(auto.TUNE_ENV, str(out))
     auto.reset()
     assert auto.current().source == str(out)
@@ -62,8 +70,14 @@ def test_tune_refuses_what_it_cannot_fit_in_one_line(tmp_path, capsys):
     bad.write_text(json.dumps({"meta": {"command": "train"}, "rows": []}))
     assert main(["tune", "--from-json", str(bad), "--out", str(tmp_path / "t.json")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == [f"dplab tune: error: {bad} holds `dplab train` rows: give `dplab bench --json` output"]
-    assert main(["tune", "--from-json", str(tmp_path / "none.json"), "--out", str(tmp_path / "t.json")]) == 2
+    assert err == [f"dplab tune: error: {bad} holds `dplab train` rows: give `dplab bench --json` "
+                   "output"]
+    assert (
+        main(
+            ["tune", "--from-json", str(tmp_path / "none.json"), "--out", str(tmp_path / "t.json")]
+        )
+        == 2
+    )
     assert "No such file" in capsys.readouterr().err
     assert main(["tune", "--algorithms", "nosuch", "--out", str(tmp_path / "t.json")]) == 2
     assert "unknown algorithm 'nosuch'" in capsys.readouterr().err
@@ -72,8 +86,26 @@ def test_tune_refuses_what_it_cannot_fit_in_one_line(tmp_path, capsys):
 
 def test_a_short_real_tune_then_bench_shows_what_auto_ran(tmp_path, monkeypatch, capsys):
     out = tmp_path / "tune.json"
-    assert main(["tune", "--world-sizes", "2", "--sizes", "4K,64K", "--algorithms", "ring,tree,native",
-                 "--reps", "1", "--target-seconds", "0.01", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "tune",
+                "--world-sizes",
+                "2",
+                "--sizes",
+                "4K,64K",
+                "--algorithms",
+                "ring,tree,native",
+                "--reps",
+                "1",
+                "--target-seconds",
+                "0.01",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     saved = auto.load_tuning(out)
     assert {(f.world_size, f.algorithm) for f in saved.fits} == {
         ("all", "all"), ("all", "native"), (2, "all"), (2, "native"), (2, "ring"), (2, "tree")}

@@ -47,10 +47,15 @@ def test_alpha_beta_gamma_are_recovered_when_the_rows_can_tell_gamma_from_beta()
     shares = {alg: reduce_share(alg) for alg in ALLREDUCE}
     other = sorted(a for a, s in shares.items() if abs(s - shares["ring"]) > 0.1)
     if not other:
-        pytest.skip("every registered schedule reduces the same share of what it sends: gamma is not "
-                    "identifiable (recursive doubling would separate it)")
+        pytest.skip("every registered schedule reduces the same share of what it sends: gamma is "
+                    "not identifiable (recursive doubling would separate it)")
     truth = (20e-6, 1 / 8e9, 1 / 30e9)
-    rows = [r for alg in ("ring", "tree", other[0]) for p in (2, 4) for r in synthetic("mpi", alg, p, *truth)]
+    rows = [
+        r
+        for alg in ("ring", "tree", other[0])
+        for p in (2, 4)
+        for r in synthetic("mpi", alg, p, *truth)
+    ]
     (f,) = fit(rows)
     assert (f.backend, f.world_size, f.algorithm, len(f.rows)) == ("mpi", "all", "all", 24)
     assert f.alpha == pytest.approx(truth[0], rel=1e-9)
@@ -72,12 +77,20 @@ def test_schedules_with_one_reduce_share_fold_gamma_into_beta():
 
 
 def test_native_is_fitted_on_its_own_and_memcpy_not_at_all():
-    rows = synthetic("mpi", "ring", 4, 10e-6, 1e-10, 0.0) + synthetic("mpi", "native", 4, 3e-6, 2e-10, 0.0)
-    rows.append({"backend": "mpi", "algorithm": "memcpy", "world_size": 4, "bytes": 4096, "time_us": 0.5})
-    rows.append({"backend": "mpi", "algorithm": "ring", "world_size": 1, "bytes": 4096, "time_us": 0.5})
+    rows = synthetic("mpi", "ring", 4, 10e-6, 1e-10, 0.0) + synthetic(
+        "mpi", "native", 4, 3e-6, 2e-10, 0.0
+    )
+    rows.append(
+        {"backend": "mpi", "algorithm": "memcpy", "world_size": 4, "bytes": 4096, "time_us": 0.5}
+    )
+    rows.append(
+        {"backend": "mpi", "algorithm": "ring", "world_size": 1, "bytes": 4096, "time_us": 0.5}
+    )
     fits = {f.algorithm: f for f in fit(rows, by=("backend", "world_size"))}
     assert set(fits) == {"all", "native"} and fits["native"].world_size == 4
-    assert fits["native"].alpha == pytest.approx(3e-6) and fits["native"].beta == pytest.approx(2e-10)
+    assert fits["native"].alpha == pytest.approx(3e-6) and fits["native"].beta == pytest.approx(
+        2e-10
+    )
     assert fits["all"].alpha == pytest.approx(10e-6) and len(fits["all"].rows) == 4
 
 
@@ -101,6 +114,8 @@ def test_grouping_by_world_size_and_algorithm_and_the_saved_form():
     assert [round(f.alpha * 1e6, 6) for f in fits] == [10, 30, 30]
     back = CostFit.from_json(fits[2].to_json())
     assert (back.alpha, back.beta, back.world_size) == (fits[2].alpha, fits[2].beta, 4)
-    assert back.predict_s("tree", 4, 1 << 20) == pytest.approx(fits[2].predict_s("tree", 4, 1 << 20))
+    assert back.predict_s("tree", 4, 1 << 20) == pytest.approx(
+        fits[2].predict_s("tree", 4, 1 << 20)
+    )
     (one,) = fit(rows[:1])
     assert one.alpha is None and "two sizes" in one.note

@@ -21,7 +21,11 @@ DPLAB = [sys.executable, "-m", "dplab.backends.cli"]
 def test_help_names_port_and_host():
     proc = subprocess.run([*DPLAB, "app", "--help"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
-    assert "--port" in proc.stdout and "--host" in proc.stdout and "(default: 127.0.0.1)" in proc.stdout
+    assert (
+        "--port" in proc.stdout
+        and "--host" in proc.stdout
+        and "(default: 127.0.0.1)" in proc.stdout
+    )
 
 
 def test_app_path_is_the_packaged_file_and_other_commands_load_no_viz():
@@ -41,7 +45,11 @@ def test_app_path_is_the_packaged_file_and_other_commands_load_no_viz():
 
 def test_streamlit_argv_is_headless_on_the_given_address():
     argv = serve.streamlit_argv(Path("/x/app.py"), "127.0.0.1", 8123)
-    assert argv[1] == "-c" and "uses_pages_directory = False" in argv[2] and argv[3:5] == ["run", "/x/app.py"]
+    assert (
+        argv[1] == "-c"
+        and "uses_pages_directory = False" in argv[2]
+        and argv[3:5] == ["run", "/x/app.py"]
+    )
     flags = dict(zip(argv[5::2], argv[6::2]))
     assert flags["--server.headless"] == "true"
     assert flags["--server.address"] == "127.0.0.1" and flags["--server.port"] == "8123"
@@ -53,7 +61,11 @@ def test_missing_viz_extra_is_one_line_exit_2(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "plotly", None)  # find_spec answers None, as if not installed
     assert main(["app"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "viz extra (plotly missing)" in err and "pip install 'dplab[viz]'" in err
+    assert (
+        err.count("\n") == 1
+        and "viz extra (plotly missing)" in err
+        and "pip install 'dplab[viz]'" in err
+    )
 
 
 def test_a_taken_port_is_one_line_exit_2(capsys):
@@ -68,14 +80,18 @@ def test_a_taken_port_is_one_line_exit_2(capsys):
 
 @pytest.mark.parametrize("port", ["-1", "70000", "http"])
 def test_a_bad_port_is_refused_by_the_parser(port):
-    proc = subprocess.run([*DPLAB, "app", "--port", port], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [*DPLAB, "app", "--port", port], capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "--port" in proc.stderr
 
 
 def test_dplab_app_serves_health_on_a_free_loopback_port():
-    """The real thing: start ``dplab app``, read the URL it prints, poll /_stcore/health, stop it."""
-    proc = subprocess.Popen([*DPLAB, "app"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            cwd="/")
+    """The real thing: start ``dplab app``, read the URL it prints, poll /_stcore/health, stop
+    it."""
+    proc = subprocess.Popen(
+        [*DPLAB, "app"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd="/"
+    )
     try:
         line = proc.stdout.readline()
         assert line.startswith("dplab app: http://127.0.0.1:"), line + proc.stderr.read()

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-st = pytest.importorskip("streamlit", reason="the viz extra is not installed: pip install 'dplab[viz]'")
+st = pytest.importorskip("streamlit", reason="the viz extra is not installed: pip install "
+                                             "'dplab[viz]'")
 pytest.importorskip("plotly", reason="the viz extra is not installed: pip install 'dplab[viz]'")
 from streamlit.testing.v1 import AppTest  # noqa: E402
 

@@ -1,7 +1,7 @@
 """The app in a real browser: Debian's Chromium, driven by playwright, against ``dplab app``.
 
     pytest -q -m browser tests/test_viz_browser.py
-    DPLAB_ARTIFACTS=/tmp/shots pytest -q -m browser tests/test_viz_browser.py   # keep the screenshots
+    DPLAB_ARTIFACTS=/tmp/shots pytest -q -m browser tests/test_viz_browser.py  # keep screenshots
 
 AppTest runs the pages' scripts but draws nothing: a figure whose JSON plotly.js rejects, a
 Play button that does not animate, a page that never finishes rendering all pass there. Here
@@ -107,7 +107,8 @@ def browser(app: AppServer) -> Iterator[Any]:
 
 
 class Visit:
-    """One new session on one page: the page, its JavaScript errors, and how long it took to render."""
+    """One new session on one page: the page, its JavaScript errors, and how long it took to
+    render."""
 
     def __init__(self, browser: Any, url: str, timeout_s: float, context: Any = None) -> None:
         self.owns_context = context is None
@@ -128,7 +129,9 @@ class Visit:
         height = self.page.evaluate("""() => Math.max(...['stMain', 'stSidebarContent']
             .map(id => document.querySelector(`[data-testid=${id}]`)).filter(Boolean)
             .map(e => e.scrollHeight))""")
-        self.page.set_viewport_size({"width": VIEWPORT["width"], "height": max(VIEWPORT["height"], height)})
+        self.page.set_viewport_size(
+            {"width": VIEWPORT["width"], "height": max(VIEWPORT["height"], height)}
+        )
         self.page.wait_for_timeout(300)  # plotly resizes its charts to the new width
         self.page.screenshot(path=str(path))
         self.page.set_viewport_size(VIEWPORT)
@@ -153,18 +156,27 @@ def visit(browser: Any, app: AppServer) -> Iterator[Any]:
 
 
 def test_viz_browser_missing_chromium_skips_with_the_reason_and_fails_in_ci(tmp_path: Path) -> None:
-    """No browser: a visible skip that says how to install one; under DPLAB_REQUIRE_BROWSER=1 a failure."""
+    """No browser: a visible skip that says how to install one;
+    under DPLAB_REQUIRE_BROWSER=1 a failure."""
     argv = [sys.executable, "-m", "pytest", "-q", "-rsf", "-p", "no:cacheprovider", __file__,
-            "-m", "browser", "-k", "every_page_file_is_in_the_navigation"]  # (pytest leaves out -m browser)
-    env = {**os.environ, "DPLAB_CHROMIUM": str(tmp_path / "no-chromium"), "DPLAB_REQUIRE_BROWSER": "",
-           "DPLAB_ARTIFACTS": str(tmp_path)}
+            # (pytest leaves out -m browser)
+            "-m", "browser", "-k", "every_page_file_is_in_the_navigation"]
+    env = {
+        **os.environ,
+        "DPLAB_CHROMIUM": str(tmp_path / "no-chromium"),
+        "DPLAB_REQUIRE_BROWSER": "",
+        "DPLAB_ARTIFACTS": str(tmp_path),
+    }
     skipped = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
     assert skipped.returncode == 0 and "1 skipped" in skipped.stdout, skipped.stdout[-2000:]
     assert "SKIPPED" in skipped.stdout, skipped.stdout[-2000:]
     assert "apt-get install -y chromium" in skipped.stdout, skipped.stdout[-2000:]
-    failed = subprocess.run(argv, env={**env, "DPLAB_REQUIRE_BROWSER": "1"}, capture_output=True, text=True,
-                            timeout=120)
-    assert failed.returncode == 1 and "apt-get install -y chromium" in failed.stdout, failed.stdout[-2000:]
+    failed = subprocess.run(
+        argv, env={**env, "DPLAB_REQUIRE_BROWSER": "1"}, capture_output=True, text=True, timeout=120
+    )
+    assert failed.returncode == 1 and "apt-get install -y chromium" in failed.stdout, failed.stdout[
+        -2000:
+    ]
 
 
 def test_viz_browser_every_page_file_is_in_the_navigation(visit: Any, app: AppServer) -> None:
@@ -179,13 +191,18 @@ def test_viz_browser_every_page_file_is_in_the_navigation(visit: Any, app: AppSe
 
 
 @pytest.mark.parametrize("stem", PAGE_FILES)
-def test_viz_browser_page_renders_without_exceptions(visit: Any, artifacts: Path, stem: str) -> None:
-    """Every page, as a newcomer opens it: no exception block, no JavaScript error, a title, a screenshot."""
+def test_viz_browser_page_renders_without_exceptions(
+    visit: Any, artifacts: Path, stem: str
+) -> None:
+    """Every page, as a newcomer opens it: no exception block, no JavaScript error, a title, a
+    screenshot."""
     first = visit(stem)
     assert not first.page.evaluate(NOT_FOUND_JS), f"{stem}: 'Page not found' at /{url_path(stem)}"
     landed = first.page.evaluate("location.pathname").strip("/")
-    assert landed == url_path(stem), \
-        f"{stem}: /{url_path(stem)} landed on /{landed} (a page st.navigation lacks falls back to Home)"
+    assert landed == url_path(stem), (
+        f"{stem}: /{url_path(stem)} landed on /{landed} (a page st.navigation lacks falls back to "
+        "Home)"
+    )
     assert first.exceptions() == [], f"{stem}: Streamlit exception block(s)"
     assert first.js_errors == [], f"{stem}: JavaScript errors in the page"
     titles = [t.strip() for t in first.page.locator("h1").all_inner_texts() if t.strip()]
@@ -207,12 +224,17 @@ def _round_caption(page: Any) -> str:
     return found[0]
 
 
-@pytest.mark.skipif("collectives" not in PAGE_FILES, reason="viz/pages/collectives.py is not written yet")
-def test_viz_browser_collectives_next_changes_the_round_caption(visit: Any, artifacts: Path) -> None:
+@pytest.mark.skipif("collectives" not in PAGE_FILES, reason="viz/pages/collectives.py is not "
+                                                            "written yet")
+def test_viz_browser_collectives_next_changes_the_round_caption(
+    visit: Any, artifacts: Path
+) -> None:
     v = visit("collectives")
     before = _round_caption(v.page)
     v.page.get_by_role("button", name=re.compile(r"^\W*Next\W*$")).first.click()
-    v.page.wait_for_function(CAPTION_CHANGED_JS, arg=[TEXT_SELECTOR, before], timeout=WARM_TIMEOUT_S * 1000)
+    v.page.wait_for_function(
+        CAPTION_CHANGED_JS, arg=[TEXT_SELECTOR, before], timeout=WARM_TIMEOUT_S * 1000
+    )
     wait_rendered(v.page, WARM_TIMEOUT_S)
     after = _round_caption(v.page)
     k0, n0 = map(int, ROUND_CAPTION.search(before).groups())
@@ -227,7 +249,8 @@ def _slider_state(page: Any) -> list[dict[str, Any]]:
     return page.evaluate("""() => [...document.querySelectorAll('.js-plotly-plot')].map(el => {
         const s = (el._fullLayout.sliders || [])[0];
         if (!s) return null;
-        return {active: s.active, steps: s.steps.length, frames: (el._transitionData._frames || []).length};
+        return {active: s.active, steps: s.steps.length,
+                frames: (el._transitionData._frames || []).length};
     })""")
 
 
@@ -239,15 +262,22 @@ def _colorscales(page: Any, i: int) -> list[Any]:
 
 # Per-frame timestamps of a chart's animation, from plotly's own event (performance.now(), ms).
 RECORD_FRAMES_JS = """(i) => { const gd = document.querySelectorAll('.js-plotly-plot')[i];
-  window.__frames = []; gd.on('plotly_animatingframe', () => window.__frames.push(performance.now())); }"""
+  window.__frames = [];
+  gd.on('plotly_animatingframe', () => window.__frames.push(performance.now())); }"""
 
 
-@pytest.mark.skipif("collectives" not in PAGE_FILES, reason="viz/pages/collectives.py is not written yet")
-def test_viz_browser_collectives_deep_link_p16_ring_animates_smoothly(visit: Any, artifacts: Path) -> None:
+@pytest.mark.skipif("collectives" not in PAGE_FILES, reason="viz/pages/collectives.py is not "
+                                                            "written yet")
+def test_viz_browser_collectives_deep_link_p16_ring_animates_smoothly(
+    visit: Any, artifacts: Path
+) -> None:
     """A link opens the p=16 ring at round 3 of 30; Play then draws frame after frame at its pace.
     Play runs client-side: the slider moves while the server does nothing (no rerun per frame), and
-    the colour scale stays the one of the first view. (One visit for both: each costs a page run.)"""
-    v = visit("collectives?coll_collective=allreduce&coll_algorithm=ring&coll_p=16&coll_n=64&coll_round=2")
+    the colour scale stays the one of the first view. (One visit for both: each costs a page
+    run.)"""
+    v = visit(
+        "collectives?coll_collective=allreduce&coll_algorithm=ring&coll_p=16&coll_n=64&coll_round=2"
+    )
     assert ROUND_CAPTION.search(_round_caption(v.page)).groups() == ("3", "30")
     i = next(j for j, s in enumerate(_slider_state(v.page)) if s)
     assert _slider_state(v.page)[i] == {"active": 2, "steps": 31, "frames": 31}
@@ -257,9 +287,13 @@ def test_viz_browser_collectives_deep_link_p16_ring_animates_smoothly(visit: Any
     chart.scroll_into_view_if_needed()
     chart.locator(".updatemenu-button", has_text="Play").first.click()
     frames = 6
-    v.page.wait_for_function(f"() => window.__frames.length > {frames}", timeout=WARM_TIMEOUT_S * 1000)
+    v.page.wait_for_function(
+        f"() => window.__frames.length > {frames}", timeout=WARM_TIMEOUT_S * 1000
+    )
     script_state = v.page.locator('[data-testid="stApp"]').get_attribute("data-test-script-state")
-    assert script_state == "notRunning", "Play reran the script: the animation must run in the browser"
+    assert script_state == "notRunning", (
+        "Play reran the script: the animation must run in the browser"
+    )
     assert _slider_state(v.page)[i]["active"] > 2
     # A colour must mean the same count in every frame: plotly.py spells a named scale out in the
     # frames, while plotly.js resolves the same name (its own, reversed "Blues") in the first view.
@@ -277,7 +311,8 @@ def test_viz_browser_collectives_deep_link_p16_ring_animates_smoothly(visit: Any
 
 @pytest.mark.skipif("runs" not in PAGE_FILES, reason="viz/pages/runs.py is not written yet")
 def test_viz_browser_runs_chrome_trace_downloads(visit: Any, artifacts: Path) -> None:
-    """The download button hands the browser the run's Chrome trace: one process per rank, spans in it."""
+    """The download button hands the browser the run's Chrome trace:
+    one process per rank, spans in it."""
     v = visit("runs")
     p = int(v.page.get_by_label("world size").first.input_value())
     with v.page.expect_download(timeout=WARM_TIMEOUT_S * 1000) as info:
@@ -289,12 +324,15 @@ def test_viz_browser_runs_chrome_trace_downloads(visit: Any, artifacts: Path) ->
     assert names == {f"rank {r}" for r in range(p)}
     spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
     assert {e["pid"] for e in spans} == set(range(p)) and all(e["dur"] >= 0 for e in spans)
-    assert {"forward", "backward"} <= {e["name"] for e in spans}, sorted({e["name"] for e in spans})[:20]
+    assert {"forward", "backward"} <= {e["name"] for e in spans}, sorted(
+        {e["name"] for e in spans}
+    )[:20]
 
 
 @pytest.mark.skipif("lessons" not in PAGE_FILES, reason="the Lessons page is not installed")
 def test_viz_browser_lessons_answer_then_next(visit: Any, artifacts: Path) -> None:
-    """Lesson 1: answer the first question (a choice) rightly, Next, the second (a number) wrongly."""
+    """Lesson 1: answer the first question (a choice) rightly, Next, the second (a number)
+    wrongly."""
     v = visit("lessons?lesson=1&step=1")
     page = v.page
     assert page.get_by_text("step 1 of", exact=False).count() > 0
@@ -317,12 +355,15 @@ def test_viz_browser_lessons_answer_then_next(visit: Any, artifacts: Path) -> No
     page.get_by_role("button", name="Check").click()
     page.locator('[data-testid="stAlertContentWarning"]').wait_for(timeout=WARM_TIMEOUT_S * 1000)
     wait_rendered(page, WARM_TIMEOUT_S)
-    assert "it is 3 (you said 2" in page.locator('[data-testid="stAlertContentWarning"]').inner_text()
+    assert (
+        "it is 3 (you said 2" in page.locator('[data-testid="stAlertContentWarning"]').inner_text()
+    )
     assert v.exceptions() == [] and v.js_errors == []
     v.screenshot(artifacts / "lessons-after-next.png")
 
 
-@pytest.mark.skipif("collectives" not in PAGE_FILES, reason="viz/pages/collectives.py is not written yet")
+@pytest.mark.skipif("collectives" not in PAGE_FILES, reason="viz/pages/collectives.py is not "
+                                                            "written yet")
 def test_viz_browser_collectives_deep_link_short_names(visit: Any) -> None:
     """A lesson's link in its own words (?algorithm=tree&p=6) opens the page with those controls."""
     v = visit("collectives?algorithm=tree&p=6&n=12")

@@ -1,4 +1,5 @@
-"""The Collectives page's builders: every frame, arrow, value, word and counter comes from the schedule."""
+"""The Collectives page's builders: every frame, arrow, value, word and counter comes from the
+schedule."""
 
 from __future__ import annotations
 
@@ -38,7 +39,8 @@ def _order(t):
 
 @pytest.mark.parametrize("collective,algorithm", CASES)
 def test_frames_arrows_and_provenance_for_every_world_size(collective, algorithm):
-    """frames = rounds + 1; frame k's arrows are rounds[k]; the end is what the collective leaves."""
+    """frames = rounds + 1; frame k's arrows are rounds[k]; the end is what the collective
+    leaves."""
     for p in range(1, 17):
         root = p // 2
         w = walkthrough(CollectiveConfig(collective, algorithm, p, n=2 * p + 1, root=root))
@@ -48,7 +50,8 @@ def test_frames_arrows_and_provenance_for_every_world_size(collective, algorithm
         spec = figure_spec(w)
         assert len(spec["frames"]) == len(w.frames)
         for k, frame in enumerate(spec["frames"]):
-            want = sorted(sched.rounds[k], key=_order) if k < len(sched.rounds) else []  # a round is a set
+            # a round is a set
+            want = sorted(sched.rounds[k], key=_order) if k < len(sched.rounds) else []
             drawn = sorted(arrows(frame["layout"]), key=_order)
             assert drawn == want == sorted(w.frames[k].transfers, key=_order)
         assert w.correct, (collective, algorithm, p)
@@ -60,7 +63,9 @@ def test_frames_arrows_and_provenance_for_every_world_size(collective, algorithm
         if collective == "reduce":
             assert (final.holdings[root] == 1).all() and final.done[root].all()
         if collective == "broadcast":
-            assert (final.holdings[:, :, root] == 1).all() and final.holdings.sum() == p * sched.num_chunks
+            assert (
+                final.holdings[:, :, root] == 1
+            ).all() and final.holdings.sum() == p * sched.num_chunks
 
 
 @pytest.mark.parametrize("algorithm", algorithms_for("allreduce"))
@@ -88,36 +93,46 @@ def _bounds(n, k):
 def test_long_vectors_skip_values_but_keep_provenance():
     w = walkthrough(CollectiveConfig("allreduce", "ring", 4, n=10_000))
     assert w.frames[0].values is None and w.correct
-    assert "shown for vectors of up to 256" in figure_spec(w)["frames"][0]["data"][0]["customdata"][0][0]
+    assert (
+        "shown for vectors of up to 256"
+        in figure_spec(w)["frames"][0]["data"][0]["customdata"][0][0]
+    )
 
 
 def test_sentences_and_phases_in_words():
     w = walkthrough(CollectiveConfig("allreduce", "ring", 4, 8))
     assert [f.phase for f in w.frames] == ["reduce-scatter"] * 3 + ["all-gather"] * 3 + ["done"]
     assert w.frames[2].sentence == (
-        "round 3 of 6, reduce-scatter: rank 0 sends chunk 1 to rank 1, which adds it; rank 1 sends chunk 2 "
-        "to rank 2, which adds it; rank 2 sends chunk 3 to rank 3, which adds it; rank 3 sends chunk 0 to "
-        "rank 0, which adds it")
-    assert w.frames[3].sentence.startswith("round 4 of 6, all-gather: rank 0 sends chunk 0 to rank 1, which "
-                                           "copies it;")
-    assert w.frames[-1].sentence == ("done after 6 rounds: every rank holds every chunk summed over all 4 "
-                                     "ranks, each contribution exactly once")
+        "round 3 of 6, reduce-scatter: rank 0 sends chunk 1 to rank 1, which adds it; rank 1 sends "
+        "chunk 2 to rank 2, which adds it; rank 2 sends chunk 3 to rank 3, which adds it; rank 3 "
+        "sends chunk 0 to rank 0, which adds it")
+    assert w.frames[3].sentence.startswith("round 4 of 6, all-gather: rank 0 sends chunk 0 to rank "
+                                           "1, which copies it;")
+    assert w.frames[-1].sentence == ("done after 6 rounds: every rank holds every chunk summed "
+                                     "over all 4 ranks, each contribution exactly once")
     tree = walkthrough(CollectiveConfig("allreduce", "tree", 6, 8))
-    assert [f.phase for f in tree.frames[:-1]] == ["reduce up the tree"] * 3 + ["broadcast down the tree"] * 3
-    assert tree.frames[1].sentence == ("round 2 of 6, reduce up the tree: rank 2 sends its whole buffer to "
-                                       "rank 0, which adds it")
+    assert [f.phase for f in tree.frames[:-1]] == ["reduce up the tree"] * 3 + ["broadcast down "
+                                                                                "the tree"] * 3
+    assert tree.frames[1].sentence == ("round 2 of 6, reduce up the tree: rank 2 sends its whole "
+                                       "buffer to rank 0, which adds it")
     naive = walkthrough(CollectiveConfig("allreduce", "naive", 3, 8))
     assert [f.phase for f in naive.frames[:-1]] == ["reduce to the root", "broadcast from the root"]
     big = walkthrough(CollectiveConfig("allreduce", "ring", 16, 8)).frames[0].sentence
-    assert big.count("which adds it") == MAX_CLAUSES and big.endswith("and 12 more transfers like these, "
-                                                                      "all at once")
-    assert walkthrough(CollectiveConfig("allreduce", "ring", 1, 8)).frames[0].sentence.startswith("no rounds")
+    assert big.count("which adds it") == MAX_CLAUSES and big.endswith("and 12 more transfers like "
+                                                                      "these, all at once")
+    assert (
+        walkthrough(CollectiveConfig("allreduce", "ring", 1, 8))
+        .frames[0]
+        .sentence.startswith("no rounds")
+    )
 
 
 @pytest.mark.parametrize("collective,algorithm", CASES)
 def test_bytes_and_time_counters_match_the_closed_forms(collective, algorithm):
     for p in (2, 3, 4, 8, 16):
-        cfg = CollectiveConfig(collective, algorithm, p, n=p * 6, alpha_us=3.0, beta_gbps=2.0, gamma_gbps=4.0)
+        cfg = CollectiveConfig(
+            collective, algorithm, p, n=p * 6, alpha_us=3.0, beta_gbps=2.0, gamma_gbps=4.0
+        )
         w = walkthrough(cfg)
         sent = [f.bytes_sent for f in w.frames]
         assert sent[0] == (0,) * p
@@ -130,7 +145,9 @@ def test_bytes_and_time_counters_match_the_closed_forms(collective, algorithm):
         assert w.frames[-1].time_s == pytest.approx(whole.time, rel=1e-12)
         assert max(sent[-1]) == whole.bytes_sent_max
         if collective == "allreduce" and algorithm == "ring":
-            assert w.closed_form_time_s == pytest.approx(closed_form("ring", p, cfg.nbytes, *cfg.abg))
+            assert w.closed_form_time_s == pytest.approx(
+                closed_form("ring", p, cfg.nbytes, *cfg.abg)
+            )
             assert w.frames[-1].time_s == pytest.approx(w.closed_form_time_s, rel=1e-12)
 
 
@@ -158,21 +175,37 @@ def test_figure_is_a_valid_plotly_animation_with_client_side_play():
     fig = figure(w, start=2)
     go.Figure(fig.to_dict())  # plotly's full validation (the builder skips it for speed)
     slider = fig.layout.sliders[0]
-    assert slider.active == 2 and [list(s.args[0]) for s in slider.steps] == [[str(i)] for i in range(7)]
+    assert slider.active == 2 and [list(s.args[0]) for s in slider.steps] == [
+        [str(i)] for i in range(7)
+    ]
     play = fig.layout.updatemenus[0].buttons[0]
-    assert play.method == "animate" and play.args[1]["frame"] == {"duration": PLAY_MS, "redraw": True}
+    assert play.method == "animate" and play.args[1]["frame"] == {
+        "duration": PLAY_MS,
+        "redraw": True,
+    }
     assert play.args[1]["fromcurrent"] is True
-    # the buttons sit left of the rail, which starts BUTTONS_PX (pixels) in; the "frame N" label sits at
-    # the rail's right end, so Play/Pause cannot cover it (they did: "frame 1" read "me 1")
+    # the buttons sit left of the rail, which starts BUTTONS_PX (pixels) in;
+    # the "frame N" label sits at the rail's right end, so Play/Pause cannot cover it (they did:
+    # "frame 1" read "me 1")
     menu = fig.layout.updatemenus[0]
-    assert (menu.x, menu.xanchor, menu.y, slider.x, slider.y) == (0.0, "left", slider.y, 0.0, menu.y)
+    assert (menu.x, menu.xanchor, menu.y, slider.x, slider.y) == (
+        0.0,
+        "left",
+        slider.y,
+        0.0,
+        menu.y,
+    )
     assert slider.pad.l == BUTTONS_PX and slider.currentvalue.xanchor == "right"
     assert [b.label for b in menu.buttons] == ["▶ Play", "Pause"]
-    assert arrows(fig.layout) == list(allreduce_schedule("ring", 4).rounds[2])  # the shown frame's arrows
+    # the shown frame's arrows
+    assert arrows(fig.layout) == list(allreduce_schedule("ring", 4).rounds[2])
     heat = fig.data[0]
     # rank 0 before round 3: round 1 brought chunk 2 from rank 3, round 2 chunk 1 (already 2+3)
     assert list(heat.z[0]) == [1, 3, 2, 1]
     assert list(heat.text[0]) == ["0", "0,2,3", "0,3", "0"]
-    assert "round 3 of 6: reduce-scatter" in fig.layout.title.text and "closed form" in fig.layout.title.text
+    assert (
+        "round 3 of 6: reduce-scatter" in fig.layout.title.text
+        and "closed form" in fig.layout.title.text
+    )
     assert at_frame(figure_spec(w), 99).layout.sliders[0].active == 6  # clamped to the end
     assert at_frame(figure_spec(w), 99).layout.annotations == ()

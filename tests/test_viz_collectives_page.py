@@ -1,4 +1,5 @@
-"""The Collectives page under ``AppTest``: controls by key, the buttons, the caption, metrics, figure."""
+"""The Collectives page under ``AppTest``: controls by key, the buttons, the caption, metrics,
+figure."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import time
 
 import pytest
 
-st = pytest.importorskip("streamlit", reason="the viz extra is not installed: pip install 'dplab[viz]'")
+st = pytest.importorskip("streamlit", reason="the viz extra is not installed: pip install "
+                                             "'dplab[viz]'")
 pytest.importorskip("plotly", reason="the viz extra is not installed: pip install 'dplab[viz]'")
 from streamlit.testing.v1 import AppTest  # noqa: E402
 
@@ -38,15 +40,16 @@ def test_next_moves_the_caption_metrics_and_figure():
     at = _page()
     # plain words and triangles Chromium's fonts have (⏮/⏭ drew as boxes)
     assert [b.label for b in at.button] == ["First", "◀ Prev", "Next ▶", "Last"]
-    assert at.caption[0].value.startswith("round 1 of 6, reduce-scatter: rank 0 sends chunk 3 to rank 1")
+    assert at.caption[0].value.startswith("round 1 of 6, reduce-scatter: rank 0 sends chunk 3 to "
+                                          "rank 1")
     assert _metrics(at) == {"rounds done": "0 of 6", "bytes sent, busiest rank": "0 B",
                             "cost-model time so far": "0.00 µs"}
     for _ in range(3):
         at.button(key="coll_next").click().run()
-    assert at.caption[0].value.startswith("round 4 of 6, all-gather: rank 0 sends chunk 0 to rank 1, which "
-                                          "copies it")
-    # ring, p=4, n=8 float32: 8 bytes a chunk, one message per round: 3 rounds = 24 B and 3 x (5 µs + 8 B at
-    # 10 GB/s) + the adds (8 B at 20 GB/s): 15.0072 µs
+    assert at.caption[0].value.startswith("round 4 of 6, all-gather: rank 0 sends chunk 0 to rank "
+                                          "1, which copies it")
+    # ring, p=4, n=8 float32: 8 bytes a chunk, one message per round:
+    # 3 rounds = 24 B and 3 x (5 µs + 8 B at 10 GB/s) + the adds (8 B at 20 GB/s): 15.0072 µs
     assert _metrics(at) == {"rounds done": "3 of 6", "bytes sent, busiest rank": "24 B",
                             "cost-model time so far": "15.00 µs"}
     spec = _spec(at)
@@ -69,11 +72,12 @@ def test_controls_by_key_change_the_schedule():
     at.selectbox(key="coll_algorithm").set_value("tree").run()
     at.slider(key="coll_p").set_value(6).run()
     at.button(key="coll_next").click().run()
-    assert at.caption[0].value == ("round 2 of 6, reduce up the tree: rank 2 sends its whole buffer to "
-                                   "rank 0, which adds it")
+    assert at.caption[0].value == ("round 2 of 6, reduce up the tree: rank 2 sends its whole "
+                                   "buffer to rank 0, which adds it")
     spec = _spec(at)
     assert len(spec["frames"]) == 7 and len(spec["data"][0]["z"]) == 6  # 6 ranks x 1 chunk
-    at.selectbox(key="coll_collective").set_value("reduce_scatter").run()  # tree has none: ring it is
+    # tree has none: ring it is
+    at.selectbox(key="coll_collective").set_value("reduce_scatter").run()
     assert not at.exception
     assert at.selectbox(key="coll_algorithm").value == "ring"
     assert at.caption[0].value.startswith("round 2 of 5, reduce-scatter:")
@@ -93,10 +97,11 @@ def test_side_by_side_runs_both_on_the_same_round():
 def test_a_deep_link_opens_the_same_picture():
     at = _page(coll_collective="broadcast", coll_algorithm="tree", coll_p="8", coll_root="3",
                coll_round="2")
-    assert at.caption[0].value == ("round 3 of 3, broadcast down the tree: rank 3 sends its whole buffer to "
-                                   "rank 4, which copies it; rank 5 sends its whole buffer to rank 6, which "
-                                   "copies it; rank 7 sends its whole buffer to rank 0, which copies it; "
-                                   "rank 1 sends its whole buffer to rank 2, which copies it")
+    assert at.caption[0].value == ("round 3 of 3, broadcast down the tree: rank 3 sends its whole "
+                                   "buffer to rank 4, which copies it; rank 5 sends its whole "
+                                   "buffer to rank 6, which copies it; rank 7 sends its whole "
+                                   "buffer to rank 0, which copies it; rank 1 sends its whole "
+                                   "buffer to rank 2, which copies it")
     assert _metrics(at)["rounds done"] == "2 of 3"
 
 

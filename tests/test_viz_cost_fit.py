@@ -1,4 +1,5 @@
-"""The cost page's measured side: the alpha/beta fit, its residuals, bench JSON, a real short bench."""
+"""The cost page's measured side: the alpha/beta fit, its residuals, bench JSON, a real short
+bench."""
 
 from __future__ import annotations
 
@@ -30,13 +31,24 @@ def synthetic(backend, alg, p, alpha, beta, sizes=SIZES):
 
 @pytest.mark.parametrize("relative", [True, False])
 def test_fit_recovers_known_alpha_and_beta_exactly(relative):
-    rows = (synthetic("local", "ring", 4, 12e-6, 1 / 7e9) + synthetic("local", "tree", 4, 12e-6, 1 / 7e9)
-            + synthetic("local", "naive", 2, 12e-6, 1 / 7e9)
-            + synthetic("mpi", "ring", 2, 3e-6, 1 / 20e9) + synthetic("mpi", "ring", 4, 3e-6, 1 / 20e9))
-    rows.append({"backend": "local", "algorithm": "native", "world_size": 4, "bytes": 4096, "time_us": 1.0})
-    rows.append({"backend": "local", "algorithm": "memcpy", "world_size": 4, "bytes": 4096, "time_us": 1.0})
+    rows = (
+        synthetic("local", "ring", 4, 12e-6, 1 / 7e9)
+        + synthetic("local", "tree", 4, 12e-6, 1 / 7e9)
+        + synthetic("local", "naive", 2, 12e-6, 1 / 7e9)
+        + synthetic("mpi", "ring", 2, 3e-6, 1 / 20e9)
+        + synthetic("mpi", "ring", 4, 3e-6, 1 / 20e9)
+    )
+    rows.append(
+        {"backend": "local", "algorithm": "native", "world_size": 4, "bytes": 4096, "time_us": 1.0}
+    )
+    rows.append(
+        {"backend": "local", "algorithm": "memcpy", "world_size": 4, "bytes": 4096, "time_us": 1.0}
+    )
     fits = fit_alpha_beta(rows, relative=relative)
-    assert [(f.backend, f.algorithm, len(f.rows)) for f in fits] == [("local", "all", 12), ("mpi", "all", 8)]
+    assert [(f.backend, f.algorithm, len(f.rows)) for f in fits] == [
+        ("local", "all", 12),
+        ("mpi", "all", 8),
+    ]
     assert fits[0].alpha_s == pytest.approx(12e-6, rel=1e-9)
     assert fits[0].beta_gbps == pytest.approx(7, rel=1e-9)
     assert fits[1].alpha_s == pytest.approx(3e-6, rel=1e-9)
@@ -51,7 +63,9 @@ def test_fit_per_algorithm_separates_them_and_residuals_are_measured_minus_fitte
     rows = synthetic("local", "ring", 4, 10e-6, 1e-10) + synthetic("local", "tree", 4, 40e-6, 2e-10)
     rows[0] = dict(rows[0], time_us=rows[0]["time_us"] * 1.5)  # one noisy row
     fits = {f.algorithm: f for f in fit_alpha_beta(rows, per_algorithm=True)}
-    assert fits["tree"].alpha_s == pytest.approx(40e-6) and fits["tree"].beta == pytest.approx(2e-10)
+    assert fits["tree"].alpha_s == pytest.approx(40e-6) and fits["tree"].beta == pytest.approx(
+        2e-10
+    )
     ring = residual_rows(fits["ring"])
     for r in ring:
         assert r["residual_us"] == pytest.approx(r["measured_us"] - r["fitted_us"])
@@ -78,11 +92,15 @@ def test_bench_json_is_read_as_dplab_bench_writes_it(tmp_path):
     with pytest.raises(ConfigError, match="dplab train"):
         load_bench_json(json.dumps({"meta": {"command": "train"}, "rows": []}))
     with pytest.raises(ConfigError, match="lacks time_us"):
-        load_bench_json(json.dumps([{"backend": "local", "algorithm": "ring", "world_size": 2, "bytes": 4}]))
+        load_bench_json(
+            json.dumps([{"backend": "local", "algorithm": "ring", "world_size": 2, "bytes": 4}])
+        )
 
 
 def test_a_short_real_bench_runs_through_the_command_line_and_fits():
-    rows = run_bench([2], [4096, 1 << 16], algorithms=("ring", "native"), reps=2, target_seconds=0.02)
+    rows = run_bench(
+        [2], [4096, 1 << 16], algorithms=("ring", "native"), reps=2, target_seconds=0.02
+    )
     assert [(r["algorithm"], r["bytes"]) for r in rows] == [
         ("ring", 4096), ("native", 4096), ("ring", 1 << 16), ("native", 1 << 16),
         ("memcpy", 4096), ("memcpy", 1 << 16)]

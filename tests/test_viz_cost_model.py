@@ -1,4 +1,5 @@
-"""The cost page's model side: curves are costmodel.cost, crossovers agree with a brute-force scan."""
+"""The cost page's model side: curves are costmodel.cost, crossovers agree with a brute-force
+scan."""
 
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ from dplab.viz.cost_crossovers import (  # noqa: E402
 )
 from dplab.viz.cost_figure import cost_figure  # noqa: E402
 
-TEXTBOOK = ("naive", "ring", "tree", "direct")  # the crossover mechanics, whatever else is registered
+# the crossover mechanics, whatever else is registered
+TEXTBOOK = ("naive", "ring", "tree", "direct")
 
 
 def test_curves_equal_costmodel_at_sample_points():
@@ -61,14 +63,17 @@ def test_model_is_linear_in_alpha_and_beta_where_one_rank_is_slowest_for_both(al
     """time = a * alpha + b * beta exactly when the rank that pays the most messages in a round also
     moves the most bytes: the textbook schedules. The pipelined and two-level ones (and uneven
     chunks) can have one rank slowest for alpha and another for beta, and the max of sums is then
-    below the sum of maxes: the fit (reference/costfit.py) takes its slopes at each point instead."""
+    below the sum of maxes: the fit (reference/costfit.py) takes its slopes at each point
+    instead."""
     for n in (4, 100, 4100, 1 << 20):
         a, b = features(alg, p, n)
         t = cost(allreduce_schedule(alg, p), n, 7e-6, 3e-10, 0, 4).time
         if alg in LINEAR:
             assert t == pytest.approx(7e-6 * a + 3e-10 * b, rel=1e-12)
         else:
-            assert max(7e-6 * a, 3e-10 * b) <= t * (1 + 1e-9) and t <= (7e-6 * a + 3e-10 * b) * (1 + 1e-9)
+            assert max(7e-6 * a, 3e-10 * b) <= t * (1 + 1e-9) and t <= (7e-6 * a + 3e-10 * b) * (
+                1 + 1e-9
+            )
         g = cost(allreduce_schedule(alg, p), n, 0, 0, 1, 4).time
         if alg == "recursive_doubling":  # it adds every byte it receives, but the fold's copy back
             assert g == pytest.approx(b - n * (p & (p - 1) != 0))
@@ -88,11 +93,14 @@ def test_tree_beats_ring_below_the_closed_form_crossover():
 
 
 def _brute_force(params, lo, hi):
-    """Every element from lo to hi: brackets (last size a clearly wins, first size b clearly wins)."""
+    """Every element from lo to hi: brackets (last size a clearly wins, first size b clearly
+    wins)."""
     sizes = range(lo, hi + 1, params.itemsize)
     times = {a: [model_time(a, n, params) for n in sizes] for a in params.algorithms}
     found = {}
-    for a, b in [(a, b) for i, a in enumerate(params.algorithms) for b in params.algorithms[i + 1:]]:
+    for a, b in [
+        (a, b) for i, a in enumerate(params.algorithms) for b in params.algorithms[i + 1 :]
+    ]:
         tol, last = tie_tolerance(a, b, params), None
         for n, ta, tb in zip(sizes, times[a], times[b]):
             s = 0 if abs(ta - tb) <= tol else (1 if ta > tb else -1)
@@ -126,17 +134,20 @@ def test_crossovers_agree_with_a_brute_force_scan(p, alpha, gamma):
 def test_ring_and_direct_tie_instead_of_crossing_at_every_remainder():
     params = CostParams(world_size=8, algorithms=("ring", "direct"))
     assert crossovers(params) == []
-    assert model_time("ring", 8 * 4 * 999, params) == pytest.approx(model_time("direct", 8 * 4 * 999, params))
+    assert model_time("ring", 8 * 4 * 999, params) == pytest.approx(
+        model_time("direct", 8 * 4 * 999, params)
+    )
 
 
 def test_coinciding_curves_are_the_ties_at_every_size():
     assert coinciding(CostParams(world_size=8)) == [("ring", "direct")]
-    assert coinciding(CostParams(world_size=3)) == [("naive", "tree"), ("ring", "direct")]  # 4α, 4nβ each
+    # 4α, 4nβ each
+    assert coinciding(CostParams(world_size=3)) == [("naive", "tree"), ("ring", "direct")]
     assert coinciding(CostParams(world_size=8, algorithms=("tree", "ring"))) == []
     assert coinciding_sentence([], 8) is None
     assert coinciding_sentence([("ring", "direct")], 8) == (
-        "ring and direct cost the same at every size at p=8 (within one element per message), so their "
-        "curves coincide: direct is drawn dashed over ring.")
+        "ring and direct cost the same at every size at p=8 (within one element per message), so "
+        "their curves coincide: direct is drawn dashed over ring.")
     assert coinciding_sentence(coinciding(CostParams(world_size=3)), 3).endswith(
         "coincide: tree and direct are drawn dashed over naive and ring.")
 
@@ -170,8 +181,9 @@ def test_figure_dashes_the_coinciding_curve_and_draws_one_marker():
 
 
 def test_no_crossover_where_one_algorithm_always_wins():
-    assert crossovers(CostParams(world_size=2, algorithms=TEXTBOOK)) == []  # tree = naive, ring cheapest
-    assert crossovers(CostParams(world_size=3, algorithms=TEXTBOOK)) == []  # 4 alpha each, ring: fewer bytes
+    # tree = naive, ring cheapest (4 alpha each, ring: fewer bytes)
+    assert crossovers(CostParams(world_size=2, algorithms=TEXTBOOK)) == []
+    assert crossovers(CostParams(world_size=3, algorithms=TEXTBOOK)) == []
 
 
 def test_busbw_is_algbw_times_the_ring_factor():
@@ -198,9 +210,16 @@ def test_figure_holds_the_model_curves_and_the_crossover_marks():
 
 
 def test_figure_overlays_measured_rows_of_this_world_size_and_fitted_lines():
-    rows = [{"backend": "local", "algorithm": "ring", "world_size": 4, "bytes": n, "time_us": 10 + n / 1e3}
-            for n in (4096, 65536)] + [
-           {"backend": "local", "algorithm": "ring", "world_size": 2, "bytes": 4096, "time_us": 5.0}]
+    rows = [
+        {
+            "backend": "local",
+            "algorithm": "ring",
+            "world_size": 4,
+            "bytes": n,
+            "time_us": 10 + n / 1e3,
+        }
+        for n in (4096, 65536)
+    ] + [{"backend": "local", "algorithm": "ring", "world_size": 2, "bytes": 4096, "time_us": 5.0}]
     params = CostParams(world_size=4, algorithms=("ring",))
     fig = cost_figure(params, measured=rows, fitted={("local", "ring"): (1e-6, 1e-9)})
     meas = next(t for t in fig.data if t.name == "ring (local, measured)")
@@ -214,12 +233,23 @@ def test_sizes_and_bytes_as_words():
     grid = size_grid(CostParams(min_bytes=1024, max_bytes=1 << 20), points=11)
     assert grid[0] == 1024 and grid[-1] == 1 << 20 and all(n % 4 == 0 for n in grid)
     assert grid == sorted(set(grid)) and math.isclose(grid[5], 32768, rel_tol=0.01)
-    assert [format_bytes(n) for n in (96 << 10, 94128, 3, 1 << 30)] == ["96 KiB", "91.9 KiB", "3 B", "1 GiB"]
+    assert [format_bytes(n) for n in (96 << 10, 94128, 3, 1 << 30)] == [
+        "96 KiB",
+        "91.9 KiB",
+        "3 B",
+        "1 GiB",
+    ]
 
 
-@pytest.mark.parametrize("kwargs, match", [({"world_size": 1}, "world size"), ({"beta_gbps": 0}, "beta"),
-                                           ({"min_bytes": 8, "max_bytes": 8}, "sizes"),
-                                           ({"algorithms": ("native",)}, "no cost model")])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"world_size": 1}, "world size"),
+        ({"beta_gbps": 0}, "beta"),
+        ({"min_bytes": 8, "max_bytes": 8}, "sizes"),
+        ({"algorithms": ("native",)}, "no cost model"),
+    ],
+)
 def test_bad_parameters_say_what_to_do(kwargs, match):
     with pytest.raises(ConfigError, match=match):
         CostParams(**kwargs)

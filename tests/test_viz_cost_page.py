@@ -1,4 +1,5 @@
-"""The Cost page under streamlit's AppTest: controls, the crossover sentence, the figure, a bench file."""
+"""The Cost page under streamlit's AppTest: controls, the crossover sentence, the figure, a bench
+file."""
 
 from __future__ import annotations
 
@@ -32,7 +33,9 @@ def captions(at: AppTest) -> list[str]:
 
 
 def figure(at: AppTest, key: str = "cost_figure") -> dict:
-    chart = next(c for c in at.get("plotly_chart") if json.loads(c.proto.spec) and key in c.proto.id)
+    chart = next(
+        c for c in at.get("plotly_chart") if json.loads(c.proto.spec) and key in c.proto.id
+    )
     return json.loads(chart.proto.spec)
 
 
@@ -41,19 +44,25 @@ def test_first_render_names_the_crossovers_and_draws_the_model():
     at = page()
     took = time.perf_counter() - t0
     assert not at.exception and not at.error
-    # ring and direct cross tree at one size: one sentence, one marker, one caption for the tie; and the
-    # size where MPICH switches from recursive doubling to Rabenseifner (every registered algorithm is drawn)
+    # ring and direct cross tree at one size: one sentence, one marker, one caption for the tie;
+    # and the size where MPICH switches from recursive doubling to Rabenseifner (every registered
+    # algorithm is drawn)
     crossings = [c for c in captions(at) if c.startswith("Crossover")]
     assert crossings[:2] == ["Crossover 1: tree beats ring and direct below 91.9 KiB at p=8.",
-                             "Crossover 2: recursive_doubling beats rabenseifner below 117 KiB at p=8."]
-    assert ("ring and direct cost the same at every size at p=8 (within one element per message), so their "
-            "curves coincide: direct is drawn dashed over ring.") in captions(at)
+                             "Crossover 2: recursive_doubling beats rabenseifner below 117 KiB at "
+                             "p=8."]
+    assert ("ring and direct cost the same at every size at p=8 (within one element per message), "
+            "so their curves coincide: direct is drawn dashed over ring.") in captions(at)
     fig = figure(at)
     names = [d["name"] for d in fig["data"]]
     assert names[:4] == ["naive (model)", "ring (model)", "tree (model)", "direct = ring (model)"]
-    assert names[-1] == "crossovers" and {"recursive_doubling (model)", "rabenseifner (model)"} <= set(names)
+    assert names[-1] == "crossovers" and {
+        "recursive_doubling (model)",
+        "rabenseifner (model)",
+    } <= set(names)
     assert fig["data"][3]["line"]["dash"] == "dash" and fig["data"][1]["line"]["dash"] == "solid"
-    assert fig["data"][-1]["text"] == [f"<b>{i}</b>" for i in range(1, len(crossings) + 1)]  # as the captions
+    # as the captions
+    assert fig["data"][-1]["text"] == [f"<b>{i}</b>" for i in range(1, len(crossings) + 1)]
     assert fig["layout"]["legend"]["y"] > 1  # above the plot, off the x axis' title
     ring = fig["data"][1]
     params = CostParams()
@@ -75,13 +84,20 @@ def test_controls_move_the_crossover_and_the_url():
                                  algorithms=("ring", "tree")))
     assert len(want) == 1
     assert f"Crossover 1: {want[0].sentence()}." in captions(at)
-    assert want[0].sentence().startswith("tree beats ring below ") and want[0].sentence().endswith(" at p=16")
-    assert any(c.startswith("busbw = algbw × 2(p-1)/p = algbw × 1.88 at p=16") for c in captions(at))
+    assert want[0].sentence().startswith("tree beats ring below ") and want[0].sentence().endswith(
+        " at p=16"
+    )
+    assert any(
+        c.startswith("busbw = algbw × 2(p-1)/p = algbw × 1.88 at p=16") for c in captions(at)
+    )
     fig = figure(at)
     assert [d["name"] for d in fig["data"]] == ["ring (model)", "tree (model)", "crossovers"]
     assert fig["layout"]["yaxis"]["title"]["text"] == "busbw (GB/s)"
     assert at.query_params["world_size"] == "16" and at.query_params["y"] == "busbw"
-    assert at.query_params["algorithms"] == "ring,tree" and at.query_params["sizes"] == "1024,268435456"
+    assert (
+        at.query_params["algorithms"] == "ring,tree"
+        and at.query_params["sizes"] == "1024,268435456"
+    )
 
 
 def test_a_deep_link_sets_the_controls_and_a_bad_value_falls_back():
@@ -101,9 +117,20 @@ def synthetic_rows() -> list[dict]:
         for alg in ("ring", "tree"):
             for n in (4096, 1 << 16, 1 << 20):
                 a, b = features(alg, p, n)
-                rows.append({"backend": "local", "algorithm": alg, "world_size": p, "bytes": n,
-                             "time_us": (12e-6 * a + b / 7e9) * 1e6, "algbw_gbps": 0, "busbw_gbps": 0})
-    rows.append({"backend": "local", "algorithm": "memcpy", "world_size": 8, "bytes": 4096, "time_us": 0.5})
+                rows.append(
+                    {
+                        "backend": "local",
+                        "algorithm": alg,
+                        "world_size": p,
+                        "bytes": n,
+                        "time_us": (12e-6 * a + b / 7e9) * 1e6,
+                        "algbw_gbps": 0,
+                        "busbw_gbps": 0,
+                    }
+                )
+    rows.append(
+        {"backend": "local", "algorithm": "memcpy", "world_size": 8, "bytes": 4096, "time_us": 0.5}
+    )
     return rows
 
 
@@ -112,12 +139,17 @@ def test_a_bench_json_file_is_fitted_and_overlaid(tmp_path):
     path.write_text(json.dumps({"meta": {"command": "bench"}, "rows": synthetic_rows()}))
     at = page()
     at.radio(key="cost_source").set_value("file").run()
-    at.file_uploader(key="cost_files").set_value(("bench.json", path.read_bytes(), "application/json")).run()
+    at.file_uploader(key="cost_files").set_value(
+        ("bench.json", path.read_bytes(), "application/json")
+    ).run()
     assert not at.exception and not at.error
     fit = [c for c in captions(at) if c.startswith("fit local")]
-    assert len(fit) == 1 and fit[0].startswith("fit local (all, 12 rows): α = 12 µs, β = 7 GB/s, residuals")
+    assert len(fit) == 1 and fit[0].startswith("fit local (all, 12 rows): α = 12 µs, β = 7 GB/s, "
+                                               "residuals")
     (table,) = [d.value for d in at.dataframe]
-    assert table["alpha_us"].iloc[0] == pytest.approx(12) and table["beta_gbps"].iloc[0] == pytest.approx(7)
+    assert table["alpha_us"].iloc[0] == pytest.approx(12) and table["beta_gbps"].iloc[
+        0
+    ] == pytest.approx(7)
     fig = figure(at)
     names = [d["name"] for d in fig["data"]]
     assert "ring (local, measured)" in names and "tree (local, fitted)" in names
@@ -132,8 +164,9 @@ def test_a_bench_json_file_is_fitted_and_overlaid(tmp_path):
 def test_a_file_that_is_not_bench_output_is_refused_in_one_line():
     at = page()
     at.radio(key="cost_source").set_value("file").run()
-    at.file_uploader(key="cost_files").set_value(("x.json", b'{"meta": {"command": "train"}, "rows": []}',
-                                                  "application/json")).run()
+    at.file_uploader(key="cost_files").set_value(
+        ("x.json", b'{"meta": {"command": "train"}, "rows": []}', "application/json")
+    ).run()
     assert not at.exception
     assert [e.value for e in at.error] == [
         "x.json holds `dplab train` rows: give `dplab bench --json` output"]
@@ -146,7 +179,9 @@ def test_a_short_bench_runs_now_and_is_fitted():
     fit = [c for c in captions(at) if c.startswith("fit local (all, 6 rows)")]
     assert len(fit) == 1  # ring, tree, naive at two sizes; native and memcpy are not fitted
     names = [d["name"] for d in figure(at)["data"]]
-    assert {"ring (local, measured)", "native (local, measured)", "ring (local, fitted)"} <= set(names)
+    assert {"ring (local, measured)", "native (local, measured)", "ring (local, fitted)"} <= set(
+        names
+    )
 
 
 def test_the_app_lists_the_cost_page_and_reaches_it():

@@ -61,10 +61,14 @@ def full_budget(monkeypatch: pytest.MonkeyPatch) -> Budget:
 # -- lists from a URL ------------------------------------------------------------------------------
 
 def test_url_list_keeps_each_offered_value_once_up_to_a_limit() -> None:
-    assert url_list("ring,ring,tree,nosuch,ring", str, ("ring", "tree", "naive"), 5) == ["ring", "tree"]
+    assert url_list("ring,ring,tree,nosuch,ring", str, ("ring", "tree", "naive"), 5) == [
+        "ring",
+        "tree",
+    ]
     assert url_list("8,8,2,8,4", int, range(2, 9), 2) == [8, 2]
     assert url_list("8,x", int, range(2, 9), 2) is None  # a value that does not parse: the default
-    assert url_list(",".join(["ring"] * 5000), str, ("ring",), 5) is None  # longer than any real list
+    # longer than any real list
+    assert url_list(",".join(["ring"] * 5000), str, ("ring",), 5) is None
     assert url_list(None, str, ("ring",), 5) is None
     assert len(",".join(["recursive_doubling"] * 10)) < MAX_PARAM_CHARS  # every real list fits
 
@@ -73,7 +77,8 @@ def test_cost_page_with_thousands_of_repeated_algorithms_draws_at_once() -> None
     t0 = time.perf_counter()
     at = page("cost", algorithms=",".join(["ring"] * 5000))
     assert not one_line_errors(at) and time.perf_counter() - t0 < 10
-    assert len(at.multiselect(key="cost_algorithms").value) == 6  # the URL was not a list: the default
+    # the URL was not a list: the default
+    assert len(at.multiselect(key="cost_algorithms").value) == 6
     at = page("cost", algorithms="ring,tree,ring,tree,ring")
     assert list(at.multiselect(key="cost_algorithms").value) == ["ring", "tree"]
     assert at.query_params["algorithms"] == "ring,tree"
@@ -83,11 +88,14 @@ def test_cost_short_bench_runs_each_world_size_once(monkeypatch: pytest.MonkeyPa
     from dplab.viz import cost_fit
 
     asked: list[tuple] = []
-    monkeypatch.setattr(cost_fit, "run_bench", lambda ps, sizes, **kw: asked.append((ps, sizes)) or [])
+    monkeypatch.setattr(
+        cost_fit, "run_bench", lambda ps, sizes, **kw: asked.append((ps, sizes)) or []
+    )
     at = page("cost", source="run", bench_world_sizes=",".join(["8"] * 40) + ",2,4,6",
               bench_sizes="4096,4096,65536,4096,65536,16384,1048576,262144")
     one_line_errors(at)
-    assert list(at.multiselect(key="cost_bench_world_sizes").value) == [8, 2, 4]  # each once, three at most
+    # each once, three at most
+    assert list(at.multiselect(key="cost_bench_world_sizes").value) == [8, 2, 4]
     assert list(at.multiselect(key="cost_bench_sizes").value) == [4096, 65536, 16384, 1048576]
     assert asked == [([2, 4, 8], [4096, 16384, 65536, 1048576])]
 
@@ -95,7 +103,8 @@ def test_cost_short_bench_runs_each_world_size_once(monkeypatch: pytest.MonkeyPa
 def test_cost_short_bench_waits_in_the_servers_budget(full_budget: Budget) -> None:
     at = page("cost", source="run", bench_world_sizes="8")
     assert one_line_errors(at) == [
-        "the server is busy: waited 0.3 s for 2 ranks behind other visitors' runs; try again in a minute"]
+        "the server is busy: waited 0.3 s for 2 ranks behind other visitors' runs; try again in a "
+        "minute"]
     assert full_budget.state() == (2, 0)  # nothing started, nothing left waiting
 
 
@@ -105,14 +114,18 @@ def test_training_page_from_repeats_asks_for_each_run_once(full_budget: Budget) 
     errors = one_line_errors(at)
     assert list(at.multiselect(key="training_staleness").value) == ["0", "inf"]
     assert list(at.multiselect(key="training_backup").value) == [1]
-    assert len(TrainingGrid(world_size=3, steps=3, staleness=(0, None), backup_workers=(1,)).specs()) == 8
+    assert (
+        len(TrainingGrid(world_size=3, steps=3, staleness=(0, None), backup_workers=(1,)).specs())
+        == 8
+    )
     assert errors and errors[0].startswith("the server is busy")
 
 
 def test_runs_page_of_eight_ranks_waits_in_the_servers_budget(full_budget: Budget) -> None:
     at = page("runs", world_size="8", steps="2")
     assert one_line_errors(at) == [
-        "the server is busy: waited 0.3 s for 2 ranks behind other visitors' runs; try again in a minute"]
+        "the server is busy: waited 0.3 s for 2 ranks behind other visitors' runs; try again in a "
+        "minute"]
 
 
 def test_runs_page_refuses_out_of_range_numbers_from_the_url(full_budget: Budget) -> None:
@@ -192,7 +205,9 @@ def test_a_full_queue_and_a_long_wait_are_refused_in_one_line(fake_world: type[F
     assert b.state() == (0, 0) and b.waiting_line(2) is None
 
 
-def test_a_run_is_killed_when_its_visitor_leaves_or_its_time_is_up(fake_world: type[FakeWorld]) -> None:
+def test_a_run_is_killed_when_its_visitor_leaves_or_its_time_is_up(
+    fake_world: type[FakeWorld],
+) -> None:
     gone = threading.Event()
     b = Budget(Limits(ranks=4, run_s=30))
     threading.Timer(0.2, gone.set).start()
@@ -239,7 +254,7 @@ def test_the_watchdog_kills_real_ranks_past_their_time() -> None:
     assert not _children() - before and b.state() == (0, 0)
 
 
-# -- caches and sizes --------------------------------------------------------------------------------
+# -- caches and sizes ------------------------------------------------------------------------------
 
 def test_a_billion_element_collective_holds_no_vectors() -> None:
     w = walkthrough(CollectiveConfig("allreduce", "ring", 16, 1 << 30))
@@ -250,9 +265,13 @@ def test_the_largest_cached_collective_is_bounded() -> None:
     """The page's cache holds 16 entries (``max_entries``): each one is what bounds it in bytes."""
     src = (PAGES / "collectives.py").read_text()
     assert "@st.cache_data(show_spinner=False, max_entries=16)" in src
-    biggest = max(len(pickle.dumps((w := walkthrough(CollectiveConfig(c, a, 16, n)), figure_spec(w))))
-                  for c in COLLECTIVES for a in algorithms_for(c) if a in ("pipelined_ring", "ring")
-                  for n in (256, 1 << 30))
+    biggest = max(
+        len(pickle.dumps((w := walkthrough(CollectiveConfig(c, a, 16, n)), figure_spec(w))))
+        for c in COLLECTIVES
+        for a in algorithms_for(c)
+        if a in ("pipelined_ring", "ring")
+        for n in (256, 1 << 30)
+    )
     assert biggest < 16 << 20  # 16 entries of at most 16 MB
 
 
@@ -268,17 +287,31 @@ def test_collectives_page_of_a_gibibyte_vector_draws_without_a_traceback() -> No
 # -- uploads ---------------------------------------------------------------------------------------
 
 def bench_file(**row: object) -> bytes:
-    base = {"backend": "local", "algorithm": "ring", "world_size": 2, "bytes": 4096, "time_us": 10.0}
+    base = {
+        "backend": "local",
+        "algorithm": "ring",
+        "world_size": 2,
+        "bytes": 4096,
+        "time_us": 10.0,
+    }
     return json.dumps({"meta": {"command": "bench"}, "rows": [base | row]}).encode()
 
 
 HOSTILE_BENCH = {
-    "a billion ranks": (bench_file(world_size=1_000_000_000), "row 0's world_size 1e+09 is outside 1..128"),
-    "a 400-digit size": (bench_file(bytes=0).replace(b'"bytes": 0', b'"bytes": 1' + b"0" * 400),
-                         "not JSON (an integer of 401 digits)"),
+    "a billion ranks": (
+        bench_file(world_size=1_000_000_000),
+        "row 0's world_size 1e+09 is outside 1..128",
+    ),
+    "a 400-digit size": (
+        bench_file(bytes=0).replace(b'"bytes": 0', b'"bytes": 1' + b"0" * 400),
+        "not JSON (an integer of 401 digits)",
+    ),
     "nested": (b"[" * 100_000 + b"]" * 100_000, "nested too deep"),
     "a list for a name": (bench_file(algorithm=["ring"]), "row 0's algorithm is list, not str"),
-    "infinity": (bench_file(time_us=0).replace(b'"time_us": 0', b'"time_us": Infinity'), "not JSON"),
+    "infinity": (
+        bench_file(time_us=0).replace(b'"time_us": 0', b'"time_us": Infinity'),
+        "not JSON",
+    ),
     "too large": (b" " * (2 << 20), "more than the 1,048,576 this accepts"),
 }
 
@@ -297,8 +330,8 @@ def test_cost_page_refuses_a_billion_rank_bench_file_in_one_line() -> None:
     at.file_uploader(key="cost_files").set_value(("b.json", bench_file(world_size=1_000_000_000),
                                                   "application/json")).run()
     assert one_line_errors(at) == [
-        "b.json: row 0's world_size 1e+09 is outside 1..128, what this fits: give a file written by "
-        "`dplab bench --json`"]
+        "b.json: row 0's world_size 1e+09 is outside 1..128, what this fits: give a file written "
+        "by `dplab bench --json`"]
     assert time.perf_counter() - t0 < 10
 
 
@@ -307,8 +340,9 @@ def test_tune_from_json_uses_the_same_check(tmp_path: Path, cli_here) -> None:  
     path.write_bytes(bench_file(world_size=1_000_000_000))
     done = cli_here("tune", "--from-json", str(path), "--out", str(tmp_path / "t.json"))
     assert done.returncode == 2
-    assert done.stderr.strip() == (f"dplab tune: error: {path}: row 0's world_size 1e+09 is outside 1..128, "
-                                   "what this fits: give a file written by `dplab bench --json`")
+    assert done.stderr.strip() == (f"dplab tune: error: {path}: row 0's world_size 1e+09 is "
+                                   "outside 1..128, what this fits: give a file written by `dplab "
+                                   "bench --json`")
     assert not (tmp_path / "t.json").exists()
 
 
@@ -332,7 +366,9 @@ def test_runs_page_refuses_hostile_traces_in_one_line() -> None:
         at.get("file_uploader")[0].set_value((f"{case}.json", data, "application/json")).run()
         errors = one_line_errors(at)
         assert len(errors) == 1 and errors[0].startswith("not a dplab trace file ("), (case, errors)
-    ok = json.dumps({"events": [EVENT], "meta": {"row": {"straggler": ["x"], "world_size": 1}}}).encode()
+    ok = json.dumps(
+        {"events": [EVENT], "meta": {"row": {"straggler": ["x"], "world_size": 1}}}
+    ).encode()
     at.get("file_uploader")[0].set_value(("ok.json", ok, "application/json")).run()
     assert not one_line_errors(at)
 
@@ -341,4 +377,5 @@ def test_the_regions_map_offers_no_world_size_that_takes_minutes() -> None:
     at = page("cost")
     at.toggle(key="regions_on").set_value(True).run()
     assert not one_line_errors(at)
-    assert [int(o) for o in at.select_slider(key="regions_max_p").options][-1] == 1024  # ~10 s; 4096: minutes
+    # ~10 s; 4096: minutes
+    assert [int(o) for o in at.select_slider(key="regions_max_p").options][-1] == 1024

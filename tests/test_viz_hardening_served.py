@@ -35,7 +35,9 @@ BURST = [
     "/cost?algorithms=" + ",".join(["ring"] * 5000),
     "/collectives?coll_n=1073741824&coll_p=16",
     "/collectives?coll_n=10000000&coll_p=16&coll_algorithm=pipelined_ring",
-    "/cost?source=run&bench_world_sizes=" + ",".join(["8"] * 200) + "&bench_sizes=4096,65536,1048576",
+    "/cost?source=run&bench_world_sizes="
+    + ",".join(["8"] * 200)
+    + "&bench_sizes=4096,65536,1048576",
     "/runs?world_size=8&steps=50&hidden=512",
     "/runs?world_size=8&steps=50&hidden=256",
     "/runs?world_size=8&steps=49&hidden=512",
@@ -68,7 +70,8 @@ def descendants(pid: int) -> set[int]:
 
 @pytest.fixture(scope="module")
 def app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AppServer]:
-    reason = browser_missing() or (None if Path("/proc/self/task").exists() else "counts ranks through /proc")
+    reason = browser_missing() or (None if Path("/proc/self/task").exists() else "counts ranks "
+                                                                                 "through /proc")
     if reason:
         (pytest.fail if require_browser() else pytest.skip)(reason)
     server = AppServer(tmp_path_factory.mktemp("served") / "dplab-app.log").start()
@@ -106,7 +109,9 @@ def test_a_burst_of_hostile_visitors_leaves_the_app_answering_and_no_ranks(app: 
             deadline = min(deadline, time.perf_counter() + LINGER_S)
         time.sleep(0.1)
     assert most, f"the burst started no ranks in {START_S:.0f} s: this test would prove nothing"
-    assert most <= max(8, cores()), f"{most} processes under the server: more than its budget of ranks"
+    assert most <= max(8, cores()), (
+        f"{most} processes under the server: more than its budget of ranks"
+    )
     for context in hostile:
         context.close()  # the visitors leave: their websockets close
     left = time.perf_counter()
@@ -126,7 +131,9 @@ def test_a_burst_of_hostile_visitors_leaves_the_app_answering_and_no_ranks(app: 
         time.sleep(0.2)
     gone = time.perf_counter() - left
     still = descendants(app.server_pid)
-    print(f"\nburst: at most {most} processes under the server while it lasted; a normal page rendered in "
-          f"{took:.1f} s after the visitors left; their ranks gone {gone:.1f} s after")
-    assert not still, f"ranks still running {RANKS_GONE_S:.0f} s after their visitors left: {sorted(still)}"
+    print(f"\nburst: at most {most} processes under the server while it lasted; a normal page "
+          f"rendered in {took:.1f} s after the visitors left; their ranks gone {gone:.1f} s after")
+    assert not still, (
+        f"ranks still running {RANKS_GONE_S:.0f} s after their visitors left: {sorted(still)}"
+    )
     assert app.proc.poll() is None, app.output()

@@ -13,7 +13,8 @@ import json
 
 import pytest
 
-st = pytest.importorskip("streamlit", reason="the viz extra is not installed: pip install 'dplab[viz]'")
+st = pytest.importorskip("streamlit", reason="the viz extra is not installed: pip install "
+                                             "'dplab[viz]'")
 pytest.importorskip("plotly", reason="the viz extra is not installed: pip install 'dplab[viz]'")
 from streamlit.testing.v1 import AppTest  # noqa: E402
 
@@ -54,7 +55,8 @@ def _checks(at: AppTest) -> list[str]:
 
 
 def _show(at: AppTest) -> None:
-    """Press Show me when the step asks first (a question its inputs fill is asked before it runs)."""
+    """Press Show me when the step asks first (a question its inputs fill is asked before it
+    runs)."""
     for button in at.button:
         if button.key and button.key.startswith("lesson_show_"):
             button.click().run()
@@ -67,7 +69,7 @@ def _close(at: AppTest) -> None:
         held[1].close()
 
 
-# --- the page ----------------------------------------------------------------------------------------
+# --- the page -------------------------------------------------------------------------------------
 
 def test_lesson_one_opens_next_back_move_the_counter_and_it_links_to_training():
     at = _app()
@@ -76,11 +78,16 @@ def test_lesson_one_opens_next_back_move_the_counter_and_it_links_to_training():
         assert at.selectbox(key="lesson_pick").value == 1
         assert _counter(at) == f"step 1 of {len(L1.steps)}"
         assert at.subheader[0].value == f"1. {L1.steps[0].title}"
-        assert at.button(key="lesson_back").proto.disabled and not at.button(key="lesson_next").proto.disabled
-        assert not at.code and not at.get("page_link")  # predict first: nothing but the question yet
+        assert (
+            at.button(key="lesson_back").proto.disabled
+            and not at.button(key="lesson_next").proto.disabled
+        )
+        # predict first: nothing but the question yet
+        assert not at.code and not at.get("page_link")
         at.button(key="lesson_show_1_0").click().run()
         assert at.code[0].value == L1.steps[0].code()
-        # the deep link: the lesson writes world_sizes=4 (its words); the Training page keeps world_size
+        # the deep link: the lesson writes world_sizes=4 (its words);
+        # the Training page keeps world_size
         link, explore = at.get("page_link")[-1].proto, L1.steps[0].explore
         assert explore.page == "training" and link.page_script_hash  # a page the navigation has
         facts = at.session_state["lesson_outcomes"][0].facts
@@ -113,21 +120,26 @@ def test_answers_right_and_wrong_show_their_verdicts_and_reveal_the_result():
         said = L1.steps[0].predict.judge(facts, "different").message
         assert said.startswith("not quite: it is identical")
         assert [w.value for w in at.warning] == [said[:1].upper() + said[1:] + "."]
-        assert _checks(at) == [f"✅ {c.claim}" for c in L1.steps[0].checks]  # revealed by the answer
+        # revealed by the answer
+        assert _checks(at) == [f"✅ {c.claim}" for c in L1.steps[0].checks]
         fig = json.loads(at.get("plotly_chart")[0].proto.spec)
         assert len(fig["data"]) > 0  # the live timeline of the run
         assert "identical to the bit (checked)" in " ".join(m.value for m in at.markdown)
         assert at.code[0].value == L1.steps[0].code()
-        assert not [r for r in at.radio if r.key == "lesson_answer_1_0"]  # answered: no second guess
+        # answered: no second guess
+        assert not [r for r in at.radio if r.key == "lesson_answer_1_0"]
         assert "Predictions in this lesson: 0 of 1 right." in [c.value for c in at.caption]
         # step 2 asks a number: 10 samples on 4 ranks, rank 0 gets 3
         at.button(key="lesson_next").click().run()
-        at.button(key="lesson_check_1_1").click().run()  # no answer yet: asked for one, nothing revealed
+        # no answer yet: asked for one, nothing revealed
+        at.button(key="lesson_check_1_1").click().run()
         assert [i.value for i in at.info] == ["Type or pick an answer first, or press Show me."]
         assert _checks(at) == []
         at.text_input(key="lesson_answer_1_1").input("3").run()
         at.button(key="lesson_check_1_1").click().run()
-        assert [s.value for s in at.success] == ["Right: 3, measured on this run."] and not at.warning
+        assert [s.value for s in at.success] == [
+            "Right: 3, measured on this run."
+        ] and not at.warning
         assert len(_checks(at)) == len(L1.steps[1].checks)
         assert "Predictions in this lesson: 1 of 2 right." in [c.value for c in at.caption]
     finally:
@@ -142,15 +154,29 @@ def _bytes_run(lab):
     return {"p": 4, "n_bytes": 1 << 20, "sent": 1_572_864, "secret": "SECRET-RESULT"}
 
 
-def test_a_question_from_inputs_is_asked_before_the_run_with_tiered_hints_and_no_answer_in_sight(monkeypatch):
+def test_a_question_from_inputs_is_asked_before_the_run_with_tiered_hints_and_no_answer_in_sight(
+    monkeypatch,
+):
     import dplab.lessons.l01_replicas as l01
     from dplab.reference.algorithms import ring
 
-    step = Step("Bytes", "the result: {secret}", _bytes_run, checks=(Check("sent {sent:,}", lambda f: True),),
-                predict=Predict("At p={p}, bytes for {n_bytes:size}?", "sent", unit="bytes",
-                                misconceptions=((3 << 20, "that is the naive root's share"),)),
-                hint="one chunk a round", hints=("2(p-1) rounds",), try_this="dplab train --world-size 4",
-                inputs={"p": 4, "n_bytes": 1 << 20}, show=(ring.allreduce,))
+    step = Step(
+        "Bytes",
+        "the result: {secret}",
+        _bytes_run,
+        checks=(Check("sent {sent:,}", lambda f: True),),
+        predict=Predict(
+            "At p={p}, bytes for {n_bytes:size}?",
+            "sent",
+            unit="bytes",
+            misconceptions=((3 << 20, "that is the naive root's share"),),
+        ),
+        hint="one chunk a round",
+        hints=("2(p-1) rounds",),
+        try_this="dplab train --world-size 4",
+        inputs={"p": 4, "n_bytes": 1 << 20},
+        show=(ring.allreduce,),
+    )
     monkeypatch.setattr(l01, "LESSON", dataclasses.replace(L1, steps=(step, *L1.steps[1:])))
     RUNS.clear()
     at = _app()
@@ -159,13 +185,16 @@ def test_a_question_from_inputs_is_asked_before_the_run_with_tiered_hints_and_no
         assert "At p=4, bytes for 1 MiB?" in page and "SECRET" not in page and not at.code
         assert RUNS == [] and "lesson_lab" not in at.session_state      # asked before anything ran
         box = at.text_input(key="lesson_answer_1_0")
-        assert box.placeholder == page_view.PLACEHOLDER and not any(c.isdigit() for c in box.placeholder)
+        assert box.placeholder == page_view.PLACEHOLDER and not any(
+            c.isdigit() for c in box.placeholder
+        )
         assert at.button(key="lesson_hint_1_0").label == "Hint 1 of 2"
         at.button(key="lesson_hint_1_0").click().run()
         assert [i.value for i in at.info] == ["**Hint 1.** one chunk a round"]
         at.button(key="lesson_hint_1_0").click().run()
         assert len(at.info) == 2 and not [b for b in at.button if b.key == "lesson_hint_1_0"]
-        assert RUNS == [] and not at.warning and not at.success             # a hint is not an answer
+        # a hint is not an answer
+        assert RUNS == [] and not at.warning and not at.success
         at.text_input(key="lesson_answer_1_0").input("3 MiB").run()
         at.button(key="lesson_check_1_0").click().run()
         assert RUNS == [1]
@@ -180,7 +209,9 @@ def test_a_question_from_inputs_is_asked_before_the_run_with_tiered_hints_and_no
 def test_query_params_open_a_step_and_show_me_reveals_it():
     at = _app(lesson="1", step="2")
     try:
-        assert _counter(at) == f"step 2 of {len(L1.steps)}" and at.subheader[0].value.startswith("2. ")
+        assert _counter(at) == f"step 2 of {len(L1.steps)}" and at.subheader[0].value.startswith(
+            "2. "
+        )
         assert _checks(at) == [] and at.button(key="lesson_show_1_1")
         at.button(key="lesson_show_1_1").click().run()
         # step 2 ran after step 1, on the same Lab, as in CI
@@ -191,7 +222,9 @@ def test_query_params_open_a_step_and_show_me_reveals_it():
         assert "Predictions in this lesson: 0 of 1 right." in [c.value for c in at.caption]  # asked
         at.query_params["step"] = "4"  # a link to another step, followed in the same session
         at.run()
-        assert _counter(at) == f"step 4 of {len(L1.steps)}" and at.subheader[0].value.startswith("4. ")
+        assert _counter(at) == f"step 4 of {len(L1.steps)}" and at.subheader[0].value.startswith(
+            "4. "
+        )
         at.button(key="lesson_back").click().run()  # the page's own URL does not pull it back
         assert _counter(at) == f"step 3 of {len(L1.steps)}" and at.query_params["step"] == "3"
     finally:
@@ -200,8 +233,9 @@ def test_query_params_open_a_step_and_show_me_reveals_it():
 
 def test_no_rank_outlives_the_run_that_needed_it():
     """Ranks forked from the app's server hold copies of its sockets: alive between runs, they kept
-    connections the server had closed open, and the browser's next request on one (the plotly chart's
-    script after Check) hung for ever. The Lab (and its scratch) stays; its worlds do not."""
+    connections the server had closed open, and the browser's next request on one (the plotly
+    chart's script after Check) hung for ever. The Lab (and its scratch) stays; its worlds do
+    not."""
     at = _app()
     try:
         at.button(key="lesson_show_1_0").click().run()
@@ -244,8 +278,8 @@ def test_a_lesson_whose_extras_are_missing_says_what_to_install(monkeypatch):
     monkeypatch.setattr(l01, "LESSON", dataclasses.replace(L1, needs=("mpi",)))
     at = _app()
     assert [w.value for w in at.warning] == [
-        "Lesson 1 needs the mpi extra, not installed here: `pip install -e '.[mpi]'` (from a checkout), "
-        "then reload this page."]
+        "Lesson 1 needs the mpi extra, not installed here: `pip install -e '.[mpi]'` (from a "
+        "checkout), then reload this page."]
     assert not at.get("progress") and "lesson_lab" not in at.session_state  # nothing ran
 
 
@@ -255,18 +289,21 @@ def test_a_step_that_fails_shows_one_error_and_the_rest_of_the_page(monkeypatch)
     def broken(lab):
         raise RuntimeError("the engine disagreed")
 
-    step = Step("Broken", "never shown", broken, checks=(Check("x", lambda f: True),), hint="a hint")
+    step = Step(
+        "Broken", "never shown", broken, checks=(Check("x", lambda f: True),), hint="a hint"
+    )
     monkeypatch.setattr(l01, "LESSON", dataclasses.replace(L1, steps=(step, *L1.steps[1:])))
     at = _app()
     try:
-        assert [e.value for e in at.error] == ["This step did not run: RuntimeError: the engine disagreed"]
+        assert [e.value for e in at.error] == ["This step did not run: RuntimeError: the engine "
+                                               "disagreed"]
         at.button(key="lesson_next").click().run()  # the next step still runs
         assert not at.error and at.subheader[0].value == f"2. {L1.steps[1].title}"
     finally:
         _close(at)
 
 
-# --- deep links into the other pages ---------------------------------------------------------------
+# --- deep links into the other pages --------------------------------------------------------------
 
 def test_a_deep_link_with_short_names_sets_the_collectives_controls():
     at = _app("pages/collectives.py", algorithm="tree", p="6", n="12")
@@ -280,7 +317,8 @@ def test_a_deep_link_with_short_names_sets_the_collectives_controls():
 
 def test_a_link_into_collectives_later_in_the_session_opens_at_its_round():
     """A learner steps the Collectives page to round 2, leaves, and later follows a lesson's link
-    (tree, p=8, no round): the link's picture opens at round 0, not at the round the session left."""
+    (tree, p=8, no round): the link's picture opens at round 0, not at the round the session
+    left."""
     at = _app("pages/collectives.py")
     at.button(key="coll_next").click().run()
     at.button(key="coll_next").click().run()
@@ -304,7 +342,7 @@ def test_a_deep_link_with_short_names_sets_the_cost_controls():
     assert at.query_params["world_size"] == "4" and "p" not in at.query_params
 
 
-# --- the pure helpers --------------------------------------------------------------------------------
+# --- the pure helpers -----------------------------------------------------------------------------
 
 def test_position_reads_lesson_and_step_and_clamps():
     lengths = {1: 4, 6: 3}.get
@@ -317,17 +355,23 @@ def test_position_reads_lesson_and_step_and_clamps():
 
 
 def test_check_lines_mark_each_claim():
-    out = StepOutcome(L1.steps[1], {}, "", (CheckResult("holds", True), CheckResult("fails", False)), 0.0)
+    out = StepOutcome(
+        L1.steps[1], {}, "", (CheckResult("holds", True), CheckResult("fails", False)), 0.0
+    )
     assert page_view.check_lines(out) == ["✅ holds", "❌ fails"]
 
 
 def test_explore_link_translates_short_names_and_names_what_a_page_ignores():
-    link = page_view.explore_link(Explore("collectives", lambda f: {"algorithm": "ring", "p": f["p"],
-                                                                    "bogus": 1}), {"p": 8})
-    assert link.file == "pages/collectives.py" and link.label == "Explore this on the Collectives page"
+    link = page_view.explore_link(
+        Explore("collectives", lambda f: {"algorithm": "ring", "p": f["p"], "bogus": 1}), {"p": 8}
+    )
+    assert (
+        link.file == "pages/collectives.py" and link.label == "Explore this on the Collectives page"
+    )
     assert link.params == {"coll_algorithm": "ring", "coll_p": "8", "bogus": "1"}
     assert link.unread == ("bogus",)
-    assert page_view.explore_link(Explore("memory", lambda f: {"x": 1}), {}).unread == ()  # unknown page
+    # unknown page
+    assert page_view.explore_link(Explore("memory", lambda f: {"x": 1}), {}).unread == ()
     with pytest.raises(ValueError, match="no app page"):
         page_view.explore_link(Explore("nowhere"), {})
 
@@ -349,4 +393,5 @@ def test_is_command_and_needs_line():
     assert page_view.is_command("dplab train --world-size 4")
     assert not page_view.is_command("Change the step's run to all-reduce every 5th step.")
     assert page_view.needs_line(12, ["torch", "mpi"]).startswith(
-        "Lesson 12 needs the torch and mpi extras, not installed here: `pip install -e '.[torch,mpi]'`")
+        "Lesson 12 needs the torch and mpi extras, not installed here: `pip install -e "
+        "'.[torch,mpi]'`")

@@ -1,4 +1,5 @@
-"""The Runs page under streamlit's AppTest: make a run, load a trace file, read metrics and figure spec."""
+"""The Runs page under streamlit's AppTest: make a run, load a trace file, read metrics and figure
+spec."""
 
 from __future__ import annotations
 
@@ -51,10 +52,17 @@ def test_make_a_run_from_a_deep_link() -> None:
     assert "summed over them" in next(m.proto.help for m in at.metric if m.label == "waiting")
     assert metrics(at)["comm. hidden"].endswith(" %")
     run = next(c.value for c in at.caption if c.value.startswith("the run:"))
-    assert "mode sync, algorithm ring, world_size 2, steps 3" in run and "max_abs_diff_vs_single" in run
+    assert (
+        "mode sync, algorithm ring, world_size 2, steps 3" in run
+        and "max_abs_diff_vs_single" in run
+    )
     fig = figure(at)
-    assert fig["layout"]["yaxis"]["categoryarray"] == ["rank 0 · main", "rank 0 · comm", "rank 1 · main",
-                                                       "rank 1 · comm"]
+    assert fig["layout"]["yaxis"]["categoryarray"] == [
+        "rank 0 · main",
+        "rank 0 · comm",
+        "rank 1 · main",
+        "rank 1 · comm",
+    ]
     bars = {d["name"]: Counter(d["y"]) for d in fig["data"]}
     assert all(d["type"] == "bar" and d["orientation"] == "h" and "base" in d for d in fig["data"])
     assert bars["forward"] == {"rank 0 · main": 3, "rank 1 · main": 3}
@@ -66,7 +74,8 @@ def test_make_a_run_from_a_deep_link() -> None:
     table = at.dataframe[0].value
     assert list(table["rank"]) == [0, 1] and list(table["role"]) == ["replica", "replica"]
 
-    at.toggle(key="runs_detail").set_value(True).run()  # every send and receive: more bars, same run
+    # every send and receive: more bars, same run
+    at.toggle(key="runs_detail").set_value(True).run()
     assert {"send", "reduce", "copy"} <= {d["name"] for d in figure(at)["data"]}
 
 
@@ -104,7 +113,9 @@ def test_load_a_trace_file_shows_its_computed_numbers() -> None:
     events = merge(per_rank)
     at = page(source="file")
     assert any("dplab train" in i.value for i in at.info)
-    at.get("file_uploader")[0].set_value(("run.json", trace_bytes(events, {"row": row}), "application/json"))
+    at.get("file_uploader")[0].set_value(
+        ("run.json", trace_bytes(events, {"row": row}), "application/json")
+    )
     at.run()
     assert not at.exception and not at.error
     # the row says no straggler was configured; the file's machine and cores are not known here
@@ -116,10 +127,14 @@ def test_load_a_trace_file_shows_its_computed_numbers() -> None:
         "waiting": f"{t['wait_ms'] / 2:.1f} ms",
         "straggler": "none" if s.rank is None else f"rank {s.rank}"}
     assert s.sentence in [c.value for c in at.caption]
-    assert "world_size 2, steps 2" in next(c.value for c in at.caption if c.value.startswith("the run:"))
+    assert "world_size 2, steps 2" in next(
+        c.value for c in at.caption if c.value.startswith("the run:")
+    )
     assert sum(len(d["y"]) for d in figure(at)["data"] if d["name"] == "forward") == 4
 
-    at.get("file_uploader")[0].set_value(("bad.json", b'{"traceEvents": []}', "application/json")).run()
+    at.get("file_uploader")[0].set_value(
+        ("bad.json", b'{"traceEvents": []}', "application/json")
+    ).run()
     assert at.error and "not a dplab trace file" in at.error[0].value
 
 

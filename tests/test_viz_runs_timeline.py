@@ -22,8 +22,9 @@ STEPS = 3
 @pytest.fixture(scope="module")
 def sync_run() -> list[Event]:
     """3 ranks, ring, one bucket per layer of the default MLP (3 layers: 3 buckets per step)."""
-    _, per_rank = run_train(RunSpec(world_size=3, bucket_cap_mb=0.0005, train=TrainConfig(steps=STEPS)),
-                            trace=True)
+    _, per_rank = run_train(
+        RunSpec(world_size=3, bucket_cap_mb=0.0005, train=TrainConfig(steps=STEPS)), trace=True
+    )
     return merge(per_rank)
 
 
@@ -38,7 +39,8 @@ def test_sync_run_lanes_and_spans(sync_run: list[Event]) -> None:
         assert count[(main, "allreduce")] == STEPS  # the loss, once per step
         assert count[(main, "broadcast")] == 1  # rank 0's parameters at start-up
         assert count[(comm, "bucket")] == 3 * STEPS  # each bucket's all-reduce, every step
-        assert {k for (lane, k) in count if lane == comm} == {"bucket"}  # its all-reduce and sends nest
+        # its all-reduce and sends nest
+        assert {k for (lane, k) in count if lane == comm} == {"bucket"}
         buckets = [s for s in top if s.lane == comm and s.kind == "bucket"]
         assert [s.event.extra["bucket"] for s in buckets] == [0, 1, 2] * STEPS
     assert all(s.depth == 0 for s in top)
@@ -62,15 +64,26 @@ def test_figure_is_horizontal_bars_with_base(sync_run: list[Event]) -> None:
 
 
 def test_async_lanes_spans_and_straggler() -> None:
-    _, per_rank = run_train(RunSpec(world_size=3, mode="async", staleness=1, train=TrainConfig(steps=STEPS),
-                                    straggler=((2, 4.0),)), trace=True)
+    _, per_rank = run_train(
+        RunSpec(
+            world_size=3,
+            mode="async",
+            staleness=1,
+            train=TrainConfig(steps=STEPS),
+            straggler=((2, 4.0),),
+        ),
+        trace=True,
+    )
     events = merge(per_rank)
     assert lanes(events) == ["rank 0 · main", "rank 1 · main", "rank 2 · main"]
     count = Counter((s.lane, s.kind) for s in spans(events))
     for r in (1, 2):
         for kind in ("wait", "pull", "compute", "push"):
             assert count[(f"rank {r} · main", kind)] == STEPS
-    assert count[("rank 0 · main", "apply")] == 2 * STEPS and count[("rank 0 · main", "reply")] == 2 * STEPS
+    assert (
+        count[("rank 0 · main", "apply")] == 2 * STEPS
+        and count[("rank 0 · main", "reply")] == 2 * STEPS
+    )
     assert count[("rank 2 · main", "slowdown")] >= 1  # nested in compute, drawn anyway
     stats = rank_stats(events)
     assert [s.role for s in stats] == ["server", "worker", "worker"]

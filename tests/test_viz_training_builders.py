@@ -1,4 +1,5 @@
-"""The Training page's builders on real small runs: the curves are the runs', the counts the log's."""
+"""The Training page's builders on real small runs: the curves are the runs', the counts the
+log's."""
 
 from __future__ import annotations
 
@@ -43,16 +44,18 @@ def test_grid_is_compare_specs_without_then_with_the_straggler(cells: list[Cell]
     runs = ("ring", "ps backup b=1", "ps s=0", "ps s=inf")
     assert labels == [(lab, s) for s in ("none", "2:2") for lab in runs]
     base = GRID.specs()[0]
-    assert GRID.specs()[:4] == compare_specs(base, ["local"], [3], ["sync", "backup", "async"], ["ring"],
-                                             [0, None], [1])
+    assert GRID.specs()[:4] == compare_specs(
+        base, ["local"], [3], ["sync", "backup", "async"], ["ring"], [0, None], [1]
+    )
 
 
 def test_every_curve_ends_on_its_rows_final_loss(cells: list[Cell]) -> None:
     for c in cells:
         assert len(c.steps) == len(c.times_s) == len(c.losses)
         assert c.losses[-1] == c.row["final_loss"]  # the same number, not a close one
-        assert c.losses[0] == evaluate(GRID.train_config(), train_single(replace(GRID.train_config(),
-                                                                                 steps=0)).params)
+        assert c.losses[0] == evaluate(
+            GRID.train_config(), train_single(replace(GRID.train_config(), steps=0)).params
+        )
         assert c.times_s == sorted(c.times_s) and c.times_s[-1] <= c.row["wall_s"] + 0.05
         assert c.steps[-1] == pytest.approx(c.row["samples"] / GRID.global_batch)
 
@@ -62,7 +65,9 @@ def test_sync_per_step_losses_and_diffs_are_one_devices_to_rounding(cells: list[
     for c in (c for c in cells if c.row["mode"] == "sync"):
         assert c.same_bits is True and len(c.diffs) == GRID.steps
         assert max(c.diffs) < 1e-12 and c.diffs[-1] == c.row["max_abs_diff_vs_single"]
-        single = [evaluate(cfg, train_single(replace(cfg, steps=k)).params) for k in range(GRID.steps + 1)]
+        single = [
+            evaluate(cfg, train_single(replace(cfg, steps=k)).params) for k in range(GRID.steps + 1)
+        ]
         assert np.allclose(c.losses, single, rtol=1e-12, atol=0)
         assert c.steps == [float(k) for k in range(GRID.steps + 1)]
 
@@ -87,7 +92,10 @@ def test_delay_histogram_counts_are_the_logs(cells: list[Cell]) -> None:
         axis = "x" if c.straggler == "none" else "x2"
         name = c.label if c.straggler == "none" else f"{c.label} · straggler {c.straggler}"
         assert bars[(name, axis)] == counts
-    assert "updates" in fig.layout.xaxis.title.text and "staleness bounds clocks" in fig.layout.title.text
+    assert (
+        "updates" in fig.layout.xaxis.title.text
+        and "staleness bounds clocks" in fig.layout.title.text
+    )
 
 
 def test_loss_throughput_and_equivalence_figures_carry_the_cells_values(cells: list[Cell]) -> None:
@@ -101,7 +109,9 @@ def test_loss_throughput_and_equivalence_figures_carry_the_cells_values(cells: l
     assert [list(t.y) for t in tp.data] == [[c.row["samples_per_s"] for c in cells[:4]],
                                             [c.row["samples_per_s"] for c in cells[4:]]]
     eq = equivalence_figure(cells)
-    assert len(eq.data) == 1 and list(eq.data[0].y) == cells[0].diffs and eq.layout.yaxis.type == "log"
+    assert (
+        len(eq.data) == 1 and list(eq.data[0].y) == cells[0].diffs and eq.layout.yaxis.type == "log"
+    )
     assert by_steps.layout.xaxis.title.text == X_TITLES["step"] and len(X_TITLES["step"]) <= 40
     rows = summary_rows(cells)
     assert [r["final_loss"] for r in rows] == [c.row["final_loss"] for c in cells]
@@ -110,8 +120,13 @@ def test_loss_throughput_and_equivalence_figures_carry_the_cells_values(cells: l
 
 def test_straggler_cost_is_the_throughput_ratio() -> None:
     def cell(label: str, straggler: str, sps: float) -> Cell:
-        return Cell(None, {"algorithm": label, "straggler": straggler, "samples_per_s": sps, "mode": "sync"},
-                    [], [], [])
+        return Cell(
+            None,
+            {"algorithm": label, "straggler": straggler, "samples_per_s": sps, "mode": "sync"},
+            [],
+            [],
+            [],
+        )
     cost = straggler_cost([cell("ring", "none", 100.0), cell("ps s=0", "none", 50.0),
                            cell("ring", "3:8", 25.0), cell("ps s=0", "3:8", 75.0)])
     assert cost == {"ring": 0.25, "ps s=0": 1.5}
@@ -134,8 +149,9 @@ def test_grid_refuses_worlds_without_a_straggling_worker() -> None:
 
 
 def test_equivalence_axis_spans_the_rounding_up_past_the_tolerance_line(cells: list[Cell]) -> None:
-    """Rounding-level differences read as rounding: the log axis runs from a decade below the smallest
-    difference to a decade above the tolerance, which is drawn, not squeezed between two ~1e-16 values."""
+    """Rounding-level differences read as rounding: the log axis runs from a decade below the
+    smallest difference to a decade above the tolerance, which is drawn, not squeezed between two
+    ~1e-16 values."""
     sync = cells[0]
     scale = max(1.0, float(np.max(np.abs(sync.params))))
     assert tolerance(cells) == RELATIVE_TOL * scale
@@ -143,10 +159,13 @@ def test_equivalence_axis_spans_the_rounding_up_past_the_tolerance_line(cells: l
     (line,) = eq.layout.shapes
     assert line.y0 == line.y1 == tolerance(cells) and line.line.dash == "dash"
     (label,) = eq.layout.annotations
-    assert label.y == np.log10(tolerance(cells)) and label.text.startswith("tolerance")  # log axis: exponent
+    # log axis: exponent
+    assert label.y == np.log10(tolerance(cells)) and label.text.startswith("tolerance")
     low, high = eq.layout.yaxis.range
     smallest = min(d for d in sync.diffs if d > 0)
-    assert low == np.floor(np.log10(smallest)) - 1 and high == np.ceil(np.log10(tolerance(cells))) + 1
+    assert (
+        low == np.floor(np.log10(smallest)) - 1 and high == np.ceil(np.log10(tolerance(cells))) + 1
+    )
     assert high - low >= 6  # ~1e-16 against 1e-10: at least six decades on screen
     assert max(sync.diffs) < tolerance(cells) * 1e-3
 

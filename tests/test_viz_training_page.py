@@ -1,4 +1,5 @@
-"""The Training page under streamlit's AppTest: a small real grid from a deep link, its figures' specs."""
+"""The Training page under streamlit's AppTest: a small real grid from a deep link, its figures'
+specs."""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ SMALL = {"world_size": "3", "steps": "3", "hidden": "32", "staleness": "0,inf", 
 def _one_cache_for_this_module() -> Iterator[None]:
     """This module's tests share st.cache_data, emptied when the module starts and ends: the SMALL
     grid (8 real runs on forked ranks) is then trained once, not by each of three tests. The first
-    test that asks for it trains it; a control changed afterwards asks for other cells, which run."""
+    test that asks for it trains it; a control changed afterwards asks for other cells, which
+    run."""
     st.cache_data.clear()
     yield
     st.cache_data.clear()
@@ -52,32 +54,46 @@ def test_a_small_grid_from_a_deep_link() -> None:
     at = page(**SMALL)
     assert not at.exception and not at.error
     assert at.caption[0].value.startswith("8 real runs of dplab compare's grid")
-    assert "1 server + 2 workers" in at.caption[0].value and "rank 2 2x slower" in at.caption[0].value
+    assert (
+        "1 server + 2 workers" in at.caption[0].value and "rank 2 2x slower" in at.caption[0].value
+    )
     assert [m.label for m in at.metric] == ["ring", "backup b=1", "s=0", "s=inf"]
-    assert [m.proto.help for m in at.metric][1] == "ps backup b=1: samples/s with the straggler over " \
-                                                   "samples/s without"
-    assert at.caption[1].value.startswith("Throughput with rank 2 2x slower, over throughput without")
+    assert [m.proto.help for m in at.metric][
+        1
+    ] == "ps backup b=1: samples/s with the straggler over samples/s without"
+    assert at.caption[1].value.startswith("Throughput with rank 2 2x slower, over throughput "
+                                          "without")
     assert all(re.fullmatch(r"\d+\.\d\dx", m.value) for m in at.metric)
     figs = charts(at)
     assert set(figs) >= {"loss against steps", "loss against wall time",
-                         "throughput (samples applied per second)", "sync: max_abs_diff_vs_single per step"}
+                         "throughput (samples applied per second)", "sync: max_abs_diff_vs_single "
+                                                                    "per step"}
     assert len(figs["loss against steps"]["data"]) == 8
     steps = [d for d in figs["loss against steps"]["data"] if d["name"] == "ring"][0]
     assert steps["x"] == [0.0, 1.0, 2.0, 3.0]
     table = at.dataframe[0].value
     final = dict(zip(zip(table["run"], table["straggler"]), table["final_loss"]))
-    ring_loss = [d for d in figs["loss against wall time"]["data"] if d["name"] == "ring"][0]["y"][-1]
-    assert final[("ring", "none")] == ring_loss == final[("ring", "2:2")]  # a straggler changes no bits
+    ring_loss = [d for d in figs["loss against wall time"]["data"] if d["name"] == "ring"][0]["y"][
+        -1
+    ]
+    # a straggler changes no bits
+    assert final[("ring", "none")] == ring_loss == final[("ring", "2:2")]
     eq = figs["sync: max_abs_diff_vs_single per step"]["data"][0]["y"]
     assert len(eq) == 3 and max(eq) < 1e-12
     eq_fig = figs["sync: max_abs_diff_vs_single per step"]
-    assert eq_fig["layout"]["yaxis"]["type"] == "log" and eq_fig["layout"]["shapes"][0]["y0"] == 1e-10
+    assert (
+        eq_fig["layout"]["yaxis"]["type"] == "log" and eq_fig["layout"]["shapes"][0]["y0"] == 1e-10
+    )
     assert eq_fig["layout"]["yaxis"]["range"][1] == -9  # the axis reaches past the tolerance
-    assert figs["loss against steps"]["layout"]["xaxis"]["title"]["text"] == "steps (global batches applied)"
+    assert (
+        figs["loss against steps"]["layout"]["xaxis"]["title"]["text"]
+        == "steps (global batches applied)"
+    )
     assert any("a step is one global batch of gradients applied" in c.value for c in at.caption)
     delays = next(f for t, f in figs.items() if t.startswith("delay histogram"))
     ps_updates = sum(u for r, u in zip(table["run"], table["updates"]) if r != "ring")
-    assert sum(sum(d["y"]) for d in delays["data"]) == ps_updates  # W=2, b=1: one gradient per update
+    # W=2, b=1: one gradient per update
+    assert sum(sum(d["y"]) for d in delays["data"]) == ps_updates
     assert at.query_params["staleness"] == "0,inf"
 
 

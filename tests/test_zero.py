@@ -47,7 +47,9 @@ def make_model(kind: str, seed: int) -> nn.Module:
 def batch(kind: str, step: int) -> tuple:
     g = torch.Generator().manual_seed(2000 + step)
     dims = SHAPES[kind]
-    return torch.randn(B, dims[0], generator=g, dtype=F64), torch.randn(B, dims[-1], generator=g, dtype=F64)
+    return torch.randn(B, dims[0], generator=g, dtype=F64), torch.randn(
+        B, dims[-1], generator=g, dtype=F64
+    )
 
 
 def trainable(model: nn.Module) -> int:
@@ -118,7 +120,9 @@ def _bad_zero(comm, what: str) -> str:
     model = make_model("tiny", SEED)
     try:
         if what == "algorithm":
-            ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, comm, algorithm="tree", lr=0.1)
+            ZeroRedundancyOptimizer(
+                model.parameters(), torch.optim.SGD, comm, algorithm="tree", lr=0.1
+            )
         else:
             opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, comm, lr=0.1)
             opt.consolidate_state_dict(to=comm.world_size)
@@ -154,7 +158,9 @@ def test_zero_equals_the_unsharded_optimizer_after_every_step(worlds, backend, p
         for rank, r in enumerate(results):
             for step, (mine, theirs) in enumerate(zip(r["snaps"], ref)):
                 for i, (a, b) in enumerate(zip(mine, theirs)):
-                    assert rel(a, b) <= 1e-10, f"{kind} rank {rank} step {step} param {i}: {rel(a, b):.3g}"
+                    assert rel(a, b) <= 1e-10, (
+                        f"{kind} rank {rank} step {step} param {i}: {rel(a, b):.3g}"
+                    )
                 assert all(np.array_equal(a, b) for a, b in zip(mine, results[0]["snaps"][step])), \
                     f"{kind}: rank {rank} differs from rank 0 at step {step}"
             if kind == "mlp":  # the frozen bias: bitwise rank 0's initial value
@@ -175,6 +181,7 @@ def test_optimizer_state_is_about_one_pth_of_the_unsharded(worlds, backend, p):
     assert results[0]["state_keys"] == ["exp_avg", "exp_avg_sq", "step"]
 
 
-@pytest.mark.parametrize("what, needle", [("algorithm", "reduce-scatter"), ("to", "to must be a rank")])
+@pytest.mark.parametrize("what, needle", [("algorithm", "reduce-scatter"), ("to", "to must be a "
+                                                                                  "rank")])
 def test_bad_configurations_are_config_errors(worlds, what, needle):
     assert needle in worlds(1).run(_bad_zero, what)[0]

@@ -26,7 +26,13 @@ ROWS: list[tuple[str, str, str]] = []  # (check, result, verdict)
 def dplab(*argv: str, json_rows: bool = True) -> tuple[int, list[dict], str]:
     """Run ``python -m dplab.backends.cli argv``; (exit code, its --json rows, its stderr tail)."""
     out = Path(tempfile.mkdtemp()) / "rows.json"
-    cmd = [sys.executable, "-m", "dplab.backends.cli", *argv, *(["--json", str(out)] if json_rows else [])]
+    cmd = [
+        sys.executable,
+        "-m",
+        "dplab.backends.cli",
+        *argv,
+        *(["--json", str(out)] if json_rows else []),
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     rows = json.loads(out.read_text())["rows"] if out.exists() else []
     return done.returncode, rows, (done.stderr or done.stdout).strip()[-300:]
@@ -36,16 +42,34 @@ def pytest_gpu() -> None:
     """The ``gpu`` tests, and the conformance suite on the cuda backend (marker ``cuda``)."""
     conformance = sorted(str(f) for f in Path("tests").glob("test_*.py")
                          if re.search(r"def test\w*\([^)]*\bbackend\b", f.read_text()))
-    files = sorted({"tests/test_gpu_nn.py", "tests/test_torch_backend.py", "tests/test_cuda_backend.py",
-                    *conformance})
+    files = sorted(
+        {
+            "tests/test_gpu_nn.py",
+            "tests/test_torch_backend.py",
+            "tests/test_cuda_backend.py",
+            *conformance,
+        }
+    )
     t0 = time.monotonic()
-    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu or cuda", "-p", "no:cacheprovider", *files]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-m",
+        "gpu or cuda",
+        "-p",
+        "no:cacheprovider",
+        *files,
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=240,
                           env={**os.environ, "DPLAB_EXAMPLES": "10"})
     if done.returncode not in (0, 5):
         print(done.stdout[-12000:], done.stderr[-1000:])  # what failed, above the table
     last = (done.stdout.strip().splitlines() or ["no output"])[-1]
-    verdict = "ok" if done.returncode in (0, 5) and DEVICE == "cpu" or done.returncode == 0 else "FAIL"
+    verdict = (
+        "ok" if done.returncode in (0, 5) and DEVICE == "cpu" or done.returncode == 0 else "FAIL"
+    )
     ROWS.append(("pytest -m gpu", f"{last} ({time.monotonic() - t0:.0f} s)", verdict))
 
 
@@ -74,7 +98,8 @@ def cuda_rows() -> None:
 
 def copy_seconds(nbytes: int, iters: int = 0) -> float:
     """A plain device-to-device ``Tensor.copy_``, synchronised around the loop, per call."""
-    iters = iters or (2000 if nbytes < 16 << 20 else 50)  # a small copy takes microseconds: many of them
+    # a small copy takes microseconds: many of them
+    iters = iters or (2000 if nbytes < 16 << 20 else 50)
     src = torch.ones(nbytes, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
     for _ in range(5):
@@ -89,20 +114,37 @@ def copy_seconds(nbytes: int, iters: int = 0) -> float:
 
 def bench_cuda() -> None:
     sizes = {"1M": 1 << 20, "64M": 64 << 20, "256M": 256 << 20}
-    rc, rows, err = dplab("bench", "--backends", "torch", "--device", DEVICE, "--world-sizes", "1",
-                          "--sizes", ",".join(sizes if DEVICE == "cuda" else ["1M"]), "--algorithms",
-                          "ring,native", "--reps", "3", "--target-seconds", "0.3")
+    rc, rows, err = dplab(
+        "bench",
+        "--backends",
+        "torch",
+        "--device",
+        DEVICE,
+        "--world-sizes",
+        "1",
+        "--sizes",
+        ",".join(sizes if DEVICE == "cuda" else ["1M"]),
+        "--algorithms",
+        "ring,native",
+        "--reps",
+        "3",
+        "--target-seconds",
+        "0.3",
+    )
     if rc or not rows:
         ROWS.append((f"bench torch/{DEVICE} p=1", err, "FAIL"))
         return
     for r in rows:
         label = f"bench {r['algorithm']} p=1 {r['bytes'] >> 20} MiB"
-        result = f"{r['time_us']:,.1f} us, algbw {r['algbw_gbps']:,.0f} GB/s, busbw {r['busbw_gbps']:,.0f}"
+        result = (f"{r['time_us']:,.1f} us, algbw {r['algbw_gbps']:,.0f} GB/s, "
+                  f"busbw {r['busbw_gbps']:,.0f}")
         verdict = "ok"
         if r["algorithm"] == "memcpy" and DEVICE == "cuda":
             plain = copy_seconds(r["bytes"]) * 1e6
             result += f"; plain copy_ {plain:,.1f} us"
-            verdict = "ok" if abs(r["time_us"] / plain - 1) <= 0.10 else "FAIL (copy row vs copy_ > 10%)"
+            verdict = (
+                "ok" if abs(r["time_us"] / plain - 1) <= 0.10 else "FAIL (copy row vs copy_ > 10%)"
+            )
         elif r["algorithm"] != "memcpy" and r["busbw_gbps"] != 0:
             verdict = "FAIL (busbw must be 0 at p=1)"
         ROWS.append((label, result, verdict))

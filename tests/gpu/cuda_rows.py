@@ -37,19 +37,24 @@ def on_cpu() -> None:
     from dplab.backends import registry
     from dplab.backends.cuda import setup
 
-    registry.BACKENDS["cuda"] = dataclasses.replace(registry.BACKENDS["cuda"], available=lambda: None)
+    registry.BACKENDS["cuda"] = dataclasses.replace(
+        registry.BACKENDS["cuda"], available=lambda: None
+    )
     setup._DEVICE_OF = lambda rank: torch.device("cpu")
 
 
 def job_train(comm, algorithm: str, cfg=None):
-    """``train_sync`` on this rank: its parameters, and whether it computed where its communicator lives
-    (on a GPU the recipe's weights, data and gradients are torch tensors there: memory was allocated)."""
+    """``train_sync`` on this rank: its parameters, and whether it computed where its communicator
+    lives (on a GPU the recipe's weights, data and gradients are torch tensors there: memory was
+    allocated)."""
     import torch
 
     from dplab.reference.train.single import TrainConfig
     from dplab.reference.train.sync import SyncConfig, train_sync
 
-    params = train_sync(comm, cfg or TrainConfig(steps=5), SyncConfig(algorithm, bucket_cap_mb=0.002)).params
+    params = train_sync(
+        comm, cfg or TrainConfig(steps=5), SyncConfig(algorithm, bucket_cap_mb=0.002)
+    ).params
     return params, comm.device.type != "cuda" or torch.cuda.max_memory_allocated(comm.device) > 0
 
 
@@ -67,7 +72,9 @@ def train_rows() -> None:
     for p in (1, 2, 4, 8):
         worst, bad = 0.0, []
         with World(p, "cuda", timeout=60) as world:
-            runs = [(a, None, want) for a in ALGORITHMS] + [("ring xent/relu/adam", xent, want_xent)]
+            runs = [(a, None, want) for a in ALGORITHMS] + [
+                ("ring xent/relu/adam", xent, want_xent)
+            ]
             for name, cfg, reference in runs:
                 got = world.run(job_train, name.split()[0], cfg)
                 diff = float(np.max(np.abs(got[0][0] - reference)))
@@ -118,20 +125,22 @@ def bench_rows() -> None:
                 res = world.run(job_bench, big, algorithm, 3 if CPU else 10)
                 t = max(r[0] for r in res)
                 copy_bw = 2 * big / res[0][1]  # read + write, bytes per second
-                # ring and one-shot alike: per chunk, (p - 1) adds (read 2, write 1) and (p - 1) copies
+                # ring and one-shot alike: per chunk, (p - 1) adds (read 2, write 1) and (p - 1)
+                # copies
                 traffic = 5 * big * (p - 1)
                 floor = traffic / copy_bw
                 limit = 2.0 if p == 2 else 3.0
                 row(check=f"bench cuda {algorithm} p={p} {big >> 20} MiB fp32",
-                    result=f"{t * 1e6:,.0f} us; floor {floor * 1e6:,.0f} us ({traffic / big:.0f}n bytes at "
-                           f"{copy_bw / 1e12:.2f} TB/s copy) = {t / floor:.2f}x",
+                    result=f"{t * 1e6:,.0f} us; floor {floor * 1e6:,.0f} us ({traffic / big:.0f}n "
+                           f"bytes at {copy_bw / 1e12:.2f} TB/s copy) = {t / floor:.2f}x",
                     ok=algorithm != "ring" or t / floor <= limit)
             for algorithm in ("ring", "native"):
                 res = world.run(job_bench, 4096, algorithm, 20 if CPU else 200)
                 t = max(r[0] for r in res)
                 rounds = 2 * (p - 1) if algorithm == "ring" else 1
                 row(check=f"bench cuda {algorithm} p={p} 4 KiB",
-                    result=f"{t * 1e6:,.1f} us, {t * 1e6 / rounds:,.1f} us per round ({rounds} rounds)",
+                    result=f"{t * 1e6:,.1f} us, {t * 1e6 / rounds:,.1f} us per round ({rounds} "
+                           "rounds)",
                     ok=algorithm != "ring" or t / rounds <= 20e-6)
 
 
@@ -177,7 +186,9 @@ def job_ddp(comm, impl: str):
 
         model = DDP(model, comm, bucket_cap_mb=25, algorithm="ring")
     elif impl == "torch_ddp":
-        model = nn.parallel.DistributedDataParallel(model, process_group=comm._group, bucket_cap_mb=25)
+        model = nn.parallel.DistributedDataParallel(
+            model, process_group=comm._group, bucket_cap_mb=25
+        )
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     local = DDP_BATCH // comm.world_size
     x, y = torch.randn(local, WIDTH, device=dev), torch.randn(local, WIDTH, device=dev)
