@@ -1,6 +1,6 @@
 """Step-through lessons: every idea of data parallelism taught on the real engine.
 
-    dplab lesson                 # the list: length, needs, your progress and prediction score; where to start
+    dplab lesson  # the list: length, needs, your progress and prediction score; where to start
     dplab lesson 1               # step through lesson 1 (Enter: next, b: back, h: hint, q: quit)
     dplab lesson watch 2 DIR     # re-check lesson 2's exercises in DIR on every save
     dplab app                    # the same steps on the app's Lessons page
@@ -17,8 +17,8 @@ from dplab.lessons.plain import count, num, size, times
 from dplab.lessons.step import Check, Explore, Lesson, Predict, Step, fill
 from dplab.reference.errors import ConfigError
 
-__all__ = ["MODULES", "numbers", "lessons", "lesson", "Lesson", "Step", "Check", "Predict", "Explore", "fill",
-           "num", "times", "size", "count"]
+__all__ = ["MODULES", "numbers", "lessons", "lesson", "Lesson", "Step", "Check", "Predict",
+           "Explore", "fill", "num", "times", "size", "count"]
 
 # In teaching order: each lesson may use what the ones before it taught.
 MODULES = (
@@ -53,6 +53,6 @@ def numbers() -> list[int]:
 def lesson(number: int) -> Lesson:
     """Lesson ``number``, or an error listing the ones there are."""
     if number not in numbers():
-        raise ConfigError(f"there is no lesson {number}: the lessons are {', '.join(map(str, numbers()))} "
-                          "(dplab lesson lists them)")
+        raise ConfigError(f"there is no lesson {number}: the lessons are "
+                          f"{', '.join(map(str, numbers()))} (dplab lesson lists them)")
     return importlib.import_module(f"dplab.lessons.{MODULES[numbers().index(number)]}").LESSON

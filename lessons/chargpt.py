@@ -26,8 +26,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-__all__ = ["VOCAB", "GPTConfig", "CharGPT", "text", "encode", "batch", "param_formula", "matmul_params",
-           "attention_flops_per_token"]
+__all__ = ["VOCAB", "GPTConfig", "CharGPT", "text", "encode", "batch", "param_formula",
+           "matmul_params", "attention_flops_per_token"]
 
 VOCAB = "\n .,abcdefghijklmnopqrstuvwxyz"  # every character the text uses (30)
 
@@ -44,8 +44,14 @@ def text(chars: int = 20_000, seed: int = 0) -> str:
     every machine: a seeded ``random.Random``, not the global one."""
     rng, out, n = random.Random(seed), [], 0
     while n < chars:
-        words = ["the", rng.choice(_WORDS["adj"]), rng.choice(_WORDS["noun"]), rng.choice(_WORDS["verb"]),
-                 rng.choice(("a", "the", "every")), rng.choice(_WORDS["noun"])]
+        words = [
+            "the",
+            rng.choice(_WORDS["adj"]),
+            rng.choice(_WORDS["noun"]),
+            rng.choice(_WORDS["verb"]),
+            rng.choice(("a", "the", "every")),
+            rng.choice(_WORDS["noun"]),
+        ]
         if rng.random() < 0.3:
             words += ["and", rng.choice(_WORDS["verb"]), "it"]
         sentence = " ".join(words) + ("." if rng.random() < 0.8 else ",")
@@ -61,8 +67,11 @@ def encode(s: str) -> torch.Tensor:
     return torch.tensor([index[c] for c in s], dtype=torch.int64)
 
 
-def batch(data: torch.Tensor, rows: int, block: int, step: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
-    """The global batch of ``step``: ``rows`` windows of ``block`` characters and their next characters.
+def batch(
+    data: torch.Tensor, rows: int, block: int, step: int, seed: int = 0
+) -> tuple[torch.Tensor, ...]:
+    """The global batch of ``step``: ``rows`` windows of ``block`` characters and their next
+    characters.
 
     Drawn from a generator seeded by (seed, step), so every rank draws the same global batch and
     takes its own rows of it, as the reference trainer shards a batch."""

@@ -34,7 +34,9 @@ __all__ = ["add_lesson_parser", "parse_request", "run_lesson_command", "LessonRe
 USAGE = "N | init DIR | check N [DIR] | watch N [DIR] | notebooks DIR"
 
 
-def add_lesson_parser(sub: Any, formatter_class: type[argparse.HelpFormatter]) -> argparse.ArgumentParser:
+def add_lesson_parser(
+    sub: Any, formatter_class: type[argparse.HelpFormatter]
+) -> argparse.ArgumentParser:
     """Register ``dplab lesson`` on the subparsers ``sub``; the command line finds this function by
     its entry point (``dplab.commands``).
 
@@ -48,26 +50,32 @@ def add_lesson_parser(sub: Any, formatter_class: type[argparse.HelpFormatter]) -
     p = sub.add_parser("lesson", help="step through a lesson on the real engine (no N: list them)",
                        formatter_class=formatter_class,
                        description=textwrap.fill(
-                           "Step-through lessons: each step runs the real engine at a small size, shows "
-                           "what happened and checks the claim it makes. Enter: next step, b: back, "
-                           "h: hint, q: quit; a lesson resumes where you stopped ($DPLAB_HOME/lessons.json "
-                           "or ~/.cache/dplab/lessons.json). Without N: the list of lessons.", 88),
+                           "Step-through lessons: each step runs the real engine at a small size, "
+                           "shows what happened and checks the claim it makes. Enter: next step, "
+                           "b: back, h: hint, q: quit; a lesson resumes where you stopped "
+                           "($DPLAB_HOME/lessons.json or ~/.cache/dplab/lessons.json). Without N: "
+                           "the list of lessons.", 88),
                        epilog="examples:\n  dplab lesson\n  dplab lesson 1 --step 2\n"
                               "  dplab lesson 1 --no-pause > lesson1.txt\n"
                               "  dplab lesson init exercises && dplab lesson check 2 exercises\n"
                               "  dplab lesson watch 2 exercises     # re-checks on every save\n\n"
-                              "check runs your code in a child process, stopped after $DPLAB_CHECK_LIMIT_S "
-                              "seconds (30)\nand limited to $DPLAB_CHECK_MEMORY_MB MiB (4096)")
-    p.add_argument("words", nargs="*", metavar=USAGE,
-                   help="a lesson number; 'init DIR' copies the exercise stubs into DIR; 'check N [DIR]' "
-                        "runs your exercises of lesson N (DIR: default the current directory); "
-                        "'watch N [DIR]' checks them again whenever a file in DIR is saved, until Ctrl-C"
-                        "; 'notebooks DIR' writes every lesson as a Jupyter notebook into DIR")
+                              "check runs your code in a child process, stopped after "
+                              "$DPLAB_CHECK_LIMIT_S seconds (30)\nand limited to "
+                              "$DPLAB_CHECK_MEMORY_MB MiB (4096)")
+    p.add_argument(
+        "words",
+        nargs="*",
+        metavar=USAGE,
+        help="a lesson number; 'init DIR' copies the exercise stubs into DIR; 'check N [DIR]' "
+        "runs your exercises of lesson N (DIR: default the current directory); "
+        "'watch N [DIR]' checks them again whenever a file in DIR is saved, until "
+        "Ctrl-C; 'notebooks DIR' writes every lesson as a Jupyter notebook into DIR",
+    )
     p.add_argument("--step", type=positive_int, metavar="K",
                    help="start lesson N at step K instead of where you stopped (default: resume)")
     p.add_argument("--no-pause", action="store_true",
-                   help="run every step straight through without reading input; exit 1 naming any claim "
-                        "that did not hold (default: pause after each step)")
+                   help="run every step straight through without reading input; exit 1 naming any "
+                        "claim that did not hold (default: pause after each step)")
     p.add_argument("--poll", type=_seconds, metavar="S",
                    help="with watch: look for saved files every S seconds (default 0.5)")
     p.add_argument("--repo", metavar="URL",
@@ -102,7 +110,9 @@ def _number(word: str) -> int:
     try:
         return int(word)
     except ValueError:
-        raise ConfigError(f"expected a lesson number, got {word!r} (usage: dplab lesson {USAGE})") from None
+        raise ConfigError(
+            f"expected a lesson number, got {word!r} (usage: dplab lesson {USAGE})"
+        ) from None
 
 
 def parse_request(words: list[str], step: int | None = None, no_pause: bool = False,
@@ -122,19 +132,23 @@ def parse_request(words: list[str], step: int | None = None, no_pause: bool = Fa
             raise ConfigError(f"--step and --no-pause go with a lesson number, not with {words[0]}")
         if words[0] == "watch":
             if len(words) not in (2, 3):
-                raise ConfigError("usage: dplab lesson watch N [DIR] (N: the lesson; DIR: your exercises, "
-                                  "default the current directory)")
-            return LessonRequest("watch", _number(words[1]), words[2] if len(words) == 3 else None, poll=poll)
+                raise ConfigError("usage: dplab lesson watch N [DIR] (N: the lesson; DIR: your "
+                                  "exercises, default the current directory)")
+            return LessonRequest(
+                "watch", _number(words[1]), words[2] if len(words) == 3 else None, poll=poll
+            )
         if words[0] == "init":
             if len(words) != 2:
-                raise ConfigError("usage: dplab lesson init DIR (the folder to copy the exercise stubs into)")
+                raise ConfigError("usage: dplab lesson init DIR (the folder to copy the exercise "
+                                  "stubs into)")
             return LessonRequest("init", path=words[1])
         if len(words) not in (2, 3):
-            raise ConfigError("usage: dplab lesson check N [DIR] (N: the lesson; DIR: your exercises, "
-                              "default the current directory)")
+            raise ConfigError("usage: dplab lesson check N [DIR] (N: the lesson; DIR: your "
+                              "exercises, default the current directory)")
         return LessonRequest("check", _number(words[1]), words[2] if len(words) == 3 else None)
     if len(words) > 1:
-        raise ConfigError(f"one lesson at a time, got {' '.join(words)} (usage: dplab lesson {USAGE})")
+        raise ConfigError(f"one lesson at a time, got {' '.join(words)} (usage: dplab lesson "
+                          f"{USAGE})")
     if not words:
         if step is not None or no_pause:
             raise ConfigError("--step and --no-pause need a lesson number: dplab lesson N --step K")

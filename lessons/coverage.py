@@ -33,31 +33,34 @@ CONCEPTS = {
     "dp-vs-ddp": "DataParallel (one process, a master device) vs DistributedDataParallel",
     "engines": "the engines (MPI, NCCL, gloo), their launchers, and running past one machine",
     "beyond-dp": "when data parallelism is not enough: model, pipeline, tensor parallelism",
-    "batch-size": ("batch-size economics: strong vs weak scaling, the gradient noise scale and critical "
-                   "batch, held-out loss, where lr scaling rules break"),
+    "batch-size": ("batch-size economics: strong vs weak scaling, the gradient noise scale and "
+                   "critical batch, held-out loss, where lr scaling rules break"),
 }
 
 
 # appended: a real model (lesson 14)
-CONCEPTS["real-model"] = ("a real model: a transformer's FLOPs per token (6 N), tokens/s, model FLOPs "
-                          "utilisation and where its step time goes, with DDP and FSDP")
+CONCEPTS["real-model"] = ("a real model: a transformer's FLOPs per token (6 N), tokens/s, model "
+                          "FLOPs utilisation and where its step time goes, with DDP and FSDP")
 # appended: the real PyTorch stack and cutting communication (lesson 15)
-CONCEPTS["torch-stack"] = ("the real PyTorch stack: DDP from hooks on torch tensors, DistributedSampler "
-                           "(set_epoch, padding) against weighted uneven shards, SyncBatchNorm")
-CONCEPTS["compression"] = ("cutting communication: gradient compression (fp16, bf16, PowerSGD hooks) and "
-                           "local SGD, in bytes and loss")
+CONCEPTS["torch-stack"] = ("the real PyTorch stack: DDP from hooks on torch tensors, "
+                           "DistributedSampler (set_epoch, padding) against weighted uneven "
+                           "shards, SyncBatchNorm")
+CONCEPTS["compression"] = ("cutting communication: gradient compression (fp16, bf16, PowerSGD "
+                           "hooks) and local SGD, in bytes and loss")
 # appended: activations and bfloat16 (lessons 10 and 11)
-CONCEPTS["activations"] = ("activation memory beside the model states, and activation checkpointing "
-                           "(recompute for memory)")
-CONCEPTS["bf16"] = "bfloat16 against float16: range against precision, and why bf16 needs no loss scaling"
+CONCEPTS["activations"] = ("activation memory beside the model states, and activation "
+                           "checkpointing (recompute for memory)")
+CONCEPTS["bf16"] = (
+    "bfloat16 against float16: range against precision, and why bf16 needs no loss scaling"
+)
 # appended: what issue 31's teacher found missing
-CONCEPTS["ddp-internals"] = ("torch DDP's internals (Li et al., VLDB 2020): buckets rebuilt from the first "
-                             "backward's order, unused parameters and static_graph, buffers broadcast "
-                             "every forward")
-CONCEPTS["async-efficiency"] = ("asynchronous SGD's statistical efficiency: loss against samples seen, "
-                                "and what a gradient's delay costs per sample")
-CONCEPTS["gpu-collectives"] = ("GPU collectives on a simulated cluster: busbw against algbw, NCCL's "
-                               "channels, ring, tree and NVLS from 8 to 1,024 GPUs")
+CONCEPTS["ddp-internals"] = ("torch DDP's internals (Li et al., VLDB 2020): buckets rebuilt from "
+                             "the first backward's order, unused parameters and static_graph, "
+                             "buffers broadcast every forward")
+CONCEPTS["async-efficiency"] = ("asynchronous SGD's statistical efficiency: loss against samples "
+                                "seen, and what a gradient's delay costs per sample")
+CONCEPTS["gpu-collectives"] = ("GPU collectives on a simulated cluster: busbw against algbw, "
+                               "NCCL's channels, ring, tree and NVLS from 8 to 1,024 GPUs")
 CONCEPTS["fsdp-overlap"] = ("overlap in FSDP/ZeRO-3: prefetching the next unit's all-gather, "
                             "reshard_after_forward, HSDP")
 
@@ -90,5 +93,5 @@ def coverage_table() -> str:
 if __name__ == "__main__":
     print(coverage_table())
 # appended: issue 31's idea 7
-CONCEPTS["profiling"] = ("profiling one step: torch.profiler's operations beside dplab's own trace, both "
-                         "as Chrome traces")
+CONCEPTS["profiling"] = ("profiling one step: torch.profiler's operations beside dplab's own "
+                         "trace, both as Chrome traces")

@@ -39,9 +39,15 @@ from dplab.lessons.runner import Lab, StepOutcome, missing_needs, run_step
 from dplab.lessons.step import Lesson, Step, fill
 from dplab.viz.budget import BUDGET
 
-PICK, STEP, AT = "lesson_pick", "lesson_step", "lesson_at"  # widget; step index; where the learner was
+# widget; step index; where the learner was
+PICK, STEP, AT = "lesson_pick", "lesson_step", "lesson_at"
 WRITTEN = "_lesson_in_url"  # the (lesson, step) this page last put in the URL
-OUTCOMES, LAB, REVEALED, VERDICTS = "lesson_outcomes", "lesson_lab", "lesson_revealed", "lesson_verdicts"
+OUTCOMES, LAB, REVEALED, VERDICTS = (
+    "lesson_outcomes",
+    "lesson_lab",
+    "lesson_revealed",
+    "lesson_verdicts",
+)
 # the replies checked; how many hints each step has shown; the steps whose Check found no reply
 REPLIES, HINTS, EMPTY = "lesson_replies", "lesson_hints", "lesson_empty"
 state = st.session_state
@@ -56,8 +62,9 @@ def _title(number: int) -> str:
 
 
 def _start(nums: list[int]) -> None:
-    """The lesson and step from ``?lesson=N&step=K`` unless this page wrote them there on its last run
-    (a new visit or a link, even from this page); a visit without them: where the learner was."""
+    """The lesson and step from ``?lesson=N&step=K`` unless this page wrote them there on its last
+    run (a new visit or a link, even from this page); a visit without them:
+    where the learner was."""
     query = st.query_params.to_dict()
     url = (query.get("lesson"), query.get("step"))
     if PICK in state and (url[0] is None or url == state.get(WRITTEN)):
@@ -119,7 +126,8 @@ def _outcome(les: Lesson, k: int) -> StepOutcome | Exception:
     try:
         for i in range(k + 1):
             if i not in done:
-                with st.spinner(f"running step {i + 1} of lesson {les.number} on the real engine ..."):
+                with st.spinner(f"running step {i + 1} of lesson {les.number} on the real engine "
+                                "..."):
                     try:
                         done[i] = _run(les.steps[i], lab)
                     except Exception as e:  # noqa: BLE001 - shown on the page, in one box
@@ -141,25 +149,39 @@ def _run(step: Step, lab: Lab) -> StepOutcome:
 
 
 def _question(step: Step, question: str, key: tuple[int, int]) -> None:
-    """The question and its controls: an answer box (its placeholder says how to type a number, never
-    a number), Check, Show me, and a hint button that reveals the next tier (never an answer)."""
+    """The question and its controls: an answer box (its placeholder says how to type a number,
+    never a number), Check, Show me, and a hint button that reveals the next tier (never an
+    answer)."""
     predict = step.predict
     answer_key = f"lesson_answer_{key[0]}_{key[1]}"
     st.markdown(f"**Predict first.** {question}")
     if answer_kind(predict) == "choices":
         st.radio("your answer", predict.choices, index=None, key=answer_key, horizontal=True)
     else:
-        st.text_input("your answer" + (f" ({predict.unit})" if predict.unit else ""), key=answer_key,
-                      placeholder=PLACEHOLDER, width=360)
+        st.text_input(
+            "your answer" + (f" ({predict.unit})" if predict.unit else ""),
+            key=answer_key,
+            placeholder=PLACEHOLDER,
+            width=360,
+        )
     tiers = step.all_hints()
     shown = state.get(HINTS, {}).get(key, 0)
     c = st.columns([1, 1, 1, 5])
-    c[0].button("Check", key=f"lesson_check_{key[0]}_{key[1]}", on_click=_check, args=(key, answer_key),
-                type="primary")
+    c[0].button(
+        "Check",
+        key=f"lesson_check_{key[0]}_{key[1]}",
+        on_click=_check,
+        args=(key, answer_key),
+        type="primary",
+    )
     c[1].button("Show me", key=f"lesson_show_{key[0]}_{key[1]}", on_click=_reveal, args=(key,))
     if shown < len(tiers):
-        c[2].button(f"Hint {shown + 1} of {len(tiers)}" if len(tiers) > 1 else "Hint",
-                    key=f"lesson_hint_{key[0]}_{key[1]}", on_click=_more_hint, args=(key, len(tiers)))
+        c[2].button(
+            f"Hint {shown + 1} of {len(tiers)}" if len(tiers) > 1 else "Hint",
+            key=f"lesson_hint_{key[0]}_{key[1]}",
+            on_click=_more_hint,
+            args=(key, len(tiers)),
+        )
     for i in range(shown):
         st.info(f"**Hint{f' {i + 1}' if len(tiers) > 1 else ''}.** {tiers[i]}")
     if key in state.get(EMPTY, set()):
@@ -175,7 +197,8 @@ def _verdict(out: StepOutcome, key: tuple[int, int]) -> None:
         verdicts[key] = None if reply is None else out.step.predict.judge(out.facts, reply)
     verdict = verdicts[key]
     if verdict is None:
-        st.caption(f"Shown without an answer: it is {out.step.predict.judge(out.facts, '').expected}.")
+        st.caption("Shown without an answer: it is "
+                   f"{out.step.predict.judge(out.facts, '').expected}.")
     elif verdict.correct:
         st.success(f"Right: {verdict.expected}, measured on this run.")
     else:
@@ -190,7 +213,8 @@ def _result(out: StepOutcome, key: tuple[int, int]) -> None:
             st.code(out.printed, language="text")
     if out.figure is not None:
         st.plotly_chart(out.figure, key=f"lesson_fig_{key[0]}_{key[1]}")
-    st.markdown(f"**What this step proves** (checked on this run: {took(out.seconds)} on the real engine)")
+    st.markdown(f"**What this step proves** (checked on this run: {took(out.seconds)} on the real "
+                "engine)")
     for line in check_lines(out):
         st.markdown(line)
 
@@ -198,9 +222,13 @@ def _result(out: StepOutcome, key: tuple[int, int]) -> None:
 def _link(out: StepOutcome) -> None:
     link = explore_link(out.step.explore, out.facts)
     try:
-        st.page_link(link.file, label=link.label, query_params=link.params, icon=":material/open_in_new:")
+        st.page_link(
+            link.file, label=link.label, query_params=link.params, icon=":material/open_in_new:"
+        )
     except StreamlitPageNotFoundError:
-        st.caption(f"The {link.page} page is not in this app yet: it will explore this step further.")
+        st.caption(
+            f"The {link.page} page is not in this app yet: it will explore this step further."
+        )
 
 
 def _step(les: Lesson, k: int) -> None:
@@ -231,7 +259,9 @@ def _step(les: Lesson, k: int) -> None:
     hints = step.all_hints()
     if hints:
         with st.expander("Hints" if len(hints) > 1 else "Hint"):
-            st.markdown("\n\n".join(f"{i + 1}. {h}" if len(hints) > 1 else h for i, h in enumerate(hints)))
+            st.markdown(
+                "\n\n".join(f"{i + 1}. {h}" if len(hints) > 1 else h for i, h in enumerate(hints))
+            )
     if step.try_this and is_command(step.try_this):
         st.markdown("**Try this** in a terminal:")
         st.code(step.try_this, language="bash")
@@ -278,4 +308,6 @@ st.progress((k + 1) / len(les.steps), text=f"step {k + 1} of {len(les.steps)}")
 _nav(les, k, st)
 _step(les, k)
 if k < len(les.steps) - 1:  # the learner is at the bottom when done reading
-    st.button(f"Next: {les.steps[k + 1].title} ▶", key="lesson_next_end", on_click=_move, args=(k + 1,))
+    st.button(
+        f"Next: {les.steps[k + 1].title} ▶", key="lesson_next_end", on_click=_move, args=(k + 1,)
+    )

@@ -1,9 +1,9 @@
 """What the Lessons page shows of a step, worked out without Streamlit (``page.py`` draws it).
 
     from dplab.lessons.page_view import check_lines, explore_link, position
-    position({"lesson": "1", "step": "2"}, [1, 6], {1: 4, 6: 5}.get)   # -> (1, 1): lesson 1, second step
+    position({"lesson": "1", "step": "2"}, [1, 6], {1: 4, 6: 5}.get)  # (1, 1): lesson 1, step 2
     check_lines(outcome)                       # ["✅ every replica holds the same bits", ...]
-    explore_link(step.explore, outcome.facts)  # the page file, its label, the page's own URL parameters
+    explore_link(step.explore, outcome.facts)  # the page file, its label, the page's URL parameters
 
 The page is thin wiring; what it decides (which lesson and step a URL opens, what a check line
 says, where a deep link goes and with which parameters, what a missing extra needs) lives here,
@@ -56,7 +56,8 @@ PLACEHOLDER = "a number: commas, fractions, exponents, KiB and MiB all work"
 
 
 def score_line(verdicts: Iterable[Verdict | None]) -> str:
-    """``Predictions in this lesson: 2 of 3 right.`` (a question shown without an answer is asked)."""
+    """``Predictions in this lesson: 2 of 3 right.`` (a question shown without an answer is
+    asked)."""
     verdicts = list(verdicts)
     right = sum(v is not None and v.correct for v in verdicts)
     return f"Predictions in this lesson: {right} of {len(verdicts)} right."
@@ -71,8 +72,9 @@ def _int(raw: object) -> int | None:
 
 def position(query: Mapping[str, str], numbers: list[int],
              length_of: Callable[[int], int]) -> tuple[int, int]:
-    """The (lesson number, step index from 0) that ``?lesson=N&step=K`` opens (K counts from 1, as the
-    page shows it). No lesson or an unknown one: the first lesson; a step past the end: its last."""
+    """The (lesson number, step index from 0) that ``?lesson=N&step=K`` opens (K counts from 1, as
+    the page shows it). No lesson or an unknown one: the first lesson; a step past the end: its
+    last."""
     if not numbers:
         raise ValueError("no lessons to open")
     number = _int(query.get("lesson", ""))
@@ -82,7 +84,8 @@ def position(query: Mapping[str, str], numbers: list[int],
 
 
 def lessons_link_params(number: int, index: int) -> dict[str, str]:
-    """The URL parameters that open step ``index`` (from 0) of lesson ``number`` on the Lessons page."""
+    """The URL parameters that open step ``index`` (from 0) of lesson ``number`` on the Lessons
+    page."""
     return {"lesson": str(number), "step": str(index + 1)}
 
 
@@ -92,7 +95,8 @@ def check_lines(outcome: StepOutcome) -> list[str]:
 
 
 def answer_kind(predict: Predict) -> str:
-    """``"choices"`` (a radio of the choices) or ``"number"`` (free text: 1,572,864 or 1.5 MiB both parse)."""
+    """``"choices"`` (a radio of the choices) or ``"number"`` (free text: 1,572,864 or 1.5 MiB both
+    parse)."""
     return "choices" if predict.choices else "number"
 
 
@@ -123,7 +127,16 @@ def explore_link(explore: Explore, facts: Facts) -> Link:
 def is_command(try_this: str) -> bool:
     """A "try this" line that is a shell command (shown as one, to copy) rather than a sentence."""
     first = try_this.split(maxsplit=1)[0] if try_this.strip() else ""
-    return first in ("dplab", "python", "python3", "pytest", "mpiexec", "torchrun", "pip", "streamlit")
+    return first in (
+        "dplab",
+        "python",
+        "python3",
+        "pytest",
+        "mpiexec",
+        "torchrun",
+        "pip",
+        "streamlit",
+    )
 
 
 def took(seconds: float) -> str:
@@ -136,5 +149,6 @@ def took(seconds: float) -> str:
 def needs_line(number: int, missing: list[str]) -> str:
     """What to install for a lesson whose extras are missing, as one line."""
     extras = ",".join(missing)
-    return (f"Lesson {number} needs the {' and '.join(missing)} extra{'s' if len(missing) > 1 else ''}, "
-            f"not installed here: `pip install -e '.[{extras}]'` (from a checkout), then reload this page.")
+    return (f"Lesson {number} needs the {' and '.join(missing)} "
+            f"extra{'s' if len(missing) > 1 else ''}, not installed here: `pip install -e "
+            f"'.[{extras}]'` (from a checkout), then reload this page.")

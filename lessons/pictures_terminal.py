@@ -6,11 +6,12 @@
     Step(..., picture=lambda f: memory_bars({"replicas": {"params": 4e6, "grads": 4e6,
                                                           "optimizer": 8e6, "activations": 2e6}}))
 
-``schedule_picture`` is ``reference/pictures.render_rounds`` (the pictures the algorithm files carry)
-in colour; past what its notation draws (10 ranks, 26 chunks) it falls back to a table of the same
-transfers. ``bucket_timeline`` scales a rank's real trace to the screen: backward on one lane, each
-bucket's all-reduce on the next, so overlap is seen. ``memory_bars`` stacks what each rank holds.
-Each returns a rich renderable; all read as plain text when piped (``Console`` decides).
+``schedule_picture`` is ``reference/pictures.render_rounds`` (the pictures the algorithm files
+carry) in colour; past what its notation draws (10 ranks, 26 chunks) it falls back to a table of the
+same transfers. ``bucket_timeline`` scales a rank's real trace to the screen:
+backward on one lane, each bucket's all-reduce on the next, so overlap is seen.
+``memory_bars`` stacks what each rank holds. Each returns a rich renderable;
+all read as plain text when piped (``Console`` decides).
 """
 
 from __future__ import annotations
@@ -37,9 +38,9 @@ _OTHER_STYLE = ("▪", "magenta")
 
 def schedule_picture(schedule: Schedule, rounds: Iterable[int] | None = None,
                      title: str | None = None) -> Any:
-    """The schedule's rounds as ``render_rounds`` draws them (what every rank holds, what it sends to
-    whom), reduce arrows in yellow and copies in cyan; a ``schedule_table`` when the notation cannot
-    draw it."""
+    """The schedule's rounds as ``render_rounds`` draws them (what every rank holds, what it sends
+    to whom), reduce arrows in yellow and copies in cyan; a ``schedule_table`` when the notation
+    cannot draw it."""
     try:
         picture = render_rounds(schedule, rounds)
     except PictureError:
@@ -53,11 +54,12 @@ def schedule_picture(schedule: Schedule, rounds: Iterable[int] | None = None,
 
 def schedule_table(schedule: Schedule, max_rounds: int = 16, title: str | None = None) -> Table:
     """One row per round listing its transfers, ``r0→r1 c3+`` (rank 0 sends chunk 3 to rank 1, which
-    adds it; ``=``: copies it); rounds past ``max_rounds`` are summarised in one line. Any world size:
-    the row folds at the screen's edge."""
+    adds it; ``=``: copies it); rounds past ``max_rounds`` are summarised in one line. Any world
+    size: the row folds at the screen's edge."""
     table = Table(title=title, box=None, padding=(0, 1), pad_edge=False, header_style="bold")
     table.add_column("round", justify="right", no_wrap=True)
-    table.add_column(f"transfers (p = {schedule.world_size}, {schedule.num_chunks} chunks; + adds, = copies)",
+    table.add_column(f"transfers (p = {schedule.world_size}, {schedule.num_chunks} chunks; + adds, "
+                     "= copies)",
                      overflow="fold")
     for k, rnd in enumerate(schedule.rounds[:max_rounds]):
         moves = [f"r{t.src}→r{t.dst} c{t.chunk}{'+' if t.op == 'reduce' else '='}" for t in rnd]
@@ -94,7 +96,8 @@ def bucket_timeline(events: Iterable[Any], width: int = 60, backward: Sequence[s
     def cols(e: Any) -> range:
         a = int((_get(e, "t_start_ns") - t0) * width / span)
         b = int(round((_get(e, "t_end_ns") - t0) * width / span))
-        return range(min(a, width - 1), max(b, a + 1))  # at least one column: a short span stays seen
+        # at least one column: a short span stays seen
+        return range(min(a, width - 1), max(b, a + 1))
 
     lanes = {"backward": [" "] * width, "all-reduce": [" "] * width}
     for e in chosen:
@@ -109,7 +112,9 @@ def bucket_timeline(events: Iterable[Any], width: int = 60, backward: Sequence[s
         out.append("".join(cells), style="cyan" if name == "backward" else "yellow")
         out.append("│\n")
     out.append(f"{'':>10} └{'─' * width}┘ {_duration(span)}\n", style="dim")
-    out.append(f"{'':>12}digits: the bucket being all-reduced; under █ it overlaps backward", style="dim")
+    out.append(
+        f"{'':>12}digits: the bucket being all-reduced; under █ it overlaps backward", style="dim"
+    )
     return out
 
 
@@ -135,7 +140,9 @@ def memory_bars(per_rank: Mapping[str, Mapping[str, float]], width: int = 40) ->
     table.add_column("total", justify="right", no_wrap=True)
     for name, parts in per_rank.items():
         bar = Text()
-        order = [k for k in MEMORY_PARTS if k in parts] + [k for k in parts if k not in MEMORY_PARTS]
+        order = [k for k in MEMORY_PARTS if k in parts] + [
+            k for k in parts if k not in MEMORY_PARTS
+        ]
         for part in order:
             n = round(float(parts[part]) * width / biggest)
             glyph, colour = _PART_STYLE.get(part, _OTHER_STYLE)

@@ -73,7 +73,8 @@ def answer(x: Any, rel_tol: float = 0.0) -> str:
     if x == float(round(x)) and abs(x) < 1e15:
         return f"{round(x):,}"
     allowed = max(abs(x) * rel_tol / 10, 1e-12)
-    whole = math.floor(math.log10(abs(x))) + 1 if abs(x) >= 1 else 1  # the integer part is never rounded
+    # the integer part is never rounded
+    whole = math.floor(math.log10(abs(x))) + 1 if abs(x) >= 1 else 1
     for digits in range(max(3, whole), 18):
         shown = num(x, digits)
         if abs(float(shown.replace(",", "")) - x) <= allowed:
@@ -94,6 +95,12 @@ def readable(value: Any) -> str:
     if isinstance(value, (list, tuple)) and value and all(
             isinstance(v, numbers.Real) and not isinstance(v, bool) for v in value):
         # no thousands commas inside a list: "[0.25, 2080]" must not read as four numbers
-        inner = ", ".join(str(v) if isinstance(v, numbers.Integral) else num(v, commas=False) for v in value)
-        return f"[{inner}]" if isinstance(value, list) else f"({inner}{',' if len(value) == 1 else ''})"
+        inner = ", ".join(
+            str(v) if isinstance(v, numbers.Integral) else num(v, commas=False) for v in value
+        )
+        return (
+            f"[{inner}]"
+            if isinstance(value, list)
+            else f"({inner}{',' if len(value) == 1 else ''})"
+        )
     return str(value)

@@ -2,7 +2,7 @@
 
     from dplab.lessons.priced import GPT2_SMALL, price_units, ddp_layers
     from dplab.backends.sim.timing import ddp_step_time
-    units = price_units(GPT2_SMALL, rows=16)                   # per unit: parameters, forward, backward
+    units = price_units(GPT2_SMALL, rows=16)  # per unit: parameters, forward, backward
     step = ddp_step_time("dgx-h100", 8, ddp_layers(units, "dgx-h100"), itemsize=2,
                          optimizer_s=units.optimizer_s("dgx-h100")).seconds
 
@@ -24,12 +24,14 @@ from dplab.lessons.chargpt import GPTConfig
 
 __all__ = ["GPT2_SMALL", "Op", "Units", "price_units", "ddp_layers", "seconds", "op_split"]
 
-GPT2_SMALL = GPTConfig(block=1024, layers=12, heads=12, d=768)  # GPT-2 small's depth, width, context
+# GPT-2 small's depth, width, context
+GPT2_SMALL = GPTConfig(block=1024, layers=12, heads=12, d=768)
 
 
 @dataclass(frozen=True)
 class Op:
-    """One aten operation: its FLOPs (0 when it does no matmul-like work), bytes read and written."""
+    """One aten operation: its FLOPs (0 when it does no matmul-like work), bytes read and
+    written."""
 
     flops: float
     nbytes: float
@@ -158,7 +160,8 @@ def op_split(ops: list[Op], cluster: str) -> dict[str, float]:
 
 
 def ddp_layers(units: Units, cluster: str) -> list[tuple[int, float, float]]:
-    """``ddp_step_time``'s layers: (parameters, forward seconds, backward seconds), forward order."""
+    """``ddp_step_time``'s layers: (parameters, forward seconds, backward seconds), forward
+    order."""
     return [(n, seconds(f, cluster), seconds(b, cluster)) for _, n, f, b in units.in_order()]
 
 

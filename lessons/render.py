@@ -26,9 +26,9 @@ from rich.text import Text
 from dplab.lessons.runner import StepOutcome
 from dplab.lessons.step import Lesson, Step, Verdict
 
-__all__ = ["marks", "step_rule", "end_rule", "code_block", "question_text", "question_line", "verdict_text",
-           "outcome_body", "hint_text", "explore_link", "estimate_seconds", "lessons_table", "reports_table",
-           "score_text", "start_here", "Progress", "PIP"]
+__all__ = ["marks", "step_rule", "end_rule", "code_block", "question_text", "question_line",
+           "verdict_text", "outcome_body", "hint_text", "explore_link", "estimate_seconds",
+           "lessons_table", "reports_table", "score_text", "start_here", "Progress", "PIP"]
 
 PIP = {"mpi": "pip install 'dplab[mpi]'", "torch": "pip install 'dplab[torch]'",
        "viz": "pip install 'dplab[viz]'"}
@@ -39,7 +39,8 @@ UNKNOWN_RUN_S = 2.0           # a step never run here: a typical small run on th
 
 
 def marks(encoding: str) -> tuple[str, str]:
-    """The marks for a claim that holds and one that does not (ASCII where the output cannot UTF-8)."""
+    """The marks for a claim that holds and one that does not (ASCII where the output cannot
+    UTF-8)."""
     return ("✓", "✗") if encoding.lower().replace("-", "").startswith("utf") else ("ok", "X")
 
 
@@ -53,7 +54,8 @@ def step_rule(lesson: Lesson, index: int) -> Any:
 
 
 class _TitleRule:
-    """A rule with its title in it when the title fits the width, else the title's lines then a rule."""
+    """A rule with its title in it when the title fits the width, else the title's lines then a
+    rule."""
 
     def __init__(self, title: Text) -> None:
         self.title = title
@@ -76,8 +78,13 @@ def code_block(step: Step, width: int = 80, encoding: str = "utf-8") -> Syntax:
     wrapped (a wrapped comment lands unindented, as if it were code): a line wider than ``width``
     is cut, ending in an ellipsis."""
     more = "…" if encoding.lower().replace("-", "").startswith("utf") else "~"
-    lines = [line if len(line) <= width else line[:width - 1] + more for line in step.code().splitlines()]
-    return Syntax("\n".join(lines), "python", theme="ansi_dark", background_color="default", word_wrap=False)
+    lines = [
+        line if len(line) <= width else line[: width - 1] + more
+        for line in step.code().splitlines()
+    ]
+    return Syntax(
+        "\n".join(lines), "python", theme="ansi_dark", background_color="default", word_wrap=False
+    )
 
 
 def question_text(outcome: StepOutcome) -> Text:
@@ -132,12 +139,16 @@ def explore_link(step: Step, facts: dict[str, Any]) -> str | None:
 
 
 def outcome_body(outcome: StepOutcome, lesson: Lesson, encoding: str) -> list[Any]:
-    """What the step showed and proved: its text, the checks with a mark each, then where to go next."""
+    """What the step showed and proved: its text, the checks with a mark each, then where to go
+    next."""
     step = outcome.step
     parts: list[Any] = [Markdown(outcome.text)]
     if outcome.printed.strip():
         parts += [Text("The run printed:", style="dim"), Text(outcome.printed.rstrip())]
-    parts += [Text(f"Checks ({outcome.seconds:.1f} s run):", style="bold"), _checks_table(outcome, encoding)]
+    parts += [
+        Text(f"Checks ({outcome.seconds:.1f} s run):", style="bold"),
+        _checks_table(outcome, encoding),
+    ]
     if step.picture is not None:
         parts.append(step.picture(outcome.facts))
     if step.figure is not None:
@@ -147,7 +158,9 @@ def outcome_body(outcome: StepOutcome, lesson: Lesson, encoding: str) -> list[An
         parts.append(Text.assemble(("try this: ", "bold"), (step.try_this, "cyan")))
     link = explore_link(step, outcome.facts)
     if link:
-        parts.append(Text.assemble(("explore: ", "bold"), ("dplab app", "cyan"), ", page ", (link, "cyan")))
+        parts.append(
+            Text.assemble(("explore: ", "bold"), ("dplab app", "cyan"), ", page ", (link, "cyan"))
+        )
     if step.exercise:
         parts.append(Text.assemble(("exercise: ", "bold"), f"{step.exercise}: ",
                                    ("dplab lesson init DIR", "cyan"), ", then ",
@@ -180,7 +193,8 @@ def estimate_seconds(lesson: Lesson, run_seconds: dict[int, float]) -> float:
 class Progress:
     """What the learner did in one lesson (from ``lessons/resume.py``)."""
 
-    resume: int | None = None                  # the step it resumes at; None: not started or finished
+    # the step it resumes at; None: not started or finished
+    resume: int | None = None
     seen: int = 0                              # the furthest step shown
     done: bool = False                         # reached the end at least once
     right: int = 0                             # predictions right ...
@@ -216,8 +230,15 @@ def lessons_table(rows: Sequence[tuple[Lesson, list[str], float, Any]]) -> Table
         for extra in missing:
             needs.append(f"\n{extra} missing: {PIP.get(extra, 'pip install dplab')}", style="red")
         score = f"{progress.right}/{progress.asked}" if progress.asked else "-"
-        table.add_row(str(lesson.number), title, str(len(lesson.steps)),
-                      f"~{max(1, round(seconds / 60))} min", _progress_cell(lesson, progress), score, needs)
+        table.add_row(
+            str(lesson.number),
+            title,
+            str(len(lesson.steps)),
+            f"~{max(1, round(seconds / 60))} min",
+            _progress_cell(lesson, progress),
+            score,
+            needs,
+        )
     return table
 
 
@@ -234,12 +255,14 @@ def start_here(rows: Sequence[tuple[Lesson, list[str], Progress]]) -> Text:
         first = all(not p.seen and not p.done for _, _, p in rows)
         return Text.assemble(("Start here: " if first else "Next: ", "bold"),
                              (f"dplab lesson {todo[0].number}", "cyan"), f" ({todo[0].title}).")
-    return Text.assemble(("Every lesson done. ", "bold green"), "Run any again, or try the exercises: ",
+    return Text.assemble(("Every lesson done. ", "bold green"), "Run any again, or try the "
+                                                                "exercises: ",
                          ("dplab lesson init DIR", "cyan"), ".")
 
 
 def reports_table(reports: Sequence[Any], encoding: str) -> Table:
-    """``dplab lesson check``: one row per exercise report (``.name``, ``.passed``, ``.message``)."""
+    """``dplab lesson check``: one row per exercise report (``.name``, ``.passed``,
+    ``.message``)."""
     yes, no = marks(encoding)
     table = Table(box=None, padding=(0, 1), pad_edge=False, header_style="bold")
     table.add_column("exercise", no_wrap=True)

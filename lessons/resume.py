@@ -1,11 +1,11 @@
 """Where the learner stopped in each lesson, and how long each step took to run here.
 
-    positions = Positions.load()          # $DPLAB_HOME/lessons.json, else ~/.cache/dplab/lessons.json
-    positions.step(1)                     # 3: ``dplab lesson 1`` resumes at step 3; None: from the start
+    positions = Positions.load()  # $DPLAB_HOME/lessons.json, else ~/.cache/dplab/lessons.json
+    positions.step(1)  # 3: ``dplab lesson 1`` resumes at step 3; None: from the start
     positions.save(1, step=3, seconds={1: 2.4})
     positions.save(1, step=None)          # finished: the next run starts from the beginning
     positions.save(1, step=2, answers={1: ("close", False)})   # a reply and whether it was right
-    positions.score(1)                    # (right, asked): (0, 1); positions.done(1), positions.seen(1)
+    positions.score(1)  # (right, asked): (0, 1); positions.done(1), positions.seen(1)
 
 The file is a cache, never a reason to fail or to hang: one that is unreadable, not UTF-8, not
 the expected JSON (too deep, too large, ``1e309``), or not a regular file (a FIFO, a link to
@@ -46,7 +46,8 @@ MAX_REPLY = 100      # characters of a reply kept: what a person types for an an
 
 
 def store_path() -> Path:
-    """``$DPLAB_HOME/lessons.json`` when ``DPLAB_HOME`` is set, else ``~/.cache/dplab/lessons.json``."""
+    """``$DPLAB_HOME/lessons.json`` when ``DPLAB_HOME`` is set, else
+    ``~/.cache/dplab/lessons.json``."""
     home = os.environ.get("DPLAB_HOME")
     return (Path(home) if home else Path.home() / ".cache" / "dplab") / FILE_NAME
 
@@ -97,7 +98,8 @@ def _finite(text: str) -> float:
 
 
 class Positions:
-    """The stored state of every lesson: ``{"lessons": {"1": {"step": 3, "seconds": {"1": 2.4}}}}``."""
+    """The stored state of every lesson: ``{"lessons": {"1": {"step": 3, "seconds": {"1":
+    2.4}}}}``."""
 
     def __init__(self, path: Path, data: dict[str, Any], warning: str | None = None) -> None:
         self.path, self.data, self.warning = path, data, warning
@@ -108,17 +110,19 @@ class Positions:
         try:
             data = _read(path)
         except OSError as e:
-            return cls(path, {"lessons": {}}, f"cannot read {path} ({e.strerror or e}): starting from step 1")
+            return cls(path, {"lessons": {}}, f"cannot read {path} ({e.strerror or e}): starting "
+                                              "from step 1")
         except _Corrupt as e:
-            return cls(path, {"lessons": {}}, f"ignoring {path}, which is corrupt ({e}); it is rewritten on "
-                                              "the next save")
+            return cls(path, {"lessons": {}}, f"ignoring {path}, which is corrupt ({e}); it is "
+                                              "rewritten on the next save")
         return cls(path, data if data is not None else {"lessons": {}})
 
     def _entry(self, lesson: int) -> dict[str, Any]:
         return self.data["lessons"].get(str(lesson), {})
 
     def step(self, lesson: int) -> int | None:
-        """The 1-based step ``lesson`` resumes at, or None (never started, finished, or nonsense)."""
+        """The 1-based step ``lesson`` resumes at, or None (never started, finished, or
+        nonsense)."""
         step = self._entry(lesson).get("step")
         ok = isinstance(step, int) and not isinstance(step, bool) and 1 <= step <= MAX_STEP
         return step if ok else None
@@ -132,7 +136,8 @@ class Positions:
         return _answers(self._entry(lesson))
 
     def score(self, lesson: int) -> tuple[int, int]:
-        """(right, asked) over the questions of ``lesson`` the learner met (a skipped one is asked)."""
+        """(right, asked) over the questions of ``lesson`` the learner met (a skipped one is
+        asked)."""
         answers = self.answers(lesson).values()
         return sum(ok is True for _, ok in answers), len(answers)
 
@@ -168,7 +173,11 @@ class Positions:
                 else:
                     entry["step"] = step
                     seen = entry.get("seen")
-                    ok = isinstance(seen, int) and not isinstance(seen, bool) and 0 <= seen <= MAX_STEP
+                    ok = (
+                        isinstance(seen, int)
+                        and not isinstance(seen, bool)
+                        and 0 <= seen <= MAX_STEP
+                    )
                     entry["seen"] = max(step, seen if ok else 0)
                 if answers:
                     merged_answers = {**_answers(entry), **answers}
@@ -178,8 +187,11 @@ class Positions:
                     merged = {**_seconds(entry), **seconds}
                     entry["seconds"] = {str(k): round(v, 3) for k, v in sorted(merged.items())}
                 disk["lessons"][str(lesson)] = entry
-                fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-                os.fchmod(fd, _mode(target))  # mkstemp's 0600 would hide the file from its owner's group
+                fd, tmp = tempfile.mkstemp(
+                    prefix=f".{target.name}.", suffix=".tmp", dir=target.parent
+                )
+                # mkstemp's 0600 would hide the file from its owner's group
+                os.fchmod(fd, _mode(target))
                 with os.fdopen(fd, "w", encoding="utf-8") as f:
                     f.write(json.dumps(disk, indent=1, sort_keys=True))
                 os.replace(tmp, target)  # atomic: a reader never sees half a file
@@ -196,8 +208,13 @@ def _answers(entry: dict[str, Any]) -> dict[int, Answer]:
     raw = entry.get("answers", {})
     out: dict[int, Answer] = {}
     for k, v in (raw.items() if isinstance(raw, dict) else ()):
-        if (str(k).isdigit() and len(str(k)) < 6 and isinstance(v, dict) and isinstance(v.get("reply"), str)
-                and v.get("correct") in (True, False, None)):
+        if (
+            str(k).isdigit()
+            and len(str(k)) < 6
+            and isinstance(v, dict)
+            and isinstance(v.get("reply"), str)
+            and v.get("correct") in (True, False, None)
+        ):
             out[int(k)] = (v["reply"][:MAX_REPLY], v["correct"])
     return out
 
@@ -206,8 +223,14 @@ def _seconds(entry: dict[str, Any]) -> dict[int, float]:
     raw = entry.get("seconds", {})
     out = {}
     for k, v in (raw.items() if isinstance(raw, dict) else ()):
-        if (str(k).isdigit() and len(str(k)) < 6 and isinstance(v, (int, float)) and not isinstance(v, bool)
-                and math.isfinite(v) and v >= 0):
+        if (
+            str(k).isdigit()
+            and len(str(k)) < 6
+            and isinstance(v, (int, float))
+            and not isinstance(v, bool)
+            and math.isfinite(v)
+            and v >= 0
+        ):
             out[int(k)] = float(v)
     return out
 

@@ -68,13 +68,14 @@ class Lab:
     """
 
     def __init__(self, open_world: OpenWorld | None = None) -> None:
-        # A step's own NumPy work shares the cores with the ranks it starts: one BLAS thread, as each
-        # rank has (two OpenBLAS threads against busy ranks made lesson 10's matmuls many times slower).
+        # A step's own NumPy work shares the cores with the ranks it starts:
+        # one BLAS thread, as each rank has (two OpenBLAS threads against busy ranks made lesson
+        # 10's matmuls many times slower).
         one_thread_per_rank()
         self._open = open_world or World
         self._worlds: dict[tuple[int, str], World] = {}
         self._held = contextlib.ExitStack()    # the open worlds' contexts, closed by close()
-        self.scratch: dict[str, Any] = {}      # what one step leaves for the next (a checkpoint path)
+        self.scratch: dict[str, Any] = {}  # what one step leaves for the next (a checkpoint path)
         # What the ranks write to stderr (a server's warning) lands in a file of the lab's, not on
         # the learner's screen above the question: each rank points its own fd 2 there (capture.py),
         # and what a step writes to sys.stderr goes there too; ``stderr_since`` reads it.
@@ -144,7 +145,8 @@ class StepOutcome:
     checks: tuple[CheckResult, ...]
     seconds: float
     figure: Any = field(default=None)          # the plotly figure, when the step has one
-    printed: str = ""                          # what the run printed: shown with the result, never before
+    # what the run printed: shown with the result, never before
+    printed: str = ""
 
     @property
     def ok(self) -> bool:
@@ -173,7 +175,8 @@ def run_step(step: Step, lab: Lab, figure: bool = True) -> StepOutcome:
         with capturing(stdout=printed), lab.capturing_stderr():  # this session's thread only
             ran = step.run(lab)
     except BaseException:
-        sys.stderr.write(lab.stderr_since())  # a failed step's ranks said why: not kept from the reader
+        # a failed step's ranks said why: not kept from the reader
+        sys.stderr.write(lab.stderr_since())
         raise
     # stdout and stderr alike, shown with the result, as text: no escape sequence acts on the screen
     said = printable(printed.getvalue() + lab.stderr_since())
@@ -183,7 +186,8 @@ def run_step(step: Step, lab: Lab, figure: bool = True) -> StepOutcome:
     seconds = time.perf_counter() - t0
     differ = [k for k in step.inputs if k in ran and not _same(ran[k], step.inputs[k])]
     if differ:
-        raise ConfigError(f"step {step.title!r}: the run's {', '.join(f'{k}={ran[k]!r}' for k in differ)} "
+        raise ConfigError(f"step {step.title!r}: the run's "
+                          f"{', '.join(f'{k}={ran[k]!r}' for k in differ)} "
                           f"contradict{'s' if len(differ) == 1 else ''} the step's inputs "
                           f"({', '.join(f'{k}={step.inputs[k]!r}' for k in differ)})")
     facts = {**step.inputs, **ran}
@@ -200,4 +204,6 @@ def _same(a: Any, b: Any) -> bool:
 
 
 def _short(facts: Facts) -> str:
-    return ", ".join(f"{k}={v!r}"[:60] for k, v in facts.items() if isinstance(v, (int, float, str, bool)))
+    return ", ".join(
+        f"{k}={v!r}"[:60] for k, v in facts.items() if isinstance(v, (int, float, str, bool))
+    )

@@ -15,7 +15,8 @@ first" question are all filled from those facts, so a step whose claim stops bei
 A step with a question shows nothing of its code, run or figure before the answer (asked before
 the run when ``inputs`` alone fill it); ``hints`` are tiered, ``misconceptions`` name a wrong
 reply's mistake. Numbers read as people read them (``{x:size}``, ``{x:times}``, ``{x:count}``,
-``{ok:yesno}``, ``{d:diff}``: ``plain.py``); the terminal and the app render the same steps (``runner.py``).
+``{ok:yesno}``, ``{d:diff}``: ``plain.py``); the terminal and the app render the same steps
+(``runner.py``).
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ Facts = dict[str, Any]
 
 
 class _Plain(string.Formatter):
-    """``str.format`` whose empty spec reads floats as people do, plus the specs of ``plain.SPECS``."""
+    """``str.format`` whose empty spec reads floats as people do, plus the specs of
+    ``plain.SPECS``."""
 
     def format_field(self, value: Any, format_spec: str) -> str:
         if isinstance(value, bool) and not format_spec:
@@ -65,8 +67,8 @@ def fill(template: str, facts: Mapping[str, Any]) -> str:
     try:
         return _FORMATTER.vformat(template, (), facts)
     except KeyError as e:
-        raise ConfigError(f"the text {template[:60]!r}... needs the fact {e.args[0]!r}, which the step's "
-                          f"run did not return (it returned {sorted(facts)})") from None
+        raise ConfigError(f"the text {template[:60]!r}... needs the fact {e.args[0]!r}, which the "
+                          f"step's run did not return (it returned {sorted(facts)})") from None
 
 
 def can_fill(template: str, facts: Mapping[str, Any]) -> bool:
@@ -112,20 +114,25 @@ class Predict:
     unit: str = ""
     choices: tuple[str, ...] = ()
     misconceptions: tuple[tuple[Any, str], ...] = ()
-    label: str = ""                            # what the answer is, when not plain: "simulated: ..."
+    # what the answer is, when not plain: "simulated: ..."
+    label: str = ""
 
     def expected(self, facts: Facts) -> Any:
         if self.answer not in facts:
-            raise ConfigError(f"the question's answer is the fact {self.answer!r}, which the run did not "
-                              f"return (it returned {sorted(facts)})")
+            raise ConfigError(f"the question's answer is the fact {self.answer!r}, which the run "
+                              f"did not return (it returned {sorted(facts)})")
         return facts[self.answer]
 
     def judge(self, facts: Facts, reply: str) -> Verdict:
         truth = self.expected(facts)
-        shown = answer(truth, self.rel_tol)  # printed exactly as judged: never rounded past the tolerance
+        # printed exactly as judged: never rounded past the tolerance
+        shown = answer(truth, self.rel_tol)
         shown += f" {self.unit}" if self.unit else ""
-        # the label says what the number is; facts judged without the run's others (a test's) go without it
-        shown += f" ({fill(self.label, facts)})" if self.label and can_fill(self.label, facts) else ""
+        # the label says what the number is; facts judged without the run's others (a test's) go
+        # without it
+        shown += (
+            f" ({fill(self.label, facts)})" if self.label and can_fill(self.label, facts) else ""
+        )
         reply = reply.strip()
         if self.choices:
             ok = _norm(reply) == _norm(str(truth))
@@ -173,8 +180,21 @@ def _norm(s: str) -> str:
     return "".join(s.lower().split())
 
 
-_SCALE = {"k": 1e3, "m": 1e6, "g": 1e9, "kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 1e3, "mb": 1e6,
-          "gb": 1e9, "b": 1, "%": 0.01, "x": 1, "bytes": 1}
+_SCALE = {
+    "k": 1e3,
+    "m": 1e6,
+    "g": 1e9,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "kb": 1e3,
+    "mb": 1e6,
+    "gb": 1e9,
+    "b": 1,
+    "%": 0.01,
+    "x": 1,
+    "bytes": 1,
+}
 _SUFFIXES = sorted(_SCALE, key=len, reverse=True)
 _MAX_REPLY = 100  # characters: no number a person types is longer
 
@@ -208,7 +228,8 @@ def _number(reply: str) -> float | None:
 class Explore:
     """A deep link: the app page that explores the step further, with the step's parameters."""
 
-    page: str                                  # the app page: "collectives", "cost", "training", "runs"
+    # the app page: "collectives", "cost", "training", "runs"
+    page: str
     params: Callable[[Facts], dict[str, Any]] | None = None
 
     def query(self, facts: Facts) -> dict[str, str]:
@@ -233,11 +254,13 @@ class Step:
     hint: str = ""                             # the first tier of help (kept: most steps have one)
     try_this: str = ""                         # a command or a change to explore
     explore: Explore | None = None
-    exercise: str = ""                         # the name of an exercise (lessons/exercises) it asks for
+    # the name of an exercise (lessons/exercises) it asks for
+    exercise: str = ""
     teaches: tuple[str, ...] = ()              # keys of lessons/coverage.py CONCEPTS
     show: tuple[Any, ...] = ()                 # the spine code shown instead of the run's harness
     hints: tuple[str, ...] = ()                # further tiers of help, after ``hint``
-    picture: Callable[[Facts], Any] | None = None  # facts -> rich renderable (lessons/pictures_terminal.py)
+    # facts -> rich renderable (lessons/pictures_terminal.py)
+    picture: Callable[[Facts], Any] | None = None
     inputs: Mapping[str, Any] = field(default_factory=dict, hash=False, compare=False)
 
     def all_hints(self) -> tuple[str, ...]:
@@ -245,7 +268,8 @@ class Step:
         return tuple(h for h in (self.hint, *self.hints) if h)
 
     def asks_before_run(self) -> bool:
-        """Whether the question is filled from ``inputs`` alone (else the run happens, unseen, first)."""
+        """Whether the question is filled from ``inputs`` alone (else the run happens, unseen,
+        first)."""
         return self.predict is not None and can_fill(self.predict.question, self.inputs)
 
     def code(self) -> str:
@@ -255,18 +279,20 @@ class Step:
         return "\n\n\n".join(_source(obj) for obj in self.show)
 
     def harness(self) -> str:
-        """The source of ``run`` itself, so it cannot drift, after the public functions of its module
-        that it calls (a rank's job must live at module level)."""
+        """The source of ``run`` itself, so it cannot drift, after the public functions of its
+        module that it calls (a rank's job must live at module level)."""
         module = inspect.getmodule(self.run)
         called = [getattr(module, name) for name in self.run.__code__.co_names
                   if not name.startswith("_") and inspect.isfunction(getattr(module, name, None))
                   and getattr(module, name).__module__ == self.run.__module__]
-        return "\n\n\n".join(textwrap.dedent(inspect.getsource(f)).strip() for f in [*called, self.run])
+        return "\n\n\n".join(
+            textwrap.dedent(inspect.getsource(f)).strip() for f in [*called, self.run]
+        )
 
 
 def _resolve(name: str) -> Any:
-    """``"dplab.reference.train.buckets.Reducer.mark_param_as_ready"``: the longest importable module
-    prefix, then attributes."""
+    """``"dplab.reference.train.buckets.Reducer.mark_param_as_ready"``:
+    the longest importable module prefix, then attributes."""
     parts = name.split(".")
     for cut in range(len(parts), 0, -1):
         try:
@@ -279,15 +305,17 @@ def _resolve(name: str) -> Any:
         except AttributeError:
             break
         return obj
-    raise ConfigError(f"show names {name!r}, which does not import: give a dotted path to a function, "
-                      "class or method, e.g. 'dplab.reference.algorithms.ring.allreduce'")
+    raise ConfigError(f"show names {name!r}, which does not import: give a dotted path to a "
+                      "function, class or method, e.g. 'dplab.reference.algorithms.ring.allreduce'")
 
 
-CLASS_LINES = 30  # a class longer than this is shown up to its first method: a listing, not a module
+# a class longer than this is shown up to its first method: a listing, not a module
+CLASS_LINES = 30
 
 
 def _class_head(source: str) -> str:
-    """A long class's docstring and fields, cut before its first method, saying what was left out."""
+    """A long class's docstring and fields, cut before its first method, saying what was left
+    out."""
     lines = source.splitlines()
     for i, line in enumerate(lines[1:], 1):
         if line.startswith(("    def ", "    @", "    async def ")):

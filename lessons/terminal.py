@@ -1,9 +1,9 @@
 """``dplab lesson``: step through a lesson in the terminal, on the real engine.
 
     dplab lesson                 # the lessons: steps, estimated time, what each needs
-    dplab lesson 1               # Enter: next step, b: back, h: hint, q: quit (resumes where you stopped)
+    dplab lesson 1               # Enter: next step, b: back, h: hint, q: quit (resumes later)
     dplab lesson 1 --step 3      # start at step 3
-    dplab lesson 1 --no-pause    # straight through, reading nothing: exit 1 naming a claim that failed
+    dplab lesson 1 --no-pause    # straight through, reading nothing: exit 1 naming a failed claim
     dplab lesson init DIR        # copy the exercises' stubs; then: dplab lesson check 2 DIR
 
 A "predict first" step runs first (its facts hold the answer), asks, reads the reply, judges it
@@ -35,7 +35,8 @@ from dplab.lessons.step import Lesson, Verdict, fill
 from dplab.lessons.ticker import Ticker
 from dplab.reference.errors import ConfigError, DplabError
 
-__all__ = ["make_console", "list_lessons", "progress", "run", "run_lesson", "init", "check", "watch", "KEYS"]
+__all__ = ["make_console", "list_lessons", "progress", "run", "run_lesson", "init", "check",
+           "watch", "KEYS"]
 
 KEYS = "Enter: next · b: back · h: hint · q: quit"
 
@@ -118,13 +119,16 @@ class _Session:
     replies: dict[int, str] = field(default_factory=dict)
     seconds: dict[int, float] = field(default_factory=dict)
     hints_shown: dict[int, int] = field(default_factory=dict)
-    at: int = 0                                # the step shown now (0-based): where an interruption leaves
+    # the step shown now (0-based): where an interruption leaves
+    at: int = 0
 
     def save(self, step: int | None) -> None:
         if self.pause:  # a script (--no-pause) leaves the learner's place alone
             answers = {i + 1: (self.replies.get(i, ""), None if v is None else v.correct)
                        for i, v in self.answers.items()}
-            _warn(self.console, self.positions.save(self.lesson.number, step, self.seconds, answers))
+            _warn(
+                self.console, self.positions.save(self.lesson.number, step, self.seconds, answers)
+            )
 
     def outcome(self, index: int, lab: Lab) -> StepOutcome:
         """Run step ``index`` once (going back shows the same run again)."""
@@ -196,7 +200,8 @@ class _Session:
         console.print()
         for part in render.outcome_body(out, self.lesson, console.encoding):
             console.print(part)
-        # the code last: after the answer (it may hold it), and after the prose that says what it does
+        # the code last: after the answer (it may hold it), and after the prose that says what it
+        # does
         console.print(render.code_block(step, console.width, console.encoding))
 
     def failed(self) -> list[str]:
@@ -219,15 +224,22 @@ def run_lesson(lesson: Lesson, step: int | None = None, pause: bool = True,
                           + "; ".join(render.PIP.get(m, "pip install dplab") for m in missing))
     n = len(lesson.steps)
     if step is not None and not 1 <= step <= n:
-        raise ConfigError(f"lesson {lesson.number} has {n} steps: --step must be 1..{n}, got {step}")
+        raise ConfigError(
+            f"lesson {lesson.number} has {n} steps: --step must be 1..{n}, got {step}"
+        )
     positions = Positions.load()
     session = _Session(lesson, console, pause, positions)
     if step is None and pause:
         _warn(console, positions.warning)
         resumed = positions.step(lesson.number)
         if resumed is not None and 1 <= resumed <= n:
-            console.print(Text(f"Resuming lesson {lesson.number} at step {resumed}/{n} "
-                               f"(dplab lesson {lesson.number} --step 1 starts over).", style="yellow"))
+            console.print(
+                Text(
+                    f"Resuming lesson {lesson.number} at step {resumed}/{n} "
+                    f"(dplab lesson {lesson.number} --step 1 starts over).",
+                    style="yellow",
+                )
+            )
             step = resumed
     index = (step or 1) - 1
     console.print(Text(f"Lesson {lesson.number}: {lesson.title}", style="bold"))
@@ -244,11 +256,15 @@ def run_lesson(lesson: Lesson, step: int | None = None, pause: bool = True,
             raise  # the CLI's interruptible: the ranks are stopped, one line, exit 130
         except DplabError as e:
             session.save(session.at + 1)
-            print(f"dplab lesson {lesson.number}: step {session.at + 1} could not run: {e}", file=sys.stderr)
+            print(
+                f"dplab lesson {lesson.number}: step {session.at + 1} could not run: {e}",
+                file=sys.stderr,
+            )
             return 1
     if index < n:  # q or end of input
         session.save(index + 1)
-        console.print(Text(f"Stopped at step {index + 1}/{n}: dplab lesson {lesson.number} resumes there.",
+        console.print(Text(f"Stopped at step {index + 1}/{n}: dplab lesson {lesson.number} resumes "
+                           "there.",
                            style="yellow"))
     else:
         _end(session)
@@ -332,7 +348,8 @@ def _exercises() -> Any:
 def init(path: str | Path) -> int:
     """``dplab lesson init DIR``: copy the exercises' stubs into DIR and say what comes next."""
     console = make_console()
-    written = _exercises().init_dir(path if not str(path).strip() else Path(path))  # "": refused, not "."
+    # "": refused, not "."
+    written = _exercises().init_dir(path if not str(path).strip() else Path(path))
     for file in written:
         console.print(Text.assemble("wrote ", (str(file), "cyan")))
     console.print(Text.assemble(f"{len(written)} exercise files in {path}: fill them in, then ",
@@ -356,8 +373,8 @@ def check(number: int, path: str | Path | None = None) -> int:
 
 
 def watch(number: int, path: str | Path | None = None, poll_s: float | None = None) -> int:
-    """``dplab lesson watch N [DIR]``: check lesson ``number``'s exercises now and again whenever a file
-    in DIR is saved, until Ctrl-C (KeyboardInterrupt: the CLI's exit 130)."""
+    """``dplab lesson watch N [DIR]``: check lesson ``number``'s exercises now and again whenever a
+    file in DIR is saved, until Ctrl-C (KeyboardInterrupt: the CLI's exit 130)."""
     from dplab.lessons import watch as watching
 
     exercises = _exercises()
@@ -368,15 +385,22 @@ def watch(number: int, path: str | Path | None = None, poll_s: float | None = No
 
     def once() -> int:
         rounds[0] += 1
-        console.print(Rule(Text(f"check {rounds[0]} · lesson {number} · {time.strftime('%H:%M:%S')}"),
-                           align="left", style="dim"))
+        console.print(
+            Rule(
+                Text(f"check {rounds[0]} · lesson {number} · {time.strftime('%H:%M:%S')}"),
+                align="left",
+                style="dim",
+            )
+        )
         return check(number, folder)
 
     def waiting() -> None:
         console.print(Text.assemble("watching ", (str(folder), "cyan"),
                                     ": save a file to check again, Ctrl-C to stop", style="dim"))
 
-    return watching.watch(once, folder, poll_s if poll_s is not None else watching.POLL_S, on_wait=waiting)
+    return watching.watch(
+        once, folder, poll_s if poll_s is not None else watching.POLL_S, on_wait=waiting
+    )
 
 
 def _warn(console: Console, warning: str | None) -> None:

@@ -40,7 +40,12 @@ class _Clock(rp.Progress):
 class Ticker:
     def __init__(self, console: Console, label: str, expected_s: float | None = None,
                  delay_s: float = DELAY_S) -> None:
-        self.console, self.label, self.expected_s, self.delay_s = console, label, expected_s, delay_s
+        self.console, self.label, self.expected_s, self.delay_s = (
+            console,
+            label,
+            expected_s,
+            delay_s,
+        )
         self._lock = threading.Lock()
         self._done = False
         self._bar: _Clock | None = None
@@ -52,7 +57,8 @@ class Ticker:
         if self.console.is_terminal:
             self._timer = threading.Timer(self.delay_s, self._start)
             self._timer.daemon = True
-            saved = signal.pthread_sigmask(signal.SIG_BLOCK, _SIGNALS)  # the timer inherits the mask
+            # the timer inherits the mask
+            saved = signal.pthread_sigmask(signal.SIG_BLOCK, _SIGNALS)
             try:
                 self._timer.start()
             finally:
@@ -64,11 +70,19 @@ class Ticker:
             if self._done:
                 return
             label = self.label if len(self.label) <= 40 else self.label[:39] + "…"
-            self._bar = _Clock(rp.SpinnerColumn(), rp.TextColumn(label), rp.BarColumn(bar_width=20),
-                               rp.TimeElapsedColumn(), rp.TextColumn("eta" if self.expected_s else ""),
-                               *([rp.TimeRemainingColumn()] if self.expected_s else []),
-                               console=self.console, transient=True, redirect_stdout=False,
-                               redirect_stderr=False, refresh_per_second=8)
+            self._bar = _Clock(
+                rp.SpinnerColumn(),
+                rp.TextColumn(label),
+                rp.BarColumn(bar_width=20),
+                rp.TimeElapsedColumn(),
+                rp.TextColumn("eta" if self.expected_s else ""),
+                *([rp.TimeRemainingColumn()] if self.expected_s else []),
+                console=self.console,
+                transient=True,
+                redirect_stdout=False,
+                redirect_stderr=False,
+                refresh_per_second=8,
+            )
             total = max(self.expected_s, 0.1) if self.expected_s else None
             task = self._bar.add_task(self.label, total=total)
             # the clock starts with the run, not with the bar a second later

@@ -23,7 +23,8 @@ _MAX_FILES = 10_000  # a watched folder is a handful of exercises, not a home di
 
 
 def snapshot(path: Path) -> dict[str, tuple[int, int]]:
-    """Every file under ``path`` (not in hidden folders or ``__pycache__``): its (mtime_ns, size)."""
+    """Every file under ``path`` (not in hidden folders or ``__pycache__``):
+    its (mtime_ns, size)."""
     seen: dict[str, tuple[int, int]] = {}
     for file in sorted(path.rglob("*")):
         rel = file.relative_to(path)
@@ -40,8 +41,14 @@ def snapshot(path: Path) -> dict[str, tuple[int, int]]:
     return seen
 
 
-def watch(check: Callable[[], int], path: str | Path, poll_s: float = POLL_S, debounce_s: float = DEBOUNCE_S,
-          on_wait: Callable[[], None] | None = None, max_checks: int | None = None) -> int:
+def watch(
+    check: Callable[[], int],
+    path: str | Path,
+    poll_s: float = POLL_S,
+    debounce_s: float = DEBOUNCE_S,
+    on_wait: Callable[[], None] | None = None,
+    max_checks: int | None = None,
+) -> int:
     """Run ``check`` now and after every settled change under ``path``; returns the last check's
     result after ``max_checks`` checks (None: never, until Ctrl-C raises KeyboardInterrupt).
     ``on_wait`` is called after each check (the terminal says it is watching)."""

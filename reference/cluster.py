@@ -60,17 +60,8 @@ from typing import Any
 
 from dplab.reference.errors import ConfigError
 
-__all__ = [
-    "Device",
-    "Link",
-    "Straggler",
-    "Cluster",
-    "cluster",
-    "load_cluster",
-    "cluster_from_dict",
-    "CLUSTERS",
-    "PRESET_DIR",
-]
+__all__ = ["Device", "Link", "Straggler", "Cluster", "cluster", "load_cluster", "cluster_from_dict",
+           "CLUSTERS", "PRESET_DIR"]
 
 PRESET_DIR = Path(__file__).with_name("clusters")  # shipped presets: one JSON file each
 _FAMILY = re.compile(r"^(?P<base>.+)x(?P<nodes>[0-9]+)$")  # "dgx-h100x8": 8 nodes of dgx-h100

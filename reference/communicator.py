@@ -29,23 +29,9 @@ import numpy as np
 from dplab.reference.errors import ConfigError, DplabError
 from dplab.reference.trace import Tracer
 
-__all__ = [
-    "ANY_SOURCE",
-    "Communicator",
-    "Request",
-    "SendSpec",
-    "RecvSpec",
-    "CommError",
-    "CommTimeout",
-    "BufferMismatch",
-    "CollectiveMismatch",
-    "PeerLost",
-    "Collective",
-    "COLLECTIVE_TAG",
-    "describe_tag",
-    "collective_mismatch",
-    "require_writable",
-]
+__all__ = ["ANY_SOURCE", "Communicator", "Request", "SendSpec", "RecvSpec", "CommError",
+           "CommTimeout", "BufferMismatch", "CollectiveMismatch", "PeerLost", "Collective",
+           "COLLECTIVE_TAG", "describe_tag", "collective_mismatch", "require_writable"]
 
 ANY_SOURCE = -1
 COLLECTIVE_TAG = 1 << 20  # tags from here on name a collective (Collective.code); below, the user's

@@ -32,17 +32,8 @@ from dplab.reference.errors import ConfigError
 from dplab.reference.schedule import Schedule, chunk_bounds
 from dplab.reference.topology import Topology
 
-__all__ = [
-    "Cost",
-    "cost",
-    "curve",
-    "closed_form",
-    "Summary",
-    "summarize",
-    "Regions",
-    "best_regions",
-    "region_algorithms",
-]
+__all__ = ["Cost", "cost", "curve", "closed_form", "Summary", "summarize", "Regions",
+           "best_regions", "region_algorithms"]
 
 
 @dataclass(frozen=True)

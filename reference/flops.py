@@ -24,18 +24,8 @@ from dplab.reference.model import MLPConfig
 from dplab.reference.schedule import chunk_bounds
 from dplab.reference.train.hooks import Hook
 
-__all__ = [
-    "Op",
-    "forward_ops",
-    "loss_ops",
-    "output_ops",
-    "grad_ops",
-    "delta_ops",
-    "backward_ops",
-    "model_ops",
-    "optimizer_ops",
-    "ComputeHook",
-]
+__all__ = ["Op", "forward_ops", "loss_ops", "output_ops", "grad_ops", "delta_ops", "backward_ops",
+           "model_ops", "optimizer_ops", "ComputeHook"]
 
 Op = tuple[float, float]  # (flops, bytes) of one operation
 _OPTIMIZERS = {"sgd": (3, 2), "momentum": (5, 4), "adam": (7, 12), "lars": (5, 6), "lamb": (7, 14)}

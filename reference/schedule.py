@@ -25,18 +25,8 @@ from typing import Any, Literal, NamedTuple
 
 from dplab.reference.errors import DplabError
 
-__all__ = [
-    "Op",
-    "Transfer",
-    "Schedule",
-    "ScheduleError",
-    "validate",
-    "chunk_bounds",
-    "concat",
-    "Message",
-    "messages",
-    "messages_of",
-]
+__all__ = ["Op", "Transfer", "Schedule", "ScheduleError", "validate", "chunk_bounds", "concat",
+           "Message", "messages", "messages_of"]
 
 Op = Literal["reduce", "copy"]
 

@@ -33,17 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = [
-    "CHROMIUM_ARGS",
-    "AppServer",
-    "browser_missing",
-    "chromium_path",
-    "free_port",
-    "require_browser",
-    "wait_rendered",
-    "RENDERED_JS",
-    "EXCEPTION_SELECTOR",
-]
+__all__ = ["CHROMIUM_ARGS", "AppServer", "browser_missing", "chromium_path", "free_port",
+           "require_browser", "wait_rendered", "RENDERED_JS", "EXCEPTION_SELECTOR"]
 
 CHROMIUM_ARGS = ("--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic",

@@ -20,23 +20,12 @@ import textwrap
 
 import pytest
 
-MODULES = [
-    "dplab.backends",
-    "dplab.backends.fastpath",
-    "dplab.backends.runs",
-    "dplab.backends.runs.run",
-    "dplab.backends.runs.grid",
-    "dplab.backends.runs.uploads",
-    "dplab.backends.bench",
-    "dplab.backends.launch.world",
-    "dplab.backends.launch.interrupt",
-    "dplab.backends.nn.ddp",
-    "dplab.backends.nn.zero",
-    "dplab.backends.nn.fsdp",
-    "dplab.backends.torchdist.comm",
-    "dplab.backends.hosts.netns",
-    "dplab.backends.cli.memory",
-]
+MODULES = ["dplab.backends", "dplab.backends.fastpath", "dplab.backends.runs",
+           "dplab.backends.runs.run", "dplab.backends.runs.grid", "dplab.backends.runs.uploads",
+           "dplab.backends.bench", "dplab.backends.launch.world", "dplab.backends.launch.interrupt",
+           "dplab.backends.nn.ddp", "dplab.backends.nn.zero", "dplab.backends.nn.fsdp",
+           "dplab.backends.torchdist.comm", "dplab.backends.hosts.netns",
+           "dplab.backends.cli.memory"]
 NEEDS_TORCH = {"dplab.backends.nn.ddp", "dplab.backends.nn.zero", "dplab.backends.nn.fsdp",
                "dplab.backends.torchdist.comm"}
 

@@ -34,7 +34,7 @@ def _check_outcomes(les, app_pages):
     from dplab.viz.deep_links import unread
 
     shown_width = 79   # the code a lesson writes must read in an 80-column terminal unwrapped
-    spine_width = 110  # the spine a step shows (Step.show) is the project's code, at ruff's
+    spine_width = 100  # the spine a step shows (Step.show) is the project's code, at ruff's
                        # line length; the terminal word-wraps it (lessons/render.py)
     too_long = []
     for k, step in enumerate(les.lesson.steps, 1):

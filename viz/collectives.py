@@ -28,21 +28,9 @@ from dplab.reference.schedule import Schedule, Transfer, chunk_bounds
 from dplab.reference.simulate import simulate
 from dplab.viz.collectives_bytes import closed_form_bytes
 
-__all__ = [
-    "COLLECTIVES",
-    "CollectiveConfig",
-    "Frame",
-    "Walkthrough",
-    "algorithms_for",
-    "schedule_for",
-    "phases",
-    "target",
-    "contributors_label",
-    "sentence",
-    "closed_form_bytes",
-    "walkthrough",
-    "MAX_VALUES_N",
-]
+__all__ = ["COLLECTIVES", "CollectiveConfig", "Frame", "Walkthrough", "algorithms_for",
+           "schedule_for", "phases", "target", "contributors_label", "sentence",
+           "closed_form_bytes", "walkthrough", "MAX_VALUES_N"]
 
 # the collective's name in the executor -> in words
 COLLECTIVES = {

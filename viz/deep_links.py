@@ -15,17 +15,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, MutableMapping
 
-__all__ = [
-    "PAGE_FILES",
-    "PAGE_TITLES",
-    "ALIASES",
-    "READS",
-    "MAX_PARAM_CHARS",
-    "adopt",
-    "reads",
-    "unread",
-    "url_list",
-]
+__all__ = ["PAGE_FILES", "PAGE_TITLES", "ALIASES", "READS", "MAX_PARAM_CHARS", "adopt", "reads",
+           "unread", "url_list"]
 
 # Longer than any list a page offers, spelled out: a longer value is someone else's, not a
 # control's.

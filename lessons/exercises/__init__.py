@@ -46,22 +46,26 @@ class Exercise:
 
     lesson: int
     title: str
-    stub: str                                  # file name: in stubs/, solutions/, the learner's folder
+    # file name: in stubs/, solutions/, the learner's folder
+    stub: str
     solution: Path                             # the shipped answer
-    checker: Callable[[Path], ExerciseReport]  # checker(the learner's file) -> a report (CheckUnavailable:
-                                               # the machine cannot run the check)
+    # checker(the learner's file) -> a report (CheckUnavailable: the machine cannot run the check)
+    checker: Callable[[Path], ExerciseReport]
 
     @property
     def stub_path(self) -> Path:
         return STUBS / self.stub
 
 
-def _exercise(name: str, lesson: int, title: str, judge: Callable[[Path, list[str]], str]) -> Exercise:
+def _exercise(
+    name: str, lesson: int, title: str, judge: Callable[[Path, list[str]], str]
+) -> Exercise:
     return Exercise(lesson, title, f"{name}.py", SOLUTIONS / f"{name}.py", judged(name, judge))
 
 
 EXERCISES: dict[str, Exercise] = {
-    "ring_reduce_scatter": _exercise("ring_reduce_scatter", 2, "The ring reduce-scatter as a schedule",
+    "ring_reduce_scatter": _exercise("ring_reduce_scatter", 2, "The ring reduce-scatter as a "
+                                                               "schedule",
                                      judge_ring),
     "ddp_buckets": _exercise("ddp_buckets", 4, "DDP's bucket assignment", judge_buckets),
     "ssp_gate": _exercise("ssp_gate", 7, "The SSP staleness gate", judge_ssp),
@@ -70,14 +74,17 @@ EXERCISES: dict[str, Exercise] = {
 # appended: the ladder's lower rungs (lesson 2), each judged by its own module
 EXERCISES["ring_allgather"] = _exercise("ring_allgather", 2, "The ring all-gather as a schedule",
                                         judge_ring_allgather)
-EXERCISES["tree_broadcast"] = _exercise("tree_broadcast", 2, "A binomial-tree broadcast as a schedule",
+EXERCISES["tree_broadcast"] = _exercise("tree_broadcast", 2, "A binomial-tree broadcast as a "
+                                                             "schedule",
                                         judge_tree)
 
 
 # appended: lesson 11's dynamic loss scaler
 from dplab.lessons.exercises.scaler import judge_scaler  # noqa: E402
 
-EXERCISES["loss_scaler"] = _exercise("loss_scaler", 11, "The dynamic loss scaler's rule", judge_scaler)
+EXERCISES["loss_scaler"] = _exercise(
+    "loss_scaler", 11, "The dynamic loss scaler's rule", judge_scaler
+)
 
 # appended: lesson 10's FSDP unit
 from dplab.lessons.exercises.fsdp_unit import judge_fsdp  # noqa: E402
@@ -87,13 +94,16 @@ EXERCISES["fsdp_unit"] = _exercise("fsdp_unit", 10, "An FSDP unit's gather and f
 # appended: lesson 8's backup workers, the first n of N + b gradients
 from dplab.lessons.exercises.backup import judge_backup  # noqa: E402
 
-EXERCISES["backup_step"] = _exercise("backup_step", 8, "Backup workers: the first n of N + b gradients",
+EXERCISES["backup_step"] = _exercise("backup_step", 8, "Backup workers: the first n of N + b "
+                                                       "gradients",
                                      judge_backup)
 
 # appended: lesson 15's DDP from hooks on torch tensors (CS336's exercise)
 from dplab.lessons.exercises.ddp_hooks import judge_ddp_hooks  # noqa: E402
 
-EXERCISES["ddp_hooks"] = _exercise("ddp_hooks", 15, "DDP from hooks on torch tensors", judge_ddp_hooks)
+EXERCISES["ddp_hooks"] = _exercise(
+    "ddp_hooks", 15, "DDP from hooks on torch tensors", judge_ddp_hooks
+)
 
 # appended: lesson 15's FSDP forward that prefetches, judged on the simulated cluster
 from dplab.lessons.exercises.fsdp_prefetch import judge_fsdp_prefetch  # noqa: E402
@@ -109,27 +119,29 @@ def init_dir(path: str | Path) -> list[Path]:
     writing through it would land outside ``path``), and says in one line why a folder cannot be
     made or written."""
     if not str(path).strip():
-        raise ConfigError("dplab lesson init needs a folder name: dplab lesson init DIR (an empty name "
-                          "would be the current folder; say . if that is what you mean)")
+        raise ConfigError("dplab lesson init needs a folder name: dplab lesson init DIR (an empty "
+                          "name would be the current folder; say . if that is what you mean)")
     path = Path(path)
     try:
         if path.exists() and not path.is_dir():
-            raise ConfigError(f"{path} is a file: give dplab lesson init a folder for the exercises")
+            raise ConfigError(
+                f"{path} is a file: give dplab lesson init a folder for the exercises"
+            )
         targets = [path / e.stub for e in EXERCISES.values()]
         there = [t for t in targets if os.path.lexists(t)]
     except OSError as e:  # a folder on the way that we may not read
-        raise ConfigError(f"cannot look into {path} ({e.strerror or e}): give dplab lesson init a folder "
-                          "you can write to") from None
+        raise ConfigError(f"cannot look into {path} ({e.strerror or e}): give dplab lesson init a "
+                          "folder you can write to") from None
     if there:
         names = ", ".join(str(t) for t in there)
-        raise ConfigError(f"{names} already exist{'s' if len(there) == 1 else ''}: dplab lesson init never "
-                          "overwrites a learner's file; check your work with "
+        raise ConfigError(f"{names} already exist{'s' if len(there) == 1 else ''}: dplab lesson "
+                          "init never overwrites a learner's file; check your work with "
                           f"`dplab lesson check N {path}`, or init another folder")
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise ConfigError(f"cannot create the folder {path} ({e.strerror or e}): give dplab lesson init a "
-                          "folder you can write to") from None
+        raise ConfigError(f"cannot create the folder {path} ({e.strerror or e}): give dplab lesson "
+                          "init a folder you can write to") from None
     written: list[Path] = []
     target = path
     try:
@@ -139,9 +151,13 @@ def init_dir(path: str | Path) -> list[Path]:
     except OSError as e:
         for done in written:  # all or nothing: a half-initialised folder would be refused next time
             done.unlink(missing_ok=True)
-        said = "a file or link of that name appeared" if e.errno == errno.EEXIST else e.strerror or str(e)
-        raise ConfigError(f"cannot write {target} ({said}): give dplab lesson init a folder you can write "
-                          "to") from None
+        said = (
+            "a file or link of that name appeared"
+            if e.errno == errno.EEXIST
+            else e.strerror or str(e)
+        )
+        raise ConfigError(f"cannot write {target} ({said}): give dplab lesson init a folder you "
+                          "can write to") from None
     return targets
 
 
@@ -157,7 +173,8 @@ def _write_new(target: Path, data: bytes) -> None:
 
 
 def check(lesson: int, path: Path | None = None) -> list[ExerciseReport]:
-    """Judge the learner's file for each exercise of ``lesson`` (in ``path``, default: cwd): a report each."""
+    """Judge the learner's file for each exercise of ``lesson`` (in ``path``, default: cwd):
+    a report each."""
     chosen = [e for e in EXERCISES.values() if e.lesson == lesson]
     if not chosen:
         which = ", ".join(str(n) for n in sorted({e.lesson for e in EXERCISES.values()}))
@@ -178,7 +195,8 @@ def exercise_folder(path: str | Path) -> Path:
 
 
 def check_file(name: str, file: Path) -> ExerciseReport:
-    """Judge one file as the answer to exercise ``name`` (e.g. a solution kept under another name)."""
+    """Judge one file as the answer to exercise ``name`` (e.g. a solution kept under another
+    name)."""
     if name not in EXERCISES:
         raise ConfigError(f"there is no exercise {name!r}: choose one of {', '.join(EXERCISES)}")
     check_settings()

@@ -20,16 +20,17 @@ import numpy as np
 from dplab.lessons.exercises.child import run_learner
 from dplab.lessons.exercises.learner import Fail, learner_call, load_function, short_repr
 
-__all__ = ["judge_backup", "collect_backup", "cases", "clock_arrivals", "HINTS", "MISTAKES", "right"]
+__all__ = ["judge_backup", "collect_backup", "cases", "clock_arrivals", "HINTS", "MISTAKES",
+           "right"]
 
 HINTS = (
     "Which workers count is decided by when their gradients arrive, not by their numbers; how many "
     "count is n, whatever len(arrivals) is.",
-    "Sort the workers by (arrival, worker) and keep the first n; the step ends at the arrival of the "
-    "last one kept. The update is the mean of those n gradients: divide by n.",
-    "first = sorted(range(len(arrivals)), key=lambda w: (arrivals[w], w))[:n]; add grads[w] for w in "
-    "sorted(first) into a zero array (worker order: the same bits however they arrived), divide by n, "
-    "and return it with arrivals[first[-1]].",
+    "Sort the workers by (arrival, worker) and keep the first n; the step ends at the arrival of "
+    "the last one kept. The update is the mean of those n gradients: divide by n.",
+    "first = sorted(range(len(arrivals)), key=lambda w: (arrivals[w], w))[:n]; add grads[w] for w "
+    "in sorted(first) into a zero array (worker order: the same bits however they arrived), divide "
+    "by n, and return it with arrivals[first[-1]].",
 )
 _SIZE = 5                                      # elements of each gradient
 
@@ -47,7 +48,9 @@ def cases(count: int = 200, seed: int = 7) -> list[tuple[list[float], list[list[
     while len(out) < count:
         w = int(rng.integers(2, 7))
         arrivals = np.round(rng.exponential(1.0, w), 1).tolist()
-        out.append((arrivals, rng.standard_normal((w, _SIZE)).tolist(), int(rng.integers(1, w + 1))))
+        out.append(
+            (arrivals, rng.standard_normal((w, _SIZE)).tolist(), int(rng.integers(1, w + 1)))
+        )
     return out
 
 
@@ -78,33 +81,50 @@ def right(arrivals: list[float], grads: list[list[float]], n: int) -> tuple[np.n
 
 # name -> (update(arrivals, grads, n) or None where undefined, what it means)
 MISTAKES: dict[str, tuple[Any, str]] = {
-    "all": (lambda a, g, n: _mean(g, list(range(len(a))), len(a)),
-            "your update averages all the gradients: that is plain synchronous SGD, which waits for the "
-            "slowest worker; with backups the first n of the N + b gradients make the update and the b "
-            "latecomers are dropped"),
-    "last": (lambda a, g, n: _mean(g, sorted(sorted(range(len(a)), key=lambda w: (a[w], w))[-n:]), n),
-             "your update uses the LAST n gradients to arrive: the backups to drop are the slowest b, so "
-             "the first n make the update"),
-    "by_number": (lambda a, g, n: _mean(g, list(range(n)), n),
-                  "your update uses workers 0..n-1 by number: which gradients count depends on when they "
-                  "arrive, not on who sent them"),
-    "divide_all": (lambda a, g, n: _mean(g, sorted(_first(a, n)), len(a)),
-                   "your update adds the right n gradients but divides by N + b, the number of workers: it "
-                   "is their mean, so divide by n (the dropped gradients are not zeros)"),
-    "one_more": (lambda a, g, n: _mean(g, sorted(_first(a, n + 1)), n + 1) if n < len(a) else None,
-                 "off by one: your update uses n + 1 gradients"),
-    "one_fewer": (lambda a, g, n: _mean(g, sorted(_first(a, n - 1)), n - 1) if n > 1 else None,
-                  "off by one: your update uses n - 1 gradients"),
-    "tie_high": (lambda a, g, n: _mean(g, sorted(_first(a, n, tie_high=True)), n),
-                 "with a tie for the n-th place your update takes the higher worker; the lower worker "
-                 "counts as first"),
+    "all": (
+        lambda a, g, n: _mean(g, list(range(len(a))), len(a)),
+        "your update averages all the gradients: that is plain synchronous SGD, which waits for "
+        "the slowest worker; with backups the first n of the N + b gradients make the update and "
+        "the b latecomers are dropped",
+    ),
+    "last": (
+        lambda a, g, n: _mean(g, sorted(sorted(range(len(a)), key=lambda w: (a[w], w))[-n:]), n),
+        "your update uses the LAST n gradients to arrive: the backups to drop are the slowest b, "
+        "so the first n make the update",
+    ),
+    "by_number": (
+        lambda a, g, n: _mean(g, list(range(n)), n),
+        "your update uses workers 0..n-1 by number: which gradients count depends on when they "
+        "arrive, not on who sent them",
+    ),
+    "divide_all": (
+        lambda a, g, n: _mean(g, sorted(_first(a, n)), len(a)),
+        "your update adds the right n gradients but divides by N + b, the number of "
+        "workers: it is their mean, so divide by n (the dropped gradients are not zeros)",
+    ),
+    "one_more": (
+        lambda a, g, n: _mean(g, sorted(_first(a, n + 1)), n + 1) if n < len(a) else None,
+        "off by one: your update uses n + 1 gradients",
+    ),
+    "one_fewer": (
+        lambda a, g, n: _mean(g, sorted(_first(a, n - 1)), n - 1) if n > 1 else None,
+        "off by one: your update uses n - 1 gradients",
+    ),
+    "tie_high": (
+        lambda a, g, n: _mean(g, sorted(_first(a, n, tie_high=True)), n),
+        "with a tie for the n-th place your update takes the higher worker; the lower "
+        "worker counts as first",
+    ),
 }
 _T_MISTAKES = {
-    "last": (lambda a, n: max(a), "t_end is when the LAST gradient arrives: that waits for everyone; the "
+    "last": (lambda a, n: max(a), "t_end is when the LAST gradient arrives: that waits for "
+                                  "everyone; the "
              "step ends when the n-th arrives"),
-    "first": (lambda a, n: min(a), "t_end is when the FIRST gradient arrives; the step ends when the n-th "
+    "first": (lambda a, n: min(a), "t_end is when the FIRST gradient arrives; the step ends when "
+                                   "the n-th "
               "arrives"),
-    "by_number": (lambda a, n: max(a[:n]), "t_end is the last arrival among workers 0..n-1; the step ends "
+    "by_number": (lambda a, n: max(a[:n]), "t_end is the last arrival among workers 0..n-1; the "
+                                           "step ends "
                   "when the n-th gradient (by arrival) arrives"),
 }
 
@@ -130,16 +150,16 @@ def judge_backup(file: Path, output: list[str]) -> str:
     order = [i for i, (u, (r, _)) in enumerate(zip(updates, truth)) if not np.array_equal(u, r)]
     if order:
         arrivals, _, n = tests[order[0]]
-        raise Fail(f"for arrivals {arrivals} and n = {n} your update is right to rounding but not bit for "
-                   "bit: add the n gradients in worker order (lowest first), not in the order they arrived, "
-                   "so the same gradients always give the same bits (a replay from the server's log relies "
-                   "on it)")
+        raise Fail(f"for arrivals {arrivals} and n = {n} your update is right to rounding but not "
+                   "bit for bit: add the n gradients in worker order (lowest first), not in the "
+                   "order they arrived, so the same gradients always give the same bits (a replay "
+                   "from the server's log relies on it)")
     mine = float(np.mean(got["clock_ends"]))
     waiting = float(np.mean([max(step[:8]) for step in clock]))  # N = 8 workers and no backup
-    return (f"backup_step is right on all {len(tests)} cases (ties, no backups, one gradient, random ones): "
-            f"the first n by arrival, their mean in worker order, the step ending at the n-th. On the "
-            f"lesson's simulated clock (N = 8, b = 2, {len(clock):,} steps) your steps average "
-            f"{mine:.2f} units, against {waiting:.2f} for 8 workers without backups")
+    return (f"backup_step is right on all {len(tests)} cases (ties, no backups, one gradient, "
+            "random ones): the first n by arrival, their mean in worker order, the step ending at "
+            f"the n-th. On the lesson's simulated clock (N = 8, b = 2, {len(clock):,} steps) your "
+            f"steps average {mine:.2f} units, against {waiting:.2f} for 8 workers without backups")
 
 
 def _update_mistake(tests: list, updates: list[np.ndarray], truth: list, first_bad: int) -> str:
@@ -166,16 +186,19 @@ def _update_mistake(tests: list, updates: list[np.ndarray], truth: list, first_b
 
 def _end_mistake(tests: list, ends: list[float], truth: list, first_bad: int) -> str:
     arrivals, _, n = tests[first_bad]
-    said = (f"for arrivals {arrivals} and n = {n} your step ends at {short_repr(ends[first_bad])}, but "
-            f"gradient number {n} to arrive comes at {truth[first_bad][1]}")
+    said = (f"for arrivals {arrivals} and n = {n} your step ends at {short_repr(ends[first_bad])}, "
+            f"but gradient number {n} to arrive comes at {truth[first_bad][1]}")
     for fn, meaning in _T_MISTAKES.values():
         if all(t == fn(a, k) for (a, _, k), t in zip(tests, ends)):
             return f"{said}: {meaning}"
     return said
 
 
-def collect_backup(file: Path, inputs: dict[str, Any], out: dict[str, Any], deadline: float) -> None:
-    """In the child: the learner's (update, t_end) for every case, and t_end on the simulated clock."""
+def collect_backup(
+    file: Path, inputs: dict[str, Any], out: dict[str, Any], deadline: float
+) -> None:
+    """In the child: the learner's (update, t_end) for every case, and t_end on the simulated
+    clock."""
     fn = load_function(file, "backup_step")
     out["updates"], out["ends"] = updates, ends = [], []
     for arrivals, grads, n in inputs["cases"]:

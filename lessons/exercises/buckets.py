@@ -22,7 +22,13 @@ import numpy as np
 
 from dplab.backends import launch
 from dplab.lessons.exercises.child import run_learner
-from dplab.lessons.exercises.learner import Fail, learner_call, load_function, rank_failure, short_repr
+from dplab.lessons.exercises.learner import (
+    Fail,
+    learner_call,
+    load_function,
+    rank_failure,
+    short_repr,
+)
 from dplab.reference.train import buckets as engine
 from dplab.reference.train.single import TrainConfig, TrainResult, setup, train_single
 from dplab.reference.train.sync import SyncConfig, train_sync
@@ -63,19 +69,22 @@ def judge_buckets(file: Path, output: list[str]) -> str:
     for i, ((case, cap), mine) in enumerate(zip(cases, got)):
         problem = bucket_problem(mine, engine_buckets(case, cap), case, cap)
         if problem and i == 0:
-            raise Fail(f"for lesson 4's model (gradients of {sizes} bytes, cap {MODEL_CAP:,}): {problem}")
+            raise Fail(f"for lesson 4's model (gradients of {sizes} bytes, cap {MODEL_CAP:,}): "
+                       f"{problem}")
         if problem:
             raise Fail(f"for gradients of {case} bytes and cap {cap:,}: {problem}")
         if i == 0:
             diff = _train(cfg, mine, file)
     if answer["fail"]:
         raise Fail(answer["fail"])
-    return (f"your buckets {got[0]} for lesson 4's model trained 3 steps on {_WORLD} ranks to within "
-            f"{diff:.1e} of one device, and they match the engine's on {len(EDGE_CASES)} edge and "
-            f"{RANDOM_CASES} random cases")
+    return (f"your buckets {got[0]} for lesson 4's model trained 3 steps on {_WORLD} ranks to "
+            f"within {diff:.1e} of one device, and they match the engine's on {len(EDGE_CASES)} "
+            f"edge and {RANDOM_CASES} random cases")
 
 
-def collect_buckets(file: Path, inputs: dict[str, Any], out: dict[str, Any], deadline: float) -> None:
+def collect_buckets(
+    file: Path, inputs: dict[str, Any], out: dict[str, Any], deadline: float
+) -> None:
     """In the child: the learner's buckets for each case, as lists of ints (``out["buckets"]``)."""
     fn = load_function(file, "ddp_buckets")
     out["buckets"] = results = []
@@ -96,19 +105,22 @@ def _plain_buckets(got: Any, what: str) -> list[list[int]]:
             for i in b:
                 n += 1
                 if n > MAX_INDICES:
-                    raise Fail(f"{what} returned more than {MAX_INDICES:,} parameter indices: return one "
-                               "list of indices per bucket, each parameter in exactly one")
+                    raise Fail(f"{what} returned more than {MAX_INDICES:,} parameter indices: "
+                               "return one list of indices per bucket, each parameter in exactly "
+                               "one")
                 if int(i) != i:
                     raise ValueError(i)
                 bucket.append(int(i))
             buckets.append(bucket)
     except (TypeError, ValueError, OverflowError):
-        raise Fail(f"{what} returned {short_repr(got)}: return a list of buckets, each a list of parameter "
-                   "indices") from None
+        raise Fail(f"{what} returned {short_repr(got)}: return a list of buckets, each a list of "
+                   "parameter indices") from None
     return buckets
 
 
-def bucket_problem(got: list[list[int]], want: list[list[int]], sizes: list[int], cap: int) -> str | None:
+def bucket_problem(
+    got: list[list[int]], want: list[list[int]], sizes: list[int], cap: int
+) -> str | None:
     """What is wrong with ``got`` (the engine made ``want``), in the words of gradients arriving."""
     n = len(sizes)
     where: dict[int, int] = {}
@@ -119,29 +131,30 @@ def bucket_problem(got: list[list[int]], want: list[list[int]], sizes: list[int]
             if not 0 <= i < n:
                 return f"bucket {b} names parameter {i}, but the parameters are 0..{n - 1}"
             if i in where:
-                return (f"parameter {i} is in buckets {where[i]} and {b}: its gradient would be all-reduced "
-                        "twice")
+                return (f"parameter {i} is in buckets {where[i]} and {b}: its gradient would be "
+                        "all-reduced twice")
             where[i] = b
     for i in range(n):
         if i not in where:
-            return (f"parameter {i} is in no bucket: its gradient would never be all-reduced, and the "
-                    "replicas would drift apart")
+            return (f"parameter {i} is in no bucket: its gradient would never be all-reduced, and "
+                    "the replicas would drift apart")
     nxt = n - 1  # the next gradient backward makes: the last parameter's first
     for b, bucket in enumerate(got):
         run = sorted(bucket, reverse=True)
         if run[0] != nxt:
-            return (f"bucket {b} holds {_params(run)} but parameter {nxt}'s gradient arrives first: buckets "
-                    "follow the reverse order of the parameters (backward makes the last layer's "
-                    "gradients first)")
+            return (f"bucket {b} holds {_params(run)} but parameter {nxt}'s gradient arrives "
+                    "first: buckets follow the reverse order of the parameters (backward makes the "
+                    "last layer's gradients first)")
         if run != list(range(nxt, nxt - len(run), -1)):
             gap = next(i for i in range(nxt, nxt - len(run), -1) if i not in run)
-            return (f"bucket {b} holds {_params(run)} but not parameter {gap}, whose gradient arrives "
-                    "between them: a bucket is a contiguous run of parameters, in reverse order")
+            return (f"bucket {b} holds {_params(run)} but not parameter {gap}, whose gradient "
+                    "arrives between them: a bucket is a contiguous run of parameters, in reverse "
+                    "order")
         if bucket != run:
-            return (f"bucket {b} lists {_params(bucket)}, but backward makes their gradients in the "
-                    f"order {', '.join(map(str, run))}: a bucket fills, and lays its gradients out in "
-                    "its buffer, in the order they arrive, so list each one last parameter first (you "
-                    "sorted it, or walked forward inside it)")
+            return (f"bucket {b} lists {_params(bucket)}, but backward makes their gradients in "
+                    f"the order {', '.join(map(str, run))}: a bucket fills, and lays its gradients "
+                    "out in its buffer, in the order they arrive, so list each one last parameter "
+                    "first (you sorted it, or walked forward inside it)")
         nxt -= len(run)
     for b, (mine, right) in enumerate(zip(got, want)):
         if len(mine) == len(right):
@@ -149,14 +162,18 @@ def bucket_problem(got: list[list[int]], want: list[list[int]], sizes: list[int]
         held = sum(sizes[i] for i in mine)
         if len(mine) < len(right):
             nxt = min(mine) - 1
-            return (f"bucket {b} closes after parameter {min(mine)} holding {held:,} bytes, below the cap of "
-                    f"{cap:,}: a bucket stays open until it holds at least the cap (parameter {nxt}'s "
-                    f"{sizes[nxt]:,} bytes belong in it too)")
+            return (f"bucket {b} closes after parameter {min(mine)} holding {held:,} bytes, below "
+                    f"the cap of {cap:,}: a bucket stays open until it holds at least the cap "
+                    f"(parameter {nxt}'s {sizes[nxt]:,} bytes belong in it too)")
         full = sum(sizes[i] for i in right)
-        big = " (a parameter larger than the cap is never split: it closes the bucket it lands in)" \
-            if len(right) == 1 else ""
-        return (f"bucket {b} should close after parameter {min(right)}, once it holds {full:,} bytes >= the "
-                f"cap of {cap:,}{big}; yours goes on to parameter {min(mine)} ({held:,} bytes)")
+        big = (
+            " (a parameter larger than the cap is never split: it closes the bucket it lands in)"
+            if len(right) == 1
+            else ""
+        )
+        return (f"bucket {b} should close after parameter {min(right)}, once it holds {full:,} "
+                f"bytes >= the cap of {cap:,}{big}; yours goes on to parameter {min(mine)} "
+                f"({held:,} bytes)")
     return None
 
 
@@ -165,7 +182,8 @@ def _params(run: list[int]) -> str:
 
 
 def _train(cfg: TrainConfig, buckets: list[list[int]], file: Path) -> float:
-    """Train with the learner's buckets in the engine's Reducer; the largest relative gap to one device."""
+    """Train with the learner's buckets in the engine's Reducer;
+    the largest relative gap to one device."""
     from dplab.backends import RankError
 
     sync = SyncConfig("ring", bucket_cap_mb=MODEL_CAP / 2**20)
@@ -177,8 +195,9 @@ def _train(cfg: TrainConfig, buckets: list[list[int]], file: Path) -> float:
     scale = float(np.abs(oracle).max())
     diff = max(float(np.abs(r.params - oracle).max()) for r in results) / scale
     if diff > _RTOL:
-        raise Fail(f"training 3 steps on {_WORLD} ranks with your buckets {buckets} ends {diff:.1e} "
-                   "(relative) away from one device: every gradient must be summed exactly once per step")
+        raise Fail(f"training 3 steps on {_WORLD} ranks with your buckets {buckets} ends "
+                   f"{diff:.1e} (relative) away from one device: every gradient must be summed "
+                   "exactly once per step")
     return diff
 
 

@@ -1,6 +1,7 @@
 """The learner's code runs in a child process under limits; only plain data comes back to be judged.
 
-    data = run_learner("ring_reduce_scatter", file, {"world_sizes": [1, 2, 3]}, output)   # the parent
+    # the parent:
+    data = run_learner("ring_reduce_scatter", file, {"world_sizes": [1, 2, 3]}, output)
 
 The parent starts a fresh interpreter in its own session with a job file (exercise, learner's
 file, inputs): the supervisor (``supervise``), a child subreaper that forks the child proper and
@@ -36,10 +37,12 @@ from dplab.lessons.exercises.learner import CheckUnavailable, Fail, TooLong, cli
 from dplab.lessons.exercises.reaper import become_subreaper, kill_below, stopped_below
 from dplab.reference.errors import ConfigError
 
-__all__ = ["COLLECTORS", "Patched", "GRACE_S", "OUTPUT_CHARS", "RESULT_BYTES", "MEMORY_MB", "memory_mb",
-           "check_settings", "run_learner", "supervise", "main", "patched_since", "dplab_functions"]
+__all__ = ["COLLECTORS", "Patched", "GRACE_S", "OUTPUT_CHARS", "RESULT_BYTES", "MEMORY_MB",
+           "memory_mb", "check_settings", "run_learner", "supervise", "main", "patched_since",
+           "dplab_functions"]
 
-# exercise -> "module:function": collector(file, inputs, out, deadline) fills ``out`` with plain data
+# exercise -> "module:function": collector(file, inputs, out, deadline) fills ``out`` with plain
+# data
 COLLECTORS = {
     "ring_reduce_scatter": "dplab.lessons.exercises.ring:collect_ring",
     "ddp_buckets": "dplab.lessons.exercises.buckets:collect_buckets",
@@ -52,17 +55,20 @@ COLLECTORS = {
     "backup_step": "dplab.lessons.exercises.backup:collect_backup",
     "sharded_clip": "dplab.lessons.exercises.sharded_clip:collect_sharded_clip",
 }
-GRACE_S = 3.0            # after the time limit, how long the child has to report before it is killed
+# after the time limit, how long the child has to report before it is killed
+GRACE_S = 3.0
 START_S = 60.0           # the child's own start (an interpreter and numpy), before its limit runs
 OUTPUT_CHARS = 4000      # of what the learner's code prints, shown with the report
 RESULT_BYTES = 16 << 20  # the answer's JSON: the largest exercise sends ~300 KB
-MEMORY_MB = 4096         # the child's address space (each of its ranks too): numpy and a world fit in 1 GB
+# the child's address space (each of its ranks too): numpy and a world fit in 1 GB
+MEMORY_MB = 4096
 _STARTED = "started"
 _CANNOT_ANSWER = 70  # the child's exit code when it could not write its answer (a full disk)
 
 
 class Patched(Exception):
-    """Raised by a collector whose ranks found dplab's functions replaced: ``args[0]`` names them."""
+    """Raised by a collector whose ranks found dplab's functions replaced:
+    ``args[0]`` names them."""
 
 
 def memory_mb() -> int:
@@ -107,24 +113,36 @@ def check_settings() -> tuple[float, int]:
     return limit_s(), memory_mb()
 
 
-def run_learner(exercise: str, file: Path, inputs: dict[str, Any], output: list[str]) -> dict[str, Any]:
+def run_learner(
+    exercise: str, file: Path, inputs: dict[str, Any], output: list[str]
+) -> dict[str, Any]:
     """Run ``exercise``'s collector on ``file`` in a child process; its plain data, or ``Fail``.
 
     What the learner's code printed is appended to ``output``. ``CheckUnavailable`` when the child
     could not run the check for a reason of the machine's."""
     file = Path(file)
     if not file.is_file():
-        raise Fail(f"there is no {file.name} in {file.parent}: run `dplab lesson init {file.parent}` to get "
-                   f"the stubs, then write your answer in {file.name}")
+        raise Fail(f"there is no {file.name} in {file.parent}: run `dplab lesson init "
+                   f"{file.parent}` to get the stubs, then write your answer in {file.name}")
     limit, memory = check_settings()
     with tempfile.TemporaryDirectory(prefix="dplab-check-") as tmp:
         job = Path(tmp) / "job.json"
         result = Path(tmp) / "result.json"
-        job.write_text(json.dumps({"exercise": exercise, "file": str(file.resolve()), "inputs": inputs,
-                                   "result": str(result), "started": str(Path(tmp) / _STARTED),
-                                   "status": str(Path(tmp) / "status.json"),
-                                   "worker": str(Path(tmp) / "worker"),
-                                   "limit_s": limit, "memory_mb": memory}))
+        job.write_text(
+            json.dumps(
+                {
+                    "exercise": exercise,
+                    "file": str(file.resolve()),
+                    "inputs": inputs,
+                    "result": str(result),
+                    "started": str(Path(tmp) / _STARTED),
+                    "status": str(Path(tmp) / "status.json"),
+                    "worker": str(Path(tmp) / "worker"),
+                    "limit_s": limit,
+                    "memory_mb": memory,
+                }
+            )
+        )
         ended, code, printed, stopped = _run_child(job, Path(tmp), limit)
         if code == _CANNOT_ANSWER and not result.exists():
             last = printed.strip().splitlines()[-1] if printed.strip() else "no reason given"
@@ -132,15 +150,15 @@ def run_learner(exercise: str, file: Path, inputs: dict[str, Any], output: list[
         output.append(printed)
         size = result.stat().st_size if result.is_file() else -1
         if size > RESULT_BYTES:
-            raise Fail(f"{file.name}'s answer came back as {size:,} bytes: far more than the exercise "
-                       "asks for")
+            raise Fail(f"{file.name}'s answer came back as {size:,} bytes: far more than the "
+                       "exercise asks for")
         answer = json.loads(result.read_text()) if size >= 0 else None
     if answer is None:
         raise Fail(_no_answer(file, ended, code, limit, stopped))
     if answer.get("patched"):
-        raise Fail(f"{file.name} replaced {', '.join(answer['patched'][:3])}: an answer is judged by what "
-                   "its function returns, in another process, so patching dplab changes nothing; remove that "
-                   "code")
+        raise Fail(f"{file.name} replaced {', '.join(answer['patched'][:3])}: an answer is judged "
+                   "by what its function returns, in another process, so patching dplab changes "
+                   "nothing; remove that code")
     if answer.get("unavailable"):
         raise CheckUnavailable(answer["unavailable"])
     answer.setdefault("fail", None)
@@ -154,9 +172,10 @@ def _no_answer(file: Path, ended: bool, code: int, limit: float, stopped: bool =
                 "exercise must not send signals to its own processes. It was killed at the check's "
                 f"time limit of {limit:g} s, with everything it started")
     if not ended:
-        return (f"{file.name} was still running {limit + GRACE_S:g} s in, {GRACE_S:g} s after the check's "
-                f"time limit of {limit:g} s asked it to stop: does a loop catch every exception (a bare "
-                "`except:` or `except BaseException`)? It was killed, with everything it started")
+        return (f"{file.name} was still running {limit + GRACE_S:g} s in, {GRACE_S:g} s after the "
+                f"check's time limit of {limit:g} s asked it to stop: does a loop catch every "
+                "exception (a bare `except:` or `except BaseException`)? It was killed, with "
+                "everything it started")
     if code >= 0:
         return (f"{file.name} ended the check's process with exit code {code} before answering: an "
                 "exercise returns its answer; remove os._exit (or exit) from it")
@@ -175,9 +194,17 @@ def _run_child(job: Path, tmp: Path, limit: float) -> tuple[bool, int, str, bool
     # sys.path[0] is the current folder under -c: a learner's numpy.py there must not shadow numpy
     code = ("import sys; sys.path.pop(0)\n"
             "from dplab.lessons.exercises.child import supervise; supervise(sys.argv[1])")
-    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1", "PYTHONIOENCODING": "utf-8",
-           # one BLAS thread: the exercises are tiny, and each thread's buffers count against RLIMIT_AS
-           "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    env = {
+        **os.environ,
+        "PYTHONDONTWRITEBYTECODE": "1",
+        "PYTHONUNBUFFERED": "1",
+        "PYTHONIOENCODING": "utf-8",
+        # one BLAS thread: the exercises are tiny, and each thread's buffers count against
+        # RLIMIT_AS
+        "OPENBLAS_NUM_THREADS": "1",
+        "OMP_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+    }
     try:
         proc = subprocess.Popen([sys.executable, "-c", code, str(job)], stdin=subprocess.DEVNULL,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
@@ -204,7 +231,8 @@ def _run_child(job: Path, tmp: Path, limit: float) -> tuple[bool, int, str, bool
 
 
 def _drain(stream: Any, kept: list[bytes]) -> None:
-    """Read the child's output to its end, keeping the first ``OUTPUT_CHARS`` and counting the rest."""
+    """Read the child's output to its end, keeping the first ``OUTPUT_CHARS`` and counting the
+    rest."""
     held, dropped = 0, 0
     while chunk := stream.read1(65536):
         if held < OUTPUT_CHARS:
@@ -293,7 +321,8 @@ def supervise(job_path: str) -> None:
 # --- in the child ---------------------------------------------------------------------------------
 
 def main(job_path: str) -> None:
-    """The child: limits, the learner's code through the collector, the answer as JSON; never returns."""
+    """The child: limits, the learner's code through the collector, the answer as JSON;
+    never returns."""
     job = json.loads(Path(job_path).read_text())
     file, limit = Path(job["file"]), float(job["limit_s"])
     memory = int(job["memory_mb"]) << 20
@@ -319,8 +348,9 @@ def main(job_path: str) -> None:
     except TooLong as e:  # outside the learner's own frames: between calls, or waiting for ranks
         answer["fail"] = f"{file.name}: {e}"
     except MemoryError:
-        answer["fail"] = (f"{file.name} used more memory than the check allows ({job['memory_mb']:,} MiB; "
-                          "$DPLAB_CHECK_MEMORY_MB sets that): what does it build that is so large?")
+        answer["fail"] = (f"{file.name} used more memory than the check allows "
+                          f"({job['memory_mb']:,} MiB; $DPLAB_CHECK_MEMORY_MB sets that): what "
+                          "does it build that is so large?")
     except Patched as e:
         answer["patched"] = e.args[0]
     except CheckUnavailable as e:
@@ -329,7 +359,8 @@ def main(job_path: str) -> None:
         said = str(e).splitlines()[0] if str(e) else type(e).__name__
         answer["unavailable"] = f"cannot check {file.name} on this machine: {clip(said)}"
     except Exception as e:  # the learner's answer broke the collector itself
-        answer["fail"] = (describe(e, file, f"checking {file.name}") + " (the checker could not judge this "
+        answer["fail"] = (describe(e, file, f"checking {file.name}") + " (the checker could not "
+                                                                       "judge this "
                           "answer: report it if it looks right)")
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
@@ -363,7 +394,9 @@ def dplab_functions() -> dict[tuple[str, str], Any]:
     """(module, name) -> every function and class the loaded ``dplab`` modules hold."""
     out = {}
     for mod_name, mod in list(sys.modules.items()):
-        if (mod_name == "dplab" or mod_name.startswith("dplab.")) and isinstance(mod, types.ModuleType):
+        if (mod_name == "dplab" or mod_name.startswith("dplab.")) and isinstance(
+            mod, types.ModuleType
+        ):
             for attr, value in list(vars(mod).items()):
                 if isinstance(value, (types.FunctionType, type)):
                     out[mod_name, attr] = value
@@ -371,7 +404,8 @@ def dplab_functions() -> dict[tuple[str, str], Any]:
 
 
 def patched_since(before: dict[tuple[str, str], Any], file: Path) -> list[str]:
-    """``module.name`` of every dplab function replaced since ``before``, or set to one of ``file``'s."""
+    """``module.name`` of every dplab function replaced since ``before``, or set to one of
+    ``file``'s."""
     now = dplab_functions()
     changed = {k for k, v in before.items() if now.get(k, v) is not v}
     for mod_name, mod in list(sys.modules.items()):

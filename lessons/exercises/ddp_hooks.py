@@ -1,4 +1,5 @@
-"""Exercise of lesson 15: DDP from hooks on torch tensors (CS336's exercise), judged on two gloo ranks.
+"""Exercise of lesson 15: DDP from hooks on torch tensors (CS336's exercise), judged on two gloo
+ranks.
 
     dplab lesson check 15 DIR         # runs DIR/ddp_hooks.py
 
@@ -30,7 +31,13 @@ from typing import Any
 import numpy as np
 
 from dplab.backends import RankError, launch
-from dplab.lessons.exercises.child import COLLECTORS, Patched, dplab_functions, patched_since, run_learner
+from dplab.lessons.exercises.child import (
+    COLLECTORS,
+    Patched,
+    dplab_functions,
+    patched_since,
+    run_learner,
+)
 from dplab.lessons.exercises.learner import (
     CheckUnavailable,
     Fail,
@@ -41,8 +48,8 @@ from dplab.lessons.exercises.learner import (
     same_process,
 )
 
-__all__ = ["judge_ddp_hooks", "collect_ddp_hooks", "make_model", "data", "train_one_process", "WORLD",
-           "STEPS", "HINTS", "sgd_step"]
+__all__ = ["judge_ddp_hooks", "collect_ddp_hooks", "make_model", "data", "train_one_process",
+           "WORLD", "STEPS", "HINTS", "sgd_step"]
 
 # registered here, beside the collector (child.py's table names the others): the package imports
 # this module, so a child process knows it before it reads its job
@@ -59,7 +66,8 @@ HINTS = (
     "A post-accumulate-grad hook gets the parameter once its .grad is complete for this backward: "
     "that is the moment its all-reduce can start, while backward goes on with earlier layers.",
     "In the hook: dist.all_reduce(param.grad, async_op=True) returns a work handle; keep it. "
-    "all_reduce sums, and each rank's loss is the mean over its own half: divide by the world size.",
+    "all_reduce sums, and each rank's loss is the mean over its own half: divide by the world "
+    "size.",
     "finish() calls .wait() on every handle the hooks kept, then forgets them (the next backward "
     "launches new ones). Do not wait inside the hook: that waits for each all-reduce before the "
     "next can be launched.",
@@ -100,7 +108,8 @@ def train_one_process() -> list[np.ndarray]:
 
 
 def sgd_step(model: Any) -> None:
-    """Plain SGD by hand, then the gradients dropped (torch.optim's first use imports for seconds)."""
+    """Plain SGD by hand, then the gradients dropped (torch.optim's first use imports for
+    seconds)."""
     import torch
 
     with torch.no_grad():
@@ -117,9 +126,13 @@ def _flat(model: Any) -> np.ndarray:
 
 # --- in the child: the learner's hooks on two gloo ranks ------------------------------------------
 
-def collect_ddp_hooks(file: Path, inputs: dict[str, Any], out: dict[str, Any], deadline: float) -> None:
-    """In the child: every rank's parameters after each step, and its log of all-reduces and waits."""
-    load_function(file, "attach_ddp_hooks")  # a file that does not import fails here, not on every rank
+def collect_ddp_hooks(
+    file: Path, inputs: dict[str, Any], out: dict[str, Any], deadline: float
+) -> None:
+    """In the child: every rank's parameters after each step, and its log of all-reduces and
+    waits."""
+    # a file that does not import fails here, not on every rank
+    load_function(file, "attach_ddp_hooks")
     try:
         done = launch(_rank, WORLD, backend="torch", args=(str(file), deadline), timeout=TIMEOUT_S)
     except TooLong as e:
@@ -137,7 +150,8 @@ def collect_ddp_hooks(file: Path, inputs: dict[str, Any], out: dict[str, Any], d
 
 
 class _Recorder:
-    """Wraps ``torch.distributed.all_reduce``: logs each call and each wait, in the phase it came in."""
+    """Wraps ``torch.distributed.all_reduce``: logs each call and each wait, in the phase it came
+    in."""
 
     def __init__(self, real: Any, params: list[Any]) -> None:
         self.real, self.params, self.log = real, params, []
@@ -145,8 +159,8 @@ class _Recorder:
         self.ready = 0   # gradients backward has finished this step (the checker's own hooks count)
 
     def made(self, param: Any) -> None:
-        """A post-accumulate-grad hook of the checker's, registered after the learner's: it fires once
-        the learner's hook for the same parameter has run."""
+        """A post-accumulate-grad hook of the checker's, registered after the learner's:
+        it fires once the learner's hook for the same parameter has run."""
         self.ready += 1
 
     def what(self, tensor: Any) -> tuple[str, int]:
@@ -163,8 +177,18 @@ class _Recorder:
         call = len(self.log)
         # the overlap: how many other gradients backward had still to make when this one started
         to_come = len(self.params) - self.ready - (1 if self.phase == "backward" else 0)
-        self.log.append({"event": "launch", "step": self.step, "phase": self.phase, "what": kind,
-                         "index": i, "async": bool(async_op), "call": call, "to_come": max(to_come, 0)})
+        self.log.append(
+            {
+                "event": "launch",
+                "step": self.step,
+                "phase": self.phase,
+                "what": kind,
+                "index": i,
+                "async": bool(async_op),
+                "call": call,
+                "to_come": max(to_come, 0),
+            }
+        )
         work = self.real(tensor, *args, async_op=async_op, **kwargs)
         return _Work(work, self, call) if async_op and work is not None else work
 
@@ -198,7 +222,8 @@ def _rank(comm: Any, file: str, deadline: float) -> dict[str, Any]:
     model = make_model()
     params = list(model.parameters())
     recorder = _Recorder(dist.all_reduce, params)
-    dist.all_reduce = distributed_c10d.all_reduce = recorder.all_reduce  # the learner calls this one
+    # the learner calls this one
+    dist.all_reduce = distributed_c10d.all_reduce = recorder.all_reduce
     attach = load_function(Path(file), "attach_ddp_hooks")
     with same_process():
         finish = attach(model)
@@ -206,8 +231,8 @@ def _rank(comm: Any, file: str, deadline: float) -> dict[str, Any]:
         if p.requires_grad:
             p.register_post_accumulate_grad_hook(recorder.made)
     if not callable(finish):
-        raise Fail(f"attach_ddp_hooks returned {type(finish).__name__}, not a function: return finish, "
-                   "which the loop calls after loss.backward() to wait for the all-reduces")
+        raise Fail(f"attach_ddp_hooks returned {type(finish).__name__}, not a function: return "
+                   "finish, which the loop calls after loss.backward() to wait for the all-reduces")
     half = slice(comm.rank * ROWS // WORLD, (comm.rank + 1) * ROWS // WORLD)
     after = []
     for step in range(STEPS):
@@ -215,7 +240,8 @@ def _rank(comm: Any, file: str, deadline: float) -> dict[str, Any]:
         x, y = data(step)
         recorder.phase = "backward"
         with same_process():
-            torch.nn.functional.mse_loss(model(x[half]), y[half]).backward()  # the mean over my half
+            # the mean over my half
+            torch.nn.functional.mse_loss(model(x[half]), y[half]).backward()
             recorder.phase = "finish"
             finish()
         recorder.phase = "step"
@@ -223,12 +249,17 @@ def _rank(comm: Any, file: str, deadline: float) -> dict[str, Any]:
         after.append(_flat(model))
     signal.setitimer(signal.ITIMER_REAL, 0)
     names = [f"{name} {tuple(p.shape)}" for name, p in model.named_parameters()]
-    return {"after": after, "log": recorder.log, "names": names, "patched": patched_since(before, Path(file))}
+    return {
+        "after": after,
+        "log": recorder.log,
+        "names": names,
+        "patched": patched_since(before, Path(file)),
+    }
 
 
 def _stop(signum: int, frame: Any) -> None:
-    raise TooLong(f"still running at the check's time limit of {limit_s():g} s: does a loop never end, "
-                  "or does a rank wait for an all-reduce the other never launched?")
+    raise TooLong(f"still running at the check's time limit of {limit_s():g} s: does a loop never "
+                  "end, or does a rank wait for an all-reduce the other never launched?")
 
 
 # --- in the parent: the verdict -------------------------------------------------------------------
@@ -247,18 +278,22 @@ def judge_ddp_hooks(file: Path, output: list[str]) -> str:
         raise Fail(problem)
     overlapped, launched = _overlap(ranks[0]["log"])
     oracle = train_one_process()
-    runs = [[np.frombuffer(base64.b64decode(a), dtype=np.float64) for a in rank["after"]] for rank in ranks]
+    runs = [
+        [np.frombuffer(base64.b64decode(a), dtype=np.float64) for a in rank["after"]]
+        for rank in ranks
+    ]
     problem = _diagnose(runs, oracle, names)
     if problem:
         raise Fail(problem)
-    return (f"right: on {WORLD} gloo ranks every parameter's gradient was all-reduced from its hook while "
-            f"backward ran ({overlapped} of the {launched} all-reduces started while backward still had "
-            f"gradients to make), waited for in finish(), and after each of {STEPS} steps both ranks hold "
-            f"one process's parameters (within {_RTOL:g})")
+    return (f"right: on {WORLD} gloo ranks every parameter's gradient was all-reduced from its "
+            f"hook while backward ran ({overlapped} of the {launched} all-reduces started while "
+            "backward still had gradients to make), waited for in finish(), and after each of "
+            f"{STEPS} steps both ranks hold one process's parameters (within {_RTOL:g})")
 
 
 def _overlap(log: list[dict[str, Any]]) -> tuple[int, int]:
-    """(all-reduces started while backward still had other gradients to make, all launched), rank 0."""
+    """(all-reduces started while backward still had other gradients to make, all launched), rank
+    0."""
     launches = [e for e in log if e["event"] == "launch"]
     return sum(e["phase"] == "backward" and e["to_come"] > 0 for e in launches), len(launches)
 
@@ -267,18 +302,21 @@ def _read_log(log: list[dict[str, Any]], names: list[str]) -> str | None:
     """The mistakes the log shows, in the order a learner makes them."""
     launches = [e for e in log if e["event"] == "launch"]
     if not launches:
-        return ("no all-reduce was launched: each rank stepped on the gradient of its own half alone, so the "
-                "replicas drift apart. In the hook, call dist.all_reduce(param.grad, async_op=True)")
+        return (
+            "no all-reduce was launched: each rank stepped on the gradient of its own half alone, "
+            "so the replicas drift apart. In the hook, call dist.all_reduce(param.grad, "
+            "async_op=True)"
+        )
     for e in launches:
         if e["what"] == "param":
             return (f"you all-reduced {names[e['index']]}'s values (param.data), not its gradient "
-                    "(param.grad): the replicas' weights are equal already; it is the gradients of the two "
-                    "halves that must be summed, before the optimizer steps")
+                    "(param.grad): the replicas' weights are equal already; it is the gradients of "
+                    "the two halves that must be summed, before the optimizer steps")
         if e["what"] == "other":
             return ("you all-reduced a tensor that is not any parameter's .grad (a copy, e.g. "
                     "param.grad.clone() or param.grad * 1): the sum lands in the copy while "
-                    "param.grad, which the optimizer reads, keeps this rank's own gradient. All-reduce "
-                    "param.grad itself: it works in place")
+                    "param.grad, which the optimizer reads, keeps this rank's own gradient. "
+                    "All-reduce param.grad itself: it works in place")
     for step in range(max(e["step"] for e in launches) + 1):
         mine = [e for e in launches if e["step"] == step]
         counts: dict[int, int] = {}
@@ -287,44 +325,51 @@ def _read_log(log: list[dict[str, Any]], names: list[str]) -> str | None:
         missing = [i for i in range(len(names)) if i not in counts]
         if missing:
             return (f"in step {step} {names[missing[0]]}'s gradient was never all-reduced "
-                    f"({len(missing)} of {len(names)} parameters were not): that parameter stays at its own "
-                    "rank's gradient and the replicas drift apart. Register the hook on every parameter "
-                    "with requires_grad")
+                    f"({len(missing)} of {len(names)} parameters were not): that parameter stays "
+                    "at its own rank's gradient and the replicas drift apart. Register the hook on "
+                    "every parameter with requires_grad")
         twice = [i for i, n in counts.items() if n > 1]
         if twice:
-            return (f"in step {step} {names[twice[0]]}'s gradient was all-reduced {counts[twice[0]]} times: "
-                    "each all-reduce sums the ranks again. One all-reduce per parameter per backward")
+            return (f"in step {step} {names[twice[0]]}'s gradient was all-reduced "
+                    f"{counts[twice[0]]} times: each all-reduce sums the ranks again. One "
+                    "all-reduce per parameter per backward")
         if any(not e["async"] for e in mine):
-            return ("the all-reduces were blocking (async_op=False): each one finished before backward could "
-                    "go on, so no communication overlapped the backward still running. Launch with "
-                    "async_op=True in the hook, keep the handle, and wait in finish()")
+            return ("the all-reduces were blocking (async_op=False): each one finished before "
+                    "backward could go on, so no communication overlapped the backward still "
+                    "running. Launch with async_op=True in the hook, keep the handle, and wait in "
+                    "finish()")
         late = [e for e in mine if e["phase"] != "backward"]
         if late:
-            return (f"in step {step} {len(late)} of the {len(mine)} all-reduces were launched in finish(), "
-                    "after backward had ended: none of that communication overlapped backward. Launch "
-                    "each from its parameter's hook, the moment its gradient is ready")
-        if not any(e["to_come"] for e in mine):
-            return (f"in step {step} every all-reduce started after backward had made the last gradient "
-                    f"(0 of {len(mine)} started while other gradients were still to come): the hooks "
-                    "waited for the last one and launched them all together, so nothing overlapped "
-                    "backward. Launch each from its own parameter's hook, as soon as that gradient is "
+            return (f"in step {step} {len(late)} of the {len(mine)} all-reduces were launched in "
+                    "finish(), after backward had ended: none of that communication overlapped "
+                    "backward. Launch each from its parameter's hook, the moment its gradient is "
                     "ready")
+        if not any(e["to_come"] for e in mine):
+            return (f"in step {step} every all-reduce started after backward had made the last "
+                    f"gradient (0 of {len(mine)} started while other gradients were still to "
+                    "come): the hooks waited for the last one and launched them all together, so "
+                    "nothing overlapped backward. Launch each from its own parameter's hook, as "
+                    "soon as that gradient is ready")
         calls = {e["call"] for e in mine}
         waits = [e for e in log if e["event"] == "wait" and e["call"] in calls]
         early = [e for e in waits if e["phase"] == "backward"]
         if early:
-            return ("you waited for each all-reduce inside its hook, before the next one was launched: the "
-                    "all-reduces ran one at a time and backward stood still during each, which is a blocking "
-                    "all-reduce with extra steps. Keep the handles and wait for all of them in finish()")
+            return ("you waited for each all-reduce inside its hook, before the next one was "
+                    "launched: the all-reduces ran one at a time and backward stood still during "
+                    "each, which is a blocking all-reduce with extra steps. Keep the handles and "
+                    "wait for all of them in finish()")
         waited = {e["call"] for e in waits if e["phase"] == "finish"}
         if waited != calls:
-            return (f"finish() waited for {len(waited)} of the {len(calls)} all-reduces launched in step "
-                    f"{step}: opt.step() may read a gradient that is still being summed (gloo happened to be "
-                    "done here; NCCL on a GPU would not be). Wait for every handle in finish()")
+            return (f"finish() waited for {len(waited)} of the {len(calls)} all-reduces launched "
+                    f"in step {step}: opt.step() may read a gradient that is still being summed "
+                    "(gloo happened to be done here; NCCL on a GPU would not be). Wait for every "
+                    "handle in finish()")
     return None
 
 
-def _diagnose(runs: list[list[np.ndarray]], oracle: list[np.ndarray], names: list[str]) -> str | None:
+def _diagnose(
+    runs: list[list[np.ndarray]], oracle: list[np.ndarray], names: list[str]
+) -> str | None:
     scale = float(np.abs(oracle[-1]).max())
     for t in range(STEPS):
         want, before = oracle[t + 1], oracle[t]
@@ -337,11 +382,12 @@ def _diagnose(runs: list[list[np.ndarray]], oracle: list[np.ndarray], names: lis
             where = f"after step {t} rank {r}'s parameters"
             if abs(ratio - WORLD) < 1e-6:
                 return (f"{where} moved {WORLD} times as far as one process's: the gradients were "
-                        "summed, not averaged. all_reduce sums, and each rank's loss is already the mean "
-                        f"over its own half: divide each gradient by the world size ({WORLD})")
+                        "summed, not averaged. all_reduce sums, and each rank's loss is already "
+                        "the mean over its own half: divide each gradient by the world size "
+                        f"({WORLD})")
             if abs(ratio * WORLD - 1) < 1e-6:
-                return (f"{where} moved 1/{WORLD} as far as one process's: the gradient was divided by the "
-                        "world size twice (before and after the all-reduce?)")
-            return (f"{where} differ from one process's by {np.abs(got - want).max():.3g}: each rank must "
-                    "step on the average of the two halves' gradients")
+                return (f"{where} moved 1/{WORLD} as far as one process's: the gradient was "
+                        "divided by the world size twice (before and after the all-reduce?)")
+            return (f"{where} differ from one process's by {np.abs(got - want).max():.3g}: each "
+                    "rank must step on the average of the two halves' gradients")
     return None

@@ -5,9 +5,11 @@
 FSDP (ZeRO-3) keeps only a shard of each unit's weights on a rank. The learner writes the two
 moves around one unit (here a layer of an MLP):
 
-    unit_forward(comm, shard, n, forward)               all-gather the n weights, return forward(w), free w
+    unit_forward(comm, shard, n, forward)               all-gather the n weights, return
+                                                        forward(w), free w
     unit_backward(comm, shard, n, backward, grad_shard) all-gather again, g = backward(w), free w,
-                                                        reduce-scatter g, keep this rank's chunk, free g
+                                                        reduce-scatter g, keep this rank's chunk,
+                                                        free g
 
 The harness runs the model unit by unit for 2 steps on p = 1..4, and after every call checks:
 the output against the unit run with its true whole weights, the gradient chunk against the
@@ -60,16 +62,20 @@ TIMEOUT_S = 10.0
 _RTOL = 1e-10
 # eight units (544, 6 x 1,056, 132 weights); a batch of 8 keeps activations small beside a unit
 MODEL = MLPConfig(in_dim=16, hidden=(32,) * 7, out_dim=4)
-_CFG = TrainConfig(model=MODEL, global_batch=8, steps=STEPS, optimizer=OptimConfig("momentum", lr=0.05))
-_BYTES_SLACK = 1.2  # another algorithm than the ring may send a little more; an all-reduce sends 4/3
+_CFG = TrainConfig(
+    model=MODEL, global_batch=8, steps=STEPS, optimizer=OptimConfig("momentum", lr=0.05)
+)
+# another algorithm than the ring may send a little more;
+# an all-reduce sends 4/3
+_BYTES_SLACK = 1.2
 # a call may leave this share of its unit's weight bytes allocated, or KEPT_FLOOR: the executor's
 # caches of a first call stay, a kilobyte or two
 KEPT_SHARE, KEPT_FLOOR = 0.5, 4096
 
 HINTS = (
-    "Before a unit runs, every rank needs the unit's WHOLE weights, and each rank holds one chunk of "
-    "them: which collective turns p chunks into the whole on every rank? After the unit has run, what "
-    "does the rank still need of it?",
+    "Before a unit runs, every rank needs the unit's WHOLE weights, and each rank holds one chunk "
+    "of them: which collective turns p chunks into the whole on every rank? After the unit has "
+    "run, what does the rank still need of it?",
     "Forward: w = np.empty(n, dtype=shard.dtype); a, b = chunk_bounds(n, p)[rank]; w[a:b] = shard; "
     "allgather(comm, w); return forward(w). Returning drops w: nothing kept.",
     "Backward: gather w the same way; g = backward(w); del w; reduce_scatter(comm, g); "
@@ -91,21 +97,29 @@ def judge_fsdp(file: Path, output: list[str]) -> str:
         for r, rank in enumerate(run):
             for t, text in enumerate(rank["after"]):
                 got = np.frombuffer(base64.b64decode(text), dtype=np.float64)
-                if got.shape != oracle[t + 1].shape or not np.allclose(got, oracle[t + 1], rtol=0,
-                                                                       atol=_RTOL * np.abs(oracle[-1]).max()):
-                    raise Fail(f"at p={p}: after step {t} rank {r}'s weights differ from one device's")
+                if got.shape != oracle[t + 1].shape or not np.allclose(
+                    got, oracle[t + 1], rtol=0, atol=_RTOL * np.abs(oracle[-1]).max()
+                ):
+                    raise Fail(f"at p={p}: after step {t} rank {r}'s weights differ from one "
+                               "device's")
     if answer["fail"]:
         raise Fail(answer["fail"])
-    return (f"right on 1..{WORLD_SIZES[-1]} ranks: every unit gathered before it ran and freed after, its "
-            f"gradient reduce-scattered to one chunk per rank ({len(sizes)} units, {sum(sizes):,} weights), "
-            "3 collectives a unit a step, and after each step every rank's weights as one device's")
+    return (f"right on 1..{WORLD_SIZES[-1]} ranks: every unit gathered before it ran and freed "
+            f"after, its gradient reduce-scattered to one chunk per rank ({len(sizes)} units, "
+            f"{sum(sizes):,} weights), 3 collectives a unit a step, and after each step every "
+            "rank's weights as one device's")
 
 
 def _too_many_bytes(run: list[dict[str, Any]], sizes: list[int], p: int) -> str | None:
-    for phase, kinds in (("forward", ("allgather",)), ("backward", ("allgather", "reduce_scatter"))):
+    for phase, kinds in (
+        ("forward", ("allgather",)),
+        ("backward", ("allgather", "reduce_scatter")),
+    ):
         for u, n in enumerate(sizes):
             want = sum(8 * collective_sent(k, "ring", p, r, n) for k in kinds for r in range(p))
-            calls = [c for rank in run for c in rank["calls"] if c["phase"] == phase and c["unit"] == u]
+            calls = [
+                c for rank in run for c in rank["calls"] if c["phase"] == phase and c["unit"] == u
+            ]
             steps = len(calls) // p if p else 0
             sent = sum(c["sent"] for c in calls) / max(steps, 1)
             if sent <= _BYTES_SLACK * want:
@@ -115,15 +129,15 @@ def _too_many_bytes(run: list[dict[str, Any]], sizes: list[int], p: int) -> str 
                 called.update(c["called"])
             said = ", ".join(f"{k} {v / max(len(calls), 1):g}x" for k, v in sorted(called.items()))
             if called.get("allreduce") and phase == "forward":
-                why = ("an all-reduce of zero-padded weights sends twice an all-gather's bytes: allgather "
-                       "fills in the other ranks' chunks")
+                why = ("an all-reduce of zero-padded weights sends twice an all-gather's bytes: "
+                       "allgather fills in the other ranks' chunks")
             elif called.get("allreduce"):
-                why = ("an all-reduce leaves the whole summed gradient on every rank, but a rank keeps only "
-                       "its chunk: reduce_scatter sends half an all-reduce's bytes")
+                why = ("an all-reduce leaves the whole summed gradient on every rank, but a rank "
+                       "keeps only its chunk: reduce_scatter sends half an all-reduce's bytes")
             else:
                 why = f"FSDP's {phase} of a unit needs {' and '.join(kinds)}, once each"
-            return (f"unit {u}'s {phase} sent {sent / want:.2f}x the bytes it needs ({sent:,.0f} against "
-                    f"{want:,} over the ranks; each call: {said}): {why}")
+            return (f"unit {u}'s {phase} sent {sent / want:.2f}x the bytes it needs ({sent:,.0f} "
+                    f"against {want:,} over the ranks; each call: {said}): {why}")
     return None
 
 
@@ -133,14 +147,16 @@ def _kept(run: list[dict[str, Any]], sizes: list[int]) -> str | None:
             allow = max(KEPT_SHARE * 8 * sizes[c["unit"]], KEPT_FLOOR)
             if c["kept"] <= allow:
                 continue
-            what = ("the gathered weights are still held after the unit's forward: FSDP frees them once the "
-                    "unit has run and gathers them again for backward (that is what keeps a rank at a shard "
-                    "plus one unit)") if c["phase"] == "forward" else \
-                ("a whole weight or gradient buffer is still held after the unit's backward: keep only your "
-                 "chunk, in grad_shard, and let the gathered weights and the full gradient go")
+            what = ("the gathered weights are still held after the unit's forward: FSDP frees them "
+                    "once the unit has run and gathers them again for backward (that is what keeps "
+                    "a rank at a shard plus one unit)") if c["phase"] == "forward" else \
+                ("a whole weight or gradient buffer is still held after the unit's backward: keep "
+                 "only your chunk, in grad_shard, and let the gathered weights and the full "
+                 "gradient go")
             unit_kib = 8 * sizes[c["unit"]] / 1024
             return (f"rank {r}'s {c['phase']} of unit {c['unit']} left {c['kept'] / 1024:.1f} KiB "
-                    f"allocated when it returned (the unit's weights are {unit_kib:.1f} KiB): {what}")
+                    f"allocated when it returned (the unit's weights are {unit_kib:.1f} KiB): "
+                    f"{what}")
     return None
 
 
@@ -182,7 +198,8 @@ def _rank(comm: Any, file: str, cfg: TrainConfig, deadline: float) -> dict[str, 
     signal.setitimer(signal.ITIMER_REAL, max(left - min(1.0, 0.2 * left), 0.01))
     before = dplab_functions()
     unit_forward = load_function(Path(file), "unit_forward")
-    unit_backward = unit_forward.__globals__["unit_backward"]  # one module: what they share, they share
+    # one module: what they share, they share
+    unit_backward = unit_forward.__globals__["unit_backward"]
     model, data, init = setup(cfg)
     p, r = comm.world_size, comm.rank
     slices = [model.layer_slice(i) for i in range(model.num_layers)]
@@ -198,7 +215,8 @@ def _rank(comm: Any, file: str, cfg: TrainConfig, deadline: float) -> dict[str, 
     def measured(phase: str, unit: int, fn: Any, *args: Any) -> Any:
         nonlocal problem
         traffic.start()
-        tracemalloc.start()  # only this call's allocations: what is still traced at its end, it kept
+        # only this call's allocations: what is still traced at its end, it kept
+        tracemalloc.start()
         try:
             with same_process():
                 result = fn(comm, *args)
@@ -230,9 +248,9 @@ def _rank(comm: Any, file: str, cfg: TrainConfig, deadline: float) -> dict[str, 
             got = measured("forward", u, unit_forward, shards[u], n, forward)
             if not problem and not (isinstance(got, np.ndarray) and got.shape == want.shape
                                     and np.allclose(got, want, rtol=1e-12, atol=1e-14)):
-                problem = (f"rank {r}'s forward of unit {u} returned something other than the unit run with "
-                           "its whole weights: gather every rank's shard into w, each at chunk_bounds(n, p)"
-                           "[rank], then return forward(w)")
+                problem = (f"rank {r}'s forward of unit {u} returned something other than the unit "
+                           "run with its whole weights: gather every rank's shard into w, each at "
+                           "chunk_bounds(n, p)[rank], then return forward(w)")
             acts.append(want)
         delta = output_delta(model, acts[-1], y, 1 / cfg.global_batch)
         for u in reversed(range(len(sizes))):
@@ -260,10 +278,18 @@ def _rank(comm: Any, file: str, cfg: TrainConfig, deadline: float) -> dict[str, 
             opts[u].step(shards[u], grad_shard)
             delta = next_delta
             del local, summed
-        after.append(base64.b64encode(np.concatenate([_gather(comm, s, n) for s, n in zip(shards, sizes)])
-                                      .tobytes()).decode())
+        after.append(
+            base64.b64encode(
+                np.concatenate([_gather(comm, s, n) for s, n in zip(shards, sizes)]).tobytes()
+            ).decode()
+        )
     signal.setitimer(signal.ITIMER_REAL, 0)
-    return {"calls": calls, "problem": problem, "after": after, "patched": patched_since(before, Path(file))}
+    return {
+        "calls": calls,
+        "problem": problem,
+        "after": after,
+        "patched": patched_since(before, Path(file)),
+    }
 
 
 def _wrong_grad(r: int, u: int, p: int, got: np.ndarray, want: np.ndarray, local: np.ndarray,
@@ -278,20 +304,25 @@ def _wrong_grad(r: int, u: int, p: int, got: np.ndarray, want: np.ndarray, local
     if close(want):
         return ""
     if not asked:
-        return f"{where} was filled without calling backward(w): the unit's gradient comes from backward(w)"
+        return (f"{where} was filled without calling backward(w): "
+                "the unit's gradient comes from backward(w)")
     if not got.any():
         return (f"{where} was left at zero: write your chunk of the summed gradient into it, "
                 "grad_shard[:] = g[a:b]")
     if p > 1 and close(want / p):
-        return (f"{where} is 1/{p} of the summed gradient: it was averaged, but each rank's loss is already "
-                "scaled by 1/global batch, so the ranks' gradients are summed (reduce_scatter sums)")
+        return (
+            f"{where} is 1/{p} of the summed gradient: it was averaged, but each rank's loss is "
+            "already scaled by 1/global batch, so the ranks' gradients are summed (reduce_scatter "
+            "sums)"
+        )
     if p > 1 and close(local):
-        return (f"{where} is this rank's own gradient, not the sum over the ranks: reduce-scatter g before "
-                "taking your chunk")
+        return (f"{where} is this rank's own gradient, not the sum over the ranks: reduce-scatter "
+                "g before taking your chunk")
     return (f"{where} differs from chunk {r} of the gradient summed over the ranks by "
             f"{np.abs(got - want).max():.3g}: reduce_scatter(comm, g) leaves that sum in "
             "chunk_bounds(n, p)[rank]")
 
 
 def _stop(signum: int, frame: Any) -> None:
-    raise TooLong(f"still running at the check's time limit of {limit_s():g} s: does a loop never end?")
+    raise TooLong(f"still running at the check's time limit of {limit_s():g} s: does a loop never "
+                  "end?")

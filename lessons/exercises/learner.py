@@ -35,13 +35,14 @@ from typing import Any
 from dplab.lessons.printable import printable
 from dplab.reference.errors import ConfigError, DplabError
 
-__all__ = ["ExerciseReport", "Fail", "CheckUnavailable", "TooLong", "LIMIT_S", "MESSAGE_CHARS", "limit_s",
-           "load_function", "learner_call", "same_process", "describe", "describe_rank_error",
-           "rank_failure", "clip", "short_repr", "judged"]
+__all__ = ["ExerciseReport", "Fail", "CheckUnavailable", "TooLong", "LIMIT_S", "MESSAGE_CHARS",
+           "limit_s", "load_function", "learner_call", "same_process", "describe",
+           "describe_rank_error", "rank_failure", "clip", "short_repr", "judged"]
 
 _counter = itertools.count()
 
-LIMIT_S = 30.0  # the learner's code in one check (import and every call): the checkers' own take ~1 s
+# the learner's code in one check (import and every call): the checkers' own take ~1 s
+LIMIT_S = 30.0
 MESSAGE_CHARS = 600  # what a report quotes of an exception's message or a returned value
 
 
@@ -51,10 +52,11 @@ def limit_s() -> float:
     try:
         value = float(text) if text else LIMIT_S
     except ValueError:
-        raise ConfigError(f"DPLAB_CHECK_LIMIT_S={text!r} is not a number of seconds: unset it or give "
-                          "e.g. 30") from None
+        raise ConfigError(f"DPLAB_CHECK_LIMIT_S={text!r} is not a number of seconds: unset it or "
+                          "give e.g. 30") from None
     if not 0 < value < 1e6:
-        raise ConfigError(f"DPLAB_CHECK_LIMIT_S={text!r} must be a positive number of seconds, e.g. 30")
+        raise ConfigError(f"DPLAB_CHECK_LIMIT_S={text!r} must be a positive number of seconds, "
+                          "e.g. 30")
     return value
 
 
@@ -74,7 +76,8 @@ class Fail(DplabError):
 
 
 class CheckUnavailable(ConfigError):
-    """The check itself cannot run on this machine (a full /dev/shm): not a verdict on the answer."""
+    """The check itself cannot run on this machine (a full /dev/shm):
+    not a verdict on the answer."""
 
 
 class TooLong(BaseException):
@@ -136,11 +139,12 @@ def _children() -> set[int]:
 
 
 def load_function(file: Path, name: str) -> Callable[..., Any]:
-    """Import ``file`` under a fresh module name (so an edited file is read again) and return ``name``."""
+    """Import ``file`` under a fresh module name (so an edited file is read again) and return
+    ``name``."""
     file = Path(file)
     if not file.is_file():
-        raise Fail(f"there is no {file.name} in {file.parent}: run `dplab lesson init {file.parent}` to get "
-                   f"the stubs, then write your answer in {file.name}")
+        raise Fail(f"there is no {file.name} in {file.parent}: run `dplab lesson init "
+                   f"{file.parent}` to get the stubs, then write your answer in {file.name}")
     module_name = f"_dplab_exercise_{file.stem}_{next(_counter)}"
     spec = importlib.util.spec_from_file_location(module_name, file)
     if spec is None or spec.loader is None:
@@ -176,10 +180,11 @@ def learner_call(file: Path, what: str) -> Iterator[None]:
 
 
 def describe(exc: BaseException, file: Path, what: str) -> str:
-    """``"ring_reduce_scatter raised ValueError: ... (line 31 of ring_reduce_scatter.py: `code`)"``."""
+    """``"ring_reduce_scatter raised ValueError: ... (line 31 of ring_reduce_scatter.py:
+    `code`)"``."""
     if isinstance(exc, SystemExit):
-        text = (f"{what} called sys.exit({short_repr(exc.code) if exc.code is not None else ''}): an "
-                "exercise returns its answer instead of ending the program")
+        text = (f"{what} called sys.exit({short_repr(exc.code) if exc.code is not None else ''}): "
+                "an exercise returns its answer instead of ending the program")
     else:
         message = clip(str(exc))
         text = f"{what} raised {type(exc).__name__}" + (f": {message}" if message else "")
@@ -200,7 +205,8 @@ def _memory_limit() -> str:
 
 
 _FRAME = re.compile(r'  File "(?P<file>[^"\n]+)", line (?P<line>\d+), in [^\n]*')
-_TAIL_CHARS = 200_000  # frames are read from the first and last 200,000 characters: a huge message is not
+# frames are read from the first and last 200,000 characters: a huge message is not
+_TAIL_CHARS = 200_000
 
 
 def describe_rank_error(detail: str, rank: int, file: Path, what: str) -> str:
@@ -216,7 +222,8 @@ def describe_rank_error(detail: str, rank: int, file: Path, what: str) -> str:
 def _last_line(detail: str) -> str:
     detail = detail.rstrip()
     last = detail[detail.rfind("\n") + 1:].strip()
-    head = re.sub(r"^[\w.]+\.(\w+):", r"\1:", last[:1000])  # dplab.reference.errors.ConfigError: -> ...
+    # dplab.reference.errors.ConfigError: -> ...
+    head = re.sub(r"^[\w.]+\.(\w+):", r"\1:", last[:1000])
     return clip(head + last[1000:]) if last else "an error without a message"
 
 
@@ -234,12 +241,14 @@ def _learner_frames(detail: str, file: Path) -> list[tuple[str, str]]:
 # what a rank's error says when the machine, not the answer, stopped it: always, or with no frame of
 # the learner's in the traceback
 _MACHINE = re.compile(r"^(ShmFull|BackendUnavailable):")
-_MACHINE_UNLESS_THEIRS = re.compile(r"^(OSError|PermissionError|BlockingIOError|MemoryError)\b|/dev/shm")
+_MACHINE_UNLESS_THEIRS = re.compile(
+    r"^(OSError|PermissionError|BlockingIOError|MemoryError)\b|/dev/shm"
+)
 
 
 def rank_failure(error: Any, file: Path, what: str) -> Fail | CheckUnavailable:
-    """A ``RankError`` as the learner's ``Fail``, or as ``CheckUnavailable`` when it names the machine
-    (``ShmFull``: /dev/shm is full; an ``OSError`` raised outside the learner's code)."""
+    """A ``RankError`` as the learner's ``Fail``, or as ``CheckUnavailable`` when it names the
+    machine (``ShmFull``: /dev/shm is full; an ``OSError`` raised outside the learner's code)."""
     last = _last_line(error.detail)
     if _MACHINE.match(last) or (_MACHINE_UNLESS_THEIRS.search(last)
                                 and not _learner_frames(error.detail, file)):

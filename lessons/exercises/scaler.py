@@ -36,7 +36,14 @@ RUNS = [
     ("clean steps", 1024.0, 3, [False] * 7, 0.0, 7),
     ("an overflow, then clean steps", 1024.0, 3, [True, False, False, True] + [False] * 4, 0.0, 8),
     ("overflows in a row", 2.0**20, 3, [True] * 4 + [False] * 4, 0.0, 8),
-    ("an overflow just before growth", 256.0, 3, [False, False, True, False, False, False, False], 0.0, 7),
+    (
+        "an overflow just before growth",
+        256.0,
+        3,
+        [False, False, True, False, False, False, False],
+        0.0,
+        7,
+    ),
     ("too large a scale, found by overflowing", 2.0**24, 4, None, 0.5, 40),
     ("GradScaler's defaults, 4,100 steps", 2.0**16, 2000, None, 1e-4, 4100),
 ]
@@ -45,10 +52,10 @@ HINTS = (
     "Two cases. An overflow: the gradient holds inf or nan, so the step must not be taken, and the "
     "scale was too large. No overflow: the step is taken, and after enough of those in a row the "
     "scale may try to grow.",
-    "On an overflow: return (scale * backoff_factor, 0, False): skip, back off, and start counting clean "
-    "steps afresh. Otherwise count this clean step: good_steps + 1.",
-    "Without an overflow: good = good_steps + 1; if good == growth_interval: return (scale * growth_factor, "
-    "0, True); else return (scale, good, True).",
+    "On an overflow: return (scale * backoff_factor, 0, False): skip, back off, and start counting "
+    "clean steps afresh. Otherwise count this clean step: good_steps + 1.",
+    "Without an overflow: good = good_steps + 1; if good == growth_interval: return (scale * "
+    "growth_factor, 0, True); else return (scale, good, True).",
 )
 
 
@@ -59,7 +66,9 @@ def overflows(x: float) -> bool:
         return not math.isfinite(float(np.float16(x)))
 
 
-def collect_scaler(file: Path, inputs: dict[str, Any], out: dict[str, Any], deadline: float) -> None:
+def collect_scaler(
+    file: Path, inputs: dict[str, Any], out: dict[str, Any], deadline: float
+) -> None:
     """In the child: every call of the learner's update along every run (``out["runs"]``)."""
     update = load_function(file, "update")
     out["runs"] = runs = []
@@ -80,8 +89,8 @@ def collect_scaler(file: Path, inputs: dict[str, Any], out: dict[str, Any], dead
                 raise Fail(f"{what} returned the scale {short_repr(new_scale)}: it must be a "
                            "number") from None
             if not isinstance(take, (bool, np.bool_)):
-                raise Fail(f"{what} returned take_step={short_repr(take)}: return True (take the step) or "
-                           "False (skip it)")
+                raise Fail(f"{what} returned take_step={short_repr(take)}: return True (take the "
+                           "step) or False (skip it)")
             calls.append([scale, found, new_scale, bool(take)])
             scale = new_scale
         runs.append(calls)
@@ -93,7 +102,9 @@ def judge_scaler(file: Path, output: list[str]) -> str:
     if answer["fail"]:
         raise Fail(answer["fail"])
     skipped = grown = 0
-    for (name, init, interval, _flags, _gmax, steps), calls in zip(RUNS, answer["data"].get("runs", [])):
+    for (name, init, interval, _flags, _gmax, steps), calls in zip(
+        RUNS, answer["data"].get("runs", [])
+    ):
         if len(calls) != steps:
             raise Fail(f"{name}: the run stopped after {len(calls)} of {steps} steps")
         oracle = LossScaler(MixedPrecision(init_scale=init, growth_interval=interval))
@@ -101,7 +112,9 @@ def judge_scaler(file: Path, output: list[str]) -> str:
         for step, (scale, found, new_scale, take) in enumerate(calls):
             want_take = oracle.update(found, step)
             want = oracle.loss_scale
-            problem = _wrong(step, scale, found, new_scale, take, want, want_take, since, last, interval)
+            problem = _wrong(
+                step, scale, found, new_scale, take, want, want_take, since, last, interval
+            )
             if problem:
                 raise Fail(f"{name} (growth_interval {interval}): {problem}")
             skipped += not want_take
@@ -110,27 +123,30 @@ def judge_scaler(file: Path, output: list[str]) -> str:
                 since, last = 0, "an overflow" if found else "a growth"
             else:
                 since += 1
-    return (f"right on {len(RUNS)} runs: every step your rule skips, backs off and grows as torch's "
-            f"GradScaler does ({skipped} steps skipped, {grown} growths, GradScaler's defaults included)")
+    return (f"right on {len(RUNS)} runs: every step your rule skips, backs off and grows as "
+            f"torch's GradScaler does ({skipped} steps skipped, {grown} growths, GradScaler's "
+            "defaults included)")
 
 
 def _wrong(step: int, scale: float, found: bool, new_scale: float, take: bool, want: float,
            want_take: bool, since: int, last: str, interval: int) -> str | None:
-    """What the learner's step did that the rule does not, in the lesson's words (None: the same)."""
+    """What the learner's step did that the rule does not, in the lesson's words (None: the
+    same)."""
     at = f"step {step} (S = {scale:,.6g})"
     if found and take:
-        return (f"{at} overflowed, but your rule takes the step: the gradient holds inf or nan, and one "
-                "such update ruins the weights; skip it")
+        return (f"{at} overflowed, but your rule takes the step: the gradient holds inf or nan, "
+                "and one such update ruins the weights; skip it")
     if not found and not take:
         return f"{at} had no overflow, but your rule skips it: only an overflow skips a step"
     if new_scale == want:
         return None
     if found:
         if new_scale == scale:
-            return (f"after the overflow at {at} the scale stayed {scale:,.6g}: it must back off to "
-                    f"{want:,.6g} (x backoff_factor), or the next step overflows again")
+            return (f"after the overflow at {at} the scale stayed {scale:,.6g}: it must back off "
+                    f"to {want:,.6g} (x backoff_factor), or the next step overflows again")
         if new_scale > scale:
-            return f"after the overflow at {at} the scale grew to {new_scale:,.6g}: an overflow backs off"
+            return (f"after the overflow at {at} the scale grew to {new_scale:,.6g}: "
+                    "an overflow backs off")
         return (f"after the overflow at {at} the scale became {new_scale:,.6g}, not {want:,.6g} "
                 "(x backoff_factor)")
     if want > scale:
@@ -142,4 +158,5 @@ def _wrong(step: int, scale: float, found: bool, new_scale: float, take: bool, w
         steps = f"{since + 1} clean step{'s' if since else ''}"
         return (f"the scale grew at {at}, after {steps} since {last}, but growth_interval is "
                 f"{interval}{why}")
-    return f"at {at} the scale became {new_scale:,.6g}; with no overflow it stays {want:,.6g} until it grows"
+    return (f"at {at} the scale became {new_scale:,.6g}; "
+            f"with no overflow it stays {want:,.6g} until it grows")

@@ -1,7 +1,7 @@
 """What the schedule exercises share: call the learner's schedule function in the child, bring the
 schedules back as plain lists, and rebuild them here to be judged.
 
-    inputs = {"function": "ring_allgather", "calls": [[1], [2], [3]]}   # ring_allgather(1), (2), (3)
+    inputs = {"function": "ring_allgather", "calls": [[1], [2], [3]]}  # ring_allgather(1), (2), (3)
     answer = run_learner("ring_allgather", file, inputs, output)
     schedule = rebuild(answer["data"]["schedules"][2])                  # a Schedule, or a stand-in
 
@@ -22,7 +22,9 @@ __all__ = ["MAX_TRANSFERS", "collect_schedules", "plain", "rebuild", "parts"]
 MAX_TRANSFERS = 10_000  # per schedule: the exercises need at most p(p - 1) = 72 at p = 9
 
 
-def collect_schedules(file: Path, inputs: dict[str, Any], out: dict[str, Any], deadline: float) -> None:
+def collect_schedules(
+    file: Path, inputs: dict[str, Any], out: dict[str, Any], deadline: float
+) -> None:
     """In the child: ``function(*args)`` for every call, as plain lists (``out["schedules"]``)."""
     name = inputs["function"]
     fn = load_function(file, name)
@@ -36,7 +38,8 @@ def collect_schedules(file: Path, inputs: dict[str, Any], out: dict[str, Any], d
 
 def plain(schedule: object, call: str, limit: int, need: str) -> dict[str, Any]:
     """What the learner returned, as JSON: a Schedule's name, sizes and rounds of [src, dst, chunk,
-    op], or the type and repr of anything else. More than ``limit`` transfers fails (``need``: why)."""
+    op], or the type and repr of anything else. More than ``limit`` transfers fails (``need``:
+    why)."""
     if not isinstance(schedule, Schedule):
         return {"type": type(schedule).__name__, "repr": short_repr(schedule)}
     count = sum(map(len, schedule.rounds))
@@ -44,7 +47,8 @@ def plain(schedule: object, call: str, limit: int, need: str) -> dict[str, Any]:
         raise Fail(f"{call} returned a schedule of {count:,} transfers: {need}")
     return {"type": "Schedule", "name": str(schedule.name)[:200], "world_size": schedule.world_size,
             "num_chunks": schedule.num_chunks,
-            "rounds": [[[int(t.src), int(t.dst), int(t.chunk), str(t.op)] for t in rnd]  # numpy ints too
+            # numpy ints too
+            "rounds": [[[int(t.src), int(t.dst), int(t.chunk), str(t.op)] for t in rnd]
                        for rnd in schedule.rounds]}
 
 

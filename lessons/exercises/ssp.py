@@ -28,7 +28,13 @@ import numpy as np
 
 from dplab.backends import RankError, launch
 from dplab.lessons.exercises.child import run_learner
-from dplab.lessons.exercises.learner import Fail, learner_call, load_function, rank_failure, short_repr
+from dplab.lessons.exercises.learner import (
+    Fail,
+    learner_call,
+    load_function,
+    rank_failure,
+    short_repr,
+)
 from dplab.reference.ps.gate import Gate, gate_open
 from dplab.reference.ps.protocol import AsyncConfig, LogEntry
 from dplab.reference.ps.server import Server
@@ -46,42 +52,46 @@ SLOW_WORKER = 1  # the server answers it last: the others run as far ahead as th
 HINTS = (
     "Staleness s bounds how far a worker may be AHEAD of the slowest: at clock c it is c - slowest "
     "clocks ahead. And None is no bound at all.",
-    "A worker may start clock c once the slowest has finished enough clocks that c - slowest is at most "
-    "s. Write that as a comparison of slowest with c - s; mind whether equality is allowed (s = 0 is "
-    "lock-step: everyone starts clock 0 at once).",
+    "A worker may start clock c once the slowest has finished enough clocks that c - slowest is at "
+    "most s. Write that as a comparison of slowest with c - s; mind whether equality is allowed (s "
+    "= 0 is lock-step: everyone starts clock 0 at once).",
     "return staleness is None or slowest >= clock - staleness",
 )
 
-# plausible wrong gates (what each does with staleness None: most check for it first), and what is wrong
+# plausible wrong gates (what each does with staleness None: most check for it first), and what is
+# wrong
 MISTAKES: dict[str, tuple[Any, str]] = {
     "never_waits": (lambda c, d, s: True,
                     "your gate never makes anyone wait: every bound behaves like staleness=None, "
                     "inf on the command line (fully asynchronous)"),
     "one_loose": (lambda c, d, s: s is None or d >= c - s - 1,
-                  "off by one, too loose: your gate lets a worker start clock c when the slowest has "
-                  "finished c - s - 1 clocks, so it runs s + 1 clocks ahead; SSP's bound is s"),
+                  "off by one, too loose: your gate lets a worker start clock c when the slowest "
+                  "has finished c - s - 1 clocks, so it runs s + 1 clocks ahead; SSP's bound is s"),
     "one_strict": (lambda c, d, s: s is None or d > c - s,
-                   "off by one, too strict: your gate holds a worker that is exactly s clocks ahead, which "
-                   "SSP allows; with staleness 0 nobody could even start clock 0"),
+                   "off by one, too strict: your gate holds a worker that is exactly s clocks "
+                   "ahead, which SSP allows; with staleness 0 nobody could even start clock 0"),
     "reversed": (lambda c, d, s: s is None or d <= c - s,
-                 "your comparison is reversed: it holds the workers close to the slowest and lets the ones "
-                 "far ahead go"),
+                 "your comparison is reversed: it holds the workers close to the slowest and lets "
+                 "the ones far ahead go"),
     "ignores_slowest": (lambda c, d, s: s is None or c <= s,
-                        "your gate ignores the slowest worker: it compares the clock with the staleness "
-                        "alone, so after clock s everyone waits forever"),
+                        "your gate ignores the slowest worker: it compares the clock with the "
+                        "staleness alone, so after clock s everyone waits forever"),
     "zero_unbounded": (lambda c, d, s: not s or d >= c - s,
-                       "your gate treats staleness 0 as unbounded: `not staleness` is True for 0 as well "
-                       "as for None, but 0 is lock-step (nobody starts clock c before the slowest has "
-                       "finished c). Test `staleness is None`"),
+                       "your gate treats staleness 0 as unbounded: `not staleness` is True for 0 "
+                       "as well as for None, but 0 is lock-step (nobody starts clock c before the "
+                       "slowest has finished c). Test `staleness is None`"),
     "none_lockstep": (lambda c, d, s: d >= c - (s or 0),
-                      "staleness None means unbounded (nobody ever waits); your gate treats it as 0, "
-                      "lock-step"),
+                      "staleness None means unbounded (nobody ever waits); your gate treats it as "
+                      "0, lock-step"),
 }
 
 
 def judge_ssp(file: Path, output: list[str]) -> str:
-    """The learner's may_proceed against the server's gate, then in a run of the parameter server."""
-    keys = [(clock, slowest, s) for s in STALENESS for clock in GRID_CLOCKS for slowest in GRID_CLOCKS]
+    """The learner's may_proceed against the server's gate, then in a run of the parameter
+    server."""
+    keys = [
+        (clock, slowest, s) for s in STALENESS for clock in GRID_CLOCKS for slowest in GRID_CLOCKS
+    ]
     answer = run_learner("ssp_gate", file, {"keys": keys}, output)
     if answer["fail"]:
         raise Fail(answer["fail"])
@@ -107,10 +117,11 @@ def _judge_replies(replies: dict[tuple, bool], file: Path) -> str:
     if strict:
         clock, slowest, s = strict[0]
         rule = ("staleness None is fully asynchronous: nobody ever waits" if s is None else
-                f"SSP lets a worker start clock {clock} once the slowest has finished {clock} - {s} = "
-                f"{clock - s} clocks, and it has finished {slowest}")
-        raise Fail(f"may_proceed(clock={clock}, slowest={slowest}, staleness={s}) is False, but {rule}: your "
-                   "gate holds back a worker that may go (too strict a gate can stall the whole run)")
+                f"SSP lets a worker start clock {clock} once the slowest has finished {clock} - "
+                f"{s} = {clock - s} clocks, and it has finished {slowest}")
+        raise Fail(f"may_proceed(clock={clock}, slowest={slowest}, staleness={s}) is False, but "
+                   f"{rule}: your gate holds back a worker that may go (too strict a gate can "
+                   "stall the whole run)")
     table = {(c, d): replies[c, d, RUN_STALENESS] for c in GRID_CLOCKS for d in GRID_CLOCKS}
     log = _run(table, file)
     # the worst gap; among ties the earliest clock, then the lowest worker
@@ -119,22 +130,24 @@ def _judge_replies(replies: dict[tuple, bool], file: Path) -> str:
     if ahead > RUN_STALENESS or loose:
         if ahead > RUN_STALENESS:
             said = (f"worker {worst.worker} ran {ahead} clocks ahead of the slowest with staleness "
-                    f"{RUN_STALENESS}: it started clock {worst.clock} when the slowest had finished "
-                    f"{worst.slowest_done}")
+                    f"{RUN_STALENESS}: it started clock {worst.clock} when the slowest had "
+                    f"finished {worst.slowest_done}")
         else:  # this run's timing never met the case: the grid still shows it
             said = "this run's timing never put a worker that far ahead, but the grid does"
         clock, slowest, s = min(loose, key=lambda k: (k[2] != RUN_STALENESS, k[0] - k[1]))
-        raise Fail(f"{said}; may_proceed(clock={clock}, slowest={slowest}, staleness={s}) is True, but with "
-                   f"staleness {s} clock {clock} must wait until the slowest has finished {clock - s}")
+        raise Fail(f"{said}; may_proceed(clock={clock}, slowest={slowest}, staleness={s}) is True, "
+                   f"but with staleness {s} clock {clock} must wait until the slowest has finished "
+                   f"{clock - s}")
     delay = max(e.delay for e in log)
-    return (f"may_proceed agrees with the server's gate on all {len(replies)} cases, and in a run of "
-            f"{RUN_WORKERS} workers (worker 1 slow) with staleness {RUN_STALENESS} no worker ran more than "
-            f"{ahead} clock ahead of the slowest ({len(log)} updates; the largest delay, in updates, "
-            f"was {delay})")
+    return (f"may_proceed agrees with the server's gate on all {len(replies)} cases, and in a run "
+            f"of {RUN_WORKERS} workers (worker 1 slow) with staleness {RUN_STALENESS} no worker "
+            f"ran more than {ahead} clock ahead of the slowest ({len(log)} updates; the largest "
+            f"delay, in updates, was {delay})")
 
 
 def collect_ssp(file: Path, inputs: dict[str, Any], out: dict[str, Any], deadline: float) -> None:
-    """In the child: the learner's reply to each (clock, slowest, staleness), in ``out["replies"]``."""
+    """In the child: the learner's reply to each (clock, slowest, staleness), in
+    ``out["replies"]``."""
     fn = load_function(file, "may_proceed")
     out["replies"] = replies = []
     for clock, slowest, s in inputs["keys"]:
@@ -144,12 +157,12 @@ def collect_ssp(file: Path, inputs: dict[str, Any], out: dict[str, Any], deadlin
                 got = fn(clock, slowest, s)
         except Fail as e:
             if s is None and "TypeError" in str(e):  # c - None: the unbounded case was not handled
-                raise Fail(f"{e}: staleness None means unbounded, so test `staleness is None` first and "
-                           "let the worker go") from None
+                raise Fail(f"{e}: staleness None means unbounded, so test `staleness is None` "
+                           "first and let the worker go") from None
             raise
         if not isinstance(got, (bool, np.bool_)):  # numpy's comparisons give np.bool_
-            raise Fail(f"{what} returned {short_repr(got)}: return True (the worker may start) or False "
-                       "(it waits)")
+            raise Fail(f"{what} returned {short_repr(got)}: return True (the worker may start) or "
+                       "False (it waits)")
         replies.append(bool(got))
 
 
@@ -165,7 +178,9 @@ def _run(table: dict[tuple[int, int], bool], file: Path) -> list[LogEntry]:
 class _TableGate(Gate):
     """The server's gate, deciding with the learner's replies (``table[clock, slowest]``)."""
 
-    def __init__(self, workers: int, staleness: int | None, table: dict[tuple[int, int], bool]) -> None:
+    def __init__(
+        self, workers: int, staleness: int | None, table: dict[tuple[int, int], bool]
+    ) -> None:
         super().__init__(workers, staleness)
         self.table = table
 

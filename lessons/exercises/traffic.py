@@ -36,7 +36,8 @@ class Traffic:
         self.sent = 0
         self.called: Counter[str] = Counter()
         self.tracer = _counting_tracer(self, rank)
-        self.when: Any = None   # the caller's clock (e.g. layers backward has yielded), read per call
+        # the caller's clock (e.g. layers backward has yielded), read per call
+        self.when: Any = None
         self.marks: list[tuple[str, Any]] = []  # (collective, ``when()`` at its call), in order
 
     @classmethod

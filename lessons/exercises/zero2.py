@@ -9,7 +9,8 @@ in ``shard[layer]`` and drops the buffer, and after backward steps its chunks an
 layer's weights. Judged on every rank, every step, at p = 1..4:
 
 - values: every chunk against one device (``train_single``, the oracle);
-- bytes: the collectives called and bytes sent, against a reduce-scatter and an all-gather per layer;
+- bytes: the collectives called and bytes sent, against a reduce-scatter and an all-gather per
+layer;
 - memory: the step's peak allocation (``tracemalloc``), against ZeRO-2's two layers in flight.
 
 An all-reduce instead of the reduce-scatter (1.5x the bytes), ZeRO-1's reduce-after-backward
@@ -53,8 +54,8 @@ from dplab.reference.train.single import TrainConfig, setup, train_single
 from dplab.reference.zero.layers import layer_delta, layer_forward, layer_grads, output_delta
 from dplab.reference.zero.traffic import collective_sent
 
-__all__ = ["judge_zero2", "collect_zero2", "backward_layers", "ShardOptimizer", "ShardError", "WORLD_SIZES",
-           "STEPS", "MODEL", "HINTS", "ALLOWED_SHARE", "in_flight_bytes"]
+__all__ = ["judge_zero2", "collect_zero2", "backward_layers", "ShardOptimizer", "ShardError",
+           "WORLD_SIZES", "STEPS", "MODEL", "HINTS", "ALLOWED_SHARE", "in_flight_bytes"]
 
 WORLD_SIZES = (1, 2, 3, 4)
 STEPS = 3
@@ -64,8 +65,12 @@ _RTOL = 1e-10  # float64 against one device: rounding only
 # and a batch of 8 keeps backward's own deltas (8 x 32 values) small beside a layer
 MODEL = MLPConfig(in_dim=16, hidden=(32,) * 15, out_dim=4)
 # momentum, not Adam: Adam's step hardly changes when a gradient is p times too large
-_CFG = TrainConfig(model=MODEL, global_batch=8, steps=STEPS, optimizer=OptimConfig("momentum", lr=0.05))
-_BYTES_SLACK = 1.2  # another algorithm than the ring may send a little more; an all-reduce sends 1.5x
+_CFG = TrainConfig(
+    model=MODEL, global_batch=8, steps=STEPS, optimizer=OptimConfig("momentum", lr=0.05)
+)
+# another algorithm than the ring may send a little more;
+# an all-reduce sends 1.5x
+_BYTES_SLACK = 1.2
 # the peak a step may allocate: ZeRO-2 holds a few layers at a time (the one being reduced, the one
 # backward computes, its matmul's scratch, the executor's chunk copies: about 30% here at p=4);
 # keeping every layer's buffer holds the whole gradient (100% and more)
@@ -74,17 +79,18 @@ ALLOWED_SHARE = 0.5
 HINTS = (
     "Each rank needs only its own chunk of each layer's summed gradient: which collective leaves "
     "exactly that, and when can it start?",
-    "Inside `for layer, g in backward:` reduce-scatter g at once (reduce_scatter(comm, g)); its chunk "
-    "chunk_bounds(len(g), p)[rank] is then the sum. Copy it into shard[layer][:] and `del g` before the "
-    "loop asks for the next layer.",
-    "After the loop: for each layer, a, b = chunk_bounds(len(w), p)[rank]; optimizer.step(layer, w[a:b], "
-    "shard[layer]); allgather(comm, w). An all-reduce would send 1.5x; keeping the buffers would hold the "
-    "whole gradient.",
+    "Inside `for layer, g in backward:` reduce-scatter g at once (reduce_scatter(comm, g)); its "
+    "chunk chunk_bounds(len(g), p)[rank] is then the sum. Copy it into shard[layer][:] and `del g` "
+    "before the loop asks for the next layer.",
+    "After the loop: for each layer, a, b = chunk_bounds(len(w), p)[rank]; optimizer.step(layer, "
+    "w[a:b], shard[layer]); allgather(comm, w). An all-reduce would send 1.5x; keeping the buffers "
+    "would hold the whole gradient.",
 )
 
 
 class ShardError(DplabError):
-    """The learner stepped a rank's shard optimizer with something other than its chunk of a layer."""
+    """The learner stepped a rank's shard optimizer with something other than its chunk of a
+    layer."""
 
 
 class ShardOptimizer:
@@ -101,13 +107,15 @@ class ShardOptimizer:
 
     def step(self, layer: int, params: np.ndarray, grad: np.ndarray) -> None:
         if not 0 <= layer < len(self.sizes):
-            raise ShardError(f"there is no layer {layer}: the model has layers 0..{len(self.sizes) - 1}")
+            raise ShardError(f"there is no layer {layer}: the model has layers "
+                             f"0..{len(self.sizes) - 1}")
         a, b = self.own[layer]
         if len(params) != b - a or len(grad) != b - a:
             raise ShardError(f"rank {self.rank}'s optimizer holds state for its own chunk of layer "
-                             f"{layer} only: {b - a} of its {self.sizes[layer]} parameters (w[{a}:{b}]), but "
-                             f"step got {len(params)} parameters and {len(grad)} gradients: in ZeRO-2 a rank "
-                             "updates only the chunk it owns, chunk_bounds(len(w), p)[rank]")
+                             f"{layer} only: {b - a} of its {self.sizes[layer]} parameters "
+                             f"(w[{a}:{b}]), but step got {len(params)} parameters and {len(grad)} "
+                             "gradients: in ZeRO-2 a rank updates only the chunk it owns, "
+                             "chunk_bounds(len(w), p)[rank]")
         self._opt[layer].step(params, grad)
 
 
@@ -119,10 +127,11 @@ def in_flight_bytes(sizes: list[int], itemsize: int = 8) -> int:
 
 def backward_layers(model: MLP, layers: list[np.ndarray], x: np.ndarray, y: np.ndarray,
                     scale: float) -> Iterator[tuple[int, np.ndarray]]:
-    """Run the forward now; return the backward pass one layer at a time, last first: ``(layer, g)``,
-    each ``g`` a fresh buffer. The forward's activations exist before the step is measured (they
-    are activation memory, not gradient memory); the backward drops its own reference to a buffer
-    before it makes the next, so what stays alive is what the caller keeps."""
+    """Run the forward now; return the backward pass one layer at a time, last first:
+    ``(layer, g)``, each ``g`` a fresh buffer. The forward's activations exist before the step is
+    measured (they are activation memory, not gradient memory);
+    the backward drops its own reference to a buffer before it makes the next, so what stays alive
+    is what the caller keeps."""
     acts = [x]
     for layer, w in enumerate(layers):
         acts.append(layer_forward(model, layer, w, acts[-1]))
@@ -141,17 +150,20 @@ def _backward(model: MLP, layers: list[np.ndarray], acts: list[np.ndarray],
 
 
 def judge_zero2(file: Path, output: list[str]) -> str:
-    """The learner's zero2_step on 1..4 ranks: values against one device, bytes sent, peak memory."""
+    """The learner's zero2_step on 1..4 ranks: values against one device, bytes sent, peak
+    memory."""
     answer = run_learner("zero2_step", file, {"world_sizes": list(WORLD_SIZES)}, output)
     oracle = [train_single(replace(_CFG, steps=k)).params for k in range(STEPS + 1)]
     net = MLP(MODEL)
     sizes = [s.stop - s.start for s in (net.layer_slice(i) for i in range(net.num_layers))]
     for p, run in zip(WORLD_SIZES, answer["data"].get("runs", [])):
         ranks = [[_decode(a) for a in rank["after"]] for rank in run]
-        shapes_ok = all(len(r) == STEPS and all(a.shape == oracle[0].shape for a in r) for r in ranks)
+        shapes_ok = all(
+            len(r) == STEPS and all(a.shape == oracle[0].shape for a in r) for r in ranks
+        )
         if len(ranks) != p or not shapes_ok:
-            raise Fail(f"at p={p}: the ranks did not bring back {STEPS} steps of {len(oracle[0])} parameters "
-                       "each")
+            raise Fail(f"at p={p}: the ranks did not bring back {STEPS} steps of {len(oracle[0])} "
+                       "parameters each")
         problem = (_too_many_bytes(run, sizes, p) or _too_much_memory(run, sizes, p)
                    or _diagnose(ranks, oracle, sizes, p, run))
         if problem:
@@ -160,10 +172,10 @@ def judge_zero2(file: Path, output: list[str]) -> str:
         raise Fail(answer["fail"])
     n, p = sum(sizes), WORLD_SIZES[-1]
     peak = max(max(rank["peak"]) for run in answer["data"]["runs"] for rank in run)
-    return (f"right on 1..{p} ranks: after each of {STEPS} steps every rank holds every chunk as one device "
-            f"has it; one reduce-scatter and one all-gather per layer ({n:,} parameters in {len(sizes)} "
-            f"layers), and a peak of at most {_kib(peak)} KiB in a step against {_kib(8 * n)} KiB for the "
-            "whole gradient")
+    return (f"right on 1..{p} ranks: after each of {STEPS} steps every rank holds every chunk as "
+            f"one device has it; one reduce-scatter and one all-gather per layer ({n:,} parameters "
+            f"in {len(sizes)} layers), and a peak of at most {_kib(peak)} KiB in a step against "
+            f"{_kib(8 * n)} KiB for the whole gradient")
 
 
 def _decode(text: Any) -> np.ndarray:
@@ -179,7 +191,8 @@ def _kib(n: float) -> str:
 
 
 def _too_many_bytes(run: list[dict[str, Any]], sizes: list[int], p: int) -> str | None:
-    """More bytes than a reduce-scatter and an all-gather per layer: say which collectives did it."""
+    """More bytes than a reduce-scatter and an all-gather per layer:
+    say which collectives did it."""
     want = [8 * sum(collective_sent(kind, "ring", p, r, n) for n in sizes
                     for kind in ("reduce_scatter", "allgather")) for r in range(p)]
     for t in range(STEPS):
@@ -190,11 +203,16 @@ def _too_many_bytes(run: list[dict[str, Any]], sizes: list[int], p: int) -> str 
         for rank in run:
             called.update(rank["called"][t])
         said = ", ".join(f"{k} {v // p}x" for k, v in sorted(called.items()))
-        why = ("an all-reduce leaves the whole sum on every rank, but a rank needs only its own chunk: "
-               "reduce_scatter sends half of an all-reduce's bytes") if called.get("allreduce") else \
-            "ZeRO-2 needs one reduce-scatter and one all-gather of each layer, nothing more"
-        return (f"in step {t} the ranks sent {sum(sent) / sum(want):.2f}x the bytes of ZeRO-2 ({sum(sent):,} "
-                f"against {sum(want):,}; each rank called {said}): {why}")
+        why = (
+            (
+                "an all-reduce leaves the whole sum on every rank, but a rank needs only its own "
+                "chunk: reduce_scatter sends half of an all-reduce's bytes"
+            )
+            if called.get("allreduce")
+            else "ZeRO-2 needs one reduce-scatter and one all-gather of each layer, nothing more"
+        )
+        return (f"in step {t} the ranks sent {sum(sent) / sum(want):.2f}x the bytes of ZeRO-2 "
+                f"({sum(sent):,} against {sum(want):,}; each rank called {said}): {why}")
     return None
 
 
@@ -206,24 +224,24 @@ def _too_much_memory(run: list[dict[str, Any]], sizes: list[int], p: int) -> str
             peak = rank["peak"][t]
             if peak <= allow:
                 continue
-            said = (f"in step {t} rank {r} held {_kib(peak)} KiB at its peak, {peak / whole:.0%} of the "
-                    f"whole gradient ({_kib(whole)} KiB), where ZeRO-2 holds a few layers at a time "
-                    f"(the check allows half the gradient, {_kib(allow)} KiB)")
+            said = (f"in step {t} rank {r} held {_kib(peak)} KiB at its peak, {peak / whole:.0%} "
+                    f"of the whole gradient ({_kib(whole)} KiB), where ZeRO-2 holds a few layers "
+                    f"at a time (the check allows half the gradient, {_kib(allow)} KiB)")
             if rank["views"]:
                 v = rank["views"][0]
-                return (f"{said}: shard[{v}] is a view into layer {v}'s gradient buffer (g[a:b], and what "
-                        "reduce_scatter returns, is a slice, and a slice keeps all of g alive): copy your "
-                        "chunk into it, shard[layer][:] = g[a:b]")
+                return (f"{said}: shard[{v}] is a view into layer {v}'s gradient buffer (g[a:b], "
+                        "and what reduce_scatter returns, is a slice, and a slice keeps all of g "
+                        "alive): copy your chunk into it, shard[layer][:] = g[a:b]")
             if rank["during"][t]:
-                return (f"{said}. You reduce-scattered each layer as backward yielded it, as ZeRO-2 does, "
-                        "but kept something that holds its buffer: reduce_scatter(comm, g) returns a view "
-                        "of your chunk inside g, and a view (or g itself) kept in a list or a dict holds "
-                        "all of g until the step ends. Copy the chunk into shard[layer][:] and keep "
-                        "nothing of g")
+                return (f"{said}. You reduce-scattered each layer as backward yielded it, as "
+                        "ZeRO-2 does, but kept something that holds its buffer: "
+                        "reduce_scatter(comm, g) returns a view of your chunk inside g, and a view "
+                        "(or g itself) kept in a list or a dict holds all of g until the step "
+                        "ends. Copy the chunk into shard[layer][:] and keep nothing of g")
             return (f"{said}: every layer's gradient buffer stayed alive until after backward. "
-                    "Reduce-scatter each layer as backward yields it, keep your chunk in shard[layer] and "
-                    "drop the buffer (del g) before the next; collecting the gradient and reducing it "
-                    "after backward is ZeRO-1's pattern")
+                    "Reduce-scatter each layer as backward yields it, keep your chunk in "
+                    "shard[layer] and drop the buffer (del g) before the next; collecting the "
+                    "gradient and reducing it after backward is ZeRO-1's pattern")
     return None
 
 
@@ -302,12 +320,21 @@ def _rank(comm: Any, file: str, cfg: TrainConfig, deadline: float) -> dict[str, 
         after.append(np.array(flat, copy=True))
     tracemalloc.stop()
     signal.setitimer(signal.ITIMER_REAL, 0)
-    return {"after": after, "sent": sent, "called": called, "peak": peak, "views": sorted(set(views)),
-            "during": during, "patched": patched_since(before, Path(file)), "tampered": tampered}
+    return {
+        "after": after,
+        "sent": sent,
+        "called": called,
+        "peak": peak,
+        "views": sorted(set(views)),
+        "during": during,
+        "patched": patched_since(before, Path(file)),
+        "tampered": tampered,
+    }
 
 
 class _Counted:
-    """The backward generator, counting the layers it has yielded (read when a collective is called)."""
+    """The backward generator, counting the layers it has yielded (read when a collective is
+    called)."""
 
     def __init__(self, layers: Iterator[tuple[int, np.ndarray]]) -> None:
         self.layers, self.yielded = layers, 0
@@ -319,7 +346,8 @@ class _Counted:
 
 
 def _stop(signum: int, frame: Any) -> None:
-    raise TooLong(f"still running at the check's time limit of {limit_s():g} s: does a loop never end?")
+    raise TooLong(f"still running at the check's time limit of {limit_s():g} s: does a loop never "
+                  "end?")
 
 
 def _diagnose(runs: list[list[np.ndarray]], oracle: list[np.ndarray], sizes: list[int], p: int,
@@ -347,17 +375,17 @@ def _diagnose(runs: list[list[np.ndarray]], oracle: list[np.ndarray], sizes: lis
                 if close(got, want[a:b]):
                     continue
                 if close(got, before[a:b]):
-                    said = (f"after step {t} rank {r} still holds rank {s}'s chunk of layer {layer} as "
-                            f"it was before the step: rank {s} updated it, but")
+                    said = (f"after step {t} rank {r} still holds rank {s}'s chunk of layer "
+                            f"{layer} as it was before the step: rank {s} updated it, but")
                     if counts[r]["called"][t].get("allgather", 0):
-                        return (f"{said} your all-gather carried the chunk as it was before the update: "
-                                "all-gather each layer's weights themselves (not a copy) after "
-                                "optimizer.step has updated every rank's chunk")
+                        return (f"{said} your all-gather carried the chunk as it was before the "
+                                "update: all-gather each layer's weights themselves (not a copy) "
+                                "after optimizer.step has updated every rank's chunk")
                     return f"{said} no all-gather brought the update to rank {r}"
 
-                return (f"after step {t} rank {r}'s copy of rank {s}'s chunk of layer {layer} differs from "
-                        f"its owner's by {np.abs(got - want[a:b]).max():.3g}: the all-gather must copy each "
-                        "owner's chunk to every rank")
+                return (f"after step {t} rank {r}'s copy of rank {s}'s chunk of layer {layer} "
+                        f"differs from its owner's by {np.abs(got - want[a:b]).max():.3g}: the "
+                        "all-gather must copy each owner's chunk to every rank")
     return None
 
 
@@ -366,14 +394,17 @@ def _wrong_update(t: int, layer: int, s: int, got: np.ndarray, want: np.ndarray,
     where = f"after step {t} rank {s}'s own chunk of layer {layer}"
     moved, right = got - before, want - before
     if not np.abs(moved).any():
-        return (f"{where} did not move: rank {s} owns it and must update it in place (give optimizer.step "
-                "views of the layer's weights, w[a:b], not copies: it changes them itself)")
+        return (f"{where} did not move: rank {s} owns it and must update it in place (give "
+                "optimizer.step views of the layer's weights, w[a:b], not copies: it changes them "
+                "itself)")
     ratio = float(moved @ right / (right @ right)) if right.any() else float("nan")
     if p > 1 and abs(ratio * p - 1) < 1e-6:
-        return (f"{where} moved 1/{p} as far as on one device: the gradient was averaged over the ranks, but "
-                "every rank's loss is already scaled by 1/global batch, so the chunks' gradients are summed")
+        return (f"{where} moved 1/{p} as far as on one device: the gradient was averaged over the "
+                "ranks, but every rank's loss is already scaled by 1/global batch, so the chunks' "
+                "gradients are summed")
     if p > 1 and abs(ratio / p - 1) < 1e-6:
-        return f"{where} moved {p} times as far as on one device: was the gradient summed more than once?"
-    return (f"{where} is off by {np.abs(got - want).max():.3g} from one device: rank {s} must step its "
-            f"chunk with the layer's gradient summed over all ranks, which the reduce-scatter of that layer "
-            f"leaves in chunk {s} on rank {s}")
+        return (f"{where} moved {p} times as far as on one device: "
+                "was the gradient summed more than once?")
+    return (f"{where} is off by {np.abs(got - want).max():.3g} from one device: rank {s} must step "
+            "its chunk with the layer's gradient summed over all ranks, which the reduce-scatter "
+            f"of that layer leaves in chunk {s} on rank {s}")

@@ -27,16 +27,8 @@ from dplab.reference.errors import ConfigError
 from dplab.reference.model import MLP, MLPConfig, array_namespace
 from dplab.reference.optim import OptimConfig, make_optimizer
 
-__all__ = [
-    "TrainConfig",
-    "TrainResult",
-    "setup",
-    "on_device",
-    "on_host",
-    "train_single",
-    "evaluate",
-    "check_finite",
-]
+__all__ = ["TrainConfig", "TrainResult", "setup", "on_device", "on_host", "train_single",
+           "evaluate", "check_finite"]
 
 _LOSS_OF = {"regression": "mse", "classification": "xent"}
 

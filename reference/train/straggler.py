@@ -21,18 +21,8 @@ from dplab.reference.errors import ConfigError
 from dplab.reference.trace import Tracer
 from dplab.reference.train.hooks import Hook
 
-__all__ = [
-    "Stragglers",
-    "parse_stragglers",
-    "check_stragglers",
-    "factor_of",
-    "check_delays",
-    "Slowdown",
-    "Straggle",
-    "Budget",
-    "TimeBudget",
-    "check_budget",
-]
+__all__ = ["Stragglers", "parse_stragglers", "check_stragglers", "factor_of", "check_delays",
+           "Slowdown", "Straggle", "Budget", "TimeBudget", "check_budget"]
 
 Stragglers = tuple[tuple[int, float], ...]  # ((rank, factor), ...): each slowed rank once
 T = TypeVar("T")

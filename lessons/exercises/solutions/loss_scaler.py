@@ -7,8 +7,14 @@ dplab/reference/precision/scaler.py (LossScaler.update).
 from __future__ import annotations
 
 
-def update(scale: float, good_steps: int, found_inf: bool, growth_factor: float, backoff_factor: float,
-           growth_interval: int) -> tuple[float, int, bool]:
+def update(
+    scale: float,
+    good_steps: int,
+    found_inf: bool,
+    growth_factor: float,
+    backoff_factor: float,
+    growth_interval: int,
+) -> tuple[float, int, bool]:
     if found_inf:  # skip the step, back off, count afresh
         return scale * backoff_factor, 0, False
     good = good_steps + 1

@@ -13,6 +13,7 @@ from dplab.reference.schedule import Schedule, Transfer
 
 
 def ring_reduce_scatter(p: int) -> Schedule:
-    rounds = [tuple(Transfer(r, (r + 1) % p, (r - k - 1) % p, "reduce") for r in range(p))  # round k
+    # round k
+    rounds = [tuple(Transfer(r, (r + 1) % p, (r - k - 1) % p, "reduce") for r in range(p))
               for k in range(p - 1)]
     return Schedule("my_ring_reduce_scatter", p, p, rounds)

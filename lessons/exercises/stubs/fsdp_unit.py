@@ -15,9 +15,10 @@ place on every rank):
         return    forward's output; the gathered weights must not outlive the call
 
     unit_backward(comm, shard, n, backward, grad_shard)
-        backward    backward(w) returns the unit's whole gradient of this rank's samples (call it once)
-        grad_shard  room for this rank's chunk of the gradient SUMMED over the ranks: fill it in place
-        keep nothing else: neither the gathered weights nor the whole gradient
+        backward    backward(w) returns the unit's whole gradient of this rank's samples (call it
+                    once)
+        grad_shard  room for this rank's chunk of the gradient SUMMED over the ranks:
+        fill it in place keep nothing else: neither the gathered weights nor the whole gradient
 
 Each rank's loss is already scaled by 1/global batch: the ranks' gradients SUM to the one-device
 gradient. The check runs a model of 8 units on 1..4 ranks and judges every call: its values, the

@@ -23,6 +23,12 @@ given, and runs whose overflows come from the scale itself, against the engine's
 from __future__ import annotations
 
 
-def update(scale: float, good_steps: int, found_inf: bool, growth_factor: float, backoff_factor: float,
-           growth_interval: int) -> tuple[float, int, bool]:
+def update(
+    scale: float,
+    good_steps: int,
+    found_inf: bool,
+    growth_factor: float,
+    backoff_factor: float,
+    growth_interval: int,
+) -> tuple[float, int, bool]:
     return scale, good_steps, True

@@ -7,7 +7,7 @@ rank holds every chunk complete, where in every round each rank sends one chunk 
 neighbour, rank (r + 1) mod p.
 
     Transfer(src, dst, chunk, "copy")      # src sends its chunk to dst, which overwrites its own
-    Transfer(src, dst, chunk, "reduce")    # ... which adds it to its own; a round is a tuple of these
+    Transfer(src, dst, chunk, "reduce")  # ... which adds it to its own; a round is a tuple of these
 
 A send carries the chunk as it was at the start of the round. The body below writes round 0
 only. Which chunk does rank r pass on in round k, does the receiver add or copy, and how many
