@@ -63,9 +63,10 @@ def same_wall_time(lab):
     sync_curve = [(k, evaluate(cfg, train_single(replace(cfg, steps=k)).params)
                    ) for k in range(1, steps + 1)]
     async_curve = samples_curve(cfg, ps.log, dense=steps)
-    # nan where async saw fewer samples than sync (cores too loaded to race): the first check
-    # then fails naming the claim, rather than the step raising StopIteration
-    at_sync = next((loss for seen, loss in async_curve if seen >= steps), float("nan"))
+    # nan where async saw fewer samples than sync (cores too loaded to race):
+    # the first check then fails naming its claim, not StopIteration
+    at_sync = next((loss for seen, loss in async_curve if seen >= steps),
+                   float("nan"))
     return {"budget": BUDGET, "late_ms": LATE * 1e3, "batch": cfg.global_batch,
             "sync_steps": steps, "sync_step_ms": BUDGET * 1e3 / steps,
             "sync_samples": sync_samples,

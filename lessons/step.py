@@ -24,6 +24,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import math
+import re
 import string
 import textwrap
 from collections.abc import Callable, Mapping
@@ -324,6 +325,30 @@ def _class_head(source: str) -> str:
     return source
 
 
+_SECTION = re.compile(r"\s*(Args|Returns|Raises|Yields|Attributes):\s*")
+
+
+def _without_contracts(source: str) -> str:
+    """``source`` with its docstrings' Args/Returns/Raises sections left out: a listing shows the
+    idea and the code; the contracts are for whoever calls it (``help()`` shows them)."""
+    out: list[str] = []
+    skipping = False
+    for line in source.splitlines():
+        if skipping:
+            if line.strip().endswith(('"""', "'''")):
+                skipping = False
+                out.append(line[: len(line) - len(line.lstrip())] + line.strip()[-3:]
+                           if line.strip() not in ('"""', "'''") else line)
+            continue
+        if _SECTION.fullmatch(line):
+            skipping = True
+            while out and not out[-1].strip():
+                out.pop()
+            continue
+        out.append(line)
+    return "\n".join(out)
+
+
 def _source(obj: Any) -> str:
     """``obj``'s source, under a comment saying where it lives (the reader can open the file)."""
     obj = _resolve(obj) if isinstance(obj, str) else obj
@@ -332,6 +357,7 @@ def _source(obj: Any) -> str:
         source = textwrap.dedent(inspect.getsource(target)).strip()
     except (TypeError, OSError) as e:
         raise ConfigError(f"show names {obj!r}, whose source cannot be read ({e})") from None
+    source = _without_contracts(source)
     if inspect.isclass(target) and len(source.splitlines()) > CLASS_LINES:
         source = _class_head(source)
     module = getattr(inspect.getmodule(target), "__name__", "")

@@ -531,9 +531,7 @@ def test_booleans_and_zero_distances_read_as_words():
 
 
 def _long_lines(lab):
-    # a comment long enough that a terminal of eighty columns would have to wrap it onto the next
-    # line
-    x = 1
+    x = 1  # a comment long enough that a terminal of eighty columns would have to wrap it onto the next line  # noqa: E501
     return {"x": x}
 
 

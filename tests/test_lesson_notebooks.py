@@ -33,15 +33,18 @@ def _check_outcomes(les, app_pages):
     from dplab.lessons.step import _resolve, _source
     from dplab.viz.deep_links import unread
 
-    shown_width = 79   # the code a lesson writes must read in an 80-column terminal unwrapped
-    spine_width = 100  # the spine a step shows (Step.show) is the project's code, at ruff's
-                       # line length; the terminal word-wraps it (lessons/render.py)
+    # The code a lesson writes must read in an 80-column terminal unwrapped; the spine a step
+    # shows (Step.show) is the project's code at ruff's line length, or torch's own at its
+    # flake8 limit, which the terminal word-wraps (lessons/render.py).
+    def width(obj):
+        module = getattr(_resolve(obj) if isinstance(obj, str) else obj, "__module__", "")
+        return 79 if module.startswith("dplab.lessons.l") else 100 if module.startswith(
+            "dplab.") else 120
+
     too_long = []
     for k, step in enumerate(les.lesson.steps, 1):
-        pieces = [(step.harness(), shown_width)] if not step.show else [
-            (_source(obj), shown_width if getattr(_resolve(obj) if isinstance(obj, str) else obj,
-                                                  "__module__", "").startswith("dplab.lessons.l")
-             else spine_width) for obj in step.show]
+        pieces = [(step.harness(), 79)] if not step.show else [
+            (_source(obj), width(obj)) for obj in step.show]
         too_long += [f"step {k} ({step.title!r}) line {j}, {len(line)} chars: {line.strip()}"
                      for code, width in pieces for j, line in enumerate(code.splitlines(), 1)
                      if len(line) > width]

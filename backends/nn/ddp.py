@@ -215,8 +215,7 @@ class DistributedDataParallel(nn.Module):
             param: that parameter, whose ``.grad`` is complete.
         """
         slot = self.grad_slots[i]
-        # autograd made a new tensor (grad was None)
-        fresh = param.grad if param.grad is not slot else None
+        fresh = param.grad if param.grad is not slot else None  # autograd made a new tensor
         if fresh is not None:
             param.grad = slot
         if not self._sync_this_backward:
@@ -229,8 +228,7 @@ class DistributedDataParallel(nn.Module):
         # Weighted on the way into the slot: one pass over the gradient (copy and scale fused),
         # not a copy and then a scaling pass over memory the copy just wrote.
         src = slot if fresh is None else fresh
-        if self.local_batch_size is None:
-            # sum of g / p = the average, as DDP pre-divides
+        if self.local_batch_size is None:  # sum of g / p = the average, as DDP pre-divides
             torch.div(src, self.comm.world_size, out=slot)
         elif self.local_batch_size:
             # sum of n_r g_r / N

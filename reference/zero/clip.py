@@ -30,7 +30,15 @@ EPS = 1e-6  # torch's: keeps the coefficient finite for a zero gradient
 
 
 def clip_coef(total_norm: float, max_norm: float) -> float:
-    """torch's coefficient, ``min(1, max_norm / (total_norm + 1e-6))``: clipping never enlarges."""
+    """torch's coefficient, ``min(1, max_norm / (total_norm + 1e-6))``: clipping never enlarges.
+
+    Args:
+        total_norm: the whole gradient's 2-norm.
+        max_norm: the largest norm the clipped gradient may have.
+
+    Returns:
+        The factor every gradient element is multiplied by, in (0, 1].
+    """
     return min(1.0, max_norm / (total_norm + EPS))
 
 
