@@ -156,8 +156,9 @@ def write_atomic(path: str | os.PathLike, data: bytes | Callable[[IO[bytes]], ob
         The path written (a link's target).
 
     Raises:
-        WriteError: in one line, what could not be written and why; the temporary file is gone
-            and what was at ``path`` before is untouched.
+        WriteError: in one line, what could not be written and why; what was at ``path``
+            before is untouched, and the temporary file is gone (or named, where the file
+            system refuses to delete it: one remounted read-only).
     """
     target = real_target(path, what)
     try:
@@ -175,19 +176,25 @@ def write_atomic(path: str | os.PathLike, data: bytes | Callable[[IO[bytes]], ob
         os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; a plain open would honour umask
         os.replace(tmp, target)
     except BaseException as e:
-        with contextlib.suppress(OSError):
+        left = None
+        try:
             os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        except OSError:  # a file system remounted read-only keeps what it already holds
+            left = tmp
         if isinstance(e, OSError):
-            raise _failed(what, path, e) from None
+            raise _failed(what, path, e, left) from None
         raise
     return target
 
 
-def _failed(what: str, path: str | os.PathLike, e: OSError) -> WriteError:
+def _failed(what: str, path: str | os.PathLike, e: OSError, left: str | None = None) -> WriteError:
     fix = "free space or choose another place" if e.errno in (errno.ENOSPC, errno.EDQUOT) else \
         "choose another place"
-    error = WriteError(f"{what}: cannot write {path} ({e.strerror}): {fix}; nothing was left "
-                       "half-written")
+    rest = "nothing was left half-written" if left is None else \
+        f"{path} is untouched but the file system kept the unfinished {left}: delete it"
+    error = WriteError(f"{what}: cannot write {path} ({e.strerror}): {fix}; {rest}")
     error.errno = e.errno  # (not strerror: OSError would print "[Errno n] ..." instead of ours)
     return error
 

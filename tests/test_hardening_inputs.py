@@ -14,6 +14,7 @@ timeout: before the fixes each of them hung, grew without bound or printed a tra
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import io
 import os
@@ -276,6 +277,25 @@ def test_a_checkpoint_dir_that_fills_mid_run_stops_the_run_in_one_line(small_dis
     assert load_checkpoint(d / "ck").step == 1
 
 
+def test_a_temporary_the_file_system_will_not_delete_is_named_in_the_one_line(tmp_path,
+                                                                             monkeypatch):
+    """A remount read-only between the temporary's creation and its write: the write fails and
+    so does the delete; the line must not say "nothing was left" (CI saw the temporary stay)."""
+    from dplab.reference import files
+
+    def remounted(f):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    def refuse(path):
+        raise OSError(errno.EROFS, "Read-only file system")
+    monkeypatch.setattr(files.os, "unlink", refuse)
+    with pytest.raises(files.WriteError) as e:
+        files.write_atomic(tmp_path / "ckpt.npz", remounted, "checkpoint")
+    (stray,) = [p for p in tmp_path.iterdir()]
+    assert f"kept the unfinished {stray}: delete it" in str(e.value)
+    assert "nothing was left" not in str(e.value) and not (tmp_path / "ckpt.npz").exists()
+
+
 def test_a_checkpoint_dir_that_turns_read_only_mid_run_stops_the_run_in_one_line(small_disk):
     d = small_disk(1 << 20)  # 1 GiB of room: only the remount can stop the run
     cmd = [sys.executable, "-m", "dplab.backends.cli", "train", "--world-size", "2", "--steps",
@@ -293,8 +313,11 @@ def test_a_checkpoint_dir_that_turns_read_only_mid_run_stops_the_run_in_one_line
         run.wait()
     done = subprocess.CompletedProcess(cmd, run.returncode, "", err)
     done.pid = run.pid
-    refused(done, "rank 0: checkpoint", "Read-only file system")
-    assert not [n for n in _left(d) if n.endswith(".tmp")]
+    err = refused(done, "rank 0: checkpoint", "Read-only file system")
+    # A save caught mid-write by the remount cannot delete its temporary (the file system keeps
+    # what it holds): then the line names it, so nothing is left unsaid.
+    for stray in [p for p in (d / "ck").iterdir() if p.name.endswith(".tmp")]:
+        assert f"kept the unfinished {stray}: delete it" in err
     assert load_checkpoint(d / "ck").step >= 1
 
 
