@@ -35,40 +35,37 @@ CONCEPTS = {
     "beyond-dp": "when data parallelism is not enough: model, pipeline, tensor parallelism",
     "batch-size": ("batch-size economics: strong vs weak scaling, the gradient noise scale and "
                    "critical batch, held-out loss, where lr scaling rules break"),
+    # lesson 14
+    "real-model": ("a real model: a transformer's FLOPs per token (6 N), tokens/s, model FLOPs "
+                   "utilisation and where its step time goes, with DDP and FSDP"),
+    # lesson 15
+    "torch-stack": ("the real PyTorch stack: DDP from hooks on torch tensors, DistributedSampler "
+                    "(set_epoch, padding) against weighted uneven shards, SyncBatchNorm"),
+    "compression": ("cutting communication: gradient compression (fp16, bf16, PowerSGD hooks) and "
+                    "local SGD, in bytes and loss"),
+    # lessons 10 and 11
+    "activations": ("activation memory beside the model states, and activation checkpointing "
+                    "(recompute for memory)"),
+    "bf16": "bfloat16 against float16: range against precision, and why bf16 needs no loss scaling",
+    # what issue 31's teacher found missing
+    "ddp-internals": ("torch DDP's internals (Li et al., VLDB 2020): buckets rebuilt from the "
+                      "first backward's order, unused parameters and static_graph, buffers "
+                      "broadcast every forward"),
+    "async-efficiency": ("asynchronous SGD's statistical efficiency: loss against samples seen, "
+                         "and what a gradient's delay costs per sample"),
+    "gpu-collectives": ("GPU collectives on a simulated cluster: busbw against algbw, NCCL's "
+                        "channels, ring, tree and NVLS from 8 to 1,024 GPUs"),
+    "fsdp-overlap": ("overlap in FSDP/ZeRO-3: prefetching the next unit's all-gather, "
+                     "reshard_after_forward, HSDP"),
+    # issue 31's items 3 and 6 (lessons 10 and 13)
+    "grad-clipping": ("gradient clipping by the global norm under ZeRO/FSDP: one all-reduce of the "
+                      "shards' squared norms"),
+    "batch-ramp": ("batch-size warm-up: increasing the batch instead of decaying the lr (Smith et "
+                   "al. 2018), as GPT-3 ramps it"),
+    # issue 31's idea 7 (lesson 14)
+    "profiling": ("profiling one step: torch.profiler's operations beside dplab's own trace, both "
+                  "as Chrome traces"),
 }
-
-
-# appended: a real model (lesson 14)
-CONCEPTS["real-model"] = ("a real model: a transformer's FLOPs per token (6 N), tokens/s, model "
-                          "FLOPs utilisation and where its step time goes, with DDP and FSDP")
-# appended: the real PyTorch stack and cutting communication (lesson 15)
-CONCEPTS["torch-stack"] = ("the real PyTorch stack: DDP from hooks on torch tensors, "
-                           "DistributedSampler (set_epoch, padding) against weighted uneven "
-                           "shards, SyncBatchNorm")
-CONCEPTS["compression"] = ("cutting communication: gradient compression (fp16, bf16, PowerSGD "
-                           "hooks) and local SGD, in bytes and loss")
-# appended: activations and bfloat16 (lessons 10 and 11)
-CONCEPTS["activations"] = ("activation memory beside the model states, and activation "
-                           "checkpointing (recompute for memory)")
-CONCEPTS["bf16"] = (
-    "bfloat16 against float16: range against precision, and why bf16 needs no loss scaling"
-)
-# appended: what issue 31's teacher found missing
-CONCEPTS["ddp-internals"] = ("torch DDP's internals (Li et al., VLDB 2020): buckets rebuilt from "
-                             "the first backward's order, unused parameters and static_graph, "
-                             "buffers broadcast every forward")
-CONCEPTS["async-efficiency"] = ("asynchronous SGD's statistical efficiency: loss against samples "
-                                "seen, and what a gradient's delay costs per sample")
-CONCEPTS["gpu-collectives"] = ("GPU collectives on a simulated cluster: busbw against algbw, "
-                               "NCCL's channels, ring, tree and NVLS from 8 to 1,024 GPUs")
-CONCEPTS["fsdp-overlap"] = ("overlap in FSDP/ZeRO-3: prefetching the next unit's all-gather, "
-                            "reshard_after_forward, HSDP")
-
-# appended: issue 31's items 3 and 6 (lessons 10 and 13)
-CONCEPTS["grad-clipping"] = ("gradient clipping by the global norm under ZeRO/FSDP: one all-reduce "
-                             "of the shards' squared norms")
-CONCEPTS["batch-ramp"] = ("batch-size warm-up: increasing the batch instead of decaying the lr "
-                          "(Smith et al. 2018), as GPT-3 ramps it")
 
 
 def coverage() -> dict[str, list[tuple[int, int, str]]]:
@@ -92,6 +89,3 @@ def coverage_table() -> str:
 
 if __name__ == "__main__":
     print(coverage_table())
-# appended: issue 31's idea 7
-CONCEPTS["profiling"] = ("profiling one step: torch.profiler's operations beside dplab's own "
-                         "trace, both as Chrome traces")

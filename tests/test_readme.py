@@ -286,6 +286,14 @@ def test_the_coverage_table_is_complete_and_current():
     assert coverage_table() in (ROOT / "lessons" / "README.md").read_text()
 
 
+def test_the_coverage_script_prints_that_table():
+    """``python -m dplab.lessons.coverage``, as its docstring says, prints the README's table: every
+    idea named in words (one added after the ``__main__`` guard printed as its bare key)."""
+    printed = subprocess.run([sys.executable, "-m", "dplab.lessons.coverage"], capture_output=True,
+                             text=True, check=True, timeout=120).stdout
+    assert printed.strip() in (ROOT / "lessons" / "README.md").read_text()
+
+
 def test_the_multi_host_lines_are_the_ones_the_hosts_tests_run():
     """The README prints lesson 12's launch lines, which Cluster builds as test_hosts_launchers runs
     them."""
