@@ -20,6 +20,7 @@ gamma for every byte it reduces. A round lasts as long as its slowest rank.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 from dplab.reference.cluster import CLUSTERS, Cluster, Link, cluster
@@ -97,9 +98,31 @@ class Topology:
                                                                                   self.inter.beta)
 
 
+class _Presets(Mapping[str, Topology]):
+    """The presets' topologies by name, each read from its cluster file when first asked for: a
+    program that imports this module (``dplab train`` on the local backend) reads none of them."""
+
+    def __init__(self, names: tuple[str, ...]) -> None:
+        self._names = tuple(dict.fromkeys(names))
+        self._read: dict[str, Topology] = {}
+
+    def __getitem__(self, name: str) -> Topology:
+        if name not in self._names:
+            raise KeyError(name)
+        if name not in self._read:
+            self._read[name] = Topology.of(name)
+        return self._read[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._names
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+
 # Every cluster file's topology (reference/clusters/: one description for the simulator, the cost
 # model and auto), the one-level textbook model and two GPU clusters first
-PRESETS: dict[str, Topology] = {
-    name: Topology.of(name)
-    for name in ("flat-10g", "dgx-h100", "h100-100g", *sorted(CLUSTERS))
-}
+PRESETS: Mapping[str, Topology] = _Presets(("flat-10g", "dgx-h100", "h100-100g", *CLUSTERS))

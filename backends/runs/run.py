@@ -29,7 +29,6 @@ import numpy as np
 from dplab.backends.launch.world import RankLost, World, check_backend, launch, under_launcher
 from dplab.backends.registry import entry
 from dplab.backends.runs.memory import check_run
-from dplab.backends.sim.setup import resolve_cluster
 from dplab.reference.checkpoint.resume import CheckpointConfig, Expect, load_resume
 from dplab.reference.errors import ConfigError
 from dplab.reference.files import write_atomic
@@ -126,6 +125,8 @@ class RunSpec:
         Returns:
             A ``dplab.reference.cluster.Cluster``.
         """
+        from dplab.backends.sim.setup import resolve_cluster  # the simulator, for sim runs only
+
         return resolve_cluster(self.cluster)
 
     def check_cluster(self) -> None:
