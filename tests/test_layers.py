@@ -13,7 +13,8 @@ level and inside functions alike (an import deferred into a function is still a 
 - no import cycles among dplab modules (strongly connected components, as
   ``../shared/tools/import_cycles.py`` counts them);
 - ``from dplab.backends import allreduce, launch`` loads at most 25 dplab modules and neither MPI
-  nor torch; ``import dplab.reference.collectives`` at most 8 (measured in a fresh interpreter).
+  nor torch; ``import dplab.reference.collectives`` at most 8 (measured in a fresh interpreter);
+  ``dplab train``'s modules load no simulator and read no cluster file.
 """
 
 from __future__ import annotations
@@ -273,6 +274,16 @@ def test_launch_loads_no_engine_until_used():
     loaded = _loaded("import dplab.backends.launch.world")
     assert not loaded["engines"], loaded["engines"]
     assert "dplab.backends.mpi.comm" not in loaded["dplab"]
+
+
+def test_the_local_train_path_loads_no_simulator_and_reads_no_cluster_file():
+    """``dplab train`` on the local backend: the simulator loads for a sim run only, and a preset's
+    cluster file is read when its topology is first asked for (issue 29)."""
+    loaded = _loaded("import dplab.backends.cli.commands, dplab.backends.runs.run\n"
+                     "import dplab.reference.topology\n"
+                     "from dplab.reference.cluster import _preset\n"
+                     "assert _preset.cache_info().currsize == 0, 'a cluster file was read'")
+    assert not [m for m in loaded["dplab"] if m.startswith("dplab.backends.sim")], loaded["dplab"]
 
 
 def test_the_executor_import_stays_small():
