@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import base64
 import signal
-import time
 from pathlib import Path
 from typing import Any
 
@@ -42,11 +41,11 @@ from dplab.lessons.exercises.learner import (
     CheckUnavailable,
     Fail,
     TooLong,
-    limit_s,
     load_function,
     rank_failure,
     same_process,
 )
+from dplab.lessons.exercises.ranks import stop_before
 
 __all__ = ["judge_ddp_hooks", "collect_ddp_hooks", "make_model", "data", "train_one_process",
            "WORLD", "STEPS", "HINTS", "sgd_step"]
@@ -214,9 +213,8 @@ def _rank(comm: Any, file: str, deadline: float) -> dict[str, Any]:
     import torch.distributed as dist
     from torch.distributed import distributed_c10d
 
-    left = deadline - time.monotonic()
-    signal.signal(signal.SIGALRM, _stop)
-    signal.setitimer(signal.ITIMER_REAL, max(left - min(1.0, 0.2 * left), 0.01))
+    stop_before(deadline, "does a loop never end, or does a rank wait for an all-reduce the other "
+                          "never launched?")
     torch.set_num_threads(1)
     before = dplab_functions()
     model = make_model()
@@ -255,11 +253,6 @@ def _rank(comm: Any, file: str, deadline: float) -> dict[str, Any]:
         "names": names,
         "patched": patched_since(before, Path(file)),
     }
-
-
-def _stop(signum: int, frame: Any) -> None:
-    raise TooLong(f"still running at the check's time limit of {limit_s():g} s: does a loop never "
-                  "end, or does a rank wait for an all-reduce the other never launched?")
 
 
 # --- in the parent: the verdict -------------------------------------------------------------------

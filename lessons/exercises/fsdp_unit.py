@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import base64
 import signal
-import time
 import tracemalloc
 from collections import Counter
 from dataclasses import replace
@@ -33,17 +32,9 @@ from typing import Any
 
 import numpy as np
 
-from dplab.backends import RankError, launch
-from dplab.lessons.exercises.child import Patched, dplab_functions, patched_since, run_learner
-from dplab.lessons.exercises.learner import (
-    CheckUnavailable,
-    Fail,
-    TooLong,
-    limit_s,
-    load_function,
-    rank_failure,
-    same_process,
-)
+from dplab.lessons.exercises.child import dplab_functions, patched_since, run_learner
+from dplab.lessons.exercises.learner import Fail, load_function, same_process
+from dplab.lessons.exercises.ranks import run_ranks, stop_before
 from dplab.lessons.exercises.traffic import Traffic
 from dplab.reference.collectives import allgather, allreduce
 from dplab.reference.data import batch_indices, shard
@@ -166,18 +157,7 @@ def collect_fsdp(file: Path, inputs: dict[str, Any], out: dict[str, Any], deadli
     load_function(file, "unit_backward")
     out["runs"] = runs = []
     for p in inputs["world_sizes"]:
-        try:
-            done = launch(_rank, p, args=(str(file), _CFG, deadline), timeout=TIMEOUT_S)
-        except TooLong as e:
-            raise Fail(f"at p={p}: {e}") from None
-        except RankError as e:
-            failure = rank_failure(e, file, "the unit")
-            if isinstance(failure, CheckUnavailable):
-                raise failure from None
-            raise Fail(f"at p={p}: {failure}") from None
-        patched = sorted({name for rank in done for name in rank["patched"]})
-        if patched:
-            raise Patched(patched)
+        done = run_ranks(_rank, p, (str(file), _CFG, deadline), file, "the unit", TIMEOUT_S)
         runs.append([{k: rank[k] for k in ("calls", "problem", "after")} for rank in done])
         if any(rank["problem"] for rank in done):
             break
@@ -193,9 +173,7 @@ def _gather(comm: Any, piece: np.ndarray, n: int) -> np.ndarray:
 
 
 def _rank(comm: Any, file: str, cfg: TrainConfig, deadline: float) -> dict[str, Any]:
-    left = deadline - time.monotonic()
-    signal.signal(signal.SIGALRM, _stop)
-    signal.setitimer(signal.ITIMER_REAL, max(left - min(1.0, 0.2 * left), 0.01))
+    stop_before(deadline)
     before = dplab_functions()
     unit_forward = load_function(Path(file), "unit_forward")
     # one module: what they share, they share
@@ -321,8 +299,3 @@ def _wrong_grad(r: int, u: int, p: int, got: np.ndarray, want: np.ndarray, local
     return (f"{where} differs from chunk {r} of the gradient summed over the ranks by "
             f"{np.abs(got - want).max():.3g}: reduce_scatter(comm, g) leaves that sum in "
             "chunk_bounds(n, p)[rank]")
-
-
-def _stop(signum: int, frame: Any) -> None:
-    raise TooLong(f"still running at the check's time limit of {limit_s():g} s: does a loop never "
-                  "end?")

@@ -23,24 +23,15 @@ from __future__ import annotations
 import base64
 import math
 import signal
-import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from dplab.backends import RankError, launch
-from dplab.lessons.exercises.child import Patched, dplab_functions, patched_since, run_learner
-from dplab.lessons.exercises.learner import (
-    CheckUnavailable,
-    Fail,
-    TooLong,
-    limit_s,
-    load_function,
-    rank_failure,
-    same_process,
-)
+from dplab.lessons.exercises.child import dplab_functions, patched_since, run_learner
+from dplab.lessons.exercises.learner import Fail, load_function, same_process
+from dplab.lessons.exercises.ranks import run_ranks, stop_before
 from dplab.lessons.exercises.traffic import Traffic
 from dplab.lessons.exercises.zero2 import backward_layers
 from dplab.reference.data import batch_indices, shard
@@ -276,30 +267,14 @@ def collect_sharded_clip(file: Path, inputs: dict[str, Any], out: dict[str, Any]
     load_function(file, "sharded_clip")
     out["runs"] = runs = []
     for p in inputs["world_sizes"]:
-        try:
-            done = launch(_rank, p, args=(str(file), inputs["max_norms"], deadline),
-                          timeout=TIMEOUT_S)
-        except TooLong as e:
-            raise Fail(f"at p={p}: sharded_clip {e}") from None
-        except RankError as e:
-            failure = rank_failure(e, file, "sharded_clip")
-            if isinstance(failure, CheckUnavailable):
-                raise failure from None
-            raise Fail(f"at p={p}: {failure}") from None
-        patched = sorted({name for rank in done for name in rank["patched"]})
-        if patched:
-            raise Patched(patched)
-        tampered = next((rank["tampered"] for rank in done if rank["tampered"]), "")
-        if tampered:
-            raise Fail(f"at p={p}: {tampered}")
+        done = run_ranks(_rank, p, (str(file), inputs["max_norms"], deadline), file,
+                         "sharded_clip", TIMEOUT_S)
         runs.append([{"cases": rank["cases"]} for rank in done])
 
 
 def _rank(comm: Any, file: str, max_norms: list[float], deadline: float) -> dict[str, Any]:
     """One rank: its samples' real backward, the learner's clip, what came back, what was sent."""
-    left = deadline - time.monotonic()
-    signal.signal(signal.SIGALRM, _stop)
-    signal.setitimer(signal.ITIMER_REAL, max(left - min(1.0, 0.2 * left), 0.01))
+    stop_before(deadline)
     before = dplab_functions()
     sharded_clip = load_function(Path(file), "sharded_clip")
     model, data, init = setup(_CFG)
@@ -329,8 +304,3 @@ def _rank(comm: Any, file: str, max_norms: list[float], deadline: float) -> dict
                       "chunks": base64.b64encode(flat.tobytes()).decode()})
     signal.setitimer(signal.ITIMER_REAL, 0)
     return {"cases": cases, "patched": patched_since(before, Path(file)), "tampered": tampered}
-
-
-def _stop(signum: int, frame: Any) -> None:
-    raise TooLong(f"still running at the check's time limit of {limit_s():g} s: does a loop never "
-                  "end?")

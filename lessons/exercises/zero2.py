@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import base64
 import signal
-import time
 import tracemalloc
 from collections import Counter
 from collections.abc import Iterator
@@ -33,17 +32,9 @@ from typing import Any
 
 import numpy as np
 
-from dplab.backends import RankError, launch
-from dplab.lessons.exercises.child import Patched, dplab_functions, patched_since, run_learner
-from dplab.lessons.exercises.learner import (
-    CheckUnavailable,
-    Fail,
-    TooLong,
-    limit_s,
-    load_function,
-    rank_failure,
-    same_process,
-)
+from dplab.lessons.exercises.child import dplab_functions, patched_since, run_learner
+from dplab.lessons.exercises.learner import Fail, load_function, same_process
+from dplab.lessons.exercises.ranks import run_ranks, stop_before
 from dplab.lessons.exercises.traffic import Traffic
 from dplab.reference.data import batch_indices, shard
 from dplab.reference.errors import DplabError
@@ -253,21 +244,7 @@ def collect_zero2(file: Path, inputs: dict[str, Any], out: dict[str, Any], deadl
     load_function(file, "zero2_step")  # a file that does not import fails here, not on every rank
     out["runs"] = runs = []
     for p in inputs["world_sizes"]:
-        try:
-            done = launch(_rank, p, args=(str(file), _CFG, deadline), timeout=TIMEOUT_S)
-        except TooLong as e:  # here, waiting for ranks that swallowed their own stop
-            raise Fail(f"at p={p}: zero2_step {e}") from None
-        except RankError as e:
-            failure = rank_failure(e, file, "zero2_step")
-            if isinstance(failure, CheckUnavailable):
-                raise failure from None
-            raise Fail(f"at p={p}: {failure}") from None
-        patched = sorted({name for rank in done for name in rank["patched"]})
-        if patched:
-            raise Patched(patched)
-        tampered = next((rank["tampered"] for rank in done if rank["tampered"]), "")
-        if tampered:
-            raise Fail(f"at p={p}: {tampered}")
+        done = run_ranks(_rank, p, (str(file), _CFG, deadline), file, "zero2_step", TIMEOUT_S)
         runs.append([{"after": [base64.b64encode(a.tobytes()).decode() for a in rank["after"]],
                       "sent": rank["sent"], "called": rank["called"], "peak": rank["peak"],
                       "views": rank["views"], "during": rank["during"]} for rank in done])
@@ -275,9 +252,7 @@ def collect_zero2(file: Path, inputs: dict[str, Any], out: dict[str, Any], deadl
 
 def _rank(comm: Any, file: str, cfg: TrainConfig, deadline: float) -> dict[str, Any]:
     """One rank: the real backward of its samples, the learner's step, and what it sent and held."""
-    left = deadline - time.monotonic()  # CLOCK_MONOTONIC: one clock for the child and its ranks
-    signal.signal(signal.SIGALRM, _stop)
-    signal.setitimer(signal.ITIMER_REAL, max(left - min(1.0, 0.2 * left), 0.01))
+    stop_before(deadline)
     before = dplab_functions()
     zero2_step = load_function(Path(file), "zero2_step")
     model, data, init = setup(cfg)
@@ -343,11 +318,6 @@ class _Counted:
         for item in self.layers:
             self.yielded += 1
             yield item
-
-
-def _stop(signum: int, frame: Any) -> None:
-    raise TooLong(f"still running at the check's time limit of {limit_s():g} s: does a loop never "
-                  "end?")
 
 
 def _diagnose(runs: list[list[np.ndarray]], oracle: list[np.ndarray], sizes: list[int], p: int,
