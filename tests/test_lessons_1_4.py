@@ -397,3 +397,17 @@ def test_lesson_2_says_ncclss_channels_run_at_once():
     assert (
         "channels run at once" in text and "{channel_small_us:.0f} µs" in text and "queues" in text
     )
+
+
+def test_lesson_3_says_the_share_hierarchical_keeps_on_nvlink_from_its_schedule():
+    """3.4 said the hierarchical all-reduce 'keeps 7/8 of them on NVLink'; its schedule keeps 8/9
+    of its bytes inside the nodes at 64 GPUs (14/15 at 16): the share is filled from the
+    schedule."""
+    from dplab.reference.algorithms import allreduce_schedule
+    from dplab.reference.columns import columns
+
+    text = lesson(3).steps[3].text
+    assert "7/8" not in text and "{nvlink_64:.0%}" in text and "1/{g} piece" in text
+    t = columns(allreduce_schedule("hierarchical:8", 64))
+    assert abs((t.src // 8 == t.dst // 8).mean() - 8 / 9) < 1e-12
+    assert any("8/9" in c.claim for c in lesson(3).steps[3].checks)
