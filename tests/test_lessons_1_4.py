@@ -411,3 +411,16 @@ def test_lesson_3_says_the_share_hierarchical_keeps_on_nvlink_from_its_schedule(
     t = columns(allreduce_schedule("hierarchical:8", 64))
     assert abs((t.src // 8 == t.dst // 8).mean() - 8 / 9) < 1e-12
     assert any("8/9" in c.claim for c in lesson(3).steps[3].checks)
+
+
+def test_lesson_4_says_what_model_it_simulates_rather_than_lesson_5s():
+    """4.2 ran 'lesson 5's transformer' on a DGX node, a model the learner meets a lesson later,
+    with its 1,024 tokens typed by hand: the step now says what the model is, from its facts."""
+    from dplab.lessons.l04_buckets import _dgx_facts
+
+    text = lesson(4).steps[1].text
+    assert "lesson 5's transformer" not in text and "1,024 tokens" not in text
+    assert "{dgx_tokens:,} tokens" in text and "{dgx_params:,}" in text
+    f = _dgx_facts()
+    assert f["dgx_params"] == f["dgx_blocks"] * 12 * f["dgx_width"] ** 2
+    assert f["dgx_grads"] == 2 * f["dgx_params"]      # bfloat16 gradients
