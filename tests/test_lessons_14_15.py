@@ -358,3 +358,17 @@ def test_lesson_14s_two_rank_utilisation_divides_by_the_core_peak_the_text_gives
     assert math.isclose(f["mfu2"], 100 * f["tps2"] / (2 * f["ideal_tps"]), rel_tol=1e-9)
     claims = [c for c in lesson(14).steps[2].checks if "one core's matmul allows" in c.claim]
     assert len(claims) == 1 and claims[0].holds(f)
+
+
+def test_lesson_15_says_how_torchs_syncbatchnorm_gathers_its_statistics():
+    """15.3 said torch's nn.SyncBatchNorm 'does this' after describing an all-reduce of sums; torch
+    all-gathers each rank's mean, inverse std and count (batch_norm_gather_stats_with_counts)."""
+    import inspect
+
+    from torch.nn.modules._functions import SyncBatchNorm
+
+    source = inspect.getsource(SyncBatchNorm.forward)
+    assert "all_gather" in source and "batch_norm_gather_stats_with_counts" in source
+    text = lesson(15).steps[2].text
+    assert "`nn.SyncBatchNorm` does this" not in text
+    assert "all-gathers each rank's mean, inverse standard deviation and count" in text
