@@ -426,7 +426,8 @@ STEPS = (
               "({past_broken:.0f}x it), where a bigger batch removes little more noise and the k-times "
               "larger lr overshoots."),
         run=linear_rule_breaks,
-        checks=(Check("up to k = 16 the linear rule keeps the held-out loss within 1.3x",
+        checks=(Check("up to k = {held_k}, and at least to 16, the linear rule keeps the held-out loss "
+                      "within 1.3x",
                       lambda f: f["held_k"] >= 16 and f["held_x"] < HELD),
                 Check("at k = {last_k} it is over 2x worse",
                       lambda f: f["last_x"] > BROKEN and f["broken_k"] <= f["last_k"])),
