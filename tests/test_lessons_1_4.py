@@ -424,3 +424,21 @@ def test_lesson_4_says_what_model_it_simulates_rather_than_lesson_5s():
     f = _dgx_facts()
     assert f["dgx_params"] == f["dgx_blocks"] * 12 * f["dgx_width"] ** 2
     assert f["dgx_grads"] == 2 * f["dgx_params"]      # bfloat16 gradients
+
+
+def test_lesson_2_gives_the_dgx_links_from_the_cluster_files_not_by_hand():
+    """2.7's text and 2.9's question typed NVLink's 450 GB/s and the NIC's 50 GB/s: they are now
+    the preset's and the simulated cluster's, which the steps' runs price with."""
+    import math
+
+    from dplab.lessons.l02_allreduce import DGX_GBPS
+    from dplab.reference.cluster import cluster
+
+    c = cluster("dgx-h100x2")
+    assert math.isclose(DGX_GBPS["dgx_nvlink_gbps"], 1e-9 / c.intra.beta, rel_tol=1e-12)
+    assert math.isclose(DGX_GBPS["dgx_nic_gbps"], 1e-9 / c.inter.beta, rel_tol=1e-12)
+    steps = lesson(2).steps
+    assert "450" not in steps[6].text and "{dgx_nvlink_gbps:.0f} GB/s" in steps[6].text
+    question = steps[8].predict.question
+    assert "450" not in question and "{dgx_nic_gbps:.0f} GB/s NIC" in question
+    assert steps[8].asks_before_run() and steps[6].asks_before_run()
