@@ -417,8 +417,9 @@ STEPS = (
               "Stages 1 and 2 send what plain data parallelism sends: an all-reduce *is* a reduce-scatter "
               "then an all-gather, and ZeRO only moves the optimizer step in between. Stage 3 gathers each "
               "layer's weights twice (forward and backward) and reduce-scatters its gradient: "
-              "**{ratio:g}x** the bytes. Torch's FSDP (dplab's `backends/nn/fsdp.py`) is stage 3 for torch "
-              "modules, with the same three collectives."),
+              "**{ratio:g}x** the bytes. torch's FSDP, and dplab's own wrapper with its API "
+              "(`backends/nn/fsdp.py`, lesson 14), are stage 3 for torch modules, with the same three "
+              "collectives."),
         run=sent_per_stage,
         figure=_timeline,
         checks=(Check("every rank sent exactly the closed form, every step, at every stage",

@@ -427,3 +427,11 @@ def test_lesson_10_gives_zero_r_and_the_width_its_due():
     assert "ZeRO does not shard" not in step.title + step.text
     assert "ZeRO-R" in step.text and "offload" in step.text and "sequence length" in step.text
     assert "the width" in step.text
+
+
+def test_lesson_10_tells_torchs_fsdp_from_dplabs_wrapper():
+    """10.2 wrote "Torch's FSDP (dplab's backends/nn/fsdp.py)", as if torch's FSDP were dplab's
+    file: they are two implementations of stage 3, torch's and dplab's with its API."""
+    text = lesson(10).steps[1].text
+    assert "Torch's FSDP (dplab's" not in text
+    assert "torch's FSDP, and dplab's own wrapper" in text and "backends/nn/fsdp.py" in text
