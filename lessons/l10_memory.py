@@ -536,8 +536,10 @@ STEPS = (
         inputs={"psi_t": 1, "device": DEVICE_GB},
         predict=Predict("{psi_t:g} trillion parameters at 16 bytes each: how many ranks does ZeRO-3 alone "
                         "need to fit the model states in {device} GB per rank?", "need",
-                        misconceptions=((13, "that fits the weights alone (2 bytes each); gradients and "
-                                         "Adam's float32 state are 14 more bytes a parameter"),)),
+                        misconceptions=((25, "that fits the weights alone (2 bytes each); gradients and "
+                                         "Adam's float32 state are 14 more bytes a parameter"),
+                                        (13, "that counts a byte a parameter (1 TB); each takes 16 "
+                                         "bytes: 16 TB of model states"))),
         hint="Stage 3 divides all of it (weights, gradients, state) by the number of ranks: total / device.",
         try_this="dplab memory --params 1T --world-sizes 8,200 --stages 0,3",
         teaches=("beyond-dp",),
