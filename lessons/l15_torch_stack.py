@@ -603,8 +603,8 @@ STEPS = (
                       lambda f: f["held_on"] == 2 and f["held_off"] == 1)),
         predict=Predict("With prefetch, at most how many of the {layers} layers does a rank hold "
                         "whole at once?", "held_on", misconceptions=(
-                            (1, "one is FSDP without prefetch: the next layer's gather runs while "
-                                "this one computes, so both are whole"),
+                            (1, "one is FSDP without prefetch; with it, the next layer's gather "
+                                "runs while this one computes, so both are whole"),
                             (7, "all of them is plain data parallelism (or "
                                 "reshard_after_forward=False, next step); FSDP frees each layer "
                                 "after it has run"))),

@@ -372,3 +372,11 @@ def test_lesson_15_says_how_torchs_syncbatchnorm_gathers_its_statistics():
     text = lesson(15).steps[2].text
     assert "`nn.SyncBatchNorm` does this" not in text
     assert "all-gathers each rank's mean, inverse standard deviation and count" in text
+
+
+def test_lesson_15_prefetch_reply_of_one_says_prefetch_is_what_holds_two():
+    """15.6's reply to '1' read "one is FSDP without prefetch: the next layer's gather runs while
+    this one computes", as if that were FSDP without prefetch."""
+    step = lesson(15).steps[5]
+    said = step.predict.judge({"held_on": 2, "layers": 7}, "1").misconception
+    assert "without prefetch: the next" not in said and "without prefetch; with it" in said
