@@ -215,6 +215,11 @@ def rings_per_nic(p, g, channels=None):
     return Schedule("rings_per_nic", p, channels * p, rs + ag)
 
 
+# the DGX H100's two links, GB/s each way, as the questions and texts of steps 7 and 9 give them
+DGX_GBPS = {"dgx_nvlink_gbps": 1e-9 / PRESETS["dgx-h100"].intra.beta,
+            "dgx_nic_gbps": 1e-9 / PRESETS["dgx-h100"].inter.beta}
+
+
 def slow_links(lab):
     # two nodes of 8 GPUs, every GPU its own NIC
     topo, p, n = PRESETS["dgx-h100"], 16, 256 * MIB
@@ -552,8 +557,9 @@ STEPS = (
     ),
     Step(
         title="Topology: keep the bytes off the slow links",
-        text=("A cluster has two kinds of link: GPUs in a node talk over NVLink (450 GB/s each way on a DGX "
-              "H100), nodes over InfiniBand, one 50 GB/s NIC per GPU. At p={p} ({nodes} nodes of {g}, "
+        text=("A cluster has two kinds of link: GPUs in a node talk over NVLink ({dgx_nvlink_gbps:.0f} "
+              "GB/s each way on a DGX H100), nodes over InfiniBand, one {dgx_nic_gbps:.0f} GB/s NIC per "
+              "GPU. At p={p} ({nodes} nodes of {g}, "
               "{nics} NICs), all-reducing {n_mib} MiB, in the model:\n\n"
               "- **one ring**: its neighbours sit in the same node except at the two node boundaries, so "
               "only {ring_nics_used} of the {nics} NICs carry it, each sending {ring_inter_n:.3g} n between "
@@ -604,7 +610,7 @@ STEPS = (
         explore=Explore("cost", lambda f: {"p": f["p"]}),
         teaches=("bandwidth-latency",),
         show=(rings_per_nic, "dplab.reference.algorithms.hierarchical.allreduce"),
-        inputs={"p": 16, "nodes": 2, "g": 8, "nics": 16},
+        inputs={"p": 16, "nodes": 2, "g": 8, "nics": 16, **DGX_GBPS},
     ),
     Step(
         title="busbw against algbw: what nccl-tests reports",
@@ -675,8 +681,9 @@ STEPS = (
                                     for a, b in ((1, 2), (2, 4), (4, 8)))),
                 Check("8 channels give over 5x one channel's busbw",
                       lambda f: f["gain"] > 5)),
-        predict=Predict("One ring (one channel) over {p} GPUs on two DGX H100 nodes: NVLink 450 "
-                        "GB/s inside a node, a 50 GB/s NIC per GPU between. Roughly what busbw "
+        predict=Predict("One ring (one channel) over {p} GPUs on two DGX H100 nodes: NVLink "
+                        "{dgx_nvlink_gbps:.0f} GB/s inside a node, a {dgx_nic_gbps:.0f} GB/s NIC per GPU "
+                        "between. Roughly what busbw "
                         "does it reach, in GB/s?",
                         "one", rel_tol=0.1, unit="GB/s", label="simulated on {cluster}",
                         misconceptions=(
@@ -692,7 +699,7 @@ STEPS = (
                  "ring,hierarchical:8",
         teaches=("gpu-collectives",),
         show=(rings_per_nic, "dplab.backends.sim.timing.schedule_time"),
-        inputs={"p": 16},
+        inputs={"p": 16, **DGX_GBPS},
     ),
     Step(
         title="Ring, tree and NVLS from 8 to 1,024 GPUs",

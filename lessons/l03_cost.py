@@ -25,6 +25,7 @@ from dplab.lessons.l02_allreduce import rings_per_nic
 from dplab.lessons.step import Check, Explore, Lesson, Predict, Step
 from dplab.reference import auto
 from dplab.reference.algorithms import allreduce_schedule
+from dplab.reference.columns import columns
 from dplab.reference.costfit import fit, terms
 from dplab.reference.costmodel import best_regions, closed_form, cost, region_algorithms
 from dplab.reference.topology import PRESETS
@@ -281,6 +282,9 @@ def cluster_regions(lab):
         return cost(schedule, large, 0, 0, 0, itemsize=4).bytes_sent_max
 
     least = {p: sent_by_busiest(p) / (2 * (p - 1) / p * large) for p in ps}
+    # the share of the 64-GPU winner's transfers (equal chunks) that stay inside a node
+    t64, g = columns(allreduce_schedule(win[64, large], 64)), topo.ranks_per_node
+    nvlink_64 = float(np.mean(t64.src // g == t64.dst // g))
     table = "\n".join(
         f"| {p} | " + " | ".join(win[p, n] for n in TABLE_SIZES) + " |"
         for p in ps)
@@ -293,7 +297,7 @@ def cluster_regions(lab):
     return {"regions": regions, "table": table,
             "rpn_64_ms": per_nic * 1e3, "best_64_ms": registry * 1e3,
             "small_64": win[64, small],
-            "large_64": win[64, large],
+            "large_64": win[64, large], "nvlink_64": nvlink_64, "g": g,
             "small_winners": ", ".join(sorted({win[p, small] for p in ps})),
             "large_winners": ", ".join(sorted({win[p, large] for p in ps})),
             "alphas": alphas,
@@ -478,7 +482,8 @@ STEPS = (
               "| p | 1 KiB | 1 MiB | 1 GiB |\n|---|---|---|---|\n{table}\n\n"
               "Small messages go to {small_winners}: the fewest latencies. Large ones to {large_winners}: "
               "the fewest bytes, and once there is more than one node the hierarchical all-reduce, which "
-              "keeps 7/8 of them on NVLink and uses every GPU's NIC. At 64 GPUs: {small_64} for 1 KiB, "
+              "sends only a 1/{g} piece between nodes, on every GPU's NIC, and keeps the rest on NVLink "
+              "({nvlink_64:.0%} of its bytes at 64 GPUs). At 64 GPUs: {small_64} for 1 KiB, "
               "{large_64} for 1 GiB.\n\n"
               "That is the best of *these* schedules, the ones dplab's registry holds, and the map is only "
               "as good as that list. A ring per NIC (lesson 2, step 7), which it does not hold, prices at "
@@ -491,6 +496,9 @@ STEPS = (
                       lambda f: all(abs(x - 1) < 1e-9 for x in f["least"].values())),
                 Check("past one node (p > 8), 1 GiB goes hierarchical among the registry's schedules",
                       lambda f: f["hier_multi_node"]),
+                Check("at 64 GPUs it keeps 8/9 of its bytes on NVLink: 2·7/8 n inside the nodes against "
+                      "2·7/8 of an n/8 piece between them",
+                      lambda f: abs(f["nvlink_64"] - 8 / 9) < 1e-12),
                 Check("a ring per NIC, not in the registry, is cheaper still at 1 GiB on 64 GPUs",
                       lambda f: f["rpn_64_ms"] < f["best_64_ms"])),
         figure=_regions_figure,

@@ -95,7 +95,7 @@ def overlap_in_the_trace(lab):
 
 DGX = "dgx-h100"           # one simulated DGX H100 node: 8 GPUs on NVLink
 DGX_CAPS = (10_000.0, 25.0, 5.0)  # bucket_cap_mb: one bucket for everything, DDP's default, small
-DGX_SAMPLES = 4            # samples of 1,024 tokens per GPU
+DGX_SAMPLES = 4            # samples of SIM_TOKENS tokens per GPU (lesson 5's)
 
 
 def overlap_on_a_dgx():
@@ -113,6 +113,7 @@ def overlap_on_a_dgx():
 
 
 def _dgx_facts():
+    from dplab.lessons.l05_scaling import SIM_BLOCKS, SIM_TOKENS, SIM_WIDTH
     steps, compute, alone, grads, backward = overlap_on_a_dgx()
     one, default, small = (steps[c] for c in DGX_CAPS)
     exposed = {c: steps[c] - compute for c in DGX_CAPS}
@@ -122,6 +123,8 @@ def _dgx_facts():
     return {"dgx_rows": rows, "dgx_grads": grads, "dgx_alone_ms": alone * 1e3,
             "dgx_compute_ms": compute * 1e3, "dgx_backward_ms": backward * 1e3,
             "dgx_samples": DGX_SAMPLES, "dgx_exposed": [exposed[c] for c in DGX_CAPS],
+            "dgx_blocks": SIM_BLOCKS, "dgx_width": SIM_WIDTH, "dgx_tokens": SIM_TOKENS,
+            "dgx_params": grads // 2,
             "dgx_alone": alone, "dgx_saved_pct": 100 * (1 - default / one)}
 
 
@@ -232,8 +235,10 @@ STEPS = (
               "device.\n\n"
               "That was this machine: two ranks on two shared cores, where a rank's comm thread takes "
               "the core its backward needs, so how much hides is the scheduler's call. **On a simulated "
-              "DGX H100 node** (8 GPUs on NVLink; simulated time, the same at any load), lesson 5's "
-              "transformer trains with DDP, {dgx_samples} samples of 1,024 tokens per GPU: backward "
+              "DGX H100 node** (8 GPUs on NVLink; simulated time, the same at any load), a transformer's "
+              "matmuls ({dgx_blocks} blocks of 12 d² weights at d = {dgx_width}: {dgx_params:,} "
+              "parameters, the model lesson 5 scales to 64 GPUs) train with DDP, {dgx_samples} samples "
+              "of {dgx_tokens:,} tokens per GPU: backward "
               "takes {dgx_backward_ms:.3f} ms, and the ring all-reduce of its {dgx_grads:size} of "
               "bfloat16 gradients takes {dgx_alone_ms:.3f} ms on its own. A step (compute "
               "{dgx_compute_ms:.3f} ms) at three bucket caps, in ms:\n\n"

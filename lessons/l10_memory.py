@@ -417,8 +417,9 @@ STEPS = (
               "Stages 1 and 2 send what plain data parallelism sends: an all-reduce *is* a reduce-scatter "
               "then an all-gather, and ZeRO only moves the optimizer step in between. Stage 3 gathers each "
               "layer's weights twice (forward and backward) and reduce-scatters its gradient: "
-              "**{ratio:g}x** the bytes. Torch's FSDP (dplab's `backends/nn/fsdp.py`) is stage 3 for torch "
-              "modules, with the same three collectives."),
+              "**{ratio:g}x** the bytes. torch's FSDP, and dplab's own wrapper with its API "
+              "(`backends/nn/fsdp.py`, lesson 14), are stage 3 for torch modules, with the same three "
+              "collectives."),
         run=sent_per_stage,
         figure=_timeline,
         checks=(Check("every rank sent exactly the closed form, every step, at every stage",
@@ -535,8 +536,10 @@ STEPS = (
         inputs={"psi_t": 1, "device": DEVICE_GB},
         predict=Predict("{psi_t:g} trillion parameters at 16 bytes each: how many ranks does ZeRO-3 alone "
                         "need to fit the model states in {device} GB per rank?", "need",
-                        misconceptions=((13, "that fits the weights alone (2 bytes each); gradients and "
-                                         "Adam's float32 state are 14 more bytes a parameter"),)),
+                        misconceptions=((25, "that fits the weights alone (2 bytes each); gradients and "
+                                         "Adam's float32 state are 14 more bytes a parameter"),
+                                        (13, "that counts a byte a parameter (1 TB); each takes 16 "
+                                         "bytes: 16 TB of model states"))),
         hint="Stage 3 divides all of it (weights, gradients, state) by the number of ranks: total / device.",
         try_this="dplab memory --params 1T --world-sizes 8,200 --stages 0,3",
         teaches=("beyond-dp",),

@@ -387,8 +387,9 @@ STEPS = (
               "Going from batch 8 to 32 cut the steps {first_gain:.1f}x; from {b_before:,} to {b_last:,} "
               "only {last_gain:.1f}x, while the samples (the compute) kept growing. McCandlish et al. "
               "model this as S = S_min (1 + B_crit/B): fitted here, S_min = {s_min:.0f} steps and the "
-              "**critical batch** B_crit = {b_crit:.0f}, near the B_simple of {b_simple:.0f} measured in "
-              "step 1 (they predict B_crit ≈ B_noise, which B_simple estimates). Below B_crit, more ranks "
+              "**critical batch** B_crit = {b_crit:.0f}, of the same order as the B_simple of "
+              "{b_simple:.0f} measured in step 1 ({ratio:.2g}x it: they predict B_crit ≈ B_noise, which "
+              "B_simple estimates, and both move as the loss falls). Below B_crit, more ranks "
               "(a larger global batch) buy fewer steps almost for free; "
               "above it they buy almost nothing and cost compute."),
         run=critical_batch,
@@ -426,7 +427,8 @@ STEPS = (
               "({past_broken:.0f}x it), where a bigger batch removes little more noise and the k-times "
               "larger lr overshoots."),
         run=linear_rule_breaks,
-        checks=(Check("up to k = 16 the linear rule keeps the held-out loss within 1.3x",
+        checks=(Check("up to k = {held_k}, and at least to 16, the linear rule keeps the held-out loss "
+                      "within 1.3x",
                       lambda f: f["held_k"] >= 16 and f["held_x"] < HELD),
                 Check("at k = {last_k} it is over 2x worse",
                       lambda f: f["last_x"] > BROKEN and f["broken_k"] <= f["last_k"])),

@@ -202,12 +202,14 @@ def tokens_and_mfu(lab):
     _warm()
     block = 32
     out = {"repeats": REPEATS, "n": N_MATMUL}
+    core = None                          # one core's peak, measured by the process alone: both divide by it
     for p, wrap, world in ((1, "none", lab.world(1)), (2, "ddp", lab.world(2, "torch"))):
         ranks = world.run(throughput, wrap, STEPS_PER_REPEAT, REPEATS, ROWS)
         peak = min(r[0] for r in ranks)             # each rank's own, the slower one
+        core = core or peak
         step_s = [max(r[1][k] for r in ranks) for k in range(REPEATS)]  # a step ends on its last rank
         tps = [ROWS * block / s for s in step_s]
-        mfu = [6 * N_MATMUL * t / (p * peak) for t in tps]
+        mfu = [6 * N_MATMUL * t / (p * core) for t in tps]
         # the same ratio by CPU time, per rank: FLOPs done over what the core could do in that time
         mfu_cpu = [6 * N_MATMUL * (ROWS // p) * block / (c * r[2]) for r in ranks for c in r[3]]
         out[p] = {"peak": peak, "tps": tps, "mfu": mfu, "mfu_cpu": mfu_cpu}
@@ -243,6 +245,7 @@ def two_word(one, two):
 
 def simulated_mfu():
     """14.3's numbers on the simulated H100s, as the text reads them."""
+    from dplab.lessons.chargpt import attention_flops_per_token
     sim = on_h100s()
     units, split = sim["units"], sim["split"]
     cfg, total = units.cfg, sum(sim["split"].values())
@@ -252,6 +255,9 @@ def simulated_mfu():
             "h100_ideal_tps": sim["peak"] / (6 * sim["n"]),
             "h100_step_ms": 1e3 * sim["step"][sim["p"]], "h100_tps": sim["tps"],
             "h100_mfu": 100 * sim["mfu"],
+            # Chowdhery et al. count attention's products too: 6 N + 12 L H Q T a token
+            "h100_attn_pct": 100 * attention_flops_per_token(cfg) / (6 * sim["n"]),
+            "h100_mfu_attn": 100 * sim["mfu"] * (1 + attention_flops_per_token(cfg) / (6 * sim["n"])),
             "h100_matmul_pct": 100 * split["matmul"] / total,
             "h100_memory_pct": 100 * split["memory"] / total,
             "h100_launch_pct": 100 * split["launch"] / total,
@@ -529,8 +535,10 @@ STEPS = (
               "(the embeddings are lookups).\n\n"
               "A matmul with a weight of N numbers costs 2 N FLOPs per token forward (a multiply and an "
               "add), and backward costs twice that (the gradient with respect to the input and to the "
-              "weight). So a token of training costs **6 N = {flops_per_token:,} FLOPs**. Attention "
-              "adds {attn_share:.1%} on top, which 6 N ignores. Untrained, the model guesses every "
+              "weight). So a token of training costs **6 N = {flops_per_token:,} FLOPs**. Attention's "
+              "two products (queries with keys, the weights with the values: 12·L·d·T a token over the "
+              "full T × T square this plain attention computes) add {attn_share:.1%} on top, which 6 N "
+              "ignores; they grow with the context T (step 3). Untrained, the model guesses every "
               "character about equally: its first loss is {first_loss:.3f}, against ln({vocab}) = "
               "{uniform:.3f} for a uniform guess."),
         run=a_real_model,
@@ -539,7 +547,10 @@ STEPS = (
                       lambda f: f["n_total"] == f["formula"]),
                 Check("the matmul parameters are the {n_matmul:,} this lesson uses for 6 N",
                       lambda f: f["n_matmul"] == N_MATMUL),
-                Check("attention's own FLOPs are under 5% of 6 N", lambda f: f["attn_share"] < 0.05),
+                Check("attention's own FLOPs, 12·L·d·T a token, are under 10% of 6 N at this context",
+                      lambda f: math.isclose(f["attn_share"] * 6 * f["n_matmul"],
+                                             12 * f["layers"] * f["d"] * f["block"])
+                      and f["attn_share"] < 0.10),
                 Check("the untrained loss is within 10% of ln(vocab)",
                       lambda f: abs(f["first_loss"] - f["uniform"]) < 0.1 * f["uniform"])),
         predict=Predict("The model has N = {n_matmul:,} parameters in matmuls. How many FLOPs does one token "
@@ -581,7 +592,8 @@ STEPS = (
     Step(
         title="Tokens per second on simulated H100s, and against this core's own matmul",
         text=("How good is a training speed? **Model FLOPs utilisation** (MFU, Chowdhery et al. 2022) "
-              "divides the FLOPs the model needs, 6 N per token, by the hardware's rated peak. A GPU has "
+              "divides the FLOPs the model needs per token by the hardware's rated peak: 6 N here, to "
+              "which Chowdhery et al. add attention's products, 12·L·d·T a token (step 1). A GPU has "
               "one on its datasheet; this machine's cores do not, so first a simulated cluster, then "
               "this machine.\n\n"
               "**On {h100_p} simulated H100s** (`{h100_cluster}`: {h100_device}, {h100_tflops:.1f} "
@@ -591,7 +603,9 @@ STEPS = (
               "takes every operation of a step from a run on meta tensors (shapes without data) and "
               "prices it at its roofline on the device: its FLOPs at the rated peak or its bytes at the "
               "memory bandwidth, whichever is slower. A step takes {h100_step_ms:.3g} ms: "
-              "{h100_tps:,.0f} tokens/s, an MFU of **{h100_mfu:.2g}%**. Of the operations' time, "
+              "{h100_tps:,.0f} tokens/s, an MFU of **{h100_mfu:.2g}%** by 6 N ({h100_mfu_attn:.2g}% "
+              "counting attention as Chowdhery et al. do: at a context of {h100_block:,} it adds "
+              "{h100_attn_pct:.0f}% to 6 N). Of the operations' time, "
               "{h100_matmul_pct:.0f}% goes to those bound by their FLOPs (the weights' matmuls) and "
               "{h100_memory_pct:.0f}% to those bound by memory bandwidth, {h100_score_pct:.0f}% of it on "
               "the attention's score matrix ({h100_rows} × {h100_heads} heads × {h100_block:,} × "
@@ -622,6 +636,10 @@ STEPS = (
                       lambda f: 0 < f["h100_mfu"] < 100 and math.isclose(
                           f["h100_mfu"], 100 * 6 * f["h100_n"] * f["h100_tps"]
                           / (f["h100_p"] * f["h100_tflops"] * 1e12), rel_tol=1e-9)),
+                Check("simulated: counting attention's 12·L·d·T a token raises the MFU by that share of 6 N",
+                      lambda f: math.isclose(f["h100_mfu_attn"], f["h100_mfu"] * (
+                          1 + 12 * f["h100_layers"] * f["h100_d"] * f["h100_block"] / (6 * f["h100_n"])),
+                          rel_tol=1e-9)),
                 Check("simulated: memory-bound operations take more of the step than the matmuls, "
                       "most of it on the score matrix",
                       lambda f: f["h100_memory_pct"] > f["h100_matmul_pct"] and f["h100_score_pct"] > 50),
@@ -630,6 +648,10 @@ STEPS = (
                 Check("this machine: matmul utilisation by CPU time, which other programs cannot inflate, "
                       "is below 100% in every repeat, on 1 and on 2 ranks",
                       lambda f: all(0 < m < 1 for p in (1, 2) for m in f[p]["mfu_cpu"])),
+                Check("this machine: each utilisation is the tokens/s over p times the {ideal_tps:,.0f} "
+                      "tokens/s one core's matmul allows",
+                      lambda f: math.isclose(f["mfu1"], 100 * f["tps1"] / f["ideal_tps"], rel_tol=1e-9)
+                      and math.isclose(f["mfu2"], 100 * f["tps2"] / (2 * f["ideal_tps"]), rel_tol=1e-9)),
                 Check("this machine: the text's word for two ranks against one is the repeats' own",
                       lambda f: f["two_word"] == two_word(f[1]["tps"], f[2]["tps"]))),
         predict=Predict("An H100 is rated at {h100_tflops:.1f} TFLOP/s in bfloat16. At 6 N FLOPs a token, "
@@ -680,7 +702,8 @@ STEPS = (
               "backward on half the batch ({extra_compute_ms:+.2g} ms: {rows_per_rank} tokens a "
               "rank took {half_pct:.0f}% of one process's time on the whole batch, where half the work "
               "would take 50%), plus the optimizer ({extra_opt_ms:+.2g} ms: every rank steps every "
-              "weight, as one process does). On the H100s each rank has a device of its own and the "
+              "weight, as one process does, the same work, so what differs there is the load's noise). "
+              "On the H100s each rank has a device of its own and the "
               "all-reduce has NVLink; here two ranks share two cores with other programs, the "
               "all-reduce runs on the same cores as the compute, and the optimizer does not shrink "
               "with the ranks."),

@@ -509,8 +509,9 @@ STEPS = (
               "{per_rank_diff:.3g} away from one device's (the sample {x_k:g} becomes {rank_k:.3f} "
               "on its rank, {one_k:.3f} on one device). SyncBatchNorm all-reduces each rank's sum, "
               "sum of squares and count, and every rank normalises with the whole batch's statistics: "
-              "within {synced_diff:diff} of one device. torch's own `nn.SyncBatchNorm` does this on "
-              "GPUs; on this CPU it says: \"{torch_says}\"."),
+              "within {synced_diff:diff} of one device. torch's own `nn.SyncBatchNorm` computes the "
+              "same statistics on GPUs, by another collective: it all-gathers each rank's mean, inverse "
+              "standard deviation and count, and combines them; on this CPU it says: \"{torch_says}\"."),
         run=batchnorm_statistics,
         inputs={"m0": -2.0, "m1": 2.0},
         checks=(Check("per-rank BatchNorm differs from one device's (by more than 0.5)",
@@ -602,8 +603,8 @@ STEPS = (
                       lambda f: f["held_on"] == 2 and f["held_off"] == 1)),
         predict=Predict("With prefetch, at most how many of the {layers} layers does a rank hold "
                         "whole at once?", "held_on", misconceptions=(
-                            (1, "one is FSDP without prefetch: the next layer's gather runs while "
-                                "this one computes, so both are whole"),
+                            (1, "one is FSDP without prefetch; with it, the next layer's gather "
+                                "runs while this one computes, so both are whole"),
                             (7, "all of them is plain data parallelism (or "
                                 "reshard_after_forward=False, next step); FSDP frees each layer "
                                 "after it has run"))),

@@ -300,3 +300,83 @@ def test_lesson_14_calls_its_utilisation_by_what_it_divides_by():
         "matmul utilisation" in step.text and "384 × 384" in step.text and "one thread" in step.text
     )
     assert "**MFU" not in step.text and "MFU" not in step.title
+
+
+def test_attention_flops_per_token_are_what_torch_counts_for_the_attention_products():
+    """chargpt's count said the full square, 2 · 2 · block · d forward per layer and three times
+    that with backward, but returned half of it: 14.1 read 2.7% on top of 6 N where the model's own
+    products (its bmm's, forward and backward) do 5.4%."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from dplab.lessons.chargpt import attention_flops_per_token
+    cfg = GPTConfig()
+    model, x = CharGPT(cfg), torch.zeros(2, cfg.block, dtype=torch.long)
+    with FlopCounterMode(display=False) as counter:
+        model(x, x).backward()
+    bmm = counter.get_flop_counts()["Global"][torch.ops.aten.bmm]
+    assert attention_flops_per_token(cfg) == bmm / x.numel() == 12 * cfg.layers * cfg.block * cfg.d
+    step = lesson(14).steps[0]
+    assert "12·L·d·T" in step.text and any("12·L·d·T" in c.claim for c in step.checks)
+
+
+def test_lesson_14_gives_mfu_also_as_chowdhery_et_al_count_it():
+    """14.3 credited MFU to Chowdhery et al. and divided 6 N alone; they add attention's
+    12 L H Q T a token, about a fifth more at GPT-2 small's context of 1,024."""
+    from dplab.lessons.l14_real_model import simulated_mfu
+    facts = simulated_mfu()
+    attention = 12 * facts["h100_layers"] * facts["h100_d"] * facts["h100_block"]
+    share = attention / (6 * facts["h100_n"])
+    assert math.isclose(facts["h100_attn_pct"], 100 * share, rel_tol=1e-12)
+    assert math.isclose(facts["h100_mfu_attn"], facts["h100_mfu"] * (1 + share), rel_tol=1e-12)
+    text = lesson(14).steps[2].text
+    assert "{h100_mfu_attn:.2g}%" in text and "Chowdhery et al. add attention" in text
+
+
+def test_lesson_14s_two_rank_utilisation_divides_by_the_core_peak_the_text_gives(monkeypatch):
+    """14.3 printed DDP's 1,514 tokens/s as 20% of two cores' matmul where the 29.6 GFLOP/s core it
+    gives makes it 5%: the two ranks divided by the peak they measured while sharing the cores."""
+    from dplab.lessons import l14_real_model as l14
+    one = [(30e9, [0.2, 0.25, 0.3], 31e9, [0.2, 0.2, 0.2])]
+    two = [(7e9, [0.3, 0.35, 0.4], 30e9, [0.15, 0.15, 0.15]),
+           (8e9, [0.3, 0.3, 0.3], 30e9, [0.1] * 3)]
+
+    class World:
+        def __init__(self, ranks):
+            self.ranks = ranks
+
+        def run(self, *args):
+            return self.ranks
+
+    class Lab:
+        def world(self, p, backend="local"):
+            return World(one if p == 1 else two)
+
+    monkeypatch.setattr(l14, "_warm", lambda: None)
+    monkeypatch.setattr(l14, "simulated_mfu", lambda: {})
+    f = l14.tokens_and_mfu(Lab())
+    assert math.isclose(f["mfu1"], 100 * f["tps1"] / f["ideal_tps"], rel_tol=1e-9)
+    assert math.isclose(f["mfu2"], 100 * f["tps2"] / (2 * f["ideal_tps"]), rel_tol=1e-9)
+    claims = [c for c in lesson(14).steps[2].checks if "one core's matmul allows" in c.claim]
+    assert len(claims) == 1 and claims[0].holds(f)
+
+
+def test_lesson_15_says_how_torchs_syncbatchnorm_gathers_its_statistics():
+    """15.3 said torch's nn.SyncBatchNorm 'does this' after describing an all-reduce of sums; torch
+    all-gathers each rank's mean, inverse std and count (batch_norm_gather_stats_with_counts)."""
+    import inspect
+
+    from torch.nn.modules._functions import SyncBatchNorm
+
+    source = inspect.getsource(SyncBatchNorm.forward)
+    assert "all_gather" in source and "batch_norm_gather_stats_with_counts" in source
+    text = lesson(15).steps[2].text
+    assert "`nn.SyncBatchNorm` does this" not in text
+    assert "all-gathers each rank's mean, inverse standard deviation and count" in text
+
+
+def test_lesson_15_prefetch_reply_of_one_says_prefetch_is_what_holds_two():
+    """15.6's reply to '1' read "one is FSDP without prefetch: the next layer's gather runs while
+    this one computes", as if that were FSDP without prefetch."""
+    step = lesson(15).steps[5]
+    said = step.predict.judge({"held_on": 2, "layers": 7}, "1").misconception
+    assert "without prefetch: the next" not in said and "without prefetch; with it" in said

@@ -397,3 +397,48 @@ def test_lesson_2_says_ncclss_channels_run_at_once():
     assert (
         "channels run at once" in text and "{channel_small_us:.0f} µs" in text and "queues" in text
     )
+
+
+def test_lesson_3_says_the_share_hierarchical_keeps_on_nvlink_from_its_schedule():
+    """3.4 said the hierarchical all-reduce 'keeps 7/8 of them on NVLink'; its schedule keeps 8/9
+    of its bytes inside the nodes at 64 GPUs (14/15 at 16): the share is filled from the
+    schedule."""
+    from dplab.reference.algorithms import allreduce_schedule
+    from dplab.reference.columns import columns
+
+    text = lesson(3).steps[3].text
+    assert "7/8" not in text and "{nvlink_64:.0%}" in text and "1/{g} piece" in text
+    t = columns(allreduce_schedule("hierarchical:8", 64))
+    assert abs((t.src // 8 == t.dst // 8).mean() - 8 / 9) < 1e-12
+    assert any("8/9" in c.claim for c in lesson(3).steps[3].checks)
+
+
+def test_lesson_4_says_what_model_it_simulates_rather_than_lesson_5s():
+    """4.2 ran 'lesson 5's transformer' on a DGX node, a model the learner meets a lesson later,
+    with its 1,024 tokens typed by hand: the step now says what the model is, from its facts."""
+    from dplab.lessons.l04_buckets import _dgx_facts
+
+    text = lesson(4).steps[1].text
+    assert "lesson 5's transformer" not in text and "1,024 tokens" not in text
+    assert "{dgx_tokens:,} tokens" in text and "{dgx_params:,}" in text
+    f = _dgx_facts()
+    assert f["dgx_params"] == f["dgx_blocks"] * 12 * f["dgx_width"] ** 2
+    assert f["dgx_grads"] == 2 * f["dgx_params"]      # bfloat16 gradients
+
+
+def test_lesson_2_gives_the_dgx_links_from_the_cluster_files_not_by_hand():
+    """2.7's text and 2.9's question typed NVLink's 450 GB/s and the NIC's 50 GB/s: they are now
+    the preset's and the simulated cluster's, which the steps' runs price with."""
+    import math
+
+    from dplab.lessons.l02_allreduce import DGX_GBPS
+    from dplab.reference.cluster import cluster
+
+    c = cluster("dgx-h100x2")
+    assert math.isclose(DGX_GBPS["dgx_nvlink_gbps"], 1e-9 / c.intra.beta, rel_tol=1e-12)
+    assert math.isclose(DGX_GBPS["dgx_nic_gbps"], 1e-9 / c.inter.beta, rel_tol=1e-12)
+    steps = lesson(2).steps
+    assert "450" not in steps[6].text and "{dgx_nvlink_gbps:.0f} GB/s" in steps[6].text
+    question = steps[8].predict.question
+    assert "450" not in question and "{dgx_nic_gbps:.0f} GB/s NIC" in question
+    assert steps[8].asks_before_run() and steps[6].asks_before_run()

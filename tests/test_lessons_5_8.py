@@ -397,3 +397,21 @@ def test_lesson_7_shows_loss_against_samples_and_what_a_delay_costs():
     assert [e.version for e in log] == [0, 0, 0, 0, 0, 1, 2, 3, 4]
     assert [e.worker for e in log[:4]] == [1, 2, 3, 1]
     assert "not in this session" in _run_delays_said([])
+
+
+def test_lesson_13_checks_the_linear_rule_up_to_the_k_its_text_names():
+    """13.3's text said the rule held up to k = {held_k} (64 in a run) while its check read 'up to
+    k = 16': the check names the k the run found, and the floor it holds it to."""
+    step = lesson(13).steps[2]
+    held = [c.claim for c in step.checks if "1.3x" in c.claim]
+    assert len(held) == 1 and "{held_k}" in held[0] and "at least to 16" in held[0]
+    assert "Up to k = {held_k}" in step.text
+
+
+def test_lesson_13_gives_b_crit_against_b_simple_as_the_ratio_its_check_bounds():
+    """13.2 called B_crit = 211 'near' a B_simple of 423, a factor its check only bounds by 4x:
+    the text gives the ratio and calls it the same order."""
+    step = lesson(13).steps[1]
+    assert "near the B_simple" not in step.text
+    assert "same order" in step.text and "{ratio:.2g}x it" in step.text
+    assert any("4x" in c.claim for c in step.checks)

@@ -427,3 +427,26 @@ def test_lesson_10_gives_zero_r_and_the_width_its_due():
     assert "ZeRO does not shard" not in step.title + step.text
     assert "ZeRO-R" in step.text and "offload" in step.text and "sequence length" in step.text
     assert "the width" in step.text
+
+
+def test_lesson_10_tells_torchs_fsdp_from_dplabs_wrapper():
+    """10.2 wrote "Torch's FSDP (dplab's backends/nn/fsdp.py)", as if torch's FSDP were dplab's
+    file: they are two implementations of stage 3, torch's and dplab's with its API."""
+    text = lesson(10).steps[1].text
+    assert "Torch's FSDP (dplab's" not in text
+    assert "torch's FSDP, and dplab's own wrapper" in text and "backends/nn/fsdp.py" in text
+
+
+def test_lesson_10_names_the_weights_alone_answer_where_it_lies():
+    """10.5 named 13 ranks 'the weights alone (2 bytes each)'; 1T weights at 2 bytes are 2,000 GB,
+    25 ranks of 80 GB: 13 is a byte a parameter."""
+    import math
+
+    step = lesson(10).steps[4]
+    psi, device = step.inputs["psi_t"] * 1e12, step.inputs["device"]
+    weights_alone = math.ceil(psi * 2 / (device * 1e9))
+    facts = {**step.inputs, "need": math.ceil(psi * 16 / (device * 1e9))}
+    assert (weights_alone, facts["need"]) == (25, 200)
+    said = step.predict.judge(facts, str(weights_alone))
+    assert not said.correct and "weights alone" in said.misconception
+    assert "a byte a parameter" in step.predict.judge(facts, "13").misconception
