@@ -24,7 +24,7 @@ from dplab.reference.schedule import chunk_bounds
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
-HEAVY = 'pytest -m "browser or hosts"'  # the tier the default pytest leaves out; .ci/run runs it
+HEAVY = 'pytest -m "slow or browser or hosts"'  # what the default pytest leaves out; .ci/run runs it
 FOLDERS = ("reference", "backends", "viz", "lessons")  # each maps its files in its own README.md
 DOCS = {path: path.read_text() for path in
         [ROOT / "README.md", *(ROOT / f / "README.md" for f in FOLDERS),
@@ -57,7 +57,8 @@ def test_the_install_and_test_commands_are_what_ci_runs():
     assert re.search(rf"^ *{re.escape(HEAVY)} *(#|$)", ci, re.M), f".ci/run must run {HEAVY} too"
     assert {"pytest", HEAVY} <= set(_first_block()), "the README shows both test commands"
     addopts = re.search(r'^addopts = "(.*)"', (ROOT / "pyproject.toml").read_text(), re.M).group(1)
-    assert "not browser and not hosts" in addopts, "the default pytest leaves out what HEAVY runs"
+    assert "not slow and not browser and not hosts" in addopts, \
+        "the default pytest leaves out what HEAVY runs"
 
 
 def _dplab_commands() -> list[str]:
