@@ -176,13 +176,22 @@ def registered_net(unused=False):
 
 def buffer_option():
     """The name of torch DDP's per-forward buffer broadcast switch
-    (broadcast_buffers; forward_sync_buffers from torch 2.13)."""
+    (broadcast_buffers, renamed forward_sync_buffers in a later torch)."""
     import inspect
 
     from torch.nn.parallel import DistributedDataParallel as DDP
     params = inspect.signature(DDP.__init__).parameters
     return ("forward_sync_buffers" if "forward_sync_buffers" in params
             else "broadcast_buffers")
+
+
+def renamed_in():
+    """The torch version whose DDP docstring deprecates ``broadcast_buffers`` (None: not said)."""
+    import re
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    found = re.search(r"broadcast_buffers \(.*?deprecated:: ([0-9.]+)", DDP.__doc__ or "", re.S)
+    return found and found.group(1)
 
 
 CAP = 16484     # bytes: one 64x64 float32 weight and a bias fit
@@ -244,7 +253,8 @@ def inside_ddp(lab):
             "unused_error": r0["default"], "find": r0["find"],
             "static": r0["static"], "option": buffer_option(),
             "renamed": "" if buffer_option() == "broadcast_buffers"
-            else ", called `broadcast_buffers` before torch 2.13",
+            else f", called `broadcast_buffers` before torch {renamed_in()}"
+            if renamed_in() else ", formerly `broadcast_buffers`",
             "stamp_on": r1["stamp_True"], "stamp_off": r1["stamp_False"],
             "stamp_0": r0["stamp_True"]}
 

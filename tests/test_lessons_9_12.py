@@ -450,3 +450,20 @@ def test_lesson_10_names_the_weights_alone_answer_where_it_lies():
     said = step.predict.judge(facts, str(weights_alone))
     assert not said.correct and "weights alone" in said.misconception
     assert "a byte a parameter" in step.predict.judge(facts, "13").misconception
+
+
+def test_12_3_takes_the_renaming_torch_version_from_torchs_own_docstring():
+    """12.3 says which torch renamed ``broadcast_buffers``: read from DDP's docstring, not typed."""
+    import re
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from dplab.lessons import l12_engines
+
+    after = (DDP.__doc__ or "").split("broadcast_buffers (")[-1]
+    said = re.search(r"deprecated:: ([0-9.]+)", after)
+    if l12_engines.buffer_option() == "forward_sync_buffers" and said:
+        assert l12_engines.renamed_in() == said.group(1)
+    lessons = Path(l12_engines.__file__).parent
+    source = "\n".join(p.read_text() for p in lessons.glob("l[0-9][0-9]_*.py"))
+    assert not re.search(r"torch [0-9]+\.[0-9]+", source), "a torch version typed by hand"
