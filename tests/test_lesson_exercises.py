@@ -65,7 +65,7 @@ STUB_SAYS = {
     "sharded_clip": ["each rank clipped by the norm of its own shard"],
     "zero2_step": [r"at p=1: in step 0 rank 0 held [\d.]+ KiB at its peak, 1\d\d% of the whole "
                    r"gradient",
-                   "ZeRO-1's pattern"],
+                   "you reduced each layer as backward yielded it but kept its whole buffer"],
 }
 
 

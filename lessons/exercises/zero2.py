@@ -229,6 +229,12 @@ def _too_much_memory(run: list[dict[str, Any]], sizes: list[int], p: int) -> str
                         "reduce_scatter(comm, g) returns a view of your chunk inside g, and a view "
                         "(or g itself) kept in a list or a dict holds all of g until the step "
                         "ends. Copy the chunk into shard[layer][:] and keep nothing of g")
+            if rank["reduced_during"][t]:
+                return (f"{said}: you reduced each layer as backward yielded it but kept its "
+                        "whole buffer (g, kept in a list or a dict, holds the layer's whole sum "
+                        "until the step ends), which is plain data parallelism's memory. "
+                        "Reduce-scatter g, copy your chunk into shard[layer][:] and keep nothing "
+                        "of g")
             return (f"{said}: every layer's gradient buffer stayed alive until after backward. "
                     "Reduce-scatter each layer as backward yields it, keep your chunk in "
                     "shard[layer] and drop the buffer (del g) before the next; collecting the "
@@ -247,7 +253,8 @@ def collect_zero2(file: Path, inputs: dict[str, Any], out: dict[str, Any], deadl
         done = run_ranks(_rank, p, (str(file), _CFG, deadline), file, "zero2_step", TIMEOUT_S)
         runs.append([{"after": [base64.b64encode(a.tobytes()).decode() for a in rank["after"]],
                       "sent": rank["sent"], "called": rank["called"], "peak": rank["peak"],
-                      "views": rank["views"], "during": rank["during"]} for rank in done])
+                      "views": rank["views"], "during": rank["during"],
+                      "reduced_during": rank["reduced_during"]} for rank in done])
 
 
 def _rank(comm: Any, file: str, cfg: TrainConfig, deadline: float) -> dict[str, Any]:
@@ -264,7 +271,7 @@ def _rank(comm: Any, file: str, cfg: TrainConfig, deadline: float) -> dict[str, 
     own = [chunk_bounds(n, comm.world_size)[comm.rank] for n in sizes]
     shards = [np.zeros(b - a, dtype=init.dtype) for a, b in own]
     optimizer = ShardOptimizer(cfg.optimizer, sizes, comm.rank, comm.world_size, init.dtype)
-    after, sent, called, peak, views, during = [], [], [], [], [], []
+    after, sent, called, peak, views, during, reduced_during = [], [], [], [], [], [], []
     traffic = Traffic.install(comm)
     tampered = ""
     tracemalloc.start()
@@ -288,6 +295,7 @@ def _rank(comm: Any, file: str, cfg: TrainConfig, deadline: float) -> dict[str, 
         sent.append(traffic.sent)
         # a reduce-scatter called before backward had yielded every layer: ZeRO-2's interleaving
         during.append(any(k == "reduce_scatter" and n < len(sizes) for k, n in traffic.marks))
+        reduced_during.append(any(n < len(sizes) for _, n in traffic.marks))  # any collective
         called.append(dict(traffic.called))
         views.extend(i for i, s in enumerate(shard_list)
                      if s is not shards[i] and isinstance(s, np.ndarray) and s.base is not None)
@@ -302,6 +310,7 @@ def _rank(comm: Any, file: str, cfg: TrainConfig, deadline: float) -> dict[str, 
         "peak": peak,
         "views": sorted(set(views)),
         "during": during,
+        "reduced_during": reduced_during,
         "patched": patched_since(before, Path(file)),
         "tampered": tampered,
     }
