@@ -110,12 +110,18 @@ def _together(fn: Any, cores: int) -> list[Any]:
     return results
 
 
-def _copy(ready: Any = None, nbytes: int = 64 * MIB) -> float:
-    """Seconds of the best of 9 ``np.copyto`` of ``nbytes`` (float64)."""
+def _copy(ready: Any = None, nbytes: int = 64 * MIB, seconds: float = 0.5) -> float:
+    """Seconds per ``np.copyto`` of ``nbytes`` (float64): the mean over a window of ``seconds``
+    (processes started together copy side by side for all of it, none alone at the end)."""
     x, y = np.ones(nbytes // 8), np.zeros(nbytes // 8)
+    np.copyto(x, y)
     if ready is not None:
         ready()
-    return _best(lambda: np.copyto(x, y), reps=9)
+    n, t0 = 0, time.perf_counter()
+    while (took := time.perf_counter() - t0) < seconds:
+        np.copyto(x, y)
+        n += 1
+    return took / n
 
 
 def _mlp_step(ready: Any = None) -> tuple[float, list[tuple[float, float]]]:
@@ -342,7 +348,7 @@ def measure() -> dict[str, Any]:
             f"{rates['float32'] / 1e9:.2f} GFLOP/s (a plain 32x2048 @ 2048x2048 matmul alone: "
             f"{matmul['float32'] / 1e9:.2f} GFLOP/s, best of 7)",
             f"memory: a 64 MiB np.copyto in each of {cores} processes at once, "
-            f"{moved_s / 1e9:.2f} GB/s moved (read and write, best of 9; "
+            f"{moved_s / 1e9:.2f} GB/s moved (read and write, the mean over 0.5 s; "
             f"{2 * 64 * MIB / alone_copy / 1e9:.2f} GB/s alone); a 4-element np.add "
             f"{op_s * 1e6:.2f} us (op_overhead_us)",
             f"past the cache: a last-level cache of {cache / MIB:g} MiB ({_CACHE}); a collective "
