@@ -29,6 +29,8 @@ A file is JSON (or TOML on Python >= 3.11); every number carries its unit in its
     on_device = false                  # optional: true = a message is the receiver's device's copy
     cache_mib = 32                     # optional, with past_cache_gb_s: a collective whose buffers
     past_cache_gb_s = 5                # on a node fill the cache moves its bytes at this rate
+    crowded_alpha_us = {ring = 130}    # optional: an algorithm's alpha while a node's ranks
+                                       # outnumber its devices (they sleep and take turns)
     switch_reduces = false             # optional: the switch adds (NVLS, reference/nvls.py)
     [links.intra.algorithms]           # optional: an algorithm whose messages cost otherwise, as
     native = {alpha_us = 4, bandwidth_gb_s = 30}   # dplab tune fits it alone (gamma folded in)
@@ -118,7 +120,10 @@ class Link:
     from memory once they do not: a message of a collective whose buffers on the node (every
     rank's) fill ``cache_bytes`` or more costs ``past_cache_beta`` per byte instead of its beta (0:
     no cache, beta at every size; buffers that fill it cannot all stay, beside the code and the
-    transport's own data). The cost model reads neither."""
+    transport's own data). ``crowded``: (name, alpha) of algorithms whose messages cost another
+    alpha while the ranks of a world on the receiver's node outnumber its devices (processes on
+    fewer cores: a waiting rank sleeps rather than spins, and the operating system must wake it
+    and give it a core). The cost model reads none of these."""
 
     alpha: float
     beta: float
@@ -129,6 +134,7 @@ class Link:
     switch_reduces: bool = False
     cache_bytes: float = 0.0
     past_cache_beta: float = 0.0
+    crowded: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
         if not (self.alpha >= 0 and self.beta >= 0):
@@ -147,7 +153,8 @@ class Link:
         return replace(self, alpha=self.alpha * factor, beta=self.beta * factor,
                        algorithms=tuple((k, a * factor, b * factor)
                                         for k, a, b in self.algorithms),
-                       past_cache_beta=self.past_cache_beta * factor)
+                       past_cache_beta=self.past_cache_beta * factor,
+                       crowded=tuple((k, a * factor) for k, a in self.crowded))
 
     def beta_at(self, footprint: float) -> float:
         """Seconds per byte of a message whose collective works on ``footprint`` bytes on the
@@ -163,20 +170,26 @@ class Link:
             return self.past_cache_beta
         return self.beta
 
-    def for_algorithm(self, algorithm: str) -> Link:
+    def for_algorithm(self, algorithm: str, crowded: bool = False) -> Link:
         """This link as ``algorithm``'s messages see it: its own fitted terms where it has some.
 
         Args:
             algorithm: an all-reduce's name ("ring", "native", ...), or "" for other messages.
+            crowded: the ranks on the receiver's node outnumber its devices: the algorithm's
+                ``crowded`` alpha, where the link has one.
 
         Returns:
             A ``Link`` with that algorithm's alpha and beta (and no algorithms of its own), or
             this link unchanged.
         """
+        link = self
         for name, alpha, beta in self.algorithms:
             if name == algorithm:
-                return replace(self, alpha=alpha, beta=beta, algorithms=())
-        return self
+                link = replace(self, alpha=alpha, beta=beta, algorithms=())
+        for name, alpha in self.crowded if crowded else ():
+            if name == algorithm:
+                link = replace(link, alpha=alpha)
+        return link
 
     def folds_gamma(self, algorithm: str) -> bool:
         """Whether ``algorithm`` has fitted terms here, whose beta includes its reductions."""
@@ -351,7 +364,7 @@ _TOP = {
 _HOST = {"threads", "per_thread_us"}
 _DEVICE = {"name", "tflop_s", "memory_gb", "memory_gb_s", "op_overhead_us"}
 _LINK = {"name", "alpha_us", "bandwidth_gb_s", "ranks_per_port", "on_device", "algorithms",
-         "switch_reduces", "cache_mib", "past_cache_gb_s"}
+         "switch_reduces", "cache_mib", "past_cache_gb_s", "crowded_alpha_us"}
 _TERMS = {"alpha_us", "bandwidth_gb_s"}
 _STRAGGLER = {"rank", "compute", "link"}
 
@@ -424,6 +437,12 @@ def _link(where: str, k: Any) -> Link:
     if "cache_mib" in k or "past_cache_gb_s" in k:  # one without the other: the missing one named
         cache = _number(f"{where}.cache_mib", k.get("cache_mib")) * (1 << 20)
         past = 1 / (_number(f"{where}.past_cache_gb_s", k.get("past_cache_gb_s")) * 1e9)
+    given = k.get("crowded_alpha_us", {})
+    names = set(given) if isinstance(given, dict) else set()
+    crowded = tuple((str(name), _number(f"{where}.crowded_alpha_us.{name}", alpha,
+                                        positive=False) / 1e6)
+                    for name, alpha in sorted(_table(f"{where}.crowded_alpha_us", given, names,
+                                                     ()).items()))
     return Link(
         _number(f"{where}.alpha_us", k["alpha_us"], positive=False) / 1e6,
         1 / (bandwidth * 1e9),
@@ -434,6 +453,7 @@ def _link(where: str, k: Any) -> Link:
         reduces,
         cache,
         past,
+        crowded,
     )
 
 

@@ -142,6 +142,9 @@ def test_a_cache_without_its_rate_past_it_says_which_is_missing():
     doc["links"]["intra"] |= {"cache_mib": -1, "past_cache_gb_s": 5}
     with pytest.raises(ConfigError, match=r"links.intra.cache_mib is -1"):
         cluster_from_dict(doc, "c")
+    doc["links"]["intra"] |= {"cache_mib": 32, "crowded_alpha_us": {"ring": -3}}
+    with pytest.raises(ConfigError, match=r"links.intra.crowded_alpha_us.ring is -3"):
+        cluster_from_dict(doc, "c")
 
 
 def test_the_calibration_runs_a_measurement_on_every_core_at_once(tmp_path):
@@ -157,3 +160,42 @@ def test_the_calibration_runs_a_measurement_on_every_core_at_once(tmp_path):
     assert len(set(pids)) == 2 and os.getpid() not in pids
     assert machine._mid([3.0, 1.0, 2.0]) == 2.0 and machine._mid([1.0, 2.0]) == 2.0
     assert machine._cache_bytes() > 0
+
+
+def test_an_algorithm_pays_its_crowded_alpha_once_ranks_outnumber_the_cores():
+    doc = _cores(True, {"tree": {"alpha_us": 3, "bandwidth_gb_s": 5}})
+    doc["links"]["intra"]["crowded_alpha_us"] = {"ring": 50, "tree": 30}
+    c, plain = cluster_from_dict(doc), cluster_from_dict(_cores(True, {"tree": {
+        "alpha_us": 3, "bandwidth_gb_s": 5}}))
+    assert c.intra.for_algorithm("ring", crowded=True).alpha == pytest.approx(50e-6)
+    tree = c.intra.for_algorithm("tree", crowded=True)
+    assert (tree.alpha, tree.beta) == (pytest.approx(30e-6), pytest.approx(1 / 5e9))
+    assert c.intra.for_algorithm("direct", crowded=True).alpha == pytest.approx(10e-6)
+    # 2 ranks on 2 cores: as without; 4 on 2: every message dearer, with real data as timing only
+    for alg in ("ring", "tree"):
+        two, four = (collective_time(c, p, alg, MIB).seconds for p in (2, 4))
+        assert two == collective_time(plain, 2, alg, MIB).seconds
+        assert four > collective_time(plain, 4, alg, MIB).seconds
+    assert collective_time(c, 4, "ring", MIB).seconds == pytest.approx(
+        launch(_ring, 4, backend="sim", cluster=c, args=(MIB,))[0])
+    assert c.intra.slowed(2).crowded == (("ring", pytest.approx(100e-6)),
+                                         ("tree", pytest.approx(60e-6)))
+
+
+def test_the_crowded_alpha_is_the_one_at_which_the_simulator_gives_the_measured_time(monkeypatch):
+    from dplab.backends.cli import commands
+    from dplab.backends.sim import machine
+
+    doc = _cores(True)
+    truth = json.loads(json.dumps(doc))
+    truth["links"]["intra"]["crowded_alpha_us"] = {"ring": 42, "native": 7}
+    made = cluster_from_dict(truth)
+    rows = [{"algorithm": a, "world_size": 4, "bytes": n,
+             "time_us": collective_time(made, 4, a, n).seconds * 1e6}
+            for a in ("ring", "native") for n in (65536, 262144)]
+    rows.append({"algorithm": "memcpy", "world_size": 4, "bytes": 65536, "time_us": 1.0})
+    monkeypatch.setattr(commands, "bench_argv", lambda argv: rows)
+    alphas, measured = machine._crowded(doc, 4)
+    assert alphas == {"ring": pytest.approx(42e-6, rel=1e-6), "native": pytest.approx(7e-6,
+                                                                                     rel=1e-6)}
+    assert sorted(measured) == ["native", "ring"] and len(measured["ring"]) == 2

@@ -26,7 +26,10 @@ sources), on a machine that is usually shared with other work:
   64 MiB ``np.copyto`` in one process per core at once, which a message of a collective whose
   buffers fill the cache moves its bytes at (a copy or an in-place sum reads and writes each
   byte from memory then); that copy's rate (2n bytes moved) is also the memory-bound operations'
-  roofline.
+  roofline;
+- crowded: 2 ranks a core (the local transport's waiting ranks sleep, and the OS wakes each and
+  gives it a core, at every message), each algorithm's alpha at which the simulator on the terms
+  above gives what ``dplab bench`` measures at ``CROWDED_SIZES`` (below every validation size).
 
 What it predicts is the rest: 1 to 64 MiB all-reduces at 2 ranks and 4 ranks on the 2 cores,
 the reference recipe's and DDP's steps on 2 and 4 ranks.
@@ -48,6 +51,7 @@ __all__ = ["measure", "main"]
 
 MIB = 1 << 20
 SIZES = "64K,256K,1M,4M"  # 2 ranks' buffers within the last-level cache (32 MiB here)
+CROWDED_SIZES = "64K,256K"  # 2 ranks a core, at sizes where a message's alpha is most of it
 ALGORITHMS = ("ring", "tree", "direct", "native")
 
 
@@ -266,6 +270,40 @@ def _link() -> tuple[float, float, dict[str, tuple[float, float, float]]]:
     return f.alpha, f.beta, each
 
 
+def _crowded(preset: dict[str, Any], ranks: int) -> tuple[dict[str, float], dict[str, list]]:
+    """Each algorithm's alpha while ``ranks`` local ranks share fewer cores: ``dplab bench`` at
+    ``CROWDED_SIZES``, then the alpha at which the simulator on ``preset`` gives each measured time
+    (by bisection), their geometric mean; and the measured seconds by algorithm."""
+    from dplab.backends.cli.commands import bench_argv
+    from dplab.backends.sim.timing import collective_time
+    from dplab.reference.cluster import cluster_from_dict
+
+    rows = bench_argv(["--backends", "local", "--world-sizes", str(ranks), "--sizes",
+                       CROWDED_SIZES, "--algorithms", ",".join(ALGORITHMS), "--reps", "3",
+                       "--target-seconds", "0.2"])
+    measured: dict[str, list] = {}
+    for r in rows:
+        if r["algorithm"] in ALGORITHMS:
+            measured.setdefault(r["algorithm"], []).append((r["bytes"], r["time_us"] * 1e-6))
+
+    def simulated(algorithm: str, alpha: float, nbytes: int) -> float:
+        doc = json.loads(json.dumps(preset))
+        doc["links"]["intra"]["crowded_alpha_us"] = {algorithm: alpha * 1e6}
+        return collective_time(cluster_from_dict(doc), ranks, algorithm, nbytes).seconds
+
+    alphas = {}
+    for algorithm, cells in measured.items():
+        found = []
+        for nbytes, seconds in cells:
+            lo, hi = 0.0, 0.1
+            for _ in range(40):  # the simulated time grows with alpha
+                mid = (lo + hi) / 2
+                lo, hi = (mid, hi) if simulated(algorithm, mid, nbytes) < seconds else (lo, mid)
+            found.append(max(hi, 1e-9))
+        alphas[algorithm] = float(np.exp(np.mean(np.log(found))))
+    return alphas, {k: [t for _, t in cells] for k, cells in measured.items()}
+
+
 def measure() -> dict[str, Any]:
     """The ``this-machine`` cluster, measured now (about a minute on two cores).
 
@@ -298,9 +336,7 @@ def measure() -> dict[str, Any]:
     cache = _cache_bytes()
     alpha, beta, each = _link()
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    load = ", ".join(f"{v:.2f}" for v in os.getloadavg())
-    return {
+    preset = {
         "name": "this-machine",
         "nodes": 1,
         "ranks_per_node": 64,
@@ -328,6 +364,13 @@ def measure() -> dict[str, Any]:
             }
         },
         "reduce_gb_s": round(moved_s / 1e9, 3),
+    }
+    crowded, measured = _crowded(preset, 2 * cores)
+    preset["links"]["intra"]["crowded_alpha_us"] = {
+        k: round(a * 1e6, 2) for k, a in sorted(crowded.items())}
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    load = ", ".join(f"{v:.2f}" for v in os.getloadavg())
+    return preset | {
         "sources": [
             f"measured by python -m dplab.backends.sim.machine on {when}: load average "
             f"{load_before:.2f} before, {load} (1, 5, 15 min) after, {cores} cores, "
@@ -363,6 +406,12 @@ def measure() -> dict[str, Any]:
                         f"{res:.0%}" for k, (a, b, res) in sorted(each.items()))
             + "; a message is its receiver's copy (or sum) out of the sender's shared memory, "
             "on the receiver's core",
+            f"crowded: {2 * cores} local ranks on the {cores} cores (a waiting rank sleeps, the "
+            f"OS wakes it and gives it a core), dplab bench at {CROWDED_SIZES} (--reps 3): each "
+            "algorithm's alpha (crowded_alpha_us) is the one at which the simulator on the terms "
+            "above gives what was measured (the geometric mean over sizes): "
+            + "; ".join(f"{k} {', '.join(f'{t * 1e6:.0f}' for t in ts)} us measured"
+                        for k, ts in sorted(measured.items())),
         ],
         "note": "Measured on a shared virtual machine: rerun on a quiet machine, or on yours.",
     }

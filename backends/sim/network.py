@@ -8,7 +8,8 @@ sender's tx port and the receiver's rx port of that link for alpha + m beta, bot
 stream: nothing is buffered in the network); a link ``on_device`` holds the receiving rank's device
 instead (a copy on shared memory or on one GPU, which queues with that device's compute), at the
 link's beta while the collective's buffers on the node fit its cache and at ``past_cache_beta``
-once they do not (``Link.beta_at``: the copies then run from memory).
+once they do not (``Link.beta_at``: the copies then run from memory); while a world's ranks on a
+node outnumber its devices, at an algorithm's ``crowded`` alpha where the link names one.
 
 Queue, not share. Messages that want one port wait their turn (``engine``: first eligible first,
 then by rank distance), each at the port's full bandwidth. That is the cost model's per-port sum
@@ -288,7 +289,8 @@ class Network:
         """The link between two ranks (alpha, beta, for ``algorithm``'s messages), the resources a
         message on it holds, and whether its host work runs ahead of the device (ranks as threads):
         made once per pair and algorithm; last, the link itself (its cache)."""
-        link = self.cluster.link(src, dst).for_algorithm(algorithm)
+        crowded = self.node_ranks[dst] > self.cluster.devices_per_node
+        link = self.cluster.link(src, dst).for_algorithm(algorithm, crowded)
         level = "intra" if self.cluster.node_of(src) == self.cluster.node_of(dst) else "inter"
         if link.on_device:
             resources = [self.devices[dst]]
