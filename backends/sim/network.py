@@ -27,6 +27,7 @@ bitwise those of the local backend. Timing-only posts carry a byte count and no 
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -121,7 +122,8 @@ class Network:
         self._recvs: dict[tuple[int, int], list[Post]] = {}  # (dst, tag) -> unmatched receives
         self.bytes_moved = 0
         nodes = [cluster.node_of(r) for r in range(world_size)]
-        self.node_ranks = [nodes.count(n) for n in nodes]  # ranks of this world on r's node
+        count = Counter(nodes)
+        self.node_ranks = [count[n] for n in nodes]  # ranks of this world on r's node
 
     # -- posting ---------------------------------------------------------------------------------
     def send(
