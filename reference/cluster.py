@@ -27,6 +27,10 @@ A file is JSON (or TOML on Python >= 3.11); every number carries its unit in its
     bandwidth_gb_s = 25                # each way, per port
     ranks_per_port = 1                 # optional: 4 = one port shared by 4 ranks (one NIC per node)
     on_device = false                  # optional: true = a message is the receiver's device's copy
+    cache_mib = 32                     # optional, with past_cache_gb_s: a collective whose buffers
+    past_cache_gb_s = 5                # on a node fill the cache moves its bytes at this rate
+    crowded_alpha_us = {ring = 130}    # optional: an algorithm's alpha while a node's ranks
+                                       # outnumber its devices (they sleep and take turns)
     switch_reduces = false             # optional: the switch adds (NVLS, reference/nvls.py)
     [links.intra.algorithms]           # optional: an algorithm whose messages cost otherwise, as
     native = {alpha_us = 4, bandwidth_gb_s = 30}   # dplab tune fits it alone (gamma folded in)
@@ -111,7 +115,15 @@ class Link:
     backend's one-shot ``native``), as ``dplab tune`` fits each alone, a reduction's gamma folded
     into beta. The cost model reads only alpha and beta. ``switch_reduces``: the link's switch can
     add what the ranks send it (NVLink SHARP on an NVSwitch): NVLS is priced on it
-    (``dplab.reference.nvls``); schedules ignore it."""
+    (``dplab.reference.nvls``); schedules ignore it. ``cache_bytes``, ``past_cache_beta``: a copy
+    on shared memory runs from the last-level cache while the buffers it works on fit there, and
+    from memory once they do not: a message of a collective whose buffers on the node (every
+    rank's) fill ``cache_bytes`` or more costs ``past_cache_beta`` per byte instead of its beta (0:
+    no cache, beta at every size; buffers that fill it cannot all stay, beside the code and the
+    transport's own data). ``crowded``: (name, alpha) of algorithms whose messages cost another
+    alpha while the ranks of a world on the receiver's node outnumber its devices (processes on
+    fewer cores: a waiting rank sleeps rather than spins, and the operating system must wake it
+    and give it a core). The cost model reads none of these."""
 
     alpha: float
     beta: float
@@ -120,6 +132,9 @@ class Link:
     name: str = ""
     algorithms: tuple[tuple[str, float, float], ...] = ()
     switch_reduces: bool = False
+    cache_bytes: float = 0.0
+    past_cache_beta: float = 0.0
+    crowded: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
         if not (self.alpha >= 0 and self.beta >= 0):
@@ -137,22 +152,44 @@ class Link:
             return self
         return replace(self, alpha=self.alpha * factor, beta=self.beta * factor,
                        algorithms=tuple((k, a * factor, b * factor)
-                                        for k, a, b in self.algorithms))
+                                        for k, a, b in self.algorithms),
+                       past_cache_beta=self.past_cache_beta * factor,
+                       crowded=tuple((k, a * factor) for k, a in self.crowded))
 
-    def for_algorithm(self, algorithm: str) -> Link:
+    def beta_at(self, footprint: float) -> float:
+        """Seconds per byte of a message whose collective works on ``footprint`` bytes on the
+        receiver's node: ``past_cache_beta`` once they fill the cache, else beta.
+
+        Args:
+            footprint: the bytes of every rank's buffer on the node (0: unknown, in cache).
+
+        Returns:
+            The link's seconds per byte at that footprint.
+        """
+        if self.cache_bytes and footprint >= self.cache_bytes:
+            return self.past_cache_beta
+        return self.beta
+
+    def for_algorithm(self, algorithm: str, crowded: bool = False) -> Link:
         """This link as ``algorithm``'s messages see it: its own fitted terms where it has some.
 
         Args:
             algorithm: an all-reduce's name ("ring", "native", ...), or "" for other messages.
+            crowded: the ranks on the receiver's node outnumber its devices: the algorithm's
+                ``crowded`` alpha, where the link has one.
 
         Returns:
             A ``Link`` with that algorithm's alpha and beta (and no algorithms of its own), or
             this link unchanged.
         """
+        link = self
         for name, alpha, beta in self.algorithms:
             if name == algorithm:
-                return replace(self, alpha=alpha, beta=beta, algorithms=())
-        return self
+                link = replace(self, alpha=alpha, beta=beta, algorithms=())
+        for name, alpha in self.crowded if crowded else ():
+            if name == algorithm:
+                link = replace(link, alpha=alpha)
+        return link
 
     def folds_gamma(self, algorithm: str) -> bool:
         """Whether ``algorithm`` has fitted terms here, whose beta includes its reductions."""
@@ -327,7 +364,7 @@ _TOP = {
 _HOST = {"threads", "per_thread_us"}
 _DEVICE = {"name", "tflop_s", "memory_gb", "memory_gb_s", "op_overhead_us"}
 _LINK = {"name", "alpha_us", "bandwidth_gb_s", "ranks_per_port", "on_device", "algorithms",
-         "switch_reduces"}
+         "switch_reduces", "cache_mib", "past_cache_gb_s", "crowded_alpha_us"}
 _TERMS = {"alpha_us", "bandwidth_gb_s"}
 _STRAGGLER = {"rank", "compute", "link"}
 
@@ -396,6 +433,16 @@ def _link(where: str, k: Any) -> Link:
     reduces = k.get("switch_reduces", False)
     if not isinstance(reduces, bool):
         raise ConfigError(f"{where}.switch_reduces is {reduces!r}: it must be true or false")
+    cache = past = 0.0
+    if "cache_mib" in k or "past_cache_gb_s" in k:  # one without the other: the missing one named
+        cache = _number(f"{where}.cache_mib", k.get("cache_mib")) * (1 << 20)
+        past = 1 / (_number(f"{where}.past_cache_gb_s", k.get("past_cache_gb_s")) * 1e9)
+    given = k.get("crowded_alpha_us", {})
+    names = set(given) if isinstance(given, dict) else set()
+    crowded = tuple((str(name), _number(f"{where}.crowded_alpha_us.{name}", alpha,
+                                        positive=False) / 1e6)
+                    for name, alpha in sorted(_table(f"{where}.crowded_alpha_us", given, names,
+                                                     ()).items()))
     return Link(
         _number(f"{where}.alpha_us", k["alpha_us"], positive=False) / 1e6,
         1 / (bandwidth * 1e9),
@@ -404,6 +451,9 @@ def _link(where: str, k: Any) -> Link:
         str(k.get("name", "")),
         tuple(terms),
         reduces,
+        cache,
+        past,
+        crowded,
     )
 
 

@@ -97,3 +97,105 @@ def test_the_parameter_servers_update_takes_time_on_its_device(tmp_path):
     want = sum(max(f / 1e10, b / 10e9) for f, b in ops)
     assert applies and all(
         (e["t_end_ns"] - e["t_start_ns"]) == pytest.approx(want * 1e9, abs=2) for e in applies)
+
+
+def test_a_collective_whose_buffers_fill_the_cache_moves_its_bytes_at_the_memorys_rate():
+    n, alpha, gamma = 4 * MIB, 10e-6, 1 / 4e9
+    doc = _cores(True)
+    doc["links"]["intra"] |= {"cache_mib": 16, "past_cache_gb_s": 0.5}
+    c = cluster_from_dict(doc)
+    link = c.intra
+    assert link.cache_bytes == 16 * MIB and link.past_cache_beta == pytest.approx(1 / 0.5e9)
+    assert link.beta_at(16 * MIB - 1) == link.beta and link.beta_at(16 * MIB) == 2e-9
+    # ring on 2 ranks: two messages of n / 2 each way, gamma on the half each rank reduces; the
+    # node holds 2 buffers of n: within the cache at 4 MiB, past it at 8 MiB (2 x 8 = 16 MiB)
+    ring = lambda n, beta: 2 * (alpha + n / 2 * beta) + n / 2 * gamma  # noqa: E731
+    assert collective_time(c, 2, "ring", n).seconds == pytest.approx(ring(n, 1 / 2e9))
+    assert collective_time(c, 2, "ring", 2 * n).seconds == pytest.approx(ring(2 * n, 2e-9))
+    # 4 ranks of 4 MiB fill it too; the same schedule with real data costs the same
+    assert collective_time(c, 4, "ring", n).seconds == pytest.approx(
+        launch(_ring, 4, backend="sim", cluster=c, args=(n,))[0])
+    assert launch(_ring, 2, backend="sim", cluster=c, args=(2 * n,))[0] == pytest.approx(
+        ring(2 * n, 2e-9))
+    # a straggler's link is slower past the cache too
+    assert link.slowed(2).past_cache_beta == pytest.approx(4e-9)
+
+
+def _ring(comm, nbytes):
+    import numpy as np
+
+    from dplab.backends.fastpath.executor import allreduce
+
+    buf = np.ones(nbytes // 4, np.float32)
+    t0 = comm.now()
+    allreduce(comm, buf, "ring")
+    return comm.now() - t0
+
+
+def test_a_cache_without_its_rate_past_it_says_which_is_missing():
+    from dplab.reference.errors import ConfigError
+
+    doc = _cores(True)
+    doc["links"]["intra"]["cache_mib"] = 32
+    with pytest.raises(ConfigError, match=r"links.intra.past_cache_gb_s is missing"):
+        cluster_from_dict(doc, "c")
+    doc["links"]["intra"] |= {"cache_mib": -1, "past_cache_gb_s": 5}
+    with pytest.raises(ConfigError, match=r"links.intra.cache_mib is -1"):
+        cluster_from_dict(doc, "c")
+    doc["links"]["intra"] |= {"cache_mib": 32, "crowded_alpha_us": {"ring": -3}}
+    with pytest.raises(ConfigError, match=r"links.intra.crowded_alpha_us.ring is -3"):
+        cluster_from_dict(doc, "c")
+
+
+def test_the_calibration_runs_a_measurement_on_every_core_at_once(tmp_path):
+    import os
+
+    from dplab.backends.sim import machine
+
+    def pid(ready):
+        ready()  # every process set up before any goes on: they run at once
+        return os.getpid()
+
+    pids = machine._together(pid, 2)
+    assert len(set(pids)) == 2 and os.getpid() not in pids
+    assert machine._mid([3.0, 1.0, 2.0]) == 2.0 and machine._mid([1.0, 2.0]) == 2.0
+    assert machine._cache_bytes() > 0
+
+
+def test_an_algorithm_pays_its_crowded_alpha_once_ranks_outnumber_the_cores():
+    doc = _cores(True, {"tree": {"alpha_us": 3, "bandwidth_gb_s": 5}})
+    doc["links"]["intra"]["crowded_alpha_us"] = {"ring": 50, "tree": 30}
+    c, plain = cluster_from_dict(doc), cluster_from_dict(_cores(True, {"tree": {
+        "alpha_us": 3, "bandwidth_gb_s": 5}}))
+    assert c.intra.for_algorithm("ring", crowded=True).alpha == pytest.approx(50e-6)
+    tree = c.intra.for_algorithm("tree", crowded=True)
+    assert (tree.alpha, tree.beta) == (pytest.approx(30e-6), pytest.approx(1 / 5e9))
+    assert c.intra.for_algorithm("direct", crowded=True).alpha == pytest.approx(10e-6)
+    # 2 ranks on 2 cores: as without; 4 on 2: every message dearer, with real data as timing only
+    for alg in ("ring", "tree"):
+        two, four = (collective_time(c, p, alg, MIB).seconds for p in (2, 4))
+        assert two == collective_time(plain, 2, alg, MIB).seconds
+        assert four > collective_time(plain, 4, alg, MIB).seconds
+    assert collective_time(c, 4, "ring", MIB).seconds == pytest.approx(
+        launch(_ring, 4, backend="sim", cluster=c, args=(MIB,))[0])
+    assert c.intra.slowed(2).crowded == (("ring", pytest.approx(100e-6)),
+                                         ("tree", pytest.approx(60e-6)))
+
+
+def test_the_crowded_alpha_is_the_one_at_which_the_simulator_gives_the_measured_time(monkeypatch):
+    from dplab.backends.cli import commands
+    from dplab.backends.sim import machine
+
+    doc = _cores(True)
+    truth = json.loads(json.dumps(doc))
+    truth["links"]["intra"]["crowded_alpha_us"] = {"ring": 42, "native": 7}
+    made = cluster_from_dict(truth)
+    rows = [{"algorithm": a, "world_size": 4, "bytes": n,
+             "time_us": collective_time(made, 4, a, n).seconds * 1e6}
+            for a in ("ring", "native") for n in (65536, 262144)]
+    rows.append({"algorithm": "memcpy", "world_size": 4, "bytes": 65536, "time_us": 1.0})
+    monkeypatch.setattr(commands, "bench_argv", lambda argv: rows)
+    alphas, measured = machine._crowded(doc, 4)
+    assert alphas == {"ring": pytest.approx(42e-6, rel=1e-6), "native": pytest.approx(7e-6,
+                                                                                     rel=1e-6)}
+    assert sorted(measured) == ["native", "ring"] and len(measured["ring"]) == 2

@@ -3,7 +3,7 @@
 #   bash backends/perf/measure_sim.sh machine   # (a) only: about 5 minutes, on a QUIET machine
 #   bash backends/perf/measure_sim.sh           # (a), then (b), (c), (d) and the simulator's speed
 #   python -m dplab.backends.perf.tables --write backends/PERFORMANCE.md
-# (a) calibrates the this-machine preset on one process and two ranks (writing
+# (a) calibrates the this-machine preset on every core at once and two ranks (writing
 # reference/clusters/this-machine.json), measures the local backend (bench at 2 and 4 ranks, the
 # reference recipe's and DDP's steps at 2 and 4), then runs the same commands on the preset. Every
 # file records its date and load: `uptime` should show a load below 1 before it starts.

@@ -96,7 +96,7 @@ class SimComm(Communicator):
         self.tracer = SimTracer(rank, self)
         self.actor: Actor = world.engine.actors[(rank, 0)]
         self.hosts = tuple(world.cluster.node_of(r) for r in range(world.world_size))
-        self._code, self._facts = 0, None
+        self._code, self._facts, self._buffer = 0, None, 0
         self._clock = None  # the torch FLOP clock of this rank's main thread, once torch is in use
         if "torch" in sys.modules:  # backward runs in the rank's own thread (see backends/cuda)
             sys.modules["torch"].autograd.set_multithreading_enabled(False)
@@ -189,6 +189,7 @@ class SimComm(Communicator):
     def check_buffer(self, buf: Any, call: Collective | None = None) -> None:
         self._code = 0 if call is None else call.code()
         self._facts = _facts(buf)
+        self._buffer = _nbytes(buf)  # what the collective's copies work on (the link's cache)
 
     def exchange(
         self, sends: list[SendSpec], recvs: list[RecvSpec], round: int = -1, algorithm: str = ""
@@ -208,10 +209,11 @@ class SimComm(Communicator):
         """
         me, net = self._ready(), self.world.network
         code, facts = (self._code, self._facts) if round >= 0 else (0, None)
+        buffer = self._buffer if round >= 0 else 0
         t = me.time
         out = [
             net.send(self.rank, s.peer, EXCHANGE_TAG, s.buf, _nbytes(s.buf), t, code, facts,
-                     algorithm)
+                     algorithm, buffer)
             for s in sends
         ]
         into = [

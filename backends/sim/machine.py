@@ -8,22 +8,31 @@ sources), on a machine that is usually shared with other work:
 - its cores are a pool (``device_pool``): each rank's compute and copies run on whichever core is
   free, as the operating system schedules processes, so p ranks on fewer cores each run p / cores
   times slower while all of them work (and faster while some wait for a message);
-- each core's rates are what one process gets, with one BLAS thread as a rank runs: the reference
-  MLP's float64 step (``4M``, batch 64: forward, backward, an SGD step) and DDP's torch MLP's
-  float32 step (batch 32), each priced by the same operations the simulator charges
-  (``reference.flops``, torch's FLOP registry), so one step on one simulated core takes what it
-  took here; the plain matmul rate at each model's shape is measured beside it and recorded (the
-  step's elementwise operations run slower than the copy roofline says, so the step's effective
-  rate is below the matmul's);
-- the link (shared memory, the local backend) as ``dplab tune`` fits it from ``dplab bench`` on 2
-  local ranks, 64 KiB to 64 MiB: one alpha and beta for every schedule, and each of ring, tree,
-  direct and native fitted alone (gamma folded into beta), because the transport runs them
-  differently (native is the one-shot: one round of descriptors; tree's messages are whole
-  buffers); a message is the receiving core's copy, queued with its compute;
-- memory: a 64 MiB ``np.copyto`` (2n bytes moved), the memory-bound operations' roofline.
+- each core's rates are what it keeps while every core works (a rank of a data-parallel run is
+  never alone: its peers compute, or spin waiting, on the other cores, and cores share their
+  caches, their memory and here, it seems, one physical core), with one BLAS thread as a rank
+  runs: the reference MLP's float64 step (``4M``, batch 64: forward, backward, an SGD step) and
+  DDP's torch MLP's float32 step (batch 32), each run in one process per core at once and priced
+  by the same operations the simulator charges (``reference.flops``, torch's FLOP registry), so
+  one step on one simulated core takes what it took here beside the others; the same step in one
+  process alone, and the plain matmul rate at each model's shape, are recorded beside it;
+- the link (shared memory, the local backend) in cache as ``dplab tune`` fits it from ``dplab
+  bench`` on 2 local ranks, at sizes whose buffers fit the last-level cache (``SIZES``): one
+  alpha and beta for every schedule, and each of ring, tree, direct and native fitted alone
+  (gamma folded into beta), because the transport runs them differently (native is the one-shot:
+  one round of descriptors; tree's messages are whole buffers); a message is the receiving core's
+  copy, queued with its compute;
+- past the cache: the last-level cache's size (the kernel's ``cache/index3``), and the rate of a
+  64 MiB ``np.copyto`` in one process per core at once, which a message of a collective whose
+  buffers fill the cache moves its bytes at (a copy or an in-place sum reads and writes each
+  byte from memory then); that copy's rate (2n bytes moved) is also the memory-bound operations'
+  roofline;
+- crowded: 2 ranks a core (the local transport's waiting ranks sleep, and the OS wakes each and
+  gives it a core, at every message), each algorithm's alpha at which the simulator on the terms
+  above gives what ``dplab bench`` measures at ``CROWDED_SIZES`` (below every validation size).
 
-What it predicts is the rest: 4 ranks on the 2 cores, the same models' steps on 2 and 4 ranks,
-DDP's.
+What it predicts is the rest: 1 to 64 MiB all-reduces at 2 ranks and 4 ranks on the 2 cores,
+the reference recipe's and DDP's steps on 2 and 4 ranks.
 """
 
 from __future__ import annotations
@@ -41,7 +50,8 @@ import numpy as np
 __all__ = ["measure", "main"]
 
 MIB = 1 << 20
-SIZES = "64K,1M,4M,16M,64M"
+SIZES = "64K,256K,1M,4M"  # 2 ranks' buffers within the last-level cache (32 MiB here)
+CROWDED_SIZES = "64K,256K"  # 2 ranks a core, at sizes where a message's alpha is most of it
 ALGORITHMS = ("ring", "tree", "direct", "native")
 
 
@@ -83,9 +93,45 @@ def _median(fn: Any, reps: int = 7) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def _mlp_step() -> tuple[float, list[tuple[float, float]]]:
+def _together(fn: Any, cores: int) -> list[Any]:
+    """``fn(ready)`` in ``cores`` forked processes at once (each calls ``ready()`` when set up,
+    and all start timing together): what each returned, in process order."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    start, pipes = ctx.Barrier(cores), [ctx.Pipe(duplex=False) for _ in range(cores)]
+
+    def run(out: Any) -> None:
+        out.send(fn(start.wait))
+        out.close()
+
+    procs = [ctx.Process(target=run, args=(w,)) for _, w in pipes]
+    for p in procs:
+        p.start()
+    results = [r.recv() for r, _ in pipes]
+    for p in procs:
+        p.join()
+    return results
+
+
+def _copy(ready: Any = None, nbytes: int = 64 * MIB, seconds: float = 0.5) -> float:
+    """Seconds per ``np.copyto`` of ``nbytes`` (float64): the mean over a window of ``seconds``
+    (processes started together copy side by side for all of it, none alone at the end)."""
+    x, y = np.ones(nbytes // 8), np.zeros(nbytes // 8)
+    np.copyto(x, y)
+    if ready is not None:
+        ready()
+    n, t0 = 0, time.perf_counter()
+    while (took := time.perf_counter() - t0) < seconds:
+        np.copyto(x, y)
+        n += 1
+    return took / n
+
+
+def _mlp_step(ready: Any = None) -> tuple[float, list[tuple[float, float]]]:
     """Seconds per step of the reference MLP ``4M`` (float64, batch 64, one process: forward,
-    backward, an SGD step; the median of 7), and the operations the simulator charges for it."""
+    backward, an SGD step; the median of 7), and the operations the simulator charges for it;
+    ``ready()``, if given, is called before timing."""
     from dplab.backends.cli.scaling import MODELS
     from dplab.reference.flops import backward_ops, forward_ops, loss_ops, optimizer_ops
     from dplab.reference.model import MLP
@@ -103,6 +149,9 @@ def _mlp_step() -> tuple[float, list[tuple[float, float]]]:
         model.loss_and_grad(params, x, y, 1 / batch, grad)
         opt.step(params, grad)
 
+    step()
+    if ready is not None:
+        ready()
     seconds = _median(step)
     layers = range(model.num_layers)
     ops = [op for i in layers for op in forward_ops(m, i, batch, 8)] + loss_ops(m, batch, 8)
@@ -111,9 +160,9 @@ def _mlp_step() -> tuple[float, list[tuple[float, float]]]:
     return seconds, ops
 
 
-def _ddp_step() -> tuple[float, list[tuple[float, float]]]:
+def _ddp_step(ready: Any = None) -> tuple[float, list[tuple[float, float]]]:
     """Seconds per step of DDP's torch MLP on one process (batch 32), and its operations' FLOPs and
-    bytes as ``TorchClock`` counts them."""
+    bytes as ``TorchClock`` counts them; ``ready()``, if given, is called before timing."""
     import torch
     from torch import nn
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -133,6 +182,9 @@ def _ddp_step() -> tuple[float, list[tuple[float, float]]]:
         nn.functional.mse_loss(model(x), y).backward()
         opt.step()
 
+    step()
+    if ready is not None:
+        ready()
     seconds = _median(step)
     ops: list[tuple[float, float]] = []
 
@@ -175,6 +227,25 @@ def _matmul_rates() -> dict[str, float]:
     return {"float64": f64, "float32": f32}
 
 
+_CACHE = "/sys/devices/system/cpu/cpu0/cache/index3/size"  # the last-level cache, as lscpu reads
+
+
+def _cache_bytes() -> int:
+    """The last-level cache's size in bytes (the kernel's ``cache/index3``; 32 MiB if it has none:
+    this machine's)."""
+    try:
+        text = Path(_CACHE).read_text().strip()
+    except OSError:
+        return 32 * MIB
+    scale = {"K": 1 << 10, "M": MIB, "G": 1 << 30}.get(text[-1:].upper(), 1)
+    return int(text.rstrip("KMGkmg")) * scale
+
+
+def _mid(values: list[float]) -> float:
+    """The median of ``values`` (the upper one of an even count)."""
+    return sorted(values)[len(values) // 2]
+
+
 def _fit(rows: list[dict[str, Any]], by: tuple[str, ...]) -> Any:
     """``dplab tune``'s least-squares fit (relative error, as tune fits) of ``rows``."""
     from dplab.reference.costfit import fit
@@ -184,7 +255,7 @@ def _fit(rows: list[dict[str, Any]], by: tuple[str, ...]) -> Any:
 
 def _link() -> tuple[float, float, dict[str, tuple[float, float, float]]]:
     """(alpha s, beta s/B) of 2 local ranks for every schedule, and per algorithm (alpha, beta,
-    rms residual), as ``dplab tune`` fits them from ``dplab bench``."""
+    rms residual), as ``dplab tune`` fits them from ``dplab bench`` at ``SIZES``."""
     from dplab.backends.cli.commands import bench_argv
 
     rows = bench_argv(["--backends", "local", "--world-sizes", "2", "--sizes", SIZES,
@@ -197,6 +268,40 @@ def _link() -> tuple[float, float, dict[str, tuple[float, float, float]]]:
         if g.alpha is not None and g.beta:  # a fit the rows pinned down, with a price per byte
             each[g.algorithm] = (g.alpha, g.beta, g.summary()["rms_residual_pct"] / 100)
     return f.alpha, f.beta, each
+
+
+def _crowded(preset: dict[str, Any], ranks: int) -> tuple[dict[str, float], dict[str, list]]:
+    """Each algorithm's alpha while ``ranks`` local ranks share fewer cores: ``dplab bench`` at
+    ``CROWDED_SIZES``, then the alpha at which the simulator on ``preset`` gives each measured time
+    (by bisection), their geometric mean; and the measured seconds by algorithm."""
+    from dplab.backends.cli.commands import bench_argv
+    from dplab.backends.sim.timing import collective_time
+    from dplab.reference.cluster import cluster_from_dict
+
+    rows = bench_argv(["--backends", "local", "--world-sizes", str(ranks), "--sizes",
+                       CROWDED_SIZES, "--algorithms", ",".join(ALGORITHMS), "--reps", "3",
+                       "--target-seconds", "0.2"])
+    measured: dict[str, list] = {}
+    for r in rows:
+        if r["algorithm"] in ALGORITHMS:
+            measured.setdefault(r["algorithm"], []).append((r["bytes"], r["time_us"] * 1e-6))
+
+    def simulated(algorithm: str, alpha: float, nbytes: int) -> float:
+        doc = json.loads(json.dumps(preset))
+        doc["links"]["intra"]["crowded_alpha_us"] = {algorithm: alpha * 1e6}
+        return collective_time(cluster_from_dict(doc), ranks, algorithm, nbytes).seconds
+
+    alphas = {}
+    for algorithm, cells in measured.items():
+        found = []
+        for nbytes, seconds in cells:
+            lo, hi = 0.0, 0.1
+            for _ in range(40):  # the simulated time grows with alpha
+                mid = (lo + hi) / 2
+                lo, hi = (mid, hi) if simulated(algorithm, mid, nbytes) < seconds else (lo, mid)
+            found.append(max(hi, 1e-9))
+        alphas[algorithm] = float(np.exp(np.mean(np.log(found))))
+    return alphas, {k: [t for _, t in cells] for k, cells in measured.items()}
 
 
 def measure() -> dict[str, Any]:
@@ -213,22 +318,25 @@ def measure() -> dict[str, Any]:
 
     load_before = os.getloadavg()[0]
     one_thread_per_rank()  # as a rank computes: one BLAS thread (and torch's) per process
-    x, y = np.ones(64 * MIB // 8), np.zeros(64 * MIB // 8)
-    moved_s = 2 * 64 * MIB / _best(lambda: np.copyto(x, y), reps=9)
+    alone_copy = _copy()
     small = np.zeros(4)
     op_s = _best(lambda: np.add(small, small, out=small), inner=2000)
     matmul = _matmul_rates()
-    mlp_s, mlp_ops = _mlp_step()
-    ddp_s, ddp_ops = _ddp_step()
+    mlp_alone, mlp_ops = _mlp_step()
+    ddp_alone, ddp_ops = _ddp_step()
+    # every core at work, as in a data-parallel run: the median process of each
+    copy_s = _mid(_together(_copy, cores))
+    moved_s = 2 * 64 * MIB / copy_s
+    mlp_s = _mid([t for t, _ in _together(_mlp_step, cores)])
+    ddp_s = _mid([t for t, _ in _together(_ddp_step, cores)])
     rates = {
         "float64": _rate(mlp_ops, mlp_s, moved_s, op_s),
         "float32": _rate(ddp_ops, ddp_s, moved_s, op_s),
     }
+    cache = _cache_bytes()
     alpha, beta, each = _link()
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    load = ", ".join(f"{v:.2f}" for v in os.getloadavg())
-    return {
+    preset = {
         "name": "this-machine",
         "nodes": 1,
         "ranks_per_node": 64,
@@ -247,6 +355,8 @@ def measure() -> dict[str, Any]:
                 "alpha_us": round(alpha * 1e6, 2),
                 "bandwidth_gb_s": round(1 / beta / 1e9, 3),
                 "on_device": True,
+                "cache_mib": round(cache / MIB, 3),
+                "past_cache_gb_s": round(64 * MIB / copy_s / 1e9, 3),
                 "algorithms": {
                     k: {"alpha_us": round(a * 1e6, 2), "bandwidth_gb_s": round(1 / b / 1e9, 3)}
                     for k, (a, b, _) in sorted(each.items())
@@ -254,23 +364,40 @@ def measure() -> dict[str, Any]:
             }
         },
         "reduce_gb_s": round(moved_s / 1e9, 3),
+    }
+    crowded, measured = _crowded(preset, 2 * cores)
+    preset["links"]["intra"]["crowded_alpha_us"] = {
+        k: round(a * 1e6, 2) for k, a in sorted(crowded.items())}
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    load = ", ".join(f"{v:.2f}" for v in os.getloadavg())
+    return preset | {
         "sources": [
             f"measured by python -m dplab.backends.sim.machine on {when}: load average "
             f"{load_before:.2f} before, {load} (1, 5, 15 min) after, {cores} cores, "
             f"Python {sys.version.split()[0]}",
             f"cores: a pool (device_pool), each rank's compute and copies on whichever core is "
-            f"free, as the OS schedules {cores} cores among processes",
-            f"float64: the reference MLP 4M (512-1536-1536-512), batch 64, one process, one BLAS "
-            f"thread, {mlp_s * 1e3:.1f} ms a step (forward, backward, SGD; the median of 7), "
-            f"which the simulator's operations of a step take at {rates['float64'] / 1e9:.2f} "
-            f"GFLOP/s (a plain 64x1536 @ 1536x1536 matmul: {matmul['float64'] / 1e9:.2f} "
-            "GFLOP/s, best of 7; the step's elementwise operations are slower than its roofline)",
-            f"float32: DDP's torch MLP (512-2048-2048-2048-512), batch 32, one process, one "
-            f"thread, {ddp_s * 1e3:.1f} ms a step (the median of 7), which torch's operations "
-            f"take at {rates['float32'] / 1e9:.2f} GFLOP/s (a plain 32x2048 @ 2048x2048 matmul: "
+            f"free, as the OS schedules {cores} cores among processes; every rate below is what "
+            f"one process gets while each of the {cores} cores runs one (the median process)",
+            f"float64: the reference MLP 4M (512-1536-1536-512), batch 64, one BLAS thread, "
+            f"{mlp_s * 1e3:.1f} ms a step in each of {cores} processes at once "
+            f"({mlp_alone * 1e3:.1f} ms in one process alone; forward, backward, SGD; the "
+            "median of 7), which the "
+            f"simulator's operations of a step take at {rates['float64'] / 1e9:.2f} GFLOP/s (a "
+            f"plain 64x1536 @ 1536x1536 matmul alone: {matmul['float64'] / 1e9:.2f} GFLOP/s, "
+            "best of 7; the step's elementwise operations are slower than its roofline)",
+            f"float32: DDP's torch MLP (512-2048-2048-2048-512), batch 32, one thread, "
+            f"{ddp_s * 1e3:.1f} ms a step in each of {cores} processes at once "
+            f"({ddp_alone * 1e3:.1f} ms alone; the median of 7), which torch's operations take at "
+            f"{rates['float32'] / 1e9:.2f} GFLOP/s (a plain 32x2048 @ 2048x2048 matmul alone: "
             f"{matmul['float32'] / 1e9:.2f} GFLOP/s, best of 7)",
-            f"memory: a 64 MiB np.copyto, {moved_s / 1e9:.2f} GB/s moved (read and write, best "
-            f"of 9); a 4-element np.add {op_s * 1e6:.2f} us (op_overhead_us)",
+            f"memory: a 64 MiB np.copyto in each of {cores} processes at once, "
+            f"{moved_s / 1e9:.2f} GB/s moved (read and write, the mean over 0.5 s; "
+            f"{2 * 64 * MIB / alone_copy / 1e9:.2f} GB/s alone); a 4-element np.add "
+            f"{op_s * 1e6:.2f} us (op_overhead_us)",
+            f"past the cache: a last-level cache of {cache / MIB:g} MiB ({_CACHE}); a collective "
+            f"whose buffers on the node fill it moves each byte of a message at the rate of that "
+            f"copy with every core copying, {64 * MIB / copy_s / 1e9:.3f} GB/s "
+            "(past_cache_gb_s)",
             f"link: dplab tune's fit (least squares on relative error, gamma folded into beta) "
             f"of dplab bench on 2 local ranks ({SIZES}, --reps 3): ring, tree and direct "
             f"together, alpha {alpha * 1e6:.1f} us, beta 1/{1 / beta / 1e9:.3f} GB/s; each "
@@ -279,6 +406,12 @@ def measure() -> dict[str, Any]:
                         f"{res:.0%}" for k, (a, b, res) in sorted(each.items()))
             + "; a message is its receiver's copy (or sum) out of the sender's shared memory, "
             "on the receiver's core",
+            f"crowded: {2 * cores} local ranks on the {cores} cores (a waiting rank sleeps, the "
+            f"OS wakes it and gives it a core), dplab bench at {CROWDED_SIZES} (--reps 3): each "
+            "algorithm's alpha (crowded_alpha_us) is the one at which the simulator on the terms "
+            "above gives what was measured (the geometric mean over sizes): "
+            + "; ".join(f"{k} {', '.join(f'{t * 1e6:.0f}' for t in ts)} us measured"
+                        for k, ts in sorted(measured.items())),
         ],
         "note": "Measured on a shared virtual machine: rerun on a quiet machine, or on yours.",
     }

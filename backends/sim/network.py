@@ -6,7 +6,10 @@ starts only when both sides have posted (a rendezvous, as NCCL's kernels and MPI
 protocol need) and its ports are free. A message of m bytes over a link (``cluster.link``) holds the
 sender's tx port and the receiver's rx port of that link for alpha + m beta, both at once (a
 stream: nothing is buffered in the network); a link ``on_device`` holds the receiving rank's device
-instead (a copy on shared memory or on one GPU, which queues with that device's compute).
+instead (a copy on shared memory or on one GPU, which queues with that device's compute), at the
+link's beta while the collective's buffers on the node fit its cache and at ``past_cache_beta``
+once they do not (``Link.beta_at``: the copies then run from memory); while a world's ranks on a
+node outnumber its devices, at an algorithm's ``crowded`` alpha where the link names one.
 
 Queue, not share. Messages that want one port wait their turn (``engine``: first eligible first,
 then by rank distance), each at the port's full bandwidth. That is the cost model's per-port sum
@@ -24,6 +27,7 @@ bitwise those of the local backend. Timing-only posts carry a byte count and no 
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -66,6 +70,7 @@ class Post:
         "error",
         "send",
         "algorithm",
+        "footprint",
     )
 
     def __init__(
@@ -80,8 +85,9 @@ class Post:
         code: int = 0,
         facts: Any = None,
         algorithm: str = "",
+        footprint: int = 0,
     ) -> None:
-        self.algorithm = algorithm
+        self.algorithm, self.footprint = algorithm, footprint
         self.send, self.rank, self.peer, self.tag, self.buf, self.nbytes = (
             send,
             rank,
@@ -115,6 +121,9 @@ class Network:
         self._sends: dict[tuple[int, int], list[Post]] = {}  # (dst, tag) -> unmatched, oldest first
         self._recvs: dict[tuple[int, int], list[Post]] = {}  # (dst, tag) -> unmatched receives
         self.bytes_moved = 0
+        nodes = [cluster.node_of(r) for r in range(world_size)]
+        count = Counter(nodes)
+        self.node_ranks = [count[n] for n in nodes]  # ranks of this world on r's node
 
     # -- posting ---------------------------------------------------------------------------------
     def send(
@@ -128,6 +137,7 @@ class Network:
         code: int = 0,
         facts: Any = None,
         algorithm: str = "",
+        buffer: int = 0,
     ) -> Post:
         """Post a send; it meets the first matching receive posted (or a later one).
 
@@ -137,11 +147,14 @@ class Network:
             nbytes: its size; t: the virtual time it is posted.
             code, facts: its collective's code and (length, dtype), checked against the receive.
             algorithm: the all-reduce it belongs to (the link's terms for it), or "".
+            buffer: the bytes of its collective's buffer on each rank (0: a message alone, whose
+                buffers are its own bytes at both ends), for the link's cache.
 
         Returns:
             The ``Post``: ``done`` once its transfer is through.
         """
-        post = Post(True, rank, dst, tag, buf, nbytes, t, code, facts, algorithm)
+        footprint = buffer * self.node_ranks[dst] if buffer else 2 * nbytes
+        post = Post(True, rank, dst, tag, buf, nbytes, t, code, facts, algorithm, footprint)
         waiting = self._recvs.get((dst, tag), [])
         for i, r in enumerate(waiting):
             if r.peer in (rank, ANY_SOURCE):
@@ -227,7 +240,8 @@ class Network:
 
     # -- transfers -------------------------------------------------------------------------------
     def transfer(self, src: int, dst: int, nbytes: int, at: float, distance: int,
-                 on_end: Callable[[float], None], algorithm: str = "") -> Task:
+                 on_end: Callable[[float], None], algorithm: str = "",
+                 footprint: float = 0) -> Task:
         """Queue a message's transfer, eligible from ``at``; ``on_end(t)`` once it is through.
 
         Where ranks are threads of one process and the link is a copy on the device, the message is
@@ -240,12 +254,16 @@ class Network:
             distance: (dst - src) mod p, which orders messages eligible at one time.
             on_end: called with the virtual time the message is through.
             algorithm: the all-reduce it belongs to ("" if none): the link's terms for it.
+            footprint: the bytes its collective works on at the receiver's node (every rank's
+                buffer there): once they fill the link's cache, its bytes cost ``past_cache_beta``.
 
         Returns:
             The queued ``Task``.
         """
         route = self._routes.get((src, dst, algorithm)) or self._route(src, dst, algorithm)
-        alpha, beta, resources, hosted = route
+        alpha, beta, resources, hosted, link = route
+        if link.cache_bytes:
+            beta = link.beta_at(footprint)
         order = self.engine.order(distance, src)
         if hosted:
             device, copy_s = self.devices[dst], nbytes * beta
@@ -264,23 +282,24 @@ class Network:
     def holds(self, src: int, dst: int, nbytes: int) -> list[tuple[Resource, float]]:
         """What a message of ``nbytes`` from ``src`` to ``dst`` holds, and for how long (on a
         cluster of threads, a copy on the device holds its host for alpha, then the device)."""
-        alpha, beta, resources, _ = self._routes.get((src, dst, "")) or self._route(src, dst)
+        alpha, beta, resources, _, _ = self._routes.get((src, dst, "")) or self._route(src, dst)
         seconds = alpha + nbytes * beta
         return [(r, seconds) for r in resources]
 
     def _route(self, src: int, dst: int, algorithm: str = ""
-               ) -> tuple[float, float, list[Resource], bool]:
+               ) -> tuple[float, float, list[Resource], bool, Any]:
         """The link between two ranks (alpha, beta, for ``algorithm``'s messages), the resources a
         message on it holds, and whether its host work runs ahead of the device (ranks as threads):
-        made once per pair and algorithm."""
-        link = self.cluster.link(src, dst).for_algorithm(algorithm)
+        made once per pair and algorithm; last, the link itself (its cache)."""
+        crowded = self.node_ranks[dst] > self.cluster.devices_per_node
+        link = self.cluster.link(src, dst).for_algorithm(algorithm, crowded)
         level = "intra" if self.cluster.node_of(src) == self.cluster.node_of(dst) else "inter"
         if link.on_device:
             resources = [self.devices[dst]]
         else:
             resources = [self._port(level, "tx", src, link.ranks_per_port),
                          self._port(level, "rx", dst, link.ranks_per_port)]
-        route = (link.alpha, link.beta, resources, link.on_device and self.hosts is not None)
+        route = (link.alpha, link.beta, resources, link.on_device and self.hosts is not None, link)
         self._routes[(src, dst, algorithm)] = route
         return route
 
@@ -306,7 +325,7 @@ class Network:
             return
         distance = (r.rank - s.rank) % self.p  # rotated: rank r serves r+1, r+2, ... first
         task = self.transfer(s.rank, r.rank, s.nbytes, max(s.t, r.t), distance,
-                             lambda end: self._done(s, r, task), s.algorithm)
+                             lambda end: self._done(s, r, task), s.algorithm, s.footprint)
 
     def _done(self, s: Post, r: Post, task: Task) -> None:
         s.start = r.start = task.start

@@ -122,6 +122,7 @@ class _Collective:
         self.src, self.dst, self.size = array("q", src), array("q", dst), array("q", size)
         self.red = array("b", red.astype(np.int8))
         self.world, self.actors, self.p, self.algorithm = world, actors, p, algorithm
+        self.buffer = nbytes  # each rank's: the link's cache sees every rank's on the node
         self.posted = array("d", [-1.0]) * len(self.src)  # each message's first post time, or -1
 
     def _done(self, m: int, end: float) -> None:  # message m is through: both ranks may go on
@@ -136,9 +137,9 @@ class _Collective:
         if first < 0:
             self.posted[m] = t
             return
-        src, dst = self.src[m], self.dst[m]
-        self.world.network.transfer(src, dst, self.size[m], max(first, t), (dst - src) % self.p,
-                                    partial(self._done, m), self.algorithm)
+        src, dst, net = self.src[m], self.dst[m], self.world.network
+        net.transfer(src, dst, self.size[m], max(first, t), (dst - src) % self.p,
+                     partial(self._done, m), self.algorithm, self.buffer * net.node_ranks[dst])
 
     def rounds(self, actor: Actor) -> Iterator[None]:
         """Rank ``actor.rank``'s part, round by round; yields while it waits."""
