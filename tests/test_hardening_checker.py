@@ -65,18 +65,38 @@ BAD_SETTINGS = [
 ]
 
 
+def _refused(proc: subprocess.CompletedProcess, says: str) -> None:
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stdout == "", proc.stdout  # no verdict, no header: the setting, not the learner
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"dplab lesson: error: {says}"), proc.stderr
+
+
 @pytest.mark.parametrize("name, value, says", BAD_SETTINGS,
                          ids=[f"{n}={v}" for n, v, _ in BAD_SETTINGS])
-def test_a_bad_check_setting_is_one_line_and_exit_2_before_any_child(tmp_path, name, value, says):
+def test_a_bad_check_setting_is_one_line_and_exit_2_before_any_child(tmp_path, monkeypatch,
+                                                                     cli_here, name, value, says):
+    """In this process (``cli_here``), with the check's child process refused outright: two
+    interpreters a setting cost 2 CPU-s; the test below runs one setting as a real process."""
+    def no_child(*args: object) -> None:
+        raise AssertionError("a check's child started: the setting must be refused before")
+
+    (tmp_path / "ssp_gate.py").write_text(GATE)
+    for key in [k for k in os.environ if k.startswith("DPLAB_CHECK_")]:
+        monkeypatch.delenv(key)
+    monkeypatch.setenv(name, value)
+    monkeypatch.setattr(child, "_run_child", no_child)
+    for action in ("check", "watch"):
+        _refused(cli_here("lesson", action, "7", str(tmp_path)), says)
+
+
+def test_a_bad_check_setting_in_a_real_process_is_one_line_and_exit_2(tmp_path):
+    name, value, says = BAD_SETTINGS[0]
     (tmp_path / "ssp_gate.py").write_text(GATE)
     env = {k: v for k, v in os.environ.items() if not k.startswith("DPLAB_CHECK_")}
     for action in ("check", "watch"):
-        proc = subprocess.run([*DPLAB, action, "7", str(tmp_path)], capture_output=True, text=True,
-                              timeout=120, env={**env, name: value})
-        assert proc.returncode == 2, proc.stdout + proc.stderr
-        assert proc.stdout == "", proc.stdout  # no verdict, no header: the setting, not the learner
-        lines = proc.stderr.splitlines()
-        assert len(lines) == 1 and lines[0].startswith(f"dplab lesson: error: {says}"), proc.stderr
+        _refused(subprocess.run([*DPLAB, action, "7", str(tmp_path)], capture_output=True,
+                                text=True, timeout=120, env={**env, name: value}), says)
 
 
 def test_a_child_that_cannot_set_its_limit_is_the_machines_not_the_learners(tmp_path, monkeypatch):
@@ -214,14 +234,23 @@ ZERO2_CHEATS = [
 ]
 
 
+@pytest.fixture(scope="module")
+def honest_zero2(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The verdict on the cheats' template without a cheat: judged once for the four cheats (the
+    same file every time; a zero2 check is a child process with ranks at four world sizes)."""
+    honest = _write(tmp_path_factory.mktemp("honest"), "zero2_step",
+                    ZERO2_ALLREDUCE.format(before="pass", after="pass"))
+    return check_file("zero2_step", honest).message
+
+
 @pytest.mark.parametrize("before, after, says", ZERO2_CHEATS,
                          ids=["sent=0", "enabled=False", "new-tracer", "tracemalloc.stop"])
-def test_zero2_counts_what_the_learners_code_cannot_reset(tmp_path, before, after, says):
+def test_zero2_counts_what_the_learners_code_cannot_reset(tmp_path, honest_zero2, before, after,
+                                                          says):
     file = _write(tmp_path, "zero2_step", ZERO2_ALLREDUCE.format(before=before, after=after))
     report = check_file("zero2_step", file)
     assert not report.passed and report.message == says, report.message
-    honest = _write(tmp_path, "zero2_step", ZERO2_ALLREDUCE.format(before="pass", after="pass"))
-    assert "the ranks sent 1.50x the bytes of ZeRO-2" in check_file("zero2_step", honest).message
+    assert "the ranks sent 1.50x the bytes of ZeRO-2" in honest_zero2
 
 
 def test_fsdp_unit_counts_what_the_learners_code_cannot_reset(tmp_path):

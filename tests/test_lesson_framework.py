@@ -377,25 +377,9 @@ def test_a_steps_terminal_picture_is_drawn_after_its_text(monkeypatch, tmp_path)
     assert text.index("the ring at p=3") < text.index("round 0") < text.index("after round 1")
 
 
-@pytest.mark.lessons
-def test_every_steps_terminal_picture_draws_from_its_run():
-    """Content steps that attach a ``picture``: it draws from the step's real facts at 80
-    columns."""
-    from dplab.lessons import lessons
-    from dplab.lessons.runner import missing_needs
-
-    for les in lessons():
-        drawn = [i for i, s in enumerate(les.steps) if s.picture is not None]
-        if not drawn or missing_needs(les):
-            continue
-        with Lab() as lab:
-            for step in les.steps[:max(drawn) + 1]:
-                out = run_step(step, lab, figure=False)
-                if step.picture is not None:
-                    assert _plain(step.picture(out.facts), width=80).strip(), (
-                        les.number,
-                        step.title,
-                    )
+# Every lesson step's own terminal picture is drawn from its real facts at 80 columns in
+# tests/test_lesson_notebooks.py (_check_outcomes), on the notebook's run of the step: not
+# here, where it ran every step with a picture a second time.
 
 
 # --- 6. dplab lesson watch ------------------------------------------------------------------------

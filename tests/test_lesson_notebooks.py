@@ -12,6 +12,7 @@ what the terminal's and the app's tests need of every step.
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import json
 import os
@@ -29,7 +30,13 @@ APP_PAGES = {"collectives", "cost", "training", "runs", "lessons"}
 def _check_outcomes(les, app_pages):
     """In the kernel, after the notebook ran: every step ran, proves something, and its question,
     named mistakes, deep link and figure hold on this run's facts; the code it shows fits a
-    terminal (resolving what a step shows imports torch: done here, where the lessons have)."""
+    terminal (resolving what a step shows imports torch: done here, where the lessons have), and
+    its terminal picture draws from the run's facts (checked here, on the notebook's own run, rather
+    than running every step a second time)."""
+    import io
+
+    from rich.console import Console
+
     from dplab.lessons.step import _resolve, _source
     from dplab.viz.deep_links import unread
 
@@ -72,6 +79,11 @@ def _check_outcomes(les, app_pages):
             assert not ignored, (step.title, ignored)
         if step.figure is not None:
             assert out.figure is not None and len(out.figure.data) > 0, step.title
+        if step.picture is not None:  # the terminal's picture (dplab lesson N), at 80 columns
+            screen = io.StringIO()  # (not Jupyter's display, which rich picks in a kernel)
+            Console(file=screen, width=80, color_system=None,
+                    force_jupyter=False).print(step.picture(out.facts))
+            assert screen.getvalue().strip(), (les.lesson.number, step.title)
 
 
 @pytest.fixture(scope="module")
@@ -81,12 +93,21 @@ def kernel(tmp_path_factory):
         pytest.importorskip(module, reason=f"running the notebooks needs {module}: "
                                            "pip install -e '.[all]'")
     from jupyter_client import KernelManager
+    from nbclient import NotebookClient
+    from nbformat.v4 import new_code_cell, new_notebook
 
     km = KernelManager(kernel_name="python3")
     km.kernel_spec.argv[0] = sys.executable  # this venv's Python, whatever kernels are installed
     # figures as plotly's JSON only: no plotly.js bundle copied into every executed notebook
     km.start_kernel(env={**os.environ, "PLOTLY_RENDERER": "plotly_mimetype"},
                     cwd=str(tmp_path_factory.mktemp("kernel")))
+    if importlib.util.find_spec("torch") is not None:
+        # torch (and the dynamo that its optimizers import at first use) before lesson 1's Lab
+        # forks its ranks, as a learner's kernel has it before lesson 12's: every rank then
+        # inherits it, where each rank of a world forked earlier imported it again (~3 CPU-s a
+        # rank, in lessons 10, 12 and 14)
+        NotebookClient(new_notebook(cells=[new_code_cell("import torch, torch._dynamo")]),
+                       km=km, timeout=240).execute()
     yield km
     km.shutdown_kernel()  # asked, not killed: the kernel closes its Lab (its ranks) at exit
 

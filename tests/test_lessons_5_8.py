@@ -15,6 +15,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from tiers import sampled
+from verdicts import verdict
 
 from dplab.lessons import lesson
 from dplab.lessons.exercises import EXERCISES, check_file
@@ -113,9 +115,9 @@ def test_exercise_steps_have_three_tiers_of_hints_and_show_the_stub(number, name
 
 
 def test_backup_stub_fails_as_plain_sync_and_the_solution_passes():
-    stub = check_file("backup_step", EXERCISES["backup_step"].stub_path)
+    stub = verdict("backup_step", EXERCISES["backup_step"].stub_path)
     assert not stub.passed and "plain synchronous SGD" in stub.message
-    solution = check_file("backup_step", EXERCISES["backup_step"].solution)
+    solution = verdict("backup_step", EXERCISES["backup_step"].solution)
     assert solution.passed, solution.message
     assert re.search(r"right on all 200 cases .* your steps average 1\.\d\d units, against 2\.\d\d "
                      r"for 8 "
@@ -161,9 +163,12 @@ def test_the_backup_template_filled_right_passes(tmp_path):
     assert report.passed, report.message
 
 
-@pytest.mark.parametrize(
-    "change, says", BACKUP_WRONG, ids=[s.split(":")[0][:30] for _, s in BACKUP_WRONG]
-)
+BACKUP_IDS = [s.split(":")[0][:30] for _, s in BACKUP_WRONG]
+
+
+# the wrong gradients and the wrong divisor; the other six in the slow tier (a child process each)
+@pytest.mark.parametrize("change, says", sampled(BACKUP_WRONG, keep={BACKUP_IDS[0], BACKUP_IDS[2]},
+                                                 ids=BACKUP_IDS))
 def test_a_wrong_backup_step_is_named(tmp_path, change, says):
     report = check_file(
         "backup_step", _write(tmp_path, "backup_step", BACKUP.format(**{**RIGHT_BACKUP, **change}))
@@ -195,7 +200,12 @@ SSP_WRONG = [
 ]
 
 
-@pytest.mark.parametrize("rule, says", SSP_WRONG, ids=[s[:25] for _, s in SSP_WRONG])
+SSP_IDS = [s[:25] for _, s in SSP_WRONG]
+
+
+# off by one, and issue 31's; the other six in the slow tier (a child process each)
+@pytest.mark.parametrize("rule, says", sampled(SSP_WRONG, keep={SSP_IDS[0], SSP_IDS[7]},
+                                               ids=SSP_IDS))
 def test_a_wrong_ssp_gate_is_named(tmp_path, rule, says):
     source = f"def may_proceed(clock, slowest, staleness):\n    return {rule}\n"
     report = check_file("ssp_gate", _write(tmp_path, "ssp_gate", source))
