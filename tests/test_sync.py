@@ -15,6 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import train_configs
+from tiers import engine_spans, engines
 
 from dplab.backends.launch.world import RankError
 from dplab.reference.errors import ConfigError
@@ -88,18 +89,24 @@ def check_equals_single(results, cfg: TrainConfig, tol: float) -> None:
 # algorithm, uneven and empty shard and bucket split (p = 8 on sim: test_empty_shards...)
 SIM_P = 4
 
+# local draws p from 1..8; other engines from 3..4, and 1..8 in the slow tier (tiers.py)
+@pytest.mark.parametrize("backend, span", engine_spans(1, 8), indirect=["backend"])
 @settings(max_examples=3 * EXAMPLES, deadline=None)
-@given(p=st.integers(1, 8), cfg=train_configs(), sync=sync_configs)
-def test_train_sync_equals_train_single_float64(worlds, backend, p, cfg, sync):
+@given(data=st.data(), cfg=train_configs(), sync=sync_configs)
+def test_train_sync_equals_train_single_float64(worlds, backend, span, data, cfg, sync):
+    p = data.draw(st.integers(*span), label="p")
     p = min(p, SIM_P) if backend == "sim" else p
     results = worlds(p, backend).run(_train, cfg, sync)
     assert len(results) == p
     check_equals_single(results, cfg, 1e-10)
 
 
+# local draws p from 1..8; other engines from 3..4, and 1..8 in the slow tier (tiers.py)
+@pytest.mark.parametrize("backend, span", engine_spans(1, 8), indirect=["backend"])
 @settings(max_examples=EXAMPLES, deadline=None)
-@given(p=st.integers(1, 8), cfg=train_configs("float32"), sync=sync_configs)
-def test_train_sync_equals_train_single_float32(worlds, backend, p, cfg, sync):
+@given(data=st.data(), cfg=train_configs("float32"), sync=sync_configs)
+def test_train_sync_equals_train_single_float32(worlds, backend, span, data, cfg, sync):
+    p = data.draw(st.integers(*span), label="p")
     results = worlds(p, backend).run(_train, cfg, sync)
     check_equals_single(results, cfg, 1e-5)
 
@@ -134,7 +141,8 @@ def test_training_actually_moves_the_parameters(worlds):
 
 # -- the broadcast ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize("p", [2, 3, 5])
+# every p on local; other engines at p = 3, 4, the rest slow (a world start each: tiers.py)
+@pytest.mark.parametrize("backend, p", engines([2, 3, 5]), indirect=["backend"])
 def test_steps_zero_returns_rank0_initial_params_on_every_rank(worlds, backend, p):
     cfg = dataclasses.replace(BASE, steps=0)
     model, _, initial = setup(cfg)
