@@ -89,26 +89,32 @@ def check_equals_single(results, cfg: TrainConfig, tol: float) -> None:
 # algorithm, uneven and empty shard and bucket split (p = 8 on sim: test_empty_shards...)
 SIM_P = 4
 
-# local draws p from 1..8; other engines from 3..4, and 1..8 in the slow tier (tiers.py)
-@pytest.mark.parametrize("backend, span", engine_spans(1, 8), indirect=["backend"])
-@settings(max_examples=3 * EXAMPLES, deadline=None)
-@given(data=st.data(), cfg=train_configs(), sync=sync_configs)
-def test_train_sync_equals_train_single_float64(worlds, backend, span, data, cfg, sync):
-    p = data.draw(st.integers(*span), label="p")
-    p = min(p, SIM_P) if backend == "sim" else p
-    results = worlds(p, backend).run(_train, cfg, sync)
-    assert len(results) == p
-    check_equals_single(results, cfg, 1e-10)
+# local: p in 1..8, every example; other engines: p in 3..4, a quarter (all: slow; tiers.py)
+@pytest.mark.parametrize("backend, sweep", engine_spans(1, 8), indirect=["backend"])
+def test_train_sync_equals_train_single_float64(worlds, backend, sweep):
+    @settings(max_examples=sweep.examples(3 * EXAMPLES), deadline=None)
+    @given(data=st.data(), cfg=train_configs(), sync=sync_configs)
+    def prop(data, cfg, sync):
+        p = data.draw(st.integers(sweep.lo, sweep.hi), label="p")
+        p = min(p, SIM_P) if backend == "sim" else p
+        results = worlds(p, backend).run(_train, cfg, sync)
+        assert len(results) == p
+        check_equals_single(results, cfg, 1e-10)
+
+    prop()
 
 
-# local draws p from 1..8; other engines from 3..4, and 1..8 in the slow tier (tiers.py)
-@pytest.mark.parametrize("backend, span", engine_spans(1, 8), indirect=["backend"])
-@settings(max_examples=EXAMPLES, deadline=None)
-@given(data=st.data(), cfg=train_configs("float32"), sync=sync_configs)
-def test_train_sync_equals_train_single_float32(worlds, backend, span, data, cfg, sync):
-    p = data.draw(st.integers(*span), label="p")
-    results = worlds(p, backend).run(_train, cfg, sync)
-    check_equals_single(results, cfg, 1e-5)
+# local: p in 1..8, every example; other engines: p in 3..4, a quarter (all: slow; tiers.py)
+@pytest.mark.parametrize("backend, sweep", engine_spans(1, 8), indirect=["backend"])
+def test_train_sync_equals_train_single_float32(worlds, backend, sweep):
+    @settings(max_examples=sweep.examples(EXAMPLES), deadline=None)
+    @given(data=st.data(), cfg=train_configs("float32"), sync=sync_configs)
+    def prop(data, cfg, sync):
+        p = data.draw(st.integers(sweep.lo, sweep.hi), label="p")
+        results = worlds(p, backend).run(_train, cfg, sync)
+        check_equals_single(results, cfg, 1e-5)
+
+    prop()
 
 
 BASE = TrainConfig(model=MLPConfig(in_dim=5, hidden=(7, 6), out_dim=3), num_samples=50,

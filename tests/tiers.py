@@ -10,17 +10,22 @@ its other world sizes run under ``pytest -m slow`` (CI runs both). So every engi
 test by default, and the exhaustive matrix still runs in CI: each of its other worlds costs a whole
 world start (an MPI world with torch: 5-16 CPU seconds) and up to 8 ranks on the two cores.
 
-Property tests draw p inside the test: ``engine_spans(1, 8)`` gives ``(backend, (lo, hi))``, and
-the test draws ``p`` from ``st.integers(lo, hi)`` (``data.draw``).
+Property tests draw p inside the test: ``engine_spans(1, 8)`` gives ``(backend, Sweep)``; the test
+draws ``p`` from ``st.integers(sweep.lo, sweep.hi)`` and runs ``sweep.examples(n)`` examples. By
+default another engine draws p from ``KEEP`` and runs a quarter of the examples (at least 3): its
+transport is what it adds, and a quarter still crosses it hundreds of times; the slow tier runs it
+with every example at every p, as local runs by default.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import pytest
 
 from dplab.backends.launch.world import BACKENDS
 
-__all__ = ["KEEP", "engines", "engine_spans"]
+__all__ = ["KEEP", "Sweep", "engines", "engine_spans"]
 
 KEEP = (3, 4)  # an odd world (uneven chunks, a ring that is not a power of two) and p = 4
 
@@ -40,15 +45,28 @@ def engines(ps: list[int], keep: tuple[int, ...] = KEEP) -> list:
             for name in BACKENDS for p in ps]
 
 
+class Sweep(NamedTuple):
+    """The world sizes ``lo..hi`` a property test draws from, and its share of the examples."""
+
+    lo: int
+    hi: int
+    share: float = 1.0
+
+    def examples(self, n: int) -> int:
+        """This sweep's number of examples, of ``n`` for a full one (at least 3)."""
+        return max(3, round(n * self.share))
+
+
 def engine_spans(lo: int, hi: int, keep: tuple[int, ...] = KEEP) -> list:
-    """``(backend, (lo, hi))`` params for a property test that draws p: ``local`` draws from
-    ``lo..hi`` by default; each other engine draws from ``keep``'s span by default, and from
-    ``lo..hi`` in the slow tier."""
+    """``(backend, Sweep)`` params for a property test that draws p: ``local`` draws from
+    ``lo..hi`` with every example by default; each other engine draws from ``keep``'s span with a
+    quarter of them by default, and from ``lo..hi`` with every example in the slow tier."""
     out = []
     for name in BACKENDS:
         if name == "local":
-            out.append(pytest.param(name, (lo, hi), id=name))
+            out.append(pytest.param(name, Sweep(lo, hi), id=name))
             continue
-        out.append(pytest.param(name, (min(keep), max(keep)), marks=_marks(name, False), id=name))
-        out.append(pytest.param(name, (lo, hi), marks=_marks(name, True), id=f"{name}-all-p"))
+        out.append(pytest.param(name, Sweep(min(keep), max(keep), 0.25), marks=_marks(name, False),
+                                id=name))
+        out.append(pytest.param(name, Sweep(lo, hi), marks=_marks(name, True), id=f"{name}-all-p"))
     return out
