@@ -121,12 +121,13 @@ BASE = TrainConfig(model=MLPConfig(in_dim=5, hidden=(7, 6), out_dim=3), num_samp
                    global_batch=11, steps=3, seed=3)
 
 
-@pytest.mark.parametrize("p, global_batch, accum_steps", [
+# every case on local; other engines at p = 3, 4, the rest slow (a world start each: tiers.py)
+@pytest.mark.parametrize("backend, p, global_batch, accum_steps", engines([
     (5, 3, 1),   # two ranks get an empty shard every step
     (4, 2, 3),   # empty shards and empty micro-batches
     (8, 1, 4),   # a single sample for a world of eight
     (3, 100, 2),  # batch larger than the data set: indices repeat across epochs
-])
+]), indirect=["backend"])
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 def test_empty_shards_and_micro_batches_still_match(
     worlds, backend, p, global_batch, accum_steps, algorithm

@@ -1,6 +1,6 @@
 """The torch.distributed backend: gloo ranks forked by ``World``/``launch``, and under torchrun.
 
-Worlds are module-scoped (one per size, created on first use): a gloo world starts in a
+Worlds are the session's (one per size, created on first use): a gloo world starts in a
 fraction of a second, but the properties below run hundreds of collectives. Jobs sent to
 a persistent world are module-level functions (they are pickled); ``launch`` forks, so
 its tests use closures. The ``gpu`` section runs the same checks with NCCL on CUDA
@@ -47,18 +47,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def world():
-    """``world(p)``: this module's persistent torch world of ``p`` ranks."""
-    cache: dict[int, World] = {}
-
-    def get(p: int) -> World:
-        if p not in cache:
-            cache[p] = World(p, backend="torch", timeout=30.0)
-        return cache[p]
-
-    yield get
-    for w in cache.values():
-        w.close()
+def world(worlds):
+    """``world(p)``: the session's persistent torch world of ``p`` ranks (the conformance tests
+    start the same sizes: one start each, not two)."""
+    return lambda p: worlds(p, "torch")
 
 
 def contribution(rank: int, n: int, dtype: str, seed: int = 0) -> np.ndarray:

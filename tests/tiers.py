@@ -35,14 +35,16 @@ def _marks(name: str, slow: bool) -> list:
     return marks + [pytest.mark.slow] if slow else marks
 
 
-def engines(ps: list[int], keep: tuple[int, ...] = KEEP) -> list:
+def engines(ps: list, keep: tuple[int, ...] = KEEP) -> list:
     """``(backend, p)`` params: ``local`` at every p of ``ps``; each other engine at the p of
-    ``keep`` by default and at the rest of ``ps`` in the slow tier (the exhaustive sweep)."""
-    kept = [p for p in ps if p in keep]
+    ``keep`` by default and at the rest of ``ps`` in the slow tier (the exhaustive sweep). An entry
+    of ``ps`` may be a tuple whose first item is p: the param is then ``(backend, *entry)``."""
+    cases = [c if isinstance(c, tuple) else (c,) for c in ps]
+    kept = [c for c in cases if c[0] in keep]
     assert kept, f"none of {keep} in {ps}: every engine must keep a world size by default"
-    return [pytest.param(name, p, marks=_marks(name, name != "local" and p not in kept),
-                         id=f"{name}-{p}")
-            for name in BACKENDS for p in ps]
+    return [pytest.param(name, *c, marks=_marks(name, name != "local" and c not in kept),
+                         id="-".join(map(str, (name, *c))))
+            for name in BACKENDS for c in cases]
 
 
 class Sweep(NamedTuple):
