@@ -6,6 +6,7 @@ import textwrap
 
 import numpy as np
 import pytest
+from tiers import engines
 
 from dplab.reference import collectives
 from dplab.reference.algorithms import PARAMETRIC, allreduce_schedule, hierarchical, ring
@@ -97,7 +98,8 @@ def job_allreduce(comm, algorithm, n, dtype):
     return buf
 
 
-@pytest.mark.parametrize("p", [2, 3, 5])
+# every p on local; other engines at p = 3, 4, the rest slow (a world start each: tiers.py)
+@pytest.mark.parametrize("backend, p", engines([2, 3, 5]), indirect=["backend"])
 def test_hierarchical_sums_exactly_on_every_backend(worlds, backend, p):
     for algorithm in ("hierarchical", "hierarchical:3"):
         for n, dtype in ((0, "float64"), (1, "int32"), (7, "float32"), (4099, "int64")):

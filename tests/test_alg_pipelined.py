@@ -57,7 +57,9 @@ def test_btree_is_nccls_and_as_deep_as_lg_p(p):
     ]
 
 
-@pytest.mark.parametrize("p", range(1, 65))
+# p = 34-62 are slow: their provenance costs 0.2-1.8 CPU s each; 1-33, 63 and 64 stay by default
+@pytest.mark.parametrize("p", [pytest.param(p, marks=pytest.mark.slow) if 33 < p < 63 else p
+                               for p in range(1, 65)])
 def test_every_contribution_exactly_once_with_the_closed_form_rounds(p):
     for k in PIECES:
         tree, ring = P.pipelined_tree(p, k), P.pipelined_ring(p, k)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 from test_collectives import assert_identical_everywhere, exact_sum, job_allreduce
 from test_sync import _train, check_equals_single
+from tiers import engines
 
 from dplab.reference.model import MLPConfig
 from dplab.reference.train.single import TrainConfig
@@ -25,7 +26,8 @@ NAMES = (
 )
 
 
-@pytest.mark.parametrize("p", [1, 2, 3, 5, 8])
+# every p on local; other engines at p = 3, 4, the rest slow (a world start each: tiers.py)
+@pytest.mark.parametrize("backend, p", engines([1, 2, 3, 5, 8]), indirect=["backend"])
 def test_exact_sum_on_every_rank(worlds, backend, p):
     for i, algorithm in enumerate(NAMES):
         for n, dtype, how in (

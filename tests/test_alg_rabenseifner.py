@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from test_ref_zero_traffic import CFG as TRAFFIC
 from test_ref_zero_traffic import _sent, schedules_say
+from tiers import engines
 
 from dplab.reference import collectives
 from dplab.reference.algorithms import SCATTER, allreduce_schedule, recursive_doubling
@@ -156,7 +157,8 @@ def job(comm, kind, n, dtype, how):
     return np.array(collectives.allreduce(comm, buf, "rabenseifner"), copy=True)
 
 
-@pytest.mark.parametrize("p", [1, 2, 3, 4, 5, 6, 8])
+# every p on local; other engines at p = 3, 4, the rest slow (a world start each: tiers.py)
+@pytest.mark.parametrize("backend, p", engines([1, 2, 3, 4, 5, 6, 8]), indirect=["backend"])
 def test_rabenseifner_collectives_on_every_backend(worlds, backend, p):
     for n, dtype, how in ((0, "float64", "shm"), (2, "int32", "numpy"), (13, "float32", "shm"),
                           (100_003, "int64", "numpy"), (4099, "float64", "shm")):
@@ -196,7 +198,8 @@ def _zero(comm, cfg, zero):
     return train_zero(comm, cfg, zero)
 
 
-@pytest.mark.parametrize("p", [2, 3, 5])
+# every p on local; other engines at p = 3, 4, the rest slow (a world start each: tiers.py)
+@pytest.mark.parametrize("backend, p", engines([2, 3, 5]), indirect=["backend"])
 def test_train_sync_with_rabenseifner_equals_train_single(worlds, backend, p):
     ref = train_single(CFG)
     for cap in (1e-6, 1e3):

@@ -18,6 +18,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import train_configs
+from tiers import engine_spans
 
 from dplab.backends.launch.world import RankError
 from dplab.reference.errors import ConfigError
@@ -77,9 +78,9 @@ def async_configs(draw, workers: int) -> AsyncConfig:
 
 
 @st.composite
-def runs(draw):
-    """(world_size, TrainConfig, AsyncConfig): 1..5 workers beside the server."""
-    p = draw(st.integers(2, 6))
+def runs(draw, lo: int = 2, hi: int = 6):
+    """(world_size, TrainConfig, AsyncConfig): 1..5 workers beside the server (p in lo..hi)."""
+    p = draw(st.integers(lo, hi))
     cfg = draw(
         train_configs(draw(st.sampled_from(["float64", "float64", "float32"])), steps=(0, 5))
     )
@@ -111,16 +112,13 @@ def check_log(log: list[LogEntry], workers: int, clocks: int, acfg: AsyncConfig)
 
 # -- replay: the log is the whole story -------------------------------------------------------
 
-def _examples(backend: str, local: int) -> int:
-    """The server, gate and replay are the same code on every backend; what an engine adds is its
-    any-source receive and its pickling of jobs, which a quarter of the examples still exercise
-    (150 examples took 5.2 s on MPI and 7.6 s on torch, against 2.8 s on local)."""
-    return local if backend == "local" else max(3, local // 4)
-
-
-def test_replaying_the_log_reproduces_the_server_bit_for_bit(worlds, backend):
-    @settings(max_examples=_examples(backend, 3 * EXAMPLES), deadline=None)
-    @given(run=runs())
+# The server, gate and replay are the same code on every backend; what an engine adds is its
+# any-source receive and its pickling of jobs, which a quarter of the examples still exercise.
+# local: p in 2..6, every example; other engines: p in 3..4, a quarter (all: slow; tiers.py)
+@pytest.mark.parametrize("backend, sweep", engine_spans(2, 6), indirect=["backend"])
+def test_replaying_the_log_reproduces_the_server_bit_for_bit(worlds, backend, sweep):
+    @settings(max_examples=sweep.examples(3 * EXAMPLES), deadline=None)
+    @given(run=runs(sweep.lo, sweep.hi))
     def prop(run):
         p, cfg, acfg = run
         results = worlds(p, backend).run(_train_async, cfg, acfg)
@@ -248,10 +246,11 @@ def test_delays_must_name_every_worker(worlds):
 
 
 def test_a_failing_worker_surfaces_as_rank_error_without_hanging(worlds):
+    world = worlds(3)  # started before the clock: under load a start alone can take seconds
     start = time.monotonic()
     with pytest.raises(RankError, match="worker 1 broke") as info:
-        worlds(3).run(_rank1_fails_first, BASE, AsyncConfig(staleness=0))
-    assert info.value.rank == 1 and time.monotonic() - start < 10
+        world.run(_rank1_fails_first, BASE, AsyncConfig(staleness=0))
+    assert info.value.rank == 1 and time.monotonic() - start < world.timeout
     server = worlds(3).run(_train_async, BASE, AsyncConfig())[0]  # the world restarts and works
     assert len(server.log) == 2 * BASE.steps
 

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tiers import engine_spans, engines
 
 from dplab.reference import collectives
 from dplab.reference.algorithms import ALLREDUCE, SCATTER_ALGORITHMS
@@ -114,8 +115,8 @@ def assert_identical_everywhere(outs: list[np.ndarray], expected: np.ndarray, la
 
 
 @st.composite
-def world_and_length(draw, max_p: int = 8):
-    p = draw(st.integers(1, max_p))
+def world_and_length(draw, lo: int = 1, hi: int = 8):
+    p = draw(st.integers(lo, hi))
     n = draw(st.one_of(st.sampled_from(SPECIAL_LENGTHS), st.integers(0, max(p - 1, 0)),
                        st.integers(0, 3000)))
     return p, n
@@ -123,44 +124,51 @@ def world_and_length(draw, max_p: int = 8):
 
 # -- all-reduce ----------------------------------------------------------------------------
 
-@settings(max_examples=8 * BASE)
-@given(pn=world_and_length(), algorithm=st.sampled_from(ALGORITHMS), dtype=st.sampled_from(DTYPES),
-       op=st.sampled_from(("sum", "mean")), how=st.sampled_from(ALLOCS), seed=st.integers(0, 2**31))
-def test_allreduce_is_the_exact_sum_on_every_rank(
-    worlds, backend, pn, algorithm, dtype, op, how, seed
-):
-    p, n = pn
-    if backend == "sim":  # a rank thread at a time: 400 examples to p = 8 were minutes; p = 8 on
-        p = min(p, 4)  # sim is test_large_buffer_every_algorithm's
-    if op == "mean" and dtype.startswith("int"):
-        op = "sum"  # ints cannot be averaged in place (checked below)
-    results = worlds(p, backend).run(job_allreduce, algorithm, dtype, n, op, how, seed)
-    expected = exact_sum(p, seed, n, dtype)
-    if op == "mean":
-        np.divide(expected, p, out=expected)  # one correctly rounded division of the exact sum
-    assert all(same for same, _, _ in results), "allreduce must work in place and return buf"
-    assert_identical_everywhere([out for _, _, out in results], expected,
-                                f"{algorithm} p={p} n={n} {dtype} {op} {how}")
+# local: p in 1..8, every example; other engines: p in 3..4, a quarter (all: slow; tiers.py)
+@pytest.mark.parametrize("backend, sweep", engine_spans(1, 8), indirect=["backend"])
+def test_allreduce_is_the_exact_sum_on_every_rank(worlds, backend, sweep):
+    @settings(max_examples=sweep.examples(8 * BASE))
+    @given(data=st.data(), algorithm=st.sampled_from(ALGORITHMS), dtype=st.sampled_from(DTYPES),
+           op=st.sampled_from(("sum", "mean")), how=st.sampled_from(ALLOCS),
+           seed=st.integers(0, 2**31))
+    def prop(data, algorithm, dtype, op, how, seed):
+        p, n = data.draw(world_and_length(sweep.lo, sweep.hi), label="p, n")
+        if backend == "sim":  # a rank thread at a time: 400 examples to p = 8 were minutes;
+            p = min(p, 4)  # p = 8 on sim is test_large_buffer_every_algorithm's
+        if op == "mean" and dtype.startswith("int"):
+            op = "sum"  # ints cannot be averaged in place (checked below)
+        results = worlds(p, backend).run(job_allreduce, algorithm, dtype, n, op, how, seed)
+        expected = exact_sum(p, seed, n, dtype)
+        if op == "mean":
+            np.divide(expected, p, out=expected)  # one correctly rounded division of the exact sum
+        assert all(same for same, _, _ in results), "allreduce must work in place and return buf"
+        assert_identical_everywhere([out for _, _, out in results], expected,
+                                    f"{algorithm} p={p} n={n} {dtype} {op} {how}")
+
+    prop()
 
 
-@settings(max_examples=2 * BASE)
-@given(pn=world_and_length(), algorithm=st.sampled_from(ALGORITHMS),
-       dtype=st.sampled_from(("float32", "float64")), how=st.sampled_from(ALLOCS),
-       seed=st.integers(0, 2**31))
-def test_allreduce_of_arbitrary_floats_agrees_bitwise_across_ranks(
-    worlds, backend, pn, algorithm, dtype, how, seed
-):
-    p, n = pn
-    results = worlds(p, backend).run(
-        job_allreduce, algorithm, dtype, n, "mean", how, seed, "normal"
-    )
-    outs = [out for _, _, out in results]
-    exact = sum(rank_data(seed, r, n, dtype, "normal").astype(np.float64) for r in range(p)) / p
-    tol = 1e-5 if dtype == "float32" else 1e-12
-    for rank, out in enumerate(outs):
-        assert out.dtype == np.dtype(dtype)
-        np.testing.assert_allclose(out, exact, rtol=tol, atol=tol * p)
-        assert out.tobytes() == outs[0].tobytes(), f"rank {rank} differs from rank 0 bitwise"
+# local: p in 1..8, every example; other engines: p in 3..4, a quarter (all: slow; tiers.py)
+@pytest.mark.parametrize("backend, sweep", engine_spans(1, 8), indirect=["backend"])
+def test_allreduce_of_arbitrary_floats_agrees_bitwise_across_ranks(worlds, backend, sweep):
+    @settings(max_examples=sweep.examples(2 * BASE))
+    @given(data=st.data(), algorithm=st.sampled_from(ALGORITHMS),
+           dtype=st.sampled_from(("float32", "float64")), how=st.sampled_from(ALLOCS),
+           seed=st.integers(0, 2**31))
+    def prop(data, algorithm, dtype, how, seed):
+        p, n = data.draw(world_and_length(sweep.lo, sweep.hi), label="p, n")
+        results = worlds(p, backend).run(
+            job_allreduce, algorithm, dtype, n, "mean", how, seed, "normal"
+        )
+        outs = [out for _, _, out in results]
+        exact = sum(rank_data(seed, r, n, dtype, "normal").astype(np.float64) for r in range(p)) / p
+        tol = 1e-5 if dtype == "float32" else 1e-12
+        for rank, out in enumerate(outs):
+            assert out.dtype == np.dtype(dtype)
+            np.testing.assert_allclose(out, exact, rtol=tol, atol=tol * p)
+            assert out.tobytes() == outs[0].tobytes(), f"rank {rank} differs from rank 0 bitwise"
+
+    prop()
 
 
 @pytest.mark.parametrize("shape", [(3, 5), (2, 3, 4), (7, 1), (0, 4), (1, 1, 1, 13)])
@@ -175,7 +183,8 @@ def test_multidimensional_contiguous_arrays_reduce_in_place(worlds, shape, how, 
     assert_identical_everywhere([out for _, _, out in results], expected, f"{shape}")
 
 
-@pytest.mark.parametrize("p", [1, 2, 5, 8])
+# every p on local; other engines at p = 3 (added), the rest slow (a world start each: tiers.py)
+@pytest.mark.parametrize("backend, p", engines([1, 2, 3, 5, 8]), indirect=["backend"])
 def test_large_buffer_every_algorithm(worlds, backend, p):
     n = 100_003
     for algorithm in ALGORITHMS:
@@ -197,36 +206,46 @@ def test_repeated_allreduces_on_one_world_stay_correct(worlds):
 
 # -- reduce-scatter, all-gather, broadcast, reduce ---------------------------------------------
 
-@settings(max_examples=2 * BASE)
-@given(pn=world_and_length(), algorithm=st.sampled_from(SCATTER_ALGORITHMS),
-       dtype=st.sampled_from(DTYPES), how=st.sampled_from(ALLOCS), seed=st.integers(0, 2**31))
-def test_reduce_scatter_returns_the_ranks_reduced_chunk(
-    worlds, backend, pn, algorithm, dtype, how, seed
-):
-    p, n = pn
-    results = worlds(p, backend).run(job_reduce_scatter, algorithm, dtype, n, how, seed)
-    total = exact_sum(p, seed, n, dtype)
-    for rank, ((a, b), (is_view, mine)) in enumerate(zip(chunk_bounds(n, p), results)):
-        assert is_view, "reduce_scatter returns a view of the rank's chunk of buf"
-        assert mine.dtype == np.dtype(dtype)
-        np.testing.assert_array_equal(mine, total[a:b], err_msg=f"rank {rank}")
+# local: p in 1..8, every example; other engines: p in 3..4, a quarter (all: slow; tiers.py)
+@pytest.mark.parametrize("backend, sweep", engine_spans(1, 8), indirect=["backend"])
+def test_reduce_scatter_returns_the_ranks_reduced_chunk(worlds, backend, sweep):
+    @settings(max_examples=sweep.examples(2 * BASE))
+    @given(data=st.data(), algorithm=st.sampled_from(SCATTER_ALGORITHMS),
+           dtype=st.sampled_from(DTYPES), how=st.sampled_from(ALLOCS), seed=st.integers(0, 2**31))
+    def prop(data, algorithm, dtype, how, seed):
+        p, n = data.draw(world_and_length(sweep.lo, sweep.hi), label="p, n")
+        results = worlds(p, backend).run(job_reduce_scatter, algorithm, dtype, n, how, seed)
+        total = exact_sum(p, seed, n, dtype)
+        for rank, ((a, b), (is_view, mine)) in enumerate(zip(chunk_bounds(n, p), results)):
+            assert is_view, "reduce_scatter returns a view of the rank's chunk of buf"
+            assert mine.dtype == np.dtype(dtype)
+            np.testing.assert_array_equal(mine, total[a:b], err_msg=f"rank {rank}")
+
+    prop()
 
 
-@settings(max_examples=2 * BASE)
-@given(pn=world_and_length(), algorithm=st.sampled_from(SCATTER_ALGORITHMS),
-       dtype=st.sampled_from(DTYPES), how=st.sampled_from(ALLOCS), seed=st.integers(0, 2**31))
-def test_allgather_gives_everyone_every_chunk(worlds, backend, pn, algorithm, dtype, how, seed):
-    p, n = pn
-    results = worlds(p, backend).run(job_allgather, algorithm, dtype, n, how, seed)
-    expected = np.empty(n, dtype)
-    for r, (a, b) in enumerate(chunk_bounds(n, p)):
-        expected[a:b] = rank_data(seed, r, n, dtype)[a:b]
-    assert all(same for same, _ in results)
-    assert_identical_everywhere([out for _, out in results], expected, f"{algorithm} p={p} n={n}")
+# local: p in 1..8, every example; other engines: p in 3..4, a quarter (all: slow; tiers.py)
+@pytest.mark.parametrize("backend, sweep", engine_spans(1, 8), indirect=["backend"])
+def test_allgather_gives_everyone_every_chunk(worlds, backend, sweep):
+    @settings(max_examples=sweep.examples(2 * BASE))
+    @given(data=st.data(), algorithm=st.sampled_from(SCATTER_ALGORITHMS),
+           dtype=st.sampled_from(DTYPES), how=st.sampled_from(ALLOCS), seed=st.integers(0, 2**31))
+    def prop(data, algorithm, dtype, how, seed):
+        p, n = data.draw(world_and_length(sweep.lo, sweep.hi), label="p, n")
+        results = worlds(p, backend).run(job_allgather, algorithm, dtype, n, how, seed)
+        expected = np.empty(n, dtype)
+        for r, (a, b) in enumerate(chunk_bounds(n, p)):
+            expected[a:b] = rank_data(seed, r, n, dtype)[a:b]
+        assert all(same for same, _ in results)
+        assert_identical_everywhere([out for _, out in results], expected,
+                                    f"{algorithm} p={p} n={n}")
+
+    prop()
 
 
 @pytest.mark.parametrize("algorithm", ["tree", "naive"])
-@pytest.mark.parametrize("p", [1, 2, 3, 5, 6, 8])
+# every p on local; other engines at p = 3, 4, the rest slow (a world start each: tiers.py)
+@pytest.mark.parametrize("backend, p", engines([1, 2, 3, 5, 6, 8]), indirect=["backend"])
 def test_broadcast_and_reduce_from_every_root(worlds, backend, algorithm, p):
     for root in range(p):
         for n, dtype, how in ((0, "int32", "shm"), (1, "float32", "numpy"), (101, "int64", "shm"),

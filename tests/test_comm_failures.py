@@ -59,6 +59,6 @@ def test_gloo_reports_the_rank_that_timed_out_not_the_one_whose_connection_it_cl
     t0 = time.monotonic()
     with pytest.raises(RankError) as err:
         launch(fn, 2, backend="torch", timeout=2.0)
-    assert time.monotonic() - t0 < 10
+    assert time.monotonic() - t0 < 60  # 2 s, then an end (loose: load)
     assert err.value.rank == 1, err.value.detail
     assert "CommTimeout: rank 1 waited 2s for rank 0 in round -1" in err.value.detail

@@ -13,6 +13,7 @@ from functools import cache
 
 import numpy as np
 import pytest
+from tiers import engines
 
 torch = pytest.importorskip("torch")
 from strategies import one_at_a_time, seed_torch  # noqa: E402
@@ -273,7 +274,8 @@ def check_against_reference(kind: str, results: list[dict], label: str) -> None:
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
-@pytest.mark.parametrize("p", [1, 2, 3, 4])
+# every p on local; other engines at p = 3, 4, the rest slow (a world start each: tiers.py)
+@pytest.mark.parametrize("backend, p", engines([1, 2, 3, 4]), indirect=["backend"])
 def test_ddp_equals_single_process_after_every_step(worlds, backend, p, algorithm):
     world = worlds(p, backend)
     for kind in ("frozen", "tied"):
@@ -300,7 +302,8 @@ def test_ddp_equals_single_process_after_every_step(worlds, backend, p, algorith
 
 
 @pytest.mark.parametrize("accum", [2, 3])
-@pytest.mark.parametrize("p", [1, 2, 3, 4])
+# every p on local; other engines at p = 3, 4, the rest slow (a world start each: tiers.py)
+@pytest.mark.parametrize("backend, p", engines([1, 2, 3, 4]), indirect=["backend"])
 def test_no_sync_accumulation_equals_the_big_batch_step(worlds, backend, p, accum):
     for kind in ("frozen", "tied"):
         results = worlds(p, backend).run(_train_ddp, kind, SEVERAL, "ring", accum)
@@ -311,7 +314,8 @@ def test_no_sync_accumulation_equals_the_big_batch_step(worlds, backend, p, accu
             )
 
 
-@pytest.mark.parametrize("p", [1, 3])
+# every p on local; other engines at p = 3, 4, the rest slow (a world start each: tiers.py)
+@pytest.mark.parametrize("backend, p", engines([1, 3]), indirect=["backend"])
 def test_broadcast_from_rank_0_and_the_module_surface(worlds, backend, p):
     rank0 = make_model("frozen", seed=SEED)
     for r in worlds(p, backend).run(_surface):

@@ -39,7 +39,7 @@ def test_async_goes_on_without_a_killed_worker(staleness: int | None) -> None:
     before = set(shm.leftovers(shm.mine()))
     t0 = time.monotonic()
     results = launch(train_async, 4, args=(cfg, acfg), tolerate=WORKERS)
-    assert time.monotonic() - t0 < 10
+    assert time.monotonic() - t0 < 30  # not the survivors' 60 s timeout (loose: load)
     server = results[0]
     assert isinstance(results[2], RankLost) and "SIGKILL" in results[2].detail
     assert server.lost == [(2, 4)]  # worker rank 2, after finishing clocks 0..3
@@ -117,7 +117,7 @@ def test_sync_stops_within_seconds_naming_the_killed_rank() -> None:
     t0 = time.monotonic()
     with pytest.raises(RankError) as info:
         launch(_sync_rank_killed, 3, args=(TrainConfig(steps=100_000),))
-    assert time.monotonic() - t0 < 10
+    assert time.monotonic() - t0 < 30  # not the survivors' 60 s timeout (loose: load)
     assert info.value.rank == 1 and "SIGKILL" in str(info.value) and "rank 1" in str(info.value)
     assert set(shm.leftovers(shm.mine())) <= before
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from tiers import engines
 
 torch = pytest.importorskip("torch")
 from strategies import one_at_a_time, seed_torch  # noqa: E402
@@ -189,7 +190,8 @@ def check(results: list[dict], ref: list[dict], label: str, tol: float = 1e-10) 
 
 # -- tests -----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("p", [1, 2, 3, 4])
+# every p on local; other engines at p = 3, 4, the rest slow (a world start each: tiers.py)
+@pytest.mark.parametrize("backend, p", engines([1, 2, 3, 4]), indirect=["backend"])
 def test_fsdp_equals_single_process_after_every_step(worlds, backend, p):
     world = worlds(p, backend)
     for kind, config in CASES:

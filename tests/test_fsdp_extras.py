@@ -14,6 +14,7 @@ import copy
 
 import numpy as np
 import pytest
+from tiers import engines
 
 torch = pytest.importorskip("torch")
 from test_fsdp import SEED, batch, loss_sum, make_model, numpy_state, rel, units_of  # noqa: E402
@@ -142,7 +143,8 @@ def _summon(comm) -> dict:
     return out
 
 
-@pytest.mark.parametrize("p", [1, 3])
+# every p on local; other engines at p = 3, 4, the rest slow (a world start each: tiers.py)
+@pytest.mark.parametrize("backend, p", engines([1, 3]), indirect=["backend"])
 def test_summon_full_params_and_full_state_dict(worlds, backend, p):
     init = numpy_state(make_model("tied", SEED).state_dict())
     other = numpy_state(make_model("tied", 555).state_dict())

@@ -342,7 +342,7 @@ def test_a_rank_that_raises_fails_launch_fast_naming_it(tmp_path, bad_rank):
     t0 = time.monotonic()
     with pytest.raises(RankError) as err:
         launch(fn, 4)
-    assert time.monotonic() - t0 < 10
+    assert time.monotonic() - t0 < 30  # not the survivors' 60 s timeout (loose: load)
     assert err.value.rank == bad_rank
     assert isinstance(err.value, DplabError)
     assert f"the original message from rank {bad_rank}" in str(err.value)
@@ -367,7 +367,7 @@ def test_a_rank_killed_by_sigkill_fails_launch_naming_the_signal(tmp_path):
     t0 = time.monotonic()
     with pytest.raises(RankError) as err:
         launch(fn, 3)
-    assert time.monotonic() - t0 < 10
+    assert time.monotonic() - t0 < 30  # not the survivors' 60 s timeout (loose: load)
     assert err.value.rank == 1
     assert "SIGKILL" in str(err.value)
     session = record.read_text()
@@ -380,7 +380,7 @@ def test_a_rank_returning_an_unpicklable_result_reports_why():
     t0 = time.monotonic()
     with pytest.raises(RankError) as err:
         launch(lambda comm: (lambda: "not picklable") if comm.rank == 1 else comm.rank, 2)
-    assert time.monotonic() - t0 < 10
+    assert time.monotonic() - t0 < 30  # not the 60 s timeout (loose: load)
     assert err.value.rank == 1
     assert "pickle" in str(err.value), str(err.value)
 
@@ -400,8 +400,8 @@ def test_mismatched_buffers_raise_buffer_mismatch_not_a_hang(algorithm, mismatch
 
     t0 = time.monotonic()
     with pytest.raises(RankError) as err:
-        launch(fn, 3, timeout=5.0)
-    assert time.monotonic() - t0 < 10
+        launch(fn, 3, timeout=60.0)
+    assert time.monotonic() - t0 < 30  # found by the buffer check, not by the 60 s timeout
     assert "BufferMismatch" in str(err.value)
     assert "same length and dtype" in str(err.value)
 
@@ -412,10 +412,10 @@ def test_recv_from_a_silent_peer_times_out():
             t0 = time.monotonic()
             (name, is_comm_error, message, waited), none = world.run(job_recv_nothing, any_source)
             assert none is None and name == "CommTimeout" and is_comm_error
-            assert 0.9 <= waited < 5 and time.monotonic() - t0 < 6
+            assert 0.9 <= waited < 30 and time.monotonic() - t0 < 30  # 1 s (loose: load)
             assert "waited 1s" in message and ("rank 1" in message or "any rank" in message)
         message, waited = world.run(job_send_to_nobody)[0]
-        assert 0.9 <= waited < 5 and "rank 1" in message
+        assert 0.9 <= waited < 30 and "rank 1" in message
     assert issubclass(CommTimeout, TimeoutError) and issubclass(BufferMismatch, CommError)
 
 
@@ -427,7 +427,7 @@ def test_launch_with_a_small_timeout_reports_the_timeout():
     t0 = time.monotonic()
     with pytest.raises(RankError) as err:
         launch(fn, 2, timeout=1.0)
-    assert time.monotonic() - t0 < 6
+    assert time.monotonic() - t0 < 30  # 1 s, then an end (loose: load)
     assert err.value.rank == 0 and "CommTimeout" in str(err.value)
 
 

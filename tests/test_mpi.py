@@ -41,18 +41,11 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def world():
-    """``world(p)``: this module's persistent MPI world of ``p`` ranks (started on first use)."""
-    cache: dict[int, World] = {}
-
-    def get(p: int) -> World:
-        if p not in cache:
-            cache[p] = World(p, backend="mpi", timeout=20.0)
-        return cache[p]
-
-    yield get
-    for w in cache.values():
-        w.close()
+def world(worlds):
+    """``world(p)``: the session's persistent MPI world of ``p`` ranks (started on first use). Not
+    one of this module's own: each MPI world start is 5-16 CPU seconds, and the conformance tests
+    start the same sizes."""
+    return lambda p: worlds(p, "mpi")
 
 
 # -- jobs (run on the ranks) --------------------------------------------------------------------
@@ -295,7 +288,8 @@ def test_barrier_holds_everyone_until_the_last_arrives(world):
 # -- collectives --------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
-@pytest.mark.parametrize("p", [1, 2, 3, 4])
+# p = 1 is slow: an MPI world of its own for it alone (the local backend runs p = 1 by default)
+@pytest.mark.parametrize("p", [pytest.param(1, marks=pytest.mark.slow), 2, 3, 4])
 def test_allreduce_is_exact_and_bitwise_identical_on_every_rank(world, p, algorithm):
     lengths = sorted({0, 1, 2, 7, 13, 31, 1009, 65_537, max(p - 1, 0)})
     per_rank = world(p).run(job_allreduce_all, algorithm, lengths)
@@ -350,10 +344,11 @@ def test_a_traced_ring_records_every_transfer(world):
 @pytest.mark.parametrize("algorithm, kind", [(a, "length") for a in ALGORITHMS] + [
     ("ring", "dtype"), ("native", "dtype"), ("tree", "length<p")])
 def test_mismatched_buffers_fail_fast_with_buffer_mismatch(world, algorithm, kind):
+    w = world(3)  # started before the clock: under load a start alone can take 15 s
     t0 = time.monotonic()
     with pytest.raises(RankError) as err:
-        world(3).run(job_mismatch, algorithm, kind)
-    assert time.monotonic() - t0 < 10
+        w.run(job_mismatch, algorithm, kind)
+    assert time.monotonic() - t0 < w.timeout, "found by the timeout, not by the buffer check"
     assert "BufferMismatch" in str(err.value) and "same length and dtype" in str(err.value)
     assert len(world(3).run(job_barrier)) == 3  # the world restarts after a failure
 
@@ -381,8 +376,9 @@ def _group_members(pgid: int) -> list[int]:
 def test_a_failing_rank_stops_the_world_fast_and_leaves_nothing(tmp_path, how, bad):
     t0 = time.monotonic()
     with pytest.raises(RankError) as err:
-        launch(job_fail, 4, backend="mpi", args=(bad, str(tmp_path), how), timeout=30.0)
-    assert time.monotonic() - t0 < 10
+        launch(job_fail, 4, backend="mpi", args=(bad, str(tmp_path), how), timeout=120.0)
+    # well before the survivors' timeout (the world's start is in the clock: 15 s under load)
+    assert time.monotonic() - t0 < 60
     assert err.value.rank == bad
     if how == "raise":
         assert "Traceback" in err.value.detail
@@ -464,14 +460,14 @@ def fn(comm):
     if comm.rank == 1:
         raise ValueError("planned failure on rank 1")
     comm.recv(np.zeros(1), 1)
-launch(fn, backend="mpi", timeout=30)
+launch(fn, backend="mpi", timeout=120)
 """
 
 
 def test_a_failing_rank_under_mpiexec_aborts_the_job_instead_of_hanging():
     t0 = time.monotonic()
     run = _mpiexec("3", sys.executable, "-c", FAILING)
-    assert time.monotonic() - t0 < 15, "the other ranks waited for their timeout"
+    assert time.monotonic() - t0 < 60, "the other ranks waited for their timeout (120 s)"
     assert run.returncode != 0 and "planned failure on rank 1" in run.stderr
 
 
@@ -509,8 +505,8 @@ def test_a_rank_killed_mid_training_is_the_one_named(victim):
     """mpiexec then terminates every other rank; the error must still name the one that died."""
     t0 = time.monotonic()
     with pytest.raises(RankError) as err:
-        launch(job_train_until_rank_dies, 4, backend="mpi", args=(victim,))
-    assert time.monotonic() - t0 < 15
+        launch(job_train_until_rank_dies, 4, backend="mpi", args=(victim,), timeout=120.0)
+    assert time.monotonic() - t0 < 60  # not the survivors' 120 s timeout
     assert err.value.rank == victim, str(err.value)
     assert _unmapped_mpich_segments() == set()
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from tiers import engines
 
 from dplab.backends.launch.world import BackendUnavailable, check_backend
 from dplab.reference import collectives
@@ -102,7 +103,8 @@ def assert_within_rule(
     )
 
 
-@pytest.mark.parametrize("p", [2, 3, 4])
+# every p on local; other engines at p = 3, 4, the rest slow (a world start each: tiers.py)
+@pytest.mark.parametrize("backend, p", engines([2, 3, 4]), indirect=["backend"])
 @pytest.mark.parametrize("algorithm", ["ring", "tree", "naive", "direct", "native"])
 def test_float16_allreduce_within_the_stated_bound(worlds, backend, algorithm, p):
     seed = 11 * p

@@ -24,7 +24,8 @@ from dplab.reference.schedule import chunk_bounds
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
-HEAVY = 'pytest -m "slow or browser or hosts"'  # what the default pytest leaves out; .ci/run runs it
+# what the default pytest leaves out: .ci/run runs it second
+HEAVY = 'pytest -m "slow or browser or hosts"'
 FOLDERS = ("reference", "backends", "viz", "lessons")  # each maps its files in its own README.md
 DOCS = {path: path.read_text() for path in
         [ROOT / "README.md", *(ROOT / f / "README.md" for f in FOLDERS),

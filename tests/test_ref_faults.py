@@ -41,9 +41,9 @@ def test_a_killed_worker_is_named_on_mpi_and_torch(backend: str) -> None:
             backend,
             args=(TrainConfig(steps=10), acfg),
             tolerate=WORKERS,
-            timeout=30,
+            timeout=120,
         )
-    assert time.monotonic() - t0 < 20  # at once, not after a survivor's 30 s timeout
+    assert time.monotonic() - t0 < 60  # at once, not after a survivor's 120 s timeout
     assert info.value.rank == 2, str(info.value)
     assert str(info.value).startswith("rank 2 failed:") and "died" in str(info.value)
 

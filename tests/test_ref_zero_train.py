@@ -15,6 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import train_configs
+from tiers import engine_spans
 
 from dplab.reference.errors import ConfigError
 from dplab.reference.model import MLP, MLPConfig
@@ -67,14 +68,12 @@ def zero_train_configs(draw, dtype: str = "float64") -> TrainConfig:
     return dataclasses.replace(cfg, optimizer=opt)
 
 
-def _examples(backend: str, local: int) -> int:
-    return local if backend == "local" else max(3, local // 4)  # other engines: fewer, slower calls
-
-
+# local: p in 1..4, every example; other engines: p in 3..4, a quarter (all: slow)
+@pytest.mark.parametrize("backend, sweep", engine_spans(1, 4), indirect=["backend"])
 @pytest.mark.parametrize("dtype, tol, factor", [("float64", 1e-10, 4), ("float32", 1e-5, 2)])
-def test_train_zero_equals_train_single(worlds, backend, dtype, tol, factor):
-    @settings(max_examples=_examples(backend, factor * EXAMPLES), deadline=None)
-    @given(p=st.integers(1, 4), cfg=zero_train_configs(dtype), zero=zero_configs())
+def test_train_zero_equals_train_single(worlds, backend, sweep, dtype, tol, factor):
+    @settings(max_examples=sweep.examples(factor * EXAMPLES), deadline=None)
+    @given(p=st.integers(sweep.lo, sweep.hi), cfg=zero_train_configs(dtype), zero=zero_configs())
     def prop(p, cfg, zero):
         results = worlds(p, backend).run(_train, cfg, zero)
         assert len(results) == p

@@ -80,7 +80,9 @@ def _check(world, case) -> None:
     assert not bad, f"{case}: " + "; ".join(bad[:5])
 
 
-@pytest.mark.parametrize("p", range(1, 17))
+# p = 10-15 are slow: a local world each for this test alone, 2.4-5 CPU s; 1-9 and 16 stay
+@pytest.mark.parametrize("p", [pytest.param(p, marks=pytest.mark.slow) if 9 < p < 16 else p
+                               for p in range(1, 17)])
 @settings(max_examples=3)
 @given(data=st.data())
 def test_the_engine_leaves_the_spines_bits_on_the_local_backend(worlds, p, data):
@@ -89,7 +91,9 @@ def test_the_engine_leaves_the_spines_bits_on_the_local_backend(worlds, p, data)
 
 @pytest.mark.parametrize("transport", [pytest.param("mpi", marks=pytest.mark.mpi),
                                        pytest.param("torch", marks=pytest.mark.torch)])
-@pytest.mark.parametrize("p", [2, 3, 5])
+# p = 2 and 5 are slow: the rule of tests/tiers.py (an engine keeps p = 3, 4; 5 is a world start)
+@pytest.mark.parametrize("p", [pytest.param(2, marks=pytest.mark.slow), 3,
+                               pytest.param(5, marks=pytest.mark.slow)])
 @settings(max_examples=2)
 @given(data=st.data())
 def test_the_engine_leaves_the_spines_bits_on_mpi_and_torch(worlds, transport, p, data):

@@ -15,6 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import train_configs
+from tiers import engine_spans, engines
 
 from dplab.backends.launch.world import RankError
 from dplab.reference.errors import ConfigError
@@ -88,32 +89,45 @@ def check_equals_single(results, cfg: TrainConfig, tol: float) -> None:
 # algorithm, uneven and empty shard and bucket split (p = 8 on sim: test_empty_shards...)
 SIM_P = 4
 
-@settings(max_examples=3 * EXAMPLES, deadline=None)
-@given(p=st.integers(1, 8), cfg=train_configs(), sync=sync_configs)
-def test_train_sync_equals_train_single_float64(worlds, backend, p, cfg, sync):
-    p = min(p, SIM_P) if backend == "sim" else p
-    results = worlds(p, backend).run(_train, cfg, sync)
-    assert len(results) == p
-    check_equals_single(results, cfg, 1e-10)
+# local: p in 1..8, every example; other engines: p in 3..4, a quarter (all: slow; tiers.py)
+@pytest.mark.parametrize("backend, sweep", engine_spans(1, 8), indirect=["backend"])
+def test_train_sync_equals_train_single_float64(worlds, backend, sweep):
+    @settings(max_examples=sweep.examples(3 * EXAMPLES), deadline=None)
+    @given(data=st.data(), cfg=train_configs(), sync=sync_configs)
+    def prop(data, cfg, sync):
+        p = data.draw(st.integers(sweep.lo, sweep.hi), label="p")
+        p = min(p, SIM_P) if backend == "sim" else p
+        results = worlds(p, backend).run(_train, cfg, sync)
+        assert len(results) == p
+        check_equals_single(results, cfg, 1e-10)
+
+    prop()
 
 
-@settings(max_examples=EXAMPLES, deadline=None)
-@given(p=st.integers(1, 8), cfg=train_configs("float32"), sync=sync_configs)
-def test_train_sync_equals_train_single_float32(worlds, backend, p, cfg, sync):
-    results = worlds(p, backend).run(_train, cfg, sync)
-    check_equals_single(results, cfg, 1e-5)
+# local: p in 1..8, every example; other engines: p in 3..4, a quarter (all: slow; tiers.py)
+@pytest.mark.parametrize("backend, sweep", engine_spans(1, 8), indirect=["backend"])
+def test_train_sync_equals_train_single_float32(worlds, backend, sweep):
+    @settings(max_examples=sweep.examples(EXAMPLES), deadline=None)
+    @given(data=st.data(), cfg=train_configs("float32"), sync=sync_configs)
+    def prop(data, cfg, sync):
+        p = data.draw(st.integers(sweep.lo, sweep.hi), label="p")
+        results = worlds(p, backend).run(_train, cfg, sync)
+        check_equals_single(results, cfg, 1e-5)
+
+    prop()
 
 
 BASE = TrainConfig(model=MLPConfig(in_dim=5, hidden=(7, 6), out_dim=3), num_samples=50,
                    global_batch=11, steps=3, seed=3)
 
 
-@pytest.mark.parametrize("p, global_batch, accum_steps", [
+# every case on local; other engines at p = 3, 4, the rest slow (a world start each: tiers.py)
+@pytest.mark.parametrize("backend, p, global_batch, accum_steps", engines([
     (5, 3, 1),   # two ranks get an empty shard every step
     (4, 2, 3),   # empty shards and empty micro-batches
     (8, 1, 4),   # a single sample for a world of eight
     (3, 100, 2),  # batch larger than the data set: indices repeat across epochs
-])
+]), indirect=["backend"])
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 def test_empty_shards_and_micro_batches_still_match(
     worlds, backend, p, global_batch, accum_steps, algorithm
@@ -134,7 +148,8 @@ def test_training_actually_moves_the_parameters(worlds):
 
 # -- the broadcast ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize("p", [2, 3, 5])
+# every p on local; other engines at p = 3, 4, the rest slow (a world start each: tiers.py)
+@pytest.mark.parametrize("backend, p", engines([2, 3, 5]), indirect=["backend"])
 def test_steps_zero_returns_rank0_initial_params_on_every_rank(worlds, backend, p):
     cfg = dataclasses.replace(BASE, steps=0)
     model, _, initial = setup(cfg)

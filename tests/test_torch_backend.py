@@ -1,6 +1,6 @@
 """The torch.distributed backend: gloo ranks forked by ``World``/``launch``, and under torchrun.
 
-Worlds are module-scoped (one per size, created on first use): a gloo world starts in a
+Worlds are the session's (one per size, created on first use): a gloo world starts in a
 fraction of a second, but the properties below run hundreds of collectives. Jobs sent to
 a persistent world are module-level functions (they are pickled); ``launch`` forks, so
 its tests use closures. The ``gpu`` section runs the same checks with NCCL on CUDA
@@ -47,18 +47,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def world():
-    """``world(p)``: this module's persistent torch world of ``p`` ranks."""
-    cache: dict[int, World] = {}
-
-    def get(p: int) -> World:
-        if p not in cache:
-            cache[p] = World(p, backend="torch", timeout=30.0)
-        return cache[p]
-
-    yield get
-    for w in cache.values():
-        w.close()
+def world(worlds):
+    """``world(p)``: the session's persistent torch world of ``p`` ranks (the conformance tests
+    start the same sizes: one start each, not two)."""
+    return lambda p: worlds(p, "torch")
 
 
 def contribution(rank: int, n: int, dtype: str, seed: int = 0) -> np.ndarray:
@@ -286,8 +278,8 @@ def test_mismatched_buffers_raise_buffer_mismatch_not_a_hang(algorithm, mismatch
 
     t0 = time.monotonic()
     with pytest.raises(RankError) as err:
-        launch(fn, 3, backend="torch", timeout=10.0)
-    assert time.monotonic() - t0 < 8  # found by check_buffer, not by the timeout
+        launch(fn, 3, backend="torch", timeout=60.0)
+    assert time.monotonic() - t0 < 30  # found by check_buffer, not by the 60 s timeout
     assert "BufferMismatch" in str(err.value) and "same length and dtype" in str(err.value)
     assert not set(mp.active_children()) - before  # every rank of the world was reaped
 
@@ -302,8 +294,8 @@ def test_a_rank_that_raises_fails_launch_fast_naming_it():
 
     t0 = time.monotonic()
     with pytest.raises(RankError) as err:
-        launch(fn, 4, backend="torch")
-    assert time.monotonic() - t0 < 10
+        launch(fn, 4, backend="torch", timeout=60.0)
+    assert time.monotonic() - t0 < 30  # not the survivors' 60 s timeout (start included)
     assert err.value.rank == 2 and "the original message from rank 2" in str(err.value)
     assert "ValueError" in str(err.value) and "Traceback" in err.value.detail
     assert not set(mp.active_children()) - before  # every rank of the world was reaped
@@ -319,8 +311,8 @@ def test_a_rank_killed_by_sigkill_fails_launch_fast():
 
     t0 = time.monotonic()
     with pytest.raises(RankError) as err:
-        launch(fn, 3, backend="torch")
-    assert time.monotonic() - t0 < 10
+        launch(fn, 3, backend="torch", timeout=60.0)
+    assert time.monotonic() - t0 < 30  # not the survivors' 60 s timeout (start included)
     # The launcher sees the death, or a peer's lost connection first: either names rank 1.
     assert (err.value.rank == 1 and "SIGKILL" in str(err.value)) or "lost rank 1" in str(err.value)
     assert not set(mp.active_children()) - before  # every rank of the world was reaped
@@ -340,7 +332,7 @@ def test_a_direct_exchange_of_mismatched_shapes_times_out_instead_of_killing_glo
     t0 = time.monotonic()
     with pytest.raises(RankError) as err:
         launch(fn, 2, backend="torch", timeout=2.0)
-    assert 1.9 < time.monotonic() - t0 < 10
+    assert 1.9 < time.monotonic() - t0 < 60  # its 2 s timeout, then an end (loose: load)
     assert "CommTimeout" in str(err.value) and "round -1" in str(err.value)
     assert not set(mp.active_children()) - before
 
@@ -386,7 +378,7 @@ def test_recv_from_a_silent_peer_times_out_with_a_clear_message():
     t0 = time.monotonic()
     with pytest.raises(RankError) as err:
         launch(fn, 2, backend="torch", timeout=2.0)
-    assert 1.9 < time.monotonic() - t0 < 8
+    assert 1.9 < time.monotonic() - t0 < 60  # its 2 s timeout, then an end (loose: load)
     assert err.value.rank == 0 and "CommTimeout" in str(err.value)
     assert "rank 0 waited 2s for rank 1" in str(err.value)
 

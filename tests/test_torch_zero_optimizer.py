@@ -15,6 +15,7 @@ import pickle
 
 import numpy as np
 import pytest
+from tiers import engines
 
 torch = pytest.importorskip("torch")
 from strategies import one_at_a_time, seed_torch  # noqa: E402
@@ -179,7 +180,8 @@ def _resume_from_torch(comm, params: list, state: bytes, sched_state: dict) -> l
 
 # -- tests -----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("p", [1, 2, 3, 4])
+# every p on local; other engines at p = 3, 4, the rest slow (a world start each: tiers.py)
+@pytest.mark.parametrize("backend, p", engines([1, 2, 3, 4]), indirect=["backend"])
 def test_groups_scheduler_and_add_param_group_equal_torch_optim(worlds, backend, p):
     ref = reference()
     for rank, r in enumerate(worlds(p, backend).run(_train_save_resume)):
@@ -189,7 +191,8 @@ def test_groups_scheduler_and_add_param_group_equal_torch_optim(worlds, backend,
         assert "consolidate_state_dict" in r["unconsolidated"]
 
 
-@pytest.mark.parametrize("p", [1, 3, 4])
+# every p on local; other engines at p = 3, 4, the rest slow (a world start each: tiers.py)
+@pytest.mark.parametrize("backend, p", engines([1, 3, 4]), indirect=["backend"])
 def test_state_dict_is_torchs_and_a_round_trip_trains_on_identically(worlds, backend, p):
     ref = reference()
     theirs = ref["state"]
@@ -219,7 +222,8 @@ def test_state_dict_is_torchs_and_a_round_trip_trains_on_identically(worlds, bac
                                                                                      "ZeRO's")
 
 
-@pytest.mark.parametrize("p", [2, 3])
+# every p on local; other engines at p = 3, 4, the rest slow (a world start each: tiers.py)
+@pytest.mark.parametrize("backend, p", engines([2, 3]), indirect=["backend"])
 def test_a_plain_adamw_state_dict_loads_into_zero(worlds, backend, p):
     ref = reference()
     state = pickle.dumps(ref["state"])

@@ -14,6 +14,7 @@ from functools import cache
 
 import numpy as np
 import pytest
+from tiers import engines
 
 torch = pytest.importorskip("torch")
 from strategies import one_at_a_time, seed_torch  # noqa: E402
@@ -150,7 +151,8 @@ def check_state_bytes(kind: str, opt_name: str, results: list[dict]) -> None:
 
 
 @pytest.mark.parametrize("opt_name", ["adamw", "sgd"])
-@pytest.mark.parametrize("p", [1, 2, 3, 4])
+# every p on local; other engines at p = 3, 4, the rest slow (a world start each: tiers.py)
+@pytest.mark.parametrize("backend, p", engines([1, 2, 3, 4]), indirect=["backend"])
 def test_zero_equals_the_unsharded_optimizer_after_every_step(worlds, backend, p, opt_name):
     for kind in ("mlp", "tiny"):  # n = 63 (not divisible by 2 or 4) and n = 2 (< p for p > 2)
         results = worlds(p, backend).run(_train_zero, kind, opt_name)
@@ -169,7 +171,8 @@ def test_zero_equals_the_unsharded_optimizer_after_every_step(worlds, backend, p
         check_state_bytes(kind, opt_name, results)
 
 
-@pytest.mark.parametrize("p", [1, 2, 3, 4])
+# every p on local; other engines at p = 3, 4, the rest slow (a world start each: tiers.py)
+@pytest.mark.parametrize("backend, p", engines([1, 2, 3, 4]), indirect=["backend"])
 def test_optimizer_state_is_about_one_pth_of_the_unsharded(worlds, backend, p):
     results = worlds(p, backend).run(_train_zero, "wide", "adamw", 1)
     check_state_bytes("wide", "adamw", results)
