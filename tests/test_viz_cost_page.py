@@ -42,8 +42,8 @@ def figure(at: AppTest, key: str = "cost_figure") -> dict:
 
 def test_first_render_names_the_crossovers_and_draws_the_model(monkeypatch):
     # Quick to first paint, counted rather than timed: the render prices each (algorithm, grid
-    # size) once, and its bisections, not every pair's sizes again for the captions and again for
-    # the figure (~24 000 prices, seconds of CPU, before).
+    # size) once, and its bisections; not each pair's sizes again, for the captions and again for
+    # the figure, which took seconds of CPU.
     priced = []
 
     def counted(*args, **kwargs):  # noqa: ANN202 - costmodel.cost, counted
