@@ -228,8 +228,12 @@ def _start_app(env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str
     return proc, line.split()[2]
 
 
-@pytest.mark.parametrize("how, code", [("ctrl-c", 130), ("sigint", 130), ("sigterm", 143),
-                                       ("sigkill", -9)])
+@pytest.mark.parametrize("how, code", [
+    ("ctrl-c", 130),  # the clean stop: the launcher forwards the interrupt and says so
+    pytest.param("sigint", 130, marks=pytest.mark.slow),  # slow: ctrl-c's path, one process
+    pytest.param("sigterm", 143, marks=pytest.mark.slow),  # slow: ctrl-c's path, another signal
+    ("sigkill", -9),  # the launcher dies unwarned: the server must still go with it
+])
 def test_dplab_app_answers_at_its_url_and_stops_its_server_saying_how_it_ended(how, code):
     """One server per way of ending it (each start costs seconds of CPU): the URL is printed once
     the server answers, stdout carries only that line, and the end is the signal's."""

@@ -29,9 +29,9 @@ TESTS = Path(__file__).resolve().parent
 SHM = Path("/dev/shm")
 
 
-def backend_param(name: str):
+def backend_param(name: str, slow: bool = False):
     marks = [] if name == "local" else [getattr(pytest.mark, name)]
-    return pytest.param(name, marks=marks, id=name)
+    return pytest.param(name, marks=marks + [pytest.mark.slow] * slow, id=name)
 
 
 def need(backend: str) -> None:
@@ -180,7 +180,9 @@ UNCLOSED = """
 """
 
 
-@pytest.mark.parametrize("backend", [backend_param(b) for b in ("local", "mpi", "torch")])
+# slow: torch's ranks import torch (~8 CPU-s); local's and mpi's exits are the two that differ
+@pytest.mark.parametrize("backend", [backend_param("local"), backend_param("mpi"),
+                                     backend_param("torch", slow=True)])
 def test_launch_an_unclosed_world_leaves_nothing_after_exit(tmp_path, backend):
     """``w = World(2)`` and the interpreter ends: no rank, no segment, no MPICH memory survives."""
     need(backend)
@@ -247,10 +249,14 @@ def _cmd(pid: int) -> str:
         return ""
 
 
+# slow: mpi-SIGTERM (mpi's SIGKILL and local's SIGTERM cover it) and torch-SIGKILL (local's path;
+# its ranks import torch): one case per launcher and per signal runs by default
 @pytest.mark.parametrize("backend, sig", [
-    pytest.param(b, s, marks=[] if b == "local" else [getattr(pytest.mark, b)], id=f"{b}-{s.name}")
-    for b, s in [("local", signal.SIGKILL), ("local", signal.SIGTERM), ("mpi", signal.SIGKILL),
-                 ("mpi", signal.SIGTERM), ("torch", signal.SIGKILL)]])
+    pytest.param(b, s, marks=([] if b == "local" else [getattr(pytest.mark, b)])
+                 + ([pytest.mark.slow] if slow else []), id=f"{b}-{s.name}")
+    for b, s, slow in [("local", signal.SIGKILL, False), ("local", signal.SIGTERM, False),
+                       ("mpi", signal.SIGKILL, False), ("mpi", signal.SIGTERM, True),
+                       ("torch", signal.SIGKILL, True)]])
 def test_launch_ranks_die_with_a_killed_launcher(tmp_path, backend, sig):
     """SIGKILL/SIGTERM to a script in ``launch``: every rank (mpiexec, its proxy) gone within
     seconds."""

@@ -71,7 +71,9 @@ def _signal_and_time(proc: subprocess.Popen, family: set[int], sigs: list[tuple[
     pytest.param("local", signal.SIGINT, 130, id="local-SIGINT"),
     pytest.param("local", signal.SIGTERM, 143, id="local-SIGTERM"),
     pytest.param("mpi", signal.SIGINT, 130, marks=pytest.mark.mpi, id="mpi-SIGINT"),
-    pytest.param("torch", signal.SIGTERM, 143, marks=pytest.mark.torch, id="torch-SIGTERM"),
+    # slow: local's launcher path; the torch import costs each rank ~10 CPU-s
+    pytest.param("torch", signal.SIGTERM, 143, marks=[pytest.mark.torch, pytest.mark.slow],
+                 id="torch-SIGTERM"),
 ])
 def test_launch_dplab_train_stops_within_a_second_on_a_signal(tmp_path, backend, sig, code):
     need(backend)
@@ -89,7 +91,8 @@ def test_launch_dplab_train_stops_within_a_second_on_a_signal(tmp_path, backend,
     assert segments_of(proc.pid) == [] and [m for m in mapped if Path(m).exists()] == []
 
 
-@pytest.mark.parametrize("gap", [0.0, 0.05])
+# slow: 0.05 s apart, the signals take the cleanup path that 0.0 (all at once) takes too
+@pytest.mark.parametrize("gap", [0.0, pytest.param(0.05, marks=pytest.mark.slow)])
 def test_launch_a_second_ctrl_c_during_cleanup_leaks_nothing(tmp_path, gap):
     proc, family = _train(tmp_path, "local")
     ranks_s, launcher_s, err = _signal_and_time(

@@ -86,6 +86,8 @@ def test_a_bad_port_is_refused_by_the_parser(port):
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "--port" in proc.stderr
 
 
+# slow: test_hardening_app's default cases start this same server from / and check its health
+@pytest.mark.slow
 def test_dplab_app_serves_health_on_a_free_loopback_port():
     """The real thing: start ``dplab app``, read the URL it prints, poll /_stcore/health, stop
     it."""

@@ -76,12 +76,14 @@ def test_last_frame_values_are_the_sum_on_every_rank(algorithm, p, n):
     for r in range(p):
         np.testing.assert_array_equal(w.frames[-1].values[r], total)
         np.testing.assert_array_equal(w.final_values[r], total)  # simulate() on the whole schedule
-    # every frame's values are what its provenance says: contributions weighted by their counts
+    # every frame's values are what its provenance says: contributions weighted by their counts,
+    # every rank and chunk at once (small integers: the products and sums are exact)
+    inputs = np.asarray(w.inputs, dtype=float).reshape(p, n)
     for f in w.frames:
-        for r in range(p):
-            for c, (a, b) in enumerate(_bounds(n, w.schedule.num_chunks)):
-                expect = sum(f.holdings[r, c, j] * w.inputs[j][a:b] for j in range(p))
-                np.testing.assert_array_equal(f.values[r][a:b], expect)
+        expect = np.zeros((p, n))
+        for c, (a, b) in enumerate(_bounds(n, w.schedule.num_chunks)):
+            expect[:, a:b] = f.holdings[:, c, :] @ inputs[:, a:b]  # [r, j] counts x rank j's
+        np.testing.assert_array_equal(np.asarray(f.values, dtype=float).reshape(p, n), expect)
     assert all(float(v).is_integer() and 0 <= v <= 9 for x in w.inputs for v in x)  # small integers
 
 

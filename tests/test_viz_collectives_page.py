@@ -109,8 +109,10 @@ def test_first_render_is_fast_at_p16():
     at = AppTest.from_file(str(app_path()), default_timeout=30)
     at.query_params["coll_p"] = "16"
     at.run()
-    start = time.perf_counter()
+    # CPU seconds of this process (the script runs in a thread of it), not wall time: the render's
+    # own work, not the time other jobs on the machine take from it (7 s of wall at load 9)
+    start = time.process_time()
     at.switch_page("pages/collectives.py").run()
-    elapsed = time.perf_counter() - start
+    used = time.process_time() - start
     assert not at.exception and len(_spec(at)["frames"]) == 31
-    assert elapsed < 3.0, f"first render of the p=16 ring took {elapsed:.2f} s"
+    assert used < 3.0, f"first render of the p=16 ring took {used:.2f} CPU-s"

@@ -113,8 +113,14 @@ def _brute_force(params, lo, hi):
     return found
 
 
-@pytest.mark.parametrize("p, alpha, gamma", [(4, 1e-7, None), (5, 2e-7, None), (6, 1e-7, 8.0),
-                                             (8, 5e-8, None)])
+# Each scan prices every element from 4 B to 16 KiB (~12 CPU-s): the default tier runs the one with
+# a reduction cost at a world size that is not a power of two; the rest are exhaustive variants.
+@pytest.mark.parametrize("p, alpha, gamma", [
+    pytest.param(4, 1e-7, None, marks=pytest.mark.slow),  # slow: p a power of two, no gamma
+    pytest.param(5, 2e-7, None, marks=pytest.mark.slow),  # slow: another p, no gamma
+    (6, 1e-7, 8.0),
+    pytest.param(8, 5e-8, None, marks=pytest.mark.slow),  # slow: p a power of two, no gamma
+])
 def test_crossovers_agree_with_a_brute_force_scan(p, alpha, gamma):
     params = CostParams(alpha_s=alpha, beta_gbps=10, gamma_gbps=gamma, world_size=p,
                         min_bytes=4, max_bytes=16 << 10)

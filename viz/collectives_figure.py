@@ -15,6 +15,8 @@ test can read the transfers back (``arrows``).
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import plotly.colors
 import plotly.graph_objects as go
@@ -48,6 +50,13 @@ def frame_title(w: Walkthrough, f: Frame) -> str:
             f"{form}) · cost model so far: {f.time_s * 1e6:,.2f} µs</sup>")
 
 
+@functools.lru_cache(maxsize=1 << 14)
+def _label(counts: bytes, dtype: str) -> str:
+    """``contributors_label`` of a cell's counts, worked out once: most cells of a frame hold what
+    they held a frame before, and a pipelined schedule has rounds x ranks x chunks of them."""
+    return contributors_label(np.frombuffer(counts, dtype=dtype))
+
+
 def _cells(w: Walkthrough, f: Frame) -> tuple[np.ndarray, list[list[str]], list[list[str]]]:
     """z (distinct contributors), the labels, and the hover text of every [rank][chunk] cell."""
     p, k = w.config.world_size, w.schedule.num_chunks
@@ -57,7 +66,7 @@ def _cells(w: Walkthrough, f: Frame) -> tuple[np.ndarray, list[list[str]], list[
     for r in range(p):
         row_labels, row_hover = [], []
         for c in range(k):
-            label = contributors_label(f.holdings[r, c])
+            label = _label(f.holdings[r, c].tobytes(), f.holdings.dtype.str)
             row_labels.append(label + (" ✓" if f.done[r, c] else ""))
             a, b = bounds[c]
             if f.values is None:

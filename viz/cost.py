@@ -18,6 +18,7 @@ direct) are ``coinciding``: one marker and one sentence, all but the first dashe
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -95,6 +96,9 @@ def size_grid(params: CostParams, points: int = 97) -> list[int]:
     return [int(e) * params.itemsize for e in elems]
 
 
+# The page's captions, its figure and every pair of crossovers ask for the same prices: each is
+# worked out once (a few thousand of a render's tens of thousands of asks).
+@functools.lru_cache(maxsize=1 << 15)
 def model_time(algorithm: str, nbytes: int, params: CostParams) -> float:
     """Seconds for one all-reduce of ``nbytes``: the cost model over the executor's schedule."""
     s = allreduce_schedule(algorithm, params.world_size)
@@ -138,6 +142,7 @@ def format_bytes(n: float) -> str:
     return f"{int(n)} B"
 
 
+@functools.lru_cache(maxsize=1 << 12)  # every pair's tie tolerance asks for the same ones
 def features(
     algorithm: str, world_size: int, nbytes: int, itemsize: int = 4
 ) -> tuple[float, float]:
