@@ -77,8 +77,16 @@ def _tree_cpu() -> float:
 
 
 # This session's, taken out of the environment: a test that runs pytest in a subprocess must not
-# log into this run's files (nor overwrite its record).
-_CPU_LOG, _RECORD = os.environ.pop("DPLAB_CPU_LOG", ""), os.environ.pop("DPLAB_SUITE_RECORD", "")
+# log into this run's files (nor overwrite its record). xdist's workers, which run the tests, get
+# the log's path under a name of their own (pytest_configure), and take it out in turn.
+_CPU_LOG = os.environ.pop("DPLAB_CPU_LOG", "") or os.environ.pop("DPLAB_CPU_LOG_WORKER", "")
+_RECORD = os.environ.pop("DPLAB_SUITE_RECORD", "")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if _CPU_LOG and getattr(config.option, "numprocesses", None) and \
+            not hasattr(config, "workerinput"):  # xdist's controller: its workers start after this
+        os.environ["DPLAB_CPU_LOG_WORKER"] = _CPU_LOG
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -158,8 +158,8 @@ def visit(browser: Any, app: AppServer) -> Iterator[Any]:
 def test_viz_browser_missing_chromium_skips_with_the_reason_and_fails_in_ci(tmp_path: Path) -> None:
     """No browser: a visible skip that says how to install one;
     under DPLAB_REQUIRE_BROWSER=1 a failure."""
-    argv = [sys.executable, "-m", "pytest", "-q", "-rsf", "-p", "no:cacheprovider", __file__,
-            # (pytest leaves out -m browser)
+    argv = [sys.executable, "-m", "pytest", "-q", "-rsf", "-p", "no:cacheprovider", "-n", "0",
+            __file__,  # one process: its summary is read below (pytest leaves out -m browser)
             "-m", "browser", "-k", "every_page_file_is_in_the_navigation"]
     env = {
         **os.environ,
