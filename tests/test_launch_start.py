@@ -100,7 +100,7 @@ def test_launch_a_failed_mpi_start_leaves_nothing_behind(tmp_path):
     (tmp_path / "site" / "sitecustomize.py").write_text(textwrap.dedent(STALL))
     (tmp_path / "launcher.py").write_text(textwrap.dedent(FAILED_START))
     env = dict(os.environ, PYTHONPATH=f"{tmp_path / 'site'}{os.pathsep}{TESTS}",
-               DPLAB_TIMEOUT="3", DPLAB_START_TIMEOUT="3")
+               DPLAB_TIMEOUT="3", DPLAB_START_TIMEOUT="12")  # 3 s: 0 of 3 beside a CPU hog
     proc = subprocess.Popen([sys.executable, "launcher.py"], cwd=tmp_path, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     family: set[int] = set()
@@ -121,7 +121,7 @@ def test_launch_a_failed_mpi_start_leaves_nothing_behind(tmp_path):
     out = proc.stdout.read()
     assert "start failed:" in out and "2 of 3 MPI ranks connected" in out, (out, proc.stderr.read())
     assert "DPLAB_START_TIMEOUT" in out
-    assert elapsed < 15
+    assert elapsed < 28, "the start waited for the stalled rank (30 s), not its allowance (12 s)"
     assert mapped, "rank 0 and 2 initialised MPI before the launcher gave up"
     assert wait_until(lambda: all(gone(p) for p in family), 5) < 5
     assert [m for m in mapped if Path(m).exists()] == []
