@@ -37,6 +37,12 @@ from hypothesis import HealthCheck, settings
 
 from dplab.backends.launch.world import BACKENDS, BackendUnavailable, World, check_backend
 
+# pytest rewrites every test module's asserts (AST walks: ~10 CPU-s for this suite) in every
+# process that collects it, each xdist worker among them, and caches the result as a .pyc, unless
+# the environment sets PYTHONDONTWRITEBYTECODE (this machine's does): then every run pays it again.
+# The cache lives in tests/__pycache__, which git ignores.
+sys.dont_write_bytecode = False
+
 settings.register_profile(
     "ci",
     deadline=None,
