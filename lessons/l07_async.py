@@ -40,34 +40,24 @@ SSP_LATE = 0.01                                # steps 2 and 3: worker 1's laten
 WORKERS = 3                                    # world of 4: rank 0 serves, ranks 1..3 compute
 
 
-def handicap(world, cfg) -> float:
-    """Seconds rank 3 sleeps before each batch: LATE, or the time of
-    LATE_STEPS sync steps with no one late, when busy cores make it longer."""
+def same_wall_time(lab):
+    world, cfg = lab.world(4), replace(TRAIN, steps=500)  # the budget stops it
+    world.run(train_sync, replace(cfg, steps=1))  # warm-up (imports), untimed
+    # the handicap, not these cores' load, must decide the race: LATE, or the
+    # time of LATE_STEPS steps where busy cores are slower; the budget follows
     start = time.perf_counter()
     world.run(train_sync, replace(cfg, steps=LATE_STEPS))
-    return max(LATE, time.perf_counter() - start)
-
-
-def same_wall_time(lab):
-    # 500 steps: an upper bound, the budget stops it
-    world, cfg = lab.world(4), replace(TRAIN, steps=500)
-    # fresh ranks warm up (imports, schedules), untimed
-    world.run(train_sync, replace(cfg, steps=1))
-    # the handicap, not these shared cores' load, must decide the race: on
-    # busy cores a step is slower, so the sleep grows, and the budget with it
-    late_s = handicap(world, cfg)
-    budget = BUDGET * late_s / LATE
-    late = (0.0, 0.0, 0.0, late_s)
-    sync_cfg = SyncConfig(delays=late, time_budget_s=budget)
-    ps_cfg = AsyncConfig(staleness=None, delays=late[1:],
-                         time_budget_s=budget)
-    sync = world.run(train_sync, cfg, sync_cfg)[0]
-    ps = world.run(train_async, cfg, ps_cfg)[0]
+    late_s = max(LATE, time.perf_counter() - start)
+    budget, late = BUDGET * late_s / LATE, (0.0, 0.0, 0.0, late_s)
+    sync = world.run(train_sync, cfg,
+                     SyncConfig(delays=late, time_budget_s=budget))[0]
+    ps = world.run(train_async, cfg, AsyncConfig(
+        staleness=None, delays=late[1:], time_budget_s=budget))[0]
     steps = len(sync.losses)
     sync_samples = steps * cfg.global_batch
     ps_samples = sum(len(worker_batch(cfg, e.worker, WORKERS, e.clock))
                      for e in ps.log)
-    late_share = sum(e.worker == 3 for e in ps.log) / len(ps.log)
+    ratio, sync_loss = ps_samples / sync_samples, evaluate(cfg, sync.params)
     # one device, as many steps
     single = train_single(replace(cfg, steps=steps)).params
     again = replay(cfg, AsyncConfig(staleness=None), ps.log, WORKERS)
@@ -83,18 +73,15 @@ def same_wall_time(lab):
     return {"budget": budget, "late_ms": late_s * 1e3,
             "late_floor_ms": LATE * 1e3, "batch": cfg.global_batch,
             "sync_steps": steps, "sync_step_ms": budget * 1e3 / steps,
-            "sync_samples": sync_samples,
-            "async_samples": ps_samples,
-            "ratio": ps_samples / sync_samples,
-            "sync_loss": evaluate(cfg, sync.params),
+            "sync_samples": sync_samples, "async_samples": ps_samples,
+            "ratio": ratio, "sync_loss": sync_loss,
             "async_loss": evaluate(cfg, ps.params),
-            "late_share": late_share,
+            "late_share": sum(e.worker == 3 for e in ps.log) / len(ps.log),
             "more": "async" if ps_samples > sync_samples else "sync",
             "sync_vs_single": float(np.abs(sync.params - single).max()),
             "sync_curve": sync_curve, "async_curve": async_curve,
             "async_at_sync": at_sync,
-            "per_sample": _per_sample_said(at_sync, evaluate(cfg, sync.params),
-                                          ps_samples / sync_samples),
+            "per_sample": _per_sample_said(at_sync, sync_loss, ratio),
             "replay_exact": bool(np.array_equal(again, ps.params))}
 
 
@@ -312,9 +299,9 @@ STEPS = (
                       lambda f: f["late_share"] < 1 / 3),
                 Check("sync stays single-device SGD (< 1e-12)", lambda f: f["sync_vs_single"] < 1e-12),
                 Check("the async run replays exactly from its log", lambda f: f["replay_exact"])),
-        inputs={"late_ms": LATE * 1e3},
+        inputs={"late_floor_ms": LATE * 1e3},
         figure=_per_sample,
-        predict=Predict("Rank 3 starts every batch at least {late_ms:.0f} ms late. In the same wall "
+        predict=Predict("Rank 3 starts every batch at least {late_floor_ms:.0f} ms late. In the same wall "
                         "time, which applies more samples: 'sync' or 'async'?", "more", choices=("sync", "async")),
         hint="A synchronous step needs every rank's gradient; a parameter server applies each as it comes.",
         try_this="dplab compare --modes sync,async --world-sizes 4 --straggler 3:8 --time-budget 1",
