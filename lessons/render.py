@@ -178,13 +178,15 @@ def hint_text(step: Step, tier: int = 0) -> Text:
     return Text.assemble((label, "bold yellow"), hints[tier])
 
 
-def estimate_seconds(lesson: Lesson, run_seconds: dict[int, float]) -> float:
+def estimate_seconds(lesson: Lesson, run_seconds: dict[int, float], code: bool = True) -> float:
     """A lesson's length for a learner: reading its text and code, the questions, and the runs
-    (the times measured here last time, else ``UNKNOWN_RUN_S`` a step)."""
+    (the times measured here last time, else ``UNKNOWN_RUN_S`` a step). ``code=False`` leaves the
+    code out: where the lesson's extras are missing, the code it shows may not import."""
     total = 0.0
     for number, step in enumerate(lesson.steps, 1):
         words = len(step.text.split()) + sum(len(c.claim.split()) for c in step.checks)
-        total += words / READ_WORDS_PER_S + READ_CODE_LINE_S * len(step.code().splitlines())
+        lines = len(step.code().splitlines()) if code else 0
+        total += words / READ_WORDS_PER_S + READ_CODE_LINE_S * lines
         total += (ANSWER_S if step.predict else 0.0) + run_seconds.get(number, UNKNOWN_RUN_S)
     return total
 

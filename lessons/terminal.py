@@ -83,8 +83,9 @@ def list_lessons(console: Console | None = None) -> int:
     console = console or make_console()
     positions = Positions.load()
     _warn(console, positions.warning)
-    rows = [(les, missing_needs(les), render.estimate_seconds(les, positions.seconds(les.number)),
-             progress(positions, les.number)) for les in lessons()]
+    needs = [(les, missing_needs(les)) for les in lessons()]
+    rows = [(les, missing, render.estimate_seconds(les, positions.seconds(les.number), not missing),
+             progress(positions, les.number)) for les, missing in needs]
     console.print(render.lessons_table(rows))
     console.print()
     console.print(render.start_here([(les, missing, p) for les, missing, _, p in rows]))

@@ -412,3 +412,20 @@ STUB_SAYS["ddp_hooks"] = [re.escape("no all-reduce was launched: each rank stepp
 SOLUTION_SAYS["ddp_hooks"] = (r"right: on 2 gloo ranks every parameter's gradient was all-reduced "
                               r"from its "
                               r"hook while backward ran, waited for in finish\(\)")
+
+
+def test_a_checks_process_starts_without_every_exercises_engine():
+    """A check's child process starts by importing this package (``child.py``): its judges load at
+    their first check, so the child imports its own exercise's modules after it forks, not every
+    exercise's engine first (``import dplab.backends``: ~0.3 CPU-s a check)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from dplab.lessons.exercises.child import supervise; "
+            "print(sorted(m for m in sys.modules if m.startswith(('dplab.backends', 'torch', "
+            "'dplab.lessons.exercises.'))))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["['dplab.lessons.exercises.child',",
+                                   "'dplab.lessons.exercises.learner',",
+                                   "'dplab.lessons.exercises.reaper']"], done.stdout

@@ -474,3 +474,23 @@ def test_missing_extras_are_named_with_their_pip_command(monkeypatch):
         and "~2 min" in text
     )
     assert "Engines (resumes at step 1)" in text
+
+
+def test_the_list_works_without_torch(tmp_path):
+    """The list reads each step's shown code to estimate a lesson's length: a lesson whose extras
+    are missing is listed with them named, not a failed import of the code it would show."""
+    hide = tmp_path / "hide"
+    hide.mkdir()
+    (hide / "sitecustomize.py").write_text(
+        "import sys\nfrom importlib.machinery import PathFinder\n\n\n"
+        "class NoTorch(PathFinder):\n    @classmethod\n"
+        "    def find_spec(cls, name, path=None, target=None):\n"
+        "        if name == 'torch' or name.startswith('torch.'):\n            return None\n"
+        "        return PathFinder.find_spec(name, path, target)\n\n\n"
+        "sys.meta_path[:] = [NoTorch if f is PathFinder else f for f in sys.meta_path]\n")
+    env = _env(tmp_path, COLUMNS="200", PYTHONPATH=str(hide))
+    proc = subprocess.run(DPLAB, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    rows = {r.split()[0]: r for r in proc.stdout.splitlines() if r.strip()}
+    for number in ("12", "14", "15"):
+        assert "torch" in rows[number] and re.search(r"~\d+ min", rows[number]), rows[number]

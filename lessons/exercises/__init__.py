@@ -18,19 +18,13 @@ default 30; ``$DPLAB_CHECK_MEMORY_MB``, default 4096); only plain data comes bac
 from __future__ import annotations
 
 import errno
+import importlib
 import os
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from dplab.lessons.exercises.buckets import judge_buckets
 from dplab.lessons.exercises.child import check_settings
 from dplab.lessons.exercises.learner import ExerciseReport, judged
-from dplab.lessons.exercises.ring import judge_ring
-from dplab.lessons.exercises.ring_allgather import judge_ring_allgather
-from dplab.lessons.exercises.ssp import judge_ssp
-from dplab.lessons.exercises.tree import judge_tree
-from dplab.lessons.exercises.zero2 import judge_zero2
 from dplab.reference.errors import ConfigError
 
 __all__ = ["Exercise", "ExerciseReport", "EXERCISES", "STUBS", "SOLUTIONS", "init_dir", "check",
@@ -49,67 +43,66 @@ class Exercise:
     # file name: in stubs/, solutions/, the learner's folder
     stub: str
     solution: Path                             # the shipped answer
-    # checker(the learner's file) -> a report (CheckUnavailable: the machine cannot run the check)
-    checker: Callable[[Path], ExerciseReport]
+    # "module:function", judge(the learner's file, output) -> what a right answer proved, or Fail:
+    # imported at its first check, so that a check's child process (which imports this package)
+    # loads its own exercise's modules, not every exercise's engine
+    judge: str
 
     @property
     def stub_path(self) -> Path:
         return STUBS / self.stub
 
+    def checker(self, file: Path) -> ExerciseReport:
+        """The report on ``file`` as this exercise's answer (``CheckUnavailable``: the machine
+        cannot run the check)."""
+        module, function = self.judge.split(":")
+        judge = getattr(importlib.import_module(module), function)
+        return judged(Path(self.stub).stem, judge)(file)
 
-def _exercise(
-    name: str, lesson: int, title: str, judge: Callable[[Path, list[str]], str]
-) -> Exercise:
-    return Exercise(lesson, title, f"{name}.py", SOLUTIONS / f"{name}.py", judged(name, judge))
+
+def _exercise(name: str, lesson: int, title: str, judge: str) -> Exercise:
+    return Exercise(lesson, title, f"{name}.py", SOLUTIONS / f"{name}.py",
+                    f"dplab.lessons.exercises.{judge}")
 
 
 EXERCISES: dict[str, Exercise] = {
     "ring_reduce_scatter": _exercise("ring_reduce_scatter", 2, "The ring reduce-scatter as a "
                                                                "schedule",
-                                     judge_ring),
-    "ddp_buckets": _exercise("ddp_buckets", 4, "DDP's bucket assignment", judge_buckets),
-    "ssp_gate": _exercise("ssp_gate", 7, "The SSP staleness gate", judge_ssp),
-    "zero2_step": _exercise("zero2_step", 10, "A ZeRO-2 step", judge_zero2),
+                                     "ring:judge_ring"),
+    "ddp_buckets": _exercise("ddp_buckets", 4, "DDP's bucket assignment", "buckets:judge_buckets"),
+    "ssp_gate": _exercise("ssp_gate", 7, "The SSP staleness gate", "ssp:judge_ssp"),
+    "zero2_step": _exercise("zero2_step", 10, "A ZeRO-2 step", "zero2:judge_zero2"),
 }
 # appended: the ladder's lower rungs (lesson 2), each judged by its own module
 EXERCISES["ring_allgather"] = _exercise("ring_allgather", 2, "The ring all-gather as a schedule",
-                                        judge_ring_allgather)
+                                        "ring_allgather:judge_ring_allgather")
 EXERCISES["tree_broadcast"] = _exercise("tree_broadcast", 2, "A binomial-tree broadcast as a "
                                                              "schedule",
-                                        judge_tree)
+                                        "tree:judge_tree")
 
 
 # appended: lesson 11's dynamic loss scaler
-from dplab.lessons.exercises.scaler import judge_scaler  # noqa: E402
-
 EXERCISES["loss_scaler"] = _exercise(
-    "loss_scaler", 11, "The dynamic loss scaler's rule", judge_scaler
+    "loss_scaler", 11, "The dynamic loss scaler's rule", "scaler:judge_scaler"
 )
 
 # appended: lesson 10's FSDP unit
-from dplab.lessons.exercises.fsdp_unit import judge_fsdp  # noqa: E402
-
-EXERCISES["fsdp_unit"] = _exercise("fsdp_unit", 10, "An FSDP unit's gather and free", judge_fsdp)
+EXERCISES["fsdp_unit"] = _exercise("fsdp_unit", 10, "An FSDP unit's gather and free",
+                                   "fsdp_unit:judge_fsdp")
 
 # appended: lesson 8's backup workers, the first n of N + b gradients
-from dplab.lessons.exercises.backup import judge_backup  # noqa: E402
-
 EXERCISES["backup_step"] = _exercise("backup_step", 8, "Backup workers: the first n of N + b "
                                                        "gradients",
-                                     judge_backup)
+                                     "backup:judge_backup")
 
 # appended: lesson 15's DDP from hooks on torch tensors (CS336's exercise)
-from dplab.lessons.exercises.ddp_hooks import judge_ddp_hooks  # noqa: E402
-
 EXERCISES["ddp_hooks"] = _exercise(
-    "ddp_hooks", 15, "DDP from hooks on torch tensors", judge_ddp_hooks
+    "ddp_hooks", 15, "DDP from hooks on torch tensors", "ddp_hooks:judge_ddp_hooks"
 )
 
 # appended: lesson 15's FSDP forward that prefetches, judged on the simulated cluster
-from dplab.lessons.exercises.fsdp_prefetch import judge_fsdp_prefetch  # noqa: E402
-
 EXERCISES["fsdp_prefetch"] = _exercise("fsdp_prefetch", 15, "A prefetching FSDP forward",
-                                       judge_fsdp_prefetch)
+                                       "fsdp_prefetch:judge_fsdp_prefetch")
 
 
 def init_dir(path: str | Path) -> list[Path]:
@@ -203,7 +196,5 @@ def check_file(name: str, file: Path) -> ExerciseReport:
     return EXERCISES[name].checker(Path(file))
 
 # appended: lesson 10's clipping by the global norm of a sharded gradient
-from dplab.lessons.exercises.sharded_clip import judge_sharded_clip  # noqa: E402
-
 EXERCISES["sharded_clip"] = _exercise("sharded_clip", 10, "Clipping a sharded gradient by its norm",
-                                      judge_sharded_clip)
+                                      "sharded_clip:judge_sharded_clip")

@@ -54,6 +54,8 @@ COLLECTORS = {
     "fsdp_unit": "dplab.lessons.exercises.fsdp_unit:collect_fsdp",
     "backup_step": "dplab.lessons.exercises.backup:collect_backup",
     "sharded_clip": "dplab.lessons.exercises.sharded_clip:collect_sharded_clip",
+    "ddp_hooks": "dplab.lessons.exercises.ddp_hooks:collect_ddp_hooks",
+    "fsdp_prefetch": "dplab.lessons.exercises.fsdp_prefetch:collect_fsdp_prefetch",
 }
 # after the time limit, how long the child has to report before it is killed
 GRACE_S = 3.0

@@ -31,7 +31,6 @@ import numpy as np
 
 from dplab.backends import RankError, launch
 from dplab.lessons.exercises.child import (
-    COLLECTORS,
     Patched,
     dplab_functions,
     patched_since,
@@ -49,10 +48,6 @@ from dplab.lessons.exercises.ranks import stop_before
 
 __all__ = ["judge_ddp_hooks", "collect_ddp_hooks", "make_model", "data", "train_one_process",
            "WORLD", "STEPS", "HINTS", "sgd_step"]
-
-# registered here, beside the collector (child.py's table names the others): the package imports
-# this module, so a child process knows it before it reads its job
-COLLECTORS["ddp_hooks"] = "dplab.lessons.exercises.ddp_hooks:collect_ddp_hooks"
 
 WORLD = 2
 STEPS = 3

@@ -30,7 +30,6 @@ import numpy as np
 
 from dplab.backends import RankError, launch
 from dplab.lessons.exercises.child import (
-    COLLECTORS,
     Patched,
     dplab_functions,
     patched_since,
@@ -146,9 +145,6 @@ def collect_fsdp_prefetch(file: Path, inputs: dict[str, Any], out: dict[str, Any
     if patched:
         raise Patched(patched)
     out["ranks"] = done
-
-
-COLLECTORS["fsdp_prefetch"] = "dplab.lessons.exercises.fsdp_prefetch:collect_fsdp_prefetch"
 
 
 class _Handle:
