@@ -152,6 +152,7 @@ def _names_mpi(nodeid: str) -> bool:
     return "mpi" in words + params
 
 
+@pytest.hookimpl(optionalhook=True)  # xdist's hook: unknown where xdist is not loaded
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """``--dist loadfile`` (pyproject's addopts), except that the files with a test on MPI share
     one worker. Each worker keeps its own session worlds, and an MPI world's ranks are fresh
