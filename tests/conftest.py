@@ -144,6 +144,39 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         f.write("\n")
 
 
+def _names_mpi(nodeid: str) -> bool:
+    """Does the test's file name or its parameters' id (``test_x[mpi-4-ring]``) name MPI?"""
+    file, _, test = nodeid.partition("::")
+    words = file.rsplit("/", 1)[-1].removesuffix(".py").split("_")
+    params = test.rsplit("[", 1)[1].rstrip("]").split("-") if test.endswith("]") else []
+    return "mpi" in words + params
+
+
+@pytest.hookimpl(optionalhook=True)  # xdist's hook: unknown where xdist is not loaded
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``--dist loadfile`` (pyproject's addopts), except that the files with a test on MPI share
+    one worker. Each worker keeps its own session worlds, and an MPI world's ranks are fresh
+    interpreters that each import NumPy, mpi4py, torch and the tests' modules (4-6 CPU-s a rank):
+    split over two workers each such world was started twice (issue 28). (xdist's ``loadgroup``
+    would say this with marks, but under pytest 9 its node-id suffix no longer takes: it runs as
+    ``load``, a test at a time.)"""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class MpiFilesTogether(LoadFileScheduling):
+        mpi_files: set[str] | None = None
+
+        def _split_scope(self, nodeid: str) -> str:
+            file = super()._split_scope(nodeid)
+            if self.mpi_files is None:  # the workers' collection is complete when scopes are asked
+                collection = next(iter(self.registered_collections.values()))
+                self.mpi_files = {n.split("::", 1)[0] for n in collection if _names_mpi(n)}
+            return "mpi-files" if file in self.mpi_files else file
+
+    return MpiFilesTogether(config, log)
+
+
 def _backend_params() -> list:
     return [
         pytest.param(name, marks=[] if name == "local" else [getattr(pytest.mark, name)], id=name)

@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -46,6 +47,16 @@ def world(worlds):
     one of this module's own: each MPI world start is 5-16 CPU seconds, and the conformance tests
     start the same sizes."""
     return lambda p: worlds(p, "mpi")
+
+
+@pytest.fixture(scope="module")
+def world_to_break() -> Iterator[World]:
+    """This module's own MPI world of 3 ranks, for the jobs that fail on purpose: a failed job ends
+    its world's ranks, and the session's world of 3 would then start fresh interpreters that
+    import torch and the tests' modules again for the next file (4-5 CPU-s a rank), where this
+    one's ranks import neither."""
+    with World(3, backend="mpi", timeout=float(os.environ.get("DPLAB_TIMEOUT", "30"))) as w:
+        yield w
 
 
 # -- jobs (run on the ranks) --------------------------------------------------------------------
@@ -343,14 +354,14 @@ def test_a_traced_ring_records_every_transfer(world):
 
 @pytest.mark.parametrize("algorithm, kind", [(a, "length") for a in ALGORITHMS] + [
     ("ring", "dtype"), ("native", "dtype"), ("tree", "length<p")])
-def test_mismatched_buffers_fail_fast_with_buffer_mismatch(world, algorithm, kind):
-    w = world(3)  # started before the clock: under load a start alone can take 15 s
+def test_mismatched_buffers_fail_fast_with_buffer_mismatch(world_to_break, algorithm, kind):
+    w = world_to_break  # started before the clock: under load a start alone can take 15 s
     t0 = time.monotonic()
     with pytest.raises(RankError) as err:
         w.run(job_mismatch, algorithm, kind)
     assert time.monotonic() - t0 < w.timeout, "found by the timeout, not by the buffer check"
     assert "BufferMismatch" in str(err.value) and "same length and dtype" in str(err.value)
-    assert len(world(3).run(job_barrier)) == 3  # the world restarts after a failure
+    assert len(w.run(job_barrier)) == 3  # the world restarts after a failure
 
 
 def _gone(pid: int) -> bool:
