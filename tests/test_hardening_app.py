@@ -99,6 +99,11 @@ def _steps(number: int, upto: int, errors: list, fd2: str) -> None:
 
 def test_eight_lesson_sessions_at_once_in_one_process_keep_its_fds():
     """What the app's server does: a thread per session, each its own Lab, steps at once."""
+    from dplab.lessons.page_view import preload_lessons
+
+    # As the server does before its first session (viz/serve.py): a module one thread is still
+    # importing when another forks a world's ranks stays locked in them, and they hang on it.
+    preload_lessons()
     fds = {fd: _fd("self", fd) for fd in (0, 1, 2)}
     errors: list[str] = []
     threads = [threading.Thread(target=_steps, args=(1, 3, errors, fds[2]))
