@@ -75,3 +75,33 @@ def test_launch_ranks_run_blas_on_one_thread(backend):
     if not any("openblas" in line.lower() for line in open("/proc/self/maps")):
         pytest.skip("this NumPy does not use OpenBLAS")
     assert launch(_blas_threads, 2, backend=backend) == [1, 1]
+
+
+DYNAMO = """
+import sys
+import torch
+from dplab.backends import launch
+
+def job(comm):
+    before = "torch._dynamo" in sys.modules
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()  # torch.optim imports torch._dynamo at a first step
+    return before, "torch._dynamo" in sys.modules
+
+if __name__ == "__main__":
+    print(launch(job, 2))
+"""
+
+
+@pytest.mark.torch
+def test_forked_ranks_of_a_torch_launcher_inherit_what_a_first_optimizer_step_imports(tmp_path):
+    """Each rank imported torch._dynamo at its first optimizer step (about 2 CPU-s a rank); a
+    launcher that uses torch imports it once before it forks."""
+    pytest.importorskip("torch", reason="needs torch: pip install 'dplab[torch]'")
+    script = tmp_path / "dynamo.py"
+    script.write_text(DYNAMO)
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[(True, True), (True, True)]"
