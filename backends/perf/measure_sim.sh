@@ -25,7 +25,7 @@ if [[ $what != rest ]]; then
   python -m dplab.backends.sim.machine --out ../../reference/clusters/this-machine.json
   run machine_bench.json dplab bench --backends local --world-sizes 2,4 --sizes 1M,4M,16M,64M \
       --algorithms ring,tree,direct,native --reps 5 --target-seconds 0.5
-  run machine_scaling.json dplab scaling --backends local --models 400k,4M --world-sizes 2,4 \
+  run machine_scaling.json dplab scaling --backends local --models 400k,4M --world-sizes 1,2,4 \
       --reps 5 --steps 8
   run machine_ddp.json dplab scaling --ddp --backends local --world-sizes 2,4 --reps 5
   python -m dplab.backends.sim.validate machine machine_bench.json machine_scaling.json \
