@@ -320,8 +320,8 @@ def _solve(preset: dict[str, Any], ranks: int, measured: dict[str, list[tuple[in
             a, b = lo, hi
             for _ in range(40):
                 mid = (a * b) ** 0.5 if rate else (a + b) / 2
-                slower = simulated(algorithm, mid, nbytes) < seconds  # the model too fast at mid
-                a, b = (a, mid) if slower == rate else (mid, b)
+                too_fast = simulated(algorithm, mid, nbytes) < seconds  # at mid
+                a, b = (a, mid) if too_fast == rate else (mid, b)
             found.append(max((a * b) ** 0.5 if rate else b, 1e-9))
         values[algorithm] = float(np.exp(np.mean(np.log(found))))
     return values
