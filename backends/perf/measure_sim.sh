@@ -21,6 +21,12 @@ run() {  # run OUT.json dplab ARGS...: the rows, then the stamp (with the load b
   python -m dplab.backends.perf.tables stamp "$out" "$before"
 }
 if [[ $what != rest ]]; then
+  load=$(cut -d' ' -f1 /proc/loadavg)
+  if [[ -z ${DPLAB_ANY_LOAD:-} ]] && ! awk "BEGIN { exit !($load < 1.5) }"; then
+    echo "load $load: (a) needs a quiet machine (a 1-minute load below 1.5); wait for one, or" \
+         "set DPLAB_ANY_LOAD=1 to measure anyway" >&2
+    exit 2
+  fi
   echo "load before (a): $(cut -d' ' -f1-3 /proc/loadavg)"
   python -m dplab.backends.sim.machine --out ../../reference/clusters/this-machine.json
   run machine_bench.json dplab bench --backends local --world-sizes 2,4 --sizes 1M,4M,16M,64M \
