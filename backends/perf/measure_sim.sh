@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The sim backend's validation rows (backends/PERFORMANCE.md, "The simulator against measurements"):
-#   bash backends/perf/measure_sim.sh machine   # (a) only: about 7 minutes, on a QUIET machine
+#   bash backends/perf/measure_sim.sh machine   # (a) only: about 4 minutes, on a QUIET machine
 #   bash backends/perf/measure_sim.sh           # (a), then (b), (c), (d) and the simulator's speed
 #   python -m dplab.backends.perf.tables --write backends/PERFORMANCE.md
 # (a) calibrates the this-machine preset on every core at once and two ranks (writing
