@@ -58,7 +58,7 @@ __all__ = ["measure", "main"]
 
 MIB = 1 << 20
 # Calibration sizes: none is a size the preset is validated at (1, 4, 16, 64 MiB)
-SIZES = "64K,256K,512K,2M"  # 2 ranks' buffers within the last-level cache (32 MiB here)
+SIZES = "64K,256K,2M,8M"  # 2 ranks' buffers within the last-level cache (32 MiB here)
 PAST_SIZES = "32M,128M"  # 2 ranks' buffers 2 and 8 times the cache: every copy from memory
 CROWDED_SIZES = "512K,2M"  # 2 ranks a core, at the sizes of the messages it prices
 # The protocol of backends/perf/measure_sim.sh: each cell the median of 5 loops of 0.1 s
