@@ -68,3 +68,29 @@ def test_a_validation_table_gives_each_error_and_their_geometric_mean(tmp_path):
     assert "validate x --out perf/v.json" in out and "load average" in out
     assert "| a | c | 1.1 | 1 | ms | +10.0% | s |" in out and "| - | -9.1% |" in out
     assert "Geometric mean of the errors: 10.0% over 2 rows." in out
+
+
+def test_this_machines_validation_says_each_kinds_error_and_whether_issue_30s_target_is_met(
+        tmp_path):
+    def row(check, predicted):
+        return {"check": check, "cluster": "c", "predicted": predicted, "measured": 1.0,
+                "unit": "ms", "source": "s"}
+
+    rows = [row("local bench, ring, p=2, 1 MiB", 1.1), row("local bench, tree, p=2, 4 MiB", 1.1),
+            row("local bench, ring, p=4, 1 MiB", 3.0), row("train step, MLP 4M, p=4", 1.0)]
+    path = tmp_path / "v.json"
+    for what, met in (("machine", "missed"), ("x", None)):
+        path.write_text(json.dumps({"meta": {"command": "validate", "what": what,
+                                             "argv": [what, "--out", "v.json"]}, "rows": rows}))
+        perf_tables.stamp(path)
+        out = perf_tables.render_validation(path, "perf/v.json")
+        if met is None:  # the other validations have no target of their own here
+            assert "By kind" not in out and "target" not in out
+            continue
+        assert ("By kind and world size (rows): local bench, p=2 10.0% (2); local bench, p=4 "
+                "200.0% (1); train step, p=4 0.0% (1). Issue 30's target, 25%: missed.") in out
+    path.write_text(json.dumps({"meta": {"command": "validate", "what": "machine",
+                                         "argv": ["machine", "--out", "v.json"]},
+                                "rows": rows[:2]}))
+    perf_tables.stamp(path)
+    assert "Issue 30's target, 25%: met." in perf_tables.render_validation(path, "perf/v.json")

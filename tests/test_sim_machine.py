@@ -6,6 +6,7 @@ algorithm alone, gamma folded in), and the parameter server's update on its cloc
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -199,3 +200,35 @@ def test_the_crowded_alpha_is_the_one_at_which_the_simulator_gives_the_measured_
     assert alphas == {"ring": pytest.approx(42e-6, rel=1e-6), "native": pytest.approx(7e-6,
                                                                                      rel=1e-6)}
     assert sorted(measured) == ["native", "ring"] and len(measured["ring"]) == 2
+
+
+def test_the_rate_past_the_cache_is_the_transports_at_which_the_simulator_gives_the_measured_time(
+        monkeypatch):
+    from dplab.backends.cli import commands
+    from dplab.backends.sim import machine
+
+    doc = _cores(True)
+    doc["links"]["intra"] |= {"cache_mib": 16, "past_cache_gb_s": 5}  # a plain copy's rate
+    truth = json.loads(json.dumps(doc))
+    truth["links"]["intra"]["past_cache_gb_s"] = 0.8  # the transport's, slower
+    made = cluster_from_dict(truth)
+    asked = []
+
+    def bench(argv):
+        asked.append(argv)
+        return [{"algorithm": a, "world_size": 2, "bytes": n,
+                 "time_us": collective_time(made, 2, a, n).seconds * 1e6}
+                for a in ("ring", "tree") for n in (16 * MIB, 64 * MIB)]
+
+    monkeypatch.setattr(commands, "bench_argv", bench)
+    rate, each, measured = machine._past_cache(doc)
+    assert rate == pytest.approx(0.8e9, rel=1e-6)
+    assert each == {"ring": pytest.approx(0.8e9, rel=1e-6), "tree": pytest.approx(0.8e9, rel=1e-6)}
+    assert sorted(measured) == ["ring", "tree"] and len(measured["tree"]) == 2
+    # measured as the validation rows are (measure_sim.sh), at sizes none of them has
+    script = (Path(machine.__file__).parents[1] / "perf" / "measure_sim.sh").read_text()
+    assert " ".join(machine.BENCH) in script
+    validated = {"1M", "4M", "16M", "64M"}
+    for sizes in (machine.SIZES, machine.PAST_SIZES, machine.CROWDED_SIZES):
+        assert not validated & set(sizes.split(","))
+    assert asked[0][asked[0].index("--sizes") + 1] == machine.PAST_SIZES

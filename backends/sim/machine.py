@@ -22,14 +22,21 @@ sources), on a machine that is usually shared with other work:
   (gamma folded into beta), because the transport runs them differently (native is the one-shot:
   one round of descriptors; tree's messages are whole buffers); a message is the receiving core's
   copy, queued with its compute;
-- past the cache: the last-level cache's size (the kernel's ``cache/index3``), and the rate of a
-  64 MiB ``np.copyto`` in one process per core at once, which a message of a collective whose
-  buffers fill the cache moves its bytes at (a copy or an in-place sum reads and writes each
-  byte from memory then); that copy's rate (2n bytes moved) is also the memory-bound operations'
-  roofline;
+- past the cache: the last-level cache's size (the kernel's ``cache/index3``), and the rate at
+  which a message of a collective whose buffers fill the cache moves its bytes: the transport's
+  own, measured by ``dplab bench`` on 2 local ranks at ``PAST_SIZES`` (the rate at which the
+  simulator on the terms above gives what was measured), not a plain copy's: a sum reads two
+  buffers and writes one, and a plain 64 MiB ``np.copyto`` (in one process per core at once,
+  recorded beside it) runs well ahead of the transport; that copy's rate (2n bytes moved) is the
+  memory-bound operations' roofline;
 - crowded: 2 ranks a core (the local transport's waiting ranks sleep, and the OS wakes each and
   gives it a core, at every message), each algorithm's alpha at which the simulator on the terms
-  above gives what ``dplab bench`` measures at ``CROWDED_SIZES`` (below every validation size).
+  above gives what ``dplab bench`` measures at ``CROWDED_SIZES``: the sizes of the messages it
+  prices (at tens of KiB a crowded rank sleeps at every message and pays more than at 1 MiB).
+
+Every ``dplab bench`` here uses ``BENCH``, the protocol of ``backends/perf/measure_sim.sh`` (the
+same reps and statistic as the rows the preset is validated against), and no calibration size is
+a validated one.
 
 What it predicts is the rest: 1 to 64 MiB all-reduces at 2 ranks and 4 ranks on the 2 cores,
 the reference recipe's and DDP's steps on 2 and 4 ranks.
@@ -50,8 +57,12 @@ import numpy as np
 __all__ = ["measure", "main"]
 
 MIB = 1 << 20
-SIZES = "64K,256K,1M,4M"  # 2 ranks' buffers within the last-level cache (32 MiB here)
-CROWDED_SIZES = "64K,256K"  # 2 ranks a core, at sizes where a message's alpha is most of it
+# Calibration sizes: none is a size the preset is validated at (1, 4, 16, 64 MiB)
+SIZES = "64K,256K,2M,8M"  # 2 ranks' buffers within the last-level cache (32 MiB here)
+PAST_SIZES = "32M,128M"  # 2 ranks' buffers 2 and 8 times the cache: every copy from memory
+CROWDED_SIZES = "512K,2M"  # 2 ranks a core, at the sizes of the messages it prices
+# The protocol of backends/perf/measure_sim.sh: each cell the median of 5 loops of 0.1 s
+BENCH = ("--reps", "5", "--target-seconds", "0.5")
 ALGORITHMS = ("ring", "tree", "direct", "native")
 
 
@@ -253,14 +264,20 @@ def _fit(rows: list[dict[str, Any]], by: tuple[str, ...]) -> Any:
     return fit(rows, by=by, gamma=False)
 
 
+def _bench(ranks: int, sizes: str) -> list[dict[str, Any]]:
+    """``dplab bench`` on ``ranks`` local ranks at ``sizes``, every algorithm, with the protocol of
+    ``backends/perf/measure_sim.sh`` (``BENCH``: the same reps and the same statistic, the
+    median, as the rows the preset is validated against)."""
+    from dplab.backends.cli.commands import bench_argv
+
+    return bench_argv(["--backends", "local", "--world-sizes", str(ranks), "--sizes", sizes,
+                       "--algorithms", ",".join(ALGORITHMS), *BENCH])
+
+
 def _link() -> tuple[float, float, dict[str, tuple[float, float, float]]]:
     """(alpha s, beta s/B) of 2 local ranks for every schedule, and per algorithm (alpha, beta,
     rms residual), as ``dplab tune`` fits them from ``dplab bench`` at ``SIZES``."""
-    from dplab.backends.cli.commands import bench_argv
-
-    rows = bench_argv(["--backends", "local", "--world-sizes", "2", "--sizes", SIZES,
-                       "--algorithms", ",".join(ALGORITHMS), "--reps", "3",
-                       "--target-seconds", "0.2"])
+    rows = _bench(2, SIZES)
     schedules = [r for r in rows if r["algorithm"] != "native"]  # native: a one-shot of its own
     f = _fit(schedules, ("backend",))[0]
     each = {}
@@ -270,37 +287,69 @@ def _link() -> tuple[float, float, dict[str, tuple[float, float, float]]]:
     return f.alpha, f.beta, each
 
 
-def _crowded(preset: dict[str, Any], ranks: int) -> tuple[dict[str, float], dict[str, list]]:
-    """Each algorithm's alpha while ``ranks`` local ranks share fewer cores: ``dplab bench`` at
-    ``CROWDED_SIZES``, then the alpha at which the simulator on ``preset`` gives each measured time
-    (by bisection), their geometric mean; and the measured seconds by algorithm."""
-    from dplab.backends.cli.commands import bench_argv
-    from dplab.backends.sim.timing import collective_time
-    from dplab.reference.cluster import cluster_from_dict
-
-    rows = bench_argv(["--backends", "local", "--world-sizes", str(ranks), "--sizes",
-                       CROWDED_SIZES, "--algorithms", ",".join(ALGORITHMS), "--reps", "3",
-                       "--target-seconds", "0.2"])
+def _measured(rows: list[dict[str, Any]]) -> dict[str, list[tuple[int, float]]]:
+    """(bytes, seconds) of each algorithm's cells in ``dplab bench`` rows."""
     measured: dict[str, list] = {}
     for r in rows:
         if r["algorithm"] in ALGORITHMS:
             measured.setdefault(r["algorithm"], []).append((r["bytes"], r["time_us"] * 1e-6))
+    return measured
 
-    def simulated(algorithm: str, alpha: float, nbytes: int) -> float:
+
+def _solve(preset: dict[str, Any], ranks: int, measured: dict[str, list[tuple[int, float]]],
+           term: Any, lo: float, hi: float) -> dict[str, float]:
+    """Each algorithm's value of one term of ``preset`` at which the simulator gives what was
+    measured: for every cell, the value (by bisection between ``lo`` and ``hi``) at which
+    ``collective_time`` on ``preset`` with ``term(doc, algorithm, value)`` applied equals the
+    measured seconds; then their geometric mean over the algorithm's sizes. A term whose larger
+    values make a collective slower (an alpha) starts from ``lo`` = 0 and halves linearly; a rate
+    (``lo`` > 0: larger is faster) halves geometrically."""
+    from dplab.backends.sim.timing import collective_time
+    from dplab.reference.cluster import cluster_from_dict
+
+    def simulated(algorithm: str, value: float, nbytes: int) -> float:
         doc = json.loads(json.dumps(preset))
-        doc["links"]["intra"]["crowded_alpha_us"] = {algorithm: alpha * 1e6}
+        term(doc, algorithm, value)
         return collective_time(cluster_from_dict(doc), ranks, algorithm, nbytes).seconds
 
-    alphas = {}
+    rate = lo > 0
+    values = {}
     for algorithm, cells in measured.items():
         found = []
         for nbytes, seconds in cells:
-            lo, hi = 0.0, 0.1
-            for _ in range(40):  # the simulated time grows with alpha
-                mid = (lo + hi) / 2
-                lo, hi = (mid, hi) if simulated(algorithm, mid, nbytes) < seconds else (lo, mid)
-            found.append(max(hi, 1e-9))
-        alphas[algorithm] = float(np.exp(np.mean(np.log(found))))
+            a, b = lo, hi
+            for _ in range(40):
+                mid = (a * b) ** 0.5 if rate else (a + b) / 2
+                too_fast = simulated(algorithm, mid, nbytes) < seconds  # at mid
+                a, b = (a, mid) if too_fast == rate else (mid, b)
+            found.append(max((a * b) ** 0.5 if rate else b, 1e-9))
+        values[algorithm] = float(np.exp(np.mean(np.log(found))))
+    return values
+
+
+def _past_cache(preset: dict[str, Any]) -> tuple[float, dict[str, float], dict[str, list]]:
+    """The transport's rate past the cache (bytes of a message a second): ``dplab bench`` on 2
+    local ranks at ``PAST_SIZES``, then the ``past_cache_gb_s`` at which the simulator on
+    ``preset`` gives each measured time, the geometric mean over sizes and algorithms; each
+    algorithm's, and the measured seconds by algorithm."""
+    def term(doc: dict[str, Any], algorithm: str, value: float) -> None:
+        doc["links"]["intra"]["past_cache_gb_s"] = value / 1e9
+
+    measured = _measured(_bench(2, PAST_SIZES))
+    each = _solve(preset, 2, measured, term, 1e8, 1e12)
+    rate = float(np.exp(np.mean(np.log(list(each.values())))))
+    return rate, each, {k: [t for _, t in cells] for k, cells in measured.items()}
+
+
+def _crowded(preset: dict[str, Any], ranks: int) -> tuple[dict[str, float], dict[str, list]]:
+    """Each algorithm's alpha while ``ranks`` local ranks share fewer cores: ``dplab bench`` at
+    ``CROWDED_SIZES``, then the alpha at which the simulator on ``preset`` gives each measured time
+    (by bisection), their geometric mean; and the measured seconds by algorithm."""
+    def term(doc: dict[str, Any], algorithm: str, value: float) -> None:
+        doc["links"]["intra"]["crowded_alpha_us"] = {algorithm: value * 1e6}
+
+    measured = _measured(_bench(ranks, CROWDED_SIZES))
+    alphas = _solve(preset, ranks, measured, term, 0.0, 0.1)
     return alphas, {k: [t for _, t in cells] for k, cells in measured.items()}
 
 
@@ -356,7 +405,7 @@ def measure() -> dict[str, Any]:
                 "bandwidth_gb_s": round(1 / beta / 1e9, 3),
                 "on_device": True,
                 "cache_mib": round(cache / MIB, 3),
-                "past_cache_gb_s": round(64 * MIB / copy_s / 1e9, 3),
+                "past_cache_gb_s": round(64 * MIB / copy_s / 1e9, 3),  # until measured below
                 "algorithms": {
                     k: {"alpha_us": round(a * 1e6, 2), "bandwidth_gb_s": round(1 / b / 1e9, 3)}
                     for k, (a, b, _) in sorted(each.items())
@@ -365,6 +414,8 @@ def measure() -> dict[str, Any]:
         },
         "reduce_gb_s": round(moved_s / 1e9, 3),
     }
+    past, past_each, past_measured = _past_cache(preset)
+    preset["links"]["intra"]["past_cache_gb_s"] = round(past / 1e9, 3)
     crowded, measured = _crowded(preset, 2 * cores)
     preset["links"]["intra"]["crowded_alpha_us"] = {
         k: round(a * 1e6, 2) for k, a in sorted(crowded.items())}
@@ -395,11 +446,18 @@ def measure() -> dict[str, Any]:
             f"{2 * 64 * MIB / alone_copy / 1e9:.2f} GB/s alone); a 4-element np.add "
             f"{op_s * 1e6:.2f} us (op_overhead_us)",
             f"past the cache: a last-level cache of {cache / MIB:g} MiB ({_CACHE}); a collective "
-            f"whose buffers on the node fill it moves each byte of a message at the rate of that "
-            f"copy with every core copying, {64 * MIB / copy_s / 1e9:.3f} GB/s "
-            "(past_cache_gb_s)",
+            "whose buffers on the node fill it moves each byte of a message at the transport's "
+            f"own rate from memory: dplab bench on 2 local ranks at {PAST_SIZES} "
+            f"({' '.join(BENCH)}), the rate at which the simulator on the terms here gives what "
+            f"was measured, {past / 1e9:.3f} GB/s (past_cache_gb_s, the geometric mean over sizes "
+            "and algorithms: "
+            + "; ".join(f"{k} {past_each[k] / 1e9:.2f} GB/s from "
+                        f"{', '.join(f'{t * 1e6:.0f}' for t in ts)} us measured"
+                        for k, ts in sorted(past_measured.items()))
+            + f"), below the plain copy's {64 * MIB / copy_s / 1e9:.3f} GB/s with every core "
+            "copying (a sum reads two buffers and writes one; the peer's pages are shared)",
             f"link: dplab tune's fit (least squares on relative error, gamma folded into beta) "
-            f"of dplab bench on 2 local ranks ({SIZES}, --reps 3): ring, tree and direct "
+            f"of dplab bench on 2 local ranks ({SIZES}, {' '.join(BENCH)}): ring, tree and direct "
             f"together, alpha {alpha * 1e6:.1f} us, beta 1/{1 / beta / 1e9:.3f} GB/s; each "
             "algorithm alone (links.intra.algorithms, tune's per-algorithm level): "
             + "; ".join(f"{k} alpha {a * 1e6:.1f} us, 1/{1 / b / 1e9:.3f} GB/s, rms residual "
@@ -407,7 +465,8 @@ def measure() -> dict[str, Any]:
             + "; a message is its receiver's copy (or sum) out of the sender's shared memory, "
             "on the receiver's core",
             f"crowded: {2 * cores} local ranks on the {cores} cores (a waiting rank sleeps, the "
-            f"OS wakes it and gives it a core), dplab bench at {CROWDED_SIZES} (--reps 3): each "
+            f"OS wakes it and gives it a core), dplab bench at {CROWDED_SIZES} "
+            f"({' '.join(BENCH)}): each "
             "algorithm's alpha (crowded_alpha_us) is the one at which the simulator on the terms "
             "above gives what was measured (the geometric mean over sizes): "
             + "; ".join(f"{k} {', '.join(f'{t * 1e6:.0f}' for t in ts)} us measured"

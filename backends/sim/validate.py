@@ -246,7 +246,9 @@ def machine(paths: list[str]) -> list[dict[str, Any]]:
 
     Returns:
         Validation rows: check, cluster, predicted, measured, unit, and the source (the file, its
-        command, when it was measured and under what load).
+        command, when it was measured and under what load); rows of one process computing alone
+        (``drift``: the kind of step the calibration timed, timed again with the rows) say
+        whether the machine ran as fast as when it was calibrated, and are not validation.
 
     Raises:
         RuntimeError: the same command on the preset failed.
@@ -321,7 +323,20 @@ def _pairs(command: str, measured: list[dict], predicted: list[dict], source: st
             )
     elif predicted and "impl" in predicted[0]:  # scaling --ddp
         sim = {(r["impl"], r["world_size"]): r for r in predicted}
+        alone = {r["global_batch"]: r for r in predicted if r["impl"] == "single"}
         for r in measured:
+            if r["impl"] == "single":  # the calibration's float32 step, timed again in this run
+                rows.append(
+                    _row(
+                        f"DDP's MLP in one process, batch {r['global_batch']}",
+                        "this-machine",
+                        alone[r["global_batch"]]["step_ms"],
+                        r["step_ms"],
+                        "ms",
+                        source,
+                        drift=True,
+                    )
+                )
             if r["impl"] == "dplab":
                 p = sim[("dplab", r["world_size"])]
                 rows.append(
@@ -337,6 +352,18 @@ def _pairs(command: str, measured: list[dict], predicted: list[dict], source: st
     else:  # scaling: the reference recipe's step
         sim = {(r["model"], r["world_size"]): r for r in predicted}
         for r in measured:
+            if r["world_size"] == 1:  # compute alone: the calibration's float64 step's kind
+                rows.append(
+                    _row(
+                        f"train step, MLP {r['model']}, batch 64, one process",
+                        "this-machine",
+                        sim[(r["model"], 1)]["step_ms"],
+                        r["step_ms"],
+                        "ms",
+                        source,
+                        drift=True,
+                    )
+                )
             if r["world_size"] > 1:
                 p = sim[(r["model"], r["world_size"])]
                 rows.append(
