@@ -93,53 +93,6 @@ def _check_outcomes(les, app_pages):
             assert screen.getvalue().strip(), (les.lesson.number, step.title)
 
 
-@pytest.fixture(scope="module")
-def kernel(tmp_path_factory):
-    """One Python kernel (this interpreter's) for every notebook of the module."""
-    for module in ("nbclient", "ipykernel"):
-        pytest.importorskip(module, reason=f"running the notebooks needs {module}: "
-                                           "pip install -e '.[all]'")
-    from jupyter_client import KernelManager
-    from nbclient import NotebookClient
-    from nbformat.v4 import new_code_cell, new_notebook
-
-    km = KernelManager(kernel_name="python3")
-    km.kernel_spec.argv[0] = sys.executable  # this venv's Python, whatever kernels are installed
-    # figures as plotly's JSON only: no plotly.js bundle copied into every executed notebook
-    km.start_kernel(env={**os.environ, "PLOTLY_RENDERER": "plotly_mimetype"},
-                    cwd=str(tmp_path_factory.mktemp("kernel")))
-    if importlib.util.find_spec("torch") is not None:
-        # torch (and the dynamo that its optimizers import at first use) before lesson 1's Lab
-        # forks its ranks, as a learner's kernel has it before lesson 12's: every rank then
-        # inherits it, where each rank of a world forked earlier imported it again (~3 CPU-s a
-        # rank, in lessons 10, 12 and 14)
-        NotebookClient(new_notebook(cells=[new_code_cell("import torch, torch._dynamo")]),
-                       km=km, timeout=240).execute()
-    yield km
-    km.shutdown_kernel()  # asked, not killed: the kernel closes its Lab (its ranks) at exit
-
-
-@pytest.mark.lessons
-@pytest.mark.parametrize("number", numbers())
-def test_every_lesson_notebook_runs_and_its_claims_hold(kernel, number):
-    from nbclient import NotebookClient
-    from nbformat.v4 import new_code_cell
-
-    from dplab.lessons.notebook import notebook
-
-    les = lesson(number)
-    if missing_needs(les):
-        pytest.skip(f"lesson {number} needs the extras {missing_needs(les)}: "
-                    "pip install -e '.[all]'")
-    nb = notebook(les)
-    nb.cells.append(new_code_cell(f"{inspect.getsource(_check_outcomes)}\n\n"
-                                  f"_check_outcomes(les, {sorted(APP_PAGES)!r})"))
-    NotebookClient(nb, km=kernel, timeout=240).execute()  # a cell that raises fails here
-    shown = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
-    figures = sum(1 for o in shown if "application/vnd.plotly.v1+json" in o.get("data", {}))
-    assert figures == sum(1 for s in les.steps if s.figure is not None), figures
-
-
 def kernel_at(folder: Path, torch: bool) -> Any:
     """A started Python kernel (this interpreter's) working in ``folder``; ``torch``: with torch
     imported first. The caller shuts it down (asked, not killed: it closes its Lab at exit)."""
@@ -155,10 +108,10 @@ def kernel_at(folder: Path, torch: bool) -> Any:
     # figures as plotly's JSON only: no plotly.js bundle copied into every executed notebook
     km.start_kernel(env={**os.environ, "PLOTLY_RENDERER": "plotly_mimetype"}, cwd=str(folder))
     if torch and importlib.util.find_spec("torch") is not None:
-        # torch (and the dynamo that its optimizers import at first use) before the first Lab
-        # forks its ranks: every rank then inherits it, where each rank of a world forked
-        # earlier imported it again (~3 CPU-s a rank, in lessons 10, 12 and 14)
-        NotebookClient(new_notebook(cells=[new_code_cell("import torch, torch._dynamo")]),
+        # torch before the first Lab forks its ranks: every rank then inherits it (and the
+        # launcher imports, before it forks, the dynamo that optimizers import at first use),
+        # where each rank of a world forked earlier imported it again (~3 CPU-s a rank)
+        NotebookClient(new_notebook(cells=[new_code_cell("import torch")]),
                        km=km, timeout=240).execute()
     return km
 
