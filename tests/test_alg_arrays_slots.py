@@ -42,6 +42,7 @@ def test_a_round_with_more_messages_to_one_peer_than_slots_is_refused_not_waited
         launch(_ring, P, args=(SLOTS + 1,), timeout=60.0)
 
 
+@pytest.mark.slow  # 34 ranks on the two cores through the whole pipelined ring: a CPU-minute
 def test_exactly_slots_messages_to_one_peer_still_run():
     base = np.arange(3) * P + P * (P - 1) / 2  # sum over ranks of (i + rank)
     _warm(SLOTS)

@@ -26,7 +26,7 @@ NAMES = (
 )
 
 
-# every p on local; other engines at p = 3, 4, the rest slow (a world start each: tiers.py)
+# every p on local; other engines at p = 3, the rest slow (a world start each: tiers.py)
 @pytest.mark.parametrize("backend, p", engines([1, 2, 3, 5, 8]), indirect=["backend"])
 def test_exact_sum_on_every_rank(worlds, backend, p):
     for i, algorithm in enumerate(NAMES):

@@ -157,7 +157,7 @@ def job(comm, kind, n, dtype, how):
     return np.array(collectives.allreduce(comm, buf, "rabenseifner"), copy=True)
 
 
-# every p on local; other engines at p = 3, 4, the rest slow (a world start each: tiers.py)
+# every p on local; other engines at p = 3, the rest slow (a world start each: tiers.py)
 @pytest.mark.parametrize("backend, p", engines([1, 2, 3, 4, 5, 6, 8]), indirect=["backend"])
 def test_rabenseifner_collectives_on_every_backend(worlds, backend, p):
     for n, dtype, how in ((0, "float64", "shm"), (2, "int32", "numpy"), (13, "float32", "shm"),
@@ -198,7 +198,7 @@ def _zero(comm, cfg, zero):
     return train_zero(comm, cfg, zero)
 
 
-# every p on local; other engines at p = 3, 4, the rest slow (a world start each: tiers.py)
+# every p on local; other engines at p = 3, the rest slow (a world start each: tiers.py)
 @pytest.mark.parametrize("backend, p", engines([2, 3, 5]), indirect=["backend"])
 def test_train_sync_with_rabenseifner_equals_train_single(worlds, backend, p):
     ref = train_single(CFG)

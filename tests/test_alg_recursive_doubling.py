@@ -179,7 +179,7 @@ def job_allreduce(comm, algorithm, n, dtype, how):
     return out is buf, np.array(buf, copy=True), getattr(comm, "bytes_staged", 0) - staged
 
 
-# every p on local; other engines at p = 3, 4, the rest slow (a world start each: tiers.py)
+# every p on local; other engines at p = 3, the rest slow (a world start each: tiers.py)
 @pytest.mark.parametrize("backend, p", engines([1, 2, 3, 4, 5, 8]), indirect=["backend"])
 def test_recursive_doubling_sums_exactly_on_every_backend(worlds, backend, p):
     for n, dtype, how in ((0, "float64", "shm"), (1, "int32", "numpy"), (7, "float32", "shm"),
@@ -236,7 +236,7 @@ def _train(comm, cfg, sync):
     return train_sync(comm, cfg, sync)
 
 
-# every p on local; other engines at p = 3, 4, the rest slow (a world start each: tiers.py)
+# every p on local; other engines at p = 3, the rest slow (a world start each: tiers.py)
 @pytest.mark.parametrize("backend, p", engines([2, 3, 5]), indirect=["backend"])
 def test_train_sync_with_recursive_doubling_equals_train_single(worlds, backend, p):
     from dplab.reference.model import MLPConfig

@@ -114,7 +114,7 @@ def check_log(log: list[LogEntry], workers: int, clocks: int, acfg: AsyncConfig)
 
 # The server, gate and replay are the same code on every backend; what an engine adds is its
 # any-source receive and its pickling of jobs, which a quarter of the examples still exercise.
-# local: p in 2..6, every example; other engines: p in 3..4, a quarter (all: slow; tiers.py)
+# local: p in 2..6, every example; other engines: p = 3, a quarter (all: slow; tiers.py)
 @pytest.mark.parametrize("backend, sweep", engine_spans(2, 6), indirect=["backend"])
 def test_replaying_the_log_reproduces_the_server_bit_for_bit(worlds, backend, sweep):
     @settings(max_examples=sweep.examples(3 * EXAMPLES), deadline=None)

@@ -124,7 +124,7 @@ def world_and_length(draw, lo: int = 1, hi: int = 8):
 
 # -- all-reduce ----------------------------------------------------------------------------
 
-# local: p in 1..8, every example; other engines: p in 3..4, a quarter (all: slow; tiers.py)
+# local: p in 1..8, every example; other engines: p = 3, a quarter (all: slow; tiers.py)
 @pytest.mark.parametrize("backend, sweep", engine_spans(1, 8), indirect=["backend"])
 def test_allreduce_is_the_exact_sum_on_every_rank(worlds, backend, sweep):
     @settings(max_examples=sweep.examples(8 * BASE))
@@ -148,7 +148,7 @@ def test_allreduce_is_the_exact_sum_on_every_rank(worlds, backend, sweep):
     prop()
 
 
-# local: p in 1..8, every example; other engines: p in 3..4, a quarter (all: slow; tiers.py)
+# local: p in 1..8, every example; other engines: p = 3, a quarter (all: slow; tiers.py)
 @pytest.mark.parametrize("backend, sweep", engine_spans(1, 8), indirect=["backend"])
 def test_allreduce_of_arbitrary_floats_agrees_bitwise_across_ranks(worlds, backend, sweep):
     @settings(max_examples=sweep.examples(2 * BASE))
@@ -206,7 +206,7 @@ def test_repeated_allreduces_on_one_world_stay_correct(worlds):
 
 # -- reduce-scatter, all-gather, broadcast, reduce ---------------------------------------------
 
-# local: p in 1..8, every example; other engines: p in 3..4, a quarter (all: slow; tiers.py)
+# local: p in 1..8, every example; other engines: p = 3, a quarter (all: slow; tiers.py)
 @pytest.mark.parametrize("backend, sweep", engine_spans(1, 8), indirect=["backend"])
 def test_reduce_scatter_returns_the_ranks_reduced_chunk(worlds, backend, sweep):
     @settings(max_examples=sweep.examples(2 * BASE))
@@ -224,7 +224,7 @@ def test_reduce_scatter_returns_the_ranks_reduced_chunk(worlds, backend, sweep):
     prop()
 
 
-# local: p in 1..8, every example; other engines: p in 3..4, a quarter (all: slow; tiers.py)
+# local: p in 1..8, every example; other engines: p = 3, a quarter (all: slow; tiers.py)
 @pytest.mark.parametrize("backend, sweep", engine_spans(1, 8), indirect=["backend"])
 def test_allgather_gives_everyone_every_chunk(worlds, backend, sweep):
     @settings(max_examples=sweep.examples(2 * BASE))
@@ -244,7 +244,7 @@ def test_allgather_gives_everyone_every_chunk(worlds, backend, sweep):
 
 
 @pytest.mark.parametrize("algorithm", ["tree", "naive"])
-# every p on local; other engines at p = 3, 4, the rest slow (a world start each: tiers.py)
+# every p on local; other engines at p = 3, the rest slow (a world start each: tiers.py)
 @pytest.mark.parametrize("backend, p", engines([1, 2, 3, 5, 6, 8]), indirect=["backend"])
 def test_broadcast_and_reduce_from_every_root(worlds, backend, algorithm, p):
     for root in range(p):

@@ -274,7 +274,7 @@ def check_against_reference(kind: str, results: list[dict], label: str) -> None:
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
-# every p on local; other engines at p = 3, 4, the rest slow (a world start each: tiers.py)
+# every p on local; other engines at p = 3, the rest slow (a world start each: tiers.py)
 @pytest.mark.parametrize("backend, p", engines([1, 2, 3, 4]), indirect=["backend"])
 def test_ddp_equals_single_process_after_every_step(worlds, backend, p, algorithm):
     world = worlds(p, backend)
@@ -302,7 +302,7 @@ def test_ddp_equals_single_process_after_every_step(worlds, backend, p, algorith
 
 
 @pytest.mark.parametrize("accum", [2, 3])
-# every p on local; other engines at p = 3, 4, the rest slow (a world start each: tiers.py)
+# every p on local; other engines at p = 3, the rest slow (a world start each: tiers.py)
 @pytest.mark.parametrize("backend, p", engines([1, 2, 3, 4]), indirect=["backend"])
 def test_no_sync_accumulation_equals_the_big_batch_step(worlds, backend, p, accum):
     for kind in ("frozen", "tied"):
@@ -314,7 +314,7 @@ def test_no_sync_accumulation_equals_the_big_batch_step(worlds, backend, p, accu
             )
 
 
-# every p on local; other engines at p = 3, 4, the rest slow (a world start each: tiers.py)
+# every p on local; other engines at p = 3, the rest slow (a world start each: tiers.py)
 @pytest.mark.parametrize("backend, p", engines([1, 3]), indirect=["backend"])
 def test_broadcast_from_rank_0_and_the_module_surface(worlds, backend, p):
     rank0 = make_model("frozen", seed=SEED)

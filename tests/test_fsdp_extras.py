@@ -143,7 +143,7 @@ def _summon(comm) -> dict:
     return out
 
 
-# every p on local; other engines at p = 3, 4, the rest slow (a world start each: tiers.py)
+# every p on local; other engines at p = 3, the rest slow (a world start each: tiers.py)
 @pytest.mark.parametrize("backend, p", engines([1, 3]), indirect=["backend"])
 def test_summon_full_params_and_full_state_dict(worlds, backend, p):
     init = numpy_state(make_model("tied", SEED).state_dict())

@@ -103,7 +103,7 @@ def assert_within_rule(
     )
 
 
-# every p on local; other engines at p = 3, 4, the rest slow (a world start each: tiers.py)
+# every p on local; other engines at p = 3, the rest slow (a world start each: tiers.py)
 @pytest.mark.parametrize("backend, p", engines([2, 3, 4]), indirect=["backend"])
 @pytest.mark.parametrize("algorithm", ["ring", "tree", "naive", "direct", "native"])
 def test_float16_allreduce_within_the_stated_bound(worlds, backend, algorithm, p):

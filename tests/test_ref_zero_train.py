@@ -68,7 +68,7 @@ def zero_train_configs(draw, dtype: str = "float64") -> TrainConfig:
     return dataclasses.replace(cfg, optimizer=opt)
 
 
-# local: p in 1..4, every example; other engines: p in 3..4, a quarter (all: slow)
+# local: p in 1..4, every example; other engines: p = 3, a quarter (all: slow)
 @pytest.mark.parametrize("backend, sweep", engine_spans(1, 4), indirect=["backend"])
 @pytest.mark.parametrize("dtype, tol, factor", [("float64", 1e-10, 4), ("float32", 1e-5, 2)])
 def test_train_zero_equals_train_single(worlds, backend, sweep, dtype, tol, factor):

@@ -89,7 +89,7 @@ def check_equals_single(results, cfg: TrainConfig, tol: float) -> None:
 # algorithm, uneven and empty shard and bucket split (p = 8 on sim: test_empty_shards...)
 SIM_P = 4
 
-# local: p in 1..8, every example; other engines: p in 3..4, a quarter (all: slow; tiers.py)
+# local: p in 1..8, every example; other engines: p = 3, a quarter (all: slow; tiers.py)
 @pytest.mark.parametrize("backend, sweep", engine_spans(1, 8), indirect=["backend"])
 def test_train_sync_equals_train_single_float64(worlds, backend, sweep):
     @settings(max_examples=sweep.examples(3 * EXAMPLES), deadline=None)
@@ -104,7 +104,7 @@ def test_train_sync_equals_train_single_float64(worlds, backend, sweep):
     prop()
 
 
-# local: p in 1..8, every example; other engines: p in 3..4, a quarter (all: slow; tiers.py)
+# local: p in 1..8, every example; other engines: p = 3, a quarter (all: slow; tiers.py)
 @pytest.mark.parametrize("backend, sweep", engine_spans(1, 8), indirect=["backend"])
 def test_train_sync_equals_train_single_float32(worlds, backend, sweep):
     @settings(max_examples=sweep.examples(EXAMPLES), deadline=None)
@@ -121,7 +121,7 @@ BASE = TrainConfig(model=MLPConfig(in_dim=5, hidden=(7, 6), out_dim=3), num_samp
                    global_batch=11, steps=3, seed=3)
 
 
-# every case on local; other engines at p = 3, 4, the rest slow (a world start each: tiers.py)
+# every case on local; other engines at p = 3, the rest slow (a world start each: tiers.py)
 @pytest.mark.parametrize("backend, p, global_batch, accum_steps", engines([
     (5, 3, 1),   # two ranks get an empty shard every step
     (4, 2, 3),   # empty shards and empty micro-batches
@@ -148,7 +148,7 @@ def test_training_actually_moves_the_parameters(worlds):
 
 # -- the broadcast ---------------------------------------------------------------------------
 
-# every p on local; other engines at p = 3, 4, the rest slow (a world start each: tiers.py)
+# every p on local; other engines at p = 3, the rest slow (a world start each: tiers.py)
 @pytest.mark.parametrize("backend, p", engines([2, 3, 5]), indirect=["backend"])
 def test_steps_zero_returns_rank0_initial_params_on_every_rank(worlds, backend, p):
     cfg = dataclasses.replace(BASE, steps=0)

@@ -180,7 +180,7 @@ def _resume_from_torch(comm, params: list, state: bytes, sched_state: dict) -> l
 
 # -- tests -----------------------------------------------------------------------------------
 
-# every p on local; other engines at p = 3, 4, the rest slow (a world start each: tiers.py)
+# every p on local; other engines at p = 3, the rest slow (a world start each: tiers.py)
 @pytest.mark.parametrize("backend, p", engines([1, 2, 3, 4]), indirect=["backend"])
 def test_groups_scheduler_and_add_param_group_equal_torch_optim(worlds, backend, p):
     ref = reference()
@@ -191,7 +191,7 @@ def test_groups_scheduler_and_add_param_group_equal_torch_optim(worlds, backend,
         assert "consolidate_state_dict" in r["unconsolidated"]
 
 
-# every p on local; other engines at p = 3, 4, the rest slow (a world start each: tiers.py)
+# every p on local; other engines at p = 3, the rest slow (a world start each: tiers.py)
 @pytest.mark.parametrize("backend, p", engines([1, 3, 4]), indirect=["backend"])
 def test_state_dict_is_torchs_and_a_round_trip_trains_on_identically(worlds, backend, p):
     ref = reference()
@@ -222,7 +222,7 @@ def test_state_dict_is_torchs_and_a_round_trip_trains_on_identically(worlds, bac
                                                                                      "ZeRO's")
 
 
-# every p on local; other engines at p = 3, 4, the rest slow (a world start each: tiers.py)
+# every p on local; other engines at p = 3, the rest slow (a world start each: tiers.py)
 @pytest.mark.parametrize("backend, p", engines([2, 3]), indirect=["backend"])
 def test_a_plain_adamw_state_dict_loads_into_zero(worlds, backend, p):
     ref = reference()

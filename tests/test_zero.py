@@ -151,7 +151,7 @@ def check_state_bytes(kind: str, opt_name: str, results: list[dict]) -> None:
 
 
 @pytest.mark.parametrize("opt_name", ["adamw", "sgd"])
-# every p on local; other engines at p = 3, 4, the rest slow (a world start each: tiers.py)
+# every p on local; other engines at p = 3, the rest slow (a world start each: tiers.py)
 @pytest.mark.parametrize("backend, p", engines([1, 2, 3, 4]), indirect=["backend"])
 def test_zero_equals_the_unsharded_optimizer_after_every_step(worlds, backend, p, opt_name):
     for kind in ("mlp", "tiny"):  # n = 63 (not divisible by 2 or 4) and n = 2 (< p for p > 2)
@@ -171,7 +171,7 @@ def test_zero_equals_the_unsharded_optimizer_after_every_step(worlds, backend, p
         check_state_bytes(kind, opt_name, results)
 
 
-# every p on local; other engines at p = 3, 4, the rest slow (a world start each: tiers.py)
+# every p on local; other engines at p = 3, the rest slow (a world start each: tiers.py)
 @pytest.mark.parametrize("backend, p", engines([1, 2, 3, 4]), indirect=["backend"])
 def test_optimizer_state_is_about_one_pth_of_the_unsharded(worlds, backend, p):
     results = worlds(p, backend).run(_train_zero, "wide", "adamw", 1)
