@@ -13,12 +13,13 @@ that need more for a meaningful property scale it up.
 
 ``DPLAB_CPU_LOG=PATH`` appends one line per test: its node id, wall seconds, CPU seconds
 (this process, its reaped children, and its live descendants such as a persistent world's
-ranks), the 1-minute load average and this process's own CPU seconds (what one core must do
-in turn, whatever the others do): where the suite's time goes on a shared machine, where
-wall times are inflated by others' work but CPU seconds are not. ``DPLAB_SUITE_RECORD=PATH``
-writes the whole run's record (its command, tests passed, wall and CPU seconds, load, cores) as
-JSON: ``tests/suite_time.json`` is one, and the README's test times are read from it
-(``tests/test_readme.py`` checks them).
+ranks), the 1-minute load average, this process's own CPU seconds (what one core must do
+in turn, whatever the others do), the xdist worker and the Unix time the test ended: where the
+suite's time goes on a shared machine, where wall times are inflated by others' work but CPU
+seconds are not, and how the two workers' lanes end (the run waits for the later one).
+``DPLAB_SUITE_RECORD=PATH`` writes the whole run's record (its command, tests passed, wall and CPU
+seconds, load, cores) as JSON: ``tests/suite_time.json`` is one, and the README's test times are
+read from it (``tests/test_readme.py`` checks them).
 """
 
 from __future__ import annotations
@@ -105,7 +106,8 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
     yield
     cpu, wall, own = _tree_cpu() - cpu, time.monotonic() - wall, time.process_time() - own
     with open(path, "a") as f:
-        f.write(f"{item.nodeid}\t{wall:.3f}\t{cpu:.3f}\t{os.getloadavg()[0]:.2f}\t{own:.3f}\n")
+        f.write(f"{item.nodeid}\t{wall:.3f}\t{cpu:.3f}\t{os.getloadavg()[0]:.2f}\t{own:.3f}\t"
+                f"{os.environ.get('PYTEST_XDIST_WORKER', '-')}\t{time.time():.1f}\n")
 
 
 _START: dict[str, float] = {}
@@ -154,27 +156,23 @@ def _names_mpi(nodeid: str) -> bool:
 
 @pytest.hookimpl(optionalhook=True)  # xdist's hook: unknown where xdist is not loaded
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """``--dist loadfile`` (pyproject's addopts), except that the files with a test on MPI share
-    one worker. Each worker keeps its own session worlds, and an MPI world's ranks are fresh
-    interpreters that each import NumPy, mpi4py, torch and the tests' modules (4-6 CPU-s a rank):
-    split over two workers each such world was started twice (issue 28). (xdist's ``loadgroup``
-    would say this with marks, but under pytest 9 its node-id suffix no longer takes: it runs as
-    ``load``, a test at a time.)"""
+    """``--dist loadfile`` (pyproject's addopts), except that the tests on MPI share one worker.
+    Each worker keeps its own session worlds, and an MPI world's ranks are fresh interpreters that
+    each import NumPy, mpi4py, torch and the tests' modules (4-6 CPU-s a rank): split over the
+    workers each such world was started once per worker (issue 28). Only the MPI tests go
+    together, not their files: a whole file with one MPI test in it made that worker's share a
+    third of the suite, the run's longest lane. (xdist's ``loadgroup`` would say this with marks,
+    but under pytest 9 its node-id suffix no longer takes: it runs as ``load``, a test at a
+    time.)"""
     if config.getvalue("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadFileScheduling
 
-    class MpiFilesTogether(LoadFileScheduling):
-        mpi_files: set[str] | None = None
-
+    class MpiTestsTogether(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            file = super()._split_scope(nodeid)
-            if self.mpi_files is None:  # the workers' collection is complete when scopes are asked
-                collection = next(iter(self.registered_collections.values()))
-                self.mpi_files = {n.split("::", 1)[0] for n in collection if _names_mpi(n)}
-            return "mpi-files" if file in self.mpi_files else file
+            return "mpi" if _names_mpi(nodeid) else super()._split_scope(nodeid)
 
-    return MpiFilesTogether(config, log)
+    return MpiTestsTogether(config, log)
 
 
 def _backend_params() -> list:
