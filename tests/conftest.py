@@ -156,23 +156,27 @@ def _names_mpi(nodeid: str) -> bool:
 
 @pytest.hookimpl(optionalhook=True)  # xdist's hook: unknown where xdist is not loaded
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """``--dist loadfile`` (pyproject's addopts), except that the tests on MPI share one worker.
-    Each worker keeps its own session worlds, and an MPI world's ranks are fresh interpreters that
-    each import NumPy, mpi4py, torch and the tests' modules (4-6 CPU-s a rank): split over the
-    workers each such world was started once per worker (issue 28). Only the MPI tests go
-    together, not their files: a whole file with one MPI test in it made that worker's share a
-    third of the suite, the run's longest lane. (xdist's ``loadgroup`` would say this with marks,
-    but under pytest 9 its node-id suffix no longer takes: it runs as ``load``, a test at a
-    time.)"""
+    """``--dist loadfile`` (pyproject's addopts), except that the files with a test on MPI share
+    one worker. Each worker keeps its own session worlds, and an MPI world's ranks are fresh
+    interpreters that each import NumPy, mpi4py, torch and the tests' modules (4-6 CPU-s a rank):
+    split over two workers each such world was started twice (issue 28). (xdist's ``loadgroup``
+    would say this with marks, but under pytest 9 its node-id suffix no longer takes: it runs as
+    ``load``, a test at a time.)"""
     if config.getvalue("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadFileScheduling
 
-    class MpiTestsTogether(LoadFileScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            return "mpi" if _names_mpi(nodeid) else super()._split_scope(nodeid)
+    class MpiFilesTogether(LoadFileScheduling):
+        mpi_files: set[str] | None = None
 
-    return MpiTestsTogether(config, log)
+        def _split_scope(self, nodeid: str) -> str:
+            file = super()._split_scope(nodeid)
+            if self.mpi_files is None:  # the workers' collection is complete when scopes are asked
+                collection = next(iter(self.registered_collections.values()))
+                self.mpi_files = {n.split("::", 1)[0] for n in collection if _names_mpi(n)}
+            return "mpi-files" if file in self.mpi_files else file
+
+    return MpiFilesTogether(config, log)
 
 
 def _backend_params() -> list:
