@@ -32,7 +32,11 @@ def kernel(tmp_path_factory):
     km.shutdown_kernel()  # asked, not killed: the kernel closes its Lab (its ranks) at exit
 
 
+# slow as well: every step of every lesson runs here, 40-45 s of each worker (about 90 s of
+# the two cores), and the default pytest runs what a change to the code needs; `pytest -m
+# lessons` runs them in under a minute, and CI's second tier every time
 @pytest.mark.lessons
+@pytest.mark.slow
 @pytest.mark.parametrize("number", split(torch=False))
 def test_every_lesson_notebook_runs_and_its_claims_hold(kernel, number):
     run_notebook(kernel, number)
