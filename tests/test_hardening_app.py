@@ -303,6 +303,18 @@ def _server(tmp_path: Path, **env: str):
     return app, app.server_pid
 
 
+def _print_stacks(server: int, log: Path) -> None:
+    """Every thread's stack of the app server and of its ranks (``prepare_server`` registers
+    SIGUSR1 with faulthandler), printed from the server's log into the test's output."""
+    for pid in [server, *_children(server)]:
+        try:
+            os.kill(pid, signal.SIGUSR1)
+        except ProcessLookupError:
+            pass
+    time.sleep(2)
+    print(log.read_text(errors="replace")[-60_000:])
+
+
 @pytest.mark.browser
 def test_eight_lesson_sessions_at_once_keep_the_servers_fds_and_budget(chromium, tmp_path):
     from browser_helpers import wait_rendered
@@ -324,7 +336,11 @@ def test_eight_lesson_sessions_at_once_keep_the_servers_fds_and_budget(chromium,
             page.goto(f"{app.url}/lessons?lesson=1&step=3", wait_until="commit")
         failed = []
         for page in pages:
-            wait_rendered(page, 300)
+            try:
+                wait_rendered(page, 300)
+            except Exception:  # a hang (seen once under load): keep every stack for the next look
+                _print_stacks(server, tmp_path / "dplab-app.log")
+                raise
             failed += [t for t in page.locator('[data-testid="stAlert"]').all_inner_texts()
                        if "did not run" in t]
             failed += page.locator('[data-testid="stException"]').all_inner_texts()

@@ -17,6 +17,7 @@ share (``preload``): the app's modules, and the pages added from above viz/ by e
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import importlib
 import importlib.util
 import os
@@ -170,6 +171,9 @@ def prepare_server() -> None:
         raise SystemExit(0)
     preload()
     importlib.import_module("dplab.viz.upkeep").start()  # ended sessions give their memory back
+    # `kill -USR1 <pid>` writes every thread's stack to the server's stderr (and a rank's, which
+    # inherits it at fork): a stuck session can be read where it stands, with nothing installed
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
 def streamlit_argv(path: Path, host: str, port: int) -> list[str]:
