@@ -16,19 +16,25 @@ sources), on a machine that is usually shared with other work:
   by the same operations the simulator charges (``reference.flops``, torch's FLOP registry), so
   one step on one simulated core takes what it took here beside the others; the same step in one
   process alone, and the plain matmul rate at each model's shape, are recorded beside it;
+- the cache a collective's buffers get: the node footprint (every process's buffers) at which a
+  ``np.copyto`` in one process per core at once falls halfway from its rate in cache to its rate
+  from memory, swept over footprints for about a second; not the kernel's ``cache/index3``
+  (recorded beside it), the most there could be: the code, the transport's own data and, on a
+  shared chip, other tenants hold part of it, and the simulator's step (``Link.beta_at``) must
+  sit where the rate falls, or every size between the two is priced at the wrong rate;
 - the link (shared memory, the local backend) in cache as ``dplab tune`` fits it from ``dplab
-  bench`` on 2 local ranks, at sizes whose buffers fit the last-level cache (``SIZES``): one
-  alpha and beta for every schedule, and each of ring, tree, direct and native fitted alone
-  (gamma folded into beta), because the transport runs them differently (native is the one-shot:
-  one round of descriptors; tree's messages are whole buffers); a message is the receiving core's
-  copy, queued with its compute;
-- past the cache: the last-level cache's size (the kernel's ``cache/index3``), and the rate at
-  which a message of a collective whose buffers fill the cache moves its bytes: the transport's
-  own, measured by ``dplab bench`` on 2 local ranks at ``PAST_SIZES`` (the rate at which the
-  simulator on the terms above gives what was measured), not a plain copy's: a sum reads two
-  buffers and writes one, and a plain 64 MiB ``np.copyto`` (in one process per core at once,
-  recorded beside it) runs well ahead of the transport; that copy's rate (2n bytes moved) is the
-  memory-bound operations' roofline;
+  bench`` on 2 local ranks, at sizes of ``SIZES`` whose buffers fill under half that cache by the
+  simulator's rule (``IN_CACHE``: the fall is gradual, and a cell on it would pull the fitted
+  bandwidth toward memory's): one alpha and beta for every schedule, and each of ring, tree,
+  direct and native fitted alone (gamma folded into beta), because the transport runs them
+  differently (native is the one-shot: one round of descriptors; tree's messages are whole
+  buffers); a message is the receiving core's copy, queued with its compute;
+- past the cache: the rate at which a message of a collective whose buffers fill the cache moves
+  its bytes: the transport's own, measured by ``dplab bench`` on 2 local ranks at ``PAST_SIZES``
+  (the rate at which the simulator on the terms above gives what was measured), not a plain
+  copy's: a sum reads two buffers and writes one, and a plain 64 MiB ``np.copyto`` (in one
+  process per core at once, recorded beside it) runs well ahead of the transport; that copy's
+  rate (2n bytes moved) is the memory-bound operations' roofline;
 - crowded: 2 ranks a core (the local transport's waiting ranks sleep, and the OS wakes each and
   gives it a core, at every message), each algorithm's alpha at which the simulator on the terms
   above gives what ``dplab bench`` measures at ``CROWDED_SIZES``: the sizes of the messages it
@@ -58,8 +64,9 @@ __all__ = ["measure", "main"]
 
 MIB = 1 << 20
 # Calibration sizes: none is a size the preset is validated at (1, 4, 16, 64 MiB)
-SIZES = "64K,256K,2M,8M"  # 2 ranks' buffers within the last-level cache (32 MiB here)
-PAST_SIZES = "32M,128M"  # 2 ranks' buffers 2 and 8 times the cache: every copy from memory
+SIZES = ("64K", "256K", "512K", "1536K", "2M", "3M", "6M", "12M")  # in-cache fit's candidates
+IN_CACHE = 0.5  # an in-cache size's footprint at most half the cache: clear of the rate's fall
+PAST_SIZES = "32M,128M"  # 2 ranks' buffers 2 and 8 times the kernel's L3: every copy from memory
 CROWDED_SIZES = "512K,2M"  # 2 ranks a core, at the sizes of the messages it prices
 # The protocol of backends/perf/measure_sim.sh: each cell the median of 5 loops of 0.1 s
 BENCH = ("--reps", "5", "--target-seconds", "0.5")
@@ -238,18 +245,73 @@ def _matmul_rates() -> dict[str, float]:
     return {"float64": f64, "float32": f32}
 
 
-_CACHE = "/sys/devices/system/cpu/cpu0/cache/index3/size"  # the last-level cache, as lscpu reads
+_CACHE = "/sys/devices/system/cpu/cpu0/cache/index{}/size"  # 2: a core's L2, 3: the L3 (lscpu's)
 
 
-def _cache_bytes() -> int:
-    """The last-level cache's size in bytes (the kernel's ``cache/index3``; 32 MiB if it has none:
-    this machine's)."""
+def _cache_bytes(index: int = 3) -> int:
+    """A cache's size in bytes as the kernel reports it (``cache/index3``: the last level, index2:
+    a core's L2; this machine's 32 MiB and 512 KiB if it reports none)."""
     try:
-        text = Path(_CACHE).read_text().strip()
+        text = Path(_CACHE.format(index)).read_text().strip()
     except OSError:
-        return 32 * MIB
+        return {2: MIB // 2}.get(index, 32 * MIB)
     scale = {"K": 1 << 10, "M": MIB, "G": 1 << 30}.get(text[-1:].upper(), 1)
     return int(text.rstrip("KMGkmg")) * scale
+
+
+def _footprints(l3: int, l2: int, cores: int) -> list[int]:
+    """The copy sweep's node footprints, steps of sqrt 2: from past the cores' own caches (twice
+    their L2s, or a sixteenth of the L3 if more) to four times the L3, far past any share of it."""
+    lo = max(l3 / 16, 2 * l2 * cores)
+    steps = round(2 * np.log2(4 * max(l3, lo) / lo)) + 1
+    return [int(lo * 2 ** (k / 2)) // 4096 * 4096 for k in range(steps)]
+
+
+def _copy_rates(footprints: list[int], cores: int, seconds: float = 0.02) -> list[float]:
+    """Bytes a second (read and written) of one process's ``np.copyto`` at each node footprint,
+    in one process per core at once, each copying ``footprint / cores`` (its source and its
+    destination), every window of ``seconds`` started together: the median process's, each the
+    fastest of 3 windows (another process given the core slows a window, never speeds one)."""
+
+    def sweep(ready: Any) -> list[float]:
+        return [min(_copy(ready, f // cores // 2, seconds) for _ in range(3)) for f in footprints]
+
+    each = _together(sweep, cores)
+    return [f / cores / _mid([s[i] for s in each]) for i, f in enumerate(footprints)]
+
+
+def _fall(footprints: list[int], rates: list[float]) -> float:
+    """The cache a copy sees: the footprint at which its rate falls halfway from in cache (the
+    fastest) to from memory (the median of the three largest footprints'), where a step (the
+    simulator's ``Link.beta_at``) is off by at most half the fall on either side. Past the last
+    footprint whose rate is at or above that midpoint (a cell in cache that noise slowed does not
+    end the cache), interpolated on the footprints' log scale; the largest footprint if the rate
+    never falls.
+
+    Args:
+        footprints: node footprints in bytes, ascending, the last three well past the cache.
+        rates: a copy's rate at each (any unit).
+
+    Returns:
+        The footprint in bytes at which the cache ends.
+    """
+    fast, slow = max(rates), _mid(rates[-3:])
+    half = (fast + slow) / 2
+    i = max(k for k, r in enumerate(rates) if r >= half)
+    if i == len(rates) - 1:
+        return float(footprints[-1])
+    t = (rates[i] - half) / (rates[i] - rates[i + 1])
+    return float(footprints[i] * (footprints[i + 1] / footprints[i]) ** t)
+
+
+def _link_sizes(cache: float, ranks: int = 2) -> str:
+    """``SIZES`` the in-cache fit uses: the two smallest (where alpha shows) and the two largest
+    whose collective on ``ranks`` ranks stays within ``IN_CACHE`` of ``cache`` by the simulator's
+    rule (``Link.beta_at``: every rank's buffer on the node), where beta shows."""
+    from dplab.backends.bench.timing import parse_size
+
+    within = [s for s in SIZES if ranks * parse_size(s) < IN_CACHE * cache]
+    return ",".join(dict.fromkeys([*SIZES[:2], *within[-2:]]))
 
 
 def _mid(values: list[float]) -> float:
@@ -274,10 +336,10 @@ def _bench(ranks: int, sizes: str) -> list[dict[str, Any]]:
                        "--algorithms", ",".join(ALGORITHMS), *BENCH])
 
 
-def _link() -> tuple[float, float, dict[str, tuple[float, float, float]]]:
+def _link(sizes: str) -> tuple[float, float, dict[str, tuple[float, float, float]]]:
     """(alpha s, beta s/B) of 2 local ranks for every schedule, and per algorithm (alpha, beta,
-    rms residual), as ``dplab tune`` fits them from ``dplab bench`` at ``SIZES``."""
-    rows = _bench(2, SIZES)
+    rms residual), as ``dplab tune`` fits them from ``dplab bench`` at ``sizes``."""
+    rows = _bench(2, sizes)
     schedules = [r for r in rows if r["algorithm"] != "native"]  # native: a one-shot of its own
     f = _fit(schedules, ("backend",))[0]
     each = {}
@@ -382,8 +444,12 @@ def measure() -> dict[str, Any]:
         "float64": _rate(mlp_ops, mlp_s, moved_s, op_s),
         "float32": _rate(ddp_ops, ddp_s, moved_s, op_s),
     }
-    cache = _cache_bytes()
-    alpha, beta, each = _link()
+    l3 = _cache_bytes(3)
+    footprints = _footprints(l3, _cache_bytes(2), cores)
+    copy_rates = _copy_rates(footprints, cores)
+    cache = _fall(footprints, copy_rates)
+    sizes = _link_sizes(cache)
+    alpha, beta, each = _link(sizes)
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     preset = {
         "name": "this-machine",
@@ -445,7 +511,16 @@ def measure() -> dict[str, Any]:
             f"{moved_s / 1e9:.2f} GB/s moved (read and write, the mean over 0.5 s; "
             f"{2 * 64 * MIB / alone_copy / 1e9:.2f} GB/s alone); a 4-element np.add "
             f"{op_s * 1e6:.2f} us (op_overhead_us)",
-            f"past the cache: a last-level cache of {cache / MIB:g} MiB ({_CACHE}); a collective "
+            f"cache: {cache / MIB:.2f} MiB (cache_mib), the node footprint at which a "
+            f"np.copyto in each of {cores} processes at once (each its share of the footprint: "
+            "source and destination) falls halfway from its rate in cache (the fastest) to its "
+            "rate from memory (the median of the 3 largest footprints), the sweep in GB/s moved "
+            "by each process: "
+            + ", ".join(f"{f / MIB:.3g} MiB {r / 1e9:.1f}" for f, r in zip(footprints, copy_rates))
+            + f"; the kernel's last-level cache: {l3 / MIB:g} MiB ({_CACHE.format(3)}), the most "
+            "a collective's buffers could have (the code, the transport's own data and other "
+            "tenants of the chip use it too)",
+            "past the cache: a collective "
             "whose buffers on the node fill it moves each byte of a message at the transport's "
             f"own rate from memory: dplab bench on 2 local ranks at {PAST_SIZES} "
             f"({' '.join(BENCH)}), the rate at which the simulator on the terms here gives what "
@@ -457,7 +532,9 @@ def measure() -> dict[str, Any]:
             + f"), below the plain copy's {64 * MIB / copy_s / 1e9:.3f} GB/s with every core "
             "copying (a sum reads two buffers and writes one; the peer's pages are shared)",
             f"link: dplab tune's fit (least squares on relative error, gamma folded into beta) "
-            f"of dplab bench on 2 local ranks ({SIZES}, {' '.join(BENCH)}): ring, tree and direct "
+            f"of dplab bench on 2 local ranks ({sizes}: of {','.join(SIZES)}, the two smallest "
+            f"and the two largest whose 2 buffers fill under {IN_CACHE:g} of the cache; "
+            f"{' '.join(BENCH)}): ring, tree and direct "
             f"together, alpha {alpha * 1e6:.1f} us, beta 1/{1 / beta / 1e9:.3f} GB/s; each "
             "algorithm alone (links.intra.algorithms, tune's per-algorithm level): "
             + "; ".join(f"{k} alpha {a * 1e6:.1f} us, 1/{1 / b / 1e9:.3f} GB/s, rms residual "
