@@ -11,10 +11,15 @@ sources), on a machine that is usually shared with other work:
 - each core's rates are what it keeps while every core works (a rank of a data-parallel run is
   never alone: its peers compute, or spin waiting, on the other cores, and cores share their
   caches, their memory and here, it seems, one physical core), with one BLAS thread as a rank
-  runs: the reference MLP's float64 step (``4M``, batch 64: forward, backward, an SGD step) and
-  DDP's torch MLP's float32 step (batch 32), each run in one process per core at once and priced
-  by the same operations the simulator charges (``reference.flops``, torch's FLOP registry), so
-  one step on one simulated core takes what it took here beside the others; the same step in one
+  runs: the reference MLP's float64 step (``4M``: forward, backward, an SGD step) at batch 64
+  and at batch 8 and DDP's torch MLP's float32 step (batch 32), each run in one process per core
+  at once and priced by the same operations the simulator charges (``reference.flops``, torch's
+  FLOP registry), so one step on one simulated core takes what it took here beside the others.
+  The two batches give two rates: FLOPs (the large batch's matmuls) and memory (the small
+  batch's step is mostly its weights read, its gradients written and the optimizer's pass, the
+  same bytes at any batch: no plain copy, which runs ahead of a step's fresh arrays and strided
+  reads, prices them); an operation whose bytes fit a core's share of the cache moves them at
+  the copy's rate in cache instead (a small model's weights stay there). The same step in one
   process alone, and the plain matmul rate at each model's shape, are recorded beside it;
 - the cache a collective's buffers get: the node footprint (every process's buffers) at which a
   ``np.copyto`` in one process per core at once falls halfway from its rate in cache to its rate
@@ -34,7 +39,7 @@ sources), on a machine that is usually shared with other work:
   (the rate at which the simulator on the terms above gives what was measured), not a plain
   copy's: a sum reads two buffers and writes one, and a plain 64 MiB ``np.copyto`` (in one
   process per core at once, recorded beside it) runs well ahead of the transport; that copy's
-  rate (2n bytes moved) is the memory-bound operations' roofline;
+  rate (2n bytes moved) is a reduction's (``reduce_gb_s``);
 - crowded: 2 ranks a core (the local transport's waiting ranks sleep, and the OS wakes each and
   gives it a core, at every message), each algorithm's alpha at which the simulator on the terms
   above gives what ``dplab bench`` measures at ``CROWDED_SIZES``: the sizes of the messages it
@@ -64,12 +69,14 @@ __all__ = ["measure", "main"]
 
 MIB = 1 << 20
 # Calibration sizes: none is a size the preset is validated at (1, 4, 16, 64 MiB)
+SMALL_BATCH = 8  # the float64 step's second batch (64 the first): none a validated row's batch
 SIZES = ("64K", "256K", "512K", "1536K", "2M", "3M", "6M", "12M")  # in-cache fit's candidates
 IN_CACHE = 0.5  # an in-cache size's footprint at most half the cache: clear of the rate's fall
 PAST_SIZES = "32M,128M"  # 2 ranks' buffers 2 and 8 times the kernel's L3: every copy from memory
 CROWDED_SIZES = "512K,2M"  # 2 ranks a core, at the sizes of the messages it prices
-# The protocol of backends/perf/measure_sim.sh: each cell the median of 5 loops of 0.1 s
-BENCH = ("--reps", "5", "--target-seconds", "0.5")
+# The protocol of backends/perf/measure_sim.sh: each cell the median of 5 loops of 0.1 s in each
+# of 3 worlds (4 ranks on 2 cores: which share a core holds for a world's life)
+BENCH = ("--reps", "5", "--target-seconds", "0.5", "--worlds", "3")
 ALGORITHMS = ("ring", "tree", "direct", "native")
 
 
@@ -85,19 +92,43 @@ def _best(fn: Any, reps: int = 7, inner: int = 1) -> float:
     return min(times)
 
 
-def _rate(
-    ops: list[tuple[float, float]], seconds: float, memory_bytes_s: float, overhead_s: float
-) -> float:
-    """The FLOP rate at which the roofline of ``ops`` sums to ``seconds``, by bisection."""
+Ops = list[tuple[float, float]]  # (FLOPs, bytes) of each operation of a step
 
-    def priced(rate: float) -> float:
-        return sum(max(f / rate, n / memory_bytes_s, overhead_s) for f, n in ops)
 
-    lo, hi = 1e6, 1e15
+def _priced(ops: Ops, rate: float, device: dict[str, float]) -> float:
+    """Seconds of ``ops`` on the simulator's roofline: FLOPs at ``rate``, bytes from the cache
+    (``cache`` bytes at most, ``cache_s`` a second) or from ``memory`` (bytes a second), at least
+    ``overhead`` seconds each (``Device.moving``, ``Setup.compute_seconds``)."""
+    cache, cache_s, memory, overhead = (device[k] for k in ("cache", "cache_s", "memory",
+                                                              "overhead"))
+    return sum(max(f / rate, n / (cache_s if n <= cache else memory), overhead) for f, n in ops)
+
+
+def _bisect(too_high: Any, lo: float, hi: float) -> float:
+    """Where in [lo, hi] the monotone ``too_high`` turns true, bisected on a log scale."""
     for _ in range(200):
         mid = (lo * hi) ** 0.5
-        lo, hi = (lo, mid) if priced(mid) < seconds else (mid, hi)
+        lo, hi = (lo, mid) if too_high(mid) else (mid, hi)
     return (lo * hi) ** 0.5
+
+
+def _rate(ops: Ops, seconds: float, device: dict[str, float]) -> float:
+    """The FLOP rate at which ``ops`` on ``device`` take ``seconds``."""
+    return _bisect(lambda rate: _priced(ops, rate, device) < seconds, 1e6, 1e15)
+
+
+def _rates(large: tuple[Ops, float], small: tuple[Ops, float],
+           device: dict[str, float]) -> tuple[float, float]:
+    """(FLOP/s, memory bytes/s) at which both steps, each (ops, seconds), take their seconds: for
+    each memory rate the FLOP rate that prices the ``large`` batch's step right, and the memory
+    rate at which the ``small`` batch's step (mostly bytes) comes out right too."""
+
+    def small_too_fast(memory: float) -> bool:
+        on = device | {"memory": memory}
+        return _priced(small[0], _rate(*large, on), on) < small[1]
+
+    memory = _bisect(small_too_fast, 1e8, 1e12)
+    return _rate(*large, device | {"memory": memory}), memory
 
 
 def _median(fn: Any, reps: int = 7) -> float:
@@ -146,16 +177,16 @@ def _copy(ready: Any = None, nbytes: int = 64 * MIB, seconds: float = 0.5) -> fl
     return took / n
 
 
-def _mlp_step(ready: Any = None) -> tuple[float, list[tuple[float, float]]]:
-    """Seconds per step of the reference MLP ``4M`` (float64, batch 64, one process: forward,
-    backward, an SGD step; the median of 7), and the operations the simulator charges for it;
-    ``ready()``, if given, is called before timing."""
+def _mlp_step(ready: Any = None, batch: int = 64) -> tuple[float, list[tuple[float, float]]]:
+    """Seconds per step of the reference MLP ``4M`` (float64, one process: forward, backward, an
+    SGD step; the median of 7), and the operations the simulator charges for it; ``ready()``, if
+    given, is called before timing."""
     from dplab.backends.cli.scaling import MODELS
     from dplab.reference.flops import backward_ops, forward_ops, loss_ops, optimizer_ops
     from dplab.reference.model import MLP
     from dplab.reference.optim import OptimConfig, make_optimizer
 
-    m, batch = MODELS["4M"], 64
+    m = MODELS["4M"]
     model = MLP(m)
     params, grad = model.init_params(0), np.zeros(model.num_params)
     opt = make_optimizer(OptimConfig(), model.num_params)
@@ -342,6 +373,10 @@ def _link(sizes: str) -> tuple[float, float, dict[str, tuple[float, float, float
     rows = _bench(2, sizes)
     schedules = [r for r in rows if r["algorithm"] != "native"]  # native: a one-shot of its own
     f = _fit(schedules, ("backend",))[0]
+    if f.alpha is None or not f.beta:  # the sizes' times did not grow with their bytes
+        raise SystemExit(f"python -m dplab.backends.sim.machine: the link's fit at {sizes} found "
+                         "no price per byte (the machine was too busy to measure it): measure "
+                         "when `uptime` shows a load below 1")
     each = {}
     for g in _fit(rows, ("backend", "world_size", "algorithm")):
         if g.alpha is not None and g.beta:  # a fit the rows pinned down, with a price per byte
@@ -439,15 +474,16 @@ def measure() -> dict[str, Any]:
     copy_s = _mid(_together(_copy, cores))
     moved_s = 2 * 64 * MIB / copy_s
     mlp_s = _mid([t for t, _ in _together(_mlp_step, cores)])
+    small_s, small_ops = _mid(_together(lambda ready: _mlp_step(ready, SMALL_BATCH), cores))
     ddp_s = _mid([t for t, _ in _together(_ddp_step, cores)])
-    rates = {
-        "float64": _rate(mlp_ops, mlp_s, moved_s, op_s),
-        "float32": _rate(ddp_ops, ddp_s, moved_s, op_s),
-    }
     l3 = _cache_bytes(3)
     footprints = _footprints(l3, _cache_bytes(2), cores)
     copy_rates = _copy_rates(footprints, cores)
     cache = _fall(footprints, copy_rates)
+    # a core's share of the cache, at the copy's rate there (every core copying)
+    device = {"cache": cache / cores, "cache_s": max(copy_rates), "overhead": op_s}
+    f64, memory_s = _rates((mlp_ops, mlp_s), (small_ops, small_s), device)
+    rates = {"float64": f64, "float32": _rate(ddp_ops, ddp_s, device | {"memory": memory_s})}
     sizes = _link_sizes(cache)
     alpha, beta, each = _link(sizes)
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -461,8 +497,10 @@ def measure() -> dict[str, Any]:
             "name": f"one of {cores} cores ({os.uname().machine})",
             "tflop_s": {k: round(v / 1e12, 6) for k, v in rates.items()},
             "memory_gb": round(memory / 1e9, 1),
-            "memory_gb_s": round(moved_s / 1e9, 3),
+            "memory_gb_s": round(memory_s / 1e9, 3),
             "op_overhead_us": round(op_s * 1e6, 3),
+            "cache_mib": round(device["cache"] / MIB, 3),
+            "cache_gb_s": round(device["cache_s"] / 1e9, 3),
         },
         "links": {
             "intra": {
@@ -495,21 +533,27 @@ def measure() -> dict[str, Any]:
             f"cores: a pool (device_pool), each rank's compute and copies on whichever core is "
             f"free, as the OS schedules {cores} cores among processes; every rate below is what "
             f"one process gets while each of the {cores} cores runs one (the median process)",
-            f"float64: the reference MLP 4M (512-1536-1536-512), batch 64, one BLAS thread, "
-            f"{mlp_s * 1e3:.1f} ms a step in each of {cores} processes at once "
-            f"({mlp_alone * 1e3:.1f} ms in one process alone; forward, backward, SGD; the "
-            "median of 7), which the "
-            f"simulator's operations of a step take at {rates['float64'] / 1e9:.2f} GFLOP/s (a "
-            f"plain 64x1536 @ 1536x1536 matmul alone: {matmul['float64'] / 1e9:.2f} GFLOP/s, "
-            "best of 7; the step's elementwise operations are slower than its roofline)",
+            f"float64: the reference MLP 4M (512-1536-1536-512), one BLAS thread, "
+            f"{mlp_s * 1e3:.1f} ms a step at batch 64 and {small_s * 1e3:.1f} ms at batch "
+            f"{SMALL_BATCH} in each of {cores} processes at once "
+            f"({mlp_alone * 1e3:.1f} ms at batch 64 in one process alone; forward, backward, SGD; "
+            "the median of 7), which the simulator's operations of a step take at "
+            f"{rates['float64'] / 1e9:.2f} GFLOP/s and {memory_s / 1e9:.2f} GB/s from memory "
+            "(memory_gb_s; both steps at once: the small batch's is mostly its weights, "
+            "gradients and the optimizer's pass), an operation of at most "
+            f"{device['cache'] / MIB:.2f} MiB (cache_mib: a core's share of the cache below) at "
+            f"{device['cache_s'] / 1e9:.1f} "
+            "GB/s (cache_gb_s: the copy sweep's fastest) (a plain 64x1536 @ 1536x1536 matmul "
+            f"alone: {matmul['float64'] / 1e9:.2f} GFLOP/s, best of 7)",
             f"float32: DDP's torch MLP (512-2048-2048-2048-512), batch 32, one thread, "
             f"{ddp_s * 1e3:.1f} ms a step in each of {cores} processes at once "
             f"({ddp_alone * 1e3:.1f} ms alone; the median of 7), which torch's operations take at "
-            f"{rates['float32'] / 1e9:.2f} GFLOP/s (a plain 32x2048 @ 2048x2048 matmul alone: "
+            f"{rates['float32'] / 1e9:.2f} GFLOP/s at float64's memory rates (a plain 32x2048 @ "
+            "2048x2048 matmul alone: "
             f"{matmul['float32'] / 1e9:.2f} GFLOP/s, best of 7)",
             f"memory: a 64 MiB np.copyto in each of {cores} processes at once, "
             f"{moved_s / 1e9:.2f} GB/s moved (read and write, the mean over 0.5 s; "
-            f"{2 * 64 * MIB / alone_copy / 1e9:.2f} GB/s alone); a 4-element np.add "
+            f"{2 * 64 * MIB / alone_copy / 1e9:.2f} GB/s alone; reduce_gb_s); a 4-element np.add "
             f"{op_s * 1e6:.2f} us (op_overhead_us)",
             f"cache: {cache / MIB:.2f} MiB (cache_mib), the node footprint at which a "
             f"np.copyto in each of {cores} processes at once (each its share of the footprint: "
