@@ -143,8 +143,8 @@ def seconds(ops: tuple[Op, ...] | list[Op], cluster: str) -> float:
 
 def op_split(ops: list[Op], cluster: str) -> dict[str, float]:
     """Seconds of ``ops`` by what bounds each: ``matmul`` (its FLOPs at the device's rate),
-    ``memory`` (its bytes at the memory bandwidth, or the cache's) and ``launch`` (the device's
-    least time per operation, longer than either)."""
+    ``memory`` (its bytes at the memory bandwidth) and ``launch`` (the device's least time per
+    operation, longer than either)."""
     world = _one_device(cluster)
     d = world.device_of[0]
     out = {"matmul": 0.0, "memory": 0.0, "launch": 0.0}
@@ -152,7 +152,7 @@ def op_split(ops: list[Op], cluster: str) -> dict[str, float]:
         t = world.compute_seconds(0, o.flops, o.nbytes, o.dtype)
         if t == o.flops / d.rate(o.dtype):
             out["matmul"] += t
-        elif t == d.moving(o.nbytes):
+        elif t == o.nbytes / d.memory_bytes_s:
             out["memory"] += t
         else:
             out["launch"] += t

@@ -22,8 +22,6 @@ A file is JSON (or TOML on Python >= 3.11); every number carries its unit in its
     memory_gb = 24
     memory_gb_s = 1008
     op_overhead_us = 5                 # optional: the least an operation (a kernel) takes
-    cache_mib = 6                      # optional, with cache_gb_s: an operation whose bytes fit
-    cache_gb_s = 40                    # the device's cache moves them at this rate
     [links.intra]                      # between ranks of one node
     alpha_us = 10                      # per message
     bandwidth_gb_s = 25                # each way, per port
@@ -79,24 +77,13 @@ class Device:
     """What a rank computes on. ``flop_s``: operations per second by dtype name ("float32", ...;
     "default" for any other); ``memory_bytes``; ``memory_bytes_s``: bytes per second to and from
     its memory; ``op_overhead_s``: the least any operation takes (a kernel launch, an interpreter's
-    call); ``cache_bytes``, ``cache_bytes_s``: an operation whose bytes fit the device's share of
-    a cache moves them at that rate instead (a CPU core: a small model's weights stay in cache, a
-    large one's stream from memory; 0: no cache)."""
+    call); ``ranks``: how many ranks share it (set by the cluster)."""
 
     name: str
     flop_s: tuple[tuple[str, float], ...]
     memory_bytes: float
     memory_bytes_s: float
     op_overhead_s: float = 0.0
-    cache_bytes: float = 0.0
-    cache_bytes_s: float = 0.0
-
-    def moving(self, nbytes: float) -> float:
-        """Seconds to move an operation's ``nbytes``: from the cache while they fit it, else from
-        memory."""
-        if self.cache_bytes and nbytes <= self.cache_bytes:
-            return nbytes / self.cache_bytes_s
-        return nbytes / self.memory_bytes_s
 
     def rate(self, dtype: str) -> float:
         """Operations per second in ``dtype`` (its own rate, else the "default" one)."""
@@ -113,7 +100,6 @@ class Device:
             flop_s=tuple((k, v / factor) for k, v in self.flop_s),
             memory_bytes_s=self.memory_bytes_s / factor,
             op_overhead_s=self.op_overhead_s * factor,
-            cache_bytes_s=self.cache_bytes_s / factor,
         )
 
 
@@ -376,8 +362,7 @@ _TOP = {
     "device_pool",
 }
 _HOST = {"threads", "per_thread_us"}
-_DEVICE = {"name", "tflop_s", "memory_gb", "memory_gb_s", "op_overhead_us", "cache_mib",
-           "cache_gb_s"}
+_DEVICE = {"name", "tflop_s", "memory_gb", "memory_gb_s", "op_overhead_us"}
 _LINK = {"name", "alpha_us", "bandwidth_gb_s", "ranks_per_port", "on_device", "algorithms",
          "switch_reduces", "cache_mib", "past_cache_gb_s", "crowded_alpha_us"}
 _TERMS = {"alpha_us", "bandwidth_gb_s"}
@@ -416,18 +401,12 @@ def _device(where: str, d: Any) -> Device:
     flop_s = tuple(
         (str(k), _number(f"{where}.tflop_s.{k}", v) * 1e12) for k, v in sorted(rates.items())
     )
-    cache = cache_s = 0.0
-    if "cache_mib" in d or "cache_gb_s" in d:  # one without the other: the missing one named
-        cache = _number(f"{where}.cache_mib", d.get("cache_mib")) * (1 << 20)
-        cache_s = _number(f"{where}.cache_gb_s", d.get("cache_gb_s")) * 1e9
     return Device(
         str(d.get("name", "device")),
         flop_s,
         _number(f"{where}.memory_gb", d["memory_gb"]) * 1e9,
         _number(f"{where}.memory_gb_s", d["memory_gb_s"]) * 1e9,
         _number(f"{where}.op_overhead_us", d.get("op_overhead_us", 0), positive=False) / 1e6,
-        cache,
-        cache_s,
     )
 
 

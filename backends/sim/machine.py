@@ -18,9 +18,8 @@ sources), on a machine that is usually shared with other work:
   The two batches give two rates: FLOPs (the large batch's matmuls) and memory (the small
   batch's step is mostly its weights read, its gradients written and the optimizer's pass, the
   same bytes at any batch: no plain copy, which runs ahead of a step's fresh arrays and strided
-  reads, prices them); an operation whose bytes fit a core's share of the cache moves them at
-  the copy's rate in cache instead (a small model's weights stay there). The same step in one
-  process alone, and the plain matmul rate at each model's shape, are recorded beside it;
+  reads, prices them). The same step in one process alone, and the plain matmul rate at each
+  model's shape, are recorded beside it;
 - the cache a collective's buffers get: the node footprint (every process's buffers) at which a
   ``np.copyto`` in one process per core at once falls halfway from its rate in cache to its rate
   from memory, swept over footprints for about a second; not the kernel's ``cache/index3``
@@ -95,13 +94,10 @@ def _best(fn: Any, reps: int = 7, inner: int = 1) -> float:
 Ops = list[tuple[float, float]]  # (FLOPs, bytes) of each operation of a step
 
 
-def _priced(ops: Ops, rate: float, device: dict[str, float]) -> float:
-    """Seconds of ``ops`` on the simulator's roofline: FLOPs at ``rate``, bytes from the cache
-    (``cache`` bytes at most, ``cache_s`` a second) or from ``memory`` (bytes a second), at least
-    ``overhead`` seconds each (``Device.moving``, ``Setup.compute_seconds``)."""
-    cache, cache_s, memory, overhead = (device[k] for k in ("cache", "cache_s", "memory",
-                                                              "overhead"))
-    return sum(max(f / rate, n / (cache_s if n <= cache else memory), overhead) for f, n in ops)
+def _priced(ops: Ops, rate: float, memory: float, overhead: float) -> float:
+    """Seconds of ``ops`` on the simulator's roofline (``Setup.compute_seconds``): FLOPs at
+    ``rate``, bytes at ``memory`` a second, at least ``overhead`` seconds each."""
+    return sum(max(f / rate, n / memory, overhead) for f, n in ops)
 
 
 def _bisect(too_high: Any, lo: float, hi: float) -> float:
@@ -112,23 +108,23 @@ def _bisect(too_high: Any, lo: float, hi: float) -> float:
     return (lo * hi) ** 0.5
 
 
-def _rate(ops: Ops, seconds: float, device: dict[str, float]) -> float:
-    """The FLOP rate at which ``ops`` on ``device`` take ``seconds``."""
-    return _bisect(lambda rate: _priced(ops, rate, device) < seconds, 1e6, 1e15)
+def _rate(ops: Ops, seconds: float, memory: float, overhead: float) -> float:
+    """The FLOP rate at which ``ops`` take ``seconds`` (bytes at ``memory``)."""
+    return _bisect(lambda rate: _priced(ops, rate, memory, overhead) < seconds, 1e6, 1e15)
 
 
 def _rates(large: tuple[Ops, float], small: tuple[Ops, float],
-           device: dict[str, float]) -> tuple[float, float]:
+           overhead: float) -> tuple[float, float]:
     """(FLOP/s, memory bytes/s) at which both steps, each (ops, seconds), take their seconds: for
     each memory rate the FLOP rate that prices the ``large`` batch's step right, and the memory
     rate at which the ``small`` batch's step (mostly bytes) comes out right too."""
 
     def small_too_fast(memory: float) -> bool:
-        on = device | {"memory": memory}
-        return _priced(small[0], _rate(*large, on), on) < small[1]
+        rate = _rate(*large, memory, overhead)
+        return _priced(small[0], rate, memory, overhead) < small[1]
 
     memory = _bisect(small_too_fast, 1e8, 1e12)
-    return _rate(*large, device | {"memory": memory}), memory
+    return _rate(*large, memory, overhead), memory
 
 
 def _median(fn: Any, reps: int = 7) -> float:
@@ -480,10 +476,8 @@ def measure() -> dict[str, Any]:
     footprints = _footprints(l3, _cache_bytes(2), cores)
     copy_rates = _copy_rates(footprints, cores)
     cache = _fall(footprints, copy_rates)
-    # a core's share of the cache, at the copy's rate there (every core copying)
-    device = {"cache": cache / cores, "cache_s": max(copy_rates), "overhead": op_s}
-    f64, memory_s = _rates((mlp_ops, mlp_s), (small_ops, small_s), device)
-    rates = {"float64": f64, "float32": _rate(ddp_ops, ddp_s, device | {"memory": memory_s})}
+    f64, memory_s = _rates((mlp_ops, mlp_s), (small_ops, small_s), op_s)
+    rates = {"float64": f64, "float32": _rate(ddp_ops, ddp_s, memory_s, op_s)}
     sizes = _link_sizes(cache)
     alpha, beta, each = _link(sizes)
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -499,8 +493,6 @@ def measure() -> dict[str, Any]:
             "memory_gb": round(memory / 1e9, 1),
             "memory_gb_s": round(memory_s / 1e9, 3),
             "op_overhead_us": round(op_s * 1e6, 3),
-            "cache_mib": round(device["cache"] / MIB, 3),
-            "cache_gb_s": round(device["cache_s"] / 1e9, 3),
         },
         "links": {
             "intra": {
@@ -540,15 +532,12 @@ def measure() -> dict[str, Any]:
             "the median of 7), which the simulator's operations of a step take at "
             f"{rates['float64'] / 1e9:.2f} GFLOP/s and {memory_s / 1e9:.2f} GB/s from memory "
             "(memory_gb_s; both steps at once: the small batch's is mostly its weights, "
-            "gradients and the optimizer's pass), an operation of at most "
-            f"{device['cache'] / MIB:.2f} MiB (cache_mib: a core's share of the cache below) at "
-            f"{device['cache_s'] / 1e9:.1f} "
-            "GB/s (cache_gb_s: the copy sweep's fastest) (a plain 64x1536 @ 1536x1536 matmul "
+            "gradients and the optimizer's pass) (a plain 64x1536 @ 1536x1536 matmul "
             f"alone: {matmul['float64'] / 1e9:.2f} GFLOP/s, best of 7)",
             f"float32: DDP's torch MLP (512-2048-2048-2048-512), batch 32, one thread, "
             f"{ddp_s * 1e3:.1f} ms a step in each of {cores} processes at once "
             f"({ddp_alone * 1e3:.1f} ms alone; the median of 7), which torch's operations take at "
-            f"{rates['float32'] / 1e9:.2f} GFLOP/s at float64's memory rates (a plain 32x2048 @ "
+            f"{rates['float32'] / 1e9:.2f} GFLOP/s at float64's memory rate (a plain 32x2048 @ "
             "2048x2048 matmul alone: "
             f"{matmul['float32'] / 1e9:.2f} GFLOP/s, best of 7)",
             f"memory: a 64 MiB np.copyto in each of {cores} processes at once, "

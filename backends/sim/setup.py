@@ -87,7 +87,7 @@ class SimWorld:
         """The roofline time of ``ops`` operations doing ``flops`` and moving ``nbytes`` on
         ``rank``'s device (at least the device's least time per operation)."""
         d = self.device_of[rank]
-        return max(flops / d.rate(dtype), d.moving(nbytes), ops * d.op_overhead_s)
+        return max(flops / d.rate(dtype), nbytes / d.memory_bytes_s, ops * d.op_overhead_s)
 
     def spend(self, actor: Actor, rank: int, ops: Any, dtype: str) -> float:
         """``actor`` (of ``rank``) computed ``ops`` [(flops, bytes)]: their time owed on its device;
@@ -101,7 +101,7 @@ class SimWorld:
         d = self.device_of[rank]
         host = len(ops) * (d.op_overhead_s + self.host_extra[rank])
         self.engine.owe(actor, host, self.hosts[rank])  # launched first, then run on the device
-        self.behind(actor, rank, sum(max(f / d.rate(dtype), d.moving(n)) for f, n in ops))
+        self.behind(actor, rank, sum(max(f / d.rate(dtype), n / d.memory_bytes_s) for f, n in ops))
         return host
 
     def reduced(self, actor: Actor, rank: int, nbytes: int, algorithm: str = "") -> None:
