@@ -184,7 +184,6 @@ def test_an_algorithm_pays_its_crowded_alpha_once_ranks_outnumber_the_cores():
 
 
 def test_the_crowded_alpha_is_the_one_at_which_the_simulator_gives_the_measured_time(monkeypatch):
-    from dplab.backends.cli import commands
     from dplab.backends.sim import machine
 
     doc = _cores(True)
@@ -195,7 +194,7 @@ def test_the_crowded_alpha_is_the_one_at_which_the_simulator_gives_the_measured_
              "time_us": collective_time(made, 4, a, n).seconds * 1e6}
             for a in ("ring", "native") for n in (65536, 262144)]
     rows.append({"algorithm": "memcpy", "world_size": 4, "bytes": 65536, "time_us": 1.0})
-    monkeypatch.setattr(commands, "bench_argv", lambda argv: rows)
+    monkeypatch.setattr(machine, "_bench", lambda ranks, sizes: rows)
     alphas, measured = machine._crowded(doc, 4)
     assert alphas == {"ring": pytest.approx(42e-6, rel=1e-6), "native": pytest.approx(7e-6,
                                                                                      rel=1e-6)}
@@ -204,7 +203,6 @@ def test_the_crowded_alpha_is_the_one_at_which_the_simulator_gives_the_measured_
 
 def test_the_rate_past_the_cache_is_the_transports_at_which_the_simulator_gives_the_measured_time(
         monkeypatch):
-    from dplab.backends.cli import commands
     from dplab.backends.sim import machine
 
     doc = _cores(True)
@@ -214,13 +212,13 @@ def test_the_rate_past_the_cache_is_the_transports_at_which_the_simulator_gives_
     made = cluster_from_dict(truth)
     asked = []
 
-    def bench(argv):
-        asked.append(argv)
+    def bench(ranks, sizes):
+        asked.append(sizes)
         return [{"algorithm": a, "world_size": 2, "bytes": n,
                  "time_us": collective_time(made, 2, a, n).seconds * 1e6}
                 for a in ("ring", "tree") for n in (16 * MIB, 64 * MIB)]
 
-    monkeypatch.setattr(commands, "bench_argv", bench)
+    monkeypatch.setattr(machine, "_bench", bench)
     rate, each, measured = machine._past_cache(doc)
     assert rate == pytest.approx(0.8e9, rel=1e-6)
     assert each == {"ring": pytest.approx(0.8e9, rel=1e-6), "tree": pytest.approx(0.8e9, rel=1e-6)}
@@ -232,7 +230,7 @@ def test_the_rate_past_the_cache_is_the_transports_at_which_the_simulator_gives_
     assert not validated & set(machine.SIZES)
     for sizes in (machine.PAST_SIZES, machine.CROWDED_SIZES):
         assert not validated & set(sizes.split(","))
-    assert asked[0][asked[0].index("--sizes") + 1] == machine.PAST_SIZES
+    assert asked == [machine.PAST_SIZES]
 
 
 def test_the_cache_ends_where_a_copys_rate_has_fallen_halfway_to_memorys():
@@ -263,7 +261,6 @@ def test_the_cache_ends_where_a_copys_rate_has_fallen_halfway_to_memorys():
 
 def test_the_in_cache_fit_uses_sizes_within_half_the_cache_and_none_validated(monkeypatch):
     from dplab.backends.bench.timing import parse_size
-    from dplab.backends.cli import commands
     from dplab.backends.sim import machine
 
     assert machine._link_sizes(13 * MIB) == "64K,256K,2M,3M"
@@ -278,18 +275,18 @@ def test_the_in_cache_fit_uses_sizes_within_half_the_cache_and_none_validated(mo
     truth = cluster_from_dict(_cores(True))
     asked = []
 
-    def bench(argv):
-        asked.append(argv[argv.index("--sizes") + 1])
+    def bench(ranks, sizes):
+        asked.append(sizes)
         return [{"backend": "local", "algorithm": a, "world_size": 2, "bytes": parse_size(n),
                  "time_us": collective_time(truth, 2, a, parse_size(n)).seconds * 1e6}
-                for a in ("ring", "direct") for n in asked[-1].split(",")]
+                for a in ("ring", "direct") for n in sizes.split(",")]
 
-    monkeypatch.setattr(commands, "bench_argv", bench)
+    monkeypatch.setattr(machine, "_bench", bench)
     alpha, beta, each = machine._link("64K,256K,2M,3M")
     assert asked == ["64K,256K,2M,3M"] and sorted(each) == ["direct", "ring"]
     assert alpha > 0 and beta > 0
     # a machine too busy to measure: times that do not grow with the bytes are refused in a line
-    monkeypatch.setattr(commands, "bench_argv", lambda argv: [
+    monkeypatch.setattr(machine, "_bench", lambda ranks, sizes: [
         {"backend": "local", "algorithm": a, "world_size": 2, "bytes": parse_size(n),
          "time_us": 900.0 - i} for a in ("ring", "direct")
         for i, n in enumerate(["64K", "256K", "2M", "3M"])])
@@ -310,3 +307,25 @@ def test_the_compute_calibration_finds_the_flop_and_memory_rates_two_batches_nee
 
     found = machine._rates(step(64), step(8), 1e-6)
     assert found == (pytest.approx(rate, rel=1e-6), pytest.approx(memory, rel=1e-6))
+
+
+def test_the_calibrations_bench_is_a_dplab_bench_of_its_own(monkeypatch):
+    """Run as the validated rows are: ranks forked from the calibrating process (torch loaded)
+    measured 4 ranks on 2 cores up to twice as slow."""
+    import subprocess
+
+    from dplab.backends.sim import machine
+
+    ran = []
+
+    def run(argv, **kw):
+        ran.append(argv)
+        out = Path(argv[argv.index("--json") + 1])
+        out.write_text(json.dumps({"meta": {}, "rows": [{"algorithm": "ring", "time_us": 5.0}]}))
+        return subprocess.CompletedProcess(argv, 0)
+
+    monkeypatch.setattr(subprocess, "run", run)
+    assert machine._bench(4, "512K,2M") == [{"algorithm": "ring", "time_us": 5.0}]
+    (argv,) = ran
+    assert argv[:2] == [__import__("sys").executable, "-c"] and argv[3] == "bench"
+    assert " ".join(machine.BENCH) in " ".join(argv) and "--world-sizes 4" in " ".join(argv)

@@ -57,7 +57,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -356,11 +358,20 @@ def _fit(rows: list[dict[str, Any]], by: tuple[str, ...]) -> Any:
 def _bench(ranks: int, sizes: str) -> list[dict[str, Any]]:
     """``dplab bench`` on ``ranks`` local ranks at ``sizes``, every algorithm, with the protocol of
     ``backends/perf/measure_sim.sh`` (``BENCH``: the same reps and the same statistic, the
-    median, as the rows the preset is validated against)."""
-    from dplab.backends.cli.commands import bench_argv
+    median, as the rows the preset is validated against), run as the rows are: a command of its
+    own. Ranks forked from this process (torch loaded, the steps' arrays held) measured 4 ranks
+    on 2 cores 1.5-2.3 times slower than the same bench from a fresh one (512 KiB ring, 07:50 UTC,
+    quiet: 1.9 ms against 0.82)."""
+    with tempfile.TemporaryDirectory(prefix="dplab-calibrate-") as tmp:
+        out = Path(tmp) / "bench.json"
+        argv = ["bench", "--backends", "local", "--world-sizes", str(ranks), "--sizes", sizes,
+                "--algorithms", ",".join(ALGORITHMS), *BENCH, "--json", str(out)]
+        subprocess.run([sys.executable, "-c", _DPLAB, *argv], check=True,
+                       stdout=subprocess.DEVNULL)
+        return json.loads(out.read_text())["rows"]
 
-    return bench_argv(["--backends", "local", "--world-sizes", str(ranks), "--sizes", sizes,
-                       "--algorithms", ",".join(ALGORITHMS), *BENCH])
+
+_DPLAB = "import sys; from dplab.backends.cli.commands import main; sys.exit(main(sys.argv[1:]))"
 
 
 def _link(sizes: str) -> tuple[float, float, dict[str, tuple[float, float, float]]]:
