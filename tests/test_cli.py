@@ -76,6 +76,7 @@ def test_bench_rows_have_busbw_and_memcpy_ceiling(tmp_path, capsys):
     (["train", "--steps", "ten"], "invalid int value"),
     (["bench", "--sizes", "4Q"], "invalid"),
     (["bench", "--reps", "0"], "--reps >= 1"),
+    (["bench", "--worlds", "0"], "must be an integer >= 1, got 0"),
     (["frobnicate"], "invalid choice"),
 ])
 def test_bad_arguments_one_line_exit_2(cli_here, argv, message):

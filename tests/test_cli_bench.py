@@ -41,6 +41,29 @@ def test_ratios_are_against_the_same_runs_memcpy_and_native():
     assert rows["memcpy"]["vs_native"] is None
 
 
+def test_several_worlds_pool_their_reps_into_each_cells_median(tmp_path):
+    import numpy as np
+
+    from dplab.backends.bench.spec import pooled
+
+    def world(seconds: float, staged: int) -> list[dict]:  # 2 ranks, rank 0 with the memcpy row
+        cell = _timings("ring", 1000, seconds) | {"staged_bytes": staged}
+        return [{"allreduce": [cell], "memcpy": [_timings("memcpy", 1000, 1e-6)][:1 - r]}
+                for r in range(2)]
+
+    one = pooled([world(1e-6, 0), world(1e-6, 8), world(5e-6, 0)])
+    assert [len(rank["memcpy"]) for rank in one] == [1, 0]
+    assert np.array_equal(one[1]["allreduce"][0]["times"], [1e-6] * 6 + [5e-6] * 3)
+    assert one[0]["allreduce"][0]["staged_bytes"] == 8
+    rows = {r["algorithm"]: r for r in summarize("local", 2, one)}
+    assert rows["ring"]["time_us"] == pytest.approx(1.0)  # the median of 9 reps, not of 3 worlds
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--world-sizes", "2", "--sizes", "4K", "--algorithms", "ring",
+                 "--target-seconds", "0.01", "--reps", "2", "--worlds", "2",
+                 "--json", str(out)]) == 0
+    assert [r["algorithm"] for r in json.loads(out.read_text())["rows"]] == ["ring", "memcpy"]
+
+
 def test_bench_prints_each_runs_memcpy_row_and_vs_native(tmp_path, capsys):
     out = tmp_path / "bench.json"
     assert main(["bench", "--world-sizes", "2,3", "--sizes", "4K", "--algorithms", "ring,native",

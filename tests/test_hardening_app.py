@@ -303,6 +303,27 @@ def _server(tmp_path: Path, **env: str):
     return app, app.server_pid
 
 
+_PAGE_STATE_JS = """() => {
+  const app = document.querySelector('[data-testid="stApp"]');
+  return {script: app && app.dataset.testScriptState,
+          connection: app && app.dataset.testConnectionState,
+          spinners: document.querySelectorAll('[data-testid="stSpinner"]').length,
+          skeletons: document.querySelectorAll('[data-testid="stSkeleton"]').length,
+          charts: document.querySelectorAll('[data-testid="stPlotlyChart"]').length,
+          drawn: document.querySelectorAll('[data-testid="stPlotlyChart"] .main-svg').length,
+          text: document.body.innerText.slice(0, 1500)};
+}"""
+
+
+def _print_page(page) -> None:
+    """What the browser shows of a page that never rendered: which of RENDERED_JS's conditions
+    failed (the script still running, the connection, a spinner, an undrawn chart)."""
+    try:
+        print(f"page {page.url}: {page.evaluate(_PAGE_STATE_JS)}")
+    except Exception as e:  # a crashed renderer: say so
+        print(f"page {page.url}: could not be read ({e})")
+
+
 def _print_stacks(server: int, log: Path) -> None:
     """Every thread's stack of the app server and of its ranks (``prepare_server`` registers
     SIGUSR1 with faulthandler), printed from the server's log into the test's output."""
@@ -339,6 +360,8 @@ def test_eight_lesson_sessions_at_once_keep_the_servers_fds_and_budget(chromium,
             try:
                 wait_rendered(page, 300)
             except Exception:  # a hang (seen once under load): keep every stack for the next look
+                for each in pages:
+                    _print_page(each)
                 _print_stacks(server, tmp_path / "dplab-app.log")
                 raise
             failed += [t for t in page.locator('[data-testid="stAlert"]').all_inner_texts()

@@ -160,7 +160,7 @@ def test_the_calibration_runs_a_measurement_on_every_core_at_once(tmp_path):
     pids = machine._together(pid, 2)
     assert len(set(pids)) == 2 and os.getpid() not in pids
     assert machine._mid([3.0, 1.0, 2.0]) == 2.0 and machine._mid([1.0, 2.0]) == 2.0
-    assert machine._cache_bytes() > 0
+    assert machine._cache_bytes() > 0 and machine._cache_bytes(2) > 0
 
 
 def test_an_algorithm_pays_its_crowded_alpha_once_ranks_outnumber_the_cores():
@@ -184,7 +184,6 @@ def test_an_algorithm_pays_its_crowded_alpha_once_ranks_outnumber_the_cores():
 
 
 def test_the_crowded_alpha_is_the_one_at_which_the_simulator_gives_the_measured_time(monkeypatch):
-    from dplab.backends.cli import commands
     from dplab.backends.sim import machine
 
     doc = _cores(True)
@@ -195,7 +194,7 @@ def test_the_crowded_alpha_is_the_one_at_which_the_simulator_gives_the_measured_
              "time_us": collective_time(made, 4, a, n).seconds * 1e6}
             for a in ("ring", "native") for n in (65536, 262144)]
     rows.append({"algorithm": "memcpy", "world_size": 4, "bytes": 65536, "time_us": 1.0})
-    monkeypatch.setattr(commands, "bench_argv", lambda argv: rows)
+    monkeypatch.setattr(machine, "_bench", lambda ranks, sizes: rows)
     alphas, measured = machine._crowded(doc, 4)
     assert alphas == {"ring": pytest.approx(42e-6, rel=1e-6), "native": pytest.approx(7e-6,
                                                                                      rel=1e-6)}
@@ -204,7 +203,6 @@ def test_the_crowded_alpha_is_the_one_at_which_the_simulator_gives_the_measured_
 
 def test_the_rate_past_the_cache_is_the_transports_at_which_the_simulator_gives_the_measured_time(
         monkeypatch):
-    from dplab.backends.cli import commands
     from dplab.backends.sim import machine
 
     doc = _cores(True)
@@ -214,13 +212,13 @@ def test_the_rate_past_the_cache_is_the_transports_at_which_the_simulator_gives_
     made = cluster_from_dict(truth)
     asked = []
 
-    def bench(argv):
-        asked.append(argv)
+    def bench(ranks, sizes):
+        asked.append(sizes)
         return [{"algorithm": a, "world_size": 2, "bytes": n,
                  "time_us": collective_time(made, 2, a, n).seconds * 1e6}
                 for a in ("ring", "tree") for n in (16 * MIB, 64 * MIB)]
 
-    monkeypatch.setattr(commands, "bench_argv", bench)
+    monkeypatch.setattr(machine, "_bench", bench)
     rate, each, measured = machine._past_cache(doc)
     assert rate == pytest.approx(0.8e9, rel=1e-6)
     assert each == {"ring": pytest.approx(0.8e9, rel=1e-6), "tree": pytest.approx(0.8e9, rel=1e-6)}
@@ -229,6 +227,105 @@ def test_the_rate_past_the_cache_is_the_transports_at_which_the_simulator_gives_
     script = (Path(machine.__file__).parents[1] / "perf" / "measure_sim.sh").read_text()
     assert " ".join(machine.BENCH) in script
     validated = {"1M", "4M", "16M", "64M"}
-    for sizes in (machine.SIZES, machine.PAST_SIZES, machine.CROWDED_SIZES):
+    assert not validated & set(machine.SIZES)
+    for sizes in (machine.PAST_SIZES, machine.CROWDED_SIZES):
         assert not validated & set(sizes.split(","))
-    assert asked[0][asked[0].index("--sizes") + 1] == machine.PAST_SIZES
+    assert asked == [machine.PAST_SIZES]
+
+
+def test_the_cache_ends_where_a_copys_rate_has_fallen_halfway_to_memorys():
+    import numpy as np
+
+    from dplab.backends.sim import machine
+
+    # this machine's kernel: a 32 MiB L3, 512 KiB L2s, 2 cores: 2 to 128 MiB, steps of sqrt 2
+    footprints = machine._footprints(32 * MIB, MIB // 2, 2)
+    assert len(footprints) == 13 and footprints[0] == 2 * MIB and footprints[-1] == 128 * MIB
+    assert np.allclose(np.diff(np.log2(footprints)), 0.5, atol=1e-3)
+
+    def rates(middle, fast=30.0, slow=8.0, width=0.15):  # a fall centred at ``middle`` bytes
+        x = np.log2(np.array(footprints) / middle) / width
+        return list(slow + (fast - slow) / (1 + np.exp(x)))
+
+    for middle in (5 * MIB, 13 * MIB, 20 * MIB):
+        assert machine._fall(footprints, rates(middle)) == pytest.approx(middle, rel=0.05)
+    noisy = rates(13 * MIB)
+    noisy[1] = 12.0  # a cell in cache that something else slowed does not end the cache
+    noisy[-1] = 5.0  # nor does one from memory that it slowed move the midpoint
+    assert machine._fall(footprints, noisy) == pytest.approx(13 * MIB, rel=0.05)
+    assert machine._fall(footprints, [8.0] * len(footprints)) == footprints[-1]  # no fall seen
+    # every core copies its share at once, and a rate comes back for each footprint
+    measured = machine._copy_rates(footprints[:2], 2, seconds=0.01)
+    assert len(measured) == 2 and min(measured) > 0
+
+
+def test_the_in_cache_fit_uses_sizes_within_half_the_cache_and_none_validated(monkeypatch):
+    from dplab.backends.bench.timing import parse_size
+    from dplab.backends.sim import machine
+
+    assert machine._link_sizes(13 * MIB) == "64K,256K,2M,3M"
+    for cache in (8 * MIB, 13 * MIB, 32 * MIB, 64 * MIB):  # two sizes for beta from 8 MiB
+        sizes = machine._link_sizes(cache).split(",")
+        assert len(sizes) == 4 and not {"1M", "4M", "16M", "64M"} & set(sizes)
+        # by the simulator's rule: the 2 ranks' buffers, under the cache with a margin of 2
+        link = cluster_from_dict(_cores(True) | {"links": {"intra": {
+            "alpha_us": 1, "bandwidth_gb_s": 2, "cache_mib": machine.IN_CACHE * cache / MIB,
+            "past_cache_gb_s": 1}}}).intra
+        assert all(link.beta_at(2 * parse_size(s)) == link.beta for s in sizes)
+    truth = cluster_from_dict(_cores(True))
+    asked = []
+
+    def bench(ranks, sizes):
+        asked.append(sizes)
+        return [{"backend": "local", "algorithm": a, "world_size": 2, "bytes": parse_size(n),
+                 "time_us": collective_time(truth, 2, a, parse_size(n)).seconds * 1e6}
+                for a in ("ring", "direct") for n in sizes.split(",")]
+
+    monkeypatch.setattr(machine, "_bench", bench)
+    alpha, beta, each = machine._link("64K,256K,2M,3M")
+    assert asked == ["64K,256K,2M,3M"] and sorted(each) == ["direct", "ring"]
+    assert alpha > 0 and beta > 0
+    # a machine too busy to measure: times that do not grow with the bytes are refused in a line
+    monkeypatch.setattr(machine, "_bench", lambda ranks, sizes: [
+        {"backend": "local", "algorithm": a, "world_size": 2, "bytes": parse_size(n),
+         "time_us": 900.0 - i} for a in ("ring", "direct")
+        for i, n in enumerate(["64K", "256K", "2M", "3M"])])
+    with pytest.raises(SystemExit, match="found no price per byte .* load below 1"):
+        machine._link("64K,256K,2M,3M")
+
+
+def test_the_compute_calibration_finds_the_flop_and_memory_rates_two_batches_need():
+    from dplab.backends.sim import machine
+
+    rate, memory = 20e9, 5e9  # what the machine does, to be found again
+    layers = [(2048, 2048), (2048, 512)]
+
+    def step(batch):  # a matmul per layer and an elementwise pass
+        ops = [(2.0 * batch * i * o, 8.0 * (i * o + batch * (i + o))) for i, o in layers]
+        ops += [(0.0, 8.0 * 3 * sum(i * o for i, o in layers))]  # the optimizer: bytes only
+        return ops, machine._priced(ops, rate, memory, 1e-6)
+
+    found = machine._rates(step(64), step(8), 1e-6)
+    assert found == (pytest.approx(rate, rel=1e-6), pytest.approx(memory, rel=1e-6))
+
+
+def test_the_calibrations_bench_is_a_dplab_bench_of_its_own(monkeypatch):
+    """Run as the validated rows are: ranks forked from the calibrating process (torch loaded)
+    measured 4 ranks on 2 cores up to twice as slow."""
+    import subprocess
+
+    from dplab.backends.sim import machine
+
+    ran = []
+
+    def run(argv, **kw):
+        ran.append(argv)
+        out = Path(argv[argv.index("--json") + 1])
+        out.write_text(json.dumps({"meta": {}, "rows": [{"algorithm": "ring", "time_us": 5.0}]}))
+        return subprocess.CompletedProcess(argv, 0)
+
+    monkeypatch.setattr(subprocess, "run", run)
+    assert machine._bench(4, "512K,2M") == [{"algorithm": "ring", "time_us": 5.0}]
+    (argv,) = ran
+    assert argv[:2] == [__import__("sys").executable, "-c"] and argv[3] == "bench"
+    assert " ".join(machine.BENCH) in " ".join(argv) and "--world-sizes 4" in " ".join(argv)

@@ -23,7 +23,8 @@ from dplab.backends.sim.setup import resolve_cluster
 from dplab.reference.algorithms import ALGORITHMS, has_schedule
 from dplab.reference.errors import ConfigError
 
-__all__ = ["BenchSpec", "MemoryNeed", "bench_memory_need", "shm_free_bytes", "mem_available_bytes"]
+__all__ = ["BenchSpec", "MemoryNeed", "bench_memory_need", "shm_free_bytes", "mem_available_bytes",
+           "pooled"]
 
 SHM = "/dev/shm"
 # (world size, backend) -> a world to run on
@@ -45,6 +46,9 @@ class BenchSpec:
         reps: timed loops per cell, algorithms interleaved.
         max_iters: most calls in one timed loop.
         cluster: backend ``"sim"``: the simulated cluster (timing-only runs, any p).
+        worlds: worlds started one after another for each backend x world size, every cell the
+            median over all their reps: where ranks outnumber cores, how the OS places them (which
+            ranks share a core) holds for a world's life and can change its times twofold.
     """
 
     backends: tuple[str, ...] = ("local",)
@@ -57,6 +61,7 @@ class BenchSpec:
     reps: int = 5  # timed loops per cell, algorithms interleaved
     max_iters: int = 2000  # most calls in one timed loop
     cluster: str | None = None  # backend "sim": the simulated cluster (timing-only runs, any p)
+    worlds: int = 1  # worlds per backend x world size, one after another, their reps pooled
 
     def check(self) -> None:
         """ConfigError, in one line, for anything that cannot run here.
@@ -67,8 +72,9 @@ class BenchSpec:
                 without the sim backend.
             BackendUnavailable: a backend's engine is not installed.
         """
-        if self.reps < 1 or self.target_seconds <= 0 or self.warmup < 0:
-            raise ConfigError("bench needs --reps >= 1, --target-seconds > 0 and --warmup >= 0")
+        if self.reps < 1 or self.target_seconds <= 0 or self.warmup < 0 or self.worlds < 1:
+            raise ConfigError("bench needs --reps >= 1, --worlds >= 1, --target-seconds > 0 and "
+                              "--warmup >= 0")
         if not self.world_sizes or min(self.world_sizes) < 1:
             raise ConfigError("world sizes must be positive integers, got "
                               f"{list(self.world_sizes)}")
@@ -112,10 +118,23 @@ class BenchSpec:
 
             return bench_rows(resolve_cluster(self.cluster), world_size, list(self.algorithms),
                               list(self.sizes), self.dtype)
-        with world(world_size, backend) as w:
-            per_rank = w.run(bench_rank, list(self.algorithms), list(self.sizes), self.dtype,
-                             self.warmup, self.target_seconds, self.max_iters, self.reps)
-        return summarize(backend, world_size, per_rank)
+        runs = []
+        for _ in range(self.worlds):
+            with world(world_size, backend) as w:
+                runs.append(w.run(bench_rank, list(self.algorithms), list(self.sizes), self.dtype,
+                                  self.warmup, self.target_seconds, self.max_iters, self.reps))
+        return summarize(backend, world_size, pooled(runs))
+
+
+def pooled(runs: list[list[dict[str, list[dict[str, Any]]]]]) -> list[dict[str, list[dict]]]:
+    """Several worlds' ``bench_rank`` results as one world's: each rank's cells with the reps of
+    every world, one after another (a cell's staged bytes, the most of any world)."""
+    def cells(mine: list[dict[str, Any]]) -> dict[str, Any]:
+        return mine[0] | {"times": np.concatenate([c["times"] for c in mine]),
+                          "staged_bytes": max(c["staged_bytes"] for c in mine)}
+
+    return [{kind: [cells(list(c)) for c in zip(*(run[r][kind] for run in runs))]
+             for kind in ("allreduce", "memcpy")} for r in range(len(runs[0]))]
 
 
 @dataclass(frozen=True)

@@ -173,4 +173,4 @@ def bench_spec(a: argparse.Namespace) -> BenchSpec:
 
     return BenchSpec(tuple(a.backends), tuple(a.world_sizes), tuple(a.sizes), tuple(a.algorithms),
                      a.dtype, a.warmup, a.target_seconds, a.reps, a.max_iters,
-                     getattr(a, "cluster", None))
+                     getattr(a, "cluster", None), getattr(a, "worlds", 1))

@@ -8,7 +8,9 @@
 # reference recipe's and DDP's steps at 2 and 4), then runs the same commands on the preset. Every
 # file records its date and load: `uptime` should show a load below 1 before it starts.
 # Protocol: every bench cell (here and in the calibration, sim/machine.py's BENCH) is the median
-# of 5 timed loops of 0.1 s, algorithms interleaved; every step the median of 5 repetitions.
+# of 5 timed loops of 0.1 s in each of 3 worlds, algorithms interleaved (4 ranks on 2 cores: which
+# ranks share a core holds for a world's life and can halve or double its times); every step the
+# median of 5 repetitions.
 # (b), (c), (d) and the simulator's speed need no quiet machine: their measurements are shipped.
 set -euo pipefail
 what=${1:-all}
@@ -30,7 +32,7 @@ if [[ $what != rest ]]; then
   echo "load before (a): $(cut -d' ' -f1-3 /proc/loadavg)"
   python -m dplab.backends.sim.machine --out ../../reference/clusters/this-machine.json
   run machine_bench.json dplab bench --backends local --world-sizes 2,4 --sizes 1M,4M,16M,64M \
-      --algorithms ring,tree,direct,native --reps 5 --target-seconds 0.5
+      --algorithms ring,tree,direct,native --reps 5 --target-seconds 0.5 --worlds 3
   run machine_scaling.json dplab scaling --backends local --models 400k,4M --world-sizes 1,2,4 \
       --reps 5 --steps 8
   run machine_ddp.json dplab scaling --ddp --backends local --world-sizes 2,4 --reps 5
