@@ -97,8 +97,10 @@ def _steps(number: int, upto: int, errors: list, fd2: str) -> None:
         errors.append(f"{type(e).__name__}: {e}")
 
 
-def test_eight_lesson_sessions_at_once_in_one_process_keep_its_fds():
+def test_eight_lesson_sessions_at_once_in_one_process_keep_its_fds(tmp_path):
     """What the app's server does: a thread per session, each its own Lab, steps at once."""
+    import faulthandler
+
     from dplab.lessons.page_view import preload_lessons
 
     # As the server does before its first session (viz/serve.py): a module one thread is still
@@ -108,13 +110,43 @@ def test_eight_lesson_sessions_at_once_in_one_process_keep_its_fds():
     errors: list[str] = []
     threads = [threading.Thread(target=_steps, args=(1, 3, errors, fds[2]))
                for _ in range(SESSIONS)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(300)
+    # a hang (seen once under load) leaves every stack, this process's and its ranks' (they
+    # inherit the handler and the file at fork), for the next look
+    stacks = open(tmp_path / "stacks.txt", "w")  # noqa: SIM115 - the handler's until unregistered
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+    try:
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 300
+        for t in threads:
+            t.join(max(deadline - time.monotonic(), 0))
+        if any(t.is_alive() for t in threads):
+            _print_stacks_here(tmp_path / "stacks.txt")
+    finally:
+        faulthandler.unregister(signal.SIGUSR1)
+        stacks.close()
     assert not any(t.is_alive() for t in threads), "a session did not finish in 300 s"
     assert errors == []
     assert {fd: _fd("self", fd) for fd in (0, 1, 2)} == fds
+
+
+def _print_stacks_here(path: Path) -> None:
+    """Every thread's stack of this process and of every process under it (SIGUSR1 into
+    faulthandler, registered on ``path``), with where in the kernel each waits."""
+    todo, pids = [os.getpid()], []
+    while todo:
+        pid = todo.pop()
+        pids.append(pid)
+        todo += _children(pid)
+    for pid in pids:
+        try:
+            wchan = Path(f"/proc/{pid}/wchan").read_text()
+            os.kill(pid, signal.SIGUSR1)
+        except (OSError, ProcessLookupError):
+            continue
+        print(f"pid {pid} waits in {wchan or '-'}")
+    time.sleep(2)
+    print(path.read_text(errors="replace")[-60_000:])
 
 
 # --- the budget: lesson worlds wait their turn, and a lease never deadlocks ----------------------

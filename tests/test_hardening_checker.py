@@ -107,6 +107,22 @@ def test_a_child_that_cannot_set_its_limit_is_the_machines_not_the_learners(tmp_
         check_file("ssp_gate", _write(tmp_path, "ssp_gate", GATE))
 
 
+def test_the_default_time_limit_stretches_with_the_load_and_a_set_one_does_not(monkeypatch):
+    """A right answer beside a busy machine is not a loop that never ends: the suite once saw
+    the DDP-hooks solution (4 s quiet) pass its 30 s at a load of 36 on 2 cores."""
+    import os
+
+    from dplab.lessons.exercises import learner
+
+    monkeypatch.delenv("DPLAB_CHECK_LIMIT_S", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    for load, limit in ((0.3, 30), (2.0, 30), (6.0, 90), (36.0, 540), (500.0, 600)):
+        monkeypatch.setattr(os, "getloadavg", lambda load=load: (load, load, load))
+        assert learner.limit_s() == limit
+    monkeypatch.setenv("DPLAB_CHECK_LIMIT_S", "2")  # asked for: as asked, whatever the load
+    assert learner.limit_s() == 2
+
+
 def test_check_on_a_missing_folder_exits_2_as_watch_does(tmp_path):
     missing = tmp_path / "nowhere"
     for action in ("check", "watch"):

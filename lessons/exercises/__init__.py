@@ -12,7 +12,8 @@ A stub (``stubs/``) has the function's signature, a docstring that explains the 
 that is deliberately wrong, so checking a fresh stub already speaks in the lesson's words; the
 answers are in ``solutions/``, and CI proves every stub fails and every solution passes. The
 learner's code runs in a child process under a time and a memory limit (``$DPLAB_CHECK_LIMIT_S``,
-default 30; ``$DPLAB_CHECK_MEMORY_MB``, default 4096); only plain data comes back (``child.py``).
+default 30 times the load per core, at least 1; ``$DPLAB_CHECK_MEMORY_MB``, default 4096); only
+plain data comes back (``child.py``).
 """
 
 from __future__ import annotations

@@ -327,6 +327,7 @@ def main(job_path: str) -> None:
     never returns."""
     job = json.loads(Path(job_path).read_text())
     file, limit = Path(job["file"]), float(job["limit_s"])
+    os.environ["DPLAB_CHECK_LIMIT_S"] = repr(limit)  # its ranks say the limit the parent set
     memory = int(job["memory_mb"]) << 20
     try:  # the machine's part, before any line of the learner's: a failure here is no verdict
         resource.setrlimit(resource.RLIMIT_AS, (memory, memory))

@@ -47,10 +47,12 @@ MESSAGE_CHARS = 600  # what a report quotes of an exception's message or a retur
 
 
 def limit_s() -> float:
-    """The time limit of one check: ``$DPLAB_CHECK_LIMIT_S`` when set (tests use a short one)."""
+    """The time limit of one check: ``$DPLAB_CHECK_LIMIT_S`` when set (tests use a short one), else
+    ``LIMIT_S`` stretched by how busy the machine is now (``busy``): a right answer must not be
+    judged a loop that never ends because other work had the cores."""
     text = os.environ.get("DPLAB_CHECK_LIMIT_S", "")
     try:
-        value = float(text) if text else LIMIT_S
+        value = float(text) if text else float(round(LIMIT_S * busy()))
     except ValueError:
         raise ConfigError(f"DPLAB_CHECK_LIMIT_S={text!r} is not a number of seconds: unset it or "
                           "give e.g. 30") from None
@@ -58,6 +60,14 @@ def limit_s() -> float:
         raise ConfigError(f"DPLAB_CHECK_LIMIT_S={text!r} must be a positive number of seconds, "
                           "e.g. 30")
     return value
+
+
+def busy() -> float:
+    """How many times slower than on idle cores a check may run now: the 1-minute load average
+    over the cores this process may use, at least 1 (at most 20: a loop that never ends still
+    ends)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return min(max(os.getloadavg()[0] / (cores or 1), 1.0), 20.0)
 
 
 @dataclass(frozen=True)
