@@ -47,8 +47,8 @@ class BenchSpec:
         max_iters: most calls in one timed loop.
         cluster: backend ``"sim"``: the simulated cluster (timing-only runs, any p).
         worlds: worlds started one after another for each backend x world size, every cell the
-            median over all their reps: where ranks outnumber cores, how the OS places them (which
-            ranks share a core) holds for a world's life and can change its times twofold.
+            median over all their reps: where ranks outnumber cores, one world's times can differ
+            twofold from the next one's (the OS places its ranks once; the machine's other work).
     """
 
     backends: tuple[str, ...] = ("local",)

@@ -317,7 +317,7 @@ def _add_bench(sub: Any) -> None:  # run by commands.cmd_bench
                    help="timed loops per cell, algorithms interleaved")
     b.add_argument("--worlds", type=positive_int, default=d.worlds,
                    help="worlds started one after another, every cell the median over all their "
-                        "reps (ranks placed anew on the cores each time)")
+                        "reps (where ranks outnumber cores, worlds differ)")
     b.add_argument("--max-iters", type=positive_int, default=d.max_iters,
                    help="most calls in one timed loop")
     _add_common_args(b,

@@ -8,9 +8,8 @@
 # reference recipe's and DDP's steps at 2 and 4), then runs the same commands on the preset. Every
 # file records its date and load: `uptime` should show a load below 1 before it starts.
 # Protocol: every bench cell (here and in the calibration, sim/machine.py's BENCH) is the median
-# of 5 timed loops of 0.1 s in each of 3 worlds, algorithms interleaved (4 ranks on 2 cores: which
-# ranks share a core holds for a world's life and can halve or double its times); every step the
-# median of 5 repetitions.
+# of 5 timed loops of 0.1 s in each of 3 worlds, algorithms interleaved (4 ranks on 2 cores: one
+# world's times can be half or twice the next one's); every step the median of 5 repetitions.
 # (b), (c), (d) and the simulator's speed need no quiet machine: their measurements are shipped.
 set -euo pipefail
 what=${1:-all}

@@ -76,7 +76,7 @@ IN_CACHE = 0.5  # an in-cache size's footprint at most half the cache: clear of 
 PAST_SIZES = "32M,128M"  # 2 ranks' buffers 2 and 8 times the kernel's L3: every copy from memory
 CROWDED_SIZES = "512K,2M"  # 2 ranks a core, at the sizes of the messages it prices
 # The protocol of backends/perf/measure_sim.sh: each cell the median of 5 loops of 0.1 s in each
-# of 3 worlds (4 ranks on 2 cores: which share a core holds for a world's life)
+# of 3 worlds (4 ranks on 2 cores: one world's times can differ twofold from the next one's)
 BENCH = ("--reps", "5", "--target-seconds", "0.5", "--worlds", "3")
 ALGORITHMS = ("ring", "tree", "direct", "native")
 
