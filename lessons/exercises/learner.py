@@ -66,8 +66,9 @@ def busy() -> float:
     """How many times slower than on idle cores a check may run now: the 1-minute load average
     over the cores this process may use, at least 1 (at most 20: a loop that never ends still
     ends)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return min(max(os.getloadavg()[0] / (cores or 1), 1.0), 20.0)
+    from dplab.viz.budget import cores
+
+    return min(max(os.getloadavg()[0] / cores(), 1.0), 20.0)
 
 
 @dataclass(frozen=True)
