@@ -10,8 +10,6 @@ from those spans by ``dplab.viz.timeline_metrics``. Controls live in the URL (de
 
 from __future__ import annotations
 
-import os
-
 import streamlit as st
 
 from dplab.backends.runs.run import MODES, RunSpec, run_train
@@ -20,7 +18,7 @@ from dplab.reference.errors import DplabError
 from dplab.reference.model import MLPConfig
 from dplab.reference.trace import Event, merge
 from dplab.reference.train.single import TrainConfig
-from dplab.viz.budget import BUDGET, visitor_hooks
+from dplab.viz.budget import BUDGET, cores, visitor_hooks
 from dplab.viz.deep_links import adopt
 from dplab.viz.timeline import chrome_bytes, load_trace, timeline_figure, trace_bytes
 from dplab.viz.timeline_metrics import configured_stragglers, find_straggler, rank_stats, totals
@@ -165,11 +163,6 @@ def file_controls() -> tuple[dict, list[Event]] | None:
         st.error(str(e))
         return None
     return meta.get("row", {}), events
-
-
-def cores() -> int:
-    """The CPU cores this process (and the ranks it forks) may run on."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def show(row: dict, events: list[Event], made_here: bool = False) -> None:
