@@ -105,3 +105,38 @@ def test_forked_ranks_of_a_torch_launcher_inherit_what_a_first_optimizer_step_im
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[(True, True), (True, True)]"
+
+
+def _import_value(comm, name: str):
+    import importlib
+    import signal
+
+    signal.alarm(20)  # a rank that waits for the module's lock for good dies, and says so
+    value = importlib.import_module(name).VALUE
+    signal.alarm(0)
+    return value
+
+
+def test_a_rank_forked_while_another_thread_imports_a_module_imports_it_too(tmp_path,
+                                                                           monkeypatch):
+    """An app server's or a notebook's other thread was importing a module when a world forked:
+    the module's lock stayed taken in the ranks for good, and a rank importing it waited without
+    end (Python re-makes only its global import lock after a fork)."""
+    import threading
+    import time
+
+    from dplab.backends import launch
+
+    name = f"dplab_slow_import_{tmp_path.name.replace('-', '_')}"
+    (tmp_path / f"{name}.py").write_text("import time\ntime.sleep(2)\nVALUE = 42\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importing = threading.Thread(target=__import__, args=(name,))
+    importing.start()
+    deadline = time.monotonic() + 30
+    while name not in sys.modules and time.monotonic() < deadline:  # its import under way
+        time.sleep(0.01)
+    try:
+        assert launch(_import_value, 2, args=(name,)) == [42, 42]
+    finally:
+        importing.join()
+        sys.modules.pop(name, None)

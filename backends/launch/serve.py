@@ -47,9 +47,28 @@ def in_rank() -> bool:
 
 
 def _become_rank() -> None:
-    """A rank's first steps: it knows it is one, and it leads a process group of its own."""
+    """A rank's first steps: it forgets the imports that died with the fork, it knows it is a
+    rank, and it leads a process group of its own."""
+    _forget_imports_of_other_threads()
     _RANK["here"] = True
     lead_group()
+
+
+def _forget_imports_of_other_threads() -> None:
+    """In a process just forked: every module that another thread of the launcher was importing
+    (an app server's sessions, a notebook's kernel) stays locked here for good, since that thread
+    did not survive the fork, and a rank that imports it would wait without end (Python re-makes
+    its global import lock after a fork, not each module's). Forget each such lock, and the half
+    of the module that ran, so the rank imports it afresh."""
+    import importlib._bootstrap as bootstrap
+
+    locks, me = getattr(bootstrap, "_module_locks", {}), threading.get_ident()
+    for name, ref in list(locks.items()):
+        if getattr(ref(), "owner", None) in (None, me):  # free, or this thread's own import
+            continue
+        locks.pop(name, None)
+        if getattr(getattr(sys.modules.get(name), "__spec__", None), "_initializing", False):
+            del sys.modules[name]
 
 
 def receive(conn: Any) -> Any:
