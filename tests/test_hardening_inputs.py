@@ -296,6 +296,16 @@ def test_a_temporary_the_file_system_will_not_delete_is_named_in_the_one_line(tm
     assert "nothing was left" not in str(e.value) and not (tmp_path / "ckpt.npz").exists()
 
 
+def _remount_read_only(mount: Path) -> None:
+    """``mount -o remount,ro``, retried: Linux refuses it ("mount point is busy") while a file on
+    it is open for writing, as the run's next checkpoint is for part of every step."""
+    deadline = time.monotonic() + 30
+    while (done := subprocess.run(["mount", "-o", "remount,ro", str(mount)],
+                                  capture_output=True, text=True)).returncode != 0:
+        assert "busy" in done.stderr and time.monotonic() < deadline, done.stderr
+        time.sleep(0.01)
+
+
 def test_a_checkpoint_dir_that_turns_read_only_mid_run_stops_the_run_in_one_line(small_disk):
     d = small_disk(1 << 20)  # 1 GiB of room: only the remount can stop the run
     cmd = [sys.executable, "-m", "dplab.backends.cli", "train", "--world-size", "2", "--steps",
@@ -306,7 +316,7 @@ def test_a_checkpoint_dir_that_turns_read_only_mid_run_stops_the_run_in_one_line
         while not (d / "ck" / "ckpt-00000001.npz").exists():
             assert run.poll() is None, run.stderr.read()
             time.sleep(0.01)
-        subprocess.run(["mount", "-o", "remount,ro", str(d)], check=True)
+        _remount_read_only(d)
         err = run.communicate(timeout=60)[1]
     finally:
         run.kill()
