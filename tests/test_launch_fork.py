@@ -140,3 +140,21 @@ def test_a_rank_forked_while_another_thread_imports_a_module_imports_it_too(tmp_
     finally:
         importing.join()
         sys.modules.pop(name, None)
+
+
+def _frozen(comm) -> int:
+    import gc
+
+    return gc.get_freeze_count()
+
+
+def test_ranks_leave_what_they_inherited_to_the_launcher_and_the_launcher_collects_again():
+    """A forked rank's collector skips the launcher's objects (walking them would copy every page
+    they sit on), and the launcher itself is not left frozen: its garbage is still collected."""
+    import gc
+
+    from dplab.backends import launch
+
+    frozen = launch(_frozen, 2)
+    assert all(n > 1000 for n in frozen), f"the ranks' collector walks all they inherited: {frozen}"
+    assert gc.get_freeze_count() == 0, "the launcher stayed frozen: its cycles are never collected"

@@ -15,6 +15,7 @@ ranks. It runs at most once, and only in the process that started the ranks
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import os
 import pickle
@@ -138,6 +139,11 @@ def _start_forked(found: Backend, world_size: int, session: str, timeout: float,
     backend = found.name
     connect, keep = found.prepare(ctx, session, world_size, timeout)
     ranks = Ranks(session, [], [], keep=keep)
+    # A rank's full collection would walk every object it inherited (a launcher with torch
+    # loaded holds a great many), writing to each, so the rank copies every page they sit on.
+    # Frozen, the inherited objects are left alone in the ranks; the launcher unfreezes its own
+    # once the ranks are forked.
+    gc.freeze()
     try:
         for rank in range(world_size):
             parent, child = ctx.Pipe()
@@ -152,6 +158,8 @@ def _start_forked(found: Backend, world_size: int, session: str, timeout: float,
     except BaseException:
         ranks.kill()
         raise
+    finally:
+        gc.unfreeze()
     if job is not None:
         ranks.send_all(GO)  # every rank is forked: the job may start (serve.forked_rank)
     return ranks
