@@ -94,6 +94,7 @@ def test_mpiexec_bad_output_path_stops_the_whole_job(tmp_path):
 
 
 @pytest.mark.torch
+@pytest.mark.slow  # slow: a torchrun of two ranks importing torch (9 CPU-s) for one error's line
 def test_torchrun_nccl_without_gpus_is_one_line_from_rank_0_exit_2():
     _needs("torch")
     import torch

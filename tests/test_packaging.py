@@ -50,6 +50,7 @@ def test_the_installed_names_live_under_dplab_only(tmp_path):
         assert Path(files[name]).resolve().is_relative_to(ROOT / name), files[name]
 
 
+@pytest.mark.slow  # slow: pip builds and installs a wheel (8 CPU-s); the names above run by default
 def test_a_wheel_installs_everything_under_dplab(tmp_path):
     """A normal (non-editable) install, from the wheel pip builds: every file is under ``dplab/``
     (or the dist-info), and the installed copy imports by its dplab names only."""

@@ -199,6 +199,7 @@ def _check_train(path: Path, backend: str, world: int) -> None:
 
 
 @pytest.mark.torch
+@pytest.mark.slow  # slow: 2 fresh interpreters import torch, train (5 CPU-s); the env: above
 def test_srun_variables_start_torch_ranks(tmp_path):
     hosts._needs("torch")
     done = _by_hand([*TRAIN, "--backend", "torch", "--json", "rows.json"], 2, tmp_path,

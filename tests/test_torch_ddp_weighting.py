@@ -15,6 +15,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 from strategies import one_at_a_time, seed_torch  # noqa: E402
+from tiers import engines  # noqa: E402
 from torch import nn  # noqa: E402
 
 from dplab.reference.errors import ConfigError  # noqa: E402
@@ -136,7 +137,8 @@ def test_bucket_cap_none_is_torchs_default_and_inf_is_one_bucket(worlds):
 
 
 # (3, 2): rank 2's shard is empty
-@pytest.mark.parametrize("p, n", [(2, 7), (3, 7), (3, 2), (4, 10)])
+@pytest.mark.parametrize("backend, p, n", engines([(2, 7), (3, 7), (3, 2), (4, 10)]),
+                         indirect=["backend"])
 def test_uneven_shards_with_local_batch_size_equal_the_full_batch(worlds, backend, p, n):
     ref = reference(n)
     results = worlds(p, backend).run(_train_uneven, n, True)

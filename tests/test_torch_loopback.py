@@ -86,6 +86,7 @@ def test_a_launched_worlds_sockets_are_on_loopback():
         assert set(addresses) == {"127.0.0.1"}, f"rank {rank}: {addresses}"
 
 
+@pytest.mark.slow  # slow: a fresh interpreter, torch and gloo ranks (6 CPU-s); loopback: above
 def test_loopback_even_when_the_host_name_resolves_to_a_public_address(tmp_path):
     public = public_interface()
     if public is None or shutil.which("unshare") is None:
