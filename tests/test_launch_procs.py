@@ -227,6 +227,8 @@ def _kill_and_watch(proc: subprocess.Popen, family: set[int], sig: int) -> tuple
     proc.wait(30)  # not communicate(): a surviving mpiexec would hold the pipes open
     try:
         waited = wait_until(lambda: all(gone(p) for p in family), 10)
+        for pid in (p for p in family if not gone(p)):  # before reap: what each was stuck in
+            print(f"outlived its launcher: {pid} {_where(pid)}")
     finally:
         reap(family)
     return waited, {m for m in mapped if Path(m).exists()}
@@ -247,6 +249,16 @@ def _cmd(pid: int) -> str:
         return Path(f"/proc/{pid}/cmdline").read_text()
     except OSError:
         return ""
+
+
+def _where(pid: int) -> str:
+    """A survivor's command, state and kernel wait (what it was stuck in, when it outlived)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        wchan = Path(f"/proc/{pid}/wchan").read_text()
+    except OSError:
+        state = wchan = "gone"
+    return f"{_cmd(pid)[:120]!r} state {state} waiting in {wchan}"
 
 
 # slow: mpi-SIGTERM (mpi's SIGKILL and local's SIGTERM cover it) and torch-SIGKILL (local's path;
