@@ -254,12 +254,12 @@ def _cmd(pid: int) -> str:
 def _where(pid: int) -> str:
     """A survivor's command, state, kernel wait and system call, and its children's states (what it
     was stuck in, when it outlived: a zombie child it never reaped says it stopped reading)."""
+    state = (_stat(pid) or ["gone"])[0]
     try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
         wchan = Path(f"/proc/{pid}/wchan").read_text()
         syscall = Path(f"/proc/{pid}/syscall").read_text().split()[0]
     except (OSError, IndexError):
-        state = wchan = syscall = "gone"
+        wchan = syscall = "gone"
     kids = [(child, (_stat(child) or ["gone"])[0]) for child in descendants(pid)]
     return (f"{_cmd(pid)[:120]!r} state {state} waiting in {wchan} (system call {syscall}), "
             f"descendants {kids}")
