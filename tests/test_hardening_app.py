@@ -444,7 +444,12 @@ def test_ended_sessions_give_their_uploaded_traces_back(chromium, tmp_path):
             wait_rendered(page, 120)
             page.locator('input[type="file"]').set_input_files(str(trace))
             chart = "() => document.querySelector('[data-testid=\"stPlotlyChart\"]')"
-            page.wait_for_function(chart, timeout=120_000)
+            try:
+                page.wait_for_function(chart, timeout=120_000)
+            except Exception:  # seen once in CI's heavy tier: say what the page and server show
+                _print_page(page)
+                print(app.output())
+                raise
             assert _uploaded_bytes(app.url) > 0
             context.close()
         deadline = time.monotonic() + 90  # their TTL, then a sweep (every 10 s)
