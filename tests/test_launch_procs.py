@@ -96,6 +96,13 @@ def wait_until(predicate, timeout: float, step: float = 0.02) -> float:
         time.sleep(step)
 
 
+def slowdown() -> float:
+    """How many times slower than on quiet cores CPU-bound work runs now: the 1-minute load per
+    core, at least 1 (``lesson check``'s time limit scales the same way). A wall-clock bound on
+    work that needs the CPU, such as an interpreter's exit, is the quiet bound times this."""
+    return max(1.0, os.getloadavg()[0] / len(os.sched_getaffinity(0)))
+
+
 def python_ranks(pids: set[int]) -> set[int]:
     """The descendants that are python interpreters (the ranks; mpiexec and its proxy are not)."""
     out = set()

@@ -26,6 +26,7 @@ from test_launch_procs import (
     python_ranks,
     reap,
     segments_of,
+    slowdown,
     start,
     wait_for_ranks,
     wait_until,
@@ -87,7 +88,10 @@ def test_launch_dplab_train_stops_within_a_second_on_a_signal(tmp_path, backend,
     assert proc.returncode == code, err
     word = "interrupted" if sig == signal.SIGINT else "terminated"
     assert err.strip().splitlines() == [f"dplab train: {word}"], err
-    assert ranks_s < 1.5 and launcher_s < 3, (ranks_s, launcher_s)
+    # The ranks die by SIGKILL, at once whatever the load. The launcher then exits through
+    # Python's own teardown, most of a CPU-second with torch imported: its bound grows with the
+    # load.
+    assert ranks_s < 1.5 and launcher_s < 3 * slowdown(), (ranks_s, launcher_s, slowdown())
     assert segments_of(proc.pid) == [] and [m for m in mapped if Path(m).exists()] == []
 
 
@@ -136,5 +140,5 @@ def test_launch_ctrl_c_in_a_script_comes_out_promptly_with_the_world_cleaned(tmp
           f"{launcher_s:.3f}s")
     assert proc.returncode == 7, err
     assert "KeyboardInterrupt []" in out  # the world was cleaned up before the exception came out
-    assert ranks_s < 1.5 and launcher_s < 3
+    assert ranks_s < 1.5 and launcher_s < 3 * slowdown(), (ranks_s, launcher_s, slowdown())
     assert segments_of(proc.pid) == [] and [m for m in mapped if Path(m).exists()] == []
