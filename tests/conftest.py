@@ -33,10 +33,19 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import kernels  # tests/kernels.py, beside this file
 import pytest
-from hypothesis import HealthCheck, settings
 
-from dplab.backends.launch.world import BACKENDS, BackendUnavailable, World, check_backend
+kernels.pin()  # before NumPy loads: the recorded bits are those of one set of kernels
+
+from hypothesis import HealthCheck, settings  # noqa: E402 - after the pin: these load NumPy
+
+from dplab.backends.launch.world import (  # noqa: E402
+    BACKENDS,
+    BackendUnavailable,
+    World,
+    check_backend,
+)
 
 # pytest rewrites every test module's asserts (AST walks: ~10 CPU-s for this suite) in every
 # process that collects it, each xdist worker among them, and caches the result as a .pyc, unless

@@ -3,9 +3,10 @@
 ``tests/golden/train_sync.json`` holds a SHA-256 of the final parameters and losses of
 ``train_sync`` for a few configurations (algorithms, buckets, micro-batches, uneven and empty
 shards, optimizers, float32, mixed precision, the hooks that change only when things happen, a
-user's hook, torch tensors). They were recorded before the recipe was rewritten as a straight loop
-(issue 29), so a rewrite that changes the order of one addition fails here, however small the
-difference. A change that must move the bits (a new model initialisation, say) records them again:
+user's hook, torch tensors), on the kernels tests/kernels.py pins. They were recorded before the
+recipe was rewritten as a straight loop (issue 29), so a rewrite that changes the order of one
+addition fails here, however small the difference. A change that must move the bits (a new model
+initialisation, say) records them again:
 
     python tests/test_recipe_golden.py --record      # then say why in the commit
 """
@@ -15,10 +16,12 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
+import kernels
 import numpy as np
 import pytest
 
@@ -88,6 +91,13 @@ def fingerprint(results: list[tuple[bytes, list]]) -> str:
     return hashlib.sha256(params + np.array(losses, dtype=np.float64).tobytes()).hexdigest()
 
 
+def _moved(name: str) -> str:
+    """What a mismatch says: the code, or the kernels it ran on."""
+    kernels = {k: os.environ.get(k) for k in ("OPENBLAS_CORETYPE", "NPY_DISABLE_CPU_FEATURES")}
+    return (f"{name}: the bits moved; if no change to the code explains it, the kernels may: "
+            f"this run had {kernels} (tests/kernels.py pins them)")
+
+
 def _run(name: str, checkpoint_dir: str | None = None, on_torch: bool = False) -> str:
     p, cfg, sync, user_hook = CASES[name]
     if checkpoint_dir is not None:
@@ -109,11 +119,12 @@ def _cuda_on_cpu(monkeypatch: Any) -> None:
 
 @pytest.mark.parametrize("name", CASES)
 def test_the_recipe_gives_the_recorded_bits(name: str) -> None:
-    assert _run(name) == json.loads(GOLDEN.read_text())[name]
+    assert _run(name) == json.loads(GOLDEN.read_text())[name], _moved(name)
 
 
 def test_checkpoints_change_no_bit(tmp_path: Path) -> None:
-    assert _run(CHECKPOINTED, str(tmp_path)) == json.loads(GOLDEN.read_text())[CHECKPOINTED]
+    got = _run(CHECKPOINTED, str(tmp_path))
+    assert got == json.loads(GOLDEN.read_text())[CHECKPOINTED], _moved(CHECKPOINTED)
 
 
 @pytest.mark.torch
@@ -145,4 +156,7 @@ def record() -> None:
 if __name__ == "__main__":
     if sys.argv[1:] != ["--record"]:
         sys.exit("usage: python tests/test_recipe_golden.py --record")
+    if kernels.has_avx2() and any(os.environ.get(k) != v for k, v in kernels.KERNELS.items()):
+        # NumPy is loaded, its kernels chosen: record in a process started with the pin
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **kernels.KERNELS})
     record()
