@@ -16,6 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import kernels
 import pytest
 
 from dplab.backends.launch.world import BackendUnavailable, check_backend
@@ -82,27 +83,48 @@ def test_every_dplab_command_in_the_readme_parses():
         build_parser().parse_args(words[1:])  # argparse exits 2 on an option that does not exist
 
 
-def test_dplab_train_prints_what_the_readme_shows():
-    """The newcomer's first run: the same columns, and the row within rounding of one device."""
-    shown = re.search(r"```\n(backend +mode .*?)```", README, re.S).group(1).splitlines()
+def _train_row(env: dict[str, str]) -> list[str]:
+    """The header and the row of ``dplab train --world-size 4`` under ``env``, split in words."""
     proc = subprocess.run(
         [sys.executable, "-m", "dplab.backends.cli", "train", "--world-size", "4"],
         capture_output=True,
         text=True,
         timeout=120,
-        env={**os.environ, "NO_COLOR": "1"},
+        env={**env, "NO_COLOR": "1"},
     )
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout.splitlines()
-    assert out[0].split() == shown[0].split()
-    row, readme_row = out[2].split(), shown[2].split()
+    return [out[0].split(), out[2].split()]
+
+
+def _has_avx512() -> bool:
+    with open("/proc/cpuinfo") as f:
+        return "avx512f" in next((line for line in f if line.startswith("flags")), "").split()
+
+
+def test_dplab_train_prints_what_the_readme_shows():
+    """The newcomer's first run: the same columns, and the row within rounding of one device."""
+    shown = re.search(r"```\n(backend +mode .*?)```", README, re.S).group(1).splitlines()
+    header, row = _train_row(dict(os.environ))  # on the kernels tests/conftest.py pins
+    assert header == shown[0].split()
+    readme_row = shown[2].split()
     # backend .. ranks_identical are deterministic (the same float64 operations in the same order
-    # every run): the README shows exactly what the command prints; only wall_s is the machine's
-    assert row[:8] == readme_row[:8], (
-        f"the README's sample row is not what the run prints: {out[2]}"
-    )
+    # every run, on the same kernels): the README shows exactly what the command prints; only
+    # wall_s is the machine's
+    assert row[:8] == readme_row[:8], f"the README's sample row is not what the run prints: {row}"
     assert float(row[6]) < 1e-12 and row[7] == "True"
     assert len(row) == len(readme_row) == 9 and float(readme_row[8]) > 0
+
+
+def test_dplab_train_on_this_cpus_own_kernels_prints_what_the_readme_says():
+    """Unpinned, a newcomer's CPU picks its own kernels: an AVX-512 CPU prints the digits the
+    README names for it, any other the sample's."""
+    sample = re.search(r"```\n(backend +mode .*?)```", README, re.S).group(1).splitlines()[2]
+    avx512 = re.search(r"AVX-512 ones ([\d.e+-]+[\d])", README).group(1)
+    _, row = _train_row({k: v for k, v in os.environ.items() if k not in kernels.KERNELS})
+    expected = avx512 if _has_avx512() else sample.split()[6]
+    assert row[6] == expected, f"on this CPU's kernels the run prints {row}"
+    assert row[:6] + row[7:8] == sample.split()[:6] + sample.split()[7:8]
 
 
 def test_links_in_the_docs_lead_somewhere():
