@@ -374,6 +374,13 @@ def test_viz_browser_lessons_answer_then_next(visit: Any, artifacts: Path) -> No
 def test_viz_browser_collectives_deep_link_short_names(visit: Any) -> None:
     """A lesson's link in its own words (?algorithm=tree&p=6) opens the page with those controls."""
     v = visit("collectives?algorithm=tree&p=6&n=12")
+    # The page renames the short names and opens itself again with its own (st.switch_page): the
+    # first run ends after the title, and under load the second can start later than
+    # wait_rendered's confirmation. The round's caption is the second run's.
+    has_caption = ("sel => [...document.querySelectorAll(sel)]"
+                   ".some(e => /\\bround \\d+ of \\d+/i.test(e.innerText))")
+    v.page.wait_for_function(has_caption, arg=TEXT_SELECTOR, timeout=COLD_TIMEOUT_S * 1000)
+    wait_rendered(v.page, COLD_TIMEOUT_S)
     assert ROUND_CAPTION.search(_round_caption(v.page)).groups() == ("1", "6")
     assert "reduce up the tree" in _round_caption(v.page)
     query = v.page.evaluate("location.search")
