@@ -368,7 +368,14 @@ def _print_stacks(server: int, log: Path) -> None:
     print(log.read_text(errors="replace")[-60_000:])
 
 
+# Lesson 1's steps 1-3 each wait their turn (at most wait_s, else a "busy" error on the page) and
+# run at most run_s (else the watchdog stops them): every page is done within the server's own
+# bounds, or something hangs. Less would call a busy machine a hang.
+EIGHT_SESSIONS_S = 3 * (Limits.wait_s + Limits.run_s) + 60  # and the server's start
+
+
 @pytest.mark.browser
+@pytest.mark.timeout(EIGHT_SESSIONS_S + 120)  # past the test's own bound, which prints the stacks
 def test_eight_lesson_sessions_at_once_keep_the_servers_fds_and_budget(chromium, tmp_path):
     from browser_helpers import wait_rendered
 
@@ -388,12 +395,7 @@ def test_eight_lesson_sessions_at_once_keep_the_servers_fds_and_budget(chromium,
         for page in pages:  # all at once: step 3 asks nothing first, so steps 1-3 run on opening
             page.goto(f"{app.url}/lessons?lesson=1&step=3", wait_until="commit")
         failed = []
-        # Lesson 1's steps 1-3 each wait their turn (at most wait_s, else a "busy" error on the
-        # page) and run at most run_s (else the watchdog stops them): every page is done within
-        # the server's own bounds, or something hangs. Less would call a busy machine a hang.
-        limits = Limits()
-        bound = 3 * (limits.wait_s + limits.run_s) + 60  # and the server's start
-        deadline = time.monotonic() + bound
+        deadline = time.monotonic() + EIGHT_SESSIONS_S
         for page in pages:
             try:
                 wait_rendered(page, max(deadline - time.monotonic(), 1))
