@@ -16,7 +16,7 @@ import os
 import platform
 import sys
 
-__all__ = ["KERNELS", "has_avx2", "pin"]
+__all__ = ["KERNELS", "cpu_flags", "has_avx2", "pin"]
 
 # NumPy's dispatch targets as NumPy 2.4 names them: an older NumPy warns of names it does not
 # dispatch to (and its bits may differ from the recorded ones anyway)
@@ -24,16 +24,18 @@ KERNELS = {"OPENBLAS_CORETYPE": "Haswell",
            "NPY_DISABLE_CPU_FEATURES": "X86_V4 AVX512_ICL AVX512_SPR"}
 
 
-def has_avx2() -> bool:
-    """Whether this CPU runs the AVX2 kernels (x86-64 with AVX2 and FMA, from /proc/cpuinfo)."""
-    if platform.machine() not in ("x86_64", "AMD64"):
-        return False
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags, from /proc/cpuinfo (none where there is no such file)."""
     try:
         with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
+            return set(next((line for line in f if line.startswith("flags")), "").split())
     except OSError:
-        return False
-    return "avx2" in flags and "fma" in flags
+        return set()
+
+
+def has_avx2() -> bool:
+    """Whether this CPU runs the AVX2 kernels (x86-64 with AVX2 and FMA)."""
+    return platform.machine() in ("x86_64", "AMD64") and {"avx2", "fma"} <= cpu_flags()
 
 
 def pin() -> None:

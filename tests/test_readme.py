@@ -83,7 +83,7 @@ def test_every_dplab_command_in_the_readme_parses():
         build_parser().parse_args(words[1:])  # argparse exits 2 on an option that does not exist
 
 
-def _train_row(env: dict[str, str]) -> list[str]:
+def _train_row(env: dict[str, str]) -> tuple[list[str], list[str]]:
     """The header and the row of ``dplab train --world-size 4`` under ``env``, split in words."""
     proc = subprocess.run(
         [sys.executable, "-m", "dplab.backends.cli", "train", "--world-size", "4"],
@@ -94,18 +94,13 @@ def _train_row(env: dict[str, str]) -> list[str]:
     )
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout.splitlines()
-    return [out[0].split(), out[2].split()]
-
-
-def _has_avx512() -> bool:
-    with open("/proc/cpuinfo") as f:
-        return "avx512f" in next((line for line in f if line.startswith("flags")), "").split()
+    return out[0].split(), out[2].split()
 
 
 def test_dplab_train_prints_what_the_readme_shows():
     """The newcomer's first run: the same columns, and the row within rounding of one device."""
     shown = re.search(r"```\n(backend +mode .*?)```", README, re.S).group(1).splitlines()
-    header, row = _train_row(dict(os.environ))  # on the kernels tests/conftest.py pins
+    header, row = _train_row(dict(os.environ))  # on the kernels tests/kernels.py pins
     assert header == shown[0].split()
     readme_row = shown[2].split()
     # backend .. ranks_identical are deterministic (the same float64 operations in the same order
@@ -124,7 +119,7 @@ def test_dplab_train_on_this_cpus_own_kernels_prints_what_the_readme_says():
     sample = re.search(r"```\n(backend +mode .*?)```", README, re.S).group(1).splitlines()[2]
     avx512 = re.search(r"AVX-512 ones ([\d.e+-]+[\d])", README).group(1)
     _, row = _train_row({k: v for k, v in os.environ.items() if k not in kernels.KERNELS})
-    expected = avx512 if _has_avx512() else sample.split()[6]
+    expected = avx512 if "avx512f" in kernels.cpu_flags() else sample.split()[6]
     assert row[6] == expected, f"on this CPU's kernels the run prints {row}"
     assert row[:6] + row[7:8] == sample.split()[:6] + sample.split()[7:8]
 

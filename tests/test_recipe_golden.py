@@ -93,9 +93,9 @@ def fingerprint(results: list[tuple[bytes, list]]) -> str:
 
 def _moved(name: str) -> str:
     """What a mismatch says: the code, or the kernels it ran on."""
-    kernels = {k: os.environ.get(k) for k in ("OPENBLAS_CORETYPE", "NPY_DISABLE_CPU_FEATURES")}
+    pinned = {k: os.environ.get(k) for k in kernels.KERNELS}
     return (f"{name}: the bits moved; if no change to the code explains it, the kernels may: "
-            f"this run had {kernels} (tests/kernels.py pins them)")
+            f"this run had {pinned} (tests/kernels.py pins them)")
 
 
 def _run(name: str, checkpoint_dir: str | None = None, on_torch: bool = False) -> str:
