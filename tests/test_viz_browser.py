@@ -377,9 +377,10 @@ def test_viz_browser_collectives_deep_link_short_names(visit: Any) -> None:
     # The page renames the short names and opens itself again with its own (st.switch_page): the
     # first run ends after the title, and under load the second can start later than
     # wait_rendered's confirmation. The round's caption is the second run's.
-    has_caption = ("sel => [...document.querySelectorAll(sel)]"
-                   ".some(e => /\\bround \\d+ of \\d+/i.test(e.innerText))")
-    v.page.wait_for_function(has_caption, arg=TEXT_SELECTOR, timeout=COLD_TIMEOUT_S * 1000)
+    has_caption = ("([sel, re]) => [...document.querySelectorAll(sel)]"
+                   ".some(e => new RegExp(re, 'i').test(e.innerText))")
+    v.page.wait_for_function(has_caption, arg=[TEXT_SELECTOR, ROUND_CAPTION.pattern],
+                             timeout=COLD_TIMEOUT_S * 1000)
     wait_rendered(v.page, COLD_TIMEOUT_S)
     assert ROUND_CAPTION.search(_round_caption(v.page)).groups() == ("1", "6")
     assert "reduce up the tree" in _round_caption(v.page)
