@@ -7,6 +7,7 @@ torchrun still adds its own ChildFailedError report and exits 1: that part is to
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -133,3 +134,40 @@ def test_torchrun_nccl_without_gpus_is_one_line_from_rank_0_exit_2():
     root = proc.stderr.split("Root Cause", 1)[1]
     assert "rank      : 0 (local_rank: 0)" in root and "exitcode  : 2 " in root, proc.stderr
     assert proc.returncode != 0 and proc.stdout == ""
+
+
+
+# The command stands in for ``train`` (whose start under torchrun waits in torch's store, in C++,
+# where no Python handler runs): it says when the rank is inside it, then waits.
+SLEEPER = """
+import sys, time
+from dplab.backends.cli import commands
+
+def waits(args):
+    print("inside", flush=True)
+    time.sleep(120)
+
+commands.ROWS["train"] = waits
+sys.exit(commands.main(["train", "--backend", "torch"]))
+"""
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("rank, said", [(0, ["dplab train: terminated"]), (1, [])])
+def test_a_torchrun_rank_that_torchrun_stops_leaves_the_one_line_to_rank_0(rank, said):
+    """torchrun stops every worker (SIGTERM) once one of them ends. A rank still starting then said
+    "dplab train: terminated" beside rank 0's one-line error (seen across two hosts under load)."""
+    _needs("torch")
+    env = _env() | {"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
+                    "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+    proc = subprocess.Popen([sys.executable, "-c", SLEEPER], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline() == "inside\n", proc.communicate(timeout=60)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143, err
+    assert [line for line in err.splitlines() if line.startswith("dplab ")] == said, err
+    assert out == ""

@@ -283,7 +283,8 @@ def _run(args: argparse.Namespace, argv: list[str] | None) -> int:
             from dplab.reference import auto  # the cost model loads for commands that ask for it
 
             auto.current()  # a bad $DPLAB_TUNE is one line here, not a traceback from every rank
-        rows = interruptible(f"dplab {args.command}", command, args)  # Ctrl-C: one line, exit 130
+        # Ctrl-C: one line, exit 130. Under torchrun or mpiexec, rank 0 says it for the job.
+        rows = interruptible(f"dplab {args.command}", command, args, say=_is_printer(args))
     except (ConfigError, BackendUnavailable, CheckpointError) as e:
         if _is_printer(args):  # under a launcher every rank hits it: rank 0 says it once
             _say(f"dplab {args.command}: error: {e}", sys.stderr)

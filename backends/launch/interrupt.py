@@ -78,7 +78,7 @@ def _deliver(sig: int, handler: Any) -> None:
         os.kill(os.getpid(), sig)
 
 
-def interruptible(prog: str, fn: Callable[..., T], *args: Any) -> T:
+def interruptible(prog: str, fn: Callable[..., T], *args: Any, say: bool = True) -> T:
     """Run ``fn(*args)``; on SIGINT/SIGTERM, once the ranks are cleaned up, print one line and exit.
 
     Further signals while stopping are ignored: stopping is bounded.
@@ -87,6 +87,8 @@ def interruptible(prog: str, fn: Callable[..., T], *args: Any) -> T:
         prog: the command's name, the start of the one line (``dplab train: interrupted``).
         fn: the work, which cleans up its ranks as KeyboardInterrupt passes through it.
         *args: passed to ``fn``.
+        say: print the line. False for ranks of an engine launcher's job other than rank 0,
+            which speaks for the job: its launcher stops them all at once when one ends.
 
     Returns:
         ``fn``'s result.
@@ -115,8 +117,9 @@ def interruptible(prog: str, fn: Callable[..., T], *args: Any) -> T:
         sig = first[0] if first else signal.SIGINT
         for s in _SIGNALS:
             signal.signal(s, signal.SIG_IGN)
-        word = "terminated" if sig == signal.SIGTERM else "interrupted"
-        print(f"{prog}: {word}", file=sys.stderr, flush=True)
+        if say:
+            word = "terminated" if sig == signal.SIGTERM else "interrupted"
+            print(f"{prog}: {word}", file=sys.stderr, flush=True)
         raise SystemExit(128 + sig) from None
     except BaseException:
         _restore(saved)
