@@ -136,7 +136,6 @@ def test_torchrun_nccl_without_gpus_is_one_line_from_rank_0_exit_2():
     assert proc.returncode != 0 and proc.stdout == ""
 
 
-
 # The command stands in for ``train`` (whose start under torchrun waits in torch's store, in C++,
 # where no Python handler runs): it says when the rank is inside it, then waits.
 SLEEPER = """
