@@ -225,6 +225,27 @@ def _one_process(world_size: int) -> dict[str, np.ndarray]:
     return {k: v.detach().numpy() for k, v in model.state_dict().items()}
 
 
+def job_first_forward_after_a_collective(comm):
+    net = _net().to(comm.device)
+    x = torch.ones(8, 16, dtype=torch.float64, device=comm.device)
+    collectives.allgather(comm, np.zeros(1000), algorithm="ring")  # the ranks leave it at once
+    net(x).sum().backward()  # each thread's first autograd call in this forked process
+    return True
+
+
+def test_rank_threads_whose_first_forward_comes_at_once_do_not_crash(device):
+    """Torch rebuilds its autograd engine on the first autograd call after a fork, without a lock.
+    Rank threads whose first forward came right after one collective rebuilt it together, and the
+    process died of SIGSEGV, until the rank process rebuilt it itself before starting its threads.
+    Each world is a fresh fork. Whether a double rebuild crashes depends on how the heap of the
+    process that forks lies, so a run can miss the race: this test catches a regression often,
+    not always."""
+    _one_process(4)  # this process has run a backward and an optimizer step before forking
+    for _ in range(40):
+        assert launch(job_first_forward_after_a_collective, 4, backend="cuda",
+                      timeout=TIMEOUT) == [True] * 4
+
+
 @pytest.mark.parametrize("wrapper", ["ddp", "zero", "fsdp"])
 def test_the_torch_wrappers_on_cuda_train_like_one_process(device, wrapper):
     want = _one_process(4)

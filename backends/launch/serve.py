@@ -47,9 +47,10 @@ def in_rank() -> bool:
 
 
 def _become_rank() -> None:
-    """A rank's first steps: it forgets the imports that died with the fork, it knows it is a
-    rank, and it leads a process group of its own."""
+    """A rank's first steps: it forgets the imports that died with the fork, rebuilds torch's
+    autograd engine, knows it is a rank, and leads a process group of its own."""
     _forget_imports_of_other_threads()
+    _rebuild_autograd_engine()
     _RANK["here"] = True
     lead_group()
 
@@ -69,6 +70,19 @@ def _forget_imports_of_other_threads() -> None:
         locks.pop(name, None)
         if getattr(getattr(sys.modules.get(name), "__spec__", None), "_initializing", False):
             del sys.modules[name]
+
+
+def _rebuild_autograd_engine() -> None:
+    """In a process just forked from one with torch loaded: torch marks its autograd engine stale
+    and rebuilds it on the first autograd call, without a lock. Rank threads (cuda, sim) whose
+    first forward came at once, just after a collective, rebuilt it together and the process died
+    of SIGSEGV. Any call that reaches the engine rebuilds it: one here, in this one thread, before
+    they start. (Not a tiny backward: that would also start autograd's thread for each GPU, and
+    ask CUDA how many there are, in ranks that may never compute a gradient.)"""
+    torch = sys.modules.get("torch")
+    if torch is None:  # imported later, in this process: nothing to rebuild
+        return
+    torch.autograd.Variable._execution_engine.is_checkpoint_valid()
 
 
 def receive(conn: Any) -> Any:
