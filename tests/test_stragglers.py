@@ -218,9 +218,10 @@ def backup(b: int, **kw) -> AsyncConfig:
 
 
 def test_backup_workers_drop_the_slow_worker_and_replay_exactly(worlds):
-    """Worker 1 sleeps 50 ms per compute: every step is made by workers 2 and 3 alone."""
+    """Worker 1 sleeps 200 ms per compute: every step is made by workers 2 and 3 alone (beside a
+    CPU hog, a fast worker can be kept off the cores for tens of milliseconds)."""
     clocks = 5
-    cfg, acfg = dataclasses.replace(SMALL, steps=clocks), backup(1, delays=(0.05, 0.0, 0.0))
+    cfg, acfg = dataclasses.replace(SMALL, steps=clocks), backup(1, delays=(0.2, 0.0, 0.0))
     server = worlds(4).run(_run, train_async, cfg, acfg)[0]
     assert [e.produced for e in server.log] == [1 + i // 2 for i in range(2 * clocks)]
     assert {e.worker for e in server.log} == {2, 3}
@@ -232,17 +233,21 @@ def test_backup_workers_drop_the_slow_worker_and_replay_exactly(worlds):
 
 
 def test_backup_step_is_the_mean_gradient_of_the_samples_used(worlds):
-    """One SGD step, worker 1 dropped: params - lr * (g2 + g3) * global_batch / (n2 + n3)."""
+    """One SGD step from the first two of three gradients (a and b; worker 1 sleeps, so usually
+    2 and 3, but the step's rule holds whoever came first):
+    params - lr * (g_a + g_b) * global_batch / (n_a + n_b)."""
     cfg = dataclasses.replace(SMALL, steps=1, global_batch=13, optimizer=OptimConfig("sgd", lr=0.1))
     server = worlds(4).run(_run, train_async, cfg, backup(1, delays=(0.05, 0.0, 0.0)))[0]
+    first = sorted(e.worker for e in server.log)
+    assert len(first) == 2 and {w for w, _ in server.dropped} <= {1, 2, 3} - set(first)
     model, data, params = setup(cfg)
     total, used = np.zeros_like(params), 0
-    for w in (2, 3):
+    for w in first:
         grad, idx = np.empty_like(params), worker_batch(cfg, w, 3, 0)
         compute_gradient(model, data, cfg, params, idx, grad)
         total, used = total + grad, used + len(idx)
-    assert used == 8  # shards of 13 over 3 workers: 5, 4, 4
-    assert rel(server.params, params - 0.1 * total * (13 / 8)) <= 1e-12
+    assert used == {(1, 2): 9, (1, 3): 9, (2, 3): 8}[tuple(first)]  # shards of 13 over 3: 5, 4, 4
+    assert rel(server.params, params - 0.1 * total * (13 / used)) <= 1e-12
 
 
 def test_zero_backup_workers_is_synchronous_training(worlds):
